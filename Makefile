@@ -1,0 +1,58 @@
+# learnmesh — the two commands a newcomer needs are `make run` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test test-fast conformance check lint typecheck bench-gateway bench-context bench-inference \
+        bench-trainer bench-delta bench-mesh clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+## Set up and run the whole mesh on one machine (embedded default).
+run: $(STAMP)
+	$(BIN)/learnmesh up
+
+## All tests, then the official MCP conformance suite on both revisions.
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+	bash scripts/conformance.sh
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -x -p no:cacheprovider
+
+conformance: $(STAMP)
+	bash scripts/conformance.sh
+
+lint: $(STAMP)
+	$(BIN)/ruff check gateway services shared tests bench
+
+typecheck: $(STAMP)
+	$(BIN)/mypy gateway services shared
+
+check: lint typecheck test
+
+bench-gateway: $(STAMP)
+	$(BIN)/python bench/bench_gateway.py
+
+bench-context: $(STAMP)
+	$(BIN)/python bench/bench_context.py
+
+bench-inference: $(STAMP)
+	$(BIN)/python bench/bench_inference.py
+
+bench-trainer: $(STAMP)
+	$(BIN)/python bench/bench_trainer.py
+
+bench-delta: $(STAMP)
+	$(BIN)/python bench/bench_delta.py
+
+bench-mesh: $(STAMP)
+	$(BIN)/python bench/bench_mesh.py
+
+clean:
+	rm -rf $(VENV) var node_modules .pytest_cache

@@ -1,0 +1,1 @@
+"""The learnmesh gateway: MCP over Streamable HTTP and WebSocket, admin API, metrics."""

@@ -1,0 +1,1 @@
+"""Admin REST API under /admin (roles viewer < operator < admin)."""

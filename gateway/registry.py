@@ -1,0 +1,168 @@
+"""One registry of tools, resources, resource templates and prompts, shared by every
+transport and protocol revision.
+
+Components register into it with ``register(registry)`` functions (see
+``gateway/tools/``). Handlers are ``async def handler(ctx: ToolContext, args: dict)``;
+they return either a full MCP result dict (with ``content``) or, for tools with an
+``output_schema``, a plain dict that becomes ``structuredContent`` (and a JSON text block).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+class ToolContext(Protocol):
+    """What a handler sees of the request it serves (implemented by the dispatcher)."""
+
+    principal: str           # the authenticated principal; scopes every Redis key
+    request_id: Any          # JSON-RPC id of the request
+    protocol_version: str    # "2025-11-25" or "2026-07-28"
+    state: Any               # gateway.app.GatewayState: config, redis, store, workers, samples, metrics
+    meta: dict[str, Any]     # the request's _meta
+
+    async def progress(self, progress: float, total: float | None = None, message: str | None = None) -> None:
+        """Send notifications/progress if the request carried a progressToken (else no-op)."""
+
+    async def log(self, level: str, data: Any, logger: str | None = None) -> None:
+        """Send notifications/message respecting the session's logging level."""
+
+    async def request_client(self, method: str, params: dict[str, Any], key: str) -> dict[str, Any]:
+        """Ask the client (sampling/createMessage, elicitation/create, roots/list) and return its
+        result. Legacy sessions: sent on the session stream, answer awaited via Redis. 2026-07-28:
+        raises an input-required signal the first time; ``key`` names the answer on retry."""
+
+
+Handler = Callable[[ToolContext, dict[str, Any]], Awaitable[Any]]
+
+
+@dataclass
+class Tool:
+    name: str
+    description: str
+    input_schema: dict[str, Any]
+    handler: Handler
+    output_schema: dict[str, Any] | None = None
+    title: str | None = None
+    annotations: dict[str, Any] | None = None
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "description": self.description, "inputSchema": self.input_schema}
+        if self.title:
+            out["title"] = self.title
+        if self.output_schema:
+            out["outputSchema"] = self.output_schema
+        if self.annotations:
+            out["annotations"] = self.annotations
+        return out
+
+
+@dataclass
+class Resource:
+    uri: str
+    name: str
+    handler: Handler  # args: {"uri": uri}; returns list of contents dicts
+    mime_type: str | None = None
+    description: str | None = None
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"uri": self.uri, "name": self.name}
+        if self.mime_type:
+            out["mimeType"] = self.mime_type
+        if self.description:
+            out["description"] = self.description
+        return out
+
+
+@dataclass
+class ResourceTemplate:
+    uri_template: str
+    name: str
+    handler: Handler  # args: {"uri": uri, **template variables}
+    mime_type: str | None = None
+    description: str | None = None
+    pattern: re.Pattern[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        regex = re.escape(self.uri_template)
+        regex = re.sub(r"\\\{(\w+)\\\}", r"(?P<\1>[^/]+)", regex)
+        self.pattern = re.compile(f"^{regex}$")
+
+    def match(self, uri: str) -> dict[str, str] | None:
+        m = self.pattern.match(uri)
+        return m.groupdict() if m else None
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"uriTemplate": self.uri_template, "name": self.name}
+        if self.mime_type:
+            out["mimeType"] = self.mime_type
+        if self.description:
+            out["description"] = self.description
+        return out
+
+
+@dataclass
+class Prompt:
+    name: str
+    handler: Handler  # args: prompt arguments; returns {"messages": [...], "description"?}
+    description: str | None = None
+    arguments: list[dict[str, Any]] = field(default_factory=list)
+    completions: dict[str, Callable[[str], list[str]]] = field(default_factory=dict)
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "arguments": self.arguments}
+        if self.description:
+            out["description"] = self.description
+        return out
+
+
+class Registry:
+    """Tools, resources, templates and prompts by name/URI."""
+
+    def __init__(self) -> None:
+        self.tools: dict[str, Tool] = {}
+        self.resources: dict[str, Resource] = {}
+        self.templates: list[ResourceTemplate] = []
+        self.prompts: dict[str, Prompt] = {}
+
+    def tool(self, name: str, *, description: str, input_schema: dict[str, Any],
+             output_schema: dict[str, Any] | None = None, title: str | None = None,
+             annotations: dict[str, Any] | None = None) -> Callable[[Handler], Handler]:
+        def deco(fn: Handler) -> Handler:
+            if name in self.tools:
+                raise ValueError(f"tool {name!r} registered twice")
+            self.tools[name] = Tool(name, description, input_schema, fn, output_schema, title, annotations)
+            return fn
+        return deco
+
+    def resource(self, uri: str, *, name: str, mime_type: str | None = None,
+                 description: str | None = None) -> Callable[[Handler], Handler]:
+        def deco(fn: Handler) -> Handler:
+            self.resources[uri] = Resource(uri, name, fn, mime_type, description)
+            return fn
+        return deco
+
+    def resource_template(self, uri_template: str, *, name: str, mime_type: str | None = None,
+                          description: str | None = None) -> Callable[[Handler], Handler]:
+        def deco(fn: Handler) -> Handler:
+            self.templates.append(ResourceTemplate(uri_template, name, fn, mime_type, description))
+            return fn
+        return deco
+
+    def prompt(self, name: str, *, description: str | None = None,
+               arguments: list[dict[str, Any]] | None = None,
+               completions: dict[str, Callable[[str], list[str]]] | None = None) -> Callable[[Handler], Handler]:
+        def deco(fn: Handler) -> Handler:
+            self.prompts[name] = Prompt(name, fn, description, arguments or [], completions or {})
+            return fn
+        return deco
+
+    def find_template(self, uri: str) -> tuple[ResourceTemplate, dict[str, str]] | None:
+        for tpl in self.templates:
+            params = tpl.match(uri)
+            if params is not None:
+                return tpl, params
+        return None

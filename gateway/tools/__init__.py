@@ -1,0 +1,1 @@
+"""Tools, resources and prompts that components register into the gateway registry."""

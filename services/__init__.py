@@ -1,0 +1,1 @@
+"""learnmesh processes: worker, trainer, and the `learnmesh` command that runs them."""

@@ -1,0 +1,63 @@
+"""The ``learnmesh`` command: one subcommand per process, plus ``up`` for all of them."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from shared.config import ConfigError, load_config
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="learnmesh", description=__doc__)
+    p.add_argument("--config", help="path to learnmesh.yaml (default: $LEARNMESH_CONFIG)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("gateway", help="run one gateway replica (MCP + admin API)")
+    g.add_argument("--host")
+    g.add_argument("--port", type=int)
+    g.add_argument("--fixtures", choices=["conformance"], help="register the conformance suite's fixtures")
+
+    w = sub.add_parser("worker", help="run one inference worker")
+    w.add_argument("--endpoint", help="ZeroMQ endpoint to bind (default: worker.endpoints[--index])")
+    w.add_argument("--index", type=int, default=0)
+
+    t = sub.add_parser("trainer", help="run the trainer (spawns --ranks processes, or one torchrun rank)")
+    t.add_argument("--ranks", type=int)
+    t.add_argument("--as-rank", action="store_true", help="run as one rank under torchrun (env contract)")
+
+    u = sub.add_parser("up", help="run everything on this machine: redis, gateway, workers, trainer")
+    u.add_argument("--host")
+    u.add_argument("--port", type=int)
+    u.add_argument("--workers", type=int)
+    u.add_argument("--ranks", type=int)
+    u.add_argument("--fixtures", choices=["conformance"])
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as exc:
+        print(f"learnmesh: configuration error: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "gateway":
+        from gateway.server import main as run
+    elif args.command == "worker":
+        from services.worker.main import main as run
+    elif args.command == "trainer":
+        from services.trainer.main import main as run
+    else:
+        from services.supervisor import main as run
+    try:
+        return int(run(cfg, args) or 0)
+    except ConfigError as exc:
+        print(f"learnmesh: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Common code of learnmesh: configuration, Redis keys, wire formats, crypto, codec, model."""

@@ -1,0 +1,411 @@
+"""learnmesh configuration: one YAML file plus ``LEARNMESH_*`` environment overrides.
+
+Read once at start, validated, typed. Unknown keys and bad values raise
+:class:`ConfigError` with the dotted path of the offending key, so a typo in
+``learnmesh.yaml`` fails loudly instead of silently falling back to a default.
+
+Environment overrides use ``LEARNMESH_<SECTION>__<KEY>=value`` (double underscore
+between levels; values are parsed as YAML scalars). Shortcuts:
+``LEARNMESH_API_KEYS=alice:KEY1,bob:KEY2``, ``LEARNMESH_ADMIN_KEY=...``, ``REDIS_URL``.
+Each section is a small dataclass whose ``__post_init__`` checks its own values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CONFIG_ENV = "LEARNMESH_CONFIG"
+ENV_PREFIX = "LEARNMESH_"
+
+
+class ConfigError(ValueError):
+    """A configuration file or environment override is invalid."""
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+@dataclass
+class RedisConfig:
+    """Where the store lives. ``url=None`` means: embedded default (see shared.redis_embed)."""
+
+    url: str | None = None
+    socket_timeout_s: float = 2.0
+    max_connections: int = 256
+    retry_after_s: int = 2
+
+    def __post_init__(self) -> None:
+        _require(self.socket_timeout_s > 0, "redis.socket_timeout_s must be > 0")
+        _require(self.max_connections >= 1, "redis.max_connections must be >= 1")
+
+
+@dataclass
+class AdminKey:
+    key: str
+    role: str = "admin"
+
+    def __post_init__(self) -> None:
+        _require(self.role in ("viewer", "operator", "admin"), f"admin key role {self.role!r} unknown")
+        _require(len(self.key) >= 8, "admin keys must be at least 8 characters")
+
+
+@dataclass
+class OAuthConfig:
+    """Optional OAuth resource-server mode (RFC 9728 metadata + HS256/introspection-free JWTs)."""
+
+    enabled: bool = False
+    resource: str = ""
+    authorization_servers: list[str] = field(default_factory=list)
+    issuer: str = ""
+    audience: str = ""
+    hs256_secret: str = ""
+    principal_claim: str = "sub"
+
+
+@dataclass
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_body_bytes: int = 4 * 1024 * 1024
+    session_idle_ttl_s: int = 1800
+    max_sessions_per_principal: int = 1000
+    allowed_origins: list[str] = field(default_factory=list)
+    api_keys: dict[str, str] = field(default_factory=dict)  # principal -> key
+    admin_keys: dict[str, AdminKey] = field(default_factory=dict)  # name -> key/role
+    request_state_keys: list[str] = field(default_factory=list)  # hex secrets; first seals
+    request_state_ttl_s: int = 600
+    sse_event_log_max: int = 1000
+    oauth: OAuthConfig = field(default_factory=OAuthConfig)
+    fixtures: str | None = None
+
+    def __post_init__(self) -> None:
+        _require(0 < self.port < 65536, "gateway.port must be in 1..65535")
+        _require(self.max_body_bytes >= 1024, "gateway.max_body_bytes must be >= 1024")
+        _require(self.session_idle_ttl_s >= 1, "gateway.session_idle_ttl_s must be >= 1")
+        _require(self.max_sessions_per_principal >= 1, "gateway.max_sessions_per_principal must be >= 1")
+        for principal, key in self.api_keys.items():
+            _require(bool(principal) and ":" not in principal, f"bad principal name {principal!r}")
+            _require(len(key) >= 8, f"api key of {principal!r} must be at least 8 characters")
+        _require(self.fixtures in (None, "conformance"), "gateway.fixtures must be null or 'conformance'")
+
+
+@dataclass
+class ContextConfig:
+    modalities: list[str] = field(default_factory=lambda: ["text", "image", "audio"])
+    max_entry_bytes: int = 8 * 1024 * 1024
+    channel_max_entries: int = 1000
+    channel_max_bytes: int = 64 * 1024 * 1024
+    principal_budget_bytes: int = 256 * 1024 * 1024
+    global_budget_bytes: int = 4 * 1024 * 1024 * 1024
+    idle_ttl_s: int = 7 * 24 * 3600
+    versions_retained: int = 16
+    audit_maxlen: int = 100_000
+
+    def __post_init__(self) -> None:
+        _require(bool(self.modalities), "context.modalities must not be empty")
+        for name in ("max_entry_bytes", "channel_max_entries", "channel_max_bytes",
+                     "principal_budget_bytes", "global_budget_bytes", "idle_ttl_s",
+                     "versions_retained", "audit_maxlen"):
+            _require(getattr(self, name) >= 1, f"context.{name} must be >= 1")
+
+
+@dataclass
+class ModelConfig:
+    kind: str = "bytes"  # "bytes" (built-in transformer) or "hf" (transformers causal LM)
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    max_seq: int = 256
+    seed: int = 1234
+    trainable: str = "all"  # all | head | lora
+    lora_rank: int = 8
+    hf_path: str | None = None
+    pretrain_steps: int = 300
+    image_patch: int = 8
+    audio_frame: int = 160
+    cache_dir: str = "var/model"
+
+    def __post_init__(self) -> None:
+        _require(self.kind in ("bytes", "hf"), "model.kind must be 'bytes' or 'hf'")
+        _require(self.trainable in ("all", "head", "lora"), "model.trainable must be all|head|lora")
+        _require(self.d_model % self.n_heads == 0, "model.d_model must be divisible by model.n_heads")
+        _require(self.n_layers >= 1 and self.max_seq >= 16, "model.n_layers >= 1 and model.max_seq >= 16")
+        _require(self.kind != "hf" or bool(self.hf_path), "model.hf_path is required when model.kind is 'hf'")
+
+
+@dataclass
+class WorkerConfig:
+    endpoints: list[str] = field(default_factory=lambda: ["tcp://127.0.0.1:5601", "tcp://127.0.0.1:5602"])
+    max_batch_size: int = 16
+    max_wait_ms: float = 2.0
+    heartbeat_interval_ms: int = 500
+    heartbeat_timeout_ms: int = 2500
+    request_timeout_s: float = 30.0
+    max_tokens_limit: int = 512
+    max_prompt_bytes: int = 64 * 1024
+    append_exchange: bool = True
+    hwm: int = 10_000
+
+    def __post_init__(self) -> None:
+        _require(self.max_batch_size >= 1, "worker.max_batch_size must be >= 1")
+        _require(self.max_wait_ms >= 0, "worker.max_wait_ms must be >= 0")
+        _require(self.heartbeat_timeout_ms > self.heartbeat_interval_ms > 0,
+                 "worker.heartbeat_timeout_ms must exceed worker.heartbeat_interval_ms > 0")
+
+
+@dataclass
+class TrainerConfig:
+    ranks: int = 2
+    backend: str = "auto"  # auto | gloo | nccl
+    batch_size: int = 8
+    grad_accum_steps: int = 1
+    comm_hook: str = "none"  # none | fp16 | bf16 | powersgd
+    powersgd_rank: int = 2
+    optimizer: str = "adamw"  # adamw | sgd
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    schedule: str = "constant"  # constant | cosine
+    clip_grad_norm: float = 1.0
+    local_sgd_period: int = 0  # 0 = DDP every step; H > 0 = local SGD, average every H steps
+    checkpoint_every: int = 50
+    checkpoint_dir: str = "var/checkpoints"
+    init_timeout_s: int = 300
+    step_timeout_s: int = 60
+    samples_endpoint: str = "tcp://127.0.0.1:5611"
+    max_sample_bytes: int = 256 * 1024
+    sample_hwm: int = 10_000
+    batch_wait_ms: int = 200
+    master_port: int = 29511
+
+    def __post_init__(self) -> None:
+        _require(self.ranks >= 1, "trainer.ranks must be >= 1")
+        _require(self.backend in ("auto", "gloo", "nccl"), "trainer.backend must be auto|gloo|nccl")
+        _require(self.comm_hook in ("none", "fp16", "bf16", "powersgd"),
+                 "trainer.comm_hook must be none|fp16|bf16|powersgd")
+        _require(self.optimizer in ("adamw", "sgd"), "trainer.optimizer must be adamw|sgd")
+        _require(self.schedule in ("constant", "cosine"), "trainer.schedule must be constant|cosine")
+        _require(self.lr > 0, "trainer.lr must be > 0")
+        _require(self.batch_size >= 1 and self.grad_accum_steps >= 1, "trainer batch sizes must be >= 1")
+        _require(self.local_sgd_period >= 0, "trainer.local_sgd_period must be >= 0")
+
+
+@dataclass
+class CompressionConfig:
+    algorithm: str = "topk"  # topk | threshold | lossless | dense
+    density: float = 0.01
+    threshold: float = 0.0
+    quantization: str = "fp16"  # fp16 | int8 | none
+    block_size: int = 4096
+    anchor_every: int = 100
+    max_ratio: float = 0.0  # 0 = no cap; else refuse to send a delta bigger than dense/max_ratio
+    zstd_level: int = 1
+    tuner: str = "off"  # off | bytes | error
+    tuner_target: float = 0.0
+
+    def __post_init__(self) -> None:
+        _require(self.algorithm in ("topk", "threshold", "lossless", "dense"),
+                 "compression.algorithm must be topk|threshold|lossless|dense")
+        _require(0 < self.density <= 1, "compression.density must be in (0, 1]")
+        _require(self.threshold >= 0, "compression.threshold must be >= 0")
+        _require(self.quantization in ("fp16", "int8", "none"), "compression.quantization must be fp16|int8|none")
+        _require(self.block_size >= 64, "compression.block_size must be >= 64")
+        _require(self.anchor_every >= 0, "compression.anchor_every must be >= 0")
+        _require(1 <= self.zstd_level <= 22, "compression.zstd_level must be in 1..22")
+        _require(self.tuner in ("off", "bytes", "error"), "compression.tuner must be off|bytes|error")
+
+
+@dataclass
+class SchedulingConfig:
+    priority_mode: str = "magnitude"  # magnitude | layer
+    min_bandwidth: int = 0  # bytes/s floor reserved for deltas; 0 = no cap logic
+    bandwidth_cap_bytes_s: int = 0  # 0 = unlimited
+
+    def __post_init__(self) -> None:
+        _require(self.priority_mode in ("magnitude", "layer"), "scheduling.priority_mode must be magnitude|layer")
+        _require(self.min_bandwidth >= 0 and self.bandwidth_cap_bytes_s >= 0, "bandwidths must be >= 0")
+
+
+@dataclass
+class ConsistencyConfig:
+    sync_interval: int = 1  # publish every N optimizer steps
+    timeout_s: float = 10.0  # min_model_version wait
+    max_lag: int = 5
+
+    def __post_init__(self) -> None:
+        _require(self.sync_interval >= 1, "consistency.sync_interval must be >= 1")
+        _require(self.timeout_s > 0, "consistency.timeout_s must be > 0")
+        _require(self.max_lag >= 0, "consistency.max_lag must be >= 0")
+
+
+@dataclass
+class SecurityConfig:
+    delta_key_file: str = "var/keys/delta.key"
+    sign_deltas: bool = True
+    rekey_after_packets: int = 2**32 - 1
+    delta_pub_endpoint: str = "tcp://127.0.0.1:5621"
+    snapshot_endpoint: str = "tcp://127.0.0.1:5622"
+    ack_endpoint: str = "tcp://127.0.0.1:5623"
+
+    def __post_init__(self) -> None:
+        _require(0 < self.rekey_after_packets <= 2**32 - 1, "security.rekey_after_packets must be in 1..2^32-1")
+
+
+@dataclass
+class Config:
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    context: ContextConfig = field(default_factory=ContextConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
+    consistency: ConsistencyConfig = field(default_factory=ConsistencyConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _coerce(tp: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(inner[0], value, path)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__}")
+        return _build(tp, value, path)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected a list, got {type(value).__name__}")
+        return [_coerce(args[0], v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__}")
+        return {str(k): _coerce(args[1], v, f"{path}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def _build(cls: Any, data: dict[str, Any], path: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        where = f"{path}." if path else ""
+        raise ConfigError(f"unknown config key(s): {', '.join(where + k for k in unknown)}")
+    kwargs = {k: _coerce(hints[k], v, f"{path}.{k}" if path else k) for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except TypeError as exc:  # pragma: no cover - defensive
+        raise ConfigError(f"{path or 'config'}: {exc}") from None
+
+
+def _set_dotted(tree: dict[str, Any], dotted: list[str], value: Any) -> None:
+    node = tree
+    for part in dotted[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"environment override conflicts at {'.'.join(dotted)}")
+    node[dotted[-1]] = value
+
+
+def parse_api_keys(spec: str) -> dict[str, str]:
+    """Parse ``alice:KEY1,bob:KEY2`` into ``{"alice": "KEY1", "bob": "KEY2"}``."""
+    keys: dict[str, str] = {}
+    for item in filter(None, (p.strip() for p in spec.split(","))):
+        principal, sep, key = item.partition(":")
+        if not sep or not principal or not key:
+            raise ConfigError("LEARNMESH_API_KEYS must look like principal:key,principal:key")
+        keys[principal] = key
+    return keys
+
+
+def _env_overrides(env: typing.Mapping[str, str]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for name, raw in env.items():
+        if not name.startswith(ENV_PREFIX) or name == CONFIG_ENV:
+            continue
+        rest = name[len(ENV_PREFIX):]
+        if rest == "API_KEYS":
+            _set_dotted(tree, ["gateway", "api_keys"], parse_api_keys(raw))
+        elif rest == "ADMIN_KEY":
+            _set_dotted(tree, ["gateway", "admin_keys"], {"env": {"key": raw, "role": "admin"}})
+        elif "__" in rest:
+            dotted = [p.lower() for p in rest.split("__")]
+            try:
+                value = yaml.safe_load(raw) if raw != "" else ""
+            except yaml.YAMLError:
+                value = raw
+            _set_dotted(tree, dotted, value)
+    if env.get("REDIS_URL"):
+        _set_dotted(tree, ["redis", "url"], env["REDIS_URL"])
+    return tree
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and k not in ("api_keys", "admin_keys"):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def load_config(path: str | os.PathLike[str] | None = None,
+                env: typing.Mapping[str, str] | None = None,
+                overrides: dict[str, Any] | None = None) -> Config:
+    """Load ``learnmesh.yaml`` (``path`` or ``$LEARNMESH_CONFIG``), apply env then ``overrides``."""
+    env = os.environ if env is None else env
+    path = path or env.get(CONFIG_ENV)
+    data: dict[str, Any] = {}
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} not found")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {p} is not valid YAML: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p} must be a mapping at top level")
+        data = loaded
+    data = _merge(data, _env_overrides(env))
+    if overrides:
+        data = _merge(data, overrides)
+    return _build(Config, data, "")

@@ -1,0 +1,36 @@
+"""The one place ZeroMQ sockets are made: bind/connect, identity, linger and high-water
+marks are always explicit (never ZeroMQ's unbounded or infinite defaults)."""
+
+from __future__ import annotations
+
+import zmq
+
+DEFAULT_HWM = 10_000
+DEFAULT_LINGER_MS = 0
+
+
+class PeerDead(RuntimeError):
+    """A peer stopped answering (heartbeat or timeout); raised instead of hanging."""
+
+
+def make_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect: str | None = None,
+                identity: bytes | None = None, hwm: int = DEFAULT_HWM, linger_ms: int = DEFAULT_LINGER_MS,
+                subscribe: bytes | None = None, router_mandatory: bool = False) -> zmq.Socket:
+    """Create a socket with explicit options, then bind or connect (exactly one of them)."""
+    if (bind is None) == (connect is None):
+        raise ValueError("give exactly one of bind= or connect=")
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, linger_ms)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    if router_mandatory and kind == zmq.ROUTER:
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    if kind == zmq.SUB:
+        sock.setsockopt(zmq.SUBSCRIBE, subscribe or b"")
+    if bind is not None:
+        sock.bind(bind)
+    else:
+        sock.connect(connect)  # type: ignore[arg-type]
+    return sock
