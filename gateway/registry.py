@@ -127,6 +127,9 @@ class Registry:
         self.resources: dict[str, Resource] = {}
         self.templates: list[ResourceTemplate] = []
         self.prompts: dict[str, Prompt] = {}
+        # Per-principal dynamic resources (e.g. the caller's contexts): async fn(ctx) -> list of
+        # resource descriptors, appended by resources/list after the static resources.
+        self.resource_listers: list[Callable[[ToolContext], Awaitable[list[dict[str, Any]]]]] = []
 
     def tool(self, name: str, *, description: str, input_schema: dict[str, Any],
              output_schema: dict[str, Any] | None = None, title: str | None = None,
@@ -159,6 +162,12 @@ class Registry:
             self.prompts[name] = Prompt(name, fn, description, arguments or [], completions or {})
             return fn
         return deco
+
+    def resource_lister(self, fn: Callable[[ToolContext], Awaitable[list[dict[str, Any]]]]
+                        ) -> Callable[[ToolContext], Awaitable[list[dict[str, Any]]]]:
+        """Register a per-principal resource lister (see ``resource_listers``)."""
+        self.resource_listers.append(fn)
+        return fn
 
     def find_template(self, uri: str) -> tuple[ResourceTemplate, dict[str, str]] | None:
         for tpl in self.templates:

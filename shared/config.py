@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -87,9 +88,22 @@ class GatewayConfig:
     sse_event_log_max: int = 1000
     oauth: OAuthConfig = field(default_factory=OAuthConfig)
     fixtures: str | None = None
+    client_request_timeout_s: float = 120.0  # legacy sampling/elicitation/roots answer wait
+    list_ttl_ms: int = 5000  # 2026-07-28 ttlMs on tools/resources/prompts lists and server/discover
+    read_ttl_ms: int = 0  # 2026-07-28 ttlMs on resources/read (context changes under the client)
 
     def __post_init__(self) -> None:
         _require(0 < self.port < 65536, "gateway.port must be in 1..65535")
+        _require(self.client_request_timeout_s > 0, "gateway.client_request_timeout_s must be > 0")
+        _require(self.list_ttl_ms >= 0 and self.read_ttl_ms >= 0, "gateway ttl_ms values must be >= 0")
+        _require(self.request_state_ttl_s >= 1, "gateway.request_state_ttl_s must be >= 1")
+        _require(self.sse_event_log_max >= 1, "gateway.sse_event_log_max must be >= 1")
+        for secret in self.request_state_keys:
+            try:
+                ok = len(bytes.fromhex(secret)) >= 16
+            except ValueError:
+                ok = False
+            _require(ok, "gateway.request_state_keys entries must be hex secrets of at least 16 bytes")
         _require(self.max_body_bytes >= 1024, "gateway.max_body_bytes must be >= 1024")
         _require(self.session_idle_ttl_s >= 1, "gateway.session_idle_ttl_s must be >= 1")
         _require(self.max_sessions_per_principal >= 1, "gateway.max_sessions_per_principal must be >= 1")
@@ -117,6 +131,15 @@ class ContextConfig:
                      "principal_budget_bytes", "global_budget_bytes", "idle_ttl_s",
                      "versions_retained", "audit_maxlen"):
             _require(getattr(self, name) >= 1, f"context.{name} must be >= 1")
+        for m in self.modalities:
+            _require(bool(re.fullmatch(r"[a-z][a-z0-9_-]{0,31}", m)), f"context.modalities: bad name {m!r}")
+        _require(len(set(self.modalities)) == len(self.modalities), "context.modalities has duplicates")
+        _require(self.max_entry_bytes <= self.channel_max_bytes, "context.max_entry_bytes must be <= channel_max_bytes")
+        _require(self.max_entry_bytes <= self.principal_budget_bytes,
+                 "context.max_entry_bytes must be <= principal_budget_bytes")
+        _require(self.principal_budget_bytes <= self.global_budget_bytes,
+                 "context.principal_budget_bytes must be <= global_budget_bytes")
+        _require(self.channel_max_entries <= 1_000_000, "context.channel_max_entries must be <= 1000000")
 
 
 @dataclass
@@ -134,6 +157,13 @@ class ModelConfig:
     image_patch: int = 8
     audio_frame: int = 160
     cache_dir: str = "var/model"
+    image_grid: int = 4  # an image becomes image_grid**2 prefix tokens of image_patch**2*3 values
+    max_image_pixels: int = 40_000_000  # checked from the header before decoding
+    max_audio_frames: int = 32
+    lora_alpha: float = 16.0
+    pretrain_batch: int = 16
+    pretrain_seq: int = 96
+    pretrain_lr: float = 3e-3
 
     def __post_init__(self) -> None:
         _require(self.kind in ("bytes", "hf"), "model.kind must be 'bytes' or 'hf'")
@@ -141,6 +171,15 @@ class ModelConfig:
         _require(self.d_model % self.n_heads == 0, "model.d_model must be divisible by model.n_heads")
         _require(self.n_layers >= 1 and self.max_seq >= 16, "model.n_layers >= 1 and model.max_seq >= 16")
         _require(self.kind != "hf" or bool(self.hf_path), "model.hf_path is required when model.kind is 'hf'")
+        _require(self.n_heads >= 1 and self.lora_rank >= 1, "model.n_heads and model.lora_rank must be >= 1")
+        _require(self.pretrain_steps >= 0, "model.pretrain_steps must be >= 0")
+        _require(self.pretrain_batch >= 1 and 8 <= self.pretrain_seq <= self.max_seq,
+                 "model.pretrain_batch >= 1 and 8 <= model.pretrain_seq <= model.max_seq")
+        _require(self.pretrain_lr > 0 and self.lora_alpha > 0, "model.pretrain_lr and model.lora_alpha must be > 0")
+        _require(self.image_patch >= 1 and self.image_grid >= 1 and self.image_grid ** 2 < self.max_seq // 2,
+                 "model.image_patch >= 1, model.image_grid >= 1 and image_grid**2 < max_seq/2")
+        _require(self.audio_frame >= 1 and self.max_audio_frames >= 1, "model audio sizes must be >= 1")
+        _require(self.max_image_pixels >= 1, "model.max_image_pixels must be >= 1")
 
 
 @dataclass
@@ -175,6 +214,9 @@ class TrainerConfig:
     lr: float = 3e-3
     weight_decay: float = 0.0
     schedule: str = "constant"  # constant | cosine
+    warmup_steps: int = 0
+    schedule_steps: int = 10_000  # cosine: steps from lr to lr * min_lr_ratio
+    min_lr_ratio: float = 0.1
     clip_grad_norm: float = 1.0
     local_sgd_period: int = 0  # 0 = DDP every step; H > 0 = local SGD, average every H steps
     checkpoint_every: int = 50
@@ -186,9 +228,29 @@ class TrainerConfig:
     sample_hwm: int = 10_000
     batch_wait_ms: int = 200
     master_port: int = 29511
+    master_addr: str = "127.0.0.1"
+    max_restarts: int = 3  # spawn mode: restart all ranks from the checkpoint after a rank dies
+    checkpoint_keep: int = 2
+    max_learn_batch: int = 4096  # samples per `learn` call / admin import request
+    model_factory: str = ""  # "module:function" building the LearnModel; "" = shared.model.build_model
+    pretrained: bool = True
 
     def __post_init__(self) -> None:
         _require(self.ranks >= 1, "trainer.ranks must be >= 1")
+        _require(self.max_restarts >= 0, "trainer.max_restarts must be >= 0")
+        _require(self.checkpoint_every >= 1 and self.checkpoint_keep >= 1,
+                 "trainer.checkpoint_every and trainer.checkpoint_keep must be >= 1")
+        _require(self.init_timeout_s >= 1 and self.step_timeout_s >= 1, "trainer timeouts must be >= 1 s")
+        _require(self.max_sample_bytes >= 64, "trainer.max_sample_bytes must be >= 64")
+        _require(self.sample_hwm >= 1 and self.max_learn_batch >= 1, "trainer.sample_hwm and max_learn_batch >= 1")
+        _require(self.batch_wait_ms >= 0, "trainer.batch_wait_ms must be >= 0")
+        _require(0 < self.master_port < 65536, "trainer.master_port must be in 1..65535")
+        _require(self.powersgd_rank >= 1, "trainer.powersgd_rank must be >= 1")
+        _require(self.warmup_steps >= 0 and self.schedule_steps >= 1, "trainer schedule steps must be >= 0 / >= 1")
+        _require(0 <= self.min_lr_ratio <= 1, "trainer.min_lr_ratio must be in [0, 1]")
+        _require(self.clip_grad_norm >= 0, "trainer.clip_grad_norm must be >= 0 (0 = off)")
+        _require(self.model_factory == "" or ":" in self.model_factory,
+                 "trainer.model_factory must look like 'module:function'")
         _require(self.backend in ("auto", "gloo", "nccl"), "trainer.backend must be auto|gloo|nccl")
         _require(self.comm_hook in ("none", "fp16", "bf16", "powersgd"),
                  "trainer.comm_hook must be none|fp16|bf16|powersgd")
@@ -210,7 +272,8 @@ class CompressionConfig:
     max_ratio: float = 0.0  # 0 = no cap; else refuse to send a delta bigger than dense/max_ratio
     zstd_level: int = 1
     tuner: str = "off"  # off | bytes | error
-    tuner_target: float = 0.0
+    tuner_target: float = 0.0  # bytes per sync (tuner=bytes) or relative residual (tuner=error)
+    chunk_elements: int = 1 << 20  # elements per delta chunk (unit of priority, encryption, bandwidth cap)
 
     def __post_init__(self) -> None:
         _require(self.algorithm in ("topk", "threshold", "lossless", "dense"),
@@ -222,6 +285,9 @@ class CompressionConfig:
         _require(self.anchor_every >= 0, "compression.anchor_every must be >= 0")
         _require(1 <= self.zstd_level <= 22, "compression.zstd_level must be in 1..22")
         _require(self.tuner in ("off", "bytes", "error"), "compression.tuner must be off|bytes|error")
+        _require(self.tuner_target >= 0, "compression.tuner_target must be >= 0")
+        _require(self.chunk_elements >= self.block_size, "compression.chunk_elements must be >= block_size")
+        _require(self.max_ratio >= 0, "compression.max_ratio must be >= 0")
 
 
 @dataclass
@@ -261,6 +327,26 @@ class SecurityConfig:
 
 
 @dataclass
+class MetricsConfig:
+    """Where the processes without an HTTP server (workers, trainer ranks) expose /metrics.
+
+    Worker ``i`` listens on ``worker_port + i`` (``--index``); trainer rank ``r`` on
+    ``trainer_port + r``. In containers every process has its own address, so index 0 /
+    rank 0 ports are the ones scraped. ``port = 0`` disables that exporter.
+    """
+
+    worker_port: int = 9101
+    trainer_port: int = 9201
+    bind_host: str = "127.0.0.1"
+    status_interval_s: float = 1.0  # how often processes refresh their Redis self-report
+
+    def __post_init__(self) -> None:
+        for name in ("worker_port", "trainer_port"):
+            _require(0 <= getattr(self, name) < 65536, f"metrics.{name} must be in 0..65535")
+        _require(self.status_interval_s > 0, "metrics.status_interval_s must be > 0")
+
+
+@dataclass
 class Config:
     redis: RedisConfig = field(default_factory=RedisConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
@@ -272,6 +358,7 @@ class Config:
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
     consistency: ConsistencyConfig = field(default_factory=ConsistencyConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -15,19 +15,31 @@ def _tag(principal: str) -> str:
 
 
 # ---------------------------------------------------------------- gateway / MCP sessions
-def session(session_id: str) -> str:
-    """Hash: principal, protocol version, capabilities, log level (legacy 2025-11-25 sessions)."""
-    return f"{PREFIX}sess:{session_id}"
+# A legacy session's keys carry its principal's hash tag: an id presented by another
+# principal names a different key and is simply not found (404).
+def session(principal: str, session_id: str) -> str:
+    """Hash: protocol version, client capabilities, log level of a legacy (2025-11-25) session."""
+    return f"{PREFIX}{_tag(principal)}:sess:{session_id}"
 
 
-def session_events(session_id: str) -> str:
-    """Stream: SSE events of one session (for Last-Event-ID replay)."""
-    return f"{PREFIX}sess:{session_id}:events"
+def session_events(principal: str, session_id: str) -> str:
+    """Stream: events of a session's standalone SSE stream (GET /mcp), for Last-Event-ID replay."""
+    return f"{PREFIX}{_tag(principal)}:sess:{session_id}:events"
 
 
-def session_pending(session_id: str) -> str:
-    """Hash: server->client request id -> waiting marker."""
-    return f"{PREFIX}sess:{session_id}:pending"
+def session_subscriptions(principal: str, session_id: str) -> str:
+    """Set: resource URIs a legacy session subscribed to (resources/subscribe)."""
+    return f"{PREFIX}{_tag(principal)}:sess:{session_id}:subs"
+
+
+def session_pending(principal: str, session_id: str) -> str:
+    """Hash: ids of server->client requests still awaiting the client's answer."""
+    return f"{PREFIX}{_tag(principal)}:sess:{session_id}:pending"
+
+
+def session_response(principal: str, session_id: str, request_id: str) -> str:
+    """List: the client's answer to one server->client request (RPUSH by any replica, BLPOP by the waiter)."""
+    return f"{PREFIX}{_tag(principal)}:sess:{session_id}:resp:{request_id}"
 
 
 def principal_sessions(principal: str) -> str:
@@ -35,28 +47,109 @@ def principal_sessions(principal: str) -> str:
     return f"{PREFIX}{_tag(principal)}:sessions"
 
 
-SESSION_INVALIDATE_CHANNEL = f"{PREFIX}sessions:invalidate"
+def resource_subscribers(principal: str, uri: str) -> str:
+    """Set: legacy session ids of a principal subscribed to one resource URI."""
+    return f"{PREFIX}{_tag(principal)}:ressubs:{uri}"
 
 
-def session_channel(session_id: str) -> str:
-    """Pub/sub channel: messages for a session's open stream, whichever replica holds it."""
-    return f"{PREFIX}sess:{session_id}:chan"
-
-
-def response_channel(session_id: str, request_id: str) -> str:
-    """Pub/sub channel: a client's response to a server->client request."""
-    return f"{PREFIX}sess:{session_id}:resp:{request_id}"
+GATEWAY_CONTROL_CHANNEL = f"{PREFIX}gateway:control"
+"""Pub/sub: session invalidation, cancellation and resource-updated fan-out to every replica."""
 
 
 # ---------------------------------------------------------------- context store
-# (context store keys: see the block added by the context store)
+# A principal's whole context state lives in five keys with the hash tag {principal}, so
+# every context script passes a FIXED key list in KEYS (context ids are hash fields, never
+# key names computed inside Lua). Global accounting (bytes per principal, LRU over
+# principals) sits in two keys tagged {ctxglobal}; see docs/context.md for Redis Cluster.
+def ctx_entries(principal: str) -> str:
+    """Hash: ``<context_id>|<modality>|<seq>`` -> packed entry (header + raw content bytes)."""
+    return f"{PREFIX}ctx:{_tag(principal)}:e"
+
+
+def ctx_meta(principal: str) -> str:
+    """Hash: context id -> JSON meta (version, bytes, per-channel ranges, last use)."""
+    return f"{PREFIX}ctx:{_tag(principal)}:m"
+
+
+def ctx_lru(principal: str) -> str:
+    """Sorted set: context id -> per-principal logical clock of last use (exact LRU)."""
+    return f"{PREFIX}ctx:{_tag(principal)}:lru"
+
+
+def ctx_versions(principal: str) -> str:
+    """Hash: ``<context_id>|<version>`` -> channel ranges of that version (last N retained)."""
+    return f"{PREFIX}ctx:{_tag(principal)}:ver"
+
+
+def ctx_state(principal: str) -> str:
+    """Hash: principal totals (``\0bytes``, ``\0clock``) and per-context last version of
+    evicted contexts (so a recreated context never reuses a version number)."""
+    return f"{PREFIX}ctx:{_tag(principal)}:st"
+
+
+def ctx_keys(principal: str) -> list[str]:
+    """The fixed KEYS prefix of every context script, in script order."""
+    return [ctx_entries(principal), ctx_meta(principal), ctx_lru(principal),
+            ctx_versions(principal), ctx_state(principal)]
+
+
+CTX_GLOBAL_BYTES = f"{PREFIX}ctx:{{ctxglobal}}:bytes"
+"""Hash: principal -> bytes held; field ``\0total`` = sum, ``\0clock`` = global LRU clock."""
+CTX_GLOBAL_LRU = f"{PREFIX}ctx:{{ctxglobal}}:lru"
+"""Sorted set: principal -> global clock of its last context operation (LRU over principals)."""
 
 # ---------------------------------------------------------------- samples / trainer
-SAMPLE_LOG = f"{PREFIX}samples"
-TRAINER_OFFSET = f"{PREFIX}trainer:offset"
+# The sample log and its sequence counter share the hash tag {samples} (one Lua script
+# appends to both); the trainer's commit record and its trained-id ledger share {trainer}
+# (one MULTI commits both).
+SAMPLE_LOG = f"{PREFIX}{{samples}}:log"
+"""Stream: the durable sample log; fields ``seq`` (dense, 1-based), ``p`` (principal), ``s`` (JSON)."""
+SAMPLE_SEQ = f"{PREFIX}{{samples}}:seq"
+"""String: last sequence number handed out with a sample (INCR inside the append script)."""
+TRAINER_OFFSET = f"{PREFIX}{{trainer}}:offset"
+"""Hash: the trainer's commit record: seq, id (last trained log entry), step, version, epoch."""
+TRAINER_TRAINED = f"{PREFIX}{{trainer}}:trained"
+"""Hash: optimizer step -> space-separated sample ids trained in that step (the ledger)."""
+TRAINER_STATUS = f"{PREFIX}trainer:status"
+"""Hash: progress of the running trainer (step, loss, samples/s, updated_ms) for admin/stats."""
 
 # ---------------------------------------------------------------- model versions / workers
 MODEL_VERSION = f"{PREFIX}model:version"
 
 # ---------------------------------------------------------------- audit
 AUDIT_STREAM = f"{PREFIX}audit"
+
+# ---------------------------------------------------------------- operations (admin API, control plane)
+# Protocol documented in docs/operations.md; helpers for the receiving side in shared/control.py.
+ADMIN_KEYS = f"{PREFIX}admin:keys"
+"""Hash: sha256(admin key) hex -> JSON {name, role, created_ms, created_by}. Plaintext is never stored."""
+ADMIN_KEY_NAMES = f"{PREFIX}admin:keys:names"
+"""Hash: admin key name -> sha256 hex (name uniqueness and revoke by name)."""
+TRAINER_CONTROL = f"{PREFIX}trainer:control"
+"""Stream: one-shot operator commands for the trainer: fields ``cmd`` (checkpoint | rollback),
+``id``, ``by``, ``ts_ms`` and for rollback ``to_version`` or ``anchor``. The trainer reads it each step."""
+TRAINER_PAUSED = f"{PREFIX}trainer:paused"
+"""String: present ("1") while an operator has paused training (durable desired state)."""
+TRAINER_CONTROL_ACK = f"{PREFIX}trainer:control:ack"
+"""Hash: control command id -> JSON result written by the trainer once it handled the command."""
+MODEL_VERSION_LOG = f"{PREFIX}model:versions"
+"""Stream (capped): one entry per published model version: version, step, loss, anchor, checkpoint, ts_ms."""
+WORKERS_DRAINED = f"{PREFIX}workers:drained"
+"""Set: worker ids that operators drained; every gateway replica routes no new requests to them."""
+RUNTIME_CONFIG = f"{PREFIX}config:runtime"
+"""Hash: config section name (compression | consistency | scheduling) -> JSON of fields changed at runtime."""
+RUNTIME_CONFIG_REV = f"{PREFIX}config:runtime:rev"
+"""String: incremented on every runtime config change; readers poll it cheaply."""
+RUNTIME_CONFIG_CHANNEL = f"{PREFIX}config:changed"
+"""Pub/sub channel: the new revision number after every runtime config change (a hint; poll the rev)."""
+DELTA_KEY_ROTATE = f"{PREFIX}delta:rotate"
+"""Stream: delta key rotation requests (id, by, ts_ms). The trainer's key ring rotates once per entry."""
+DELTA_KEY_STATUS = f"{PREFIX}delta:key"
+"""Hash: the key ring's report: key_id, epoch, rotated_ms, last_request (id of the handled rotate entry)."""
+GATEWAY_STATS = f"{PREFIX}status:gateways"
+"""Hash: gateway replica id -> JSON snapshot (ts_ms, req/s, latency quantiles) for the dashboard."""
+
+
+def component_status(component: str) -> str:
+    """Hash: a process's self-report (``worker:<id>``, ``trainer``, ``delta``) with ``ts_ms``; short TTL."""
+    return f"{PREFIX}status:{component}"

@@ -11,3 +11,42 @@ MCP_LATENCY = Histogram("learnmesh_mcp_request_seconds", "MCP request latency", 
                         buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10))
 MCP_ERRORS = Counter("learnmesh_mcp_errors_total", "MCP error responses", ["code"])
 MCP_SESSIONS_OPEN = Gauge("learnmesh_mcp_sessions_open", "Legacy MCP sessions cached on this replica")
+
+# ---------------------------------------------------------------- samples / trainer
+SAMPLES_ACCEPTED = Counter("learnmesh_samples_accepted_total", "Samples written to the durable log")
+SAMPLES_REJECTED = Counter("learnmesh_samples_rejected_total", "Samples refused at the gateway", ["reason"])
+SAMPLES_BACKPRESSURE = Counter("learnmesh_samples_backpressure_total",
+                               "Logged samples not pushed to the trainer because its queue was full "
+                               "(they are replayed from the log)")
+TRAINER_STEP = Gauge("learnmesh_trainer_step", "Optimizer steps of the current model lineage")
+TRAINER_LOSS = Gauge("learnmesh_trainer_loss", "Training loss of the last optimizer step")
+TRAINER_SAMPLES_PER_S = Gauge("learnmesh_trainer_samples_per_second", "Samples trained per second (EMA)")
+TRAINER_SAMPLES = Counter("learnmesh_trainer_samples_total", "Samples trained (committed)")
+TRAINER_COMMITTED_SEQ = Gauge("learnmesh_trainer_committed_seq", "Last sample sequence number committed")
+TRAINER_STEP_SECONDS = Histogram("learnmesh_trainer_step_seconds", "Wall time of one optimizer step",
+                                 buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+TRAINER_RESTARTS = Counter("learnmesh_trainer_restarts_total", "Rank group restarts after a failure")
+TRAINER_VERSION = Gauge("learnmesh_trainer_published_version", "Last model version published to workers")
+
+# ---------------------------------------------------------------- context store
+CONTEXT_OPS = Counter("learnmesh_context_ops_total", "Context store operations", ["op", "outcome"])
+CONTEXT_OP_SECONDS = Histogram("learnmesh_context_op_seconds", "Context store operation latency (one round trip)",
+                               ["op"], buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1, 1))
+CONTEXT_EVICTIONS = Counter("learnmesh_context_evictions_total", "Contexts evicted by learnmesh",
+                            ["reason"])  # idle | principal_budget | global_budget | admin
+CONTEXT_APPENDED_BYTES = Counter("learnmesh_context_appended_bytes_total", "Bytes appended to contexts",
+                                 ["modality"])
+
+# ---------------------------------------------------------------- weight-delta sync (codec, envelope, publisher, subscriber)
+DELTA_PUBLISHED = Counter("learnmesh_delta_published_total", "Deltas/anchors published by the trainer", ["kind"])
+DELTA_BYTES = Counter("learnmesh_delta_bytes_total", "Delta bytes on the wire", ["direction"])
+DELTA_ENCODE_SECONDS = Histogram("learnmesh_delta_encode_seconds", "Time to encode one delta",
+                                 buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
+DELTA_DENSITY = Gauge("learnmesh_delta_density", "Fraction of elements sent in the last delta")
+DELTA_RESIDUAL = Gauge("learnmesh_delta_residual_rel", "Relative residual (not yet sent) of the last delta")
+DELTA_LATEST_VERSION = Gauge("learnmesh_delta_latest_version", "Latest model version published")
+DELTA_APPLIED = Counter("learnmesh_delta_applied_total", "Deltas applied by workers", ["kind"])
+DELTA_REJECTED = Counter("learnmesh_delta_rejected_total", "Delta packets rejected and not applied", ["reason"])
+DELTA_RESYNCS = Counter("learnmesh_delta_resyncs_total", "Snapshot resyncs by workers", ["cause"])
+DELTA_APPLY_SECONDS = Histogram("learnmesh_delta_apply_seconds", "Time to decode and apply one delta",
+                                buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1))

@@ -1,67 +1,169 @@
 """Admin authentication: bearer admin keys with roles viewer < operator < admin.
 
-Admin keys and MCP client keys are separate sets: an MCP key never passes here.
-Keys are compared by SHA-256 digest in constant time; the plaintext is not kept.
+Admin keys come from two places: ``gateway.admin_keys`` in the config (or
+``LEARNMESH_ADMIN_KEY``), and keys created at runtime through ``POST /admin/keys``,
+stored in Redis as SHA-256 digests only (``keys.ADMIN_KEYS``). Admin keys and MCP
+client keys are separate sets: a token that is an MCP key never authenticates here,
+and the gateway refuses to start when a configured admin key equals an MCP key.
+
+What each role may do:
+- viewer: read everything (GET routes, the dashboard summary).
+- operator: act on the running mesh (terminate sessions, evict contexts, drain
+  workers, pause/resume/checkpoint the trainer).
+- admin: change it (admin keys, runtime configuration, model rollback, delta key rotation).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Callable
+import json
+import re
+import secrets
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import HTTPException, Request
 
+from shared import keys
+from shared.config import ConfigError
+
 ROLES = ("viewer", "operator", "admin")
+KEY_PREFIX = "lmadm_"
+_NAME_OK = re.compile(r"^[A-Za-z0-9_.@\-]{1,64}$")
 
 
 @dataclass(frozen=True)
 class AdminPrincipal:
     name: str
     role: str
+    source: str = "config"  # config | redis
 
     def allows(self, role: str) -> bool:
         return ROLES.index(self.role) >= ROLES.index(role)
+
+    @property
+    def audit_name(self) -> str:
+        return f"admin:{self.name}"
 
 
 def digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
-class AdminKeyring:
-    """name -> (sha256(key), role); built from config at start."""
+class KeyNameTaken(Exception):
+    pass
 
-    def __init__(self, keys: dict[str, tuple[bytes, str]]) -> None:
-        self._keys = keys
+
+class AdminKeyring:
+    """Config keys (name -> (digest, role)) plus runtime keys in Redis.
+
+    ``redis`` is a redis.asyncio client; without one only config keys exist.
+    """
+
+    def __init__(self, keys_: dict[str, tuple[bytes, str]], redis: Any = None,
+                 mcp_digests: frozenset[bytes] = frozenset()) -> None:
+        self._keys = keys_
+        self._redis = redis
+        self._mcp = mcp_digests
 
     @classmethod
-    def from_config(cls, admin_keys: dict) -> AdminKeyring:
-        return cls({name: (digest(k.key), k.role) for name, k in admin_keys.items()})
+    def from_config(cls, admin_keys: dict, redis: Any = None, api_keys: dict | None = None) -> AdminKeyring:
+        mcp = frozenset(digest(k) for k in (api_keys or {}).values())
+        own = {name: (digest(k.key), k.role) for name, k in admin_keys.items()}
+        clash = sorted(name for name, (d, _) in own.items() if d in mcp)
+        if clash:
+            raise ConfigError(f"admin key(s) {', '.join(clash)} equal an MCP client key; admin and "
+                              "MCP keys must be different")
+        return cls(own, redis, mcp)
 
-    def lookup(self, key: str) -> AdminPrincipal | None:
+    def config_names(self) -> dict[str, str]:
+        return {name: role for name, (_, role) in self._keys.items()}
+
+    async def lookup(self, key: str) -> AdminPrincipal | None:
         d = digest(key)
+        if d in self._mcp:
+            return None
         found = None
         for name, (kd, role) in self._keys.items():
             if hmac.compare_digest(d, kd):
-                found = AdminPrincipal(name, role)
+                found = AdminPrincipal(name, role, "config")
+        if found is None and self._redis is not None:
+            raw = await self._redis.hget(keys.ADMIN_KEYS, d.hex())
+            if raw:
+                meta = json.loads(raw)
+                found = AdminPrincipal(meta["name"], meta["role"], "redis")
         return found
 
+    # ------------------------------------------------------------ runtime keys (Redis)
+    async def create(self, name: str, role: str, created_by: str) -> tuple[str, dict[str, Any]]:
+        """Make a new random key; returns (plaintext, metadata). The plaintext is shown once."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}")
+        if not _NAME_OK.match(name):
+            raise ValueError("name must be 1-64 characters of A-Z a-z 0-9 _ . @ -")
+        if name in self._keys:
+            raise KeyNameTaken(name)
+        plaintext = KEY_PREFIX + secrets.token_urlsafe(32)
+        d = digest(plaintext).hex()
+        meta = {"name": name, "role": role, "created_ms": int(time.time() * 1000), "created_by": created_by}
+        if not await self._redis.hsetnx(keys.ADMIN_KEY_NAMES, name, d):
+            raise KeyNameTaken(name)
+        await self._redis.hset(keys.ADMIN_KEYS, d, json.dumps(meta))
+        return plaintext, meta
 
-def require_role(role: str) -> Callable[[Request], AdminPrincipal]:
+    async def revoke(self, name: str) -> bool:
+        d = await self._redis.hget(keys.ADMIN_KEY_NAMES, name)
+        if d is None:
+            return False
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.hdel(keys.ADMIN_KEYS, d)
+        pipe.hdel(keys.ADMIN_KEY_NAMES, name)
+        await pipe.execute()
+        return True
+
+    async def list(self) -> list[dict[str, Any]]:
+        out = [{"name": n, "role": r, "source": "config"} for n, r in sorted(self.config_names().items())]
+        if self._redis is not None:
+            raw = await self._redis.hgetall(keys.ADMIN_KEYS)
+            metas = sorted((json.loads(v) for v in raw.values()), key=lambda m: m["name"])
+            out += [{**m, "source": "redis"} for m in metas]
+        return out
+
+
+def keyring_of(request: Request) -> AdminKeyring | None:
+    """The app's keyring: ``app.state.admin_keyring`` or the gateway state's attribute."""
+    st = request.app.state
+    ring = getattr(st, "admin_keyring", None)
+    if ring is not None:
+        return ring
+    for name in ("gateway", "state", "gateway_state"):
+        ring = getattr(getattr(st, name, None), "admin_keyring", None)
+        if ring is not None:
+            return ring
+    return None
+
+
+def require_role(role: str) -> Callable[[Request], Awaitable[AdminPrincipal]]:
     """FastAPI dependency: 401 without a valid admin key, 403 if the key's role is too low."""
     if role not in ROLES:
         raise ValueError(role)
 
-    def dep(request: Request) -> AdminPrincipal:
+    async def dep(request: Request) -> AdminPrincipal:
         auth = request.headers.get("authorization", "")
         scheme, _, token = auth.partition(" ")
-        keyring: AdminKeyring | None = getattr(request.app.state, "admin_keyring", None)
-        who = keyring.lookup(token.strip()) if keyring and scheme.lower() == "bearer" and token else None
+        token = token.strip()
+        keyring = keyring_of(request)
+        who = None
+        if keyring is not None and scheme.lower() == "bearer" and token:
+            who = await keyring.lookup(token)
         if who is None:
             raise HTTPException(401, "a valid admin key is required", headers={"WWW-Authenticate": "Bearer"})
         if not who.allows(role):
             raise HTTPException(403, f"role {who.role!r} may not do this (needs {role!r})")
+        request.state.admin = who
         return who
 
     return dep

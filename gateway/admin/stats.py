@@ -1,0 +1,94 @@
+"""Rates and latency quantiles of this gateway replica, for the dashboard.
+
+Prometheus counters are cumulative; the dashboard wants "requests per second now"
+and "p99 over the last few seconds". A background task samples this process's
+registry once per interval, keeps a short ring of samples and derives windowed
+rates and histogram quantiles from differences, then publishes the snapshot to
+Redis (``keys.GATEWAY_STATS``) so any replica's /admin/summary shows all replicas.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from shared import metrics
+
+WINDOW_S = 5.0
+
+
+@dataclass
+class _Sample:
+    t: float
+    requests: float
+    errors: float
+    buckets: list[tuple[float, float]]  # (le, cumulative count) summed over labels
+
+
+def _counter_total(counter) -> float:
+    total = 0.0
+    for fam in counter.collect():
+        for s in fam.samples:
+            if s.name.endswith("_total"):
+                total += s.value
+    return total
+
+
+def _hist_buckets(hist) -> list[tuple[float, float]]:
+    by_le: dict[float, float] = {}
+    for fam in hist.collect():
+        for s in fam.samples:
+            if s.name.endswith("_bucket"):
+                le = float(s.labels["le"])
+                by_le[le] = by_le.get(le, 0.0) + s.value
+    return sorted(by_le.items())
+
+
+def quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
+    """Histogram quantile with linear interpolation inside the bucket (as PromQL does)."""
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    total = buckets[-1][1]
+    rank = q * total
+    prev_le, prev_c = 0.0, 0.0
+    for le, c in buckets:
+        if c >= rank:
+            if math.isinf(le):
+                return prev_le
+            if c == prev_c:
+                return le
+            return prev_le + (le - prev_le) * (rank - prev_c) / (c - prev_c)
+        prev_le, prev_c = le, c
+    return prev_le
+
+
+class LocalStats:
+    def __init__(self, window_s: float = WINDOW_S) -> None:
+        self.window_s = window_s
+        self.ring: deque[_Sample] = deque(maxlen=120)
+
+    def tick(self) -> None:
+        self.ring.append(_Sample(time.monotonic(), _counter_total(metrics.MCP_REQUESTS),
+                                 _counter_total(metrics.MCP_ERRORS), _hist_buckets(metrics.MCP_LATENCY)))
+
+    def snapshot(self) -> dict[str, float | None]:
+        if not self.ring:
+            self.tick()
+        new = self.ring[-1]
+        old = next((s for s in self.ring if new.t - s.t <= self.window_s), new)
+        dt = new.t - old.t
+        rps = (new.requests - old.requests) / dt if dt > 0 else 0.0
+        eps = (new.errors - old.errors) / dt if dt > 0 else 0.0
+        old_b = dict(old.buckets) if old is not new else {}
+        window = [(le, c - old_b.get(le, 0.0)) for le, c in new.buckets]
+        p50, p99 = quantile(window, 0.5), quantile(window, 0.99)
+        return {
+            "requests_total": new.requests,
+            "errors_total": new.errors,
+            "rps": round(rps, 3),
+            "errors_per_s": round(eps, 3),
+            "p50_ms": None if p50 is None else round(p50 * 1000, 3),
+            "p99_ms": None if p99 is None else round(p99 * 1000, 3),
+        }

@@ -1,0 +1,116 @@
+"""Who is calling: bearer API keys (or OAuth access tokens) -> principal, plus the
+transport guards that run before any MCP parsing (Origin/Host against DNS rebinding).
+
+Keys come from ``gateway.api_keys`` (``LEARNMESH_API_KEYS=alice:KEY1,bob:KEY2``) and
+are kept only as SHA-256 digests. With no keys and a loopback bind the gateway is
+open and every caller is the principal ``local``; ``gateway.server`` refuses a
+non-loopback bind without keys. In OAuth resource-server mode an HS256 JWT issued by
+the configured authorization server is accepted too; the principal is its
+``principal_claim``, and 401 answers carry ``WWW-Authenticate: Bearer
+resource_metadata=...`` pointing at the RFC 9728 document.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from urllib.parse import urlsplit
+
+from shared.config import GatewayConfig
+
+OPEN_PRINCIPAL = "local"
+_PRINCIPAL_OK = re.compile(r"^[A-Za-z0-9_.@:\-]{1,128}$")
+_LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
+PROTECTED_RESOURCE_PATH = "/.well-known/oauth-protected-resource"
+
+
+class AuthError(Exception):
+    def __init__(self, status: int, message: str, www_authenticate: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.www_authenticate = www_authenticate
+
+
+def is_loopback(host: str) -> bool:
+    return host in _LOOPBACK_HOSTS or host.startswith("127.")
+
+
+class Authenticator:
+    """Maps an ``Authorization`` header to a principal, or raises :class:`AuthError` (401)."""
+
+    def __init__(self, cfg: GatewayConfig) -> None:
+        self._by_digest = {hashlib.sha256(k.encode()).digest(): p for p, k in cfg.api_keys.items()}
+        self._oauth = cfg.oauth if cfg.oauth.enabled else None
+        self.open = not self._by_digest and self._oauth is None
+        self._challenge = "Bearer"
+        if self._oauth is not None:
+            base = self._oauth.resource.rstrip("/")
+            self._challenge = f'Bearer resource_metadata="{_origin_of(base)}{PROTECTED_RESOURCE_PATH}"'
+
+    def principal(self, authorization: str | None) -> str:
+        if self.open:
+            return OPEN_PRINCIPAL
+        if not authorization:
+            raise AuthError(401, "authentication required", self._challenge)
+        scheme, _, token = authorization.partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            raise AuthError(401, "a bearer token is required", self._challenge)
+        who = self._by_digest.get(hashlib.sha256(token.encode()).digest())
+        if who is None and self._oauth is not None:
+            who = self._from_jwt(token)
+        if who is None:
+            raise AuthError(401, "invalid credentials", self._challenge + ', error="invalid_token"')
+        return who
+
+    def _from_jwt(self, token: str) -> str | None:
+        import jwt  # PyJWT; only needed in OAuth mode
+
+        assert self._oauth is not None
+        try:
+            claims = jwt.decode(token, self._oauth.hs256_secret, algorithms=["HS256"],
+                                audience=self._oauth.audience or self._oauth.resource or None,
+                                issuer=self._oauth.issuer or None,
+                                options={"require": ["exp"]})
+        except jwt.PyJWTError:
+            return None
+        who = claims.get(self._oauth.principal_claim)
+        return who if isinstance(who, str) and _PRINCIPAL_OK.match(who) else None
+
+    def protected_resource_metadata(self) -> dict | None:
+        """RFC 9728 document, or None when OAuth mode is off."""
+        if self._oauth is None:
+            return None
+        return {"resource": self._oauth.resource,
+                "authorization_servers": list(self._oauth.authorization_servers),
+                "bearer_methods_supported": ["header"]}
+
+
+def _origin_of(url: str) -> str:
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}" if parts.scheme else url
+
+
+class OriginGuard:
+    """DNS-rebinding protection: a browser ``Origin`` must be loopback or listed in
+    ``gateway.allowed_origins``; when bound to loopback, ``Host`` must name loopback too."""
+
+    def __init__(self, cfg: GatewayConfig) -> None:
+        self._allowed = {o.rstrip("/").lower() for o in cfg.allowed_origins}
+        self._check_host = is_loopback(cfg.host)
+        self._allowed_hosts = {urlsplit(o).hostname for o in self._allowed if urlsplit(o).hostname}
+
+    def check(self, origin: str | None, host: str | None) -> str | None:
+        """Return None when acceptable, else a reason (the caller answers 403)."""
+        if origin is not None and origin != "null":
+            o = origin.rstrip("/").lower()
+            if o not in self._allowed and not is_loopback(urlsplit(o).hostname or ""):
+                return "origin not allowed"
+        elif origin == "null":
+            return "origin not allowed"
+        if self._check_host and host:
+            name = host.rsplit(":", 1)[0] if not host.startswith("[") else host.split("]")[0] + "]"
+            if not is_loopback(name) and name not in self._allowed_hosts:
+                return "host not allowed"
+        return None

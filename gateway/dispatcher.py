@@ -1,0 +1,485 @@
+"""The one MCP dispatcher behind every transport (HTTP, WebSocket) and both revisions.
+
+A transport decodes a JSON-RPC message, builds a :class:`Call` (who, which revision,
+how to emit notifications on the response stream) and asks :meth:`Dispatcher.handle`
+for the response. Methods live in one table of ``_handle_<method>`` coroutines;
+exceptions become wire errors only in :func:`error_payload`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import jsonschema
+import orjson
+
+from gateway.errors import (
+    INTERNAL_ERROR,
+    INVALID_PARAMS,
+    INVALID_REQUEST,
+    METHOD_NOT_FOUND,
+    InvalidParams,
+    McpError,
+    NotFound,
+    ToolError,
+)
+from gateway.registry import Registry
+from shared.metrics import MCP_ERRORS, MCP_LATENCY, MCP_REQUESTS
+
+log = logging.getLogger(__name__)
+
+LEGACY_VERSION = "2025-11-25"
+MODERN_VERSION = "2026-07-28"
+HANDSHAKE_VERSIONS = ("2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25")
+MODERN_VERSIONS = (MODERN_VERSION,)
+SUPPORTED_VERSIONS = (*HANDSHAKE_VERSIONS, *MODERN_VERSIONS)
+
+PROTOCOL_VERSION_META_KEY = "io.modelcontextprotocol/protocolVersion"
+CLIENT_CAPABILITIES_META_KEY = "io.modelcontextprotocol/clientCapabilities"
+CLIENT_INFO_META_KEY = "io.modelcontextprotocol/clientInfo"
+LOG_LEVEL_META_KEY = "io.modelcontextprotocol/logLevel"
+SERVER_INFO_META_KEY = "io.modelcontextprotocol/serverInfo"
+SUBSCRIPTION_ID_META_KEY = "io.modelcontextprotocol/subscriptionId"
+
+REQUEST_CANCELLED = -32800
+LOG_LEVELS = ("debug", "info", "notice", "warning", "error", "critical", "alert", "emergency")
+_LEVEL_RANK = {lvl: i for i, lvl in enumerate(LOG_LEVELS)}
+SERVER_INFO = {"name": "learnmesh", "version": "0.1.0"}
+
+Emit = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class InputRequired(Exception):
+    """Raised by :meth:`Call.request_client` on 2026-07-28: the client must answer first."""
+
+    def __init__(self, requests: dict[str, dict[str, Any]]) -> None:
+        super().__init__("input required")
+        self.requests = requests
+
+
+class Call:
+    """One request being served; the :class:`gateway.registry.ToolContext` handlers see."""
+
+    __slots__ = ("principal", "request_id", "protocol_version", "state", "meta", "session", "emit",
+                 "modern", "responses", "cancelled", "_log_level")
+
+    def __init__(self, *, principal: str, request_id: Any, protocol_version: str, state: Any,
+                 meta: dict[str, Any] | None = None, session: Any = None, emit: Emit | None = None) -> None:
+        self.principal = principal
+        self.request_id = request_id
+        self.protocol_version = protocol_version
+        self.state = state
+        self.meta = meta or {}
+        self.session = session
+        self.emit = emit
+        self.modern = protocol_version in MODERN_VERSIONS
+        self.responses: dict[str, Any] = {}
+        self.cancelled = False
+        level = self.meta.get(LOG_LEVEL_META_KEY) if self.modern else getattr(session, "log_level", None)
+        self._log_level = level if level in _LEVEL_RANK else None
+
+    async def notify(self, method: str, params: dict[str, Any]) -> None:
+        """Send a notification related to this request (dropped when there is no stream)."""
+        msg = {"jsonrpc": "2.0", "method": method, "params": params}
+        if self.emit is not None:
+            await self.emit(msg)
+        elif self.session is not None:
+            await self.state.sessions.append_event(self.principal, self.session.id, msg)
+
+    async def progress(self, progress: float, total: float | None = None, message: str | None = None) -> None:
+        token = self.meta.get("progressToken")
+        if token is None:
+            return
+        params: dict[str, Any] = {"progressToken": token, "progress": progress}
+        if total is not None:
+            params["total"] = total
+        if message is not None:
+            params["message"] = message
+        await self.notify("notifications/progress", params)
+
+    async def log(self, level: str, data: Any, logger: str | None = None) -> None:
+        if level not in _LEVEL_RANK:
+            raise ValueError(f"unknown log level {level!r}")
+        if self._log_level is not None and _LEVEL_RANK[level] < _LEVEL_RANK[self._log_level]:
+            return
+        params: dict[str, Any] = {"level": level, "data": data}
+        if logger:
+            params["logger"] = logger
+        await self.notify("notifications/message", params)
+
+    async def request_client(self, method: str, params: dict[str, Any], key: str) -> dict[str, Any]:
+        if self.modern:
+            if key in self.responses:
+                return self.responses[key]
+            raise InputRequired({key: {"method": method, "params": params}})
+        if self.session is None:
+            raise McpError(INVALID_REQUEST, "server-to-client requests need a session")
+        sessions = self.state.sessions
+        rid = "srv-" + uuid.uuid4().hex
+        await sessions.add_pending(self.principal, self.session.id, rid)
+        msg = {"jsonrpc": "2.0", "id": rid, "method": method, "params": params}
+        if self.emit is not None:
+            await self.emit(msg)
+        else:
+            await sessions.append_event(self.principal, self.session.id, msg)
+        answer = await sessions.await_response(self.principal, self.session.id, rid,
+                                               self.state.config.gateway.client_request_timeout_s)
+        if answer is None:
+            raise McpError(INTERNAL_ERROR, f"the client did not answer {method} in time")
+        if "error" in answer:
+            err = answer["error"] if isinstance(answer["error"], dict) else {}
+            raise McpError(int(err.get("code", INTERNAL_ERROR)), str(err.get("message", "client error")),
+                           err.get("data"))
+        return answer.get("result") or {}
+
+
+def error_payload(exc: BaseException, method: str = "") -> tuple[int, str, Any]:
+    """THE mapping of exceptions to JSON-RPC errors: protocol errors keep their code,
+    validation errors become INVALID_PARAMS, anything else is logged and hidden."""
+    if isinstance(exc, McpError):
+        return exc.code, exc.message, exc.data
+    if isinstance(exc, jsonschema.ValidationError):
+        return INVALID_PARAMS, f"Invalid params: {exc.message}", None
+    log.exception("internal error while serving %s", method or "a request", exc_info=exc)
+    return INTERNAL_ERROR, "Internal error", None
+
+
+def error_response(request_id: Any, code: int, message: str, data: Any = None) -> dict[str, Any]:
+    err: dict[str, Any] = {"code": code, "message": message}
+    if data is not None:
+        err["data"] = data
+    MCP_ERRORS.labels(str(code)).inc()
+    return {"jsonrpc": "2.0", "id": request_id, "error": err}
+
+
+def _params(params: Any) -> dict[str, Any]:
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise InvalidParams("params must be an object")
+    return params
+
+
+def _str_param(params: dict[str, Any], name: str) -> str:
+    value = params.get(name)
+    if not isinstance(value, str) or not value:
+        raise InvalidParams(f"params.{name} must be a non-empty string")
+    return value
+
+
+class Dispatcher:
+    """Routes JSON-RPC requests to ``_handle_*`` methods; shared by every transport."""
+
+    LEGACY_ONLY = frozenset({"initialize", "logging/setLevel", "resources/subscribe", "resources/unsubscribe"})
+    MODERN_ONLY = frozenset({"server/discover", "subscriptions/listen"})
+
+    def __init__(self, registry: Registry, state: Any) -> None:
+        self.registry = registry
+        self.state = state
+        gw = state.config.gateway
+        self.list_ttl_ms = gw.list_ttl_ms
+        self.read_ttl_ms = gw.read_ttl_ms
+        self.table: dict[str, Callable[[Call, dict[str, Any]], Awaitable[dict[str, Any]]]] = {
+            "initialize": self._handle_initialize,
+            "ping": self._handle_ping,
+            "server/discover": self._handle_server_discover,
+            "tools/list": self._handle_tools_list,
+            "tools/call": self._handle_tools_call,
+            "resources/list": self._handle_resources_list,
+            "resources/templates/list": self._handle_resources_templates_list,
+            "resources/read": self._handle_resources_read,
+            "resources/subscribe": self._handle_resources_subscribe,
+            "resources/unsubscribe": self._handle_resources_unsubscribe,
+            "prompts/list": self._handle_prompts_list,
+            "prompts/get": self._handle_prompts_get,
+            "completion/complete": self._handle_completion_complete,
+            "logging/setLevel": self._handle_logging_set_level,
+            "subscriptions/listen": self._handle_subscriptions_listen,
+        }
+        self._validators: dict[str, Any] = {}
+        self._out_validators: dict[str, Any] = {}
+        self._lists: dict[str, list[dict[str, Any]]] | None = None
+        self._metrics: dict[tuple[str, str, str], tuple[Any, Any]] = {}
+
+    # ------------------------------------------------------------------ entry points
+    def knows(self, method: str, modern: bool) -> bool:
+        if method not in self.table:
+            return False
+        return method not in (self.LEGACY_ONLY if modern else self.MODERN_ONLY)
+
+    async def handle(self, call: Call, method: str, params: Any, transport: str = "http") -> dict[str, Any]:
+        """Serve one request; always returns a JSON-RPC response (result or error)."""
+        revision = "2026-07-28" if call.modern else "2025-11-25"
+        known = self.knows(method, call.modern)
+        mkey = (method if known else "unknown", revision, transport)
+        counters = self._metrics.get(mkey)
+        if counters is None:
+            counters = self._metrics[mkey] = (MCP_REQUESTS.labels(*mkey), MCP_LATENCY.labels(mkey[0], revision))
+        counters[0].inc()
+        t0 = time.perf_counter()
+        try:
+            if not known:
+                raise McpError(METHOD_NOT_FOUND, f"Method not found: {method}")
+            result = await self.table[method](call, _params(params))
+            if call.modern:
+                result.setdefault("resultType", "complete")
+            response = {"jsonrpc": "2.0", "id": call.request_id, "result": result}
+        except InputRequired as ir:
+            response = {"jsonrpc": "2.0", "id": call.request_id,
+                        "result": self._input_required(call, method, _params(params), ir)}
+        except asyncio.CancelledError:
+            if not call.cancelled:
+                raise
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            response = error_response(call.request_id, REQUEST_CANCELLED, "Request cancelled")
+        except Exception as exc:  # noqa: BLE001 - the one mapping point
+            code, message, data = error_payload(exc, method)
+            response = error_response(call.request_id, code, message, data)
+        counters[1].observe(time.perf_counter() - t0)
+        return response
+
+    async def notification(self, call: Call, method: str, params: Any) -> None:
+        """Client notifications: initialized, cancelled, roots/list_changed ... (no response)."""
+        if method == "notifications/cancelled" and isinstance(params, dict):
+            rid = params.get("requestId")
+            if rid is not None:
+                await self.state.cancel_request(call.principal, getattr(call.session, "id", None), rid)
+
+    # ------------------------------------------------------------------ lifecycle
+    def capabilities(self) -> dict[str, Any]:
+        return {"tools": {"listChanged": True}, "resources": {"subscribe": True, "listChanged": True},
+                "prompts": {"listChanged": True}, "logging": {}, "completions": {}}
+
+    async def _handle_initialize(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
+        requested = p.get("protocolVersion")
+        version = requested if requested in HANDSHAKE_VERSIONS else LEGACY_VERSION
+        return {"protocolVersion": version, "capabilities": self.capabilities(), "serverInfo": SERVER_INFO,
+                "instructions": "learnmesh: a model served over MCP; per-client context lives in Redis."}
+
+    async def _handle_ping(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
+        return {}
+
+    async def _handle_server_discover(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
+        return {"supportedVersions": list(SUPPORTED_VERSIONS), "capabilities": self.capabilities(),
+                "serverInfo": SERVER_INFO, "_meta": {SERVER_INFO_META_KEY: SERVER_INFO},
+                "ttlMs": self.list_ttl_ms, "cacheScope": "public"}
+
+    async def _handle_logging_set_level(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
+        level = p.get("level")
+        if level not in _LEVEL_RANK:
+            raise InvalidParams(f"level must be one of {', '.join(LOG_LEVELS)}")
+        if call.session is not None:
+            await self.state.sessions.set_log_level(call.session, level)
+        return {}
+
+    # ------------------------------------------------------------------ lists (precomputed)
+    def lists(self) -> dict[str, list[dict[str, Any]]]:
+        if self._lists is None:
+            r = self.registry
+            self._lists = {"tools": [t.describe() for t in r.tools.values()],
+                           "resources": [x.describe() for x in r.resources.values()],
+                           "resourceTemplates": [t.describe() for t in r.templates],
+                           "prompts": [x.describe() for x in r.prompts.values()]}
+        return self._lists
+
+    def invalidate_lists(self) -> None:
+        self._lists = None
+
+    def _list(self, call: Call, key: str) -> dict[str, Any]:
+        out: dict[str, Any] = {key: self.lists()[key]}
+        if call.modern:
+            out["ttlMs"] = self.list_ttl_ms
+            out["cacheScope"] = "public"
+        return out
+
+    async def _handle_tools_list(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
+        return self._list(call, "tools")
+
+    async def _handle_resources_list(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
+        return self._list(call, "resources")
+
+    async def _handle_resources_templates_list(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
+        return self._list(call, "resourceTemplates")
+
+    async def _handle_prompts_list(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
+        return self._list(call, "prompts")
+
+    # ------------------------------------------------------------------ tools
+    def _validator(self, cache: dict[str, Any], name: str, schema: dict[str, Any]) -> Any:
+        v = cache.get(name)
+        if v is None:
+            cls = jsonschema.validators.validator_for(schema)
+            v = cache[name] = cls(schema, format_checker=cls.FORMAT_CHECKER)
+        return v
+
+    async def _handle_tools_call(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
+        name = _str_param(p, "name")
+        tool = self.registry.tools.get(name)
+        if tool is None:
+            raise InvalidParams(f"Unknown tool: {name}")
+        args = p.get("arguments")
+        if args is None:
+            args = {}
+        if not isinstance(args, dict):
+            raise InvalidParams("params.arguments must be an object")
+        validator = self._validator(self._validators, name, tool.input_schema)
+        if not validator.is_valid(args):
+            err = jsonschema.exceptions.best_match(validator.iter_errors(args))
+            where = "/".join(str(x) for x in err.absolute_path) if err is not None else ""
+            raise InvalidParams(f"Invalid arguments for tool {name}: {err.message if err else 'invalid'}"
+                                + (f" (at {where})" if where else ""))
+        self._restore_inputs(call, p, "tools/call", name)
+        try:
+            out = await tool.handler(call, args)
+        except ToolError as exc:
+            return {"content": [{"type": "text", "text": str(exc)}], "isError": True}
+        if isinstance(out, dict) and "content" in out:
+            return out
+        if tool.output_schema is not None:
+            ov = self._validator(self._out_validators, name, tool.output_schema)
+            if not ov.is_valid(out):
+                log.error("tool %s returned output that does not match its outputSchema", name)
+                raise McpError(INTERNAL_ERROR, "Tool output did not match its output schema")
+            return {"content": [{"type": "text", "text": orjson.dumps(out).decode()}], "structuredContent": out}
+        if isinstance(out, str):
+            return {"content": [{"type": "text", "text": out}]}
+        if isinstance(out, list):
+            return {"content": out}
+        return {"content": [{"type": "text", "text": orjson.dumps(out).decode()}]}
+
+    # ------------------------------------------------------------------ input_required (2026-07-28)
+    def _restore_inputs(self, call: Call, p: dict[str, Any], method: str, name: str) -> None:
+        if not call.modern:
+            return
+        token = p.get("requestState")
+        if token is not None:
+            st = self.state.sealer.open(call.principal, token)
+            if st.get("m") != method or st.get("n") != name:
+                raise InvalidParams("requestState belongs to another request")
+            call.responses.update(st.get("r") or {})
+        answers = p.get("inputResponses")
+        if answers is not None:
+            if not isinstance(answers, dict):
+                raise InvalidParams("params.inputResponses must be an object")
+            call.responses.update(answers)
+
+    def _input_required(self, call: Call, method: str, p: dict[str, Any], ir: InputRequired) -> dict[str, Any]:
+        name = p.get("name") if method != "resources/read" else p.get("uri")
+        state = self.state.sealer.seal(call.principal, {"m": method, "n": name, "r": call.responses})
+        return {"resultType": "input_required", "inputRequests": ir.requests, "requestState": state}
+
+    # ------------------------------------------------------------------ resources
+    async def _handle_resources_read(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
+        uri = _str_param(p, "uri")
+        self._restore_inputs(call, p, "resources/read", uri)
+        res = self.registry.resources.get(uri)
+        if res is not None:
+            out = await res.handler(call, {"uri": uri})
+        else:
+            found = self.registry.find_template(uri)
+            if found is None:
+                raise NotFound(f"Resource not found: {uri}", {"uri": uri})
+            tpl, variables = found
+            out = await tpl.handler(call, {"uri": uri, **variables})
+        result = out if isinstance(out, dict) and "contents" in out else {"contents": out}
+        if call.modern:
+            result.setdefault("ttlMs", self.read_ttl_ms)
+            result.setdefault("cacheScope", "private")
+        return result
+
+    def _known_uri(self, uri: str) -> bool:
+        return uri in self.registry.resources or self.registry.find_template(uri) is not None
+
+    async def _handle_resources_subscribe(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
+        uri = _str_param(p, "uri")
+        if call.session is None:
+            raise McpError(INVALID_REQUEST, "resources/subscribe needs a session")
+        await self.state.sessions.subscribe(call.session, uri)
+        return {}
+
+    async def _handle_resources_unsubscribe(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
+        uri = _str_param(p, "uri")
+        if call.session is not None:
+            await self.state.sessions.unsubscribe(call.session, uri)
+        return {}
+
+    async def _handle_subscriptions_listen(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
+        """Hold a notification stream open until the client goes or the gateway stops."""
+        if call.emit is None:
+            raise McpError(INVALID_REQUEST, "subscriptions/listen needs a streaming response")
+        wanted = p.get("notifications")
+        if not isinstance(wanted, dict):
+            raise InvalidParams("params.notifications must be an object")
+        ack: dict[str, Any] = {}
+        uris = wanted.get("resourceSubscriptions")
+        if uris is not None:
+            if not isinstance(uris, list) or not all(isinstance(u, str) for u in uris):
+                raise InvalidParams("notifications.resourceSubscriptions must be a list of URIs")
+            ack["resourceSubscriptions"] = uris
+        for flag in ("toolsListChanged", "resourcesListChanged", "promptsListChanged"):
+            if wanted.get(flag) is True:
+                ack[flag] = True
+        sub_meta = {SUBSCRIPTION_ID_META_KEY: call.request_id}
+        await call.emit({"jsonrpc": "2.0", "method": "notifications/subscriptions/acknowledged",
+                         "params": {"notifications": ack, "_meta": sub_meta}})
+        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(maxsize=1000)
+        listener = self.state.add_listener(call.principal, set(uris or ()), ack, queue)
+        try:
+            while True:
+                note = await queue.get()
+                if note.get("method") == "$shutdown":
+                    break
+                params = dict(note.get("params") or {})
+                params["_meta"] = {**params.get("_meta", {}), **sub_meta}
+                await call.emit({"jsonrpc": "2.0", "method": note["method"], "params": params})
+        finally:
+            self.state.remove_listener(listener)
+        return {"_meta": sub_meta}
+
+    # ------------------------------------------------------------------ prompts and completion
+    async def _handle_prompts_get(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
+        name = _str_param(p, "name")
+        prompt = self.registry.prompts.get(name)
+        if prompt is None:
+            raise InvalidParams(f"Unknown prompt: {name}")
+        args = p.get("arguments") or {}
+        if not isinstance(args, dict) or not all(isinstance(v, str) for v in args.values()):
+            raise InvalidParams("params.arguments must map names to strings")
+        missing = [a["name"] for a in prompt.arguments if a.get("required") and a["name"] not in args]
+        if missing:
+            raise InvalidParams(f"Missing required prompt argument(s): {', '.join(missing)}")
+        self._restore_inputs(call, p, "prompts/get", name)
+        out = await prompt.handler(call, args)
+        if not isinstance(out, dict) or "messages" not in out:
+            raise McpError(INTERNAL_ERROR, "Prompt handler returned no messages")
+        if prompt.description and "description" not in out:
+            out = {**out, "description": prompt.description}
+        return out
+
+    async def _handle_completion_complete(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
+        ref = p.get("ref")
+        arg = p.get("argument")
+        if not isinstance(ref, dict) or not isinstance(arg, dict) or not isinstance(arg.get("name"), str):
+            raise InvalidParams("params.ref and params.argument {name, value} are required")
+        value = arg.get("value") if isinstance(arg.get("value"), str) else ""
+        values: list[str] = []
+        if ref.get("type") == "ref/prompt":
+            prompt = self.registry.prompts.get(ref.get("name", ""))
+            if prompt is None:
+                raise InvalidParams(f"Unknown prompt: {ref.get('name')}")
+            completer = prompt.completions.get(arg["name"])
+            if completer is not None:
+                values = list(completer(value))
+        elif ref.get("type") == "ref/resource":
+            if not isinstance(ref.get("uri"), str):
+                raise InvalidParams("ref.uri must be a string")
+        else:
+            raise InvalidParams("ref.type must be ref/prompt or ref/resource")
+        return {"completion": {"values": values[:100], "total": len(values), "hasMore": len(values) > 100}}

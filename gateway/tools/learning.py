@@ -1,0 +1,232 @@
+"""Samples in: the ``learn`` tool and the admin sample routes.
+
+Flow of one ``learn`` call: validate every sample (schema, size, context version) —
+nothing is written unless all pass; append them to the durable log (keys.SAMPLE_LOG) in
+one Lua round trip that also hands out dense sequence numbers; acknowledge with the ids;
+then push them to the trainer over ZeroMQ PUSH (non-blocking, explicit HWM). If the push
+queue is full or no trainer is connected the acknowledgement says ``queued: false`` —
+the samples are durable and the trainer picks them up from the log; nothing is dropped
+silently.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import zmq
+from fastapi import APIRouter, Body, Depends, HTTPException, Request
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from gateway.admin.auth import require_role
+from gateway.errors import InvalidParams, Unavailable
+from shared import keys, wire
+from shared import metrics as m
+from shared.samples import APPEND_LUA, Sample, SampleError, parse_batch, parse_sample
+from shared.zmq_util import make_socket
+
+log = logging.getLogger("learnmesh.learning")
+
+_SAMPLE_PROPS: dict[str, Any] = {
+    "kind": {"type": "string", "enum": ["example", "feedback"]},
+    "input": {"type": "string", "description": "the prompt / input text"},
+    "target": {"type": "string", "description": "example: the continuation to learn"},
+    "context_id": {"type": "string"},
+    "version": {"type": "integer", "minimum": 0, "description": "context version the sample was taken from"},
+    "modalities": {"type": "array", "items": {"type": "string"}},
+    "generation_id": {"type": "string", "description": "feedback: the generation it refers to"},
+    "output": {"type": "string", "description": "feedback: the generated answer"},
+    "corrected": {"type": "string", "description": "feedback: the corrected answer"},
+    "preference": {"type": "string", "enum": ["up", "down"]},
+}
+
+LEARN_INPUT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "description": "One sample (its fields at top level) or a batch under 'samples'.",
+    "properties": {**_SAMPLE_PROPS, "samples": {"type": "array", "items": {"type": "object",
+                                                                         "properties": _SAMPLE_PROPS}}},
+}
+
+LEARN_OUTPUT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "ids": {"type": "array", "items": {"type": "string"}},
+        "seqs": {"type": "array", "items": {"type": "integer"}},
+        "queued": {"type": "boolean", "description": "false: trainer queue full or absent (samples are durable)"},
+    },
+    "required": ["ids", "seqs", "queued"],
+}
+
+
+class SampleIngest:
+    """Validates, logs and forwards samples; one per gateway process (``state.samples``)."""
+
+    def __init__(self, redis: Any, cfg: Any, store: Any = None, zmq_ctx: zmq.Context | None = None) -> None:
+        self.redis = redis
+        self.cfg = cfg
+        self.store = store
+        self._own_ctx = zmq_ctx is None
+        self.ctx = zmq_ctx or zmq.Context()
+        self.push = make_socket(self.ctx, zmq.PUSH, connect=cfg.trainer.samples_endpoint,
+                                hwm=cfg.trainer.sample_hwm)
+        self._append = redis.register_script(APPEND_LUA)
+        self.pushed = 0
+        self.backpressured = 0
+
+    # -- validation
+    def parse(self, args: dict[str, Any]) -> list[Sample]:
+        t = self.cfg.trainer
+        mods = self.cfg.context.modalities
+        try:
+            if "samples" in args:
+                if set(args) - {"samples"}:
+                    raise SampleError("give either 'samples' or one sample's fields, not both")
+                return parse_batch(args["samples"], max_bytes=t.max_sample_bytes,
+                                   max_count=t.max_learn_batch, modalities=mods)
+            return [parse_sample(args, max_bytes=t.max_sample_bytes, modalities=mods)]
+        except SampleError as exc:
+            m.SAMPLES_REJECTED.labels("invalid").inc()
+            raise InvalidParams(str(exc), {"index": exc.index}) from None
+
+    async def check_contexts(self, principal: str, samples: list[Sample]) -> None:
+        """Every (context_id, version) named must be readable now; else -32602, nothing written."""
+        wanted = {(s.context_id, s.version) for s in samples if s.context_id is not None}
+        if not wanted:
+            return
+        if self.store is None:
+            raise Unavailable("the context store is not available; samples with context_id cannot be checked")
+        for context_id, version in sorted(wanted, key=str):
+            try:
+                current = await self.store.version(principal, context_id)
+                if current is None or version > int(current):
+                    raise LookupError
+                await self.store.read_at_version(principal, context_id, version)
+            except (RedisConnectionError, RedisTimeoutError):
+                raise Unavailable("redis is unreachable") from None
+            except Exception:  # the store's not-found / not-retained errors
+                m.SAMPLES_REJECTED.labels("context").inc()
+                raise InvalidParams(f"context {context_id!r} has no version {version} (unknown or no longer "
+                                    "retained)", {"context_id": context_id, "version": version}) from None
+
+    # -- write, then forward
+    async def submit(self, principal: str, samples: list[Sample]) -> dict[str, Any]:
+        await self.check_contexts(principal, samples)
+        blobs = [s.to_json() for s in samples]
+        try:
+            last, ids = await self._append(keys=[keys.SAMPLE_LOG, keys.SAMPLE_SEQ], args=[principal, *blobs])
+        except (RedisConnectionError, RedisTimeoutError):
+            raise Unavailable("redis is unreachable") from None
+        ids = [i.decode() if isinstance(i, bytes) else str(i) for i in ids]
+        last = int(last)
+        seqs = list(range(last - len(ids) + 1, last + 1))
+        m.SAMPLES_ACCEPTED.inc(len(ids))
+        queued = self._forward(principal, ids, seqs, blobs)
+        return {"ids": ids, "seqs": seqs, "queued": queued}
+
+    def _forward(self, principal: str, ids: list[str], seqs: list[int], blobs: list[bytes]) -> bool:
+        msg = wire.encode(wire.MsgType.SAMPLE, {"p": principal, "ids": ids, "seqs": seqs}, blobs)
+        try:
+            self.push.send_multipart(msg, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self.backpressured += len(ids)
+            m.SAMPLES_BACKPRESSURE.inc(len(ids))
+            return False
+        self.pushed += len(ids)
+        return True
+
+    async def stats(self) -> dict[str, Any]:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xlen(keys.SAMPLE_LOG)
+        pipe.get(keys.SAMPLE_SEQ)
+        pipe.hgetall(keys.TRAINER_OFFSET)
+        pipe.hgetall(keys.TRAINER_STATUS)
+        length, last_seq, offset, status = await pipe.execute()
+        offset = {_s(k): _s(v) for k, v in (offset or {}).items()}
+        status = {_s(k): _s(v) for k, v in (status or {}).items()}
+        last_seq = int(last_seq or 0)
+        trained_seq = int(offset.get("seq", 0) or 0)
+        return {"log_length": int(length), "last_seq": last_seq, "trained_seq": trained_seq,
+                "lag": max(0, last_seq - trained_seq), "trainer_offset": offset, "trainer": status,
+                "pushed_by_this_gateway": self.pushed, "backpressured_by_this_gateway": self.backpressured}
+
+    def close(self) -> None:
+        self.push.close(0)
+        if self._own_ctx:
+            self.ctx.term()
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+# ---------------------------------------------------------------- plug-in contract
+
+
+def register(registry: Any) -> None:
+    @registry.tool("learn", description="Submit learning samples (one, or a batch under 'samples'). Each is an "
+                   "example (input + target, optionally from a context at a version) or feedback on an earlier "
+                   "generation (corrected answer or preference). Acknowledged after the durable write.",
+                   input_schema=LEARN_INPUT_SCHEMA, output_schema=LEARN_OUTPUT_SCHEMA, title="Learn",
+                   annotations={"destructiveHint": False, "idempotentHint": False})
+    async def learn(ctx: Any, args: dict[str, Any]) -> dict[str, Any]:
+        ingest: SampleIngest | None = getattr(ctx.state, "samples", None)
+        if ingest is None:
+            raise Unavailable("learning is not enabled on this gateway")
+        samples = ingest.parse(args or {})
+        return await ingest.submit(ctx.principal, samples)
+
+
+async def startup(state: Any) -> None:
+    state.samples = SampleIngest(state.redis, state.config, getattr(state, "store", None),
+                                 getattr(state, "zmq_ctx", None))
+
+
+async def shutdown(state: Any) -> None:
+    ingest = getattr(state, "samples", None)
+    if ingest is not None:
+        ingest.close()
+        state.samples = None
+
+
+def _ingest(request: Request) -> SampleIngest:
+    app_state = request.app.state
+    for holder in (getattr(app_state, "gateway", None), getattr(app_state, "state", None),
+                   getattr(app_state, "gateway_state", None), app_state):
+        ingest = getattr(holder, "samples", None) if holder is not None else None
+        if ingest is not None:
+            if getattr(ingest, "store", None) is None and holder is not None:
+                ingest.store = getattr(holder, "store", None)
+            return ingest
+    raise HTTPException(503, "learning is not enabled on this gateway")
+
+
+router = APIRouter()
+
+
+@router.post("/admin/samples")
+async def import_samples(request: Request, body: Any = Body(...),
+                         who: Any = Depends(require_role("operator"))) -> dict[str, Any]:
+    """Bulk import on behalf of a principal: ``{"principal": str, "samples": [...]}``; all or nothing."""
+    ingest = _ingest(request)
+    if not isinstance(body, dict) or not isinstance(body.get("principal"), str) or not body["principal"] \
+            or any(c in body["principal"] for c in "{}:"):
+        raise HTTPException(400, "body must be {\"principal\": str, \"samples\": [...]}")
+    try:
+        samples = ingest.parse({"samples": body.get("samples")})
+        result = await ingest.submit(body["principal"], samples)
+    except InvalidParams as exc:
+        raise HTTPException(400, exc.message) from None
+    except Unavailable as exc:
+        raise HTTPException(503, exc.message, headers={"Retry-After": str(exc.retry_after_s or 2)}) from None
+    log.info("admin %s imported %d samples for principal %s", who.name, len(result["ids"]), body["principal"])
+    return result
+
+
+@router.get("/admin/samples/stats")
+async def sample_stats(request: Request, who: Any = Depends(require_role("viewer"))) -> dict[str, Any]:
+    """Log length, last sequence number, the trainer's committed offset and lag, trainer progress."""
+    try:
+        return await _ingest(request).stats()
+    except (RedisConnectionError, RedisTimeoutError):
+        raise HTTPException(503, "redis is unreachable", headers={"Retry-After": "2"}) from None

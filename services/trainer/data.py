@@ -1,0 +1,251 @@
+"""Rank 0's side of the sample stream: ZeroMQ PULL for fresh samples, the Redis log for
+replay and gaps, context snapshots read at the version each sample names, and the byte
+format in which a batch is broadcast to the other ranks.
+
+Why rank 0 reads and broadcasts (rather than ranks reading disjoint partitions): the log
+gives one total order (dense ``seq``), so a single committed offset describes exactly what
+has been trained; with one reader the offset, the ledger and the batch boundaries are
+decided in one place and every rank receives the *same bytes* — including the context
+snapshot — and takes its strided shard of them. The cost is one broadcast of the raw
+batch per step, small next to the gradient all-reduce.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+import zmq
+
+from shared import keys, wire
+from shared.samples import LoggedSample, load_stored, parse_entry
+from shared.types import ContextWindow, Entry
+from shared.zmq_util import make_socket
+
+log = logging.getLogger("learnmesh.trainer.data")
+
+
+class TrainRecord:
+    """A sample plus the context snapshot it names: everything a rank needs to encode it."""
+
+    __slots__ = ("logged", "context", "skip")
+
+    def __init__(self, logged: LoggedSample, context: ContextWindow | None, skip: bool = False) -> None:
+        self.logged = logged
+        self.context = context
+        self.skip = skip  # consumed without gradient (its context snapshot is gone)
+
+
+# ---------------------------------------------------------------- batch bytes
+
+
+def encode_batch(op: str, records: list[TrainRecord], extra: dict[str, Any] | None = None) -> bytes:
+    """[8-byte header length][orjson header][raw entry contents]: no pickle, no base64."""
+    blobs: list[bytes] = []
+    out = []
+    for r in records:
+        ls = r.logged
+        item: dict[str, Any] = {"id": ls.id, "seq": ls.seq, "p": ls.principal, "s": ls.sample.to_dict(),
+                                "skip": r.skip}
+        if r.context is not None:
+            ents = []
+            for mod, entries in r.context.channels.items():
+                for e in entries:
+                    ents.append({"id": e.id, "m": mod, "r": e.role, "mime": e.mime, "t": e.ts_ms,
+                                 "n": len(e.content), "links": e.links})
+                    blobs.append(e.content)
+            item["ctx"] = {"cid": r.context.context_id, "v": r.context.version, "e": ents}
+        out.append(item)
+    header = orjson.dumps({"op": op, "records": out, **(extra or {})})
+    return struct.pack("<Q", len(header)) + header + b"".join(blobs)
+
+
+def decode_batch(data: bytes | memoryview) -> tuple[str, list[TrainRecord], dict[str, Any]]:
+    data = memoryview(data)
+    (hlen,) = struct.unpack("<Q", data[:8])
+    header = orjson.loads(bytes(data[8: 8 + hlen]))
+    pos = 8 + hlen
+    records = []
+    for item in header.pop("records"):
+        sample = load_stored(orjson.dumps(item["s"]))
+        ctx = None
+        if "ctx" in item:
+            c = item["ctx"]
+            channels: dict[str, list[Entry]] = {}
+            for e in c["e"]:
+                content = bytes(data[pos: pos + e["n"]])
+                pos += e["n"]
+                channels.setdefault(e["m"], []).append(
+                    Entry(id=e["id"], modality=e["m"], role=e["r"], content=content, mime=e["mime"],
+                          size_bytes=e["n"], ts_ms=e["t"], links=e["links"]))
+            ctx = ContextWindow(item["p"], c["cid"], c["v"], channels)
+        records.append(TrainRecord(LoggedSample(item["id"], item["seq"], item["p"], sample), ctx,
+                                   bool(item.get("skip"))))
+    op = header.pop("op")
+    return op, records, header
+
+
+# ---------------------------------------------------------------- context snapshots
+
+
+class ContextReader:
+    """Reads context snapshots through the (async) ContextStore on a private event loop thread."""
+
+    def __init__(self, cfg: Any, redis_url: str) -> None:
+        self.cfg = cfg
+        self.redis_url = redis_url
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._store: Any = None
+        self._redis: Any = None
+
+    def _start(self) -> None:
+        from redis import asyncio as aioredis
+
+        from shared.context_store import ContextStore  # the context engineer's store
+
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="ctx-reader", daemon=True)
+        self._thread.start()
+
+        async def make() -> Any:
+            self._redis = aioredis.Redis.from_url(self.redis_url)
+            return ContextStore(self._redis, self.cfg.context)
+
+        self._store = asyncio.run_coroutine_threadsafe(make(), self._loop).result(30)
+
+    def read(self, principal: str, context_id: str, version: int, modalities: list[str] | None) -> ContextWindow:
+        if self._loop is None:
+            self._start()
+        assert self._loop is not None
+        fut = asyncio.run_coroutine_threadsafe(
+            self._store.read_at_version(principal, context_id, version, modalities), self._loop)
+        return fut.result(30)
+
+    def close(self) -> None:
+        if self._loop is None:
+            return
+        if self._redis is not None:
+            asyncio.run_coroutine_threadsafe(self._redis.aclose(), self._loop).result(5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        if self._thread is not None:
+            self._thread.join(5)
+        self._loop.close()
+        self._loop = None
+
+
+# ---------------------------------------------------------------- the stream
+
+
+class SampleSource:
+    """Hands rank 0 the next contiguous samples after the committed ``seq``.
+
+    Fresh samples arrive over PULL (bound here; gateways connect PUSH). Sequence numbers are
+    dense, so a missing one means its push was refused (backpressure) or lost with a gateway
+    — then, and at start-up, the log is read instead. Samples at or below the committed seq
+    are dropped: they are already in the model.
+    """
+
+    def __init__(self, cfg: Any, redis: Any, zmq_ctx: zmq.Context, committed_seq: int, committed_id: str,
+                 contexts: ContextReader | None = None) -> None:
+        self.cfg = cfg
+        self.redis = redis
+        self.pull = make_socket(zmq_ctx, zmq.PULL, bind=cfg.trainer.samples_endpoint, hwm=cfg.trainer.sample_hwm)
+        self.poller = zmq.Poller()
+        self.poller.register(self.pull, zmq.POLLIN)
+        self.buffer: dict[int, LoggedSample] = {}
+        self.seq = committed_seq      # last seq handed out (== committed once the step commits)
+        self.last_id = committed_id
+        self.contexts = contexts
+        self._log_first = True        # read the log before trusting pushes (start-up / replay)
+        self.from_log = 0
+        self.from_push = 0
+
+    def _drain(self, timeout_ms: int) -> None:
+        limit = self.cfg.trainer.sample_hwm
+        wait = timeout_ms
+        while len(self.buffer) < limit and self.poller.poll(wait):
+            wait = 0
+            try:
+                frames = self.pull.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                break
+            try:
+                kind, header, blobs = wire.decode(frames)
+                if kind != wire.MsgType.SAMPLE:
+                    raise wire.WireError("not a SAMPLE message")
+                for sid, seq, blob in zip(header["ids"], header["seqs"], blobs, strict=True):
+                    if seq > self.seq:
+                        self.buffer[int(seq)] = LoggedSample(str(sid), int(seq), str(header["p"]),
+                                                             load_stored(blob))
+            except (wire.WireError, KeyError, TypeError, ValueError) as exc:
+                log.warning("dropping a malformed sample message (%s); the log stays authoritative", exc)
+
+    def _contiguous(self, limit: int) -> list[LoggedSample]:
+        out = []
+        nxt = self.seq + 1
+        while len(out) < limit and nxt in self.buffer:
+            out.append(self.buffer[nxt])
+            nxt += 1
+        return out
+
+    def _read_log(self, limit: int) -> list[LoggedSample]:
+        start = f"({self.last_id}" if self.last_id else "-"
+        entries = self.redis.xrange(keys.SAMPLE_LOG, min=start, max="+", count=limit)
+        out = [parse_entry(eid, fields) for eid, fields in entries]
+        if out and out[0].seq != self.seq + 1:
+            log.error("sample log does not continue at seq %d (found %d): entries were trimmed before "
+                      "being trained; continuing from the log", self.seq + 1, out[0].seq)
+        self.from_log += len(out)
+        return out
+
+    def next_batch(self, limit: int, wait_ms: int, stop: Callable[[], bool]) -> list[LoggedSample]:
+        """Up to ``limit`` samples continuing the stream; [] after ``wait_ms`` with nothing new."""
+        deadline = time.monotonic() + wait_ms / 1000
+        while True:
+            self._drain(0)
+            got = self._contiguous(limit)
+            if len(got) < limit and not self._log_first and not self._gap():
+                remaining = int((deadline - time.monotonic()) * 1000)
+                if remaining > 0 and not stop():
+                    self._drain(min(remaining, 50))
+                    continue
+            if not got:
+                got = self._read_log(limit)
+                self._log_first = len(got) == limit   # a full batch: maybe more backlog
+            else:
+                self.from_push += len(got)
+            if got:
+                self.seq, self.last_id = got[-1].seq, got[-1].id
+                self.buffer = {k: v for k, v in self.buffer.items() if k > self.seq}
+            return got
+
+    def _gap(self) -> bool:
+        return bool(self.buffer) and (self.seq + 1) not in self.buffer
+
+    def records(self, samples: list[LoggedSample]) -> list[TrainRecord]:
+        out = []
+        for s in samples:
+            ctx = None
+            if s.sample.context_id is not None and s.sample.version is not None:
+                try:
+                    if self.contexts is None:
+                        raise RuntimeError("no context reader is configured")
+                    ctx = self.contexts.read(s.principal, s.sample.context_id, s.sample.version,
+                                             s.sample.modalities)
+                except Exception as exc:  # snapshot evicted since the gateway checked it
+                    log.warning("sample %s: context %s@%s unreadable (%s); consumed without training",
+                                s.id, s.sample.context_id, s.sample.version, type(exc).__name__)
+                    out.append(TrainRecord(s, None, skip=True))
+                    continue
+            out.append(TrainRecord(s, ctx))
+        return out
+
+    def close(self) -> None:
+        self.pull.close(0)

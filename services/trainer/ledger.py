@@ -1,0 +1,88 @@
+"""The trainer's commit record in Redis and the exactly-once invariant.
+
+State lives in three places: the weights (in memory, published to workers, and in a
+checkpoint on disk every K steps), the commit record ``keys.TRAINER_OFFSET`` (seq/id of the
+last trained sample, step, version, epoch) and the ledger ``keys.TRAINER_TRAINED`` (step ->
+ids trained in that step). Order per optimizer step on rank 0:
+
+    optimizer.step()  ->  commit(offset + ledger, one MULTI)  ->  publish(version+1)
+                      ->  checkpoint (every K steps; written after its commit)
+
+Invariant: *the ledger lists exactly the samples whose gradient is in the weights of the
+current lineage*, and the checkpoint is never ahead of the commit record. A kill -9 loses
+the in-memory weights of steps after the last checkpoint; those steps' effect is gone, so on
+restart :func:`rollback` atomically deletes their ledger entries and moves the offset back
+to the checkpoint's, and the trainer replays them from the log. Each sample id therefore
+ends up in the ledger — and in the weights — exactly once. Versions stay monotonic across
+the rollback (``max(checkpoint, commit record, keys.MODEL_VERSION) + 1``), and the restored
+weights are published at once as that new version, so workers that served the lost
+lineage move to the surviving one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from shared import keys
+
+
+@dataclass
+class Offset:
+    seq: int = 0
+    id: str = ""
+    step: int = 0
+    version: int = 0
+    epoch: int = 0
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def read_offset(redis: Any) -> Offset:
+    raw = {_s(k): _s(v) for k, v in (redis.hgetall(keys.TRAINER_OFFSET) or {}).items()}
+    return Offset(int(raw.get("seq", 0)), raw.get("id", ""), int(raw.get("step", 0)),
+                  int(raw.get("version", 0)), int(raw.get("epoch", 0)))
+
+
+def commit(redis: Any, off: Offset, ids: list[str]) -> None:
+    """Record one optimizer step: offset and the step's ids, atomically."""
+    pipe = redis.pipeline(transaction=True)
+    pipe.hset(keys.TRAINER_OFFSET, mapping={"seq": off.seq, "id": off.id, "step": off.step,
+                                            "version": off.version, "epoch": off.epoch})
+    pipe.hset(keys.TRAINER_TRAINED, str(off.step), " ".join(ids))
+    pipe.execute()
+
+
+def rollback(redis: Any, to: Offset) -> tuple[Offset, int]:
+    """Make Redis agree with the checkpoint ``to``: drop ledger steps after it, reset the offset,
+    bump the epoch. Returns (the new offset, how many steps were rolled back)."""
+    while True:
+        with redis.pipeline(transaction=True) as pipe:
+            try:
+                pipe.watch(keys.TRAINER_OFFSET, keys.TRAINER_TRAINED)
+                current = read_offset(pipe)
+                later = [f for f in pipe.hkeys(keys.TRAINER_TRAINED) if int(_s(f)) > to.step]
+                # +1: the restored weights are published as a version nobody has served yet
+                version = max(current.version, to.version, int(pipe.get(keys.MODEL_VERSION) or 0)) + 1
+                new = Offset(to.seq, to.id, to.step, version, current.epoch + 1)
+                pipe.multi()
+                if later:
+                    pipe.hdel(keys.TRAINER_TRAINED, *later)
+                pipe.hset(keys.TRAINER_OFFSET, mapping={"seq": new.seq, "id": new.id, "step": new.step,
+                                                        "version": new.version, "epoch": new.epoch})
+                pipe.execute()
+                return new, len(later)
+            except Exception as exc:
+                if type(exc).__name__ == "WatchError":
+                    continue
+                raise
+
+
+def trained_ids(redis: Any) -> list[str]:
+    """Every id in the ledger, with repetitions (tests and audits count them)."""
+    out: list[str] = []
+    for v in (redis.hgetall(keys.TRAINER_TRAINED) or {}).values():
+        out.extend(_s(v).split())
+    return out

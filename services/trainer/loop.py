@@ -1,0 +1,365 @@
+"""One trainer rank: the training loop (DDP, accumulation, comm hooks, local SGD, commit,
+publish, checkpoint). Process-group set-up and teardown live in services/trainer/dist.py.
+
+Per iteration rank 0 decides (``train`` / ``idle`` / ``stop``) and broadcasts the batch
+bytes; every rank decodes the same bytes, takes its strided shard, and runs
+``grad_accum_steps`` micro-batches (all but the last under ``DDP.no_sync()``). Ranks always
+run the same number of forward/backward passes: a rank whose shard is short runs a
+zero-weighted pass so the gradient all-reduce still lines up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import math
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from services.trainer import checkpoint, ledger
+from services.trainer.data import ContextReader, SampleSource, TrainRecord, decode_batch, encode_batch
+from shared import keys
+from shared import metrics as m
+
+log = logging.getLogger("learnmesh.trainer")
+
+
+def build_model(cfg: Any) -> nn.Module:
+    spec = cfg.trainer.model_factory or "shared.model:build_model"
+    module, _, fn = spec.partition(":")
+    factory = getattr(importlib.import_module(module), fn)
+    return factory(cfg.model, pretrained=cfg.trainer.pretrained)
+
+
+class LossModule(nn.Module):
+    """DDP must see the loss computation as ``forward`` to prepare its gradient buckets."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        return self.model.loss(batch)
+
+
+def register_comm_hook(ddp: DDP, cfg: Any, group: Any = None) -> Any:
+    """Attach one of torch's own DDP communication hooks; returns the hook state."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    name = cfg.trainer.comm_hook
+    if name == "fp16":
+        ddp.register_comm_hook(group, default_hooks.fp16_compress_hook)
+        return group
+    if name == "bf16":
+        ddp.register_comm_hook(group, default_hooks.bf16_compress_hook)
+        return group
+    if name == "powersgd":
+        # start_powerSGD_iter=2: PowerSGD needs DDP's first iteration to rebuild its buckets.
+        state = powerSGD_hook.PowerSGDState(process_group=group,
+                                            matrix_approximation_rank=cfg.trainer.powersgd_rank,
+                                            start_powerSGD_iter=2, use_error_feedback=True, warm_start=True)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        return state
+    return None
+
+
+def make_optimizer(params: list[nn.Parameter], t: Any) -> tuple[torch.optim.Optimizer, Any]:
+    if t.optimizer == "sgd":
+        opt: torch.optim.Optimizer = torch.optim.SGD(params, lr=t.lr, momentum=0.9, weight_decay=t.weight_decay)
+    else:
+        opt = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
+
+    def factor(step: int) -> float:
+        if t.warmup_steps and step < t.warmup_steps:
+            return (step + 1) / t.warmup_steps
+        if t.schedule == "cosine":
+            frac = min(1.0, (step - t.warmup_steps) / t.schedule_steps)
+            return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
+        return 1.0
+
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+class Progress:
+    """A one-line progress display on stderr, only when stderr is a terminal."""
+
+    def __init__(self) -> None:
+        self.tty = sys.stderr.isatty()
+
+    def update(self, step: int, loss: float, rate: float, seq: int) -> None:
+        if self.tty:
+            sys.stderr.write(f"\rtrainer step {step:>7}  loss {loss:7.4f}  {rate:8.1f} samples/s  seq {seq}   ")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stderr.write("\n")
+
+
+class Trainer:
+    def __init__(self, cfg: Any, rank: int, world: int, device: torch.device, ctrl_group: Any,
+                 stop_flag: Any) -> None:
+        self.cfg = cfg
+        self.t = cfg.trainer
+        self.rank, self.world, self.device = rank, world, device
+        self.ctrl_group = ctrl_group
+        self.stop_flag = stop_flag
+        self.model = build_model(cfg).to(device)
+        self.params = [p for _, p in self.model.trainable_named_parameters()]
+        trainable = {id(p) for p in self.params}
+        for p in self.model.parameters():
+            p.requires_grad_(id(p) in trainable)
+        self.opt, self.sched = make_optimizer(self.params, self.t)
+        self.step = 0
+        self.version = 0
+        self.offset = ledger.Offset()
+        self.redis: Any = None
+        self.source: SampleSource | None = None
+        self.publisher: Any = None
+        self.zmq_ctx: Any = None
+        self.contexts: ContextReader | None = None
+        self.progress = Progress()
+        self._rate = 0.0
+        self._fault = _parse_fault(os.environ.get("LEARNMESH_TRAINER_FAULT", ""))
+        self._resume()
+        self.ddp = DDP(LossModule(self.model), device_ids=[device.index] if device.type == "cuda" else None,
+                       broadcast_buffers=False) if world > 1 else None
+        self.hook_state = register_comm_hook(self.ddp, cfg) if self.ddp is not None and not self.local_sgd else None
+        self.averager = None
+        if self.local_sgd and world > 1:
+            from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+
+            self.averager = PeriodicModelAverager(period=self.t.local_sgd_period, warmup_steps=0)
+            self.averager.step = self.step
+        self.model.train()
+
+    @property
+    def local_sgd(self) -> bool:
+        return self.t.local_sgd_period > 0
+
+    # ---------------------------------------------------------------- start-up
+    def _resume(self) -> None:
+        data = checkpoint.latest_bytes(self.t.checkpoint_dir) if self.rank == 0 else None
+        data = self.broadcast_bytes(data or b"")
+        ck_off = ledger.Offset()
+        if data:
+            state = checkpoint.load_bytes(data)
+            self.model.load_state_dict(state["model"])
+            self.opt.load_state_dict(state["optimizer"])
+            self.sched.load_state_dict(state["scheduler"])
+            self.step = int(state["step"])
+            ck_off = ledger.Offset(int(state["seq"]), str(state["id"]), self.step, int(state["version"]))
+        if self.rank != 0:
+            return
+        import redis as redis_sync
+        import zmq
+
+        self.redis = redis_sync.Redis.from_url(redis_url(self.cfg), socket_timeout=30)
+        self.offset, rolled = ledger.rollback(self.redis, ck_off)
+        self.version = self.offset.version
+        log.info("trainer resumed at step %d (seq %d, epoch %d); %d uncheckpointed step(s) rolled back and "
+                 "will be replayed from the log", self.step, self.offset.seq, self.offset.epoch, rolled)
+        self.zmq_ctx = zmq.Context()
+        self.contexts = ContextReader(self.cfg, redis_url(self.cfg))
+        self.source = SampleSource(self.cfg, self.redis, self.zmq_ctx, self.offset.seq, self.offset.id, self.contexts)
+        self.publisher = self._make_publisher()
+        self.publish()  # the restored lineage, as a version newer than anything served before
+
+    def _make_publisher(self) -> Any:
+        try:
+            from services.trainer.publisher import DeltaPublisher
+        except ImportError:
+            log.warning("services.trainer.publisher is not available: weights are not published to workers")
+            return None
+        return DeltaPublisher(self.cfg, self.zmq_ctx, self.named_params(), self.version,
+                              getattr(self.model, "model_id", "model"))
+
+    def named_params(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().cpu() for n, p in self.model.trainable_named_parameters()}
+
+    # ---------------------------------------------------------------- collectives
+    def broadcast_bytes(self, data: bytes | None) -> bytes:
+        if self.world == 1:
+            return data or b""
+        n = torch.tensor([len(data) if self.rank == 0 and data else 0], dtype=torch.int64)
+        dist.broadcast(n, 0, group=self.ctrl_group)
+        size = int(n.item())
+        if size == 0:
+            return b""
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 and data \
+            else torch.empty(size, dtype=torch.uint8)
+        dist.broadcast(buf, 0, group=self.ctrl_group)
+        return data if self.rank == 0 and data else buf.numpy().tobytes()
+
+    def _set_timeout(self, seconds: int) -> None:
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        for group in {None, self.ctrl_group}:
+            try:
+                _set_pg_timeout(timedelta(seconds=seconds), group)
+            except Exception as exc:  # pragma: no cover - backend without the call
+                log.debug("could not shorten the process-group timeout: %s", exc)
+
+    # ---------------------------------------------------------------- the loop
+    def run(self) -> None:
+        first = True
+        try:
+            while True:
+                payload = self._next_payload() if self.rank == 0 else None
+                op, records, _ = decode_batch(self.broadcast_bytes(payload))
+                if op == "stop":
+                    break
+                if self.publisher is not None:
+                    self.publisher.serve_pending()
+                if op == "idle":
+                    continue
+                self.train_step(records)
+                if first:
+                    self._set_timeout(self.t.step_timeout_s)
+                    first = False
+        finally:
+            self.progress.close()
+        self.save_checkpoint()
+
+    def _next_payload(self) -> bytes:
+        assert self.source is not None
+        if self.stop_flag():
+            return encode_batch("stop", [])
+        samples = self.source.next_batch(self.t.batch_size * self.world, self.t.batch_wait_ms, self.stop_flag)
+        if not samples:
+            return encode_batch("idle", [])
+        return encode_batch("train", self.source.records(samples))
+
+    def train_step(self, records: list[TrainRecord]) -> None:
+        t0 = time.perf_counter()
+        items = [(r, pair) for r in records if not r.skip and (pair := r.logged.sample.training_pair())]
+        total = len(items)
+        loss_sum = torch.zeros(2, dtype=torch.float64)
+        if total:
+            mine = items[self.rank::self.world]
+            n_micro = self.t.grad_accum_steps
+            chunks = [mine[i::n_micro] for i in range(n_micro)]
+            for i, chunk in enumerate(chunks):
+                last = i == n_micro - 1
+                sync = last and not self.local_sgd
+                ctx = self.ddp.no_sync() if self.ddp is not None and not sync else contextlib.nullcontext()
+                weight = len(chunk) / total * self.world
+                use = chunk or items[:1]  # a zero-weighted pass keeps the all-reduce aligned
+                with ctx:
+                    batch = self.model.collate([self._encode(r, p) for r, p in use]).to(self.device)
+                    loss = self.ddp(batch) if self.ddp is not None else self.model.loss(batch)
+                    (loss * (weight if chunk else 0.0)).backward()
+                if chunk:
+                    loss_sum += torch.tensor([float(loss.detach()) * len(chunk), len(chunk)], dtype=torch.float64)
+            if self.t.clip_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(self.params, self.t.clip_grad_norm)
+            self.opt.step()
+            self.sched.step()
+            self.opt.zero_grad(set_to_none=True)
+            if self.averager is not None:
+                self.averager.average_parameters(self.params)
+        if self.world > 1:
+            dist.all_reduce(loss_sum, group=self.ctrl_group)
+        loss_value = float(loss_sum[0] / loss_sum[1]) if loss_sum[1] > 0 else float("nan")
+        self.step += 1
+        self._maybe_fault()
+        if self.rank == 0:
+            self._after_step(records, loss_value, time.perf_counter() - t0)
+        if self.step % self.t.checkpoint_every == 0:
+            self.save_checkpoint()
+
+    def _encode(self, record: TrainRecord, pair: tuple[str, str]) -> Any:
+        mods = record.logged.sample.modalities
+        if mods:
+            try:
+                return self.model.encode(record.context, pair[0], pair[1], modalities=mods)
+            except TypeError:
+                pass
+        return self.model.encode(record.context, pair[0], pair[1])
+
+    def _after_step(self, records: list[TrainRecord], loss: float, seconds: float) -> None:
+        last = records[-1].logged
+        publish_now = self.step % self.cfg.consistency.sync_interval == 0
+        next_version = self.version + 1 if publish_now else self.version
+        self.offset = ledger.Offset(last.seq, last.id, self.step, next_version, self.offset.epoch)
+        ledger.commit(self.redis, self.offset, [r.logged.id for r in records])
+        if publish_now:
+            self.publish()
+        rate = len(records) / max(seconds, 1e-9)
+        self._rate = rate if self._rate == 0 else 0.8 * self._rate + 0.2 * rate
+        m.TRAINER_STEP.set(self.step)
+        if not math.isnan(loss):
+            m.TRAINER_LOSS.set(loss)
+        m.TRAINER_SAMPLES_PER_S.set(self._rate)
+        m.TRAINER_SAMPLES.inc(len(records))
+        m.TRAINER_COMMITTED_SEQ.set(last.seq)
+        m.TRAINER_STEP_SECONDS.observe(seconds)
+        self.redis.hset(keys.TRAINER_STATUS, mapping={
+            "step": self.step, "loss": loss, "samples_per_s": round(self._rate, 2), "seq": last.seq,
+            "version": self.version, "epoch": self.offset.epoch, "world": self.world,
+            "updated_ms": int(time.time() * 1000)})
+        if self.step == 1 or self.step % 10 == 0 or seconds > 1.0:
+            log.info("step %d loss %.4f samples/s %.1f seq %d version %d", self.step, loss, self._rate,
+                     last.seq, self.version)
+        self.progress.update(self.step, loss, self._rate, last.seq)
+
+    def publish(self) -> None:
+        self.version = max(self.version, self.offset.version)
+        if self.publisher is not None:
+            self.publisher.publish(self.named_params(), self.version)
+        m.TRAINER_VERSION.set(self.version)
+
+    def save_checkpoint(self) -> None:
+        if self.local_sgd and self.world > 1:  # checkpoint the consensus model, not rank 0's drift
+            for p in self.params:
+                dist.all_reduce(p.data, group=None)
+                p.data /= self.world
+        if self.rank != 0:
+            return
+        state = {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
+                 "scheduler": self.sched.state_dict(), "step": self.step, "seq": self.offset.seq,
+                 "id": self.offset.id, "version": self.version, "model_id": getattr(self.model, "model_id", "")}
+        path = checkpoint.save(self.t.checkpoint_dir, self.step, state, self.t.checkpoint_keep)
+        log.info("checkpoint %s (step %d, seq %d, version %d)", path, self.step, self.offset.seq, self.version)
+
+    def _maybe_fault(self) -> None:
+        """Test hook: LEARNMESH_TRAINER_FAULT=rank:step:marker kills this rank once (kill -9)."""
+        if self._fault and self._fault[0] == self.rank and self.step >= self._fault[1]:
+            marker = self._fault[2]
+            if not os.path.exists(marker):
+                with open(marker, "w") as f:
+                    f.write(str(self.step))
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def close(self) -> None:
+        if self.source is not None:
+            self.source.close()
+        if self.publisher is not None:
+            self.publisher.close()
+        if self.contexts is not None:
+            self.contexts.close()
+        if self.zmq_ctx is not None:
+            self.zmq_ctx.term()
+        if self.redis is not None:
+            self.redis.close()
+
+
+def _parse_fault(spec: str) -> tuple[int, int, str] | None:
+    if not spec:
+        return None
+    rank, step, marker = spec.split(":", 2)
+    return int(rank), int(step), marker
+
+
+def redis_url(cfg: Any) -> str:
+    return cfg.redis.url or os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/0"

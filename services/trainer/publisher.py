@@ -1,0 +1,231 @@
+"""Trainer side of weight-delta sync (ZeroMQ Clone pattern).
+
+* PUB (``security.delta_pub_endpoint``): one DELTA message per codec chunk, sealed by the
+  envelope; chunks go out most important first (``scheduling.priority_mode``), and with
+  ``scheduling.bandwidth_cap_bytes_s`` only as many as the budget since the last publish
+  allows — the rest stays in the encoder's residual and goes out later (error feedback).
+* ROUTER (``security.snapshot_endpoint``): answers SNAPSHOT_REQ with a dense anchor of the
+  reference (what every receiver should hold) plus the next delta sequence number, so a
+  worker can join, or rejoin after a gap or a publisher restart.
+* PULL (``security.ack_endpoint``): workers' ACKs of applied versions (:meth:`acks`).
+
+The latest version is also written to Redis at ``keys.MODEL_VERSION`` so the gateway can
+compute each worker's lag from its heartbeats.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import zmq
+
+from shared import keys, metrics, wire
+from shared.codec import DeltaEncoder, EncodedDelta
+from shared.config import Config
+from shared.crypto import STREAM_DELTA, STREAM_SNAPSHOT, EnvelopeSealer, KeyRing
+from shared.zmq_util import make_socket
+
+log = logging.getLogger(__name__)
+
+_MAX_REQ_NONCE = 64
+
+
+@dataclass
+class PublishStats:
+    version: int
+    kind: str  # "delta" | "anchor"
+    bytes: int
+    packets: int
+    chunks_dropped: int
+    density: float
+    rel_error: float
+    encode_s: float
+    send_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class DeltaPublisher:
+    """Encode ``new - last published``, seal, publish; serve snapshots; collect acks."""
+
+    def __init__(self, cfg: Config, zmq_ctx: zmq.Context, named_params: dict[str, torch.Tensor], version: int,
+                 model_id: str, *, sender: str | None = None, redis_client: Any = None,
+                 start_thread: bool = True) -> None:
+        self.cfg = cfg
+        self.model_id = model_id
+        self.sender = sender or f"trainer-{os.getpid()}"
+        self.ring = KeyRing.load_or_create(cfg.security.delta_key_file)
+        self.sealer = EnvelopeSealer(self.ring, self.sender, rekey_after_packets=cfg.security.rekey_after_packets,
+                                     sign=cfg.security.sign_deltas)
+        self.encoder = DeltaEncoder(cfg.compression, named_params, version, model_id,
+                                    priority_mode=cfg.scheduling.priority_mode)
+        self._lock = threading.RLock()  # encoder + sealer
+        self._sock_lock = threading.Lock()  # ROUTER + PULL
+        self._pub = make_socket(zmq_ctx, zmq.PUB, bind=cfg.security.delta_pub_endpoint, hwm=100_000)
+        self._router = make_socket(zmq_ctx, zmq.ROUTER, bind=cfg.security.snapshot_endpoint)
+        self._acks_sock = make_socket(zmq_ctx, zmq.PULL, bind=cfg.security.ack_endpoint)
+        self._acks: dict[str, int] = {}
+        self._last_publish = time.monotonic()
+        self._redis = redis_client
+        if self._redis is None and cfg.redis.url:
+            import redis
+
+            self._redis = redis.Redis.from_url(cfg.redis.url, socket_timeout=cfg.redis.socket_timeout_s)
+        self._set_latest(version)
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        if start_thread:
+            self.start()
+
+    @property
+    def version(self) -> int:
+        return self.encoder.version
+
+    # ---------------------------------------------------------------- publishing
+    def publish(self, named_params: dict[str, torch.Tensor], version: int, *, anchor: bool | None = None) -> PublishStats:
+        """Encode and send the change since the last publish as ``version``."""
+        self._raise_background_error()
+        self.ring.reload_if_changed()
+        now = time.monotonic()
+        max_bytes = None
+        cap = self.cfg.scheduling.bandwidth_cap_bytes_s
+        if cap > 0:
+            max_bytes = max(self.cfg.scheduling.min_bandwidth, int(cap * (now - self._last_publish)))
+        self._last_publish = now
+        with self._lock:
+            enc = self.encoder.encode(named_params, version, anchor=anchor, max_bytes=max_bytes)
+            t1 = time.perf_counter()
+            packets = self._send_delta(enc)
+            send_s = time.perf_counter() - t1
+        st = enc.stats
+        metrics.DELTA_PUBLISHED.labels(enc.header["kind"]).inc()
+        metrics.DELTA_BYTES.labels("sent").inc(enc.nbytes)
+        metrics.DELTA_ENCODE_SECONDS.observe(st["encode_s"])
+        metrics.DELTA_DENSITY.set(st.get("density", 0.0))
+        metrics.DELTA_RESIDUAL.set(st.get("rel_error", 0.0))
+        self._set_latest(version)
+        return PublishStats(version, enc.header["kind"], enc.nbytes, packets, st.get("chunks_dropped", 0),
+                            st.get("density", 0.0), st.get("rel_error", 0.0), st["encode_s"], send_s,
+                            {"tuner": self.encoder.tuner_report()} if self.cfg.compression.tuner != "off" else {})
+
+    def _send_delta(self, enc: EncodedDelta) -> int:
+        h = enc.header
+        blobs = enc.chunks or [b""]  # an empty delta still moves receivers to the new version
+        for i, blob in enumerate(blobs):
+            meta = {"model": self.model_id, "base": h["base"], "version": h["version"], "i": i,
+                    "n": len(blobs), "codec": h}
+            frames = self.sealer.seal(STREAM_DELTA, meta, blob)
+            self._pub.send_multipart(wire.encode(wire.MsgType.DELTA, {"v": h["version"]}, frames), copy=False)
+        return len(blobs)
+
+    def _set_latest(self, version: int) -> None:
+        metrics.DELTA_LATEST_VERSION.set(version)
+        if self._redis is not None:
+            try:
+                self._redis.set(keys.MODEL_VERSION, version)
+            except Exception as exc:  # Redis down must not stop training; the gateway sees stale lag
+                log.warning("could not record model version in Redis: %s", type(exc).__name__)
+
+    # ---------------------------------------------------------------- snapshots and acks
+    def serve_pending(self) -> None:
+        """Answer queued snapshot requests and drain acks (non-blocking)."""
+        with self._sock_lock:
+            while True:
+                try:
+                    frames = self._router.recv_multipart(zmq.NOBLOCK, copy=True)
+                except zmq.Again:
+                    break
+                self._answer_snapshot(frames)
+            while True:
+                try:
+                    frames = self._acks_sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                except zmq.Again:
+                    break
+                self._record_ack(frames)
+
+    def _answer_snapshot(self, frames: list[bytes]) -> None:
+        if len(frames) < 3:
+            return
+        ident = frames[0]
+        try:
+            mtype, header, _ = wire.decode(frames[1:])
+        except wire.WireError:
+            return
+        req = header.get("req")
+        if mtype != wire.MsgType.SNAPSHOT_REQ or not isinstance(req, str) or len(req) > _MAX_REQ_NONCE:
+            return
+        with self._lock:
+            snap = self.encoder.snapshot()
+            pub_seq = self.sealer.next_seq(STREAM_DELTA)
+            sealed = []
+            for i, blob in enumerate(snap.chunks):
+                meta = {"model": self.model_id, "version": snap.header["version"], "i": i,
+                        "n": len(snap.chunks), "req": req, "pub_seq": pub_seq, "codec": snap.header}
+                sealed.append(self.sealer.seal(STREAM_SNAPSHOT, meta, blob))
+        for i, env in enumerate(sealed):
+            msg = wire.encode(wire.MsgType.SNAPSHOT, {"i": i, "n": len(sealed)}, env)
+            try:
+                self._router.send_multipart([ident, *msg], copy=False)
+            except zmq.ZMQError:
+                return
+        metrics.DELTA_BYTES.labels("snapshot").inc(sum(len(f) for env in sealed for f in env))
+
+    def _record_ack(self, frames: list[bytes]) -> None:
+        try:
+            mtype, header, _ = wire.decode(frames)
+        except wire.WireError:
+            return
+        worker, version = header.get("worker"), header.get("version")
+        if mtype == wire.MsgType.ACK and isinstance(worker, str) and isinstance(version, int) and len(worker) < 256:
+            self._acks[worker] = max(version, self._acks.get(worker, -1))
+
+    def acks(self) -> dict[str, int]:
+        """Worker id -> last applied version it acknowledged."""
+        if self._thread is None:
+            self.serve_pending()
+        return dict(self._acks)
+
+    def lag(self) -> dict[str, int]:
+        """Worker id -> versions behind the latest publish (from acks)."""
+        return {w: self.version - v for w, v in self.acks().items()}
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._serve_loop, name="delta-publisher", daemon=True)
+        self._thread.start()
+
+    def _serve_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._acks_sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if poller.poll(50):
+                    self.serve_pending()
+        except zmq.ZMQError as exc:
+            if not self._stop.is_set():
+                self._error = exc
+        except BaseException as exc:  # forwarded to the next publish() call
+            self._error = exc
+
+    def _raise_background_error(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError("delta publisher background thread failed") from err
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        for sock in (self._pub, self._router, self._acks_sock):
+            sock.close(linger=0)

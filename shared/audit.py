@@ -1,0 +1,74 @@
+"""The audit log: one capped Redis Stream (``keys.AUDIT_STREAM``) of every change.
+
+Context scripts write their own records inside the same Lua call (so a change and its
+audit record are atomic); everything else (admin actions, trainer) calls :func:`audit`.
+Each record has ``ts_ms``, ``principal``, ``action`` and, when known, ``context`` and
+``version``, plus free-form string fields.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from shared import keys
+
+DEFAULT_MAXLEN = 100_000
+_maxlen = DEFAULT_MAXLEN
+
+
+def configure(maxlen: int) -> None:
+    """Set the stream cap (``context.audit_maxlen``); called once at start."""
+    global _maxlen
+    if maxlen < 1:
+        raise ValueError("audit maxlen must be >= 1")
+    _maxlen = maxlen
+
+
+async def audit(redis: aioredis.Redis, *, principal: str, action: str, context: str | None = None,
+                version: int | None = None, **fields: Any) -> str:
+    """Append one record (XADD ... MAXLEN ~ cap); returns the stream id."""
+    record: dict[str, str] = {"ts_ms": str(int(time.time() * 1000)), "principal": principal, "action": action}
+    if context is not None:
+        record["context"] = context
+    if version is not None:
+        record["version"] = str(version)
+    for name, value in fields.items():
+        if value is not None:
+            record[name] = str(value)
+    entry_id = await redis.xadd(keys.AUDIT_STREAM, record, maxlen=_maxlen, approximate=True)
+    return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+
+
+def _text(v: Any) -> str:
+    return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
+
+
+async def query(redis: aioredis.Redis, *, principal: str | None = None, action: str | None = None,
+                context: str | None = None, since_ms: int | None = None, limit: int = 100,
+                scan_max: int = 10_000) -> list[dict[str, str]]:
+    """Newest-first records matching every given filter (scans at most ``scan_max`` records)."""
+    if limit < 1 or scan_max < 1:
+        raise ValueError("limit and scan_max must be >= 1")
+    out: list[dict[str, str]] = []
+    upper = "+"
+    lower = f"{since_ms}-0" if since_ms is not None else "-"
+    scanned = 0
+    while len(out) < limit and scanned < scan_max:
+        batch = await redis.xrevrange(keys.AUDIT_STREAM, max=upper, min=lower, count=min(500, scan_max - scanned))
+        if not batch:
+            break
+        for entry_id, raw in batch:
+            rec = {_text(k): _text(v) for k, v in raw.items()}
+            rec["id"] = _text(entry_id)
+            if ((principal is None or rec.get("principal") == principal)
+                    and (action is None or rec.get("action") == action)
+                    and (context is None or rec.get("context") == context)):
+                out.append(rec)
+                if len(out) >= limit:
+                    break
+        scanned += len(batch)
+        upper = "(" + _text(batch[-1][0])  # exclusive: continue below the last id seen
+    return out

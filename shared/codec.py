@@ -1,0 +1,687 @@
+"""Weight-delta codec: what the trainer sends to inference workers after an optimizer step.
+
+The encoder keeps a *reference*: a flat copy of exactly what every receiver holds. A delta
+is ``new - reference``; only part of it is sent (magnitude selection, quantisation), and the
+reference is advanced by exactly what the receivers will apply. What was not sent stays in
+``new - reference`` and goes out with the next delta — this is error feedback, and it is why
+lossy coding does not drift: the served weights trail the trainer's by a bounded residual.
+
+Pipeline of a lossy delta (all on one flat view of the parameters, in blocks of
+``block_size`` elements):
+
+1. per-block L2 norms (change detection: untouched blocks are skipped; norms rank chunks),
+2. selection: ``|d| >= threshold`` where the threshold is either fixed or estimated from a
+   strided sample for a target density (a full ``torch.topk`` over 10M elements is ~4x slower),
+3. quantisation of the selected values with a per-block scale (fp16 or int8),
+4. index coding per chunk: varint gaps, or a bitmap when the chunk is dense,
+5. zstandard over each chunk.
+
+A lossless mode sends the XOR of the changed elements' bit patterns (bit-exact), and full
+anchors (every ``anchor_every`` publishes, and for snapshots) resend the reference densely.
+
+Wire shape: :class:`EncodedDelta` = a small JSON-able header (format, model id, base and new
+version, parameter-layout hash, codec parameters, chunk count) + independent chunk blobs,
+each ``zstd(CHUNK_HDR | scales | index bytes | value bytes)``. A decoder refuses a delta whose
+model, layout or base version does not match what it holds, and validates every chunk fully
+before anything is applied (:meth:`DeltaDecoder.decode` then :meth:`DeltaDecoder.apply`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import orjson
+import torch
+import zstandard
+
+from shared.config import CompressionConfig
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+CHUNK_MAGIC = b"LMC1"
+# magic, kind, quant, index coding, reserved, chunk number, start, end, count, n scales
+CHUNK_HDR = struct.Struct("<4sBBBBIQQQI")
+MAX_CHUNK_BYTES = 256 * 1024 * 1024  # decompressed; far below the AEAD limit and sane for memory
+
+KIND_SPARSE, KIND_XOR, KIND_DENSE = 0, 1, 2
+QUANT_NONE, QUANT_FP16, QUANT_INT8 = 0, 1, 2
+IDX_VARINT, IDX_BITMAP, IDX_NONE = 0, 1, 2
+_QUANT_CODES = {"none": QUANT_NONE, "fp16": QUANT_FP16, "int8": QUANT_INT8}
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NP_INT = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "float64": torch.float64}
+
+
+class CodecError(ValueError):
+    """A delta could not be decoded (malformed, inconsistent or corrupt); nothing was applied."""
+
+
+class BaseMismatch(CodecError):
+    """The delta was encoded against a different base version than the receiver holds."""
+
+
+class LayoutMismatch(CodecError):
+    """The delta belongs to another model or another parameter layout."""
+
+
+# ---------------------------------------------------------------------------- layout
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Names, shapes and dtype of the parameters, in order; its hash goes on the wire."""
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: torch.dtype
+    offsets: np.ndarray = field(compare=False, repr=False)  # start of each param in the flat view
+    numel: int = 0
+    digest: str = ""
+
+    @classmethod
+    def of(cls, params: dict[str, torch.Tensor]) -> Layout:
+        if not params:
+            raise CodecError("no parameters")
+        dtypes = {p.dtype for p in params.values()}
+        if len(dtypes) != 1:
+            raise CodecError(f"all parameters must share one dtype, got {sorted(map(str, dtypes))}")
+        dtype = dtypes.pop()
+        if dtype not in _DTYPES.values():
+            raise CodecError(f"unsupported parameter dtype {dtype}")
+        names = tuple(params)
+        shapes = tuple(tuple(int(s) for s in params[n].shape) for n in names)
+        sizes = np.array([math.prod(s) for s in shapes], dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        desc = orjson.dumps({"names": names, "shapes": shapes, "dtype": str(dtype)})
+        digest = hashlib.sha256(desc).hexdigest()[:32]
+        return cls(names, shapes, dtype, offsets, int(offsets[-1]), digest)
+
+    def check(self, params: dict[str, torch.Tensor]) -> None:
+        for name, shape in zip(self.names, self.shapes, strict=True):
+            p = params.get(name)
+            if p is None or tuple(p.shape) != shape or p.dtype != self.dtype:
+                raise LayoutMismatch(f"parameter {name!r} does not match the layout")
+            if not p.is_contiguous():
+                raise CodecError(f"parameter {name!r} is not contiguous")
+
+
+def flatten(params: dict[str, torch.Tensor], layout: Layout, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Copy the parameters into one flat tensor (padded with zeros to ``out``'s length)."""
+    if out is None:
+        out = torch.zeros(layout.numel, dtype=layout.dtype)
+    with torch.no_grad():
+        for i, name in enumerate(layout.names):
+            a, b = int(layout.offsets[i]), int(layout.offsets[i + 1])
+            out[a:b].copy_(params[name].detach().reshape(-1))
+    return out
+
+
+# ---------------------------------------------------------------------------- small codings
+
+
+def varint_encode(values: np.ndarray) -> bytes:
+    """LEB128 of non-negative integers, vectorised."""
+    v = values.astype(np.uint64, copy=False)
+    if v.size == 0:
+        return b""
+    nbytes = np.ones(v.size, dtype=np.int64)
+    for j in range(1, 10):
+        more = v >= np.uint64(1 << (7 * j))
+        if not more.any():
+            break
+        nbytes += more
+    ends = np.cumsum(nbytes)
+    starts = ends - nbytes
+    out = np.empty(int(ends[-1]), dtype=np.uint8)
+    for j in range(int(nbytes.max())):
+        sel = nbytes > j
+        part = (v[sel] >> np.uint64(7 * j)) & np.uint64(0x7F)
+        cont = (nbytes[sel] > j + 1).astype(np.uint64) << np.uint64(7)
+        out[starts[sel] + j] = (part | cont).astype(np.uint8)
+    return out.tobytes()
+
+
+def varint_decode(data: bytes | memoryview, count: int) -> np.ndarray:
+    """Inverse of :func:`varint_encode`; raises :class:`CodecError` on malformed input."""
+    b = np.frombuffer(data, dtype=np.uint8)
+    if count == 0:
+        if b.size:
+            raise CodecError("trailing index bytes")
+        return np.zeros(0, dtype=np.uint64)
+    term = (b & 0x80) == 0
+    ends = np.flatnonzero(term)
+    if ends.size != count or b.size == 0 or not term[-1]:
+        raise CodecError("index varints do not match the element count")
+    starts = np.empty_like(ends)
+    starts[0] = 0
+    starts[1:] = ends[:-1] + 1
+    lens = ends - starts + 1
+    if int(lens.max()) > 9:
+        raise CodecError("varint too long")
+    pos = np.arange(b.size, dtype=np.int64) - np.repeat(starts, lens)
+    contrib = (b & 0x7F).astype(np.uint64) << (7 * pos).astype(np.uint64)
+    return np.add.reduceat(contrib, starts)
+
+
+def _shuffle(arr: np.ndarray) -> bytes:
+    """Byte-plane shuffle (all first bytes, then all second bytes ...): helps zstd on floats."""
+    if arr.itemsize == 1:
+        return arr.tobytes()
+    return np.ascontiguousarray(arr.view(np.uint8).reshape(-1, arr.itemsize).T).tobytes()
+
+
+def _unshuffle(data: bytes | memoryview, np_dtype: Any, count: int) -> np.ndarray:
+    itemsize = np.dtype(np_dtype).itemsize
+    raw = np.frombuffer(data, dtype=np.uint8)
+    if raw.size != count * itemsize:
+        raise CodecError("value bytes do not match the element count")
+    if itemsize == 1:
+        return raw.view(np_dtype).copy()
+    return np.ascontiguousarray(raw.reshape(itemsize, count).T).view(np_dtype).reshape(-1)
+
+
+# ---------------------------------------------------------------------------- encoded form
+
+
+@dataclass
+class EncodedDelta:
+    """One delta or anchor: header (JSON-able) plus chunk blobs, most important first."""
+
+    header: dict[str, Any]
+    chunks: list[bytes]
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(c) for c in self.chunks) + len(orjson.dumps(self.header))
+
+
+@dataclass
+class DecodedChunk:
+    kind: int
+    start: int
+    end: int
+    idx: np.ndarray | None  # sorted global element indices (None: dense range)
+    values: torch.Tensor  # param dtype (sparse/dense) or int view (xor)
+
+
+@dataclass
+class DecodedDelta:
+    header: dict[str, Any]
+    chunks: list[DecodedChunk]
+
+    @property
+    def version(self) -> int:
+        return int(self.header["version"])
+
+
+# ---------------------------------------------------------------------------- encoder
+
+
+class DeltaEncoder:
+    """Encode ``new - reference`` and advance the reference by exactly what was sent.
+
+    ``reference`` starts as the given parameters (what a snapshot gives a receiver).
+    """
+
+    def __init__(self, cfg: CompressionConfig, params: dict[str, torch.Tensor], version: int,
+                 model_id: str, priority_mode: str = "magnitude") -> None:
+        self.cfg = cfg
+        self.model_id = model_id
+        self.layout = Layout.of(params)
+        self.layout.check(params)
+        self.block = cfg.block_size
+        self.nblocks = max(1, -(-self.layout.numel // self.block))
+        padded = self.nblocks * self.block
+        self.ref = torch.zeros(padded, dtype=self.layout.dtype)
+        flatten(params, self.layout, self.ref)
+        self._delta = torch.zeros(padded, dtype=torch.float32)
+        self._abs = torch.empty(padded, dtype=torch.float32)
+        self._mask = np.zeros(padded, dtype=np.bool_)
+        self._zc = zstandard.ZstdCompressor(level=cfg.zstd_level)
+        self.version = version
+        self.priority_mode = priority_mode
+        self.density = cfg.density
+        self.threshold = cfg.threshold
+        self.publishes = 0
+        self.chunk_blocks = max(1, cfg.chunk_elements // self.block)
+        self._rng = np.random.default_rng()
+        self.last_stats: dict[str, Any] = {}
+
+    # ---------------------------------------------------------------- public API
+    def encode(self, params: dict[str, torch.Tensor], version: int, *, anchor: bool | None = None,
+               max_bytes: int | None = None) -> EncodedDelta:
+        """Encode the change from the reference (at ``self.version``) to ``params`` at ``version``.
+
+        ``anchor=None`` follows ``anchor_every``. ``max_bytes`` caps the delta: chunks go out
+        most important first and the rest stays in the residual (error feedback).
+        """
+        if version <= self.version:
+            raise CodecError(f"new version {version} must exceed the reference version {self.version}")
+        self.layout.check(params)
+        t0 = time.perf_counter()
+        if anchor is None:
+            anchor = self.cfg.anchor_every > 0 and (self.publishes + 1) % self.cfg.anchor_every == 0
+        if self.cfg.max_ratio > 0:
+            cap = int(self.layout.numel * 4 / self.cfg.max_ratio)
+            max_bytes = cap if max_bytes is None else min(max_bytes, cap)
+        if anchor:
+            flatten(params, self.layout, self.ref)
+            enc = self._dense(version, base=self.version)
+            enc.header["kind"] = "anchor"
+        elif self.cfg.algorithm == "lossless":
+            enc = self._lossless(params, version, max_bytes)
+        else:
+            enc = self._lossy(params, version, max_bytes)
+        self.publishes += 1
+        self.version = version
+        enc.stats.update(encode_s=time.perf_counter() - t0, bytes=enc.nbytes,
+                         dense_fp32_bytes=self.layout.numel * 4, density_target=self.density,
+                         kind=enc.header["kind"])
+        self.last_stats = enc.stats
+        if self.cfg.tuner != "off" and enc.header["kind"] == "delta":
+            self._tune(enc.stats)
+        return enc
+
+    def snapshot(self) -> EncodedDelta:
+        """The reference as a dense anchor at the current version (what a new receiver loads)."""
+        return self._dense(self.version, base=None)
+
+    def residual_norm(self, params: dict[str, torch.Tensor]) -> float:
+        """L2 norm of what receivers still lack: ``params - reference``."""
+        flat = flatten(params, self.layout).float()
+        return float(torch.linalg.vector_norm(flat - self.ref[: self.layout.numel].float()))
+
+    def tuner_report(self) -> dict[str, Any]:
+        return {"mode": self.cfg.tuner, "target": self.cfg.tuner_target, "density": self.density,
+                "last_bytes": self.last_stats.get("bytes"), "last_rel_error": self.last_stats.get("rel_error")}
+
+    # ---------------------------------------------------------------- internals
+    def _header(self, kind: str, base: int | None, version: int, nchunks: int) -> dict[str, Any]:
+        return {"fmt": FORMAT_VERSION, "model": self.model_id, "layout": self.layout.digest,
+                "kind": kind, "base": base, "version": version, "numel": self.layout.numel,
+                "codec": {"algorithm": self.cfg.algorithm, "quant": self.cfg.quantization,
+                          "block": self.block, "density": round(self.density, 8),
+                          "threshold": self.threshold},
+                "nchunks": nchunks}
+
+    def _dense(self, version: int, base: int | None) -> EncodedDelta:
+        step = self.chunk_blocks * self.block
+        chunks = []
+        n = self.layout.numel
+        ref_bytes = self.ref[:n]
+        for i, a in enumerate(range(0, n, step)):
+            b = min(n, a + step)
+            raw = ref_bytes[a:b].view(_INT_VIEW[self.layout.dtype.itemsize]).numpy()
+            body = CHUNK_HDR.pack(CHUNK_MAGIC, KIND_DENSE, QUANT_NONE, IDX_NONE, 0, i, a, b, b - a, 0)
+            chunks.append(self._zc.compress(body + _shuffle(raw)))
+        return EncodedDelta(self._header("anchor", base, version, len(chunks)), chunks,
+                            {"selected": n, "density": 1.0})
+
+    def _fill_delta(self, params: dict[str, torch.Tensor]) -> None:
+        d = self._delta
+        lay = self.layout
+        with torch.no_grad():
+            for i, name in enumerate(lay.names):
+                a, b = int(lay.offsets[i]), int(lay.offsets[i + 1])
+                p = params[name].detach().reshape(-1)
+                if lay.dtype == torch.float32:
+                    torch.sub(p, self.ref[a:b], out=d[a:b])
+                else:
+                    torch.sub(p.float(), self.ref[a:b].float(), out=d[a:b])
+
+    def _lossy(self, params: dict[str, torch.Tensor], version: int, max_bytes: int | None) -> EncodedDelta:
+        cfg = self.cfg
+        self._fill_delta(params)
+        d = self._delta
+        blocks = d.view(self.nblocks, self.block)
+        norms = torch.linalg.vector_norm(blocks, dim=1)
+        total_sq = float(torch.sum(norms * norms))
+        active = torch.nonzero(norms > 0).squeeze(1).numpy()
+        if active.size == 0:
+            return EncodedDelta(self._header("delta", self.version, version, 0), [],
+                                {"selected": 0, "density": 0.0, "residual_norm": 0.0, "rel_error": 0.0,
+                                 "active_blocks": 0})
+        sparse_blocks = active.size < self.nblocks // 2
+        if sparse_blocks:  # change detection: only look inside blocks that changed
+            work = blocks[torch.from_numpy(active)]
+        else:
+            work = d
+        a = self._abs[: work.numel()].view(work.shape)
+        torch.abs(work, out=a)
+        if cfg.algorithm == "dense":
+            thr = 0.0
+        elif cfg.algorithm == "threshold":
+            thr = self.threshold
+        else:
+            thr = self._sampled_threshold(a.reshape(-1))
+        an = a.numpy().reshape(-1)
+        m = self._mask[: an.size]
+        if thr > 0:
+            np.greater_equal(an, thr, out=m)
+        else:
+            np.greater(an, 0, out=m)
+        local = np.flatnonzero(m)
+        if sparse_blocks:
+            idx = active[local // self.block].astype(np.int64) * self.block + local % self.block
+        else:
+            idx = local
+        idx = idx[idx < self.layout.numel]
+        idx_t = torch.from_numpy(idx)
+        vals = d[idx_t]
+        blk = idx // self.block
+        # chunks: contiguous ranges of blocks; rank them by selected energy (or layer order)
+        step = self.chunk_blocks * self.block
+        bounds = np.searchsorted(idx, np.arange(0, self.nblocks * self.block + step, step))
+        pieces = []
+        for c in range(len(bounds) - 1):
+            lo, hi = int(bounds[c]), int(bounds[c + 1])
+            if hi > lo:
+                energy = float(torch.sum(vals[lo:hi] * vals[lo:hi]))
+                pieces.append((c, lo, hi, energy))
+        if self.priority_mode == "magnitude":
+            pieces.sort(key=lambda x: -x[3])
+        quant = _QUANT_CODES[cfg.quantization]
+        chunks: list[bytes] = []
+        sent_sq = err_sq = 0.0
+        used = 0
+        header_bytes = 400
+        for c, lo, hi, energy in pieces:
+            start = c * step
+            end = min(self.layout.numel, start + step)
+            blob, deq = self._sparse_chunk(len(chunks), start, end, idx[lo:hi], vals[lo:hi], blk[lo:hi], quant)
+            if max_bytes is not None and chunks and used + len(blob) + header_bytes > max_bytes:
+                continue  # not sent: stays in the residual
+            used += len(blob)
+            chunks.append(blob)
+            sel = idx_t[lo:hi]
+            self.ref.index_add_(0, sel, deq)
+            sent_sq += energy
+            diff = vals[lo:hi] - deq.float()
+            err_sq += float(torch.sum(diff * diff))
+        residual_sq = max(0.0, total_sq - sent_sq + err_sq)
+        # re-number chunks in sending order so each blob's number matches its position
+        enc = EncodedDelta(self._header("delta", self.version, version, len(chunks)), chunks)
+        enc.stats.update(selected=int(idx.size), density=idx.size / self.layout.numel,
+                         threshold=thr, residual_norm=math.sqrt(residual_sq),
+                         rel_error=math.sqrt(residual_sq / total_sq) if total_sq else 0.0,
+                         active_blocks=int(active.size), chunks_dropped=len(pieces) - len(chunks))
+        return enc
+
+    def _sampled_threshold(self, a: torch.Tensor) -> float:
+        n = a.numel()
+        k_target = self.density * n
+        if k_target >= n:
+            return 0.0
+        samples = min(n, max(65536, int(64 / max(self.density, 1e-9))))
+        stride = max(1, n // samples)
+        off = int(self._rng.integers(0, stride)) if stride > 1 else 0
+        s = a[off::stride]
+        q = 1.0 - self.density
+        kth = min(s.numel(), max(1, int(round(q * s.numel()))))
+        return float(torch.kthvalue(s, kth).values)
+
+    def _sparse_chunk(self, number: int, start: int, end: int, idx: np.ndarray, vals: torch.Tensor,
+                      blk: np.ndarray, quant: int) -> tuple[bytes, torch.Tensor]:
+        b0 = start // self.block
+        nsc = -(-(end - start) // self.block)
+        rel_blk = torch.from_numpy(blk - b0)
+        absval = vals.abs()
+        scales = torch.zeros(nsc, dtype=torch.float32).scatter_reduce_(0, rel_blk, absval, "amax")
+        scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+        per = scales[rel_blk]
+        if quant == QUANT_FP16:
+            q = (vals / per).to(torch.float16)
+            deq = q.float() * per
+        elif quant == QUANT_INT8:
+            q = torch.round(vals / per * 127.0).to(torch.int8)
+            deq = q.float() * (per / 127.0)
+        else:
+            q = vals.clone()
+            deq = vals
+        deq = deq.to(self.layout.dtype)
+        count = idx.size
+        span = end - start
+        if count * 1.5 > span / 8:
+            bm = np.zeros(span, dtype=np.bool_)
+            bm[idx - start] = True
+            idx_bytes, code = np.packbits(bm).tobytes(), IDX_BITMAP
+        else:
+            gaps = np.diff(idx, prepend=start - 1) - 1
+            idx_bytes, code = varint_encode(gaps), IDX_VARINT
+        body = b"".join([
+            CHUNK_HDR.pack(CHUNK_MAGIC, KIND_SPARSE, quant, code, 0, number, start, end, count, nsc),
+            scales.numpy().tobytes(), struct.pack("<Q", len(idx_bytes)), idx_bytes, _shuffle(q.numpy())])
+        return self._zc.compress(body), deq
+
+    def _lossless(self, params: dict[str, torch.Tensor], version: int, max_bytes: int | None) -> EncodedDelta:
+        lay = self.layout
+        itype = _INT_VIEW[lay.dtype.itemsize]
+        ref_i = self.ref.view(itype)
+        x = self._delta.view(torch.int32) if lay.dtype.itemsize == 4 else torch.zeros_like(ref_i)
+        with torch.no_grad():
+            for i, name in enumerate(lay.names):
+                a, b = int(lay.offsets[i]), int(lay.offsets[i + 1])
+                p = params[name].detach().reshape(-1).view(itype)
+                torch.bitwise_xor(p, ref_i[a:b], out=x[a:b])
+        xn = x[: lay.numel].numpy()
+        idx = np.flatnonzero(xn)
+        step = self.chunk_blocks * self.block
+        bounds = np.searchsorted(idx, np.arange(0, lay.numel + step, step))
+        chunks: list[bytes] = []
+        for c in range(len(bounds) - 1):
+            lo, hi = int(bounds[c]), int(bounds[c + 1])
+            if hi <= lo:
+                continue
+            start, end = c * step, min(lay.numel, (c + 1) * step)
+            sel = idx[lo:hi]
+            xv = xn[sel]
+            if sel.size * 1.5 > (end - start) / 8:
+                bm = np.zeros(end - start, dtype=np.bool_)
+                bm[sel - start] = True
+                idx_bytes, code = np.packbits(bm).tobytes(), IDX_BITMAP
+            else:
+                idx_bytes, code = varint_encode(np.diff(sel, prepend=start - 1) - 1), IDX_VARINT
+            body = b"".join([CHUNK_HDR.pack(CHUNK_MAGIC, KIND_XOR, QUANT_NONE, code, 0, len(chunks), start, end,
+                                            sel.size, 0),
+                             struct.pack("<Q", len(idx_bytes)), idx_bytes, _shuffle(xv)])
+            chunks.append(self._zc.compress(body))
+            ref_i[torch.from_numpy(sel)] ^= torch.from_numpy(xv)
+        # max_bytes does not apply: lossless deltas are all-or-nothing
+        return EncodedDelta(self._header("delta", self.version, version, len(chunks)), chunks,
+                            {"selected": int(idx.size), "density": idx.size / lay.numel,
+                             "residual_norm": 0.0, "rel_error": 0.0})
+
+    def _tune(self, stats: dict[str, Any]) -> None:
+        target = self.cfg.tuner_target
+        if target <= 0:
+            return
+        old = self.density
+        if self.cfg.tuner == "bytes":
+            ratio = target / max(1, stats["bytes"])
+            self.density *= min(2.0, max(0.5, ratio ** 0.8))
+        else:
+            err = stats.get("rel_error", 0.0)
+            self.density *= 1.25 if err > target else 0.95
+        self.density = min(1.0, max(1e-5, self.density))
+        if abs(self.density - old) / old > 0.25:
+            log.info("delta tuner (%s, target %g): density %.5f -> %.5f", self.cfg.tuner, target, old, self.density)
+
+
+# ---------------------------------------------------------------------------- decoder
+
+
+class DeltaDecoder:
+    """Validate and apply encoded deltas to a receiver's parameters (in place)."""
+
+    def __init__(self, params: dict[str, torch.Tensor], version: int, model_id: str) -> None:
+        self.layout = Layout.of(params)
+        self.layout.check(params)
+        self.model_id = model_id
+        self.version = version
+        self._zd = zstandard.ZstdDecompressor()
+
+    def check_header(self, header: dict[str, Any]) -> None:
+        """Refuse deltas for another model/layout/base; raises a :class:`CodecError` subclass."""
+        if not isinstance(header, dict) or header.get("fmt") != FORMAT_VERSION:
+            raise CodecError("unknown delta format")
+        if header.get("model") != self.model_id or header.get("layout") != self.layout.digest:
+            raise LayoutMismatch("delta is for another model or parameter layout")
+        if header.get("numel") != self.layout.numel:
+            raise LayoutMismatch("delta element count does not match the layout")
+        kind, base, version = header.get("kind"), header.get("base"), header.get("version")
+        if kind not in ("delta", "anchor") or not isinstance(version, int) or isinstance(version, bool):
+            raise CodecError("bad delta kind or version")
+        if kind == "delta" and base != self.version:
+            raise BaseMismatch(f"delta base {base} does not match held version {self.version}")
+        nchunks = header.get("nchunks")
+        if not isinstance(nchunks, int) or not 0 <= nchunks <= 1_000_000:
+            raise CodecError("bad chunk count")
+
+    def decode(self, header: dict[str, Any], chunks: list[bytes | memoryview]) -> DecodedDelta:
+        """Fully validate a delta without touching any parameter."""
+        self.check_header(header)
+        if len(chunks) != header["nchunks"]:
+            raise CodecError("chunk count does not match the header")
+        codec = header.get("codec")
+        block = codec.get("block") if isinstance(codec, dict) else None
+        if not isinstance(block, int) or isinstance(block, bool) or not 1 <= block <= 1 << 30:
+            raise CodecError("bad block size")
+        decoded = [self._chunk(c, header["kind"], block) for c in chunks]
+        if header["kind"] == "anchor":
+            covered = sorted((c.start, c.end) for c in decoded)
+            pos = 0
+            for a, b in covered:
+                if a != pos:
+                    raise CodecError("anchor chunks do not cover the parameters")
+                pos = b
+            if pos != self.layout.numel:
+                raise CodecError("anchor chunks do not cover the parameters")
+        return DecodedDelta(header, decoded)
+
+    def apply(self, params: dict[str, torch.Tensor], delta: DecodedDelta) -> int:
+        """Apply a decoded delta in place; returns the new version."""
+        self.check_header(delta.header)
+        lay = self.layout
+        tensors = [params[n].data.view(-1) for n in lay.names]
+        with torch.no_grad():
+            for ch in delta.chunks:
+                if ch.kind == KIND_DENSE:
+                    self._apply_dense(tensors, ch)
+                    continue
+                assert ch.idx is not None
+                cuts = np.searchsorted(ch.idx, lay.offsets)
+                for i, t in enumerate(tensors):
+                    lo, hi = int(cuts[i]), int(cuts[i + 1])
+                    if hi <= lo:
+                        continue
+                    local = torch.from_numpy(ch.idx[lo:hi] - lay.offsets[i])
+                    if ch.kind == KIND_SPARSE:
+                        t.index_add_(0, local, ch.values[lo:hi])
+                    else:
+                        ti = t.view(_INT_VIEW[lay.dtype.itemsize])
+                        ti[local] ^= ch.values[lo:hi]
+        self.version = delta.version
+        return self.version
+
+    def _apply_dense(self, tensors: list[torch.Tensor], ch: DecodedChunk) -> None:
+        lay = self.layout
+        for i, t in enumerate(tensors):
+            a, b = int(lay.offsets[i]), int(lay.offsets[i + 1])
+            lo, hi = max(a, ch.start), min(b, ch.end)
+            if hi > lo:
+                t[lo - a:hi - a].copy_(ch.values[lo - ch.start:hi - ch.start])
+
+    def _chunk(self, blob: bytes | memoryview, kind_name: str, block: int) -> DecodedChunk:
+        try:
+            body = self._zd.decompress(bytes(blob), max_output_size=MAX_CHUNK_BYTES)
+        except zstandard.ZstdError as exc:
+            raise CodecError(f"chunk is not valid zstd: {exc}") from None
+        if len(body) < CHUNK_HDR.size:
+            raise CodecError("chunk too short")
+        magic, kind, quant, code, _, _, start, end, count, nsc = CHUNK_HDR.unpack_from(body)
+        if magic != CHUNK_MAGIC:
+            raise CodecError("bad chunk magic")
+        numel = self.layout.numel
+        if not (0 <= start < end <= numel) or count > end - start:
+            raise CodecError("chunk range out of bounds")
+        if (kind == KIND_DENSE) != (kind_name == "anchor"):
+            raise CodecError("chunk kind does not match the delta kind")
+        dtype = self.layout.dtype
+        itemsize = dtype.itemsize
+        pos = CHUNK_HDR.size
+        if kind == KIND_DENSE:
+            if count != end - start or quant != QUANT_NONE:
+                raise CodecError("bad dense chunk")
+            raw = _unshuffle(memoryview(body)[pos:], _NP_INT[itemsize], count)
+            return DecodedChunk(kind, start, end, None, torch.from_numpy(raw).view(dtype))
+        if kind not in (KIND_SPARSE, KIND_XOR):
+            raise CodecError("unknown chunk kind")
+        scales = None
+        if kind == KIND_SPARSE:
+            if start % block or nsc != -(-(end - start) // block):
+                raise CodecError("bad scale count")
+            if len(body) < pos + 4 * nsc:
+                raise CodecError("chunk truncated")
+            scales = torch.from_numpy(np.frombuffer(body, dtype=np.float32, count=nsc, offset=pos).copy())
+            if not bool(torch.isfinite(scales).all()):
+                raise CodecError("non-finite scale")
+            pos += 4 * nsc
+        elif nsc != 0:
+            raise CodecError("xor chunk with scales")
+        if len(body) < pos + 8:
+            raise CodecError("chunk truncated")
+        (nidx,) = struct.unpack_from("<Q", body, pos)
+        pos += 8
+        if nidx > len(body) - pos:
+            raise CodecError("chunk truncated")
+        idx_bytes = memoryview(body)[pos:pos + nidx]
+        pos += nidx
+        span = end - start
+        if code == IDX_BITMAP:
+            if nidx != (span + 7) // 8:
+                raise CodecError("bad bitmap size")
+            rel = np.flatnonzero(np.unpackbits(np.frombuffer(idx_bytes, dtype=np.uint8), count=span))
+            if rel.size != count:
+                raise CodecError("bitmap does not match the element count")
+            idx = rel.astype(np.int64) + start
+        elif code == IDX_VARINT:
+            gaps = varint_decode(idx_bytes, count)
+            if count and int(gaps.max()) >= span:
+                raise CodecError("index out of range")
+            idx = (np.cumsum(gaps.astype(np.int64) + 1) + (start - 1)).astype(np.int64)
+            if count and int(idx[-1]) >= end:
+                raise CodecError("index out of range")
+        else:
+            raise CodecError("unknown index coding")
+        rest = memoryview(body)[pos:]
+        if kind == KIND_XOR:
+            if quant != QUANT_NONE:
+                raise CodecError("bad xor chunk")
+            xv = _unshuffle(rest, _NP_INT[itemsize], count)
+            return DecodedChunk(kind, start, end, idx, torch.from_numpy(xv))
+        assert scales is not None
+        rel_blk = torch.from_numpy((idx - start) // block)
+        per = scales[rel_blk] if count else scales[:0]
+        if quant == QUANT_FP16:
+            q = torch.from_numpy(_unshuffle(rest, np.float16, count))
+            vals = q.float() * per
+        elif quant == QUANT_INT8:
+            q = torch.from_numpy(_unshuffle(rest, np.int8, count))
+            vals = q.float() * (per / 127.0)
+        elif quant == QUANT_NONE:
+            vals = torch.from_numpy(_unshuffle(rest, np.float32, count))
+        else:
+            raise CodecError("unknown quantisation")
+        if not bool(torch.isfinite(vals).all()):
+            raise CodecError("non-finite values")
+        return DecodedChunk(kind, start, end, idx, vals.to(dtype))

@@ -1,0 +1,364 @@
+"""Per-principal, per-modality conversation context in Redis.
+
+A principal owns contexts; a context has one channel per modality (text, image, audio —
+``context.modalities``), each an ordered list of entries. Every operation is ONE call of
+``shared/lua/context.lua`` (EVALSHA through redis-py ``register_script``): it reads or
+writes, bumps the context's version, updates recency and enforces the per-channel window,
+the per-principal byte budget (exact LRU over the principal's contexts) and the idle TTL
+atomically. The global budget (LRU over principals) is checked in the same call; evicting
+another principal's keys is a follow-up call on that principal's keys, needed only when the
+global budget is exceeded. See docs/context.md for the data model and the rules.
+
+Entries are stored packed: a 19-byte header (format, tokens, ts_ms, role/mime/links
+lengths), role, mime, links, then the raw content bytes (never base64).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import struct
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from shared import keys, metrics
+from shared.config import ContextConfig
+from shared.types import ContextWindow, Entry
+
+log = logging.getLogger(__name__)
+
+_HEADER = struct.Struct(">BIdHHH")
+_FORMAT = 1
+_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+_PRINCIPAL_BAD = re.compile(r"[{}|\x00\s]")
+MAX_ROLE_BYTES = 64
+MAX_MIME_BYTES = 128
+MAX_LINKS = 64
+MAX_LAST_N = 1_000_000
+MAX_TOKENS_LIMIT = 2**31 - 1
+
+
+class ContextError(ValueError):
+    """Bad input to the context store (maps to JSON-RPC -32602 / HTTP 400)."""
+
+
+class ContextNotFound(ContextError):
+    """The context does not exist for this principal (or was evicted)."""
+
+
+class VersionUnavailable(ContextNotFound):
+    """The requested version is not retained (older than ``versions_retained``, or evicted)."""
+
+
+class InvalidModality(ContextError):
+    """A modality that is not configured in ``context.modalities``."""
+
+
+class EntryTooLarge(ContextError):
+    """An entry over ``context.max_entry_bytes``."""
+
+
+class ContextExists(ContextError):
+    """fork() target id is already used."""
+
+
+@dataclass
+class AppendResult:
+    entry_id: str
+    version: int
+    evicted: list[str] = field(default_factory=list)  # this principal's contexts evicted by the append
+    evicted_principals: list[str] = field(default_factory=list)  # evicted for the global budget
+
+
+@dataclass
+class ContextInfo:
+    id: str
+    version: int
+    bytes: int
+    entries: dict[str, int]
+    last_used_ms: int
+    created_ms: int = 0
+
+
+def pack_entry(role: str, content: bytes, *, tokens: int, ts_ms: int, mime: str | None = None,
+               links: Sequence[str] = ()) -> bytes:
+    """The stored form of one entry (its length is what budgets count)."""
+    r, m, ln = role.encode(), (mime or "").encode(), ",".join(links).encode()
+    return b"".join((_HEADER.pack(_FORMAT, tokens, float(ts_ms), len(r), len(m), len(ln)), r, m, ln, content))
+
+
+def unpack_entry(entry_id: str, modality: str, raw: bytes) -> Entry:
+    fmt, tokens, ts, rl, ml, ll = _HEADER.unpack_from(raw)
+    if fmt != _FORMAT:
+        raise ValueError(f"unknown entry format {fmt}")
+    pos = _HEADER.size
+    role = raw[pos:pos + rl].decode()
+    pos += rl
+    mime = raw[pos:pos + ml].decode() or None
+    pos += ml
+    links = raw[pos:pos + ll].decode().split(",") if ll else []
+    pos += ll
+    content = raw[pos:]
+    return Entry(id=entry_id, modality=modality, role=role, content=content, mime=mime, tokens=tokens,
+                 size_bytes=len(content), ts_ms=int(ts), links=links)
+
+
+_ERRORS: dict[str, type[ContextError]] = {
+    "LM_NOTFOUND": ContextNotFound, "LM_VERSION": VersionUnavailable, "LM_BADLINK": ContextError,
+    "LM_EXISTS": ContextExists,
+}
+
+
+def _script_source() -> str:
+    return resources.files("shared").joinpath("lua/context.lua").read_text()
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+class ContextStore:
+    """The context store API used by the gateway, workers and the trainer."""
+
+    def __init__(self, redis: aioredis.Redis, cfg: ContextConfig, *,
+                 clock_ms: Callable[[], int] | None = None) -> None:
+        if redis.connection_pool.connection_kwargs.get("decode_responses"):
+            # Content is raw bytes: use a sibling client on the same server that does not decode.
+            kwargs = dict(redis.connection_pool.connection_kwargs, decode_responses=False)
+            pool = redis.connection_pool.__class__(connection_class=redis.connection_pool.connection_class,
+                                                   max_connections=redis.connection_pool.max_connections,
+                                                   **kwargs)
+            redis = aioredis.Redis(connection_pool=pool)
+        self.redis = redis
+        self.cfg = cfg
+        self._clock_ms = clock_ms or (lambda: int(time.time() * 1000))
+        self._script = redis.register_script(_script_source())
+        self._modalities = set(cfg.modalities)
+        self.round_trips = 0  # script calls made (the bench divides by operations)
+
+    # ------------------------------------------------------------------ validation
+    def _check_principal(self, principal: str) -> None:
+        if not principal or len(principal) > 256 or _PRINCIPAL_BAD.search(principal):
+            raise ContextError(f"bad principal name {principal!r}")
+
+    @staticmethod
+    def _check_id(context_id: str) -> None:
+        if not isinstance(context_id, str) or not _ID_RE.fullmatch(context_id):
+            raise ContextError("context id must be 1-128 characters of [A-Za-z0-9._:-], starting alphanumeric")
+
+    def _check_modality(self, modality: str) -> None:
+        if modality not in self._modalities:
+            raise InvalidModality(f"unknown modality {modality!r}; configured: {', '.join(self.cfg.modalities)}")
+
+    def _modalities_arg(self, modalities: Iterable[str] | None) -> str:
+        if modalities is None:
+            return ""
+        mods = list(modalities)
+        if not mods:
+            raise ContextError("modalities must not be empty (omit it for all)")
+        for m in mods:
+            self._check_modality(m)
+        return ",".join(mods)
+
+    # ------------------------------------------------------------------ plumbing
+    async def _call(self, op: str, principal: str, *args: Any) -> Any:
+        c = self.cfg
+        argv = [op, principal, self._clock_ms(), c.channel_max_entries, c.channel_max_bytes,
+                c.principal_budget_bytes, c.global_budget_bytes, c.idle_ttl_s * 1000, c.versions_retained,
+                c.audit_maxlen, *args]
+        ks = [*keys.ctx_keys(principal), keys.CTX_GLOBAL_BYTES, keys.CTX_GLOBAL_LRU, keys.AUDIT_STREAM]
+        self.round_trips += 1
+        t0 = time.perf_counter()
+        try:
+            out = await self._script(keys=ks, args=argv)
+        except ResponseError as exc:
+            kind, _, msg = str(exc).partition(" ")
+            msg = msg.split(" script: ", 1)[0]
+            err = _ERRORS.get(kind)
+            metrics.CONTEXT_OPS.labels(op, "error").inc()
+            if err is None:
+                raise
+            raise err(msg) from None
+        metrics.CONTEXT_OP_SECONDS.labels(op).observe(time.perf_counter() - t0)
+        metrics.CONTEXT_OPS.labels(op, "ok").inc()
+        return out
+
+    @staticmethod
+    def _evicted(flat: list[Any]) -> list[str]:
+        out = []
+        for i in range(0, len(flat), 2):
+            out.append(_text(flat[i]))
+            metrics.CONTEXT_EVICTIONS.labels(_text(flat[i + 1])).inc()
+        return out
+
+    async def _enforce_global(self, victims: list[Any]) -> list[str]:
+        """Evict the principals the script chose for the global budget (LRU over principals)."""
+        done = []
+        for i in range(0, len(victims), 2):
+            who, score = _text(victims[i]), _text(victims[i + 1])
+            n, _held = await self._call("evict_principal", who, score, "global_budget")
+            if n >= 0:
+                done.append(who)
+                if n:
+                    metrics.CONTEXT_EVICTIONS.labels("global_budget").inc(n)
+                log.info("context: evicted principal %s (%d contexts) for the global budget", who, n)
+        return done
+
+    def _window(self, principal: str, context_id: str, version: int, flat: list[Any]) -> ContextWindow:
+        win = ContextWindow(principal=principal, context_id=context_id, version=int(version))
+        chans: dict[str, list[tuple[int, Entry]]] = {}
+        for i in range(0, len(flat), 3):
+            mod, seq = _text(flat[i]), int(flat[i + 1])
+            chans.setdefault(mod, []).append((seq, unpack_entry(f"{mod}:{seq}", mod, flat[i + 2])))
+        order = {m: i for i, m in enumerate(self.cfg.modalities)}
+        for mod in sorted(chans, key=lambda m: order.get(m, len(order))):
+            win.channels[mod] = [e for _, e in sorted(chans[mod], key=lambda t: t[0])]
+        return win
+
+    # ------------------------------------------------------------------ API
+    async def append(self, principal: str, context_id: str, modality: str, role: str, content: bytes, *,
+                     mime: str | None = None, tokens: int | None = None, links: Sequence[str] = ()) -> AppendResult:
+        """Append one entry (creating the context if needed); returns its id and the new version."""
+        self._check_principal(principal)
+        self._check_id(context_id)
+        self._check_modality(modality)
+        if not isinstance(content, (bytes, bytearray, memoryview)):
+            raise ContextError("content must be bytes")
+        content = bytes(content)
+        if len(content) > self.cfg.max_entry_bytes:
+            raise EntryTooLarge(f"entry of {len(content)} bytes exceeds context.max_entry_bytes "
+                                f"({self.cfg.max_entry_bytes})")
+        if not role or len(role.encode()) > MAX_ROLE_BYTES:
+            raise ContextError(f"role must be 1-{MAX_ROLE_BYTES} bytes")
+        if mime is not None and (len(mime.encode()) > MAX_MIME_BYTES or not mime):
+            raise ContextError(f"mime must be 1-{MAX_MIME_BYTES} bytes")
+        if modality == "text":
+            try:
+                content.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ContextError("text content must be valid UTF-8") from None
+        if tokens is None:
+            tokens = len(content)  # bytes-level tokenizer: one token per byte
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens <= MAX_TOKENS_LIMIT:
+            raise ContextError("tokens must be an integer in 0..2^31-1")
+        links = list(links)
+        if len(links) > MAX_LINKS:
+            raise ContextError(f"at most {MAX_LINKS} links per entry")
+        for link in links:
+            mod, _, seq = str(link).partition(":")
+            self._check_modality(mod)
+            if mod == modality or not seq.isdigit() or int(seq) < 1:
+                raise ContextError(f"link {link!r} must name an entry of another channel, like 'image:3'")
+        packed = pack_entry(role, content, tokens=tokens, ts_ms=self._clock_ms(), mime=mime, links=links)
+        seq, version, evicted, victims = await self._call("append", principal, context_id, modality, packed,
+                                                          ",".join(links))
+        metrics.CONTEXT_APPENDED_BYTES.labels(modality).inc(len(content))
+        result = AppendResult(entry_id=f"{modality}:{int(seq)}", version=int(version), evicted=self._evicted(evicted))
+        if victims:
+            result.evicted_principals = await self._enforce_global(victims)
+        return result
+
+    async def get_window(self, principal: str, context_id: str, *, modalities: Iterable[str] | None = None,
+                         last_n: int | None = None, max_tokens: int | None = None,
+                         resolve_links: bool = False) -> ContextWindow:
+        """The newest entries per channel: all, the last ``last_n``, and/or within ``max_tokens``
+        (per channel; always at least the newest entry). ``resolve_links`` adds entries of the
+        requested modalities that returned entries link to, even outside the window."""
+        self._check_principal(principal)
+        self._check_id(context_id)
+        mods = self._modalities_arg(modalities)
+        for name, v, hi in (("last_n", last_n, MAX_LAST_N), ("max_tokens", max_tokens, MAX_TOKENS_LIMIT)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi):
+                raise ContextError(f"{name} must be an integer in 1..{hi}")
+        version, flat, evicted = await self._call("window", principal, context_id, mods, last_n or 0,
+                                                  max_tokens or 0, "1" if resolve_links else "0")
+        self._evicted(evicted)
+        return self._window(principal, context_id, version, flat)
+
+    async def read_at_version(self, principal: str, context_id: str, version: int, *,
+                              modalities: Iterable[str] | None = None) -> ContextWindow:
+        """The context exactly as it was at ``version`` (raises VersionUnavailable if not retained)."""
+        self._check_principal(principal)
+        self._check_id(context_id)
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            raise ContextError("version must be a positive integer")
+        mods = self._modalities_arg(modalities)
+        ver, flat, evicted = await self._call("read_at", principal, context_id, version, mods)
+        self._evicted(evicted)
+        return self._window(principal, context_id, ver, flat)
+
+    async def version(self, principal: str, context_id: str) -> int:
+        self._check_principal(principal)
+        self._check_id(context_id)
+        ver, evicted = await self._call("version", principal, context_id)
+        self._evicted(evicted)
+        return int(ver)
+
+    async def list_contexts(self, principal: str) -> list[ContextInfo]:
+        """The principal's live contexts, most recently used first."""
+        self._check_principal(principal)
+        raw, evicted = await self._call("list", principal)
+        self._evicted(evicted)
+        out = []
+        for i in range(0, len(raw), 2):
+            m = orjson.loads(raw[i + 1])
+            ch = m.get("ch") or {}
+            out.append(ContextInfo(id=_text(raw[i]), version=int(m["v"]), bytes=int(m["b"]),
+                                   entries={k: int(c["hi"]) - int(c["lo"]) + 1 for k, c in ch.items()},
+                                   last_used_ms=int(m["lu"]), created_ms=int(m.get("t", 0))))
+        out.sort(key=lambda i: i.last_used_ms, reverse=True)
+        return out
+
+    async def clear(self, principal: str, context_id: str) -> int:
+        """Empty every channel; returns the new version (older versions stay readable while retained)."""
+        self._check_principal(principal)
+        self._check_id(context_id)
+        ver, evicted = await self._call("clear", principal, context_id)
+        self._evicted(evicted)
+        return int(ver)
+
+    async def fork(self, principal: str, src_id: str, dst_id: str | None = None) -> str:
+        """Copy a context's current entries into a new context (server-side, one round trip)."""
+        self._check_principal(principal)
+        self._check_id(src_id)
+        dst_id = dst_id if dst_id is not None else f"{src_id[:100]}-{uuid.uuid4().hex[:12]}"
+        self._check_id(dst_id)
+        if dst_id == src_id:
+            raise ContextExists("fork target must differ from the source")
+        _ver, evicted, victims = await self._call("fork", principal, src_id, dst_id)
+        self._evicted(evicted)
+        if victims:
+            await self._enforce_global(victims)
+        return dst_id
+
+    async def evict(self, principal: str, context_id: str, *, reason: str = "admin") -> bool:
+        """Remove a context entirely (audited); False if it did not exist."""
+        self._check_principal(principal)
+        self._check_id(context_id)
+        if not re.fullmatch(r"[a-z_]{1,32}", reason):
+            raise ContextError("bad eviction reason")
+        done, evicted = await self._call("evict", principal, context_id, reason)
+        self._evicted(evicted)
+        return bool(done)
+
+    async def principal_bytes(self, principal: str) -> int:
+        """Bytes the principal holds (entries physically kept, retained versions included)."""
+        raw = await self.redis.hget(keys.ctx_state(principal), "\x00bytes")
+        return int(raw or 0)
+
+    async def global_bytes(self) -> int:
+        raw = await self.redis.hget(keys.CTX_GLOBAL_BYTES, "\x00total")
+        return int(raw or 0)
+
+    async def principals(self) -> list[str]:
+        """Principals known to the global LRU, most recently used first (for admin)."""
+        return [_text(p) for p in await self.redis.zrevrange(keys.CTX_GLOBAL_LRU, 0, -1)]
+

@@ -1,0 +1,472 @@
+-- learnmesh context store: every operation of shared/context_store.py is one call of this
+-- script (EVALSHA). It reads, writes, bumps the version, updates recency and enforces the
+-- window, per-principal and idle bounds atomically, so no reader ever sees half a change.
+--
+-- KEYS (fixed list, built by shared.keys.ctx_keys + globals):
+--   1 E  hash  "<cid>|<modality>|<seq>" -> packed entry         (tag {principal})
+--   2 M  hash  cid -> JSON meta                                  (tag {principal})
+--   3 R  zset  cid -> logical clock of last use (exact LRU)      (tag {principal})
+--   4 V  hash  "<cid>|<version>" -> "mod:lo:hi;..."              (tag {principal})
+--   5 S  hash  "\0bytes", "\0clock", cid -> last version of an evicted context
+--   6 GB hash  principal -> bytes, "\0total", "\0clock"          (tag {ctxglobal})
+--   7 GL zset  principal -> global clock of last use             (tag {ctxglobal})
+--   8 AU stream audit log (capped)
+-- ARGV: 1 op, 2 principal, 3 now_ms, 4 channel_max_entries, 5 channel_max_bytes,
+--       6 principal_budget_bytes, 7 global_budget_bytes, 8 idle_ttl_ms, 9 versions_retained,
+--       10 audit_maxlen, 11.. op arguments.
+-- Errors are error replies whose first word is the error kind (LM_NOTFOUND, ...).
+local E, M, R, V, S, GB, GL, AU = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
+local op, P, NOW_S = ARGV[1], ARGV[2], ARGV[3]
+local now = tonumber(NOW_S)
+local CH_N, CH_B = tonumber(ARGV[4]), tonumber(ARGV[5])
+local P_BUD, G_BUD = tonumber(ARGV[6]), tonumber(ARGV[7])
+local IDLE, NVER, AMAX = tonumber(ARGV[8]), tonumber(ARGV[9]), ARGV[10]
+local BYTES, CLOCK, TOTAL = '\0bytes', '\0clock', '\0total'
+
+local evicted = {}   -- {cid, reason} pairs evicted during this call
+
+local function audit(action, cid, ver, extra)
+  local a = {'XADD', AU, 'MAXLEN', '~', AMAX, '*', 'ts_ms', NOW_S, 'principal', P, 'action', action}
+  if cid then a[#a + 1] = 'context'; a[#a + 1] = cid end
+  if ver then a[#a + 1] = 'version'; a[#a + 1] = tostring(ver) end
+  if extra then for i = 1, #extra do a[#a + 1] = tostring(extra[i]) end end
+  redis.call(unpack(a))
+end
+
+local function efield(cid, mod, seq) return cid .. '|' .. mod .. '|' .. seq end
+
+local function load(cid)
+  local raw = redis.call('HGET', M, cid)
+  if not raw then return nil end
+  return cjson.decode(raw)
+end
+
+local function save(cid, m) redis.call('HSET', M, cid, cjson.encode(m)) end
+
+local function add_bytes(delta)
+  if delta == 0 then return end
+  redis.call('HINCRBY', S, BYTES, delta)
+  redis.call('HINCRBY', GB, P, delta)
+  redis.call('HINCRBY', GB, TOTAL, delta)
+end
+
+local function principal_bytes() return tonumber(redis.call('HGET', S, BYTES) or '0') end
+
+-- Physically delete entries a..b of a channel; returns the bytes freed.
+local function del_range(cid, mod, a, b)
+  local freed, batch = 0, {}
+  for s = a, b do
+    local f = efield(cid, mod, s)
+    freed = freed + redis.call('HSTRLEN', E, f)
+    batch[#batch + 1] = f
+    if #batch >= 512 then redis.call('HDEL', E, unpack(batch)); batch = {} end
+  end
+  if #batch > 0 then redis.call('HDEL', E, unpack(batch)) end
+  return freed
+end
+
+local function del_versions(cid, a, b)
+  local batch = {}
+  for v = a, b do
+    batch[#batch + 1] = cid .. '|' .. v
+    if #batch >= 512 then redis.call('HDEL', V, unpack(batch)); batch = {} end
+  end
+  if #batch > 0 then redis.call('HDEL', V, unpack(batch)) end
+end
+
+-- Remove a whole context in this call (never half of it), remember its last version.
+local function drop_context(cid, m, reason)
+  local freed = 0
+  for mod, c in pairs(m.ch) do freed = freed + del_range(cid, mod, c.plo, c.hi) end
+  del_versions(cid, m.vf, m.v)
+  redis.call('HDEL', M, cid)
+  redis.call('ZREM', R, cid)
+  redis.call('HSET', S, cid, m.v)
+  add_bytes(-freed)
+  audit('evict', cid, m.v, {'reason', reason, 'bytes', freed})
+  evicted[#evicted + 1] = {cid, reason}
+end
+
+local function ranges_str(m)
+  local parts = {}
+  for mod, c in pairs(m.ch) do parts[#parts + 1] = mod .. ':' .. c.lo .. ':' .. c.hi end
+  return table.concat(parts, ';')
+end
+
+local function parse_ranges(s)
+  local out = {}
+  if s then
+    for mod, lo, hi in string.gmatch(s, '([^:;]+):(%d+):(%d+)') do out[mod] = {tonumber(lo), tonumber(hi)} end
+  end
+  return out
+end
+
+-- Free entries no retained version can see any more (lo is monotonic per channel, so the
+-- oldest retained version holds the smallest lo of every channel it has).
+local function collect(cid, m)
+  local oldest = parse_ranges(redis.call('HGET', V, cid .. '|' .. m.vf))
+  local freed = 0
+  for mod, c in pairs(m.ch) do
+    local r = oldest[mod]
+    if r and r[1] > c.plo then
+      freed = freed + del_range(cid, mod, c.plo, r[1] - 1)
+      c.plo = r[1]
+    end
+  end
+  m.b = m.b - freed
+  add_bytes(-freed)
+end
+
+local function bump(cid, m)
+  m.v = m.v + 1
+  redis.call('HSET', V, cid .. '|' .. m.v, ranges_str(m))
+  if m.v - m.vf + 1 > NVER then
+    del_versions(cid, m.vf, m.v - NVER)
+    m.vf = m.v - NVER + 1
+  end
+  collect(cid, m)
+end
+
+local function touch(cid, m)
+  redis.call('ZADD', R, redis.call('HINCRBY', S, CLOCK, 1), cid)
+  redis.call('ZADD', GL, redis.call('HINCRBY', GB, CLOCK, 1), P)
+  m.lu = now
+end
+
+local function keep_alive()
+  local ms = IDLE
+  for i = 1, 5 do redis.call('PEXPIRE', KEYS[i], ms) end
+end
+
+-- Redis may have expired the principal's keys (idle TTL): bring global accounting in line.
+local function reconcile()
+  local mine = principal_bytes()
+  local seen = tonumber(redis.call('HGET', GB, P) or '0')
+  if mine ~= seen then
+    redis.call('HSET', GB, P, mine)
+    redis.call('HINCRBY', GB, TOTAL, mine - seen)
+  end
+end
+
+-- Lazy per-context idle expiry: the LRU head is the context idle longest.
+local function expire_idle()
+  while true do
+    local head = redis.call('ZRANGE', R, 0, 0)
+    if #head == 0 then return end
+    local m = load(head[1])
+    if not m then
+      redis.call('ZREM', R, head[1])
+    elseif m.lu + IDLE <= now then
+      drop_context(head[1], m, 'idle')
+    else
+      return
+    end
+  end
+end
+
+-- Exact LRU over the principal's contexts; `keep` (just written, MRU) goes last.
+local function enforce_principal(keep, km)
+  while principal_bytes() > P_BUD do
+    local head = redis.call('ZRANGE', R, 0, 1)
+    local victim = head[1]
+    if victim == keep then victim = head[2] end
+    if not victim then break end
+    local vm = load(victim)
+    if vm then drop_context(victim, vm, 'principal_budget') else redis.call('ZREM', R, victim) end
+  end
+  if principal_bytes() <= P_BUD then return end
+  -- `keep` alone is over budget: give up retained versions first, then its oldest entries.
+  if km.vf < km.v then
+    del_versions(keep, km.vf, km.v - 1)
+    km.vf = km.v
+    collect(keep, km)
+  end
+  while principal_bytes() > P_BUD do
+    local best, bmod = nil, nil
+    for mod, c in pairs(km.ch) do
+      if c.lo < c.hi and (best == nil or c.lo < best) then best, bmod = c.lo, mod end
+    end
+    if not bmod then break end
+    local c = km.ch[bmod]
+    local freed = del_range(keep, bmod, c.lo, c.lo)
+    c.lo = c.lo + 1; c.plo = c.lo; c.lb = c.lb - freed
+    km.b = km.b - freed
+    add_bytes(-freed)
+  end
+  redis.call('HSET', V, keep .. '|' .. km.v, ranges_str(km))
+end
+
+-- Principals to evict (LRU first, never the caller) so the global total fits the budget.
+local function global_victims()
+  local total = tonumber(redis.call('HGET', GB, TOTAL) or '0')
+  local out = {}
+  if total <= G_BUD then return out end
+  local start = 0
+  while total > G_BUD and #out < 64 do
+    local batch = redis.call('ZRANGE', GL, start, start + 31, 'WITHSCORES')
+    if #batch == 0 then break end
+    for i = 1, #batch, 2 do
+      local q = batch[i]
+      if q ~= P then
+        out[#out + 1] = {q, batch[i + 1]}
+        total = total - tonumber(redis.call('HGET', GB, q) or '0')
+        if total <= G_BUD or #out >= 64 then break end
+      end
+    end
+    start = start + 32
+  end
+  return out
+end
+
+local function new_meta(cid)
+  local last = tonumber(redis.call('HGET', S, cid) or '0')
+  return {v = last, vf = last + 1, b = 0, lu = now, t = now, ch = {}}
+end
+
+local function need(cid)
+  local m = load(cid)
+  if not m then error({err = 'LM_NOTFOUND context ' .. cid}) end
+  return m
+end
+
+local function hmget_range(cid, mod, a, b)
+  local fields = {}
+  for s = a, b do fields[#fields + 1] = efield(cid, mod, s) end
+  return redis.call('HMGET', E, unpack(fields))
+end
+
+-- Entries of a channel range, plus (when asked) a token budget walked newest first.
+local function read_channel(cid, mod, lo, hi, last_n, max_tokens, out)
+  if last_n > 0 and hi - last_n + 1 > lo then lo = hi - last_n + 1 end
+  if hi < lo then return end
+  if max_tokens > 0 then
+    local picked, used = {}, 0
+    for s = hi, lo, -1 do
+      local val = redis.call('HGET', E, efield(cid, mod, s))
+      if not val then break end
+      local _, tok = struct.unpack('>BI4', val)
+      if used + tok > max_tokens and #picked > 0 then break end
+      used = used + tok
+      picked[#picked + 1] = {s, val}
+      if used >= max_tokens then break end
+    end
+    for i = #picked, 1, -1 do out[#out + 1] = mod; out[#out + 1] = picked[i][1]; out[#out + 1] = picked[i][2] end
+    return
+  end
+  for a = lo, hi, 1000 do
+    local vals = hmget_range(cid, mod, a, math.min(hi, a + 999))
+    for i = 1, #vals do
+      if vals[i] then out[#out + 1] = mod; out[#out + 1] = a + i - 1; out[#out + 1] = vals[i] end
+    end
+  end
+end
+
+local function links_of(val)
+  local _, _, _, rl, ml, ll, pos = struct.unpack('>BI4dHHH', val)
+  if ll == 0 then return {} end
+  local s = string.sub(val, pos + rl + ml, pos + rl + ml + ll - 1)
+  local out = {}
+  for mod, seq in string.gmatch(s, '([^:,]+):(%d+)') do out[#out + 1] = {mod, tonumber(seq)} end
+  return out
+end
+
+-- Add entries of requested channels that returned entries link to (within `ranges`).
+local function resolve(cid, ranges, wanted, out)
+  local have = {}
+  for i = 1, #out, 3 do have[out[i] .. ':' .. out[i + 1]] = true end
+  local n = #out
+  for i = 1, n, 3 do
+    for _, l in ipairs(links_of(out[i + 2])) do
+      local key = l[1] .. ':' .. l[2]
+      local r = ranges[l[1]]
+      if wanted[l[1]] and r and not have[key] and l[2] >= r[1] and l[2] <= r[2] then
+        local val = redis.call('HGET', E, efield(cid, l[1], l[2]))
+        if val then out[#out + 1] = l[1]; out[#out + 1] = l[2]; out[#out + 1] = val; have[key] = true end
+      end
+    end
+  end
+end
+
+local function wanted_set(csv)
+  local w, all = {}, csv == ''
+  for mod in string.gmatch(csv, '[^,]+') do w[mod] = true end
+  return w, all
+end
+
+local function evicted_reply()
+  local out = {}
+  for _, e in ipairs(evicted) do out[#out + 1] = e[1]; out[#out + 1] = e[2] end
+  return out
+end
+
+local function global_reply(victims)
+  local out = {}
+  for _, v in ipairs(victims) do out[#out + 1] = v[1]; out[#out + 1] = v[2] end
+  return out
+end
+
+-- ------------------------------------------------------------------ operations
+local ops = {}
+
+-- ARGV 11 cid, 12 modality, 13 packed entry, 14 links csv -> {seq, version, evicted, victims}
+function ops.append()
+  local cid, mod, val, links = ARGV[11], ARGV[12], ARGV[13], ARGV[14]
+  local m = load(cid) or new_meta(cid)
+  for l, seq in string.gmatch(links, '([^:,]+):(%d+)') do
+    local c = m.ch[l]
+    seq = tonumber(seq)
+    if not c or seq < c.lo or seq > c.hi then error({err = 'LM_BADLINK no entry ' .. l .. ':' .. seq}) end
+  end
+  local c = m.ch[mod]
+  if not c then c = {lo = 1, hi = 0, plo = 1, lb = 0}; m.ch[mod] = c end
+  local seq = c.hi + 1
+  redis.call('HSET', E, efield(cid, mod, seq), val)
+  c.hi = seq
+  c.lb = c.lb + #val
+  m.b = m.b + #val
+  add_bytes(#val)
+  while c.lo < c.hi and (c.hi - c.lo + 1 > CH_N or c.lb > CH_B) do
+    c.lb = c.lb - redis.call('HSTRLEN', E, efield(cid, mod, c.lo))
+    c.lo = c.lo + 1
+  end
+  touch(cid, m)
+  bump(cid, m)
+  enforce_principal(cid, m)
+  save(cid, m)
+  audit('append', cid, m.v, {'entry', mod .. ':' .. seq, 'bytes', #val})
+  keep_alive()
+  return {seq, m.v, evicted_reply(), global_reply(global_victims())}
+end
+
+-- ARGV 11 cid, 12 modalities csv, 13 last_n, 14 max_tokens, 15 resolve(0/1)
+--   -> {version, {mod, seq, value, ...}, evicted}
+function ops.window()
+  local cid = ARGV[11]
+  local m = need(cid)
+  local wanted, all = wanted_set(ARGV[12])
+  local last_n, max_tokens = tonumber(ARGV[13]), tonumber(ARGV[14])
+  local out, ranges = {}, {}
+  for mod, c in pairs(m.ch) do
+    ranges[mod] = {c.lo, c.hi}
+    if all or wanted[mod] then
+      wanted[mod] = true
+      read_channel(cid, mod, c.lo, c.hi, last_n, max_tokens, out)
+    end
+  end
+  if ARGV[15] == '1' then resolve(cid, ranges, wanted, out) end
+  touch(cid, m)
+  save(cid, m)
+  keep_alive()
+  return {m.v, out, evicted_reply()}
+end
+
+-- ARGV 11 cid, 12 version, 13 modalities csv -> {version, {mod, seq, value, ...}, evicted}
+function ops.read_at()
+  local cid, ver = ARGV[11], tonumber(ARGV[12])
+  local m = load(cid)
+  if not m or ver < m.vf or ver > m.v then
+    error({err = 'LM_VERSION context ' .. cid .. ' version ' .. ARGV[12] .. ' is not retained'})
+  end
+  local wanted, all = wanted_set(ARGV[13])
+  local out = {}
+  for mod, r in pairs(parse_ranges(redis.call('HGET', V, cid .. '|' .. ver))) do
+    if all or wanted[mod] then read_channel(cid, mod, r[1], r[2], 0, 0, out) end
+  end
+  touch(cid, m)
+  save(cid, m)
+  keep_alive()
+  return {ver, out, evicted_reply()}
+end
+
+-- ARGV 11 cid -> {version, evicted}
+function ops.version()
+  local m = need(ARGV[11])
+  return {m.v, evicted_reply()}
+end
+
+-- -> {{cid, meta json}..., evicted}
+function ops.list()
+  local raw = redis.call('HGETALL', M)
+  return {raw, evicted_reply()}
+end
+
+-- ARGV 11 cid -> {version, evicted}
+function ops.clear()
+  local cid = ARGV[11]
+  local m = need(cid)
+  for _, c in pairs(m.ch) do c.lo = c.hi + 1; c.lb = 0 end
+  touch(cid, m)
+  bump(cid, m)
+  save(cid, m)
+  audit('clear', cid, m.v)
+  keep_alive()
+  return {m.v, evicted_reply()}
+end
+
+-- ARGV 11 src, 12 dst -> {version of dst, evicted, victims}
+function ops.fork()
+  local src, dst = ARGV[11], ARGV[12]
+  local sm = need(src)
+  if redis.call('HEXISTS', M, dst) == 1 then error({err = 'LM_EXISTS context ' .. dst .. ' exists'}) end
+  local dm = new_meta(dst)
+  for mod, c in pairs(sm.ch) do
+    local nc = {lo = c.lo, hi = c.hi, plo = c.lo, lb = c.lb}
+    dm.ch[mod] = nc
+    for a = c.lo, c.hi, 1000 do
+      local vals = hmget_range(src, mod, a, math.min(c.hi, a + 999))
+      local pairs_ = {}
+      for i = 1, #vals do
+        if vals[i] then pairs_[#pairs_ + 1] = efield(dst, mod, a + i - 1); pairs_[#pairs_ + 1] = vals[i] end
+      end
+      if #pairs_ > 0 then redis.call('HSET', E, unpack(pairs_)) end
+    end
+    dm.b = dm.b + c.lb
+  end
+  add_bytes(dm.b)
+  touch(src, sm)
+  save(src, sm)
+  touch(dst, dm)
+  bump(dst, dm)
+  enforce_principal(dst, dm)
+  save(dst, dm)
+  audit('fork', dst, dm.v, {'source', src, 'source_version', sm.v, 'bytes', dm.b})
+  keep_alive()
+  return {dm.v, evicted_reply(), global_reply(global_victims())}
+end
+
+-- ARGV 11 cid, 12 reason -> {1|0, evicted}
+function ops.evict()
+  local m = load(ARGV[11])
+  if not m then return {0, evicted_reply()} end
+  drop_context(ARGV[11], m, ARGV[12])
+  return {1, evicted_reply()}
+end
+
+-- Global budget: drop every context of principal P (ARGV 11 = its global LRU score when it
+-- was chosen; skipped if it has been used since). -> {contexts dropped (-1 if skipped), bytes}
+function ops.evict_principal()
+  local score = redis.call('ZSCORE', GL, P)
+  if score and score ~= ARGV[11] then return {-1, 0} end
+  if tonumber(redis.call('HGET', GB, TOTAL) or '0') <= G_BUD then return {-1, 0} end
+  local raw = redis.call('HGETALL', M)
+  for i = 1, #raw, 2 do
+    local m = cjson.decode(raw[i + 1])
+    redis.call('HSET', S, raw[i], m.v)
+    audit('evict', raw[i], m.v, {'reason', ARGV[12], 'bytes', m.b})
+  end
+  local held = tonumber(redis.call('HGET', GB, P) or '0')
+  redis.call('DEL', E, M, R, V)
+  redis.call('HDEL', S, BYTES)
+  redis.call('HDEL', GB, P)
+  redis.call('HINCRBY', GB, TOTAL, -held)
+  redis.call('ZREM', GL, P)
+  return {#raw / 2, held}
+end
+
+local fn = ops[op]
+if not fn then return redis.error_reply('LM_BADOP ' .. tostring(op)) end
+if op ~= 'evict_principal' then
+  reconcile()
+  expire_idle()
+end
+return fn()

@@ -1,0 +1,217 @@
+"""Learning samples: the one schema the gateway validates and the trainer reads.
+
+Two kinds:
+
+* ``example`` — an input and the target continuation, optionally taken from a context
+  snapshot: ``{"kind": "example", "input": str, "target": str,
+  "context_id": str?, "version": int?, "modalities": [str]?}``. A sample that names a
+  context must name the version it was taken from, so every trainer rank reads the same
+  bytes (context is data, never model state).
+* ``feedback`` — on an earlier generation: ``{"kind": "feedback", "generation_id": str,
+  "input": str, "output": str?, "corrected": str?, "preference": "up"|"down"?}``.
+  A corrected answer trains ``input -> corrected``; an up-vote trains ``input -> output``;
+  a down-vote is logged and consumed but carries no gradient (no unlikelihood objective).
+
+:func:`parse_sample` turns untrusted JSON into a canonical :class:`Sample` or raises
+:class:`SampleError`; the canonical JSON (:meth:`Sample.to_json`) is what the durable log
+stores and what the size limit (``trainer.max_sample_bytes``) is measured against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+KINDS = ("example", "feedback")
+PREFERENCES = ("up", "down")
+_MAX_ID_CHARS = 256
+
+
+class SampleError(ValueError):
+    """A sample is malformed, empty or too big; ``index`` is its position in a batch."""
+
+    def __init__(self, message: str, index: int | None = None) -> None:
+        super().__init__(message if index is None else f"sample {index}: {message}")
+        self.index = index
+
+
+@dataclass
+class Sample:
+    kind: str
+    input: str
+    target: str = ""                       # example: the continuation to learn
+    context_id: str | None = None
+    version: int | None = None
+    modalities: list[str] | None = None
+    generation_id: str | None = None       # feedback only
+    output: str | None = None
+    corrected: str | None = None
+    preference: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind, "input": self.input}
+        for name in ("target", "context_id", "version", "modalities", "generation_id",
+                     "output", "corrected", "preference"):
+            value = getattr(self, name)
+            if value not in (None, ""):
+                out[name] = value
+        return out
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(self.to_dict())
+
+    def training_pair(self) -> tuple[str, str] | None:
+        """(prompt, target) this sample teaches, or None when it carries no gradient."""
+        if self.kind == "example":
+            return self.input, self.target
+        if self.corrected:
+            return self.input, self.corrected
+        if self.preference == "up" and self.output:
+            return self.input, self.output
+        return None
+
+
+def _str(obj: dict[str, Any], name: str, *, required: bool, allow_empty: bool = False,
+         max_chars: int | None = None) -> str | None:
+    value = obj.get(name)
+    if value is None:
+        if required:
+            raise SampleError(f"'{name}' is required")
+        return None
+    if not isinstance(value, str):
+        raise SampleError(f"'{name}' must be a string")
+    if not allow_empty and not value.strip():
+        raise SampleError(f"'{name}' must not be empty")
+    if max_chars is not None and len(value) > max_chars:
+        raise SampleError(f"'{name}' is longer than {max_chars} characters")
+    return value
+
+
+def parse_sample(obj: Any, *, max_bytes: int, modalities: list[str] | None = None,
+                 index: int | None = None) -> Sample:
+    """Validate one untrusted sample object; return its canonical form or raise SampleError."""
+    try:
+        return _parse(obj, max_bytes, modalities)
+    except SampleError as exc:
+        if index is None:
+            raise
+        raise SampleError(str(exc), index) from None
+
+
+def _parse(obj: Any, max_bytes: int, modalities: list[str] | None) -> Sample:
+    if not isinstance(obj, dict):
+        raise SampleError("a sample must be a JSON object")
+    kind = obj.get("kind", "feedback" if "generation_id" in obj else "example")
+    if kind not in KINDS:
+        raise SampleError(f"'kind' must be one of {', '.join(KINDS)}")
+    known = {"kind", "input", "target", "context_id", "version", "modalities", "generation_id",
+             "output", "corrected", "preference"}
+    unknown = sorted(set(obj) - known)
+    if unknown:
+        raise SampleError(f"unknown field(s): {', '.join(unknown)}")
+    if kind == "example":
+        sample = Sample("example", input=_str(obj, "input", required=True, allow_empty=True) or "",
+                        target=_str(obj, "target", required=True) or "")
+        for name in ("generation_id", "output", "corrected", "preference"):
+            if name in obj:
+                raise SampleError(f"'{name}' belongs to feedback samples")
+    else:
+        sample = Sample("feedback", input=_str(obj, "input", required=True) or "",
+                        generation_id=_str(obj, "generation_id", required=True, max_chars=_MAX_ID_CHARS),
+                        output=_str(obj, "output", required=False),
+                        corrected=_str(obj, "corrected", required=False),
+                        preference=_str(obj, "preference", required=False))
+        if "target" in obj:
+            raise SampleError("'target' belongs to example samples (use 'corrected')")
+        if sample.preference is not None and sample.preference not in PREFERENCES:
+            raise SampleError("'preference' must be 'up' or 'down'")
+        if sample.corrected is None and sample.preference is None:
+            raise SampleError("feedback needs 'corrected' or 'preference'")
+        if sample.preference == "up" and sample.corrected is None and not sample.output:
+            raise SampleError("an up-vote needs the generated 'output' it approves")
+    _parse_context(obj, sample, modalities)
+    size = len(sample.to_json())
+    if size > max_bytes:
+        raise SampleError(f"sample is {size} bytes, over the limit of {max_bytes}")
+    return sample
+
+
+def _parse_context(obj: dict[str, Any], sample: Sample, modalities: list[str] | None) -> None:
+    sample.context_id = _str(obj, "context_id", required=False, max_chars=_MAX_ID_CHARS)
+    version = obj.get("version")
+    if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
+        raise SampleError("'version' must be a non-negative integer")
+    if sample.context_id is None and version is not None:
+        raise SampleError("'version' needs 'context_id'")
+    if sample.context_id is not None and version is None:
+        raise SampleError("a sample taken from a context must name its 'version'")
+    sample.version = version
+    mods = obj.get("modalities")
+    if mods is not None:
+        if sample.context_id is None:
+            raise SampleError("'modalities' needs 'context_id'")
+        if not isinstance(mods, list) or not all(isinstance(m, str) for m in mods):
+            raise SampleError("'modalities' must be a list of strings")
+        if modalities is not None and (bad := sorted(set(mods) - set(modalities))):
+            raise SampleError(f"unknown modality: {', '.join(bad)}")
+        sample.modalities = list(mods)
+
+
+def parse_batch(items: Any, *, max_bytes: int, max_count: int,
+                modalities: list[str] | None = None) -> list[Sample]:
+    """Validate a batch: every sample or none (the first bad one raises with its index)."""
+    if not isinstance(items, list) or not items:
+        raise SampleError("'samples' must be a non-empty list")
+    if len(items) > max_count:
+        raise SampleError(f"a batch holds at most {max_count} samples")
+    return [parse_sample(o, max_bytes=max_bytes, modalities=modalities, index=i) for i, o in enumerate(items)]
+
+
+def load_stored(raw: bytes | str) -> Sample:
+    """Rebuild a sample from the log's canonical JSON (already validated when written)."""
+    obj = orjson.loads(raw)
+    return Sample(kind=obj["kind"], input=obj.get("input", ""), target=obj.get("target", ""),
+                  context_id=obj.get("context_id"), version=obj.get("version"),
+                  modalities=obj.get("modalities"), generation_id=obj.get("generation_id"),
+                  output=obj.get("output"), corrected=obj.get("corrected"),
+                  preference=obj.get("preference"))
+
+
+# ---------------------------------------------------------------- the durable log
+
+# One round trip appends a batch: dense sequence numbers (INCRBY) and the stream entries are
+# written atomically, so seq order == id order and a gap in seq is visible to the trainer.
+APPEND_LUA = """
+local count = #ARGV - 1
+local last = redis.call('INCRBY', KEYS[2], count)
+local out = {}
+for i = 2, #ARGV do
+  local seq = last - count + i - 1
+  out[#out + 1] = redis.call('XADD', KEYS[1], '*', 'seq', seq, 'p', ARGV[1], 's', ARGV[i])
+end
+return {last, out}
+"""
+
+
+@dataclass
+class LoggedSample:
+    """One entry of the sample log, as the trainer sees it."""
+
+    id: str
+    seq: int
+    principal: str
+    sample: Sample
+
+
+def parse_entry(entry_id: bytes | str, fields: dict[Any, Any]) -> LoggedSample:
+    """Decode one XRANGE/XREAD entry of keys.SAMPLE_LOG."""
+    def get(name: str) -> Any:
+        return fields.get(name.encode(), fields.get(name))
+
+    eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    principal = get("p")
+    principal = principal.decode() if isinstance(principal, bytes) else str(principal)
+    return LoggedSample(eid, int(get("seq")), principal, load_stored(get("s")))

@@ -1,0 +1,102 @@
+"""Helpers for the admin tests: a live gateway (uvicorn in a thread) with known keys."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+
+from shared.config import Config, load_config
+from conftest import free_port, wait_for_sync
+
+ADMIN_KEY = "admin-key-0123456789"
+OPERATOR_KEY = "operator-key-0123456789"
+VIEWER_KEY = "viewer-key-0123456789"
+MCP_KEY = "mcp-alice-key-0123456789"
+
+
+def admin_config(redis_url: str, **overrides: Any) -> Config:
+    base = {
+        "redis": {"url": redis_url},
+        "gateway": {
+            "api_keys": {"alice": MCP_KEY},
+            "admin_keys": {"root": {"key": ADMIN_KEY, "role": "admin"},
+                           "ops": {"key": OPERATOR_KEY, "role": "operator"},
+                           "watch": {"key": VIEWER_KEY, "role": "viewer"}},
+        },
+        "worker": {"endpoints": []},
+    }
+    for section, fields in overrides.items():
+        base.setdefault(section, {}).update(fields)
+    return load_config(None, env={}, overrides=base)
+
+
+def build_app(cfg: Config) -> Any:
+    """The real gateway app when it exists; else a minimal app around the admin plug-in."""
+    try:
+        from gateway.app import create_app
+    except ImportError:
+        return _minimal_app(cfg)
+    return create_app(cfg)
+
+
+def _minimal_app(cfg: Config) -> Any:
+    import redis.asyncio as aioredis
+    from fastapi import FastAPI
+
+    from gateway.admin import api
+    from gateway.registry import Registry
+    from gateway.state import GatewayState
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        r = aioredis.from_url(cfg.redis.url)
+        b = aioredis.from_url(cfg.redis.url)
+        state = GatewayState(cfg, r, b, Registry())
+        app.state.gateway = state
+        await api.startup(state)
+        yield
+        await api.shutdown(state)
+        await r.aclose()
+        await b.aclose()
+
+    app = FastAPI(lifespan=lifespan)
+    app.include_router(api.router)
+    return app
+
+
+class LiveServer:
+    def __init__(self, app: Any) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    lifespan="on", loop="asyncio"))
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        asyncio.run(self.server.serve())
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        wait_for_sync(lambda: self.server.started or not self.thread.is_alive(), timeout_s=30,
+                      what="gateway to start")
+        assert self.server.started, "gateway failed to start"
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@contextlib.contextmanager
+def live_gateway(redis_url: str, **overrides: Any) -> Iterator[LiveServer]:
+    with LiveServer(build_app(admin_config(redis_url, **overrides))) as srv:
+        yield srv
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}

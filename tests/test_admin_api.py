@@ -1,0 +1,229 @@
+"""Admin REST API against a live gateway and real Redis: roles, keys, audit, control plane."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import redis as redis_sync
+from admin_support import ADMIN_KEY, MCP_KEY, OPERATOR_KEY, VIEWER_KEY, bearer, live_gateway
+
+from shared import control, keys
+
+
+@pytest.fixture
+def gw(redis_url):
+    with live_gateway(redis_url) as srv, httpx.Client(base_url=srv.url, timeout=10) as client:
+        yield client
+
+
+@pytest.fixture
+def r(redis_url):
+    client = redis_sync.Redis.from_url(redis_url, decode_responses=True)
+    yield client
+    client.close()
+
+
+def test_no_key_wrong_key_and_mcp_key_get_401(gw):
+    assert gw.get("/admin/whoami").status_code == 401
+    assert gw.get("/admin/whoami", headers=bearer("not-a-key-at-all")).status_code == 401
+    resp = gw.get("/admin/whoami", headers=bearer(MCP_KEY))
+    assert resp.status_code == 401
+    assert resp.headers["www-authenticate"] == "Bearer"
+    assert gw.get("/admin/whoami", headers={"Authorization": f"Basic {ADMIN_KEY}"}).status_code == 401
+
+
+def test_roles_are_ordered(gw):
+    assert gw.get("/admin/whoami", headers=bearer(VIEWER_KEY)).json() == {
+        "name": "watch", "role": "viewer", "source": "config"}
+    # viewer reads, may not act
+    assert gw.get("/admin/trainer", headers=bearer(VIEWER_KEY)).status_code == 200
+    assert gw.post("/admin/trainer/pause", headers=bearer(VIEWER_KEY)).status_code == 403
+    # operator acts, may not change configuration or keys
+    assert gw.post("/admin/trainer/pause", headers=bearer(OPERATOR_KEY)).status_code == 200
+    assert gw.patch("/admin/config", json={"compression": {"density": 0.5}},
+                    headers=bearer(OPERATOR_KEY)).status_code == 403
+    assert gw.get("/admin/keys", headers=bearer(OPERATOR_KEY)).status_code == 403
+    assert gw.get("/admin/keys", headers=bearer(ADMIN_KEY)).status_code == 200
+
+
+def test_runtime_keys_hashed_created_used_revoked(gw, r):
+    resp = gw.post("/admin/keys", json={"name": "carol", "role": "operator"}, headers=bearer(ADMIN_KEY))
+    assert resp.status_code == 201, resp.text
+    new_key = resp.json()["key"]
+    stored = r.hgetall(keys.ADMIN_KEYS)
+    assert stored and all(new_key not in k and new_key not in v for k, v in stored.items())
+    assert gw.get("/admin/whoami", headers=bearer(new_key)).json()["role"] == "operator"
+    assert gw.post("/admin/keys", json={"name": "carol", "role": "viewer"},
+                   headers=bearer(ADMIN_KEY)).status_code == 409
+    assert gw.post("/admin/keys", json={"name": "root", "role": "viewer"},
+                   headers=bearer(ADMIN_KEY)).status_code == 409
+    assert gw.post("/admin/keys", json={"name": "bad name!", "role": "viewer"},
+                   headers=bearer(ADMIN_KEY)).status_code == 422
+    assert gw.post("/admin/keys", json={"name": "x", "role": "god"}, headers=bearer(ADMIN_KEY)).status_code == 422
+    listed = gw.get("/admin/keys", headers=bearer(ADMIN_KEY)).json()["keys"]
+    assert {k["name"] for k in listed} == {"root", "ops", "watch", "carol"}
+    assert all("key" not in k or k["key"] == "***" for k in listed)
+    assert gw.delete("/admin/keys/root", headers=bearer(ADMIN_KEY)).status_code == 409
+    assert gw.delete("/admin/keys/carol", headers=bearer(ADMIN_KEY)).status_code == 200
+    assert gw.get("/admin/whoami", headers=bearer(new_key)).status_code == 401
+    assert gw.delete("/admin/keys/carol", headers=bearer(ADMIN_KEY)).status_code == 404
+
+
+def test_every_action_is_audited_and_queryable(gw):
+    gw.post("/admin/trainer/pause", headers=bearer(OPERATOR_KEY))
+    gw.post("/admin/trainer/resume", headers=bearer(OPERATOR_KEY))
+    gw.post("/admin/delta-key/rotate", headers=bearer(ADMIN_KEY))
+    q = gw.get("/admin/audit", params={"principal": "admin:ops"}, headers=bearer(VIEWER_KEY)).json()
+    assert [e["action"] for e in q["entries"]] == ["trainer.resume", "trainer.pause"]
+    q = gw.get("/admin/audit", params={"action": "delta_key.*"}, headers=bearer(VIEWER_KEY)).json()
+    assert [e["principal"] for e in q["entries"]] == ["admin:root"]
+    first_ms = q["entries"][0]["ts_ms"]
+    q = gw.get("/admin/audit", params={"since_ms": first_ms + 60_000}, headers=bearer(VIEWER_KEY)).json()
+    assert q["entries"] == []
+    q = gw.get("/admin/audit", params={"until_ms": first_ms, "limit": 1}, headers=bearer(VIEWER_KEY)).json()
+    assert q["count"] == 1
+
+
+def test_trainer_control_channel_round_trip(gw, r):
+    ctl = control.TrainerControl(r)
+    assert not ctl.paused()
+    gw.post("/admin/trainer/pause", headers=bearer(OPERATOR_KEY))
+    assert ctl.paused()
+    assert gw.get("/admin/trainer", headers=bearer(VIEWER_KEY)).json()["paused"] is True
+    gw.post("/admin/trainer/resume", headers=bearer(OPERATOR_KEY))
+    assert not ctl.paused()
+    cid = gw.post("/admin/trainer/checkpoint", headers=bearer(OPERATOR_KEY)).json()["command_id"]
+    assert gw.get(f"/admin/trainer/commands/{cid}", headers=bearer(VIEWER_KEY)).json()["state"] == "pending"
+    [cmd] = ctl.commands()
+    assert (cmd.id, cmd.cmd, cmd.by) == (cid, "checkpoint", "admin:ops")
+    ctl.ack(cmd, ok=True, path="var/checkpoints/step-7.pt")
+    done = gw.get(f"/admin/trainer/commands/{cid}", headers=bearer(VIEWER_KEY)).json()
+    assert done["state"] == "done" and done["result"]["path"] == "var/checkpoints/step-7.pt"
+    # a restarted trainer neither repeats nor misses commands
+    assert control.TrainerControl(r).commands() == []
+    assert gw.get("/admin/trainer/commands/" + "0" * 32, headers=bearer(VIEWER_KEY)).status_code == 404
+
+
+def test_model_versions_and_rollback(gw, r):
+    assert gw.post("/admin/models/rollback", json={"version": 1}, headers=bearer(ADMIN_KEY)).status_code == 404
+    for v in (1, 2, 3):
+        control.record_version(r, v, step=v * 10, loss=3.0 / v, anchor=(v == 2))
+    r.set(keys.MODEL_VERSION, 3)
+    listed = gw.get("/admin/models", headers=bearer(VIEWER_KEY)).json()
+    assert listed["current"] == 3 and [v["version"] for v in listed["versions"]] == [3, 2, 1]
+    assert gw.post("/admin/models/rollback", json={"version": 1}, headers=bearer(OPERATOR_KEY)).status_code == 403
+    assert gw.post("/admin/models/rollback", json={}, headers=bearer(ADMIN_KEY)).status_code == 422
+    assert gw.post("/admin/models/rollback", json={"version": 9}, headers=bearer(ADMIN_KEY)).status_code == 404
+    resp = gw.post("/admin/models/rollback", json={"anchor": True}, headers=bearer(ADMIN_KEY))
+    assert resp.status_code == 202 and resp.json()["to_version"] == 2
+    [cmd] = control.TrainerControl(r).commands()
+    assert cmd.cmd == "rollback" and cmd.args == {"to_version": "2", "anchor": "1", "ts_ms": cmd.args["ts_ms"]}
+
+
+def test_runtime_config_validated_redacted_and_picked_up(gw, r, redis_url):
+    view = gw.get("/admin/config", headers=bearer(VIEWER_KEY)).json()
+    assert view["config"]["gateway"]["admin_keys"]["root"] == {"role": "admin", "key": "***"}
+    assert view["config"]["gateway"]["api_keys"]["alice"] == "***"
+    assert ADMIN_KEY not in str(view) and MCP_KEY not in str(view)
+    from admin_support import admin_config
+    watcher = control.RuntimeConfigWatcher(r, admin_config(redis_url))
+    assert watcher.poll() is None or watcher.current.compression.density == 0.01
+    for bad in ({"compression": {"density": 2}}, {"compression": {"nope": 1}}, {"gateway": {"port": 1}},
+                {"compression": {"algorithm": "magic"}}, {}, {"consistency": {}}):
+        resp = gw.patch("/admin/config", json=bad, headers=bearer(ADMIN_KEY))
+        assert resp.status_code == 422, (bad, resp.text)
+    assert r.hgetall(keys.RUNTIME_CONFIG) == {}
+    resp = gw.patch("/admin/config", json={"compression": {"density": 0.05}, "consistency": {"sync_interval": 3}},
+                    headers=bearer(ADMIN_KEY))
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["config"]["compression"]["density"] == 0.05
+    new = watcher.poll()
+    assert new is not None and new.compression.density == 0.05 and new.consistency.sync_interval == 3
+    assert watcher.poll() is None
+    gw.patch("/admin/config", json={"compression": {"zstd_level": 3}}, headers=bearer(ADMIN_KEY))
+    new = watcher.poll()
+    assert new.compression.zstd_level == 3 and new.compression.density == 0.05
+    gw.delete("/admin/config/runtime", headers=bearer(ADMIN_KEY))
+    assert watcher.poll().compression.density == 0.01
+
+
+def test_delta_key_rotation_signal(gw, r):
+    watcher = control.KeyRotationWatcher(r)
+    assert watcher.pending() == []
+    rid = gw.post("/admin/delta-key/rotate", headers=bearer(ADMIN_KEY)).json()["request_id"]
+    assert watcher.pending() == [rid]
+    watcher.done(rid, key_id="k2", epoch=2)
+    assert control.KeyRotationWatcher(r).pending() == []
+    status = gw.get("/admin/delta-key", headers=bearer(VIEWER_KEY)).json()
+    assert status["key_ring"]["key_id"] == "k2" and status["key_ring"]["last_request"] == rid
+
+
+def test_workers_list_and_drain(gw, r):
+    r.set(keys.MODEL_VERSION, 7)
+    control.report_status(r, "worker:w1", version=5, load=2)
+    control.report_status(r, "worker:w2", version=7, load=0)
+    workers = gw.get("/admin/workers", headers=bearer(VIEWER_KEY)).json()["workers"]
+    by_id = {w["id"]: w for w in workers}
+    assert by_id["w1"]["lag"] == 2 and by_id["w2"]["lag"] == 0 and by_id["w1"]["load"] == 2
+    assert gw.post("/admin/workers/w1/drain", headers=bearer(VIEWER_KEY)).status_code == 403
+    assert gw.post("/admin/workers/nope/drain", headers=bearer(OPERATOR_KEY)).status_code == 404
+    assert gw.post("/admin/workers/w1/drain", headers=bearer(OPERATOR_KEY)).json()["drained"] is True
+    assert control.drained_workers(r) == {"w1"}
+    assert {w["id"]: w["drained"] for w in gw.get("/admin/workers", headers=bearer(VIEWER_KEY)).json()["workers"]} \
+        == {"w1": True, "w2": False}
+    gw.delete("/admin/workers/w1/drain", headers=bearer(OPERATOR_KEY))
+    assert control.drained_workers(r) == set()
+
+
+async def _make_session(redis_url, principal):
+    import redis.asyncio as aioredis
+
+    from gateway.sessions import SessionRegistry
+    from shared.config import GatewayConfig
+    ra = aioredis.from_url(redis_url)
+    try:
+        reg = SessionRegistry(ra, ra, GatewayConfig())
+        return (await reg.create(principal, "2025-11-25", {"roots": {}})).id
+    finally:
+        await ra.aclose()
+
+
+async def test_sessions_list_inspect_terminate(redis_url):
+    sid_a = await _make_session(redis_url, "alice")
+    sid_b = await _make_session(redis_url, "bob")
+    import asyncio
+    await asyncio.to_thread(_sessions_checks, redis_url, sid_a, sid_b)
+
+
+def _sessions_checks(redis_url, sid_a, sid_b):
+    with live_gateway(redis_url) as srv, httpx.Client(base_url=srv.url, timeout=10) as gw:
+        listed = gw.get("/admin/sessions", headers=bearer(VIEWER_KEY)).json()["sessions"]
+        assert {(s["principal"], s["id"]) for s in listed} == {("alice", sid_a), ("bob", sid_b)}
+        only = gw.get("/admin/sessions", params={"principal": "bob"}, headers=bearer(VIEWER_KEY)).json()
+        assert [s["id"] for s in only["sessions"]] == [sid_b]
+        info = gw.get(f"/admin/sessions/{sid_a}", headers=bearer(VIEWER_KEY)).json()
+        assert info["protocol_version"] == "2025-11-25" and info["principal"] == "alice"
+        assert gw.delete(f"/admin/sessions/{sid_a}", headers=bearer(VIEWER_KEY)).status_code == 403
+        assert gw.delete(f"/admin/sessions/{sid_a}", headers=bearer(OPERATOR_KEY)).status_code == 200
+        assert gw.get(f"/admin/sessions/{sid_a}", headers=bearer(VIEWER_KEY)).status_code == 404
+        assert gw.delete(f"/admin/sessions/{sid_a}", headers=bearer(OPERATOR_KEY)).status_code == 404
+        assert gw.get("/admin/sessions/*", headers=bearer(VIEWER_KEY)).status_code == 404
+        audit = gw.get("/admin/audit", params={"action": "session.terminate"}, headers=bearer(VIEWER_KEY)).json()
+        assert audit["entries"][0]["session"] == sid_a and audit["entries"][0]["client"] == "alice"
+
+
+def test_admin_key_equal_to_mcp_key_refused():
+    from gateway.admin.auth import AdminKeyring
+    from shared.config import AdminKey, ConfigError
+    with pytest.raises(ConfigError):
+        AdminKeyring.from_config({"x": AdminKey(MCP_KEY, "admin")}, None, {"alice": MCP_KEY})
+
+
+def test_openapi_published_with_security(gw):
+    doc = gw.get("/admin/openapi.json").json()
+    paths = doc["paths"]
+    assert "/admin/sessions/{session_id}" in paths and "/admin/config" in paths
+    assert all(p.startswith("/admin") for p in paths)
+    assert "/admin/ui" not in paths and "/admin/openapi.json" not in paths
+    assert doc["components"]["securitySchemes"]["adminKey"]["scheme"] == "bearer"
+    assert "401" in paths["/admin/trainer/pause"]["post"]["responses"]
