@@ -67,15 +67,16 @@ class GatewayApp(FastAPI):
 
 def create_app(cfg: Config, fixtures: str | None = None) -> GatewayApp:
     registry = Registry()
+    fixtures = fixtures or cfg.gateway.fixtures
+    if fixtures:
+        # Fixtures first: suites probe the first listed tool/resource with no arguments.
+        if fixtures not in FIXTURES:
+            raise ValueError(f"unknown fixtures {fixtures!r}")
+        importlib.import_module(FIXTURES[fixtures]).register(registry)
     components = load_components()
     for mod in components:
         if hasattr(mod, "register"):
             mod.register(registry)
-    fixtures = fixtures or cfg.gateway.fixtures
-    if fixtures:
-        if fixtures not in FIXTURES:
-            raise ValueError(f"unknown fixtures {fixtures!r}")
-        importlib.import_module(FIXTURES[fixtures]).register(registry)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: GatewayApp) -> AsyncIterator[None]:
@@ -120,6 +121,7 @@ def create_app(cfg: Config, fixtures: str | None = None) -> GatewayApp:
             await blocking.aclose()
 
     app = GatewayApp(title="learnmesh gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.registry = registry  # register extra tools here before the app starts (tests, embedding)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:

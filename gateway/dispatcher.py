@@ -66,7 +66,7 @@ class Call:
     """One request being served; the :class:`gateway.registry.ToolContext` handlers see."""
 
     __slots__ = ("principal", "request_id", "protocol_version", "state", "meta", "session", "emit",
-                 "modern", "responses", "cancelled", "_log_level")
+                 "modern", "responses", "cancelled", "http_status", "_log_level")
 
     def __init__(self, *, principal: str, request_id: Any, protocol_version: str, state: Any,
                  meta: dict[str, Any] | None = None, session: Any = None, emit: Emit | None = None) -> None:
@@ -80,6 +80,7 @@ class Call:
         self.modern = protocol_version in MODERN_VERSIONS
         self.responses: dict[str, Any] = {}
         self.cancelled = False
+        self.http_status: int | None = None  # set when an error carries its own HTTP status
         level = self.meta.get(LOG_LEVEL_META_KEY) if self.modern else getattr(session, "log_level", None)
         self._log_level = level if level in _LEVEL_RANK else None
 
@@ -105,7 +106,10 @@ class Call:
     async def log(self, level: str, data: Any, logger: str | None = None) -> None:
         if level not in _LEVEL_RANK:
             raise ValueError(f"unknown log level {level!r}")
-        if self._log_level is not None and _LEVEL_RANK[level] < _LEVEL_RANK[self._log_level]:
+        if self._log_level is None:
+            if self.modern:  # 2026-07-28: no logLevel in _meta means the client wants no log messages
+                return
+        elif _LEVEL_RANK[level] < _LEVEL_RANK[self._log_level]:
             return
         params: dict[str, Any] = {"level": level, "data": data}
         if logger:
@@ -175,7 +179,8 @@ def _str_param(params: dict[str, Any], name: str) -> str:
 class Dispatcher:
     """Routes JSON-RPC requests to ``_handle_*`` methods; shared by every transport."""
 
-    LEGACY_ONLY = frozenset({"initialize", "logging/setLevel", "resources/subscribe", "resources/unsubscribe"})
+    LEGACY_ONLY = frozenset({"initialize", "ping", "logging/setLevel", "resources/subscribe",
+                             "resources/unsubscribe"})
     MODERN_ONLY = frozenset({"server/discover", "subscriptions/listen"})
 
     def __init__(self, registry: Registry, state: Any) -> None:
@@ -241,6 +246,8 @@ class Dispatcher:
             response = error_response(call.request_id, REQUEST_CANCELLED, "Request cancelled")
         except Exception as exc:  # noqa: BLE001 - the one mapping point
             code, message, data = error_payload(exc, method)
+            if isinstance(exc, McpError) and exc.http_status != 200:
+                call.http_status = exc.http_status
             response = error_response(call.request_id, code, message, data)
         counters[1].observe(time.perf_counter() - t0)
         return response
@@ -267,7 +274,7 @@ class Dispatcher:
         return {}
 
     async def _handle_server_discover(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
-        return {"supportedVersions": list(SUPPORTED_VERSIONS), "capabilities": self.capabilities(),
+        return {"supportedVersions": list(MODERN_VERSIONS), "capabilities": self.capabilities(),
                 "serverInfo": SERVER_INFO, "_meta": {SERVER_INFO_META_KEY: SERVER_INFO},
                 "ttlMs": self.list_ttl_ms, "cacheScope": "public"}
 
@@ -364,10 +371,10 @@ class Dispatcher:
             if st.get("m") != method or st.get("n") != name:
                 raise InvalidParams("requestState belongs to another request")
             call.responses.update(st.get("r") or {})
-        answers = p.get("inputResponses")
-        if answers is not None:
-            if not isinstance(answers, dict):
-                raise InvalidParams("params.inputResponses must be an object")
+        if "inputResponses" in p:
+            answers = p["inputResponses"]
+            if not isinstance(answers, dict) or not all(isinstance(v, dict) for v in answers.values()):
+                raise InvalidParams("params.inputResponses must map request keys to result objects")
             call.responses.update(answers)
 
     def _input_required(self, call: Call, method: str, p: dict[str, Any], ir: InputRequired) -> dict[str, Any]:
@@ -385,6 +392,8 @@ class Dispatcher:
         else:
             found = self.registry.find_template(uri)
             if found is None:
+                if call.modern:  # SEP-2164: an unknown resource is a bad parameter
+                    raise InvalidParams(f"Resource not found: {uri}", {"uri": uri})
                 raise NotFound(f"Resource not found: {uri}", {"uri": uri})
             tpl, variables = found
             out = await tpl.handler(call, {"uri": uri, **variables})

@@ -86,21 +86,29 @@ def _sse(msg: dict[str, Any], event_id: str | None = None) -> bytes:
 class _LazySse:
     """Response stream that commits to ``text/event-stream`` on the first emitted message."""
 
-    __slots__ = ("send", "sent", "headers")
+    __slots__ = ("send", "sent", "headers", "lock")
 
     def __init__(self, send: Any, sent: _Sent, headers: list[tuple[bytes, bytes]]) -> None:
         self.send = send
         self.sent = sent
         self.headers = headers
+        self.lock: asyncio.Lock | None = None
 
     async def emit(self, msg: dict[str, Any]) -> None:
-        if not self.sent.started:
-            self.sent.started = True
-            await self.send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS + self.headers})
-        await self.send({"type": "http.response.body", "body": _sse(msg), "more_body": True})
+        if self.lock is None:
+            self.lock = asyncio.Lock()
+        async with self.lock:  # concurrent emitters (several pending client requests) keep frames whole
+            if not self.sent.started:
+                self.sent.started = True
+                await self.send({"type": "http.response.start", "status": 200,
+                                 "headers": _SSE_HEADERS + self.headers})
+            await self.send({"type": "http.response.body", "body": _sse(msg), "more_body": True})
 
     async def finish(self, msg: dict[str, Any]) -> None:
-        await self.send({"type": "http.response.body", "body": _sse(msg), "more_body": False})
+        if self.lock is None:
+            self.lock = asyncio.Lock()
+        async with self.lock:
+            await self.send({"type": "http.response.body", "body": _sse(msg), "more_body": False})
 
 
 async def _wait_disconnect(receive: Any) -> None:
@@ -218,7 +226,8 @@ class McpHttpTransport:
         params = msg.get("params")
         meta = params.get("_meta") if isinstance(params, dict) else None
         version_header = headers.get("mcp-protocol-version")
-        modern = version_header in MODERN_VERSIONS or (isinstance(meta, dict) and PROTOCOL_VERSION_META_KEY in meta)
+        modern = "mcp-session-id" not in headers and (
+            version_header in MODERN_VERSIONS or (isinstance(meta, dict) and PROTOCOL_VERSION_META_KEY in meta))
         has_json, has_sse = _accepts(headers.get("accept", ""))
         if not has_json:
             await _reply(send, sent, 406, orjson.dumps({"error": "Accept must include application/json"}))
@@ -291,7 +300,7 @@ class McpHttpTransport:
             await stream.finish(response)
         else:
             err = response.get("error")
-            status = MODERN_STATUS.get(err["code"], 200) if err is not None else 200
+            status = MODERN_STATUS.get(err["code"], call.http_status or 200) if err is not None else 200
             await _reply(send, sent, status, orjson.dumps(response))
 
     # ------------------------------------------------------------------ 2025-11-25
@@ -446,8 +455,12 @@ def _ladder(msg: dict[str, Any], headers: dict[str, str]) -> tuple[int, str, Any
 
 
 def _decode_header(value: str | None) -> str | None:
-    """Header values that are not plain printable ASCII travel as ``=?base64?...?=``."""
-    if value is None or not (value.startswith("=?base64?") and value.endswith("?=")):
+    """Header values that are not plain printable ASCII travel as ``=?base64?...?=``.
+    Optional whitespace around a field value is not part of it (RFC 9110 §5.5)."""
+    if value is None:
+        return None
+    value = value.strip(" \t")
+    if not (value.startswith("=?base64?") and value.endswith("?=")):
         return value
     import base64
     import binascii

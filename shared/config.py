@@ -145,7 +145,7 @@ class ContextConfig:
 @dataclass
 class ModelConfig:
     kind: str = "bytes"  # "bytes" (built-in transformer) or "hf" (transformers causal LM)
-    d_model: int = 256
+    d_model: int = 192
     n_layers: int = 4
     n_heads: int = 4
     max_seq: int = 256
@@ -161,8 +161,8 @@ class ModelConfig:
     max_image_pixels: int = 40_000_000  # checked from the header before decoding
     max_audio_frames: int = 32
     lora_alpha: float = 16.0
-    pretrain_batch: int = 16
-    pretrain_seq: int = 96
+    pretrain_batch: int = 8
+    pretrain_seq: int = 64
     pretrain_lr: float = 3e-3
 
     def __post_init__(self) -> None:

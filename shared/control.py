@@ -215,6 +215,7 @@ def report_status(redis: Any, component: str, ttl_s: float = 10.0, **fields: Any
     pipe = redis.pipeline(transaction=False)
     pipe.hset(key, mapping=mapping)
     pipe.pexpire(key, int(ttl_s * 1000))
+    pipe.sadd(keys.STATUS_INDEX, component)
     pipe.execute()
 
 

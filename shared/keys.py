@@ -150,6 +150,10 @@ GATEWAY_STATS = f"{PREFIX}status:gateways"
 """Hash: gateway replica id -> JSON snapshot (ts_ms, req/s, latency quantiles) for the dashboard."""
 
 
+STATUS_INDEX = f"{PREFIX}status:index"
+"""Set: component names with a self-report (so readers never SCAN the keyspace)."""
+
+
 def component_status(component: str) -> str:
     """Hash: a process's self-report (``worker:<id>``, ``trainer``, ``delta``) with ``ts_ms``; short TTL."""
     return f"{PREFIX}status:{component}"

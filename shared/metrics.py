@@ -50,3 +50,22 @@ DELTA_REJECTED = Counter("learnmesh_delta_rejected_total", "Delta packets reject
 DELTA_RESYNCS = Counter("learnmesh_delta_resyncs_total", "Snapshot resyncs by workers", ["cause"])
 DELTA_APPLY_SECONDS = Histogram("learnmesh_delta_apply_seconds", "Time to decode and apply one delta",
                                 buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1))
+
+# ---------------------------------------------------------------- operations (issue list not covered above)
+# Processes without an HTTP server expose these with shared.control.start_metrics_server
+# (workers: metrics.worker_port + index; trainer ranks: metrics.trainer_port + rank).
+TRAINER_ALLREDUCE_BYTES = Counter("learnmesh_trainer_allreduce_bytes_total",
+                                  "Gradient bytes all-reduced by this rank (after the DDP comm hook)", ["hook"])
+DELTA_COMPRESSION_RATIO = Gauge("learnmesh_delta_compression_ratio",
+                                "Dense fp32 bytes / wire bytes of the last published delta")
+DELTA_STEP_TO_SERVING = Histogram("learnmesh_delta_step_to_serving_seconds",
+                                  "Optimizer step to a worker serving that version",
+                                  buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+CODEC_CPU_SECONDS = Counter("learnmesh_codec_cpu_seconds_total", "CPU seconds spent in the delta codec",
+                            ["op"])  # encode | decode
+WORKER_VERSION_LAG = Gauge("learnmesh_worker_version_lag", "Model versions a worker is behind the trainer",
+                           ["worker"])
+WORKER_VERSION = Gauge("learnmesh_worker_model_version", "Model version a worker serves", ["worker"])
+CONTEXT_STORED_BYTES = Gauge("learnmesh_context_stored_bytes", "Bytes held by the context store (all principals)")
+ADMIN_ACTIONS = Counter("learnmesh_admin_actions_total", "Audited admin actions", ["action"])
+ADMIN_DENIED = Counter("learnmesh_admin_denied_total", "Admin requests refused", ["status"])  # 401 | 403

@@ -15,8 +15,12 @@ class PeerDead(RuntimeError):
 
 def make_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect: str | None = None,
                 identity: bytes | None = None, hwm: int = DEFAULT_HWM, linger_ms: int = DEFAULT_LINGER_MS,
-                subscribe: bytes | None = None, router_mandatory: bool = False) -> zmq.Socket:
-    """Create a socket with explicit options, then bind or connect (exactly one of them)."""
+                subscribe: bytes | None = None, router_mandatory: bool = False,
+                immediate: bool = False) -> zmq.Socket:
+    """Create a socket with explicit options, then bind or connect (exactly one of them).
+
+    ``immediate=True`` (ZMQ_IMMEDIATE) queues messages only on completed connections, so a
+    message to a peer that is down fails fast (EAGAIN) instead of waiting for it to return."""
     if (bind is None) == (connect is None):
         raise ValueError("give exactly one of bind= or connect=")
     sock = ctx.socket(kind)
@@ -27,6 +31,8 @@ def make_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect
         sock.setsockopt(zmq.IDENTITY, identity)
     if router_mandatory and kind == zmq.ROUTER:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    if immediate:
+        sock.setsockopt(zmq.IMMEDIATE, 1)
     if kind == zmq.SUB:
         sock.setsockopt(zmq.SUBSCRIBE, subscribe or b"")
     if bind is not None:

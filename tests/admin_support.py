@@ -39,9 +39,10 @@ def build_app(cfg: Config) -> Any:
     """The real gateway app when it exists; else a minimal app around the admin plug-in."""
     try:
         from gateway.app import create_app
-    except ImportError:
+
+        return create_app(cfg)
+    except ImportError:  # the gateway is still being assembled
         return _minimal_app(cfg)
-    return create_app(cfg)
 
 
 def _minimal_app(cfg: Config) -> Any:

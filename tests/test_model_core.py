@@ -163,7 +163,8 @@ def test_long_context_is_truncated_oldest_first(tmp_path):
 def test_hf_adapter_tiny_random(tmp_path):
     transformers = pytest.importorskip("transformers")
     path = tmp_path / "tiny-gpt2"
-    transformers.GPT2Config(vocab_size=264, n_embd=32, n_layer=2, n_head=2, n_positions=64).save_pretrained(path)
+    transformers.GPT2Config(vocab_size=264, n_embd=32, n_layer=2, n_head=2, n_positions=64, bos_token_id=257,
+                            eos_token_id=258).save_pretrained(path)
     cfg = tiny(tmp_path, kind="hf", hf_path=str(path))
     a, b = build_model(cfg), build_model(cfg)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))

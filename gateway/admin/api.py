@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import inspect
 import json
 import logging
@@ -29,13 +30,12 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Depends, HTTPException, Query, Request
 from fastapi import Path as PathParam
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 from pydantic import BaseModel, Field
 
 from gateway.admin.auth import ROLES, AdminKeyring, AdminPrincipal, KeyNameTaken, keyring_of, require_role
 from gateway.admin.stats import LocalStats
-from shared import control, keys
+from shared import control, keys, metrics
 from shared.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -100,6 +100,7 @@ async def _maybe_await(v: Any) -> Any:
 async def audit_action(state: Any, who: AdminPrincipal, action: str, **fields: Any) -> None:
     """Every admin action goes to the audit stream (shared.audit when present)."""
     fields = {k: v for k, v in fields.items() if v is not None}
+    metrics.ADMIN_ACTIONS.labels(action).inc()
     try:
         from shared.audit import audit
     except ImportError:
@@ -120,9 +121,12 @@ async def admin_openapi(request: Request) -> JSONResponse:
     """OpenAPI of every route under /admin, including other components' admin routers."""
     cached = getattr(request.app.state, "admin_openapi", None)
     if cached is None:
-        routes = [r for r in request.app.routes if getattr(r, "path", "").startswith("/admin")]
-        doc = get_openapi(title="learnmesh admin API", version="1", routes=routes,
-                          description="Operate a learnmesh mesh. Bearer admin keys; roles viewer < operator < admin.")
+        full = copy.deepcopy(request.app.openapi())
+        doc = {"openapi": full.get("openapi", "3.1.0"),
+               "info": {"title": "learnmesh admin API", "version": "1",
+                        "description": "Operate a learnmesh mesh. Bearer admin keys; roles viewer < operator < admin."},
+               "paths": {p: ops for p, ops in full.get("paths", {}).items() if p.startswith("/admin/")},
+               "components": full.get("components", {})}
         doc.setdefault("components", {}).setdefault("securitySchemes", {})["adminKey"] = {
             "type": "http", "scheme": "bearer"}
         doc["security"] = [{"adminKey": []}]
@@ -199,21 +203,27 @@ def _ring(request: Request) -> AdminKeyring:
 _SESS_RE = re.compile(r"^" + re.escape(keys.PREFIX) + r"\{([^{}]+)\}:sess:([^:]+)$")
 
 
-async def _session_refs(state: Any, principal: str | None, limit: int,
-                        session_id: str | None = None) -> list[tuple[str, str]]:
-    """(principal, session id) pairs: from the principal's index, or by scanning session hashes."""
+async def _session_refs(state: Any, principal: str | None, limit: int, session_id: str | None = None,
+                        max_scan_calls: int | None = None) -> list[tuple[str, str]]:
+    """(principal, session id) pairs: from the principal's index, or by scanning session hashes
+    (``max_scan_calls`` bounds the cost where completeness does not matter: the dashboard)."""
     r = state.redis
     if principal and session_id is None:
         return [(principal, _s(x)) for x in await r.zrevrange(keys.principal_sessions(principal), 0, limit - 1)]
     pattern = keys.session(principal or "*", session_id or "*")
     out: list[tuple[str, str]] = []
-    async for k in r.scan_iter(match=pattern, count=1000):
-        m = _SESS_RE.match(_s(k))
-        if m:
-            out.append((m.group(1), m.group(2)))
-            if len(out) >= limit:
-                break
-    return out
+    cursor, calls = 0, 0
+    while True:
+        cursor, batch = await r.scan(cursor=cursor, match=pattern, count=1000)
+        calls += 1
+        for k in batch:
+            m = _SESS_RE.match(_s(k))
+            if m:
+                out.append((m.group(1), m.group(2)))
+                if len(out) >= limit:
+                    return out
+        if cursor == 0 or (max_scan_calls is not None and calls >= max_scan_calls):
+            return out
 
 
 async def _session_info(state: Any, principal: str, sid: str) -> dict[str, Any] | None:
@@ -279,12 +289,22 @@ async def terminate_session(request: Request, session_id: Annotated[str, PathPar
 
 # ====================================================================== workers
 async def _statuses(state: Any, prefix: str) -> dict[str, dict[str, Any]]:
+    """Live self-reports (shared.control.report_status) whose component name starts with ``prefix``."""
     r = state.redis
-    base = keys.component_status(prefix)
-    found = [_s(k) async for k in r.scan_iter(match=base + "*", count=1000)]
-    out = {}
-    for k in found:
-        out[k[len(keys.component_status("")):]] = _hash(await r.hgetall(k))
+    names = sorted(n for n in (_s(m) for m in await r.smembers(keys.STATUS_INDEX)) if n.startswith(prefix))
+    if not names:
+        return {}
+    pipe = r.pipeline(transaction=False)
+    for n in names:
+        pipe.hgetall(keys.component_status(n))
+    out, gone = {}, []
+    for n, raw in zip(names, await pipe.execute(), strict=True):
+        if raw:
+            out[n] = _hash(raw)
+        else:
+            gone.append(n)
+    if gone:  # expired reports: the process stopped reporting
+        await r.srem(keys.STATUS_INDEX, *gone)
     return out
 
 
@@ -608,7 +628,7 @@ async def query_audit(request: Request,
             if action is not None and e.get("action") != action and not (
                     action.endswith("*") and e.get("action", "").startswith(action[:-1])):
                 continue
-            out.append({"id": _s(eid), "ts_ms": _entry_ms(_s(eid)), **e})
+            out.append({"id": _s(eid), **e, "ts_ms": _entry_ms(_s(eid))})
             if len(out) >= limit:
                 break
         last = _s(batch[-1][0])
@@ -656,16 +676,21 @@ async def _gateways(state: Any) -> dict[str, Any]:
             "per_replica": live}
 
 
-async def _contexts(state: Any) -> dict[str, Any]:
+async def _contexts(state: Any, principals_shown: int = 5, contexts_shown: int = 20) -> dict[str, Any]:
+    """Global bytes and budget, principals by recency, the most recently used contexts."""
     store = getattr(state, "store", None)
-    for meth in ("admin_summary", "summary", "stats"):
-        fn = getattr(store, meth, None)
-        if callable(fn):
-            with contextlib.suppress(Exception):
-                got = await _maybe_await(fn())
-                if isinstance(got, dict):
-                    return got
-    return {}
+    if store is None or not hasattr(store, "principals"):
+        return {}
+    principals = await store.principals()
+    rows = []
+    for p in principals[:principals_shown]:
+        for info in await store.list_contexts(p):
+            rows.append({"principal": p, "id": info.id, "version": info.version, "bytes": info.bytes,
+                         "entries": sum(info.entries.values()), "last_used_ms": info.last_used_ms})
+    rows.sort(key=lambda c: c["last_used_ms"], reverse=True)
+    return {"principals": len(principals), "global_bytes": await store.global_bytes(),
+            "global_budget_bytes": getattr(getattr(store, "cfg", None), "global_budget_bytes", None),
+            "recent": rows[:contexts_shown]}
 
 
 @router.get("/summary", summary="Everything the dashboard shows, in one call")
@@ -675,7 +700,7 @@ async def summary(request: Request, who: AdminPrincipal = viewer) -> dict[str, A
     if st is not None:
         await _publish_stats(state)
     sessions = []
-    for p, sid in await _session_refs(state, None, 20):
+    for p, sid in await _session_refs(state, None, 20, max_scan_calls=3):
         info = await _session_info(state, p, sid)
         if info is not None:
             sessions.append(info)
@@ -705,10 +730,30 @@ async def _publish_stats(state: Any) -> None:
     await state.redis.hset(keys.GATEWAY_STATS, state.admin_replica_id, json.dumps(snap))
 
 
+async def _refresh_gauges(state: Any) -> None:
+    """Mesh-wide gauges this replica's /metrics serves: per-worker version and lag, context bytes."""
+    seen = set()
+    for w in await _workers(state):
+        if isinstance(w.get("version"), (int, float)):
+            metrics.WORKER_VERSION.labels(w["id"]).set(w["version"])
+        if isinstance(w.get("lag"), (int, float)):
+            metrics.WORKER_VERSION_LAG.labels(w["id"]).set(w["lag"])
+        seen.add(w["id"])
+    for gauge in (metrics.WORKER_VERSION, metrics.WORKER_VERSION_LAG):
+        for labels in list(getattr(gauge, "_metrics", {})):
+            if labels[0] not in seen:
+                with contextlib.suppress(KeyError):
+                    gauge.remove(*labels)
+    store = getattr(state, "store", None)
+    if store is not None and hasattr(store, "global_bytes"):
+        metrics.CONTEXT_STORED_BYTES.set(await store.global_bytes())
+
+
 async def _stats_loop(state: Any, interval_s: float) -> None:
     while True:
         try:
             await _publish_stats(state)
+            await _refresh_gauges(state)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # Redis down: the gateway reports 503 elsewhere; keep sampling

@@ -27,7 +27,7 @@ from typing import Any
 
 from fastapi import HTTPException, Request
 
-from shared import keys
+from shared import keys, metrics
 from shared.config import ConfigError
 
 ROLES = ("viewer", "operator", "admin")
@@ -134,16 +134,13 @@ class AdminKeyring:
 
 
 def keyring_of(request: Request) -> AdminKeyring | None:
-    """The app's keyring: ``app.state.admin_keyring`` or the gateway state's attribute."""
+    """The keyring built by gateway.admin.api.startup (config + Redis keys), else ``app.state.admin_keyring``."""
     st = request.app.state
-    ring = getattr(st, "admin_keyring", None)
-    if ring is not None:
-        return ring
     for name in ("gateway", "state", "gateway_state"):
         ring = getattr(getattr(st, name, None), "admin_keyring", None)
         if ring is not None:
             return ring
-    return None
+    return getattr(st, "admin_keyring", None)
 
 
 def require_role(role: str) -> Callable[[Request], Awaitable[AdminPrincipal]]:
@@ -160,8 +157,10 @@ def require_role(role: str) -> Callable[[Request], Awaitable[AdminPrincipal]]:
         if keyring is not None and scheme.lower() == "bearer" and token:
             who = await keyring.lookup(token)
         if who is None:
+            metrics.ADMIN_DENIED.labels("401").inc()
             raise HTTPException(401, "a valid admin key is required", headers={"WWW-Authenticate": "Bearer"})
         if not who.allows(role):
+            metrics.ADMIN_DENIED.labels("403").inc()
             raise HTTPException(403, f"role {who.role!r} may not do this (needs {role!r})")
         request.state.admin = who
         return who

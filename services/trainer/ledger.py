@@ -65,7 +65,7 @@ def rollback(redis: Any, to: Offset) -> tuple[Offset, int]:
                 current = read_offset(pipe)
                 later = [f for f in pipe.hkeys(keys.TRAINER_TRAINED) if int(_s(f)) > to.step]
                 # +1: the restored weights are published as a version nobody has served yet
-                version = max(current.version, to.version, int(pipe.get(keys.MODEL_VERSION) or 0)) + 1
+                version = max(current.version, to.version, _published_version(pipe)) + 1
                 new = Offset(to.seq, to.id, to.step, version, current.epoch + 1)
                 pipe.multi()
                 if later:
@@ -78,6 +78,14 @@ def rollback(redis: Any, to: Offset) -> tuple[Offset, int]:
                 if type(exc).__name__ == "WatchError":
                     continue
                 raise
+
+
+def _published_version(redis: Any) -> int:
+    """keys.MODEL_VERSION as written by the publisher (0 when absent or not a plain integer)."""
+    try:
+        return int(redis.get(keys.MODEL_VERSION) or 0)
+    except Exception:
+        return 0
 
 
 def trained_ids(redis: Any) -> list[str]:

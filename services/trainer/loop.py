@@ -132,8 +132,8 @@ class Trainer:
         self._rate = 0.0
         self._fault = _parse_fault(os.environ.get("LEARNMESH_TRAINER_FAULT", ""))
         self._resume()
-        self.ddp = DDP(LossModule(self.model), device_ids=[device.index] if device.type == "cuda" else None,
-                       broadcast_buffers=False) if world > 1 else None
+        self.ddp = DDP(LossModule(self.model), device_ids=[device.index] if device.type == "cuda" else None) \
+            if world > 1 else None
         self.hook_state = register_comm_hook(self.ddp, cfg) if self.ddp is not None and not self.local_sgd else None
         self.averager = None
         if self.local_sgd and world > 1:
@@ -172,8 +172,10 @@ class Trainer:
         self.zmq_ctx = zmq.Context()
         self.contexts = ContextReader(self.cfg, redis_url(self.cfg))
         self.source = SampleSource(self.cfg, self.redis, self.zmq_ctx, self.offset.seq, self.offset.id, self.contexts)
+        # The restored lineage becomes a version newer than anything served before: the
+        # publisher's snapshot (what joining/re-syncing workers fetch) starts at it.
         self.publisher = self._make_publisher()
-        self.publish()  # the restored lineage, as a version newer than anything served before
+        m.TRAINER_VERSION.set(self.version)
 
     def _make_publisher(self) -> Any:
         try:
@@ -219,8 +221,6 @@ class Trainer:
                 op, records, _ = decode_batch(self.broadcast_bytes(payload))
                 if op == "stop":
                     break
-                if self.publisher is not None:
-                    self.publisher.serve_pending()
                 if op == "idle":
                     continue
                 self.train_step(records)
@@ -230,6 +230,10 @@ class Trainer:
         finally:
             self.progress.close()
         self.save_checkpoint()
+        dump = os.environ.get("LEARNMESH_TRAINER_DUMP_DIR")
+        if dump:  # tests compare every rank's parameters after a clean stop
+            torch.save({n: p.detach().cpu() for n, p in self.model.trainable_named_parameters()},
+                       os.path.join(dump, f"rank{self.rank}.pt"))
 
     def _next_payload(self) -> bytes:
         assert self.source is not None

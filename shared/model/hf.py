@@ -12,6 +12,7 @@ Trainable modes: ``all`` and ``head`` (the output embedding); ``lora`` is refuse
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,8 @@ class HFModel(LearnModel):
         if max_pos is not None and max_pos < cfg.max_seq:
             raise ConfigError(f"model.max_seq {cfg.max_seq} exceeds the HF model's {max_pos} positions")
         self.lm = lm
+        params = inspect.signature(lm.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.x
 
     def image_features(self, data: bytes) -> None:
         return None
@@ -66,10 +69,15 @@ class HFModel(LearnModel):
         if step_tokens is None:
             out = self.lm(input_ids=batch.tokens, attention_mask=batch.valid.long(),
                           position_ids=batch.positions, use_cache=True)
-            state = {"pkv": out.past_key_values, "valid": batch.valid, "pos": batch.positions[:, -1]}
+            state = {"pkv": self._out_cache(out), "valid": batch.valid, "pos": batch.positions[:, -1]}
             return out.logits[..., :VOCAB_SIZE], state
         pos = (cache["pos"] + 1).clamp(max=self.max_seq - 1)
         valid = torch.cat([cache["valid"], torch.ones_like(cache["valid"][:, :1])], dim=1)
         out = self.lm(input_ids=step_tokens[:, None], attention_mask=valid.long(), position_ids=pos[:, None],
-                      past_key_values=cache["pkv"], use_cache=True)
-        return out.logits[..., :VOCAB_SIZE], {"pkv": out.past_key_values, "valid": valid, "pos": pos}
+                      use_cache=True, **{self._cache_arg: cache["pkv"]})
+        return out.logits[..., :VOCAB_SIZE], {"pkv": self._out_cache(out), "valid": valid, "pos": pos}
+
+    @staticmethod
+    def _out_cache(out: Any) -> Any:
+        found = getattr(out, "cache", None)
+        return found if found is not None else out.past_key_values

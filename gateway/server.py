@@ -1,0 +1,61 @@
+"""``learnmesh gateway``: run one gateway replica under uvicorn (uvloop + httptools).
+
+Binds 127.0.0.1 unless told otherwise; refuses a non-loopback bind without API keys
+(or OAuth), and warns when it serves an open gateway on loopback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from gateway.auth import is_loopback
+from shared.config import Config, ConfigError
+
+log = logging.getLogger("learnmesh.gateway")
+
+
+def check_bind(cfg: Config) -> None:
+    gw = cfg.gateway
+    secured = bool(gw.api_keys) or gw.oauth.enabled
+    if not is_loopback(gw.host) and not secured:
+        raise ConfigError(f"refusing to bind {gw.host} without API keys: set LEARNMESH_API_KEYS=principal:key,... "
+                          "(or gateway.api_keys / gateway.oauth), or bind 127.0.0.1")
+    if not secured:
+        log.warning("gateway on %s:%d is OPEN (no API keys): anyone on this machine is principal 'local'",
+                    gw.host, gw.port)
+
+
+def main(cfg: Config, args: argparse.Namespace | Any) -> int:
+    import uvicorn
+
+    from gateway.app import create_app
+    from shared.redis_embed import resolve_redis_url
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if getattr(args, "host", None):
+        cfg.gateway.host = args.host
+    if getattr(args, "port", None):
+        cfg.gateway.port = args.port
+    fixtures = getattr(args, "fixtures", None) or cfg.gateway.fixtures
+    check_bind(cfg)
+    url, proc = resolve_redis_url(cfg.redis.url)
+    cfg.redis.url = url
+    try:
+        app = create_app(cfg, fixtures=fixtures)
+        uvicorn.run(app, host=cfg.gateway.host, port=cfg.gateway.port, loop="uvloop", http="httptools",
+                    ws="websockets-sansio", log_level="warning", access_log=False, timeout_graceful_shutdown=5,
+                    lifespan="on")
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(10)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover - `learnmesh gateway` is the entry point
+    from shared.config import load_config
+
+    sys.exit(main(load_config(), argparse.Namespace(host=None, port=None, fixtures=None)))

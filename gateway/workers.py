@@ -1,0 +1,279 @@
+"""The gateway's view of the inference workers: one ZeroMQ DEALER per worker endpoint.
+
+Liveness is ping/pong: every ``worker.heartbeat_interval_ms`` the pool sends HELLO to each
+worker and the worker answers with a HEARTBEAT (version, load). Any message from a worker
+counts as a sign of life; a worker silent for ``worker.heartbeat_timeout_ms`` is declared
+dead, and the requests in flight on it are retried on another live worker. A worker that
+comes back (same endpoint) answers the next HELLO and rejoins — nothing to restart here.
+
+Routing: the least-loaded live worker at or past the request's ``min_model_version``;
+if only older workers are live, wait up to ``consistency.timeout_s`` for one to catch up,
+then fail with a clear error. No live worker at all: fail with a retry hint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from shared import wire
+from shared.config import Config
+from shared.wire import MsgType
+from shared.zmq_util import make_socket
+
+log = logging.getLogger("learnmesh.workers")
+
+_DEAD = object()  # put into a request's queue when its worker is declared dead
+
+
+class NoWorker(RuntimeError):
+    """No live worker can take the request (none up, or none at the requested version)."""
+
+    def __init__(self, message: str, retry_after_s: int = 2) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class WorkerRequestError(RuntimeError):
+    """A worker refused or failed a request (``code``: bad_input | internal | ...)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class WorkerTimeout(RuntimeError):
+    """The request did not complete within its timeout (it was cancelled on the worker)."""
+
+
+@dataclass(eq=False)
+class WorkerLink:
+    index: int
+    endpoint: str
+    sock: zmq.asyncio.Socket
+    worker_id: str | None = None
+    version: int = 0
+    reported_load: int = 0
+    model_id: str | None = None
+    last_seen_s: float = 0.0       # monotonic; 0 = never heard from
+    last_heartbeat_wall_s: float = 0.0
+    alive: bool = False
+    inflight: dict[str, asyncio.Queue] = field(default_factory=dict)
+
+    @property
+    def load(self) -> int:
+        return max(len(self.inflight), self.reported_load)
+
+    def status(self) -> dict[str, Any]:
+        return {"index": self.index, "endpoint": self.endpoint, "id": self.worker_id, "alive": self.alive,
+                "version": self.version, "load": self.load, "inflight": len(self.inflight),
+                "model_id": self.model_id, "last_heartbeat": self.last_heartbeat_wall_s or None}
+
+
+class WorkerPool:
+    """Connections to every worker; :meth:`request` routes, streams and retries one request."""
+
+    def __init__(self, cfg: Config, *, endpoints: list[str] | None = None,
+                 zmq_ctx: zmq.asyncio.Context | None = None) -> None:
+        self.cfg = cfg
+        self.wcfg = cfg.worker
+        self.ctx = zmq_ctx or zmq.asyncio.Context()
+        self._own_ctx = zmq_ctx is None
+        self.gateway_id = uuid.uuid4().hex[:12]
+        self.links = [WorkerLink(i, ep, make_socket(self.ctx, zmq.DEALER, connect=ep, hwm=self.wcfg.hwm,
+                                                    immediate=True))
+                      for i, ep in enumerate(endpoints if endpoints is not None else self.wcfg.endpoints)]
+        self._changed = asyncio.Condition()
+        self._tasks: list[asyncio.Task] = []
+        self._ids = itertools.count(1)
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        for link in self.links:
+            self._tasks.append(asyncio.create_task(self._reader(link), name=f"worker-reader-{link.index}"))
+        self._tasks.append(asyncio.create_task(self._heartbeats(), name="worker-heartbeats"))
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks.clear()
+        for link in self.links:
+            for q in link.inflight.values():
+                q.put_nowait(_DEAD)
+            link.sock.close(linger=0)
+        if self._own_ctx:
+            self.ctx.term()
+
+    def status(self) -> list[dict[str, Any]]:
+        """Per-worker id, endpoint, liveness, version, load and last heartbeat (admin API)."""
+        return [link.status() for link in self.links]
+
+    def live(self) -> list[WorkerLink]:
+        return [link for link in self.links if link.alive]
+
+    async def wait_live(self, n: int = 1, timeout_s: float = 10.0) -> None:
+        """Wait until at least ``n`` workers answer heartbeats (startup, tests)."""
+        async with self._changed:
+            await asyncio.wait_for(self._changed.wait_for(lambda: len(self.live()) >= n), timeout_s)
+
+    # ------------------------------------------------------------------ background tasks
+    async def _reader(self, link: WorkerLink) -> None:
+        while True:
+            frames = await link.sock.recv_multipart(copy=False)
+            try:
+                msg_type, header, payload = wire.decode(frames)
+            except wire.WireError as exc:
+                log.warning("malformed message from worker %s: %s", link.endpoint, exc)
+                continue
+            was_alive = link.alive
+            link.last_seen_s = time.monotonic()
+            link.alive = True
+            if isinstance(header.get("version"), int):
+                link.version = header["version"]
+            if msg_type == MsgType.HEARTBEAT:
+                link.worker_id = str(header.get("worker") or link.worker_id)
+                link.reported_load = int(header.get("load") or 0)
+                link.model_id = header.get("model_id")
+                link.last_heartbeat_wall_s = time.time()
+            elif msg_type in (MsgType.TOKEN, MsgType.RESULT, MsgType.ERROR):
+                q = link.inflight.get(header.get("id"))
+                if q is not None:
+                    q.put_nowait((msg_type, header))
+            if not was_alive:
+                log.info("worker %s (%s) is live at version %d", link.worker_id, link.endpoint, link.version)
+            if not was_alive or msg_type == MsgType.HEARTBEAT:
+                async with self._changed:
+                    self._changed.notify_all()
+
+    async def _heartbeats(self) -> None:
+        interval_s = self.wcfg.heartbeat_interval_ms / 1000
+        timeout_s = self.wcfg.heartbeat_timeout_ms / 1000
+        hello = wire.encode(MsgType.HELLO, {"gateway": self.gateway_id})
+        while True:
+            now = time.monotonic()
+            for link in self.links:
+                with contextlib.suppress(zmq.Again):
+                    await link.sock.send_multipart(hello, flags=zmq.NOBLOCK)
+                if link.alive and now - link.last_seen_s > timeout_s:
+                    self._declare_dead(link)
+            await asyncio.sleep(interval_s)
+
+    def _declare_dead(self, link: WorkerLink) -> None:
+        log.warning("worker %s (%s) missed heartbeats; retrying its %d requests elsewhere",
+                    link.worker_id, link.endpoint, len(link.inflight))
+        link.alive = False
+        for q in link.inflight.values():
+            q.put_nowait(_DEAD)
+        link.inflight.clear()
+
+    # ------------------------------------------------------------------ routing
+    def _pick(self, min_version: int, exclude: set[int]) -> WorkerLink | None:
+        live = [w for w in self.live() if w.index not in exclude] or self.live()
+        ok = [w for w in live if w.version >= min_version]
+        if not ok:
+            return None
+        return min(ok, key=lambda w: (w.load, w.index))
+
+    async def _choose(self, min_version: int, exclude: set[int], deadline: float) -> WorkerLink:
+        version_deadline = time.monotonic() + self.cfg.consistency.timeout_s
+        no_worker_deadline = time.monotonic() + self.wcfg.heartbeat_timeout_ms / 1000
+        async with self._changed:
+            while True:
+                link = self._pick(min_version, exclude)
+                if link is not None:
+                    return link
+                now = time.monotonic()
+                live = self.live()
+                if not live and now >= min(no_worker_deadline, deadline):
+                    raise NoWorker("no inference worker is available; retry shortly", retry_after_s=2)
+                if live and now >= min(version_deadline, deadline):
+                    best = max(w.version for w in live)
+                    raise NoWorker(f"no worker reached model version {min_version} within "
+                                   f"{self.cfg.consistency.timeout_s:g}s (newest live: {best}); retry later",
+                                   retry_after_s=max(1, int(self.cfg.consistency.timeout_s)))
+                limit = min(deadline, version_deadline if live else no_worker_deadline) - now
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), max(0.01, limit))
+
+    async def request(self, header: dict[str, Any], frames: list[bytes] | None = None, *,
+                      min_version: int = 0, timeout_s: float | None = None,
+                      on_token: Callable[[str, dict[str, Any]], Awaitable[None]] | None = None,
+                      on_retry: Callable[[], Awaitable[None]] | None = None) -> dict[str, Any]:
+        """Send one INFER and return the worker's RESULT header.
+
+        Retries on another worker when the chosen one dies (``on_retry`` is told, so partial
+        streamed text can be reset). Raises :class:`NoWorker`, :class:`WorkerRequestError`
+        or :class:`WorkerTimeout`; never waits past ``timeout_s``.
+        """
+        timeout_s = self.wcfg.request_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        tried: set[int] = set()
+        base_id = header.get("id") or uuid.uuid4().hex
+        for attempt in itertools.count():
+            link = await self._choose(min_version, tried, deadline)
+            tried.add(link.index)
+            rid = f"{base_id}.{attempt}.{next(self._ids)}"
+            queue: asyncio.Queue = asyncio.Queue()
+            link.inflight[rid] = queue
+            try:
+                msg = wire.encode(MsgType.INFER, {**header, "id": rid}, frames or ())
+                try:
+                    await link.sock.send_multipart(msg, flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:  # not connected (worker down) or its queue is full
+                    link.inflight.pop(rid, None)
+                    if link.alive:
+                        self._declare_dead(link)
+                    continue
+                result = await self._await_result(link, rid, queue, deadline, on_token)
+            finally:
+                link.inflight.pop(rid, None)
+            if result is not None:
+                return result
+            if on_retry is not None:
+                await on_retry()
+        raise AssertionError("unreachable")
+
+    async def _await_result(self, link: WorkerLink, rid: str, queue: asyncio.Queue, deadline: float,
+                            on_token: Callable[[str, dict[str, Any]], Awaitable[None]] | None) -> dict[str, Any] | None:
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                await self._cancel(link, rid)
+                raise WorkerTimeout("the request did not complete within its timeout")
+            try:
+                item = await asyncio.wait_for(queue.get(), remaining)
+            except asyncio.TimeoutError:
+                continue
+            except asyncio.CancelledError:
+                await self._cancel(link, rid)
+                raise
+            if item is _DEAD:
+                await self._cancel(link, rid)  # in case it was only slow, not dead
+                return None
+            msg_type, h = item
+            if msg_type == MsgType.TOKEN:
+                if on_token is not None:
+                    await on_token(str(h.get("text", "")), h)
+            elif msg_type == MsgType.RESULT:
+                return h
+            elif h.get("code") == "shutting_down":
+                return None  # the worker is draining: retry elsewhere
+            else:
+                raise WorkerRequestError(str(h.get("code") or "internal"), str(h.get("message") or "worker error"))
+
+    async def _cancel(self, link: WorkerLink, rid: str) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            await link.sock.send_multipart(wire.encode(MsgType.CANCEL, {"id": rid}), flags=zmq.NOBLOCK)

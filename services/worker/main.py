@@ -1,0 +1,291 @@
+"""``learnmesh worker``: one inference worker.
+
+Holds one model replica, binds a ZeroMQ ROUTER (``worker.endpoints[--index]``), and serves
+INFER requests from gateway DEALERs (message shapes: :mod:`shared.inference`). Requests that
+arrive close together are batched (``worker.max_batch_size``, ``worker.max_wait_ms``);
+generated text streams back as TOKEN messages, then a RESULT. Every reply names the model
+version that produced it. Weight deltas (``services.worker.updates.DeltaSubscriber``) are
+applied only between batches, so a request sees exactly one version. The worker keeps no
+per-client state: the context arrives with each request.
+"""
+
+from __future__ import annotations
+
+import codecs
+import logging
+import signal
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from shared import wire
+from shared.config import Config
+from shared.inference import unpack_entries
+from shared.model import Example, LearnModel, MediaError, ModelInputError, build_model
+from shared.wire import MsgType
+from shared.zmq_util import make_socket
+
+log = logging.getLogger("learnmesh.worker")
+
+
+@dataclass
+class Request:
+    peer: bytes
+    id: str
+    op: str
+    example: Example
+    max_tokens: int = 0
+    temperature: float = 1.0
+    seed: int | None = None
+    received_s: float = field(default_factory=time.monotonic)
+    cancelled: bool = False
+
+
+class Worker:
+    """The serving loop. ``run()`` blocks until :meth:`stop` (or SIGTERM in ``main``)."""
+
+    def __init__(self, cfg: Config, endpoint: str, worker_id: str, *, model: LearnModel | None = None,
+                 zmq_ctx: zmq.Context | None = None, updates: bool = True) -> None:
+        self.cfg = cfg
+        self.wcfg = cfg.worker
+        self.worker_id = worker_id
+        self.model = model if model is not None else build_model(cfg.model)
+        self.ctx = zmq_ctx or zmq.Context.instance()
+        self.sock = make_socket(self.ctx, zmq.ROUTER, bind=endpoint, hwm=self.wcfg.hwm, router_mandatory=True)
+        self.queue: deque[Request] = deque()
+        self.running: dict[str, Request] = {}
+        self.version = 0
+        self.batches = 0
+        self.subscriber = self._subscriber(updates)
+        self._stop = False
+
+    def _subscriber(self, enabled: bool) -> Any:
+        if not enabled:
+            return None
+        try:
+            from services.worker.updates import DeltaSubscriber
+        except ImportError:
+            log.warning("weight updates unavailable (services.worker.updates missing); serving the base model")
+            return None
+        params = {n: p.detach() for n, p in self.model.named_parameters()}
+        sub = DeltaSubscriber(self.cfg, self.ctx, self.worker_id, params, 0, model_id=self.model.model_id)
+        self.version = sub.version
+        return sub
+
+    # ------------------------------------------------------------------ loop
+    def stop(self) -> None:
+        self._stop = True
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        log.info("worker %s ready (model %s, version %d)", self.worker_id, self.model.model_id, self.version)
+        try:
+            while not self._stop:
+                wait_ms = 50.0
+                if self.queue:
+                    age_ms = (time.monotonic() - self.queue[0].received_s) * 1000
+                    wait_ms = max(0.0, self.wcfg.max_wait_ms - age_ms)
+                if poller.poll(wait_ms):
+                    self._drain()
+                if not self.queue:
+                    self._apply_updates()
+                    continue
+                age_ms = (time.monotonic() - self.queue[0].received_s) * 1000
+                if len(self.queue) >= self.wcfg.max_batch_size or age_ms >= self.wcfg.max_wait_ms:
+                    self._apply_updates()
+                    self._run_batch()
+        finally:
+            for req in list(self.queue):
+                self._error(req.peer, req.id, "shutting_down", "worker is shutting down; retry elsewhere")
+            self.queue.clear()
+            if self.subscriber is not None:
+                self.subscriber.close()
+            self.sock.close(linger=0)
+
+    def _apply_updates(self) -> None:
+        if self.subscriber is None:
+            return
+        try:
+            new = self.subscriber.poll()
+        except Exception:  # a bad update must not kill serving; the subscriber re-snapshots
+            log.exception("applying weight updates failed")
+            return
+        if new is not None and new != self.version:
+            log.info("model version %d -> %d", self.version, new)
+            self.version = new
+
+    def _drain(self, limit: int = 1000) -> None:
+        for _ in range(limit):
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._on_message(frames)
+
+    def _send(self, peer: bytes, msg_type: MsgType, header: dict[str, Any], frames: list[bytes] | None = None) -> None:
+        try:
+            self.sock.send_multipart([peer, *wire.encode(msg_type, header, frames or ())], zmq.NOBLOCK)
+        except zmq.ZMQError:  # gateway gone (ROUTER_MANDATORY) or its queue full: drop the reply
+            pass
+
+    def _error(self, peer: bytes, rid: Any, code: str, message: str) -> None:
+        self._send(peer, MsgType.ERROR, {"id": rid, "version": self.version, "code": code, "message": message})
+
+    def load(self) -> int:
+        return len(self.queue) + len(self.running)
+
+    # ------------------------------------------------------------------ messages
+    def _on_message(self, frames: list[Any]) -> None:
+        peer = frames[0].bytes
+        try:
+            msg_type, header, payload = wire.decode(frames[1:])
+        except wire.WireError as exc:
+            self._error(peer, None, "bad_input", f"malformed message: {exc}")
+            return
+        if msg_type == MsgType.HELLO:
+            self._send(peer, MsgType.HEARTBEAT, {"worker": self.worker_id, "version": self.version,
+                                                 "load": self.load(), "model_id": self.model.model_id,
+                                                 "max_batch_size": self.wcfg.max_batch_size})
+        elif msg_type == MsgType.CANCEL:
+            rid = header.get("id")
+            if rid in self.running:
+                self.running[rid].cancelled = True
+            self.queue = deque(r for r in self.queue if r.id != rid)
+        elif msg_type == MsgType.INFER:
+            self._on_infer(peer, header, payload)
+        else:
+            self._error(peer, header.get("id"), "bad_input", f"unexpected message type {msg_type.name}")
+
+    def _on_infer(self, peer: bytes, h: dict[str, Any], payload: list[Any]) -> None:
+        rid = h.get("id")
+        if not isinstance(rid, str) or not rid:
+            self._error(peer, rid, "bad_input", "request id missing")
+            return
+        try:
+            req = self._parse(peer, rid, h, payload)
+        except (ValueError, TypeError, MediaError, ModelInputError) as exc:
+            self._error(peer, rid, "bad_input", str(exc))
+            return
+        self.queue.append(req)
+
+    def _parse(self, peer: bytes, rid: str, h: dict[str, Any], payload: list[Any]) -> Request:
+        op = h.get("op")
+        if op not in ("generate", "score"):
+            raise ValueError("op must be 'generate' or 'score'")
+        prompt = h.get("prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError("prompt must be a non-empty string")
+        if len(prompt.encode()) > self.wcfg.max_prompt_bytes:
+            raise ValueError(f"prompt is longer than {self.wcfg.max_prompt_bytes} bytes")
+        modalities = h.get("modalities")
+        if modalities is not None and not (isinstance(modalities, list) and all(isinstance(m, str) for m in modalities)):
+            raise ValueError("modalities must be a list of strings")
+        entries = unpack_entries(h.get("entries", []), payload)
+        if op == "score":
+            target = h.get("target")
+            if not isinstance(target, str) or not target:
+                raise ValueError("score needs a non-empty target")
+            return Request(peer, rid, op, self.model.encode(entries, prompt, target, modalities=modalities))
+        max_tokens = h.get("max_tokens", 64)
+        if not isinstance(max_tokens, int) or not 1 <= max_tokens <= self.wcfg.max_tokens_limit:
+            raise ValueError(f"max_tokens must be an integer in 1..{self.wcfg.max_tokens_limit}")
+        temperature = h.get("temperature", 1.0)
+        if not isinstance(temperature, (int, float)) or not 0 <= temperature <= 5:
+            raise ValueError("temperature must be a number in 0..5")
+        seed = h.get("seed")
+        if seed is not None and not isinstance(seed, int):
+            raise ValueError("seed must be an integer")
+        example = self.model.encode(entries, prompt, None, modalities=modalities, reserve_tokens=max_tokens)
+        return Request(peer, rid, op, example, max_tokens, float(temperature), seed)
+
+    # ------------------------------------------------------------------ batches
+    def _take_batch(self) -> list[Request]:
+        op = self.queue[0].op
+        batch, rest = [], deque()
+        while self.queue:
+            r = self.queue.popleft()
+            (batch if r.op == op and len(batch) < self.wcfg.max_batch_size else rest).append(r)
+        self.queue = rest
+        return batch
+
+    def _run_batch(self) -> None:
+        batch = self._take_batch()
+        self.batches += 1
+        self.running = {r.id: r for r in batch}
+        try:
+            if batch[0].op == "score":
+                self._run_score(batch)
+            else:
+                self._run_generate(batch)
+        except Exception as exc:
+            log.exception("batch failed")
+            for r in batch:
+                self._error(r.peer, r.id, "internal", f"inference failed ({type(exc).__name__})")
+        finally:
+            self.running = {}
+
+    def _run_score(self, batch: list[Request]) -> None:
+        scores = self.model.score([r.example for r in batch])
+        for r, nll in zip(batch, scores, strict=True):
+            self._send(r.peer, MsgType.RESULT, {"id": r.id, "version": self.version, "model_id": self.model.model_id,
+                                                "nll": nll, "tokens": r.example.n_target, "batch": len(batch)})
+
+    def _run_generate(self, batch: list[Request]) -> None:
+        n = len(batch)
+        decoders = [codecs.getincrementaldecoder("utf-8")(errors="replace") for _ in batch]
+        texts = [""] * n
+        counts = [0] * n
+        finish: list[str | None] = [None] * n
+        steps = self.model.generate([r.example for r in batch], max_tokens=max(r.max_tokens for r in batch),
+                                    temperature=[r.temperature for r in batch], seed=[r.seed for r in batch])
+        try:
+            for chunks in steps:
+                for i, (r, chunk) in enumerate(zip(batch, chunks, strict=True)):
+                    if finish[i] is not None:
+                        continue
+                    if r.cancelled:
+                        finish[i] = "cancelled"
+                        continue
+                    if not chunk:
+                        finish[i] = "stop" if len(r.example) + counts[i] + 1 < self.model.max_seq else "length"
+                        continue
+                    counts[i] += 1
+                    delta = decoders[i].decode(chunk)
+                    if delta:
+                        texts[i] += delta
+                        self._send(r.peer, MsgType.TOKEN, {"id": r.id, "text": delta, "version": self.version})
+                    if counts[i] >= r.max_tokens:
+                        finish[i] = "length"
+                if all(f is not None for f in finish):
+                    break
+                self._drain()  # heartbeats, cancels and new requests while the batch runs
+        finally:
+            steps.close()
+        for i, r in enumerate(batch):
+            if finish[i] == "cancelled":
+                continue
+            tail = decoders[i].decode(b"", final=True)
+            texts[i] += tail
+            self._send(r.peer, MsgType.RESULT, {"id": r.id, "version": self.version, "model_id": self.model.model_id,
+                                                "text": texts[i], "tokens": counts[i],
+                                                "finish_reason": finish[i] or "length", "batch": n})
+
+
+def main(cfg: Config, args: Any) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    index = int(getattr(args, "index", 0) or 0)
+    endpoint = getattr(args, "endpoint", None)
+    if endpoint is None:
+        if not 0 <= index < len(cfg.worker.endpoints):
+            log.error("--index %d is outside worker.endpoints (%d configured)", index, len(cfg.worker.endpoints))
+            return 2
+        endpoint = cfg.worker.endpoints[index]
+    worker = Worker(cfg, endpoint, f"worker-{index}")
+    signal.signal(signal.SIGTERM, lambda *_: worker.stop())
+    signal.signal(signal.SIGINT, lambda *_: worker.stop())
+    worker.run()
+    return 0

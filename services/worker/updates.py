@@ -1,0 +1,300 @@
+"""Worker side of weight-delta sync (ZeroMQ Clone pattern).
+
+The subscriber connects its SUB socket first, then asks the trainer's ROUTER for a snapshot
+(a dense anchor plus the next delta sequence number). Deltas that arrive meanwhile are
+buffered; once the snapshot is loaded, those not newer than it are dropped and the rest are
+applied in order. A sequence gap, a delta whose base is not the held version, or a new
+publisher session (trainer restart) triggers a fresh snapshot. Every packet is verified by
+the envelope before anything is decoded; every delta is fully decoded before anything is
+applied, so a request served between two :meth:`DeltaSubscriber.poll` calls sees exactly one
+version. Rejected packets are counted (``stats`` and Prometheus) and never applied.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import zmq
+
+from shared import metrics, wire
+from shared.codec import BaseMismatch, CodecError, DeltaDecoder, LayoutMismatch
+from shared.config import Config
+from shared.crypto import STREAM_DELTA, EnvelopeOpener, EnvelopeReject, KeyRing, Opened
+from shared.zmq_util import make_socket
+
+log = logging.getLogger(__name__)
+
+_MAX_BUFFERED = 4096
+
+
+@dataclass
+class _Assembly:
+    version: int
+    n: int
+    codec: dict[str, Any]
+    parts: list[bytes]
+
+
+class DeltaSubscriber:
+    """Keep ``params`` in step with the trainer; call :meth:`poll` between batches."""
+
+    def __init__(self, cfg: Config, zmq_ctx: zmq.Context, worker_id: str, params: dict[str, torch.Tensor],
+                 version: int, *, model_id: str | None = None) -> None:
+        self.cfg = cfg
+        self.worker_id = worker_id
+        self.params = params
+        self.model_id = model_id
+        self.decoder = DeltaDecoder(params, version, model_id or "")
+        self.opener = EnvelopeOpener(KeyRing.load_or_create(cfg.security.delta_key_file),
+                                     require_signature=cfg.security.sign_deltas)
+        self.stats: dict[str, Any] = {"applied": 0, "anchors": 0, "resyncs": 0, "snapshot_timeouts": 0,
+                                      "dropped_old": 0, "rejected": {}, "latest_seen": version}
+        self._sub = make_socket(zmq_ctx, zmq.SUB, connect=cfg.security.delta_pub_endpoint, hwm=100_000)
+        self._dealer = make_socket(zmq_ctx, zmq.DEALER, connect=cfg.security.snapshot_endpoint,
+                                   identity=f"{worker_id}-{secrets.token_hex(4)}".encode())
+        self._push = make_socket(zmq_ctx, zmq.PUSH, connect=cfg.security.ack_endpoint, hwm=100)
+        self._expected_seq: int | None = None
+        self._session: tuple[int, str] | None = None
+        self._assembly: _Assembly | None = None
+        self._buffer: deque[Opened] = deque()
+        self._pending_req: str | None = None
+        self._req_sent_at = 0.0
+        self._snap_parts: dict[int, tuple[Opened, bytes]] = {}
+        self._request_snapshot("join")
+
+    @property
+    def version(self) -> int:
+        return self.decoder.version
+
+    # ---------------------------------------------------------------- public API
+    def poll(self, max_packets: int = 64) -> int | None:
+        """Apply pending verified updates in place; return the new version, or None if unchanged."""
+        before = self.version
+        self._poll_snapshot()
+        for _ in range(max_packets):
+            try:
+                frames = self._sub.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                break
+            self._on_packet(frames)
+        if self._pending_req is not None:
+            self._poll_snapshot()
+        return self.version if self.version != before else None
+
+    def close(self) -> None:
+        for sock in (self._sub, self._dealer, self._push):
+            sock.close(linger=0)
+
+    # ---------------------------------------------------------------- packets
+    def _reject(self, reason: str) -> None:
+        rej = self.stats["rejected"]
+        rej[reason] = rej.get(reason, 0) + 1
+        metrics.DELTA_REJECTED.labels(reason).inc()
+
+    def _on_packet(self, frames: list[bytes]) -> None:
+        try:
+            mtype, _, payload = wire.decode(frames)
+        except wire.WireError:
+            self._reject("malformed")
+            return
+        if mtype != wire.MsgType.DELTA:
+            self._reject("malformed")
+            return
+        try:
+            op = self.opener.open(payload)
+        except EnvelopeReject as exc:
+            self._reject(exc.reason)
+            return
+        if not _valid_delta_meta(op.meta):
+            self._reject("malformed")
+            return
+        self.stats["latest_seen"] = max(self.stats["latest_seen"], op.meta["version"])
+        session = (op.header["t0"], op.header["sess"])
+        if self._session is not None and session != self._session and self._pending_req is None:
+            self._buffer.append(op)
+            self._request_snapshot("publisher_restart")
+            return
+        if self._pending_req is not None:
+            self._buffer.append(op)
+            if len(self._buffer) > _MAX_BUFFERED:
+                self._buffer.popleft()
+            return
+        self._handle(op)
+
+    def _handle(self, op: Opened) -> None:
+        assert self._expected_seq is not None
+        seq, meta = op.header["seq"], op.meta
+        if seq < self._expected_seq or meta["version"] <= self.version:
+            self.stats["dropped_old"] += 1
+            return
+        if seq > self._expected_seq:
+            self._buffer.append(op)
+            self._request_snapshot("gap")
+            return
+        self._expected_seq = seq + 1
+        i, n = meta["i"], meta["n"]
+        if i == 0:
+            self._assembly = _Assembly(meta["version"], n, meta["codec"], [])
+        asm = self._assembly
+        if asm is None or asm.version != meta["version"] or i != len(asm.parts) or n != asm.n:
+            self._request_snapshot("gap")
+            return
+        asm.parts.append(op.payload)
+        if len(asm.parts) == asm.n:
+            self._assembly = None
+            self._apply(asm)
+
+    def _apply(self, asm: _Assembly) -> None:
+        t0 = time.perf_counter()
+        parts = asm.parts if asm.codec.get("nchunks", 0) else []
+        try:
+            decoded = self.decoder.decode(asm.codec, parts)
+        except BaseMismatch:
+            self._reject("base_mismatch")
+            self._request_snapshot("base_mismatch")
+            return
+        except LayoutMismatch:
+            self._reject("layout")
+            return
+        except CodecError as exc:
+            log.warning("delta %s failed to decode: %s", asm.version, exc)
+            self._reject("corrupt")
+            self._request_snapshot("corrupt")
+            return
+        self.decoder.apply(self.params, decoded)
+        kind = asm.codec.get("kind", "delta")
+        self.stats["applied"] += 1
+        metrics.DELTA_APPLIED.labels(kind).inc()
+        metrics.DELTA_APPLY_SECONDS.observe(time.perf_counter() - t0)
+        self._ack()
+
+    def _ack(self) -> None:
+        msg = wire.encode(wire.MsgType.ACK, {"worker": self.worker_id, "version": self.version})
+        try:
+            self._push.send_multipart(msg, zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # trainer not reachable: acks are advisory, the heartbeat carries the version too
+
+    # ---------------------------------------------------------------- snapshots
+    def _request_snapshot(self, cause: str) -> None:
+        if self._pending_req is not None and cause != "timeout":
+            return
+        if cause != "join":
+            self.stats["resyncs"] += 1
+            metrics.DELTA_RESYNCS.labels(cause).inc()
+            log.info("worker %s resyncing by snapshot (%s) at version %s", self.worker_id, cause, self.version)
+        self._assembly = None
+        self._pending_req = secrets.token_hex(16)
+        self._req_sent_at = time.monotonic()
+        self._snap_parts = {}
+        msg = wire.encode(wire.MsgType.SNAPSHOT_REQ, {"req": self._pending_req, "worker": self.worker_id})
+        try:
+            self._dealer.send_multipart(msg, zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # retried on timeout
+
+    def _poll_snapshot(self) -> None:
+        if self._pending_req is None:
+            # a late reply to an earlier request: drain and ignore
+            self._drain_dealer()
+            return
+        while True:
+            try:
+                frames = self._dealer.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                break
+            self._on_snapshot_part(frames)
+            if self._pending_req is None:
+                return
+        if time.monotonic() - self._req_sent_at > self.cfg.consistency.timeout_s:
+            self.stats["snapshot_timeouts"] += 1
+            log.warning("worker %s: snapshot request unanswered for %.1fs; retrying",
+                        self.worker_id, self.cfg.consistency.timeout_s)
+            self._request_snapshot("timeout")
+
+    def _drain_dealer(self) -> None:
+        while True:
+            try:
+                self._dealer.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+
+    def _on_snapshot_part(self, frames: list[bytes]) -> None:
+        try:
+            mtype, _, payload = wire.decode(frames)
+            if mtype != wire.MsgType.SNAPSHOT:
+                raise wire.WireError("not a snapshot")
+        except wire.WireError:
+            self._reject("malformed")
+            return
+        try:
+            op = self.opener.open(payload, track=False)
+        except EnvelopeReject as exc:
+            self._reject(exc.reason)
+            return
+        meta = op.meta
+        if meta.get("req") != self._pending_req:
+            self._reject("stale")
+            return
+        if not _valid_snapshot_meta(meta):
+            self._reject("malformed")
+            return
+        self._snap_parts[meta["i"]] = (op, op.payload)
+        if len(self._snap_parts) < meta["n"]:
+            return
+        ordered = [self._snap_parts[i] for i in range(meta["n"]) if i in self._snap_parts]
+        if len(ordered) != meta["n"]:
+            return
+        if self.model_id is None:
+            self.decoder.model_id = meta["model"]
+        try:
+            decoded = self.decoder.decode(meta["codec"], [p for _, p in ordered])
+        except CodecError as exc:
+            log.warning("snapshot refused: %s", exc)
+            self._reject("layout" if isinstance(exc, LayoutMismatch) else "corrupt")
+            self._pending_req = None
+            self._request_snapshot("corrupt")
+            return
+        self.decoder.apply(self.params, decoded)
+        self.stats["anchors"] += 1
+        metrics.DELTA_APPLIED.labels("snapshot").inc()
+        self._pending_req = None
+        self._snap_parts = {}
+        self._session = (op.header["t0"], op.header["sess"])
+        self._expected_seq = meta["pub_seq"]
+        self.opener.adopt(op.header["sender"], STREAM_DELTA, op.header["t0"], op.header["sess"],
+                          meta["pub_seq"] - 1)
+        self._ack()
+        buffered, self._buffer = list(self._buffer), deque()
+        for b in sorted(buffered, key=lambda o: o.header["seq"]):
+            if self._pending_req is not None:
+                self._buffer.append(b)
+                continue
+            sess = (b.header["t0"], b.header["sess"])
+            if sess < self._session:
+                self.stats["dropped_old"] += 1
+            elif sess > self._session:
+                self._buffer.append(b)
+                self._request_snapshot("publisher_restart")
+            else:
+                self._handle(b)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _valid_delta_meta(m: dict[str, Any]) -> bool:
+    return (_is_int(m.get("version")) and _is_int(m.get("i")) and _is_int(m.get("n"))
+            and 0 <= m["i"] < m["n"] <= 1_000_000 and isinstance(m.get("codec"), dict))
+
+
+def _valid_snapshot_meta(m: dict[str, Any]) -> bool:
+    return (_valid_delta_meta(m) and _is_int(m.get("pub_seq")) and m["pub_seq"] >= 0
+            and isinstance(m.get("model"), str))

@@ -1,0 +1,42 @@
+"""Inference request/reply shapes between the gateway's WorkerPool and workers.
+
+An INFER message carries the request in its header and the context entries' contents as raw
+frames (binary image/audio bytes travel as they are, never base64)::
+
+    INFER  {"id", "op": "generate"|"score", "prompt", "target"?, "max_tokens", "temperature",
+            "seed"?, "modalities"?, "entries": [{"id","modality","role","mime","ts_ms"}, ...]}
+           + one frame per entry (its content)
+    TOKEN  {"id", "text", "version"}                      partial text (UTF-8 safe deltas)
+    RESULT {"id", "version", "model_id", "text", "tokens", "finish_reason"}   (generate)
+           {"id", "version", "model_id", "nll", "tokens"}                     (score)
+    ERROR  {"id", "version", "code": "bad_input"|"cancelled"|"internal", "message"}
+    HELLO  {"gateway"}            gateway -> worker, every heartbeat interval
+    HEARTBEAT {"worker", "version", "load", "model_id", "max_batch_size"}   reply to HELLO
+    CANCEL {"id"}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from shared.types import Entry
+
+
+def pack_entries(entries: Sequence[Entry]) -> tuple[list[dict[str, Any]], list[bytes]]:
+    meta = [{"id": e.id, "modality": e.modality, "role": e.role, "mime": e.mime, "ts_ms": e.ts_ms}
+            for e in entries]
+    return meta, [bytes(e.content) for e in entries]
+
+
+def unpack_entries(meta: Any, frames: Sequence[Any]) -> list[Entry]:
+    if not isinstance(meta, list) or len(meta) != len(frames):
+        raise ValueError("entries header does not match the content frames")
+    out = []
+    for m, f in zip(meta, frames, strict=True):
+        if not isinstance(m, dict) or not isinstance(m.get("modality"), str) or not isinstance(m.get("role"), str):
+            raise ValueError("bad entry description")
+        content = bytes(f.buffer if hasattr(f, "buffer") else f)
+        out.append(Entry(str(m.get("id", "")), m["modality"], m["role"], content, m.get("mime"),
+                         size_bytes=len(content), ts_ms=int(m.get("ts_ms") or 0)))
+    return out

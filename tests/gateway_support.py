@@ -1,0 +1,122 @@
+"""Run a real gateway replica as a subprocess for the gateway tests.
+
+``python tests/gateway_support.py PORT REDIS_URL [API_KEYS] [TTL_S] [CAP]`` starts uvicorn with
+the gateway app plus a few test tools (echo with a schema, a tool that logs/progresses,
+one that asks the client for sampling). :func:`start_gateway` launches it and waits for
+``/healthz``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def register_test_tools(registry: Any) -> None:
+    from gateway.errors import ToolError
+
+    @registry.tool("t_echo", description="echo", input_schema={
+        "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"],
+        "additionalProperties": False})
+    async def echo(ctx: Any, args: dict) -> dict:
+        return {"content": [{"type": "text", "text": f"{ctx.principal}:{args['text']}"}]}
+
+    @registry.tool("t_struct", description="structured", input_schema={"type": "object"},
+                   output_schema={"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
+    async def struct(ctx: Any, args: dict) -> dict:
+        return {"n": 7}
+
+    @registry.tool("t_fail", description="fails", input_schema={"type": "object"})
+    async def fail(ctx: Any, args: dict) -> dict:
+        raise ToolError("tool said no")
+
+    @registry.tool("t_crash", description="crashes", input_schema={"type": "object"})
+    async def crash(ctx: Any, args: dict) -> dict:
+        raise RuntimeError("secret internal detail")
+
+    @registry.tool("t_chatty", description="logs and progresses", input_schema={"type": "object"})
+    async def chatty(ctx: Any, args: dict) -> dict:
+        await ctx.log("info", "working")
+        await ctx.progress(1, 2)
+        await ctx.progress(2, 2)
+        return {"content": [{"type": "text", "text": "done"}]}
+
+    @registry.tool("t_ask", description="asks the client", input_schema={"type": "object"})
+    async def ask(ctx: Any, args: dict) -> dict:
+        answer = await ctx.request_client("sampling/createMessage", {
+            "messages": [{"role": "user", "content": {"type": "text", "text": "hi"}}], "maxTokens": 5}, "q")
+        return {"content": [{"type": "text", "text": "got " + answer["content"]["text"]}]}
+
+    @registry.resource("test://r", name="r", mime_type="text/plain")
+    async def res(ctx: Any, args: dict) -> list:
+        return [{"uri": args["uri"], "mimeType": "text/plain", "text": "resource text"}]
+
+    @registry.tool("t_touch", description="notify resource updated", input_schema={"type": "object"})
+    async def touch(ctx: Any, args: dict) -> dict:
+        await ctx.state.notify_resource_updated(ctx.principal, "test://r")
+        return {"content": [{"type": "text", "text": "ok"}]}
+
+
+def main() -> None:
+    import uvicorn
+
+    from gateway.app import create_app
+    from shared.config import load_config
+
+    port, redis_url = int(sys.argv[1]), sys.argv[2]
+    overrides: dict[str, Any] = {"redis": {"url": redis_url},
+                                 "gateway": {"port": port, "request_state_keys": ["00" * 32]}}
+    if len(sys.argv) > 3 and sys.argv[3]:
+        from shared.config import parse_api_keys
+        overrides["gateway"]["api_keys"] = parse_api_keys(sys.argv[3])
+    if len(sys.argv) > 4:
+        overrides["gateway"]["session_idle_ttl_s"] = int(sys.argv[4])
+    if len(sys.argv) > 5:
+        overrides["gateway"]["max_sessions_per_principal"] = int(sys.argv[5])
+    cfg = load_config(env={}, overrides=overrides)
+    app = create_app(cfg)
+    register_test_tools(app.state.registry)
+    uvicorn.run(app, host="127.0.0.1", port=port, loop="uvloop", http="httptools", log_level="warning",
+                timeout_graceful_shutdown=2)
+
+
+def start_gateway(port: int, redis_url: str, api_keys: str = "", ttl_s: int = 1800,
+                  cap: int = 1000) -> subprocess.Popen:
+    from tests.conftest import wait_for_sync
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("REDIS_URL", None)
+    proc = subprocess.Popen([sys.executable, str(Path(__file__)), str(port), redis_url, api_keys, str(ttl_s),
+                             str(cap)], cwd=str(ROOT), env=env)
+
+    def up() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"gateway exited with {proc.returncode}")
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for_sync(up, timeout_s=60, interval_s=0.1, what="gateway /healthz")
+    return proc
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    main()

@@ -1,0 +1,243 @@
+"""DeltaEncoder/DeltaDecoder: round trips, error feedback, lossless, anchors, refusal, fuzz."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from shared.codec import (BaseMismatch, CodecError, DeltaDecoder, DeltaEncoder, LayoutMismatch, flatten,
+                          varint_decode, varint_encode)
+from shared.config import CompressionConfig
+
+
+def make_params(seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"emb": torch.randn(300, 40, generator=g).to(dtype), "w": torch.randn(64, 129, generator=g).to(dtype),
+            "bias": torch.randn(7, generator=g).to(dtype)}
+
+
+def cfg(**kw) -> CompressionConfig:
+    base = {"block_size": 256, "chunk_elements": 2048, "anchor_every": 0, "density": 0.02}
+    base.update(kw)
+    return CompressionConfig(**base)
+
+
+def step(params: dict[str, torch.Tensor], g: torch.Generator, scale: float = 1e-3) -> None:
+    for p in params.values():
+        p.add_((torch.randn(p.shape, generator=g) * scale).to(p.dtype))
+
+
+def receiver_matches_reference(enc: DeltaEncoder, recv: dict[str, torch.Tensor]) -> bool:
+    return torch.equal(flatten(recv, enc.layout), enc.ref[: enc.layout.numel])
+
+
+@pytest.mark.parametrize("algorithm,quant", [("topk", "fp16"), ("topk", "int8"), ("topk", "none"),
+                                             ("threshold", "fp16"), ("dense", "fp16")])
+def test_lossy_receiver_tracks_reference_bit_exactly(algorithm: str, quant: str) -> None:
+    params = make_params()
+    enc = DeltaEncoder(cfg(algorithm=algorithm, quantization=quant, threshold=1.5e-3), params, 0, "m")
+    recv = {k: v.clone() for k, v in params.items()}
+    dec = DeltaDecoder(recv, 0, "m")
+    g = torch.Generator().manual_seed(1)
+    for v in range(1, 21):
+        step(params, g)
+        e = enc.encode(params, v)
+        assert dec.apply(recv, dec.decode(e.header, e.chunks)) == v
+    assert receiver_matches_reference(enc, recv)
+    assert dec.version == enc.version == 20
+    dense = sum(p.numel() for p in params.values()) * 4
+    if algorithm == "topk":
+        assert e.nbytes < dense / 8
+        assert 0.01 < e.stats["density"] < 0.04
+
+
+def test_error_feedback_keeps_served_error_bounded() -> None:
+    params = make_params()
+    start = {k: v.clone() for k, v in params.items()}
+    enc = DeltaEncoder(cfg(density=0.01), params, 0, "m")
+    g = torch.Generator().manual_seed(2)
+    residuals = []
+    drift = torch.zeros(enc.layout.numel)
+    for v in range(1, 301):
+        # a consistent direction plus noise: without error feedback, the dropped 99% would pile up
+        for p in params.values():
+            p.add_(1e-4 + torch.randn(p.shape, generator=g) * 1e-4)
+        enc.encode(params, v)
+        residuals.append(enc.residual_norm(params))
+    drift = float(torch.linalg.vector_norm(flatten(params, enc.layout) - flatten(start, enc.layout)))
+    assert max(residuals[200:]) < 1.3 * max(residuals[100:200])  # bounded, not growing
+    assert residuals[-1] < 0.3 * drift  # served weights follow the trainer (no feedback: ~0.99)
+
+
+def test_lossless_is_bit_exact_including_bf16() -> None:
+    for dtype in (torch.float32, torch.bfloat16):
+        params = make_params(dtype=dtype)
+        enc = DeltaEncoder(cfg(algorithm="lossless"), params, 5, "m")
+        recv = {k: v.clone() for k, v in params.items()}
+        dec = DeltaDecoder(recv, 5, "m")
+        g = torch.Generator().manual_seed(3)
+        for v in range(6, 16):
+            # change only some elements, like a sparse optimizer step
+            for p in params.values():
+                mask = torch.rand(p.shape, generator=g) < 0.05
+                p.add_((torch.randn(p.shape, generator=g) * mask).to(dtype))
+            e = enc.encode(params, v)
+            dec.apply(recv, dec.decode(e.header, e.chunks))
+            for k in params:
+                assert torch.equal(recv[k].view(torch.int16 if dtype != torch.float32 else torch.int32),
+                                   params[k].view(torch.int16 if dtype != torch.float32 else torch.int32))
+        assert e.stats["selected"] > 0
+
+
+def test_anchor_restores_exact_weights_and_snapshot_loads_anywhere() -> None:
+    params = make_params()
+    enc = DeltaEncoder(cfg(anchor_every=5, density=0.01), params, 0, "m")
+    recv = {k: v.clone() for k, v in params.items()}
+    dec = DeltaDecoder(recv, 0, "m")
+    g = torch.Generator().manual_seed(4)
+    kinds = []
+    for v in range(1, 11):
+        step(params, g)
+        e = enc.encode(params, v)
+        kinds.append(e.header["kind"])
+        dec.apply(recv, dec.decode(e.header, e.chunks))
+        if e.header["kind"] == "anchor":
+            assert all(torch.equal(recv[k], params[k]) for k in params)
+    assert kinds.count("anchor") == 2
+    fresh = {k: torch.zeros_like(v) for k, v in params.items()}
+    fdec = DeltaDecoder(fresh, -1, "m")
+    snap = enc.snapshot()
+    fdec.apply(fresh, fdec.decode(snap.header, snap.chunks))
+    assert fdec.version == 10 and receiver_matches_reference(enc, fresh)
+
+
+def test_wrong_base_layout_or_model_is_refused_and_nothing_applied() -> None:
+    params = make_params()
+    enc = DeltaEncoder(cfg(), params, 0, "m")
+    step(params, torch.Generator().manual_seed(5))
+    e = enc.encode(params, 1)
+    recv = {k: v.clone() for k, v in make_params().items()}
+    before = {k: v.clone() for k, v in recv.items()}
+    with pytest.raises(BaseMismatch):
+        DeltaDecoder(recv, 7, "m").decode(e.header, e.chunks)
+    with pytest.raises(LayoutMismatch):
+        DeltaDecoder(recv, 0, "other-model").decode(e.header, e.chunks)
+    other = dict(recv, extra=torch.zeros(3))
+    with pytest.raises(LayoutMismatch):
+        DeltaDecoder(other, 0, "m").decode(e.header, e.chunks)
+    reshaped = dict(recv, w=recv["w"].reshape(129, 64))
+    with pytest.raises(LayoutMismatch):
+        DeltaDecoder(reshaped, 0, "m").decode(e.header, e.chunks)
+    with pytest.raises(CodecError):
+        DeltaDecoder(recv, 0, "m").decode(e.header, e.chunks[:-1])
+    assert all(torch.equal(before[k], recv[k]) for k in recv)
+
+
+def test_byte_budget_sends_most_important_chunks_and_keeps_the_rest() -> None:
+    params = make_params()
+    enc = DeltaEncoder(cfg(density=0.05), params, 0, "m")
+    recv = {k: v.clone() for k, v in params.items()}
+    dec = DeltaDecoder(recv, 0, "m")
+    with torch.no_grad():
+        params["emb"][:10].add_(1.0)  # one hot region: must go first
+        params["w"].add_(1e-3)
+    e = enc.encode(params, 1, max_bytes=1200)
+    assert e.stats["chunks_dropped"] > 0
+    dec.apply(recv, dec.decode(e.header, e.chunks))
+    assert torch.allclose(recv["emb"][:10], params["emb"][:10], atol=1e-2)
+    v = 2
+    while enc.residual_norm(params) > 1e-3 and v < 200:  # unlimited budget: the residual drains
+        e = enc.encode(params, v)
+        dec.apply(recv, dec.decode(e.header, e.chunks))
+        v += 1
+    assert enc.residual_norm(params) <= 1e-3 and receiver_matches_reference(enc, recv)
+
+
+def test_bytes_tuner_reaches_its_budget_and_reports() -> None:
+    params = {"w": torch.randn(200_000)}
+    enc = DeltaEncoder(cfg(block_size=1024, chunk_elements=65536, density=0.2, tuner="bytes",
+                           tuner_target=8000), params, 0, "m")
+    g = torch.Generator().manual_seed(6)
+    sizes = []
+    for v in range(1, 31):
+        step(params, g)
+        sizes.append(enc.encode(params, v).nbytes)
+    report = enc.tuner_report()
+    assert report["mode"] == "bytes" and report["density"] < 0.2
+    assert 0.6 * 8000 < float(np.mean(sizes[-5:])) < 1.5 * 8000
+
+
+@given(st.lists(st.integers(min_value=0, max_value=2**40), max_size=200))
+def test_varint_round_trip(values: list[int]) -> None:
+    arr = np.array(values, dtype=np.uint64)
+    assert varint_decode(varint_encode(arr), len(values)).tolist() == values
+
+
+_FUZZ_PARAMS = make_params(9)
+_FUZZ_ENC = DeltaEncoder(cfg(chunk_elements=8192), _FUZZ_PARAMS, 0, "m")
+step(_FUZZ_PARAMS, torch.Generator().manual_seed(10))
+_FUZZ_DELTA = _FUZZ_ENC.encode(_FUZZ_PARAMS, 1)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_fuzz_decoder_never_crashes_or_applies_garbage(data: st.DataObject) -> None:
+    import zstandard
+
+    chunks = list(_FUZZ_DELTA.chunks)
+    i = data.draw(st.integers(0, len(chunks) - 1))
+    raw = bytearray(zstandard.ZstdDecompressor().decompress(chunks[i]))
+    how = data.draw(st.sampled_from(["flip", "truncate", "extend", "raw"]))
+    if how == "flip":
+        for _ in range(data.draw(st.integers(1, 8))):
+            pos = data.draw(st.integers(0, len(raw) - 1))
+            raw[pos] ^= data.draw(st.integers(1, 255))
+    elif how == "truncate":
+        raw = raw[: data.draw(st.integers(0, len(raw) - 1))]
+    elif how == "extend":
+        raw += data.draw(st.binary(min_size=1, max_size=64))
+    blob = zstandard.ZstdCompressor().compress(bytes(raw)) if how != "raw" else data.draw(st.binary(max_size=512))
+    chunks[i] = blob
+    recv = {k: v.clone() for k, v in make_params(9).items()}
+    dec = DeltaDecoder(recv, 0, "m")
+    try:
+        decoded = dec.decode(_FUZZ_DELTA.header, chunks)
+    except CodecError:
+        return
+    # a mutation that still decodes (e.g. a flipped value bit) is a valid delta: apply must be safe
+    dec.apply(recv, decoded)
+    assert all(torch.isfinite(t).all() for t in recv.values())
+
+
+def test_fuzz_decoder_thousands_of_random_mutations() -> None:
+    import zstandard
+
+    rng = np.random.default_rng(11)
+    bodies = [bytearray(zstandard.ZstdDecompressor().decompress(c)) for c in _FUZZ_DELTA.chunks]
+    zc = zstandard.ZstdCompressor(level=1)
+    recv = {k: v.clone() for k, v in make_params(9).items()}
+    before = {k: v.clone() for k, v in recv.items()}
+    refused = 0
+    for _ in range(2000):
+        i = int(rng.integers(len(bodies)))
+        raw = bytearray(bodies[i])
+        if rng.random() < 0.5:  # header, scales and index bytes are where structure lives
+            pos = rng.integers(0, min(len(raw), 96), size=int(rng.integers(1, 4)))
+        else:
+            pos = rng.integers(0, len(raw), size=int(rng.integers(1, 4)))
+        for p in pos:
+            raw[int(p)] ^= int(rng.integers(1, 256))
+        if rng.random() < 0.2:
+            raw = raw[: int(rng.integers(0, len(raw)))]
+        chunks = list(_FUZZ_DELTA.chunks)
+        chunks[i] = zc.compress(bytes(raw))
+        dec = DeltaDecoder(recv, 0, "m")
+        try:
+            dec.decode(_FUZZ_DELTA.header, chunks)
+        except CodecError:
+            refused += 1
+    assert refused > 700  # most structural damage is detected; decode() never touches params
+    assert all(torch.equal(before[k], recv[k]) for k in recv)

@@ -1,0 +1,282 @@
+"""Context store against a real Redis: data model, windows, versions, fork, budgets, audit."""
+
+from __future__ import annotations
+
+import pytest
+import redis.asyncio as aioredis
+
+from shared import audit, keys
+from shared.config import ConfigError, ContextConfig
+from shared.context_store import (
+    ContextError,
+    ContextExists,
+    ContextNotFound,
+    ContextStore,
+    EntryTooLarge,
+    InvalidModality,
+    VersionUnavailable,
+    pack_entry,
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now_ms = 1_000_000
+
+    def __call__(self) -> int:
+        return self.now_ms
+
+
+@pytest.fixture
+async def r(redis_url):
+    client = aioredis.Redis.from_url(redis_url)
+    yield client
+    await client.aclose()
+
+
+def make(r, clock=None, **cfg) -> ContextStore:
+    return ContextStore(r, ContextConfig(**cfg), clock_ms=clock)
+
+
+def size(content: bytes, role: str = "user", **kw) -> int:
+    return len(pack_entry(role, content, tokens=kw.pop("tokens", len(content)), ts_ms=0, **kw))
+
+
+async def test_append_and_window_roundtrip_binary_raw(r):
+    s = make(r)
+    png = bytes(range(256)) * 4
+    a = await s.append("alice", "c1", "text", "user", "héllo".encode())
+    b = await s.append("alice", "c1", "image", "user", png, mime="image/png")
+    c = await s.append("alice", "c1", "text", "assistant", b"see it", links=[b.entry_id])
+    assert (a.entry_id, a.version, b.entry_id, b.version, c.version) == ("text:1", 1, "image:1", 2, 3)
+    win = await s.get_window("alice", "c1")
+    assert win.version == 3
+    assert [e.text for e in win.channels["text"]] == ["héllo", "see it"]
+    img = win.channels["image"][0]
+    assert img.content == png and img.mime == "image/png" and img.tokens == len(png)
+    assert win.channels["text"][1].links == ["image:1"] and win.channels["text"][1].role == "assistant"
+    # binary stored as raw bytes: the hash value is header + exactly these bytes, no base64
+    raw = await r.hget(keys.ctx_entries("alice"), "c1|image|1")
+    assert raw.endswith(png) and len(raw) == size(png, mime="image/png")
+    assert await s.version("alice", "c1") == 3
+    assert s.round_trips == 5
+
+
+async def test_window_last_n_tokens_modalities_and_links(r):
+    s = make(r)
+    img = await s.append("a", "c", "image", "user", b"\x89PNG....")
+    for i in range(5):
+        await s.append("a", "c", "text", "user", b"x" * 10, links=[img.entry_id] if i == 0 else ())
+    w = await s.get_window("a", "c", modalities=["text"], last_n=2)
+    assert list(w.channels) == ["text"] and [e.id for e in w.channels["text"]] == ["text:4", "text:5"]
+    w = await s.get_window("a", "c", modalities=["text"], max_tokens=25)
+    assert [e.id for e in w.channels["text"]] == ["text:4", "text:5"]
+    w = await s.get_window("a", "c", modalities=["text"], max_tokens=3)  # always at least the newest
+    assert [e.id for e in w.channels["text"]] == ["text:5"]
+    # links resolved only for requested modalities
+    w = await s.get_window("a", "c", modalities=["text"], resolve_links=True)
+    assert "image" not in w.channels
+    w = await s.get_window("a", "c", modalities=["text", "image"], last_n=5, resolve_links=True)
+    assert [e.id for e in w.channels["image"]] == ["image:1"]
+    await s.append("a", "c", "image", "user", b"second")
+    w = await s.get_window("a", "c", modalities=["text", "image"], last_n=1, resolve_links=True)
+    assert [e.id for e in w.channels["image"]] == ["image:2"]  # text:1 not in window, so no link
+    w = await s.get_window("a", "c", modalities=["text", "image"], last_n=5, resolve_links=True)
+    assert [e.id for e in w.channels["image"]] == ["image:1", "image:2"]
+
+
+async def test_bad_input_is_rejected_before_any_write(r):
+    s = make(r, max_entry_bytes=1024, channel_max_bytes=4096, principal_budget_bytes=8192,
+             global_budget_bytes=16384)
+    with pytest.raises(InvalidModality):
+        await s.append("a", "c", "video", "user", b"x")
+    with pytest.raises(EntryTooLarge):
+        await s.append("a", "c", "text", "user", b"x" * 1025)
+    with pytest.raises(ContextError):
+        await s.append("a", "c", "text", "user", b"\xff\xfe")  # not UTF-8
+    with pytest.raises(ContextError):
+        await s.append("a", "bad id!", "text", "user", b"x")
+    with pytest.raises(ContextError):
+        await s.append("a{b}", "c", "text", "user", b"x")
+    with pytest.raises(ContextError):
+        await s.append("a", "c", "text", "user", b"x", tokens=-1)
+    with pytest.raises(ContextError):
+        await s.append("a", "c", "text", "user", b"x", links=["image:7"])  # no such entry
+    with pytest.raises(ContextError):
+        await s.append("a", "c", "text", "user", b"x", links=["text:1"])  # same channel
+    assert await r.keys("*") == []  # nothing written, not even audit
+    await s.append("a", "c", "text", "user", b"ok")
+    for bad in ({"last_n": 0}, {"last_n": -3}, {"max_tokens": 0}, {"modalities": []},
+                {"modalities": ["video"]}, {"last_n": 10**9}):
+        with pytest.raises(ContextError):
+            await s.get_window("a", "c", **bad)
+    with pytest.raises(ContextNotFound):
+        await s.get_window("a", "nope")
+    with pytest.raises(ContextNotFound):
+        await s.clear("a", "nope")
+    with pytest.raises(ContextNotFound):
+        await s.version("a", "nope")
+
+
+def test_config_validation():
+    with pytest.raises(ConfigError):
+        ContextConfig(modalities=["Text!"])
+    with pytest.raises(ConfigError):
+        ContextConfig(max_entry_bytes=10, channel_max_bytes=5)
+    with pytest.raises(ConfigError):
+        ContextConfig(principal_budget_bytes=10**6, global_budget_bytes=10**5, max_entry_bytes=1000,
+                      channel_max_bytes=1000)
+    with pytest.raises(ConfigError):
+        ContextConfig(versions_retained=0)
+
+
+async def test_versions_retained_and_clear(r):
+    s = make(r, versions_retained=3)
+    for i in range(3):
+        await s.append("a", "c", "text", "user", b"m%d" % i)
+    assert await s.clear("a", "c") == 4
+    assert (await s.get_window("a", "c")).channels == {}
+    old = await s.read_at_version("a", "c", 2)
+    assert old.version == 2 and [e.text for e in old.channels["text"]] == ["m0", "m1"]
+    await s.append("a", "c", "text", "user", b"after")  # v5; retained: 3, 4, 5
+    assert [e.text for e in (await s.read_at_version("a", "c", 3)).channels["text"]] == ["m0", "m1", "m2"]
+    with pytest.raises(VersionUnavailable):
+        await s.read_at_version("a", "c", 2)
+    with pytest.raises(VersionUnavailable):
+        await s.read_at_version("a", "c", 6)
+    await s.append("a", "c", "text", "user", b"x")
+    await s.append("a", "c", "text", "user", b"y")  # v7; retained 5..7: m0..m2 physically freed
+    fields = sorted(f.decode() for f in await r.hkeys(keys.ctx_entries("a")))
+    assert fields == ["c|text|4", "c|text|5", "c|text|6"]
+    assert await s.principal_bytes("a") == sum(size(x) for x in (b"after", b"x", b"y"))
+
+
+async def test_channel_window_entries_and_bytes(r):
+    s = make(r, channel_max_entries=3, channel_max_bytes=size(b"x" * 100) * 2, max_entry_bytes=150,
+             versions_retained=1)
+    for i in range(5):
+        await s.append("a", "c", "text", "user", b"%d" % i)
+    w = await s.get_window("a", "c")
+    assert [e.text for e in w.channels["text"]] == ["2", "3", "4"]
+    for _ in range(3):
+        await s.append("a", "c", "image", "user", b"x" * 100)
+    w = await s.get_window("a", "c")
+    assert len(w.channels["image"]) == 2 and len(w.channels["text"]) == 3
+    assert await s.principal_bytes("a") == 3 * size(b"2") + 2 * size(b"x" * 100)
+
+
+async def test_fork_copies_current_entries_and_is_independent(r):
+    s = make(r)
+    await s.append("a", "src", "text", "user", b"one")
+    await s.append("a", "src", "image", "user", b"\x00img")
+    dst = await s.fork("a", "src", "dst")
+    assert dst == "dst" and await s.version("a", "dst") == 1
+    await s.append("a", "dst", "text", "user", b"two")
+    src_w, dst_w = await s.get_window("a", "src"), await s.get_window("a", "dst")
+    assert [e.text for e in src_w.channels["text"]] == ["one"]
+    assert [e.text for e in dst_w.channels["text"]] == ["one", "two"]
+    assert dst_w.channels["image"][0].content == b"\x00img"
+    with pytest.raises(ContextExists):
+        await s.fork("a", "src", "dst")
+    auto = await s.fork("a", "src")
+    assert auto.startswith("src-") and auto in {i.id for i in await s.list_contexts("a")}
+    with pytest.raises(ContextNotFound):
+        await s.fork("b", "src")  # another principal's context does not exist for b
+    assert await s.principal_bytes("a") == 3 * (size(b"one") + size(b"\x00img")) + size(b"two")
+
+
+async def test_principal_budget_exact_lru(r):
+    one = size(b"x" * 100)
+    s = make(r, principal_budget_bytes=3 * one, max_entry_bytes=100, channel_max_bytes=1000,
+             global_budget_bytes=10**9, versions_retained=1)
+    for c in ("c1", "c2", "c3"):
+        await s.append("a", c, "text", "user", b"x" * 100)
+    await s.get_window("a", "c1")  # c1 becomes most recent: c2 is now LRU
+    res = await s.append("a", "c4", "text", "user", b"x" * 100)
+    assert res.evicted == ["c2"]
+    assert {i.id for i in await s.list_contexts("a")} == {"c1", "c3", "c4"}
+    rec = await audit.query(r, principal="a", action="evict")
+    assert rec[0]["context"] == "c2" and rec[0]["reason"] == "principal_budget"
+    # a context alone over budget keeps its newest entries, never half an entry
+    for _ in range(5):
+        await s.append("a", "c4", "text", "user", b"x" * 100)
+    assert await s.principal_bytes("a") <= 3 * one
+    assert [i.id for i in await s.list_contexts("a")] == ["c4"]
+    assert len((await s.get_window("a", "c4")).channels["text"]) == 3
+
+
+async def test_global_budget_lru_over_principals(r):
+    one = size(b"x" * 100)
+    s = make(r, principal_budget_bytes=3 * one, global_budget_bytes=3 * one, max_entry_bytes=100,
+             channel_max_bytes=1000, versions_retained=1)
+    for p in ("p1", "p2", "p3"):
+        await s.append(p, "c", "text", "user", b"x" * 100)
+    await s.get_window("p1", "c")  # p2 is now the least recently used principal
+    res = await s.append("p4", "c", "text", "user", b"x" * 100)
+    assert res.evicted_principals == ["p2"]
+    with pytest.raises(ContextNotFound):
+        await s.get_window("p2", "c")
+    assert await s.global_bytes() == 3 * one
+    assert set(await s.principals()) == {"p1", "p3", "p4"}
+    # versions stay monotonic when an evicted context is recreated
+    assert (await s.append("p2", "c", "text", "user", b"again")).version == 2
+
+
+async def test_idle_ttl_lazy_and_redis_expiry_reconciled(r):
+    clock = Clock()
+    s = make(r, clock, idle_ttl_s=60)
+    await s.append("a", "old", "text", "user", b"o")
+    clock.now_ms += 30_000
+    await s.append("a", "new", "text", "user", b"n")
+    clock.now_ms += 40_000  # "old" idle 70 s, "new" idle 40 s
+    assert [i.id for i in await s.list_contexts("a")] == ["new"]
+    rec = await audit.query(r, principal="a", action="evict")
+    assert rec[0]["context"] == "old" and rec[0]["reason"] == "idle"
+    assert 0 < await r.pttl(keys.ctx_entries("a")) <= 60_000
+    # Redis expiring the principal's keys wholesale is reconciled into the global total
+    for k in keys.ctx_keys("a"):
+        await r.delete(k)
+    await s.append("b", "c", "text", "user", b"b")
+    assert await s.global_bytes() > size(b"b")  # stale until "a" comes back
+    await s.list_contexts("a")
+    assert await s.global_bytes() == size(b"b")
+
+
+async def test_evict_and_audit_trail(r):
+    s = make(r)
+    await s.append("a", "c", "text", "user", b"x")
+    await s.clear("a", "c")
+    await s.fork("a", "c", "d")
+    assert await s.evict("a", "c") is True
+    assert await s.evict("a", "c") is False
+    actions = [x["action"] for x in await audit.query(r, principal="a")]
+    assert actions == ["evict", "fork", "clear", "append"]
+    await audit.audit(r, principal="admin", action="admin_evict", context="c", version=3, admin="root")
+    got = await audit.query(r, action="admin_evict")
+    assert got[0]["version"] == "3" and got[0]["admin"] == "root"
+    assert len(await audit.query(r, limit=2)) == 2
+
+
+async def test_principals_are_isolated_in_the_store(r):
+    s = make(r)
+    await s.append("alice", "shared-name", "text", "user", b"alice secret")
+    await s.append("bob", "shared-name", "text", "user", b"bob data")
+    assert [e.text for e in (await s.get_window("bob", "shared-name")).channels["text"]] == ["bob data"]
+    await s.clear("bob", "shared-name")
+    assert [e.text for e in (await s.get_window("alice", "shared-name")).channels["text"]] == ["alice secret"]
+    assert [i.id for i in await s.list_contexts("carol")] == []
+    # every key of a principal carries its hash tag
+    for k in await r.keys("lm:ctx:*"):
+        k = k.decode()
+        assert "{alice}" in k or "{bob}" in k or "{ctxglobal}" in k
+
+
+async def test_decode_responses_client_is_handled(redis_url):
+    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        s = make(client)
+        await s.append("a", "c", "image", "user", b"\xff\x00\xfe")
+        assert (await s.get_window("a", "c")).channels["image"][0].content == b"\xff\x00\xfe"
+        await s.redis.aclose()
+    finally:
+        await client.aclose()

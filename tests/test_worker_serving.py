@@ -1,0 +1,121 @@
+"""Workers through real ZeroMQ: `learnmesh worker` subprocesses and the gateway's WorkerPool."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import pytest
+
+from gateway.workers import NoWorker, WorkerPool, WorkerRequestError
+from shared.model import build_model
+from tests.conftest import free_port, wait_for
+from tests.worker_support import spawn_worker, stop, write_config
+
+
+def gen(prompt: str = "hello", **kw) -> dict:
+    return {"op": "generate", "prompt": prompt, "max_tokens": kw.pop("max_tokens", 8),
+            "temperature": kw.pop("temperature", 0.0), "entries": [], **kw}
+
+
+@pytest.fixture
+def one_worker(tmp_path):
+    path, cfg = write_config(tmp_path, 1, worker={"max_wait_ms": 300.0, "max_batch_size": 8})
+    model = build_model(cfg.model)  # warm the shared weight cache before the worker starts
+    proc = spawn_worker(path, 0)
+    yield cfg, model
+    stop(proc)
+
+
+async def test_generate_stream_score_and_batching(one_worker):
+    cfg, model = one_worker
+    pool = WorkerPool(cfg)
+    await pool.start()
+    try:
+        await pool.wait_live(1, timeout_s=60)
+        streamed: list[str] = []
+
+        async def on_token(text, header):
+            streamed.append(text)
+
+        res = await pool.request(gen("The gateway", max_tokens=12), on_token=on_token)
+        assert res["version"] == 0 and res["model_id"] == model.model_id
+        assert "".join(streamed) == res["text"] and 1 <= res["tokens"] <= 12
+        assert res["finish_reason"] in ("stop", "length")
+        # the in-process model gives the same greedy text: the worker really runs this model
+        ex = model.encode([], "The gateway", None, reserve_tokens=12)
+        local = b"".join(s[0] for s in model.generate([ex], max_tokens=12, temperature=0.0))
+        assert res["text"] == local.decode("utf-8", errors="replace")
+
+        results = await asyncio.gather(*(pool.request(gen(f"p{i}", seed=i, temperature=1.0)) for i in range(8)))
+        assert max(r["batch"] for r in results) > 1, "concurrent requests were not batched"
+
+        score = await pool.request({"op": "score", "prompt": "The gateway", "target": " is calm.", "entries": []})
+        assert score["nll"] > 0 and score["tokens"] == len(" is calm.") + 1
+
+        for bad, match in ((gen(""), "prompt"), (gen(max_tokens=10_000), "max_tokens"),
+                           ({"op": "score", "prompt": "x", "entries": []}, "target")):
+            with pytest.raises(WorkerRequestError, match=match) as err:
+                await pool.request(bad)
+            assert err.value.code == "bad_input"
+        img = {**gen(), "entries": [{"id": "image:1", "modality": "image", "role": "user", "ts_ms": 1}]}
+        with pytest.raises(WorkerRequestError, match="image could not be decoded"):
+            await pool.request(img, [b"\x89PNG broken"])
+        status = pool.status()
+        assert status[0]["alive"] and status[0]["id"] == "worker-0" and status[0]["last_heartbeat"]
+    finally:
+        await pool.close()
+
+
+async def test_min_model_version_waits_then_fails_clearly(one_worker, tmp_path):
+    cfg, _ = one_worker
+    cfg.consistency.timeout_s = 0.3
+    pool = WorkerPool(cfg)
+    await pool.start()
+    try:
+        await pool.wait_live(1, timeout_s=60)
+        with pytest.raises(NoWorker, match="model version 5"):
+            await pool.request(gen(), min_version=5)
+        assert (await pool.request(gen(), min_version=0))["version"] == 0
+    finally:
+        await pool.close()
+
+
+async def test_no_worker_is_a_clear_error(tmp_path):
+    _, cfg = write_config(tmp_path, 1)
+    pool = WorkerPool(cfg, endpoints=[f"tcp://127.0.0.1:{free_port()}"])
+    await pool.start()
+    try:
+        with pytest.raises(NoWorker, match="retry") as err:
+            await asyncio.wait_for(pool.request(gen()), 10)
+        assert err.value.retry_after_s >= 1
+    finally:
+        await pool.close()
+
+
+async def test_kill_one_of_two_workers_under_load(tmp_path):
+    path, cfg = write_config(tmp_path, 2, worker={"max_batch_size": 4, "request_timeout_s": 40.0})
+    build_model(cfg.model)
+    procs = [spawn_worker(path, 0), spawn_worker(path, 1)]
+    pool = WorkerPool(cfg)
+    await pool.start()
+    try:
+        await pool.wait_live(2, timeout_s=60)
+        tasks = [asyncio.create_task(pool.request(gen(f"load {i}", max_tokens=100, temperature=1.0, seed=i)))
+                 for i in range(16)]
+        await wait_for(lambda: len(pool.links[0].inflight) > 0, timeout_s=20, what="requests on worker 0")
+        procs[0].send_signal(signal.SIGKILL)
+        done = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 60)
+        failures = [r for r in done if isinstance(r, BaseException)]
+        assert all(isinstance(f, (NoWorker, WorkerRequestError)) for f in failures), failures
+        assert len(failures) == 0, f"requests should have been retried on the survivor: {failures}"
+        assert all(r["text"] is not None for r in done)
+        assert not pool.links[0].alive
+        procs[0] = spawn_worker(path, 0)  # restart: it rejoins without touching the pool
+        await pool.wait_live(2, timeout_s=60)
+        await wait_for(lambda: pool.links[0].alive, timeout_s=30, what="worker 0 to rejoin")
+        assert (await pool.request(gen("after restart"))) ["version"] == 0
+    finally:
+        await pool.close()
+        for p in procs:
+            stop(p, signal.SIGKILL)

@@ -1,0 +1,83 @@
+"""Helpers shared by the trainer tests: a config for a tiny, fast trainer, a sample writer
+that goes through the gateway's SampleIngest, and a trainer process handle."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import redis as redis_sync
+import yaml
+
+from shared.config import Config, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _port() -> int:
+    from conftest import free_port
+    return free_port()
+
+
+def trainer_config(redis_url: str, tmp_path: Path, samples_port: int, **trainer: Any) -> Config:
+    over: dict[str, Any] = {
+        "redis": {"url": redis_url},
+        "trainer": {"ranks": 1, "model_factory": "services.trainer.tiny:build_tiny_model",
+                    "checkpoint_dir": str(tmp_path / "ckpt"), "batch_size": 4, "batch_wait_ms": 50,
+                    "checkpoint_every": 5, "samples_endpoint": f"tcp://127.0.0.1:{samples_port}",
+                    "init_timeout_s": 60, "step_timeout_s": 20, "lr": 0.01, **trainer},
+    }
+    over["security"] = {"delta_key_file": str(tmp_path / "keys" / "delta.key"),
+                        "delta_pub_endpoint": f"tcp://127.0.0.1:{_port()}",
+                        "snapshot_endpoint": f"tcp://127.0.0.1:{_port()}",
+                        "ack_endpoint": f"tcp://127.0.0.1:{_port()}"}
+    if "metrics" in Config.__dataclass_fields__:
+        over["metrics"] = {"trainer_port": 0}
+    return load_config(env={}, overrides=over)
+
+
+class TrainerProc:
+    """``learnmesh trainer`` as a subprocess in its own process group (so kill -9 gets every rank)."""
+
+    def __init__(self, cfg: Config, tmp_path: Path, env: dict[str, str] | None = None) -> None:
+        self.path = tmp_path / f"trainer-{os.getpid()}-{id(self)}.yaml"
+        self.path.write_text(yaml.safe_dump(cfg.to_dict()))
+        self.log = open(tmp_path / f"trainer-{id(self)}.log", "wb")
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith("LEARNMESH_")}
+        full_env.update(env or {})
+        self.proc = subprocess.Popen([sys.executable, "-m", "services.cli", "--config", str(self.path), "trainer"],
+                                     cwd=ROOT, env=full_env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def kill9(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+
+    def term(self, timeout_s: float = 60) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout_s)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(30)
+        self.log.close()
+
+    def output(self) -> str:
+        return Path(self.log.name).read_text(errors="replace")
+
+
+def committed(redis_url: str) -> dict[str, str]:
+    r = redis_sync.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        from shared import keys
+        return r.hgetall(keys.TRAINER_OFFSET)
+    finally:
+        r.close()

@@ -1,0 +1,62 @@
+"""Helpers for tests that run real ``learnmesh worker`` processes over ZeroMQ."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from shared.config import Config, load_config
+from tests.conftest import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+TINY_MODEL = {"d_model": 32, "n_layers": 2, "n_heads": 2, "max_seq": 128, "pretrain_steps": 3,
+              "pretrain_batch": 2, "pretrain_seq": 32, "image_patch": 4, "image_grid": 2, "audio_frame": 16}
+
+
+def write_config(tmp_path: Path, n_workers: int = 1, *, worker: dict[str, Any] | None = None,
+                 extra: dict[str, Any] | None = None, redis_url: str | None = None) -> tuple[Path, Config]:
+    data: dict[str, Any] = {
+        "model": {**TINY_MODEL, "cache_dir": str(tmp_path / "model-cache")},
+        "worker": {"endpoints": [f"tcp://127.0.0.1:{free_port()}" for _ in range(n_workers)],
+                   "heartbeat_interval_ms": 100, "heartbeat_timeout_ms": 1500, "max_wait_ms": 5.0,
+                   "request_timeout_s": 30.0, **(worker or {})},
+        "security": {"delta_key_file": str(tmp_path / "keys" / "delta.key"),
+                     "delta_pub_endpoint": f"tcp://127.0.0.1:{free_port()}",
+                     "snapshot_endpoint": f"tcp://127.0.0.1:{free_port()}",
+                     "ack_endpoint": f"tcp://127.0.0.1:{free_port()}"},
+        "trainer": {"checkpoint_dir": str(tmp_path / "checkpoints")},
+    }
+    if redis_url:
+        data["redis"] = {"url": redis_url}
+    for section, values in (extra or {}).items():
+        data.setdefault(section, {}).update(values)
+    path = tmp_path / "learnmesh.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path, load_config(path, env={})
+
+
+def spawn_worker(config_path: Path, index: int) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LEARNMESH_")}
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.Popen([sys.executable, "-m", "services.cli", "--config", str(config_path), "worker",
+                             "--index", str(index)], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    if proc.stderr is not None:
+        proc.stderr.close()
