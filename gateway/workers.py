@@ -75,7 +75,8 @@ class WorkerLink:
         return max(len(self.inflight), self.reported_load)
 
     def status(self) -> dict[str, Any]:
-        return {"index": self.index, "endpoint": self.endpoint, "id": self.worker_id, "alive": self.alive,
+        return {"index": self.index, "endpoint": self.endpoint, "id": self.worker_id or f"worker-{self.index}",
+                "alive": self.alive,
                 "version": self.version, "load": self.load, "inflight": len(self.inflight),
                 "model_id": self.model_id, "last_heartbeat": self.last_heartbeat_wall_s or None}
 
@@ -96,6 +97,7 @@ class WorkerPool:
         self._changed = asyncio.Condition()
         self._tasks: list[asyncio.Task] = []
         self._ids = itertools.count(1)
+        self.drained: set[str] = set()  # worker ids that get no new requests (admin drain)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -122,7 +124,27 @@ class WorkerPool:
         return [link.status() for link in self.links]
 
     def live(self) -> list[WorkerLink]:
-        return [link for link in self.links if link.alive]
+        return [link for link in self.links if link.alive and link.worker_id not in self.drained]
+
+    def drain(self, worker_id: str) -> None:
+        """Route no new requests to ``worker_id`` (requests in flight finish)."""
+        self.drained.add(worker_id)
+
+    def undrain(self, worker_id: str) -> None:
+        self.drained.discard(worker_id)
+        self._notify_soon()
+
+    def set_drained(self, worker_ids: set[str]) -> None:
+        if worker_ids != self.drained:
+            self.drained = set(worker_ids)
+            self._notify_soon()
+
+    def _notify_soon(self) -> None:
+        async def notify() -> None:
+            async with self._changed:
+                self._changed.notify_all()
+        with contextlib.suppress(RuntimeError):
+            asyncio.get_running_loop().create_task(notify())
 
     async def wait_live(self, n: int = 1, timeout_s: float = 10.0) -> None:
         """Wait until at least ``n`` workers answer heartbeats (startup, tests)."""
@@ -255,7 +277,7 @@ class WorkerPool:
                 raise WorkerTimeout("the request did not complete within its timeout")
             try:
                 item = await asyncio.wait_for(queue.get(), remaining)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 continue
             except asyncio.CancelledError:
                 await self._cancel(link, rid)

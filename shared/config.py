@@ -306,9 +306,11 @@ class ConsistencyConfig:
     sync_interval: int = 1  # publish every N optimizer steps
     timeout_s: float = 10.0  # min_model_version wait
     max_lag: int = 5
+    delta_heartbeat_ms: int = 1000  # trainer PUB heartbeat: lets workers notice a lost last delta
 
     def __post_init__(self) -> None:
         _require(self.sync_interval >= 1, "consistency.sync_interval must be >= 1")
+        _require(self.delta_heartbeat_ms >= 10, "consistency.delta_heartbeat_ms must be >= 10")
         _require(self.timeout_s > 0, "consistency.timeout_s must be > 0")
         _require(self.max_lag >= 0, "consistency.max_lag must be >= 0")
 

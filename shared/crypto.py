@@ -4,7 +4,7 @@ A packet is three ZeroMQ payload frames ``[header, ciphertext, signature?]``:
 
 * ``header`` — orjson object, sent in clear and used verbatim as the AEAD associated data:
   ``kid`` (key id), ``sess`` (random session id of the sender process), ``t0`` (session start,
-  ns), ``sender``, ``stream`` (0 = PUB deltas, 1 = snapshot replies), ``seq`` (per-stream packet
+  ns), ``sender``, ``stream`` (0 = PUB deltas, 1 = snapshot replies, 2 = PUB heartbeats), ``seq`` (per-stream packet
   counter), ``epoch`` (= seq // rekey_after_packets) and ``meta`` (model, base → version, chunk
   number ...). Changing any byte of it fails authentication.
 * ``ciphertext`` — AES-256-GCM under a per-epoch key
@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 
 MAX_PLAINTEXT = 64 * 1024 * 1024
 MAX_HEADER_BYTES = 16 * 1024
-STREAM_DELTA, STREAM_SNAPSHOT = 0, 1
+STREAM_DELTA, STREAM_SNAPSHOT, STREAM_HEARTBEAT = 0, 1, 2
 REASONS = ("truncated", "malformed", "wrong_key", "bad_signature", "tampered", "replayed",
            "out_of_order", "stale")
 _REPLAY_WINDOW = 4096

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
+from conftest import free_port, wait_for_sync
 
 from shared.config import Config, load_config
-from conftest import free_port, wait_for_sync
 
 ADMIN_KEY = "admin-key-0123456789"
 OPERATOR_KEY = "operator-key-0123456789"

@@ -130,6 +130,7 @@ class Trainer:
         self.contexts: ContextReader | None = None
         self.progress = Progress()
         self._rate = 0.0
+        self._saved_step = -1
         self._fault = _parse_fault(os.environ.get("LEARNMESH_TRAINER_FAULT", ""))
         self._resume()
         self.ddp = DDP(LossModule(self.model), device_ids=[device.index] if device.type == "cuda" else None) \
@@ -328,8 +329,9 @@ class Trainer:
             for p in self.params:
                 dist.all_reduce(p.data, group=None)
                 p.data /= self.world
-        if self.rank != 0:
+        if self.rank != 0 or self._saved_step == self.step:
             return
+        self._saved_step = self.step
         state = {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
                  "scheduler": self.sched.state_dict(), "step": self.step, "seq": self.offset.seq,
                  "id": self.offset.id, "version": self.version, "model_id": getattr(self.model, "model_id", "")}

@@ -28,7 +28,7 @@ import zmq
 from shared import keys, metrics, wire
 from shared.codec import DeltaEncoder, EncodedDelta
 from shared.config import Config
-from shared.crypto import STREAM_DELTA, STREAM_SNAPSHOT, EnvelopeSealer, KeyRing
+from shared.crypto import STREAM_DELTA, STREAM_HEARTBEAT, STREAM_SNAPSHOT, EnvelopeSealer, KeyRing
 from shared.zmq_util import make_socket
 
 log = logging.getLogger(__name__)
@@ -124,6 +124,15 @@ class DeltaPublisher:
             self._pub.send_multipart(wire.encode(wire.MsgType.DELTA, {"v": h["version"]}, frames), copy=False)
         return len(blobs)
 
+    def heartbeat(self) -> None:
+        """Announce the latest version and next sequence number, so a worker that lost the
+        last packets of a delta notices the gap even when no further delta follows."""
+        with self._lock:
+            meta = {"hb": True, "model": self.model_id, "version": self.encoder.version,
+                    "next_seq": self.sealer.next_seq(STREAM_DELTA)}
+            frames = self.sealer.seal(STREAM_HEARTBEAT, meta, b"")
+            self._pub.send_multipart(wire.encode(wire.MsgType.DELTA, {"hb": 1}, frames), copy=False)
+
     def _set_latest(self, version: int) -> None:
         metrics.DELTA_LATEST_VERSION.set(version)
         if self._redis is not None:
@@ -207,10 +216,15 @@ class DeltaPublisher:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._acks_sock, zmq.POLLIN)
+        interval_s = self.cfg.consistency.delta_heartbeat_ms / 1000
+        next_hb = time.monotonic() + interval_s
         try:
             while not self._stop.is_set():
-                if poller.poll(50):
+                if poller.poll(min(50, int(interval_s * 1000))):
                     self.serve_pending()
+                if time.monotonic() >= next_hb:
+                    self.heartbeat()
+                    next_hb = time.monotonic() + interval_s
         except zmq.ZMQError as exc:
             if not self._stop.is_set():
                 self._error = exc

@@ -271,7 +271,7 @@ class Worker:
             tail = decoders[i].decode(b"", final=True)
             texts[i] += tail
             self._send(r.peer, MsgType.RESULT, {"id": r.id, "version": self.version, "model_id": self.model.model_id,
-                                                "text": texts[i], "tokens": counts[i],
+                                                "worker": self.worker_id, "text": texts[i], "tokens": counts[i],
                                                 "finish_reason": finish[i] or "length", "batch": n})
 
 

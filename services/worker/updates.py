@@ -25,7 +25,7 @@ import zmq
 from shared import metrics, wire
 from shared.codec import BaseMismatch, CodecError, DeltaDecoder, LayoutMismatch
 from shared.config import Config
-from shared.crypto import STREAM_DELTA, EnvelopeOpener, EnvelopeReject, KeyRing, Opened
+from shared.crypto import STREAM_DELTA, STREAM_HEARTBEAT, EnvelopeOpener, EnvelopeReject, KeyRing, Opened
 from shared.zmq_util import make_socket
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,10 @@ class DeltaSubscriber:
         except EnvelopeReject as exc:
             self._reject(exc.reason)
             return
-        if not _valid_delta_meta(op.meta):
+        if op.header["stream"] == STREAM_HEARTBEAT:
+            self._on_heartbeat(op)
+            return
+        if op.header["stream"] != STREAM_DELTA or not _valid_delta_meta(op.meta):
             self._reject("malformed")
             return
         self.stats["latest_seen"] = max(self.stats["latest_seen"], op.meta["version"])
@@ -126,6 +129,19 @@ class DeltaSubscriber:
                 self._buffer.popleft()
             return
         self._handle(op)
+
+    def _on_heartbeat(self, op: Opened) -> None:
+        meta = op.meta
+        if not (_is_int(meta.get("version")) and _is_int(meta.get("next_seq"))):
+            self._reject("malformed")
+            return
+        self.stats["latest_seen"] = max(self.stats["latest_seen"], meta["version"])
+        if self._pending_req is not None or self._session is None:
+            return
+        if (op.header["t0"], op.header["sess"]) != self._session:
+            self._request_snapshot("publisher_restart")
+        elif self._expected_seq is not None and meta["next_seq"] > self._expected_seq:
+            self._request_snapshot("gap")
 
     def _handle(self, op: Opened) -> None:
         assert self._expected_seq is not None

@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 
 from shared.config import ModelConfig
-from shared.model.base import (EOS, PAD, SPECIAL, VOCAB_SIZE, Batch, Example, LearnModel,
-                               ModelInputError)
+from shared.model.base import EOS, PAD, SPECIAL, VOCAB_SIZE, Batch, Example, LearnModel, ModelInputError
 from shared.model.media import MediaError
 
 __all__ = ["EOS", "PAD", "SPECIAL", "VOCAB_SIZE", "Batch", "Example", "LearnModel", "MediaError",

@@ -1,0 +1,218 @@
+"""Inference over MCP: tools ``generate`` and ``score``, served by the worker pool.
+
+The gateway reads the caller's context window from Redis and sends it with each request
+(workers hold no per-client state). ``generate`` streams partial text as MCP progress
+notifications (``message`` = the text so far), and returns the text, the model version that
+produced it and a generation id; the exchange (prompt, then reply) is appended to the context
+when ``worker.append_exchange`` is on. ``score`` returns the model's negative log-likelihood
+of a continuation (used to check that learning took effect).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+import uuid
+from typing import Any
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from gateway.errors import SERVICE_UNAVAILABLE, InvalidParams, McpError, ToolError, Unavailable
+from gateway.workers import NoWorker, WorkerPool, WorkerRequestError, WorkerTimeout
+from shared import keys
+from shared.context_store import ContextError, ContextNotFound
+from shared.inference import pack_entries
+
+log = logging.getLogger("learnmesh.inference")
+
+PROGRESS_INTERVAL_S = 0.05  # at most ~20 progress notifications per second per request
+_ID = {"type": "string", "minLength": 1, "maxLength": 128, "pattern": "^[A-Za-z0-9][A-Za-z0-9._:-]*$"}
+_COMMON: dict[str, Any] = {
+    "prompt": {"type": "string", "minLength": 1, "description": "the new input (UTF-8 text)"},
+    "context_id": {**_ID, "description": "one of your contexts; its window is the model's context"},
+    "modalities": {"type": "array", "items": {"type": "string"}, "minItems": 1,
+                   "description": "context channels to include (default: all)"},
+    "min_model_version": {"type": "integer", "minimum": 0, "default": 0,
+                          "description": "only a worker at or past this model version may answer"},
+}
+GENERATE_INPUT: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        **_COMMON,
+        "max_tokens": {"type": "integer", "minimum": 1, "default": 64},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 5, "default": 0.8},
+        "seed": {"type": "integer", "description": "makes sampling reproducible"},
+        "append": {"type": "boolean", "description": "append the exchange to the context "
+                   "(default: worker.append_exchange)"},
+    },
+    "required": ["prompt"],
+    "additionalProperties": False,
+}
+GENERATE_OUTPUT: dict[str, Any] = {
+    "type": "object",
+    "properties": {"text": {"type": "string"}, "model_version": {"type": "integer"},
+                   "generation_id": {"type": "string"}, "tokens": {"type": "integer"},
+                   "finish_reason": {"type": "string"}, "worker": {"type": ["string", "null"]},
+                   "context_version": {"type": ["integer", "null"]}},
+    "required": ["text", "model_version", "generation_id", "tokens", "finish_reason"],
+}
+SCORE_INPUT: dict[str, Any] = {
+    "type": "object",
+    "properties": {**_COMMON, "target": {"type": "string", "minLength": 1,
+                                         "description": "the continuation to score"}},
+    "required": ["prompt", "target"],
+    "additionalProperties": False,
+}
+SCORE_OUTPUT: dict[str, Any] = {
+    "type": "object",
+    "properties": {"nll": {"type": "number"}, "log_likelihood": {"type": "number"},
+                   "perplexity": {"type": "number"}, "tokens": {"type": "integer"},
+                   "model_version": {"type": "integer"}},
+    "required": ["nll", "log_likelihood", "tokens", "model_version"],
+}
+
+
+def _pool(state: Any) -> WorkerPool:
+    pool = getattr(state, "workers", None)
+    if pool is None:
+        raise Unavailable("the worker pool is not started")
+    return pool
+
+
+def _check_prompt(state: Any, args: dict[str, Any]) -> str:
+    prompt = args.get("prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise InvalidParams("prompt must be a non-empty string")
+    limit = state.config.worker.max_prompt_bytes
+    if len(prompt.encode()) > limit:
+        raise InvalidParams(f"prompt is {len(prompt.encode())} bytes; at most {limit} are accepted")
+    return prompt
+
+
+async def _window(ctx: Any, args: dict[str, Any]) -> tuple[list[dict[str, Any]], list[bytes], int | None]:
+    context_id = args.get("context_id")
+    if context_id is None:
+        return [], [], None
+    store = getattr(ctx.state, "store", None)
+    if store is None:
+        raise Unavailable("the context store is not started")
+    try:
+        win = await store.get_window(ctx.principal, context_id, modalities=args.get("modalities"))
+    except ContextNotFound:
+        raise InvalidParams(f"unknown context {context_id!r}") from None
+    except ContextError as exc:
+        raise InvalidParams(str(exc)) from None
+    except (RedisConnectionError, RedisTimeoutError):
+        raise Unavailable("context store unavailable", ctx.state.config.redis.retry_after_s) from None
+    meta, frames = pack_entries(win.entries())
+    return meta, frames, win.version
+
+
+async def _call(ctx: Any, header: dict[str, Any], frames: list[bytes], args: dict[str, Any], **kw: Any) -> dict:
+    try:
+        return await _pool(ctx.state).request(header, frames, min_version=int(args.get("min_model_version") or 0),
+                                              **kw)
+    except NoWorker as exc:
+        raise Unavailable(str(exc), exc.retry_after_s) from None
+    except WorkerRequestError as exc:
+        if exc.code == "bad_input":
+            raise InvalidParams(str(exc)) from None
+        raise ToolError(f"inference failed: {exc}") from None
+    except WorkerTimeout as exc:
+        raise McpError(SERVICE_UNAVAILABLE, str(exc), {"retryAfterS": 1}, http_status=503, retry_after_s=1) from None
+
+
+async def generate(ctx: Any, args: dict[str, Any]) -> dict[str, Any]:
+    state = ctx.state
+    wcfg = state.config.worker
+    prompt = _check_prompt(state, args)
+    max_tokens = args.get("max_tokens", 64)
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= wcfg.max_tokens_limit:
+        raise InvalidParams(f"max_tokens must be an integer in 1..{wcfg.max_tokens_limit}")
+    meta, frames, _ = await _window(ctx, args)
+    generation_id = uuid.uuid4().hex
+    header = {"id": generation_id, "op": "generate", "prompt": prompt, "max_tokens": max_tokens,
+              "temperature": float(args.get("temperature", 0.8)), "seed": args.get("seed"),
+              "modalities": args.get("modalities"), "entries": meta}
+    partial = {"text": "", "tokens": 0, "sent_s": 0.0}
+
+    async def on_token(text: str, _h: dict[str, Any]) -> None:
+        partial["text"] += text
+        partial["tokens"] += 1
+        now = time.monotonic()
+        if now - partial["sent_s"] >= PROGRESS_INTERVAL_S:
+            partial["sent_s"] = now
+            await ctx.progress(partial["tokens"], max_tokens, message=partial["text"])
+
+    async def on_retry() -> None:
+        partial.update(text="", tokens=0)
+
+    res = await _call(ctx, header, frames, args, on_token=on_token, on_retry=on_retry)
+    out = {"text": res["text"], "model_version": res["version"], "generation_id": generation_id,
+           "tokens": res["tokens"], "finish_reason": res["finish_reason"], "worker": res.get("worker"),
+           "context_version": None}
+    context_id = args.get("context_id")
+    if context_id is not None and args.get("append", wcfg.append_exchange):
+        try:
+            await state.store.append(ctx.principal, context_id, "text", "user", prompt.encode())
+            appended = await state.store.append(ctx.principal, context_id, "text", "assistant", res["text"].encode())
+            out["context_version"] = appended.version
+        except (ContextError, RedisConnectionError, RedisTimeoutError) as exc:
+            log.warning("could not append generation %s to its context: %s", generation_id, type(exc).__name__)
+    return out
+
+
+async def score(ctx: Any, args: dict[str, Any]) -> dict[str, Any]:
+    prompt = _check_prompt(ctx.state, args)
+    target = args.get("target")
+    if not isinstance(target, str) or not target:
+        raise InvalidParams("target must be a non-empty string")
+    meta, frames, _ = await _window(ctx, args)
+    header = {"id": uuid.uuid4().hex, "op": "score", "prompt": prompt, "target": target,
+              "modalities": args.get("modalities"), "entries": meta}
+    res = await _call(ctx, header, frames, args)
+    nll, tokens = float(res["nll"]), int(res["tokens"])
+    return {"nll": nll, "log_likelihood": -nll * tokens, "perplexity": math.exp(min(nll, 700.0)),
+            "tokens": tokens, "model_version": res["version"]}
+
+
+def register(registry: Any) -> None:
+    registry.tool("generate", description="Generate a reply from the model, given your prompt and (optionally) one "
+                  "of your contexts. Streams partial text as progress notifications; returns the text, the "
+                  "model version and a generation id; appends the exchange to the context.",
+                  input_schema=GENERATE_INPUT, output_schema=GENERATE_OUTPUT, title="Generate")(generate)
+    registry.tool("score", description="The model's negative log-likelihood (nats per token) of a continuation "
+                  "of your prompt and context; lower means the model finds it more likely.",
+                  input_schema=SCORE_INPUT, output_schema=SCORE_OUTPUT, title="Score a continuation",
+                  annotations={"readOnlyHint": True})(score)
+
+
+async def _refresh_drained(state: Any, pool: WorkerPool) -> None:
+    while True:
+        with contextlib.suppress(Exception):
+            members = await state.redis.smembers(keys.WORKERS_DRAINED)
+            pool.set_drained({m.decode() if isinstance(m, bytes) else str(m) for m in members})
+        await asyncio.sleep(2.0)
+
+
+async def startup(state: Any) -> None:
+    pool = WorkerPool(state.config)
+    await pool.start()
+    state.workers = pool
+    state._inference_drain_task = asyncio.create_task(_refresh_drained(state, pool), name="workers-drained")
+
+
+async def shutdown(state: Any) -> None:
+    task = getattr(state, "_inference_drain_task", None)
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    pool = getattr(state, "workers", None)
+    if pool is not None:
+        await pool.close()
+        state.workers = None
