@@ -49,7 +49,8 @@ bench-trainer: $(STAMP)
 	$(BIN)/python bench/bench_trainer.py
 
 bench-delta: $(STAMP)
-	$(BIN)/python bench/bench_delta.py
+	$(BIN)/pip install -q -e '.[bench]'
+	$(BIN)/python bench/bench_delta.py $(ARGS)
 
 bench-mesh: $(STAMP)
 	$(BIN)/python bench/bench_mesh.py

@@ -34,7 +34,8 @@ from shared.config import Config
 
 log = logging.getLogger(__name__)
 
-COMPONENTS = ("gateway.tools.context", "gateway.tools.inference", "gateway.tools.learning", "gateway.admin.api")
+COMPONENTS = ("gateway.tools.context", "gateway.tools.inference", "gateway.tools.learning", "gateway.admin.api",
+              "gateway.tasks")
 FIXTURES = {"conformance": "gateway.fixtures.conformance"}
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 SHUTDOWN_TIMEOUT_S = 10.0

@@ -181,7 +181,8 @@ class Dispatcher:
 
     LEGACY_ONLY = frozenset({"initialize", "ping", "logging/setLevel", "resources/subscribe",
                              "resources/unsubscribe"})
-    MODERN_ONLY = frozenset({"server/discover", "subscriptions/listen"})
+    MODERN_ONLY = frozenset({"server/discover", "subscriptions/listen", "tasks/get", "tasks/update",
+                             "tasks/cancel"})
 
     def __init__(self, registry: Registry, state: Any) -> None:
         self.registry = registry
@@ -205,6 +206,9 @@ class Dispatcher:
             "completion/complete": self._handle_completion_complete,
             "logging/setLevel": self._handle_logging_set_level,
             "subscriptions/listen": self._handle_subscriptions_listen,
+            "tasks/get": self._handle_tasks_get,
+            "tasks/update": self._handle_tasks_update,
+            "tasks/cancel": self._handle_tasks_cancel,
         }
         self._validators: dict[str, Any] = {}
         self._out_validators: dict[str, Any] = {}
@@ -274,7 +278,10 @@ class Dispatcher:
         return {}
 
     async def _handle_server_discover(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
-        return {"supportedVersions": list(MODERN_VERSIONS), "capabilities": self.capabilities(),
+        caps = self.capabilities()
+        if getattr(self.state, "tasks", None) is not None:  # gateway/tasks.py (SEP-2663)
+            caps["extensions"] = {"io.modelcontextprotocol/tasks": {}}
+        return {"supportedVersions": list(MODERN_VERSIONS), "capabilities": caps,
                 "serverInfo": SERVER_INFO, "_meta": {SERVER_INFO_META_KEY: SERVER_INFO},
                 "ttlMs": self.list_ttl_ms, "cacheScope": "public"}
 
@@ -343,6 +350,13 @@ class Dispatcher:
             raise InvalidParams(f"Invalid arguments for tool {name}: {err.message if err else 'invalid'}"
                                 + (f" (at {where})" if where else ""))
         self._restore_inputs(call, p, "tools/call", name)
+        if tool.task_support is not None and getattr(self.state, "tasks", None) is not None:
+            return await self.state.tasks.tools_call(call, tool, args, self._run_tool)
+        return await self._run_tool(call, tool, args)
+
+    async def _run_tool(self, call: Call, tool: Any, args: dict[str, Any]) -> dict[str, Any]:
+        """Run a tool's handler and shape its output into a CallToolResult."""
+        name = tool.name
         try:
             out = await tool.handler(call, args)
         except ToolError as exc:
@@ -360,6 +374,22 @@ class Dispatcher:
         if isinstance(out, list):
             return {"content": out}
         return {"content": [{"type": "text", "text": orjson.dumps(out).decode()}]}
+
+    # ------------------------------------------------------------------ tasks extension (gateway/tasks.py)
+    def _tasks(self) -> Any:
+        tasks = getattr(self.state, "tasks", None)
+        if tasks is None:
+            raise McpError(METHOD_NOT_FOUND, "Method not found: the tasks extension is not enabled")
+        return tasks
+
+    async def _handle_tasks_get(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
+        return await self._tasks().get(call, p)
+
+    async def _handle_tasks_update(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
+        return await self._tasks().update(call, p)
+
+    async def _handle_tasks_cancel(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
+        return await self._tasks().cancel(call, p)
 
     # ------------------------------------------------------------------ input_required (2026-07-28)
     def _restore_inputs(self, call: Call, p: dict[str, Any], method: str, name: str) -> None:

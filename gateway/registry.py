@@ -37,6 +37,7 @@ class ToolContext(Protocol):
 
 
 Handler = Callable[[ToolContext, dict[str, Any]], Awaitable[Any]]
+TASK_SUPPORT = (None, "optional", "required")
 
 
 @dataclass
@@ -48,6 +49,13 @@ class Tool:
     output_schema: dict[str, Any] | None = None
     title: str | None = None
     annotations: dict[str, Any] | None = None
+    # Tasks extension (SEP-2663, gateway/tasks.py): None = always synchronous; "optional" = may run
+    # as a task for clients that declare the extension; "required" = only for such clients.
+    task_support: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.task_support not in TASK_SUPPORT:
+            raise ValueError(f"tool {self.name!r}: task_support must be one of {TASK_SUPPORT}")
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name, "description": self.description, "inputSchema": self.input_schema}
@@ -133,11 +141,13 @@ class Registry:
 
     def tool(self, name: str, *, description: str, input_schema: dict[str, Any],
              output_schema: dict[str, Any] | None = None, title: str | None = None,
-             annotations: dict[str, Any] | None = None) -> Callable[[Handler], Handler]:
+             annotations: dict[str, Any] | None = None,
+             task_support: str | None = None) -> Callable[[Handler], Handler]:
         def deco(fn: Handler) -> Handler:
             if name in self.tools:
                 raise ValueError(f"tool {name!r} registered twice")
-            self.tools[name] = Tool(name, description, input_schema, fn, output_schema, title, annotations)
+            self.tools[name] = Tool(name, description, input_schema, fn, output_schema, title, annotations,
+                                    task_support)
             return fn
         return deco
 

@@ -45,7 +45,8 @@ log = logging.getLogger(__name__)
 
 MODERN_STATUS = {PARSE_ERROR: 400, INVALID_REQUEST: 400, INVALID_PARAMS: 400, HEADER_MISMATCH: 400,
                  -32021: 400, UNSUPPORTED_PROTOCOL_VERSION: 400, METHOD_NOT_FOUND: 404}
-NAME_BEARING = {"tools/call": "name", "prompts/get": "name", "resources/read": "uri"}
+NAME_BEARING = {"tools/call": "name", "prompts/get": "name", "resources/read": "uri",
+                "tasks/get": "taskId", "tasks/update": "taskId", "tasks/cancel": "taskId"}
 _ROUTING = frozenset({"mcp-protocol-version", "mcp-method", "mcp-name"})
 _EVENT_ID = re.compile(r"^\d{1,20}-\d{1,20}$")
 _JSON = (b"content-type", b"application/json")
@@ -133,6 +134,7 @@ class McpHttpTransport:
         self.dispatcher: Dispatcher = state.dispatcher
         self.max_body = state.config.gateway.max_body_bytes
         self.retry_after_s = state.config.redis.retry_after_s
+        self._param_specs: dict[str, tuple[Any, tuple[tuple[str, str], ...]]] = {}
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         sent = _Sent()
@@ -274,6 +276,8 @@ class McpHttpTransport:
             await _rpc_error(send, sent, 400, rid, HEADER_MISMATCH, f"{duplicated} header appears more than once")
             return
         rejection = _ladder(msg, headers)
+        if rejection is None and method == "tools/call":
+            rejection = self._check_param_headers(params, headers)
         if rejection is not None:
             code, message, data = rejection
             await _rpc_error(send, sent, MODERN_STATUS.get(code, 400), rid, code, message, data)
@@ -302,6 +306,23 @@ class McpHttpTransport:
             err = response.get("error")
             status = MODERN_STATUS.get(err["code"], call.http_status or 200) if err is not None else 200
             await _reply(send, sent, status, orjson.dumps(response))
+
+    def _check_param_headers(self, params: dict[str, Any], headers: dict[str, str]) -> tuple[int, str, Any] | None:
+        """SEP-2243 custom headers: every tool argument declared with ``x-mcp-header: X`` travels
+        as ``Mcp-Param-X`` too, and the two must agree (a cached lookup for tools without any)."""
+        name = params.get("name")
+        if not isinstance(name, str):
+            return None
+        tool = self.state.registry.tools.get(name)
+        if tool is None:
+            return None
+        cached = self._param_specs.get(name)
+        if cached is None or cached[0] is not tool:
+            cached = self._param_specs[name] = (tool, _param_header_spec(tool.input_schema))
+        if not cached[1]:
+            return None
+        args = params.get("arguments")
+        return _param_header_mismatch(cached[1], args if isinstance(args, dict) else {}, headers)
 
     # ------------------------------------------------------------------ 2025-11-25
     async def _legacy(self, send: Any, sent: _Sent, headers: dict[str, str], principal: str,
@@ -473,3 +494,36 @@ def _decode_header(value: str | None) -> str | None:
         return raw.decode("utf-8")
     except (binascii.Error, UnicodeDecodeError):
         return None
+
+
+def _param_header_spec(schema: Any) -> tuple[tuple[str, str], ...]:
+    """(argument name, lower-case ``mcp-param-*`` header name) for each ``x-mcp-header`` property."""
+    props = schema.get("properties") if isinstance(schema, dict) else None
+    if not isinstance(props, dict):
+        return ()
+    return tuple((arg, "mcp-param-" + prop["x-mcp-header"].lower()) for arg, prop in props.items()
+                 if isinstance(prop, dict) and isinstance(prop.get("x-mcp-header"), str))
+
+
+def _header_form(value: Any) -> str | None:
+    """How a primitive argument reads in a header (JSON spelling for numbers and booleans)."""
+    if value is None or isinstance(value, (dict, list)):
+        return None
+    return value if isinstance(value, str) else orjson.dumps(value).decode()
+
+
+def _param_header_mismatch(spec: tuple[tuple[str, str], ...], args: dict[str, Any],
+                           headers: dict[str, str]) -> tuple[int, str, Any] | None:
+    for arg, header in spec:
+        raw = headers.get(header)
+        body = _header_form(args.get(arg))
+        if raw is None and body is None:
+            continue
+        if raw is None:
+            return HEADER_MISMATCH, f"{header} header is required when argument {arg!r} is present", None
+        decoded = _decode_header(raw)
+        if decoded is None:
+            return HEADER_MISMATCH, f"{header} header is not valid base64-encoded UTF-8", None
+        if decoded != body:
+            return HEADER_MISMATCH, f"{header} header does not match argument {arg!r}", None
+    return None

@@ -172,14 +172,14 @@ def _worker_endpoints(cfg: Config, n: int) -> list[str]:
 
 def main(cfg: Config, args: Any) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from shared.redis_embed import resolve_redis
+    from shared.redis_embed import resolve_redis_url
 
     if getattr(args, "host", None):
         cfg.gateway.host = args.host
     if getattr(args, "port", None):
         cfg.gateway.port = args.port
     var_dir = Path(os.environ.get("LEARNMESH_VAR", "var")).resolve()
-    redis_url, redis_proc = resolve_redis(cfg, var_dir=var_dir)
+    redis_url, redis_proc = resolve_redis_url(cfg.redis.url, workdir=var_dir / "redis")
     api_keys, admin_key = load_or_create_keys(var_dir, cfg)
     n_workers = args.workers if getattr(args, "workers", None) is not None else len(cfg.worker.endpoints)
     env = dict(os.environ)

@@ -33,6 +33,7 @@ import logging
 import math
 import struct
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -547,7 +548,7 @@ class DeltaDecoder:
         if not isinstance(nchunks, int) or not 0 <= nchunks <= 1_000_000:
             raise CodecError("bad chunk count")
 
-    def decode(self, header: dict[str, Any], chunks: list[bytes | memoryview]) -> DecodedDelta:
+    def decode(self, header: dict[str, Any], chunks: Sequence[bytes | memoryview]) -> DecodedDelta:
         """Fully validate a delta without touching any parameter."""
         self.check_header(header)
         if len(chunks) != header["nchunks"]:

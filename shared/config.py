@@ -194,12 +194,16 @@ class WorkerConfig:
     max_prompt_bytes: int = 64 * 1024
     append_exchange: bool = True
     hwm: int = 10_000
+    torch_threads: int = 1  # intra-op threads per worker (0 = torch's default); 1 suits several workers per host
 
     def __post_init__(self) -> None:
         _require(self.max_batch_size >= 1, "worker.max_batch_size must be >= 1")
         _require(self.max_wait_ms >= 0, "worker.max_wait_ms must be >= 0")
         _require(self.heartbeat_timeout_ms > self.heartbeat_interval_ms > 0,
                  "worker.heartbeat_timeout_ms must exceed worker.heartbeat_interval_ms > 0")
+        _require(self.torch_threads >= 0, "worker.torch_threads must be >= 0")
+        _require(self.max_tokens_limit >= 1 and self.max_prompt_bytes >= 1,
+                 "worker.max_tokens_limit and worker.max_prompt_bytes must be >= 1")
 
 
 @dataclass

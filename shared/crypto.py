@@ -18,7 +18,8 @@ A packet is three ZeroMQ payload frames ``[header, ciphertext, signature?]``:
   updates for the others.
 
 Receivers (:class:`EnvelopeOpener`) reject and classify: ``truncated``, ``malformed``,
-``wrong_key``, ``bad_signature``, ``tampered``, ``replayed``, ``out_of_order``, ``stale``.
+``wrong_key``, ``bad_signature``, ``tampered``, ``replayed``, ``out_of_order``, ``stale``
+(and ``superseded``: a genuine packet older than a snapshot the receiver already loaded).
 Key material lives in ``security.delta_key_file`` (JSON, created 0600 when absent) and is
 never logged; rotation = add a key and make it active in the file; every party reloads the
 file when it changes (receivers also on an unknown key id), so the mesh never stops.
@@ -51,7 +52,7 @@ MAX_PLAINTEXT = 64 * 1024 * 1024
 MAX_HEADER_BYTES = 16 * 1024
 STREAM_DELTA, STREAM_SNAPSHOT, STREAM_HEARTBEAT = 0, 1, 2
 REASONS = ("truncated", "malformed", "wrong_key", "bad_signature", "tampered", "replayed",
-           "out_of_order", "stale")
+           "out_of_order", "stale", "superseded")
 _REPLAY_WINDOW = 4096
 
 
@@ -91,12 +92,13 @@ class KeyRing:
         if not p.exists():
             p.parent.mkdir(parents=True, exist_ok=True)
             priv = Ed25519PrivateKey.generate()
-            data = {"active": _new_kid(), "keys": {}, "sign_private": priv.private_bytes_raw().hex(),
+            kid = _new_kid()
+            data = {"active": kid, "keys": {kid: secrets.token_bytes(32).hex()},
+                    "sign_private": priv.private_bytes_raw().hex(),
                     "sign_public": priv.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw).hex()}
-            data["keys"][data["active"]] = secrets.token_bytes(32).hex()
             try:
                 _write_private(p, data, exclusive=True)
-                log.info("created delta key file %s (key id %s)", p, data["active"])
+                log.info("created delta key file %s (key id %s)", p, kid)
             except FileExistsError:
                 pass  # another process created it first
         return cls.load(p)
@@ -280,6 +282,7 @@ class _StreamState:
     session: str
     last_seq: int
     seen: OrderedDict[int, None]
+    floor: int = 0  # packets below it predate a snapshot the receiver loaded
 
 
 @dataclass
@@ -361,6 +364,8 @@ class EnvelopeOpener:
             return True
         if (t0, sess) < (st.t0, st.session):
             raise EnvelopeReject("stale", "packet from an older sender session")
+        if seq < st.floor:
+            raise EnvelopeReject("superseded", f"sequence {seq} predates the loaded snapshot")
         if seq in st.seen:
             raise EnvelopeReject("replayed", f"sequence {seq} already seen")
         if seq < st.last_seq:
@@ -379,11 +384,12 @@ class EnvelopeOpener:
         """Start tracking a sender session at ``last_seq`` (from a verified snapshot)."""
         st = self._state.get((sender, stream))
         if st is not None and (st.t0, st.session) == (t0, sess) and st.last_seq >= last_seq:
+            st.floor = max(st.floor, last_seq + 1)
             return
-        self._state[(sender, stream)] = _StreamState(t0, sess, last_seq, OrderedDict())
+        self._state[(sender, stream)] = _StreamState(t0, sess, last_seq, OrderedDict(), floor=last_seq + 1)
 
 
-def _buf(frame: Any) -> bytes | memoryview:
+def _buf(frame: Any) -> bytes | memoryview | bytearray:
     if isinstance(frame, (bytes, memoryview, bytearray)):
         return frame
     return frame.buffer

@@ -56,6 +56,33 @@ GATEWAY_CONTROL_CHANNEL = f"{PREFIX}gateway:control"
 """Pub/sub: session invalidation, cancellation and resource-updated fan-out to every replica."""
 
 
+# ---------------------------------------------------------------- gateway / MCP tasks extension (SEP-2663)
+# A task's three keys share its principal's hash tag, so one Lua script can move it between
+# states atomically; a task id presented by another principal names a different key (-32602).
+def task(principal: str, task_id: str) -> str:
+    """Hash: status, createdAt, lastUpdatedAt, ttlMs, pollIntervalMs, result/error JSON, owning replica."""
+    return f"{PREFIX}{_tag(principal)}:task:{task_id}"
+
+
+def task_pending(principal: str, task_id: str) -> str:
+    """Hash: input request key -> JSON request the task waits on (status input_required)."""
+    return f"{PREFIX}{_tag(principal)}:task:{task_id}:pending"
+
+
+def task_inputs(principal: str, task_id: str) -> str:
+    """Hash: input request key -> JSON answer delivered by tasks/update, consumed by the task."""
+    return f"{PREFIX}{_tag(principal)}:task:{task_id}:inputs"
+
+
+def task_replica(replica_id: str) -> str:
+    """String with a short TTL: heartbeat of a gateway replica that runs tasks (dead owner -> failed)."""
+    return f"{PREFIX}gateway:tasks:replica:{replica_id}"
+
+
+TASKS_CHANNEL = f"{PREFIX}gateway:tasks"
+"""Pub/sub: task cancellation and input-delivered wake-ups, to the replica running the task."""
+
+
 # ---------------------------------------------------------------- context store
 # A principal's whole context state lives in five keys with the hash tag {principal}, so
 # every context script passes a FIXED key list in KEYS (context ids are hash fields, never

@@ -227,3 +227,39 @@ def test_openapi_published_with_security(gw):
     assert "/admin/ui" not in paths and "/admin/openapi.json" not in paths
     assert doc["components"]["securitySchemes"]["adminKey"]["scheme"] == "bearer"
     assert "401" in paths["/admin/trainer/pause"]["post"]["responses"]
+
+
+def test_redaction_covers_every_secret():
+    from gateway.admin.api import redact
+    from shared.config import load_config
+    cfg = load_config(None, env={}, overrides={
+        "redis": {"url": "redis://user:s3cret-pass@redis:6379/0"},
+        "gateway": {"request_state_keys": ["aa" * 32], "oauth": {"hs256_secret": "jwt-secret-123"},
+                    "api_keys": {"alice": MCP_KEY}, "admin_keys": {"root": {"key": ADMIN_KEY, "role": "admin"}}}})
+    out = redact(cfg.to_dict())
+    flat = str(out)
+    for secret in ("s3cret-pass", "aa" * 32, "jwt-secret-123", MCP_KEY, ADMIN_KEY):
+        assert secret not in flat
+    assert out["redis"]["url"] == "redis://***@redis:6379/0"
+    assert out["security"]["delta_key_file"] == cfg.security.delta_key_file  # a path, not a secret
+    assert out["compression"] == cfg.to_dict()["compression"]
+
+
+def _operations(gw):
+    doc = gw.get("/admin/openapi.json").json()
+    for path, ops in doc["paths"].items():
+        concrete = path.replace("{", "").replace("}", "")  # /admin/sessions/session_id ...
+        for method in ops:
+            yield method.upper(), concrete
+
+
+def test_every_admin_operation_refuses_mcp_keys_and_lets_viewers_only_read(gw):
+    ops = list(_operations(gw))
+    assert len(ops) >= 25
+    for method, path in ops:
+        for headers in ({}, bearer(MCP_KEY)):
+            resp = gw.request(method, path, headers=headers, json={} if method in ("POST", "PATCH") else None)
+            assert resp.status_code == 401, (method, path, headers, resp.status_code)
+        if method != "GET":
+            resp = gw.request(method, path, headers=bearer(VIEWER_KEY), json={} if method != "DELETE" else None)
+            assert resp.status_code == 403, (method, path, resp.status_code)

@@ -8,8 +8,16 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared.codec import (BaseMismatch, CodecError, DeltaDecoder, DeltaEncoder, LayoutMismatch, flatten,
-                          varint_decode, varint_encode)
+from shared.codec import (
+    BaseMismatch,
+    CodecError,
+    DeltaDecoder,
+    DeltaEncoder,
+    LayoutMismatch,
+    flatten,
+    varint_decode,
+    varint_encode,
+)
 from shared.config import CompressionConfig
 
 

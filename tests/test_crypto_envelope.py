@@ -11,8 +11,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared.crypto import (STREAM_DELTA, EnvelopeOpener, EnvelopeReject, EnvelopeSealer, KeyRing, retire_key,
-                           rotate_key_file)
+from shared.crypto import (
+    STREAM_DELTA,
+    EnvelopeOpener,
+    EnvelopeReject,
+    EnvelopeSealer,
+    KeyRing,
+    retire_key,
+    rotate_key_file,
+)
 
 
 @pytest.fixture()

@@ -34,6 +34,7 @@ class Browser:
     """Just enough of the DevTools protocol: evaluate JavaScript, navigate, screenshot."""
 
     def __init__(self) -> None:
+        assert CHROMIUM, "Debian chromium is required: apt-get install -y chromium"
         self.profile = tempfile.mkdtemp(prefix="lm-chromium-")
         self.proc = subprocess.Popen(
             [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",

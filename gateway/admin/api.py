@@ -28,14 +28,15 @@ import uuid
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Body, Depends, HTTPException, Query, Request
+from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi import Path as PathParam
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.admin.auth import ROLES, AdminKeyring, AdminPrincipal, KeyNameTaken, keyring_of, require_role
 from gateway.admin.stats import LocalStats
 from shared import control, keys, metrics
+from shared.audit import audit
 from shared.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -49,11 +50,17 @@ viewer = Depends(require_role("viewer"))
 operator = Depends(require_role("operator"))
 admin = Depends(require_role("admin"))
 
+_E400 = {"description": "input the route cannot accept (malformed body, bad identifier)"}
 _E401 = {"description": "no valid admin key"}
 _E403 = {"description": "the key's role may not do this"}
 _E404 = {"description": "not found"}
 _E409 = {"description": "conflict"}
 _E422 = {"description": "invalid input"}
+
+API_DESCRIPTION = (
+    "Operate a learnmesh mesh. Bearer admin keys; roles viewer < operator < admin. Every operation "
+    "may answer 400 for input it cannot accept, 401 without a valid admin key and 403 when the key's "
+    "role may not act; operations on a named resource answer 404 when it does not exist.")
 
 router = APIRouter(prefix="/admin", tags=["admin"], responses={401: _E401, 403: _E403})
 
@@ -98,45 +105,41 @@ async def _maybe_await(v: Any) -> Any:
 
 
 async def audit_action(state: Any, who: AdminPrincipal, action: str, **fields: Any) -> None:
-    """Every admin action goes to the audit stream (shared.audit when present)."""
-    fields = {k: v for k, v in fields.items() if v is not None}
+    """Every admin action goes to the audit stream, as ``admin:<key name>`` with its role."""
     metrics.ADMIN_ACTIONS.labels(action).inc()
-    try:
-        from shared.audit import audit
-    except ImportError:
-        audit = None
-    if audit is not None:
-        await _maybe_await(audit(state.redis, principal=who.audit_name, action=action, role=who.role, **fields))
-        return
-    entry = {"principal": who.audit_name, "action": action, "role": who.role,
-             "ts_ms": control.now_ms(), **fields}
-    maxlen = getattr(getattr(state.config, "context", None), "audit_maxlen", 100_000)
-    await state.redis.xadd(keys.AUDIT_STREAM, {k: str(v) for k, v in entry.items()},
-                           maxlen=maxlen, approximate=True)
+    await audit(state.redis, principal=who.audit_name, action=action, role=who.role, **fields)
 
 
 # ====================================================================== meta
+def admin_doc(request: Request) -> dict[str, Any]:
+    """OpenAPI of every route under /admin, including other components' admin routers (cached)."""
+    cached = getattr(request.app.state, "admin_openapi", None)
+    if cached is not None:
+        return cached
+    full = copy.deepcopy(request.app.openapi())
+    doc: dict[str, Any] = {
+        "openapi": full.get("openapi", "3.1.0"),
+        "info": {"title": "learnmesh admin API", "version": "1", "description": API_DESCRIPTION},
+        "paths": {p: ops for p, ops in full.get("paths", {}).items() if p.startswith("/admin/")},
+        "components": full.get("components", {}),
+    }
+    doc["components"].setdefault("securitySchemes", {})["adminKey"] = {"type": "http", "scheme": "bearer"}
+    doc["security"] = [{"adminKey": []}]
+    for path, ops in doc["paths"].items():
+        for op in ops.values():
+            if isinstance(op, dict) and "responses" in op:
+                op["responses"].setdefault("400", {"description": _E400["description"]})
+                op["responses"].setdefault("401", {"description": _E401["description"]})
+                op["responses"].setdefault("403", {"description": _E403["description"]})
+                if "{" in path:
+                    op["responses"].setdefault("404", {"description": _E404["description"]})
+    request.app.state.admin_openapi = doc
+    return doc
+
+
 @router.get("/openapi.json", include_in_schema=False)
 async def admin_openapi(request: Request) -> JSONResponse:
-    """OpenAPI of every route under /admin, including other components' admin routers."""
-    cached = getattr(request.app.state, "admin_openapi", None)
-    if cached is None:
-        full = copy.deepcopy(request.app.openapi())
-        doc = {"openapi": full.get("openapi", "3.1.0"),
-               "info": {"title": "learnmesh admin API", "version": "1",
-                        "description": "Operate a learnmesh mesh. Bearer admin keys; roles viewer < operator < admin."},
-               "paths": {p: ops for p, ops in full.get("paths", {}).items() if p.startswith("/admin/")},
-               "components": full.get("components", {})}
-        doc.setdefault("components", {}).setdefault("securitySchemes", {})["adminKey"] = {
-            "type": "http", "scheme": "bearer"}
-        doc["security"] = [{"adminKey": []}]
-        for ops in doc.get("paths", {}).values():
-            for op in ops.values():
-                if isinstance(op, dict) and "responses" in op:
-                    op["responses"].setdefault("401", {"description": _E401["description"]})
-                    op["responses"].setdefault("403", {"description": _E403["description"]})
-        request.app.state.admin_openapi = cached = doc
-    return JSONResponse(cached)
+    return JSONResponse(admin_doc(request))
 
 
 @router.get("/ui", include_in_schema=False)
@@ -500,7 +503,7 @@ _SECRET_HINTS = ("key", "secret", "password", "token")
 def redact(obj: Any, path: str = "") -> Any:
     """Config as a dict with every secret replaced by "***" (key files' paths are not secret)."""
     if isinstance(obj, dict):
-        out = {}
+        out: dict[str, Any] = {}
         for k, v in obj.items():
             p = f"{path}.{k}" if path else str(k)
             if p in ("gateway.api_keys", "gateway.admin_keys"):
@@ -512,7 +515,7 @@ def redact(obj: Any, path: str = "") -> Any:
                     and isinstance(v, str) and v:
                 out[k] = "***"
             else:
-                out[k] = v
+                out[k] = redact(v, p)
         return out
     if isinstance(obj, list):
         if any(h in path.lower() for h in _SECRET_HINTS):
@@ -542,6 +545,16 @@ class _SyncView:
         return self.raw
 
 
+class ConfigPatch(BaseModel):
+    """Fields to change per runtime section; validated by that section's dataclass in shared/config.py."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={
+        "examples": [{"compression": {"density": 0.02}, "consistency": {"sync_interval": 2}}]})
+    compression: dict[str, Any] | None = None
+    consistency: dict[str, Any] | None = None
+    scheduling: dict[str, Any] | None = None
+
+
 @router.get("/config", summary="Effective configuration (secrets redacted) and runtime overrides")
 async def get_config(request: Request, who: AdminPrincipal = viewer) -> dict[str, Any]:
     return await _config_view(_state(request))
@@ -549,12 +562,10 @@ async def get_config(request: Request, who: AdminPrincipal = viewer) -> dict[str
 
 @router.patch("/config", responses={422: _E422},
               summary="Change compression / consistency / scheduling settings at runtime")
-async def patch_config(request: Request,
-                       body: Annotated[dict[str, dict[str, Any]], Body(
-                           examples=[{"compression": {"density": 0.02}, "consistency": {"sync_interval": 2}}])],
-                       who: AdminPrincipal = admin) -> dict[str, Any]:
+async def patch_config(request: Request, patch: ConfigPatch, who: AdminPrincipal = admin) -> dict[str, Any]:
     state = _state(request)
     r = state.redis
+    body = patch.model_dump(exclude_none=True)
     current = control.read_overrides(_SyncView(await r.hgetall(keys.RUNTIME_CONFIG)))
     try:
         merged = control.validate_runtime_patch(state.config, current, body)
@@ -623,7 +634,8 @@ async def query_audit(request: Request,
         for eid, fields in batch:
             scanned += 1
             e = {_s(k): _s(v) for k, v in fields.items()}
-            if principal is not None and e.get("principal") != principal:
+            if principal is not None and e.get("principal") != principal and not (
+                    principal.startswith("admin:") and e.get("admin") == principal[6:]):
                 continue
             if action is not None and e.get("action") != action and not (
                     action.endswith("*") and e.get("action", "").startswith(action[:-1])):
@@ -661,7 +673,8 @@ async def _samples(state: Any) -> dict[str, Any]:
 async def _gateways(state: Any) -> dict[str, Any]:
     raw = await state.redis.hgetall(keys.GATEWAY_STATS)
     now = control.now_ms()
-    live, stale = [], []
+    live: list[dict[str, Any]] = []
+    stale: list[dict[str, Any]] = []
     for rid, body in raw.items():
         snap = json.loads(body)
         (live if now - snap.get("ts_ms", 0) < STATS_TTL_S * 1000 else stale).append({"replica": _s(rid), **snap})
@@ -720,6 +733,29 @@ async def summary(request: Request, who: AdminPrincipal = viewer) -> dict[str, A
         "contexts": await _contexts(state),
         "who": {"name": who.name, "role": who.role},
     }
+
+
+# ====================================================================== unsupported methods
+_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE", "HEAD")
+
+
+def _template_match(template: str, path: str) -> bool:
+    pattern = "^" + re.sub(r"\\\{[^/]+?\\\}", "[^/]+", re.escape(template)) + "$"
+    return re.match(pattern, path) is not None
+
+
+@router.api_route("/{rest:path}", methods=list(_METHODS), include_in_schema=False)
+async def unsupported(request: Request, rest: str) -> JSONResponse:
+    """Registered last: answers what no admin route matched. 405 with the documented methods in
+    ``Allow`` when the path exists (one path can span several routers), else 404."""
+    allowed: set[str] = set()
+    for template, ops in admin_doc(request)["paths"].items():
+        if _template_match(template, request.url.path):
+            allowed |= {m.upper() for m in ops}
+    if not allowed:
+        return JSONResponse({"detail": "Not Found"}, status_code=404)
+    return JSONResponse({"detail": "Method Not Allowed"}, status_code=405,
+                        headers={"Allow": ", ".join(sorted(allowed))})
 
 
 # ====================================================================== lifecycle

@@ -69,10 +69,9 @@ class SampleIngest:
         self._own_ctx = zmq_ctx is None
         self.ctx = zmq_ctx or zmq.Context()
         self.push = make_socket(self.ctx, zmq.PUSH, connect=cfg.trainer.samples_endpoint,
-                                hwm=cfg.trainer.sample_hwm)
-        # IMMEDIATE: with no trainer connected a send fails (reported as backpressure)
+                                hwm=cfg.trainer.sample_hwm, immediate=True)
+        # immediate: with no trainer connected a send fails (reported as backpressure)
         # instead of queueing for a peer that may never come.
-        self.push.setsockopt(zmq.IMMEDIATE, 1)
         self._append = redis.register_script(APPEND_LUA)
         self.pushed = 0
         self.backpressured = 0

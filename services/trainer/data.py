@@ -125,7 +125,7 @@ class ContextReader:
             self._start()
         assert self._loop is not None
         fut = asyncio.run_coroutine_threadsafe(
-            self._store.read_at_version(principal, context_id, version, modalities), self._loop)
+            self._store.read_at_version(principal, context_id, version, modalities=modalities), self._loop)
         return fut.result(30)
 
     def close(self) -> None:

@@ -61,6 +61,9 @@ def register_comm_hook(ddp: DDP, cfg: Any, group: Any = None) -> Any:
         ddp.register_comm_hook(group, default_hooks.fp16_compress_hook)
         return group
     if name == "bf16":
+        if dist.get_backend(group) != "nccl":  # torch ships bf16 compression for NCCL/XCCL only
+            raise RuntimeError("trainer.comm_hook bf16 needs the NCCL backend; use fp16 (same 2 bytes per "
+                               "gradient element) with gloo")
         ddp.register_comm_hook(group, default_hooks.bf16_compress_hook)
         return group
     if name == "powersgd":

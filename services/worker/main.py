@@ -70,7 +70,8 @@ class Worker:
         except ImportError:
             log.warning("weight updates unavailable (services.worker.updates missing); serving the base model")
             return None
-        params = {n: p.detach() for n, p in self.model.named_parameters()}
+        # the trainer publishes exactly the trainable parameters (same names, same layout digest)
+        params = {n: p.detach() for n, p in self.model.trainable_named_parameters()}
         sub = DeltaSubscriber(self.cfg, self.ctx, self.worker_id, params, 0, model_id=self.model.model_id)
         self.version = sub.version
         return sub
@@ -284,6 +285,10 @@ def main(cfg: Config, args: Any) -> int:
             log.error("--index %d is outside worker.endpoints (%d configured)", index, len(cfg.worker.endpoints))
             return 2
         endpoint = cfg.worker.endpoints[index]
+    if cfg.worker.torch_threads:
+        import torch
+
+        torch.set_num_threads(cfg.worker.torch_threads)
     worker = Worker(cfg, endpoint, f"worker-{index}")
     signal.signal(signal.SIGTERM, lambda *_: worker.stop())
     signal.signal(signal.SIGINT, lambda *_: worker.stop())

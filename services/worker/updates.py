@@ -72,6 +72,11 @@ class DeltaSubscriber:
     def version(self) -> int:
         return self.decoder.version
 
+    @property
+    def lag(self) -> int:
+        """Versions between the newest one announced by the trainer and the one held."""
+        return max(0, self.stats["latest_seen"] - self.version)
+
     # ---------------------------------------------------------------- public API
     def poll(self, max_packets: int = 64) -> int | None:
         """Apply pending verified updates in place; return the new version, or None if unchanged."""
@@ -86,6 +91,13 @@ class DeltaSubscriber:
         if self._pending_req is not None:
             self._poll_snapshot()
         return self.version if self.version != before else None
+
+    def wait(self, timeout_ms: int) -> bool:
+        """Block up to ``timeout_ms`` until an update or snapshot part is readable (for idle workers)."""
+        poller = zmq.Poller()
+        poller.register(self._sub, zmq.POLLIN)
+        poller.register(self._dealer, zmq.POLLIN)
+        return bool(poller.poll(timeout_ms))
 
     def close(self) -> None:
         for sock in (self._sub, self._dealer, self._push):
@@ -109,7 +121,10 @@ class DeltaSubscriber:
         try:
             op = self.opener.open(payload)
         except EnvelopeReject as exc:
-            self._reject(exc.reason)
+            if exc.reason == "superseded":
+                self.stats["dropped_old"] += 1
+            else:
+                self._reject(exc.reason)
             return
         if op.header["stream"] == STREAM_HEARTBEAT:
             self._on_heartbeat(op)
@@ -300,6 +315,11 @@ class DeltaSubscriber:
                 self._request_snapshot("publisher_restart")
             else:
                 self._handle(b)
+
+
+def within_lag(latest: int, version: int, max_lag: int) -> bool:
+    """Routing rule: a worker more than ``consistency.max_lag`` versions behind leaves the pool."""
+    return latest - version <= max_lag
 
 
 def _is_int(x: Any) -> bool:

@@ -17,6 +17,7 @@ first, then the start of the prompt; generation reserves room for new tokens.
 from __future__ import annotations
 
 import hashlib
+import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -275,20 +276,14 @@ class LearnModel(nn.Module):
         B = batch.size
         temps = [float(temperature)] * B if isinstance(temperature, (int, float)) else [float(t) for t in temperature]
         seeds = [seed] * B if seed is None or isinstance(seed, int) else list(seed)
-        gens = []
-        for i, s in enumerate(seeds):
-            g = torch.Generator(device="cpu")
-            if s is None:
-                g.seed()
-            else:
-                g.manual_seed((int(s) + (i if isinstance(seed, int) else 0)) & 0x7FFF_FFFF_FFFF_FFFF)
-            gens.append(g)
+        rngs = [random.Random(None if s is None else int(s) + (i if isinstance(seed, int) else 0))
+                for i, s in enumerate(seeds)]
         logits, cache = self.forward_logits(batch)
         last = logits[:, -1, :]
         lengths = batch.lengths.clone()
         done = [False] * B
         for _ in range(max_tokens):
-            nxt = self._sample(last, temps, gens)
+            nxt = self._sample(last, temps, rngs)
             chunks = []
             for b in range(B):
                 tok = int(nxt[b])
@@ -309,17 +304,17 @@ class LearnModel(nn.Module):
             logits, cache = self.forward_logits(batch, cache, step_tokens=nxt.to(self.device))
             last = logits[:, -1, :]
 
-    def _sample(self, logits: torch.Tensor, temps: list[float], gens: list[torch.Generator]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, temps: list[float], rngs: list[random.Random]) -> torch.Tensor:
+        """Inverse-CDF sampling, vectorised over rows; each row draws from its own RNG."""
         logits = logits.float().cpu().clone()
         logits[:, PAD] = float("-inf")
         logits[:, BOS] = float("-inf")
         if logits.shape[1] > EOS + 1:
-            logits[:, EOS + 1: 264] = float("-inf")
-        out = torch.empty(logits.shape[0], dtype=torch.long)
-        for b in range(logits.shape[0]):
-            if temps[b] <= 0:
-                out[b] = int(torch.argmax(logits[b]))
-            else:
-                probs = torch.softmax(logits[b] / temps[b], dim=-1)
-                out[b] = int(torch.multinomial(probs, 1, generator=gens[b]))
-        return out
+            logits[:, EOS + 1: VOCAB_SIZE] = float("-inf")
+        t = torch.tensor(temps, dtype=torch.float32)
+        greedy = logits.argmax(dim=-1)
+        probs = torch.softmax(logits / t.clamp(min=1e-6)[:, None], dim=-1)
+        cdf = probs.cumsum(dim=-1)
+        u = torch.tensor([r.random() for r in rngs], dtype=torch.float32)[:, None] * cdf[:, -1:]
+        sampled = torch.searchsorted(cdf, u).squeeze(1).clamp(max=logits.shape[1] - 1)
+        return torch.where(t > 0, sampled, greedy)

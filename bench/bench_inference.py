@@ -1,0 +1,201 @@
+"""Inference throughput and latency: gateway -> ZeroMQ -> batching worker, against the same
+model called one request at a time in-process (the baseline, measured in the same run).
+
+Starts a private Redis (embedded default rules), one ``learnmesh worker`` and one
+``learnmesh gateway`` on free ports, then for each concurrency level runs that many MCP
+clients (2026-07-28 stateless ``tools/call generate``), each sending requests back to back.
+Prints generated tokens/s, p50/p99 latency and the ratio to the baseline's tokens/s, and the
+per-request overhead of gateway+ZeroMQ (and of ZeroMQ alone, via the WorkerPool) over the
+in-process call for a 1-token generation.
+
+    .venv/bin/python bench/bench_inference.py [--model default|tiny] [--concurrency 1 4 16 64]
+        [--max-tokens 32] [--requests-per-client 2] [--overhead-requests 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from gateway.workers import WorkerPool  # noqa: E402
+from shared.config import load_config  # noqa: E402
+from shared.model import build_model  # noqa: E402
+from shared.redis_embed import start_redis  # noqa: E402
+
+MODERN = "2026-07-28"
+TINY = {"d_model": 64, "n_layers": 2, "n_heads": 2, "max_seq": 256, "pretrain_steps": 20}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+
+def body(prompt: str, max_tokens: int, seed: int) -> dict:
+    return {"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+            "params": {"name": "generate", "arguments": {"prompt": prompt, "max_tokens": max_tokens,
+                                                         "temperature": 1.0, "seed": seed},
+                       "_meta": {"io.modelcontextprotocol/protocolVersion": MODERN,
+                                 "io.modelcontextprotocol/clientCapabilities": {}}}}
+
+
+HEADERS = {"accept": "application/json, text/event-stream", "mcp-protocol-version": MODERN,
+           "mcp-method": "tools/call", "mcp-name": "generate"}
+
+
+async def one(client: httpx.AsyncClient, url: str, max_tokens: int, seed: int) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    r = await client.post(url, json=body(f"The gateway {seed}", max_tokens, seed), headers=HEADERS)
+    dt = time.perf_counter() - t0
+    msg = r.json()
+    if "result" not in msg:
+        raise RuntimeError(f"generate failed: {msg}")
+    return dt, int(msg["result"]["structuredContent"]["tokens"])
+
+
+async def level(url: str, conc: int, per_client: int, max_tokens: int) -> dict:
+    lat: list[float] = []
+    tokens = 0
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=conc + 4)) as client:
+        async def run(c: int) -> None:
+            nonlocal tokens
+            for i in range(per_client):
+                dt, n = await one(client, url, max_tokens, c * 1000 + i)
+                lat.append(dt)
+                tokens += n
+        t0 = time.perf_counter()
+        await asyncio.gather(*(run(c) for c in range(conc)))
+        wall = time.perf_counter() - t0
+    return {"tok_s": tokens / wall, "p50_ms": pct(lat, 50) * 1000, "p99_ms": pct(lat, 99) * 1000, "n": len(lat)}
+
+
+def baseline(model, n: int, max_tokens: int) -> tuple[float, float]:
+    """In-process, one request at a time: (tokens/s, p50 latency s of a 1-token generation)."""
+    tokens, t0 = 0, time.perf_counter()
+    for i in range(n):
+        ex = model.encode(None, f"The gateway {i}", None, reserve_tokens=max_tokens)
+        tokens += sum(1 for s in model.generate([ex], max_tokens=max_tokens, temperature=1.0, seed=i) if s[0])
+    tok_s = tokens / (time.perf_counter() - t0)
+    lat = []
+    for i in range(20):
+        t = time.perf_counter()
+        ex = model.encode(None, f"The gateway {i}", None, reserve_tokens=1)
+        list(model.generate([ex], max_tokens=1, temperature=1.0, seed=i))
+        lat.append(time.perf_counter() - t)
+    return tok_s, statistics.median(lat)
+
+
+async def overheads(url: str, cfg, n: int) -> tuple[float, float]:
+    pool = WorkerPool(cfg)
+    await pool.start()
+    try:
+        await pool.wait_live(1, 60)
+        zlat = []
+        for i in range(n):
+            t = time.perf_counter()
+            await pool.request({"op": "generate", "prompt": f"The gateway {i}", "max_tokens": 1, "temperature": 1.0,
+                                "seed": i, "entries": []})
+            zlat.append(time.perf_counter() - t)
+    finally:
+        await pool.close()
+    glat = []
+    async with httpx.AsyncClient(timeout=60) as client:
+        for i in range(n):
+            glat.append((await one(client, url, 1, i))[0])
+    return statistics.median(zlat), statistics.median(glat)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=["default", "tiny"], default="default")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--requests-per-client", type=int, default=2)
+    ap.add_argument("--baseline-requests", type=int, default=8)
+    ap.add_argument("--overhead-requests", type=int, default=30)
+    args = ap.parse_args()
+
+    tmp = Path(tempfile.mkdtemp(prefix="lm-bench-inf-"))
+    port = free_port()
+    data = {"model": {**(TINY if args.model == "tiny" else {}), "cache_dir": str(ROOT / "var" / "model")},
+            "worker": {"endpoints": [f"tcp://127.0.0.1:{free_port()}"], "max_batch_size": 64, "max_wait_ms": 2.0},
+            "gateway": {"port": port},
+            "security": {"delta_key_file": str(tmp / "delta.key"), "delta_pub_endpoint": f"tcp://127.0.0.1:{free_port()}",
+                         "snapshot_endpoint": f"tcp://127.0.0.1:{free_port()}",
+                         "ack_endpoint": f"tcp://127.0.0.1:{free_port()}"}}
+    redis_url, redis_proc = start_redis(tmp / "redis")
+    data["redis"] = {"url": redis_url}
+    path = tmp / "learnmesh.yaml"
+    path.write_text(yaml.safe_dump(data))
+    cfg = load_config(path, env={})
+    if cfg.worker.torch_threads:  # the baseline runs with the worker's thread count
+        import torch
+
+        torch.set_num_threads(cfg.worker.torch_threads)
+    print(f"model: {args.model} (pre-training once if not cached in var/model) ...", flush=True)
+    model = build_model(cfg.model)
+    print(f"model {model.model_id}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LEARNMESH_") and k != "REDIS_URL"}
+    procs = [subprocess.Popen([sys.executable, "-m", "services.cli", "--config", str(path), cmd, *extra], cwd=ROOT,
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for cmd, extra in (("worker", ["--index", "0"]), ("gateway", []))]
+    url = f"http://127.0.0.1:{port}/mcp"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                r = httpx.post(url, json=body("warm up", 1, 0), headers=HEADERS, timeout=10)
+                if "result" in r.json():
+                    break
+            except (httpx.HTTPError, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit("gateway/worker did not come up")
+            time.sleep(0.2)
+        base_tok_s, base_1tok_s = baseline(model, args.baseline_requests, args.max_tokens)
+        print(f"\nbaseline (in-process, one at a time): {base_tok_s:8.1f} tokens/s; 1-token call p50 "
+              f"{base_1tok_s * 1000:.2f} ms")
+        print(f"\n{'sessions':>8} {'tokens/s':>10} {'x baseline':>10} {'p50 ms':>9} {'p99 ms':>9} {'requests':>8}")
+        for c in args.concurrency:
+            res = asyncio.run(level(url, c, args.requests_per_client, args.max_tokens))
+            print(f"{c:>8} {res['tok_s']:>10.1f} {res['tok_s'] / base_tok_s:>10.2f} {res['p50_ms']:>9.1f} "
+                  f"{res['p99_ms']:>9.1f} {res['n']:>8}", flush=True)
+        zmq_s, gw_s = asyncio.run(overheads(url, cfg, args.overhead_requests))
+        print(f"\nper-request overhead over the in-process 1-token call (p50): "
+              f"ZeroMQ+worker loop {(zmq_s - base_1tok_s) * 1000:+.2f} ms, "
+              f"gateway(HTTP+MCP)+ZeroMQ {(gw_s - base_1tok_s) * 1000:+.2f} ms")
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        redis_proc.terminate()
+        redis_proc.wait(10)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""learnmesh demo: the official MCP Python SDK talking to a running mesh.
+
+Start the mesh first (``make run`` or ``learnmesh up``), then::
+
+    .venv/bin/python examples/demo.py                 # Streamable HTTP, 2026-07-28
+    .venv/bin/python examples/demo.py --mode legacy   # 2025-11-25 sessions
+
+It chats with context (a text turn and an image), scores a few made-up facts, teaches
+them with ``learn``, waits until a worker serves a model version that includes them
+(``min_model_version``) and shows that the answers and the losses changed.
+The URL and API key default to what ``learnmesh up`` printed (kept in var/keys).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import os
+import struct
+import sys
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import yaml
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared._httpx_utils import create_mcp_http_client
+
+FACTS = [
+    ("The capital of Zorbland is", " Quixville."),
+    ("The moon of Plimptar is called", " Oodle."),
+    ("Professor Wimble's favourite colour is", " teal."),
+]
+
+
+def tiny_png(width: int = 8, height: int = 8) -> bytes:
+    """A real (valid) PNG made here, so nothing is downloaded."""
+    rows = []
+    for y in range(height):
+        row = bytearray(b"\x00")
+        for x in range(width):
+            row += bytes(((x * 32) % 256, (y * 32) % 256, 128))
+        rows.append(bytes(row))
+    raw = b"".join(rows)
+
+    def chunk(tag: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
+
+
+def default_key() -> str | None:
+    path = Path(os.environ.get("LEARNMESH_VAR", "var")) / "keys" / "generated.yaml"
+    if path.is_file():
+        data = yaml.safe_load(path.read_text()) or {}
+        keys = data.get("api_keys") or {}
+        return next(iter(keys.values()), None)
+    return None
+
+
+def structured(result: Any) -> dict[str, Any]:
+    if getattr(result, "isError", False) or getattr(result, "is_error", False):
+        texts = [getattr(c, "text", "") for c in result.content]
+        raise SystemExit(f"tool error: {' '.join(texts)}")
+    data = getattr(result, "structuredContent", None) or getattr(result, "structured_content", None)
+    if data is None:
+        data = json.loads(result.content[0].text)
+    return data
+
+
+async def run(url: str, key: str | None, mode: str, context_id: str, timeout_s: float) -> None:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    transport = streamable_http_client(url, http_client=create_mcp_http_client(headers=headers))
+    async with Client(transport, mode=mode) as client:
+        tools = await client.list_tools()
+        print(f"connected ({client.protocol_version}); tools: {', '.join(t.name for t in tools.tools)}")
+
+        await client.call_tool("context_clear", {"context_id": context_id})
+        image = await client.call_tool("context_append", {
+            "context_id": context_id, "modality": "image", "role": "user",
+            "data": base64.b64encode(tiny_png()).decode(), "mime_type": "image/png"})
+        image_id = structured(image)["entry_id"]
+        turn = await client.call_tool("context_append", {
+            "context_id": context_id, "modality": "text", "role": "user",
+            "text": "Here is a picture of the Zorbland flag.", "links": [image_id]})
+        version = structured(turn)["version"]
+        print(f"context {context_id!r} now at version {version} (text turn linked to {image_id})")
+
+        reply = structured(await client.call_tool("generate", {
+            "context_id": context_id, "prompt": "What do you see?", "max_tokens": 32,
+            "temperature": 0.0, "seed": 1}))
+        print(f"generate -> {reply['text']!r} (model version {reply['model_version']})")
+
+        async def losses(min_version: int) -> tuple[list[float], int]:
+            out, served = [], 0
+            for prompt, target in FACTS:
+                r = structured(await client.call_tool("score", {
+                    "prompt": prompt, "target": target, "min_model_version": min_version}))
+                out.append(r["loss"])
+                served = max(served, r["model_version"])
+            return out, served
+
+        before, v_before = await losses(0)
+        answers_before = [structured(await client.call_tool("generate", {
+            "prompt": p, "max_tokens": 12, "temperature": 0.0, "append": False}))["text"] for p, _ in FACTS]
+        print(f"before learning (model v{v_before}): mean loss {sum(before) / len(before):.3f}")
+
+        samples = [{"kind": "example", "input": p, "target": t} for p, t in FACTS for _ in range(8)]
+        ack = structured(await client.call_tool("learn", {"samples": samples}))
+        print(f"learn -> {len(ack['sample_ids'])} samples acknowledged")
+
+        target_version = v_before + 1
+        deadline = time.monotonic() + timeout_s
+        after: list[float] = []
+        while time.monotonic() < deadline:
+            after, v_after = await losses(target_version)
+            if sum(after) < sum(before) * 0.8:
+                break
+            target_version = v_after + 1
+        answers_after = [structured(await client.call_tool("generate", {
+            "prompt": p, "max_tokens": 12, "temperature": 0.0, "append": False,
+            "min_model_version": target_version}))["text"] for p, _ in FACTS]
+        print(f"after learning (model v{v_after}): mean loss {sum(after) / len(after):.3f}")
+        for (prompt, target), a, b in zip(FACTS, answers_before, answers_after, strict=True):
+            print(f"  {prompt!r}\n     before: {a!r}\n     after:  {b!r}   (taught {target!r})")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default=os.environ.get("LEARNMESH_URL", "http://127.0.0.1:8000/mcp"))
+    p.add_argument("--key", default=os.environ.get("LEARNMESH_KEY") or default_key())
+    p.add_argument("--mode", default="2026-07-28", help="legacy | 2026-07-28 | auto")
+    p.add_argument("--context", default="demo")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for learning to show")
+    args = p.parse_args()
+    asyncio.run(run(args.url, args.key, args.mode, args.context, args.timeout))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Static files of the operations dashboard (served at /admin/ui)."""

@@ -1,0 +1,72 @@
+"""Metrics and the dashboard feed: windowed quantiles, replicas aggregated through Redis,
+mesh-wide gauges on /metrics, static UI files, 405/404 for what no admin route serves."""
+
+from __future__ import annotations
+
+import math
+
+import httpx
+import redis as redis_sync
+from admin_support import ADMIN_KEY, MCP_KEY, VIEWER_KEY, bearer, live_gateway
+from conftest import wait_for_sync
+
+from gateway.admin.stats import quantile
+from shared import control, keys
+
+
+def test_histogram_quantile_interpolates_like_promql():
+    buckets = [(0.001, 0.0), (0.01, 50.0), (0.1, 100.0), (math.inf, 100.0)]
+    assert math.isclose(quantile(buckets, 0.5), 0.01)
+    assert math.isclose(quantile(buckets, 0.99), 0.01 + 0.09 * 49 / 50)
+    assert quantile([(0.1, 0.0), (math.inf, 0.0)], 0.5) is None
+    assert quantile([(0.1, 0.0), (math.inf, 4.0)], 0.5) == 0.1  # beyond the last finite bucket
+
+
+def _mcp(client: httpx.Client) -> httpx.Response:
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {"_meta": {
+        "io.modelcontextprotocol/protocolVersion": "2026-07-28", "io.modelcontextprotocol/clientCapabilities": {}}}}
+    return client.post("/mcp", json=body, headers={**bearer(MCP_KEY), "Mcp-Method": "tools/list",
+                                                    "MCP-Protocol-Version": "2026-07-28",
+                                                    "Accept": "application/json, text/event-stream"})
+
+
+def test_summary_aggregates_replicas_and_metrics_serve_mesh_gauges(redis_url):
+    r = redis_sync.Redis.from_url(redis_url)
+    with live_gateway(redis_url) as a, live_gateway(redis_url) as b, \
+            httpx.Client(base_url=a.url, timeout=10) as ca, httpx.Client(base_url=b.url, timeout=10) as cb:
+        for _ in range(20):
+            assert _mcp(ca).status_code == 200
+        r.set(keys.MODEL_VERSION, 9)
+        control.report_status(r, "worker:w7", version=6, load=1)
+
+        def summary_ok():
+            s = cb.get("/admin/summary", headers=bearer(VIEWER_KEY)).json()
+            return s if s["gateway"]["replicas"] == 2 and s["gateway"]["rps"] > 0 else None
+        s = wait_for_sync(summary_ok, timeout_s=15, what="both replicas in the summary")
+        assert s["gateway"]["requests_total"] >= 20 and s["gateway"]["p99_ms"] is not None
+        assert [w["id"] for w in s["workers"]] == ["w7"] and s["workers"][0]["lag"] == 3
+        assert s["model_version"] == 9 and s["who"] == {"name": "watch", "role": "viewer"}
+
+        assert cb.get("/admin/summary", headers=bearer(MCP_KEY)).status_code == 401
+        text = wait_for_sync(lambda: (t := ca.get("/metrics").text) and 'learnmesh_worker_version_lag{worker="w7"} 3.0'
+                             in t and t, what="worker lag gauge")
+        assert 'learnmesh_admin_denied_total{status="401"}' in text
+        assert "learnmesh_context_stored_bytes" in text
+        assert "learnmesh_mcp_requests_total" in text
+    r.close()
+
+
+def test_ui_files_and_unmatched_methods(redis_url):
+    with live_gateway(redis_url) as srv, httpx.Client(base_url=srv.url, timeout=10) as c:
+        page = c.get("/admin/ui")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        assert "/admin/ui/app.js" in page.text and "https://" not in page.text  # no CDN
+        assert c.get("/admin/ui/app.js").headers["content-type"].startswith("text/javascript")
+        assert c.get("/admin/ui/style.css").status_code == 200
+        assert c.get("/admin/ui/__init__.py").status_code == 404
+        assert c.get("/admin/ui/..%2Fauth.py").status_code == 404
+        resp = c.options("/admin/config", headers=bearer(ADMIN_KEY))
+        assert resp.status_code == 405 and resp.headers["allow"] == "GET, PATCH"
+        resp = c.put("/admin/sessions/abc", headers=bearer(ADMIN_KEY))
+        assert resp.status_code == 405 and resp.headers["allow"] == "DELETE, GET"
+        assert c.get("/admin/no-such-thing", headers=bearer(ADMIN_KEY)).status_code == 404

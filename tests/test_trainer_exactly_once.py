@@ -1,0 +1,117 @@
+"""Exactly-once training per sample id across kill -9, and a dying rank under the agent."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from pathlib import Path
+
+import redis as redis_sync
+import redis.asyncio as aioredis
+from conftest import free_port, wait_for
+from trainer_support import TrainerProc, committed, trainer_config
+
+from gateway.tools.learning import SampleIngest
+from services.trainer import ledger
+from shared.samples import Sample
+
+
+def _ckpts(cfg) -> list[Path]:
+    return sorted(Path(cfg.trainer.checkpoint_dir).glob("ckpt-*.pt"))
+
+
+def _assert_exactly_once(redis_url: str, acked: list[str]) -> None:
+    r = redis_sync.Redis.from_url(redis_url)
+    try:
+        counts = collections.Counter(ledger.trained_ids(r))
+    finally:
+        r.close()
+    twice = [i for i, c in counts.items() if c > 1]
+    assert not twice, f"trained more than once: {twice[:5]}"
+    missing = set(acked) - set(counts)
+    assert not missing, f"{len(missing)} acknowledged samples never trained"
+    assert set(counts) == set(acked)
+
+
+async def test_kill9_mid_stream_trains_every_acknowledged_id_exactly_once(redis_url, tmp_path):
+    cfg = trainer_config(redis_url, tmp_path, free_port(), ranks=1, checkpoint_every=3, batch_size=4)
+    redis = aioredis.Redis.from_url(redis_url)
+    ingest = SampleIngest(redis, cfg)
+    acked: list[str] = []
+    total = 160
+
+    async def stream(start: int, stop: int) -> None:
+        for i in range(start, stop, 4):
+            out = await ingest.submit("alice", [Sample("example", input=f"k{j}", target=f"v{j % 5}")
+                                                for j in range(i, min(stop, i + 4))])
+            acked.extend(out["ids"])
+            await asyncio.sleep(0.005)
+
+    first = TrainerProc(cfg, tmp_path)
+    second = None
+    try:
+        feeder = asyncio.create_task(stream(0, 100))
+        # kill -9 after a checkpoint and some uncheckpointed steps, while samples still arrive
+        await wait_for(lambda: _ckpts(cfg) and int(committed(redis_url).get("step", 0)) % 3 != 0,
+                       timeout_s=90, what="a checkpoint followed by uncheckpointed steps")
+        first.kill9()
+        await feeder
+        await stream(100, total)
+        before = committed(redis_url)
+        second = TrainerProc(cfg, tmp_path)
+        await wait_for(lambda: int(committed(redis_url).get("seq", 0)) == total, timeout_s=120,
+                       what="the restarted trainer to catch up")
+        assert second.term() == 0, second.output()
+    finally:
+        first.close()
+        if second is not None:
+            second.close()
+        ingest.close()
+        await redis.aclose()
+    after = committed(redis_url)
+    assert int(after["epoch"]) == int(before["epoch"]) + 1
+    assert int(after["version"]) > int(before["version"]), "versions must stay monotonic across the restart"
+    assert len(acked) == total
+    _assert_exactly_once(redis_url, acked)
+
+
+async def _preload(redis_url: str, cfg, n: int) -> list[str]:
+    redis = aioredis.Redis.from_url(redis_url)
+    ingest = SampleIngest(redis, cfg)
+    try:
+        out = await ingest.submit("bob", [Sample("example", input=f"x{i}", target=f"y{i % 3}") for i in range(n)])
+    finally:
+        ingest.close()
+        await redis.aclose()
+    return out["ids"]
+
+
+async def test_a_dying_rank_restarts_the_group_from_the_checkpoint(redis_url, tmp_path):
+    cfg = trainer_config(redis_url, tmp_path, free_port(), ranks=2, checkpoint_every=2, batch_size=2,
+                         max_restarts=1)
+    acked = await _preload(redis_url, cfg, 40)
+    marker = tmp_path / "fault-fired"
+    proc = TrainerProc(cfg, tmp_path, env={"LEARNMESH_TRAINER_FAULT": f"1:3:{marker}"})
+    try:
+        await wait_for(lambda: int(committed(redis_url).get("seq", 0)) == 40, timeout_s=150,
+                       what="training to finish after the restart")
+        assert proc.term() == 0, proc.output()
+    finally:
+        proc.close()
+    assert marker.exists(), "the fault never fired"
+    assert "restarting all ranks" in proc.output()
+    assert int(committed(redis_url)["epoch"]) == 2
+    _assert_exactly_once(redis_url, acked)
+
+
+async def test_a_rank_that_keeps_dying_fails_the_job_instead_of_hanging(redis_url, tmp_path):
+    cfg = trainer_config(redis_url, tmp_path, free_port(), ranks=2, checkpoint_every=50, batch_size=2,
+                         max_restarts=0, step_timeout_s=10)
+    await _preload(redis_url, cfg, 20)
+    proc = TrainerProc(cfg, tmp_path, env={"LEARNMESH_TRAINER_FAULT": f"1:1:{tmp_path / 'marker'}"})
+    try:
+        code = await asyncio.to_thread(proc.proc.wait, 120)
+    finally:
+        proc.close()
+    assert code != 0
+    assert "trainer failed" in proc.output()

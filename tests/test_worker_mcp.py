@@ -1,0 +1,100 @@
+"""`generate` and `score` over MCP: a real gateway process, a real worker process, real Redis."""
+
+from __future__ import annotations
+
+import base64
+import os
+import subprocess
+import sys
+
+import httpx
+import orjson
+import pytest
+
+from shared.model import build_model
+from tests.conftest import free_port, wait_for_sync
+from tests.worker_support import ROOT, spawn_worker, stop, write_config
+
+MODERN = "2026-07-28"
+
+
+def call(url: str, name: str, arguments: dict, progress: str | None = None) -> tuple[list[dict], dict]:
+    meta = {"io.modelcontextprotocol/protocolVersion": MODERN, "io.modelcontextprotocol/clientCapabilities": {}}
+    if progress:
+        meta["progressToken"] = progress
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+            "params": {"name": name, "arguments": arguments, "_meta": meta}}
+    r = httpx.post(url, json=body, timeout=60, headers={
+        "accept": "application/json, text/event-stream", "mcp-protocol-version": MODERN,
+        "mcp-method": "tools/call", "mcp-name": name})
+    if r.headers.get("content-type", "").startswith("text/event-stream"):
+        msgs = [orjson.loads(line[5:]) for line in r.text.splitlines() if line.startswith("data:") and line[5:].strip()]
+    else:
+        msgs = [r.json()]
+    return msgs[:-1], msgs[-1]
+
+
+@pytest.fixture
+def mesh(tmp_path, redis_url):
+    port = free_port()
+    path, cfg = write_config(tmp_path, 1, redis_url=redis_url, extra={"gateway": {"port": port}})
+    build_model(cfg.model)
+    worker = spawn_worker(path, 0)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LEARNMESH_") and k != "REDIS_URL"}
+    gw = subprocess.Popen([sys.executable, "-m", "services.cli", "--config", str(path), "gateway"], cwd=ROOT, env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def up() -> bool:
+        assert gw.poll() is None, "gateway exited"
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for_sync(up, timeout_s=60, interval_s=0.1, what="gateway /healthz")
+    url = f"http://127.0.0.1:{port}/mcp"
+    wait_for_sync(lambda: "result" in call(url, "generate", {"prompt": "hi", "max_tokens": 1})[1], timeout_s=90,
+                  interval_s=0.2, what="the worker to answer through the gateway")
+    yield f"http://127.0.0.1:{port}/mcp", cfg
+    stop(gw)
+    stop(worker)
+
+
+def test_generate_and_score_over_mcp(mesh):
+    url, cfg = mesh
+    _, res = call(url, "context_append", {"context_id": "chat1", "modality": "text", "text": "My name is Ada."})
+    assert "error" not in res and not res["result"].get("isError"), res
+
+    notes, res = call(url, "generate", {"prompt": "What is my name?", "context_id": "chat1", "max_tokens": 24,
+                                        "temperature": 0.0}, progress="g1")
+    out = res["result"]["structuredContent"]
+    assert out["model_version"] == 0 and len(out["generation_id"]) == 32 and out["tokens"] >= 1
+    progress = [n["params"] for n in notes if n.get("method") == "notifications/progress"]
+    assert progress and all(out["text"].startswith(p["message"]) for p in progress)
+    assert progress[0]["progressToken"] == "g1"
+
+    _, got = call(url, "context_get", {"context_id": "chat1"})
+    entries = got["result"]["structuredContent"]["entries"]
+    assert [(e["role"], e["text"]) for e in entries][-2:] == [("user", "What is my name?"), ("assistant", out["text"])]
+    assert out["context_version"] == got["result"]["structuredContent"]["version"]
+
+    _, sc = call(url, "score", {"prompt": "What is my name?", "target": "Ada", "context_id": "chat1"})
+    s = sc["result"]["structuredContent"]
+    assert s["nll"] > 0 and s["tokens"] == 4 and s["log_likelihood"] == pytest.approx(-s["nll"] * 4)
+
+
+def test_generate_bad_input_is_a_clear_error(mesh):
+    url, cfg = mesh
+    limit = cfg.worker.max_tokens_limit
+    cases = [({"prompt": ""}, "prompt"), ({"prompt": "hi", "max_tokens": limit + 1}, "max_tokens"),
+             ({"prompt": "hi", "context_id": "nope"}, "unknown context"),
+             ({"prompt": "x" * (cfg.worker.max_prompt_bytes + 1)}, "bytes")]
+    for args, match in cases:
+        _, res = call(url, "generate", args)
+        assert res.get("error", {}).get("code") == -32602, (args, res)
+        assert match in res["error"]["message"].lower() or match in orjson.dumps(res["error"]).decode().lower()
+    png = base64.b64encode(b"\x89PNG\r\n\x1a\nnot an image").decode()
+    _, app = call(url, "context_append", {"context_id": "img", "modality": "image", "data": png})
+    assert "result" in app, app
+    _, res = call(url, "generate", {"prompt": "what is this?", "context_id": "img"})
+    assert res.get("error", {}).get("code") == -32602 and "image" in res["error"]["message"]
