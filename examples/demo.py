@@ -80,7 +80,6 @@ async def run(url: str, key: str | None, mode: str, context_id: str, timeout_s: 
         tools = await client.list_tools()
         print(f"connected ({client.protocol_version}); tools: {', '.join(t.name for t in tools.tools)}")
 
-        await client.call_tool("context_clear", {"context_id": context_id})
         image = await client.call_tool("context_append", {
             "context_id": context_id, "modality": "image", "role": "user",
             "data": base64.b64encode(tiny_png()).decode(), "mime_type": "image/png"})
@@ -101,7 +100,7 @@ async def run(url: str, key: str | None, mode: str, context_id: str, timeout_s: 
             for prompt, target in FACTS:
                 r = structured(await client.call_tool("score", {
                     "prompt": prompt, "target": target, "min_model_version": min_version}))
-                out.append(r["loss"])
+                out.append(r["nll"])
                 served = max(served, r["model_version"])
             return out, served
 
@@ -112,16 +111,18 @@ async def run(url: str, key: str | None, mode: str, context_id: str, timeout_s: 
 
         samples = [{"kind": "example", "input": p, "target": t} for p, t in FACTS for _ in range(8)]
         ack = structured(await client.call_tool("learn", {"samples": samples}))
-        print(f"learn -> {len(ack['sample_ids'])} samples acknowledged")
+        print(f"learn -> {len(ack['ids'])} samples acknowledged (log ids {ack['ids'][0]}..{ack['ids'][-1]})")
 
+        # The trainer publishes a new version after each optimizer step; ask for at least the
+        # first version after our samples were acknowledged, and keep scoring while it learns.
         target_version = v_before + 1
         deadline = time.monotonic() + timeout_s
-        after: list[float] = []
+        after, v_after = before, v_before
         while time.monotonic() < deadline:
             after, v_after = await losses(target_version)
             if sum(after) < sum(before) * 0.8:
                 break
-            target_version = v_after + 1
+            await asyncio.sleep(1.0)
         answers_after = [structured(await client.call_tool("generate", {
             "prompt": p, "max_tokens": 12, "temperature": 0.0, "append": False,
             "min_model_version": target_version}))["text"] for p, _ in FACTS]
@@ -135,7 +136,7 @@ def main() -> int:
     p.add_argument("--url", default=os.environ.get("LEARNMESH_URL", "http://127.0.0.1:8000/mcp"))
     p.add_argument("--key", default=os.environ.get("LEARNMESH_KEY") or default_key())
     p.add_argument("--mode", default="2026-07-28", help="legacy | 2026-07-28 | auto")
-    p.add_argument("--context", default="demo")
+    p.add_argument("--context", default=f"demo-{int(time.time())}")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for learning to show")
     args = p.parse_args()
     asyncio.run(run(args.url, args.key, args.mode, args.context, args.timeout))

@@ -30,7 +30,7 @@ def configure(maxlen: int) -> None:
 async def audit(redis: aioredis.Redis, *, principal: str, action: str, context: str | None = None,
                 version: int | None = None, **fields: Any) -> str:
     """Append one record (XADD ... MAXLEN ~ cap); returns the stream id."""
-    record: dict[str, str] = {"ts_ms": str(int(time.time() * 1000)), "principal": principal, "action": action}
+    record: dict[Any, Any] = {"ts_ms": str(int(time.time() * 1000)), "principal": principal, "action": action}
     if context is not None:
         record["context"] = context
     if version is not None:
@@ -61,7 +61,7 @@ async def query(redis: aioredis.Redis, *, principal: str | None = None, action: 
         if not batch:
             break
         for entry_id, raw in batch:
-            rec = {_text(k): _text(v) for k, v in raw.items()}
+            rec = {_text(k): _text(v) for k, v in (raw or {}).items()}
             rec["id"] = _text(entry_id)
             if ((principal is None or rec.get("principal") == principal)
                     and (action is None or rec.get("action") == action)

@@ -173,6 +173,15 @@ def varint_decode(data: bytes | memoryview, count: int) -> np.ndarray:
     return np.add.reduceat(contrib, starts)
 
 
+def _code_indices(idx: np.ndarray, start: int, end: int) -> tuple[bytes, int]:
+    """Sorted indices in [start, end): varint gaps, or a bitmap when that is smaller."""
+    if idx.size * 1.5 > (end - start) / 8:
+        bm = np.zeros(end - start, dtype=np.bool_)
+        bm[idx - start] = True
+        return np.packbits(bm).tobytes(), IDX_BITMAP
+    return varint_encode(np.diff(idx, prepend=start - 1) - 1), IDX_VARINT
+
+
 def _shuffle(arr: np.ndarray) -> bytes:
     """Byte-plane shuffle (all first bytes, then all second bytes ...): helps zstd on floats."""
     if arr.itemsize == 1:
@@ -379,38 +388,55 @@ class DeltaEncoder:
         idx = idx[idx < self.layout.numel]
         idx_t = torch.from_numpy(idx)
         vals = d[idx_t]
-        blk = idx // self.block
-        # chunks: contiguous ranges of blocks; rank them by selected energy (or layer order)
+        blk_t = torch.from_numpy(idx // self.block)
+        quant = _QUANT_CODES[cfg.quantization]
+        # quantise every selected value at once with its block's scale (max |value| in the block)
+        scales = torch.zeros(self.nblocks, dtype=torch.float32).scatter_reduce_(0, blk_t, vals.abs(), "amax")
+        scales[scales == 0] = 1.0
+        per = scales[blk_t]
+        if quant == QUANT_FP16:
+            q = (vals / per).to(torch.float16)
+            deq = q.float().mul_(per)
+        elif quant == QUANT_INT8:
+            q = torch.round(vals / per * 127.0).to(torch.int8)
+            deq = q.float().mul_(per / 127.0)
+        else:
+            q, deq = vals, vals
+        err = vals - deq
+        deq_t = deq.to(self.layout.dtype)
+        # chunks: contiguous ranges of blocks; rank them by selected energy (or keep layer order)
         step = self.chunk_blocks * self.block
         bounds = np.searchsorted(idx, np.arange(0, self.nblocks * self.block + step, step))
-        pieces = []
-        for c in range(len(bounds) - 1):
-            lo, hi = int(bounds[c]), int(bounds[c + 1])
-            if hi > lo:
-                energy = float(torch.sum(vals[lo:hi] * vals[lo:hi]))
-                pieces.append((c, lo, hi, energy))
+        sq = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.float64), (vals.double() ** 2)]), 0).numpy()
+        esq = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.float64), (err.double() ** 2)]), 0).numpy()
+        pieces = [(c, int(bounds[c]), int(bounds[c + 1])) for c in range(len(bounds) - 1)
+                  if bounds[c + 1] > bounds[c]]
         if self.priority_mode == "magnitude":
-            pieces.sort(key=lambda x: -x[3])
-        quant = _QUANT_CODES[cfg.quantization]
+            pieces.sort(key=lambda x: -(sq[x[2]] - sq[x[1]]))
+        qn = q.numpy()
+        scales_n = scales.numpy()
         chunks: list[bytes] = []
+        sent: list[tuple[int, int]] = []
         sent_sq = err_sq = 0.0
         used = 0
         header_bytes = 400
-        for c, lo, hi, energy in pieces:
+        for c, lo, hi in pieces:
             start = c * step
             end = min(self.layout.numel, start + step)
-            blob, deq = self._sparse_chunk(len(chunks), start, end, idx[lo:hi], vals[lo:hi], blk[lo:hi], quant)
+            blob = self._sparse_chunk(len(chunks), start, end, idx[lo:hi], qn[lo:hi], scales_n, quant)
             if max_bytes is not None and chunks and used + len(blob) + header_bytes > max_bytes:
                 continue  # not sent: stays in the residual
             used += len(blob)
             chunks.append(blob)
-            sel = idx_t[lo:hi]
-            self.ref.index_add_(0, sel, deq)
-            sent_sq += energy
-            diff = vals[lo:hi] - deq.float()
-            err_sq += float(torch.sum(diff * diff))
+            sent.append((lo, hi))
+            sent_sq += sq[hi] - sq[lo]
+            err_sq += esq[hi] - esq[lo]
+        if len(sent) == len(pieces):
+            self.ref.index_add_(0, idx_t, deq_t)
+        else:
+            for lo, hi in sent:
+                self.ref.index_add_(0, idx_t[lo:hi], deq_t[lo:hi])
         residual_sq = max(0.0, total_sq - sent_sq + err_sq)
-        # re-number chunks in sending order so each blob's number matches its position
         enc = EncodedDelta(self._header("delta", self.version, version, len(chunks)), chunks)
         enc.stats.update(selected=int(idx.size), density=idx.size / self.layout.numel,
                          threshold=thr, residual_norm=math.sqrt(residual_sq),
@@ -431,38 +457,15 @@ class DeltaEncoder:
         kth = min(s.numel(), max(1, int(round(q * s.numel()))))
         return float(torch.kthvalue(s, kth).values)
 
-    def _sparse_chunk(self, number: int, start: int, end: int, idx: np.ndarray, vals: torch.Tensor,
-                      blk: np.ndarray, quant: int) -> tuple[bytes, torch.Tensor]:
+    def _sparse_chunk(self, number: int, start: int, end: int, idx: np.ndarray, q: np.ndarray,
+                      scales: np.ndarray, quant: int) -> bytes:
         b0 = start // self.block
         nsc = -(-(end - start) // self.block)
-        rel_blk = torch.from_numpy(blk - b0)
-        absval = vals.abs()
-        scales = torch.zeros(nsc, dtype=torch.float32).scatter_reduce_(0, rel_blk, absval, "amax")
-        scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-        per = scales[rel_blk]
-        if quant == QUANT_FP16:
-            q = (vals / per).to(torch.float16)
-            deq = q.float() * per
-        elif quant == QUANT_INT8:
-            q = torch.round(vals / per * 127.0).to(torch.int8)
-            deq = q.float() * (per / 127.0)
-        else:
-            q = vals.clone()
-            deq = vals
-        deq = deq.to(self.layout.dtype)
-        count = idx.size
-        span = end - start
-        if count * 1.5 > span / 8:
-            bm = np.zeros(span, dtype=np.bool_)
-            bm[idx - start] = True
-            idx_bytes, code = np.packbits(bm).tobytes(), IDX_BITMAP
-        else:
-            gaps = np.diff(idx, prepend=start - 1) - 1
-            idx_bytes, code = varint_encode(gaps), IDX_VARINT
+        idx_bytes, code = _code_indices(idx, start, end)
         body = b"".join([
-            CHUNK_HDR.pack(CHUNK_MAGIC, KIND_SPARSE, quant, code, 0, number, start, end, count, nsc),
-            scales.numpy().tobytes(), struct.pack("<Q", len(idx_bytes)), idx_bytes, _shuffle(q.numpy())])
-        return self._zc.compress(body), deq
+            CHUNK_HDR.pack(CHUNK_MAGIC, KIND_SPARSE, quant, code, 0, number, start, end, idx.size, nsc),
+            scales[b0:b0 + nsc].tobytes(), struct.pack("<Q", len(idx_bytes)), idx_bytes, _shuffle(q)])
+        return self._zc.compress(body)
 
     def _lossless(self, params: dict[str, torch.Tensor], version: int, max_bytes: int | None) -> EncodedDelta:
         lay = self.layout
@@ -486,12 +489,7 @@ class DeltaEncoder:
             start, end = c * step, min(lay.numel, (c + 1) * step)
             sel = idx[lo:hi]
             xv = xn[sel]
-            if sel.size * 1.5 > (end - start) / 8:
-                bm = np.zeros(end - start, dtype=np.bool_)
-                bm[sel - start] = True
-                idx_bytes, code = np.packbits(bm).tobytes(), IDX_BITMAP
-            else:
-                idx_bytes, code = varint_encode(np.diff(sel, prepend=start - 1) - 1), IDX_VARINT
+            idx_bytes, code = _code_indices(sel, start, end)
             body = b"".join([CHUNK_HDR.pack(CHUNK_MAGIC, KIND_XOR, QUANT_NONE, code, 0, len(chunks), start, end,
                                             sel.size, 0),
                              struct.pack("<Q", len(idx_bytes)), idx_bytes, _shuffle(xv)])

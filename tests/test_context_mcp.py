@@ -29,7 +29,7 @@ def client(redis_url: str) -> Iterator[TestClient]:
         "gateway": {"api_keys": KEYS, "admin_keys": {"root": {"key": ADMIN, "role": "admin"}},
                     "request_state_keys": ["00" * 32]},
         "context": {"max_entry_bytes": 4096, "channel_max_bytes": 65536}})
-    with TestClient(create_app(cfg)) as c:
+    with TestClient(create_app(cfg), base_url="http://127.0.0.1:8000") as c:
         yield c
 
 
@@ -152,7 +152,8 @@ def test_websocket_isolation_and_updates(client: TestClient) -> None:
     modern(client, "alice", "tools/call", {"name": "context_append", "arguments": {
         "context_id": "ws-secret", "modality": "text", "text": "alice"}})
     with client.websocket_connect("/mcp/ws", subprotocols=["mcp"],
-                                  headers={"authorization": f"Bearer {KEYS['bob']}"}) as ws:
+                                  headers={"authorization": f"Bearer {KEYS['bob']}", "host": "127.0.0.1:8000",
+                                           "origin": "http://127.0.0.1:8000"}) as ws:
         ws.send_text(frame(1, "tools/call", {"name": "context_get", "arguments": {"context_id": "ws-secret"}}))
         assert orjson.loads(ws.receive_text())["error"]["code"] == -32602
         ws.send_text(frame(2, "resources/read", {"uri": "context://ws-secret/text"}))

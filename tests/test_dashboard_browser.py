@@ -4,6 +4,7 @@ move while MCP load and trainer reports run. A screenshot is written to bench/ou
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import itertools
 import json
@@ -86,10 +87,31 @@ def _mcp_load(url: str, stop: threading.Event) -> None:
         "io.modelcontextprotocol/protocolVersion": "2026-07-28", "io.modelcontextprotocol/clientCapabilities": {}}}}
     headers = {**bearer(MCP_KEY), "Mcp-Method": "tools/list", "MCP-Protocol-Version": "2026-07-28",
                "Accept": "application/json, text/event-stream"}
+    append = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {
+        "name": "context_append", "arguments": {"context_id": "chat-1", "modality": "text", "text": "hello"},
+        "_meta": body["params"]["_meta"]}}
     with httpx.Client(base_url=url, timeout=10) as client:
+        n = 0
         while not stop.is_set():
-            client.post("/mcp", json=body, headers=headers)
+            n += 1
+            if n % 10 == 1:
+                client.post("/mcp", json=append, headers={**headers, "Mcp-Method": "tools/call",
+                                                          "Mcp-Name": "context_append"})
+            else:
+                client.post("/mcp", json=body, headers=headers)
             stop.wait(0.01)
+
+
+async def _legacy_session(redis_url: str, principal: str) -> None:
+    import redis.asyncio as aioredis
+
+    from gateway.sessions import SessionRegistry
+    from shared.config import GatewayConfig
+    r = aioredis.from_url(redis_url)
+    try:
+        await SessionRegistry(r, r, GatewayConfig()).create(principal, "2025-11-25", {})
+    finally:
+        await r.aclose()
 
 
 def _trainer_reports(redis_url: str, stop: threading.Event) -> None:
@@ -143,6 +165,7 @@ def test_dashboard_live_in_headless_chromium(redis_url):
 
             for t in threads:
                 t.start()
+            asyncio.run(_legacy_session(redis_url, "alice"))
             first = {k: _text(browser, k) for k in ("requests-total", "loss", "step", "version")}
             wait_for_sync(lambda: all(_text(browser, k) != v for k, v in first.items()), timeout_s=30,
                           what="live numbers to change under load")
@@ -151,6 +174,10 @@ def test_dashboard_live_in_headless_chromium(redis_url):
                           what="delta figures")
             rows = browser.js("[...document.querySelectorAll('#workers tbody tr')].map(r => r.cells[0].textContent)")
             assert rows == ["w1"]
+            ctx_row = "[...document.querySelectorAll('#contexts tbody tr')].map(r => r.cells[1].textContent)"
+            wait_for_sync(lambda: browser.js(ctx_row) == ["chat-1"], what="the context table")
+            wait_for_sync(lambda: browser.js("document.querySelector('#sessions tbody tr').cells[1].textContent")
+                          == "alice", what="the session table")
             # the charts drew something: non-background pixels in the throughput canvas
             painted = browser.js("""(() => { const c = document.getElementById('chart-rps');
                 const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;

@@ -34,10 +34,11 @@ def call(url: str, name: str, arguments: dict, progress: str | None = None) -> t
     return msgs[:-1], msgs[-1]
 
 
-@pytest.fixture
-def mesh(tmp_path, redis_url):
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory, redis_server):
     port = free_port()
-    path, cfg = write_config(tmp_path, 1, redis_url=redis_url, extra={"gateway": {"port": port}})
+    tmp_path = tmp_path_factory.mktemp("mesh")
+    path, cfg = write_config(tmp_path, 1, redis_url=redis_server, extra={"gateway": {"port": port}})
     build_model(cfg.model)
     worker = spawn_worker(path, 0)
     env = {k: v for k, v in os.environ.items() if not k.startswith("LEARNMESH_") and k != "REDIS_URL"}

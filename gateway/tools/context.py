@@ -166,7 +166,7 @@ async def context_append(ctx: Any, args: dict[str, Any]) -> dict[str, Any]:
         if modality == "text":
             raise InvalidParams("the text modality takes 'text', not 'data'")
         try:
-            content = base64.b64decode(data, validate=True)
+            content = base64.b64decode(str(data), validate=True)
         except (binascii.Error, ValueError):
             raise InvalidParams("'data' is not valid base64") from None
     res = await store.append(ctx.principal, args["context_id"], modality, args.get("role", "user"), content,
@@ -313,11 +313,15 @@ def _http(exc: Exception) -> HTTPException:
 
 
 _ERRS = (ContextError, RedisConnectionError, RedisTimeoutError)
+_VIEWER = Depends(require_role("viewer"))
+_OPERATOR = Depends(require_role("operator"))
+_ADMIN = Depends(require_role("admin"))
+_PRINCIPAL_Q = Query(None, max_length=256)
 
 
 @router.get("/admin/contexts")
-async def admin_list(request: Request, principal: str | None = Query(None, max_length=256),
-                     who: AdminPrincipal = Depends(require_role("viewer"))) -> dict[str, Any]:
+async def admin_list(request: Request, principal: str | None = _PRINCIPAL_Q,
+                     who: AdminPrincipal = _VIEWER) -> dict[str, Any]:
     """Without ``principal``: principals with their bytes; with it: that principal's contexts."""
     store = _admin_store(request)
     try:
@@ -337,7 +341,7 @@ async def admin_list(request: Request, principal: str | None = Query(None, max_l
 
 @router.get("/admin/contexts/{principal}/{context_id}")
 async def admin_inspect(request: Request, principal: str, context_id: str,
-                        who: AdminPrincipal = Depends(require_role("viewer"))) -> dict[str, Any]:
+                        who: AdminPrincipal = _VIEWER) -> dict[str, Any]:
     """Entry metadata (no content) of the current version."""
     store = _admin_store(request)
     try:
@@ -351,7 +355,7 @@ async def admin_inspect(request: Request, principal: str, context_id: str,
 
 @router.get("/admin/contexts/{principal}/{context_id}/export")
 async def admin_export(request: Request, principal: str, context_id: str,
-                       who: AdminPrincipal = Depends(require_role("admin"))) -> dict[str, Any]:
+                       who: AdminPrincipal = _ADMIN) -> dict[str, Any]:
     """The whole current context as JSON; binary entries base64 (``data``)."""
     store = _admin_store(request)
     try:
@@ -365,7 +369,7 @@ async def admin_export(request: Request, principal: str, context_id: str,
 
 @router.delete("/admin/contexts/{principal}/{context_id}")
 async def admin_evict(request: Request, principal: str, context_id: str,
-                      who: AdminPrincipal = Depends(require_role("operator"))) -> dict[str, Any]:
+                      who: AdminPrincipal = _OPERATOR) -> dict[str, Any]:
     store = _admin_store(request)
     try:
         done = await store.evict(principal, context_id, reason="admin")

@@ -163,7 +163,7 @@ function render(s) {
     { text: w.drained ? "drained" : (w.alive === false ? "down" : "serving"), cls: w.drained ? "drained" : "" },
   ], "no workers reporting");
   fillTable("sessions", ((s.sessions || {}).shown) || [], (x) => [
-    x.id.slice(0, 12) + "…", x.principal, x.protocol_version || "–", fmt(x.events),
+    x.id.slice(0, 8) + "…", x.principal, x.protocol_version || "–", fmt(x.events),
     x.ttl_s === null ? "–" : `${fmt(x.ttl_s, 0)} s`,
   ], "no legacy sessions");
   const ctx = s.contexts || {};
