@@ -317,7 +317,18 @@ class Dispatcher:
         return self._list(call, "tools")
 
     async def _handle_resources_list(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
-        return self._list(call, "resources")
+        """Static resources, then each ``registry.resource_listers`` entry's resources for the
+        caller's principal (e.g. its contexts); such a list is private to the principal."""
+        out = self._list(call, "resources")
+        listers = self.registry.resource_listers
+        if listers:
+            resources = list(out["resources"])
+            for lister in listers:
+                resources.extend(await lister(call))
+            out["resources"] = resources
+            if call.modern:
+                out["cacheScope"] = "private"
+        return out
 
     async def _handle_resources_templates_list(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
         return self._list(call, "resourceTemplates")

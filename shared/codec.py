@@ -387,13 +387,13 @@ class DeltaEncoder:
             idx = local
         idx = idx[idx < self.layout.numel]
         idx_t = torch.from_numpy(idx)
-        vals = d[idx_t]
+        vals = torch.index_select(d, 0, idx_t)
         blk_t = torch.from_numpy(idx // self.block)
         quant = _QUANT_CODES[cfg.quantization]
         # quantise every selected value at once with its block's scale (max |value| in the block)
         scales = torch.zeros(self.nblocks, dtype=torch.float32).scatter_reduce_(0, blk_t, vals.abs(), "amax")
         scales[scales == 0] = 1.0
-        per = scales[blk_t]
+        per = torch.index_select(scales, 0, blk_t)
         if quant == QUANT_FP16:
             q = (vals / per).to(torch.float16)
             deq = q.float().mul_(per)

@@ -5,14 +5,12 @@ built with create_app, real Redis)."""
 from __future__ import annotations
 
 import base64
-import inspect
 from collections.abc import Iterator
 
 import orjson
 import pytest
 from fastapi.testclient import TestClient
 
-import gateway.dispatcher
 from gateway.app import create_app
 from shared.config import load_config
 
@@ -131,8 +129,6 @@ def test_two_keys_are_isolated_modern_and_legacy(client: TestClient) -> None:
     assert [e["text"] for e in got["entries"]] == ["alice only"] and got["version"] == 1
 
 
-@pytest.mark.skipif("resource_listers" not in inspect.getsource(gateway.dispatcher),
-                    reason="the dispatcher does not call registry.resource_listers in resources/list yet")
 def test_resources_list_shows_own_contexts(client: TestClient) -> None:
     modern(client, "alice", "tools/call", {"name": "context_append", "arguments": {
         "context_id": "mine", "modality": "text", "text": "x"}})

@@ -70,6 +70,7 @@ class DeltaPublisher:
         self._router = make_socket(zmq_ctx, zmq.ROUTER, bind=cfg.security.snapshot_endpoint)
         self._acks_sock = make_socket(zmq_ctx, zmq.PULL, bind=cfg.security.ack_endpoint)
         self._acks: dict[str, int] = {}
+        self._snap_cache: EncodedDelta | None = None
         self._last_publish = time.monotonic()
         self._redis = redis_client
         if self._redis is None and cfg.redis.url:
@@ -170,7 +171,9 @@ class DeltaPublisher:
         if mtype != wire.MsgType.SNAPSHOT_REQ or not isinstance(req, str) or len(req) > _MAX_REQ_NONCE:
             return
         with self._lock:
-            snap = self.encoder.snapshot()
+            if self._snap_cache is None or self._snap_cache.header["version"] != self.encoder.version:
+                self._snap_cache = self.encoder.snapshot()  # one encode per version, however many ask
+            snap = self._snap_cache
             pub_seq = self.sealer.next_seq(STREAM_DELTA)
             sealed = []
             for i, blob in enumerate(snap.chunks):
