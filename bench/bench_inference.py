@@ -106,24 +106,28 @@ def baseline(model, n: int, max_tokens: int) -> tuple[float, float]:
     return tok_s, statistics.median(lat)
 
 
-async def overheads(url: str, cfg, n: int) -> tuple[float, float]:
+async def overheads(url: str, cfg, model, n: int) -> tuple[float, float, float]:
+    """p50 of a 1-token generation: in-process, via the WorkerPool (ZeroMQ), via the gateway (HTTP+MCP+ZeroMQ),
+    measured interleaved so that load drift on a shared machine hits all three alike."""
     pool = WorkerPool(cfg)
     await pool.start()
+    local, zlat, glat = [], [], []
     try:
         await pool.wait_live(1, 60)
-        zlat = []
-        for i in range(n):
-            t = time.perf_counter()
-            await pool.request({"op": "generate", "prompt": f"The gateway {i}", "max_tokens": 1, "temperature": 1.0,
-                                "seed": i, "entries": []})
-            zlat.append(time.perf_counter() - t)
+        async with httpx.AsyncClient(timeout=60) as client:
+            for i in range(n):
+                t = time.perf_counter()
+                ex = model.encode(None, f"The gateway {i}", None, reserve_tokens=1)
+                list(model.generate([ex], max_tokens=1, temperature=1.0, seed=i))
+                local.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                await pool.request({"op": "generate", "prompt": f"The gateway {i}", "max_tokens": 1,
+                                    "temperature": 1.0, "seed": i, "entries": []})
+                zlat.append(time.perf_counter() - t)
+                glat.append((await one(client, url, 1, i))[0])
     finally:
         await pool.close()
-    glat = []
-    async with httpx.AsyncClient(timeout=60) as client:
-        for i in range(n):
-            glat.append((await one(client, url, 1, i))[0])
-    return statistics.median(zlat), statistics.median(glat)
+    return statistics.median(local), statistics.median(zlat), statistics.median(glat)
 
 
 def main() -> None:
@@ -154,7 +158,9 @@ def main() -> None:
 
         torch.set_num_threads(cfg.worker.torch_threads)
     print(f"model: {args.model} (pre-training once if not cached in var/model) ...", flush=True)
+    t0 = time.perf_counter()
     model = build_model(cfg.model)
+    print(f"model ready in {time.perf_counter() - t0:.1f} s")
     print(f"model {model.model_id}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params")
     env = {k: v for k, v in os.environ.items() if not k.startswith("LEARNMESH_") and k != "REDIS_URL"}
     procs = [subprocess.Popen([sys.executable, "-m", "services.cli", "--config", str(path), cmd, *extra], cwd=ROOT,
@@ -181,10 +187,11 @@ def main() -> None:
             res = asyncio.run(level(url, c, args.requests_per_client, args.max_tokens))
             print(f"{c:>8} {res['tok_s']:>10.1f} {res['tok_s'] / base_tok_s:>10.2f} {res['p50_ms']:>9.1f} "
                   f"{res['p99_ms']:>9.1f} {res['n']:>8}", flush=True)
-        zmq_s, gw_s = asyncio.run(overheads(url, cfg, args.overhead_requests))
-        print(f"\nper-request overhead over the in-process 1-token call (p50): "
-              f"ZeroMQ+worker loop {(zmq_s - base_1tok_s) * 1000:+.2f} ms, "
-              f"gateway(HTTP+MCP)+ZeroMQ {(gw_s - base_1tok_s) * 1000:+.2f} ms")
+        local_s, zmq_s, gw_s = asyncio.run(overheads(url, cfg, model, args.overhead_requests))
+        print(f"\n1-token generation p50 (interleaved): in-process {local_s * 1000:.2f} ms, via ZeroMQ "
+              f"{zmq_s * 1000:.2f} ms, via gateway {gw_s * 1000:.2f} ms")
+        print(f"per-request overhead over in-process: ZeroMQ+worker loop {(zmq_s - local_s) * 1000:+.2f} ms, "
+              f"gateway(HTTP+MCP)+ZeroMQ {(gw_s - local_s) * 1000:+.2f} ms")
     finally:
         for p in procs:
             p.terminate()

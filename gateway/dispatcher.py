@@ -212,6 +212,7 @@ class Dispatcher:
         }
         self._validators: dict[str, Any] = {}
         self._out_validators: dict[str, Any] = {}
+        self._no_args_valid: set[str] = set()  # tools whose inputSchema accepts an empty arguments object
         self._lists: dict[str, list[dict[str, Any]]] | None = None
         self._metrics: dict[tuple[str, str, str], tuple[Any, Any]] = {}
 
@@ -354,16 +355,22 @@ class Dispatcher:
             args = {}
         if not isinstance(args, dict):
             raise InvalidParams("params.arguments must be an object")
+        if args or name not in self._no_args_valid:  # a tool's verdict on {} never changes
+            self._check_arguments(name, tool, args)
+        self._restore_inputs(call, p, "tools/call", name)
+        if tool.task_support is not None and getattr(self.state, "tasks", None) is not None:
+            return await self.state.tasks.tools_call(call, tool, args, self._run_tool)
+        return await self._run_tool(call, tool, args)
+
+    def _check_arguments(self, name: str, tool: Any, args: dict[str, Any]) -> None:
         validator = self._validator(self._validators, name, tool.input_schema)
         if not validator.is_valid(args):
             err = jsonschema.exceptions.best_match(validator.iter_errors(args))
             where = "/".join(str(x) for x in err.absolute_path) if err is not None else ""
             raise InvalidParams(f"Invalid arguments for tool {name}: {err.message if err else 'invalid'}"
                                 + (f" (at {where})" if where else ""))
-        self._restore_inputs(call, p, "tools/call", name)
-        if tool.task_support is not None and getattr(self.state, "tasks", None) is not None:
-            return await self.state.tasks.tools_call(call, tool, args, self._run_tool)
-        return await self._run_tool(call, tool, args)
+        if not args:
+            self._no_args_valid.add(name)
 
     async def _run_tool(self, call: Call, tool: Any, args: dict[str, Any]) -> dict[str, Any]:
         """Run a tool's handler and shape its output into a CallToolResult."""

@@ -32,6 +32,7 @@ def main(cfg: Config, args: argparse.Namespace | Any) -> int:
     import uvicorn
 
     from gateway.app import create_app
+    from gateway.http_protocol import CoalescingHttpToolsProtocol
     from shared.redis_embed import resolve_redis_url
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -45,7 +46,7 @@ def main(cfg: Config, args: argparse.Namespace | Any) -> int:
     cfg.redis.url = url
     try:
         app = create_app(cfg, fixtures=fixtures)
-        uvicorn.run(app, host=cfg.gateway.host, port=cfg.gateway.port, loop="uvloop", http="httptools",
+        uvicorn.run(app, host=cfg.gateway.host, port=cfg.gateway.port, loop="uvloop", http=CoalescingHttpToolsProtocol,
                     ws="websockets-sansio", log_level="warning", access_log=False, timeout_graceful_shutdown=5,
                     lifespan="on")
     finally:

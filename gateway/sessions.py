@@ -94,15 +94,24 @@ class SessionRegistry:
     async def get(self, principal: str, sid: str) -> Session:
         s = self._cache.get((principal, sid))
         now = time.monotonic()
-        if s is not None and now - s.checked_at < self.recheck_s:
-            return s
+        if s is not None:
+            if now - s.checked_at < self.recheck_s:
+                return s
+            # This request re-checks; concurrent ones keep using the cached copy meanwhile
+            # instead of all opening round trips (and pool connections) at once.
+            claimed, s.checked_at = s.checked_at, now
         pipe = self._redis.pipeline(transaction=False)
         pipe.expire(keys.session(principal, sid), self.ttl_s)
         pipe.hgetall(keys.session(principal, sid))
         pipe.expire(keys.session_events(principal, sid), self.ttl_s)
         pipe.expire(keys.session_subscriptions(principal, sid), self.ttl_s)
         pipe.zadd(keys.principal_sessions(principal), {sid: int(time.time())}, xx=True)
-        alive, fields, *_ = await pipe.execute()
+        try:
+            alive, fields, *_ = await pipe.execute()
+        except BaseException:
+            if s is not None:
+                s.checked_at = claimed  # not re-checked after all: the next request tries again
+            raise
         if not alive or not fields:
             if s is not None:
                 self.forget(principal, sid)

@@ -26,7 +26,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from shared import wire
+from shared import metrics, wire
 from shared.config import Config
 from shared.wire import MsgType
 from shared.zmq_util import make_socket
@@ -60,7 +60,7 @@ class WorkerTimeout(RuntimeError):
 class WorkerLink:
     index: int
     endpoint: str
-    sock: zmq.asyncio.Socket
+    sock: Any  # zmq.asyncio.Socket
     worker_id: str | None = None
     version: int = 0
     reported_load: int = 0
@@ -171,10 +171,11 @@ class WorkerPool:
                 link.model_id = header.get("model_id")
                 link.last_heartbeat_wall_s = time.time()
             elif msg_type in (MsgType.TOKEN, MsgType.RESULT, MsgType.ERROR):
-                q = link.inflight.get(header.get("id"))
+                q = link.inflight.get(str(header.get("id")))
                 if q is not None:
                     q.put_nowait((msg_type, header))
             if not was_alive:
+                metrics.WORKERS_LIVE.set(len(self.live()))
                 log.info("worker %s (%s) is live at version %d", link.worker_id, link.endpoint, link.version)
             if not was_alive or msg_type == MsgType.HEARTBEAT:
                 async with self._changed:
@@ -197,6 +198,7 @@ class WorkerPool:
         log.warning("worker %s (%s) missed heartbeats; retrying its %d requests elsewhere",
                     link.worker_id, link.endpoint, len(link.inflight))
         link.alive = False
+        metrics.WORKERS_LIVE.set(len(self.live()))
         for q in link.inflight.values():
             q.put_nowait(_DEAD)
         link.inflight.clear()
@@ -240,6 +242,29 @@ class WorkerPool:
         streamed text can be reset). Raises :class:`NoWorker`, :class:`WorkerRequestError`
         or :class:`WorkerTimeout`; never waits past ``timeout_s``.
         """
+        op = str(header.get("op"))
+        t0 = time.monotonic()
+        outcome = "error"
+        try:
+            result = await self._request(header, frames, min_version, timeout_s, on_token, on_retry)
+            outcome = "ok"
+            return result
+        except NoWorker:
+            outcome = "no_worker"
+            raise
+        except WorkerTimeout:
+            outcome = "timeout"
+            raise
+        except WorkerRequestError as exc:
+            outcome = "bad_input" if exc.code == "bad_input" else "error"
+            raise
+        finally:
+            metrics.INFER_REQUESTS.labels(op, outcome).inc()
+            metrics.INFER_SECONDS.labels(op).observe(time.monotonic() - t0)
+
+    async def _request(self, header: dict[str, Any], frames: list[bytes] | None, min_version: int,
+                       timeout_s: float | None, on_token: Callable[[str, dict[str, Any]], Awaitable[None]] | None,
+                       on_retry: Callable[[], Awaitable[None]] | None) -> dict[str, Any]:
         timeout_s = self.wcfg.request_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         tried: set[int] = set()
@@ -251,7 +276,7 @@ class WorkerPool:
             queue: asyncio.Queue = asyncio.Queue()
             link.inflight[rid] = queue
             try:
-                msg = wire.encode(MsgType.INFER, {**header, "id": rid}, frames or ())
+                msg = wire.encode(MsgType.INFER, {**header, "id": rid, "stream": on_token is not None}, frames or ())
                 try:
                     await link.sock.send_multipart(msg, flags=zmq.NOBLOCK, copy=False)
                 except zmq.Again:  # not connected (worker down) or its queue is full
@@ -264,6 +289,7 @@ class WorkerPool:
                 link.inflight.pop(rid, None)
             if result is not None:
                 return result
+            metrics.INFER_RETRIES.inc()
             if on_retry is not None:
                 await on_retry()
         raise AssertionError("unreachable")

@@ -4,7 +4,8 @@ An INFER message carries the request in its header and the context entries' cont
 frames (binary image/audio bytes travel as they are, never base64)::
 
     INFER  {"id", "op": "generate"|"score", "prompt", "target"?, "max_tokens", "temperature",
-            "seed"?, "modalities"?, "entries": [{"id","modality","role","mime","ts_ms"}, ...]}
+            "seed"?, "modalities"?, "stream"?: bool (default true: send TOKENs),
+            "entries": [{"id","modality","role","mime","ts_ms"}, ...]}
            + one frame per entry (its content)
     TOKEN  {"id", "text", "version"}                      partial text (UTF-8 safe deltas)
     RESULT {"id", "version", "model_id", "text", "tokens", "finish_reason"}   (generate)

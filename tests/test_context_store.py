@@ -232,7 +232,8 @@ async def test_idle_ttl_lazy_and_redis_expiry_reconciled(r):
     assert [i.id for i in await s.list_contexts("a")] == ["new"]
     rec = await audit.query(r, principal="a", action="evict")
     assert rec[0]["context"] == "old" and rec[0]["reason"] == "idle"
-    assert 0 < await r.pttl(keys.ctx_entries("a")) <= 60_000
+    # keys outlive idle_ttl after the last use: TTL idle_ttl + idle_ttl/16, refreshed lazily
+    assert 60_000 < await r.pttl(keys.ctx_entries("a")) <= 63_750
     # Redis expiring the principal's keys wholesale is reconciled into the global total
     for k in keys.ctx_keys("a"):
         await r.delete(k)
@@ -280,3 +281,40 @@ async def test_decode_responses_client_is_handled(redis_url):
         await s.redis.aclose()
     finally:
         await client.aclose()
+
+
+async def test_ttl_refreshed_lazily_and_on_recreated_keys(r):
+    clock = Clock()
+    s = make(r, clock, idle_ttl_s=160, versions_retained=1)  # refresh granularity 10 s
+    await s.append("a", "c", "text", "user", b"x")
+    await r.pexpire(keys.ctx_meta("a"), 100_000)  # marker: a refresh would raise it again
+    clock.now_ms += 5_000
+    await s.get_window("a", "c")  # last refresh 5 s ago: not due
+    assert await r.pttl(keys.ctx_meta("a")) <= 100_000
+    clock.now_ms += 5_000
+    await s.get_window("a", "c")  # 10 s: due
+    assert await r.pttl(keys.ctx_meta("a")) > 160_000
+    # clearing frees every entry (one retained version): the entries hash disappears; the
+    # next append recreates it and must give it a TTL at once, though no refresh is due
+    await s.clear("a", "c")
+    assert not await r.exists(keys.ctx_entries("a"))
+    clock.now_ms += 1_000
+    await s.append("a", "c", "text", "user", b"y")
+    for k in keys.ctx_keys("a"):
+        assert await r.pttl(k) > 160_000, k
+
+
+async def test_last_used_follows_reads_and_ties_keep_exact_lru(r):
+    clock = Clock()
+    s = make(r, clock)
+    for c in ("c1", "c2", "c3"):  # same millisecond: the order is still exact
+        await s.append("a", c, "text", "user", b"x")
+    await s.get_window("a", "c1")
+    assert [x.decode() for x in await r.zrange(keys.ctx_lru("a"), 0, -1)] == ["c2", "c3", "c1"]
+    clock.now_ms += 7_000
+    await s.get_window("a", "c2")
+    infos = await s.list_contexts("a")
+    assert [i.id for i in infos] == ["c2", "c1", "c3"]
+    assert infos[0].last_used_ms == clock.now_ms and infos[1].last_used_ms == clock.now_ms - 7_000
+    await s.version("a", "c3")  # version and list are not use
+    assert [i.id for i in await s.list_contexts("a")][0] == "c2"

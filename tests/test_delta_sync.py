@@ -237,3 +237,28 @@ def test_publisher_restart_makes_workers_resync(tmp_path: Path, ctx: zmq.Context
     finally:
         sub.close()
         pub.close()
+
+
+def test_bandwidth_cap_sends_most_important_chunks_first(tmp_path: Path, ctx: zmq.Context) -> None:
+    cfg = make_cfg(tmp_path, density=0.2, tuner="bytes", tuner_target=4000)
+    cfg.scheduling.bandwidth_cap_bytes_s = 1  # budget floor below: min_bandwidth bytes per publish
+    cfg.scheduling.min_bandwidth = 1500
+    trainer = model(15)
+    pub = DeltaPublisher(cfg, ctx, trainer, 0, "m")
+    worker = model(16)
+    sub = DeltaSubscriber(cfg, ctx, "w1", worker, 0)
+    g = torch.Generator().manual_seed(17)
+    try:
+        converge(sub, 0)
+        dropped = 0
+        for v in range(1, 8):
+            train_step(trainer, g)
+            st = pub.publish(trainer, v)
+            dropped += st.chunks_dropped
+            converge(sub, v)
+            assert served_equals_reference(pub, worker)
+        assert dropped > 0 and st.bytes < 4000
+        assert st.extra["tuner"]["mode"] == "bytes"
+    finally:
+        sub.close()
+        pub.close()

@@ -138,7 +138,7 @@ async def generate(ctx: Any, args: dict[str, Any]) -> dict[str, Any]:
     header = {"id": generation_id, "op": "generate", "prompt": prompt, "max_tokens": max_tokens,
               "temperature": float(args.get("temperature", 0.8)), "seed": args.get("seed"),
               "modalities": args.get("modalities"), "entries": meta}
-    partial = {"text": "", "tokens": 0, "sent_s": 0.0}
+    partial: dict[str, Any] = {"text": "", "tokens": 0, "sent_s": 0.0}
 
     async def on_token(text: str, _h: dict[str, Any]) -> None:
         partial["text"] += text
@@ -151,7 +151,8 @@ async def generate(ctx: Any, args: dict[str, Any]) -> dict[str, Any]:
     async def on_retry() -> None:
         partial.update(text="", tokens=0)
 
-    res = await _call(ctx, header, frames, args, on_token=on_token, on_retry=on_retry)
+    streaming = ctx.meta.get("progressToken") is not None if isinstance(ctx.meta, dict) else False
+    res = await _call(ctx, header, frames, args, on_token=on_token if streaming else None, on_retry=on_retry)
     out = {"text": res["text"], "model_version": res["version"], "generation_id": generation_id,
            "tokens": res["tokens"], "finish_reason": res["finish_reason"], "worker": res.get("worker"),
            "context_version": None}

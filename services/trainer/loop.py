@@ -272,10 +272,10 @@ class Trainer:
             if self.t.clip_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(self.params, self.t.clip_grad_norm)
             self.opt.step()
+            if self.averager is not None:  # before zero_grad: torch's averager skips grad-less params
+                self.averager.average_parameters(self.params)
             self.sched.step()
             self.opt.zero_grad(set_to_none=True)
-            if self.averager is not None:
-                self.averager.average_parameters(self.params)
         if self.world > 1:
             dist.all_reduce(loss_sum, group=self.ctrl_group)
         loss_value = float(loss_sum[0] / loss_sum[1]) if loss_sum[1] > 0 else float("nan")

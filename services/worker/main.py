@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import codecs
 import logging
+import math
 import signal
 import time
 from collections import deque
@@ -21,7 +22,7 @@ from typing import Any
 
 import zmq
 
-from shared import wire
+from shared import metrics, wire
 from shared.config import Config
 from shared.inference import unpack_entries
 from shared.model import Example, LearnModel, MediaError, ModelInputError, build_model
@@ -40,6 +41,7 @@ class Request:
     max_tokens: int = 0
     temperature: float = 1.0
     seed: int | None = None
+    stream: bool = True
     received_s: float = field(default_factory=time.monotonic)
     cancelled: bool = False
 
@@ -90,7 +92,7 @@ class Worker:
                 if self.queue:
                     age_ms = (time.monotonic() - self.queue[0].received_s) * 1000
                     wait_ms = max(0.0, self.wcfg.max_wait_ms - age_ms)
-                if poller.poll(wait_ms):
+                if poller.poll(math.ceil(wait_ms)):
                     self._drain()
                 if not self.queue:
                     self._apply_updates()
@@ -118,6 +120,7 @@ class Worker:
         if new is not None and new != self.version:
             log.info("model version %d -> %d", self.version, new)
             self.version = new
+            metrics.WORKER_VERSION.labels(self.worker_id).set(new)
 
     def _drain(self, limit: int = 1000) -> None:
         for _ in range(limit):
@@ -170,6 +173,7 @@ class Worker:
             req = self._parse(peer, rid, h, payload)
         except (ValueError, TypeError, MediaError, ModelInputError) as exc:
             self._error(peer, rid, "bad_input", str(exc))
+            metrics.WORKER_REQUESTS.labels(str(h.get("op")), "bad_input").inc()
             return
         self.queue.append(req)
 
@@ -201,12 +205,13 @@ class Worker:
         if seed is not None and not isinstance(seed, int):
             raise ValueError("seed must be an integer")
         example = self.model.encode(entries, prompt, None, modalities=modalities, reserve_tokens=max_tokens)
-        return Request(peer, rid, op, example, max_tokens, float(temperature), seed)
+        return Request(peer, rid, op, example, max_tokens, float(temperature), seed, h.get("stream", True) is not False)
 
     # ------------------------------------------------------------------ batches
     def _take_batch(self) -> list[Request]:
         op = self.queue[0].op
-        batch, rest = [], deque()
+        batch: list[Request] = []
+        rest: deque[Request] = deque()
         while self.queue:
             r = self.queue.popleft()
             (batch if r.op == op and len(batch) < self.wcfg.max_batch_size else rest).append(r)
@@ -216,6 +221,7 @@ class Worker:
     def _run_batch(self) -> None:
         batch = self._take_batch()
         self.batches += 1
+        metrics.WORKER_BATCH_SIZE.labels(batch[0].op).observe(len(batch))
         self.running = {r.id: r for r in batch}
         try:
             if batch[0].op == "score":
@@ -224,6 +230,7 @@ class Worker:
                 self._run_generate(batch)
         except Exception as exc:
             log.exception("batch failed")
+            metrics.WORKER_REQUESTS.labels(batch[0].op, "error").inc(len(batch))
             for r in batch:
                 self._error(r.peer, r.id, "internal", f"inference failed ({type(exc).__name__})")
         finally:
@@ -231,6 +238,7 @@ class Worker:
 
     def _run_score(self, batch: list[Request]) -> None:
         scores = self.model.score([r.example for r in batch])
+        metrics.WORKER_REQUESTS.labels("score", "ok").inc(len(batch))
         for r, nll in zip(batch, scores, strict=True):
             self._send(r.peer, MsgType.RESULT, {"id": r.id, "version": self.version, "model_id": self.model.model_id,
                                                 "nll": nll, "tokens": r.example.n_target, "batch": len(batch)})
@@ -258,7 +266,8 @@ class Worker:
                     delta = decoders[i].decode(chunk)
                     if delta:
                         texts[i] += delta
-                        self._send(r.peer, MsgType.TOKEN, {"id": r.id, "text": delta, "version": self.version})
+                        if r.stream:
+                            self._send(r.peer, MsgType.TOKEN, {"id": r.id, "text": delta, "version": self.version})
                     if counts[i] >= r.max_tokens:
                         finish[i] = "length"
                 if all(f is not None for f in finish):
@@ -266,7 +275,9 @@ class Worker:
                 self._drain()  # heartbeats, cancels and new requests while the batch runs
         finally:
             steps.close()
+        metrics.WORKER_TOKENS.inc(sum(counts))
         for i, r in enumerate(batch):
+            metrics.WORKER_REQUESTS.labels("generate", finish[i] or "length").inc()
             if finish[i] == "cancelled":
                 continue
             tail = decoders[i].decode(b"", final=True)
@@ -290,6 +301,12 @@ def main(cfg: Config, args: Any) -> int:
 
         torch.set_num_threads(cfg.worker.torch_threads)
     worker = Worker(cfg, endpoint, f"worker-{index}")
+    try:
+        from shared.control import start_metrics_server
+
+        start_metrics_server(cfg, "worker", index)
+    except ImportError:
+        pass
     signal.signal(signal.SIGTERM, lambda *_: worker.stop())
     signal.signal(signal.SIGINT, lambda *_: worker.stop())
     worker.run()

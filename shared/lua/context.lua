@@ -5,9 +5,11 @@
 -- KEYS (fixed list, built by shared.keys.ctx_keys + globals):
 --   1 E  hash  "<cid>|<modality>|<seq>" -> packed entry         (tag {principal})
 --   2 M  hash  cid -> JSON meta                                  (tag {principal})
---   3 R  zset  cid -> logical clock of last use (exact LRU)      (tag {principal})
+--   3 R  zset  cid -> last use: ms * 1000 (+1 per tie), strictly increasing per principal,
+--               so it is both the exact LRU order and the last-use time (tag {principal})
 --   4 V  hash  "<cid>|<version>" -> "mod:lo:hi;..."              (tag {principal})
---   5 S  hash  "\0bytes", "\0clock", cid -> last version of an evicted context
+--   5 S  hash  "\0bytes", "\0clock" (highest R score), "\0exp" (last TTL refresh, ms),
+--              cid -> last version of an evicted context
 --   6 GB hash  principal -> bytes, "\0total", "\0clock"          (tag {ctxglobal})
 --   7 GL zset  principal -> global clock of last use             (tag {ctxglobal})
 --   8 AU stream audit log (capped)
@@ -15,15 +17,33 @@
 --       6 principal_budget_bytes, 7 global_budget_bytes, 8 idle_ttl_ms, 9 versions_retained,
 --       10 audit_maxlen, 11.. op arguments.
 -- Errors are error replies whose first word is the error kind (LM_NOTFOUND, ...).
+--
+-- Lean by design (every call costs a few µs per redis.call): the principal's state is read
+-- with one HMGET, byte deltas are summed locally and written once at the end, reads never
+-- rewrite the meta JSON (last use lives in the R score), and the keys' TTL is refreshed only
+-- when the last refresh is older than idle_ttl/16 (the TTL set is idle_ttl + idle_ttl/16, so
+-- keys always outlive idle_ttl after the last use). Window replies are one packed string.
 local E, M, R, V, S, GB, GL, AU = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
 local op, P, NOW_S = ARGV[1], ARGV[2], ARGV[3]
 local now = tonumber(NOW_S)
 local CH_N, CH_B = tonumber(ARGV[4]), tonumber(ARGV[5])
 local P_BUD, G_BUD = tonumber(ARGV[6]), tonumber(ARGV[7])
 local IDLE, NVER, AMAX = tonumber(ARGV[8]), tonumber(ARGV[9]), ARGV[10]
-local BYTES, CLOCK, TOTAL = '\0bytes', '\0clock', '\0total'
+local BYTES, CLOCK, TOTAL, EXP = '\0bytes', '\0clock', '\0total', '\0exp'
+local K = 1000                         -- R score = last-use ms * K (+ tiebreak)
+local SLACK = math.floor(IDLE / 16)    -- TTL refresh granularity (see header)
 
 local evicted = {}   -- {cid, reason} pairs evicted during this call
+
+-- Principal state, read once per call (begin) and written once (finish).
+local pbytes, pexp, pclock = 0, nil, 0
+local pdelta = 0           -- byte change not yet written to S / GB
+local clock_dirty = false
+local created = false      -- this call may have created a key that has no TTL yet
+local gtotal = nil         -- global total after finish() when it wrote one
+
+-- Exact decimal for scores/timestamps (redis.call would format numbers with %.14g).
+local function num(x) return string.format('%.0f', x) end
 
 local function audit(action, cid, ver, extra)
   local a = {'XADD', AU, 'MAXLEN', '~', AMAX, '*', 'ts_ms', NOW_S, 'principal', P, 'action', action}
@@ -44,13 +64,53 @@ end
 local function save(cid, m) redis.call('HSET', M, cid, cjson.encode(m)) end
 
 local function add_bytes(delta)
-  if delta == 0 then return end
-  redis.call('HINCRBY', S, BYTES, delta)
-  redis.call('HINCRBY', GB, P, delta)
-  redis.call('HINCRBY', GB, TOTAL, delta)
+  pbytes = pbytes + delta
+  pdelta = pdelta + delta
 end
 
-local function principal_bytes() return tonumber(redis.call('HGET', S, BYTES) or '0') end
+local function principal_bytes() return pbytes end
+
+-- Read the principal's state; bring global accounting in line if Redis expired its keys.
+local function begin()
+  local st = redis.call('HMGET', S, BYTES, EXP, CLOCK)
+  pexp, pclock = tonumber(st[2]), tonumber(st[3] or '0')
+  if st[1] then
+    pbytes = tonumber(st[1])
+  else
+    pbytes = 0
+    local seen = tonumber(redis.call('HGET', GB, P) or '0')
+    if seen ~= 0 then
+      redis.call('HSET', GB, P, 0)
+      redis.call('HINCRBY', GB, TOTAL, -seen)
+    end
+  end
+end
+
+-- Write what this call changed in S and GB (once) and refresh the TTLs when due.
+-- keep: the operation counts as activity (keeps the principal's keys alive).
+local function finish(keep)
+  local sargs = {}
+  if pdelta ~= 0 then sargs[#sargs + 1] = BYTES; sargs[#sargs + 1] = num(pbytes) end
+  if clock_dirty then sargs[#sargs + 1] = CLOCK; sargs[#sargs + 1] = num(pclock); clock_dirty = false end
+  local refresh = keep and (created or not pexp or now < pexp or now - pexp >= SLACK)
+  if refresh then sargs[#sargs + 1] = EXP; sargs[#sargs + 1] = NOW_S; pexp = now; created = false end
+  if #sargs > 0 then redis.call('HSET', S, unpack(sargs)) end
+  if refresh then
+    local ttl = num(IDLE + SLACK)
+    for i = 1, 5 do redis.call('PEXPIRE', KEYS[i], ttl) end
+  end
+  if pdelta ~= 0 then
+    redis.call('HINCRBY', GB, P, pdelta)
+    gtotal = redis.call('HINCRBY', GB, TOTAL, pdelta)
+    pdelta = 0
+  end
+end
+
+-- Error reply after writing what already changed (idle evictions before the error).
+local function fail(msg)
+  finish(false)
+  error({err = msg})
+end
 
 -- Physically delete entries a..b of a channel; returns the bytes freed.
 local function del_range(cid, mod, a, b)
@@ -127,40 +187,26 @@ local function bump(cid, m)
   collect(cid, m)
 end
 
-local function touch(cid, m)
-  redis.call('ZADD', R, redis.call('HINCRBY', S, CLOCK, 1), cid)
+-- Use of a context: it becomes the principal's MRU (score = now * K, strictly increasing)
+-- and the principal becomes the global MRU.
+local function touch(cid)
+  local s = now * K
+  if s <= pclock then s = pclock + 1 end
+  pclock = s
+  clock_dirty = true
+  redis.call('ZADD', R, num(s), cid)
   redis.call('ZADD', GL, redis.call('HINCRBY', GB, CLOCK, 1), P)
-  m.lu = now
 end
 
-local function keep_alive()
-  local ms = IDLE
-  for i = 1, 5 do redis.call('PEXPIRE', KEYS[i], ms) end
-end
-
--- Redis may have expired the principal's keys (idle TTL): bring global accounting in line.
-local function reconcile()
-  local mine = principal_bytes()
-  local seen = tonumber(redis.call('HGET', GB, P) or '0')
-  if mine ~= seen then
-    redis.call('HSET', GB, P, mine)
-    redis.call('HINCRBY', GB, TOTAL, mine - seen)
-  end
-end
-
--- Lazy per-context idle expiry: the LRU head is the context idle longest.
+-- Lazy per-context idle expiry: contexts whose last use (score / K) is idle_ttl ago.
+-- One ZRANGEBYSCORE that is empty in the common case.
 local function expire_idle()
+  local cut = '(' .. num((now - IDLE + 1) * K)
   while true do
-    local head = redis.call('ZRANGE', R, 0, 0)
+    local head = redis.call('ZRANGEBYSCORE', R, '-inf', cut, 'LIMIT', 0, 1)
     if #head == 0 then return end
     local m = load(head[1])
-    if not m then
-      redis.call('ZREM', R, head[1])
-    elseif m.lu + IDLE <= now then
-      drop_context(head[1], m, 'idle')
-    else
-      return
-    end
+    if m then drop_context(head[1], m, 'idle') else redis.call('ZREM', R, head[1]) end
   end
 end
 
@@ -198,7 +244,7 @@ end
 
 -- Principals to evict (LRU first, never the caller) so the global total fits the budget.
 local function global_victims()
-  local total = tonumber(redis.call('HGET', GB, TOTAL) or '0')
+  local total = gtotal or tonumber(redis.call('HGET', GB, TOTAL) or '0')
   local out = {}
   if total <= G_BUD then return out end
   local start = 0
@@ -220,12 +266,12 @@ end
 
 local function new_meta(cid)
   local last = tonumber(redis.call('HGET', S, cid) or '0')
-  return {v = last, vf = last + 1, b = 0, lu = now, t = now, ch = {}}
+  return {v = last, vf = last + 1, b = 0, t = now, ch = {}}
 end
 
 local function need(cid)
   local m = load(cid)
-  if not m then error({err = 'LM_NOTFOUND context ' .. cid}) end
+  if not m then fail('LM_NOTFOUND context ' .. cid) end
   return m
 end
 
@@ -293,6 +339,19 @@ local function wanted_set(csv)
   return w, all
 end
 
+-- Window rows {mod, seq, value, ...} as ONE string: per row a 9-byte header
+-- (modality length u8, seq u32, value length u32, big-endian), the modality, the value.
+local function pack_rows(rows)
+  local parts = {}
+  for i = 1, #rows, 3 do
+    local mod, val = rows[i], rows[i + 2]
+    parts[#parts + 1] = struct.pack('>BI4I4', #mod, rows[i + 1], #val)
+    parts[#parts + 1] = mod
+    parts[#parts + 1] = val
+  end
+  return table.concat(parts)
+end
+
 local function evicted_reply()
   local out = {}
   for _, e in ipairs(evicted) do out[#out + 1] = e[1]; out[#out + 1] = e[2] end
@@ -311,12 +370,14 @@ local ops = {}
 -- ARGV 11 cid, 12 modality, 13 packed entry, 14 links csv -> {seq, version, evicted, victims}
 function ops.append()
   local cid, mod, val, links = ARGV[11], ARGV[12], ARGV[13], ARGV[14]
-  local m = load(cid) or new_meta(cid)
+  local m = load(cid)
+  if not m then m = new_meta(cid); created = true end
   for l, seq in string.gmatch(links, '([^:,]+):(%d+)') do
     local c = m.ch[l]
     seq = tonumber(seq)
-    if not c or seq < c.lo or seq > c.hi then error({err = 'LM_BADLINK no entry ' .. l .. ':' .. seq}) end
+    if not c or seq < c.lo or seq > c.hi then fail('LM_BADLINK no entry ' .. l .. ':' .. seq) end
   end
+  if pbytes == 0 then created = true end  -- the entries hash is (re)created
   local c = m.ch[mod]
   if not c then c = {lo = 1, hi = 0, plo = 1, lb = 0}; m.ch[mod] = c end
   local seq = c.hi + 1
@@ -329,17 +390,17 @@ function ops.append()
     c.lb = c.lb - redis.call('HSTRLEN', E, efield(cid, mod, c.lo))
     c.lo = c.lo + 1
   end
-  touch(cid, m)
+  touch(cid)
   bump(cid, m)
   enforce_principal(cid, m)
   save(cid, m)
   audit('append', cid, m.v, {'entry', mod .. ':' .. seq, 'bytes', #val})
-  keep_alive()
+  finish(true)
   return {seq, m.v, evicted_reply(), global_reply(global_victims())}
 end
 
 -- ARGV 11 cid, 12 modalities csv, 13 last_n, 14 max_tokens, 15 resolve(0/1)
---   -> {version, {mod, seq, value, ...}, evicted}
+--   -> {version, packed rows (see pack_rows), evicted}. Does not rewrite the meta.
 function ops.window()
   local cid = ARGV[11]
   local m = need(cid)
@@ -354,40 +415,41 @@ function ops.window()
     end
   end
   if ARGV[15] == '1' then resolve(cid, ranges, wanted, out) end
-  touch(cid, m)
-  save(cid, m)
-  keep_alive()
-  return {m.v, out, evicted_reply()}
+  touch(cid)
+  finish(true)
+  return {m.v, pack_rows(out), evicted_reply()}
 end
 
--- ARGV 11 cid, 12 version, 13 modalities csv -> {version, {mod, seq, value, ...}, evicted}
+-- ARGV 11 cid, 12 version, 13 modalities csv -> {version, packed rows, evicted}
 function ops.read_at()
   local cid, ver = ARGV[11], tonumber(ARGV[12])
   local m = load(cid)
   if not m or ver < m.vf or ver > m.v then
-    error({err = 'LM_VERSION context ' .. cid .. ' version ' .. ARGV[12] .. ' is not retained'})
+    fail('LM_VERSION context ' .. cid .. ' version ' .. ARGV[12] .. ' is not retained')
   end
   local wanted, all = wanted_set(ARGV[13])
   local out = {}
   for mod, r in pairs(parse_ranges(redis.call('HGET', V, cid .. '|' .. ver))) do
     if all or wanted[mod] then read_channel(cid, mod, r[1], r[2], 0, 0, out) end
   end
-  touch(cid, m)
-  save(cid, m)
-  keep_alive()
-  return {ver, out, evicted_reply()}
+  touch(cid)
+  finish(true)
+  return {ver, pack_rows(out), evicted_reply()}
 end
 
 -- ARGV 11 cid -> {version, evicted}
 function ops.version()
   local m = need(ARGV[11])
+  finish(false)
   return {m.v, evicted_reply()}
 end
 
--- -> {{cid, meta json}..., evicted}
+-- -> {{cid, meta json}..., {cid, last-use score}..., evicted}
 function ops.list()
   local raw = redis.call('HGETALL', M)
-  return {raw, evicted_reply()}
+  local lru = redis.call('ZRANGE', R, 0, -1, 'WITHSCORES')
+  finish(false)
+  return {raw, lru, evicted_reply()}
 end
 
 -- ARGV 11 cid -> {version, evicted}
@@ -395,11 +457,11 @@ function ops.clear()
   local cid = ARGV[11]
   local m = need(cid)
   for _, c in pairs(m.ch) do c.lo = c.hi + 1; c.lb = 0 end
-  touch(cid, m)
+  touch(cid)
   bump(cid, m)
   save(cid, m)
   audit('clear', cid, m.v)
-  keep_alive()
+  finish(true)
   return {m.v, evicted_reply()}
 end
 
@@ -407,7 +469,7 @@ end
 function ops.fork()
   local src, dst = ARGV[11], ARGV[12]
   local sm = need(src)
-  if redis.call('HEXISTS', M, dst) == 1 then error({err = 'LM_EXISTS context ' .. dst .. ' exists'}) end
+  if redis.call('HEXISTS', M, dst) == 1 then fail('LM_EXISTS context ' .. dst .. ' exists') end
   local dm = new_meta(dst)
   for mod, c in pairs(sm.ch) do
     local nc = {lo = c.lo, hi = c.hi, plo = c.lo, lb = c.lb}
@@ -423,22 +485,22 @@ function ops.fork()
     dm.b = dm.b + c.lb
   end
   add_bytes(dm.b)
-  touch(src, sm)
-  save(src, sm)
-  touch(dst, dm)
+  touch(src)
+  touch(dst)
   bump(dst, dm)
   enforce_principal(dst, dm)
   save(dst, dm)
   audit('fork', dst, dm.v, {'source', src, 'source_version', sm.v, 'bytes', dm.b})
-  keep_alive()
+  finish(true)
   return {dm.v, evicted_reply(), global_reply(global_victims())}
 end
 
 -- ARGV 11 cid, 12 reason -> {1|0, evicted}
 function ops.evict()
   local m = load(ARGV[11])
-  if not m then return {0, evicted_reply()} end
+  if not m then finish(false); return {0, evicted_reply()} end
   drop_context(ARGV[11], m, ARGV[12])
+  finish(false)
   return {1, evicted_reply()}
 end
 
@@ -466,7 +528,7 @@ end
 local fn = ops[op]
 if not fn then return redis.error_reply('LM_BADOP ' .. tostring(op)) end
 if op ~= 'evict_principal' then
-  reconcile()
+  begin()
   expire_idle()
 end
 return fn()

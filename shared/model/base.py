@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -159,7 +159,10 @@ class LearnModel(nn.Module):
             segments.append(seg)
             room -= len(seg[0])
         tokens: list[int] = []
-        image_rows, image_pos, audio_rows, audio_pos = [], [], [], []
+        image_rows: list[torch.Tensor] = []
+        audio_rows: list[torch.Tensor] = []
+        image_pos: list[int] = []
+        audio_pos: list[int] = []
         for toks, kind, feats in reversed(segments):
             if kind == "image":
                 image_rows.append(feats)
@@ -211,7 +214,10 @@ class LearnModel(nn.Module):
         tokens = torch.full((B, T), PAD, dtype=torch.long)
         valid = torch.zeros((B, T), dtype=torch.bool)
         labels = torch.full((B, T), -100, dtype=torch.long)
-        img, img_idx, aud, aud_idx = [], [], [], []
+        img: list[torch.Tensor] = []
+        aud: list[torch.Tensor] = []
+        img_idx: list[int] = []
+        aud_idx: list[int] = []
         for b, ex in enumerate(examples):
             off = T - len(ex)
             row = torch.tensor(ex.tokens, dtype=torch.long)
@@ -265,7 +271,7 @@ class LearnModel(nn.Module):
     @torch.no_grad()
     def generate(self, batch_or_examples: Batch | Sequence[Example], *, max_tokens: int,
                  temperature: float | Sequence[float] = 1.0,
-                 seed: int | Sequence[int | None] | None = None) -> Iterator[list[bytes]]:
+                 seed: int | Sequence[int | None] | None = None) -> Generator[list[bytes], None, None]:
         """Yield, per decoding step, one byte chunk per row; a row that has finished (EOS or
         ``max_seq`` reached) yields ``b""`` from then on. Stops when every row is done.
 

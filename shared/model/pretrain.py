@@ -14,6 +14,7 @@ import logging
 import os
 import random
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -57,7 +58,7 @@ def cached_base_state(cfg: ModelConfig, model: torch.nn.Module) -> dict[str, tor
         return state
 
 
-def pretrain(cfg: ModelConfig, model: torch.nn.Module) -> None:
+def pretrain(cfg: ModelConfig, model: Any) -> None:
     """Next-byte training on random corpus windows: prompt = first part, target = the rest."""
     if cfg.pretrain_steps == 0:
         return
