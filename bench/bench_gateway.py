@@ -1,20 +1,25 @@
 """tools/call throughput and latency: learnmesh gateway vs the official SDK's MCPServer.
 
-Both servers run side by side on this machine, each one process, with the same trivial
-tool (``test_simple_text``: a constant text block). ``wrk`` (Debian package) drives each
-with the same load: POST /mcp with a fixed JSON-RPC ``tools/call`` body, per revision:
+Both servers run side by side on this machine, each as ONE process under uvicorn with
+uvloop + httptools and no access log, with the same trivial tool (``test_simple_text``:
+a constant text block). ``wrk`` (Debian package, one thread by default) drives each with
+the same load: POST /mcp ``tools/call``, per revision:
 
-* 2025-11-25 (legacy): one session is initialized first; every request carries
-  ``Mcp-Session-Id`` and ``MCP-Protocol-Version``.
+* 2025-11-25 (legacy): one session is initialized (and ``notifications/initialized``
+  sent) per server; every request carries ``Mcp-Session-Id`` and ``MCP-Protocol-Version``.
 * 2026-07-28 (stateless): every request carries ``_meta`` with the protocol version and
   client capabilities plus the ``MCP-Protocol-Version`` / ``Mcp-Method`` / ``Mcp-Name`` headers.
 
-Prints successful req/s (non-2xx answers and socket errors are subtracted), p50 and p99
-for each point and the ratio ours/SDK. The baseline (SDK) is
-measured in the same run. ``--duration-s`` and ``--connections`` size it (defaults are
-modest: the machine is shared).
+Every request has its own JSON-RPC id (ids must be unique within a session; the SDK
+answers a reused in-flight id with HTTP 500). Only answers that are HTTP 200 *and* carry
+the tool's text count as throughput. Each point runs ``--repeat`` times with the two
+servers interleaved; the best run of each server is reported, with the 1-minute load
+average and the server's CPU time per request (user + system from /proc), which is far
+less sensitive to other load on a shared machine than req/s. ``--pin`` puts the servers
+on CPU 0 and wrk on the others (off by default: on a busy 2-core machine a pinned server
+cannot escape other work on its core).
 
-    .venv/bin/python bench/bench_gateway.py [--duration-s 5] [--connections 16 64]
+    .venv/bin/python bench/bench_gateway.py [--duration-s 5] [--connections 16 64] [--repeat 2] [--pin]
 """
 
 from __future__ import annotations

@@ -175,7 +175,7 @@ def _rank(rank: int, world: int, port: int, width: int, steps: int, hook: str, o
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from services.trainer.loop import LossModule, register_comm_hook
+    from services.trainer.loop import LossModule, ddp_options, register_comm_hook
     from services.trainer.tiny import build_tiny_model
     from shared.config import load_config
 
@@ -190,11 +190,11 @@ def _rank(rank: int, world: int, port: int, width: int, steps: int, hook: str, o
 
     dist.all_reduce = counting  # torch's hooks call dist.all_reduce: count what they send
     model = build_tiny_model()
-    ddp = DDP(LossModule(model))
+    cfg = load_config(env={}, overrides={"trainer": {"comm_hook": hook, "powersgd_rank": 1}})
+    ddp = DDP(LossModule(model), **ddp_options(cfg))
     if hook == "none":
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
     else:
-        cfg = load_config(env={}, overrides={"trainer": {"comm_hook": hook, "powersgd_rank": 1}})
         register_comm_hook(ddp, cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(rank)

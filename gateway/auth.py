@@ -100,9 +100,22 @@ class OriginGuard:
         self._allowed = {o.rstrip("/").lower() for o in cfg.allowed_origins}
         self._check_host = is_loopback(cfg.host)
         self._allowed_hosts = {urlsplit(o).hostname for o in self._allowed if urlsplit(o).hostname}
+        self._verdicts: dict[tuple[str | None, str | None], str | None] = {}  # hot path: a handful of pairs
 
     def check(self, origin: str | None, host: str | None) -> str | None:
         """Return None when acceptable, else a reason (the caller answers 403)."""
+        key = (origin, host)
+        try:
+            return self._verdicts[key]
+        except KeyError:
+            pass
+        verdict = self._check(origin, host)
+        if len(self._verdicts) >= 1024:  # headers are client-chosen: keep the memo bounded
+            self._verdicts.clear()
+        self._verdicts[key] = verdict
+        return verdict
+
+    def _check(self, origin: str | None, host: str | None) -> str | None:
         if origin is not None and origin != "null":
             o = origin.rstrip("/").lower()
             if o not in self._allowed and not is_loopback(urlsplit(o).hostname or ""):

@@ -214,7 +214,7 @@ class Dispatcher:
         self._out_validators: dict[str, Any] = {}
         self._no_args_valid: set[str] = set()  # tools whose inputSchema accepts an empty arguments object
         self._lists: dict[str, list[dict[str, Any]]] | None = None
-        self._metrics: dict[tuple[str, str, str], tuple[Any, Any]] = {}
+        self._metrics: dict[tuple[str, bool, str], tuple[Any, Any]] = {}  # labelled children, looked up once
 
     # ------------------------------------------------------------------ entry points
     def knows(self, method: str, modern: bool) -> bool:
@@ -224,12 +224,14 @@ class Dispatcher:
 
     async def handle(self, call: Call, method: str, params: Any, transport: str = "http") -> dict[str, Any]:
         """Serve one request; always returns a JSON-RPC response (result or error)."""
-        revision = "2026-07-28" if call.modern else "2025-11-25"
-        known = self.knows(method, call.modern)
-        mkey = (method if known else "unknown", revision, transport)
-        counters = self._metrics.get(mkey)
+        counters = self._metrics.get((method, call.modern, transport))  # known methods only: bounded
+        known = counters is not None or self.knows(method, call.modern)
         if counters is None:
-            counters = self._metrics[mkey] = (MCP_REQUESTS.labels(*mkey), MCP_LATENCY.labels(mkey[0], revision))
+            revision = MODERN_VERSION if call.modern else LEGACY_VERSION
+            label = method if known else "unknown"
+            counters = (MCP_REQUESTS.labels(label, revision, transport), MCP_LATENCY.labels(label, revision))
+            if known:
+                self._metrics[(method, call.modern, transport)] = counters
         counters[0].inc()
         t0 = time.perf_counter()
         try:

@@ -1,4 +1,5 @@
-"""``learnmesh gateway``: run one gateway replica under uvicorn (uvloop + httptools).
+"""``learnmesh gateway``: run one gateway replica under uvicorn (uvloop + httptools, one write
+per response: see gateway/http_protocol.py).
 
 Binds 127.0.0.1 unless told otherwise; refuses a non-loopback bind without API keys
 (or OAuth), and warns when it serves an open gateway on loopback.
@@ -46,9 +47,11 @@ def main(cfg: Config, args: argparse.Namespace | Any) -> int:
     cfg.redis.url = url
     try:
         app = create_app(cfg, fixtures=fixtures)
+        # No access log and no X-Forwarded-* rewriting on the hot path: the gateway identifies
+        # callers by their credentials and never reads the client address.
         uvicorn.run(app, host=cfg.gateway.host, port=cfg.gateway.port, loop="uvloop", http=CoalescingHttpToolsProtocol,
-                    ws="websockets-sansio", log_level="warning", access_log=False, timeout_graceful_shutdown=5,
-                    lifespan="on")
+                    ws="websockets-sansio", log_level="warning", access_log=False, proxy_headers=False,
+                    timeout_graceful_shutdown=5, lifespan="on")
     finally:
         if proc is not None:
             proc.terminate()

@@ -117,13 +117,23 @@ async def _wait_disconnect(receive: Any) -> None:
         pass
 
 
+_ACCEPTS: dict[str, tuple[bool, bool]] = {}
+
+
 def _accepts(accept: str) -> tuple[bool, bool]:
     """(json, sse) acceptable per the Accept header; a missing header accepts both."""
+    found = _ACCEPTS.get(accept)
+    if found is not None:  # clients send the same few values over and over
+        return found
     if not accept:
         return True, True
     a = accept.lower()
     wild = "*/*" in a
-    return (wild or "application/json" in a or "application/*" in a), (wild or "text/event-stream" in a)
+    found = (wild or "application/json" in a or "application/*" in a), (wild or "text/event-stream" in a)
+    if len(_ACCEPTS) >= 256:
+        _ACCEPTS.clear()
+    _ACCEPTS[accept] = found
+    return found
 
 
 class McpHttpTransport:
@@ -154,13 +164,9 @@ class McpHttpTransport:
                 await _rpc_error(send, sent, 500, None, INTERNAL_ERROR, "Internal error")
 
     async def _serve(self, scope: Any, receive: Any, send: Any, sent: _Sent) -> None:
-        headers: dict[str, str] = {}
-        duplicated: str | None = None
-        for k, v in scope["headers"]:
-            name = k.decode("latin-1")
-            if name in headers and name in _ROUTING:
-                duplicated = name
-            headers[name] = v.decode("latin-1")
+        raw = scope["headers"]
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw}
+        duplicated = _duplicated_routing_header(raw) if len(headers) != len(raw) else None
         why = self.state.origin_guard.check(headers.get("origin"), headers.get("host"))
         if why is not None:
             await _reply(send, sent, 403, orjson.dumps({"error": "forbidden", "error_description": why}))
@@ -445,6 +451,18 @@ class McpHttpTransport:
                 await send({"type": "http.response.body", "body": b": keepalive\n\n", "more_body": True})
 
 
+def _duplicated_routing_header(raw: list[tuple[bytes, bytes]]) -> str | None:
+    """The last routing header (``MCP-Protocol-Version``, ``Mcp-Method``, ``Mcp-Name``) sent twice."""
+    seen: set[str] = set()
+    duplicated = None
+    for k, _ in raw:
+        name = k.decode("latin-1")
+        if name in seen and name in _ROUTING:
+            duplicated = name
+        seen.add(name)
+    return duplicated
+
+
 def _ladder(msg: dict[str, Any], headers: dict[str, str]) -> tuple[int, str, Any] | None:
     """2026-07-28 request checks, first failure wins: envelope _meta, routing headers, version."""
     params = msg.get("params")
@@ -452,8 +470,8 @@ def _ladder(msg: dict[str, Any], headers: dict[str, str]) -> tuple[int, str, Any
     if not isinstance(meta, dict):
         return (INVALID_PARAMS, "params._meta must be an object carrying the required "
                 f"'{PROTOCOL_VERSION_META_KEY}' and '{CLIENT_CAPABILITIES_META_KEY}' envelope keys", None)
-    missing = [k for k in (PROTOCOL_VERSION_META_KEY, CLIENT_CAPABILITIES_META_KEY) if k not in meta]
-    if missing:
+    if PROTOCOL_VERSION_META_KEY not in meta or CLIENT_CAPABILITIES_META_KEY not in meta:
+        missing = [k for k in (PROTOCOL_VERSION_META_KEY, CLIENT_CAPABILITIES_META_KEY) if k not in meta]
         return INVALID_PARAMS, f"params._meta is missing the required envelope key(s): {', '.join(missing)}", None
     version = meta[PROTOCOL_VERSION_META_KEY]
     header_version = headers.get("mcp-protocol-version")

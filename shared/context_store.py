@@ -2,7 +2,8 @@
 
 A principal owns contexts; a context has one channel per modality (text, image, audio —
 ``context.modalities``), each an ordered list of entries. Every operation is ONE call of
-``shared/lua/context.lua`` (EVALSHA through redis-py ``register_script``): it reads or
+``shared/lua/context.lua`` (FCALL of a Redis Function library loaded once — on Redis < 7,
+EVALSHA of the same code through redis-py ``register_script``): it reads or
 writes, bumps the context's version, updates recency and enforces the per-channel window,
 the per-principal byte budget (exact LRU over the principal's contexts) and the idle TTL
 atomically. The global budget (LRU over principals) is checked in the same call; evicting
@@ -15,6 +16,7 @@ lengths), role, mime, links, then the raw content bytes (never base64).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 import struct
@@ -124,8 +126,24 @@ _ERRORS: dict[str, type[ContextError]] = {
 }
 
 
+def script_config(cfg: ContextConfig) -> bytes:
+    """The script's configuration argument (ARGV[4] of context.lua), encoded once per store."""
+    return (f"{cfg.channel_max_entries}:{cfg.channel_max_bytes}:{cfg.principal_budget_bytes}:"
+            f"{cfg.global_budget_bytes}:{cfg.idle_ttl_s * 1000}:{cfg.versions_retained}:{cfg.audit_maxlen}").encode()
+
+
 def _script_source() -> str:
     return resources.files("shared").joinpath("lua/context.lua").read_text()
+
+
+def _library(source: str) -> tuple[str, str]:
+    """(function name, FUNCTION LOAD code). The name carries a digest of the source, so a
+    changed script is a new function and replicas running different versions never mix."""
+    digest = hashlib.sha1(source.encode()).hexdigest()[:12]
+    fn = f"lm_ctx_{digest}"
+    code = (f"#!lua name=learnmesh_ctx_{digest}\n{source}\n"
+            f"redis.register_function('{fn}', lm_main)\n")
+    return fn, code
 
 
 def _text(v: Any) -> str:
@@ -147,11 +165,16 @@ class ContextStore:
         self.redis = redis
         self.cfg = cfg
         self._clock_ms = clock_ms or (lambda: int(time.time() * 1000))
-        self._script = redis.register_script(_script_source())
+        source = _script_source()
+        self._fn, self._fn_code = _library(source)
+        # Redis Functions (7.0+): the library is loaded once and each call runs only lm_main.
+        # An EVAL script would re-run the whole chunk, re-creating every helper closure, per call.
+        self._use_functions: bool | None = None  # None: not yet known
+        self._script = redis.register_script(source + "\nreturn lm_main(KEYS, ARGV)\n")
         self._modalities = set(cfg.modalities)
         self._mod_order = {m: i for i, m in enumerate(cfg.modalities)}
-        self._cfg_args = (cfg.channel_max_entries, cfg.channel_max_bytes, cfg.principal_budget_bytes,
-                          cfg.global_budget_bytes, cfg.idle_ttl_s * 1000, cfg.versions_retained, cfg.audit_maxlen)
+        self._cfg_arg = script_config(cfg)
+        self._global_keys = [keys.CTX_GLOBAL_BYTES.encode(), keys.CTX_GLOBAL_LRU.encode(), keys.AUDIT_STREAM.encode()]
         self._op_metrics: dict[str, tuple[Any, Any]] = {}
         self.round_trips = 0  # script calls made (the bench divides by operations)
 
@@ -181,12 +204,12 @@ class ContextStore:
 
     # ------------------------------------------------------------------ plumbing
     async def _call(self, op: str, principal: str, *args: Any) -> Any:
-        argv = [op, principal, self._clock_ms(), *self._cfg_args, *args]
-        ks = [*keys.ctx_keys(principal), keys.CTX_GLOBAL_BYTES, keys.CTX_GLOBAL_LRU, keys.AUDIT_STREAM]
+        argv = [op, principal, self._clock_ms(), self._cfg_arg, *args]
+        ks = keys.ctx_keys(principal) + self._global_keys
         self.round_trips += 1
         t0 = time.perf_counter()
         try:
-            out = await self._script(keys=ks, args=argv)
+            out = await self._invoke(ks, argv)
         except ResponseError as exc:
             kind, _, msg = str(exc).partition(" ")
             msg = msg.split(" script: ", 1)[0]
@@ -201,6 +224,23 @@ class ContextStore:
         m[0].observe(time.perf_counter() - t0)
         m[1].inc()
         return out
+
+    async def _invoke(self, ks: list[Any], argv: list[Any]) -> Any:
+        if self._use_functions is False:
+            return await self._script(keys=ks, args=argv)
+        try:
+            return await self.redis.fcall(self._fn, len(ks), *ks, *argv)
+        except ResponseError as exc:
+            text = str(exc).lower()
+            if "function not found" in text:  # first use on this server, or it restarted
+                await self.redis.function_load(self._fn_code, replace=True)
+                self._use_functions = True
+                return await self.redis.fcall(self._fn, len(ks), *ks, *argv)
+            if "unknown command" in text and self._use_functions is None:  # Redis < 7
+                log.info("context store: Redis without Functions, using EVALSHA")
+                self._use_functions = False
+                return await self._script(keys=ks, args=argv)
+            raise
 
     @staticmethod
     def _evicted(flat: list[Any]) -> list[str]:

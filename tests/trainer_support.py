@@ -23,8 +23,10 @@ def _port() -> int:
     return free_port()
 
 
-def trainer_config(redis_url: str, tmp_path: Path, samples_port: int, **trainer: Any) -> Config:
+def trainer_config(redis_url: str, tmp_path: Path, samples_port: int, model: dict[str, Any] | None = None,
+                   **trainer: Any) -> Config:
     over: dict[str, Any] = {
+        "model": model or {},
         "redis": {"url": redis_url},
         "trainer": {"ranks": 1, "model_factory": "services.trainer.tiny:build_tiny_model",
                     "checkpoint_dir": str(tmp_path / "ckpt"), "batch_size": 4, "batch_wait_ms": 50,

@@ -52,6 +52,15 @@ class LossModule(nn.Module):
         return self.model.loss(batch)
 
 
+def ddp_options(cfg: Any) -> dict[str, Any]:
+    """PowerSGD over gloo gets a single gradient bucket: its hook issues follow-up all-reduces
+    from future callbacks, and with several buckets in flight two ranks can issue them in a
+    different order — gloo then deadlocks (seen on torch 2.13). NCCL keeps DDP's buckets."""
+    if cfg.trainer.comm_hook == "powersgd" and dist.get_backend() == "gloo":
+        return {"bucket_cap_mb": 4096}
+    return {}
+
+
 def register_comm_hook(ddp: DDP, cfg: Any, group: Any = None) -> Any:
     """Attach one of torch's own DDP communication hooks; returns the hook state."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -136,8 +145,8 @@ class Trainer:
         self._saved_step = -1
         self._fault = _parse_fault(os.environ.get("LEARNMESH_TRAINER_FAULT", ""))
         self._resume()
-        self.ddp = DDP(LossModule(self.model), device_ids=[device.index] if device.type == "cuda" else None) \
-            if world > 1 else None
+        self.ddp = DDP(LossModule(self.model), device_ids=[device.index] if device.type == "cuda" else None,
+                       **ddp_options(cfg)) if world > 1 else None
         self.hook_state = register_comm_hook(self.ddp, cfg) if self.ddp is not None and not self.local_sgd else None
         self.averager = None
         if self.local_sgd and world > 1:

@@ -1,5 +1,5 @@
--- learnmesh context store: every operation of shared/context_store.py is one call of this
--- script (EVALSHA). It reads, writes, bumps the version, updates recency and enforces the
+-- learnmesh context store: every operation of shared/context_store.py is one call of
+-- lm_main (FCALL of this library, loaded once with FUNCTION LOAD; EVALSHA on Redis < 7). It reads, writes, bumps the version, updates recency and enforces the
 -- window, per-principal and idle bounds atomically, so no reader ever sees half a change.
 --
 -- KEYS (fixed list, built by shared.keys.ctx_keys + globals):
@@ -13,9 +13,9 @@
 --   6 GB hash  principal -> bytes, "\0total", "\0clock"          (tag {ctxglobal})
 --   7 GL zset  principal -> global clock of last use             (tag {ctxglobal})
 --   8 AU stream audit log (capped)
--- ARGV: 1 op, 2 principal, 3 now_ms, 4 channel_max_entries, 5 channel_max_bytes,
---       6 principal_budget_bytes, 7 global_budget_bytes, 8 idle_ttl_ms, 9 versions_retained,
---       10 audit_maxlen, 11.. op arguments.
+-- ARGV: 1 op, 2 principal, 3 now_ms, 4 config "channel_max_entries:channel_max_bytes:
+--       principal_budget_bytes:global_budget_bytes:idle_ttl_ms:versions_retained:audit_maxlen"
+--       (one pre-encoded argument: fewer arguments to pack per call), 5.. op arguments.
 -- Errors are error replies whose first word is the error kind (LM_NOTFOUND, ...).
 --
 -- Lean by design (every call costs a few µs per redis.call): the principal's state is read
@@ -23,24 +23,22 @@
 -- rewrite the meta JSON (last use lives in the R score), and the keys' TTL is refreshed only
 -- when the last refresh is older than idle_ttl/16 (the TTL set is idle_ttl + idle_ttl/16, so
 -- keys always outlive idle_ttl after the last use). Window replies are one packed string.
-local E, M, R, V, S, GB, GL, AU = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
-local op, P, NOW_S = ARGV[1], ARGV[2], ARGV[3]
-local now = tonumber(NOW_S)
-local CH_N, CH_B = tonumber(ARGV[4]), tonumber(ARGV[5])
-local P_BUD, G_BUD = tonumber(ARGV[6]), tonumber(ARGV[7])
-local IDLE, NVER, AMAX = tonumber(ARGV[8]), tonumber(ARGV[9]), ARGV[10]
+-- Per-call state. The library is loaded once (FUNCTION LOAD) and these module locals are
+-- reset at the start of every call by lm_main (Redis runs one call at a time).
+local KEYV, ARGS
+local E, M, R, V, S, GB, GL, AU
+local op, P, NOW_S, now
+local CH_N, CH_B, P_BUD, G_BUD, IDLE, NVER, AMAX, SLACK
 local BYTES, CLOCK, TOTAL, EXP = '\0bytes', '\0clock', '\0total', '\0exp'
 local K = 1000                         -- R score = last-use ms * K (+ tiebreak)
-local SLACK = math.floor(IDLE / 16)    -- TTL refresh granularity (see header)
 
-local evicted = {}   -- {cid, reason} pairs evicted during this call
-
+local evicted              -- {cid, reason} pairs evicted during this call
 -- Principal state, read once per call (begin) and written once (finish).
-local pbytes, pexp, pclock = 0, nil, 0
-local pdelta = 0           -- byte change not yet written to S / GB
-local clock_dirty = false
-local created = false      -- this call may have created a key that has no TTL yet
-local gtotal = nil         -- global total after finish() when it wrote one
+local pbytes, pexp, pclock
+local pdelta               -- byte change not yet written to S / GB
+local clock_dirty
+local created              -- this call may have created a key that has no TTL yet
+local gtotal               -- global total after finish() when it wrote one
 
 -- Exact decimal for scores/timestamps (redis.call would format numbers with %.14g).
 local function num(x) return string.format('%.0f', x) end
@@ -97,7 +95,7 @@ local function finish(keep)
   if #sargs > 0 then redis.call('HSET', S, unpack(sargs)) end
   if refresh then
     local ttl = num(IDLE + SLACK)
-    for i = 1, 5 do redis.call('PEXPIRE', KEYS[i], ttl) end
+    for i = 1, 5 do redis.call('PEXPIRE', KEYV[i], ttl) end
   end
   if pdelta ~= 0 then
     redis.call('HINCRBY', GB, P, pdelta)
@@ -367,9 +365,9 @@ end
 -- ------------------------------------------------------------------ operations
 local ops = {}
 
--- ARGV 11 cid, 12 modality, 13 packed entry, 14 links csv -> {seq, version, evicted, victims}
+-- ARGV 5 cid, 6 modality, 7 packed entry, 8 links csv -> {seq, version, evicted, victims}
 function ops.append()
-  local cid, mod, val, links = ARGV[11], ARGV[12], ARGV[13], ARGV[14]
+  local cid, mod, val, links = ARGS[5], ARGS[6], ARGS[7], ARGS[8]
   local m = load(cid)
   if not m then m = new_meta(cid); created = true end
   for l, seq in string.gmatch(links, '([^:,]+):(%d+)') do
@@ -399,13 +397,13 @@ function ops.append()
   return {seq, m.v, evicted_reply(), global_reply(global_victims())}
 end
 
--- ARGV 11 cid, 12 modalities csv, 13 last_n, 14 max_tokens, 15 resolve(0/1)
+-- ARGV 5 cid, 6 modalities csv, 7 last_n, 8 max_tokens, 9 resolve(0/1)
 --   -> {version, packed rows (see pack_rows), evicted}. Does not rewrite the meta.
 function ops.window()
-  local cid = ARGV[11]
+  local cid = ARGS[5]
   local m = need(cid)
-  local wanted, all = wanted_set(ARGV[12])
-  local last_n, max_tokens = tonumber(ARGV[13]), tonumber(ARGV[14])
+  local wanted, all = wanted_set(ARGS[6])
+  local last_n, max_tokens = tonumber(ARGS[7]), tonumber(ARGS[8])
   local out, ranges = {}, {}
   for mod, c in pairs(m.ch) do
     ranges[mod] = {c.lo, c.hi}
@@ -414,20 +412,20 @@ function ops.window()
       read_channel(cid, mod, c.lo, c.hi, last_n, max_tokens, out)
     end
   end
-  if ARGV[15] == '1' then resolve(cid, ranges, wanted, out) end
+  if ARGS[9] == '1' then resolve(cid, ranges, wanted, out) end
   touch(cid)
   finish(true)
   return {m.v, pack_rows(out), evicted_reply()}
 end
 
--- ARGV 11 cid, 12 version, 13 modalities csv -> {version, packed rows, evicted}
+-- ARGV 5 cid, 6 version, 7 modalities csv -> {version, packed rows, evicted}
 function ops.read_at()
-  local cid, ver = ARGV[11], tonumber(ARGV[12])
+  local cid, ver = ARGS[5], tonumber(ARGS[6])
   local m = load(cid)
   if not m or ver < m.vf or ver > m.v then
-    fail('LM_VERSION context ' .. cid .. ' version ' .. ARGV[12] .. ' is not retained')
+    fail('LM_VERSION context ' .. cid .. ' version ' .. ARGS[6] .. ' is not retained')
   end
-  local wanted, all = wanted_set(ARGV[13])
+  local wanted, all = wanted_set(ARGS[7])
   local out = {}
   for mod, r in pairs(parse_ranges(redis.call('HGET', V, cid .. '|' .. ver))) do
     if all or wanted[mod] then read_channel(cid, mod, r[1], r[2], 0, 0, out) end
@@ -437,9 +435,9 @@ function ops.read_at()
   return {ver, pack_rows(out), evicted_reply()}
 end
 
--- ARGV 11 cid -> {version, evicted}
+-- ARGV 5 cid -> {version, evicted}
 function ops.version()
-  local m = need(ARGV[11])
+  local m = need(ARGS[5])
   finish(false)
   return {m.v, evicted_reply()}
 end
@@ -452,9 +450,9 @@ function ops.list()
   return {raw, lru, evicted_reply()}
 end
 
--- ARGV 11 cid -> {version, evicted}
+-- ARGV 5 cid -> {version, evicted}
 function ops.clear()
-  local cid = ARGV[11]
+  local cid = ARGS[5]
   local m = need(cid)
   for _, c in pairs(m.ch) do c.lo = c.hi + 1; c.lb = 0 end
   touch(cid)
@@ -465,9 +463,9 @@ function ops.clear()
   return {m.v, evicted_reply()}
 end
 
--- ARGV 11 src, 12 dst -> {version of dst, evicted, victims}
+-- ARGV 5 src, 6 dst -> {version of dst, evicted, victims}
 function ops.fork()
-  local src, dst = ARGV[11], ARGV[12]
+  local src, dst = ARGS[5], ARGS[6]
   local sm = need(src)
   if redis.call('HEXISTS', M, dst) == 1 then fail('LM_EXISTS context ' .. dst .. ' exists') end
   local dm = new_meta(dst)
@@ -495,26 +493,26 @@ function ops.fork()
   return {dm.v, evicted_reply(), global_reply(global_victims())}
 end
 
--- ARGV 11 cid, 12 reason -> {1|0, evicted}
+-- ARGV 5 cid, 6 reason -> {1|0, evicted}
 function ops.evict()
-  local m = load(ARGV[11])
+  local m = load(ARGS[5])
   if not m then finish(false); return {0, evicted_reply()} end
-  drop_context(ARGV[11], m, ARGV[12])
+  drop_context(ARGS[5], m, ARGS[6])
   finish(false)
   return {1, evicted_reply()}
 end
 
--- Global budget: drop every context of principal P (ARGV 11 = its global LRU score when it
+-- Global budget: drop every context of principal P (ARGV 5 = its global LRU score when it
 -- was chosen; skipped if it has been used since). -> {contexts dropped (-1 if skipped), bytes}
 function ops.evict_principal()
   local score = redis.call('ZSCORE', GL, P)
-  if score and score ~= ARGV[11] then return {-1, 0} end
+  if score and score ~= ARGS[5] then return {-1, 0} end
   if tonumber(redis.call('HGET', GB, TOTAL) or '0') <= G_BUD then return {-1, 0} end
   local raw = redis.call('HGETALL', M)
   for i = 1, #raw, 2 do
     local m = cjson.decode(raw[i + 1])
     redis.call('HSET', S, raw[i], m.v)
-    audit('evict', raw[i], m.v, {'reason', ARGV[12], 'bytes', m.b})
+    audit('evict', raw[i], m.v, {'reason', ARGS[6], 'bytes', m.b})
   end
   local held = tonumber(redis.call('HGET', GB, P) or '0')
   redis.call('DEL', E, M, R, V)
@@ -525,10 +523,25 @@ function ops.evict_principal()
   return {#raw / 2, held}
 end
 
-local fn = ops[op]
-if not fn then return redis.error_reply('LM_BADOP ' .. tostring(op)) end
-if op ~= 'evict_principal' then
-  begin()
-  expire_idle()
+-- The entry point: FCALL <fn> 8 KEYS... ARGV... (or, on Redis < 7, EVALSHA of this body
+-- followed by `return lm_main(KEYS, ARGV)`; see shared/context_store.py).
+local function lm_main(keys, args)
+  KEYV, ARGS = keys, args
+  E, M, R, V, S, GB, GL, AU = keys[1], keys[2], keys[3], keys[4], keys[5], keys[6], keys[7], keys[8]
+  op, P, NOW_S = args[1], args[2], args[3]
+  now = tonumber(NOW_S)
+  local a, b, c, d, e, f, g = string.match(args[4], '^(%d+):(%d+):(%d+):(%d+):(%d+):(%d+):(%d+)$')
+  CH_N, CH_B, P_BUD, G_BUD = tonumber(a), tonumber(b), tonumber(c), tonumber(d)
+  IDLE, NVER, AMAX = tonumber(e), tonumber(f), g
+  SLACK = math.floor(IDLE / 16)    -- TTL refresh granularity (see header)
+  evicted = {}
+  pbytes, pexp, pclock, pdelta = 0, nil, 0, 0
+  clock_dirty, created, gtotal = false, false, nil
+  local fn = ops[op]
+  if not fn then return redis.error_reply('LM_BADOP ' .. tostring(op)) end
+  if op ~= 'evict_principal' then
+    begin()
+    expire_idle()
+  end
+  return fn()
 end
-return fn()

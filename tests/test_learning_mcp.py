@@ -1,0 +1,86 @@
+"""`learn` through the real gateway (MCP, 2026-07-28) and the admin sample routes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import orjson
+import pytest
+import redis as redis_sync
+from conftest import free_port
+from fastapi.testclient import TestClient
+
+from gateway.app import create_app
+from shared import keys
+from shared.config import load_config
+
+MODERN = "2026-07-28"
+KEY = "alice-key-123456"
+OPERATOR = "operator-key-123456"
+VIEWER = "viewer-key-1234567"
+
+
+@pytest.fixture
+def client(redis_url: str) -> Iterator[TestClient]:
+    cfg = load_config(env={}, overrides={
+        "redis": {"url": redis_url},
+        "gateway": {"api_keys": {"alice": KEY}, "request_state_keys": ["00" * 32],
+                    "admin_keys": {"ops": {"key": OPERATOR, "role": "operator"},
+                                   "watch": {"key": VIEWER, "role": "viewer"}}},
+        "worker": {"endpoints": []},
+        "trainer": {"samples_endpoint": f"tcp://127.0.0.1:{free_port()}", "max_sample_bytes": 1024}})
+    with TestClient(create_app(cfg), base_url="http://127.0.0.1:8000") as c:
+        yield c
+
+
+def learn(c: TestClient, args: dict) -> dict:
+    params = {"name": "learn", "arguments": args,
+              "_meta": {"io.modelcontextprotocol/protocolVersion": MODERN,
+                        "io.modelcontextprotocol/clientCapabilities": {}}}
+    h = {"accept": "application/json, text/event-stream", "mcp-protocol-version": MODERN,
+         "mcp-method": "tools/call", "mcp-name": "learn", "authorization": f"Bearer {KEY}"}
+    r = c.post("/mcp", json={"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": params}, headers=h)
+    text = r.text.strip()
+    if text.startswith("{"):
+        return orjson.loads(text)
+    msgs = [orjson.loads(line[5:]) for line in text.splitlines() if line.startswith("data:") and line[5:].strip()]
+    return [m for m in msgs if "id" in m][-1]
+
+
+def _log_len(redis_url: str) -> int:
+    r = redis_sync.Redis.from_url(redis_url)
+    try:
+        return r.xlen(keys.SAMPLE_LOG)
+    finally:
+        r.close()
+
+
+def test_learn_acknowledges_ids_after_the_write(client, redis_url):
+    out = learn(client, {"samples": [{"input": "q1", "target": "a1"}, {"input": "q2", "target": "a2"}]})
+    result = out["result"]["structuredContent"]
+    assert len(result["ids"]) == 2 and result["seqs"] == [1, 2]
+    assert _log_len(redis_url) == 2
+    out = learn(client, {"input": "q3", "target": "a3"})
+    assert out["result"]["structuredContent"]["seqs"] == [3]
+
+
+@pytest.mark.parametrize("args", [{"input": "q", "target": ""}, {"input": "q", "target": "x" * 2000},
+                                  {"samples": [{"input": "q", "target": "a"}, {"input": 5, "target": "a"}]},
+                                  {"input": "q", "target": "a", "context_id": "nope", "version": 3}])
+def test_learn_refuses_bad_samples_with_invalid_params_and_writes_nothing(client, redis_url, args):
+    out = learn(client, args)
+    assert out["error"]["code"] == -32602, out
+    assert _log_len(redis_url) == 0
+
+
+def test_admin_bulk_import_needs_operator_and_stats_show_the_lag(client, redis_url):
+    body = {"principal": "bob", "samples": [{"input": f"q{i}", "target": "a"} for i in range(50)]}
+    assert client.post("/admin/samples", json=body).status_code == 401
+    assert client.post("/admin/samples", json=body, headers={"authorization": f"Bearer {VIEWER}"}).status_code == 403
+    r = client.post("/admin/samples", json=body, headers={"authorization": f"Bearer {OPERATOR}"})
+    assert r.status_code == 200 and len(r.json()["ids"]) == 50
+    bad = {"principal": "bob", "samples": [{"input": "q", "target": ""}]}
+    r = client.post("/admin/samples", json=bad, headers={"authorization": f"Bearer {OPERATOR}"})
+    assert r.status_code == 400 and "target" in r.text
+    stats = client.get("/admin/samples/stats", headers={"authorization": f"Bearer {VIEWER}"}).json()
+    assert stats["log_length"] == 50 and stats["last_seq"] == 50 and stats["lag"] == 50
