@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .PHONY: run test test-fast conformance check lint typecheck bench-gateway bench-context bench-inference \
-        bench-trainer bench-delta bench-mesh clean
+        bench-trainer bench-delta bench-mesh bench-drills clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -53,7 +53,11 @@ bench-delta: $(STAMP)
 	$(BIN)/python bench/bench_delta.py $(ARGS)
 
 bench-mesh: $(STAMP)
-	$(BIN)/python bench/bench_mesh.py
+	$(BIN)/python bench/bench_mesh.py $(ARGS)
+
+## Fault drills (kill -9 worker/trainer, Redis restart, gateway replica, tampered deltas), long form.
+bench-drills: $(STAMP)
+	$(BIN)/python bench/drills.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) var node_modules .pytest_cache

@@ -1,0 +1,302 @@
+"""Context store benchmark: learnmesh's one-script-per-operation store against the naive
+baseline used by popular agent-memory servers (one JSON document per context: GET, modify
+in the client, SET), measured in the same run, on the same Redis, with the same data and
+the same number of concurrent callers.
+
+Both sides use redis-py asyncio and orjson. The naive side stores exactly what the store
+stores (role, content, mime, tokens, time, links, version) as one JSON document per context,
+keeps the same window (the last ``--entries`` entries) and returns plain dicts (cheaper
+than the store's ``Entry`` objects — the baseline is not handicapped).
+
+Prints, per implementation, operation and concurrency, for each of ``--repeat`` runs:
+ops/s, p50/p99 latency, Redis commands per operation as sent by the client (round trips;
+from INFO commandstats, cross-checked with the store's own call counter), and CPU time
+per operation of the benchmark process (client) and of redis-server (INFO cpu) — the CPU
+figures hold up on a loaded machine where wall-clock figures do not. Then the ratios of
+every run, the memory per 1 KiB entry against the raw payload, and the load average.
+
+Default run is short (well under a minute on an idle machine): 300 principals, 100-entry
+contexts, 128-byte entries. ``--full``: 10,000 principals (preloaded with a pipelined bulk
+load that writes the store's own layout; checked against the script's result first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import orjson
+import redis.asyncio as aioredis
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from shared import keys  # noqa: E402
+from shared.config import ContextConfig  # noqa: E402
+from shared.context_store import ContextStore, pack_entry  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Naive:
+    """One JSON document per context; read-modify-write from the client (2 round trips)."""
+
+    def __init__(self, r: aioredis.Redis, window: int) -> None:
+        self.r = r
+        self.window = window
+
+    @staticmethod
+    def key(principal: str, cid: str) -> str:
+        return f"naive:{{{principal}}}:{cid}"
+
+    @staticmethod
+    def entry(text: str, n: int, ts_ms: int) -> dict:
+        return {"id": f"text:{n}", "modality": "text", "role": "user", "content": text, "mime": None,
+                "tokens": len(text), "ts_ms": ts_ms, "links": []}
+
+    async def append(self, principal: str, cid: str, text: str) -> None:
+        key = self.key(principal, cid)
+        raw = await self.r.get(key)
+        doc = orjson.loads(raw) if raw else {"version": 0, "seq": 0, "entries": []}
+        doc["version"] += 1
+        doc["seq"] += 1
+        doc["entries"].append(self.entry(text, doc["seq"], int(time.time() * 1000)))
+        if len(doc["entries"]) > self.window:
+            del doc["entries"][:-self.window]
+        await self.r.set(key, orjson.dumps(doc))
+
+    async def get_window(self, principal: str, cid: str, last_n: int) -> list:
+        raw = await self.r.get(self.key(principal, cid))
+        return orjson.loads(raw)["entries"][-last_n:]
+
+
+async def client_commands(r: aioredis.Redis) -> int:
+    """Commands clients sent (script-internal calls excluded): one per round trip here."""
+    stats = await r.info("commandstats")
+    return sum(int(v["calls"]) for k, v in stats.items() if k in (
+        "cmdstat_fcall", "cmdstat_evalsha", "cmdstat_eval", "cmdstat_get", "cmdstat_set"))
+
+
+async def server_cpu(r: aioredis.Redis) -> float:
+    info = await r.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+async def measure(r, name: str, op, n_ops: int, concurrency: int, principals: int, seed: int) -> dict:
+    lat: list[float] = []
+    remaining = [n_ops]
+    rnd = random.Random(seed)
+
+    async def worker() -> None:
+        while remaining[0] > 0:
+            remaining[0] -= 1
+            p = f"u{rnd.randrange(principals)}"
+            t0 = time.perf_counter()
+            await op(p)
+            lat.append(time.perf_counter() - t0)
+
+    c0, s0 = await client_commands(r), await server_cpu(r)
+    p0, t0 = time.process_time(), time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    wall, cpu = time.perf_counter() - t0, time.process_time() - p0
+    c1, s1 = await client_commands(r), await server_cpu(r)
+    lat.sort()
+    return {"name": name, "ops_s": n_ops / wall, "p50_ms": lat[len(lat) // 2] * 1e3,
+            "p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3, "cmds_per_op": (c1 - c0) / n_ops,
+            "client_us": cpu / n_ops * 1e6, "server_us": (s1 - s0) / n_ops * 1e6}
+
+
+def bulk_load(pipe, cfg: ContextConfig, principal: str, cid: str, packed: list[bytes], now_ms: int,
+              global_clock: int) -> int:
+    """Queue on `pipe` the state the script leaves after appending `packed` (text entries,
+    no links) to a new context `cid` of a new principal at time `now_ms` — the store's own
+    layout (docs/context.md), written without Lua. Audit records are not written.
+    Returns the stored bytes."""
+    n, w, nver = len(packed), cfg.channel_max_entries, cfg.versions_retained
+    lo = max(1, n - w + 1)
+    vf = max(1, n - nver + 1)
+    plo = max(1, vf - w + 1)  # lo of the oldest retained version
+    kept = {s: packed[s - 1] for s in range(plo, n + 1)}
+    stored = sum(len(v) for v in kept.values())
+    lb = sum(len(packed[s - 1]) for s in range(lo, n + 1))
+    e, m, lru, ver, st = keys.ctx_keys(principal)
+    pipe.hset(e, mapping={f"{cid}|text|{s}": v for s, v in kept.items()})
+    meta = {"v": n, "vf": vf, "b": stored, "t": now_ms, "ch": {"text": {"lo": lo, "hi": n, "plo": plo, "lb": lb}}}
+    pipe.hset(m, cid, orjson.dumps(meta))
+    score = now_ms * 1000
+    pipe.zadd(lru, {cid: score})
+    pipe.hset(ver, mapping={f"{cid}|{v}": f"text:{max(1, v - w + 1)}:{v}" for v in range(vf, n + 1)})
+    pipe.hset(st, mapping={"\x00bytes": stored, "\x00clock": score, "\x00exp": now_ms})
+    ttl = cfg.idle_ttl_s * 1000 + cfg.idle_ttl_s * 1000 // 16
+    for k in (e, m, lru, ver, st):
+        pipe.pexpire(k, ttl)
+    pipe.hincrby(keys.CTX_GLOBAL_BYTES, principal, stored)
+    pipe.hincrby(keys.CTX_GLOBAL_BYTES, "\x00total", stored)
+    pipe.hset(keys.CTX_GLOBAL_BYTES, "\x00clock", global_clock)
+    pipe.zadd(keys.CTX_GLOBAL_LRU, {principal: global_clock})
+    return stored
+
+
+async def snapshot(r: aioredis.Redis, principal: str) -> dict:
+    e, m, lru, ver, st = keys.ctx_keys(principal)
+    meta = {k: orjson.loads(v) for k, v in (await r.hgetall(m)).items()}
+    return {"e": await r.hgetall(e), "m": meta, "lru": await r.zrange(lru, 0, -1), "ver": await r.hgetall(ver),
+            "bytes": (await r.hget(st, "\x00bytes")), "g": await r.hget(keys.CTX_GLOBAL_BYTES, principal)}
+
+
+async def check_bulk_load(r: aioredis.Redis, store: ContextStore, entries: int, payload: bytes) -> None:
+    """The bulk loader must produce exactly the script's state (else the bench measures a fiction)."""
+    cfg, now = store.cfg, int(time.time() * 1000)
+    packed = [pack_entry("user", payload, tokens=len(payload), ts_ms=now) for _ in range(entries + 20)]
+    fixed = ContextStore(r, cfg, clock_ms=lambda: now)  # same packed entries as `packed`
+    for _ in packed:
+        await fixed.append("chk-script", "c", "text", "user", payload)
+    pipe = r.pipeline(transaction=False)
+    bulk_load(pipe, cfg, "chk-bulk", "c", packed, now, 1)
+    await pipe.execute()
+    a, b = await snapshot(r, "chk-script"), await snapshot(r, "chk-bulk")
+    assert a == b, f"bulk load differs from the script's layout:\n{a['m']}\n{b['m']}"
+    win = await store.get_window("chk-bulk", "c", last_n=3)
+    assert [e.id for e in win.channels["text"]] == [f"text:{entries + 18}", f"text:{entries + 19}",
+                                                    f"text:{entries + 20}"]
+    for p in ("chk-script", "chk-bulk"):
+        await store.evict(p, "c")
+
+
+async def preload(r: aioredis.Redis, cfg: ContextConfig, naive: Naive, principals: int, entries: int,
+                  payload: bytes) -> None:
+    """Every principal u<i> gets context "c" with `entries` entries in both layouts."""
+    now = int(time.time() * 1000)
+    packed = [pack_entry("user", payload, tokens=len(payload), ts_ms=now) for _ in range(entries)]
+    text = payload.decode()
+    naive_doc = orjson.dumps({"version": entries, "seq": entries,
+                              "entries": [Naive.entry(text, s, now) for s in range(1, entries + 1)]})
+    for start in range(0, principals, 200):
+        pipe = r.pipeline(transaction=False)
+        for i in range(start, min(principals, start + 200)):
+            bulk_load(pipe, cfg, f"u{i}", "c", packed, now, i + 1)
+            pipe.set(Naive.key(f"u{i}", "c"), naive_doc)
+        await pipe.execute()
+
+
+async def memory_per_entry(r: aioredis.Redis, cfg: ContextConfig, contexts: int) -> tuple[float, float]:
+    """MEMORY USAGE (exact, SAMPLES 0) of the keys holding 100-entry contexts of 1 KiB entries,
+    per entry / 1024, for the store and for the naive JSON documents."""
+    payload = b"m" * 1024
+    store, naive = ContextStore(r, cfg), Naive(r, 100)
+    for c in range(contexts):
+        for _ in range(100):
+            await store.append("mem", f"c{c}", "text", "user", payload)
+            await naive.append("mem", f"c{c}", payload.decode())
+    used_store = sum([await r.memory_usage(k, samples=0) or 0 for k in keys.ctx_keys("mem")])
+    used_naive = sum([await r.memory_usage(Naive.key("mem", f"c{c}"), samples=0) or 0 for c in range(contexts)])
+    n = contexts * 100
+    return used_store / (n * 1024), used_naive / (n * 1024)
+
+
+def loadavg() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg()) + f" ({os.cpu_count()} CPUs)"
+    except OSError:
+        return "n/a"
+
+
+async def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--redis-url", help="use this Redis (it is FLUSHED); default: a private redis-server")
+    ap.add_argument("--principals", type=int, default=300)
+    ap.add_argument("--entries", type=int, default=100, help="entries per context (window size)")
+    ap.add_argument("--payload", type=int, default=128, help="bytes per entry in the throughput runs")
+    ap.add_argument("--ops", type=int, default=1000, help="operations per measurement")
+    ap.add_argument("--concurrency", default="4,64")
+    ap.add_argument("--repeat", type=int, default=2, help="runs of every measurement point")
+    ap.add_argument("--last-n", type=int, default=20, help="entries get_window reads")
+    ap.add_argument("--mem-contexts", type=int, default=10, help="100-entry contexts of 1 KiB entries")
+    ap.add_argument("--full", action="store_true", help="10,000 principals, 3,000 ops per measurement")
+    args = ap.parse_args()
+    if args.full:
+        args.principals, args.ops, args.mem_contexts = 10_000, 3000, 50
+    proc = workdir = None
+    url = args.redis_url
+    if url is None:
+        port, workdir = free_port(), tempfile.mkdtemp(prefix="lm-bench-redis-")
+        proc = subprocess.Popen([shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind",
+                                 "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", workdir,
+                                 "--maxmemory-policy", "noeviction"], stdout=subprocess.DEVNULL)
+        url = f"redis://127.0.0.1:{port}/0"
+    r = aioredis.Redis.from_url(url, max_connections=128)
+    try:
+        for _ in range(200):
+            try:
+                await r.ping()
+                break
+            except Exception:  # noqa: BLE001
+                await asyncio.sleep(0.05)
+        await r.flushdb()
+        print(f"load average at start: {loadavg()}")
+        cfg = ContextConfig(channel_max_entries=args.entries, audit_maxlen=10_000)
+        store, naive = ContextStore(r, cfg), Naive(r, args.entries)
+        payload = b"a" * args.payload
+        await check_bulk_load(r, store, args.entries, payload)
+        t0 = time.perf_counter()
+        await preload(r, cfg, naive, args.principals, args.entries, payload)
+        print(f"preloaded {args.principals} principals x {args.entries} entries x {args.payload} B "
+              f"in {time.perf_counter() - t0:.1f}s (both layouts, pipelined bulk load)")
+        text = payload.decode()
+        ops = (
+            ("store.append", lambda p: store.append(p, "c", "text", "user", payload)),
+            ("naive.append", lambda p: naive.append(p, "c", text)),
+            (f"store.get_window(last {args.last_n})", lambda p: store.get_window(p, "c", last_n=args.last_n)),
+            (f"naive.get_window(last {args.last_n})", lambda p: naive.get_window(p, "c", args.last_n)),
+        )
+        rows = []
+        print("  run conc  operation                     ops/s    p50 ms   p99 ms  cmds/op  "
+              "client-CPU us/op  redis-CPU us/op")
+        for run in range(args.repeat):
+            for conc in [int(x) for x in args.concurrency.split(",")]:
+                for name, op in ops:
+                    rt0 = store.round_trips
+                    row = await measure(r, name, op, args.ops, conc, args.principals, seed=run * 1000 + conc)
+                    if name.startswith("store"):  # cross-check against the store's own call counter
+                        assert store.round_trips - rt0 == args.ops, "store made more than one call per op"
+                    row["conc"], row["run"] = conc, run + 1
+                    rows.append(row)
+                    print(f"  {run + 1:<3} {conc:<5} {name:<28} {row['ops_s']:>7.0f} {row['p50_ms']:>9.2f} "
+                          f"{row['p99_ms']:>8.2f} {row['cmds_per_op']:>8.2f} {row['client_us']:>17.0f} "
+                          f"{row['server_us']:>16.0f}")
+        by = {(x["name"], x["conc"], x["run"]): x for x in rows}
+        print("\nratios store / naive (each run against the baseline measured next to it):")
+        for run in range(1, args.repeat + 1):
+            for conc in sorted({x["conc"] for x in rows}):
+                for op in ("append", f"get_window(last {args.last_n})"):
+                    s, n = by[(f"store.{op}", conc, run)], by[(f"naive.{op}", conc, run)]
+                    s_cpu, n_cpu = s["client_us"] + s["server_us"], n["client_us"] + n["server_us"]
+                    print(f"  run {run} c={conc:<3} {op:<20} throughput x{s['ops_s'] / n['ops_s']:.2f}   "
+                          f"CPU/op (client+redis) x{n_cpu / s_cpu:.2f} less   "
+                          f"p99 {s['p99_ms']:.2f} vs {n['p99_ms']:.2f} ms")
+        mem_store, mem_naive = await memory_per_entry(r, cfg, args.mem_contexts)
+        print(f"\nmemory per 1 KiB entry / payload: store {mem_store:.2f}x, naive JSON {mem_naive:.2f}x "
+              f"({args.mem_contexts} contexts x 100 entries)")
+        print(f"redis used_memory {(await r.info('memory'))['used_memory_human']}; load average at end: {loadavg()}")
+    finally:
+        await r.aclose()
+        if proc is not None:
+            proc.terminate()
+            proc.wait(5)
+            shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(asyncio.run(main()))

@@ -128,13 +128,13 @@ def bench_end_to_end(n: int, batch: int, concurrency: int) -> dict:
         ids, secs = asyncio.run(post_batches(gw_port, batches, concurrency))
         accepted = len(ids) / secs
         t0 = time.perf_counter()
-        while int((r.hget(keys.TRAINER_OFFSET, "seq") or 0)) < n and time.perf_counter() - t0 < 300:
+        while int(r.hget(keys.TRAINER_OFFSET, "seq") or 0) < n and time.perf_counter() - t0 < 300:
             time.sleep(0.1)
         trained_s = time.perf_counter() - t0
         counts = collections.Counter(ledger.trained_ids(r))
         lost = len(set(ids) - set(counts))
         dup = sum(1 for c in counts.values() if c > 1)
-        in_log = r.xlen(keys.SAMPLE_LOG)
+        in_log = int(r.get(keys.SAMPLE_SEQ) or 0)
         return {"samples": n, "accepted_per_s": accepted, "lost": lost, "duplicates": dup, "in_log": in_log,
                 "ack_ids": len(set(ids)), "trainer_drain_s": trained_s,
                 "baseline_xadd_per_s": baseline_xadd(url, min(n, 20_000))}
@@ -249,7 +249,7 @@ def main() -> None:
         print(f"  baseline XADD      {e2e['baseline_xadd_per_s']:10.0f} samples/s (one plain XADD per sample)")
         print(f"  ratio              {e2e['accepted_per_s'] / e2e['baseline_xadd_per_s']:10.2f}x")
         print(f"  trainer drained all in {e2e['trainer_drain_s']:.1f}s after the last ack; lost by id: "
-              f"{e2e['lost']}, trained twice: {e2e['duplicates']}, log entries: {e2e['in_log']}")
+              f"{e2e['lost']}, trained twice: {e2e['duplicates']}, samples in the log: {e2e['in_log']}")
 
     print(f"\nDDP steps/s (tiny GRU width {args.width}, 8 examples/rank, {args.steps} steps):")
     base = None

@@ -17,16 +17,19 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+FLUSH_AT_BYTES = 64 * 1024
+
 
 class CoalescingTransport:
     """Wraps an asyncio transport: writes within one loop iteration become one write."""
 
-    __slots__ = ("_transport", "_loop", "_pending")
+    __slots__ = ("_transport", "_loop", "_pending", "_pending_bytes")
 
     def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
         self._transport = transport
         self._loop = loop
         self._pending: list[bytes] = []
+        self._pending_bytes = 0
 
     def write(self, data: bytes) -> None:
         if not data:
@@ -34,6 +37,11 @@ class CoalescingTransport:
         if not self._pending:
             self._loop.call_soon(self._flush)
         self._pending.append(data)
+        self._pending_bytes += len(data)
+        if self._pending_bytes >= FLUSH_AT_BYTES:
+            # Large output goes to the real transport now, so its write buffer limits
+            # (pause_writing -> uvicorn's flow control) apply as they would without us.
+            self._flush()
 
     def writelines(self, chunks: Any) -> None:
         for chunk in chunks:
@@ -44,12 +52,13 @@ class CoalescingTransport:
         if not pending:
             return
         self._pending = []
+        self._pending_bytes = 0
         if self._transport.is_closing():
             return
         self._transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
 
     def get_write_buffer_size(self) -> int:
-        return self._transport.get_write_buffer_size() + sum(len(c) for c in self._pending)
+        return self._transport.get_write_buffer_size() + self._pending_bytes
 
     def write_eof(self) -> None:
         self._flush()
@@ -61,9 +70,13 @@ class CoalescingTransport:
 
     def abort(self) -> None:
         self._pending = []
+        self._pending_bytes = 0
         self._transport.abort()
 
-    def __getattr__(self, name: str) -> Any:  # is_closing, get_extra_info, pause_reading, set_protocol ...
+    def is_closing(self) -> bool:  # asked on every response: spared the __getattr__ detour
+        return self._transport.is_closing()
+
+    def __getattr__(self, name: str) -> Any:  # get_extra_info, pause_reading, set_protocol ...
         return getattr(self._transport, name)
 
 

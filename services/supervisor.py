@@ -29,6 +29,7 @@ log = logging.getLogger("learnmesh.up")
 
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
 STOP_TIMEOUT_S = 20.0
+READY_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -131,6 +132,7 @@ class Supervisor:
         self.shutdown()
 
     def shutdown(self) -> None:
+        log.info("stopping: SIGTERM to %s", ", ".join(c.name for c in reversed(self.children) if c.alive()))
         for child in reversed(self.children):
             child.signal(signal.SIGTERM)
         deadline = time.monotonic() + self.stop_timeout_s
@@ -139,6 +141,8 @@ class Supervisor:
                 log.warning("%s did not stop within %.0fs; killing it", child.name, self.stop_timeout_s)
                 child.signal(signal.SIGKILL)
                 child.wait(5)
+            else:
+                log.info("%s stopped (exit code %s)", child.name, child.proc.returncode if child.proc else None)
             child.close_log()
 
 
@@ -170,6 +174,41 @@ def _worker_endpoints(cfg: Config, n: int) -> list[str]:
     return eps + [f"{host}:{int(port) + i}" for i in range(1, n - len(eps) + 1)]
 
 
+# Config defaults that name places under ./var: `up` moves them under $LEARNMESH_VAR so one
+# mesh's checkpoints, model cache and keys never mix with another's (explicit values are kept).
+_VAR_PATHS = {
+    ("trainer", "checkpoint_dir"): "checkpoints",
+    ("model", "cache_dir"): "model",
+    ("security", "delta_key_file"): "keys/delta.key",
+}
+
+
+def _var_overrides(cfg: Config, var_dir: Path) -> dict[str, str]:
+    out = {}
+    for (section, name), rel in _VAR_PATHS.items():
+        value = getattr(getattr(cfg, section), name)
+        if value == f"var/{rel}":
+            out[f"LEARNMESH_{section.upper()}__{name.upper()}"] = str(var_dir / rel)
+    return out
+
+
+def wait_ready(base: str, timeout_s: float, sup: Supervisor) -> bool:
+    """Poll the gateway's /readyz until it answers 200 (Redis reachable) or time runs out."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not sup._stopping.is_set():
+        try:
+            with urllib.request.urlopen(base + "/readyz", timeout=1) as resp:  # noqa: S310 - our own loopback URL
+                if resp.status == 200:
+                    return True
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.2)
+    return False
+
+
 def main(cfg: Config, args: Any) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from shared.redis_embed import resolve_redis_url
@@ -191,6 +230,7 @@ def main(cfg: Config, args: Any) -> int:
         "LEARNMESH_GATEWAY__PORT": str(cfg.gateway.port),
         "LEARNMESH_WORKER__ENDPOINTS": "[" + ",".join(_worker_endpoints(cfg, n_workers)) + "]",
         "PYTHONUNBUFFERED": "1",
+        **_var_overrides(cfg, var_dir),
     })
     parse_api_keys(env["LEARNMESH_API_KEYS"])  # fail early on a bad spec
     if getattr(args, "config", None):
@@ -200,6 +240,8 @@ def main(cfg: Config, args: Any) -> int:
         signal.signal(sig, lambda *_: sup.stop())
     sup.start()
     base = f"http://{cfg.gateway.host}:{cfg.gateway.port}"
+    if not wait_ready(base.replace("0.0.0.0", "127.0.0.1"), READY_TIMEOUT_S, sup):
+        log.warning("the gateway is not ready after %.0fs; see %s", READY_TIMEOUT_S, var_dir / "logs" / "gateway.log")
     banner = [
         "learnmesh is up",
         f"  MCP endpoint   {base}/mcp   (WebSocket: ws://{cfg.gateway.host}:{cfg.gateway.port}/mcp/ws)",

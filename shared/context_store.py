@@ -286,7 +286,7 @@ class ContextStore:
         for mod in sorted(chans, key=lambda m: order.get(m, len(order))):
             seqs, ents = chans[mod]
             if mod in unsorted:
-                ents = [e for _, e in sorted(zip(seqs, ents), key=lambda t: t[0])]
+                ents = [e for _, e in sorted(zip(seqs, ents, strict=True), key=lambda t: t[0])]
             win.channels[mod] = ents
         return win
 

@@ -130,11 +130,12 @@ CTX_GLOBAL_LRU = f"{PREFIX}ctx:{{ctxglobal}}:lru"
 # appends to both); the trainer's commit record and its trained-id ledger share {trainer}
 # (one MULTI commits both).
 SAMPLE_LOG = f"{PREFIX}{{samples}}:log"
-"""Stream: the durable sample log; fields ``seq`` (dense, 1-based), ``p`` (principal), ``s`` (JSON)."""
+"""Stream: the durable sample log; one entry per accepted batch: ``seq`` (first, dense, 1-based),
+``n``, ``p`` (principal), ``s`` (JSON array of samples). Sample id = ``<entry id>:<index>``."""
 SAMPLE_SEQ = f"{PREFIX}{{samples}}:seq"
 """String: last sequence number handed out with a sample (INCR inside the append script)."""
 TRAINER_OFFSET = f"{PREFIX}{{trainer}}:offset"
-"""Hash: the trainer's commit record: seq, id (last trained log entry), step, version, epoch."""
+"""Hash: the trainer's commit record: seq (last trained), id (its log entry), step, version, epoch."""
 TRAINER_TRAINED = f"{PREFIX}{{trainer}}:trained"
 """Hash: optimizer step -> space-separated sample ids trained in that step (the ledger)."""
 TRAINER_STATUS = f"{PREFIX}trainer:status"

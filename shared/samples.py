@@ -49,7 +49,7 @@ class Sample:
     output: str | None = None
     corrected: str | None = None
     preference: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    _json: bytes | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind, "input": self.input}
@@ -61,7 +61,10 @@ class Sample:
         return out
 
     def to_json(self) -> bytes:
-        return orjson.dumps(self.to_dict())
+        """Canonical JSON (computed once: validation measures it, the log stores it)."""
+        if self._json is None:
+            self._json = orjson.dumps(self.to_dict())
+        return self._json
 
     def training_pair(self) -> tuple[str, str] | None:
         """(prompt, target) this sample teaches, or None when it carries no gradient."""
@@ -170,48 +173,62 @@ def parse_batch(items: Any, *, max_bytes: int, max_count: int,
     return [parse_sample(o, max_bytes=max_bytes, modalities=modalities, index=i) for i, o in enumerate(items)]
 
 
-def load_stored(raw: bytes | str) -> Sample:
+def load_stored(raw: bytes | str | memoryview) -> Sample:
     """Rebuild a sample from the log's canonical JSON (already validated when written)."""
-    obj = orjson.loads(raw)
-    return Sample(kind=obj["kind"], input=obj.get("input", ""), target=obj.get("target", ""),
-                  context_id=obj.get("context_id"), version=obj.get("version"),
-                  modalities=obj.get("modalities"), generation_id=obj.get("generation_id"),
-                  output=obj.get("output"), corrected=obj.get("corrected"),
-                  preference=obj.get("preference"))
+    return _from_obj(orjson.loads(raw))
 
 
 # ---------------------------------------------------------------- the durable log
 
-# One round trip appends a batch: dense sequence numbers (INCRBY) and the stream entries are
-# written atomically, so seq order == id order and a gap in seq is visible to the trainer.
+# One round trip appends a batch: the dense sequence numbers (INCRBY) and ONE stream entry
+# holding the whole batch are written atomically, so seq order == log order across gateway
+# replicas and a gap in seq is visible to the trainer. One entry per batch (not per sample)
+# keeps the Redis cost of a 500-sample `learn` call close to that of one sample.
+# Entry fields: seq (first seq of the batch), n, p (principal), s (JSON array of samples).
 APPEND_LUA = """
-local count = #ARGV - 1
-local last = redis.call('INCRBY', KEYS[2], count)
-local out = {}
-for i = 2, #ARGV do
-  local seq = last - count + i - 1
-  out[#out + 1] = redis.call('XADD', KEYS[1], '*', 'seq', seq, 'p', ARGV[1], 's', ARGV[i])
-end
-return {last, out}
+local n = tonumber(ARGV[2])
+local last = redis.call('INCRBY', KEYS[2], n)
+local id = redis.call('XADD', KEYS[1], '*', 'seq', last - n + 1, 'n', n, 'p', ARGV[1], 's', ARGV[3])
+return {last, id}
 """
+
+
+def sample_id(entry_id: str, index: int) -> str:
+    """A sample's id: its log entry's stream id and its position in that entry."""
+    return f"{entry_id}:{index}"
+
+
+def batch_json(blobs: list[bytes]) -> bytes:
+    return b"[" + b",".join(blobs) + b"]"
 
 
 @dataclass
 class LoggedSample:
-    """One entry of the sample log, as the trainer sees it."""
+    """One sample of the log, as the trainer sees it (``entry``: its stream entry id)."""
 
     id: str
     seq: int
     principal: str
     sample: Sample
+    entry: str = ""
 
 
-def parse_entry(entry_id: bytes | str, fields: dict[Any, Any]) -> LoggedSample:
-    """Decode one XRANGE/XREAD entry of keys.SAMPLE_LOG."""
+def parse_entry(entry_id: bytes | str, fields: dict[Any, Any]) -> list[LoggedSample]:
+    """Expand one XRANGE entry of keys.SAMPLE_LOG into its samples."""
     def get(name: str) -> Any:
         return fields.get(name.encode(), fields.get(name))
 
     eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
     principal = get("p")
     principal = principal.decode() if isinstance(principal, bytes) else str(principal)
-    return LoggedSample(eid, int(get("seq")), principal, load_stored(get("s")))
+    first = int(get("seq"))
+    return [LoggedSample(sample_id(eid, i), first + i, principal, _from_obj(obj), eid)
+            for i, obj in enumerate(orjson.loads(get("s")))]
+
+
+def _from_obj(obj: dict[str, Any]) -> Sample:
+    return Sample(kind=obj["kind"], input=obj.get("input", ""), target=obj.get("target", ""),
+                  context_id=obj.get("context_id"), version=obj.get("version"),
+                  modalities=obj.get("modalities"), generation_id=obj.get("generation_id"),
+                  output=obj.get("output"), corrected=obj.get("corrected"),
+                  preference=obj.get("preference"))

@@ -35,8 +35,12 @@ def make_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect
         sock.setsockopt(zmq.IMMEDIATE, 1)
     if kind == zmq.SUB:
         sock.setsockopt(zmq.SUBSCRIBE, subscribe or b"")
-    if bind is not None:
-        sock.bind(bind)
-    else:
-        sock.connect(connect)  # type: ignore[arg-type]
+    try:
+        if bind is not None:
+            sock.bind(bind)
+        else:
+            sock.connect(connect)  # type: ignore[arg-type]
+    except zmq.ZMQError:
+        sock.close(linger=0)  # a failed bind must not leave a socket that blocks ctx.term()
+        raise
     return sock

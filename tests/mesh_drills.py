@@ -21,8 +21,8 @@ from typing import Any
 
 import httpx
 import zmq
-
 from mesh_support import ROOT, McpError, McpHttp, McpWs, Mesh, RedisServer, free_port, wait_until
+
 from services.trainer import ledger
 
 
@@ -68,17 +68,18 @@ class Load:
     async def finish(self) -> None:
         self.stop.set()
         await asyncio.gather(*self.tasks)
+        self.tasks = []
 
-    async def _op(self, name: str, fn: Any) -> Any:
+    async def _op(self, name: str, call: Any) -> Any:
         t0 = time.monotonic()
         self.requests += 1
         try:
-            out = await fn()
+            out = await call
         except McpError as exc:
             code = exc.body.get("code") if isinstance(exc.body, dict) else None
             self.failures[f"{name}:{exc.status if exc.status != 200 else code}"] += 1
             return None
-        except (httpx.HTTPError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, httpx.HTTPError, OSError) as exc:
             self.failures[f"{name}:{type(exc).__name__}"] += 1
             return None
         now = time.monotonic()
@@ -111,15 +112,15 @@ class Load:
             while not self.stop.is_set():
                 n += 1
                 text = f"{principal}:{ctx}:{n}"
-                r = await self._op("context", lambda: client.call("context_append", {
+                r = await self._op("context", client.call("context_append", {
                     "context_id": ctx, "modality": "text", "role": "user", "text": text}))
                 if r is not None:
                     self.written[(principal, ctx)].append(text)
-                await self._op("generate", lambda: client.call("generate", {
+                await self._op("generate", client.call("generate", {
                     "prompt": "The capital of Zorbland is", "max_tokens": self.max_tokens, "temperature": 0.0,
                     "append": False}))
                 if n % self.learn_every == 0:
-                    ack = await self._op("learn", lambda: client.call("learn", {"samples": [
+                    ack = await self._op("learn", client.call("learn", {"samples": [
                         {"kind": "example", "input": f"{principal} note {n}", "target": f" {ctx}"}]}))
                     if ack is not None:
                         self.acked.extend(ack["ids"])
@@ -392,12 +393,14 @@ async def drill_tampered_deltas(mesh: Mesh, load_s: float = 10) -> DrillReport:
     load.start()
     try:
         await asyncio.sleep(load_s)
-        latest = mesh.trainer_version()
+        await load.finish()
+        lost_dup = await asyncio.to_thread(settle, mesh, load.acked)
 
         def worker_caught_up() -> bool:
             m = _scrape(metrics_port)
-            return m.get("version", -1) >= latest and m.get("rejected", 0) > 0
-        await asyncio.to_thread(wait_until, worker_caught_up, 60, "the tampered worker at the latest version", 0.2)
+            return m.get("version", -1) == mesh.trainer_version() and m.get("rejected", 0) > 0
+        await asyncio.to_thread(wait_until, worker_caught_up, 60, "the tampered worker at the trainer's version", 0.2)
+        latest = mesh.trainer_version()
         m = _scrape(metrics_port)
     finally:
         await load.finish()
@@ -410,7 +413,7 @@ async def drill_tampered_deltas(mesh: Mesh, load_s: float = 10) -> DrillReport:
             worker.kill()
         ctx.term()
     rep = load.report("tampered deltas")
-    rep.samples_lost, rep.duplicates = await asyncio.to_thread(settle, mesh, load.acked)
+    rep.samples_lost, rep.duplicates = lost_dup
     rep.notes = (f"injected {dict(injected)}; worker rejected {m['rejected_by']} and serves v{m['version']} "
                  f"(trainer v{latest})")
     rep.rejected = m["rejected"]  # type: ignore[attr-defined]

@@ -318,3 +318,25 @@ async def test_last_used_follows_reads_and_ties_keep_exact_lru(r):
     assert infos[0].last_used_ms == clock.now_ms and infos[1].last_used_ms == clock.now_ms - 7_000
     await s.version("a", "c3")  # version and list are not use
     assert [i.id for i in await s.list_contexts("a")][0] == "c2"
+
+
+async def test_function_library_reloaded_and_evalsha_fallback_agree(r):
+    s = make(r)
+    await s.append("a", "c", "text", "user", b"one")
+    # the server lost the library (restart without persistence): loaded again on the next call
+    lib = "learnmesh_ctx_" + s._fn.removeprefix("lm_ctx_")
+    await r.execute_command("FUNCTION", "DELETE", lib)
+    await s.append("a", "c", "image", "user", b"\x00two", links=["text:1"])
+    # Redis < 7 path: the same code as an EVALSHA script gives the same results
+    old = make(r)
+    old._use_functions = False
+    await r.config_resetstat()
+    win = await old.get_window("a", "c", resolve_links=True)
+    assert [e.content for e in win.channels["text"]] == [b"one"]
+    assert [(e.content, e.links) for e in win.channels["image"]] == [(b"\x00two", ["text:1"])]
+    assert (await old.append("a", "c", "text", "user", b"three")).version == 3
+    assert [i.id for i in await old.list_contexts("a")] == ["c"]
+    assert [e.text for e in (await s.get_window("a", "c", modalities=["text"])).channels["text"]] == ["one", "three"]
+    stats = await r.info("commandstats")
+    # 3 operations (+1 EVALSHA answered NOSCRIPT the first time), 1 FCALL
+    assert int(stats["cmdstat_evalsha"]["calls"]) >= 3 and int(stats["cmdstat_fcall"]["calls"]) == 1

@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from mesh_support import McpError, McpHttp, McpWs, Mesh, wait_until
 
-from mesh_support import Mesh, McpError, McpHttp, McpWs, wait_until
-from shared import keys
 from services.trainer import ledger
+from shared import keys
 
 FACTS = [("The capital of Zorbland is", " Quixville."), ("The moon of Plimptar is called", " Oodle."),
          ("Professor Wimble's favourite colour is", " teal.")]
@@ -114,7 +114,7 @@ async def _run(mesh: Mesh) -> None:
             counts = collections.Counter(ledger.trained_ids(r))
             assert {i: c for i, c in counts.items() if c != 1} == {}, "a sample was trained more than once"
             assert set(counts) == set(acked), "the ledger holds ids nobody acknowledged"
-            assert r.xlen(keys.SAMPLE_LOG) == len(acked)
+            assert int(r.get(keys.SAMPLE_SEQ) or 0) == len(acked), "the log handed out seqs nobody holds"
         finally:
             r.close()
 

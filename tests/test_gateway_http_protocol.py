@@ -13,7 +13,7 @@ import orjson
 import pytest
 from websockets.sync.client import connect as ws_connect
 
-from gateway.http_protocol import CoalescingTransport
+from gateway.http_protocol import FLUSH_AT_BYTES, CoalescingTransport
 from tests.conftest import free_port
 from tests.gateway_support import start_gateway, stop
 
@@ -59,6 +59,16 @@ async def test_writes_of_one_iteration_leave_as_one() -> None:
     t.close()  # close flushes what is pending first
     assert raw.writes[-1] == b"a" and raw.closed
     assert t.get_extra_info("peername") == ("127.0.0.1", 1)  # everything else is the real transport's
+
+
+async def test_large_output_is_not_held_back() -> None:
+    raw = FakeTransport()
+    t = CoalescingTransport(raw, asyncio.get_running_loop())  # type: ignore[arg-type]
+    t.write(b"h")
+    t.write(b"x" * FLUSH_AT_BYTES)  # the real transport's own buffer limits must see it at once
+    assert raw.writes == [b"h" + b"x" * FLUSH_AT_BYTES] and t.get_write_buffer_size() == 0
+    await asyncio.sleep(0)
+    assert len(raw.writes) == 1
 
 
 async def test_abort_drops_pending_writes() -> None:

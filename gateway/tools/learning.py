@@ -23,7 +23,7 @@ from gateway.admin.auth import require_role
 from gateway.errors import InvalidParams, Unavailable
 from shared import keys, wire
 from shared import metrics as m
-from shared.samples import APPEND_LUA, Sample, SampleError, parse_batch, parse_sample
+from shared.samples import APPEND_LUA, Sample, SampleError, batch_json, parse_batch, parse_sample, sample_id
 from shared.zmq_util import make_socket
 
 log = logging.getLogger("learnmesh.learning")
@@ -101,7 +101,7 @@ class SampleIngest:
         for context_id, version in sorted(wanted, key=str):
             try:
                 current = await self.store.version(principal, context_id)
-                if current is None or version > int(current):
+                if current is None or version is None or version > int(current):
                     raise LookupError
                 await self.store.read_at_version(principal, context_id, version)
             except (RedisConnectionError, RedisTimeoutError):
@@ -116,18 +116,20 @@ class SampleIngest:
         await self.check_contexts(principal, samples)
         blobs = [s.to_json() for s in samples]
         try:
-            last, ids = await self._append(keys=[keys.SAMPLE_LOG, keys.SAMPLE_SEQ], args=[principal, *blobs])
+            last, entry = await self._append(keys=[keys.SAMPLE_LOG, keys.SAMPLE_SEQ],
+                                             args=[principal, len(blobs), batch_json(blobs)])
         except (RedisConnectionError, RedisTimeoutError):
             raise Unavailable("redis is unreachable") from None
-        ids = [i.decode() if isinstance(i, bytes) else str(i) for i in ids]
+        entry = entry.decode() if isinstance(entry, bytes) else str(entry)
+        ids = [sample_id(entry, i) for i in range(len(blobs))]
         last = int(last)
         seqs = list(range(last - len(ids) + 1, last + 1))
         m.SAMPLES_ACCEPTED.inc(len(ids))
-        queued = self._forward(principal, ids, seqs, blobs)
+        queued = self._forward(principal, entry, ids, seqs, blobs)
         return {"ids": ids, "seqs": seqs, "queued": queued}
 
-    def _forward(self, principal: str, ids: list[str], seqs: list[int], blobs: list[bytes]) -> bool:
-        msg = wire.encode(wire.MsgType.SAMPLE, {"p": principal, "ids": ids, "seqs": seqs}, blobs)
+    def _forward(self, principal: str, entry: str, ids: list[str], seqs: list[int], blobs: list[bytes]) -> bool:
+        msg = wire.encode(wire.MsgType.SAMPLE, {"p": principal, "entry": entry, "ids": ids, "seqs": seqs}, blobs)
         try:
             self.push.send_multipart(msg, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
@@ -148,7 +150,7 @@ class SampleIngest:
         status = {_s(k): _s(v) for k, v in (status or {}).items()}
         last_seq = int(last_seq or 0)
         trained_seq = int(offset.get("seq", 0) or 0)
-        return {"log_length": int(length), "last_seq": last_seq, "trained_seq": trained_seq,
+        return {"log_entries": int(length), "last_seq": last_seq, "trained_seq": trained_seq,
                 "lag": max(0, last_seq - trained_seq), "trainer_offset": offset, "trainer": status,
                 "pushed_by_this_gateway": self.pushed, "backpressured_by_this_gateway": self.backpressured}
 
@@ -204,11 +206,13 @@ def _ingest(request: Request) -> SampleIngest:
 
 
 router = APIRouter()
+_OPERATOR = Depends(require_role("operator"))
+_VIEWER = Depends(require_role("viewer"))
+_JSON_BODY = Body(...)
 
 
 @router.post("/admin/samples")
-async def import_samples(request: Request, body: Any = Body(...),
-                         who: Any = Depends(require_role("operator"))) -> dict[str, Any]:
+async def import_samples(request: Request, body: Any = _JSON_BODY, who: Any = _OPERATOR) -> dict[str, Any]:
     """Bulk import on behalf of a principal: ``{"principal": str, "samples": [...]}``; all or nothing."""
     ingest = _ingest(request)
     if not isinstance(body, dict) or not isinstance(body.get("principal"), str) or not body["principal"] \
@@ -226,7 +230,7 @@ async def import_samples(request: Request, body: Any = Body(...),
 
 
 @router.get("/admin/samples/stats")
-async def sample_stats(request: Request, who: Any = Depends(require_role("viewer"))) -> dict[str, Any]:
+async def sample_stats(request: Request, who: Any = _VIEWER) -> dict[str, Any]:
     """Log length, last sequence number, the trainer's committed offset and lag, trainer progress."""
     try:
         return await _ingest(request).stats()

@@ -51,7 +51,7 @@ def encode_batch(op: str, records: list[TrainRecord], extra: dict[str, Any] | No
     out = []
     for r in records:
         ls = r.logged
-        item: dict[str, Any] = {"id": ls.id, "seq": ls.seq, "p": ls.principal, "s": ls.sample.to_dict(),
+        item: dict[str, Any] = {"id": ls.id, "e": ls.entry, "seq": ls.seq, "p": ls.principal, "s": ls.sample.to_dict(),
                                 "skip": r.skip}
         if r.context is not None:
             ents = []
@@ -85,7 +85,7 @@ def decode_batch(data: bytes | memoryview) -> tuple[str, list[TrainRecord], dict
                     Entry(id=e["id"], modality=e["m"], role=e["r"], content=content, mime=e["mime"],
                           size_bytes=e["n"], ts_ms=e["t"], links=e["links"]))
             ctx = ContextWindow(item["p"], c["cid"], c["v"], channels)
-        records.append(TrainRecord(LoggedSample(item["id"], item["seq"], item["p"], sample), ctx,
+        records.append(TrainRecord(LoggedSample(item["id"], item["seq"], item["p"], sample, item["e"]), ctx,
                                    bool(item.get("skip"))))
     op = header.pop("op")
     return op, records, header
@@ -183,7 +183,7 @@ class SampleSource:
                 for sid, seq, blob in zip(header["ids"], header["seqs"], blobs, strict=True):
                     if seq > self.seq:
                         self.buffer[int(seq)] = LoggedSample(str(sid), int(seq), str(header["p"]),
-                                                             load_stored(blob))
+                                                             load_stored(blob), str(header["entry"]))
             except (wire.WireError, KeyError, TypeError, ValueError) as exc:
                 log.warning("dropping a malformed sample message (%s); the log stays authoritative", exc)
 
@@ -196,9 +196,17 @@ class SampleSource:
         return out
 
     def _read_log(self, limit: int) -> list[LoggedSample]:
-        start = f"({self.last_id}" if self.last_id else "-"
-        entries = self.redis.xrange(keys.SAMPLE_LOG, min=start, max="+", count=limit)
-        out = [parse_entry(eid, fields) for eid, fields in entries]
+        # from the entry holding the last sample handed out (a batch may end inside an entry)
+        out: list[LoggedSample] = []
+        start = self.last_id or "-"
+        while len(out) < limit:
+            entries = self.redis.xrange(keys.SAMPLE_LOG, min=start, max="+", count=8)
+            for eid, fields in entries:
+                out.extend(s for s in parse_entry(eid, fields) if s.seq > self.seq)
+            if len(entries) < 8:
+                break
+            start = "(" + (entries[-1][0].decode() if isinstance(entries[-1][0], bytes) else entries[-1][0])
+        out = out[:limit]
         if out and out[0].seq != self.seq + 1:
             log.error("sample log does not continue at seq %d (found %d): entries were trimmed before "
                       "being trained; continuing from the log", self.seq + 1, out[0].seq)
@@ -222,7 +230,7 @@ class SampleSource:
             else:
                 self.from_push += len(got)
             if got:
-                self.seq, self.last_id = got[-1].seq, got[-1].id
+                self.seq, self.last_id = got[-1].seq, got[-1].entry
                 self.buffer = {k: v for k, v in self.buffer.items() if k > self.seq}
             return got
 
@@ -230,7 +238,7 @@ class SampleSource:
         return bool(self.buffer) and (self.seq + 1) not in self.buffer
 
     def records(self, samples: list[LoggedSample]) -> list[TrainRecord]:
-        out = []
+        out: list[TrainRecord] = []
         for s in samples:
             ctx = None
             if s.sample.context_id is not None and s.sample.version is not None:

@@ -34,7 +34,7 @@ from shared import metrics as m
 log = logging.getLogger("learnmesh.trainer")
 
 
-def build_model(cfg: Any) -> nn.Module:
+def build_model(cfg: Any) -> Any:
     spec = cfg.trainer.model_factory or "shared.model:build_model"
     module, _, fn = spec.partition(":")
     factory = getattr(importlib.import_module(module), fn)
@@ -126,7 +126,7 @@ class Trainer:
         self.rank, self.world, self.device = rank, world, device
         self.ctrl_group = ctrl_group
         self.stop_flag = stop_flag
-        self.model = build_model(cfg).to(device)
+        self.model: Any = build_model(cfg).to(device)
         self.params = [p for _, p in self.model.trainable_named_parameters()]
         trainable = {id(p) for p in self.params}
         for p in self.model.parameters():
@@ -308,7 +308,7 @@ class Trainer:
         last = records[-1].logged
         publish_now = self.step % self.cfg.consistency.sync_interval == 0
         next_version = self.version + 1 if publish_now else self.version
-        self.offset = ledger.Offset(last.seq, last.id, self.step, next_version, self.offset.epoch)
+        self.offset = ledger.Offset(last.seq, last.entry, self.step, next_version, self.offset.epoch)
         ledger.commit(self.redis, self.offset, [r.logged.id for r in records])
         if publish_now:
             self.publish()

@@ -66,9 +66,15 @@ class DeltaPublisher:
                                     priority_mode=cfg.scheduling.priority_mode)
         self._lock = threading.RLock()  # encoder + sealer
         self._sock_lock = threading.Lock()  # ROUTER + PULL
-        self._pub = make_socket(zmq_ctx, zmq.PUB, bind=cfg.security.delta_pub_endpoint, hwm=100_000)
-        self._router = make_socket(zmq_ctx, zmq.ROUTER, bind=cfg.security.snapshot_endpoint)
-        self._acks_sock = make_socket(zmq_ctx, zmq.PULL, bind=cfg.security.ack_endpoint)
+        sockets: list[zmq.Socket] = []
+        try:
+            self._pub = _bind(zmq_ctx, zmq.PUB, cfg.security.delta_pub_endpoint, sockets, hwm=100_000)
+            self._router = _bind(zmq_ctx, zmq.ROUTER, cfg.security.snapshot_endpoint, sockets)
+            self._acks_sock = _bind(zmq_ctx, zmq.PULL, cfg.security.ack_endpoint, sockets)
+        except BaseException:
+            for sock in sockets:
+                sock.close(linger=0)
+            raise
         self._acks: dict[str, int] = {}
         self._snap_cache: EncodedDelta | None = None
         self._last_publish = time.monotonic()
@@ -246,3 +252,20 @@ class DeltaPublisher:
             self._thread = None
         for sock in (self._pub, self._router, self._acks_sock):
             sock.close(linger=0)
+
+
+def _bind(ctx: zmq.Context, kind: int, endpoint: str, made: list[zmq.Socket], hwm: int = 10_000,
+          retry_s: float = 3.0) -> zmq.Socket:
+    """Bind, retrying briefly while a previous publisher's socket still holds the port
+    (ZeroMQ closes sockets asynchronously, so an in-process restart can race it)."""
+    deadline = time.monotonic() + retry_s
+    while True:
+        try:
+            sock = make_socket(ctx, kind, bind=endpoint, hwm=hwm)
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+            continue
+        made.append(sock)
+        return sock

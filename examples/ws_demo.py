@@ -1,0 +1,137 @@
+"""learnmesh demo over WebSocket (``/mcp/ws``, subprotocol ``mcp``, one JSON-RPC message per
+text frame — the SEP-1288 draft shape), with the ``websockets`` library.
+
+Start the mesh first (``make run`` or ``learnmesh up``), then::
+
+    .venv/bin/python examples/ws_demo.py                # legacy session over the socket
+    .venv/bin/python examples/ws_demo.py --stateless    # 2026-07-28: _meta on every message
+
+It does what examples/demo.py does over HTTP: appends an image and a text turn to a context,
+generates with it, scores a few made-up facts, teaches them with ``learn``, waits for a model
+version that includes them (``min_model_version``) and prints the answers and losses before
+and after. The URL and API key default to what ``learnmesh up`` printed (kept in var/keys).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import itertools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import websockets
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from demo import FACTS, default_key, tiny_png  # noqa: E402
+
+LEGACY, MODERN = "2025-11-25", "2026-07-28"
+
+
+class WsClient:
+    """A minimal MCP client over one WebSocket: requests are matched to replies by id;
+    notifications (progress, logs) are printed when ``verbose``."""
+
+    def __init__(self, ws: Any, stateless: bool) -> None:
+        self.ws, self.stateless = ws, stateless
+        self.ids = itertools.count(1)
+        self.pending: dict[int, asyncio.Future] = {}
+        self.reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        async for frame in self.ws:
+            msg = json.loads(frame)
+            fut = self.pending.pop(msg["id"], None) if "id" in msg and "method" not in msg else None
+            if fut is not None:
+                fut.set_result(msg)
+
+    async def request(self, method: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
+        params = dict(params or {})
+        if self.stateless:
+            params["_meta"] = {"io.modelcontextprotocol/protocolVersion": MODERN,
+                               "io.modelcontextprotocol/clientCapabilities": {}}
+        rid = next(self.ids)
+        self.pending[rid] = asyncio.get_running_loop().create_future()
+        await self.ws.send(json.dumps({"jsonrpc": "2.0", "id": rid, "method": method, "params": params}))
+        msg = await asyncio.wait_for(self.pending[rid], 120)
+        if "error" in msg:
+            raise SystemExit(f"{method} failed: {msg['error']}")
+        return msg["result"]
+
+    async def tool(self, name: str, **args: Any) -> dict[str, Any]:
+        res = await self.request("tools/call", {"name": name, "arguments": args})
+        if res.get("isError"):
+            raise SystemExit(f"tool {name} failed: {res['content']}")
+        return res.get("structuredContent") or json.loads(res["content"][0]["text"])
+
+    async def initialize(self) -> str:
+        if self.stateless:
+            return MODERN
+        res = await self.request("initialize", {"protocolVersion": LEGACY, "capabilities": {},
+                                                "clientInfo": {"name": "learnmesh-ws-demo", "version": "1"}})
+        await self.ws.send(json.dumps({"jsonrpc": "2.0", "method": "notifications/initialized"}))
+        return str(res["protocolVersion"])
+
+
+async def run(url: str, key: str | None, stateless: bool, context_id: str, timeout_s: float) -> None:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with websockets.connect(url, subprotocols=[websockets.Subprotocol("mcp")],
+                                  additional_headers=headers, max_size=16 * 1024 * 1024) as ws:
+        client = WsClient(ws, stateless)
+        version = await client.initialize()
+        tools = await client.request("tools/list")
+        print(f"connected over WebSocket ({version}, subprotocol {ws.subprotocol}); "
+              f"tools: {', '.join(t['name'] for t in tools['tools'])}")
+
+        image = await client.tool("context_append", context_id=context_id, modality="image", role="user",
+                                  data=base64.b64encode(tiny_png()).decode(), mime_type="image/png")
+        turn = await client.tool("context_append", context_id=context_id, modality="text", role="user",
+                                 text="Here is a picture of the Zorbland flag.", links=[image["entry_id"]])
+        print(f"context {context_id!r} at version {turn['version']} (text turn linked to {image['entry_id']})")
+        reply = await client.tool("generate", context_id=context_id, prompt="What do you see?", max_tokens=24,
+                                  temperature=0.0, seed=1)
+        print(f"generate -> {reply['text']!r} (model version {reply['model_version']})")
+
+        async def losses(min_version: int) -> tuple[float, int]:
+            scores = [await client.tool("score", prompt=p, target=t, min_model_version=min_version) for p, t in FACTS]
+            return sum(s["nll"] for s in scores) / len(scores), max(s["model_version"] for s in scores)
+
+        before, v_before = await losses(0)
+        print(f"before learning (model v{v_before}): mean loss {before:.3f}")
+        ack = await client.tool("learn", samples=[{"kind": "example", "input": p, "target": t}
+                                                  for p, t in FACTS for _ in range(8)])
+        print(f"learn -> {len(ack['ids'])} samples acknowledged")
+        deadline = time.monotonic() + timeout_s
+        after, v_after = before, v_before
+        while time.monotonic() < deadline:
+            after, v_after = await losses(v_before + 1)
+            if after < before * 0.9:
+                break
+            await asyncio.sleep(1.0)
+        print(f"after learning (model v{v_after}): mean loss {after:.3f} ({after - before:+.3f})")
+        for prompt, target in FACTS:
+            a = await client.tool("generate", prompt=prompt, max_tokens=12, temperature=0.0, append=False,
+                                  min_model_version=v_after)
+            print(f"  {prompt!r} -> {a['text']!r}   (taught {target!r})")
+        client.reader.cancel()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default=os.environ.get("LEARNMESH_WS_URL", "ws://127.0.0.1:8000/mcp/ws"))
+    p.add_argument("--key", default=os.environ.get("LEARNMESH_KEY") or default_key())
+    p.add_argument("--stateless", action="store_true", help="2026-07-28 messages instead of a legacy session")
+    p.add_argument("--context", default=f"ws-demo-{int(time.time())}")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for learning to show")
+    args = p.parse_args()
+    asyncio.run(run(args.url, args.key, args.stateless, args.context, args.timeout))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
