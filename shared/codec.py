@@ -313,6 +313,7 @@ class DeltaEncoder:
 
     def tuner_report(self) -> dict[str, Any]:
         return {"mode": self.cfg.tuner, "target": self.cfg.tuner_target, "density": self.density,
+                "threshold": self.threshold,
                 "last_bytes": self.last_stats.get("bytes"), "last_rel_error": self.last_stats.get("rel_error")}
 
     # ---------------------------------------------------------------- internals
@@ -506,14 +507,15 @@ class DeltaEncoder:
             return
         old = self.density
         if self.cfg.tuner == "bytes":
-            ratio = target / max(1, stats["bytes"])
-            self.density *= min(2.0, max(0.5, ratio ** 0.8))
+            factor = min(2.0, max(0.5, (target / max(1, stats["bytes"])) ** 0.8))
         else:
-            err = stats.get("rel_error", 0.0)
-            self.density *= 1.25 if err > target else 0.95
-        self.density = min(1.0, max(1e-5, self.density))
+            factor = 1.25 if stats.get("rel_error", 0.0) > target else 0.95
+        self.density = min(1.0, max(1e-5, self.density * factor))
+        if self.cfg.algorithm == "threshold" and self.threshold > 0:
+            self.threshold /= factor  # more elements wanted -> lower threshold
         if abs(self.density - old) / old > 0.25:
-            log.info("delta tuner (%s, target %g): density %.5f -> %.5f", self.cfg.tuner, target, old, self.density)
+            log.info("delta tuner (%s, target %g): density %.5f -> %.5f, threshold %g",
+                     self.cfg.tuner, target, old, self.density, self.threshold)
 
 
 # ---------------------------------------------------------------------------- decoder

@@ -351,7 +351,8 @@ async def drill_tampered_deltas(mesh: Mesh, load_s: float = 10) -> DrillReport:
     metrics_port = free_port()
     ctx = zmq.Context()
     stop = threading.Event()
-    injected = collections.Counter()
+    armed = threading.Event()  # inject only once the worker is up, so every injected packet reaches it
+    injected: collections.Counter[str] = collections.Counter()
 
     def proxy() -> None:
         sub = ctx.socket(zmq.SUB)
@@ -366,6 +367,9 @@ async def drill_tampered_deltas(mesh: Mesh, load_s: float = 10) -> DrillReport:
             if not sub.poll(100):
                 continue
             frames = sub.recv_multipart()
+            if not armed.is_set():
+                pub.send_multipart(frames)
+                continue
             flipped = list(frames)
             last = bytearray(flipped[-1])
             last[len(last) // 2] ^= 0x40
@@ -392,6 +396,8 @@ async def drill_tampered_deltas(mesh: Mesh, load_s: float = 10) -> DrillReport:
     load = Load(mesh, clients=3, learn_every=1)
     load.start()
     try:
+        await asyncio.to_thread(wait_until, lambda: "version" in _scrape(metrics_port), 90, "the extra worker", 0.2)
+        armed.set()
         await asyncio.sleep(load_s)
         await load.finish()
         lost_dup = await asyncio.to_thread(settle, mesh, load.acked)

@@ -178,6 +178,29 @@ def test_bytes_tuner_reaches_its_budget_and_reports() -> None:
     assert 0.6 * 8000 < float(np.mean(sizes[-5:])) < 1.5 * 8000
 
 
+def test_error_tuner_raises_density_until_the_residual_budget_holds() -> None:
+    params = {"w": torch.randn(40_000)}
+    enc = DeltaEncoder(cfg(block_size=1024, chunk_elements=65536, density=0.001, tuner="error",
+                           tuner_target=0.5), params, 0, "m")
+    g = torch.Generator().manual_seed(8)
+    for v in range(1, 31):
+        step(params, g)
+        e = enc.encode(params, v)
+    assert enc.tuner_report()["density"] > 0.01
+    assert e.stats["rel_error"] < 0.75
+
+
+def test_threshold_tuner_moves_the_threshold() -> None:
+    params = {"w": torch.randn(100_000)}
+    enc = DeltaEncoder(cfg(algorithm="threshold", threshold=1e-2, block_size=1024, chunk_elements=65536,
+                           tuner="bytes", tuner_target=20_000), params, 0, "m")
+    g = torch.Generator().manual_seed(9)
+    for v in range(1, 21):
+        step(params, g)
+        enc.encode(params, v)
+    assert enc.tuner_report()["threshold"] < 1e-2  # nothing passed 1e-2: it had to come down
+
+
 @given(st.lists(st.integers(min_value=0, max_value=2**40), max_size=200))
 def test_varint_round_trip(values: list[int]) -> None:
     arr = np.array(values, dtype=np.uint64)
