@@ -290,7 +290,8 @@ class CompressionConfig:
         _require(1 <= self.zstd_level <= 22, "compression.zstd_level must be in 1..22")
         _require(self.tuner in ("off", "bytes", "error"), "compression.tuner must be off|bytes|error")
         _require(self.tuner_target >= 0, "compression.tuner_target must be >= 0")
-        _require(self.chunk_elements >= self.block_size, "compression.chunk_elements must be >= block_size")
+        _require(self.block_size <= self.chunk_elements <= 8 * 1024 * 1024,
+                 "compression.chunk_elements must be in block_size..8388608 (chunks stay far below the AEAD limit)")
         _require(self.max_ratio >= 0, "compression.max_ratio must be >= 0")
 
 

@@ -262,3 +262,18 @@ def test_bandwidth_cap_sends_most_important_chunks_first(tmp_path: Path, ctx: zm
     finally:
         sub.close()
         pub.close()
+
+
+def test_worker_with_another_layout_refuses_the_snapshot(tmp_path: Path, ctx: zmq.Context) -> None:
+    cfg = make_cfg(tmp_path)
+    pub = DeltaPublisher(cfg, ctx, model(18), 3, "m")
+    worker = {"a": torch.zeros(50, 120), "b": torch.zeros(3000), "c": torch.zeros(5)}  # transposed "a"
+    sub = DeltaSubscriber(cfg, ctx, "w1", worker, 0)
+    try:
+        wait_for_sync(lambda: (sub.poll(), sub.stats["rejected"].get("layout", 0) >= 1)[1],
+                      what="layout rejection")
+        assert sub.version == 0 and all(not t.any() for t in worker.values())
+        assert sub.stats["anchors"] == 0
+    finally:
+        sub.close()
+        pub.close()

@@ -31,6 +31,7 @@ from shared.zmq_util import make_socket
 log = logging.getLogger(__name__)
 
 _MAX_BUFFERED = 4096
+_MAX_BUFFERED_BYTES = 256 * 1024 * 1024
 
 
 @dataclass
@@ -63,6 +64,7 @@ class DeltaSubscriber:
         self._session: tuple[int, str] | None = None
         self._assembly: _Assembly | None = None
         self._buffer: deque[Opened] = deque()
+        self._buffer_bytes = 0
         self._pending_req: str | None = None
         self._req_sent_at = 0.0
         self._snap_parts: dict[int, tuple[Opened, bytes]] = {}
@@ -135,15 +137,20 @@ class DeltaSubscriber:
         self.stats["latest_seen"] = max(self.stats["latest_seen"], op.meta["version"])
         session = (op.header["t0"], op.header["sess"])
         if self._session is not None and session != self._session and self._pending_req is None:
-            self._buffer.append(op)
+            self._buffer_op(op)
             self._request_snapshot("publisher_restart")
             return
         if self._pending_req is not None:
-            self._buffer.append(op)
-            if len(self._buffer) > _MAX_BUFFERED:
-                self._buffer.popleft()
+            self._buffer_op(op)
             return
         self._handle(op)
+
+    def _buffer_op(self, op: Opened) -> None:
+        """Hold a verified packet until the pending snapshot is loaded (bounded; oldest go first)."""
+        self._buffer.append(op)
+        self._buffer_bytes += len(op.payload)
+        while len(self._buffer) > _MAX_BUFFERED or self._buffer_bytes > _MAX_BUFFERED_BYTES:
+            self._buffer_bytes -= len(self._buffer.popleft().payload)
 
     def _on_heartbeat(self, op: Opened) -> None:
         meta = op.meta
@@ -165,7 +172,7 @@ class DeltaSubscriber:
             self.stats["dropped_old"] += 1
             return
         if seq > self._expected_seq:
-            self._buffer.append(op)
+            self._buffer_op(op)
             self._request_snapshot("gap")
             return
         self._expected_seq = seq + 1
@@ -289,8 +296,10 @@ class DeltaSubscriber:
         except CodecError as exc:
             log.warning("snapshot refused: %s", exc)
             self._reject("layout" if isinstance(exc, LayoutMismatch) else "corrupt")
-            self._pending_req = None
-            self._request_snapshot("corrupt")
+            # wait for the retry timer instead of asking again at once: a worker built for another
+            # model must not make the trainer encode snapshots in a loop
+            self._pending_req = secrets.token_hex(16)
+            self._snap_parts = {}
             return
         self.decoder.apply(self.params, decoded)
         self.stats["anchors"] += 1
@@ -302,16 +311,16 @@ class DeltaSubscriber:
         self.opener.adopt(op.header["sender"], STREAM_DELTA, op.header["t0"], op.header["sess"],
                           meta["pub_seq"] - 1)
         self._ack()
-        buffered, self._buffer = list(self._buffer), deque()
+        buffered, self._buffer, self._buffer_bytes = list(self._buffer), deque(), 0
         for b in sorted(buffered, key=lambda o: o.header["seq"]):
             if self._pending_req is not None:
-                self._buffer.append(b)
+                self._buffer_op(b)
                 continue
             sess = (b.header["t0"], b.header["sess"])
             if sess < self._session:
                 self.stats["dropped_old"] += 1
             elif sess > self._session:
-                self._buffer.append(b)
+                self._buffer_op(b)
                 self._request_snapshot("publisher_restart")
             else:
                 self._handle(b)
