@@ -9,7 +9,7 @@ worker RSS sampled over time (first / last / max: must not grow without bound); 
 step->serving latency under load (a version appears in Redis -> every worker reports it).
 
     .venv/bin/python bench/bench_mesh.py [--duration 60] [--clients 24] [--trainable head|all]
-        [--budget-kb 512] [--json out.json]
+        [--budget-kb 64] [--json out.json]
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ def main() -> int:
     p.add_argument("--clients", type=int, default=24)
     p.add_argument("--baseline-s", type=float, default=5.0)
     p.add_argument("--trainable", default="head", choices=["head", "all", "lora"])
-    p.add_argument("--budget-kb", type=int, default=512, help="context.global_budget_bytes for the run")
+    p.add_argument("--budget-kb", type=int, default=64, help="context.global_budget_bytes for the run")
     p.add_argument("--json", help="also write the figures here")
     args = p.parse_args()
     out = asyncio.run(main_async(args))
