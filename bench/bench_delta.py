@@ -251,6 +251,11 @@ def main() -> int:
         codecs[f"topk d={d:g} fp16"] = DeltaEncoder(CompressionConfig(density=d, anchor_every=0), params, 0, "b")
     codecs["topk d=0.01 int8"] = DeltaEncoder(CompressionConfig(density=0.01, quantization="int8", anchor_every=0),
                                               params, 0, "b")
+    # same byte budget, more elements: fewer bits per value, error feedback absorbs the coarser values
+    codecs["topk d=0.02 int8"] = DeltaEncoder(CompressionConfig(density=0.02, quantization="int8", anchor_every=0),
+                                              params, 0, "b")
+    codecs["topk d=0.05 sign"] = DeltaEncoder(CompressionConfig(density=0.05, quantization="sign", anchor_every=0),
+                                              params, 0, "b")
     if full:
         codecs["topk d=0.01 fp16 anchor/50"] = DeltaEncoder(CompressionConfig(density=0.01, anchor_every=50),
                                                             params, 0, "b")

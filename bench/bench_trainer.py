@@ -109,8 +109,10 @@ def bench_end_to_end(n: int, batch: int, concurrency: int) -> dict:
     cfg_path = write_config(tmp, url, gw_port, batch=256)
     env = {k: v for k, v in os.environ.items() if not k.startswith("LEARNMESH_")}
     log = open(tmp / "procs.log", "wb")
+    # one torch thread for the trainer: on a 2-core box it otherwise takes both cores from the gateway
     procs = [subprocess.Popen([sys.executable, "-m", "services.cli", "--config", str(cfg_path), cmd], cwd=ROOT,
-                              env=env, stdout=log, stderr=subprocess.STDOUT) for cmd in ("trainer", "gateway")]
+                              env=dict(env, OMP_NUM_THREADS="1") if cmd == "trainer" else env,
+                              stdout=log, stderr=subprocess.STDOUT) for cmd in ("trainer", "gateway")]
     r = redis.Redis.from_url(url)
     try:
         import httpx
@@ -237,6 +239,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=128)
     ap.add_argument("--full", action="store_true", help="100k samples, 100 steps, width 256")
     ap.add_argument("--skip-e2e", action="store_true")
+    ap.add_argument("--only-e2e", action="store_true")
     args = ap.parse_args()
     if args.full:
         args.samples, args.steps, args.width = 100_000, 100, 256
@@ -251,6 +254,8 @@ def main() -> None:
         print(f"  trainer drained all in {e2e['trainer_drain_s']:.1f}s after the last ack; lost by id: "
               f"{e2e['lost']}, trained twice: {e2e['duplicates']}, samples in the log: {e2e['in_log']}")
 
+    if args.only_e2e:
+        return
     print(f"\nDDP steps/s (tiny GRU width {args.width}, 8 examples/rank, {args.steps} steps):")
     base = None
     for world in (1, 2):

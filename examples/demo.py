@@ -29,6 +29,7 @@ import yaml
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
+from mcp.shared.exceptions import MCPError
 
 FACTS = [
     ("The capital of Zorbland is", " Quixville."),
@@ -119,7 +120,13 @@ async def run(url: str, key: str | None, mode: str, context_id: str, timeout_s: 
         deadline = time.monotonic() + timeout_s
         after, v_after = before, v_before
         while time.monotonic() < deadline:
-            after, v_after = await losses(target_version)
+            try:
+                after, v_after = await losses(target_version)
+            except MCPError as exc:  # -32050: no worker serves that version yet (the trainer is on it)
+                if exc.code != -32050:
+                    raise
+                print(f"  waiting for model v{target_version}: {exc.message}")
+                continue
             if sum(after) < sum(before) * 0.8:
                 break
             await asyncio.sleep(1.0)

@@ -31,6 +31,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from demo import FACTS, default_key, tiny_png  # noqa: E402
 
 LEGACY, MODERN = "2025-11-25", "2026-07-28"
+UNAVAILABLE = -32050  # learnmesh: a backend is unreachable or no worker serves the version yet; retry
+
+
+class RpcError(Exception):
+    def __init__(self, error: dict[str, Any]) -> None:
+        super().__init__(error.get("message"))
+        self.code, self.data = error.get("code"), error.get("data")
 
 
 class WsClient:
@@ -60,7 +67,7 @@ class WsClient:
         await self.ws.send(json.dumps({"jsonrpc": "2.0", "id": rid, "method": method, "params": params}))
         msg = await asyncio.wait_for(self.pending[rid], 120)
         if "error" in msg:
-            raise SystemExit(f"{method} failed: {msg['error']}")
+            raise RpcError(msg["error"])
         return msg["result"]
 
     async def tool(self, name: str, **args: Any) -> dict[str, Any]:
@@ -109,7 +116,13 @@ async def run(url: str, key: str | None, stateless: bool, context_id: str, timeo
         deadline = time.monotonic() + timeout_s
         after, v_after = before, v_before
         while time.monotonic() < deadline:
-            after, v_after = await losses(v_before + 1)
+            try:
+                after, v_after = await losses(v_before + 1)
+            except RpcError as exc:  # no worker serves that version yet: the trainer is still on it
+                if exc.code != UNAVAILABLE:
+                    raise
+                print(f"  waiting: {exc}")
+                continue
             if after < before * 0.9:
                 break
             await asyncio.sleep(1.0)
@@ -119,6 +132,7 @@ async def run(url: str, key: str | None, stateless: bool, context_id: str, timeo
                                   min_model_version=v_after)
             print(f"  {prompt!r} -> {a['text']!r}   (taught {target!r})")
         client.reader.cancel()
+        await asyncio.gather(client.reader, return_exceptions=True)
 
 
 def main() -> int:
@@ -129,7 +143,11 @@ def main() -> int:
     p.add_argument("--context", default=f"ws-demo-{int(time.time())}")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for learning to show")
     args = p.parse_args()
-    asyncio.run(run(args.url, args.key, args.stateless, args.context, args.timeout))
+    try:
+        asyncio.run(run(args.url, args.key, args.stateless, args.context, args.timeout))
+    except RpcError as exc:
+        print(f"error {exc.code}: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

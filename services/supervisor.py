@@ -219,6 +219,10 @@ def main(cfg: Config, args: Any) -> int:
         cfg.gateway.port = args.port
     var_dir = Path(os.environ.get("LEARNMESH_VAR", "var")).resolve()
     redis_url, redis_proc = resolve_redis_url(cfg.redis.url, workdir=var_dir / "redis")
+    redis_note = "private, started here" if redis_proc is not None else "existing server"
+    if redis_proc is None and not (os.environ.get("REDIS_URL") or cfg.redis.url):
+        log.warning("using the Redis already answering at %s: its sample log, trainer offsets and model version "
+                    "are shared with whatever else uses that database; set REDIS_URL for a mesh of its own", redis_url)
     api_keys, admin_key = load_or_create_keys(var_dir, cfg)
     n_workers = args.workers if getattr(args, "workers", None) is not None else len(cfg.worker.endpoints)
     env = dict(os.environ)
@@ -248,7 +252,7 @@ def main(cfg: Config, args: Any) -> int:
         f"  admin API      {base}/admin   (OpenAPI: {base}/admin/openapi.json)",
         f"  dashboard      {base}/admin/ui",
         f"  metrics        {base}/metrics",
-        f"  redis          {redis_url}",
+        f"  redis          {redis_url}   ({redis_note})",
         f"  logs           {var_dir / 'logs'}",
         "  MCP API keys   " + ", ".join(f"{p}: {k}" for p, k in api_keys.items()),
         f"  admin key      {admin_key}",

@@ -237,6 +237,7 @@ class TrainerConfig:
     checkpoint_keep: int = 2
     max_learn_batch: int = 4096  # samples per `learn` call / admin import request
     model_factory: str = ""  # "module:function" building the LearnModel; "" = shared.model.build_model
+    trim_log: bool = True  # after a checkpoint, XTRIM log entries it fully contains (never needed again)
     pretrained: bool = True
 
     def __post_init__(self) -> None:
@@ -270,7 +271,7 @@ class CompressionConfig:
     algorithm: str = "topk"  # topk | threshold | lossless | dense
     density: float = 0.01
     threshold: float = 0.0
-    quantization: str = "fp16"  # fp16 | int8 | none
+    quantization: str = "fp16"  # fp16 | int8 | sign (1 bit + per-block mean |v|) | none
     block_size: int = 4096
     anchor_every: int = 100
     max_ratio: float = 0.0  # 0 = no cap; else refuse to send a delta bigger than dense/max_ratio
@@ -284,7 +285,8 @@ class CompressionConfig:
                  "compression.algorithm must be topk|threshold|lossless|dense")
         _require(0 < self.density <= 1, "compression.density must be in (0, 1]")
         _require(self.threshold >= 0, "compression.threshold must be >= 0")
-        _require(self.quantization in ("fp16", "int8", "none"), "compression.quantization must be fp16|int8|none")
+        _require(self.quantization in ("fp16", "int8", "sign", "none"),
+                 "compression.quantization must be fp16|int8|sign|none")
         _require(self.block_size >= 64, "compression.block_size must be >= 64")
         _require(self.anchor_every >= 0, "compression.anchor_every must be >= 0")
         _require(1 <= self.zstd_level <= 22, "compression.zstd_level must be in 1..22")

@@ -22,6 +22,8 @@ from typing import Any
 
 import orjson
 import zmq
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared import keys, wire
 from shared.samples import LoggedSample, load_stored, parse_entry
@@ -188,7 +190,7 @@ class SampleSource:
                 log.warning("dropping a malformed sample message (%s); the log stays authoritative", exc)
 
     def _contiguous(self, limit: int) -> list[LoggedSample]:
-        out = []
+        out: list[LoggedSample] = []
         nxt = self.seq + 1
         while len(out) < limit and nxt in self.buffer:
             out.append(self.buffer[nxt])
@@ -247,6 +249,8 @@ class SampleSource:
                         raise RuntimeError("no context reader is configured")
                     ctx = self.contexts.read(s.principal, s.sample.context_id, s.sample.version,
                                              s.sample.modalities)
+                except (RedisConnectionError, RedisTimeoutError):
+                    raise  # Redis unreachable: fail the step (and restart), never skip the sample
                 except Exception as exc:  # snapshot evicted since the gateway checked it
                     log.warning("sample %s: context %s@%s unreadable (%s); consumed without training",
                                 s.id, s.sample.context_id, s.sample.version, type(exc).__name__)

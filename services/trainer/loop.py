@@ -44,9 +44,9 @@ def build_model(cfg: Any) -> Any:
 class LossModule(nn.Module):
     """DDP must see the loss computation as ``forward`` to prepare its gradient buckets."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: Any) -> None:
         super().__init__()
-        self.model = model
+        self.model: Any = model
 
     def forward(self, batch: Any) -> torch.Tensor:
         return self.model.loss(batch)
@@ -348,6 +348,9 @@ class Trainer:
                  "scheduler": self.sched.state_dict(), "step": self.step, "seq": self.offset.seq,
                  "id": self.offset.id, "version": self.version, "model_id": getattr(self.model, "model_id", "")}
         path = checkpoint.save(self.t.checkpoint_dir, self.step, state, self.t.checkpoint_keep)
+        if self.t.trim_log and self.offset.id:
+            # Replay after a crash starts at this checkpoint's entry: older entries are never read again.
+            self.redis.xtrim(keys.SAMPLE_LOG, minid=self.offset.id, approximate=False)
         log.info("checkpoint %s (step %d, seq %d, version %d)", path, self.step, self.offset.seq, self.version)
 
     def _maybe_fault(self) -> None:
