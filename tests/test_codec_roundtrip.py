@@ -42,7 +42,7 @@ def receiver_matches_reference(enc: DeltaEncoder, recv: dict[str, torch.Tensor])
     return torch.equal(flatten(recv, enc.layout), enc.ref[: enc.layout.numel])
 
 
-@pytest.mark.parametrize("algorithm,quant", [("topk", "fp16"), ("topk", "int8"), ("topk", "none"),
+@pytest.mark.parametrize("algorithm,quant", [("topk", "fp16"), ("topk", "int8"), ("topk", "none"), ("topk", "sign"),
                                              ("threshold", "fp16"), ("dense", "fp16")])
 def test_lossy_receiver_tracks_reference_bit_exactly(algorithm: str, quant: str) -> None:
     params = make_params()
@@ -60,6 +60,77 @@ def test_lossy_receiver_tracks_reference_bit_exactly(algorithm: str, quant: str)
     if algorithm == "topk":
         assert e.nbytes < dense / 8
         assert 0.01 < e.stats["density"] < 0.04
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiled_selection_matches_a_plain_threshold_over_the_flat_delta(monkeypatch, dtype) -> None:
+    """The fused pass walks tiles that cut across parameters and padding; it must select exactly
+    what a plain |new - reference| >= threshold over the whole flat vector selects."""
+    import shared.codec as codec
+
+    monkeypatch.setattr(codec, "_TILE_ELEMENTS", 512)  # many tiles, each spanning parameter edges
+    params = make_params(dtype=dtype)
+    params["unchanged"] = torch.zeros(1000, dtype=dtype)  # whole tiles without change are skipped
+    enc = DeltaEncoder(cfg(algorithm="threshold", threshold=1e-3), params, 0, "m")
+    assert len(enc._segments) > 20
+    g = torch.Generator().manual_seed(3)
+    for name, p in params.items():
+        if name != "unchanged":
+            p.add_((torch.randn(p.shape, generator=g) * 1e-3).to(dtype))
+    flat = flatten(params, enc.layout).float() - enc.ref[: enc.layout.numel].float()
+    idx, vals, thr, total_sq, active = enc._select(params)
+    expect = torch.nonzero(flat.abs() >= 1e-3).squeeze(1)
+    assert thr == 1e-3
+    assert torch.equal(idx, expect)
+    assert torch.equal(vals, flat[expect])
+    assert total_sq == pytest.approx(float((flat.double() ** 2).sum()), rel=1e-5)
+    assert active == int((flat.new_zeros(enc.nblocks * enc.block).index_copy_(0, torch.arange(flat.numel()), flat)
+                          .view(enc.nblocks, enc.block) != 0).any(1).sum())
+
+
+def test_sampled_threshold_hits_the_target_density() -> None:
+    g = torch.Generator().manual_seed(4)
+    params = {"w": torch.randn(400_000, generator=g)}
+    enc = DeltaEncoder(cfg(density=0.01, block_size=4096, chunk_elements=1 << 20), params, 0, "m")
+    params["w"].add_(torch.randn(400_000, generator=g) * 1e-3)
+    e = enc.encode(params, 1)
+    assert 0.008 < e.stats["density"] < 0.012
+
+
+@pytest.mark.parametrize("gap", [3, 300, 70_000])
+def test_gap_index_coding_picks_a_width_and_round_trips(gap: int) -> None:
+    params = {"w": torch.zeros(300_000)}
+    enc = DeltaEncoder(cfg(algorithm="threshold", threshold=0.5, chunk_elements=1 << 18, block_size=1024),
+                       params, 0, "m")
+    recv = {"w": torch.zeros(300_000)}
+    dec = DeltaDecoder(recv, 0, "m")
+    params["w"][::gap] = 1.0
+    e = enc.encode(params, 1)
+    dec.apply(recv, dec.decode(e.header, e.chunks))
+    assert receiver_matches_reference(enc, recv)
+    assert torch.equal(recv["w"], params["w"])  # 1.0 is exact in fp16 with scale 1
+
+
+def test_sign_values_other_than_plus_minus_one_are_refused() -> None:
+    import zstandard
+
+    import shared.codec as codec
+
+    params = make_params()
+    enc = DeltaEncoder(cfg(quantization="sign"), params, 0, "m")
+    recv = {k: v.clone() for k, v in params.items()}
+    dec = DeltaDecoder(recv, 0, "m")
+    step(params, torch.Generator().manual_seed(5))
+    e = enc.encode(params, 1)
+    body = bytearray(zstandard.ZstdDecompressor().decompress(e.chunks[0]))
+    assert body[5] == codec.QUANT_SIGN
+    body[-1] = 2  # last value byte
+    bad = [zstandard.ZstdCompressor().compress(bytes(body)), *e.chunks[1:]]
+    with pytest.raises(CodecError):
+        dec.decode(e.header, bad)
+    before = flatten(recv, enc.layout).clone()
+    dec.apply(recv, dec.decode(e.header, e.chunks))
+    assert not torch.equal(flatten(recv, enc.layout), before)
 
 
 def test_error_feedback_keeps_served_error_bounded() -> None:
