@@ -53,10 +53,10 @@ CHUNK_HDR = struct.Struct("<4sBBBBIQQQI")
 MAX_CHUNK_BYTES = 256 * 1024 * 1024  # decompressed; far below the AEAD limit and sane for memory
 
 KIND_SPARSE, KIND_XOR, KIND_DENSE = 0, 1, 2
-QUANT_NONE, QUANT_FP16, QUANT_INT8 = 0, 1, 2
+QUANT_NONE, QUANT_FP16, QUANT_INT8, QUANT_SIGN = 0, 1, 2, 3
 IDX_VARINT, IDX_BITMAP, IDX_NONE, IDX_GAPS = 0, 1, 2, 3
 _GAP_DTYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32}
-_QUANT_CODES = {"none": QUANT_NONE, "fp16": QUANT_FP16, "int8": QUANT_INT8}
+_QUANT_CODES = {"none": QUANT_NONE, "fp16": QUANT_FP16, "int8": QUANT_INT8, "sign": QUANT_SIGN}
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NP_INT = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -247,7 +247,10 @@ def _unshuffle(data: bytes | memoryview, np_dtype: Any, count: int) -> np.ndarra
         raise CodecError("value bytes do not match the element count")
     if itemsize == 1:
         return raw.view(np_dtype).copy()
-    return np.ascontiguousarray(raw.reshape(itemsize, count).T).view(np_dtype).reshape(-1)
+    out = np.ascontiguousarray(raw.reshape(itemsize, count).T)
+    if not out.flags.writeable:  # one element: the transpose is already contiguous, still a view
+        out = out.copy()
+    return out.view(np_dtype).reshape(-1)
 
 
 # ---------------------------------------------------------------------------- encoded form
