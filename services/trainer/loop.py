@@ -55,10 +55,15 @@ class LossModule(nn.Module):
 def ddp_options(cfg: Any) -> dict[str, Any]:
     """PowerSGD over gloo gets a single gradient bucket: its hook issues follow-up all-reduces
     from future callbacks, and with several buckets in flight two ranks can issue them in a
-    different order — gloo then deadlocks (seen on torch 2.13). NCCL keeps DDP's buckets."""
+    different order — gloo then deadlocks (seen on torch 2.13). NCCL keeps DDP's buckets.
+    Parameters a batch does not use (image/audio projections on a text-only batch) are
+    found per step (``find_unused_parameters``)."""
+    # Batches without images or audio leave the media projections without gradients;
+    # DDP must be told to expect that, or its next reduction fails.
+    opts: dict[str, Any] = {"find_unused_parameters": True}
     if cfg.trainer.comm_hook == "powersgd" and dist.get_backend() == "gloo":
-        return {"bucket_cap_mb": 4096}
-    return {}
+        opts["bucket_cap_mb"] = 4096
+    return opts
 
 
 def register_comm_hook(ddp: DDP, cfg: Any, group: Any = None) -> Any:
