@@ -148,6 +148,10 @@ class Trainer:
         self.progress = Progress()
         self._rate = 0.0
         self._saved_step = -1
+        self._last_ckpt: str | None = None
+        self._published_step = -1
+        self._last_loss: float | None = None
+        self.ops: Any = None
         self._fault = _parse_fault(os.environ.get("LEARNMESH_TRAINER_FAULT", ""))
         self._resume()
         self.ddp = DDP(LossModule(self.model), device_ids=[device.index] if device.type == "cuda" else None,
@@ -194,6 +198,9 @@ class Trainer:
         # publisher's snapshot (what joining/re-syncing workers fetch) starts at it.
         self.publisher = self._make_publisher()
         m.TRAINER_VERSION.set(self.version)
+        from services.trainer.operations import TrainerOps
+
+        self.ops = TrainerOps(self)
 
     def _make_publisher(self) -> Any:
         try:
@@ -236,9 +243,12 @@ class Trainer:
         try:
             while True:
                 payload = self._next_payload() if self.rank == 0 else None
-                op, records, _ = decode_batch(self.broadcast_bytes(payload))
+                op, records, extra = decode_batch(self.broadcast_bytes(payload))
                 if op == "stop":
                     break
+                if op == "control":
+                    self.run_commands(extra.get("ctl") or [])
+                    continue
                 if op == "idle":
                     continue
                 self.train_step(records)
@@ -257,8 +267,17 @@ class Trainer:
         assert self.source is not None
         if self.stop_flag():
             return encode_batch("stop", [])
+        if self.ops is not None:
+            commands = self.ops.poll()
+            if commands:
+                return encode_batch("control", [], {"ctl": commands})
+            if self.ops.paused:  # no steps; the publisher thread still answers snapshot requests
+                self.ops.wait_paused(self.stop_flag, self.t.batch_wait_ms / 1000)
+                return encode_batch("idle", [])
         samples = self.source.next_batch(self.t.batch_size * self.world, self.t.batch_wait_ms, self.stop_flag)
         if not samples:
+            if self.ops is not None:
+                self.ops.report(force=False)
             return encode_batch("idle", [])
         return encode_batch("train", self.source.records(samples))
 
@@ -286,6 +305,9 @@ class Trainer:
             if self.t.clip_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(self.params, self.t.clip_grad_norm)
             self.opt.step()
+            if self.world > 1 and not self.local_sgd:
+                hook, nbytes = _allreduce_bytes(self)
+                m.TRAINER_ALLREDUCE_BYTES.labels(hook).inc(nbytes)
             if self.averager is not None:  # before zero_grad: torch's averager skips grad-less params
                 self.averager.average_parameters(self.params)
             self.sched.step()
@@ -315,6 +337,7 @@ class Trainer:
         next_version = self.version + 1 if publish_now else self.version
         self.offset = ledger.Offset(last.seq, last.entry, self.step, next_version, self.offset.epoch)
         ledger.commit(self.redis, self.offset, [r.logged.id for r in records])
+        self._last_loss = None if math.isnan(loss) else loss
         if publish_now:
             self.publish()
         rate = len(records) / max(seconds, 1e-9)
@@ -327,7 +350,7 @@ class Trainer:
         m.TRAINER_COMMITTED_SEQ.set(last.seq)
         m.TRAINER_STEP_SECONDS.observe(seconds)
         self.redis.hset(keys.TRAINER_STATUS, mapping={
-            "step": self.step, "loss": loss, "samples_per_s": round(self._rate, 2), "seq": last.seq,
+            "step": self.step, "loss": loss, "paused": 0, "samples_per_s": round(self._rate, 2), "seq": last.seq,
             "version": self.version, "epoch": self.offset.epoch, "world": self.world,
             "updated_ms": int(time.time() * 1000)})
         if self.step == 1 or self.step % 10 == 0 or seconds > 1.0:
@@ -335,28 +358,81 @@ class Trainer:
                      last.seq, self.version)
         self.progress.update(self.step, loss, self._rate, last.seq)
 
-    def publish(self) -> None:
+    def publish(self, anchor: bool | None = None, rollback_of: int | None = None) -> None:
         self.version = max(self.version, self.offset.version)
         if self.publisher is not None:
-            self.publisher.publish(self.named_params(), self.version)
+            if self.ops is not None:
+                self.ops.before_publish(self.version)
+            cpu0 = time.thread_time()
+            stats = self.publisher.publish(self.named_params(), self.version, anchor=anchor)
+            m.CODEC_CPU_SECONDS.labels("encode").inc(time.thread_time() - cpu0)
+            self._published_step = self.step
+            if self.ops is not None:
+                self.ops.published(stats, self.step, self._last_loss, rollback_of)
         m.TRAINER_VERSION.set(self.version)
 
-    def save_checkpoint(self) -> None:
+    # ---------------------------------------------------------------- operator commands
+    def run_commands(self, commands: list[dict[str, Any]]) -> None:
+        """Run the operator commands rank 0 resolved and broadcast; every rank runs them."""
+        for c in commands:
+            if c.get("cmd") == "checkpoint":
+                self._saved_step = -1
+                path = self.save_checkpoint()
+                if self.rank == 0 and self.ops is not None:
+                    self.ops.ack(c["id"], path=path, step=self.step, version=self.version)
+            elif c.get("cmd") == "rollback":
+                self.rollback(c)
+
+    def rollback(self, c: dict[str, Any]) -> None:
+        """Load the checkpointed weights of ``c['to_version']`` on every rank and publish them
+        as a new, higher version (a full anchor) so workers follow. The learning of the steps
+        after that version is discarded; their samples stay consumed (not replayed)."""
+        data = None
+        if self.rank == 0:
+            try:
+                data = open(c["path"], "rb").read()
+            except OSError as exc:
+                log.error("rollback: cannot read %s: %s", c["path"], exc)
+        data = self.broadcast_bytes(data)
+        if not data:
+            if self.rank == 0 and self.ops is not None:
+                self.ops.ack(c["id"], ok=False, error="the checkpoint could not be read")
+            return
+        state = checkpoint.load_bytes(data)
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        if self.rank != 0:
+            return
+        target = int(c["to_version"])
+        self.offset = ledger.Offset(self.offset.seq, self.offset.id, self.offset.step,
+                                    max(self.version, self.offset.version) + 1, self.offset.epoch)
+        self.publish(anchor=True, rollback_of=target)
+        self._saved_step = -1
+        path = self.save_checkpoint()  # a restart resumes the rolled-back lineage
+        log.warning("rolled back to version %d, published as version %d", target, self.version)
+        if self.ops is not None:
+            self.ops.ack(c["id"], to_version=target, new_version=self.version, checkpoint=path)
+
+    def save_checkpoint(self) -> str | None:
         if self.local_sgd and self.world > 1:  # checkpoint the consensus model, not rank 0's drift
             for p in self.params:
                 dist.all_reduce(p.data, group=None)
                 p.data /= self.world
         if self.rank != 0 or self._saved_step == self.step:
-            return
+            return self._last_ckpt
         self._saved_step = self.step
         state = {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
                  "scheduler": self.sched.state_dict(), "step": self.step, "seq": self.offset.seq,
-                 "id": self.offset.id, "version": self.version, "model_id": getattr(self.model, "model_id", "")}
+                 "id": self.offset.id, "version": self.version, "model_id": getattr(self.model, "model_id", ""),
+                 # the weights are exactly this published version (rollback targets need that)
+                 "published_version": self.version if self._published_step == self.step else None}
         path = checkpoint.save(self.t.checkpoint_dir, self.step, state, self.t.checkpoint_keep)
+        self._last_ckpt = str(path)
         if self.t.trim_log and self.offset.id:
             # Replay after a crash starts at this checkpoint's entry: older entries are never read again.
             self.redis.xtrim(keys.SAMPLE_LOG, minid=self.offset.id, approximate=False)
         log.info("checkpoint %s (step %d, seq %d, version %d)", path, self.step, self.offset.seq, self.version)
+        return self._last_ckpt
 
     def _maybe_fault(self) -> None:
         """Test hook: LEARNMESH_TRAINER_FAULT=rank:step:marker kills this rank once (kill -9)."""
@@ -378,6 +454,12 @@ class Trainer:
             self.zmq_ctx.term()
         if self.redis is not None:
             self.redis.close()
+
+
+def _allreduce_bytes(trainer: Any) -> tuple[str, int]:
+    from services.trainer.operations import allreduce_bytes
+
+    return allreduce_bytes(trainer)
 
 
 def _parse_fault(spec: str) -> tuple[int, int, str] | None:

@@ -53,6 +53,8 @@ class PublishStats:
 class DeltaPublisher:
     """Encode ``new - last published``, seal, publish; serve snapshots; collect acks."""
 
+    ack_listener: Any = None  # callable(worker, version), set by services.trainer.operations
+
     def __init__(self, cfg: Config, zmq_ctx: zmq.Context, named_params: dict[str, torch.Tensor], version: int,
                  model_id: str, *, sender: str | None = None, redis_client: Any = None,
                  start_thread: bool = True) -> None:
@@ -202,6 +204,8 @@ class DeltaPublisher:
         worker, version = header.get("worker"), header.get("version")
         if mtype == wire.MsgType.ACK and isinstance(worker, str) and isinstance(version, int) and len(worker) < 256:
             self._acks[worker] = max(version, self._acks.get(worker, -1))
+            if self.ack_listener is not None:  # operations: step->serving latency (publisher thread)
+                self.ack_listener(worker, version)
 
     def acks(self) -> dict[str, int]:
         """Worker id -> last applied version it acknowledged."""
