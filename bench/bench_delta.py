@@ -254,8 +254,9 @@ def main() -> int:
     # same byte budget, more elements: fewer bits per value, error feedback absorbs the coarser values
     codecs["topk d=0.02 int8"] = DeltaEncoder(CompressionConfig(density=0.02, quantization="int8", anchor_every=0),
                                               params, 0, "b")
-    codecs["topk d=0.05 sign"] = DeltaEncoder(CompressionConfig(density=0.05, quantization="sign", anchor_every=0),
-                                              params, 0, "b")
+    for d in (0.03, 0.05):
+        codecs[f"topk d={d:g} sign"] = DeltaEncoder(CompressionConfig(density=d, quantization="sign", anchor_every=0),
+                                                    params, 0, "b")
     if full:
         codecs["topk d=0.01 fp16 anchor/50"] = DeltaEncoder(CompressionConfig(density=0.01, anchor_every=50),
                                                             params, 0, "b")
@@ -343,9 +344,11 @@ def main() -> int:
     print(f"decode+apply {main_name}: {pct(dec_times, 50) * 1e3:.1f} ms p50 = {dec_gbs:.2f} GB/s (dense-equivalent)")
     print(f"receiver bit-identical to encoder reference: {torch.equal(flatten(recv, codecs[main_name].layout), codecs[main_name].ref[:n])}")
 
+    load = os.getloadavg()
+    print(f"load average (1/5/15 min): {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores")
     result = {"params": n, "steps": steps, "exact_loss": exact, "baselines": baselines, "codecs": rows,
               "decode_apply_GBps": dec_gbs, "decode_apply_ms_p50": pct(dec_times, 50) * 1e3,
-              "memcopy_GBps": copy_gbs}
+              "memcopy_GBps": copy_gbs, "loadavg": load}
     if not args.no_latency:
         print(f"\nstep -> serving latency, 4 subscriber processes, {lat_steps} steps (d={main_density:g}) ...",
               flush=True)
@@ -353,7 +356,7 @@ def main() -> int:
         result["latency"] = lat
         print(f"step -> all 4 workers serving: p50 {lat['p50_ms']:.1f} ms, p99 {lat['p99_ms']:.1f} ms "
               f"({lat['measured']}/{lat['steps']} steps; encode p50 {lat['encode_p50_ms']:.1f} ms; "
-              f"resyncs {lat['resyncs']}, rejected {lat['rejected']})")
+              f"resyncs {lat['resyncs']}, rejected {lat['rejected']}; load average {os.getloadavg()[0]:.2f})")
     (OUT / "delta.json").write_text(json.dumps(result, indent=2))
     plot(rows, dense_bytes)
     return 0
