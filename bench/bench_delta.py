@@ -371,19 +371,25 @@ def plot(rows: list[dict], dense_bytes: int) -> None:
     except ImportError:
         print("matplotlib not installed (pip install -e '.[bench]'): no plot")
         return
-    pts = sorted((r["density"], r["bytes_per_sync"], r["loss_gap_pct"]) for r in rows
-                 if r["codec"].endswith("fp16"))
     fig, ax1 = plt.subplots(figsize=(6.4, 4))
     ax1.set_xscale("log")
     ax1.set_yscale("log")
-    ax1.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color="tab:blue", label="bytes per sync")
+    ax2 = ax1.twinx()
+    for quant, marker in (("fp16", "o"), ("sign", "^")):
+        pts = sorted((r["density"], r["bytes_per_sync"], r["loss_gap_pct"]) for r in rows
+                     if r["codec"].endswith(quant))
+        if not pts:
+            continue
+        ax1.plot([p[0] for p in pts], [p[1] for p in pts], marker + "-", color="tab:blue",
+                 label=f"bytes per sync ({quant})")
+        ax2.plot([p[0] for p in pts], [p[2] for p in pts], marker + "--", color="tab:red",
+                 label=f"loss gap % ({quant})")
     ax1.axhline(dense_bytes, color="tab:blue", ls=":", label="dense fp32")
+    ax1.axhline(dense_bytes / 100, color="tab:gray", ls=":", label="100x smaller")
     ax1.set_xlabel("density (fraction of elements sent)")
     ax1.set_ylabel("bytes per sync", color="tab:blue")
-    ax2 = ax1.twinx()
-    ax2.plot([p[0] for p in pts], [p[2] for p in pts], "s--", color="tab:red", label="loss gap %")
     ax2.set_ylabel("served eval loss gap vs trainer (%)", color="tab:red")
-    fig.legend(loc="upper center", ncol=3, fontsize=8)
+    fig.legend(loc="upper center", ncol=3, fontsize=7)
     fig.tight_layout()
     path = OUT / "delta_density.png"
     fig.savefig(path, dpi=110)

@@ -6,14 +6,15 @@ reference is advanced by exactly what the receivers will apply. What was not sen
 ``new - reference`` and goes out with the next delta — this is error feedback, and it is why
 lossy coding does not drift: the served weights trail the trainer's by a bounded residual.
 
-Pipeline of a lossy delta (all on one flat view of the parameters, in blocks of
+Pipeline of a lossy delta (on the flat layout order of the parameters, in blocks of
 ``block_size`` elements):
 
-1. per-block L2 norms (change detection: untouched blocks are skipped; norms rank chunks),
-2. selection: ``|d| >= threshold`` where the threshold is either fixed or estimated from a
-   strided sample for a target density (a full ``torch.topk`` over 10M elements is ~4x slower),
-3. quantisation of the selected values with a per-block scale (fp16 or int8),
-4. index coding per chunk: varint gaps, or a bitmap when the chunk is dense,
+1. threshold: either fixed, or estimated for a target density from a strided sample of
+   ``new - reference`` (a full ``torch.topk`` over 10M elements is ~10x slower than the whole encode),
+2. one fused pass over cache-sized tiles: subtract, energy, change detection (unchanged tiles are
+   skipped), magnitude, compare, nonzero — the full delta is never materialised,
+3. quantisation of the selected values with a per-block scale (fp16, int8 or sign),
+4. index coding per chunk: fixed-width gaps (narrowest dtype), or a bitmap when the chunk is dense,
 5. zstandard over each chunk.
 
 A lossless mode sends the XOR of the changed elements' bit patterns (bit-exact), and full
@@ -315,6 +316,7 @@ class DeltaEncoder:
         self._ta = torch.empty(self._tile, dtype=torch.float32)
         self._tm = torch.empty(self._tile, dtype=torch.bool)
         self._segments = _tile_segments(self.layout, self._tile, padded)
+        self._xor: torch.Tensor | None = None  # lossless XOR buffer, allocated on first use
         self._zc = zstandard.ZstdCompressor(level=cfg.zstd_level)
         self.version = version
         self.priority_mode = priority_mode
@@ -561,7 +563,9 @@ class DeltaEncoder:
         lay = self.layout
         itype = _INT_VIEW[lay.dtype.itemsize]
         ref_i = self.ref.view(itype)
-        x = torch.zeros_like(ref_i)
+        if self._xor is None:
+            self._xor = torch.zeros_like(ref_i)
+        x = self._xor
         with torch.no_grad():
             for i, name in enumerate(lay.names):
                 a, b = int(lay.offsets[i]), int(lay.offsets[i + 1])

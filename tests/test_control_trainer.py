@@ -134,6 +134,8 @@ async def test_control_plane_steers_a_running_trainer(redis_url, tmp_path):
         log = [{k.decode(): v.decode() for k, v in f.items()} for _, f in r.xrange(keys.MODEL_VERSION_LOG)]
         rolled = [e for e in log if e.get("rollback_of") == str(kept_version)]
         assert rolled and rolled[-1]["anchor"] == "1" and rolled[-1]["version"] == str(ack["new_version"])
+        # step->serving latency from the subscriber's acks reaches the dashboard's feed
+        assert float(_h(r, keys.component_status("delta"))["sync_latency_ms"]) >= 0
         assert proc.term() == 0, proc.output()
     finally:
         if sub is not None:

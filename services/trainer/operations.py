@@ -204,7 +204,7 @@ class TrainerOps:
         ratio = round(dense / max(1, stats.bytes), 2) if dense else None
         if ratio is not None:
             m.DELTA_COMPRESSION_RATIO.set(ratio)
-        extra = {"rollback_of": rollback_of} if rollback_of is not None else {}
+        extra: dict[str, Any] = {"rollback_of": rollback_of} if rollback_of is not None else {}
         try:
             control.record_version(self.redis, stats.version, step=step,
                                    loss=None if loss is None or loss != loss else round(loss, 6),

@@ -63,6 +63,9 @@ class Worker:
         self.batches = 0
         self.subscriber = self._subscriber(updates)
         self._stop = False
+        self.drained = False
+        self._redis: Any = None
+        self._next_report = 0.0
 
     def _subscriber(self, enabled: bool) -> Any:
         if not enabled:
@@ -88,6 +91,7 @@ class Worker:
         log.info("worker %s ready (model %s, version %d)", self.worker_id, self.model.model_id, self.version)
         try:
             while not self._stop:
+                self._report_status()
                 wait_ms = 50.0
                 if self.queue:
                     age_ms = (time.monotonic() - self.queue[0].received_s) * 1000
@@ -107,13 +111,47 @@ class Worker:
             self.queue.clear()
             if self.subscriber is not None:
                 self.subscriber.close()
+            if self._redis is not None:
+                self._redis.close()
             self.sock.close(linger=0)
+
+    def _report_status(self) -> None:
+        """Every ``metrics.status_interval_s``: self-report to Redis for /admin/workers and the
+        dashboard (version, load, lag), and learn whether an operator drained this worker.
+        Gateways stop routing to a drained worker; it finishes what it has and reports
+        ``drained`` so operators can see when it is safe to stop."""
+        if not self.cfg.redis.url:
+            return
+        now = time.monotonic()
+        if now < self._next_report:
+            return
+        self._next_report = now + self.cfg.metrics.status_interval_s
+        from shared import control, keys
+
+        try:
+            if self._redis is None:
+                import redis
+
+                self._redis = redis.Redis.from_url(self.cfg.redis.url, socket_timeout=2.0)
+            drained = bool(self._redis.sismember(keys.WORKERS_DRAINED, self.worker_id))
+            if drained != self.drained:
+                log.info("worker %s %s by an operator", self.worker_id, "drained" if drained else "undrained")
+                self.drained = drained
+            lag = self.subscriber.lag if self.subscriber is not None else None
+            control.report_status(self._redis, f"worker:{self.worker_id}",
+                                  ttl_s=max(10.0, 5 * self.cfg.metrics.status_interval_s), version=self.version,
+                                  load=self.load(), lag=lag, drained=int(drained),
+                                  idle=int(drained and not self.queue and not self.running))
+        except Exception as exc:  # Redis away: serving goes on, the report is advisory
+            log.debug("worker status report failed: %s", exc)
 
     def _apply_updates(self) -> None:
         if self.subscriber is None:
             return
+        cpu0 = time.thread_time()
         try:
             new = self.subscriber.poll()
+            metrics.CODEC_CPU_SECONDS.labels("decode").inc(time.thread_time() - cpu0)
         except Exception:  # a bad update must not kill serving; the subscriber re-snapshots
             log.exception("applying weight updates failed")
             return
