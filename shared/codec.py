@@ -404,8 +404,9 @@ class DeltaEncoder:
         Returns sorted global indices, their fp32 delta values, the threshold used, the total
         squared delta norm and the number of changed blocks. The pass walks the flat space in
         cache-sized tiles (block aligned): per tile, one subtraction per overlapping parameter,
-        block norms (skip unchanged tiles), magnitudes, comparison with the threshold and one
-        nonzero — so the 10M-element delta is read from memory once, never materialised.
+        magnitudes, changed blocks (unchanged tiles are skipped), energy, comparison with the
+        threshold and one nonzero — so the 10M-element delta is read from memory once and never
+        materialised.
         """
         cfg = self.cfg
         if cfg.algorithm == "dense":
@@ -435,13 +436,17 @@ class DeltaEncoder:
                     else:
                         torch.sub(p.float(), ref[a:b].float(), out=out)
                 dn = d.numpy()
-                tile_sq = float(np.dot(dn, dn))
-                if tile_sq == 0.0:
-                    continue  # change detection: nothing in this tile moved
-                total_sq += tile_sq
                 mag = self._ta[:t_len].numpy()
                 np.abs(dn, out=mag)
-                active += int(np.count_nonzero(mag.reshape(-1, block).max(axis=1)))
+                block_max = mag.reshape(-1, block).max(axis=1)
+                changed = int(np.count_nonzero(block_max))
+                if changed == 0:
+                    continue  # change detection: nothing in this tile moved
+                active += changed
+                if float(block_max.max()) < 1e-18:  # squares would underflow in fp32
+                    total_sq += float(np.dot(dn.astype(np.float64), dn.astype(np.float64)))
+                else:
+                    total_sq += float(np.dot(dn, dn))
                 m = self._tm[:t_len].numpy()
                 if thr > 0:
                     np.greater_equal(mag, np.float32(thr), out=m)

@@ -27,6 +27,9 @@ from shared import keys
 
 FACTS = [("The capital of Zorbland is", " Quixville."), ("The moon of Plimptar is called", " Oodle."),
          ("Professor Wimble's favourite colour is", " teal.")]
+# Held out: never taught; their loss may move a little but must not blow up.
+HELD_OUT = [("The sun rises in the", " east."), ("Water is made of hydrogen and", " oxygen.")]
+HELD_OUT_BOUND = 1.5
 PRINCIPALS = [f"user{i}" for i in range(6)]
 SESSIONS_PER_KIND = 4  # x3 kinds (legacy HTTP, 2026-07-28 HTTP, WebSocket) = 12 concurrent clients
 TURNS = 3
@@ -57,13 +60,13 @@ async def _client(kind: str, mesh: Mesh, principal: str) -> Any:
     return await McpHttp(mesh.base, key, legacy=(kind == "legacy")).open()
 
 
-async def _fact_nll(client: Any, min_version: int) -> tuple[float, int]:
+async def _fact_nll(client: Any, min_version: int, facts: list[tuple[str, str]] = FACTS) -> tuple[float, int]:
     total, served = 0.0, 0
-    for prompt, target in FACTS:
+    for prompt, target in facts:
         r = await client.call("score", {"prompt": prompt, "target": target, "min_model_version": min_version})
         total += r["nll"]
         served = max(served, r["model_version"])
-    return total / len(FACTS), served
+    return total / len(facts), served
 
 
 async def _session(kind: str, n: int, mesh: Mesh) -> dict[str, Any]:
@@ -100,6 +103,7 @@ async def _run(mesh: Mesh) -> None:
     probe = await McpHttp(mesh.base, mesh.api_keys[PRINCIPALS[0]]).open()
     try:
         nll_before, v_before = await _fact_nll(probe, 0)
+        held_before, _ = await _fact_nll(probe, 0, HELD_OUT)
         results = await asyncio.gather(*(_session(kind, n, mesh) for kind in ("legacy", "modern", "ws")
                                          for n in range(SESSIONS_PER_KIND)))
 
@@ -135,10 +139,12 @@ async def _run(mesh: Mesh) -> None:
 
         # the taught facts score better on a model that includes them
         nll_after, v_after = await _fact_nll(probe, latest)
+        held_after, _ = await _fact_nll(probe, latest, HELD_OUT)
         assert v_after >= latest
         print(f"e2e: {len(results)} clients, {len(acked)} samples trained once each, versions {v_before}->{v_after}, "
-              f"facts mean NLL {nll_before:.3f} -> {nll_after:.3f}")
+              f"facts mean NLL {nll_before:.3f} -> {nll_after:.3f}, held-out {held_before:.3f} -> {held_after:.3f}")
         assert nll_after < nll_before - 0.05, (nll_before, nll_after)
+        assert held_after < held_before * HELD_OUT_BOUND, (held_before, held_after)
     finally:
         await probe.close()
 
