@@ -19,10 +19,13 @@ stores and what the size limit (``trainer.max_sample_bytes``) is measured agains
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+
+log = logging.getLogger("learnmesh.samples")
 
 KINDS = ("example", "feedback")
 PREFERENCES = ("up", "down")
@@ -214,16 +217,26 @@ class LoggedSample:
 
 
 def parse_entry(entry_id: bytes | str, fields: dict[Any, Any]) -> list[LoggedSample]:
-    """Expand one XRANGE entry of keys.SAMPLE_LOG into its samples."""
+    """Expand one XRANGE entry of keys.SAMPLE_LOG into its samples.
+
+    An entry that cannot be read (written in another format, or damaged) is skipped with an
+    error in the log: one poison entry in the durable log must not stop training for good."""
     def get(name: str) -> Any:
         return fields.get(name.encode(), fields.get(name))
 
     eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-    principal = get("p")
-    principal = principal.decode() if isinstance(principal, bytes) else str(principal)
-    first = int(get("seq"))
-    return [LoggedSample(sample_id(eid, i), first + i, principal, _from_obj(obj), eid)
-            for i, obj in enumerate(orjson.loads(get("s")))]
+    try:
+        principal = get("p")
+        principal = principal.decode() if isinstance(principal, bytes) else str(principal)
+        first = int(get("seq"))
+        objs = orjson.loads(get("s"))
+        if not isinstance(objs, list):
+            raise TypeError("'s' is not a list of samples")
+        return [LoggedSample(sample_id(eid, i), first + i, principal, _from_obj(obj), eid)
+                for i, obj in enumerate(objs)]
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:  # orjson.JSONDecodeError is a ValueError
+        log.error("skipping unreadable sample log entry %s: %s", eid, exc)
+        return []
 
 
 def _from_obj(obj: dict[str, Any]) -> Sample:

@@ -122,3 +122,19 @@ def test_feedback_samples_train_the_corrected_or_approved_answer():
     assert s.training_pair() is None
     with pytest.raises(SampleError):
         parse_sample({"kind": "feedback", "generation_id": "g", "input": "q", "target": "a"}, max_bytes=999)
+
+
+def test_unreadable_log_entries_are_skipped_not_fatal() -> None:
+    """A poison entry in the durable log (old format, damaged) must not crash the trainer."""
+    import orjson
+
+    from shared.samples import parse_entry
+
+    good = {b"p": b"alice", b"seq": b"7", b"n": b"1",
+            b"s": orjson.dumps([{"kind": "example", "input": "a", "target": "b"}])}
+    assert [s.seq for s in parse_entry(b"1-0", good)] == [7]
+    for bad in ({b"p": b"alice", b"sample": b"{}"},                       # an older one-sample format
+                {b"p": b"alice", b"seq": b"x", b"s": b"[]"},                # damaged seq
+                {b"p": b"alice", b"seq": b"1", b"s": b"not json"},          # damaged payload
+                {b"p": b"alice", b"seq": b"1", b"s": orjson.dumps(["str"])}):  # wrong shape
+        assert parse_entry(b"2-0", bad) == []
