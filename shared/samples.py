@@ -235,8 +235,13 @@ def parse_entry(entry_id: bytes | str, fields: dict[Any, Any]) -> list[LoggedSam
         return [LoggedSample(sample_id(eid, i), first + i, principal, _from_obj(obj), eid)
                 for i, obj in enumerate(objs)]
     except (KeyError, TypeError, ValueError, AttributeError) as exc:  # orjson.JSONDecodeError is a ValueError
-        log.error("skipping unreadable sample log entry %s: %s", eid, exc)
+        if eid not in _REPORTED_BAD and len(_REPORTED_BAD) < 10_000:
+            _REPORTED_BAD.add(eid)
+            log.error("skipping unreadable sample log entry %s: %s", eid, exc)
         return []
+
+
+_REPORTED_BAD: set[str] = set()  # entries already reported, so a re-read does not repeat the error
 
 
 def _from_obj(obj: dict[str, Any]) -> Sample:
