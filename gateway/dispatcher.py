@@ -535,7 +535,7 @@ class Dispatcher:
                 raise InvalidParams(f"Unknown prompt: {ref.get('name')}")
             completer = prompt.completions.get(arg["name"])
             if completer is not None:
-                values = list(completer(value))
+                values = list(completer(str(value or "")))
         elif ref.get("type") == "ref/resource":
             if not isinstance(ref.get("uri"), str):
                 raise InvalidParams("ref.uri must be a string")

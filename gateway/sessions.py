@@ -177,12 +177,12 @@ class SessionRegistry:
         return eid.decode() if isinstance(eid, bytes) else str(eid)
 
     async def last_event_id(self, principal: str, sid: str) -> str:
-        last = await self._redis.xrevrange(keys.session_events(principal, sid), count=1)
+        last: Any = await self._redis.xrevrange(keys.session_events(principal, sid), count=1)
         return last[0][0].decode() if last else "0-0"
 
     async def read_events(self, principal: str, sid: str, after: str, block_ms: int) -> list[tuple[str, bytes]]:
         """Events after ``after`` (exclusive), waiting up to ``block_ms`` for the first."""
-        got = await self._blocking.xread({keys.session_events(principal, sid): after}, count=100, block=block_ms)
+        got: Any = await self._blocking.xread({keys.session_events(principal, sid): after}, count=100, block=block_ms)
         out: list[tuple[str, bytes]] = []
         for _stream, entries in got or []:
             for eid, fields in entries:
@@ -231,4 +231,5 @@ class SessionRegistry:
         await pipe.execute()
 
     async def subscribers(self, principal: str, uri: str) -> list[str]:
-        return [m.decode() for m in await self._redis.smembers(keys.resource_subscribers(principal, uri))]
+        members: Any = await self._redis.smembers(keys.resource_subscribers(principal, uri))
+        return [m.decode() for m in members]

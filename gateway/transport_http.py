@@ -482,7 +482,7 @@ def _ladder(msg: dict[str, Any], headers: dict[str, str]) -> tuple[int, str, Any
         return HEADER_MISMATCH, "Mcp-Method header does not match the request body's method", None
     name_key = NAME_BEARING.get(method)
     if name_key is not None:
-        body_value = params.get(name_key)
+        body_value = params.get(name_key) if isinstance(params, dict) else None
         if body_value is not None and _decode_header(headers.get("mcp-name")) != body_value:
             return HEADER_MISMATCH, f"Mcp-Name header does not match the request body's {name_key!r} parameter", None
     if not isinstance(version, str):

@@ -85,7 +85,8 @@ class _Connection:
     async def _dispatch(self, msg: dict[str, Any], method: str, params: dict[str, Any]) -> dict[str, Any] | None:
         d = self.state.dispatcher
         rid = msg.get("id")
-        meta = params.get("_meta") if isinstance(params.get("_meta"), dict) else {}
+        raw_meta = params.get("_meta")
+        meta: dict[str, Any] = raw_meta if isinstance(raw_meta, dict) else {}
         version = meta.get(PROTOCOL_VERSION_META_KEY)
         if version is not None:
             if version not in MODERN_VERSIONS:
