@@ -106,7 +106,7 @@ def _subscriber_proc(cfg_over: dict, wid: str, arch: tuple, report_ep: str, read
 
     from services.worker.updates import DeltaSubscriber
     torch.set_num_threads(1)
-    cfg = load_config(env={}, overrides=cfg_over)  # noqa
+    cfg = load_config(env={}, overrides=cfg_over)
     model = mlp(*arch, seed=0)
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)

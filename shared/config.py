@@ -278,7 +278,7 @@ class CompressionConfig:
     zstd_level: int = 1
     tuner: str = "off"  # off | bytes | error
     tuner_target: float = 0.0  # bytes per sync (tuner=bytes) or relative residual (tuner=error)
-    chunk_elements: int = 1 << 20  # elements per delta chunk (unit of priority, encryption, bandwidth cap)
+    chunk_elements: int = 1 << 22  # elements per delta chunk (unit of priority, encryption, bandwidth cap)
 
     def __post_init__(self) -> None:
         _require(self.algorithm in ("topk", "threshold", "lossless", "dense"),
