@@ -3,10 +3,13 @@ model called one request at a time in-process (the baseline, measured in the sam
 
 Starts a private Redis (embedded default rules), one ``learnmesh worker`` and one
 ``learnmesh gateway`` on free ports, then for each concurrency level runs that many MCP
-clients (2026-07-28 stateless ``tools/call generate``), each sending requests back to back.
+clients (2026-07-28 stateless ``tools/call generate``), each on its own keep-alive connection
+(a minimal raw HTTP/1.1 client, so the client's own CPU is not billed to the gateway), sending
+requests back to back.
 Prints generated tokens/s, p50/p99 latency and the ratio to the baseline's tokens/s, and the
 per-request overhead of gateway+ZeroMQ (and of ZeroMQ alone, via the WorkerPool) over the
-in-process call for a 1-token generation.
+in-process call for a 1-token generation, next to the round trip of a trivial request
+(``server/discover``) on the same connection and what a pooled httpx client adds on top.
 
     .venv/bin/python bench/bench_inference.py [--model default|tiny] [--concurrency 1 4 16 64]
         [--max-tokens 32] [--requests-per-client 2] [--overhead-requests 30]
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import subprocess
@@ -25,6 +29,7 @@ import time
 from pathlib import Path
 
 import httpx
+import orjson
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,29 +69,88 @@ HEADERS = {"accept": "application/json, text/event-stream", "mcp-protocol-versio
            "mcp-method": "tools/call", "mcp-name": "generate"}
 
 
-async def one(client: httpx.AsyncClient, url: str, max_tokens: int, seed: int) -> tuple[float, int]:
+class RawClient:
+    """A minimal keep-alive HTTP/1.1 client over one asyncio connection (JSON responses only).
+
+    httpx costs about 1-3 ms of client CPU per request on this machine, which would be billed
+    to the gateway; this client's own cost is a few tens of microseconds. The benchmark also
+    reports the round trip of a trivial request (``server/discover``) on the same connection, so the
+    HTTP+MCP floor is visible next to the inference figures.
+    """
+
+    def __init__(self, host: str, port: int, path: str = "/mcp") -> None:
+        self.host, self.port, self.path = host, port, path
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def __aenter__(self) -> RawClient:
+        self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            with contextlib.suppress(OSError):
+                await self.writer.wait_closed()
+
+    async def post(self, payload: dict, headers: dict[str, str]) -> dict:
+        assert self.reader is not None and self.writer is not None
+        data = orjson.dumps(payload)
+        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        self.writer.write(f"POST {self.path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\n"
+                          f"content-type: application/json\r\ncontent-length: {len(data)}\r\n{head}\r\n".encode()
+                          + data)
+        raw = await self.reader.readuntil(b"\r\n\r\n")
+        length = None
+        for line in raw.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        if length is None:
+            raise RuntimeError(f"expected a JSON response with content-length, got: {raw[:200]!r}")
+        return orjson.loads(await self.reader.readexactly(length))
+
+
+PING = {"jsonrpc": "2.0", "id": 1, "method": "server/discover",
+        "params": {"_meta": {"io.modelcontextprotocol/protocolVersion": MODERN,
+                             "io.modelcontextprotocol/clientCapabilities": {}}}}
+PING_HEADERS = {"accept": "application/json, text/event-stream", "mcp-protocol-version": MODERN,
+                "mcp-method": "server/discover"}
+
+
+async def one(client: RawClient, max_tokens: int, seed: int) -> tuple[float, int]:
     t0 = time.perf_counter()
-    r = await client.post(url, json=body(f"The gateway {seed}", max_tokens, seed), headers=HEADERS)
+    msg = await client.post(body(f"The gateway {seed}", max_tokens, seed), HEADERS)
     dt = time.perf_counter() - t0
-    msg = r.json()
     if "result" not in msg:
         raise RuntimeError(f"generate failed: {msg}")
     return dt, int(msg["result"]["structuredContent"]["tokens"])
 
 
-async def level(url: str, conc: int, per_client: int, max_tokens: int) -> dict:
+async def ping(client: RawClient) -> float:
+    t0 = time.perf_counter()
+    msg = await client.post(PING, PING_HEADERS)
+    dt = time.perf_counter() - t0
+    if "result" not in msg:
+        raise RuntimeError(f"server/discover failed: {msg}")
+    return dt
+
+
+async def level(port: int, conc: int, per_client: int, max_tokens: int) -> dict:
+    """``conc`` sessions, each on its own keep-alive connection, sending requests back to back."""
     lat: list[float] = []
     tokens = 0
-    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=conc + 4)) as client:
-        async def run(c: int) -> None:
-            nonlocal tokens
+
+    async def run(c: int) -> None:
+        nonlocal tokens
+        async with RawClient("127.0.0.1", port) as client:
             for i in range(per_client):
-                dt, n = await one(client, url, max_tokens, c * 1000 + i)
+                dt, n = await one(client, max_tokens, c * 1000 + i)
                 lat.append(dt)
                 tokens += n
-        t0 = time.perf_counter()
-        await asyncio.gather(*(run(c) for c in range(conc)))
-        wall = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    await asyncio.gather(*(run(c) for c in range(conc)))
+    wall = time.perf_counter() - t0
     return {"tok_s": tokens / wall, "p50_ms": pct(lat, 50) * 1000, "p99_ms": pct(lat, 99) * 1000, "n": len(lat)}
 
 
@@ -106,28 +170,37 @@ def baseline(model, n: int, max_tokens: int) -> tuple[float, float]:
     return tok_s, statistics.median(lat)
 
 
-async def overheads(url: str, cfg, model, n: int) -> tuple[float, float, float]:
-    """p50 of a 1-token generation: in-process, via the WorkerPool (ZeroMQ), via the gateway (HTTP+MCP+ZeroMQ),
-    measured interleaved so that load drift on a shared machine hits all three alike."""
+async def overheads(port: int, cfg, model, n: int) -> dict[str, float]:
+    """p50s for a 1-token generation: in-process, via the WorkerPool (ZeroMQ), via the gateway
+    (HTTP+MCP+ZeroMQ), and the HTTP+MCP round trip of a trivial request (``server/discover``) on the same
+    keep-alive connection; also the same generation through a pooled httpx client, to show what
+    a heavyweight client adds. Interleaved so that load drift on a shared machine hits all alike."""
     pool = WorkerPool(cfg)
     await pool.start()
-    local, zlat, glat = [], [], []
+    res: dict[str, list[float]] = {"local": [], "zmq": [], "gateway": [], "ping": [], "httpx": []}
+    url = f"http://127.0.0.1:{port}/mcp"
     try:
         await pool.wait_live(1, 60)
-        async with httpx.AsyncClient(timeout=60) as client:
+        async with RawClient("127.0.0.1", port) as client, httpx.AsyncClient(timeout=60) as hx:
             for i in range(n):
                 t = time.perf_counter()
                 ex = model.encode(None, f"The gateway {i}", None, reserve_tokens=1)
                 list(model.generate([ex], max_tokens=1, temperature=1.0, seed=i))
-                local.append(time.perf_counter() - t)
+                res["local"].append(time.perf_counter() - t)
                 t = time.perf_counter()
                 await pool.request({"op": "generate", "prompt": f"The gateway {i}", "max_tokens": 1,
                                     "temperature": 1.0, "seed": i, "entries": []})
-                zlat.append(time.perf_counter() - t)
-                glat.append((await one(client, url, 1, i))[0])
+                res["zmq"].append(time.perf_counter() - t)
+                res["gateway"].append((await one(client, 1, i))[0])
+                res["ping"].append(await ping(client))
+                t = time.perf_counter()
+                r = await hx.post(url, json=body(f"The gateway {i}", 1, i), headers=HEADERS)
+                res["httpx"].append(time.perf_counter() - t)
+                if "result" not in r.json():
+                    raise RuntimeError(f"generate failed: {r.text}")
     finally:
         await pool.close()
-    return statistics.median(local), statistics.median(zlat), statistics.median(glat)
+    return {k: statistics.median(v) for k, v in res.items()}
 
 
 def main() -> None:
@@ -184,14 +257,20 @@ def main() -> None:
               f"{base_1tok_s * 1000:.2f} ms")
         print(f"\n{'sessions':>8} {'tokens/s':>10} {'x baseline':>10} {'p50 ms':>9} {'p99 ms':>9} {'requests':>8}")
         for c in args.concurrency:
-            res = asyncio.run(level(url, c, args.requests_per_client, args.max_tokens))
+            res = asyncio.run(level(port, c, args.requests_per_client, args.max_tokens))
             print(f"{c:>8} {res['tok_s']:>10.1f} {res['tok_s'] / base_tok_s:>10.2f} {res['p50_ms']:>9.1f} "
                   f"{res['p99_ms']:>9.1f} {res['n']:>8}", flush=True)
-        local_s, zmq_s, gw_s = asyncio.run(overheads(url, cfg, model, args.overhead_requests))
-        print(f"\n1-token generation p50 (interleaved): in-process {local_s * 1000:.2f} ms, via ZeroMQ "
-              f"{zmq_s * 1000:.2f} ms, via gateway {gw_s * 1000:.2f} ms")
-        print(f"per-request overhead over in-process: ZeroMQ+worker loop {(zmq_s - local_s) * 1000:+.2f} ms, "
-              f"gateway(HTTP+MCP)+ZeroMQ {(gw_s - local_s) * 1000:+.2f} ms")
+        o = asyncio.run(overheads(port, cfg, model, args.overhead_requests))
+        ms = {k: v * 1000 for k, v in o.items()}
+        print(f"\n1-token generation p50 (interleaved, {args.overhead_requests} each): in-process {ms['local']:.2f} ms, "
+              f"via ZeroMQ {ms['zmq']:.2f} ms, via gateway {ms['gateway']:.2f} ms "
+              f"(keep-alive raw HTTP/1.1 client)")
+        print(f"per-request overhead over in-process: ZeroMQ+worker loop {ms['zmq'] - ms['local']:+.2f} ms, "
+              f"gateway(HTTP+MCP)+ZeroMQ {ms['gateway'] - ms['local']:+.2f} ms "
+              f"(of which gateway over ZeroMQ {ms['gateway'] - ms['zmq']:+.2f} ms)")
+        print(f"for reference: HTTP+MCP round trip of a trivial request (server/discover) {ms['ping']:.2f} ms; the same "
+              f"generation through a pooled httpx client {ms['httpx']:.2f} ms "
+              f"(client-side cost {ms['httpx'] - ms['gateway']:+.2f} ms, not the gateway's)")
     finally:
         for p in procs:
             p.terminate()

@@ -8,6 +8,7 @@ import redis as redis_sync
 from admin_support import ADMIN_KEY, MCP_KEY, OPERATOR_KEY, VIEWER_KEY, bearer, live_gateway
 
 from shared import control, keys
+from shared.config import CompressionConfig
 
 
 @pytest.fixture
@@ -127,7 +128,7 @@ def test_runtime_config_validated_redacted_and_picked_up(gw, r, redis_url):
     assert ADMIN_KEY not in str(view) and MCP_KEY not in str(view)
     from admin_support import admin_config
     watcher = control.RuntimeConfigWatcher(r, admin_config(redis_url))
-    assert watcher.poll() is None or watcher.current.compression.density == 0.01
+    assert watcher.poll() is None or watcher.current.compression.density == CompressionConfig().density
     for bad in ({"compression": {"density": 2}}, {"compression": {"nope": 1}}, {"gateway": {"port": 1}},
                 {"compression": {"algorithm": "magic"}}, {}, {"consistency": {}}):
         resp = gw.patch("/admin/config", json=bad, headers=bearer(ADMIN_KEY))
@@ -144,7 +145,7 @@ def test_runtime_config_validated_redacted_and_picked_up(gw, r, redis_url):
     new = watcher.poll()
     assert new.compression.zstd_level == 3 and new.compression.density == 0.05
     gw.delete("/admin/config/runtime", headers=bearer(ADMIN_KEY))
-    assert watcher.poll().compression.density == 0.01
+    assert watcher.poll().compression.density == CompressionConfig().density
 
 
 def test_delta_key_rotation_signal(gw, r):
