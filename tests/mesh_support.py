@@ -18,11 +18,9 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -30,27 +28,15 @@ import httpx
 import orjson
 import redis as redis_sync
 import yaml
+from conftest import free_port, wait_for_sync
 
 ROOT = Path(__file__).resolve().parents[1]
 MODERN = "2026-07-28"
 LEGACY = "2025-11-25"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def wait_until(cond: Any, timeout_s: float, what: str, interval_s: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(interval_s)
+    return wait_for_sync(cond, timeout_s=timeout_s, interval_s=interval_s, what=what)
 
 
 # --------------------------------------------------------------------------- redis
