@@ -111,11 +111,11 @@ class RawClient:
         return orjson.loads(await self.reader.readexactly(length))
 
 
-PING = {"jsonrpc": "2.0", "id": 1, "method": "server/discover",
-        "params": {"_meta": {"io.modelcontextprotocol/protocolVersion": MODERN,
-                             "io.modelcontextprotocol/clientCapabilities": {}}}}
-PING_HEADERS = {"accept": "application/json, text/event-stream", "mcp-protocol-version": MODERN,
-                "mcp-method": "server/discover"}
+DISCOVER = {"jsonrpc": "2.0", "id": 1, "method": "server/discover",
+            "params": {"_meta": {"io.modelcontextprotocol/protocolVersion": MODERN,
+                                 "io.modelcontextprotocol/clientCapabilities": {}}}}
+DISCOVER_HEADERS = {"accept": "application/json, text/event-stream", "mcp-protocol-version": MODERN,
+                    "mcp-method": "server/discover"}
 
 
 async def one(client: RawClient, max_tokens: int, seed: int) -> tuple[float, int]:
@@ -129,7 +129,7 @@ async def one(client: RawClient, max_tokens: int, seed: int) -> tuple[float, int
 
 async def ping(client: RawClient) -> float:
     t0 = time.perf_counter()
-    msg = await client.post(PING, PING_HEADERS)
+    msg = await client.post(DISCOVER, DISCOVER_HEADERS)
     dt = time.perf_counter() - t0
     if "result" not in msg:
         raise RuntimeError(f"server/discover failed: {msg}")

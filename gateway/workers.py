@@ -302,7 +302,11 @@ class WorkerPool:
                 await self._cancel(link, rid)
                 raise WorkerTimeout("the request did not complete within its timeout")
             try:
-                item = await asyncio.wait_for(queue.get(), remaining)
+                if queue.empty():  # asyncio.timeout: no wrapper task per message, unlike wait_for on 3.11
+                    async with asyncio.timeout(remaining):
+                        item = await queue.get()
+                else:
+                    item = queue.get_nowait()
             except TimeoutError:
                 continue
             except asyncio.CancelledError:

@@ -8,9 +8,11 @@ import subprocess
 import sys
 
 import httpx
+import jsonschema
 import orjson
 import pytest
 
+from gateway.tools.inference import GENERATE_OUTPUT
 from shared.model import build_model
 from tests.conftest import free_port, wait_for_sync
 from tests.worker_support import ROOT, spawn_worker, stop, write_config
@@ -78,6 +80,9 @@ def test_generate_and_score_over_mcp(mesh):
     entries = got["result"]["structuredContent"]["entries"]
     assert [(e["role"], e["text"]) for e in entries][-2:] == [("user", "What is my name?"), ("assistant", out["text"])]
     assert out["context_version"] == got["result"]["structuredContent"]["version"]
+    # generate shapes its own CallToolResult (no per-call outputSchema check): it must still conform
+    jsonschema.validate(out, GENERATE_OUTPUT)
+    assert orjson.loads(res["result"]["content"][0]["text"]) == out and "isError" not in res["result"]
 
     _, sc = call(url, "score", {"prompt": "What is my name?", "target": "Ada", "context_id": "chat1"})
     s = sc["result"]["structuredContent"]
