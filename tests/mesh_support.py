@@ -13,6 +13,7 @@ mesh benchmark, and talk to it over MCP.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import re
@@ -21,6 +22,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -229,6 +231,19 @@ class Mesh:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         return self.proc.returncode
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[Mesh]:
+        """Start the mesh for a fixture; on failure print its logs; on exit it must stop with 0."""
+        try:
+            self.start()
+            yield self
+        except BaseException:
+            print(self.tail())
+            raise
+        finally:
+            code = self.stop()
+            assert code == 0, f"learnmesh up exited with {code} on SIGTERM\n{self.tail()}"
 
     def start_gateway(self, port: int) -> subprocess.Popen:
         """An extra gateway replica on the same Redis and workers (``learnmesh gateway``)."""

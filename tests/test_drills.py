@@ -34,14 +34,8 @@ def redis_persistent() -> Iterator[RedisServer]:
 def mesh(tmp_path_factory: pytest.TempPathFactory, redis_persistent: RedisServer) -> Iterator[Mesh]:
     m = Mesh(Path(tmp_path_factory.mktemp("drills")), redis_persistent.url, ["ann", "ben", "cat"],
              model={"trainable": "head"}, trainer={"checkpoint_every": 3})
-    try:
-        m.start()
+    with m.running():
         yield m
-    except BaseException:
-        print(m.tail())
-        raise
-    finally:
-        assert m.stop() == 0, m.tail()
 
 
 def _check(rep: drills.DrillReport, mesh: Mesh) -> None:

@@ -42,15 +42,8 @@ TRAINABLE = os.environ.get("LEARNMESH_E2E_TRAINABLE", "all")
 def mesh(tmp_path: Path, redis_url: str) -> Any:
     m = Mesh(tmp_path, redis_url, PRINCIPALS, workers=2, ranks=2,
              model={"trainable": TRAINABLE}, trainer={"lr": 0.01, "batch_size": 8})
-    try:
-        m.start()
+    with m.running():
         yield m
-    except BaseException:
-        print(m.tail())
-        raise
-    finally:
-        code = m.stop()
-        assert code == 0, f"learnmesh up exited with {code} on SIGTERM\n{m.tail()}"
 
 
 async def _client(kind: str, mesh: Mesh, principal: str) -> Any:
