@@ -41,7 +41,7 @@ TRAINABLE = os.environ.get("LEARNMESH_E2E_TRAINABLE", "all")
 @pytest.fixture
 def mesh(tmp_path: Path, redis_url: str) -> Any:
     m = Mesh(tmp_path, redis_url, PRINCIPALS, workers=2, ranks=2,
-             model={"trainable": TRAINABLE}, trainer={"lr": 0.01, "batch_size": 8})
+             model={"trainable": TRAINABLE}, trainer={"lr": 0.003, "batch_size": 8})
     with m.running():
         yield m
 

@@ -31,7 +31,15 @@ def main(cfg: Any, args: Any) -> int:
         cfg.trainer.ranks = int(args.ranks)
     _logging(os.environ.get("RANK", "agent") if getattr(args, "as_rank", False) else "agent")
     if getattr(args, "as_rank", False):
-        return run_rank(cfg)
+        code = run_rank(cfg)
+        # Everything is checkpointed, committed and torn down by now. Leave without running
+        # interpreter/C++ static destructors: gloo's transport threads can otherwise abort
+        # the process at exit ("terminate called without an active exception"), turning a
+        # clean stop into exit code 1 (seen on torch 2.13).
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     return Agent(cfg).run()
 
 
