@@ -33,13 +33,13 @@ from redis.exceptions import ResponseError
 
 from shared import keys, metrics
 from shared.config import ContextConfig
+from shared.redis_batch import AutoPipeline
 from shared.types import ContextWindow, Entry
 
 log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct(">BIdHHH")
 _HSIZE = _HEADER.size
-_ROW = struct.Struct(">BII")  # window reply row header: modality length, seq, value length
 _FORMAT = 1
 _LRU_SCALE = 1000  # LRU zset score = last-use ms * 1000 (+ tiebreak); see context.lua
 _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
@@ -163,6 +163,8 @@ class ContextStore:
                                                    **kwargs)
             redis = aioredis.Redis(connection_pool=pool)
         self.redis = redis
+        # Concurrent operations share pipelined round trips (each is still one script call).
+        self._batch = AutoPipeline(redis)
         self.cfg = cfg
         self._clock_ms = clock_ms or (lambda: int(time.time() * 1000))
         source = _script_source()
@@ -173,6 +175,7 @@ class ContextStore:
         self._script = redis.register_script(source + "\nreturn lm_main(KEYS, ARGV)\n")
         self._modalities = set(cfg.modalities)
         self._mod_order = {m: i for i, m in enumerate(cfg.modalities)}
+        self._mod_names = {m.encode(): m for m in cfg.modalities}
         self._cfg_arg = script_config(cfg)
         self._global_keys = [keys.CTX_GLOBAL_BYTES.encode(), keys.CTX_GLOBAL_LRU.encode(), keys.AUDIT_STREAM.encode()]
         self._op_metrics: dict[str, tuple[Any, Any]] = {}
@@ -229,13 +232,13 @@ class ContextStore:
         if self._use_functions is False:
             return await self._script(keys=ks, args=argv)
         try:
-            return await self.redis.fcall(self._fn, len(ks), *ks, *argv)
+            return await self._batch.execute("FCALL", self._fn, len(ks), *ks, *argv)
         except ResponseError as exc:
             text = str(exc).lower()
             if "function not found" in text:  # first use on this server, or it restarted
                 await self.redis.function_load(self._fn_code, replace=True)
                 self._use_functions = True
-                return await self.redis.fcall(self._fn, len(ks), *ks, *argv)
+                return await self._batch.execute("FCALL", self._fn, len(ks), *ks, *argv)
             if "unknown command" in text and self._use_functions is None:  # Redis < 7
                 log.info("context store: Redis without Functions, using EVALSHA")
                 self._use_functions = False
@@ -263,31 +266,23 @@ class ContextStore:
                 log.info("context: evicted principal %s (%d contexts) for the global budget", who, n)
         return done
 
-    def _window(self, principal: str, context_id: str, version: int, blob: bytes) -> ContextWindow:
-        """Decode the script's packed rows (see pack_rows in context.lua) into a window."""
+    def _window(self, principal: str, context_id: str, version: int, runs: list[Any]) -> ContextWindow:
+        """Decode the script's runs (see runs() in context.lua) into a window."""
         win = ContextWindow(principal=principal, context_id=context_id, version=int(version))
-        chans: dict[str, tuple[list[int], list[Entry]]] = {}
-        unsorted: set[str] = set()
-        names: dict[bytes, str] = {}
-        pos, end, row = 0, len(blob), _ROW.unpack_from
-        while pos < end:
-            ml, seq, vl = row(blob, pos)
-            pos += 9
-            raw_mod = blob[pos:pos + ml]
-            mod = names.get(raw_mod) or names.setdefault(raw_mod, raw_mod.decode())
-            pos += ml
-            seqs, ents = chans.get(mod) or chans.setdefault(mod, ([], []))
-            if seqs and seq < seqs[-1]:
-                unsorted.add(mod)  # linked entries added after the window
-            seqs.append(seq)
-            ents.append(_entry_at(blob, pos, vl, f"{mod}:{seq}", mod))
-            pos += vl
+        chans: dict[str, list[tuple[int, list[Entry]]]] = {}
+        for i in range(0, len(runs), 3):
+            mod = self._mod_names.get(runs[i]) or _text(runs[i])
+            first = int(runs[i + 1])
+            chans.setdefault(mod, []).append(
+                (first, [_entry_at(v, 0, len(v), f"{mod}:{first + k}", mod) for k, v in enumerate(runs[i + 2])]))
         order = self._mod_order
         for mod in sorted(chans, key=lambda m: order.get(m, len(order))):
-            seqs, ents = chans[mod]
-            if mod in unsorted:
-                ents = [e for _, e in sorted(zip(seqs, ents, strict=True), key=lambda t: t[0])]
-            win.channels[mod] = ents
+            parts = chans[mod]
+            if len(parts) == 1:
+                win.channels[mod] = parts[0][1]
+            else:  # linked entries resolved outside the window come as runs of their own
+                parts.sort(key=lambda p: p[0])
+                win.channels[mod] = [e for _, ents in parts for e in ents]
         return win
 
     # ------------------------------------------------------------------ API

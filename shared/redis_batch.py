@@ -1,0 +1,137 @@
+"""Automatic pipelining for redis-py asyncio: commands that many coroutines issue at the
+same time go to Redis together, as one pipelined write, instead of one write-and-wait each.
+
+Why: with redis-py's asyncio client every command costs about 70 µs of client CPU (pool
+checkout, per-command write, per-reply read, pool release) and one read/write syscall
+pair in redis-server; the same command inside a pipeline of 16 costs about 20 µs. A
+gateway serving many sessions issues context operations concurrently, so batching them
+is where most of the client's time goes. Each command still runs on its own — a pipeline
+is not a transaction — and each caller gets its own reply or its own error.
+
+Batching is adaptive and adds no timer: a command goes out on the next event-loop turn if
+fewer than ``max_inflight`` batches are on the wire; otherwise it waits for the next free
+slot, and whatever accumulated meanwhile goes out together. With one caller this is a plain
+round trip; under load batches grow by themselves. A batch that reaches ``max_batch``
+commands leaves at once, so Redis runs one batch while this process gathers the next
+(with unbounded batches the two sides took turns: 64 callers got 12,000 appends/s with
+one huge batch at a time, 20,000/s with batches of 16 and 4 on the wire).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+
+class AutoPipeline:
+    """Coalesces concurrent ``execute(*args)`` calls into pipelined round trips."""
+
+    def __init__(self, redis: aioredis.Redis, *, max_inflight: int = 4, max_batch: int = 16) -> None:
+        if max_inflight < 1 or max_batch < 1:
+            raise ValueError("max_inflight and max_batch must be >= 1")
+        self.redis = redis
+        self.max_inflight = max_inflight
+        self.max_batch = max_batch
+        self._pending: list[tuple[tuple[Any, ...], asyncio.Future[Any]]] = []
+        self._inflight = 0
+        self._scheduled = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.batches = 0   # round trips made (for benchmarks and tests)
+        self.commands = 0  # commands sent
+
+    async def execute(self, *args: Any) -> Any:
+        """Send one command (with the next batch) and return its reply; a Redis error
+        reply raises ``ResponseError`` for this caller only."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        self._pending.append((args, fut))
+        if len(self._pending) >= self.max_batch and self._inflight < self.max_inflight:
+            self._flush()  # a full batch goes now: Redis works on it while we gather the next
+        elif not self._scheduled and self._inflight < self.max_inflight:
+            self._scheduled = True
+            loop.call_soon(self._flush)
+        return await fut
+
+    def _flush(self) -> None:
+        self._scheduled = False
+        while self._pending and self._inflight < self.max_inflight:
+            batch = self._pending[:self.max_batch]
+            del self._pending[:self.max_batch]
+            batch = [(a, f) for a, f in batch if not f.done()]  # callers cancelled while waiting
+            if not batch:
+                continue
+            self._inflight += 1
+            task = asyncio.get_running_loop().create_task(self._send(batch))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _send(self, batch: list[tuple[tuple[Any, ...], asyncio.Future[Any]]]) -> None:
+        self.batches += 1
+        self.commands += len(batch)
+        try:
+            replies = await self._round_trip(b"".join([pack_command(args) for args, _ in batch]), len(batch))
+        except BaseException as exc:  # connection lost, timeout, cancelled: every caller hears it
+            err = exc if isinstance(exc, Exception) else ConnectionError("redis batch cancelled")
+            for _, fut in batch:
+                if not fut.done():
+                    fut.set_exception(err)
+            if not isinstance(exc, Exception):
+                raise
+        else:
+            for (_, fut), reply in zip(batch, replies, strict=True):
+                if fut.done():
+                    continue
+                if isinstance(reply, Exception):
+                    fut.set_exception(reply)
+                else:
+                    fut.set_result(reply)
+        finally:
+            self._inflight -= 1
+            if self._pending and not self._scheduled:
+                self._scheduled = True
+                asyncio.get_running_loop().call_soon(self._flush)
+
+    async def _round_trip(self, packed: bytes, n: int) -> list[Any]:
+        """One write of ``n`` packed commands on a pooled redis-py connection, then their
+        ``n`` replies (error replies as ResponseError objects). Any other failure drops the
+        connection (its replies can no longer be matched) and propagates."""
+        pool = self.redis.connection_pool
+        conn = await pool.get_connection()
+        try:
+            await conn.send_packed_command(packed, check_health=False)
+            replies: list[Any] = []
+            for _ in range(n):
+                try:
+                    replies.append(await conn.read_response())
+                except ResponseError as exc:
+                    replies.append(exc)
+            return replies
+        except BaseException:
+            await conn.disconnect()
+            raise
+        finally:
+            await pool.release(conn)
+
+
+def _bulk(arg: Any) -> bytes:
+    if isinstance(arg, bytes):
+        return b"$%d\r\n%b\r\n" % (len(arg), arg)
+    if isinstance(arg, str):
+        arg = arg.encode()
+    elif isinstance(arg, int) and not isinstance(arg, bool):
+        arg = b"%d" % arg
+    elif isinstance(arg, (bytearray, memoryview)):
+        arg = bytes(arg)
+    else:
+        raise TypeError(f"cannot send {type(arg).__name__} to Redis")
+    return b"$%d\r\n%b\r\n" % (len(arg), arg)
+
+
+def pack_command(args: tuple[Any, ...]) -> bytes:
+    """RESP encoding of one command (an array of bulk strings). Ours rather than redis-py's
+    ``pack_command`` because the context store sends ~20 arguments per call and redis-py's
+    general encoder was a third of the client's time per operation (profiled)."""
+    return b"*%d\r\n" % len(args) + b"".join([_bulk(a) for a in args])

@@ -1,0 +1,88 @@
+"""Automatic pipelining (shared/redis_batch.py) against a real Redis: concurrent callers
+share round trips, each gets its own reply or error, a dropped connection fails only the
+batch on the wire, and the next call reconnects."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis.asyncio as aioredis
+from conftest import wait_for
+from redis.exceptions import ResponseError
+
+from shared.redis_batch import AutoPipeline, pack_command
+
+
+@pytest.fixture
+async def r(redis_url):
+    client = aioredis.Redis.from_url(redis_url)
+    yield client
+    await client.aclose()
+
+
+def test_pack_command_is_resp() -> None:
+    assert pack_command(("SET", b"k\r\n", 12)) == b"*3\r\n$3\r\nSET\r\n$3\r\nk\r\n\r\n$2\r\n12\r\n"
+    with pytest.raises(TypeError):
+        pack_command(("SET", "k", 1.5))
+
+
+async def test_concurrent_callers_share_round_trips(r) -> None:
+    ap = AutoPipeline(r, max_inflight=2, max_batch=16)
+    await asyncio.gather(*(ap.execute("SET", f"ab:{i}", i) for i in range(200)))
+    replies = await asyncio.gather(*(ap.execute("GET", f"ab:{i}") for i in range(200)))
+    assert replies == [str(i).encode() for i in range(200)]
+    assert ap.commands == 400
+    assert ap.batches < ap.commands / 4  # batched, not one round trip per command
+    # One caller alone: a plain round trip, same answer.
+    assert await ap.execute("GET", "ab:7") == b"7"
+
+
+async def test_error_reply_reaches_only_its_caller(r) -> None:
+    ap = AutoPipeline(r)
+    await r.set("ab:str", "x")
+    ok1, bad, ok2 = await asyncio.gather(ap.execute("INCR", "ab:n"), ap.execute("INCR", "ab:str"),
+                                         ap.execute("GET", "ab:str"), return_exceptions=True)
+    assert ok1 == 1 and ok2 == b"x"
+    assert isinstance(bad, ResponseError)
+    assert await ap.execute("INCR", "ab:n") == 2  # the connection stayed in step
+
+
+async def test_dropped_connection_fails_the_batch_then_recovers(r) -> None:
+    ap = AutoPipeline(r, max_inflight=1)
+    admin = aioredis.Redis(connection_pool=r.connection_pool.__class__(**r.connection_pool.connection_kwargs))
+    try:
+        await ap.execute("PING")
+        blocked = asyncio.ensure_future(ap.execute("BLPOP", "ab:never", 30))
+
+        async def blpop_waiting() -> bool:
+            clients = await admin.client_list()
+            return any(c.get("cmd") == "blpop" for c in clients)
+
+        await wait_for(blpop_waiting)
+        queued = asyncio.ensure_future(ap.execute("PING"))  # waits behind the blocked batch
+        await wait_for(lambda: len(ap._pending) == 1)
+        victim = [c for c in await admin.client_list() if c.get("cmd") == "blpop"][0]
+        await admin.client_kill_filter(_id=victim["id"])
+        with pytest.raises(Exception) as info:
+            await asyncio.wait_for(blocked, 10)
+        assert "closed" in str(info.value).lower() or "connection" in str(info.value).lower()
+        assert await asyncio.wait_for(queued, 10) in (True, b"PONG")  # sent on a fresh connection
+        assert await ap.execute("ECHO", "again") == b"again"
+    finally:
+        await admin.aclose()
+
+
+async def test_cancelled_waiter_is_skipped(r) -> None:
+    ap = AutoPipeline(r, max_inflight=1)
+    gate = asyncio.ensure_future(ap.execute("BLPOP", "ab:gate", 30))  # holds the only slot
+    await wait_for(lambda: ap._inflight == 1)
+    second = asyncio.ensure_future(ap.execute("SET", "ab:c", 2))
+    await wait_for(lambda: len(ap._pending) == 1)  # queued behind the gate
+    second.cancel()
+    await r.lpush("ab:gate", "go")
+    assert await asyncio.wait_for(gate, 10) == [b"ab:gate", b"go"]
+    with pytest.raises(asyncio.CancelledError):
+        await second
+    assert await ap.execute("GET", "ab:c") is None  # the cancelled command was never sent
+    assert ap.commands == 2
