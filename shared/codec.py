@@ -34,7 +34,7 @@ import logging
 import math
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,15 +152,77 @@ def _tile_segments(layout: Layout, tile: int, padded: int) -> list[tuple[int, in
 
 def _scatter_add(t: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> None:
     """``t[idx] += values`` for unique indices, in ``t``'s dtype. Encoder and decoder both go
-    through here, so the reference and every receiver stay bit-identical. numpy's fancy
-    indexing is about twice as fast as ``index_add_`` for scattered fp32/fp64 updates; other
-    dtypes (bf16, fp16) keep torch's arithmetic."""
-    if t.dtype in (torch.float32, torch.float64):
-        tn = t.numpy()
-        i = idx.numpy()
-        tn[i] += values.numpy()
-    else:
-        t.index_add_(0, idx, values)
+    through here, so the reference and every receiver stay bit-identical. ``index_add_`` was
+    measured at 0.9 ms for 210K scattered fp32 updates into 10.5M elements on one core, numpy's
+    fancy ``+=`` at 2.6 ms (it gathers, adds and scatters in three passes)."""
+    t.index_add_(0, idx, values)
+
+
+def _block_counts(idx: np.ndarray, start: int, nblocks: int, block: int) -> np.ndarray:
+    """Selected elements per block of a chunk: ``idx`` sorted within ``[start, start + nblocks*block)``."""
+    edges = np.searchsorted(idx, start + block * np.arange(1, nblocks, dtype=np.int64))
+    return np.diff(edges, prepend=0, append=idx.size)
+
+
+def _dequantise(q: np.ndarray, quant: int, scales: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The fp32 values a receiver adds. Encoder (reference) and decoder (receivers) both call
+    this, so they compute bit-identical values; the per-block scale is spread with ``np.repeat``
+    over the per-block counts (no per-element block division)."""
+    if quant == QUANT_NONE:
+        return q.astype(np.float32)
+    per = scales / np.float32(127.0) if quant == QUANT_INT8 else scales
+    out = q.astype(np.float32)
+    out *= np.repeat(per, counts)
+    return out
+
+
+def _quantise(vals: np.ndarray, quant: int, scales: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`_dequantise` up to rounding (the error stays in the residual)."""
+    if quant == QUANT_NONE:
+        return vals
+    if quant == QUANT_SIGN:
+        return np.where(vals < 0, np.int8(-1), np.int8(1))
+    q = vals / np.repeat(scales, counts)  # |q| <= 1: the scale is the block's max |value|
+    if quant == QUANT_FP16:
+        return q.astype(np.float16)
+    q *= np.float32(127.0)
+    return np.rint(q, out=q).astype(np.int8)
+
+
+_NO_IDX = np.zeros(0, dtype=np.int64)
+_NO_VAL = np.zeros(0, dtype=np.float32)
+
+
+@dataclass
+class _Scan:
+    """Totals of one selection pass: squared norm of ``new - reference`` and changed blocks."""
+
+    total_sq: float = 0.0
+    active: int = 0
+
+
+@dataclass
+class _CodedChunk:
+    blob: bytes
+    idx: np.ndarray  # global indices
+    deq: np.ndarray  # fp32 values receivers add
+    sel_sq: float  # squared norm of the selected values (priority)
+    err_sq: float  # squared quantisation error
+
+
+def _take_until(pend_i: list[np.ndarray], pend_v: list[np.ndarray], end: int) -> tuple[np.ndarray, np.ndarray]:
+    """Pop the pending selected elements below ``end`` (the lists hold sorted, consecutive runs)."""
+    if not pend_i:
+        return _NO_IDX, _NO_VAL
+    idx = pend_i[0] if len(pend_i) == 1 else np.concatenate(pend_i)
+    vals = pend_v[0] if len(pend_v) == 1 else np.concatenate(pend_v)
+    k = int(np.searchsorted(idx, end))
+    pend_i.clear()
+    pend_v.clear()
+    if k < idx.size:
+        pend_i.append(idx[k:])
+        pend_v.append(vals[k:])
+    return idx[:k], vals[:k]
 
 
 # ---------------------------------------------------------------------------- small codings
@@ -270,6 +332,29 @@ class EncodedDelta:
         return sum(len(c) for c in self.chunks) + len(orjson.dumps(self.header))
 
 
+ChunkSink = Callable[[dict[str, Any], int, bytes], None]  # (delta header, chunk number, blob)
+
+
+class _GuardedSink:
+    """Calls the caller's sink, timing it; the first exception is kept (and later raised by
+    :meth:`DeltaEncoder.encode`) and no further chunk is passed on."""
+
+    def __init__(self, sink: ChunkSink | None) -> None:
+        self.sink = sink
+        self.seconds = 0.0
+        self.error: Exception | None = None
+
+    def __call__(self, header: dict[str, Any], i: int, blob: bytes) -> None:
+        if self.sink is None or self.error is not None:
+            return
+        t0 = time.perf_counter()
+        try:
+            self.sink(header, i, blob)
+        except Exception as exc:
+            self.error = exc
+        self.seconds += time.perf_counter() - t0
+
+
 @dataclass
 class DecodedChunk:
     kind: int
@@ -277,6 +362,9 @@ class DecodedChunk:
     end: int
     idx: np.ndarray | None  # sorted global element indices (None: dense range)
     values: torch.Tensor  # param dtype (sparse/dense) or int view (xor)
+    # sparse/xor: (parameter number, indices inside that parameter, values), cut at decode time
+    # so that applying is one scatter per touched parameter
+    parts: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass
@@ -315,6 +403,7 @@ class DeltaEncoder:
         self._td = torch.empty(self._tile, dtype=torch.float32)
         self._ta = torch.empty(self._tile, dtype=torch.float32)
         self._tm = torch.empty(self._tile, dtype=torch.bool)
+        self._bmax = np.zeros(self.nblocks, dtype=np.float32)  # per-block max |delta| of the last pass
         self._segments = _tile_segments(self.layout, self._tile, padded)
         self._xor: torch.Tensor | None = None  # lossless XOR buffer, allocated on first use
         self._zc = zstandard.ZstdCompressor(level=cfg.zstd_level)
@@ -329,11 +418,19 @@ class DeltaEncoder:
 
     # ---------------------------------------------------------------- public API
     def encode(self, params: dict[str, torch.Tensor], version: int, *, anchor: bool | None = None,
-               max_bytes: int | None = None) -> EncodedDelta:
+               max_bytes: int | None = None, sink: ChunkSink | None = None) -> EncodedDelta:
         """Encode the change from the reference (at ``self.version``) to ``params`` at ``version``.
 
         ``anchor=None`` follows ``anchor_every``. ``max_bytes`` caps the delta: chunks go out
         most important first and the rest stays in the residual (error feedback).
+
+        ``sink(header, i, blob)`` receives every chunk to send. A lossy delta without a byte
+        budget *streams*: each chunk range (``chunk_elements``) goes to the sink as soon as its
+        part of the pass is done, so receivers decode chunk k while chunk k+1 is encoded; the
+        header then counts every range (one without selected elements is an empty chunk).
+        Otherwise (budget, lossless, anchor) the sink gets the chunks at the end, most
+        important first. An exception from the sink is raised after the encoder's state is
+        complete (reference and version advanced), so it never holds half a delta.
         """
         if version <= self.version:
             raise CodecError(f"new version {version} must exceed the reference version {self.version}")
@@ -344,6 +441,7 @@ class DeltaEncoder:
         if self.cfg.max_ratio > 0:
             cap = int(self.layout.numel * 4 / self.cfg.max_ratio)
             max_bytes = cap if max_bytes is None else min(max_bytes, cap)
+        out = _GuardedSink(sink)
         if anchor:
             flatten(params, self.layout, self.ref)
             enc = self._dense(version, base=self.version)
@@ -351,15 +449,20 @@ class DeltaEncoder:
         elif self.cfg.algorithm == "lossless":
             enc = self._lossless(params, version, max_bytes)
         else:
-            enc = self._lossy(params, version, max_bytes)
+            enc = self._lossy(params, version, max_bytes, out if sink is not None and max_bytes is None else None)
+        if not enc.stats.get("streamed"):
+            for i, blob in enumerate(enc.chunks):
+                out(enc.header, i, blob)
         self.publishes += 1
         self.version = version
-        enc.stats.update(encode_s=time.perf_counter() - t0, bytes=enc.nbytes,
+        enc.stats.update(encode_s=time.perf_counter() - t0 - out.seconds, sink_s=out.seconds, bytes=enc.nbytes,
                          dense_fp32_bytes=self.layout.numel * 4, density_target=self.density,
                          kind=enc.header["kind"])
         self.last_stats = enc.stats
         if self.cfg.tuner != "off" and enc.header["kind"] == "delta":
             self._tune(enc.stats)
+        if out.error is not None:
+            raise out.error
         return enc
 
     def snapshot(self) -> EncodedDelta:
@@ -398,31 +501,43 @@ class DeltaEncoder:
         return EncodedDelta(self._header("anchor", base, version, len(chunks)), chunks,
                             {"selected": n, "density": 1.0})
 
+    def _threshold(self, params: dict[str, torch.Tensor]) -> float:
+        if self.cfg.algorithm == "dense":
+            return 0.0
+        if self.cfg.algorithm == "threshold":
+            return float(self.threshold)
+        return self._sampled_threshold(params)
+
     def _select(self, params: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, float, float, int]:
+        """The whole selection at once: sorted global indices, their fp32 delta values, the
+        threshold, the squared norm of the delta and the number of changed blocks."""
+        thr = self._threshold(params)
+        scan = _Scan()
+        parts = [(i, v) for _, i, v in self._scan(params, thr, scan) if i.size]
+        if not parts:
+            return torch.zeros(0, dtype=torch.int64), torch.zeros(0), thr, scan.total_sq, scan.active
+        return (torch.from_numpy(np.concatenate([i for i, _ in parts])),
+                torch.from_numpy(np.concatenate([v for _, v in parts])), thr, scan.total_sq, scan.active)
+
+    def _scan(self, params: dict[str, torch.Tensor], thr: float,
+              scan: _Scan) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
         """One fused pass over ``new - reference``: change detection, energy and selection.
 
-        Returns sorted global indices, their fp32 delta values, the threshold used, the total
-        squared delta norm and the number of changed blocks. The pass walks the flat space in
-        cache-sized tiles (block aligned): per tile, one subtraction per overlapping parameter,
-        magnitudes, changed blocks (unchanged tiles are skipped), energy, comparison with the
-        threshold and one nonzero — so the 10M-element delta is read from memory once and never
-        materialised.
+        Walks the flat space in cache-sized, block-aligned tiles and yields, per tile, the end of
+        the scanned range, the global indices with ``|delta| >= thr`` and their fp32 values; the
+        per-block max ``|delta|`` goes to ``self._bmax`` (it is also the int8/fp16 scale of every
+        block with a selected element: its largest element is selected), energy and changed
+        blocks to ``scan``. Per tile: one subtraction per overlapping parameter, magnitudes,
+        block maxima (a tile that did not change is skipped — change detection for head-only or
+        LoRA training), a dot product, one comparison and one ``np.flatnonzero`` — so the
+        10M-element delta is read from memory once and never materialised.
         """
-        cfg = self.cfg
-        if cfg.algorithm == "dense":
-            thr = 0.0
-        elif cfg.algorithm == "threshold":
-            thr = float(self.threshold)
-        else:
-            thr = self._sampled_threshold(params)
         fp32 = self.layout.dtype == torch.float32
         block = self.block
         numel = self.layout.numel
-        total_sq = 0.0
-        active = 0
-        idx_parts: list[torch.Tensor] = []
-        val_parts: list[torch.Tensor] = []
         ref = self.ref
+        bmax = self._bmax
+        thr32 = np.float32(thr)
         with torch.no_grad():
             for t_start, t_len, segs in self._segments:
                 d = self._td[:t_len]
@@ -438,96 +553,126 @@ class DeltaEncoder:
                 dn = d.numpy()
                 mag = self._ta[:t_len].numpy()
                 np.abs(dn, out=mag)
-                block_max = mag.reshape(-1, block).max(axis=1)
+                b0 = t_start // block
+                block_max = bmax[b0:b0 + t_len // block]
+                np.max(mag.reshape(-1, block), axis=1, out=block_max)
                 changed = int(np.count_nonzero(block_max))
-                if changed == 0:
-                    continue  # change detection: nothing in this tile moved
-                active += changed
-                if float(block_max.max()) < 1e-18:  # squares would underflow in fp32
-                    total_sq += float(np.dot(dn.astype(np.float64), dn.astype(np.float64)))
+                if changed == 0:  # change detection: nothing in this tile moved
+                    yield t_start + t_len, _NO_IDX, _NO_VAL
+                    continue
+                scan.active += changed
+                top = float(block_max.max())
+                if top < 1e-18:  # squares would underflow in fp32
+                    scan.total_sq += float(np.dot(dn.astype(np.float64), dn.astype(np.float64)))
                 else:
-                    total_sq += float(np.dot(dn, dn))
+                    scan.total_sq += float(np.dot(dn, dn))
+                if top < thr:  # nothing here reaches the threshold
+                    yield t_start + t_len, _NO_IDX, _NO_VAL
+                    continue
                 m = self._tm[:t_len].numpy()
                 if thr > 0:
-                    np.greater_equal(mag, np.float32(thr), out=m)
+                    np.greater_equal(mag, thr32, out=m)
                 else:
                     np.greater(mag, 0, out=m)
-                local = torch.from_numpy(np.flatnonzero(m))
-                if local.numel():
-                    val_parts.append(torch.index_select(d, 0, local))
-                    idx_parts.append(local.add_(t_start))
-        if not idx_parts:
-            return torch.zeros(0, dtype=torch.int64), torch.zeros(0), thr, total_sq, active
-        return torch.cat(idx_parts), torch.cat(val_parts), thr, total_sq, active
+                local = np.flatnonzero(m)
+                if not local.size:
+                    yield t_start + t_len, _NO_IDX, _NO_VAL
+                    continue
+                vals = dn[local]
+                local += t_start
+                yield t_start + t_len, local, vals
 
-    def _lossy(self, params: dict[str, torch.Tensor], version: int, max_bytes: int | None) -> EncodedDelta:
-        cfg = self.cfg
-        idx_t, vals, thr, total_sq, n_active = self._select(params)
-        if n_active == 0:
+    def _lossy(self, params: dict[str, torch.Tensor], version: int, max_bytes: int | None,
+               sink: _GuardedSink | None) -> EncodedDelta:
+        """Select, quantise and code; with ``sink`` (no byte budget) every chunk range is sent
+        the moment its tiles are scanned and the reference advances chunk by chunk."""
+        thr = self._threshold(params)
+        quant = _QUANT_CODES[self.cfg.quantization]
+        numel = self.layout.numel
+        step = self.chunk_blocks * self.block
+        n_ranges = -(-numel // step)
+        header = self._header("delta", self.version, version, n_ranges)
+        scan = _Scan()
+        pend_i: list[np.ndarray] = []
+        pend_v: list[np.ndarray] = []
+        coded: list[_CodedChunk] = []
+        c = 0
+        for done, idx, vals in self._scan(params, thr, scan):
+            if idx.size:
+                pend_i.append(idx)
+                pend_v.append(vals)
+            while c < n_ranges and min(numel, (c + 1) * step) <= done:
+                start, end = c * step, min(numel, (c + 1) * step)
+                ci, cv = _take_until(pend_i, pend_v, end)
+                if ci.size or sink is not None:
+                    piece = self._code_chunk(c, start, end, ci, cv, quant)
+                    if sink is not None:  # streaming: everything goes out, so apply it now
+                        self._advance(piece)
+                        sink(header, c, piece.blob)
+                    coded.append(piece)
+                c += 1
+        selected = sum(p.idx.size for p in coded)
+        stats: dict[str, Any] = {"selected": selected, "density": selected / numel, "threshold": thr,
+                                 "active_blocks": scan.active, "chunks_dropped": 0}
+        if sink is not None:
+            sent = coded
+            stats["streamed"] = True
+        elif scan.active == 0:
             return EncodedDelta(self._header("delta", self.version, version, 0), [],
                                 {"selected": 0, "density": 0.0, "residual_norm": 0.0, "rel_error": 0.0,
                                  "active_blocks": 0})
-        idx = idx_t.numpy()
-        blk_t = torch.div(idx_t, self.block, rounding_mode="floor")
-        quant = _QUANT_CODES[cfg.quantization]
-        # quantise every selected value at once with its block's scale (max |value| in the block)
-        # (sign: one bit per value and the block's mean |value| — error feedback absorbs the rest)
-        scales = torch.zeros(self.nblocks, dtype=torch.float32).scatter_reduce_(
-            0, blk_t, vals.abs(), "mean" if quant == QUANT_SIGN else "amax", include_self=False)
-        scales[scales == 0] = 1.0
-        per = torch.index_select(scales, 0, blk_t)
-        if quant == QUANT_FP16:
-            q = (vals / per).to(torch.float16)
-            deq = q.float().mul_(per)
-        elif quant == QUANT_INT8:
-            q = torch.round(vals / per * 127.0).to(torch.int8)
-            deq = q.float().mul_(per / 127.0)
-        elif quant == QUANT_SIGN:
-            q = torch.where(vals < 0, -1, 1).to(torch.int8)
-            deq = q.float().mul_(per)
         else:
-            q, deq = vals, vals
-        err = vals - deq
-        deq_t = deq.to(self.layout.dtype)
-        # chunks: contiguous ranges of blocks; rank them by selected energy (or keep layer order)
-        step = self.chunk_blocks * self.block
-        bounds = np.searchsorted(idx, np.arange(0, self.nblocks * self.block + step, step))
-        sq = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.float64), (vals.double() ** 2)]), 0).numpy()
-        esq = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.float64), (err.double() ** 2)]), 0).numpy()
-        pieces = [(c, int(bounds[c]), int(bounds[c + 1])) for c in range(len(bounds) - 1)
-                  if bounds[c + 1] > bounds[c]]
-        if self.priority_mode == "magnitude":
-            pieces.sort(key=lambda x: -(sq[x[2]] - sq[x[1]]))
-        qn = q.numpy()
-        scales_n = scales.numpy()
-        chunks: list[bytes] = []
-        sent: list[tuple[int, int]] = []
-        sent_sq = err_sq = 0.0
-        used = 0
-        header_bytes = 400
-        for c, lo, hi in pieces:
-            start = c * step
-            end = min(self.layout.numel, start + step)
-            blob = self._sparse_chunk(len(chunks), start, end, idx[lo:hi], qn[lo:hi], scales_n, quant)
-            if max_bytes is not None and chunks and used + len(blob) + header_bytes > max_bytes:
-                continue  # not sent: stays in the residual
-            used += len(blob)
-            chunks.append(blob)
-            sent.append((lo, hi))
-            sent_sq += sq[hi] - sq[lo]
-            err_sq += esq[hi] - esq[lo]
-        if len(sent) == len(pieces):
-            _scatter_add(self.ref, idx_t, deq_t)
-        else:
-            for lo, hi in sent:
-                _scatter_add(self.ref, idx_t[lo:hi], deq_t[lo:hi])
-        residual_sq = max(0.0, total_sq - sent_sq + err_sq)
-        enc = EncodedDelta(self._header("delta", self.version, version, len(chunks)), chunks)
-        enc.stats.update(selected=int(idx.size), density=idx.size / self.layout.numel,
-                         threshold=thr, residual_norm=math.sqrt(residual_sq),
-                         rel_error=math.sqrt(residual_sq / total_sq) if total_sq else 0.0,
-                         active_blocks=n_active, chunks_dropped=len(pieces) - len(chunks))
-        return enc
+            if self.priority_mode == "magnitude":
+                coded.sort(key=lambda x: -x.sel_sq)
+            sent, used, header_bytes = [], 0, 400
+            for piece in coded:
+                if max_bytes is not None and sent and used + len(piece.blob) + header_bytes > max_bytes:
+                    continue  # not sent: stays in the residual
+                used += len(piece.blob)
+                sent.append(piece)
+                self._advance(piece)
+            stats["chunks_dropped"] = len(coded) - len(sent)
+            header = self._header("delta", self.version, version, len(sent))
+        sent_sq = sum(p.sel_sq for p in sent)
+        err_sq = sum(p.err_sq for p in sent)
+        residual_sq = max(0.0, scan.total_sq - sent_sq + err_sq)
+        stats.update(residual_norm=math.sqrt(residual_sq),
+                     rel_error=math.sqrt(residual_sq / scan.total_sq) if scan.total_sq else 0.0)
+        return EncodedDelta(header, [p.blob for p in sent], stats)
+
+    def _advance(self, piece: _CodedChunk) -> None:
+        """Move the reference by exactly what receivers of ``piece`` will add."""
+        if piece.idx.size:
+            _scatter_add(self.ref, torch.from_numpy(piece.idx), torch.from_numpy(piece.deq).to(self.layout.dtype))
+
+    def _code_chunk(self, number: int, start: int, end: int, idx: np.ndarray, vals: np.ndarray,
+                    quant: int) -> _CodedChunk:
+        """Scales, quantised values and the compressed blob of one chunk range."""
+        b0 = start // self.block
+        nsc = -(-(end - start) // self.block)
+        counts = _block_counts(idx, start, nsc, self.block)
+        if quant == QUANT_SIGN:  # scale = mean |value| of the block's selected elements
+            scales = np.ones(nsc, dtype=np.float32)
+            nz = counts > 0
+            if idx.size:
+                starts = np.concatenate([[0], np.cumsum(counts)[:-1]])[nz]
+                sums = np.add.reduceat(np.abs(vals).astype(np.float64), starts)
+                scales[nz] = (sums / counts[nz]).astype(np.float32)
+        else:  # scale = max |value| of the block's selected elements = the block's max |delta|
+            scales = np.where(counts > 0, self._bmax[b0:b0 + nsc], np.float32(1.0)).astype(np.float32)
+            if not np.isfinite(scales).all() and idx.size:  # a NaN elsewhere in the block: not selected
+                starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+                nz = counts > 0
+                scales[nz] = np.maximum.reduceat(np.abs(vals), starts[nz])
+        q = _quantise(vals, quant, scales, counts)
+        deq = _dequantise(q, quant, scales, counts)
+        v64 = vals.astype(np.float64)
+        e64 = v64 - deq
+        idx_bytes, code = _code_indices(idx, start, end)
+        body = b"".join([
+            CHUNK_HDR.pack(CHUNK_MAGIC, KIND_SPARSE, quant, code, 0, number, start, end, idx.size, nsc),
+            scales.tobytes(), struct.pack("<Q", len(idx_bytes)), idx_bytes, _shuffle(q)])
+        return _CodedChunk(self._zc.compress(body), idx, deq, float(np.dot(v64, v64)), float(np.dot(e64, e64)))
 
     def _sampled_threshold(self, params: dict[str, torch.Tensor]) -> float:
         """|delta| threshold that keeps about ``density`` of all elements, estimated from a
@@ -553,16 +698,6 @@ class DeltaEncoder:
         s = torch.cat(parts).abs_()
         kth = min(s.numel(), max(1, int(round((1.0 - self.density) * s.numel()))))
         return float(torch.kthvalue(s, kth).values)
-
-    def _sparse_chunk(self, number: int, start: int, end: int, idx: np.ndarray, q: np.ndarray,
-                      scales: np.ndarray, quant: int) -> bytes:
-        b0 = start // self.block
-        nsc = -(-(end - start) // self.block)
-        idx_bytes, code = _code_indices(idx, start, end)
-        body = b"".join([
-            CHUNK_HDR.pack(CHUNK_MAGIC, KIND_SPARSE, quant, code, 0, number, start, end, idx.size, nsc),
-            scales[b0:b0 + nsc].tobytes(), struct.pack("<Q", len(idx_bytes)), idx_bytes, _shuffle(q)])
-        return self._zc.compress(body)
 
     def _lossless(self, params: dict[str, torch.Tensor], version: int, max_bytes: int | None) -> EncodedDelta:
         lay = self.layout
@@ -651,11 +786,21 @@ class DeltaDecoder:
         self.check_header(header)
         if len(chunks) != header["nchunks"]:
             raise CodecError("chunk count does not match the header")
+        return self.finish(header, [self.decode_chunk(header, c) for c in chunks])
+
+    def decode_chunk(self, header: dict[str, Any], blob: bytes | memoryview) -> DecodedChunk:
+        """Validate and decode one chunk of a delta whose header passed :meth:`check_header`
+        (a receiver decodes chunk k while the trainer still encodes chunk k+1)."""
         codec = header.get("codec")
         block = codec.get("block") if isinstance(codec, dict) else None
         if not isinstance(block, int) or isinstance(block, bool) or not 1 <= block <= 1 << 30:
             raise CodecError("bad block size")
-        decoded = [self._chunk(c, header["kind"], block) for c in chunks]
+        return self._chunk(blob, header["kind"], block)
+
+    def finish(self, header: dict[str, Any], decoded: list[DecodedChunk]) -> DecodedDelta:
+        """Whole-delta checks once every chunk is decoded (count; anchors cover the layout)."""
+        if len(decoded) != header.get("nchunks"):
+            raise CodecError("chunk count does not match the header")
         if header["kind"] == "anchor":
             covered = sorted((c.start, c.end) for c in decoded)
             pos = 0
@@ -672,25 +817,36 @@ class DeltaDecoder:
         self.check_header(delta.header)
         lay = self.layout
         tensors = [params[n].data.view(-1) for n in lay.names]
+        itype = _INT_VIEW[lay.dtype.itemsize]
         with torch.no_grad():
             for ch in delta.chunks:
                 if ch.kind == KIND_DENSE:
                     self._apply_dense(tensors, ch)
-                    continue
-                assert ch.idx is not None
-                cuts = np.searchsorted(ch.idx, lay.offsets)
-                for i, t in enumerate(tensors):
-                    lo, hi = int(cuts[i]), int(cuts[i + 1])
-                    if hi <= lo:
-                        continue
-                    local = torch.from_numpy(ch.idx[lo:hi] - lay.offsets[i])
-                    if ch.kind == KIND_SPARSE:
-                        _scatter_add(t, local, ch.values[lo:hi])
-                    else:
-                        ti = t.view(_INT_VIEW[lay.dtype.itemsize])
-                        ti[local] ^= ch.values[lo:hi]
+                elif ch.kind == KIND_SPARSE:
+                    for i, local, vals in ch.parts:
+                        _scatter_add(tensors[i], local, vals)
+                else:
+                    for i, local, vals in ch.parts:
+                        ti = tensors[i].view(itype)
+                        ti[local] ^= vals
         self.version = delta.version
         return self.version
+
+    def _split(self, idx: np.ndarray, values: torch.Tensor, start: int,
+               end: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Cut a chunk's sorted global indices at parameter boundaries (only the parameters
+        that overlap ``[start, end)``), as indices inside each parameter."""
+        offs = self.layout.offsets
+        first = int(np.searchsorted(offs, start, side="right")) - 1
+        last = int(np.searchsorted(offs, end, side="left"))
+        cuts = np.searchsorted(idx, offs[first:last + 1])
+        parts = []
+        for k in range(last - first):
+            lo, hi = int(cuts[k]), int(cuts[k + 1])
+            if hi > lo:
+                local = idx[lo:hi] - offs[first + k] if offs[first + k] else idx[lo:hi]
+                parts.append((first + k, torch.from_numpy(local), values[lo:hi]))
+        return parts
 
     def _apply_dense(self, tensors: list[torch.Tensor], ch: DecodedChunk) -> None:
         lay = self.layout
@@ -731,8 +887,8 @@ class DeltaDecoder:
                 raise CodecError("bad scale count")
             if len(body) < pos + 4 * nsc:
                 raise CodecError("chunk truncated")
-            scales = torch.from_numpy(np.frombuffer(body, dtype=np.float32, count=nsc, offset=pos).copy())
-            if not bool(np.isfinite(scales.numpy()).all()):
+            scales = np.frombuffer(body, dtype=np.float32, count=nsc, offset=pos)
+            if not bool(np.isfinite(scales).all()):
                 raise CodecError("non-finite scale")
             pos += 4 * nsc
         elif nsc != 0:
@@ -760,7 +916,11 @@ class DeltaDecoder:
                 gaps = varint_decode(idx_bytes, count)
                 if count and int(gaps.max()) >= span:
                     raise CodecError("index out of range")
-            idx = (np.cumsum(gaps.astype(np.int64) + 1) + (start - 1)).astype(np.int64)
+            idx = gaps.astype(np.int64, copy=gaps.dtype != np.int64)
+            idx += 1
+            if count:
+                idx[0] += start - 1
+            np.cumsum(idx, out=idx)
             if count and int(idx[-1]) >= end:
                 raise CodecError("index out of range")
         else:
@@ -769,26 +929,21 @@ class DeltaDecoder:
         if kind == KIND_XOR:
             if quant != QUANT_NONE:
                 raise CodecError("bad xor chunk")
-            xv = _unshuffle(rest, _NP_INT[itemsize], count)
-            return DecodedChunk(kind, start, end, idx, torch.from_numpy(xv))
+            xv = torch.from_numpy(_unshuffle(rest, _NP_INT[itemsize], count))
+            return DecodedChunk(kind, start, end, idx, xv, self._split(idx, xv, start, end))
         assert scales is not None
-        rel_blk = torch.from_numpy((idx - start) // block)
-        per = scales[rel_blk] if count else scales[:0]
         if quant == QUANT_FP16:
-            q = torch.from_numpy(_unshuffle(rest, np.float16, count))
-            vals = q.float() * per
-        elif quant == QUANT_INT8:
-            q = torch.from_numpy(_unshuffle(rest, np.int8, count))
-            vals = q.float() * (per / 127.0)
-        elif quant == QUANT_SIGN:
-            q = torch.from_numpy(_unshuffle(rest, np.int8, count))
-            if count and not bool(np.isin(q.numpy(), (-1, 1)).all()):
+            q = _unshuffle(rest, np.float16, count)
+        elif quant in (QUANT_INT8, QUANT_SIGN):
+            q = _unshuffle(rest, np.int8, count)
+            if quant == QUANT_SIGN and count and not bool(((q == 1) | (q == -1)).all()):
                 raise CodecError("sign values must be -1 or +1")
-            vals = q.float() * per
         elif quant == QUANT_NONE:
-            vals = torch.from_numpy(_unshuffle(rest, np.float32, count))
+            q = _unshuffle(rest, np.float32, count)
         else:
             raise CodecError("unknown quantisation")
-        if not bool(np.isfinite(vals.numpy()).all()):
+        vals = _dequantise(q, quant, scales, _block_counts(idx, start, nsc, block))
+        if not bool(np.isfinite(vals).all()):
             raise CodecError("non-finite values")
-        return DecodedChunk(kind, start, end, idx, vals.to(dtype))
+        values = torch.from_numpy(vals).to(dtype)
+        return DecodedChunk(kind, start, end, idx, values, self._split(idx, values, start, end))

@@ -33,7 +33,7 @@ from redis.exceptions import ResponseError
 
 from shared import keys, metrics
 from shared.config import ContextConfig
-from shared.redis_batch import AutoPipeline
+from shared.redis_batch import AutoPipeline, pack_args
 from shared.types import ContextWindow, Entry
 
 log = logging.getLogger(__name__)
@@ -100,23 +100,25 @@ def pack_entry(role: str, content: bytes, *, tokens: int, ts_ms: int, mime: str 
     return b"".join((_HEADER.pack(_FORMAT, tokens, float(ts_ms), len(r), len(m), len(ln)), r, m, ln, content))
 
 
+_ROLES: dict[bytes, str] = {}  # role bytes -> str: a handful of distinct roles, decoded once
+
+
 def unpack_entry(entry_id: str, modality: str, raw: bytes) -> Entry:
-    return _entry_at(raw, 0, len(raw), entry_id, modality)
-
-
-def _entry_at(buf: bytes, pos: int, size: int, entry_id: str, modality: str) -> Entry:
-    """Decode the packed entry occupying buf[pos:pos + size] (no intermediate copies)."""
-    fmt, tokens, ts, rl, ml, ll = _HEADER.unpack_from(buf, pos)
+    """Decode one stored entry (see pack_entry)."""
+    fmt, tokens, ts, rl, ml, ll = _HEADER.unpack_from(raw)
     if fmt != _FORMAT:
         raise ValueError(f"unknown entry format {fmt}")
-    end = pos + size
-    pos += _HSIZE
-    role = buf[pos:pos + rl].decode()
-    pos += rl
-    mime = buf[pos:pos + ml].decode() if ml else None
+    pos = _HSIZE + rl
+    rb = raw[_HSIZE:pos]
+    role = _ROLES.get(rb)
+    if role is None:
+        role = rb.decode()
+        if len(_ROLES) < 256:
+            _ROLES[rb] = role
+    mime = raw[pos:pos + ml].decode() if ml else None
     pos += ml
-    links = buf[pos:pos + ll].decode().split(",") if ll else []
-    content = buf[pos + ll:end]
+    links = raw[pos:pos + ll].decode().split(",") if ll else []
+    content = raw[pos + ll:]
     return Entry(entry_id, modality, role, content, mime, tokens, len(content), int(ts), links)
 
 
@@ -178,6 +180,7 @@ class ContextStore:
         self._mod_names = {m.encode(): m for m in cfg.modalities}
         self._cfg_arg = script_config(cfg)
         self._global_keys = [keys.CTX_GLOBAL_BYTES.encode(), keys.CTX_GLOBAL_LRU.encode(), keys.AUDIT_STREAM.encode()]
+        self._heads: dict[str, bytes] = {}
         self._op_metrics: dict[str, tuple[Any, Any]] = {}
         self.round_trips = 0  # script calls made (the bench divides by operations)
 
@@ -206,13 +209,23 @@ class ContextStore:
         return ",".join(mods)
 
     # ------------------------------------------------------------------ plumbing
+    def _head(self, principal: str) -> bytes:
+        """RESP arguments ``FCALL <fn> 8 <keys of principal> <global keys>`` (cached per principal:
+        packing ~20 arguments per call was a large share of the client's time)."""
+        head = self._heads.get(principal)
+        if head is None:
+            if len(self._heads) >= 4096:
+                self._heads.clear()
+            ks = keys.ctx_keys(principal) + self._global_keys
+            head = self._heads[principal] = pack_args(("FCALL", self._fn, len(ks), *ks))
+        return head
+
     async def _call(self, op: str, principal: str, *args: Any) -> Any:
-        argv = [op, principal, self._clock_ms(), self._cfg_arg, *args]
-        ks = keys.ctx_keys(principal) + self._global_keys
+        argv = (op, principal, self._clock_ms(), self._cfg_arg, *args)
         self.round_trips += 1
         t0 = time.perf_counter()
         try:
-            out = await self._invoke(ks, argv)
+            out = await self._invoke(principal, argv)
         except ResponseError as exc:
             kind, _, msg = str(exc).partition(" ")
             msg = msg.split(" script: ", 1)[0]
@@ -228,21 +241,22 @@ class ContextStore:
         m[1].inc()
         return out
 
-    async def _invoke(self, ks: list[Any], argv: list[Any]) -> Any:
+    async def _invoke(self, principal: str, argv: tuple[Any, ...]) -> Any:
         if self._use_functions is False:
-            return await self._script(keys=ks, args=argv)
+            return await self._script(keys=keys.ctx_keys(principal) + self._global_keys, args=list(argv))
+        n = 11 + len(argv)  # FCALL, name, numkeys, 8 keys, then argv
         try:
-            return await self._batch.execute("FCALL", self._fn, len(ks), *ks, *argv)
+            return await self._batch.execute_packed(self._head(principal), n, argv)
         except ResponseError as exc:
             text = str(exc).lower()
             if "function not found" in text:  # first use on this server, or it restarted
                 await self.redis.function_load(self._fn_code, replace=True)
                 self._use_functions = True
-                return await self._batch.execute("FCALL", self._fn, len(ks), *ks, *argv)
+                return await self._batch.execute_packed(self._head(principal), n, argv)
             if "unknown command" in text and self._use_functions is None:  # Redis < 7
                 log.info("context store: Redis without Functions, using EVALSHA")
                 self._use_functions = False
-                return await self._script(keys=ks, args=argv)
+                return await self._script(keys=keys.ctx_keys(principal) + self._global_keys, args=list(argv))
             raise
 
     @staticmethod
@@ -274,7 +288,7 @@ class ContextStore:
             mod = self._mod_names.get(runs[i]) or _text(runs[i])
             first = int(runs[i + 1])
             chans.setdefault(mod, []).append(
-                (first, [_entry_at(v, 0, len(v), f"{mod}:{first + k}", mod) for k, v in enumerate(runs[i + 2])]))
+                (first, [unpack_entry(f"{mod}:{first + k}", mod, v) for k, v in enumerate(runs[i + 2])]))
         order = self._mod_order
         for mod in sorted(chans, key=lambda m: order.get(m, len(order))):
             parts = chans[mod]

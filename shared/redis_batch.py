@@ -35,7 +35,7 @@ class AutoPipeline:
         self.redis = redis
         self.max_inflight = max_inflight
         self.max_batch = max_batch
-        self._pending: list[tuple[tuple[Any, ...], asyncio.Future[Any]]] = []
+        self._pending: list[tuple[bytes, asyncio.Future[Any]]] = []
         self._inflight = 0
         self._scheduled = False
         self._tasks: set[asyncio.Task[None]] = set()
@@ -45,9 +45,17 @@ class AutoPipeline:
     async def execute(self, *args: Any) -> Any:
         """Send one command (with the next batch) and return its reply; a Redis error
         reply raises ``ResponseError`` for this caller only."""
+        return await self._enqueue(pack_command(args))
+
+    async def execute_packed(self, head: bytes, n: int, args: tuple[Any, ...]) -> Any:
+        """Like ``execute`` for a command of ``n`` arguments whose first ones are already
+        packed (``head``, from ``pack_args``) and whose others are ``args``."""
+        return await self._enqueue(b"*%d\r\n%b%b" % (n, head, pack_args(args)))
+
+    async def _enqueue(self, packed: bytes) -> Any:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
-        self._pending.append((args, fut))
+        self._pending.append((packed, fut))
         if len(self._pending) >= self.max_batch and self._inflight < self.max_inflight:
             self._flush()  # a full batch goes now: Redis works on it while we gather the next
         elif not self._scheduled and self._inflight < self.max_inflight:
@@ -68,11 +76,11 @@ class AutoPipeline:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _send(self, batch: list[tuple[tuple[Any, ...], asyncio.Future[Any]]]) -> None:
+    async def _send(self, batch: list[tuple[bytes, asyncio.Future[Any]]]) -> None:
         self.batches += 1
         self.commands += len(batch)
         try:
-            replies = await self._round_trip(b"".join([pack_command(args) for args, _ in batch]), len(batch))
+            replies = await self._round_trip(b"".join([packed for packed, _ in batch]), len(batch))
         except BaseException as exc:  # connection lost, timeout, cancelled: every caller hears it
             err = exc if isinstance(exc, Exception) else ConnectionError("redis batch cancelled")
             for _, fut in batch:
@@ -130,8 +138,13 @@ def _bulk(arg: Any) -> bytes:
     return b"$%d\r\n%b\r\n" % (len(arg), arg)
 
 
-def pack_command(args: tuple[Any, ...]) -> bytes:
-    """RESP encoding of one command (an array of bulk strings). Ours rather than redis-py's
+def pack_args(args: tuple[Any, ...] | list[Any]) -> bytes:
+    """RESP bulk strings of ``args`` (str, bytes or int). Ours rather than redis-py's
     ``pack_command`` because the context store sends ~20 arguments per call and redis-py's
     general encoder was a third of the client's time per operation (profiled)."""
-    return b"*%d\r\n" % len(args) + b"".join([_bulk(a) for a in args])
+    return b"".join([_bulk(a) for a in args])
+
+
+def pack_command(args: tuple[Any, ...] | list[Any]) -> bytes:
+    """RESP encoding of one command (an array of bulk strings)."""
+    return b"*%d\r\n%b" % (len(args), pack_args(args))
