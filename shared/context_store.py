@@ -179,7 +179,7 @@ class ContextStore:
         self._mod_order = {m: i for i, m in enumerate(cfg.modalities)}
         self._mod_names = {m.encode(): m for m in cfg.modalities}
         self._cfg_arg = script_config(cfg)
-        self._global_keys = [keys.CTX_GLOBAL_BYTES.encode(), keys.CTX_GLOBAL_LRU.encode(), keys.AUDIT_STREAM.encode()]
+        self._global_keys = [keys.CTX_GLOBAL_BYTES, keys.CTX_GLOBAL_LRU, keys.AUDIT_STREAM]
         self._heads: dict[str, bytes] = {}
         self._op_metrics: dict[str, tuple[Any, Any]] = {}
         self.round_trips = 0  # script calls made (the bench divides by operations)
@@ -209,6 +209,10 @@ class ContextStore:
         return ",".join(mods)
 
     # ------------------------------------------------------------------ plumbing
+    def _keys(self, principal: str) -> list[str]:
+        """KEYS of every script call: the principal's 5 keys, then the 3 global ones."""
+        return keys.ctx_keys(principal) + self._global_keys
+
     def _head(self, principal: str) -> bytes:
         """RESP arguments ``FCALL <fn> 8 <keys of principal> <global keys>`` (cached per principal:
         packing ~20 arguments per call was a large share of the client's time)."""
@@ -216,7 +220,7 @@ class ContextStore:
         if head is None:
             if len(self._heads) >= 4096:
                 self._heads.clear()
-            ks = keys.ctx_keys(principal) + self._global_keys
+            ks = self._keys(principal)
             head = self._heads[principal] = pack_args(("FCALL", self._fn, len(ks), *ks))
         return head
 
@@ -243,7 +247,7 @@ class ContextStore:
 
     async def _invoke(self, principal: str, argv: tuple[Any, ...]) -> Any:
         if self._use_functions is False:
-            return await self._script(keys=keys.ctx_keys(principal) + self._global_keys, args=list(argv))
+            return await self._script(keys=self._keys(principal), args=list(argv))
         n = 11 + len(argv)  # FCALL, name, numkeys, 8 keys, then argv
         try:
             return await self._batch.execute_packed(self._head(principal), n, argv)
@@ -256,7 +260,7 @@ class ContextStore:
             if "unknown command" in text and self._use_functions is None:  # Redis < 7
                 log.info("context store: Redis without Functions, using EVALSHA")
                 self._use_functions = False
-                return await self._script(keys=keys.ctx_keys(principal) + self._global_keys, args=list(argv))
+                return await self._script(keys=self._keys(principal), args=list(argv))
             raise
 
     @staticmethod

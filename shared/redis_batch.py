@@ -39,6 +39,7 @@ class AutoPipeline:
         self._inflight = 0
         self._scheduled = False
         self._tasks: set[asyncio.Task[None]] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.batches = 0   # round trips made (for benchmarks and tests)
         self.commands = 0  # commands sent
 
@@ -54,6 +55,8 @@ class AutoPipeline:
 
     async def _enqueue(self, packed: bytes) -> Any:
         loop = asyncio.get_running_loop()
+        if loop is not self._loop:  # first use, or the old loop went away with batches unfinished
+            self._loop, self._pending, self._inflight, self._scheduled = loop, [], 0, False
         fut: asyncio.Future[Any] = loop.create_future()
         self._pending.append((packed, fut))
         if len(self._pending) >= self.max_batch and self._inflight < self.max_inflight:
