@@ -76,7 +76,7 @@ class Authenticator:
         except jwt.PyJWTError:
             return None
         who = claims.get(self._oauth.principal_claim)
-        return who if isinstance(who, str) and _PRINCIPAL_OK.match(who) else None
+        return who if isinstance(who, str) and _PRINCIPAL_OK.fullmatch(who) else None
 
     def protected_resource_metadata(self) -> dict | None:
         """RFC 9728 document, or None when OAuth mode is off."""

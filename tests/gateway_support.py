@@ -3,20 +3,26 @@
 ``python tests/gateway_support.py PORT REDIS_URL [API_KEYS] [TTL_S] [CAP]`` starts uvicorn with
 the gateway app plus a few test tools (echo with a schema, a tool that logs/progresses,
 one that asks the client for sampling). :func:`start_gateway` launches it and waits for
-``/healthz``.
+``/healthz``. Extra config (``overrides``, e.g. ``{"gateway": {"oauth": {...}}}``) travels as
+JSON in ``$LM_TEST_GATEWAY_OVERRIDES``, so secrets never appear on the command line; ``output``
+captures the replica's stdout/stderr and ``log_level`` sets the root logger's level.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+OVERRIDES_ENV = "LM_TEST_GATEWAY_OVERRIDES"
+LOG_LEVEL_ENV = "LM_TEST_GATEWAY_LOG_LEVEL"
 
 
 def register_test_tools(registry: Any) -> None:
@@ -81,21 +87,34 @@ def main() -> None:
         overrides["gateway"]["session_idle_ttl_s"] = int(sys.argv[4])
     if len(sys.argv) > 5:
         overrides["gateway"]["max_sessions_per_principal"] = int(sys.argv[5])
+    for section, values in json.loads(os.environ.get(OVERRIDES_ENV) or "{}").items():
+        overrides.setdefault(section, {}).update(values)
+    log_level = os.environ.get(LOG_LEVEL_ENV, "warning").lower()
+    if LOG_LEVEL_ENV in os.environ:
+        logging.basicConfig(level=log_level.upper())
     cfg = load_config(env={}, overrides=overrides)
     app = create_app(cfg)
     register_test_tools(app.state.registry)
     uvicorn.run(app, host="127.0.0.1", port=port, loop="uvloop", http=CoalescingHttpToolsProtocol,
-                log_level="warning", timeout_graceful_shutdown=2)
+                log_level=log_level, timeout_graceful_shutdown=2)
 
 
 def start_gateway(port: int, redis_url: str, api_keys: str = "", ttl_s: int = 1800,
-                  cap: int = 1000) -> subprocess.Popen:
+                  cap: int = 1000, overrides: dict[str, dict[str, Any]] | None = None,
+                  output: IO[bytes] | None = None, log_level: str | None = None) -> subprocess.Popen:
     from tests.conftest import wait_for_sync
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("REDIS_URL", None)
+    env.pop(OVERRIDES_ENV, None)
+    env.pop(LOG_LEVEL_ENV, None)
+    if overrides:
+        env[OVERRIDES_ENV] = json.dumps(overrides)
+    if log_level:
+        env[LOG_LEVEL_ENV] = log_level
     proc = subprocess.Popen([sys.executable, str(Path(__file__)), str(port), redis_url, api_keys, str(ttl_s),
-                             str(cap)], cwd=str(ROOT), env=env)
+                             str(cap)], cwd=str(ROOT), env=env, stdout=output,
+                            stderr=subprocess.STDOUT if output is not None else None)
 
     def up() -> bool:
         if proc.poll() is not None:

@@ -1,0 +1,308 @@
+"""OAuth resource-server mode on real gateway processes against a real Redis: the RFC 9728
+document, HS256 JWTs minted here with PyJWT accepted on both MCP revisions (principal = the
+configured claim), every kind of bad token refused with 401 + ``WWW-Authenticate`` and no
+state written, isolation between two ``sub`` values, and no secret in the replica's logs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jwt
+import orjson
+import pytest
+import redis as redis_sync
+
+from tests.conftest import free_port, wait_for_sync
+from tests.gateway_support import start_gateway, stop
+from tests.test_gateway_http import ACCEPT, modern, rpc
+
+LEGACY = "2025-11-25"
+ISSUER = "https://auth.example.test"
+AUDIENCE = "learnmesh-test-audience"
+SECRET = "hs256-secret-of-the-test-authorization-server-0123456789abcdefgh"  # 64 bytes: HS512 too
+OTHER_SECRET = "another-authorization-servers-secret-0123456789abcdefghijklmnopq"
+API_KEY = "ops-api-key-12345678"
+WELL_KNOWN = "/.well-known/oauth-protected-resource"
+
+
+@dataclass
+class Gateway:
+    base: str
+    log: Path | None = None
+
+    @property
+    def mcp(self) -> str:
+        return self.base + "/mcp"
+
+    @property
+    def challenge(self) -> str:
+        return f'Bearer resource_metadata="{self.base}{WELL_KNOWN}"'
+
+
+def _oauth(port: int, **extra: Any) -> dict[str, dict[str, Any]]:
+    return {"gateway": {"oauth": {"enabled": True, "resource": f"http://127.0.0.1:{port}/mcp",
+                                  "authorization_servers": [ISSUER], "issuer": ISSUER, "audience": AUDIENCE,
+                                  "hs256_secret": SECRET, **extra}}}
+
+
+@pytest.fixture(scope="module")
+def oauth_gw(redis_server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """OAuth on (principal = ``sub``) with an API key alongside; output captured at DEBUG."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("oauth-gw") / "gateway.log"
+    with log.open("wb") as out:
+        proc = start_gateway(port, redis_server, api_keys=f"ops:{API_KEY}", overrides=_oauth(port),
+                             output=out, log_level="debug")
+    yield Gateway(f"http://127.0.0.1:{port}", log)
+    stop(proc)
+
+
+@pytest.fixture(scope="module")
+def email_gw(redis_server: str) -> Iterator[Gateway]:
+    """OAuth on with ``principal_claim: email`` and no API keys."""
+    port = free_port()
+    proc = start_gateway(port, redis_server, overrides=_oauth(port, principal_claim="email"))
+    yield Gateway(f"http://127.0.0.1:{port}")
+    stop(proc)
+
+
+def mint(secret: str | None = SECRET, algorithm: str = "HS256", drop: tuple[str, ...] = (), **claims: Any) -> str:
+    now = int(time.time())
+    payload = {"iss": ISSUER, "aud": AUDIENCE, "sub": "alice", "iat": now, "exp": now + 300, **claims}
+    for name in drop:
+        del payload[name]
+    return jwt.encode(payload, secret, algorithm=algorithm)
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {token}"}
+
+
+def body(r: httpx.Response) -> dict:
+    """The JSON-RPC response of a POST answered as JSON or as an SSE stream."""
+    text = r.text.strip()
+    if text.startswith("{"):
+        return orjson.loads(text)
+    msgs = [orjson.loads(line[5:]) for line in text.splitlines() if line.startswith("data:") and line[5:].strip()]
+    return [m for m in msgs if "id" in m][-1]
+
+
+def call_modern(gw: Gateway, auth: dict[str, str], method: str, params: dict | None = None) -> httpx.Response:
+    msg, h = modern(method, params)
+    return httpx.post(gw.mcp, json=msg, headers={**h, **auth})
+
+
+def tool(gw: Gateway, auth: dict[str, str], name: str, **args: Any) -> dict:
+    return body(call_modern(gw, auth, "tools/call", {"name": name, "arguments": args}))
+
+
+def initialize(gw: Gateway, auth: dict[str, str]) -> httpx.Response:
+    return httpx.post(gw.mcp, json=rpc("initialize", {"protocolVersion": LEGACY, "capabilities": {},
+                                                      "clientInfo": {"name": "t", "version": "1"}}),
+                      headers={"accept": ACCEPT, **auth})
+
+
+class Legacy:
+    """A 2025-11-25 session opened with one set of credentials."""
+
+    def __init__(self, gw: Gateway, auth: dict[str, str]) -> None:
+        r = initialize(gw, auth)
+        assert r.status_code == 200, r.text
+        self.gw, self.auth, self.sid = gw, auth, r.headers["mcp-session-id"]
+
+    def post(self, method: str, params: dict | None = None, auth: dict[str, str] | None = None) -> httpx.Response:
+        return httpx.post(self.gw.mcp, json=rpc(method, params, rid=2),
+                          headers={"accept": ACCEPT, "mcp-session-id": self.sid, "mcp-protocol-version": LEGACY,
+                                   **(self.auth if auth is None else auth)})
+
+    def tool(self, name: str, **args: Any) -> dict:
+        return body(self.post("tools/call", {"name": name, "arguments": args}))
+
+
+def echo_text(reply: dict) -> str:
+    assert "result" in reply, reply
+    return reply["result"]["content"][0]["text"]
+
+
+def assert_refused(r: httpx.Response, challenge: str) -> None:
+    assert r.status_code == 401, r.text
+    assert r.headers["www-authenticate"] == challenge
+    assert r.headers["content-type"].startswith("application/json")
+    assert set(r.json()) == {"error", "error_description"} and r.json()["error"] == "unauthorized"
+    assert "Traceback" not in r.text and "mcp-session-id" not in r.headers
+
+
+def principal_keys(redis_url: str) -> list[bytes]:
+    """Every key that belongs to some principal (sessions, contexts, tasks carry ``{principal}``)."""
+    client = redis_sync.Redis.from_url(redis_url)
+    try:
+        return [k for k in client.scan_iter(count=1000) if b"{" in k]
+    finally:
+        client.close()
+
+
+# ------------------------------------------------------------------ RFC 9728 document
+def test_protected_resource_metadata(oauth_gw: Gateway, redis_server: str) -> None:
+    for path in (WELL_KNOWN, WELL_KNOWN + "/mcp"):
+        r = httpx.get(oauth_gw.base + path)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("application/json")
+        assert r.json() == {"resource": oauth_gw.mcp, "authorization_servers": [ISSUER],
+                            "bearer_methods_supported": ["header"]}
+        assert SECRET not in r.text
+    port = free_port()
+    proc = start_gateway(port, redis_server, api_keys=f"ops:{API_KEY}")
+    try:
+        plain = Gateway(f"http://127.0.0.1:{port}")
+        for path in (WELL_KNOWN, WELL_KNOWN + "/mcp"):
+            r = httpx.get(plain.base + path)
+            assert r.status_code == 404 and "error" in r.json()
+        # OAuth off: no resource_metadata in the challenge, and a well-signed JWT is no credential
+        assert_refused(call_modern(plain, {}, "tools/list"), "Bearer")
+        assert_refused(call_modern(plain, bearer(mint()), "tools/list"), 'Bearer, error="invalid_token"')
+        assert echo_text(tool(plain, bearer(API_KEY), "t_echo", text="k")) == "ops:k"
+    finally:
+        stop(proc)
+
+
+# ------------------------------------------------------------------ accepted tokens
+def test_valid_jwt_is_the_sub_principal_on_both_revisions(oauth_gw: Gateway, redis_url: str) -> None:
+    token = bearer(mint(sub="alice"))
+    assert echo_text(tool(oauth_gw, token, "t_echo", text="hi")) == "alice:hi"
+    session = Legacy(oauth_gw, token)
+    assert echo_text(session.tool("t_echo", text="old")) == "alice:old"
+    assert any(k.startswith(b"lm:{alice}:sess:") for k in principal_keys(redis_url))
+    # an API key works alongside OAuth, as its own principal
+    assert echo_text(tool(oauth_gw, bearer(API_KEY), "t_echo", text="k")) == "ops:k"
+    assert echo_text(Legacy(oauth_gw, bearer(API_KEY)).tool("t_echo", text="k")) == "ops:k"
+    # an audience given as a list containing ours is accepted too
+    listed = bearer(mint(sub="dave", aud=["someone-else", AUDIENCE]))
+    assert echo_text(tool(oauth_gw, listed, "t_echo", text="l")) == "dave:l"
+
+
+def test_principal_claim_is_configurable(email_gw: Gateway, redis_url: str) -> None:
+    token = bearer(mint(sub="mallory", email="carol@example.com"))
+    assert echo_text(tool(email_gw, token, "t_echo", text="hi")) == "carol@example.com:hi"
+    assert echo_text(Legacy(email_gw, token).tool("t_echo", text="x")) == "carol@example.com:x"
+    invalid = email_gw.challenge + ', error="invalid_token"'
+    assert_refused(call_modern(email_gw, bearer(mint(sub="carol")), "tools/list"), invalid)  # no email claim
+    assert_refused(initialize(email_gw, bearer(mint(sub="carol"))), invalid)
+    assert_refused(call_modern(email_gw, bearer(API_KEY), "tools/list"), invalid)  # no API keys here
+
+
+# ------------------------------------------------------------------ refused tokens
+def _tampered() -> str:
+    head, _, sig = mint(sub="alice").split(".")
+    _, payload, _ = mint(sub="bob").split(".")
+    return f"{head}.{payload}.{sig}"
+
+
+REFUSED: dict[str, Any] = {
+    "expired": lambda: mint(exp=int(time.time()) - 120),
+    "wrong-audience": lambda: mint(aud="some-other-resource"),
+    "missing-audience": lambda: mint(drop=("aud",)),
+    "wrong-issuer": lambda: mint(iss="https://evil.example.test"),
+    "missing-issuer": lambda: mint(drop=("iss",)),
+    "not-yet-valid": lambda: mint(nbf=int(time.time()) + 600),
+    "other-secret": lambda: mint(secret=OTHER_SECRET),
+    "tampered-payload": _tampered,
+    "alg-none": lambda: mint(secret=None, algorithm="none"),
+    "alg-hs512": lambda: mint(algorithm="HS512"),
+    "no-exp": lambda: mint(drop=("exp",)),
+    "no-sub": lambda: mint(drop=("sub",)),
+    "sub-with-brace": lambda: mint(sub="ali{ce}"),
+    "sub-with-space": lambda: mint(sub="ali ce"),
+    "sub-with-newline": lambda: mint(sub="alice\n"),
+    "sub-empty": lambda: mint(sub=""),
+    "sub-too-long": lambda: mint(sub="a" * 129),
+    "sub-not-a-string": lambda: mint(sub=12345),
+    "not-a-jwt": lambda: "not.a.jwt",
+    "api-key-lookalike": lambda: API_KEY + "x",
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_bad_token_refused_without_state(oauth_gw: Gateway, redis_url: str, case: str) -> None:
+    token = REFUSED[case]()
+    auth = bearer(token)
+    challenge = oauth_gw.challenge + ', error="invalid_token"'
+    assert_refused(initialize(oauth_gw, auth), challenge)
+    assert_refused(call_modern(oauth_gw, auth, "tools/call", {"name": "context_append", "arguments": {
+        "context_id": "c", "modality": "text", "text": "must not land"}}), challenge)
+    assert_refused(httpx.get(oauth_gw.mcp, headers={"accept": "text/event-stream", "mcp-session-id": "x", **auth}),
+                   challenge)
+    assert principal_keys(redis_url) == []
+
+
+@pytest.mark.parametrize("authorization", [None, "Bearer", "Basic b3BzOnNlY3JldA==", f"Token {API_KEY}"])
+def test_missing_bearer_token_refused(oauth_gw: Gateway, redis_url: str, authorization: str | None) -> None:
+    auth = {} if authorization is None else {"authorization": authorization}
+    assert_refused(initialize(oauth_gw, auth), oauth_gw.challenge)
+    assert_refused(call_modern(oauth_gw, auth, "tools/list"), oauth_gw.challenge)
+    assert principal_keys(redis_url) == []
+
+
+def test_session_needs_a_valid_token_on_every_request(oauth_gw: Gateway, redis_url: str) -> None:
+    session = Legacy(oauth_gw, bearer(mint(sub="alice")))
+    invalid = oauth_gw.challenge + ', error="invalid_token"'
+    assert_refused(session.post("ping", auth={}), oauth_gw.challenge)
+    assert_refused(session.post("ping", auth=bearer(mint(sub="alice", exp=int(time.time()) - 1))), invalid)
+    assert session.post("ping", auth=bearer(mint(sub="alice"))).json()["result"] == {}  # a fresh token goes on
+
+
+# ------------------------------------------------------------------ isolation by sub
+def test_two_subs_are_isolated(oauth_gw: Gateway, redis_url: str) -> None:
+    alice, bob = bearer(mint(sub="alice")), bearer(mint(sub="bob"))
+    appended = tool(oauth_gw, alice, "context_append", context_id="diary", modality="text", text="alice only")
+    assert appended["result"]["structuredContent"]["version"] == 1, appended
+    bob_session = Legacy(oauth_gw, bob)
+
+    def bob_modern(method: str, params: dict) -> dict:
+        return body(call_modern(oauth_gw, bob, method, params))
+
+    for ask in (lambda m, p: body(bob_session.post(m, p)), bob_modern):
+        assert ask("tools/call", {"name": "context_get", "arguments": {"context_id": "diary"}})["error"]["code"] == -32602
+        assert ask("tools/call", {"name": "context_fork", "arguments": {
+            "context_id": "diary", "new_context_id": "stolen"}})["error"]["code"] == -32602
+        assert ask("resources/read", {"uri": "context://diary/text"})["error"]["code"] == -32002
+        assert not any("diary" in x["uri"] for x in ask("resources/list", {})["result"]["resources"])
+    # the same id under bob is bob's own context; alice's is untouched
+    assert bob_session.tool("context_append", context_id="diary", modality="text",
+                            text="bob")["result"]["structuredContent"]["version"] == 1
+    got = tool(oauth_gw, alice, "context_get", context_id="diary")["result"]["structuredContent"]
+    assert [e["text"] for e in got["entries"]] == ["alice only"] and got["version"] == 1
+    uris = [x["uri"] for x in body(call_modern(oauth_gw, alice, "resources/list"))["result"]["resources"]]
+    assert "context://diary/text" in uris
+    # a legacy session is bound to the principal that opened it
+    alice_session = Legacy(oauth_gw, alice)
+    stolen = alice_session.post("ping", auth=bob)
+    assert stolen.status_code == 404 and "Traceback" not in stolen.text
+    assert alice_session.post("ping").json()["result"] == {}
+
+
+# ------------------------------------------------------------------ logs
+def test_secret_and_tokens_never_logged(oauth_gw: Gateway, redis_url: str) -> None:
+    assert oauth_gw.log is not None
+    good = mint(sub="alice")
+    refused = [mint(exp=int(time.time()) - 120), mint(secret=OTHER_SECRET), mint(secret=None, algorithm="none"),
+               mint(sub="ali{ce}")]
+    assert echo_text(tool(oauth_gw, bearer(good), "t_echo", text="x")) == "alice:x"
+    Legacy(oauth_gw, bearer(good)).tool("t_echo", text="y")
+    for token in refused:
+        assert initialize(oauth_gw, bearer(token)).status_code == 401
+        assert call_modern(oauth_gw, bearer(token), "tools/list").status_code == 401
+    crash = tool(oauth_gw, bearer(good), "t_crash")
+    assert crash["error"]["code"] == -32603
+    # the crash is logged: proof that the captured output is the replica's log
+    wait_for_sync(lambda: "secret internal detail" in oauth_gw.log.read_text(errors="replace"), timeout_s=10,
+                  what="the tool crash to reach the gateway's log")
+    text = oauth_gw.log.read_text(errors="replace")
+    assert SECRET not in text and API_KEY not in text
+    for token in [good, *refused]:
+        head, payload, sig = token.split(".")
+        assert token not in text and payload not in text
+        assert not sig or sig not in text
