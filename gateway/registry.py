@@ -100,7 +100,7 @@ class ResourceTemplate:
         self.pattern = re.compile(f"^{regex}$")
 
     def match(self, uri: str) -> dict[str, str] | None:
-        m = self.pattern.match(uri)
+        m = self.pattern.fullmatch(uri)
         return m.groupdict() if m else None
 
     def describe(self) -> dict[str, Any]:

@@ -416,7 +416,7 @@ class McpHttpTransport:
             await _rpc_error(send, sent, 404, None, INVALID_REQUEST, "Session not found")
             return
         last = headers.get("last-event-id")
-        cursor = last if last and _EVENT_ID.match(last) else await self.state.sessions.last_event_id(principal, sid)
+        cursor = last if last and _EVENT_ID.fullmatch(last) else await self.state.sessions.last_event_id(principal, sid)
         sent.started = True
         await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
         await send({"type": "http.response.body", "body": f"id: {cursor}\ndata: \n\n".encode(), "more_body": True})

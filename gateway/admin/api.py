@@ -220,7 +220,7 @@ async def _session_refs(state: Any, principal: str | None, limit: int, session_i
         cursor, batch = await r.scan(cursor=cursor, match=pattern, count=1000)
         calls += 1
         for k in batch:
-            m = _SESS_RE.match(_s(k))
+            m = _SESS_RE.fullmatch(_s(k))
             if m:
                 out.append((m.group(1), m.group(2)))
                 if len(out) >= limit:

@@ -102,7 +102,7 @@ class AdminKeyring:
         """Make a new random key; returns (plaintext, metadata). The plaintext is shown once."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}")
-        if not _NAME_OK.match(name):
+        if not _NAME_OK.fullmatch(name):
             raise ValueError("name must be 1-64 characters of A-Z a-z 0-9 _ . @ -")
         if name in self._keys:
             raise KeyNameTaken(name)
