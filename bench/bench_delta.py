@@ -9,11 +9,13 @@ against the same trajectory. Reports, with baselines measured in the same run:
 * encode GB/s per core (one torch thread; GB = dense fp32 bytes of the model) vs torch.topk
   and a memory copy; decode+apply GB/s;
 * served eval loss (weights a worker holds) vs the trainer's exact weights;
-* step -> serving latency: publisher + 4 subscriber processes over real ZeroMQ (tcp, loopback),
-  time from the end of the optimizer step until all 4 have applied the version (p50 / p99);
+* step -> serving latency with the default codec: publisher + 4 subscriber processes over real
+  ZeroMQ (tcp, loopback), time from the end of the optimizer step until the last of the 4 has
+  applied the version and reported it (p50 / p99);
 * a PNG (bench/out/delta_density.png) of bytes per sync and loss gap against density.
 
-``--quick`` (default) takes 1-2 minutes on 2 cores; ``--full`` runs the issue's sizes.
+``--quick`` (default) takes 1-2 minutes on 2 cores; ``--full`` runs the issue's sizes;
+``--latency-only`` runs just the step -> serving part.
 """
 
 from __future__ import annotations
@@ -113,11 +115,16 @@ def _subscriber_proc(cfg_over: dict, wid: str, arch: tuple, report_ep: str, read
     push.setsockopt(zmq.LINGER, 0)
     push.connect(report_ep)
     sub = DeltaSubscriber(cfg, ctx, wid, params_of(model), 0, model_id="bench")
+    cpu_s = 0.0  # CPU this worker spent in poll() since its last report: verify, decrypt, decode, apply
     while not stop.is_set():
         if sub.wait(50):
+            c0 = time.process_time()
             v = sub.poll(max_packets=1024)
+            cpu_s += time.process_time() - c0
             if v is not None:
-                push.send_json({"w": wid, "v": v, "t": time.monotonic(), "anchors": sub.stats["anchors"]})
+                push.send_json({"w": wid, "v": v, "t": time.monotonic(), "anchors": sub.stats["anchors"],
+                                "cpu_s": cpu_s})
+                cpu_s = 0.0
         if sub.stats["anchors"] and not ready.is_set():
             ready.set()
     stats = sub.stats
@@ -159,7 +166,7 @@ def latency_run(arch: tuple, steps: int, density: float, n_workers: int = 4) -> 
         if not r.wait(120):
             raise RuntimeError("a subscriber did not load its snapshot")
     g = torch.Generator().manual_seed(1)
-    lat, encode_s = [], []
+    lat, encode_s, published, worker_cpu = [], [], [], []
     for v in range(1, steps + 1):
         x = torch.randn(32, arch[0], generator=g)
         loss = model(x).pow(2).mean()
@@ -168,6 +175,7 @@ def latency_run(arch: tuple, steps: int, density: float, n_workers: int = 4) -> 
         opt.step()
         t_step = time.monotonic()
         st = pub.publish(params_of(model), v)
+        published.append(time.monotonic() - t_step)
         encode_s.append(st.encode_s)
         got: dict[str, float] = {}
         deadline = time.monotonic() + 30
@@ -176,6 +184,7 @@ def latency_run(arch: tuple, steps: int, density: float, n_workers: int = 4) -> 
                 m = pull.recv_json()
                 if m.get("v") == v:
                     got[m["w"]] = m["t"]
+                    worker_cpu.append(m["cpu_s"])
         if len(got) == n_workers:
             lat.append(max(got.values()) - t_step)
     stop.set()
@@ -194,7 +203,8 @@ def latency_run(arch: tuple, steps: int, density: float, n_workers: int = 4) -> 
     pull.close()
     ctx.term()
     return {"p50_ms": pct(lat, 50) * 1e3, "p99_ms": pct(lat, 99) * 1e3, "measured": len(lat), "steps": steps,
-            "encode_p50_ms": pct(encode_s, 50) * 1e3,
+            "encode_p50_ms": pct(encode_s, 50) * 1e3, "published_p50_ms": pct(published, 50) * 1e3,
+            "packets": st.packets, "bytes": st.bytes, "worker_cpu_p50_ms": pct(worker_cpu, 50) * 1e3,
             "resyncs": sum(f["resyncs"] for f in finals),
             "rejected": sum(sum(f["rejected"].values()) for f in finals)}
 
@@ -209,6 +219,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--latency-steps", type=int, default=None)
     ap.add_argument("--no-latency", action="store_true")
+    ap.add_argument("--latency-only", action="store_true", help="only the step -> serving run")
     ap.add_argument("--warmup", type=int, default=30, help="unsynced training steps before measuring")
     ap.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate of the synced steps")
     args = ap.parse_args()
@@ -219,6 +230,13 @@ def main() -> int:
     arch = (512, 2048, 3, 512)  # 512*2048 + 2*2048^2 + 2048*512 + biases ~= 10.5M parameters
     torch.set_num_threads(1)  # "per core" figures
     OUT.mkdir(parents=True, exist_ok=True)
+    if args.latency_only:
+        default = CompressionConfig()
+        print(f"step -> serving latency only, {lat_steps} steps, codec topk d={default.density:g} "
+              f"{default.quantization} ...", flush=True)
+        lat = latency_run(arch, lat_steps, default.density)
+        print_latency(lat)
+        return 0
 
     teacher = mlp(*arch, seed=123)
     model = mlp(*arch, seed=0)
@@ -245,24 +263,26 @@ def main() -> int:
         y_eval = teacher(x_eval)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
-    main_density = 0.01
+    default = CompressionConfig()
+    main_density = default.density
+    main_name = f"topk d={default.density:g} {default.quantization}"
     codecs: dict[str, DeltaEncoder] = {}
+
+    def codec(name: str, **kw: object) -> None:
+        codecs[name] = DeltaEncoder(CompressionConfig(**{"anchor_every": 0, **kw}), params, 0, "b")
+
     for d in densities:
-        codecs[f"topk d={d:g} fp16"] = DeltaEncoder(CompressionConfig(density=d, anchor_every=0), params, 0, "b")
-    codecs["topk d=0.01 int8"] = DeltaEncoder(CompressionConfig(density=0.01, quantization="int8", anchor_every=0),
-                                              params, 0, "b")
+        codec(f"topk d={d:g} fp16", density=d, quantization="fp16")
+    codec("topk d=0.01 int8", density=0.01, quantization="int8")
     # same byte budget, more elements: fewer bits per value, error feedback absorbs the coarser values
-    codecs["topk d=0.02 int8"] = DeltaEncoder(CompressionConfig(density=0.02, quantization="int8", anchor_every=0),
-                                              params, 0, "b")
+    codec("topk d=0.02 int8", density=0.02, quantization="int8")
     for d in (0.03, 0.05):
-        codecs[f"topk d={d:g} sign"] = DeltaEncoder(CompressionConfig(density=d, quantization="sign", anchor_every=0),
-                                                    params, 0, "b")
+        codec(f"topk d={d:g} sign", density=d, quantization="sign")
+    if main_name not in codecs:
+        codec(main_name, density=default.density, quantization=default.quantization)
     if full:
-        codecs["topk d=0.01 fp16 anchor/50"] = DeltaEncoder(CompressionConfig(density=0.01, anchor_every=50),
-                                                            params, 0, "b")
-        codecs["lossless (xor)"] = DeltaEncoder(CompressionConfig(algorithm="lossless", anchor_every=0),
-                                                params, 0, "b")
-    main_name = f"topk d={main_density:g} fp16"
+        codec("topk d=0.01 fp16 anchor/50", density=0.01, quantization="fp16", anchor_every=50)
+        codec("lossless (xor)", algorithm="lossless")
     recv = {k: v.clone() for k, v in params.items()}
     dec = DeltaDecoder(recv, 0, "b")
     topk = TopkEF(params, main_density)
@@ -354,12 +374,18 @@ def main() -> int:
               flush=True)
         lat = latency_run(arch, lat_steps, main_density)
         result["latency"] = lat
-        print(f"step -> all 4 workers serving: p50 {lat['p50_ms']:.1f} ms, p99 {lat['p99_ms']:.1f} ms "
-              f"({lat['measured']}/{lat['steps']} steps; encode p50 {lat['encode_p50_ms']:.1f} ms; "
-              f"resyncs {lat['resyncs']}, rejected {lat['rejected']}; load average {os.getloadavg()[0]:.2f})")
+        print_latency(lat)
     (OUT / "delta.json").write_text(json.dumps(result, indent=2))
     plot(rows, dense_bytes)
     return 0
+
+
+def print_latency(lat: dict) -> None:
+    print(f"step -> all 4 workers serving: p50 {lat['p50_ms']:.1f} ms, p99 {lat['p99_ms']:.1f} ms "
+          f"({lat['measured']}/{lat['steps']} steps; encode p50 {lat['encode_p50_ms']:.1f} ms, publish() returned "
+          f"p50 {lat['published_p50_ms']:.1f} ms after the step; CPU per worker per delta p50 "
+          f"{lat['worker_cpu_p50_ms']:.1f} ms; {lat['packets']} packets, {lat['bytes']} bytes; "
+          f"resyncs {lat['resyncs']}, rejected {lat['rejected']}; load average {os.getloadavg()[0]:.2f})")
 
 
 def plot(rows: list[dict], dense_bytes: int) -> None:

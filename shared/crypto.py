@@ -3,7 +3,7 @@
 A packet is three ZeroMQ payload frames ``[header, ciphertext, signature?]``:
 
 * ``header`` — orjson object, sent in clear and used verbatim as the AEAD associated data:
-  ``kid`` (key id), ``sess`` (random session id of the sender process), ``t0`` (session start,
+  ``v`` (envelope version, :data:`ENVELOPE_VERSION`; others are refused as malformed), ``kid`` (key id), ``sess`` (random session id of the sender process), ``t0`` (session start,
   ns), ``sender``, ``stream`` (0 = PUB deltas, 1 = snapshot replies, 2 = PUB heartbeats), ``seq`` (per-stream packet
   counter), ``epoch`` (= seq // rekey_after_packets) and ``meta`` (model, base → version, chunk
   number ...). Changing any byte of it fails authentication.
@@ -13,9 +13,11 @@ A packet is three ZeroMQ payload frames ``[header, ciphertext, signature?]``:
   epoch mean a (key, nonce) pair is never used twice, and no key encrypts more than
   ``rekey_after_packets`` (≤ 2³²-1) packets. Plaintexts are capped at :data:`MAX_PLAINTEXT`
   (64 MiB, far under GCM's 2³⁹-256 bit limit); callers chunk before sealing.
-* ``signature`` — Ed25519 over ``header || ciphertext`` by the trainer's signing key. Workers
-  hold only the public key, so one worker that knows the symmetric key still cannot forge
-  updates for the others.
+* ``signature`` — Ed25519 over ``header || SHA-256(ciphertext)`` by the trainer's signing key
+  (envelope ``v`` 2; version 1 signed ``header || ciphertext``, which costs Ed25519's SHA-512
+  passes over the whole ciphertext). Workers hold only the public key, so one worker that
+  knows the symmetric key still cannot forge updates for the others (that would take a
+  second SHA-256 preimage).
 
 Receivers (:class:`EnvelopeOpener`) reject and classify: ``truncated``, ``malformed``,
 ``wrong_key``, ``bad_signature``, ``tampered``, ``replayed``, ``out_of_order``, ``stale``
@@ -27,6 +29,7 @@ file when it changes (receivers also on an unknown key id), so the mesh never st
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import secrets
@@ -48,6 +51,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 log = logging.getLogger(__name__)
 
+ENVELOPE_VERSION = 2  # 2: the signature covers header || SHA-256(ciphertext) (1: header || ciphertext)
 MAX_PLAINTEXT = 64 * 1024 * 1024
 MAX_HEADER_BYTES = 16 * 1024
 STREAM_DELTA, STREAM_SNAPSHOT, STREAM_HEARTBEAT = 0, 1, 2
@@ -230,6 +234,13 @@ def _derive(master: bytes, session: bytes, sender: str, epoch: int) -> AESGCM:
 _NONCE = struct.Struct(">IQ")
 
 
+def _signed(header: bytes, ciphertext: bytes) -> bytes:
+    """What the Ed25519 signature covers: the header and SHA-256 of the ciphertext. Ed25519
+    hashes its message (twice when signing) with SHA-512; over a ~100 KB ciphertext that was
+    ~0.28 ms per verify and ~0.37 ms per sign here, against ~0.07 ms for SHA-256 (SHA-NI)."""
+    return header + hashlib.sha256(ciphertext).digest()
+
+
 # ---------------------------------------------------------------------------- sender side
 
 
@@ -259,8 +270,8 @@ class EnvelopeSealer:
         self._seq[stream] = seq + 1
         epoch = seq // self.rekey_after
         kid = self.ring.active
-        header = orjson.dumps({"kid": kid, "sess": self.session.hex(), "t0": self.t0, "sender": self.sender,
-                               "stream": stream, "seq": seq, "epoch": epoch, "meta": meta})
+        header = orjson.dumps({"v": ENVELOPE_VERSION, "kid": kid, "sess": self.session.hex(), "t0": self.t0,
+                               "sender": self.sender, "stream": stream, "seq": seq, "epoch": epoch, "meta": meta})
         aead = self._aead.get((kid, epoch))
         if aead is None:
             self._aead = {k: v for k, v in self._aead.items() if k[1] >= epoch - 1}
@@ -269,7 +280,7 @@ class EnvelopeSealer:
         frames = [header, ct]
         if self.sign:
             assert self.ring.sign_private is not None
-            frames.append(self.ring.sign_private.sign(header + ct))
+            frames.append(self.ring.sign_private.sign(_signed(header, ct)))
         return frames
 
 
@@ -314,10 +325,12 @@ class EnvelopeOpener:
             raise EnvelopeReject("malformed", "header too large")
         try:
             h = orjson.loads(header_b)
+            if h.get("v") != ENVELOPE_VERSION:
+                raise KeyError("v")
             kid, sess, t0, sender = h["kid"], h["sess"], h["t0"], h["sender"]
             stream, seq, epoch, meta = h["stream"], h["seq"], h["epoch"], h["meta"]
             session = bytes.fromhex(sess)
-        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
             raise EnvelopeReject("malformed", "bad envelope header") from None
         ints = (t0, stream, seq, epoch)
         if (not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ints)
@@ -338,7 +351,7 @@ class EnvelopeOpener:
                 raise EnvelopeReject("bad_signature", "unsigned packet")
             assert self.ring.sign_public is not None
             try:
-                self.ring.sign_public.verify(bytes(_buf(frames[2])), header_b + ct)
+                self.ring.sign_public.verify(bytes(_buf(frames[2])), _signed(header_b, ct))
             except InvalidSignature:
                 raise EnvelopeReject("bad_signature") from None
         cache_key = (kid, sess, sender, epoch)

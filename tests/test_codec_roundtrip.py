@@ -343,3 +343,116 @@ def test_fuzz_decoder_thousands_of_random_mutations() -> None:
             refused += 1
     assert refused > 700  # most structural damage is detected; decode() never touches params
     assert all(torch.equal(before[k], recv[k]) for k in recv)
+
+
+def _stream_model() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(21)
+    # "frozen" sits in the middle of the flat space: its chunk ranges see no change at all
+    return {"a": torch.randn(3000, generator=g), "frozen": torch.zeros(4096), "b": torch.randn(5000, generator=g)}
+
+
+def test_streaming_sink_gets_every_range_as_it_is_encoded_and_chunks_decode_one_by_one(monkeypatch) -> None:
+    import shared.codec as codec
+
+    monkeypatch.setattr(codec, "_TILE_ELEMENTS", 512)
+    params = _stream_model()
+    enc = DeltaEncoder(cfg(chunk_elements=1024), params, 0, "m")
+    recv = {k: v.clone() for k, v in params.items()}
+    dec = DeltaDecoder(recv, 0, "m")
+    g = torch.Generator().manual_seed(22)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one encoding thread: ranges are scanned strictly in order
+    try:
+        for v in range(1, 6):
+            params["a"].add_(torch.randn(3000, generator=g) * 1e-3)
+            params["b"].add_(torch.randn(5000, generator=g) * 1e-3)
+            ref_before = enc.ref.clone()
+            seen: list[tuple[int, int, bool]] = []
+
+            def sink(header: dict, i: int, blob: bytes, ref_before: torch.Tensor = ref_before,
+                     seen: list = seen, v: int = v) -> None:
+                assert header["nchunks"] == 12  # ceil(12096 / 1024) ranges, every one sent
+                seen.append((i, enc.version, torch.equal(enc.ref, ref_before)))
+                if i == 0 and v == 3:
+                    params["b"].add_(1.0)  # "b" lies in later ranges: not scanned yet
+
+            e = enc.encode(params, v, sink=sink)
+            assert [s[0] for s in seen] == list(range(12)) and e.stats["streamed"]
+            assert all(version == v - 1 and unmoved for _, version, unmoved in seen)  # reference: after the last
+            if v == 3:  # the change made while chunk 0 was out is in this delta: chunks stream
+                assert float((enc.ref[7096:12096] - ref_before[7096:12096]).abs().max()) > 0.5
+            assert e.header["nchunks"] == len(e.chunks) == 12
+            decoded = [dec.decode_chunk(e.header, c) for c in e.chunks]
+            assert sum(d.idx.size for d in decoded if d.idx is not None) == e.stats["selected"]
+            assert decoded[4].idx is not None and decoded[4].idx.size == 0  # an empty range still travels
+            assert dec.apply(recv, dec.finish(e.header, decoded)) == v
+    finally:
+        torch.set_num_threads(threads)
+    assert receiver_matches_reference(enc, recv)
+    with pytest.raises(CodecError):
+        dec.finish(e.header, decoded[:-1])
+
+
+def test_a_failing_sink_leaves_the_encoder_whole() -> None:
+    params = _stream_model()
+    enc = DeltaEncoder(cfg(chunk_elements=1024), params, 0, "m")
+    params["a"].add_(0.01)
+    calls = []
+
+    def sink(header: dict, i: int, blob: bytes) -> None:
+        calls.append(i)
+        if i == 1:
+            raise OSError("socket closed")
+
+    with pytest.raises(OSError):
+        enc.encode(params, 1, sink=sink)
+    assert calls == [0, 1] and enc.version == 1  # no further chunk went out; the delta is complete
+    fresh = {k: torch.zeros_like(v) for k, v in params.items()}
+    fdec = DeltaDecoder(fresh, -1, "m")
+    snap = enc.snapshot()  # what a worker that missed chunks resyncs from
+    fdec.apply(fresh, fdec.decode(snap.header, snap.chunks))
+    e = enc.encode(params, 2, sink=lambda h, i, b: None)
+    assert e.header["base"] == 1
+    fdec.apply(fresh, fdec.decode(e.header, e.chunks))
+    assert receiver_matches_reference(enc, fresh)
+
+
+def test_encoding_threads_give_bit_identical_deltas(monkeypatch) -> None:
+    import shared.codec as codec
+
+    monkeypatch.setattr(codec, "_TILE_ELEMENTS", 512)
+    params = make_params(12)
+    one = DeltaEncoder(cfg(chunk_elements=1024), params, 0, "m")
+    two = DeltaEncoder(cfg(chunk_elements=1024), params, 0, "m")
+    assert len(two._units) > 4
+    g = torch.Generator().manual_seed(13)
+    threads = torch.get_num_threads()
+    try:
+        for v in range(1, 6):
+            step(params, g)
+            torch.set_num_threads(1)
+            a = one.encode(params, v, sink=lambda h, i, b: None)
+            torch.set_num_threads(3)
+            b = two.encode(params, v, sink=lambda h, i, b: None)
+            assert two._pool is not None
+            assert a.chunks == b.chunks and a.stats["residual_norm"] == b.stats["residual_norm"]
+            assert torch.equal(one.ref, two.ref)
+    finally:
+        torch.set_num_threads(threads)
+        two.close()
+
+
+@pytest.mark.parametrize("numel,block,tile,chunk", [(10_000, 256, 512, 2048), (10_000, 256, 4096, 1024),
+                                                     (10_000, 256, 768, 1024), (300, 64, 256, 128)])
+def test_work_units_cover_every_tile_and_range_once(numel: int, block: int, tile: int, chunk: int) -> None:
+    import shared.codec as codec
+
+    lay = codec.Layout.of({"w": torch.zeros(numel)})
+    padded = -(-numel // block) * block
+    tiles = codec._tile_segments(lay, tile, padded)
+    units = codec._work_units(tiles, chunk, numel)
+    assert [t for ts, _ in units for t in ts] == tiles
+    assert [c for _, cs in units for c in cs] == list(range(-(-numel // chunk)))
+    for ts, cs in units:  # a unit's tiles cover exactly its ranges
+        lo, hi = ts[0][0], min(numel, ts[-1][0] + ts[-1][1])
+        assert lo == cs[0] * chunk and hi == min(numel, (cs[-1] + 1) * chunk)

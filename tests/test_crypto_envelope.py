@@ -111,6 +111,25 @@ def test_wrong_key_and_forgery_by_a_key_holding_worker(key_file: Path, tmp_path:
     assert reason(EnvelopeOpener(worker_ring), resigned) == "bad_signature"
 
 
+def test_signature_covers_the_ciphertext_digest_under_envelope_version_2(key_file: Path) -> None:
+    import hashlib
+
+    import orjson
+
+    sealer, opener = pair(key_file)
+    frames = sealer.seal(STREAM_DELTA, {"version": 1}, b"w" * 1000)
+    header, ct, sig = frames
+    assert orjson.loads(header)["v"] == 2
+    priv = sealer.ring.sign_private
+    assert priv is not None
+    priv.public_key().verify(sig, header + hashlib.sha256(ct).digest())
+    old_style = [header, ct, priv.sign(header + ct)]  # version 1 signed the whole ciphertext
+    assert reason(opener, old_style) == "bad_signature"
+    unversioned = orjson.dumps({k: v for k, v in orjson.loads(header).items() if k != "v"})
+    assert reason(opener, [unversioned, ct, priv.sign(unversioned + hashlib.sha256(ct).digest())]) == "malformed"
+    assert opener.open(frames).payload == b"w" * 1000
+
+
 def test_rotation_without_stopping_and_retirement(key_file: Path) -> None:
     sealer, opener = pair(key_file)
     before = sealer.seal(STREAM_DELTA, {}, b"a")

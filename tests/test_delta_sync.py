@@ -34,6 +34,12 @@ def make_cfg(tmp_path: Path, **compression) -> Config:
         "consistency": {"delta_heartbeat_ms": 100, "timeout_s": 2.0}})
 
 
+def via(cfg: Config, endpoint: str) -> Config:
+    """A worker's copy of ``cfg`` that subscribes to ``endpoint`` (a relay) for deltas."""
+    return load_config(env={}, overrides={**cfg.to_dict(), "security": {**cfg.to_dict()["security"],
+                                                                       "delta_pub_endpoint": endpoint}})
+
+
 def model(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {"a": torch.randn(120, 50, generator=g), "b": torch.randn(3000, generator=g), "c": torch.randn(5, generator=g)}
@@ -154,8 +160,7 @@ def test_converges_through_a_relay_that_drops_duplicates_and_reorders(
     relay_ep = f"tcp://127.0.0.1:{free_port()}"
     relay = Relay(ctx, cfg.security.delta_pub_endpoint, relay_ep, drop=0.1, dup=0.1, reorder=0.1, seed=4)
     relay.start()
-    wcfg = load_config(env={}, overrides={**cfg.to_dict(), "security": {**cfg.to_dict()["security"],
-                                                                       "delta_pub_endpoint": relay_ep}})
+    wcfg = via(cfg, relay_ep)
     worker = model(5)
     sub = DeltaSubscriber(wcfg, ctx, "w1", worker, 0)
     g = torch.Generator().manual_seed(6)
@@ -187,8 +192,7 @@ def test_tampered_packets_are_counted_and_never_applied(tmp_path: Path, ctx: zmq
     relay_ep = f"tcp://127.0.0.1:{free_port()}"
     relay = Relay(ctx, cfg.security.delta_pub_endpoint, relay_ep, mutate=0.3, garbage=0.3, seed=8)
     relay.start()
-    wcfg = load_config(env={}, overrides={**cfg.to_dict(), "security": {**cfg.to_dict()["security"],
-                                                                       "delta_pub_endpoint": relay_ep}})
+    wcfg = via(cfg, relay_ep)
     worker = model(9)
     sub = DeltaSubscriber(wcfg, ctx, "w1", worker, 0)
     g = torch.Generator().manual_seed(10)
@@ -277,3 +281,54 @@ def test_worker_with_another_layout_refuses_the_snapshot(tmp_path: Path, ctx: zm
     finally:
         sub.close()
         pub.close()
+
+
+def test_streamed_chunks_are_decoded_on_arrival_and_applied_together(tmp_path: Path, ctx: zmq.Context) -> None:
+    """The trainer streams a delta chunk by chunk; the worker decodes each as it comes, but a
+    request between two polls still sees one version: nothing moves until the last chunk."""
+    cfg = make_cfg(tmp_path)
+    trainer = model(19)
+    pub = DeltaPublisher(cfg, ctx, trainer, 0, "m")
+    tap = make_socket(ctx, zmq.SUB, connect=cfg.security.delta_pub_endpoint)
+    relay_ep = f"tcp://127.0.0.1:{free_port()}"
+    out = make_socket(ctx, zmq.PUB, bind=relay_ep)
+    wcfg = via(cfg, relay_ep)
+    worker = model(20)
+    sub = DeltaSubscriber(wcfg, ctx, "w1", worker, 0)
+    g = torch.Generator().manual_seed(21)
+    try:
+        converge(sub, 0)
+        wait_for_sync(lambda: (pub.heartbeat(), tap.poll(50))[1], what="tap subscribed")
+        while tap.poll(0):
+            tap.recv_multipart()
+        train_step(trainer, g)
+        st = pub.publish(trainer, 1)
+        packets: list[list[bytes]] = []
+
+        def tapped() -> bool:
+            while tap.poll(50):
+                frames = tap.recv_multipart()
+                if b'"hb"' not in frames[1]:  # not a heartbeat
+                    packets.append(frames)
+            return len(packets) >= st.packets
+
+        wait_for_sync(tapped, what="the delta's packets")
+        assert len(packets) == st.packets == 5  # 9005 elements in ranges of 2048: one packet per range
+        before = {k: v.clone() for k, v in worker.items()}
+        wait_for_sync(lambda: (out.send(b"\x00", zmq.SNDMORE), out.send(b""), sub.poll(), True)[-1] and
+                      sub.stats["rejected"].get("malformed", 0) > 0, what="worker reads the relay")
+        for k, frames in enumerate(packets):
+            out.send_multipart(frames)
+            wait_for_sync(lambda k=k: (sub.poll(), sub.version == 1 or (sub._assembly is not None
+                                                                       and sub._assembly.received == k + 1))[1],
+                          what=f"chunk {k} decoded")
+            if k < len(packets) - 1:
+                assert sub.version == 0 and all(torch.equal(before[n], worker[n]) for n in worker)
+                assert len(sub._assembly.decoded) == k + 1
+        assert sub.version == 1 and served_equals_reference(pub, worker)
+        assert set(sub.stats["rejected"]) == {"malformed"}  # only the probes
+    finally:
+        sub.close()
+        pub.close()
+        tap.close(0)
+        out.close(0)

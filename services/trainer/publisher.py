@@ -1,9 +1,13 @@
 """Trainer side of weight-delta sync (ZeroMQ Clone pattern).
 
 * PUB (``security.delta_pub_endpoint``): one DELTA message per codec chunk, sealed by the
-  envelope; chunks go out most important first (``scheduling.priority_mode``), and with
-  ``scheduling.bandwidth_cap_bytes_s`` only as many as the budget since the last publish
-  allows — the rest stays in the encoder's residual and goes out later (error feedback).
+  envelope. Without a byte budget a lossy delta streams: each chunk is sealed and sent as soon
+  as the encoder has it, so workers decode it while the next one is encoded (every chunk goes
+  out and the version only becomes visible when the last is applied, so order changes nothing
+  a request can see). With ``scheduling.bandwidth_cap_bytes_s`` (or ``compression.max_ratio``)
+  the whole delta is encoded first, chunks go out most important first
+  (``scheduling.priority_mode``) and only as many as the budget since the last publish allows —
+  the rest stays in the encoder's residual and goes out later (error feedback).
 * ROUTER (``security.snapshot_endpoint``): answers SNAPSHOT_REQ with a dense anchor of the
   reference (what every receiver should hold) plus the next delta sequence number, so a
   worker can join, or rejoin after a gap or a publisher restart.
@@ -108,10 +112,15 @@ class DeltaPublisher:
             max_bytes = max(self.cfg.scheduling.min_bandwidth, int(cap * (now - self._last_publish)))
         self._last_publish = now
         with self._lock:
-            enc = self.encoder.encode(named_params, version, anchor=anchor, max_bytes=max_bytes)
-            t1 = time.perf_counter()
-            packets = self._send_delta(enc)
-            send_s = time.perf_counter() - t1
+            # chunks are sealed and sent from inside encode(): a lossy delta streams, so workers
+            # decode chunk k while chunk k+1 is still being encoded
+            sent_before = self.sealer.next_seq(STREAM_DELTA)
+            enc = self.encoder.encode(named_params, version, anchor=anchor, max_bytes=max_bytes,
+                                      sink=self._send_chunk)
+            if not enc.chunks:  # an empty delta still moves receivers to the new version
+                self._send_chunk(enc.header, 0, b"")
+            packets = self.sealer.next_seq(STREAM_DELTA) - sent_before
+            send_s = enc.stats.get("sink_s", 0.0)
         st = enc.stats
         metrics.DELTA_PUBLISHED.labels(enc.header["kind"]).inc()
         metrics.DELTA_BYTES.labels("sent").inc(enc.nbytes)
@@ -123,15 +132,11 @@ class DeltaPublisher:
                             st.get("density", 0.0), st.get("rel_error", 0.0), st["encode_s"], send_s,
                             {"tuner": self.encoder.tuner_report()} if self.cfg.compression.tuner != "off" else {})
 
-    def _send_delta(self, enc: EncodedDelta) -> int:
-        h = enc.header
-        blobs = enc.chunks or [b""]  # an empty delta still moves receivers to the new version
-        for i, blob in enumerate(blobs):
-            meta = {"model": self.model_id, "base": h["base"], "version": h["version"], "i": i,
-                    "n": len(blobs), "codec": h}
-            frames = self.sealer.seal(STREAM_DELTA, meta, blob)
-            self._pub.send_multipart(wire.encode(wire.MsgType.DELTA, {"v": h["version"]}, frames), copy=False)
-        return len(blobs)
+    def _send_chunk(self, header: dict[str, Any], i: int, blob: bytes) -> None:
+        meta = {"model": self.model_id, "base": header["base"], "version": header["version"], "i": i,
+                "n": max(1, header["nchunks"]), "codec": header}
+        frames = self.sealer.seal(STREAM_DELTA, meta, blob)
+        self._pub.send_multipart(wire.encode(wire.MsgType.DELTA, {"v": header["version"]}, frames), copy=False)
 
     def heartbeat(self) -> None:
         """Announce the latest version and next sequence number, so a worker that lost the
@@ -256,6 +261,7 @@ class DeltaPublisher:
             self._thread = None
         for sock in (self._pub, self._router, self._acks_sock):
             sock.close(linger=0)
+        self.encoder.close()
 
 
 def _bind(ctx: zmq.Context, kind: int, endpoint: str, made: list[zmq.Socket], hwm: int = 10_000,

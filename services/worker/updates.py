@@ -5,9 +5,11 @@ The subscriber connects its SUB socket first, then asks the trainer's ROUTER for
 buffered; once the snapshot is loaded, those not newer than it are dropped and the rest are
 applied in order. A sequence gap, a delta whose base is not the held version, or a new
 publisher session (trainer restart) triggers a fresh snapshot. Every packet is verified by
-the envelope before anything is decoded; every delta is fully decoded before anything is
-applied, so a request served between two :meth:`DeltaSubscriber.poll` calls sees exactly one
-version. Rejected packets are counted (``stats`` and Prometheus) and never applied.
+the envelope before anything is decoded. Each chunk of a delta is decoded (and validated) when
+it arrives — the trainer streams them while it encodes the rest — and nothing is applied until
+the last chunk has passed, so a request served between two :meth:`DeltaSubscriber.poll` calls
+sees exactly one version. Rejected packets are counted (``stats`` and Prometheus) and never
+applied.
 """
 
 from __future__ import annotations
@@ -16,14 +18,14 @@ import logging
 import secrets
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import zmq
 
 from shared import metrics, wire
-from shared.codec import BaseMismatch, CodecError, DeltaDecoder, LayoutMismatch
+from shared.codec import BaseMismatch, CodecError, DecodedChunk, DeltaDecoder, LayoutMismatch
 from shared.config import Config
 from shared.crypto import STREAM_DELTA, STREAM_HEARTBEAT, EnvelopeOpener, EnvelopeReject, KeyRing, Opened
 from shared.zmq_util import make_socket
@@ -36,10 +38,15 @@ _MAX_BUFFERED_BYTES = 256 * 1024 * 1024
 
 @dataclass
 class _Assembly:
+    """A delta being received: its chunks are decoded (validated) as they arrive and applied
+    together once the last one is in, so a request never sees part of a version."""
+
     version: int
     n: int
     codec: dict[str, Any]
-    parts: list[bytes]
+    decoded: list[DecodedChunk] = field(default_factory=list)
+    received: int = 0
+    decode_s: float = 0.0
 
 
 class DeltaSubscriber:
@@ -63,6 +70,7 @@ class DeltaSubscriber:
         self._expected_seq: int | None = None
         self._session: tuple[int, str] | None = None
         self._assembly: _Assembly | None = None
+        self._refused: int | None = None  # version of the last delta refused by the codec
         self._buffer: deque[Opened] = deque()
         self._buffer_bytes = 0
         self._pending_req: str | None = None
@@ -176,40 +184,63 @@ class DeltaSubscriber:
             self._request_snapshot("gap")
             return
         self._expected_seq = seq + 1
-        i, n = meta["i"], meta["n"]
+        i, n, codec = meta["i"], meta["n"], meta["codec"]
         if i == 0:
-            self._assembly = _Assembly(meta["version"], n, meta["codec"], [])
+            self._assembly = None
+            try:  # refuse a wrong base or layout at the first chunk, not after the last
+                self.decoder.check_header(codec)
+                if n != max(1, codec["nchunks"]):
+                    raise CodecError("packet count does not match the header")
+            except CodecError as exc:
+                self._refuse(meta["version"], exc)
+                return
+            self._refused = None
+            self._assembly = _Assembly(meta["version"], n, codec)
+        elif self._refused == meta["version"]:
+            return  # the rest of a delta refused at its first chunk
         asm = self._assembly
-        if asm is None or asm.version != meta["version"] or i != len(asm.parts) or n != asm.n:
+        if asm is None or asm.version != meta["version"] or i != asm.received or n != asm.n or codec != asm.codec:
             self._request_snapshot("gap")
             return
-        asm.parts.append(op.payload)
-        if len(asm.parts) == asm.n:
+        asm.received += 1
+        if codec["nchunks"]:  # (an empty delta is one packet without a chunk)
+            t0 = time.perf_counter()
+            try:
+                asm.decoded.append(self.decoder.decode_chunk(codec, op.payload))
+            except CodecError as exc:
+                self._refuse(asm.version, exc)
+                return
+            asm.decode_s += time.perf_counter() - t0
+        if asm.received == asm.n:
             self._assembly = None
             self._apply(asm)
 
-    def _apply(self, asm: _Assembly) -> None:
-        t0 = time.perf_counter()
-        parts = asm.parts if asm.codec.get("nchunks", 0) else []
-        try:
-            decoded = self.decoder.decode(asm.codec, parts)
-        except BaseMismatch:
+    def _refuse(self, version: int, exc: CodecError) -> None:
+        """Count a delta that failed the codec's checks; nothing of it is applied."""
+        self._assembly = None
+        self._refused = version
+        if isinstance(exc, BaseMismatch):
             self._reject("base_mismatch")
             self._request_snapshot("base_mismatch")
-            return
-        except LayoutMismatch:
+        elif isinstance(exc, LayoutMismatch):
             self._reject("layout")
-            return
-        except CodecError as exc:
-            log.warning("delta %s failed to decode: %s", asm.version, exc)
+        else:
+            log.warning("delta %s failed to decode: %s", version, exc)
             self._reject("corrupt")
             self._request_snapshot("corrupt")
+
+    def _apply(self, asm: _Assembly) -> None:
+        t0 = time.perf_counter()
+        try:
+            decoded = self.decoder.finish(asm.codec, asm.decoded)
+        except CodecError as exc:
+            self._refuse(asm.version, exc)
             return
         self.decoder.apply(self.params, decoded)
         kind = asm.codec.get("kind", "delta")
         self.stats["applied"] += 1
         metrics.DELTA_APPLIED.labels(kind).inc()
-        metrics.DELTA_APPLY_SECONDS.observe(time.perf_counter() - t0)
+        metrics.DELTA_APPLY_SECONDS.observe(asm.decode_s + time.perf_counter() - t0)
         self._ack()
 
     def _ack(self) -> None:
