@@ -401,7 +401,7 @@ def plot(rows: list[dict], dense_bytes: int) -> None:
     ax1.set_xscale("log")
     ax1.set_yscale("log")
     ax2 = ax1.twinx()
-    for quant, marker in (("fp16", "o"), ("sign", "^")):
+    for quant, marker in (("fp16", "o"), ("int8", "s"), ("sign", "^")):
         pts = sorted((r["density"], r["bytes_per_sync"], r["loss_gap_pct"]) for r in rows
                      if r["codec"].endswith(quant))
         if not pts:
