@@ -19,6 +19,7 @@ from typing import Any
 import orjson
 from fastapi import WebSocket, WebSocketDisconnect
 from redis.exceptions import RedisError
+from starlette.responses import Response
 
 from gateway.auth import AuthError
 from gateway.dispatcher import (
@@ -33,6 +34,22 @@ from gateway.sessions import Session, SessionLimit, SessionNotFound
 
 log = logging.getLogger(__name__)
 SUBPROTOCOL = "mcp"
+_SECRET_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie"})
+
+
+class _RedactHandshakeCredentials(logging.Filter):
+    """At DEBUG, websockets (handed the ``uvicorn.error`` logger by uvicorn) logs every handshake
+    header as ``< name: value``; HTTP never logs a credential, so neither may the handshake."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if record.msg == "< %s: %s" and isinstance(args, tuple) and len(args) == 2 \
+                and str(args[0]).lower() in _SECRET_HEADERS:
+            record.args = (args[0], "[redacted]")
+        return True
+
+
+logging.getLogger("uvicorn.error").addFilter(_RedactHandshakeCredentials())
 
 
 class _Connection:
@@ -157,6 +174,18 @@ class _Connection:
                 await self.state.sessions.delete(self.principal, self.session.id)
 
 
+async def _refuse(ws: WebSocket, exc: AuthError) -> None:
+    """Refuse the handshake as HTTP refuses a request: 401 + ``WWW-Authenticate`` (an OAuth
+    client finds the RFC 9728 document from it). A close before accept would answer 403 with
+    no challenge; that is the fallback only where the server lacks the denial-response extension."""
+    if "websocket.http.response" not in ws.scope.get("extensions", {}):
+        await ws.close(code=1008, reason="unauthorized")
+        return
+    headers = {"www-authenticate": exc.www_authenticate} if exc.www_authenticate else None
+    await ws.send_denial_response(Response(orjson.dumps({"error": "unauthorized", "error_description": exc.message}),
+                                           status_code=exc.status, headers=headers, media_type="application/json"))
+
+
 async def websocket_endpoint(ws: WebSocket) -> None:
     state = ws.app.state.gateway
     if SUBPROTOCOL not in ws.scope.get("subprotocols", []):
@@ -167,8 +196,8 @@ async def websocket_endpoint(ws: WebSocket) -> None:
         return
     try:
         principal = state.auth.principal(ws.headers.get("authorization"))
-    except AuthError:
-        await ws.close(code=1008, reason="unauthorized")
+    except AuthError as exc:
+        await _refuse(ws, exc)
         return
     await ws.accept(subprotocol=SUBPROTOCOL)
     conn = _Connection(ws, state, principal)

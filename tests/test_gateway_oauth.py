@@ -1,7 +1,9 @@
 """OAuth resource-server mode on real gateway processes against a real Redis: the RFC 9728
 document, HS256 JWTs minted here with PyJWT accepted on both MCP revisions (principal = the
 configured claim), every kind of bad token refused with 401 + ``WWW-Authenticate`` and no
-state written, isolation between two ``sub`` values, and no secret in the replica's logs."""
+state written, isolation between two ``sub`` values, and no secret in the replica's logs. The
+WebSocket transport (``/mcp/ws``) is held to the same rules, its handshake refused with the
+same 401 + challenge."""
 
 from __future__ import annotations
 
@@ -16,6 +18,9 @@ import jwt
 import orjson
 import pytest
 import redis as redis_sync
+from websockets.exceptions import InvalidStatus
+from websockets.sync.client import ClientConnection
+from websockets.sync.client import connect as ws_connect
 
 from tests.conftest import free_port, wait_for_sync
 from tests.gateway_support import start_gateway, stop
@@ -38,6 +43,10 @@ class Gateway:
     @property
     def mcp(self) -> str:
         return self.base + "/mcp"
+
+    @property
+    def ws(self) -> str:
+        return self.base.replace("http://", "ws://", 1) + "/mcp/ws"
 
     @property
     def challenge(self) -> str:
@@ -135,6 +144,43 @@ def assert_refused(r: httpx.Response, challenge: str) -> None:
     assert r.headers["content-type"].startswith("application/json")
     assert set(r.json()) == {"error", "error_description"} and r.json()["error"] == "unauthorized"
     assert "Traceback" not in r.text and "mcp-session-id" not in r.headers
+
+
+def ws_open(gw: Gateway, auth: dict[str, str]) -> ClientConnection:
+    """A WebSocket on ``/mcp/ws`` (subprotocol ``mcp``) opened with these credentials."""
+    return ws_connect(gw.ws, subprotocols=["mcp"], additional_headers=auth, open_timeout=10)
+
+
+def ws_ask(ws: ClientConnection, msg: dict) -> dict:
+    """Send one JSON-RPC request as a text frame; return the frame answering its id."""
+    ws.send(orjson.dumps(msg).decode())
+    while True:
+        got = orjson.loads(ws.recv(timeout=10))
+        if got.get("id") == msg["id"] and "method" not in got:
+            return got
+
+
+def ws_initialize(ws: ClientConnection) -> dict:
+    init = ws_ask(ws, rpc("initialize", {"protocolVersion": LEGACY, "capabilities": {},
+                                         "clientInfo": {"name": "t", "version": "1"}}, rid="init"))
+    assert init["result"]["protocolVersion"] == LEGACY, init
+    ws.send(orjson.dumps(rpc("notifications/initialized", rid=None)).decode())
+    return init
+
+
+def ws_refused(gw: Gateway, auth: dict[str, str]) -> Any:
+    """The HTTP response that refused the WebSocket handshake."""
+    with pytest.raises(InvalidStatus) as refused, ws_open(gw, auth):
+        pass
+    return refused.value.response
+
+
+def assert_ws_refused(gw: Gateway, auth: dict[str, str], challenge: str) -> None:
+    response = ws_refused(gw, auth)
+    assert response.status_code == 401, (response.status_code, response.body)
+    assert response.headers.get("www-authenticate") == challenge
+    assert orjson.loads(response.body)["error"] == "unauthorized"
+    assert b"Traceback" not in response.body
 
 
 def principal_keys(redis_url: str) -> list[bytes]:
@@ -284,6 +330,85 @@ def test_two_subs_are_isolated(oauth_gw: Gateway, redis_url: str) -> None:
     assert alice_session.post("ping").json()["result"] == {}
 
 
+# ------------------------------------------------------------------ WebSocket transport (/mcp/ws)
+def test_websocket_valid_jwt_is_the_sub_principal(oauth_gw: Gateway, redis_url: str) -> None:
+    with ws_open(oauth_gw, bearer(mint(sub="alice"))) as ws:
+        assert ws.subprotocol == "mcp"
+        ws_initialize(ws)
+        assert any(k.startswith(b"lm:{alice}:sess:") for k in principal_keys(redis_url))
+        assert echo_text(ws_ask(ws, rpc("tools/call", {"name": "t_echo", "arguments": {"text": "ws"}},
+                                        rid=2))) == "alice:ws"
+        stateless, _ = modern("tools/call", {"name": "t_echo", "arguments": {"text": "new"}}, rid=3)
+        assert echo_text(ws_ask(ws, stateless)) == "alice:new"
+    # the connection's session goes with it
+    wait_for_sync(lambda: not any(k.startswith(b"lm:{alice}:sess:") for k in principal_keys(redis_url)),
+                  timeout_s=10, what="alice's WebSocket session to be deleted on close")
+    # an API key works alongside OAuth on this transport too, as its own principal
+    with ws_open(oauth_gw, bearer(API_KEY)) as ws:
+        ws_initialize(ws)
+        assert echo_text(ws_ask(ws, rpc("tools/call", {"name": "t_echo", "arguments": {"text": "k"}},
+                                        rid=2))) == "ops:k"
+
+
+def test_websocket_principal_claim_is_configurable(email_gw: Gateway, redis_url: str) -> None:
+    with ws_open(email_gw, bearer(mint(sub="mallory", email="carol@example.com"))) as ws:
+        ws_initialize(ws)
+        assert echo_text(ws_ask(ws, rpc("tools/call", {"name": "t_echo", "arguments": {"text": "e"}},
+                                        rid=2))) == "carol@example.com:e"
+    assert_ws_refused(email_gw, bearer(mint(sub="carol")), email_gw.challenge + ', error="invalid_token"')
+
+
+WS_REFUSED = ("expired", "wrong-audience", "other-secret", "tampered-payload", "alg-none", "sub-with-brace")
+
+
+@pytest.mark.parametrize("case", WS_REFUSED)
+def test_websocket_bad_token_refused_at_handshake(oauth_gw: Gateway, redis_url: str, case: str) -> None:
+    assert_ws_refused(oauth_gw, bearer(REFUSED[case]()), oauth_gw.challenge + ', error="invalid_token"')
+    assert principal_keys(redis_url) == []
+
+
+@pytest.mark.parametrize("authorization", [None, "Bearer", f"Token {API_KEY}"])
+def test_websocket_missing_bearer_token_refused_at_handshake(oauth_gw: Gateway, redis_url: str,
+                                                             authorization: str | None) -> None:
+    auth = {} if authorization is None else {"authorization": authorization}
+    assert_ws_refused(oauth_gw, auth, oauth_gw.challenge)
+    assert principal_keys(redis_url) == []
+
+
+def test_websocket_two_subs_are_isolated(oauth_gw: Gateway, redis_url: str) -> None:
+    with ws_open(oauth_gw, bearer(mint(sub="alice"))) as alice, ws_open(oauth_gw, bearer(mint(sub="bob"))) as bob:
+        ws_initialize(alice)
+        ws_initialize(bob)
+        appended = ws_ask(alice, rpc("tools/call", {"name": "context_append", "arguments": {
+            "context_id": "diary", "modality": "text", "text": "alice only"}}, rid=2))
+        assert appended["result"]["structuredContent"]["version"] == 1, appended
+        rid = iter(range(10, 100))
+
+        def bob_session(method: str, params: dict) -> dict:
+            return ws_ask(bob, rpc(method, params, rid=next(rid)))
+
+        def bob_stateless(method: str, params: dict) -> dict:
+            return ws_ask(bob, modern(method, params, rid=next(rid))[0])
+
+        for ask in (bob_session, bob_stateless):
+            assert ask("tools/call", {"name": "context_get", "arguments": {"context_id": "diary"}})["error"]["code"] == -32602
+            assert ask("tools/call", {"name": "context_fork", "arguments": {
+                "context_id": "diary", "new_context_id": "stolen"}})["error"]["code"] == -32602
+            assert ask("resources/read", {"uri": "context://diary/text"})["error"]["code"] == -32002
+            assert not any("diary" in x["uri"] for x in ask("resources/list", {})["result"]["resources"])
+        # the same id under bob is bob's own context; alice's is untouched
+        assert bob_session("tools/call", {"name": "context_append", "arguments": {
+            "context_id": "diary", "modality": "text", "text": "bob"}})["result"]["structuredContent"]["version"] == 1
+        got = ws_ask(alice, rpc("tools/call", {"name": "context_get", "arguments": {"context_id": "diary"}},
+                                rid=3))["result"]["structuredContent"]
+        assert [e["text"] for e in got["entries"]] == ["alice only"] and got["version"] == 1
+        uris = [x["uri"] for x in ws_ask(alice, rpc("resources/list", {}, rid=4))["result"]["resources"]]
+        assert "context://diary/text" in uris
+    # and over HTTP, bob still sees nothing of alice's
+    assert tool(oauth_gw, bearer(mint(sub="bob")), "context_get", context_id="diary")["result"][
+        "structuredContent"]["entries"][0]["text"] == "bob"
+
+
 # ------------------------------------------------------------------ logs
 def test_secret_and_tokens_never_logged(oauth_gw: Gateway, redis_url: str) -> None:
     assert oauth_gw.log is not None
@@ -295,13 +420,21 @@ def test_secret_and_tokens_never_logged(oauth_gw: Gateway, redis_url: str) -> No
     for token in refused:
         assert initialize(oauth_gw, bearer(token)).status_code == 401
         assert call_modern(oauth_gw, bearer(token), "tools/list").status_code == 401
+    # the WebSocket handshake carries the same credentials (logged header by header at DEBUG)
+    for auth in (bearer(good), bearer(API_KEY)):
+        with ws_open(oauth_gw, auth) as ws:
+            ws_initialize(ws)
+    for token in refused:
+        assert ws_refused(oauth_gw, bearer(token)).status_code == 401
     crash = tool(oauth_gw, bearer(good), "t_crash")
     assert crash["error"]["code"] == -32603
     # the crash is logged: proof that the captured output is the replica's log
     wait_for_sync(lambda: "secret internal detail" in oauth_gw.log.read_text(errors="replace"), timeout_s=10,
                   what="the tool crash to reach the gateway's log")
     text = oauth_gw.log.read_text(errors="replace")
-    assert SECRET not in text and API_KEY not in text
+    assert "< authorization: [redacted]" in text  # proof that the handshake headers were logged
+    assert SECRET not in text
+    assert API_KEY not in text
     for token in [good, *refused]:
         head, payload, sig = token.split(".")
         assert token not in text and payload not in text
