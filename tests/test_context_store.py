@@ -222,6 +222,23 @@ async def test_global_budget_lru_over_principals(r):
     assert (await s.append("p2", "c", "text", "user", b"again")).version == 2
 
 
+async def test_global_budget_evicts_a_principal_holding_no_bytes(r):
+    """A principal whose contexts were all cleared holds 0 bytes but stays in the global LRU;
+    evicting it must work (found by the LRU state machine: HINCRBY by "-0" was refused)."""
+    one = size(b"x" * 100)
+    s = make(r, principal_budget_bytes=2 * one, global_budget_bytes=2 * one, max_entry_bytes=100,
+             channel_max_bytes=1000, versions_retained=1)
+    await s.append("p1", "c", "text", "user", b"x" * 100)
+    await s.clear("p1", "c")
+    assert await s.principal_bytes("p1") == 0
+    await s.append("p2", "c", "text", "user", b"x" * 100)
+    await s.append("p2", "c", "text", "user", b"x" * 100)
+    res = await s.append("p3", "c", "text", "user", b"x" * 100)  # over: p1 (0 B), then p2
+    assert res.evicted_principals == ["p1", "p2"]
+    assert await s.global_bytes() == one
+    assert await s.principals() == ["p3"]
+
+
 async def test_idle_ttl_lazy_and_redis_expiry_reconciled(r):
     clock = Clock()
     s = make(r, clock, idle_ttl_s=60)

@@ -523,7 +523,8 @@ function ops.evict_principal()
   redis.call('DEL', E, M, R, V)
   redis.call('HDEL', S, BYTES)
   redis.call('HDEL', GB, P)
-  redis.call('HINCRBY', GB, TOTAL, -held)
+  -- (never HINCRBY by -held when held is 0: Lua formats -0 as "-0", which Redis refuses)
+  if held ~= 0 then redis.call('HINCRBY', GB, TOTAL, -held) end
   redis.call('ZREM', GL, P)
   return {#raw / 2, held}
 end
