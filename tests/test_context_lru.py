@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 
+import pytest
 import redis.asyncio as aioredis
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -148,6 +149,7 @@ class StoreMachine(RuleBasedStateMachine):
         assert sum(self.model.total(q) for q in PRINCIPALS) <= G_BUDGET
 
 
+@pytest.mark.timeout(600)  # room for hypothesis's own 5-minute shrink limit, so a failure prints its steps
 def test_lru_semantics_match_reference_model(redis_url):
     StoreMachine.url = redis_url
     run_state_machine_as_test(StoreMachine, settings=settings(
