@@ -8,7 +8,11 @@ comes back (same endpoint) answers the next HELLO and rejoins — nothing to res
 
 Routing: the least-loaded live worker at or past the request's ``min_model_version``;
 if only older workers are live, wait up to ``consistency.timeout_s`` for one to catch up,
-then fail with a clear error. No live worker at all: fail with a retry hint.
+then fail with a clear error. No live worker at all: fail with a retry hint. A worker whose
+heartbeat reports it more than ``consistency.max_lag`` versions behind the trainer's latest
+leaves the routing pool until it catches up — unless every live worker lags that far, in
+which case the least-loaded of them still serves (stale answers beat none; requests that
+need a version say so with ``min_model_version``).
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ class WorkerLink:
     sock: Any  # zmq.asyncio.Socket
     worker_id: str | None = None
     version: int = 0
+    lag: int = 0  # versions behind the trainer's latest, as the worker's heartbeat reports
     reported_load: int = 0
     model_id: str | None = None
     last_seen_s: float = 0.0       # monotonic; 0 = never heard from
@@ -77,7 +82,7 @@ class WorkerLink:
     def status(self) -> dict[str, Any]:
         return {"index": self.index, "endpoint": self.endpoint, "id": self.worker_id or f"worker-{self.index}",
                 "alive": self.alive,
-                "version": self.version, "load": self.load, "inflight": len(self.inflight),
+                "version": self.version, "lag": self.lag, "load": self.load, "inflight": len(self.inflight),
                 "model_id": self.model_id, "last_heartbeat": self.last_heartbeat_wall_s or None}
 
 
@@ -168,6 +173,7 @@ class WorkerPool:
             if msg_type == MsgType.HEARTBEAT:
                 link.worker_id = str(header.get("worker") or link.worker_id)
                 link.reported_load = int(header.get("load") or 0)
+                link.lag = int(header.get("lag") or 0)
                 link.model_id = header.get("model_id")
                 link.last_heartbeat_wall_s = time.time()
             elif msg_type in (MsgType.TOKEN, MsgType.RESULT, MsgType.ERROR):
@@ -206,6 +212,8 @@ class WorkerPool:
     # ------------------------------------------------------------------ routing
     def _pick(self, min_version: int, exclude: set[int]) -> WorkerLink | None:
         live = [w for w in self.live() if w.index not in exclude] or self.live()
+        max_lag = self.cfg.consistency.max_lag
+        live = [w for w in live if w.lag <= max_lag] or live  # laggards only when nothing else is live
         ok = [w for w in live if w.version >= min_version]
         if not ok:
             return None

@@ -189,7 +189,8 @@ class Worker:
             self._error(peer, None, "bad_input", f"malformed message: {exc}")
             return
         if msg_type == MsgType.HELLO:
-            self._send(peer, MsgType.HEARTBEAT, {"worker": self.worker_id, "version": self.version,
+            lag = self.subscriber.lag if self.subscriber is not None else 0
+            self._send(peer, MsgType.HEARTBEAT, {"worker": self.worker_id, "version": self.version, "lag": lag,
                                                  "load": self.load(), "model_id": self.model.model_id,
                                                  "max_batch_size": self.wcfg.max_batch_size})
         elif msg_type == MsgType.CANCEL:

@@ -357,11 +357,6 @@ class DeltaSubscriber:
                 self._handle(b)
 
 
-def within_lag(latest: int, version: int, max_lag: int) -> bool:
-    """Routing rule: a worker more than ``consistency.max_lag`` versions behind leaves the pool."""
-    return latest - version <= max_lag
-
-
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 

@@ -1,0 +1,87 @@
+"""A worker whose heartbeat says it is more than ``consistency.max_lag`` versions behind the
+trainer leaves the gateway's routing pool until it catches up (real WorkerPool, real ZeroMQ
+sockets; the two workers are small ROUTER loops that speak the worker wire protocol)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import zmq
+import zmq.asyncio
+
+from gateway.workers import WorkerPool
+from shared import wire
+from shared.config import load_config
+from shared.wire import MsgType
+from tests.conftest import free_port, wait_for
+
+
+class ScriptedWorker:
+    """Answers HELLO with a HEARTBEAT carrying the lag it is told to report, and every INFER
+    with a RESULT naming itself; counts the requests it served."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, name: str) -> None:
+        self.name = name
+        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.bind(self.endpoint)
+        self.lag = 0
+        self.served = 0
+        self.task: asyncio.Task[None] | None = None
+
+    async def run(self) -> None:
+        while True:
+            peer, *frames = await self.sock.recv_multipart()
+            msg_type, header, _ = wire.decode(frames)
+            if msg_type == MsgType.HELLO:
+                reply = wire.encode(MsgType.HEARTBEAT, {"worker": self.name, "version": 7, "lag": self.lag,
+                                                        "load": 0})
+            elif msg_type == MsgType.INFER:
+                self.served += 1
+                reply = wire.encode(MsgType.RESULT, {"id": header["id"], "version": 7, "worker": self.name})
+            else:
+                continue
+            await self.sock.send_multipart([peer, *reply])
+
+
+async def test_lagging_worker_leaves_the_pool_until_it_catches_up() -> None:
+    ctx = zmq.asyncio.Context()
+    a, b = ScriptedWorker(ctx, "a"), ScriptedWorker(ctx, "b")
+    cfg = load_config(env={}, overrides={"consistency": {"max_lag": 2},
+                                         "worker": {"endpoints": [a.endpoint, b.endpoint],
+                                                    "heartbeat_interval_ms": 50}})
+    for w in (a, b):
+        w.task = asyncio.create_task(w.run())
+    pool = WorkerPool(cfg, zmq_ctx=ctx)
+    await pool.start()
+    try:
+        await pool.wait_live(2, timeout_s=10)
+
+        async def served_by() -> list[str]:
+            return [(await pool.request({"op": "generate"}))["worker"] for _ in range(6)]
+
+        assert set(await served_by()) == {"a"}  # equal load: the lower index wins ties
+
+        a.lag = 3  # over max_lag: a leaves the pool, b takes everything
+        await wait_for(lambda: pool.links[0].lag == 3, what="a's heartbeat to report lag 3")
+        assert set(await served_by()) == {"b"}
+        assert pool.status()[0]["lag"] == 3
+
+        b.lag = 5  # both lag: serving goes on with the live workers rather than failing
+        await wait_for(lambda: pool.links[1].lag == 5, what="b's heartbeat to report lag 5")
+        assert set(await served_by()) == {"a"}
+
+        a.lag, b.lag = 2, 5  # a caught up to within max_lag (2 <= 2): back in the pool, b out
+        await wait_for(lambda: pool.links[0].lag == 2, what="a's heartbeat to report lag 2")
+        assert set(await served_by()) == {"a"}
+        assert a.served + b.served == 24
+    finally:
+        await pool.close()
+        for w in (a, b):
+            assert w.task is not None
+            w.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await w.task
+            w.sock.close(linger=0)
+        ctx.term()
