@@ -15,6 +15,12 @@ per operation of the benchmark process (client) and of redis-server (INFO cpu) â
 figures hold up on a loaded machine where wall-clock figures do not. Then the ratios of
 every run, the memory per 1 KiB entry against the raw payload, and the load average.
 
+Reads are measured twice: through the store as the gateway uses it (its read cache on: a
+read fetches only the entries it did not get last time it read that context â€” appends of
+the run before are new to it) and through a store with the cache off (every read fetches
+all it returns). Each read row says how many entries per read came from Redis and how
+many from the cache.
+
 Default run is short (well under a minute on an idle machine): 300 principals, 100-entry
 contexts, 128-byte entries. ``--full``: 10,000 principals (preloaded with a pipelined bulk
 load that writes the store's own layout; checked against the script's result first).
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import random
 import shutil
@@ -132,7 +139,8 @@ def bulk_load(pipe, cfg: ContextConfig, principal: str, cid: str, packed: list[b
     lb = sum(len(packed[s - 1]) for s in range(lo, n + 1))
     e, m, lru, ver, st = keys.ctx_keys(principal)
     pipe.hset(e, mapping={f"{cid}|text|{s}": v for s, v in kept.items()})
-    meta = {"v": n, "vf": vf, "b": stored, "t": now_ms, "ch": {"text": {"lo": lo, "hi": n, "plo": plo, "lb": lb}}}
+    meta = {"v": n, "vf": vf, "b": stored, "t": now_ms, "ch": {"text": {"lo": lo, "hi": n, "plo": plo, "lb": lb}},
+            "e": f"1.bulk.{principal}"}  # the life's name: unique, its form does not matter
     pipe.hset(m, cid, orjson.dumps(meta))
     score = now_ms * 1000
     pipe.zadd(lru, {cid: score})
@@ -150,7 +158,8 @@ def bulk_load(pipe, cfg: ContextConfig, principal: str, cid: str, packed: list[b
 
 async def snapshot(r: aioredis.Redis, principal: str) -> dict:
     e, m, lru, ver, st = keys.ctx_keys(principal)
-    meta = {k: orjson.loads(v) for k, v in (await r.hgetall(m)).items()}
+    meta = {k: {f: x for f, x in orjson.loads(v).items() if f != "e"}  # "e" names the life: unique by design
+            for k, v in (await r.hgetall(m)).items()}
     return {"e": await r.hgetall(e), "m": meta, "lru": await r.zrange(lru, 0, -1), "ver": await r.hgetall(ver),
             "bytes": (await r.hget(st, "\x00bytes")), "g": await r.hget(keys.CTX_GLOBAL_BYTES, principal)}
 
@@ -247,6 +256,8 @@ async def main() -> int:
         print(f"load average at start: {loadavg()}")
         cfg = ContextConfig(channel_max_entries=args.entries, audit_maxlen=10_000)
         store, naive = ContextStore(r, cfg), Naive(r, args.entries)
+        # The same store without its read cache: every read fetches every entry it returns.
+        uncached = ContextStore(r, dataclasses.replace(cfg, read_cache_bytes=0))
         payload = b"a" * args.payload
         await check_bulk_load(r, store, args.entries, payload)
         t0 = time.perf_counter()
@@ -259,30 +270,38 @@ async def main() -> int:
             ("naive.append", lambda p: naive.append(p, "c", text)),
             (f"store.get_window(last {args.last_n})", lambda p: store.get_window(p, "c", last_n=args.last_n)),
             (f"naive.get_window(last {args.last_n})", lambda p: naive.get_window(p, "c", args.last_n)),
+            (f"uncached.get_window(last {args.last_n})", lambda p: uncached.get_window(p, "c", last_n=args.last_n)),
         )
         rows = []
-        print("  run conc  operation                     ops/s    p50 ms   p99 ms  cmds/op  "
+        print("  run conc  operation                        ops/s    p50 ms   p99 ms  cmds/op  "
               "client-CPU us/op  redis-CPU us/op")
         for run in range(args.repeat):
             for conc in [int(x) for x in args.concurrency.split(",")]:
                 for name, op in ops:
-                    rt0 = store.round_trips
+                    st = store if name.startswith("store") else uncached
+                    rt0, f0, u0 = st.round_trips, st.entries_fetched, st.entries_reused
                     row = await measure(r, name, op, args.ops, conc, args.principals, seed=run * 1000 + conc)
-                    if name.startswith("store"):  # cross-check against the store's own call counter
-                        assert store.round_trips - rt0 == args.ops, "store made more than one call per op"
+                    if not name.startswith("naive"):  # cross-check against the store's own call counter
+                        assert st.round_trips - rt0 == args.ops, "store made more than one call per op"
                     row["conc"], row["run"] = conc, run + 1
                     rows.append(row)
-                    print(f"  {run + 1:<3} {conc:<5} {name:<28} {row['ops_s']:>7.0f} {row['p50_ms']:>9.2f} "
+                    cache = ""
+                    if "get_window" in name and not name.startswith("naive"):
+                        cache = (f"  entries/op fetched {(st.entries_fetched - f0) / args.ops:.1f}, "
+                                 f"from the read cache {(st.entries_reused - u0) / args.ops:.1f}")
+                    print(f"  {run + 1:<3} {conc:<5} {name:<31} {row['ops_s']:>7.0f} {row['p50_ms']:>9.2f} "
                           f"{row['p99_ms']:>8.2f} {row['cmds_per_op']:>8.2f} {row['client_us']:>17.0f} "
-                          f"{row['server_us']:>16.0f}")
+                          f"{row['server_us']:>16.0f}{cache}")
         by = {(x["name"], x["conc"], x["run"]): x for x in rows}
         print("\nratios store / naive (each run against the baseline measured next to it):")
         for run in range(1, args.repeat + 1):
             for conc in sorted({x["conc"] for x in rows}):
-                for op in ("append", f"get_window(last {args.last_n})"):
-                    s, n = by[(f"store.{op}", conc, run)], by[(f"naive.{op}", conc, run)]
+                for impl, op in (("store", "append"), ("store", f"get_window(last {args.last_n})"),
+                                 ("uncached", f"get_window(last {args.last_n})")):
+                    s, n = by[(f"{impl}.{op}", conc, run)], by[(f"naive.{op}", conc, run)]
                     s_cpu, n_cpu = s["client_us"] + s["server_us"], n["client_us"] + n["server_us"]
-                    print(f"  run {run} c={conc:<3} {op:<20} throughput x{s['ops_s'] / n['ops_s']:.2f}   "
+                    label = op if impl == "store" else f"{op}, no cache"
+                    print(f"  run {run} c={conc:<3} {label:<30} throughput x{s['ops_s'] / n['ops_s']:.2f}   "
                           f"CPU/op (client+redis) x{n_cpu / s_cpu:.2f} less   "
                           f"p99 {s['p99_ms']:.2f} vs {n['p99_ms']:.2f} ms")
         mem_store, mem_naive = await memory_per_entry(r, cfg, args.mem_contexts)

@@ -124,9 +124,12 @@ class ContextConfig:
     idle_ttl_s: int = 7 * 24 * 3600
     versions_retained: int = 16
     audit_maxlen: int = 100_000
+    read_cache_bytes: int = 64 * 1024 * 1024  # entries a store keeps to skip re-fetching them; 0: off
 
     def __post_init__(self) -> None:
         _require(bool(self.modalities), "context.modalities must not be empty")
+        _require(isinstance(self.read_cache_bytes, int) and self.read_cache_bytes >= 0,
+                 "context.read_cache_bytes must be >= 0")
         for name in ("max_entry_bytes", "channel_max_entries", "channel_max_bytes",
                      "principal_budget_bytes", "global_budget_bytes", "idle_ttl_s",
                      "versions_retained", "audit_maxlen"):

@@ -22,6 +22,7 @@ import re
 import struct
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
@@ -152,6 +153,31 @@ def _text(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
+_HELD_ENTRY_OVERHEAD = 200  # bytes the read cache counts per entry besides its content
+
+
+@dataclass(slots=True)
+class _Held:
+    """Entries of one context a store keeps from its last read (its read cache): per
+    channel the first seq and the entries from there on, all of one life (``epoch``) of the
+    context. Within one life an entry's (channel, seq) never names other content, so the
+    next read of the context asks Redis only for the entries outside these ranges."""
+
+    epoch: str
+    channels: dict[str, tuple[int, tuple[Entry, ...], int]]  # mod -> (first seq, entries, bytes counted)
+    nbytes: int = 0
+
+    def spec(self) -> str:
+        """The script's ``held`` argument (see held_set in context.lua)."""
+        return self.epoch + ";" + ";".join(f"{m}:{first}:{first + len(es) - 1}"
+                                           for m, (first, es, _) in self.channels.items() if es)
+
+
+def _channel(first: int, entries: Sequence[Entry]) -> tuple[int, tuple[Entry, ...], int]:
+    ents = tuple(entries)
+    return first, ents, sum([len(e.content) for e in ents]) + _HELD_ENTRY_OVERHEAD * len(ents)
+
+
 class ContextStore:
     """The context store API used by the gateway, workers and the trainer."""
 
@@ -180,9 +206,14 @@ class ContextStore:
         self._mod_names = {m.encode(): m for m in cfg.modalities}
         self._cfg_arg = script_config(cfg)
         self._global_keys = [keys.CTX_GLOBAL_BYTES, keys.CTX_GLOBAL_LRU, keys.AUDIT_STREAM]
-        self._heads: dict[str, bytes] = {}
+        self._heads: dict[tuple[str, str], bytes] = {}
         self._op_metrics: dict[str, tuple[Any, Any]] = {}
         self.round_trips = 0  # script calls made (the bench divides by operations)
+        # Read cache: (principal, context) -> entries of its last read, LRU, bounded in bytes.
+        self._held: OrderedDict[tuple[str, str], _Held] = OrderedDict()
+        self._held_bytes = 0
+        self.entries_fetched = 0  # entries read from Redis
+        self.entries_reused = 0   # entries get_window took from the read cache instead
 
     # ------------------------------------------------------------------ validation
     def _check_principal(self, principal: str) -> None:
@@ -213,23 +244,23 @@ class ContextStore:
         """KEYS of every script call: the principal's 5 keys, then the 3 global ones."""
         return keys.ctx_keys(principal) + self._global_keys
 
-    def _head(self, principal: str) -> bytes:
-        """RESP arguments ``FCALL <fn> 8 <keys of principal> <global keys>`` (cached per principal:
-        packing ~20 arguments per call was a large share of the client's time)."""
-        head = self._heads.get(principal)
+    def _head(self, op: str, principal: str) -> bytes:
+        """RESP arguments ``FCALL <fn> 8 <keys of principal> <global keys> <op> <principal>``
+        (cached per principal and operation: packing ~20 arguments per call was a large share
+        of the client's time)."""
+        head = self._heads.get((op, principal))
         if head is None:
-            if len(self._heads) >= 4096:
+            if len(self._heads) >= 8192:
                 self._heads.clear()
             ks = self._keys(principal)
-            head = self._heads[principal] = pack_args(("FCALL", self._fn, len(ks), *ks))
+            head = self._heads[(op, principal)] = pack_args(("FCALL", self._fn, len(ks), *ks, op, principal))
         return head
 
     async def _call(self, op: str, principal: str, *args: Any) -> Any:
-        argv = (op, principal, self._clock_ms(), self._cfg_arg, *args)
         self.round_trips += 1
         t0 = time.perf_counter()
         try:
-            out = await self._invoke(principal, argv)
+            out = await self._invoke(op, principal, (self._clock_ms(), self._cfg_arg, *args))
         except ResponseError as exc:
             kind, _, msg = str(exc).partition(" ")
             msg = msg.split(" script: ", 1)[0]
@@ -245,22 +276,23 @@ class ContextStore:
         m[1].inc()
         return out
 
-    async def _invoke(self, principal: str, argv: tuple[Any, ...]) -> Any:
+    async def _invoke(self, op: str, principal: str, rest: tuple[Any, ...]) -> Any:
+        """One script call; ARGV is ``op, principal, *rest``."""
         if self._use_functions is False:
-            return await self._script(keys=self._keys(principal), args=list(argv))
-        n = 11 + len(argv)  # FCALL, name, numkeys, 8 keys, then argv
+            return await self._script(keys=self._keys(principal), args=[op, principal, *rest])
+        n = 13 + len(rest)  # FCALL, name, numkeys, 8 keys, op, principal, then the rest
         try:
-            return await self._batch.execute_packed(self._head(principal), n, argv)
+            return await self._batch.execute_packed(self._head(op, principal), n, rest)
         except ResponseError as exc:
             text = str(exc).lower()
             if "function not found" in text:  # first use on this server, or it restarted
                 await self.redis.function_load(self._fn_code, replace=True)
                 self._use_functions = True
-                return await self._batch.execute_packed(self._head(principal), n, argv)
+                return await self._batch.execute_packed(self._head(op, principal), n, rest)
             if "unknown command" in text and self._use_functions is None:  # Redis < 7
                 log.info("context store: Redis without Functions, using EVALSHA")
                 self._use_functions = False
-                return await self._script(keys=self._keys(principal), args=list(argv))
+                return await self._script(keys=self._keys(principal), args=[op, principal, *rest])
             raise
 
     @staticmethod
@@ -284,15 +316,21 @@ class ContextStore:
                 log.info("context: evicted principal %s (%d contexts) for the global budget", who, n)
         return done
 
-    def _window(self, principal: str, context_id: str, version: int, runs: list[Any]) -> ContextWindow:
-        """Decode the script's runs (see runs() in context.lua) into a window."""
-        win = ContextWindow(principal=principal, context_id=context_id, version=int(version))
+    def _decode_runs(self, runs: list[Any]) -> dict[str, list[tuple[int, list[Entry]]]]:
+        """The script's runs (see runs() in context.lua) as modality -> [(first seq, entries)]."""
         chans: dict[str, list[tuple[int, list[Entry]]]] = {}
         for i in range(0, len(runs), 3):
             mod = self._mod_names.get(runs[i]) or _text(runs[i])
             first = int(runs[i + 1])
             chans.setdefault(mod, []).append(
                 (first, [unpack_entry(f"{mod}:{first + k}", mod, v) for k, v in enumerate(runs[i + 2])]))
+            self.entries_fetched += len(runs[i + 2])
+        return chans
+
+    def _window(self, principal: str, context_id: str, version: int, runs: list[Any]) -> ContextWindow:
+        """Decode the script's runs into a window."""
+        win = ContextWindow(principal=principal, context_id=context_id, version=int(version))
+        chans = self._decode_runs(runs)
         order = self._mod_order
         for mod in sorted(chans, key=lambda m: order.get(m, len(order))):
             parts = chans[mod]
@@ -358,10 +396,98 @@ class ContextStore:
         for name, v, hi in (("last_n", last_n, MAX_LAST_N), ("max_tokens", max_tokens, MAX_TOKENS_LIMIT)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi):
                 raise ContextError(f"{name} must be an integer in 1..{hi}")
-        version, flat, evicted = await self._call("window", principal, context_id, mods, last_n or 0,
-                                                  max_tokens or 0, "1" if resolve_links else "0")
+        if resolve_links:  # linked entries come from Redis every time (see ops.window)
+            version, flat, evicted, _wins, _epoch = await self._call(
+                "window", principal, context_id, mods, last_n or 0, max_tokens or 0, "1", "")
+            self._evicted(evicted)
+            return self._window(principal, context_id, version, flat)
+        key = (principal, context_id)
+        held = self._held.get(key) if self.cfg.read_cache_bytes else None
+        try:
+            version, flat, evicted, wins, epoch = await self._call(
+                "window", principal, context_id, mods, last_n or 0, max_tokens or 0, "0",
+                held.spec() if held is not None else "")
+        except ContextNotFound:
+            self._forget(key)
+            raise
         self._evicted(evicted)
-        return self._window(principal, context_id, version, flat)
+        win = self._assemble(principal, context_id, version, flat, wins, _text(epoch), held, mods)
+        if win is None:  # the reply and what we hold do not fit together: never expected
+            log.warning("context %s/%s: read cache out of step, reading it whole", principal, context_id)
+            self._forget(key)
+            version, flat, evicted, wins, epoch = await self._call(
+                "window", principal, context_id, mods, last_n or 0, max_tokens or 0, "0", "")
+            win = self._assemble(principal, context_id, version, flat, wins, _text(epoch), None, mods)
+            if win is None:
+                raise RuntimeError(f"context {context_id}: window reply does not match its ranges")
+        return win
+
+    def _assemble(self, principal: str, context_id: str, version: Any, runs: list[Any], wins: list[Any],
+                  epoch: str, held: _Held | None, mods: str) -> ContextWindow | None:
+        """The window from the script's reply (runs of the entries we did not hold, and the
+        first/last seq of every channel's window) plus the entries ``held``; then keep what
+        was read for the next read. None if they do not cover the windows exactly."""
+        win = ContextWindow(principal=principal, context_id=context_id, version=int(version))
+        fetched = self._decode_runs(runs)
+        same_life = held is not None and held.epoch == epoch
+        kept: dict[str, tuple[int, tuple[Entry, ...], int]] = {}
+        for i in range(0, len(wins), 3):
+            mod = self._mod_names.get(wins[i]) or _text(wins[i])
+            lo, hi = int(wins[i + 1]), int(wins[i + 2])
+            parts = fetched.pop(mod, [])
+            ch = held.channels.get(mod) if same_life else None  # type: ignore[union-attr]
+            if ch is not None:
+                first, ents, _ = ch
+                a, b = max(lo, first), min(hi, first + len(ents) - 1)
+                if a <= b:
+                    if not parts and a == lo and b == hi and first == lo and len(ents) == hi - lo + 1:
+                        win.channels[mod] = list(ents)  # unchanged since the last read
+                        kept[mod] = ch
+                        self.entries_reused += len(ents)
+                        continue
+                    parts.append((a, list(ents[a - first:b - first + 1])))
+                    self.entries_reused += b - a + 1
+                    if len(parts) > 1:
+                        parts.sort(key=lambda p: p[0])
+            expect = lo
+            for first, ents in parts:  # contiguous and exactly lo..hi
+                if first != expect:
+                    return None
+                expect += len(ents)
+            if expect != hi + 1:
+                return None
+            entries = parts[0][1] if len(parts) == 1 else [e for _, ents in parts for e in ents]
+            win.channels[mod] = entries
+            kept[mod] = _channel(lo, entries)
+        if fetched:  # entries outside every window
+            return None
+        if len(win.channels) > 1:
+            order = self._mod_order
+            win.channels = {m: win.channels[m] for m in sorted(win.channels, key=lambda m: order.get(m, len(order)))}
+        if self.cfg.read_cache_bytes and epoch:
+            if same_life and mods:  # channels this read did not ask for stay as they were
+                asked = mods.split(",")
+                for mod, ch in held.channels.items():  # type: ignore[union-attr]
+                    if mod not in asked:
+                        kept.setdefault(mod, ch)
+            self._keep((principal, context_id), _Held(epoch, kept))
+        return win
+
+    def _keep(self, key: tuple[str, str], held: _Held) -> None:
+        held.nbytes = sum([ch[2] for ch in held.channels.values()])
+        self._forget(key)
+        if held.nbytes > self.cfg.read_cache_bytes // 8:  # one context may not crowd out the rest
+            return
+        self._held[key] = held
+        self._held_bytes += held.nbytes
+        while self._held_bytes > self.cfg.read_cache_bytes:
+            _, old = self._held.popitem(last=False)
+            self._held_bytes -= old.nbytes
+
+    def _forget(self, key: tuple[str, str]) -> None:
+        old = self._held.pop(key, None)
+        if old is not None:
+            self._held_bytes -= old.nbytes
 
     async def read_at_version(self, principal: str, context_id: str, version: int, *,
                               modalities: Iterable[str] | None = None) -> ContextWindow:

@@ -23,6 +23,11 @@ import asyncio
 from typing import Any
 
 import redis.asyncio as aioredis
+
+try:
+    import hiredis
+except ImportError:  # pragma: no cover - hiredis is a dependency; redis-py's reader is the fallback
+    hiredis = None  # type: ignore[assignment]
 from redis.exceptions import ResponseError
 
 
@@ -112,13 +117,25 @@ class AutoPipeline:
         pool = self.redis.connection_pool
         conn = await pool.get_connection()
         try:
-            await conn.send_packed_command(packed, check_health=False)
+            stream, writer = getattr(conn, "_reader", None), getattr(conn, "_writer", None)
+            if hiredis is None or stream is None or writer is None:
+                return await self._round_trip_slow(conn, packed, n)
+            # Fast path: the connection redis-py set up (auth, db, TLS), read with one hiredis
+            # reader for the whole batch: one await per network read, not per reply.
+            parser = hiredis.Reader(replyError=getattr(conn._parser, "parse_error", ResponseError))
+            writer.write(packed)
+            await writer.drain()
             replies: list[Any] = []
-            for _ in range(n):
-                try:
-                    replies.append(await conn.read_response())
-                except ResponseError as exc:
-                    replies.append(exc)
+            async with asyncio.timeout(conn.socket_timeout):
+                while len(replies) < n:
+                    data = await stream.read(1 << 17)
+                    if not data:
+                        raise ConnectionError("redis closed the connection")
+                    parser.feed(data)
+                    while (reply := parser.gets()) is not False:
+                        replies.append(reply)
+            if len(replies) != n:
+                raise ConnectionError("redis sent more replies than commands")
             return replies
         except BaseException:
             await conn.disconnect()
@@ -126,12 +143,30 @@ class AutoPipeline:
         finally:
             await pool.release(conn)
 
+    @staticmethod
+    async def _round_trip_slow(conn: Any, packed: bytes, n: int) -> list[Any]:
+        await conn.send_packed_command(packed, check_health=False)
+        replies: list[Any] = []
+        for _ in range(n):
+            try:
+                replies.append(await conn.read_response())
+            except ResponseError as exc:
+                replies.append(exc)
+        return replies
+
 
 def _bulk(arg: Any) -> bytes:
-    if isinstance(arg, bytes):
+    t = type(arg)  # exact types first: this runs for every argument of every command
+    if t is bytes:
         return b"$%d\r\n%b\r\n" % (len(arg), arg)
-    if isinstance(arg, str):
+    if t is str:
         arg = arg.encode()
+    elif t is int:
+        arg = b"%d" % arg
+    elif isinstance(arg, bytes):
+        arg = bytes(arg)
+    elif isinstance(arg, str):
+        arg = str(arg).encode()
     elif isinstance(arg, int) and not isinstance(arg, bool):
         arg = b"%d" % arg
     elif isinstance(arg, (bytearray, memoryview)):

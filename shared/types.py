@@ -5,10 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)
 class Entry:
     """One entry of a context channel. ``content`` is raw bytes (UTF-8 for text; the
-    decoded image/audio bytes for binary modalities — never base64 inside learnmesh)."""
+    decoded image/audio bytes for binary modalities — never base64 inside learnmesh).
+
+    Read-only by contract: the context store hands the same Entry objects to every reader
+    of a context (its read cache), so change a copy (``dataclasses.replace``), never one
+    you were given."""
 
     id: str
     modality: str

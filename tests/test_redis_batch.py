@@ -11,11 +11,16 @@ import redis.asyncio as aioredis
 from conftest import wait_for
 from redis.exceptions import ResponseError
 
+from shared import redis_batch
 from shared.redis_batch import AutoPipeline, pack_command
 
 
-@pytest.fixture
-async def r(redis_url):
+@pytest.fixture(params=["hiredis-batch-reader", "redis-py-reader"])
+async def r(redis_url, request, monkeypatch):
+    """Every test runs on both ways of reading a batch's replies: one hiredis reader per
+    batch (the default) and redis-py's per-reply reads (used where hiredis is missing)."""
+    if request.param == "redis-py-reader":
+        monkeypatch.setattr(redis_batch, "hiredis", None)
     client = aioredis.Redis.from_url(redis_url)
     yield client
     await client.aclose()
@@ -25,6 +30,24 @@ def test_pack_command_is_resp() -> None:
     assert pack_command(("SET", b"k\r\n", 12)) == b"*3\r\n$3\r\nSET\r\n$3\r\nk\r\n\r\n$2\r\n12\r\n"
     with pytest.raises(TypeError):
         pack_command(("SET", "k", 1.5))
+    with pytest.raises(TypeError):
+        pack_command(("SET", "k", True))  # not silently "1"
+
+    class Name(str):
+        pass
+
+    assert pack_command((Name("GET"), bytearray(b"k"))) == b"*2\r\n$3\r\nGET\r\n$1\r\nk\r\n"
+
+
+async def test_replies_spanning_many_socket_reads(r) -> None:
+    """Big replies and many of them: a batch's replies arrive in many reads and pieces."""
+    ap = AutoPipeline(r, max_inflight=2, max_batch=8)
+    big = bytes(range(256)) * 4096  # 1 MiB
+    await asyncio.gather(*(ap.execute("SET", f"big:{i}", big + bytes([i])) for i in range(6)))
+    got = await asyncio.gather(*(ap.execute("GET", f"big:{i}") for i in range(6)),
+                               *(ap.execute("INCR", "big:n") for _ in range(50)))
+    assert got[:6] == [big + bytes([i]) for i in range(6)]
+    assert sorted(got[6:]) == list(range(1, 51))
 
 
 async def test_concurrent_callers_share_round_trips(r) -> None:

@@ -29,6 +29,7 @@ local KEYV, ARGS
 local E, M, R, V, S, GB, GL, AU
 local op, P, NOW_S, now
 local CH_N, CH_B, P_BUD, G_BUD, IDLE, NVER, AMAX, SLACK
+local CFG                          -- the configuration argument CH_N.. were parsed from
 local BYTES, CLOCK, TOTAL, EXP = '\0bytes', '\0clock', '\0total', '\0exp'
 local K = 1000                         -- R score = last-use ms * K (+ tiebreak)
 
@@ -60,6 +61,22 @@ local function load(cid)
 end
 
 local function save(cid, m) redis.call('HSET', M, cid, cjson.encode(m)) end
+
+-- Decoded metas for operations that only read them (never change what this returns),
+-- keyed by the stored JSON itself: Lua interns strings, so the lookup is a pointer
+-- compare and a changed meta is a new key. Bounded; emptied when full.
+local RO, RO_N = {}, 0
+local function load_ro(cid)
+  local raw = redis.call('HGET', M, cid)
+  if not raw then return nil end
+  local m = RO[raw]
+  if not m then
+    if RO_N >= 4096 then RO, RO_N = {}, 0 end
+    m = cjson.decode(raw)
+    RO[raw], RO_N = m, RO_N + 1
+  end
+  return m
+end
 
 local function add_bytes(delta)
   pbytes = pbytes + delta
@@ -262,9 +279,14 @@ local function global_victims()
   return out
 end
 
+-- A new context (or a new life of an evicted one). `e` (epoch) names this life: sequence
+-- numbers restart only in a new life, so (epoch, modality, seq) names one entry's content
+-- for ever — what lets a reader keep entries it has and fetch only the rest (ops.window).
+-- Redis's clock in µs plus the version: unique even after Redis lost its data.
 local function new_meta(cid)
   local last = tonumber(redis.call('HGET', S, cid) or '0')
-  return {v = last, vf = last + 1, b = 0, t = now, ch = {}}
+  local t = redis.call('TIME')
+  return {v = last, vf = last + 1, b = 0, t = now, ch = {}, e = string.format('%d.%s%06d', last + 1, t[1], t[2])}
 end
 
 local function need(cid)
@@ -279,10 +301,25 @@ local function hmget_range(cid, mod, a, b)
   return redis.call('HMGET', E, unpack(fields))
 end
 
--- Entries of a channel range, plus (when asked) a token budget walked newest first.
-local function read_channel(cid, mod, lo, hi, last_n, max_tokens, out)
+-- Rows {mod, seq, value} of entries a..b of a channel (nothing when b < a).
+local function fetch(cid, mod, a, b, out)
+  for x = a, b, 1000 do
+    local vals = hmget_range(cid, mod, x, math.min(b, x + 999))
+    for i = 1, #vals do
+      if vals[i] then out[#out + 1] = mod; out[#out + 1] = x + i - 1; out[#out + 1] = vals[i] end
+    end
+  end
+end
+
+-- The window of a channel: its range lo..hi cut to the last `last_n` entries and/or to a
+-- token budget walked newest first. Rows of its entries go to `out`, except those the
+-- caller holds (`held` = {first, last}, or nil). Returns the window's first and last seq,
+-- or nothing when it is empty.
+local function read_channel(cid, mod, lo, hi, last_n, max_tokens, out, held)
   if last_n > 0 and hi - last_n + 1 > lo then lo = hi - last_n + 1 end
   if hi < lo then return end
+  local ha, hb = 1, 0
+  if held then ha, hb = held[1], held[2] end
   if max_tokens > 0 then
     local picked, used = {}, 0
     for s = hi, lo, -1 do
@@ -294,15 +331,16 @@ local function read_channel(cid, mod, lo, hi, last_n, max_tokens, out)
       picked[#picked + 1] = {s, val}
       if used >= max_tokens then break end
     end
-    for i = #picked, 1, -1 do out[#out + 1] = mod; out[#out + 1] = picked[i][1]; out[#out + 1] = picked[i][2] end
-    return
-  end
-  for a = lo, hi, 1000 do
-    local vals = hmget_range(cid, mod, a, math.min(hi, a + 999))
-    for i = 1, #vals do
-      if vals[i] then out[#out + 1] = mod; out[#out + 1] = a + i - 1; out[#out + 1] = vals[i] end
+    if #picked == 0 then return end
+    for i = #picked, 1, -1 do
+      local s = picked[i][1]
+      if s < ha or s > hb then out[#out + 1] = mod; out[#out + 1] = s; out[#out + 1] = picked[i][2] end
     end
+    return picked[#picked][1], hi
   end
+  fetch(cid, mod, lo, math.min(hi, ha - 1), out)
+  fetch(cid, mod, math.max(lo, hb + 1), hi, out)
+  return lo, hi
 end
 
 local function links_of(val)
@@ -402,25 +440,42 @@ function ops.append()
   return {seq, m.v, evicted_reply(), global_reply(global_victims())}
 end
 
--- ARGV 5 cid, 6 modalities csv, 7 last_n, 8 max_tokens, 9 resolve(0/1)
---   -> {version, runs (see runs()), evicted}. Does not rewrite the meta.
+-- Entries the caller already holds, from ARGV "<epoch>;mod:first:last;...": honoured only
+-- for this context's current life (see new_meta), else nothing is held.
+local function held_set(spec, m)
+  local held = {}
+  if not spec or spec == '' or not m.e then return held end
+  local ep, rest = string.match(spec, '^([^;]*);?(.*)$')
+  if ep ~= m.e then return held end
+  for mod, a, b in string.gmatch(rest, '([^:;]+):(%d+):(%d+)') do held[mod] = {tonumber(a), tonumber(b)} end
+  return held
+end
+
+-- ARGV 5 cid, 6 modalities csv, 7 last_n, 8 max_tokens, 9 resolve(0/1), 10 held entries
+--   (see held_set; ignored when resolving links) -> {version, runs (see runs()) of the
+--   entries not held, evicted, {mod, first seq, last seq, ...} of each non-empty window,
+--   epoch}. Does not rewrite the meta.
 function ops.window()
   local cid = ARGS[5]
-  local m = need(cid)
+  local m = load_ro(cid)
+  if not m then fail('LM_NOTFOUND context ' .. cid) end
   local wanted, all = wanted_set(ARGS[6])
   local last_n, max_tokens = tonumber(ARGS[7]), tonumber(ARGS[8])
-  local out, ranges = {}, {}
+  local resolving = ARGS[9] == '1'
+  local held = resolving and {} or held_set(ARGS[10], m)
+  local out, ranges, wins = {}, {}, {}
   for mod, c in pairs(m.ch) do
     ranges[mod] = {c.lo, c.hi}
     if all or wanted[mod] then
       wanted[mod] = true
-      read_channel(cid, mod, c.lo, c.hi, last_n, max_tokens, out)
+      local a, b = read_channel(cid, mod, c.lo, c.hi, last_n, max_tokens, out, held[mod])
+      if a then wins[#wins + 1] = mod; wins[#wins + 1] = a; wins[#wins + 1] = b end
     end
   end
-  if ARGS[9] == '1' then resolve(cid, ranges, wanted, out) end
+  if resolving then resolve(cid, ranges, wanted, out) end
   touch(cid)
   finish(true)
-  return {m.v, runs(out), evicted_reply()}
+  return {m.v, runs(out), evicted_reply(), wins, m.e or ''}
 end
 
 -- ARGV 5 cid, 6 version, 7 modalities csv -> {version, runs, evicted}
@@ -433,7 +488,7 @@ function ops.read_at()
   local wanted, all = wanted_set(ARGS[7])
   local out = {}
   for mod, r in pairs(parse_ranges(redis.call('HGET', V, cid .. '|' .. ver))) do
-    if all or wanted[mod] then read_channel(cid, mod, r[1], r[2], 0, 0, out) end
+    if all or wanted[mod] then read_channel(cid, mod, r[1], r[2], 0, 0, out, nil) end
   end
   touch(cid)
   finish(true)
@@ -536,10 +591,14 @@ local function lm_main(keys, args)
   E, M, R, V, S, GB, GL, AU = keys[1], keys[2], keys[3], keys[4], keys[5], keys[6], keys[7], keys[8]
   op, P, NOW_S = args[1], args[2], args[3]
   now = tonumber(NOW_S)
-  local a, b, c, d, e, f, g = string.match(args[4], '^(%d+):(%d+):(%d+):(%d+):(%d+):(%d+):(%d+)$')
-  CH_N, CH_B, P_BUD, G_BUD = tonumber(a), tonumber(b), tonumber(c), tonumber(d)
-  IDLE, NVER, AMAX = tonumber(e), tonumber(f), g
-  SLACK = math.floor(IDLE / 16)    -- TTL refresh granularity (see header)
+  if args[4] ~= CFG then             -- parsed once per configuration (the library stays loaded)
+    local a, b, c, d, e, f, g = string.match(args[4], '^(%d+):(%d+):(%d+):(%d+):(%d+):(%d+):(%d+)$')
+    if not a then return redis.error_reply('LM_BADCONFIG ' .. tostring(args[4])) end
+    CH_N, CH_B, P_BUD, G_BUD = tonumber(a), tonumber(b), tonumber(c), tonumber(d)
+    IDLE, NVER, AMAX = tonumber(e), tonumber(f), g
+    SLACK = math.floor(IDLE / 16)  -- TTL refresh granularity (see header)
+    CFG = args[4]
+  end
   evicted = {}
   pbytes, pexp, pclock, pdelta = 0, nil, 0, 0
   clock_dirty, created, gtotal = false, false, nil
