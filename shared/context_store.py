@@ -104,23 +104,32 @@ def pack_entry(role: str, content: bytes, *, tokens: int, ts_ms: int, mime: str 
 _ROLES: dict[bytes, str] = {}  # role bytes -> str: a handful of distinct roles, decoded once
 
 
-def unpack_entry(entry_id: str, modality: str, raw: bytes) -> Entry:
-    """Decode one stored entry (see pack_entry)."""
-    fmt, tokens, ts, rl, ml, ll = _HEADER.unpack_from(raw)
-    if fmt != _FORMAT:
-        raise ValueError(f"unknown entry format {fmt}")
-    pos = _HSIZE + rl
-    rb = raw[_HSIZE:pos]
-    role = _ROLES.get(rb)
-    if role is None:
-        role = rb.decode()
-        if len(_ROLES) < 256:
-            _ROLES[rb] = role
-    mime = raw[pos:pos + ml].decode() if ml else None
-    pos += ml
-    links = raw[pos:pos + ll].decode().split(",") if ll else []
-    content = raw[pos + ll:]
-    return Entry(entry_id, modality, role, content, mime, tokens, len(content), int(ts), links)
+def unpack_entries(modality: str, first: int, values: Sequence[bytes]) -> list[Entry]:
+    """Decode stored entries ``first, first + 1, ...`` of a channel (see pack_entry). One
+    loop for a whole run: a read decodes tens of entries, and per-entry calls showed."""
+    out = []
+    unpack, roles, seq = _HEADER.unpack_from, _ROLES, first
+    for raw in values:
+        fmt, tokens, ts, rl, ml, ll = unpack(raw)
+        if fmt != _FORMAT:
+            raise ValueError(f"unknown entry format {fmt}")
+        pos = _HSIZE + rl
+        rb = raw[_HSIZE:pos]
+        role = roles.get(rb)
+        if role is None:
+            role = rb.decode()
+            if len(roles) < 256:
+                roles[rb] = role
+        if ml or ll:
+            mime = raw[pos:pos + ml].decode() if ml else None
+            pos += ml
+            links = raw[pos:pos + ll].decode().split(",") if ll else []
+            content = raw[pos + ll:]
+        else:
+            mime, links, content = None, [], raw[pos:]
+        out.append(Entry(f"{modality}:{seq}", modality, role, content, mime, tokens, len(content), int(ts), links))
+        seq += 1
+    return out
 
 
 _ERRORS: dict[str, type[ContextError]] = {
@@ -317,13 +326,12 @@ class ContextStore:
         return done
 
     def _decode_runs(self, runs: list[Any]) -> dict[str, list[tuple[int, list[Entry]]]]:
-        """The script's runs (see runs() in context.lua) as modality -> [(first seq, entries)]."""
+        """The script's runs (see add_run in context.lua) as modality -> [(first seq, entries)]."""
         chans: dict[str, list[tuple[int, list[Entry]]]] = {}
         for i in range(0, len(runs), 3):
             mod = self._mod_names.get(runs[i]) or _text(runs[i])
             first = int(runs[i + 1])
-            chans.setdefault(mod, []).append(
-                (first, [unpack_entry(f"{mod}:{first + k}", mod, v) for k, v in enumerate(runs[i + 2])]))
+            chans.setdefault(mod, []).append((first, unpack_entries(mod, first, runs[i + 2])))
             self.entries_fetched += len(runs[i + 2])
         return chans
 

@@ -301,18 +301,35 @@ local function hmget_range(cid, mod, a, b)
   return redis.call('HMGET', E, unpack(fields))
 end
 
--- Rows {mod, seq, value} of entries a..b of a channel (nothing when b < a).
+-- Window replies are runs of consecutive entries of one channel, flat:
+-- {mod, first seq, {value, value, ...}, mod, first seq, {...}, ...}. Values go out as they
+-- came from HMGET (no copying or packing in Lua: that was a quarter of a read's cost), and
+-- an HMGET reply is itself a run's value table (no per-entry work in Lua at all).
+local function add_run(out, mod, first, vals)
+  out[#out + 1] = mod; out[#out + 1] = first; out[#out + 1] = vals
+end
+
+-- Runs of the entries a..b of a channel that exist (nothing when b < a).
 local function fetch(cid, mod, a, b, out)
   for x = a, b, 1000 do
     local vals = hmget_range(cid, mod, x, math.min(b, x + 999))
-    for i = 1, #vals do
-      if vals[i] then out[#out + 1] = mod; out[#out + 1] = x + i - 1; out[#out + 1] = vals[i] end
+    local whole = true
+    for i = 1, #vals do if not vals[i] then whole = false; break end end
+    if whole then
+      add_run(out, mod, x, vals)
+    else  -- never expected (entries of a range are written and deleted together): skip holes
+      local run
+      for i = 1, #vals do
+        if not vals[i] then run = nil
+        elseif run then run[#run + 1] = vals[i]
+        else run = {vals[i]}; add_run(out, mod, x + i - 1, run) end
+      end
     end
   end
 end
 
 -- The window of a channel: its range lo..hi cut to the last `last_n` entries and/or to a
--- token budget walked newest first. Rows of its entries go to `out`, except those the
+-- token budget walked newest first. Runs of its entries go to `out`, except those the
 -- caller holds (`held` = {first, last}, or nil). Returns the window's first and last seq,
 -- or nothing when it is empty.
 local function read_channel(cid, mod, lo, hi, last_n, max_tokens, out, held)
@@ -332,9 +349,12 @@ local function read_channel(cid, mod, lo, hi, last_n, max_tokens, out, held)
       if used >= max_tokens then break end
     end
     if #picked == 0 then return end
+    local run
     for i = #picked, 1, -1 do
       local s = picked[i][1]
-      if s < ha or s > hb then out[#out + 1] = mod; out[#out + 1] = s; out[#out + 1] = picked[i][2] end
+      if s >= ha and s <= hb then run = nil
+      elseif run then run[#run + 1] = picked[i][2]
+      else run = {picked[i][2]}; add_run(out, mod, s, run) end
     end
     return picked[#picked][1], hi
   end
@@ -352,18 +372,23 @@ local function links_of(val)
   return out
 end
 
--- Add entries of requested channels that returned entries link to (within `ranges`).
+-- Add entries of requested channels that returned entries link to (within `ranges`),
+-- each as a run of its own.
 local function resolve(cid, ranges, wanted, out)
   local have = {}
-  for i = 1, #out, 3 do have[out[i] .. ':' .. out[i + 1]] = true end
   local n = #out
   for i = 1, n, 3 do
-    for _, l in ipairs(links_of(out[i + 2])) do
-      local key = l[1] .. ':' .. l[2]
-      local r = ranges[l[1]]
-      if wanted[l[1]] and r and not have[key] and l[2] >= r[1] and l[2] <= r[2] then
-        local val = redis.call('HGET', E, efield(cid, l[1], l[2]))
-        if val then out[#out + 1] = l[1]; out[#out + 1] = l[2]; out[#out + 1] = val; have[key] = true end
+    for k = 1, #out[i + 2] do have[out[i] .. ':' .. (out[i + 1] + k - 1)] = true end
+  end
+  for i = 1, n, 3 do
+    for _, val in ipairs(out[i + 2]) do
+      for _, l in ipairs(links_of(val)) do
+        local key = l[1] .. ':' .. l[2]
+        local r = ranges[l[1]]
+        if wanted[l[1]] and r and not have[key] and l[2] >= r[1] and l[2] <= r[2] then
+          local v = redis.call('HGET', E, efield(cid, l[1], l[2]))
+          if v then add_run(out, l[1], l[2], {v}); have[key] = true end
+        end
       end
     end
   end
@@ -373,24 +398,6 @@ local function wanted_set(csv)
   local w, all = {}, csv == ''
   for mod in string.gmatch(csv, '[^,]+') do w[mod] = true end
   return w, all
-end
-
--- Window rows {mod, seq, value, ...} as runs of consecutive entries of one channel:
--- {mod, first seq, {value, value, ...}, mod, first seq, {...}, ...}. Values go out as
--- they came from HMGET (no copying or packing in Lua: that was a quarter of a read's cost).
-local function runs(rows)
-  local out, vals, last_mod, next_seq = {}, nil, nil, nil
-  for i = 1, #rows, 3 do
-    local mod, seq = rows[i], rows[i + 1]
-    if mod ~= last_mod or seq ~= next_seq then
-      vals = {}
-      out[#out + 1] = mod; out[#out + 1] = seq; out[#out + 1] = vals
-      last_mod = mod
-    end
-    vals[#vals + 1] = rows[i + 2]
-    next_seq = seq + 1
-  end
-  return out
 end
 
 local function evicted_reply()
@@ -452,7 +459,7 @@ local function held_set(spec, m)
 end
 
 -- ARGV 5 cid, 6 modalities csv, 7 last_n, 8 max_tokens, 9 resolve(0/1), 10 held entries
---   (see held_set; ignored when resolving links) -> {version, runs (see runs()) of the
+--   (see held_set; ignored when resolving links) -> {version, runs (see add_run) of the
 --   entries not held, evicted, {mod, first seq, last seq, ...} of each non-empty window,
 --   epoch}. Does not rewrite the meta.
 function ops.window()
@@ -475,7 +482,7 @@ function ops.window()
   if resolving then resolve(cid, ranges, wanted, out) end
   touch(cid)
   finish(true)
-  return {m.v, runs(out), evicted_reply(), wins, m.e or ''}
+  return {m.v, out, evicted_reply(), wins, m.e or ''}
 end
 
 -- ARGV 5 cid, 6 version, 7 modalities csv -> {version, runs, evicted}
@@ -492,7 +499,7 @@ function ops.read_at()
   end
   touch(cid)
   finish(true)
-  return {ver, runs(out), evicted_reply()}
+  return {ver, out, evicted_reply()}
 end
 
 -- ARGV 5 cid -> {version, evicted}
