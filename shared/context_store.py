@@ -180,6 +180,7 @@ class _Held:
     epoch: str
     channels: dict[str, tuple[int, tuple[Entry, ...], int]]  # mod -> (first seq, entries, bytes counted)
     nbytes: int = 0
+    held_arg: str = ""  # spec(), computed once when kept
 
     def spec(self) -> str:
         """The script's ``held`` argument (see held_set in context.lua)."""
@@ -419,7 +420,7 @@ class ContextStore:
         try:
             version, flat, evicted, wins, epoch = await self._call(
                 "window", principal, context_id, mods, last_n or 0, max_tokens or 0, "0",
-                held.spec() if held is not None else "")
+                held.held_arg if held is not None else "")
         except ContextNotFound:
             self._forget(key)
             raise
@@ -444,6 +445,7 @@ class ContextStore:
         fetched = self._decode_runs(runs)
         same_life = held is not None and held.epoch == epoch
         kept: dict[str, tuple[int, tuple[Entry, ...], int]] = {}
+        unchanged = same_life
         for i in range(0, len(wins), 3):
             mod = self._mod_names.get(wins[i]) or _text(wins[i])
             lo, hi = int(wins[i + 1]), int(wins[i + 2])
@@ -461,6 +463,7 @@ class ContextStore:
                     parts.append((a, list(ents[a - first:b - first + 1])))
                     if len(parts) > 1:
                         parts.sort(key=lambda p: p[0])
+            unchanged = False
             expect = lo
             for first, es in parts:  # contiguous and exactly lo..hi
                 if first != expect:
@@ -476,7 +479,10 @@ class ContextStore:
         if len(win.channels) > 1:
             order = self._mod_order
             win.channels = {m: win.channels[m] for m in sorted(win.channels, key=lambda m: order.get(m, len(order)))}
-        if self.cfg.read_cache_bytes and epoch:
+        if unchanged and len(kept) == len(held.channels):  # type: ignore[union-attr]
+            if (principal, context_id) in self._held:
+                self._held.move_to_end((principal, context_id))
+        elif self.cfg.read_cache_bytes and epoch:
             if same_life and mods:  # channels this read did not ask for stay as they were
                 asked = mods.split(",")
                 for mod, ch in held.channels.items():  # type: ignore[union-attr]
@@ -487,6 +493,7 @@ class ContextStore:
 
     def _keep(self, key: tuple[str, str], held: _Held) -> None:
         held.nbytes = sum([ch[2] for ch in held.channels.values()])
+        held.held_arg = held.spec()
         self._forget(key)
         if held.nbytes > self.cfg.read_cache_bytes // 8:  # one context may not crowd out the rest
             return

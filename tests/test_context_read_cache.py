@@ -12,7 +12,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from shared.config import ConfigError, ContextConfig
-from shared.context_store import ContextNotFound, ContextStore, _Held
+from shared.context_store import ContextNotFound, ContextStore
 from shared.types import ContextWindow
 
 
@@ -184,7 +184,7 @@ async def test_the_cache_stays_within_its_byte_budget(r):
     assert ("carol", "big") not in s._held
 
 
-async def test_a_cache_out_of_step_is_detected_and_the_read_is_whole(r, caplog, monkeypatch):
+async def test_a_cache_out_of_step_is_detected_and_the_read_is_whole(r, caplog):
     s, ref = make(r), make(r, read_cache_bytes=0)
     await fill(s, "dave", "c", 6)
     await s.get_window("dave", "c")
@@ -193,7 +193,7 @@ async def test_a_cache_out_of_step_is_detected_and_the_read_is_whole(r, caplog, 
     held = s._held[("dave", "c")]
     first, ents, nbytes = held.channels["text"]
     held.channels["text"] = (first, ents[:3], nbytes)
-    monkeypatch.setattr(_Held, "spec", lambda self: self.epoch + ";text:1:6")
+    held.held_arg = held.epoch + ";text:1:6"
     with caplog.at_level(logging.WARNING, logger="shared.context_store"):
         win = await s.get_window("dave", "c")
     assert view(win) == view(await ref.get_window("dave", "c"))
