@@ -229,6 +229,7 @@ class ContextStore:
         self._held_bytes = 0
         self.entries_fetched = 0  # entries read from Redis
         self.entries_reused = 0   # entries get_window took from the read cache instead
+        self._read_metrics = (metrics.CONTEXT_READ_ENTRIES.labels("redis"), metrics.CONTEXT_READ_ENTRIES.labels("cache"))
 
     # ------------------------------------------------------------------ validation
     def _check_principal(self, principal: str) -> None:
@@ -425,6 +426,7 @@ class ContextStore:
             self._forget(key)
             raise
         self._evicted(evicted)
+        f0, r0 = self.entries_fetched, self.entries_reused
         win = self._assemble(principal, context_id, version, flat, wins, _text(epoch), held, mods)
         if win is None:  # the reply and what we hold do not fit together: never expected
             log.warning("context %s/%s: read cache out of step, reading it whole", principal, context_id)
@@ -434,6 +436,10 @@ class ContextStore:
             win = self._assemble(principal, context_id, version, flat, wins, _text(epoch), None, mods)
             if win is None:
                 raise RuntimeError(f"context {context_id}: window reply does not match its ranges")
+        if self.entries_fetched != f0:
+            self._read_metrics[0].inc(self.entries_fetched - f0)
+        if self.entries_reused != r0:
+            self._read_metrics[1].inc(self.entries_reused - r0)
         return win
 
     def _assemble(self, principal: str, context_id: str, version: Any, runs: list[Any], wins: list[Any],

@@ -36,6 +36,9 @@ CONTEXT_EVICTIONS = Counter("learnmesh_context_evictions_total", "Contexts evict
                             ["reason"])  # idle | principal_budget | global_budget | admin
 CONTEXT_APPENDED_BYTES = Counter("learnmesh_context_appended_bytes_total", "Bytes appended to contexts",
                                  ["modality"])
+CONTEXT_READ_ENTRIES = Counter("learnmesh_context_read_entries_total",
+                               "Entries get_window returned, by where they came from (redis or the read cache)",
+                               ["source"])
 
 # ---------------------------------------------------------------- weight-delta sync (codec, envelope, publisher, subscriber)
 DELTA_PUBLISHED = Counter("learnmesh_delta_published_total", "Deltas/anchors published by the trainer", ["kind"])

@@ -10,6 +10,7 @@ import random
 
 import pytest
 import redis.asyncio as aioredis
+from prometheus_client import REGISTRY
 
 from shared.config import ConfigError, ContextConfig
 from shared.context_store import ContextNotFound, ContextStore
@@ -21,6 +22,10 @@ async def r(redis_url):
     client = aioredis.Redis.from_url(redis_url)
     yield client
     await client.aclose()
+
+
+def read_entries(source: str) -> float:
+    return REGISTRY.get_sample_value("learnmesh_context_read_entries_total", {"source": source}) or 0.0
 
 
 def make(r, **cfg) -> ContextStore:
@@ -46,8 +51,10 @@ async def test_a_second_read_fetches_only_the_new_entries(r):
     assert (s.entries_fetched, s.entries_reused) == (20, 0)
     await s.append("alice", "c", "text", "assistant", b"new-1")
     await s.append("alice", "c", "text", "user", b"new-2")
+    before = {src: read_entries(src) for src in ("redis", "cache")}
     second = await s.get_window("alice", "c", last_n=20)
     assert (s.entries_fetched, s.entries_reused) == (22, 18)
+    assert {src: read_entries(src) - before[src] for src in before} == {"redis": 2, "cache": 18}  # exported
     assert view(second) == view(await ref.get_window("alice", "c", last_n=20))
     assert [e.text for e in second.channels["text"][-2:]] == ["new-1", "new-2"]
     assert second.channels["text"][0].id == "text:13" and first.channels["text"][0].id == "text:11"
