@@ -591,6 +591,14 @@ function ops.evict_principal()
   return {#raw / 2, held}
 end
 
+local function run_op(fn)
+  if op ~= 'evict_principal' then
+    begin()
+    expire_idle()
+  end
+  return fn()
+end
+
 -- The entry point: FCALL <fn> 8 KEYS... ARGV... (or, on Redis < 7, EVALSHA of this body
 -- followed by `return lm_main(KEYS, ARGV)`; see shared/context_store.py).
 local function lm_main(keys, args)
@@ -611,9 +619,10 @@ local function lm_main(keys, args)
   clock_dirty, created, gtotal = false, false, nil
   local fn = ops[op]
   if not fn then return redis.error_reply('LM_BADOP ' .. tostring(op)) end
-  if op ~= 'evict_principal' then
-    begin()
-    expire_idle()
-  end
-  return fn()
+  -- fail() raises {err = ...}; turned into an error reply here rather than raised out of the
+  -- script: Redis 7 Functions accept a raised error table, Redis 6 EVAL (the fallback) does not.
+  local ok, res = pcall(run_op, fn)
+  if ok then return res end
+  if type(res) == 'table' and res.err then return redis.error_reply(res.err) end
+  error(res, 0)
 end
