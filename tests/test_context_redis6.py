@@ -108,7 +108,7 @@ async def history(r: aioredis.Redis) -> list:
     await do("missing", s.get_window("p", "nope"))
     await do("clear", s.clear("p", "c1"))
     seen.append(("after-clear", window(await s.get_window("p", "c1"))))
-    for i in range(12):  # over the principal budget: the least recently used context goes
+    for _ in range(12):  # over the principal budget: the least recently used context goes
         res = await s.append("p", "c3", "text", "user", b"x" * 300)
         seen.append(("big", res.version, res.evicted))
     seen.append(("list", [(i.id, i.version, i.entries) for i in await s.list_contexts("p")]))
