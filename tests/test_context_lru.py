@@ -4,7 +4,9 @@ the set of contexts, their LRU order, byte totals and the LRU order over princip
 agree. Rules modelled: exact LRU over a principal's contexts under its byte budget (the
 context just written goes last; alone over budget it drops its oldest entries, never the
 newest), LRU over principals under the global budget (never the caller), reads and writes
-count as use, failed operations do not."""
+count as use, failed operations do not; and the idle TTL on a fake clock: a context unused for
+idle_ttl is gone at the next operation of its principal (whatever it is, even a failing
+one), and until then it still counts."""
 
 from __future__ import annotations
 
@@ -32,8 +34,10 @@ def packed(n: int) -> int:
 
 P_BUDGET = packed(150) * 3
 G_BUDGET = packed(150) * 5
+IDLE_MS = 100_000
 CFG = ContextConfig(max_entry_bytes=150, channel_max_bytes=10_000, channel_max_entries=1000,
-                    principal_budget_bytes=P_BUDGET, global_budget_bytes=G_BUDGET, versions_retained=1)
+                    principal_budget_bytes=P_BUDGET, global_budget_bytes=G_BUDGET, versions_retained=1,
+                    idle_ttl_s=IDLE_MS // 1000)
 
 
 class Model:
@@ -42,12 +46,20 @@ class Model:
     def __init__(self) -> None:
         self.ctx: dict[str, OrderedDict[str, list[int]]] = {p: OrderedDict() for p in PRINCIPALS}
         self.principal_lru: OrderedDict[str, None] = OrderedDict()
+        self.now = 1_000_000_000
+        self.used: dict[tuple[str, str], int] = {}  # last use (ms) of each context
+
+    def expire(self, p: str) -> None:
+        """What every operation of `p` does first: drop its contexts idle for IDLE_MS."""
+        for c in [c for c in self.ctx[p] if self.now - self.used[(p, c)] >= IDLE_MS]:
+            del self.ctx[p][c]
 
     def total(self, p: str) -> int:
         return sum(sum(e) for e in self.ctx[p].values())
 
     def touch(self, p: str, c: str) -> None:
         self.ctx[p].move_to_end(c)
+        self.used[(p, c)] = self.now
         self.principal_lru.pop(p, None)
         self.principal_lru[p] = None
 
@@ -77,8 +89,8 @@ class StoreMachine(RuleBasedStateMachine):
         self.loop = asyncio.new_event_loop()
         self.r = aioredis.Redis.from_url(self.url)
         self.run(self.r.flushdb())
-        self.store = ContextStore(self.r, CFG)
         self.model = Model()
+        self.store = ContextStore(self.r, CFG, clock_ms=lambda: self.model.now)
 
     def run(self, coro):
         return self.loop.run_until_complete(coro)
@@ -89,6 +101,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(p=st.sampled_from(PRINCIPALS), c=st.sampled_from(CONTEXTS), n=st.sampled_from(SIZES))
     def append(self, p, c, n):
+        self.model.expire(p)
         self.run(self.store.append(p, c, "text", "user", b"x" * n))
         self.model.ctx[p].setdefault(c, []).append(packed(n))
         self.model.touch(p, c)
@@ -96,6 +109,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(p=st.sampled_from(PRINCIPALS), c=st.sampled_from(CONTEXTS))
     def read(self, p, c):
+        self.model.expire(p)
         exists = c in self.model.ctx[p]
         try:
             win = self.run(self.store.get_window(p, c))
@@ -108,6 +122,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(p=st.sampled_from(PRINCIPALS), c=st.sampled_from(CONTEXTS))
     def clear(self, p, c):
+        self.model.expire(p)
         try:
             self.run(self.store.clear(p, c))
         except ContextNotFound:
@@ -118,6 +133,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(p=st.sampled_from(PRINCIPALS), src=st.sampled_from(CONTEXTS), dst=st.sampled_from(CONTEXTS))
     def fork(self, p, src, dst):
+        self.model.expire(p)
         ctxs = self.model.ctx[p]
         ok = src in ctxs and dst not in ctxs and src != dst
         try:
@@ -133,8 +149,13 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(p=st.sampled_from(PRINCIPALS), c=st.sampled_from(CONTEXTS))
     def evict(self, p, c):
+        self.model.expire(p)
         assert self.run(self.store.evict(p, c)) == (c in self.model.ctx[p])
         self.model.ctx[p].pop(c, None)
+
+    @rule(ms=st.sampled_from([0, 1, 999, 40_000, IDLE_MS - 1, IDLE_MS, 3 * IDLE_MS]))
+    def time_passes(self, ms):
+        self.model.now += ms
 
     @invariant()
     def agrees_with_model(self):

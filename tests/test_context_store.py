@@ -239,6 +239,32 @@ async def test_global_budget_evicts_a_principal_holding_no_bytes(r):
     assert await s.principals() == ["p3"]
 
 
+async def test_idle_expiry_is_exact_to_the_millisecond(r):
+    """A call skips the idle check while no context can be idle yet (the principal keeps the
+    time the oldest one becomes idle); at that millisecond the check runs again."""
+    clock = Clock()
+    s = make(r, clock, idle_ttl_s=100)
+    t0 = clock.now_ms
+    await s.append("a", "c1", "text", "user", b"1")
+    clock.now_ms = t0 + 40_000
+    await s.append("a", "c2", "text", "user", b"2")
+    clock.now_ms = t0 + 99_999
+    assert [i.id for i in await s.list_contexts("a")] == ["c2", "c1"]
+    clock.now_ms = t0 + 100_000  # c1 idle for exactly idle_ttl
+    assert [i.id for i in await s.list_contexts("a")] == ["c2"]
+    clock.now_ms = t0 + 139_999
+    assert [i.id for i in await s.list_contexts("a")] == ["c2"]
+    clock.now_ms = t0 + 140_000
+    with pytest.raises(ContextNotFound):
+        await s.get_window("a", "c2")
+    assert await s.list_contexts("a") == []
+    await s.append("a", "c3", "text", "user", b"3")  # a principal with no contexts starts again
+    clock.now_ms += 99_999
+    assert [i.id for i in await s.list_contexts("a")] == ["c3"]
+    clock.now_ms += 1
+    assert await s.list_contexts("a") == []
+
+
 async def test_idle_ttl_lazy_and_redis_expiry_reconciled(r):
     clock = Clock()
     s = make(r, clock, idle_ttl_s=60)

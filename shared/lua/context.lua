@@ -9,6 +9,7 @@
 --               so it is both the exact LRU order and the last-use time (tag {principal})
 --   4 V  hash  "<cid>|<version>" -> "mod:lo:hi;..."              (tag {principal})
 --   5 S  hash  "\0bytes", "\0clock" (highest R score), "\0exp" (last TTL refresh, ms),
+--              "\0due" (no context can be idle before this ms: see expire_idle),
 --              cid -> last version of an evicted context
 --   6 GB hash  principal -> bytes, "\0total", "\0clock"          (tag {ctxglobal})
 --   7 GL zset  principal -> global clock of last use             (tag {ctxglobal})
@@ -30,12 +31,13 @@ local E, M, R, V, S, GB, GL, AU
 local op, P, NOW_S, now
 local CH_N, CH_B, P_BUD, G_BUD, IDLE, NVER, AMAX, SLACK
 local CFG                          -- the configuration argument CH_N.. were parsed from
-local BYTES, CLOCK, TOTAL, EXP = '\0bytes', '\0clock', '\0total', '\0exp'
+local BYTES, CLOCK, TOTAL, EXP, DUE = '\0bytes', '\0clock', '\0total', '\0exp', '\0due'
 local K = 1000                         -- R score = last-use ms * K (+ tiebreak)
 
 local evicted              -- {cid, reason} pairs evicted during this call
 -- Principal state, read once per call (begin) and written once (finish).
 local pbytes, pexp, pclock
+local pdue, due_dirty      -- see expire_idle
 local pdelta               -- byte change not yet written to S / GB
 local clock_dirty
 local created              -- this call may have created a key that has no TTL yet
@@ -87,8 +89,8 @@ local function principal_bytes() return pbytes end
 
 -- Read the principal's state; bring global accounting in line if Redis expired its keys.
 local function begin()
-  local st = redis.call('HMGET', S, BYTES, EXP, CLOCK)
-  pexp, pclock = tonumber(st[2]), tonumber(st[3] or '0')
+  local st = redis.call('HMGET', S, BYTES, EXP, CLOCK, DUE)
+  pexp, pclock, pdue = tonumber(st[2]), tonumber(st[3] or '0'), tonumber(st[4])
   if st[1] then
     pbytes = tonumber(st[1])
   else
@@ -107,6 +109,8 @@ local function finish(keep)
   local sargs = {}
   if pdelta ~= 0 then sargs[#sargs + 1] = BYTES; sargs[#sargs + 1] = num(pbytes) end
   if clock_dirty then sargs[#sargs + 1] = CLOCK; sargs[#sargs + 1] = num(pclock); clock_dirty = false end
+  if due_dirty and pdue then sargs[#sargs + 1] = DUE; sargs[#sargs + 1] = num(pdue) end
+  due_dirty = false
   local refresh = keep and (created or not pexp or now < pexp or now - pexp >= SLACK)
   if refresh then sargs[#sargs + 1] = EXP; sargs[#sargs + 1] = NOW_S; pexp = now; created = false end
   if #sargs > 0 then redis.call('HSET', S, unpack(sargs)) end
@@ -209,20 +213,27 @@ local function touch(cid)
   if s <= pclock then s = pclock + 1 end
   pclock = s
   clock_dirty = true
+  if not pdue then pdue = math.floor(s / K) + IDLE; due_dirty = true end  -- R was empty
   redis.call('ZADD', R, num(s), cid)
   redis.call('ZADD', GL, redis.call('HINCRBY', GB, CLOCK, 1), P)
 end
 
 -- Lazy per-context idle expiry: contexts whose last use (score / K) is idle_ttl ago.
--- One ZRANGEBYSCORE that is empty in the common case.
+-- `pdue` is a time before which none can be idle: the oldest context's last use + idle_ttl
+-- when last looked at. Uses only make contexts younger and evictions only remove them, so
+-- it stays a lower bound, and until then a call does no idle check at all (no Redis call).
 local function expire_idle()
+  if pdue and now < pdue then return end
   local cut = '(' .. num((now - IDLE + 1) * K)
   while true do
     local head = redis.call('ZRANGEBYSCORE', R, '-inf', cut, 'LIMIT', 0, 1)
-    if #head == 0 then return end
+    if #head == 0 then break end
     local m = load(head[1])
     if m then drop_context(head[1], m, 'idle') else redis.call('ZREM', R, head[1]) end
   end
+  local oldest = redis.call('ZRANGE', R, 0, 0, 'WITHSCORES')
+  if #oldest > 0 then pdue = math.floor(tonumber(oldest[2]) / K) + IDLE else pdue = nil end
+  due_dirty = true
 end
 
 -- Exact LRU over the principal's contexts; `keep` (just written, MRU) goes last.
@@ -615,7 +626,7 @@ local function lm_main(keys, args)
     CFG = args[4]
   end
   evicted = {}
-  pbytes, pexp, pclock, pdelta = 0, nil, 0, 0
+  pbytes, pexp, pclock, pdelta, pdue, due_dirty = 0, nil, 0, 0, nil, false
   clock_dirty, created, gtotal = false, false, nil
   local fn = ops[op]
   if not fn then return redis.error_reply('LM_BADOP ' .. tostring(op)) end
