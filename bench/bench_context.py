@@ -141,11 +141,10 @@ def bulk_load(pipe, cfg: ContextConfig, principal: str, cid: str, packed: list[b
     pipe.hset(e, mapping={f"{cid}|text|{s}": v for s, v in kept.items()})
     meta = {"v": n, "vf": vf, "b": stored, "t": now_ms, "ch": {"text": {"lo": lo, "hi": n, "plo": plo, "lb": lb}},
             "e": f"1.bulk.{principal}"}  # the life's name: unique, its form does not matter
-    pipe.hset(m, cid, orjson.dumps(meta))
+    pipe.hset(m, mapping={cid: orjson.dumps(meta), "\x00bytes": stored, "\x00clock": score, "\x00exp": now_ms})
     score = now_ms * 1000
     pipe.zadd(lru, {cid: score})
     pipe.hset(ver, mapping={f"{cid}|{v}": f"text:{max(1, v - w + 1)}:{v}" for v in range(vf, n + 1)})
-    pipe.hset(st, mapping={"\x00bytes": stored, "\x00clock": score, "\x00exp": now_ms})
     ttl = cfg.idle_ttl_s * 1000 + cfg.idle_ttl_s * 1000 // 16
     for k in (e, m, lru, ver, st):
         pipe.pexpire(k, ttl)
@@ -159,9 +158,9 @@ def bulk_load(pipe, cfg: ContextConfig, principal: str, cid: str, packed: list[b
 async def snapshot(r: aioredis.Redis, principal: str) -> dict:
     e, m, lru, ver, st = keys.ctx_keys(principal)
     meta = {k: {f: x for f, x in orjson.loads(v).items() if f != "e"}  # "e" names the life: unique by design
-            for k, v in (await r.hgetall(m)).items()}
+            for k, v in (await r.hgetall(m)).items() if not k.startswith(b"\x00")}
     return {"e": await r.hgetall(e), "m": meta, "lru": await r.zrange(lru, 0, -1), "ver": await r.hgetall(ver),
-            "bytes": (await r.hget(st, "\x00bytes")), "g": await r.hget(keys.CTX_GLOBAL_BYTES, principal)}
+            "bytes": (await r.hget(m, "\x00bytes")), "g": await r.hget(keys.CTX_GLOBAL_BYTES, principal)}
 
 
 async def check_bulk_load(r: aioredis.Redis, store: ContextStore, entries: int, payload: bytes) -> None:

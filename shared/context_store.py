@@ -585,7 +585,7 @@ class ContextStore:
 
     async def principal_bytes(self, principal: str) -> int:
         """Bytes the principal holds (entries physically kept, retained versions included)."""
-        raw = await self.redis.hget(keys.ctx_state(principal), "\x00bytes")
+        raw = await self.redis.hget(keys.ctx_meta(principal), "\x00bytes")
         return int(raw or 0)
 
     async def global_bytes(self) -> int:

@@ -94,7 +94,9 @@ def ctx_entries(principal: str) -> str:
 
 
 def ctx_meta(principal: str) -> str:
-    """Hash: context id -> JSON meta (version, bytes, per-channel ranges, last use)."""
+    """Hash: context id -> JSON meta (version, bytes, per-channel ranges, life); and the
+    principal's state in fields that start with ``\0`` (``\0bytes``, ``\0clock``, ``\0exp``,
+    ``\0due``), so a script reads the state and a context's meta with one HMGET."""
     return f"{PREFIX}ctx:{_tag(principal)}:m"
 
 
@@ -109,8 +111,8 @@ def ctx_versions(principal: str) -> str:
 
 
 def ctx_state(principal: str) -> str:
-    """Hash: principal totals (``\0bytes``, ``\0clock``) and per-context last version of
-    evicted contexts (so a recreated context never reuses a version number)."""
+    """Hash: per-context last version of evicted contexts (so a recreated context never
+    reuses a version number)."""
     return f"{PREFIX}ctx:{_tag(principal)}:st"
 
 

@@ -4,13 +4,14 @@
 --
 -- KEYS (fixed list, built by shared.keys.ctx_keys + globals):
 --   1 E  hash  "<cid>|<modality>|<seq>" -> packed entry         (tag {principal})
---   2 M  hash  cid -> JSON meta                                  (tag {principal})
+--   2 M  hash  cid -> JSON meta; and the principal's state: "\0bytes", "\0clock" (highest
+--              R score), "\0exp" (last TTL refresh, ms), "\0due" (no context can be idle
+--              before this ms: see expire_idle) — one HMGET reads the state together with
+--              the meta of the context the call is about                 (tag {principal})
 --   3 R  zset  cid -> last use: ms * 1000 (+1 per tie), strictly increasing per principal,
 --               so it is both the exact LRU order and the last-use time (tag {principal})
 --   4 V  hash  "<cid>|<version>" -> "mod:lo:hi;..."              (tag {principal})
---   5 S  hash  "\0bytes", "\0clock" (highest R score), "\0exp" (last TTL refresh, ms),
---              "\0due" (no context can be idle before this ms: see expire_idle),
---              cid -> last version of an evicted context
+--   5 S  hash  cid -> last version of an evicted context           (tag {principal})
 --   6 GB hash  principal -> bytes, "\0total", "\0clock"          (tag {ctxglobal})
 --   7 GL zset  principal -> global clock of last use             (tag {ctxglobal})
 --   8 AU stream audit log (capped)
@@ -56,20 +57,34 @@ end
 
 local function efield(cid, mod, seq) return cid .. '|' .. mod .. '|' .. seq end
 
+-- The stored meta of `cid`: the one begin() read with the state if this is that context
+-- and it has not been written since (taken once), else its own HGET.
+local pre_cid, pre_raw
+local function raw_meta(cid)
+  if cid == pre_cid then
+    pre_cid = nil
+    return pre_raw
+  end
+  return redis.call('HGET', M, cid)
+end
+
 local function load(cid)
-  local raw = redis.call('HGET', M, cid)
+  local raw = raw_meta(cid)
   if not raw then return nil end
   return cjson.decode(raw)
 end
 
-local function save(cid, m) redis.call('HSET', M, cid, cjson.encode(m)) end
+local function save(cid, m)
+  if cid == pre_cid then pre_cid = nil end
+  redis.call('HSET', M, cid, cjson.encode(m))
+end
 
 -- Decoded metas for operations that only read them (never change what this returns),
 -- keyed by the stored JSON itself: Lua interns strings, so the lookup is a pointer
 -- compare and a changed meta is a new key. Bounded; emptied when full.
 local RO, RO_N = {}, 0
 local function load_ro(cid)
-  local raw = redis.call('HGET', M, cid)
+  local raw = raw_meta(cid)
   if not raw then return nil end
   local m = RO[raw]
   if not m then
@@ -87,9 +102,16 @@ end
 
 local function principal_bytes() return pbytes end
 
--- Read the principal's state; bring global accounting in line if Redis expired its keys.
-local function begin()
-  local st = redis.call('HMGET', S, BYTES, EXP, CLOCK, DUE)
+-- Read the principal's state (and the meta of `cid`, the context the call is about, if
+-- any: one HMGET); bring global accounting in line if Redis expired its keys.
+local function begin(cid)
+  local st
+  if cid then
+    st = redis.call('HMGET', M, BYTES, EXP, CLOCK, DUE, cid)
+    pre_cid, pre_raw = cid, st[5]
+  else
+    st = redis.call('HMGET', M, BYTES, EXP, CLOCK, DUE)
+  end
   pexp, pclock, pdue = tonumber(st[2]), tonumber(st[3] or '0'), tonumber(st[4])
   if st[1] then
     pbytes = tonumber(st[1])
@@ -103,7 +125,7 @@ local function begin()
   end
 end
 
--- Write what this call changed in S and GB (once) and refresh the TTLs when due.
+-- Write what this call changed in the state (M) and GB (once) and refresh the TTLs when due.
 -- keep: the operation counts as activity (keeps the principal's keys alive).
 local function finish(keep)
   local sargs = {}
@@ -113,7 +135,7 @@ local function finish(keep)
   due_dirty = false
   local refresh = keep and (created or not pexp or now < pexp or now - pexp >= SLACK)
   if refresh then sargs[#sargs + 1] = EXP; sargs[#sargs + 1] = NOW_S; pexp = now; created = false end
-  if #sargs > 0 then redis.call('HSET', S, unpack(sargs)) end
+  if #sargs > 0 then redis.call('HSET', M, unpack(sargs)) end
   if refresh then
     local ttl = num(IDLE + SLACK)
     for i = 1, 5 do redis.call('PEXPIRE', KEYV[i], ttl) end
@@ -153,14 +175,22 @@ local function del_versions(cid, a, b)
   if #batch > 0 then redis.call('HDEL', V, unpack(batch)) end
 end
 
+-- S keeps the last version of evicted contexts. It is created by the first eviction, so it
+-- gets the principal's idle TTL then (the other keys get theirs when they are created).
+local function remember_version(cid, v)
+  redis.call('HSET', S, cid, v)
+  if redis.call('PTTL', S) == -1 then redis.call('PEXPIRE', S, num(IDLE + SLACK)) end
+end
+
 -- Remove a whole context in this call (never half of it), remember its last version.
 local function drop_context(cid, m, reason)
   local freed = 0
   for mod, c in pairs(m.ch) do freed = freed + del_range(cid, mod, c.plo, c.hi) end
   del_versions(cid, m.vf, m.v)
+  if cid == pre_cid then pre_cid = nil end
   redis.call('HDEL', M, cid)
   redis.call('ZREM', R, cid)
-  redis.call('HSET', S, cid, m.v)
+  remember_version(cid, m.v)
   add_bytes(-freed)
   audit('evict', cid, m.v, {'reason', reason, 'bytes', freed})
   evicted[#evicted + 1] = {cid, reason}
@@ -521,8 +551,17 @@ function ops.version()
 end
 
 -- -> {{cid, meta json}..., {cid, last-use score}..., evicted}
+-- The {cid, meta json} pairs of M (its state fields, which start with \0, left out).
+local function metas()
+  local raw, out = redis.call('HGETALL', M), {}
+  for i = 1, #raw, 2 do
+    if string.byte(raw[i], 1) ~= 0 then out[#out + 1] = raw[i]; out[#out + 1] = raw[i + 1] end
+  end
+  return out
+end
+
 function ops.list()
-  local raw = redis.call('HGETALL', M)
+  local raw = metas()
   local lru = redis.call('ZRANGE', R, 0, -1, 'WITHSCORES')
   finish(false)
   return {raw, lru, evicted_reply()}
@@ -586,15 +625,14 @@ function ops.evict_principal()
   local score = redis.call('ZSCORE', GL, P)
   if score and score ~= ARGS[5] then return {-1, 0} end
   if tonumber(redis.call('HGET', GB, TOTAL) or '0') <= G_BUD then return {-1, 0} end
-  local raw = redis.call('HGETALL', M)
+  local raw = metas()
   for i = 1, #raw, 2 do
     local m = cjson.decode(raw[i + 1])
-    redis.call('HSET', S, raw[i], m.v)
+    remember_version(raw[i], m.v)
     audit('evict', raw[i], m.v, {'reason', ARGS[6], 'bytes', m.b})
   end
   local held = tonumber(redis.call('HGET', GB, P) or '0')
-  redis.call('DEL', E, M, R, V)
-  redis.call('HDEL', S, BYTES)
+  redis.call('DEL', E, M, R, V)  -- the state in M goes too: as for a new principal
   redis.call('HDEL', GB, P)
   -- (never HINCRBY by -held when held is 0: Lua formats -0 as "-0", which Redis refuses)
   if held ~= 0 then redis.call('HINCRBY', GB, TOTAL, -held) end
@@ -604,7 +642,7 @@ end
 
 local function run_op(fn)
   if op ~= 'evict_principal' then
-    begin()
+    begin(op ~= 'list' and ARGS[5] or nil)
     expire_idle()
   end
   return fn()
@@ -627,6 +665,7 @@ local function lm_main(keys, args)
   end
   evicted = {}
   pbytes, pexp, pclock, pdelta, pdue, due_dirty = 0, nil, 0, 0, nil, false
+  pre_cid, pre_raw = nil, nil
   clock_dirty, created, gtotal = false, false, nil
   local fn = ops[op]
   if not fn then return redis.error_reply('LM_BADOP ' .. tostring(op)) end
