@@ -27,20 +27,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _describe(what: str | Callable[[], str]) -> str:
+    """``what`` of a wait: a string, or a callable asked only on timeout (so a message can
+    carry a process's output as it was when the wait gave up)."""
+    return what() if callable(what) else what
+
+
 def wait_for_sync(cond: Callable[[], object], timeout_s: float = 10.0, interval_s: float = 0.02,
-                  what: str = "condition") -> object:
+                  what: str | Callable[[], str] = "condition") -> object:
     deadline = time.monotonic() + timeout_s
     while True:
         value = cond()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {_describe(what)}")
         time.sleep(interval_s)
 
 
 async def wait_for(cond: Callable[[], Awaitable[object] | object], timeout_s: float = 10.0,
-                   interval_s: float = 0.02, what: str = "condition") -> object:
+                   interval_s: float = 0.02, what: str | Callable[[], str] = "condition") -> object:
     deadline = time.monotonic() + timeout_s
     while True:
         value = cond()
@@ -49,7 +55,7 @@ async def wait_for(cond: Callable[[], Awaitable[object] | object], timeout_s: fl
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {_describe(what)}")
         await asyncio.sleep(interval_s)
 
 

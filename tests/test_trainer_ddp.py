@@ -33,7 +33,7 @@ async def test_two_gloo_ranks_hold_identical_parameters(redis_url, tmp_path, mod
         for i in range(0, N, 8):
             await ingest.submit("alice", samples[i:i + 8])
         await wait_for(lambda: int(committed(redis_url).get("seq", 0)) == N, timeout_s=120,
-                       what=f"trainer to commit all samples\n{proc.output()}")
+                       what=lambda: f"trainer to commit all samples\n{proc.output()}")
         assert proc.term() == 0, proc.output()
     finally:
         proc.close()
