@@ -137,16 +137,16 @@ def bulk_load(pipe, cfg: ContextConfig, principal: str, cid: str, packed: list[b
     kept = {s: packed[s - 1] for s in range(plo, n + 1)}
     stored = sum(len(v) for v in kept.values())
     lb = sum(len(packed[s - 1]) for s in range(lo, n + 1))
-    e, m, lru, ver, st = keys.ctx_keys(principal)
+    e, m, lru, ver, _evicted_versions = keys.ctx_keys(principal)
     pipe.hset(e, mapping={f"{cid}|text|{s}": v for s, v in kept.items()})
     meta = {"v": n, "vf": vf, "b": stored, "t": now_ms, "ch": {"text": {"lo": lo, "hi": n, "plo": plo, "lb": lb}},
             "e": f"1.bulk.{principal}"}  # the life's name: unique, its form does not matter
-    pipe.hset(m, mapping={cid: orjson.dumps(meta), "\x00bytes": stored, "\x00clock": score, "\x00exp": now_ms})
     score = now_ms * 1000
+    pipe.hset(m, mapping={cid: orjson.dumps(meta), "\x00bytes": stored, "\x00clock": score, "\x00exp": now_ms})
     pipe.zadd(lru, {cid: score})
     pipe.hset(ver, mapping={f"{cid}|{v}": f"text:{max(1, v - w + 1)}:{v}" for v in range(vf, n + 1)})
     ttl = cfg.idle_ttl_s * 1000 + cfg.idle_ttl_s * 1000 // 16
-    for k in (e, m, lru, ver, st):
+    for k in (e, m, lru, ver):
         pipe.pexpire(k, ttl)
     pipe.hincrby(keys.CTX_GLOBAL_BYTES, principal, stored)
     pipe.hincrby(keys.CTX_GLOBAL_BYTES, "\x00total", stored)
