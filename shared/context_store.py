@@ -412,28 +412,26 @@ class ContextStore:
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi):
                 raise ContextError(f"{name} must be an integer in 1..{hi}")
         if resolve_links:  # linked entries come from Redis every time (see ops.window)
-            version, flat, evicted, _wins, _epoch = await self._call(
-                "window", principal, context_id, mods, last_n or 0, max_tokens or 0, "1", "")
-            self._evicted(evicted)
+            version, flat, _wins, _epoch = self._window_reply(await self._call(
+                "window", principal, context_id, mods, last_n or 0, max_tokens or 0, "1", ""))
             return self._window(principal, context_id, version, flat)
         key = (principal, context_id)
         held = self._held.get(key) if self.cfg.read_cache_bytes else None
         try:
-            version, flat, evicted, wins, epoch = await self._call(
+            version, flat, wins, epoch = self._window_reply(await self._call(
                 "window", principal, context_id, mods, last_n or 0, max_tokens or 0, "0",
-                held.held_arg if held is not None else "")
+                held.held_arg if held is not None else ""))
         except ContextNotFound:
             self._forget(key)
             raise
-        self._evicted(evicted)
         f0, r0 = self.entries_fetched, self.entries_reused
-        win = self._assemble(principal, context_id, version, flat, wins, _text(epoch), held, mods)
+        win = self._assemble(principal, context_id, version, flat, wins, epoch, held, mods)
         if win is None:  # the reply and what we hold do not fit together: never expected
             log.warning("context %s/%s: read cache out of step, reading it whole", principal, context_id)
             self._forget(key)
-            version, flat, evicted, wins, epoch = await self._call(
-                "window", principal, context_id, mods, last_n or 0, max_tokens or 0, "0", "")
-            win = self._assemble(principal, context_id, version, flat, wins, _text(epoch), None, mods)
+            version, flat, wins, epoch = self._window_reply(await self._call(
+                "window", principal, context_id, mods, last_n or 0, max_tokens or 0, "0", ""))
+            win = self._assemble(principal, context_id, version, flat, wins, epoch, None, mods)
             if win is None:
                 raise RuntimeError(f"context {context_id}: window reply does not match its ranges")
         if self.entries_fetched != f0:
@@ -441,6 +439,24 @@ class ContextStore:
         if self.entries_reused != r0:
             self._read_metrics[1].inc(self.entries_reused - r0)
         return win
+
+    def _window_reply(self, flat: list[Any]) -> tuple[Any, list[Any], list[Any], str]:
+        """Split ops.window's flat reply (see context.lua) into version, runs (as
+        ``[mod, first, [values], ...]``), window ranges ``[mod, first, last, ...]`` and the
+        epoch; evictions it reports are counted here."""
+        nwin = int(flat[2])
+        pos = 3 + 3 * nwin
+        wins = flat[3:pos]
+        nev = int(flat[pos])
+        self._evicted(flat[pos + 1:pos + 1 + 2 * nev])
+        pos += 1 + 2 * nev
+        runs: list[Any] = []
+        end = len(flat)
+        while pos < end:
+            n = int(flat[pos + 2])
+            runs += (flat[pos], flat[pos + 1], flat[pos + 3:pos + 3 + n])
+            pos += 3 + n
+        return flat[0], runs, wins, _text(flat[1])
 
     def _assemble(self, principal: str, context_id: str, version: Any, runs: list[Any], wins: list[Any],
                   epoch: str, held: _Held | None, mods: str) -> ContextWindow | None:

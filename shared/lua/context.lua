@@ -245,7 +245,7 @@ local function touch(cid)
   clock_dirty = true
   if not pdue then pdue = math.floor(s / K) + IDLE; due_dirty = true end  -- R was empty
   redis.call('ZADD', R, num(s), cid)
-  redis.call('ZADD', GL, redis.call('HINCRBY', GB, CLOCK, 1), P)
+  redis.call('ZADD', GL, redis.call('HINCRBY', GB, CLOCK, '1'), P)
 end
 
 -- Lazy per-context idle expiry: contexts whose last use (score / K) is idle_ttl ago.
@@ -435,10 +435,13 @@ local function resolve(cid, ranges, wanted, out)
   end
 end
 
+local NONE = {}  -- shared empty table (never written): spares a table per call
+
 local function wanted_set(csv)
-  local w, all = {}, csv == ''
+  if csv == '' then return {}, true end
+  local w = {}
   for mod in string.gmatch(csv, '[^,]+') do w[mod] = true end
-  return w, all
+  return w, false
 end
 
 local function evicted_reply()
@@ -491,18 +494,20 @@ end
 -- Entries the caller already holds, from ARGV "<epoch>;mod:first:last;...": honoured only
 -- for this context's current life (see new_meta), else nothing is held.
 local function held_set(spec, m)
-  local held = {}
-  if not spec or spec == '' or not m.e then return held end
+  if not spec or spec == '' or not m.e then return NONE end
   local ep, rest = string.match(spec, '^([^;]*);?(.*)$')
-  if ep ~= m.e then return held end
+  if ep ~= m.e then return NONE end
+  local held = {}
   for mod, a, b in string.gmatch(rest, '([^:;]+):(%d+):(%d+)') do held[mod] = {tonumber(a), tonumber(b)} end
   return held
 end
 
 -- ARGV 5 cid, 6 modalities csv, 7 last_n, 8 max_tokens, 9 resolve(0/1), 10 held entries
---   (see held_set; ignored when resolving links) -> {version, runs (see add_run) of the
---   entries not held, evicted, {mod, first seq, last seq, ...} of each non-empty window,
---   epoch}. Does not rewrite the meta.
+--   (see held_set; ignored when resolving links) -> one flat array (converting each nested
+--   table of a reply cost Redis ~3,000 instructions): {version, epoch, number of windows,
+--   (mod, first seq, last seq) per non-empty window, number of evicted, (cid, reason) per
+--   eviction, then runs of the entries not held: (mod, first seq, count, value...)...}.
+--   Does not rewrite the meta.
 function ops.window()
   local cid = ARGS[5]
   local m = load_ro(cid)
@@ -510,20 +515,31 @@ function ops.window()
   local wanted, all = wanted_set(ARGS[6])
   local last_n, max_tokens = tonumber(ARGS[7]), tonumber(ARGS[8])
   local resolving = ARGS[9] == '1'
-  local held = resolving and {} or held_set(ARGS[10], m)
-  local out, ranges, wins = {}, {}, {}
+  local held = resolving and NONE or held_set(ARGS[10], m)
+  local out, reply, ranges = {}, {m.v, m.e or '', 0}, nil
+  if resolving then ranges = {} end
   for mod, c in pairs(m.ch) do
-    ranges[mod] = {c.lo, c.hi}
+    if ranges then ranges[mod] = {c.lo, c.hi} end
     if all or wanted[mod] then
-      wanted[mod] = true
+      if resolving then wanted[mod] = true end
       local a, b = read_channel(cid, mod, c.lo, c.hi, last_n, max_tokens, out, held[mod])
-      if a then wins[#wins + 1] = mod; wins[#wins + 1] = a; wins[#wins + 1] = b end
+      if a then
+        reply[#reply + 1] = mod; reply[#reply + 1] = a; reply[#reply + 1] = b
+        reply[3] = reply[3] + 1
+      end
     end
   end
   if resolving then resolve(cid, ranges, wanted, out) end
   touch(cid)
   finish(true)
-  return {m.v, out, evicted_reply(), wins, m.e or ''}
+  reply[#reply + 1] = #evicted
+  for _, e in ipairs(evicted) do reply[#reply + 1] = e[1]; reply[#reply + 1] = e[2] end
+  for i = 1, #out, 3 do
+    local vals = out[i + 2]
+    reply[#reply + 1] = out[i]; reply[#reply + 1] = out[i + 1]; reply[#reply + 1] = #vals
+    for k = 1, #vals do reply[#reply + 1] = vals[k] end
+  end
+  return reply
 end
 
 -- ARGV 5 cid, 6 version, 7 modalities csv -> {version, runs, evicted}
