@@ -266,7 +266,7 @@ class ContextStore:
         of the client's time)."""
         head = self._heads.get((op, principal))
         if head is None:
-            if len(self._heads) >= 8192:
+            if len(self._heads) >= 32768:  # ~250 bytes each: 8 MiB at most
                 self._heads.clear()
             ks = self._keys(principal)
             head = self._heads[(op, principal)] = pack_args(("FCALL", self._fn, len(ks), *ks, op, principal))
