@@ -26,7 +26,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 import redis.asyncio as aioredis
@@ -39,6 +39,7 @@ from shared.types import ContextWindow, Entry
 
 log = logging.getLogger(__name__)
 
+_V = TypeVar("_V")
 _HEADER = struct.Struct(">BIdHHH")
 _HSIZE = _HEADER.size
 _FORMAT = 1
@@ -332,11 +333,20 @@ class ContextStore:
                 log.info("context: evicted principal %s (%d contexts) for the global budget", who, n)
         return done
 
+    def _mod(self, name: Any) -> str:
+        """A modality name from a reply (the configured str, not a new one per entry)."""
+        return self._mod_names.get(name) or _text(name)
+
+    def _in_order(self, channels: dict[str, _V]) -> dict[str, _V]:
+        """Channels in the configured modality order."""
+        order = self._mod_order
+        return {m: channels[m] for m in sorted(channels, key=lambda m: order.get(m, len(order)))}
+
     def _decode_runs(self, runs: list[Any]) -> dict[str, list[tuple[int, list[Entry]]]]:
         """The script's runs (see add_run in context.lua) as modality -> [(first seq, entries)]."""
         chans: dict[str, list[tuple[int, list[Entry]]]] = {}
         for i in range(0, len(runs), 3):
-            mod = self._mod_names.get(runs[i]) or _text(runs[i])
+            mod = self._mod(runs[i])
             first = int(runs[i + 1])
             chans.setdefault(mod, []).append((first, unpack_entries(mod, first, runs[i + 2])))
             self.entries_fetched += len(runs[i + 2])
@@ -345,10 +355,7 @@ class ContextStore:
     def _window(self, principal: str, context_id: str, version: int, runs: list[Any]) -> ContextWindow:
         """Decode the script's runs into a window."""
         win = ContextWindow(principal=principal, context_id=context_id, version=int(version))
-        chans = self._decode_runs(runs)
-        order = self._mod_order
-        for mod in sorted(chans, key=lambda m: order.get(m, len(order))):
-            parts = chans[mod]
+        for mod, parts in self._in_order(self._decode_runs(runs)).items():
             if len(parts) == 1:
                 win.channels[mod] = parts[0][1]
             else:  # linked entries resolved outside the window come as runs of their own
@@ -411,16 +418,18 @@ class ContextStore:
         for name, v, hi in (("last_n", last_n, MAX_LAST_N), ("max_tokens", max_tokens, MAX_TOKENS_LIMIT)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi):
                 raise ContextError(f"{name} must be an integer in 1..{hi}")
+
+        async def read(resolve: str, held_arg: str) -> tuple[Any, list[Any], list[Any], str]:
+            return self._window_reply(await self._call("window", principal, context_id, mods, last_n or 0,
+                                                       max_tokens or 0, resolve, held_arg))
+
         if resolve_links:  # linked entries come from Redis every time (see ops.window)
-            version, flat, _wins, _epoch = self._window_reply(await self._call(
-                "window", principal, context_id, mods, last_n or 0, max_tokens or 0, "1", ""))
+            version, flat, _wins, _epoch = await read("1", "")
             return self._window(principal, context_id, version, flat)
         key = (principal, context_id)
         held = self._held.get(key) if self.cfg.read_cache_bytes else None
         try:
-            version, flat, wins, epoch = self._window_reply(await self._call(
-                "window", principal, context_id, mods, last_n or 0, max_tokens or 0, "0",
-                held.held_arg if held is not None else ""))
+            version, flat, wins, epoch = await read("0", held.held_arg if held is not None else "")
         except ContextNotFound:
             self._forget(key)
             raise
@@ -429,8 +438,7 @@ class ContextStore:
         if win is None:  # the reply and what we hold do not fit together: never expected
             log.warning("context %s/%s: read cache out of step, reading it whole", principal, context_id)
             self._forget(key)
-            version, flat, wins, epoch = self._window_reply(await self._call(
-                "window", principal, context_id, mods, last_n or 0, max_tokens or 0, "0", ""))
+            version, flat, wins, epoch = await read("0", "")
             win = self._assemble(principal, context_id, version, flat, wins, epoch, None, mods)
             if win is None:
                 raise RuntimeError(f"context {context_id}: window reply does not match its ranges")
@@ -469,7 +477,7 @@ class ContextStore:
         kept: dict[str, tuple[int, tuple[Entry, ...], int]] = {}
         unchanged = same_life
         for i in range(0, len(wins), 3):
-            mod = self._mod_names.get(wins[i]) or _text(wins[i])
+            mod = self._mod(wins[i])
             lo, hi = int(wins[i + 1]), int(wins[i + 2])
             parts = fetched.pop(mod, [])
             ch = held.channels.get(mod) if same_life else None  # type: ignore[union-attr]
@@ -499,8 +507,7 @@ class ContextStore:
         if fetched:  # entries outside every window
             return None
         if len(win.channels) > 1:
-            order = self._mod_order
-            win.channels = {m: win.channels[m] for m in sorted(win.channels, key=lambda m: order.get(m, len(order)))}
+            win.channels = self._in_order(win.channels)
         if unchanged and len(kept) == len(held.channels):  # type: ignore[union-attr]
             if (principal, context_id) in self._held:
                 self._held.move_to_end((principal, context_id))
