@@ -142,7 +142,8 @@ def bulk_load(pipe, cfg: ContextConfig, principal: str, cid: str, packed: list[b
     meta = {"v": n, "vf": vf, "b": stored, "t": now_ms, "ch": {"text": {"lo": lo, "hi": n, "plo": plo, "lb": lb}},
             "e": f"1.bulk.{principal}"}  # the life's name: unique, its form does not matter
     score = now_ms * 1000
-    pipe.hset(m, mapping={cid: orjson.dumps(meta), "\x00bytes": stored, "\x00clock": score, "\x00exp": now_ms})
+    pipe.hset(m, mapping={cid: orjson.dumps(meta), f"\x00u{cid}": score, "\x00bytes": stored, "\x00clock": score,
+                          "\x00exp": now_ms, "\x00due": now_ms + cfg.idle_ttl_s * 1000, "\x00gt": now_ms})
     pipe.zadd(lru, {cid: score})
     pipe.hset(ver, mapping={f"{cid}|{v}": f"text:{max(1, v - w + 1)}:{v}" for v in range(vf, n + 1)})
     ttl = cfg.idle_ttl_s * 1000 + cfg.idle_ttl_s * 1000 // 16
@@ -159,7 +160,9 @@ async def snapshot(r: aioredis.Redis, principal: str) -> dict:
     e, m, lru, ver, st = keys.ctx_keys(principal)
     meta = {k: {f: x for f, x in orjson.loads(v).items() if f != "e"}  # "e" names the life: unique by design
             for k, v in (await r.hgetall(m)).items() if not k.startswith(b"\x00")}
-    return {"e": await r.hgetall(e), "m": meta, "lru": await r.zrange(lru, 0, -1), "ver": await r.hgetall(ver),
+    state = sorted(k for k in await r.hkeys(m) if k.startswith(b"\x00"))  # names only: clocks differ
+    return {"e": await r.hgetall(e), "m": meta, "state": state, "lru": await r.zrange(lru, 0, -1),
+            "ver": await r.hgetall(ver),
             "bytes": (await r.hget(m, "\x00bytes")), "g": await r.hget(keys.CTX_GLOBAL_BYTES, principal)}
 
 
@@ -174,7 +177,7 @@ async def check_bulk_load(r: aioredis.Redis, store: ContextStore, entries: int, 
     bulk_load(pipe, cfg, "chk-bulk", "c", packed, now, 1)
     await pipe.execute()
     a, b = await snapshot(r, "chk-script"), await snapshot(r, "chk-bulk")
-    assert a == b, f"bulk load differs from the script's layout:\n{a['m']}\n{b['m']}"
+    assert a == b, f"bulk load differs from the script's layout:\n{a['m']} {a['state']}\n{b['m']} {b['state']}"
     win = await store.get_window("chk-bulk", "c", last_n=3)
     assert [e.id for e in win.channels["text"]] == [f"text:{entries + 18}", f"text:{entries + 19}",
                                                     f"text:{entries + 20}"]

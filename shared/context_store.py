@@ -142,7 +142,8 @@ _ERRORS: dict[str, type[ContextError]] = {
 def script_config(cfg: ContextConfig) -> bytes:
     """The script's configuration argument (ARGV[4] of context.lua), encoded once per store."""
     return (f"{cfg.channel_max_entries}:{cfg.channel_max_bytes}:{cfg.principal_budget_bytes}:"
-            f"{cfg.global_budget_bytes}:{cfg.idle_ttl_s * 1000}:{cfg.versions_retained}:{cfg.audit_maxlen}").encode()
+            f"{cfg.global_budget_bytes}:{cfg.idle_ttl_s * 1000}:{cfg.versions_retained}:{cfg.audit_maxlen}:"
+            f"{cfg.global_lru_resolution_ms}").encode()
 
 
 def _script_source() -> str:
@@ -157,6 +158,9 @@ def _library(source: str) -> tuple[str, str]:
     code = (f"#!lua name=learnmesh_ctx_{digest}\n{source}\n"
             f"redis.register_function('{fn}', lm_main)\n")
     return fn, code
+
+
+_LU = b"\x00u"  # meta field prefix of a context's last use (see context.lua)
 
 
 def _text(v: Any) -> str:
@@ -614,6 +618,19 @@ class ContextStore:
     async def global_bytes(self) -> int:
         raw = await self.redis.hget(keys.CTX_GLOBAL_BYTES, "\x00total")
         return int(raw or 0)
+
+    async def lru_order(self, principal: str) -> list[str]:
+        """The principal's contexts in exact LRU order, least recently used first, read
+        without running an operation (no idle expiry, no use): R's scores are lower bounds
+        brought up to date by the last-use fields (see context.lua). For admin and tests."""
+        self._check_principal(principal)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.zrange(keys.ctx_lru(principal), 0, -1, withscores=True)
+            pipe.hgetall(keys.ctx_meta(principal))
+            lru, meta = await pipe.execute()
+        def last(cid: bytes, score: float) -> float:
+            return max(score, float(meta.get(_LU + cid, 0)))
+        return [_text(c) for c, _ in sorted(lru, key=lambda cs: (last(*cs), cs[0]))]
 
     async def principals(self) -> list[str]:
         """Principals known to the global LRU, most recently used first (for admin)."""

@@ -3,8 +3,9 @@ store (real Redis) and a plain-Python reference model side by side, and after ev
 the set of contexts, their LRU order, byte totals and the LRU order over principals must
 agree. Rules modelled: exact LRU over a principal's contexts under its byte budget (the
 context just written goes last; alone over budget it drops its oldest entries, never the
-newest), LRU over principals under the global budget (never the caller), reads and writes
-count as use, failed operations do not; and the idle TTL on a fake clock: a context unused for
+newest), LRU over principals under the global budget (never the caller) — a use stamps its
+principal only if its last stamp is global_lru_resolution_ms old (run with 0: every use, and
+1000) —, reads and writes count as use, failed operations do not; and the idle TTL on a fake clock: a context unused for
 idle_ttl is gone at the next operation of its principal (whatever it is, even a failing
 one), and until then it still counts."""
 
@@ -19,7 +20,6 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
-from shared import keys
 from shared.config import ContextConfig
 from shared.context_store import ContextNotFound, ContextStore, pack_entry
 
@@ -35,19 +35,24 @@ def packed(n: int) -> int:
 P_BUDGET = packed(150) * 3
 G_BUDGET = packed(150) * 5
 IDLE_MS = 100_000
-CFG = ContextConfig(max_entry_bytes=150, channel_max_bytes=10_000, channel_max_entries=1000,
-                    principal_budget_bytes=P_BUDGET, global_budget_bytes=G_BUDGET, versions_retained=1,
-                    idle_ttl_s=IDLE_MS // 1000)
+
+
+def config(global_res_ms: int) -> ContextConfig:
+    return ContextConfig(max_entry_bytes=150, channel_max_bytes=10_000, channel_max_entries=1000,
+                         principal_budget_bytes=P_BUDGET, global_budget_bytes=G_BUDGET, versions_retained=1,
+                         idle_ttl_s=IDLE_MS // 1000, global_lru_resolution_ms=global_res_ms)
 
 
 class Model:
     """Reference: principal -> OrderedDict(context -> [entry sizes]) in LRU order (oldest first)."""
 
-    def __init__(self) -> None:
+    def __init__(self, global_res_ms: int) -> None:
         self.ctx: dict[str, OrderedDict[str, list[int]]] = {p: OrderedDict() for p in PRINCIPALS}
         self.principal_lru: OrderedDict[str, None] = OrderedDict()
         self.now = 1_000_000_000
         self.used: dict[tuple[str, str], int] = {}  # last use (ms) of each context
+        self.global_res = global_res_ms
+        self.stamped: dict[str, int] = {}  # when each principal last moved in principal_lru
 
     def expire(self, p: str) -> None:
         """What every operation of `p` does first: drop its contexts idle for IDLE_MS."""
@@ -60,8 +65,10 @@ class Model:
     def touch(self, p: str, c: str) -> None:
         self.ctx[p].move_to_end(c)
         self.used[(p, c)] = self.now
-        self.principal_lru.pop(p, None)
-        self.principal_lru[p] = None
+        if p not in self.stamped or self.now - self.stamped[p] >= self.global_res:
+            self.principal_lru.pop(p, None)
+            self.principal_lru[p] = None
+            self.stamped[p] = self.now
 
     def enforce(self, p: str, keep: str) -> None:
         ctxs = self.ctx[p]
@@ -79,18 +86,20 @@ class Model:
             grand -= self.total(q)
             self.ctx[q].clear()
             del self.principal_lru[q]
+            del self.stamped[q]  # its state went with it: its next use stamps it again
 
 
 class StoreMachine(RuleBasedStateMachine):
     url = ""
+    global_res_ms = 0
 
     def __init__(self) -> None:
         super().__init__()
         self.loop = asyncio.new_event_loop()
         self.r = aioredis.Redis.from_url(self.url)
         self.run(self.r.flushdb())
-        self.model = Model()
-        self.store = ContextStore(self.r, CFG, clock_ms=lambda: self.model.now)
+        self.model = Model(self.global_res_ms)
+        self.store = ContextStore(self.r, config(self.global_res_ms), clock_ms=lambda: self.model.now)
 
     def run(self, coro):
         return self.loop.run_until_complete(coro)
@@ -161,7 +170,7 @@ class StoreMachine(RuleBasedStateMachine):
     @invariant()
     def agrees_with_model(self):
         for p in PRINCIPALS:
-            lru = [x.decode() for x in self.run(self.r.zrange(keys.ctx_lru(p), 0, -1))]
+            lru = self.run(self.store.lru_order(p))
             assert lru == list(self.model.ctx[p]), (p, lru, self.model.ctx[p])
             assert self.run(self.store.principal_bytes(p)) == self.model.total(p)
         assert self.run(self.store.global_bytes()) == sum(self.model.total(q) for q in PRINCIPALS)
@@ -172,8 +181,9 @@ class StoreMachine(RuleBasedStateMachine):
 
 
 @pytest.mark.timeout(600)  # room for hypothesis's own 5-minute shrink limit, so a failure prints its steps
-def test_lru_semantics_match_reference_model(redis_url):
-    StoreMachine.url = redis_url
+@pytest.mark.parametrize("global_res_ms", [0, 1000])
+def test_lru_semantics_match_reference_model(redis_url, global_res_ms):
+    StoreMachine.url, StoreMachine.global_res_ms = redis_url, global_res_ms
     run_state_machine_as_test(StoreMachine, settings=settings(
         max_examples=40, stateful_step_count=30, deadline=None, database=None,
         suppress_health_check=[HealthCheck.too_slow]))

@@ -208,7 +208,7 @@ async def test_principal_budget_exact_lru(r):
 async def test_global_budget_lru_over_principals(r):
     one = size(b"x" * 100)
     s = make(r, principal_budget_bytes=3 * one, global_budget_bytes=3 * one, max_entry_bytes=100,
-             channel_max_bytes=1000, versions_retained=1)
+             channel_max_bytes=1000, versions_retained=1, global_lru_resolution_ms=0)
     for p in ("p1", "p2", "p3"):
         await s.append(p, "c", "text", "user", b"x" * 100)
     await s.get_window("p1", "c")  # p2 is now the least recently used principal
@@ -351,13 +351,37 @@ async def test_ttl_refreshed_lazily_and_on_recreated_keys(r):
     assert 160_000 < await r.pttl(keys.ctx_state("a")) <= 170_000
 
 
+async def test_global_lru_stamps_a_principal_at_most_once_per_resolution(r):
+    """With global_lru_resolution_ms, a use renews the principal's place in the global LRU
+    only if its last stamp is that old: a read 999 ms after p1's stamp leaves p1 the least
+    recently used principal, a read 1000 ms after it makes p1 the most recent."""
+    clock = Clock()
+    one = size(b"x" * 100)
+    s = make(r, clock, principal_budget_bytes=3 * one, global_budget_bytes=3 * one, max_entry_bytes=100,
+             channel_max_bytes=1000, versions_retained=1, global_lru_resolution_ms=1000)
+    for p in ("p1", "p2", "p3"):
+        await s.append(p, "c", "text", "user", b"x" * 100)
+    clock.now_ms += 999
+    await s.get_window("p1", "c")
+    assert await s.principals() == ["p3", "p2", "p1"]  # not re-stamped
+    clock.now_ms += 1
+    await s.get_window("p1", "c")
+    assert await s.principals() == ["p1", "p3", "p2"]
+    res = await s.append("p4", "c", "text", "user", b"x" * 100)
+    assert res.evicted_principals == ["p2"]
+    # the per-principal LRU stays exact whatever the global resolution
+    await s.append("p1", "d", "text", "user", b"y")
+    await s.get_window("p1", "c")
+    assert await s.lru_order("p1") == ["d", "c"]
+
+
 async def test_last_used_follows_reads_and_ties_keep_exact_lru(r):
     clock = Clock()
     s = make(r, clock)
     for c in ("c1", "c2", "c3"):  # same millisecond: the order is still exact
         await s.append("a", c, "text", "user", b"x")
     await s.get_window("a", "c1")
-    assert [x.decode() for x in await r.zrange(keys.ctx_lru("a"), 0, -1)] == ["c2", "c3", "c1"]
+    assert await s.lru_order("a") == ["c2", "c3", "c1"]
     clock.now_ms += 7_000
     await s.get_window("a", "c2")
     infos = await s.list_contexts("a")

@@ -4,19 +4,24 @@
 --
 -- KEYS (fixed list, built by shared.keys.ctx_keys + globals):
 --   1 E  hash  "<cid>|<modality>|<seq>" -> packed entry         (tag {principal})
---   2 M  hash  cid -> JSON meta; and the principal's state: "\0bytes", "\0clock" (highest
---              R score), "\0exp" (last TTL refresh, ms), "\0due" (no context can be idle
---              before this ms: see expire_idle) — one HMGET reads the state together with
---              the meta of the context the call is about                 (tag {principal})
+--   2 M  hash  cid -> JSON meta; "\0u<cid>" -> last use of cid (see R); and the principal's
+--              state: "\0bytes", "\0clock" (highest last use), "\0exp" (last TTL refresh,
+--              ms), "\0due" (no context can be idle before this ms: see expire_idle), "\0gt"
+--              (ms of its last global LRU stamp: see touch) — one HMGET reads the state
+--              together with the meta of the context the call is about  (tag {principal})
 --   3 R  zset  cid -> last use: ms * 1000 (+1 per tie), strictly increasing per principal,
---               so it is both the exact LRU order and the last-use time (tag {principal})
+--              so it is both the exact LRU order and the last-use time. Kept lazily: a use
+--              writes only "\0u<cid>" in M (in the HSET every call makes anyway), so a score
+--              is a lower bound of the last use, exact once lru_head has looked at it
+--              (tag {principal})
 --   4 V  hash  "<cid>|<version>" -> "mod:lo:hi;..."              (tag {principal})
 --   5 S  hash  cid -> last version of an evicted context           (tag {principal})
 --   6 GB hash  principal -> bytes, "\0total", "\0clock"          (tag {ctxglobal})
 --   7 GL zset  principal -> global clock of last use             (tag {ctxglobal})
 --   8 AU stream audit log (capped)
 -- ARGV: 1 op, 2 principal, 3 now_ms, 4 config "channel_max_entries:channel_max_bytes:
---       principal_budget_bytes:global_budget_bytes:idle_ttl_ms:versions_retained:audit_maxlen"
+--       principal_budget_bytes:global_budget_bytes:idle_ttl_ms:versions_retained:audit_maxlen:
+--       global_lru_resolution_ms"
 --       (one pre-encoded argument: fewer arguments to pack per call), 5.. op arguments.
 -- Errors are error replies whose first word is the error kind (LM_NOTFOUND, ...).
 --
@@ -30,15 +35,18 @@
 local KEYV, ARGS
 local E, M, R, V, S, GB, GL, AU
 local op, P, NOW_S, now
-local CH_N, CH_B, P_BUD, G_BUD, IDLE, NVER, AMAX, SLACK
+local CH_N, CH_B, P_BUD, G_BUD, IDLE, NVER, AMAX, SLACK, G_RES
 local CFG                          -- the configuration argument CH_N.. were parsed from
-local BYTES, CLOCK, TOTAL, EXP, DUE = '\0bytes', '\0clock', '\0total', '\0exp', '\0due'
+local BYTES, CLOCK, TOTAL, EXP, DUE, GT = '\0bytes', '\0clock', '\0total', '\0exp', '\0due', '\0gt'
+local LU = '\0u'                       -- M field LU .. cid: last use of cid (R is lazy)
 local K = 1000                         -- R score = last-use ms * K (+ tiebreak)
 
 local evicted              -- {cid, reason} pairs evicted during this call
 -- Principal state, read once per call (begin) and written once (finish).
 local pbytes, pexp, pclock
 local pdue, due_dirty      -- see expire_idle
+local pgt, gt_dirty        -- ms of the principal's last global LRU stamp (see touch)
+local used                 -- cid -> last use given by this call, written by finish()
 local pdelta               -- byte change not yet written to S / GB
 local clock_dirty
 local created              -- this call may have created a key that has no TTL yet
@@ -107,12 +115,12 @@ local function principal_bytes() return pbytes end
 local function begin(cid)
   local st
   if cid then
-    st = redis.call('HMGET', M, BYTES, EXP, CLOCK, DUE, cid)
-    pre_cid, pre_raw = cid, st[5]
+    st = redis.call('HMGET', M, BYTES, EXP, CLOCK, DUE, GT, cid)
+    pre_cid, pre_raw = cid, st[6]
   else
-    st = redis.call('HMGET', M, BYTES, EXP, CLOCK, DUE)
+    st = redis.call('HMGET', M, BYTES, EXP, CLOCK, DUE, GT)
   end
-  pexp, pclock, pdue = tonumber(st[2]), tonumber(st[3] or '0'), tonumber(st[4])
+  pexp, pclock, pdue, pgt = tonumber(st[2]), tonumber(st[3] or '0'), tonumber(st[4]), tonumber(st[5])
   if st[1] then
     pbytes = tonumber(st[1])
   else
@@ -133,6 +141,9 @@ local function finish(keep)
   if clock_dirty then sargs[#sargs + 1] = CLOCK; sargs[#sargs + 1] = num(pclock); clock_dirty = false end
   if due_dirty and pdue then sargs[#sargs + 1] = DUE; sargs[#sargs + 1] = num(pdue) end
   due_dirty = false
+  if gt_dirty then sargs[#sargs + 1] = GT; sargs[#sargs + 1] = num(pgt); gt_dirty = false end
+  for cid, s in pairs(used) do sargs[#sargs + 1] = LU .. cid; sargs[#sargs + 1] = num(s) end
+  used = {}
   local refresh = keep and (created or not pexp or now < pexp or now - pexp >= SLACK)
   if refresh then sargs[#sargs + 1] = EXP; sargs[#sargs + 1] = NOW_S; pexp = now; created = false end
   if #sargs > 0 then redis.call('HSET', M, unpack(sargs)) end
@@ -188,7 +199,8 @@ local function drop_context(cid, m, reason)
   for mod, c in pairs(m.ch) do freed = freed + del_range(cid, mod, c.plo, c.hi) end
   del_versions(cid, m.vf, m.v)
   if cid == pre_cid then pre_cid = nil end
-  redis.call('HDEL', M, cid)
+  used[cid] = nil
+  redis.call('HDEL', M, cid, LU .. cid)
   redis.call('ZREM', R, cid)
   remember_version(cid, m.v)
   add_bytes(-freed)
@@ -236,16 +248,39 @@ local function bump(cid, m)
   collect(cid, m)
 end
 
--- Use of a context: it becomes the principal's MRU (score = now * K, strictly increasing)
--- and the principal becomes the global MRU.
-local function touch(cid)
+-- Use of a context: it becomes the principal's MRU (last use = now * K, strictly
+-- increasing), written to M by finish(); R gets it only for a context new to R (`new`) —
+-- elsewhere R catches up lazily (lru_head). The principal becomes the global MRU unless it
+-- was stamped less than global_lru_resolution_ms ago (0: every use stamps), so reads of a
+-- busy principal skip the two global writes.
+local function touch(cid, new)
   local s = now * K
   if s <= pclock then s = pclock + 1 end
   pclock = s
   clock_dirty = true
   if not pdue then pdue = math.floor(s / K) + IDLE; due_dirty = true end  -- R was empty
-  redis.call('ZADD', R, num(s), cid)
-  redis.call('ZADD', GL, redis.call('HINCRBY', GB, CLOCK, '1'), P)
+  used[cid] = s
+  if new then redis.call('ZADD', R, num(s), cid) end
+  if not pgt or now - pgt >= G_RES or now < pgt then
+    redis.call('ZADD', GL, redis.call('HINCRBY', GB, CLOCK, '1'), P)
+    pgt, gt_dirty = now, true
+  end
+end
+
+-- The principal's least recently used context other than `skip`, and its last use: R's
+-- head once its score is exact. A head used since its score was written moves to its place
+-- first (each use is caught up at most once: the cost of a lazy R is paid here, rarely).
+local function lru_head(skip)
+  while true do
+    local h = redis.call('ZRANGE', R, 0, 1, 'WITHSCORES')
+    local cid, sc = h[1], h[2]
+    if cid ~= nil and cid == skip then cid, sc = h[3], h[4] end
+    if not cid then return nil end
+    sc = tonumber(sc)
+    local t = used[cid] or tonumber(redis.call('HGET', M, LU .. cid) or '0')
+    if t <= sc then return cid, sc end
+    redis.call('ZADD', R, num(t), cid)
+  end
 end
 
 -- Lazy per-context idle expiry: contexts whose last use (score / K) is idle_ttl ago.
@@ -254,24 +289,21 @@ end
 -- it stays a lower bound, and until then a call does no idle check at all (no Redis call).
 local function expire_idle()
   if pdue and now < pdue then return end
-  local cut = '(' .. num((now - IDLE + 1) * K)
-  while true do
-    local head = redis.call('ZRANGEBYSCORE', R, '-inf', cut, 'LIMIT', 0, 1)
-    if #head == 0 then break end
-    local m = load(head[1])
-    if m then drop_context(head[1], m, 'idle') else redis.call('ZREM', R, head[1]) end
+  local cut = (now - IDLE + 1) * K  -- last use before this: idle
+  local cid, sc = lru_head(nil)
+  while cid and sc < cut do
+    local m = load(cid)
+    if m then drop_context(cid, m, 'idle') else redis.call('ZREM', R, cid) end
+    cid, sc = lru_head(nil)
   end
-  local oldest = redis.call('ZRANGE', R, 0, 0, 'WITHSCORES')
-  if #oldest > 0 then pdue = math.floor(tonumber(oldest[2]) / K) + IDLE else pdue = nil end
+  if cid then pdue = math.floor(sc / K) + IDLE else pdue = nil end
   due_dirty = true
 end
 
 -- Exact LRU over the principal's contexts; `keep` (just written, MRU) goes last.
 local function enforce_principal(keep, km)
   while principal_bytes() > P_BUD do
-    local head = redis.call('ZRANGE', R, 0, 1)
-    local victim = head[1]
-    if victim == keep then victim = head[2] end
+    local victim = lru_head(keep)
     if not victim then break end
     local vm = load(victim)
     if vm then drop_context(victim, vm, 'principal_budget') else redis.call('ZREM', R, victim) end
@@ -463,7 +495,8 @@ local ops = {}
 function ops.append()
   local cid, mod, val, links = ARGS[5], ARGS[6], ARGS[7], ARGS[8]
   local m = load(cid)
-  if not m then m = new_meta(cid); created = true end
+  local new = not m
+  if new then m = new_meta(cid); created = true end
   for l, seq in string.gmatch(links, '([^:,]+):(%d+)') do
     local c = m.ch[l]
     seq = tonumber(seq)
@@ -482,7 +515,7 @@ function ops.append()
     c.lb = c.lb - redis.call('HSTRLEN', E, efield(cid, mod, c.lo))
     c.lo = c.lo + 1
   end
-  touch(cid)
+  touch(cid, new)
   bump(cid, m)
   enforce_principal(cid, m)
   save(cid, m)
@@ -568,17 +601,27 @@ end
 
 -- -> {{cid, meta json}..., {cid, last-use score}..., evicted}
 -- The {cid, meta json} pairs of M (its state fields, which start with \0, left out).
+-- Also returns cid -> last use from the "\0u<cid>" fields.
 local function metas()
-  local raw, out = redis.call('HGETALL', M), {}
+  local raw, out, last = redis.call('HGETALL', M), {}, {}
   for i = 1, #raw, 2 do
-    if string.byte(raw[i], 1) ~= 0 then out[#out + 1] = raw[i]; out[#out + 1] = raw[i + 1] end
+    local f = raw[i]
+    if string.byte(f, 1) ~= 0 then
+      out[#out + 1] = f; out[#out + 1] = raw[i + 1]
+    elseif string.sub(f, 1, 2) == LU then
+      last[string.sub(f, 3)] = tonumber(raw[i + 1])
+    end
   end
-  return out
+  return out, last
 end
 
 function ops.list()
-  local raw = metas()
+  local raw, last = metas()
   local lru = redis.call('ZRANGE', R, 0, -1, 'WITHSCORES')
+  for i = 1, #lru, 2 do  -- R's lower bounds brought up to date in the reply (R stays as it is)
+    local t = last[lru[i]]
+    if t and t > tonumber(lru[i + 1]) then lru[i + 1] = num(t) end
+  end
   finish(false)
   return {raw, lru, evicted_reply()}
 end
@@ -617,7 +660,7 @@ function ops.fork()
   end
   add_bytes(dm.b)
   touch(src)
-  touch(dst)
+  touch(dst, true)
   bump(dst, dm)
   enforce_principal(dst, dm)
   save(dst, dm)
@@ -672,15 +715,16 @@ local function lm_main(keys, args)
   op, P, NOW_S = args[1], args[2], args[3]
   now = tonumber(NOW_S)
   if args[4] ~= CFG then             -- parsed once per configuration (the library stays loaded)
-    local a, b, c, d, e, f, g = string.match(args[4], '^(%d+):(%d+):(%d+):(%d+):(%d+):(%d+):(%d+)$')
+    local a, b, c, d, e, f, g, h = string.match(args[4], '^(%d+):(%d+):(%d+):(%d+):(%d+):(%d+):(%d+):(%d+)$')
     if not a then return redis.error_reply('LM_BADCONFIG ' .. tostring(args[4])) end
     CH_N, CH_B, P_BUD, G_BUD = tonumber(a), tonumber(b), tonumber(c), tonumber(d)
-    IDLE, NVER, AMAX = tonumber(e), tonumber(f), g
+    IDLE, NVER, AMAX, G_RES = tonumber(e), tonumber(f), g, tonumber(h)
     SLACK = math.floor(IDLE / 16)  -- TTL refresh granularity (see header)
     CFG = args[4]
   end
   evicted = {}
   pbytes, pexp, pclock, pdelta, pdue, due_dirty = 0, nil, 0, 0, nil, false
+  pgt, gt_dirty, used = nil, false, {}
   pre_cid, pre_raw = nil, nil
   clock_dirty, created, gtotal = false, false, nil
   local fn = ops[op]
