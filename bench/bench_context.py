@@ -3,7 +3,8 @@ baseline used by popular agent-memory servers (one JSON document per context: GE
 in the client, SET), measured in the same run, on the same Redis, with the same data and
 the same number of concurrent callers.
 
-Both sides use redis-py asyncio and orjson. The naive side stores exactly what the store
+Both sides use redis-py asyncio and orjson, on uvloop — the gateway's event loop, so the
+store is measured as the gateway runs it (``--loop asyncio`` for the standard loop). The naive side stores exactly what the store
 stores (role, content, mime, tokens, time, links, version) as one JSON document per context,
 keeps the same window (the last ``--entries`` entries) and returns plain dicts (cheaper
 than the store's ``Entry`` objects — the baseline is not handicapped).
@@ -223,7 +224,7 @@ def loadavg() -> str:
         return "n/a"
 
 
-async def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--redis-url", help="use this Redis (it is FLUSHED); default: a private redis-server")
     ap.add_argument("--principals", type=int, default=300)
@@ -235,7 +236,12 @@ async def main() -> int:
     ap.add_argument("--last-n", type=int, default=20, help="entries get_window reads")
     ap.add_argument("--mem-contexts", type=int, default=10, help="100-entry contexts of 1 KiB entries")
     ap.add_argument("--full", action="store_true", help="10,000 principals, 3,000 ops per measurement")
-    args = ap.parse_args()
+    ap.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop",
+                    help="event loop of both sides (default: uvloop, the gateway's loop)")
+    return ap.parse_args()
+
+
+async def main(args: argparse.Namespace) -> int:
     if args.full:
         args.principals, args.ops, args.mem_contexts = 10_000, 3000, 50
     proc = workdir = None
@@ -255,7 +261,7 @@ async def main() -> int:
             except Exception:  # noqa: BLE001
                 await asyncio.sleep(0.05)
         await r.flushdb()
-        print(f"load average at start: {loadavg()}")
+        print(f"load average at start: {loadavg()}; event loop: {args.loop}")
         cfg = ContextConfig(channel_max_entries=args.entries, audit_maxlen=10_000)
         store, naive = ContextStore(r, cfg), Naive(r, args.entries)
         # The same store without its read cache: every read fetches every entry it returns.
@@ -320,4 +326,8 @@ async def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(asyncio.run(main()))
+    opts = parse_args()
+    if opts.loop == "asyncio":
+        raise SystemExit(asyncio.run(main(opts)))
+    import uvloop
+    raise SystemExit(uvloop.run(main(opts)))

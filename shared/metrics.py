@@ -3,7 +3,57 @@ consistent. Each component adds its metrics in its own block below."""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from collections.abc import Iterator
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+
+class _HotChild:
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1) -> None:
+        self.value += amount
+
+
+class HotCounter(Collector):
+    """A labelled counter for hot paths: ``labels(...).inc(n)`` is one attribute add, where
+    prometheus_client's Counter takes a lock per increment (~0.4 µs: a tenth of a cached
+    context read's client time, for the three counters it bumps). The registry reads the
+    totals at scrape time. A child is meant to be bumped from one thread (the event loop
+    that owns it), as the context store does; reads from the scrape thread are safe."""
+
+
+    def __init__(self, name: str, documentation: str, labelnames: list[str],
+                 registry: CollectorRegistry = REGISTRY) -> None:
+        self.name = name.removesuffix("_total")
+        self.documentation = documentation
+        self.labelnames = labelnames
+        self._children: dict[tuple[str, ...], _HotChild] = {}
+        registry.register(self)
+
+    def labels(self, *values: str) -> _HotChild:
+        if len(values) != len(self.labelnames):
+            raise ValueError(f"{self.name}: expected labels {self.labelnames}")
+        key = tuple(str(v) for v in values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children.setdefault(key, _HotChild())
+        return child
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for key, child in list(self._children.items()):
+            family.add_metric(list(key), child.value)
+        yield family
+
 
 # ---------------------------------------------------------------- gateway / MCP
 MCP_REQUESTS = Counter("learnmesh_mcp_requests_total", "MCP requests", ["method", "revision", "transport"])
@@ -29,14 +79,14 @@ TRAINER_RESTARTS = Counter("learnmesh_trainer_restarts_total", "Rank group resta
 TRAINER_VERSION = Gauge("learnmesh_trainer_published_version", "Last model version published to workers")
 
 # ---------------------------------------------------------------- context store
-CONTEXT_OPS = Counter("learnmesh_context_ops_total", "Context store operations", ["op", "outcome"])
+CONTEXT_OPS = HotCounter("learnmesh_context_ops_total", "Context store operations", ["op", "outcome"])
 CONTEXT_OP_SECONDS = Histogram("learnmesh_context_op_seconds", "Context store operation latency (one round trip)",
                                ["op"], buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1, 1))
 CONTEXT_EVICTIONS = Counter("learnmesh_context_evictions_total", "Contexts evicted by learnmesh",
                             ["reason"])  # idle | principal_budget | global_budget | admin
 CONTEXT_APPENDED_BYTES = Counter("learnmesh_context_appended_bytes_total", "Bytes appended to contexts",
                                  ["modality"])
-CONTEXT_READ_ENTRIES = Counter("learnmesh_context_read_entries_total",
+CONTEXT_READ_ENTRIES = HotCounter("learnmesh_context_read_entries_total",
                                "Entries get_window returned, by where they came from (redis or the read cache)",
                                ["source"])
 
