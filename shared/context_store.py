@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, TypeVar
 
+import msgspec
 import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
@@ -170,22 +171,23 @@ def _text(v: Any) -> str:
 _HELD_ENTRY_OVERHEAD = 160  # bytes the read cache counts per entry besides its content
 
 
-@dataclass(slots=True)
-class _Held:
+class _Held(msgspec.Struct, gc=False):
     """Entries of one context a store keeps from its last read (its read cache): per
     channel the first seq and the entries from there on, all of one life (``epoch``) of the
     context. Within one life an entry's (channel, seq) never names other content, so the
     next read of the context asks Redis only for the entries outside these ranges.
 
-    ``Entry`` objects are not tracked by Python's garbage collector (see shared/types.py),
-    and neither are tuples of them, so a cache of 10^5 entries costs collections nothing
-    (with dataclass entries it made full collections pauses of tens of milliseconds: p99
-    90-175 ms in ``bench_context.py --full``)."""
+    Nothing here is tracked by Python's garbage collector: not this struct (no cycles: it
+    holds strings, ints, and a dict of tuples), not ``Entry`` objects (see shared/types.py),
+    and, after their first collection, not the tuples and dicts holding only those. So a
+    cache of 10^5 entries costs collections nothing; with dataclass entries, full collections
+    paused for tens of milliseconds (p99 90-175 ms in ``bench_context.py --full``), and with a
+    tracked ``_Held`` per context they cost first reads ~8 µs each."""
 
     epoch: str
     channels: dict[str, tuple[int, tuple[Entry, ...], int]]  # mod -> (first seq, entries, bytes counted)
     nbytes: int = 0
-    held_arg: str = ""  # spec(), computed once when kept
+    held_arg: str = ""  # spec(), computed at the first read that sends it
 
     def spec(self) -> str:
         """The script's ``held`` argument (see held_set in context.lua)."""
@@ -433,6 +435,8 @@ class ContextStore:
         key = (principal, context_id)
         held = self._held.get(key) if self.cfg.read_cache_bytes else None
         try:
+            if held is not None and not held.held_arg:
+                held.held_arg = held.spec()
             version, flat, wins, epoch = await read("0", held.held_arg if held is not None else "")
         except ContextNotFound:
             self._forget(key)
@@ -526,7 +530,6 @@ class ContextStore:
 
     def _keep(self, key: tuple[str, str], held: _Held) -> None:
         held.nbytes = sum([ch[2] for ch in held.channels.values()])
-        held.held_arg = held.spec()
         self._forget(key)
         if held.nbytes > self.cfg.read_cache_bytes // 8:  # one context may not crowd out the rest
             return
