@@ -143,7 +143,8 @@ def bulk_load(pipe, cfg: ContextConfig, principal: str, cid: str, packed: list[b
     meta = {"v": n, "vf": vf, "b": stored, "t": now_ms, "ch": {"text": {"lo": lo, "hi": n, "plo": plo, "lb": lb}},
             "e": f"1.bulk.{principal}"}  # the life's name: unique, its form does not matter
     score = now_ms * 1000
-    pipe.hset(m, mapping={cid: orjson.dumps(meta), f"\x00u{cid}": score, "\x00bytes": stored, "\x00clock": score,
+    pipe.hset(m, mapping={cid: orjson.dumps(meta), f"\x00v{cid}": f"{n};{meta['e']}", f"\x00u{cid}": score,
+                          "\x00bytes": stored, "\x00clock": score,
                           "\x00exp": now_ms, "\x00due": now_ms + cfg.idle_ttl_s * 1000, "\x00gt": now_ms})
     pipe.zadd(lru, {cid: score})
     pipe.hset(ver, mapping={f"{cid}|{v}": f"text:{max(1, v - w + 1)}:{v}" for v in range(vf, n + 1)})
@@ -230,12 +231,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--principals", type=int, default=300)
     ap.add_argument("--entries", type=int, default=100, help="entries per context (window size)")
     ap.add_argument("--payload", type=int, default=128, help="bytes per entry in the throughput runs")
-    ap.add_argument("--ops", type=int, default=1000, help="operations per measurement")
+    ap.add_argument("--ops", type=int, help="operations per measurement (default 1000; 3000 with --full)")
     ap.add_argument("--concurrency", default="4,64")
     ap.add_argument("--repeat", type=int, default=2, help="runs of every measurement point")
     ap.add_argument("--last-n", type=int, default=20, help="entries get_window reads")
     ap.add_argument("--mem-contexts", type=int, default=10, help="100-entry contexts of 1 KiB entries")
-    ap.add_argument("--full", action="store_true", help="10,000 principals, 3,000 ops per measurement")
+    ap.add_argument("--full", action="store_true", help="10,000 principals, 3,000 ops per measurement (unless --ops)")
     ap.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop",
                     help="event loop of both sides (default: uvloop, the gateway's loop)")
     return ap.parse_args()
@@ -243,7 +244,9 @@ def parse_args() -> argparse.Namespace:
 
 async def main(args: argparse.Namespace) -> int:
     if args.full:
-        args.principals, args.ops, args.mem_contexts = 10_000, 3000, 50
+        args.principals, args.mem_contexts = 10_000, 50
+    if args.ops is None:
+        args.ops = 3000 if args.full else 1000
     proc = workdir = None
     url = args.redis_url
     if url is None:

@@ -188,6 +188,12 @@ class _Held(msgspec.Struct, gc=False):
     channels: dict[str, tuple[int, tuple[Entry, ...], int]]  # mod -> (first seq, entries, bytes counted)
     nbytes: int = 0
     held_arg: str = ""  # spec(), computed at the first read that sends it
+    # The read these channels are the window of: its arguments (modalities, last_n,
+    # max_tokens) and the context's "<version>;<epoch>" then. A read with the same arguments
+    # sends the token; if the context is still there, the script answers "unchanged".
+    sig: str = ""
+    token: str = ""
+    version: int = 0
 
     def spec(self) -> str:
         """The script's ``held`` argument (see held_set in context.lua)."""
@@ -425,35 +431,61 @@ class ContextStore:
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi):
                 raise ContextError(f"{name} must be an integer in 1..{hi}")
 
-        async def read(resolve: str, held_arg: str) -> tuple[Any, list[Any], list[Any], str]:
-            return self._window_reply(await self._call("window", principal, context_id, mods, last_n or 0,
-                                                       max_tokens or 0, resolve, held_arg))
+        async def read(resolve: str, held_arg: str, token: str = "") -> list[Any]:
+            return await self._call("window", principal, context_id, mods, last_n or 0, max_tokens or 0,
+                                    resolve, held_arg, token)
 
         if resolve_links:  # linked entries come from Redis every time (see ops.window)
-            version, flat, _wins, _epoch = await read("1", "")
+            version, flat, _wins, _epoch = self._window_reply(await read("1", ""))
             return self._window(principal, context_id, version, flat)
         key = (principal, context_id)
         held = self._held.get(key) if self.cfg.read_cache_bytes else None
+        sig = f"{mods}|{last_n or 0}|{max_tokens or 0}"
         try:
-            if held is not None and not held.held_arg:
-                held.held_arg = held.spec()
-            version, flat, wins, epoch = await read("0", held.held_arg if held is not None else "")
+            if held is None:
+                reply = await read("0", "")
+            else:
+                if not held.held_arg:
+                    held.held_arg = held.spec()
+                reply = await read("0", held.held_arg, held.token if held.sig == sig else "")
         except ContextNotFound:
             self._forget(key)
             raise
+        if reply[2] == -1:  # the context is as it was at our last read with these arguments
+            return self._unchanged(principal, context_id, held, mods, reply)  # type: ignore[arg-type]
+        version, flat, wins, epoch = self._window_reply(reply)
         f0, r0 = self.entries_fetched, self.entries_reused
-        win = self._assemble(principal, context_id, version, flat, wins, epoch, held, mods)
+        win = self._assemble(principal, context_id, version, flat, wins, epoch, held, mods, sig)
         if win is None:  # the reply and what we hold do not fit together: never expected
             log.warning("context %s/%s: read cache out of step, reading it whole", principal, context_id)
             self._forget(key)
-            version, flat, wins, epoch = await read("0", "")
-            win = self._assemble(principal, context_id, version, flat, wins, epoch, None, mods)
+            version, flat, wins, epoch = self._window_reply(await read("0", ""))
+            win = self._assemble(principal, context_id, version, flat, wins, epoch, None, mods, sig)
             if win is None:
                 raise RuntimeError(f"context {context_id}: window reply does not match its ranges")
         if self.entries_fetched != f0:
             self._read_metrics[0].inc(self.entries_fetched - f0)
         if self.entries_reused != r0:
             self._read_metrics[1].inc(self.entries_reused - r0)
+        return win
+
+    def _unchanged(self, principal: str, context_id: str, held: _Held, mods: str, reply: list[Any]) -> ContextWindow:
+        """The window of an "unchanged" reply: what ``held`` holds (its channels asked for)."""
+        self._evicted(reply[4:4 + 2 * int(reply[3])])
+        asked = mods.split(",") if mods else None
+        win = ContextWindow(principal=principal, context_id=context_id, version=held.version)
+        n = 0
+        for mod, (_first, ents, _) in held.channels.items():
+            if asked is None or mod in asked:
+                win.channels[mod] = list(ents)
+                n += len(ents)
+        if len(win.channels) > 1:
+            win.channels = self._in_order(win.channels)
+        self.entries_reused += n
+        self._read_metrics[1].inc(n)
+        key = (principal, context_id)
+        if key in self._held:
+            self._held.move_to_end(key)
         return win
 
     def _window_reply(self, flat: list[Any]) -> tuple[Any, list[Any], list[Any], str]:
@@ -475,7 +507,7 @@ class ContextStore:
         return flat[0], runs, wins, _text(flat[1])
 
     def _assemble(self, principal: str, context_id: str, version: Any, runs: list[Any], wins: list[Any],
-                  epoch: str, held: _Held | None, mods: str) -> ContextWindow | None:
+                  epoch: str, held: _Held | None, mods: str, sig: str) -> ContextWindow | None:
         """The window from the script's reply (runs of the entries we did not hold, and the
         first/last seq of every channel's window) plus the entries ``held``; then keep what
         was read for the next read. None if they do not cover the windows exactly."""
@@ -516,7 +548,9 @@ class ContextStore:
             return None
         if len(win.channels) > 1:
             win.channels = self._in_order(win.channels)
+        token = f"{int(version)};{epoch}"
         if unchanged and len(kept) == len(held.channels):  # type: ignore[union-attr]
+            held.sig, held.token, held.version = sig, token, int(version)  # type: ignore[union-attr]
             if (principal, context_id) in self._held:
                 self._held.move_to_end((principal, context_id))
         elif self.cfg.read_cache_bytes and epoch:
@@ -525,7 +559,7 @@ class ContextStore:
                 for mod, ch in held.channels.items():  # type: ignore[union-attr]
                     if mod not in asked:
                         kept.setdefault(mod, ch)
-            self._keep((principal, context_id), _Held(epoch, kept))
+            self._keep((principal, context_id), _Held(epoch, kept, sig=sig, token=token, version=int(version)))
         return win
 
     def _keep(self, key: tuple[str, str], held: _Held) -> None:
