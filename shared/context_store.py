@@ -441,18 +441,21 @@ class ContextStore:
         key = (principal, context_id)
         held = self._held.get(key) if self.cfg.read_cache_bytes else None
         sig = f"{mods}|{last_n or 0}|{max_tokens or 0}"
+        same: tuple[dict[str, Any], int] | None = None  # what "unchanged" would refer to
         try:
             if held is None:
                 reply = await read("0", "")
             else:
                 if not held.held_arg:
                     held.held_arg = held.spec()
-                reply = await read("0", held.held_arg, held.token if held.sig == sig else "")
+                if held.sig == sig:  # taken now: a concurrent read may re-label `held` meanwhile
+                    same = held.channels, held.version
+                reply = await read("0", held.held_arg, held.token if same else "")
         except ContextNotFound:
             self._forget(key)
             raise
-        if reply[2] == -1:  # the context is as it was at our last read with these arguments
-            return self._unchanged(principal, context_id, held, mods, reply)  # type: ignore[arg-type]
+        if reply[2] == -1 and same is not None:  # as it was at our last read with these arguments
+            return self._unchanged(principal, context_id, same, mods, reply)
         version, flat, wins, epoch = self._window_reply(reply)
         f0, r0 = self.entries_fetched, self.entries_reused
         win = self._assemble(principal, context_id, version, flat, wins, epoch, held, mods, sig)
@@ -469,13 +472,16 @@ class ContextStore:
             self._read_metrics[1].inc(self.entries_reused - r0)
         return win
 
-    def _unchanged(self, principal: str, context_id: str, held: _Held, mods: str, reply: list[Any]) -> ContextWindow:
-        """The window of an "unchanged" reply: what ``held`` holds (its channels asked for)."""
+    def _unchanged(self, principal: str, context_id: str, same: tuple[dict[str, Any], int], mods: str,
+                   reply: list[Any]) -> ContextWindow:
+        """The window of an "unchanged" reply: the held channels and version the read sent the
+        token of (``same``), the channels asked for."""
         self._evicted(reply[4:4 + 2 * int(reply[3])])
+        channels, version = same
         asked = mods.split(",") if mods else None
-        win = ContextWindow(principal=principal, context_id=context_id, version=held.version)
+        win = ContextWindow(principal=principal, context_id=context_id, version=version)
         n = 0
-        for mod, (_first, ents, _) in held.channels.items():
+        for mod, (_first, ents, _) in channels.items():
             if asked is None or mod in asked:
                 win.channels[mod] = list(ents)
                 n += len(ents)
