@@ -332,5 +332,8 @@ if __name__ == "__main__":
     opts = parse_args()
     if opts.loop == "asyncio":
         raise SystemExit(asyncio.run(main(opts)))
-    import uvloop
+    try:
+        import uvloop
+    except ImportError:
+        raise SystemExit("uvloop is not installed (it comes with uvicorn[standard]); run with --loop asyncio") from None
     raise SystemExit(uvloop.run(main(opts)))
