@@ -489,10 +489,13 @@ class ContextStore:
             win.channels = self._in_order(win.channels)
         self.entries_reused += n
         self._read_metrics[1].inc(n)
-        key = (principal, context_id)
+        self._recently_read((principal, context_id))
+        return win
+
+    def _recently_read(self, key: tuple[str, str]) -> None:
+        """The held record of ``key`` (if still kept) becomes the read cache's most recent."""
         if key in self._held:
             self._held.move_to_end(key)
-        return win
 
     def _window_reply(self, flat: list[Any]) -> tuple[Any, list[Any], list[Any], str]:
         """Split ops.window's flat reply (see context.lua) into version, runs (as
@@ -557,8 +560,7 @@ class ContextStore:
         token = f"{int(version)};{epoch}"
         if unchanged and len(kept) == len(held.channels):  # type: ignore[union-attr]
             held.sig, held.token, held.version = sig, token, int(version)  # type: ignore[union-attr]
-            if (principal, context_id) in self._held:
-                self._held.move_to_end((principal, context_id))
+            self._recently_read((principal, context_id))
         elif self.cfg.read_cache_bytes and epoch:
             if same_life and mods:  # channels this read did not ask for stay as they were
                 asked = mods.split(",")

@@ -486,8 +486,9 @@ local function wanted_set(csv)
   return w, false
 end
 
-local function evicted_reply()
-  local out = {}
+-- The (cid, reason) pairs of this call's evictions, appended to `out` (a new table if nil).
+local function evicted_reply(out)
+  out = out or {}
   for _, e in ipairs(evicted) do out[#out + 1] = e[1]; out[#out + 1] = e[2] end
   return out
 end
@@ -559,9 +560,7 @@ function ops.window()
   if pre_vcid == cid and pre_ver == ARGS[11] then
     touch(cid)
     finish(true)
-    local reply = {0, '', -1, #evicted}
-    for _, e in ipairs(evicted) do reply[#reply + 1] = e[1]; reply[#reply + 1] = e[2] end
-    return reply
+    return evicted_reply({0, '', -1, #evicted})
   end
   local m = load_ro(cid)
   if not m then fail('LM_NOTFOUND context ' .. cid) end
@@ -586,7 +585,7 @@ function ops.window()
   touch(cid)
   finish(true)
   reply[#reply + 1] = #evicted
-  for _, e in ipairs(evicted) do reply[#reply + 1] = e[1]; reply[#reply + 1] = e[2] end
+  evicted_reply(reply)
   for i = 1, #out, 3 do
     local vals = out[i + 2]
     reply[#reply + 1] = out[i]; reply[#reply + 1] = out[i + 1]; reply[#reply + 1] = #vals
