@@ -35,7 +35,7 @@ from redis.exceptions import ResponseError
 
 from shared import keys, metrics
 from shared.config import ContextConfig
-from shared.redis_batch import AutoPipeline, pack_args
+from shared.redis_batch import AutoPipeline, pack_arg, pack_args
 from shared.types import ContextWindow, Entry
 
 log = logging.getLogger(__name__)
@@ -134,6 +134,11 @@ def unpack_entries(modality: str, first: int, values: Sequence[bytes]) -> list[E
     return out
 
 
+def _check_limit(name: str, v: Any, hi: int) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi:
+        raise ContextError(f"{name} must be an integer in 1..{hi}")
+
+
 _ERRORS: dict[str, type[ContextError]] = {
     "LM_NOTFOUND": ContextNotFound, "LM_VERSION": VersionUnavailable, "LM_BADLINK": ContextError,
     "LM_EXISTS": ContextExists,
@@ -141,7 +146,7 @@ _ERRORS: dict[str, type[ContextError]] = {
 
 
 def script_config(cfg: ContextConfig) -> bytes:
-    """The script's configuration argument (ARGV[4] of context.lua), encoded once per store."""
+    """The script's configuration argument (ARGV[3] of context.lua), encoded once per store."""
     return (f"{cfg.channel_max_entries}:{cfg.channel_max_bytes}:{cfg.principal_budget_bytes}:"
             f"{cfg.global_budget_bytes}:{cfg.idle_ttl_s * 1000}:{cfg.versions_retained}:{cfg.audit_maxlen}:"
             f"{cfg.global_lru_resolution_ms}").encode()
@@ -194,6 +199,7 @@ class _Held(msgspec.Struct, gc=False):
     sig: str = ""
     token: str = ""
     version: int = 0
+    packed: bytes = b""  # the script arguments of such a read, packed (see get_window)
 
     def spec(self) -> str:
         """The script's ``held`` argument (see held_set in context.lua)."""
@@ -274,55 +280,68 @@ class ContextStore:
         return keys.ctx_keys(principal) + self._global_keys
 
     def _head(self, op: str, principal: str) -> bytes:
-        """RESP arguments ``FCALL <fn> 8 <keys of principal> <global keys> <op> <principal>``
-        (cached per principal and operation: packing ~20 arguments per call was a large share
-        of the client's time)."""
+        """RESP arguments ``FCALL <fn> 8 <keys of principal> <global keys> <op> <principal>
+        <config>`` (cached per principal and operation: packing ~20 arguments per call was a
+        large share of the client's time)."""
         head = self._heads.get((op, principal))
         if head is None:
             if len(self._heads) >= 32768:  # ~250 bytes each: 8 MiB at most
                 self._heads.clear()
             ks = self._keys(principal)
-            head = self._heads[(op, principal)] = pack_args(("FCALL", self._fn, len(ks), *ks, op, principal))
+            head = self._heads[(op, principal)] = pack_args(("FCALL", self._fn, len(ks), *ks, op, principal,
+                                                             self._cfg_arg))
         return head
 
-    async def _call(self, op: str, principal: str, *args: Any) -> Any:
+    async def _call(self, op: str, principal: str, *args: Any, packed: bytes | None = None) -> Any:
+        """One script call: ARGV ``op, principal, config, now, *args`` (``packed``: ``args``
+        already packed with ``pack_args``, ``len(args)`` arguments)."""
         self.round_trips += 1
         t0 = time.perf_counter()
+        tail = b"%b%b" % (pack_arg(self._clock_ms()), packed if packed is not None else pack_args(args))
+        n = 15 + len(args)  # FCALL, name, numkeys, 8 keys, op, principal, config, now, then args
         try:
-            out = await self._invoke(op, principal, (self._clock_ms(), self._cfg_arg, *args))
+            if self._use_functions is not False:
+                out = await self._batch.submit(b"*%d\r\n%b%b" % (n, self._head(op, principal), tail))
+            else:
+                out = await self._evalsha(op, principal, args)
         except ResponseError as exc:
-            kind, _, msg = str(exc).partition(" ")
-            msg = msg.split(" script: ", 1)[0]
-            err = _ERRORS.get(kind)
-            metrics.CONTEXT_OPS.labels(op, "error").inc()
-            if err is None:
-                raise
-            raise err(msg) from None
+            out = await self._retry(op, principal, args, n, tail, exc)
         m = self._op_metrics.get(op)
-        if m is None:  # labelled children cached: .labels() is a lock + dict lookup per call
+        if m is None:  # labelled children cached: .labels() is a dict lookup per call
             m = self._op_metrics[op] = (metrics.CONTEXT_OP_SECONDS.labels(op), metrics.CONTEXT_OPS.labels(op, "ok"))
         m[0].observe(time.perf_counter() - t0)
         m[1].inc()
         return out
 
-    async def _invoke(self, op: str, principal: str, rest: tuple[Any, ...]) -> Any:
-        """One script call; ARGV is ``op, principal, *rest``."""
-        if self._use_functions is False:
-            return await self._script(keys=self._keys(principal), args=[op, principal, *rest])
-        n = 13 + len(rest)  # FCALL, name, numkeys, 8 keys, op, principal, then the rest
+    async def _evalsha(self, op: str, principal: str, args: tuple[Any, ...]) -> Any:
+        """The script as EVALSHA (Redis < 7: no Functions)."""
+        return await self._script(keys=self._keys(principal), args=[op, principal, self._cfg_arg,
+                                                                    self._clock_ms(), *args])
+
+    async def _retry(self, op: str, principal: str, args: tuple[Any, ...], n: int, tail: bytes,
+                     exc: ResponseError) -> Any:
+        """After an error reply: load the library if this server lacks it (first use, or it
+        restarted) and call again, or fall back to EVALSHA on Redis < 7; a script error
+        becomes its ContextError."""
         try:
-            return await self._batch.execute_packed(self._head(op, principal), n, rest)
-        except ResponseError as exc:
             text = str(exc).lower()
-            if "function not found" in text:  # first use on this server, or it restarted
+            if "function not found" in text:
                 await self.redis.function_load(self._fn_code, replace=True)
                 self._use_functions = True
-                return await self._batch.execute_packed(self._head(op, principal), n, rest)
-            if "unknown command" in text and self._use_functions is None:  # Redis < 7
+                return await self._batch.submit(b"*%d\r\n%b%b" % (n, self._head(op, principal), tail))
+            if "unknown command" in text and self._use_functions is None:
                 log.info("context store: Redis without Functions, using EVALSHA")
                 self._use_functions = False
-                return await self._script(keys=self._keys(principal), args=[op, principal, *rest])
-            raise
+                return await self._evalsha(op, principal, args)
+            raise exc
+        except ResponseError as err:
+            kind, _, msg = str(err).partition(" ")
+            msg = msg.split(" script: ", 1)[0]
+            error = _ERRORS.get(kind)
+            metrics.CONTEXT_OPS.labels(op, "error").inc()
+            if error is None:
+                raise
+            raise error(msg) from None
 
     @staticmethod
     def _evicted(flat: list[Any]) -> list[str]:
@@ -427,16 +446,13 @@ class ContextStore:
         self._check_principal(principal)
         self._check_id(context_id)
         mods = self._modalities_arg(modalities)
-        for name, v, hi in (("last_n", last_n, MAX_LAST_N), ("max_tokens", max_tokens, MAX_TOKENS_LIMIT)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi):
-                raise ContextError(f"{name} must be an integer in 1..{hi}")
-
-        async def read(resolve: str, held_arg: str, token: str = "") -> list[Any]:
-            return await self._call("window", principal, context_id, mods, last_n or 0, max_tokens or 0,
-                                    resolve, held_arg, token)
-
+        if last_n is not None:
+            _check_limit("last_n", last_n, MAX_LAST_N)
+        if max_tokens is not None:
+            _check_limit("max_tokens", max_tokens, MAX_TOKENS_LIMIT)
+        what = (context_id, mods, last_n or 0, max_tokens or 0)  # ARGV 5-8 of ops.window
         if resolve_links:  # linked entries come from Redis every time (see ops.window)
-            version, flat, _wins, _epoch = self._window_reply(await read("1", ""))
+            version, flat, _wins, _epoch = self._window_reply(await self._call("window", principal, *what, "1", "", ""))
             return self._window(principal, context_id, version, flat)
         key = (principal, context_id)
         held = self._held.get(key) if self.cfg.read_cache_bytes else None
@@ -444,13 +460,18 @@ class ContextStore:
         same: tuple[dict[str, Any], int] | None = None  # what "unchanged" would refer to
         try:
             if held is None:
-                reply = await read("0", "")
+                reply = await self._call("window", principal, *what, "0", "", "")
             else:
                 if not held.held_arg:
                     held.held_arg = held.spec()
                 if held.sig == sig:  # taken now: a concurrent read may re-label `held` meanwhile
                     same = held.channels, held.version
-                reply = await read("0", held.held_arg, held.token if same else "")
+                    args = (*what, "0", held.held_arg, held.token)
+                    if not held.packed:  # the same arguments as long as `held` is not re-labelled
+                        held.packed = pack_args(args)
+                    reply = await self._call("window", principal, *args, packed=held.packed)
+                else:
+                    reply = await self._call("window", principal, *what, "0", held.held_arg, "")
         except ContextNotFound:
             self._forget(key)
             raise
@@ -462,7 +483,7 @@ class ContextStore:
         if win is None:  # the reply and what we hold do not fit together: never expected
             log.warning("context %s/%s: read cache out of step, reading it whole", principal, context_id)
             self._forget(key)
-            version, flat, wins, epoch = self._window_reply(await read("0", ""))
+            version, flat, wins, epoch = self._window_reply(await self._call("window", principal, *what, "0", "", ""))
             win = self._assemble(principal, context_id, version, flat, wins, epoch, None, mods, sig)
             if win is None:
                 raise RuntimeError(f"context {context_id}: window reply does not match its ranges")
@@ -479,14 +500,13 @@ class ContextStore:
         self._evicted(reply[4:4 + 2 * int(reply[3])])
         channels, version = same
         asked = mods.split(",") if mods else None
-        win = ContextWindow(principal=principal, context_id=context_id, version=version)
+        out: dict[str, list[Entry]] = {}
         n = 0
         for mod, (_first, ents, _) in channels.items():
             if asked is None or mod in asked:
-                win.channels[mod] = list(ents)
+                out[mod] = list(ents)
                 n += len(ents)
-        if len(win.channels) > 1:
-            win.channels = self._in_order(win.channels)
+        win = ContextWindow(principal, context_id, version, self._in_order(out) if len(out) > 1 else out)
         self.entries_reused += n
         self._read_metrics[1].inc(n)
         self._recently_read((principal, context_id))
@@ -560,6 +580,7 @@ class ContextStore:
         token = f"{int(version)};{epoch}"
         if unchanged and len(kept) == len(held.channels):  # type: ignore[union-attr]
             held.sig, held.token, held.version = sig, token, int(version)  # type: ignore[union-attr]
+            held.packed = b""  # type: ignore[union-attr]
             self._recently_read((principal, context_id))
         elif self.cfg.read_cache_bytes and epoch:
             if same_life and mods:  # channels this read did not ask for stay as they were

@@ -51,14 +51,17 @@ class AutoPipeline:
     async def execute(self, *args: Any) -> Any:
         """Send one command (with the next batch) and return its reply; a Redis error
         reply raises ``ResponseError`` for this caller only."""
-        return await self._enqueue(pack_command(args))
+        return await self.submit(pack_command(args))
 
     async def execute_packed(self, head: bytes, n: int, args: tuple[Any, ...]) -> Any:
         """Like ``execute`` for a command of ``n`` arguments whose first ones are already
         packed (``head``, from ``pack_args``) and whose others are ``args``."""
-        return await self._enqueue(b"*%d\r\n%b%b" % (n, head, pack_args(args)))
+        return await self.submit(b"*%d\r\n%b%b" % (n, head, pack_args(args)))
 
-    async def _enqueue(self, packed: bytes) -> Any:
+    def submit(self, packed: bytes) -> asyncio.Future[Any]:
+        """Queue one packed command (``pack_command``) with the next batch; the future gets
+        its reply, or ``ResponseError`` for an error reply. For hot callers: one coroutine
+        layer less than ``execute`` (each costs ~1 µs). Needs a running event loop."""
         loop = asyncio.get_running_loop()
         if loop is not self._loop:  # first use, or the old loop went away with batches unfinished
             self._loop, self._pending, self._inflight, self._scheduled = loop, [], 0, False
@@ -69,7 +72,7 @@ class AutoPipeline:
         elif not self._scheduled and self._inflight < self.max_inflight:
             self._scheduled = True
             loop.call_soon(self._flush)
-        return await fut
+        return fut
 
     def _flush(self) -> None:
         self._scheduled = False
@@ -155,7 +158,8 @@ class AutoPipeline:
         return replies
 
 
-def _bulk(arg: Any) -> bytes:
+def pack_arg(arg: Any) -> bytes:
+    """One RESP bulk string (str, bytes or int)."""
     t = type(arg)  # exact types first: this runs for every argument of every command
     if t is bytes:
         return b"$%d\r\n%b\r\n" % (len(arg), arg)
@@ -180,7 +184,7 @@ def pack_args(args: tuple[Any, ...] | list[Any]) -> bytes:
     """RESP bulk strings of ``args`` (str, bytes or int). Ours rather than redis-py's
     ``pack_command`` because the context store sends ~20 arguments per call and redis-py's
     general encoder was a third of the client's time per operation (profiled)."""
-    return b"".join([_bulk(a) for a in args])
+    return b"".join([pack_arg(a) for a in args])
 
 
 def pack_command(args: tuple[Any, ...] | list[Any]) -> bytes:

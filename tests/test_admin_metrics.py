@@ -6,12 +6,16 @@ from __future__ import annotations
 import math
 
 import httpx
+import pytest
 import redis as redis_sync
 from admin_support import ADMIN_KEY, MCP_KEY, VIEWER_KEY, bearer, live_gateway
 from conftest import wait_for_sync
 
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
 from gateway.admin.stats import quantile
 from shared import control, keys
+from shared.metrics import HotCounter, HotHistogram
 
 
 def test_histogram_quantile_interpolates_like_promql():
@@ -20,6 +24,33 @@ def test_histogram_quantile_interpolates_like_promql():
     assert math.isclose(quantile(buckets, 0.99), 0.01 + 0.09 * 49 / 50)
     assert quantile([(0.1, 0.0), (math.inf, 0.0)], 0.5) is None
     assert quantile([(0.1, 0.0), (math.inf, 4.0)], 0.5) == 0.1  # beyond the last finite bucket
+
+
+def _samples(registry: CollectorRegistry) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    return {(s.name, frozenset(s.labels.items())): s.value for fam in registry.collect() for s in fam.samples
+            if not s.name.endswith("_created")}
+
+
+def test_hot_collectors_expose_what_prometheus_client_does():
+    """The lock-free histogram and counter of the context store's hot path give the same
+    samples (buckets on the edges, +Inf, sum, count; counter totals) as prometheus_client's."""
+    hot_reg, ref_reg = CollectorRegistry(), CollectorRegistry()
+    buckets = (0.001, 0.01, 0.1)
+    hot = HotHistogram("lat_seconds", "latency", ["op"], buckets=buckets, registry=hot_reg)
+    ref = Histogram("lat_seconds", "latency", ["op"], buckets=buckets, registry=ref_reg)
+    for op, v in (("a", 0.0005), ("a", 0.001), ("a", 0.0011), ("a", 0.1), ("a", 7.0), ("b", 0.05)):
+        hot.labels(op).observe(v)
+        ref.labels(op).observe(v)
+    got, want = _samples(hot_reg), _samples(ref_reg)
+    assert got == want
+    assert got[("lat_seconds_bucket", frozenset({("op", "a"), ("le", "0.001")}))] == 2  # le is inclusive
+    assert b'lat_seconds_bucket{le="+Inf",op="a"} 5.0' in generate_latest(hot_reg)
+    counter = HotCounter("bytes_total", "bytes", ["mod"], registry=hot_reg)
+    counter.labels("text").inc(3)
+    counter.labels("text").inc(4)
+    assert _samples(hot_reg)[("bytes_total", frozenset({("mod", "text")}))] == 7
+    with pytest.raises(ValueError):
+        hot.labels("a", "b")
 
 
 def _mcp(client: httpx.Client) -> httpx.Response:

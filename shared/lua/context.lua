@@ -21,10 +21,11 @@
 --   6 GB hash  principal -> bytes, "\0total", "\0clock"          (tag {ctxglobal})
 --   7 GL zset  principal -> global clock of last use             (tag {ctxglobal})
 --   8 AU stream audit log (capped)
--- ARGV: 1 op, 2 principal, 3 now_ms, 4 config "channel_max_entries:channel_max_bytes:
+-- ARGV: 1 op, 2 principal, 3 config "channel_max_entries:channel_max_bytes:
 --       principal_budget_bytes:global_budget_bytes:idle_ttl_ms:versions_retained:audit_maxlen:
 --       global_lru_resolution_ms"
---       (one pre-encoded argument: fewer arguments to pack per call), 5.. op arguments.
+--       (one pre-encoded argument: fewer arguments to pack per call; with 1 and 2 it is packed
+--       once per principal and operation by the client), 4 now_ms, 5.. op arguments.
 -- Errors are error replies whose first word is the error kind (LM_NOTFOUND, ...).
 --
 -- Lean by design (every call costs a few µs per redis.call): the principal's state is read
@@ -731,15 +732,15 @@ end
 local function lm_main(keys, args)
   KEYV, ARGS = keys, args
   E, M, R, V, S, GB, GL, AU = keys[1], keys[2], keys[3], keys[4], keys[5], keys[6], keys[7], keys[8]
-  op, P, NOW_S = args[1], args[2], args[3]
+  op, P, NOW_S = args[1], args[2], args[4]
   now = tonumber(NOW_S)
-  if args[4] ~= CFG then             -- parsed once per configuration (the library stays loaded)
-    local a, b, c, d, e, f, g, h = string.match(args[4], '^(%d+):(%d+):(%d+):(%d+):(%d+):(%d+):(%d+):(%d+)$')
-    if not a then return redis.error_reply('LM_BADCONFIG ' .. tostring(args[4])) end
+  if args[3] ~= CFG then             -- parsed once per configuration (the library stays loaded)
+    local a, b, c, d, e, f, g, h = string.match(args[3], '^(%d+):(%d+):(%d+):(%d+):(%d+):(%d+):(%d+):(%d+)$')
+    if not a then return redis.error_reply('LM_BADCONFIG ' .. tostring(args[3])) end
     CH_N, CH_B, P_BUD, G_BUD = tonumber(a), tonumber(b), tonumber(c), tonumber(d)
     IDLE, NVER, AMAX, G_RES = tonumber(e), tonumber(f), g, tonumber(h)
     SLACK = math.floor(IDLE / 16)  -- TTL refresh granularity (see header)
-    CFG = args[4]
+    CFG = args[3]
   end
   evicted = {}
   pbytes, pexp, pclock, pdelta, pdue, due_dirty = 0, nil, 0, 0, nil, false
