@@ -143,7 +143,7 @@ def bulk_load(pipe, cfg: ContextConfig, principal: str, cid: str, packed: list[b
     meta = {"v": n, "vf": vf, "b": stored, "t": now_ms, "ch": {"text": {"lo": lo, "hi": n, "plo": plo, "lb": lb}},
             "e": f"1.bulk.{principal}"}  # the life's name: unique, its form does not matter
     score = now_ms * 1000
-    pipe.hset(m, mapping={cid: orjson.dumps(meta), f"\x00v{cid}": f"{n};{meta['e']}", f"\x00u{cid}": score,
+    pipe.hset(m, mapping={cid: orjson.dumps(meta), f"\x00v{cid}": f"{n};{meta['e']};text:{lo}:{n}", f"\x00u{cid}": score,
                           "\x00bytes": stored, "\x00clock": score,
                           "\x00exp": now_ms, "\x00due": now_ms + cfg.idle_ttl_s * 1000, "\x00gt": now_ms})
     pipe.zadd(lru, {cid: score})

@@ -194,8 +194,8 @@ class _Held(msgspec.Struct, gc=False):
     nbytes: int = 0
     held_arg: str = ""  # spec(), computed at the first read that sends it
     # The read these channels are the window of: its arguments (modalities, last_n,
-    # max_tokens) and the context's "<version>;<epoch>" then. A read with the same arguments
-    # sends the token; if the context is still there, the script answers "unchanged".
+    # max_tokens) and the context's VER field then (see context.lua). A read with the same
+    # arguments sends that token; if the context is still there, the script answers "unchanged".
     sig: str = ""
     token: str = ""
     version: int = 0
@@ -452,7 +452,7 @@ class ContextStore:
             _check_limit("max_tokens", max_tokens, MAX_TOKENS_LIMIT)
         what = (context_id, mods, last_n or 0, max_tokens or 0)  # ARGV 5-8 of ops.window
         if resolve_links:  # linked entries come from Redis every time (see ops.window)
-            version, flat, _wins, _epoch = self._window_reply(await self._call("window", principal, *what, "1", "", ""))
+            version, flat, _wins, _ver = self._window_reply(await self._call("window", principal, *what, "1", "", ""))
             return self._window(principal, context_id, version, flat)
         key = (principal, context_id)
         held = self._held.get(key) if self.cfg.read_cache_bytes else None
@@ -477,14 +477,14 @@ class ContextStore:
             raise
         if reply[2] == -1 and same is not None:  # as it was at our last read with these arguments
             return self._unchanged(principal, context_id, same, mods, reply)
-        version, flat, wins, epoch = self._window_reply(reply)
+        version, flat, wins, ver = self._window_reply(reply)
         f0, r0 = self.entries_fetched, self.entries_reused
-        win = self._assemble(principal, context_id, version, flat, wins, epoch, held, mods, sig)
+        win = self._assemble(principal, context_id, version, flat, wins, ver, held, mods, sig)
         if win is None:  # the reply and what we hold do not fit together: never expected
             log.warning("context %s/%s: read cache out of step, reading it whole", principal, context_id)
             self._forget(key)
-            version, flat, wins, epoch = self._window_reply(await self._call("window", principal, *what, "0", "", ""))
-            win = self._assemble(principal, context_id, version, flat, wins, epoch, None, mods, sig)
+            version, flat, wins, ver = self._window_reply(await self._call("window", principal, *what, "0", "", ""))
+            win = self._assemble(principal, context_id, version, flat, wins, ver, None, mods, sig)
             if win is None:
                 raise RuntimeError(f"context {context_id}: window reply does not match its ranges")
         if self.entries_fetched != f0:
@@ -520,7 +520,8 @@ class ContextStore:
     def _window_reply(self, flat: list[Any]) -> tuple[Any, list[Any], list[Any], str]:
         """Split ops.window's flat reply (see context.lua) into version, runs (as
         ``[mod, first, [values], ...]``), window ranges ``[mod, first, last, ...]`` and the
-        epoch; evictions it reports are counted here."""
+        context's VER token ("<version>;<epoch>;<ranges>", see context.lua); evictions it
+        reports are counted here."""
         nwin = int(flat[2])
         pos = 3 + 3 * nwin
         wins = flat[3:pos]
@@ -536,12 +537,14 @@ class ContextStore:
         return flat[0], runs, wins, _text(flat[1])
 
     def _assemble(self, principal: str, context_id: str, version: Any, runs: list[Any], wins: list[Any],
-                  epoch: str, held: _Held | None, mods: str, sig: str) -> ContextWindow | None:
+                  ver: str, held: _Held | None, mods: str, sig: str) -> ContextWindow | None:
         """The window from the script's reply (runs of the entries we did not hold, and the
         first/last seq of every channel's window) plus the entries ``held``; then keep what
         was read for the next read. None if they do not cover the windows exactly."""
         win = ContextWindow(principal=principal, context_id=context_id, version=int(version))
         fetched = self._decode_runs(runs)
+        parts_of_ver = ver.split(";", 2)  # version, epoch (the context's life), channel ranges
+        epoch = parts_of_ver[1] if len(parts_of_ver) > 1 else ""
         same_life = held is not None and held.epoch == epoch
         kept: dict[str, tuple[int, tuple[Entry, ...], int]] = {}
         unchanged = same_life
@@ -577,7 +580,7 @@ class ContextStore:
             return None
         if len(win.channels) > 1:
             win.channels = self._in_order(win.channels)
-        token = f"{int(version)};{epoch}"
+        token = ver  # sent back as is: "unchanged" if the context's VER is still this
         if unchanged and len(kept) == len(held.channels):  # type: ignore[union-attr]
             held.sig, held.token, held.version = sig, token, int(version)  # type: ignore[union-attr]
             held.packed = b""  # type: ignore[union-attr]

@@ -9,10 +9,12 @@ import asyncio
 import logging
 import random
 
+import orjson
 import pytest
 import redis.asyncio as aioredis
 from prometheus_client import REGISTRY
 
+from shared import keys
 from shared.config import ConfigError, ContextConfig
 from shared.context_store import ContextNotFound, ContextStore
 from shared.types import ContextWindow
@@ -82,6 +84,45 @@ async def test_a_warm_read_is_two_redis_commands_inside_one_call(r):
     inner = {k: n for k, n in calls.items() if k not in ("config|resetstat", "config", "info")}
     assert outer == 10
     assert inner == {"hmget": 10, "hset": 10}, inner
+
+
+async def test_a_read_after_an_append_fetches_its_entries_without_decoding_the_meta(r):
+    """A read of a context that changed since the last one: the state HMGET also brings the
+    context's VER field, which carries its channel ranges, so the script reads only the new
+    entries (one more HMGET) — no HGET of the meta, no JSON decode."""
+    s = make(r)
+    await fill(s, "erin", "c", 30)
+    await s.get_window("erin", "c", last_n=20)
+    f0 = s.entries_fetched
+    for i in range(5):
+        await s.append("erin", "c", "text", "user", f"n{i}".encode())
+        await r.config_resetstat()
+        win = await s.get_window("erin", "c", last_n=20)
+        assert win.channels["text"][-1].text == f"n{i}" and len(win.channels["text"]) == 20
+        stats = await r.info("commandstats")
+        inner = {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()
+                 if k not in ("cmdstat_fcall", "cmdstat_evalsha", "cmdstat_config|resetstat")}
+        assert inner == {"hmget": 2, "hset": 1}, inner  # state + VER, the new entry; the use
+    assert s.entries_fetched - f0 == 5
+
+
+async def test_a_context_written_by_the_older_script_is_still_read(r):
+    """VER fields written before they carried channel ranges ("<version>;<epoch>") make the
+    script decode the meta instead; the "unchanged" answer still works with them."""
+    s, ref = make(r), make(r, read_cache_bytes=0)
+    await fill(s, "erin", "c", 6)
+    m = keys.ctx_meta("erin")
+    meta = orjson.loads(await r.hget(m, "c"))
+    await r.hset(m, "\x00vc", f"{meta['v']};{meta['e']}")
+    assert view(await s.get_window("erin", "c")) == view(await ref.get_window("erin", "c"))
+    calls = []
+    real = s._unchanged
+    s._unchanged = lambda *a: calls.append(a[1]) or real(*a)  # type: ignore[method-assign]
+    assert view(await s.get_window("erin", "c")) == view(await ref.get_window("erin", "c"))
+    assert calls == ["c"]
+    await s.append("erin", "c", "text", "user", b"new")  # writes the new form
+    assert (await r.hget(m, "\x00vc")).endswith(b";text:1:7")
+    assert [e.text for e in (await s.get_window("erin", "c")).channels["text"]][-1] == "new"
 
 
 async def test_windows_handed_out_are_the_callers_own(r):
