@@ -554,7 +554,7 @@ class ContextStore:
             parts = fetched.pop(mod, [])
             ch = held.channels.get(mod) if same_life else None  # type: ignore[union-attr]
             if ch is not None:
-                first, ents, _ = ch
+                first, ents, nbytes = ch
                 a, b = max(lo, first), min(hi, first + len(ents) - 1)
                 if a <= b:
                     self.entries_reused += b - a + 1
@@ -562,7 +562,21 @@ class ContextStore:
                         win.channels[mod] = list(ents)
                         kept[mod] = ch
                         continue
-                    parts.append((a, list(ents[a - first:b - first + 1])))
+                    mine = ents[a - first:b - first + 1]
+                    if a == lo and len(parts) == 1 and parts[0][0] == b + 1 and b + len(parts[0][1]) == hi:
+                        # The usual read after appends: what we hold, then the new entries.
+                        # The byte count follows from the held one (what left the window out,
+                        # what came in) instead of a pass over every entry.
+                        new = parts[0][1]
+                        gone = ents[:a - first] + ents[b - first + 1:]
+                        nbytes += (sum([len(e.content) for e in new]) - sum([len(e.content) for e in gone])
+                                   + _HELD_ENTRY_OVERHEAD * (len(new) - len(gone)))
+                        entries = [*mine, *new]
+                        win.channels[mod] = entries
+                        kept[mod] = (lo, tuple(entries), nbytes)
+                        unchanged = False
+                        continue
+                    parts.append((a, list(mine)))
                     if len(parts) > 1:
                         parts.sort(key=lambda p: p[0])
             unchanged = False

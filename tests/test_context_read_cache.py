@@ -16,7 +16,7 @@ from prometheus_client import REGISTRY
 
 from shared import keys
 from shared.config import ConfigError, ContextConfig
-from shared.context_store import ContextNotFound, ContextStore
+from shared.context_store import _HELD_ENTRY_OVERHEAD, ContextNotFound, ContextStore
 from shared.types import ContextWindow
 
 
@@ -40,6 +40,16 @@ def view(win: ContextWindow) -> tuple:
     """Everything a reader sees of a window."""
     return win.version, {m: [(e.id, e.modality, e.role, e.content, e.mime, e.tokens, e.size_bytes, e.ts_ms, e.links)
                              for e in ents] for m, ents in win.channels.items()}
+
+
+def check_held_bytes(s: ContextStore) -> None:
+    """The read cache's byte count is what its entries hold (counted incrementally when a
+    read adds new entries to held ones: see _assemble)."""
+    for held in s._held.values():
+        for _first, ents, nbytes in held.channels.values():
+            assert nbytes == sum(len(e.content) for e in ents) + _HELD_ENTRY_OVERHEAD * len(ents)
+        assert held.nbytes == sum(ch[2] for ch in held.channels.values())
+    assert s._held_bytes == sum(h.nbytes for h in s._held.values())
 
 
 async def fill(s: ContextStore, p: str, cid: str, n: int, tag: str = "t") -> None:
@@ -236,6 +246,7 @@ async def test_reads_with_and_without_the_cache_agree_on_random_histories(r, cap
                     await plain.get_window("bob", cid, **kw)
                 continue
             assert got == view(await plain.get_window("bob", cid, **kw)), (step, cid, kw)
+            check_held_bytes(cached)
     assert cached.entries_reused > 100  # the cache was exercised, not bypassed
     assert "out of step" not in caplog.text  # and never needed the whole-read fallback
 
