@@ -459,30 +459,25 @@ class ContextStore:
         key = (principal, context_id)
         held = self._held.get(key) if self.cfg.read_cache_bytes else None
         sig = f"{mods}|{last_n or 0}|{max_tokens or 0}"
-        # ARGV 5-9 packed: the context id, then the arguments `sig` stands for (a handful of
-        # distinct ones per process: packed once each).
-        head = self._sig_packed.get(sig)
-        if head is None:
-            if len(self._sig_packed) >= 1024:
-                self._sig_packed.clear()
-            head = self._sig_packed[sig] = pack_args((mods, last_n or 0, max_tokens or 0, "0"))
-        head = pack_arg(context_id) + head
         same: tuple[dict[str, Any], int] | None = None  # what "unchanged" would refer to
         try:
             if held is None:
-                reply = await self._call("window", principal, *what, "0", "", "", packed=head + _TWO_EMPTY)
+                reply = await self._call("window", principal, *what, "0", "", "",
+                                         packed=self._window_head(context_id, sig, what) + _TWO_EMPTY)
             else:
                 if not held.held_arg:
                     held.held_arg = held.spec()
                 if held.sig == sig:  # taken now: a concurrent read may re-label `held` meanwhile
                     same = held.channels, held.version
                     if not held.packed:  # the same arguments as long as `held` is not re-labelled
-                        held.packed = head + pack_args((held.held_arg, held.token))
+                        held.packed = self._window_head(context_id, sig, what) + pack_args((held.held_arg,
+                                                                                            held.token))
                     reply = await self._call("window", principal, *what, "0", held.held_arg, held.token,
                                              packed=held.packed)
                 else:
                     reply = await self._call("window", principal, *what, "0", held.held_arg, "",
-                                             packed=head + pack_args((held.held_arg, "")))
+                                             packed=self._window_head(context_id, sig, what)
+                                             + pack_args((held.held_arg, "")))
         except ContextNotFound:
             self._forget(key)
             raise
@@ -504,11 +499,22 @@ class ContextStore:
             self._read_metrics[1].inc(self.entries_reused - r0)
         return win
 
+    def _window_head(self, context_id: str, sig: str, what: tuple[str, str, int, int]) -> bytes:
+        """ARGV 5-9 of ops.window packed: the context id, then the arguments ``sig`` stands
+        for (a handful of distinct ones per process: packed once each)."""
+        rest = self._sig_packed.get(sig)
+        if rest is None:
+            if len(self._sig_packed) >= 1024:
+                self._sig_packed.clear()
+            rest = self._sig_packed[sig] = pack_args((*what[1:], "0"))
+        return pack_arg(context_id) + rest
+
     def _unchanged(self, principal: str, context_id: str, same: tuple[dict[str, Any], int], mods: str,
                    reply: list[Any]) -> ContextWindow:
         """The window of an "unchanged" reply: the held channels and version the read sent the
         token of (``same``), the channels asked for."""
-        self._evicted(reply[4:4 + 2 * int(reply[3])])
+        if reply[3]:
+            self._evicted(reply[4:4 + 2 * int(reply[3])])
         channels, version = same
         asked = mods.split(",") if mods else None
         out: dict[str, list[Entry]] = {}
@@ -525,8 +531,10 @@ class ContextStore:
 
     def _recently_read(self, key: tuple[str, str]) -> None:
         """The held record of ``key`` (if still kept) becomes the read cache's most recent."""
-        if key in self._held:
+        try:
             self._held.move_to_end(key)
+        except KeyError:  # dropped meanwhile (budget) or never kept
+            pass
 
     def _window_reply(self, flat: list[Any]) -> tuple[Any, list[Any], list[Any], str]:
         """Split ops.window's flat reply (see context.lua) into version, runs (as

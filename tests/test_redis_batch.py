@@ -96,6 +96,24 @@ async def test_dropped_connection_fails_the_batch_then_recovers(r) -> None:
         await admin.aclose()
 
 
+async def test_a_connection_closed_while_kept_is_replaced_without_an_error(r) -> None:
+    """The pipeline keeps its connections between batches; one the server closed meanwhile
+    (here CLIENT KILL; a restart or an idle timeout alike) is not used for the next batch."""
+    ap = AutoPipeline(r, max_inflight=1)
+    admin = aioredis.Redis(connection_pool=r.connection_pool.__class__(**r.connection_pool.connection_kwargs))
+    try:
+        await admin.client_setname("ab-admin")
+        assert await ap.execute("CLIENT", "SETNAME", "ab-kept") in (True, b"OK")
+        kept = ap._idle[0]
+        await admin.client_kill_filter(_id=(await ap.execute("CLIENT", "ID")))
+        await wait_for(lambda: kept._reader is None or kept._reader.at_eof())  # the loop saw the close
+        assert await ap.execute("ECHO", "still") == b"still"  # no error: a fresh connection
+        assert await ap.execute("CLIENT", "GETNAME") is None  # a new server-side client
+        assert "ab-kept" not in [c.get("name") for c in await admin.client_list()]
+    finally:
+        await admin.aclose()
+
+
 async def test_cancelled_waiter_is_skipped(r) -> None:
     ap = AutoPipeline(r, max_inflight=1)
     gate = asyncio.ensure_future(ap.execute("BLPOP", "ab:gate", 30))  # holds the only slot
