@@ -242,6 +242,7 @@ class ContextStore:
         self._cfg_arg = script_config(cfg)
         self._global_keys = [keys.CTX_GLOBAL_BYTES, keys.CTX_GLOBAL_LRU, keys.AUDIT_STREAM]
         self._heads: dict[tuple[str, str], bytes] = {}
+        self._now: tuple[int, bytes] = (-1, b"")  # see _now_arg
         self._sig_packed: dict[str, bytes] = {}  # see get_window
         self._op_metrics: dict[str, tuple[Any, Any]] = {}
         self.round_trips = 0  # script calls made (the bench divides by operations)
@@ -281,29 +282,37 @@ class ContextStore:
         """KEYS of every script call: the principal's 5 keys, then the 3 global ones."""
         return keys.ctx_keys(principal) + self._global_keys
 
-    def _head(self, op: str, principal: str) -> bytes:
-        """RESP arguments ``FCALL <fn> 8 <keys of principal> <global keys> <op> <principal>
-        <config>`` (cached per principal and operation: packing ~20 arguments per call was a
-        large share of the client's time)."""
+    def _head(self, op: str, principal: str, n: int) -> bytes:
+        """The RESP command header of ``n`` arguments and its first ones: ``FCALL <fn> 8
+        <keys of principal> <global keys> <op> <principal> <config>`` (cached per principal
+        and operation — an operation always has the same number of arguments: packing ~20
+        arguments per call was a large share of the client's time)."""
         head = self._heads.get((op, principal))
         if head is None:
             if len(self._heads) >= 32768:  # ~250 bytes each: 8 MiB at most
                 self._heads.clear()
             ks = self._keys(principal)
-            head = self._heads[(op, principal)] = pack_args(("FCALL", self._fn, len(ks), *ks, op, principal,
-                                                             self._cfg_arg))
+            head = self._heads[(op, principal)] = b"*%d\r\n%b" % (n, pack_args(
+                ("FCALL", self._fn, len(ks), *ks, op, principal, self._cfg_arg)))
         return head
+
+    def _now_arg(self) -> bytes:
+        """ARGV 4 (now, ms) packed; the same for every call within a millisecond."""
+        now = self._clock_ms()
+        if now != self._now[0]:
+            self._now = (now, pack_arg(now))
+        return self._now[1]
 
     async def _call(self, op: str, principal: str, *args: Any, packed: bytes | None = None) -> Any:
         """One script call: ARGV ``op, principal, config, now, *args`` (``packed``: ``args``
         already packed with ``pack_args``, ``len(args)`` arguments)."""
         self.round_trips += 1
         t0 = time.perf_counter()
-        tail = b"%b%b" % (pack_arg(self._clock_ms()), packed if packed is not None else pack_args(args))
+        tail = self._now_arg() + (packed if packed is not None else pack_args(args))
         n = 15 + len(args)  # FCALL, name, numkeys, 8 keys, op, principal, config, now, then args
         try:
             if self._use_functions is not False:
-                out = await self._batch.submit(b"*%d\r\n%b%b" % (n, self._head(op, principal), tail))
+                out = await self._batch.submit(self._head(op, principal, n) + tail)
             else:
                 out = await self._evalsha(op, principal, args)
         except ResponseError as exc:
@@ -330,7 +339,7 @@ class ContextStore:
             if "function not found" in text:
                 await self.redis.function_load(self._fn_code, replace=True)
                 self._use_functions = True
-                return await self._batch.submit(b"*%d\r\n%b%b" % (n, self._head(op, principal), tail))
+                return await self._batch.submit(self._head(op, principal, n) + tail)
             if "unknown command" in text and self._use_functions is None:
                 log.info("context store: Redis without Functions, using EVALSHA")
                 self._use_functions = False
@@ -445,9 +454,15 @@ class ContextStore:
         """The newest entries per channel: all, the last ``last_n``, and/or within ``max_tokens``
         (per channel; always at least the newest entry). ``resolve_links`` adds entries of the
         requested modalities that returned entries link to, even outside the window."""
-        self._check_principal(principal)
-        self._check_id(context_id)
-        mods = self._modalities_arg(modalities)
+        key = (principal, context_id)
+        try:
+            held = self._held.get(key)
+        except TypeError:  # unhashable: not a name (the checks below say so)
+            held = None
+        if held is None:  # a held record's names were checked when it was kept
+            self._check_principal(principal)
+            self._check_id(context_id)
+        mods = self._modalities_arg(modalities) if modalities is not None else ""
         if last_n is not None:
             _check_limit("last_n", last_n, MAX_LAST_N)
         if max_tokens is not None:
@@ -456,8 +471,6 @@ class ContextStore:
         if resolve_links:  # linked entries come from Redis every time (see ops.window)
             version, flat, _wins, _ver = self._window_reply(await self._call("window", principal, *what, "1", "", ""))
             return self._window(principal, context_id, version, flat)
-        key = (principal, context_id)
-        held = self._held.get(key) if self.cfg.read_cache_bytes else None
         sig = f"{mods}|{last_n or 0}|{max_tokens or 0}"
         same: tuple[dict[str, Any], int] | None = None  # what "unchanged" would refer to
         try:
@@ -482,7 +495,7 @@ class ContextStore:
             self._forget(key)
             raise
         if reply[2] == -1 and same is not None:  # as it was at our last read with these arguments
-            return self._unchanged(principal, context_id, same, mods, reply)
+            return self._unchanged(key, same, mods, reply)
         version, flat, wins, ver = self._window_reply(reply)
         f0, r0 = self.entries_fetched, self.entries_reused
         win = self._assemble(principal, context_id, version, flat, wins, ver, held, mods, sig)
@@ -509,7 +522,7 @@ class ContextStore:
             rest = self._sig_packed[sig] = pack_args((*what[1:], "0"))
         return pack_arg(context_id) + rest
 
-    def _unchanged(self, principal: str, context_id: str, same: tuple[dict[str, Any], int], mods: str,
+    def _unchanged(self, key: tuple[str, str], same: tuple[dict[str, Any], int], mods: str,
                    reply: list[Any]) -> ContextWindow:
         """The window of an "unchanged" reply: the held channels and version the read sent the
         token of (``same``), the channels asked for."""
@@ -523,10 +536,10 @@ class ContextStore:
             if asked is None or mod in asked:
                 out[mod] = list(ents)
                 n += len(ents)
-        win = ContextWindow(principal, context_id, version, self._in_order(out) if len(out) > 1 else out)
+        win = ContextWindow(key[0], key[1], version, self._in_order(out) if len(out) > 1 else out)
         self.entries_reused += n
         self._read_metrics[1].inc(n)
-        self._recently_read((principal, context_id))
+        self._recently_read(key)
         return win
 
     def _recently_read(self, key: tuple[str, str]) -> None:

@@ -127,7 +127,7 @@ async def test_a_context_written_by_the_older_script_is_still_read(r):
     assert view(await s.get_window("erin", "c")) == view(await ref.get_window("erin", "c"))
     calls = []
     real = s._unchanged
-    s._unchanged = lambda *a: calls.append(a[1]) or real(*a)  # type: ignore[method-assign]
+    s._unchanged = lambda *a: calls.append(a[0][1]) or real(*a)  # type: ignore[method-assign]
     assert view(await s.get_window("erin", "c")) == view(await ref.get_window("erin", "c"))
     assert calls == ["c"]
     await s.append("erin", "c", "text", "user", b"new")  # writes the new form
@@ -291,7 +291,7 @@ async def test_an_unchanged_context_is_answered_without_its_window(r):
     await fill(s, "erin", "c", 5)
     calls = []
     real = s._unchanged
-    s._unchanged = lambda *a: calls.append(a[1]) or real(*a)  # type: ignore[method-assign]
+    s._unchanged = lambda *a: calls.append(a[0][1]) or real(*a)  # type: ignore[method-assign]
 
     async def same() -> None:
         assert view(await s.get_window("erin", "c", modalities=["text"])) == \
