@@ -558,7 +558,8 @@ class ContextStore:
         pos = 3 + 3 * nwin
         wins = flat[3:pos]
         nev = int(flat[pos])
-        self._evicted(flat[pos + 1:pos + 1 + 2 * nev])
+        if nev:
+            self._evicted(flat[pos + 1:pos + 1 + 2 * nev])
         pos += 1 + 2 * nev
         runs: list[Any] = []
         end = len(flat)
@@ -573,7 +574,7 @@ class ContextStore:
         """The window from the script's reply (runs of the entries we did not hold, and the
         first/last seq of every channel's window) plus the entries ``held``; then keep what
         was read for the next read. None if they do not cover the windows exactly."""
-        win = ContextWindow(principal=principal, context_id=context_id, version=int(version))
+        win = ContextWindow(principal, context_id, int(version))
         fetched = self._decode_runs(runs)
         parts_of_ver = ver.split(";", 2)  # version, epoch (the context's life), channel ranges
         epoch = parts_of_ver[1] if len(parts_of_ver) > 1 else ""
