@@ -204,6 +204,9 @@ class _Held(msgspec.Struct, gc=False):
 
     def spec(self) -> str:
         """The script's ``held`` argument (see held_set in context.lua)."""
+        if len(self.channels) == 1:  # the usual case, without a generator
+            for m, (first, es, _) in self.channels.items():
+                return f"{self.epoch};{m}:{first}:{first + len(es) - 1}" if es else self.epoch + ";"
         return self.epoch + ";" + ";".join(f"{m}:{first}:{first + len(es) - 1}"
                                            for m, (first, es, _) in self.channels.items() if es)
 
@@ -601,9 +604,12 @@ class ContextStore:
                         # The byte count follows from the held one (what left the window out,
                         # what came in) instead of a pass over every entry.
                         new = parts[0][1]
-                        gone = ents[:a - first] + ents[b - first + 1:]
-                        nbytes += (sum([len(e.content) for e in new]) - sum([len(e.content) for e in gone])
-                                   + _HELD_ENTRY_OVERHEAD * (len(new) - len(gone)))
+                        for e in new:  # a loop, not sum(): usually one to three entries
+                            nbytes += len(e.content) + _HELD_ENTRY_OVERHEAD
+                        for e in ents[:a - first]:
+                            nbytes -= len(e.content) + _HELD_ENTRY_OVERHEAD
+                        for e in ents[b - first + 1:]:
+                            nbytes -= len(e.content) + _HELD_ENTRY_OVERHEAD
                         entries = [*mine, *new]
                         win.channels[mod] = entries
                         kept[mod] = (lo, tuple(entries), nbytes)
@@ -642,7 +648,10 @@ class ContextStore:
         return win
 
     def _keep(self, key: tuple[str, str], held: _Held) -> None:
-        held.nbytes = sum([ch[2] for ch in held.channels.values()])
+        nbytes = 0
+        for ch in held.channels.values():
+            nbytes += ch[2]
+        held.nbytes = nbytes
         self._forget(key)
         if held.nbytes > self.cfg.read_cache_bytes // 8:  # one context may not crowd out the rest
             return
