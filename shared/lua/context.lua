@@ -105,22 +105,6 @@ local function save(cid, m)
   redis.call('HSET', M, cid, cjson.encode(m), VER .. cid, m.v .. ';' .. (m.e or '') .. ';' .. ranges_str(m))
 end
 
--- Decoded metas for operations that only read them (never change what this returns),
--- keyed by the stored JSON itself: Lua interns strings, so the lookup is a pointer
--- compare and a changed meta is a new key. Bounded; emptied when full.
-local RO, RO_N = {}, 0
-local function load_ro(cid)
-  local raw = raw_meta(cid)
-  if not raw then return nil end
-  local m = RO[raw]
-  if not m then
-    if RO_N >= 4096 then RO, RO_N = {}, 0 end
-    m = cjson.decode(raw)
-    RO[raw], RO_N = m, RO_N + 1
-  end
-  return m
-end
-
 local function add_bytes(delta)
   pbytes = pbytes + delta
   pdelta = pdelta + delta
@@ -579,7 +563,7 @@ function ops.window()
   if v then
     v, ranges = tonumber(v), parse_ranges(ranges)
   else  -- no context, or a VER field of an older script ("<version>;<epoch>")
-    local m = load_ro(cid)
+    local m = load(cid)
     if not m then fail('LM_NOTFOUND context ' .. cid) end
     v, epoch, ranges = m.v, m.e or '', {}
     for mod, c in pairs(m.ch) do ranges[mod] = {c.lo, c.hi} end
