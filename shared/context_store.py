@@ -174,7 +174,6 @@ def _text(v: Any) -> str:
 
 
 _HELD_ENTRY_OVERHEAD = 160  # bytes the read cache counts per entry besides its content
-_TWO_EMPTY = pack_args(("", ""))
 
 
 class _Held(msgspec.Struct, gc=False):
@@ -465,7 +464,7 @@ class ContextStore:
         if held is None:  # a held record's names were checked when it was kept
             self._check_principal(principal)
             self._check_id(context_id)
-        mods = self._modalities_arg(modalities) if modalities is not None else ""
+        mods = self._modalities_arg(modalities)
         if last_n is not None:
             _check_limit("last_n", last_n, MAX_LAST_N)
         if max_tokens is not None:
@@ -476,24 +475,21 @@ class ContextStore:
             return self._window(principal, context_id, version, flat)
         sig = f"{mods}|{last_n or 0}|{max_tokens or 0}"
         same: tuple[dict[str, Any], int] | None = None  # what "unchanged" would refer to
+        held_arg = token = ""
+        packed = None
+        if held is not None:
+            if not held.held_arg:
+                held.held_arg = held.spec()
+            held_arg = held.held_arg
+            if held.sig == sig:  # taken now: a concurrent read may re-label `held` meanwhile
+                same, token = (held.channels, held.version), held.token
+                if not held.packed:  # the same arguments as long as `held` is not re-labelled
+                    held.packed = self._window_args(context_id, sig, what, held_arg, token)
+                packed = held.packed
+        if packed is None:
+            packed = self._window_args(context_id, sig, what, held_arg, token)
         try:
-            if held is None:
-                reply = await self._call("window", principal, *what, "0", "", "",
-                                         packed=self._window_head(context_id, sig, what) + _TWO_EMPTY)
-            else:
-                if not held.held_arg:
-                    held.held_arg = held.spec()
-                if held.sig == sig:  # taken now: a concurrent read may re-label `held` meanwhile
-                    same = held.channels, held.version
-                    if not held.packed:  # the same arguments as long as `held` is not re-labelled
-                        held.packed = self._window_head(context_id, sig, what) + pack_args((held.held_arg,
-                                                                                            held.token))
-                    reply = await self._call("window", principal, *what, "0", held.held_arg, held.token,
-                                             packed=held.packed)
-                else:
-                    reply = await self._call("window", principal, *what, "0", held.held_arg, "",
-                                             packed=self._window_head(context_id, sig, what)
-                                             + pack_args((held.held_arg, "")))
+            reply = await self._call("window", principal, *what, "0", held_arg, token, packed=packed)
         except ContextNotFound:
             self._forget(key)
             raise
@@ -515,15 +511,16 @@ class ContextStore:
             self._read_metrics[1].inc(self.entries_reused - r0)
         return win
 
-    def _window_head(self, context_id: str, sig: str, what: tuple[str, str, int, int]) -> bytes:
-        """ARGV 5-9 of ops.window packed: the context id, then the arguments ``sig`` stands
-        for (a handful of distinct ones per process: packed once each)."""
+    def _window_args(self, context_id: str, sig: str, what: tuple[str, str, int, int], held_arg: str,
+                     token: str) -> bytes:
+        """ARGV 5-11 of ops.window packed: the context id, the arguments ``sig`` stands for (a
+        handful of distinct ones per process: packed once each), the held entries, the token."""
         rest = self._sig_packed.get(sig)
         if rest is None:
             if len(self._sig_packed) >= 1024:
                 self._sig_packed.clear()
             rest = self._sig_packed[sig] = pack_args((*what[1:], "0"))
-        return pack_arg(context_id) + rest
+        return pack_arg(context_id) + rest + pack_args((held_arg, token))
 
     def _unchanged(self, key: tuple[str, str], same: tuple[dict[str, Any], int], mods: str,
                    reply: list[Any]) -> ContextWindow:
@@ -633,9 +630,10 @@ class ContextStore:
             return None
         if len(win.channels) > 1:
             win.channels = self._in_order(win.channels)
-        token = ver  # sent back as is: "unchanged" if the context's VER is still this
+        # `ver` is the token the next read with these arguments sends back as is: "unchanged"
+        # if the context's VER is still this.
         if unchanged and len(kept) == len(held.channels):  # type: ignore[union-attr]
-            held.sig, held.token, held.version = sig, token, int(version)  # type: ignore[union-attr]
+            held.sig, held.token, held.version = sig, ver, int(version)  # type: ignore[union-attr]
             held.packed = b""  # type: ignore[union-attr]
             self._recently_read((principal, context_id))
         elif self.cfg.read_cache_bytes and epoch:
@@ -644,7 +642,7 @@ class ContextStore:
                 for mod, ch in held.channels.items():  # type: ignore[union-attr]
                     if mod not in asked:
                         kept.setdefault(mod, ch)
-            self._keep((principal, context_id), _Held(epoch, kept, sig=sig, token=token, version=int(version)))
+            self._keep((principal, context_id), _Held(epoch, kept, sig=sig, token=ver, version=int(version)))
         return win
 
     def _keep(self, key: tuple[str, str], held: _Held) -> None:

@@ -57,11 +57,6 @@ class AutoPipeline:
         reply raises ``ResponseError`` for this caller only."""
         return await self.submit(pack_command(args))
 
-    async def execute_packed(self, head: bytes, n: int, args: tuple[Any, ...]) -> Any:
-        """Like ``execute`` for a command of ``n`` arguments whose first ones are already
-        packed (``head``, from ``pack_args``) and whose others are ``args``."""
-        return await self.submit(b"*%d\r\n%b%b" % (n, head, pack_args(args)))
-
     def submit(self, packed: bytes) -> asyncio.Future[Any]:
         """Queue one packed command (``pack_command``) with the next batch; the future gets
         its reply, or ``ResponseError`` for an error reply. For hot callers: one coroutine
