@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from shared import keys  # noqa: E402
 from shared.config import ContextConfig  # noqa: E402
-from shared.context_store import ContextStore, pack_entry  # noqa: E402
+from shared.context_store import ContextStore, pack_entry, stored_entry  # noqa: E402
 
 
 def free_port() -> int:
@@ -127,8 +127,8 @@ async def measure(r, name: str, op, n_ops: int, concurrency: int, principals: in
 
 def bulk_load(pipe, cfg: ContextConfig, principal: str, cid: str, packed: list[bytes], now_ms: int,
               global_clock: int) -> int:
-    """Queue on `pipe` the state the script leaves after appending `packed` (text entries,
-    no links) to a new context `cid` of a new principal at time `now_ms` — the store's own
+    """Queue on `pipe` the state the script leaves after appending `packed` (entry bodies
+    of text entries, no links; see pack_entry) to a new context `cid` of a new principal at time `now_ms` — the store's own
     layout (docs/context.md), written without Lua. Audit records are not written.
     Returns the stored bytes."""
     n, w, nver = len(packed), cfg.channel_max_entries, cfg.versions_retained
@@ -139,7 +139,7 @@ def bulk_load(pipe, cfg: ContextConfig, principal: str, cid: str, packed: list[b
     stored = sum(len(v) for v in kept.values())
     lb = sum(len(packed[s - 1]) for s in range(lo, n + 1))
     e, m, lru, ver, _evicted_versions = keys.ctx_keys(principal)
-    pipe.hset(e, mapping={f"{cid}|text|{s}": v for s, v in kept.items()})
+    pipe.hset(e, mapping={f"{cid}|text|{s}": stored_entry("text", s, v) for s, v in kept.items()})
     meta = {"v": n, "vf": vf, "b": stored, "t": now_ms, "ch": {"text": {"lo": lo, "hi": n, "plo": plo, "lb": lb}},
             "e": f"1.bulk.{principal}"}  # the life's name: unique, its form does not matter
     score = now_ms * 1000

@@ -10,8 +10,9 @@ atomically. The global budget (LRU over principals) is checked in the same call;
 another principal's keys is a follow-up call on that principal's keys, needed only when the
 global budget is exceeded. See docs/context.md for the data model and the rules.
 
-Entries are stored packed: a 19-byte header (format, tokens, ts_ms, role/mime/links
-lengths), role, mime, links, then the raw content bytes (never base64).
+Entries are stored as MessagePack arrays of the fields of ``Entry`` (content as raw bytes,
+never base64), so the entries of a window reply, joined behind one array header, decode in
+one C call straight into ``Entry`` objects (see pack_entry).
 """
 
 from __future__ import annotations
@@ -41,9 +42,17 @@ from shared.types import ContextWindow, Entry
 log = logging.getLogger(__name__)
 
 _V = TypeVar("_V")
-_HEADER = struct.Struct(">BIdHHH")
+_HEADER = struct.Struct(">BIdHHH")  # format 1 (before the MessagePack form): still read
 _HSIZE = _HEADER.size
 _FORMAT = 1
+_ENCODE = msgspec.msgpack.Encoder().encode
+def _array_header(n: int) -> bytes:
+    return bytes((0x90 + n,)) if n < 16 else b"\xdc" + n.to_bytes(2, "big")
+
+
+_INTS = struct.Struct(">BIBIBQ")  # tokens, size_bytes, ts_ms of a stored entry (see pack_entry)
+_DECODE_RUN = msgspec.msgpack.Decoder(list[Entry]).decode
+_DECODE_ONE = msgspec.msgpack.Decoder(Entry).decode
 _LRU_SCALE = 1000  # LRU zset score = last-use ms * 1000 (+ tiebreak); see context.lua
 _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 _PRINCIPAL_BAD = re.compile(r"[{}|\x00\s]")
@@ -98,20 +107,35 @@ class ContextInfo:
 
 def pack_entry(role: str, content: bytes, *, tokens: int, ts_ms: int, mime: str | None = None,
                links: Sequence[str] = ()) -> bytes:
-    """The stored form of one entry (its length is what budgets count)."""
-    r, m, ln = role.encode(), (mime or "").encode(), ",".join(links).encode()
-    return b"".join((_HEADER.pack(_FORMAT, tokens, float(ts_ms), len(r), len(m), len(ln)), r, m, ln, content))
+    """The body of an entry's stored form: the MessagePack of its fields after id and
+    modality (role, content, mime, tokens, size_bytes, ts_ms, links), without the array
+    header. Its length is what budgets count. The script stores it behind the array header,
+    the id and the modality (see stored_entry): only the script knows the sequence number.
+    The integers have fixed widths (MessagePack uint32, uint32, uint64; decoders take any
+    width), so an entry's counted size does not depend on its time or token count."""
+    return b"".join((_ENCODE(role), _ENCODE(content), _ENCODE(mime), _INTS.pack(0xCE, tokens, 0xCE, len(content),
+                                                                              0xCF, ts_ms), _ENCODE(tuple(links))))
+
+
+def stored_entry(modality: str, seq: int, body: bytes) -> bytes:
+    """An entry as the script stores it (see context.lua): a MessagePack array of the
+    fields of ``Entry`` — what ``msgspec.msgpack.decode(.., type=Entry)`` reads back."""
+    return b"\x99" + _ENCODE(f"{modality}:{seq}") + _ENCODE(modality) + body
 
 
 _ROLES: dict[bytes, str] = {}  # role bytes -> str: a handful of distinct roles, decoded once
 
 
 def unpack_entries(modality: str, first: int, values: Sequence[bytes]) -> list[Entry]:
-    """Decode stored entries ``first, first + 1, ...`` of a channel (see pack_entry). One
-    loop for a whole run: a read decodes tens of entries, and per-entry calls showed."""
+    """Decode stored entries ``first, first + 1, ...`` of a channel one by one: a run that
+    does not decode as one MessagePack array because it holds entries of format 1."""
     out = []
     unpack, roles, seq = _HEADER.unpack_from, _ROLES, first
     for raw in values:
+        if raw[:1] == b"\x99":
+            out.append(_DECODE_ONE(raw))
+            seq += 1
+            continue
         fmt, tokens, ts, rl, ml, ll = unpack(raw)
         if fmt != _FORMAT:
             raise ValueError(f"unknown entry format {fmt}")
@@ -244,6 +268,7 @@ class ContextStore:
         self._cfg_arg = script_config(cfg)
         self._global_keys = [keys.CTX_GLOBAL_BYTES, keys.CTX_GLOBAL_LRU, keys.AUDIT_STREAM]
         self._heads: dict[tuple[str, str], bytes] = {}
+        self._head_template()
         self._now: tuple[int, bytes] = (-1, b"")  # see _now_arg
         self._sig_packed: dict[str, bytes] = {}  # see get_window
         self._op_metrics: dict[str, tuple[Any, Any]] = {}
@@ -293,10 +318,32 @@ class ContextStore:
         if head is None:
             if len(self._heads) >= 32768:  # ~250 bytes each: 8 MiB at most
                 self._heads.clear()
-            ks = self._keys(principal)
-            head = self._heads[(op, principal)] = b"*%d\r\n%b" % (n, pack_args(
-                ("FCALL", self._fn, len(ks), *ks, op, principal, self._cfg_arg)))
+            # A principal's first call in this process (every call, in a gateway serving more
+            # principals than the cache holds): one formatting of a template with the
+            # principal in its keys, not ~15 arguments packed one by one.
+            pb = principal.encode()
+            lens = self._key_lens
+            keys_part = self._keys_template % (lens[0] + len(pb), pb, lens[1] + len(pb), pb, lens[2] + len(pb), pb,
+                                               lens[3] + len(pb), pb, lens[4] + len(pb), pb)
+            head = self._heads[(op, principal)] = b"*%d\r\n%b%b%b%b%b" % (
+                n, self._fcall_part, keys_part, self._after_keys, pack_args((op, principal)), self._cfg_part)
         return head
+
+    def _head_template(self) -> None:
+        """The constant parts of every call's header (see _head): ``FCALL <fn> 8``, the
+        principal's keys as a template (each key around the principal), the global keys and
+        the configuration, packed."""
+        marker = "\x00"  # never in a principal's name (_check_principal)
+        ks = keys.ctx_keys(marker)
+        parts = [k.encode().split(marker.encode()) for k in ks]
+        if len(parts) != 5 or any(len(p) != 2 for p in parts):
+            raise RuntimeError("every context key must name its principal once")
+        self._key_lens = [len(a) + len(b) for a, b in parts]
+        self._keys_template = b"".join(b"$%%d\r\n%b%%b%b\r\n" % (a.replace(b"%", b"%%"), b.replace(b"%", b"%%"))
+                                       for a, b in parts)
+        self._fcall_part = pack_args(("FCALL", self._fn, len(ks) + len(self._global_keys)))
+        self._after_keys = pack_args(self._global_keys)
+        self._cfg_part = pack_arg(self._cfg_arg)
 
     def _now_arg(self) -> bytes:
         """ARGV 4 (now, ms) packed; the same for every call within a millisecond."""
@@ -386,18 +433,34 @@ class ContextStore:
         order = self._mod_order
         return {m: channels[m] for m in sorted(channels, key=lambda m: order.get(m, len(order)))}
 
-    def _decode_runs(self, runs: list[Any]) -> dict[str, list[tuple[int, list[Entry]]]]:
-        """The script's runs (see add_run in context.lua) as modality -> [(first seq, entries)]."""
+    def _runs(self, flat: list[Any], pos: int) -> list[tuple[str, int, list[Entry]]]:
+        """Decode the runs of entries at ``flat[pos:]`` (see runs_reply in context.lua) as
+        (modality, first seq, entries)."""
+        runs = []
+        end = len(flat)
+        while pos < end:
+            mod, first, n = self._mod(flat[pos]), int(flat[pos + 1]), int(flat[pos + 2])
+            vals = flat[pos + 3:pos + 3 + n]
+            try:  # stored entries behind one array header: one MessagePack array, one C call
+                ents = _DECODE_RUN(b"".join((_array_header(n), *vals)))
+            except msgspec.MsgspecError:  # entries of format 1 among them (none decodes as an Entry)
+                ents = unpack_entries(mod, first, vals)
+            pos += 3 + n
+            runs.append((mod, first, ents))
+            self.entries_fetched += len(ents)
+        return runs
+
+    @staticmethod
+    def _decode_runs(runs: list[tuple[str, int, list[Entry]]]) -> dict[str, list[tuple[int, list[Entry]]]]:
+        """Runs (see _runs) as modality -> [(first seq, entries)]."""
         chans: dict[str, list[tuple[int, list[Entry]]]] = {}
-        for i in range(0, len(runs), 3):
-            mod = self._mod(runs[i])
-            first = int(runs[i + 1])
-            chans.setdefault(mod, []).append((first, unpack_entries(mod, first, runs[i + 2])))
-            self.entries_fetched += len(runs[i + 2])
+        for mod, first, ents in runs:
+            chans.setdefault(mod, []).append((first, ents))
         return chans
 
-    def _window(self, principal: str, context_id: str, version: int, runs: list[Any]) -> ContextWindow:
-        """Decode the script's runs into a window."""
+    def _window(self, principal: str, context_id: str, version: int,
+                runs: list[tuple[str, int, list[Entry]]]) -> ContextWindow:
+        """The window of the script's runs."""
         win = ContextWindow(principal=principal, context_id=context_id, version=int(version))
         for mod, parts in self._in_order(self._decode_runs(runs)).items():
             if len(parts) == 1:
@@ -495,8 +558,8 @@ class ContextStore:
             raise
         if reply[2] == -1 and same is not None:  # as it was at our last read with these arguments
             return self._unchanged(key, same, mods, reply)
-        version, flat, wins, ver = self._window_reply(reply)
         f0, r0 = self.entries_fetched, self.entries_reused
+        version, flat, wins, ver = self._window_reply(reply)
         win = self._assemble(principal, context_id, version, flat, wins, ver, held, mods, sig)
         if win is None:  # the reply and what we hold do not fit together: never expected
             log.warning("context %s/%s: read cache out of step, reading it whole", principal, context_id)
@@ -549,9 +612,9 @@ class ContextStore:
         except KeyError:  # dropped meanwhile (budget) or never kept
             pass
 
-    def _window_reply(self, flat: list[Any]) -> tuple[Any, list[Any], list[Any], str]:
-        """Split ops.window's flat reply (see context.lua) into version, runs (as
-        ``[mod, first, [values], ...]``), window ranges ``[mod, first, last, ...]`` and the
+    def _window_reply(self, flat: list[Any]) -> tuple[Any, list[tuple[str, int, list[Entry]]], list[Any], str]:
+        """Split ops.window's flat reply (see context.lua) into version, runs (decoded, see
+        _runs), window ranges ``[mod, first, last, ...]`` and the
         context's VER token ("<version>;<epoch>;<ranges>", see context.lua); evictions it
         reports are counted here."""
         nwin = int(flat[2])
@@ -560,17 +623,10 @@ class ContextStore:
         nev = int(flat[pos])
         if nev:
             self._evicted(flat[pos + 1:pos + 1 + 2 * nev])
-        pos += 1 + 2 * nev
-        runs: list[Any] = []
-        end = len(flat)
-        while pos < end:
-            n = int(flat[pos + 2])
-            runs += (flat[pos], flat[pos + 1], flat[pos + 3:pos + 3 + n])
-            pos += 3 + n
-        return flat[0], runs, wins, _text(flat[1])
+        return flat[0], self._runs(flat, pos + 1 + 2 * nev), wins, _text(flat[1])
 
-    def _assemble(self, principal: str, context_id: str, version: Any, runs: list[Any], wins: list[Any],
-                  ver: str, held: _Held | None, mods: str, sig: str) -> ContextWindow | None:
+    def _assemble(self, principal: str, context_id: str, version: Any, runs: list[tuple[str, int, list[Entry]]],
+                  wins: list[Any], ver: str, held: _Held | None, mods: str, sig: str) -> ContextWindow | None:
         """The window from the script's reply (runs of the entries we did not hold, and the
         first/last seq of every channel's window) plus the entries ``held``; then keep what
         was read for the next read. None if they do not cover the windows exactly."""
@@ -672,9 +728,9 @@ class ContextStore:
         if isinstance(version, bool) or not isinstance(version, int) or version < 1:
             raise ContextError("version must be a positive integer")
         mods = self._modalities_arg(modalities)
-        ver, flat, evicted = await self._call("read_at", principal, context_id, version, mods)
-        self._evicted(evicted)
-        return self._window(principal, context_id, ver, flat)
+        reply = await self._call("read_at", principal, context_id, version, mods)
+        self._evicted(reply[1])
+        return self._window(principal, context_id, reply[0], self._runs(reply, 2))
 
     async def version(self, principal: str, context_id: str) -> int:
         self._check_principal(principal)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 
-class Entry(msgspec.Struct, frozen=True, gc=False):
+class Entry(msgspec.Struct, frozen=True, gc=False, array_like=True):
     """One entry of a context channel. ``content`` is raw bytes (UTF-8 for text; the
     decoded image/audio bytes for binary modalities — never base64 inside learnmesh).
 
@@ -15,7 +15,11 @@ class Entry(msgspec.Struct, frozen=True, gc=False):
     A msgspec Struct without garbage-collector tracking (its fields are strings, bytes,
     ints and a tuple of strings: no cycles possible): built ~3x faster than a dataclass,
     and a process holding 10^5 of them (the context store's read cache) does not make every
-    full collection a pause of tens of milliseconds, as 10^5 dataclass entries did."""
+    full collection a pause of tens of milliseconds, as 10^5 dataclass entries did.
+
+    ``array_like``: its MessagePack form is the array of its fields in this order — the
+    context store's stored form (see shared/context_store.py), decoded straight into
+    entries. Do not reorder the fields: stored entries would decode wrongly."""
 
     id: str
     modality: str

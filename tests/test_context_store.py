@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import struct
+
+import msgspec
 import pytest
 import redis.asyncio as aioredis
 
@@ -17,6 +20,8 @@ from shared.context_store import (
     VersionUnavailable,
     pack_entry,
 )
+from shared.redis_batch import pack_args
+from shared.types import Entry
 
 
 class Clock:
@@ -55,9 +60,10 @@ async def test_append_and_window_roundtrip_binary_raw(r):
     img = win.channels["image"][0]
     assert img.content == png and img.mime == "image/png" and img.tokens == len(png)
     assert win.channels["text"][1].links == ("image:1",) and win.channels["text"][1].role == "assistant"
-    # binary stored as raw bytes: the hash value is header + exactly these bytes, no base64
+    # binary stored as raw bytes (MessagePack bin, no base64): the stored value is the entry
     raw = await r.hget(keys.ctx_entries("alice"), "c1|image|1")
-    assert raw.endswith(png) and len(raw) == size(png, mime="image/png")
+    assert png in raw and msgspec.msgpack.decode(raw, type=Entry) == img
+    assert len(raw) == size(png, mime="image/png") + len(b"\x99\xa7image:1\xa5image")  # its name is not counted
     assert await s.version("alice", "c1") == 3
     assert s.round_trips == 5
 
@@ -83,6 +89,64 @@ async def test_window_last_n_tokens_modalities_and_links(r):
     assert [e.id for e in w.channels["image"]] == ["image:2"]  # text:1 not in window, so no link
     w = await s.get_window("a", "c", modalities=["text", "image"], last_n=5, resolve_links=True)
     assert [e.id for e in w.channels["image"]] == ["image:1", "image:2"]
+
+
+async def test_the_script_reads_stored_entries_of_every_length(r):
+    """The script walks stored entries (token budgets, links) over every MessagePack length
+    form: contents of 0 to 70,000 bytes (bin 8/16/32), roles and mimes of str 5/8."""
+    s = make(r, max_entry_bytes=100_000, channel_max_bytes=1_000_000)
+    img = await s.append("a", "c", "image", "user", b"\x89PNG", mime="image/" + "p" * 40)
+    sizes = [0, 31, 255, 256, 65_535, 65_536, 70_000]
+    for i, n in enumerate(sizes):
+        await s.append("a", "c", "text", "r" * (1 if i % 2 else 40), b"x" * n, tokens=i + 1,
+                       links=[img.entry_id] if i == 0 else ())
+    w = await s.get_window("a", "c", modalities=["text"], max_tokens=7 + 6 + 5)  # the newest three
+    assert [e.size_bytes for e in w.channels["text"]] == sizes[-3:]
+    w = await s.get_window("a", "c", modalities=["text", "image"], resolve_links=True, last_n=len(sizes))
+    assert [e.id for e in w.channels["image"]] == ["image:1"] and w.channels["image"][0].mime.endswith("p" * 40)
+    assert [e.tokens for e in w.channels["text"]] == list(range(1, len(sizes) + 1))
+    assert [len(e.role) for e in w.channels["text"]] == [40, 1] * 3 + [40]
+    assert w.channels["text"][0].links == ("image:1",)
+    assert await s.principal_bytes("a") == (size(b"\x89PNG", mime="image/" + "p" * 40) + sum(
+        size(b"x" * n, role="r" * (1 if i % 2 else 40), links=["image:1"] if i == 0 else [])
+        for i, n in enumerate(sizes)))
+
+
+async def test_entries_stored_in_format_1_are_still_read(r):
+    """Entries written before the MessagePack form (a 19-byte header) are read alongside
+    new ones: windows, token budgets, links, versions."""
+    s, ref = make(r, read_cache_bytes=0), make(r, read_cache_bytes=0)
+    img = await s.append("a", "c", "image", "user", b"\x89PNG", mime="image/png")
+    for i in range(4):
+        await s.append("a", "c", "text", "user", b"t%d" % i, tokens=10, links=[img.entry_id] if i == 1 else ())
+    before = await ref.get_window("a", "c")
+    e = keys.ctx_entries("a")
+    for field, (role, content, mime, links) in {"c|image|1": ("user", b"\x89PNG", "image/png", ""),
+                                                "c|text|2": ("user", b"t1", "", "image:1")}.items():
+        r_, m_, l_ = role.encode(), mime.encode(), links.encode()
+        old = struct.pack(">BIdHHH", 1, 10 if "text" in field else 4, 0.0, len(r_), len(m_), len(l_))
+        await r.hset(e, field, old + r_ + m_ + l_ + content)
+    after = await s.get_window("a", "c")
+    assert [(x.id, x.content, x.mime, x.links, x.tokens) for ch in after.channels.values() for x in ch] == \
+        [(x.id, x.content, x.mime, x.links, x.tokens) for ch in before.channels.values() for x in ch]
+    w = await s.get_window("a", "c", modalities=["text"], max_tokens=30)
+    assert [x.id for x in w.channels["text"]] == ["text:2", "text:3", "text:4"]
+    w = await s.get_window("a", "c", modalities=["text", "image"], last_n=3, resolve_links=True)
+    assert [x.id for x in w.channels["image"]] == ["image:1"] and w.channels["image"][0].content == b"\x89PNG"
+    at = await s.read_at_version("a", "c", 3)
+    assert [x.id for x in at.channels["text"]] == ["text:1", "text:2"] and at.channels["text"][1].links == ("image:1",)
+
+
+async def test_the_call_header_is_the_packed_command(r):
+    """_head builds a principal's FCALL header from a template: the same bytes as packing
+    every argument, for any principal name (UTF-8, '%'), and a working call."""
+    s = make(r)
+    for p in ("alice", "Ünïcode-π", "a%b%%c%d", "x" * 200):
+        ks = keys.ctx_keys(p) + s._global_keys
+        want = b"*20\r\n" + pack_args(("FCALL", s._fn, 8, *ks, "some-op", p, s._cfg_arg))
+        assert s._head("some-op", p, 20) == want
+        await s.append(p, "c", "text", "user", b"hi")
+        assert [e.text for e in (await s.get_window(p, "c")).channels["text"]] == ["hi"]
 
 
 async def test_bad_input_is_rejected_before_any_write(r):

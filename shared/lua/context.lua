@@ -3,7 +3,7 @@
 -- window, per-principal and idle bounds atomically, so no reader ever sees half a change.
 --
 -- KEYS (fixed list, built by shared.keys.ctx_keys + globals):
---   1 E  hash  "<cid>|<modality>|<seq>" -> packed entry         (tag {principal})
+--   1 E  hash  "<cid>|<modality>|<seq>" -> stored entry (see stored_entry) (tag {principal})
 --   2 M  hash  cid -> JSON meta; "\0v<cid>" -> "<version>;<epoch>;<mod>:<lo>:<hi>;..." of
 --              cid (written with the meta: a window read needs nothing else, and checks
 --              "unchanged" by comparing it, without decoding the meta; see ops.window);
@@ -72,6 +72,103 @@ local function audit(action, cid, ver, extra)
 end
 
 local function efield(cid, mod, seq) return cid .. '|' .. mod .. '|' .. seq end
+
+-- ------------------------------------------------------------------ stored entries
+-- An entry is stored as a MessagePack array of the fields of shared.types.Entry, in order:
+-- id, modality, role, content (bin), mime (nil or str), tokens, size_bytes, ts_ms, links
+-- (array of "mod:seq"). The client sends everything after id and modality (the "body",
+-- whose length is what budgets count: an entry's name is not counted, like its field
+-- name); the script puts the name in front, as only it knows the sequence number. So a
+-- run of a window's entries joined behind an array header is what the client decodes in
+-- one C call (msgspec), straight into Entry objects. Entries of format 1 (a 19-byte header
+-- starting with byte 1; written before format 2) are still read.
+local function mp_str(s)  -- MessagePack str, in its shortest form (as msgspec writes it)
+  local n = #s
+  if n < 32 then return string.char(0xa0 + n) .. s end
+  if n < 256 then return string.char(0xd9, n) .. s end
+  return struct.pack('>BH', 0xda, n) .. s
+end
+
+local function mp_str_len(n)
+  if n < 32 then return n + 1 elseif n < 256 then return n + 2 end
+  return n + 3
+end
+
+-- Stored bytes of entry `seq` of channel `mod` that are its name (array header, id, modality).
+local function name_len(mod, seq)
+  return 1 + mp_str_len(#mod + 1 + #tostring(seq)) + mp_str_len(#mod)
+end
+
+local function stored_entry(mod, seq, body)
+  return '\153' .. mp_str(mod .. ':' .. seq) .. mp_str(mod) .. body
+end
+
+-- Position after the str / bin / nil element at `p`.
+local function mp_skip(v, p)
+  local b = string.byte(v, p)
+  if b >= 0xa0 and b <= 0xbf then return p + 1 + b - 0xa0 end
+  if b == 0xc0 then return p + 1 end
+  if b == 0xd9 or b == 0xc4 then return p + 2 + string.byte(v, p + 1) end
+  if b == 0xda or b == 0xc5 then return p + 3 + struct.unpack('>H', v, p + 1) end
+  return p + 5 + struct.unpack('>I4', v, p + 1)  -- 0xdb, 0xc6
+end
+
+-- The str at `p` and the position after it.
+local function mp_str_at(v, p)
+  local b, h = string.byte(v, p), 5
+  if b >= 0xa0 and b <= 0xbf then h = 1 elseif b == 0xd9 then h = 2 elseif b == 0xda then h = 3 end
+  local q = mp_skip(v, p)
+  return string.sub(v, p + h, q - 1), q
+end
+
+-- The non-negative integer at `p` and the position after it.
+local function mp_uint(v, p)
+  local b = string.byte(v, p)
+  if b < 0x80 then return b, p + 1 end
+  if b == 0xcc then return string.byte(v, p + 1), p + 2 end
+  if b == 0xcd then return struct.unpack('>H', v, p + 1), p + 3 end
+  if b == 0xce then return struct.unpack('>I4', v, p + 1), p + 5 end
+  local hi, lo = struct.unpack('>I4I4', v, p + 1)  -- 0xcf
+  return hi * 4294967296 + lo, p + 9
+end
+
+-- Position of the tokens field of a format-2 entry.
+local function tokens_pos(v)
+  local p = 2
+  for _ = 1, 5 do p = mp_skip(v, p) end  -- id, modality, role, content, mime
+  return p
+end
+
+local function tokens_of(val)
+  if string.byte(val, 1) == 1 then  -- format 1
+    local _, tok = struct.unpack('>BI4', val)
+    return tok
+  end
+  return (mp_uint(val, tokens_pos(val)))
+end
+
+-- The links of an entry as {{mod, seq}, ...}.
+local function links_of(val)
+  local s
+  if string.byte(val, 1) == 1 then  -- format 1
+    local _, _, _, rl, ml, ll, pos = struct.unpack('>BI4dHHH', val)
+    if ll == 0 then return {} end
+    s = string.sub(val, pos + rl + ml, pos + rl + ml + ll - 1)
+  else
+    local _, p = mp_uint(val, tokens_pos(val))
+    _, p = mp_uint(val, p)  -- size_bytes
+    _, p = mp_uint(val, p)  -- ts_ms
+    local b, n = string.byte(val, p), 0
+    if b >= 0x90 and b <= 0x9f then n, p = b - 0x90, p + 1 else n, p = struct.unpack('>H', val, p + 1), p + 3 end
+    if n == 0 then return {} end
+    local parts = {}
+    for i = 1, n do parts[i], p = mp_str_at(val, p) end
+    s = table.concat(parts, ',')
+  end
+  local out = {}
+  for mod, seq in string.gmatch(s, '([^:,]+):(%d+)') do out[#out + 1] = {mod, tonumber(seq)} end
+  return out
+end
 
 -- The stored meta of `cid`: the one begin() read with the state if this is that context
 -- and it has not been written since (taken once), else its own HGET.
@@ -175,7 +272,8 @@ local function del_range(cid, mod, a, b)
   local freed, batch = 0, {}
   for s = a, b do
     local f = efield(cid, mod, s)
-    freed = freed + redis.call('HSTRLEN', E, f)
+    local n = redis.call('HSTRLEN', E, f)
+    if n > 0 then freed = freed + n - name_len(mod, s) end
     batch[#batch + 1] = f
     if #batch >= 512 then redis.call('HDEL', E, unpack(batch)); batch = {} end
   end
@@ -370,8 +468,8 @@ local function need(cid)
 end
 
 local function hmget_range(cid, mod, a, b)
-  local fields = {}
-  for s = a, b do fields[#fields + 1] = efield(cid, mod, s) end
+  local fields, pre, n = {}, efield(cid, mod, ''), 0
+  for s = a, b do n = n + 1; fields[n] = pre .. s end
   return redis.call('HMGET', E, unpack(fields))
 end
 
@@ -416,7 +514,7 @@ local function read_channel(cid, mod, lo, hi, last_n, max_tokens, out, held)
     for s = hi, lo, -1 do
       local val = redis.call('HGET', E, efield(cid, mod, s))
       if not val then break end
-      local _, tok = struct.unpack('>BI4', val)
+      local tok = tokens_of(val)
       if used + tok > max_tokens and #picked > 0 then break end
       used = used + tok
       picked[#picked + 1] = {s, val}
@@ -435,15 +533,6 @@ local function read_channel(cid, mod, lo, hi, last_n, max_tokens, out, held)
   fetch(cid, mod, lo, math.min(hi, ha - 1), out)
   fetch(cid, mod, math.max(lo, hb + 1), hi, out)
   return lo, hi
-end
-
-local function links_of(val)
-  local _, _, _, rl, ml, ll, pos = struct.unpack('>BI4dHHH', val)
-  if ll == 0 then return {} end
-  local s = string.sub(val, pos + rl + ml, pos + rl + ml + ll - 1)
-  local out = {}
-  for mod, seq in string.gmatch(s, '([^:,]+):(%d+)') do out[#out + 1] = {mod, tonumber(seq)} end
-  return out
 end
 
 -- Add entries of requested channels that returned entries link to (within `ranges`),
@@ -466,6 +555,18 @@ local function resolve(cid, ranges, wanted, out)
       end
     end
   end
+end
+
+-- Append the runs in `out` (see add_run) to the flat `reply`: (mod, first seq, count,
+-- values...) each. (Joining a run's values into one string here cost Redis more — ~1,500
+-- instructions per entry, mostly Lua's garbage collector — than the client's join.)
+local function runs_reply(reply, out)
+  for i = 1, #out, 3 do
+    local vals = out[i + 2]
+    reply[#reply + 1] = out[i]; reply[#reply + 1] = out[i + 1]; reply[#reply + 1] = #vals
+    for k = 1, #vals do reply[#reply + 1] = vals[k] end
+  end
+  return reply
 end
 
 local NONE = {}  -- shared empty table (never written): spares a table per call
@@ -493,7 +594,7 @@ end
 -- ------------------------------------------------------------------ operations
 local ops = {}
 
--- ARGV 5 cid, 6 modality, 7 packed entry, 8 links csv -> {seq, version, evicted, victims}
+-- ARGV 5 cid, 6 modality, 7 entry body (see stored entries), 8 links csv -> {seq, version, evicted, victims}
 function ops.append()
   local cid, mod, val, links = ARGS[5], ARGS[6], ARGS[7], ARGS[8]
   local m = load(cid)
@@ -508,13 +609,13 @@ function ops.append()
   local c = m.ch[mod]
   if not c then c = {lo = 1, hi = 0, plo = 1, lb = 0}; m.ch[mod] = c end
   local seq = c.hi + 1
-  redis.call('HSET', E, efield(cid, mod, seq), val)
+  redis.call('HSET', E, efield(cid, mod, seq), stored_entry(mod, seq, val))
   c.hi = seq
   c.lb = c.lb + #val
   m.b = m.b + #val
   add_bytes(#val)
   while c.lo < c.hi and (c.hi - c.lo + 1 > CH_N or c.lb > CH_B) do
-    c.lb = c.lb - redis.call('HSTRLEN', E, efield(cid, mod, c.lo))
+    c.lb = c.lb - redis.call('HSTRLEN', E, efield(cid, mod, c.lo)) + name_len(mod, c.lo)
     c.lo = c.lo + 1
   end
   touch(cid, new)
@@ -543,7 +644,7 @@ end
 --   table of a reply cost Redis ~3,000 instructions): {version, VER (see M: the caller
 --   sends it back as ARGV 11 next time), number of windows,
 --   (mod, first seq, last seq) per non-empty window, number of evicted, (cid, reason) per
---   eviction, then runs of the entries not held: (mod, first seq, count, value...)...}.
+--   eviction, then runs of the entries not held (see runs_reply)...}.
 --   If the context is still at ARGV 11 — so the window is the caller's last one — only
 --   {0, '', -1, number of evicted, (cid, reason)...}: the use is recorded. Never decodes
 --   the meta (its VER field has the channel ranges: 9% fewer Redis instructions for a read
@@ -589,15 +690,10 @@ function ops.window()
   finish(true)
   reply[#reply + 1] = #evicted
   evicted_reply(reply)
-  for i = 1, #out, 3 do
-    local vals = out[i + 2]
-    reply[#reply + 1] = out[i]; reply[#reply + 1] = out[i + 1]; reply[#reply + 1] = #vals
-    for k = 1, #vals do reply[#reply + 1] = vals[k] end
-  end
-  return reply
+  return runs_reply(reply, out)
 end
 
--- ARGV 5 cid, 6 version, 7 modalities csv -> {version, runs, evicted}
+-- ARGV 5 cid, 6 version, 7 modalities csv -> {version, evicted, runs (as in ops.window)...}
 function ops.read_at()
   local cid, ver = ARGS[5], tonumber(ARGS[6])
   local m = load(cid)
@@ -611,7 +707,7 @@ function ops.read_at()
   end
   touch(cid)
   finish(true)
-  return {ver, out, evicted_reply()}
+  return runs_reply({ver, evicted_reply()}, out)
 end
 
 -- ARGV 5 cid -> {version, evicted}
