@@ -124,7 +124,7 @@ class ContextConfig:
     idle_ttl_s: int = 7 * 24 * 3600
     versions_retained: int = 16
     audit_maxlen: int = 100_000
-    read_cache_bytes: int = 64 * 1024 * 1024  # entries a store keeps to skip re-fetching them; 0: off
+    read_cache_bytes: int = 128 * 1024 * 1024  # entries a store keeps to skip re-fetching them; 0: off
     global_lru_resolution_ms: int = 1000  # a principal's global LRU stamp is renewed at most this often; 0: every use
 
     def __post_init__(self) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import tracemalloc
 
 import orjson
 import pytest
@@ -353,3 +354,23 @@ def test_read_cache_bytes_is_validated():
     with pytest.raises(ConfigError, match="read_cache_bytes"):
         ContextConfig(read_cache_bytes=-1)
     assert ContextConfig(read_cache_bytes=0).read_cache_bytes == 0
+
+
+async def test_the_read_cache_counts_what_an_entry_takes(r):
+    """The bytes the read cache counts per held entry are what a read's entries take in
+    memory (tracemalloc), within a quarter: the cache's budget is a real bound."""
+    s = make(r)
+    await fill(s, "alice", "c", 200)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        win = await s.get_window("alice", "c")
+        for _ in range(3):  # the pipeline's batch (the raw reply) is let go of on the next loop turns
+            await asyncio.sleep(0)
+        taken = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    ents = win.channels["text"]
+    assert len(ents) == 200
+    per_entry = (taken - sum(len(e.content) for e in ents)) / len(ents)
+    assert 0.75 * _HELD_ENTRY_OVERHEAD <= per_entry <= 1.25 * _HELD_ENTRY_OVERHEAD, per_entry
