@@ -94,13 +94,25 @@ local function mp_str_len(n)
   return n + 3
 end
 
--- Stored bytes of entry `seq` of channel `mod` that are its name (array header, id, modality).
-local function name_len(mod, seq)
-  return 1 + mp_str_len(#mod + 1 + #tostring(seq)) + mp_str_len(#mod)
+local function digits(n)
+  local d = 1
+  while n >= 10 do n = n / 10; d = d + 1 end
+  return d
 end
 
+-- Stored bytes of entry `seq` of channel `mod` that are its name (array header, id, modality).
+local function name_len(mod, seq)
+  return 1 + mp_str_len(#mod + 1 + digits(seq)) + mp_str_len(#mod)
+end
+
+local mod_strs = {}  -- modality -> its MessagePack str (the library stays loaded: built once)
+
 local function stored_entry(mod, seq, body)
-  return '\153' .. mp_str(mod .. ':' .. seq) .. mp_str(mod) .. body
+  local ms = mod_strs[mod]
+  if not ms then ms = mp_str(mod); mod_strs[mod] = ms end
+  local id = mod .. ':' .. seq
+  if #id < 32 then return '\153' .. string.char(0xa0 + #id) .. id .. ms .. body end  -- one concatenation
+  return '\153' .. mp_str(id) .. ms .. body
 end
 
 -- Position after the str / bin / nil element at `p`.
