@@ -19,6 +19,7 @@ from shared.context_store import (
     InvalidModality,
     VersionUnavailable,
     pack_entry,
+    stored_entry,
 )
 from shared.redis_batch import pack_args
 from shared.types import Entry
@@ -110,6 +111,20 @@ async def test_the_script_reads_stored_entries_of_every_length(r):
     assert await s.principal_bytes("a") == (size(b"\x89PNG", mime="image/" + "p" * 40) + sum(
         size(b"x" * n, role="r" * (1 if i % 2 else 40), links=["image:1"] if i == 0 else [])
         for i, n in enumerate(sizes)))
+    # the longest modality name (32): its str and the id are str 8 (>= 32 bytes): names, trimming, budgets
+    long = "m" * 32
+    s = make(r, lambda: 1234, modalities=["text", long], channel_max_entries=2, versions_retained=1)
+    for i in range(4):
+        await s.append("b", "c", long, "user", b"%d" % i, links=["text:1"] if i == 3 else ())
+        if i == 1:
+            await s.append("b", "c", "text", "user", b"t")
+    w = await s.get_window("b", "c", resolve_links=True)
+    assert [(e.id, e.modality, e.text) for e in w.channels[long]] == [(f"{long}:3", long, "2"), (f"{long}:4", long, "3")]
+    assert [e.id for e in w.channels["text"]] == ["text:1"]
+    assert await s.principal_bytes("b") == size(b"2") + size(b"3", links=["text:1"]) + size(b"t")
+    # what the script stores is what stored_entry (the bench's bulk loader) builds
+    assert await r.hget(keys.ctx_entries("b"), f"c|{long}|3") == stored_entry(
+        long, 3, pack_entry("user", b"2", tokens=1, ts_ms=1234))
 
 
 async def test_entries_stored_in_format_1_are_still_read(r):
