@@ -22,6 +22,7 @@ import struct
 import sys
 import time
 import zlib
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,27 @@ def structured(result: Any) -> dict[str, Any]:
     return data
 
 
+UNAVAILABLE = -32050  # learnmesh: a backend is unreachable or no worker serves the version yet; retry
+
+
+async def until_a_worker_serves(call: Callable[[], Awaitable[Any]], timeout_s: float,
+                                code_of: Callable[[Exception], Any] = lambda e: getattr(e, "code", None)) -> Any:
+    """``call()`` again while the mesh answers "no worker yet" (-32050): on its first start
+    each worker pre-trains the base model (about a minute) before it serves."""
+    deadline = time.monotonic() + timeout_s
+    told = False
+    while True:
+        try:
+            return await call()
+        except Exception as exc:  # noqa: BLE001 - re-raised unless it is "no worker yet"
+            if code_of(exc) != UNAVAILABLE or time.monotonic() > deadline:
+                raise
+            if not told:
+                print("waiting for an inference worker (a first start pre-trains the base model, about a minute)")
+                told = True
+            await asyncio.sleep(2)
+
+
 async def run(url: str, key: str | None, mode: str, context_id: str, timeout_s: float) -> None:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     transport = streamable_http_client(url, http_client=create_mcp_http_client(headers=headers))
@@ -91,9 +113,9 @@ async def run(url: str, key: str | None, mode: str, context_id: str, timeout_s: 
         version = structured(turn)["version"]
         print(f"context {context_id!r} now at version {version} (text turn linked to {image_id})")
 
-        reply = structured(await client.call_tool("generate", {
+        reply = structured(await until_a_worker_serves(lambda: client.call_tool("generate", {
             "context_id": context_id, "prompt": "What do you see?", "max_tokens": 32,
-            "temperature": 0.0, "seed": 1}))
+            "temperature": 0.0, "seed": 1}), timeout_s))
         print(f"generate -> {reply['text']!r} (model version {reply['model_version']})")
 
         async def losses(min_version: int) -> tuple[list[float], int]:
@@ -146,7 +168,11 @@ def main() -> int:
     p.add_argument("--context", default=f"demo-{int(time.time())}")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for learning to show")
     args = p.parse_args()
-    asyncio.run(run(args.url, args.key, args.mode, args.context, args.timeout))
+    try:
+        asyncio.run(run(args.url, args.key, args.mode, args.context, args.timeout))
+    except MCPError as exc:
+        print(f"error {exc.code}: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

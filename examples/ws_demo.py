@@ -28,10 +28,9 @@ from typing import Any
 import websockets
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from demo import FACTS, default_key, tiny_png  # noqa: E402
+from demo import FACTS, UNAVAILABLE, default_key, tiny_png, until_a_worker_serves  # noqa: E402
 
 LEGACY, MODERN = "2025-11-25", "2026-07-28"
-UNAVAILABLE = -32050  # learnmesh: a backend is unreachable or no worker serves the version yet; retry
 
 
 class RpcError(Exception):
@@ -100,8 +99,9 @@ async def run(url: str, key: str | None, stateless: bool, context_id: str, timeo
         turn = await client.tool("context_append", context_id=context_id, modality="text", role="user",
                                  text="Here is a picture of the Zorbland flag.", links=[image["entry_id"]])
         print(f"context {context_id!r} at version {turn['version']} (text turn linked to {image['entry_id']})")
-        reply = await client.tool("generate", context_id=context_id, prompt="What do you see?", max_tokens=24,
-                                  temperature=0.0, seed=1)
+        reply = await until_a_worker_serves(lambda: client.tool(
+            "generate", context_id=context_id, prompt="What do you see?", max_tokens=24, temperature=0.0, seed=1),
+            timeout_s)
         print(f"generate -> {reply['text']!r} (model version {reply['model_version']})")
 
         async def losses(min_version: int) -> tuple[float, int]:
