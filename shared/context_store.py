@@ -701,19 +701,35 @@ class ContextStore:
                 for mod, ch in held.channels.items():  # type: ignore[union-attr]
                     if mod not in asked:
                         kept.setdefault(mod, ch)
-            self._keep((principal, context_id), _Held(epoch, kept, sig=sig, token=ver, version=int(version)))
+            key = (principal, context_id)
+            if same_life and self._held.get(key) is held:  # the usual read after appends: re-filled in place
+                held.channels, held.sig, held.token, held.version = kept, sig, ver, int(version)  # type: ignore[union-attr]
+                held.held_arg, held.packed = "", b""  # type: ignore[union-attr]
+                self._keep(key, held, replace=False)  # type: ignore[arg-type]
+            else:
+                self._keep(key, _Held(epoch, kept, sig=sig, token=ver, version=int(version)))
         return win
 
-    def _keep(self, key: tuple[str, str], held: _Held) -> None:
+    def _keep(self, key: tuple[str, str], held: _Held, *, replace: bool = True) -> None:
+        """Keep ``held`` as the read cache's most recent record of ``key`` (``replace``: a new
+        record; else the one kept, re-filled) within the cache's byte budget."""
         nbytes = 0
         for ch in held.channels.values():
             nbytes += ch[2]
+        if replace:
+            self._forget(key)
+        else:
+            self._held_bytes -= held.nbytes
         held.nbytes = nbytes
-        self._forget(key)
-        if held.nbytes > self.cfg.read_cache_bytes // 8:  # one context may not crowd out the rest
+        if nbytes > self.cfg.read_cache_bytes // 8:  # one context may not crowd out the rest
+            if not replace:
+                del self._held[key]
             return
-        self._held[key] = held
-        self._held_bytes += held.nbytes
+        if replace:
+            self._held[key] = held
+        else:
+            self._held.move_to_end(key)
+        self._held_bytes += nbytes
         while self._held_bytes > self.cfg.read_cache_bytes:
             _, old = self._held.popitem(last=False)
             self._held_bytes -= old.nbytes

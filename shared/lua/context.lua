@@ -643,7 +643,14 @@ end
 -- for this context's current life (`epoch`, see new_meta), else nothing is held.
 local function held_set(spec, epoch)
   if not spec or spec == '' or epoch == '' then return NONE end
-  local ep, rest = string.match(spec, '^([^;]*);?(.*)$')
+  -- One channel (the usual read) in one match: Lua patterns cost ~0.3 µs per call and more
+  -- per capture, and parsing the held entries and the VER field was ~2 µs of a read.
+  local ep, mod, a, b, rest = string.match(spec, '^([^;]*);([^:;]+):(%d+):(%d+)(.*)$')
+  if ep and rest == '' then
+    if ep ~= epoch then return NONE end
+    return {[mod] = {tonumber(a), tonumber(b)}}
+  end
+  ep, rest = string.match(spec, '^([^;]*);?(.*)$')
   if ep ~= epoch then return NONE end
   local held = {}
   for mod, a, b in string.gmatch(rest, '([^:;]+):(%d+):(%d+)') do held[mod] = {tonumber(a), tonumber(b)} end
@@ -671,11 +678,16 @@ function ops.window()
   end
   local v, epoch, ranges
   if ver then
-    v, epoch, ranges = string.match(ver, '^(%d+);([^;]*);(.*)$')
+    local mod, lo, hi, rest
+    v, epoch, mod, lo, hi, rest = string.match(ver, '^(%d+);([^;]*);([^:;]+):(%d+):(%d+)(.*)$')
+    if v and rest == '' then  -- one channel (see held_set)
+      v, ranges = tonumber(v), {[mod] = {tonumber(lo), tonumber(hi)}}
+    else
+      v, epoch, ranges = string.match(ver, '^(%d+);([^;]*);(.*)$')
+      if v then v, ranges = tonumber(v), parse_ranges(ranges) end
+    end
   end
-  if v then
-    v, ranges = tonumber(v), parse_ranges(ranges)
-  else  -- no context, or a VER field of an older script ("<version>;<epoch>")
+  if not v then  -- no context, or a VER field of an older script ("<version>;<epoch>")
     local m = load(cid)
     if not m then fail('LM_NOTFOUND context ' .. cid) end
     v, epoch, ranges = m.v, m.e or '', {}
