@@ -543,10 +543,11 @@ class ContextStore:
         same: tuple[dict[str, Any], int] | None = None  # what "unchanged" would refer to
         held_arg = token = ""
         packed = None
+        snap: dict[str, tuple[int, tuple[Entry, ...], int]] = {}  # the channels `held_arg` names
         if held is not None:
             if not held.held_arg:
                 held.held_arg = held.spec()
-            held_arg = held.held_arg
+            held_arg, snap = held.held_arg, held.channels  # taken together: a concurrent read may re-fill `held`
             if held.sig == sig:  # taken now: a concurrent read may re-label `held` meanwhile
                 same, token = (held.channels, held.version), held.token
                 if not held.packed:  # the same arguments as long as `held` is not re-labelled
@@ -563,12 +564,12 @@ class ContextStore:
             return self._unchanged(key, same, mods, reply)
         f0, r0 = self.entries_fetched, self.entries_reused
         version, flat, wins, ver = self._window_reply(reply)
-        win = self._assemble(principal, context_id, version, flat, wins, ver, held, mods, sig)
+        win = self._assemble(principal, context_id, version, flat, wins, ver, held, snap, mods, sig)
         if win is None:  # the reply and what we hold do not fit together: never expected
             log.warning("context %s/%s: read cache out of step, reading it whole", principal, context_id)
             self._forget(key)
             version, flat, wins, ver = self._window_reply(await self._call("window", principal, *what, "0", "", ""))
-            win = self._assemble(principal, context_id, version, flat, wins, ver, None, mods, sig)
+            win = self._assemble(principal, context_id, version, flat, wins, ver, None, {}, mods, sig)
             if win is None:
                 raise RuntimeError(f"context {context_id}: window reply does not match its ranges")
         if self.entries_fetched != f0:
@@ -629,10 +630,13 @@ class ContextStore:
         return flat[0], self._runs(flat, pos + 1 + 2 * nev), wins, _text(flat[1])
 
     def _assemble(self, principal: str, context_id: str, version: Any, runs: list[tuple[str, int, list[Entry]]],
-                  wins: list[Any], ver: str, held: _Held | None, mods: str, sig: str) -> ContextWindow | None:
+                  wins: list[Any], ver: str, held: _Held | None, snap: dict[str, tuple[int, tuple[Entry, ...], int]],
+                  mods: str, sig: str) -> ContextWindow | None:
         """The window from the script's reply (runs of the entries we did not hold, and the
-        first/last seq of every channel's window) plus the entries ``held``; then keep what
-        was read for the next read. None if they do not cover the windows exactly."""
+        first/last seq of every channel's window) plus the entries held (``snap``: the
+        channels of ``held`` when the read named them to the script — a concurrent read may
+        have re-filled ``held`` since); then keep what was read for the next read. None if they
+        do not cover the windows exactly."""
         win = ContextWindow(principal, context_id, int(version))
         fetched = self._decode_runs(runs)
         parts_of_ver = ver.split(";", 2)  # version, epoch (the context's life), channel ranges
@@ -644,7 +648,7 @@ class ContextStore:
             mod = self._mod(wins[i])
             lo, hi = int(wins[i + 1]), int(wins[i + 2])
             parts = fetched.pop(mod, [])
-            ch = held.channels.get(mod) if same_life else None  # type: ignore[union-attr]
+            ch = snap.get(mod) if same_life else None
             if ch is not None:
                 first, ents, nbytes = ch
                 a, b = max(lo, first), min(hi, first + len(ents) - 1)
@@ -691,18 +695,19 @@ class ContextStore:
             win.channels = self._in_order(win.channels)
         # `ver` is the token the next read with these arguments sends back as is: "unchanged"
         # if the context's VER is still this.
-        if unchanged and len(kept) == len(held.channels):  # type: ignore[union-attr]
+        current = same_life and held.channels is snap  # type: ignore[union-attr]  # not re-filled since
+        if unchanged and current and len(kept) == len(snap):
             held.sig, held.token, held.version = sig, ver, int(version)  # type: ignore[union-attr]
             held.packed = b""  # type: ignore[union-attr]
             self._recently_read((principal, context_id))
         elif self.cfg.read_cache_bytes and epoch:
             if same_life and mods:  # channels this read did not ask for stay as they were
                 asked = mods.split(",")
-                for mod, ch in held.channels.items():  # type: ignore[union-attr]
+                for mod, ch in snap.items():
                     if mod not in asked:
                         kept.setdefault(mod, ch)
             key = (principal, context_id)
-            if same_life and self._held.get(key) is held:  # the usual read after appends: re-filled in place
+            if current and self._held.get(key) is held:  # the usual read after appends: re-filled in place
                 held.channels, held.sig, held.token, held.version = kept, sig, ver, int(version)  # type: ignore[union-attr]
                 held.held_arg, held.packed = "", b""  # type: ignore[union-attr]
                 self._keep(key, held, replace=False)  # type: ignore[arg-type]

@@ -348,6 +348,8 @@ async def test_concurrent_reads_with_mixed_arguments_each_match_their_version(r)
     await asyncio.gather(*(reader() for _ in range(6)), writer())
     assert len(checked) == 300 and len(set(checked)) > 5  # reads saw many versions
     assert s.entries_reused > 0
+    # and every read fitted the reply to what it held: never the "out of step" second call
+    assert s.round_trips == 300
 
 
 def test_read_cache_bytes_is_validated():
