@@ -46,10 +46,6 @@ _HEADER = struct.Struct(">BIdHHH")  # format 1 (before the MessagePack form): st
 _HSIZE = _HEADER.size
 _FORMAT = 1
 _ENCODE = msgspec.msgpack.Encoder().encode
-def _array_header(n: int) -> bytes:
-    return bytes((0x90 + n,)) if n < 16 else b"\xdc" + n.to_bytes(2, "big")
-
-
 _INTS = struct.Struct(">BIBIBQ")  # tokens, size_bytes, ts_ms of a stored entry (see pack_entry)
 _DECODE_RUN = msgspec.msgpack.Decoder(list[Entry]).decode
 _DECODE_ONE = msgspec.msgpack.Decoder(Entry).decode
@@ -121,6 +117,13 @@ def stored_entry(modality: str, seq: int, body: bytes) -> bytes:
     """An entry as the script stores it (see context.lua): a MessagePack array of the
     fields of ``Entry`` — what ``msgspec.msgpack.decode(.., type=Entry)`` reads back."""
     return b"\x99" + _ENCODE(f"{modality}:{seq}") + _ENCODE(modality) + body
+
+
+def _array_header(n: int) -> bytes:
+    """The MessagePack header of an array of ``n`` items (a run of ``n`` stored entries)."""
+    if n < 16:
+        return bytes((0x90 + n,))
+    return b"\xdc" + n.to_bytes(2, "big") if n < 65536 else b"\xdd" + n.to_bytes(4, "big")
 
 
 _ROLES: dict[bytes, str] = {}  # role bytes -> str: a handful of distinct roles, decoded once

@@ -18,6 +18,7 @@ from shared.context_store import (
     EntryTooLarge,
     InvalidModality,
     VersionUnavailable,
+    _array_header,
     pack_entry,
     stored_entry,
 )
@@ -492,3 +493,10 @@ async def test_function_library_reloaded_and_evalsha_fallback_agree(r):
     stats = await r.info("commandstats")
     # 3 operations (+1 EVALSHA answered NOSCRIPT the first time), 1 FCALL
     assert int(stats["cmdstat_evalsha"]["calls"]) >= 3 and int(stats["cmdstat_fcall"]["calls"]) == 1
+
+
+def test_a_run_header_fits_runs_of_every_length():
+    """A run of n stored entries is decoded behind _array_header(n): every MessagePack
+    array form (fix, 16, 32 bits) must say n."""
+    for n in (0, 1, 15, 16, 65_535, 65_536, 70_000):
+        assert len(msgspec.msgpack.decode(_array_header(n) + b"\xc0" * n)) == n
