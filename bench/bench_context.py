@@ -128,8 +128,9 @@ async def measure(r, name: str, op, n_ops: int, concurrency: int, principals: in
 def bulk_load(pipe, cfg: ContextConfig, principal: str, cid: str, packed: list[bytes], now_ms: int,
               global_clock: int) -> int:
     """Queue on `pipe` the state the script leaves after appending `packed` (entry bodies
-    of text entries, no links; see pack_entry) to a new context `cid` of a new principal at time `now_ms` — the store's own
-    layout (docs/context.md), written without Lua. Audit records are not written.
+    of text entries, no links; see pack_entry) to a new context `cid` of a new principal at
+    time `now_ms` — the store's own layout (docs/context.md), written without Lua. Audit
+    records are not written.
     Returns the stored bytes."""
     n, w, nver = len(packed), cfg.channel_max_entries, cfg.versions_retained
     lo = max(1, n - w + 1)

@@ -78,8 +78,7 @@ def structured(result: Any) -> dict[str, Any]:
 UNAVAILABLE = -32050  # learnmesh: a backend is unreachable or no worker serves the version yet; retry
 
 
-async def until_a_worker_serves(call: Callable[[], Awaitable[Any]], timeout_s: float,
-                                code_of: Callable[[Exception], Any] = lambda e: getattr(e, "code", None)) -> Any:
+async def until_a_worker_serves(call: Callable[[], Awaitable[Any]], timeout_s: float) -> Any:
     """``call()`` again while the mesh answers "no worker yet" (-32050): on its first start
     each worker pre-trains the base model (about a minute) before it serves."""
     deadline = time.monotonic() + timeout_s
@@ -88,7 +87,7 @@ async def until_a_worker_serves(call: Callable[[], Awaitable[Any]], timeout_s: f
         try:
             return await call()
         except Exception as exc:  # noqa: BLE001 - re-raised unless it is "no worker yet"
-            if code_of(exc) != UNAVAILABLE or time.monotonic() > deadline:
+            if getattr(exc, "code", None) != UNAVAILABLE or time.monotonic() > deadline:
                 raise
             if not told:
                 print("waiting for an inference worker (a first start pre-trains the base model, about a minute)")

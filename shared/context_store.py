@@ -552,7 +552,7 @@ class ContextStore:
                 held.held_arg = held.spec()
             held_arg, snap = held.held_arg, held.channels  # taken together: a concurrent read may re-fill `held`
             if held.sig == sig:  # taken now: a concurrent read may re-label `held` meanwhile
-                same, token = (held.channels, held.version), held.token
+                same, token = (snap, held.version), held.token
                 if not held.packed:  # the same arguments as long as `held` is not re-labelled
                     held.packed = self._window_args(context_id, sig, what, held_arg, token)
                 packed = held.packed

@@ -161,24 +161,24 @@ end
 
 -- The links of an entry as {{mod, seq}, ...}.
 local function links_of(val)
-  local s
-  if string.byte(val, 1) == 1 then  -- format 1
-    local _, _, _, rl, ml, ll, pos = struct.unpack('>BI4dHHH', val)
-    if ll == 0 then return {} end
-    s = string.sub(val, pos + rl + ml, pos + rl + ml + ll - 1)
-  else
-    local _, p = mp_uint(val, tokens_pos(val))
-    _, p = mp_uint(val, p)  -- size_bytes
-    _, p = mp_uint(val, p)  -- ts_ms
-    local b, n = string.byte(val, p), 0
-    if b >= 0x90 and b <= 0x9f then n, p = b - 0x90, p + 1 else n, p = struct.unpack('>H', val, p + 1), p + 3 end
-    if n == 0 then return {} end
-    local parts = {}
-    for i = 1, n do parts[i], p = mp_str_at(val, p) end
-    s = table.concat(parts, ',')
-  end
   local out = {}
-  for mod, seq in string.gmatch(s, '([^:,]+):(%d+)') do out[#out + 1] = {mod, tonumber(seq)} end
+  if string.byte(val, 1) == 1 then  -- format 1: "mod:seq,..." after role and mime
+    local _, _, _, rl, ml, ll, pos = struct.unpack('>BI4dHHH', val)
+    local s = string.sub(val, pos + rl + ml, pos + rl + ml + ll - 1)
+    for mod, seq in string.gmatch(s, '([^:,]+):(%d+)') do out[#out + 1] = {mod, tonumber(seq)} end
+    return out
+  end
+  local _, p = mp_uint(val, tokens_pos(val))
+  _, p = mp_uint(val, p)  -- size_bytes
+  _, p = mp_uint(val, p)  -- ts_ms
+  local b, n = string.byte(val, p), 0
+  if b >= 0x90 and b <= 0x9f then n, p = b - 0x90, p + 1 else n, p = struct.unpack('>H', val, p + 1), p + 3 end
+  for i = 1, n do
+    local link
+    link, p = mp_str_at(val, p)
+    local mod, seq = string.match(link, '^(.+):(%d+)$')
+    out[i] = {mod, tonumber(seq)}
+  end
   return out
 end
 
