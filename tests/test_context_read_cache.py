@@ -97,6 +97,32 @@ async def test_a_warm_read_is_two_redis_commands_inside_one_call(r):
     assert inner == {"hmget": 10, "hset": 10}, inner
 
 
+async def test_an_append_to_a_full_window_is_eleven_redis_commands_inside_one_call(r):
+    """What an append costs Redis once the window and the retained versions are full: the
+    state HMGET; the entry HSET; the HSTRLEN of the entry leaving the window; the version's
+    HSET, the HDEL of the version no longer retained and the HGET of the oldest one kept;
+    the HSTRLEN and HDEL of the entry no version sees any more; one HSET of the meta with the
+    principal's state (save() stages the meta for finish()); the audit XADD; the two HINCRBY
+    of the global byte count (counted with INFO commandstats)."""
+    s = make(r, channel_max_entries=20, versions_retained=4, global_lru_resolution_ms=3_600_000)
+    await fill(s, "erin", "c", 40)
+    await r.config_resetstat()
+    for i in range(10):
+        await s.append("erin", "c", "text", "user", f"x{i}".encode())
+    stats = await r.info("commandstats")
+    calls = {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()}
+    outer = calls.pop("fcall", 0) + calls.pop("evalsha", 0)
+    inner = {k: n for k, n in calls.items() if k not in ("config|resetstat", "config", "info")}
+    assert outer == 10
+    per_append = {"hmget": 1, "hset": 3, "hstrlen": 2, "hdel": 2, "hget": 1, "xadd": 1, "hincrby": 2}
+    assert inner == {k: 10 * n for k, n in per_append.items()}, inner
+    # ... and what they wrote is whole: the meta and the state of the one HSET, read back.
+    win = await s.get_window("erin", "c")
+    assert [e.text for e in win.channels["text"]][-3:] == ["x7", "x8", "x9"] and len(win.channels["text"]) == 20
+    assert await s.version("erin", "c") == 50
+    assert (await s.list_contexts("erin"))[0].version == 50
+
+
 async def test_a_read_after_an_append_fetches_its_entries_without_decoding_the_meta(r):
     """A read of a context that changed since the last one: the state HMGET also brings the
     context's VER field, which carries its channel ranges, so the script reads only the new

@@ -106,7 +106,13 @@ async def test_a_connection_closed_while_kept_is_replaced_without_an_error(r) ->
         assert await ap.execute("CLIENT", "SETNAME", "ab-kept") in (True, b"OK")
         kept = ap._idle[0]
         await admin.client_kill_filter(_id=(await ap.execute("CLIENT", "ID")))
-        await wait_for(lambda: kept._reader is None or kept._reader.at_eof())  # the loop saw the close
+
+        def seen_closed() -> bool:  # the event loop saw the close (a taken-over link, or redis-py's reader)
+            if isinstance(kept, redis_batch._Link):
+                return kept.closed
+            return kept._reader is None or kept._reader.at_eof()
+
+        await wait_for(seen_closed)
         assert await ap.execute("ECHO", "still") == b"still"  # no error: a fresh connection
         assert await ap.execute("CLIENT", "GETNAME") is None  # a new server-side client
         assert "ab-kept" not in [c.get("name") for c in await admin.client_list()]
@@ -127,3 +133,23 @@ async def test_cancelled_waiter_is_skipped(r) -> None:
         await second
     assert await ap.execute("GET", "ab:c") is None  # the cancelled command was never sent
     assert ap.commands == 2
+
+
+async def test_a_batch_without_replies_fails_after_the_socket_timeout_then_recovers(redis_url) -> None:
+    """A peer that stops answering (here: CLIENT PAUSE) fails the batch on the wire with a
+    timeout after the connection's socket_timeout instead of hanging; later calls work."""
+    client = aioredis.Redis.from_url(redis_url, socket_timeout=0.5)
+    admin = aioredis.Redis.from_url(redis_url)
+    ap = AutoPipeline(client, max_inflight=1)
+    try:
+        assert await ap.execute("PING") in (True, b"PONG")  # connected before the pause
+        await admin.execute_command("CLIENT", "PAUSE", 2500, "ALL")
+        with pytest.raises(Exception) as info:
+            await asyncio.wait_for(ap.execute("PING"), 10)  # far above the 0.5 s timeout
+        assert "no reply from redis within 0.5 s" in str(info.value)  # the pipeline timed it out, not wait_for
+        await admin.execute_command("CLIENT", "UNPAUSE")
+        assert await asyncio.wait_for(ap.execute("ECHO", "back"), 10) == b"back"
+    finally:
+        await admin.execute_command("CLIENT", "UNPAUSE")
+        await client.aclose()
+        await admin.aclose()

@@ -186,6 +186,7 @@ end
 -- and it has not been written since (taken once), else its own HGET.
 local pre_cid, pre_raw
 local pre_vcid, pre_ver    -- or, for a window read, its VER field (begin)
+local staged = {}          -- M fields (a meta and its VER field) save() leaves to finish()
 local function raw_meta(cid)
   if cid == pre_cid then
     pre_cid = nil
@@ -208,10 +209,14 @@ end
 
 -- Write the meta of `cid`, with its VER field: "<version>;<epoch>;<mod>:<lo>:<hi>;..." —
 -- all a window read needs to know of the context (see ops.window).
+-- Staged: finish() writes them in the HSET of the principal's state (one Redis call, not two);
+-- nothing between a save and its finish reads them back.
 local function save(cid, m)
   if cid == pre_cid then pre_cid = nil end
   if cid == pre_vcid then pre_vcid = nil end
-  redis.call('HSET', M, cid, cjson.encode(m), VER .. cid, m.v .. ';' .. (m.e or '') .. ';' .. ranges_str(m))
+  local n = #staged
+  staged[n + 1], staged[n + 2] = cid, cjson.encode(m)
+  staged[n + 3], staged[n + 4] = VER .. cid, m.v .. ';' .. (m.e or '') .. ';' .. ranges_str(m)
 end
 
 local function add_bytes(delta)
@@ -248,10 +253,12 @@ local function begin(cid, ver_only)
   end
 end
 
--- Write what this call changed in the state (M) and GB (once) and refresh the TTLs when due.
+-- Write what this call changed in the state (M: with the metas save() staged) and GB (once),
+-- and refresh the TTLs when due.
 -- keep: the operation counts as activity (keeps the principal's keys alive).
 local function finish(keep)
-  local sargs = {}
+  local sargs = staged
+  staged = {}
   if pdelta ~= 0 then sargs[#sargs + 1] = BYTES; sargs[#sargs + 1] = num(pbytes) end
   if clock_dirty then sargs[#sargs + 1] = CLOCK; sargs[#sargs + 1] = num(pclock); clock_dirty = false end
   if due_dirty and pdue then sargs[#sargs + 1] = DUE; sargs[#sargs + 1] = num(pdue) end
@@ -868,7 +875,7 @@ local function lm_main(keys, args)
   pbytes, pexp, pclock, pdelta, pdue, due_dirty = 0, nil, 0, 0, nil, false
   pgt, gt_dirty, used = nil, false, {}
   pre_cid, pre_raw, pre_vcid, pre_ver = nil, nil, nil, nil
-  clock_dirty, created, gtotal = false, false, nil
+  clock_dirty, created, gtotal, staged = false, false, nil, {}
   local fn = ops[op]
   if not fn then return redis.error_reply('LM_BADOP ' .. tostring(op)) end
   -- fail() raises {err = ...}; turned into an error reply here rather than raised out of the
