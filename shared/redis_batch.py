@@ -155,8 +155,12 @@ class AutoPipeline:
     def _flush(self) -> None:
         self._scheduled = False
         while self._pending and self._inflight < self.max_inflight:
-            batch = self._pending[:self.max_batch]
-            del self._pending[:self.max_batch]
+            # What is waiting, spread over the free slots (at most max_batch a batch): a few
+            # callers get a round trip each, so Redis runs one while this process prepares
+            # or reads the others; many callers fill whole batches.
+            size = min(self.max_batch, -(-len(self._pending) // (self.max_inflight - self._inflight)))
+            batch = self._pending[:size]
+            del self._pending[:size]
             batch = [(a, f) for a, f in batch if not f.done()]  # callers cancelled while waiting
             if not batch:
                 continue
