@@ -27,9 +27,10 @@ loop's read callback, each handed to its caller's future there: no task, stream 
 ``await`` per batch. Measured against the earlier way (a task per batch reading redis-py's
 stream): client CPU per `PING` at 64 callers 8.4 → 6.3 µs, and per round trip with one
 caller 104 → 57 µs. A batch whose replies have not all come within the connection's
-``socket_timeout`` fails with ``TimeoutError`` (one watchdog timer per pipeline, not one
-per batch) and its connection is closed; a connection the server closes fails only its
-batch. Where hiredis is missing, batches are read redis-py's way.
+``socket_timeout`` fails with redis-py's ``TimeoutError`` (one watchdog timer per pipeline,
+not one per batch) and its connection is closed; a connection the server closes fails only
+its batch, with redis-py's ``ConnectionError`` — the errors the gateway answers with 503 and
+Retry-After. Where hiredis is missing, batches are read redis-py's way.
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ try:
     import hiredis
 except ImportError:  # pragma: no cover - hiredis is a dependency; redis-py's reader is the fallback
     hiredis = None  # type: ignore[assignment]
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 
 class _Link(asyncio.Protocol):
@@ -71,7 +74,7 @@ class _Link(asyncio.Protocol):
             parser.feed(data)
             while (reply := parser.gets()) is not False:
                 if not waiting:
-                    raise ConnectionError("redis sent more replies than commands")
+                    raise RedisConnectionError("redis sent more replies than commands")
                 fut = waiting.popleft()
                 if fut.done():  # its caller was cancelled
                     continue
@@ -80,7 +83,7 @@ class _Link(asyncio.Protocol):
                 else:
                     fut.set_result(reply)
         except Exception as exc:  # noqa: BLE001 - garbage on the wire: nothing after it can be matched
-            self.fail(exc if isinstance(exc, ConnectionError) else ConnectionError(f"redis reply unreadable: {exc}"))
+            self.fail(exc if isinstance(exc, RedisConnectionError) else RedisConnectionError(f"redis reply unreadable: {exc}"))
             return
         if self.busy and not waiting:
             self.busy = False
@@ -90,8 +93,8 @@ class _Link(asyncio.Protocol):
         return False  # close: connection_lost follows
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.fail(ConnectionError("redis closed the connection") if exc is None else
-                  ConnectionError(f"redis connection lost: {exc}"))
+        self.fail(RedisConnectionError("redis closed the connection") if exc is None else
+                  RedisConnectionError(f"redis connection lost: {exc}"))
         try:  # redis-py's side hears it too (its close waiter, its reader's end of stream)
             self.stream_protocol.connection_lost(exc)
         except Exception:  # noqa: BLE001 - best effort: the connection is gone either way
@@ -199,7 +202,7 @@ class AutoPipeline:
         for link in busy:
             timeout = link.conn.socket_timeout
             if timeout and now - link.sent_at > timeout:
-                link.fail(TimeoutError(f"no reply from redis within {timeout} s"))
+                link.fail(RedisTimeoutError(f"no reply from redis within {timeout} s"))
         timeouts = [link.conn.socket_timeout for link in busy if link.busy and link.conn.socket_timeout]
         if timeouts:
             self._loop.call_later(min(timeouts) / 4, self._watch)  # type: ignore[union-attr]
@@ -212,7 +215,7 @@ class AutoPipeline:
         if not link.closed and len(self._idle) < self.max_inflight:
             self._idle.append(link)
         elif not link.closed:
-            link.fail(ConnectionError("closed: more connections than batches on the wire"))
+            link.fail(RedisConnectionError("closed: more connections than batches on the wire"))
         if self._pending and not self._scheduled:
             self._scheduled = True
             self._loop.call_soon(self._flush)  # type: ignore[union-attr]
@@ -241,7 +244,7 @@ class AutoPipeline:
                 return
             replies = await self._round_trip_slow(conn, b"".join([packed for packed, _ in batch]), len(batch))
         except BaseException as exc:  # connection lost, timeout, cancelled: every caller hears it
-            err = exc if isinstance(exc, Exception) else ConnectionError("redis batch cancelled")
+            err = exc if isinstance(exc, Exception) else RedisConnectionError("redis batch cancelled")
             for _, fut in batch:
                 if not fut.done():
                     fut.set_exception(err)

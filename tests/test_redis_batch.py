@@ -9,7 +9,9 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 from conftest import wait_for
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared import redis_batch
 from shared.redis_batch import AutoPipeline, pack_command
@@ -87,7 +89,7 @@ async def test_dropped_connection_fails_the_batch_then_recovers(r) -> None:
         await wait_for(lambda: len(ap._pending) == 1)
         victim = [c for c in await admin.client_list() if c.get("cmd") == "blpop"][0]
         await admin.client_kill_filter(_id=victim["id"])
-        with pytest.raises(Exception) as info:
+        with pytest.raises(RedisConnectionError) as info:  # redis-py's: the gateway maps it to 503
             await asyncio.wait_for(blocked, 10)
         assert "closed" in str(info.value).lower() or "connection" in str(info.value).lower()
         assert await asyncio.wait_for(queued, 10) in (True, b"PONG")  # sent on a fresh connection
@@ -144,7 +146,7 @@ async def test_a_batch_without_replies_fails_after_the_socket_timeout_then_recov
     try:
         assert await ap.execute("PING") in (True, b"PONG")  # connected before the pause
         await admin.execute_command("CLIENT", "PAUSE", 2500, "ALL")
-        with pytest.raises(Exception) as info:
+        with pytest.raises(RedisTimeoutError) as info:  # redis-py's: the gateway maps it to 503
             await asyncio.wait_for(ap.execute("PING"), 10)  # far above the 0.5 s timeout
         assert "no reply from redis within 0.5 s" in str(info.value)  # the pipeline timed it out, not wait_for
         await admin.execute_command("CLIENT", "UNPAUSE")
