@@ -298,8 +298,8 @@ async def main(args: argparse.Namespace) -> int:
         # (u<principals>..), so that the first measurement does not pay for what only a
         # process's first operations pay (allocator growth, first-touch pages in Redis,
         # connections) and no measured context is read before it is measured.
-        for _name, op in ops:
-            await measure(r, _name, op, min(WARM_OPS, args.ops), 4, WARM_PRINCIPALS, seed=7, first=args.principals)
+        for name, op in ops:
+            await measure(r, name, op, min(WARM_OPS, args.ops), 4, WARM_PRINCIPALS, seed=7, first=args.principals)
         rows = []
         print("  run conc  operation                        ops/s    p50 ms   p99 ms  cmds/op  "
               "client-CPU us/op  redis-CPU us/op")

@@ -210,15 +210,12 @@ class AutoPipeline:
             self._watching = False
 
     def _batch_done(self, link: _Link) -> None:
-        """``link``'s batch has all its replies (or failed): free its slot, keep the link."""
-        self._inflight -= 1
+        """``link``'s batch has all its replies (or failed): keep the link, free its slot."""
         if not link.closed and len(self._idle) < self.max_inflight:
             self._idle.append(link)
         elif not link.closed:
             link.fail(RedisConnectionError("closed: more connections than batches on the wire"))
-        if self._pending and not self._scheduled:
-            self._scheduled = True
-            self._loop.call_soon(self._flush)  # type: ignore[union-attr]
+        self._slot_free()
 
     def _link_closed(self, link: _Link) -> None:
         """A taken-over connection closed: out of the pool of links, back to redis-py's."""
@@ -262,10 +259,11 @@ class AutoPipeline:
             self._slot_free()
 
     def _slot_free(self) -> None:
+        """A batch is over: its slot is free for what waits (on the next loop turn)."""
         self._inflight -= 1
         if self._pending and not self._scheduled:
             self._scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
+            self._loop.call_soon(self._flush)  # type: ignore[union-attr]
 
     async def _connection(self, kept: Any) -> Any:
         """A connection for the next batch: a link (see _Link) made of a fresh redis-py

@@ -53,6 +53,15 @@ def check_held_bytes(s: ContextStore) -> None:
     assert s._held_bytes == sum(h.nbytes for h in s._held.values())
 
 
+async def script_commands(r) -> tuple[int, dict[str, int]]:
+    """Since the last CONFIG RESETSTAT (INFO commandstats): the script calls made (FCALL, or
+    EVALSHA on Redis < 7) and the Redis commands run, by name, inside them."""
+    stats = await r.info("commandstats")
+    calls = {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()}
+    outer = calls.pop("fcall", 0) + calls.pop("evalsha", 0)
+    return outer, {k: n for k, n in calls.items() if k not in ("config|resetstat", "config", "info")}
+
+
 async def fill(s: ContextStore, p: str, cid: str, n: int, tag: str = "t") -> None:
     for i in range(n):
         await s.append(p, cid, "text", "user", f"{tag}{i}".encode())
@@ -89,10 +98,7 @@ async def test_a_warm_read_is_two_redis_commands_inside_one_call(r):
     await r.config_resetstat()
     for _ in range(10):
         await s.get_window("erin", "c", last_n=20)
-    stats = await r.info("commandstats")
-    calls = {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()}
-    outer = calls.pop("fcall", 0) + calls.pop("evalsha", 0)  # EVALSHA on Redis < 7
-    inner = {k: n for k, n in calls.items() if k not in ("config|resetstat", "config", "info")}
+    outer, inner = await script_commands(r)
     assert outer == 10
     assert inner == {"hmget": 10, "hset": 10}, inner
 
@@ -109,10 +115,7 @@ async def test_an_append_to_a_full_window_is_eleven_redis_commands_inside_one_ca
     await r.config_resetstat()
     for i in range(10):
         await s.append("erin", "c", "text", "user", f"x{i}".encode())
-    stats = await r.info("commandstats")
-    calls = {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()}
-    outer = calls.pop("fcall", 0) + calls.pop("evalsha", 0)
-    inner = {k: n for k, n in calls.items() if k not in ("config|resetstat", "config", "info")}
+    outer, inner = await script_commands(r)
     assert outer == 10
     per_append = {"hmget": 1, "hset": 3, "hstrlen": 2, "hdel": 2, "hget": 1, "xadd": 1, "hincrby": 2}
     assert inner == {k: 10 * n for k, n in per_append.items()}, inner
