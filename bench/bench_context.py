@@ -20,7 +20,10 @@ Reads are measured twice: through the store as the gateway uses it (its read cac
 read fetches only the entries it did not get last time it read that context — appends of
 the run before are new to it) and through a store with the cache off (every read fetches
 all it returns). Each read row says how many entries per read came from Redis and how
-many from the cache.
+many from the cache. A third read row, ``floor``, is not a store: one Redis Function that
+only fetches the last entries of the same data (no state, LRU, budgets or cache; see
+``Floor``) — the most any design with one script per read can reach here when the read
+must bring its entries from Redis, the case of a process's first read of a context.
 
 Default run is short (well under a minute on an idle machine): 300 principals, 100-entry
 contexts, 128-byte entries. ``--full``: 10,000 principals (preloaded with a pipelined bulk
@@ -44,6 +47,7 @@ import sys
 import tempfile
 import time
 
+import msgspec
 import orjson
 import redis.asyncio as aioredis
 
@@ -52,6 +56,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from shared import keys  # noqa: E402
 from shared.config import ContextConfig  # noqa: E402
 from shared.context_store import ContextStore, pack_entry, stored_entry  # noqa: E402
+from shared.context_store import _array_header as array_header  # noqa: E402
+from shared.redis_batch import AutoPipeline, pack_command  # noqa: E402
+from shared.types import Entry  # noqa: E402
 
 
 def free_port() -> int:
@@ -90,6 +97,38 @@ class Naive:
     async def get_window(self, principal: str, cid: str, last_n: int) -> list:
         raw = await self.r.get(self.key(principal, cid))
         return orjson.loads(raw)["entries"][-last_n:]
+
+
+class Floor:
+    """The least a read can cost when it is one Lua call, as the issue requires: a Redis
+    Function that only reads the channel's range (the ``\\0v`` field) and ``HMGET``s the
+    last ``n`` stored entries of the store's own layout — no principal state, no LRU use, no
+    idle check, no budgets, no read cache — sent through the store's pipeline and decoded as
+    the store decodes a run. Not a store: it bounds what any one-script-per-read design can
+    reach here when a read must bring its entries from Redis (a first read)."""
+
+    LIBRARY = """#!lua name=lmbench_floor
+redis.register_function('lmbench_floor_window', function(keys, args)
+  local cid, n = args[1], tonumber(args[2])
+  local hi = tonumber(string.match(redis.call('HGET', keys[2], '\\0v' .. cid), ':(%d+)$'))
+  local fields, pre = {}, cid .. '|text|'
+  for s = hi - n + 1, hi do fields[#fields + 1] = pre .. s end
+  return redis.call('HMGET', keys[1], unpack(fields))
+end)
+"""
+
+    def __init__(self, r: aioredis.Redis) -> None:
+        self.r = r
+        self.batch = AutoPipeline(r)
+        self.decode = msgspec.msgpack.Decoder(list[Entry]).decode
+
+    async def load(self) -> None:
+        await self.r.function_load(self.LIBRARY, replace=True)
+
+    async def get_window(self, principal: str, cid: str, last_n: int) -> list[Entry]:
+        e, m = keys.ctx_keys(principal)[:2]
+        vals = await self.batch.submit(pack_command(("FCALL", "lmbench_floor_window", 2, e, m, cid, last_n)))
+        return self.decode(b"".join((array_header(len(vals)), *vals)))  # as the store decodes a run
 
 
 async def client_commands(r: aioredis.Redis) -> int:
@@ -279,6 +318,8 @@ async def main(args: argparse.Namespace) -> int:
         store, naive = ContextStore(r, cfg), Naive(r, args.entries)
         # The same store without its read cache: every read fetches every entry it returns.
         uncached = ContextStore(r, dataclasses.replace(cfg, read_cache_bytes=0))
+        floor = Floor(r)  # the bound of any one-script read that must fetch its entries
+        await floor.load()
         payload = b"a" * args.payload
         await check_bulk_load(r, store, args.entries, payload)
         t0 = time.perf_counter()
@@ -293,6 +334,7 @@ async def main(args: argparse.Namespace) -> int:
             (f"store.get_window(last {args.last_n})", lambda p: store.get_window(p, "c", last_n=args.last_n)),
             (f"naive.get_window(last {args.last_n})", lambda p: naive.get_window(p, "c", args.last_n)),
             (f"uncached.get_window(last {args.last_n})", lambda p: uncached.get_window(p, "c", last_n=args.last_n)),
+            (f"floor.get_window(last {args.last_n})", lambda p: floor.get_window(p, "c", args.last_n)),
         )
         # Warm-up, not recorded: every operation of both sides on principals of their own
         # (u<principals>..), so that the first measurement does not pay for what only a
@@ -307,14 +349,15 @@ async def main(args: argparse.Namespace) -> int:
             for conc in [int(x) for x in args.concurrency.split(",")]:
                 for name, op in ops:
                     st = store if name.startswith("store") else uncached
+                    ours = name.startswith(("store", "uncached"))
                     rt0, f0, u0 = st.round_trips, st.entries_fetched, st.entries_reused
                     row = await measure(r, name, op, args.ops, conc, args.principals, seed=run * 1000 + conc)
-                    if not name.startswith("naive"):  # cross-check against the store's own call counter
+                    if ours:  # cross-check against the store's own call counter
                         assert st.round_trips - rt0 == args.ops, "store made more than one call per op"
                     row["conc"], row["run"] = conc, run + 1
                     rows.append(row)
                     cache = ""
-                    if "get_window" in name and not name.startswith("naive"):
+                    if "get_window" in name and ours:
                         cache = (f"  entries/op fetched {(st.entries_fetched - f0) / args.ops:.1f}, "
                                  f"from the read cache {(st.entries_reused - u0) / args.ops:.1f}")
                     print(f"  {run + 1:<3} {conc:<5} {name:<31} {row['ops_s']:>7.0f} {row['p50_ms']:>9.2f} "
@@ -325,11 +368,12 @@ async def main(args: argparse.Namespace) -> int:
         for run in range(1, args.repeat + 1):
             for conc in sorted({x["conc"] for x in rows}):
                 for impl, op in (("store", "append"), ("store", f"get_window(last {args.last_n})"),
-                                 ("uncached", f"get_window(last {args.last_n})")):
+                                 ("uncached", f"get_window(last {args.last_n})"),
+                                 ("floor", f"get_window(last {args.last_n})")):
                     s, n = by[(f"{impl}.{op}", conc, run)], by[(f"naive.{op}", conc, run)]
                     s_cpu, n_cpu = s["client_us"] + s["server_us"], n["client_us"] + n["server_us"]
-                    label = op if impl == "store" else f"{op}, no cache"
-                    print(f"  run {run} c={conc:<3} {label:<30} throughput x{s['ops_s'] / n['ops_s']:.2f}   "
+                    label = {"store": op, "uncached": f"{op}, no cache", "floor": f"{op}, fetch-only floor"}[impl]
+                    print(f"  run {run} c={conc:<3} {label:<37} throughput x{s['ops_s'] / n['ops_s']:.2f}   "
                           f"CPU/op (client+redis) x{n_cpu / s_cpu:.2f} less   "
                           f"p99 {s['p99_ms']:.2f} vs {n['p99_ms']:.2f} ms")
         mem_store, mem_naive = await memory_per_entry(r, cfg, args.mem_contexts)
