@@ -71,7 +71,22 @@ local function audit(action, cid, ver, extra)
   redis.call(unpack(a))
 end
 
-local function efield(cid, mod, seq) return cid .. '|' .. mod .. '|' .. seq end
+-- Sequence numbers as decimal strings, each formatted once while the library stays loaded.
+-- Lua formats a number it concatenates with sprintf("%.14g"): building the 20 field names of
+-- a first read's HMGET took ~4 µs of Redis CPU, ~1 µs with this table (docs/context.md,
+-- "Figures", eighth session). Bounded: numbers from 65536 up are formatted every time.
+-- A string (a seq parsed from an argument) is already its decimal name.
+local SEQS = {}
+local function seqstr(s)
+  local d = SEQS[s]
+  if d then return d end
+  if type(s) ~= 'number' then return s end
+  d = string.format('%d', s)
+  if s < 65536 then SEQS[s] = d end
+  return d
+end
+
+local function efield(cid, mod, seq) return cid .. '|' .. mod .. '|' .. seqstr(seq) end
 
 -- ------------------------------------------------------------------ stored entries
 -- An entry is stored as a MessagePack array of the fields of shared.types.Entry, in order:
@@ -110,7 +125,7 @@ local mod_strs = {}  -- modality -> its MessagePack str (the library stays loade
 local function stored_entry(mod, seq, body)
   local ms = mod_strs[mod]
   if not ms then ms = mp_str(mod); mod_strs[mod] = ms end
-  local id = mod .. ':' .. seq
+  local id = mod .. ':' .. seqstr(seq)
   if #id < 32 then return '\153' .. string.char(0xa0 + #id) .. id .. ms .. body end  -- one concatenation
   return '\153' .. mp_str(id) .. ms .. body
 end
@@ -203,7 +218,7 @@ end
 
 local function ranges_str(m)
   local parts = {}
-  for mod, c in pairs(m.ch) do parts[#parts + 1] = mod .. ':' .. c.lo .. ':' .. c.hi end
+  for mod, c in pairs(m.ch) do parts[#parts + 1] = mod .. ':' .. seqstr(c.lo) .. ':' .. seqstr(c.hi) end
   return table.concat(parts, ';')
 end
 
@@ -216,7 +231,7 @@ local function save(cid, m)
   if cid == pre_vcid then pre_vcid = nil end
   local n = #staged
   staged[n + 1], staged[n + 2] = cid, cjson.encode(m)
-  staged[n + 3], staged[n + 4] = VER .. cid, m.v .. ';' .. (m.e or '') .. ';' .. ranges_str(m)
+  staged[n + 3], staged[n + 4] = VER .. cid, seqstr(m.v) .. ';' .. (m.e or '') .. ';' .. ranges_str(m)
 end
 
 local function add_bytes(delta)
@@ -488,7 +503,7 @@ end
 
 local function hmget_range(cid, mod, a, b)
   local fields, pre, n = {}, efield(cid, mod, ''), 0
-  for s = a, b do n = n + 1; fields[n] = pre .. s end
+  for s = a, b do n = n + 1; fields[n] = pre .. (SEQS[s] or seqstr(s)) end
   return redis.call('HMGET', E, unpack(fields))
 end
 
@@ -641,7 +656,7 @@ function ops.append()
   bump(cid, m)
   enforce_principal(cid, m)
   save(cid, m)
-  audit('append', cid, m.v, {'entry', mod .. ':' .. seq, 'bytes', #val})
+  audit('append', cid, m.v, {'entry', mod .. ':' .. seqstr(seq), 'bytes', #val})
   finish(true)
   return {seq, m.v, evicted_reply(), global_reply(global_victims())}
 end
