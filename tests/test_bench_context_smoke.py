@@ -20,3 +20,6 @@ def test_bench_context_runs_small(redis_url):
     assert "ratios store / naive" in out.stdout and "memory per 1 KiB entry" in out.stdout
     rows = [line for line in out.stdout.splitlines() if "store." in line or "uncached." in line]
     assert len(rows) == 3 and all(" 1.00 " in row for row in rows), rows  # one call per operation
+    floor = [line for line in out.stdout.splitlines() if "floor.get_window" in line]
+    assert len(floor) == 1 and " 1.00 " in floor[0], floor  # the fetch-only bound, one call per read
+    assert "fetch-only floor" in out.stdout
