@@ -500,3 +500,39 @@ def test_a_run_header_fits_runs_of_every_length():
     array form (fix, 16, 32 bits) must say n."""
     for n in (0, 1, 15, 16, 65_535, 65_536, 70_000):
         assert len(msgspec.msgpack.decode(_array_header(n) + b"\xc0" * n)) == n
+
+
+async def test_sequence_numbers_on_both_sides_of_the_scripts_table_of_names(r):
+    """The script formats a sequence number below 65536 once and keeps its name; from 65536
+    up it formats it every time. A channel crossing 65536 appends, trims, reads (whole and
+    through the read cache), reads old versions and forks the same on both sides."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    bulk_load = importlib.import_module("bench_context").bulk_load  # the store's layout, checked by the bench
+    now = 1_000_000
+    cfg = ContextConfig(channel_max_entries=8, versions_retained=4)
+    n = 65_533
+    packed = [pack_entry("user", b"e%d" % i, tokens=1, ts_ms=now) for i in range(1, n + 1)]
+    pipe = r.pipeline(transaction=False)
+    bulk_load(pipe, cfg, "alice", "c", packed, now, 1)
+    await pipe.execute()
+    s = ContextStore(r, cfg, clock_ms=lambda: now)
+    uncached = ContextStore(r, ContextConfig(channel_max_entries=8, versions_retained=4, read_cache_bytes=0),
+                            clock_ms=lambda: now)
+    assert [e.id for e in (await s.get_window("alice", "c")).channels["text"]] == [
+        f"text:{i}" for i in range(n - 7, n + 1)]
+    for i in range(n + 1, n + 6):  # 65534 .. 65538
+        res = await s.append("alice", "c", "text", "user", b"e%d" % i)
+        assert res.entry_id == f"text:{i}"
+    want = list(range(n - 2, n + 6))  # the window of 8: 65531 .. 65538
+    for store in (s, uncached):
+        win = await store.get_window("alice", "c")
+        assert [(e.id, e.content) for e in win.channels["text"]] == [(f"text:{i}", b"e%d" % i) for i in want]
+    old = await s.read_at_version("alice", "c", win.version - 2)  # before the last two appends
+    assert [e.id for e in old.channels["text"]] == [f"text:{i}" for i in range(n - 4, n + 4)]
+    fork = await s.fork("alice", "c", "d")
+    forked = await uncached.get_window("alice", fork, last_n=3)
+    assert [(e.id, e.content) for e in forked.channels["text"]] == [(f"text:{i}", b"e%d" % i) for i in want[-3:]]
