@@ -47,7 +47,6 @@ import sys
 import tempfile
 import time
 
-import msgspec
 import orjson
 import redis.asyncio as aioredis
 
@@ -55,6 +54,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from shared import keys  # noqa: E402
 from shared.config import ContextConfig  # noqa: E402
+from shared.context_store import _DECODE_RUN as decode_run  # noqa: E402
 from shared.context_store import ContextStore, pack_entry, stored_entry  # noqa: E402
 from shared.context_store import _array_header as array_header  # noqa: E402
 from shared.redis_batch import AutoPipeline, pack_command  # noqa: E402
@@ -120,7 +120,6 @@ end)
     def __init__(self, r: aioredis.Redis) -> None:
         self.r = r
         self.batch = AutoPipeline(r)
-        self.decode = msgspec.msgpack.Decoder(list[Entry]).decode
 
     async def load(self) -> None:
         await self.r.function_load(self.LIBRARY, replace=True)
@@ -128,7 +127,7 @@ end)
     async def get_window(self, principal: str, cid: str, last_n: int) -> list[Entry]:
         e, m = keys.ctx_keys(principal)[:2]
         vals = await self.batch.submit(pack_command(("FCALL", "lmbench_floor_window", 2, e, m, cid, last_n)))
-        return self.decode(b"".join((array_header(len(vals)), *vals)))  # as the store decodes a run
+        return decode_run(b"".join((array_header(len(vals)), *vals)))  # as the store decodes a run
 
 
 async def client_commands(r: aioredis.Redis) -> int:

@@ -506,12 +506,14 @@ async def test_sequence_numbers_on_both_sides_of_the_scripts_table_of_names(r):
     """The script formats a sequence number below 65536 once and keeps its name; from 65536
     up it formats it every time. A channel crossing 65536 appends, trims, reads (whole and
     through the read cache), reads old versions and forks the same on both sides."""
-    import importlib
-    import sys
+    import importlib.util
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-    bulk_load = importlib.import_module("bench_context").bulk_load  # the store's layout, checked by the bench
+    path = Path(__file__).resolve().parent.parent / "bench" / "bench_context.py"
+    spec = importlib.util.spec_from_file_location("bench_context", path)
+    bench = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(bench)  # type: ignore[union-attr]
+    bulk_load = bench.bulk_load  # the store's layout, checked against the script by the bench
     now = 1_000_000
     cfg = ContextConfig(channel_max_entries=8, versions_retained=4)
     n = 65_533
