@@ -71,7 +71,8 @@ local function audit(action, cid, ver, extra)
   redis.call(unpack(a))
 end
 
--- Sequence numbers as decimal strings, each formatted once while the library stays loaded.
+-- Sequence numbers (and versions) as decimal strings, each formatted once while the library
+-- stays loaded.
 -- Lua formats a number it concatenates with sprintf("%.14g"): building the 20 field names of
 -- a first read's HMGET took ~4 µs of Redis CPU, ~1 µs with this table (docs/context.md,
 -- "Figures", eighth session). Bounded: numbers from 65536 up are formatted every time.
