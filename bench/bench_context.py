@@ -23,7 +23,10 @@ all it returns). Each read row says how many entries per read came from Redis an
 many from the cache. A third read row, ``floor``, is not a store: one Redis Function that
 only fetches the last entries of the same data (no state, LRU, budgets or cache; see
 ``Floor``) — the most any design with one script per read can reach here when the read
-must bring its entries from Redis, the case of a process's first read of a context.
+must bring its entries from Redis, the case of a process's first read of a context. A
+fourth, ``onevalue``, is the store's own script doing a read's bookkeeping but fetching the
+window as one prebuilt value (see ``OneValue``): what the store's first read would cost if
+its layout held a window in one value.
 
 Default run is short (well under a minute on an idle machine): 300 principals, 100-entry
 contexts, 128-byte entries. ``--full``: 10,000 principals (preloaded with a pipelined bulk
@@ -57,6 +60,8 @@ from shared.config import ContextConfig  # noqa: E402
 from shared.context_store import _DECODE_RUN as decode_run  # noqa: E402
 from shared.context_store import ContextStore, pack_entry, stored_entry  # noqa: E402
 from shared.context_store import _array_header as array_header  # noqa: E402
+from shared.context_store import _library as library  # noqa: E402
+from shared.context_store import _script_source as script_source  # noqa: E402
 from shared.redis_batch import AutoPipeline, pack_command  # noqa: E402
 from shared.types import Entry  # noqa: E402
 
@@ -135,6 +140,58 @@ end)
         e, m = keys.ctx_keys(principal)[:2]
         vals = await self.batch.submit(pack_command(("FCALL", "lmbench_floor_window", 2, e, m, cid, last_n)))
         return decode_run(b"".join((array_header(len(vals)), *vals)))  # as the store decodes a run
+
+
+
+class OneValue:
+    """The store's own read with one thing changed: the window comes as ONE value. The
+    store's script (its library, as loaded by the store) plus one operation that does what
+    a window read does for its bookkeeping — the principal's state and the context's meta in
+    one ``HMGET``, the idle check, the use, the global LRU stamp, the state written back and
+    the TTLs — but fetches the last entries as one prebuilt value (``prepare`` joins each
+    context's last ``n`` stored entries into the field ``\\0w<cid>`` of its entries hash,
+    as the read cache's run buffer). Not a store (the value is not maintained): it shows what
+    the store's read would cost if its layout held a window in one value instead of one
+    value per entry — the layout, not the bookkeeping, is what a first read pays for."""
+
+    OP = """
+function ops.bench_one_value()
+  local cid = ARGS[5]
+  if not raw_meta(cid) then fail('LM_NOTFOUND context ' .. cid) end
+  local run = redis.call('HGET', E, '\\0w' .. cid)
+  touch(cid)
+  finish(true)
+  return {#evicted, run}
+end
+"""
+
+    def __init__(self, r: aioredis.Redis, store: ContextStore) -> None:
+        self.r, self.store = r, store
+        self.batch = AutoPipeline(r)
+        self.fn, self.code = library(script_source() + self.OP)
+
+    async def load(self) -> None:
+        await self.r.function_load(self.code, replace=True)
+
+    async def prepare(self, principals: int, entries: int, n: int) -> None:
+        """Every principal u<i>'s context "c": its last ``n`` stored entries as one value."""
+        fields = [f"c|text|{s}" for s in range(entries - n + 1, entries + 1)]
+        for start in range(0, principals, 500):
+            names = [f"u{i}" for i in range(start, min(principals, start + 500))]
+            pipe = self.r.pipeline(transaction=False)
+            for p in names:
+                pipe.hmget(keys.ctx_keys(p)[0], fields)
+            got = await pipe.execute()
+            pipe = self.r.pipeline(transaction=False)
+            for p, vals in zip(names, got, strict=True):
+                pipe.hset(keys.ctx_keys(p)[0], "\x00wc", b"".join((array_header(n), *vals)))
+            await pipe.execute()
+
+    async def get_window(self, principal: str, cid: str) -> list[Entry]:
+        st = self.store
+        reply = await self.batch.submit(pack_command(("FCALL", self.fn, 8, *st._keys(principal), "bench_one_value",
+                                                      principal, st._cfg_arg, int(time.time() * 1000), cid)))
+        return decode_run(reply[1])
 
 
 async def client_commands(r: aioredis.Redis) -> int:
@@ -326,10 +383,16 @@ async def main(args: argparse.Namespace) -> int:
         uncached = ContextStore(r, dataclasses.replace(cfg, read_cache_bytes=0))
         floor = Floor(r)  # the bound of any one-script read that must fetch its entries
         await floor.load()
+        one = OneValue(r, uncached)  # the store's read bookkeeping, the window in one value
+        await one.load()
         payload = b"a" * args.payload
         await check_bulk_load(r, store, args.entries, payload)
         t0 = time.perf_counter()
         await preload(r, cfg, naive, args.principals + WARM_PRINCIPALS, args.entries, payload)
+        await one.prepare(args.principals + WARM_PRINCIPALS, args.entries, args.last_n)
+        probe = f"u{args.principals}"  # a warm-up principal: measured ones stay unread
+        want = (await uncached.get_window(probe, "c", last_n=args.last_n)).channels["text"]
+        assert await one.get_window(probe, "c") == want, "the one-value bound reads other entries than the store"
         print(f"preloaded {args.principals} principals x {args.entries} entries x {args.payload} B "
               f"in {time.perf_counter() - t0:.1f}s (both layouts, pipelined bulk load)")
         gc.collect()  # the preload's garbage, not the first measurement's pause
@@ -341,6 +404,7 @@ async def main(args: argparse.Namespace) -> int:
             (f"naive.get_window(last {args.last_n})", lambda p: naive.get_window(p, "c", args.last_n)),
             (f"uncached.get_window(last {args.last_n})", lambda p: uncached.get_window(p, "c", last_n=args.last_n)),
             (f"floor.get_window(last {args.last_n})", lambda p: floor.get_window(p, "c", args.last_n)),
+            (f"onevalue.get_window(last {args.last_n})", lambda p: one.get_window(p, "c")),
         )
         # Warm-up, not recorded: every operation of both sides on principals of their own
         # (u<principals>..), so that the first measurement does not pay for what only a
@@ -375,10 +439,12 @@ async def main(args: argparse.Namespace) -> int:
             for conc in sorted({x["conc"] for x in rows}):
                 for impl, op in (("store", "append"), ("store", f"get_window(last {args.last_n})"),
                                  ("uncached", f"get_window(last {args.last_n})"),
-                                 ("floor", f"get_window(last {args.last_n})")):
+                                 ("floor", f"get_window(last {args.last_n})"),
+                                 ("onevalue", f"get_window(last {args.last_n})")):
                     s, n = by[(f"{impl}.{op}", conc, run)], by[(f"naive.{op}", conc, run)]
                     s_cpu, n_cpu = s["client_us"] + s["server_us"], n["client_us"] + n["server_us"]
-                    label = {"store": op, "uncached": f"{op}, no cache", "floor": f"{op}, fetch-only floor"}[impl]
+                    label = {"store": op, "uncached": f"{op}, no cache", "floor": f"{op}, fetch-only floor",
+                             "onevalue": f"{op}, one-value bound"}[impl]
                     print(f"  run {run} c={conc:<3} {label:<37} throughput x{s['ops_s'] / n['ops_s']:.2f}   "
                           f"CPU/op (client+redis) x{n_cpu / s_cpu:.2f} less   "
                           f"p99 {s['p99_ms']:.2f} vs {n['p99_ms']:.2f} ms")

@@ -23,3 +23,6 @@ def test_bench_context_runs_small(redis_url):
     floor = [line for line in out.stdout.splitlines() if "floor.get_window" in line]
     assert len(floor) == 1 and " 1.00 " in floor[0], floor  # the fetch-only bound, one call per read
     assert "fetch-only floor" in out.stdout
+    one = [line for line in out.stdout.splitlines() if "onevalue.get_window" in line]
+    assert len(one) == 1 and " 1.00 " in one[0], one  # the store's bookkeeping, the window in one value
+    assert "one-value bound" in out.stdout
