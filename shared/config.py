@@ -125,12 +125,15 @@ class ContextConfig:
     versions_retained: int = 16
     audit_maxlen: int = 100_000
     read_cache_bytes: int = 128 * 1024 * 1024  # entries a store keeps to skip re-fetching them; 0: off
+    read_cache_admit_reads: int = 2  # a context's entries are kept from its n-th read by the store (1: every read)
     global_lru_resolution_ms: int = 1000  # a principal's global LRU stamp is renewed at most this often; 0: every use
 
     def __post_init__(self) -> None:
         _require(bool(self.modalities), "context.modalities must not be empty")
         _require(isinstance(self.read_cache_bytes, int) and self.read_cache_bytes >= 0,
                  "context.read_cache_bytes must be >= 0")
+        _require(isinstance(self.read_cache_admit_reads, int) and 1 <= self.read_cache_admit_reads <= 16,
+                 "context.read_cache_admit_reads must be in 1..16")
         _require(isinstance(self.global_lru_resolution_ms, int) and 0 <= self.global_lru_resolution_ms <= 3_600_000,
                  "context.global_lru_resolution_ms must be in 0..3600000")
         for name in ("max_entry_bytes", "channel_max_entries", "channel_max_bytes",

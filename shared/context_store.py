@@ -193,6 +193,8 @@ def _library(source: str) -> tuple[str, str]:
     return fn, code
 
 
+_SEEN_MAX = 65536  # contexts the read cache remembers reading without keeping them (~150 B each)
+
 _LU = b"\x00u"  # meta field prefix of a context's last use (see context.lua)
 
 
@@ -282,6 +284,8 @@ class ContextStore:
         # Read cache: (principal, context) -> entries of its last read, LRU, bounded in bytes.
         self._held: OrderedDict[tuple[str, str], _Held] = OrderedDict()
         self._held_bytes = 0
+        # Contexts read but not (yet) kept -> their reads so far (see _admit).
+        self._seen: OrderedDict[tuple[str, str], int] = OrderedDict()
         self.entries_fetched = 0  # entries read from Redis
         self.entries_reused = 0   # entries get_window took from the read cache instead
         self._read_metrics = (metrics.CONTEXT_READ_ENTRIES.labels("redis"), metrics.CONTEXT_READ_ENTRIES.labels("cache"))
@@ -447,13 +451,23 @@ class ContextStore:
         while pos < end:
             mod, first, n = self._mod(flat[pos]), int(flat[pos + 1]), int(flat[pos + 2])
             vals = flat[pos + 3:pos + 3 + n]
-            try:  # stored entries behind one array header: one MessagePack array, one C call
-                ents = _DECODE_RUN(b"".join((_array_header(n), *vals)))
-            except msgspec.MsgspecError:  # entries of format 1 among them (none decodes as an Entry)
-                ents = unpack_entries(mod, first, vals)
             pos += 3 + n
-            runs.append((mod, first, ents))
-            self.entries_fetched += len(ents)
+            if None in vals:  # an entry not stored (never expected): the run splits there
+                parts, start = [], 0
+                for i, v in enumerate([*vals, None]):
+                    if v is None:
+                        if i > start:
+                            parts.append((first + start, vals[start:i]))
+                        start = i + 1
+            else:
+                parts = [(first, vals)]
+            for seq, part in parts:
+                try:  # stored entries behind one array header: one MessagePack array, one C call
+                    ents = _DECODE_RUN(b"".join((_array_header(len(part)), *part)))
+                except msgspec.MsgspecError:  # entries of format 1 among them (none decodes as an Entry)
+                    ents = unpack_entries(mod, seq, part)
+                runs.append((mod, seq, ents))
+                self.entries_fetched += len(ents)
         return runs
 
     @staticmethod
@@ -645,6 +659,8 @@ class ContextStore:
         parts_of_ver = ver.split(";", 2)  # version, epoch (the context's life), channel ranges
         epoch = parts_of_ver[1] if len(parts_of_ver) > 1 else ""
         same_life = held is not None and held.epoch == epoch
+        # keep what this read gets? (a context the cache holds: yes; else see _admit)
+        keeping = bool(self.cfg.read_cache_bytes) and (held is not None or self._admit((principal, context_id)))
         kept: dict[str, tuple[int, tuple[Entry, ...], int]] = {}
         unchanged = same_life
         for i in range(0, len(wins), 3):
@@ -691,7 +707,8 @@ class ContextStore:
                 return None
             entries = parts[0][1] if len(parts) == 1 else [e for _, es in parts for e in es]
             win.channels[mod] = entries
-            kept[mod] = _channel(lo, entries)
+            if keeping:
+                kept[mod] = _channel(lo, entries)
         if fetched:  # entries outside every window
             return None
         if len(win.channels) > 1:
@@ -703,7 +720,7 @@ class ContextStore:
             held.sig, held.token, held.version = sig, ver, int(version)  # type: ignore[union-attr]
             held.packed = b""  # type: ignore[union-attr]
             self._recently_read((principal, context_id))
-        elif self.cfg.read_cache_bytes and epoch:
+        elif keeping and epoch:
             if same_life and mods:  # channels this read did not ask for stay as they were
                 asked = mods.split(",")
                 for mod, ch in snap.items():
@@ -717,6 +734,24 @@ class ContextStore:
             else:
                 self._keep(key, _Held(epoch, kept, sig=sig, token=ver, version=int(version)))
         return win
+
+    def _admit(self, key: tuple[str, str]) -> bool:
+        """Whether a read of ``key``, which the cache does not hold, keeps what it read: from
+        the context's ``read_cache_admit_reads``-th read among the last _SEEN_MAX contexts
+        read. A context read once (a one-shot session, a scan over many contexts) does not
+        crowd out those read again and again, and its read does not pay for keeping its
+        entries (on this project's VM a first read that kept them cost the client ~40% more:
+        docs/context.md, "Read cache")."""
+        need = self.cfg.read_cache_admit_reads
+        if need <= 1:
+            return True
+        seen = self._seen.pop(key, 0) + 1
+        if seen >= need:
+            return True
+        self._seen[key] = seen
+        if len(self._seen) > _SEEN_MAX:
+            self._seen.popitem(last=False)
+        return False
 
     def _keep(self, key: tuple[str, str], held: _Held, *, replace: bool = True) -> None:
         """Keep ``held`` as the read cache's most recent record of ``key`` (``replace``: a new

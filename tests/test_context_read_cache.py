@@ -34,6 +34,7 @@ def read_entries(source: str) -> float:
 
 def make(r, **cfg) -> ContextStore:
     cfg.setdefault("read_cache_bytes", 1 << 20)
+    cfg.setdefault("read_cache_admit_reads", 1)  # every read keeps: admission has a test of its own
     return ContextStore(r, ContextConfig(**cfg))
 
 
@@ -405,3 +406,47 @@ async def test_the_read_cache_counts_what_an_entry_takes(r):
     assert len(ents) == 200
     per_entry = (taken - sum(len(e.content) for e in ents)) / len(ents)
     assert 0.75 * _HELD_ENTRY_OVERHEAD <= per_entry <= 1.25 * _HELD_ENTRY_OVERHEAD, per_entry
+
+
+async def test_a_context_is_kept_from_its_second_read(r, monkeypatch):
+    """read_cache_admit_reads (default 2): a first read of a context only notes it — it keeps
+    nothing, so contexts read once do not crowd out the rest; the second read keeps what it
+    read and the next fetches only what changed. The notes are bounded (_SEEN_MAX)."""
+    import shared.context_store as cs
+
+    s, ref = ContextStore(r, ContextConfig(read_cache_bytes=1 << 20)), make(r, read_cache_bytes=0)
+    assert s.cfg.read_cache_admit_reads == 2
+    await fill(s, "alice", "c", 30)
+    first = await s.get_window("alice", "c", last_n=20)
+    assert (s.entries_fetched, s.entries_reused, len(s._held), s._held_bytes) == (20, 0, 0, 0)
+    second = await s.get_window("alice", "c", last_n=20)  # fetched again, and kept
+    assert (s.entries_fetched, s.entries_reused, len(s._held)) == (40, 0, 1) and view(second) == view(first)
+    check_held_bytes(s)
+    await s.append("alice", "c", "text", "user", b"new")
+    third = await s.get_window("alice", "c", last_n=20)
+    assert (s.entries_fetched, s.entries_reused) == (41, 19)
+    assert view(third) == view(await ref.get_window("alice", "c", last_n=20))
+    assert ("alice", "c") not in s._seen
+    monkeypatch.setattr(cs, "_SEEN_MAX", 4)
+    for i in range(10):
+        await s.append("bob", f"c{i}", "text", "user", b"x")
+        await s.get_window("bob", f"c{i}")
+    assert list(s._seen) == [("bob", f"c{i}") for i in range(6, 10)] and len(s._held) == 1
+    await s.get_window("bob", "c0")  # forgotten: a first read again
+    await s.get_window("bob", "c9")  # a second read: kept
+    assert set(s._held) == {("alice", "c"), ("bob", "c9")}
+    with pytest.raises(ConfigError):
+        ContextConfig(read_cache_admit_reads=0)
+
+
+async def test_an_entry_missing_from_redis_is_reported_not_decoded_around(r):
+    """An entry deleted behind the store's back (never by the store: a range's entries are
+    written and deleted together) comes back as a hole in its run: the client splits the run
+    there, sees the window is not whole and says so — no decoding of what is not there."""
+    s = make(r, read_cache_bytes=0)
+    await fill(s, "fay", "c", 5)
+    await r.hdel(keys.ctx_entries("fay"), "c|text|3")
+    with pytest.raises(RuntimeError, match="does not match its ranges"):
+        await s.get_window("fay", "c")
+    await s.append("fay", "c", "text", "user", b"t5")  # the window from text:4 on is whole again
+    assert [e.text for e in (await s.get_window("fay", "c", last_n=3)).channels["text"]] == ["t3", "t4", "t5"]

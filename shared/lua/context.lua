@@ -516,23 +516,12 @@ local function add_run(out, mod, first, vals)
   out[#out + 1] = mod; out[#out + 1] = first; out[#out + 1] = vals
 end
 
--- Runs of the entries a..b of a channel that exist (nothing when b < a).
+-- Runs of the entries a..b of a channel (nothing when b < a). An entry that is not stored
+-- — never expected: the entries of a range are written and deleted together — stays in its
+-- run as false (nil in the reply) and the client splits the run there: no pass over the
+-- values here (a loop of Lua per entry cost a read ~3% of its Redis instructions).
 local function fetch(cid, mod, a, b, out)
-  for x = a, b, 1000 do
-    local vals = hmget_range(cid, mod, x, math.min(b, x + 999))
-    local whole = true
-    for i = 1, #vals do if not vals[i] then whole = false; break end end
-    if whole then
-      add_run(out, mod, x, vals)
-    else  -- never expected (entries of a range are written and deleted together): skip holes
-      local run
-      for i = 1, #vals do
-        if not vals[i] then run = nil
-        elseif run then run[#run + 1] = vals[i]
-        else run = {vals[i]}; add_run(out, mod, x + i - 1, run) end
-      end
-    end
-  end
+  for x = a, b, 1000 do add_run(out, mod, x, hmget_range(cid, mod, x, math.min(b, x + 999))) end
 end
 
 -- The window of a channel: its range lo..hi cut to the last `last_n` entries and/or to a
@@ -570,6 +559,8 @@ local function read_channel(cid, mod, lo, hi, last_n, max_tokens, out, held)
   return lo, hi
 end
 
+local NONE = {}  -- shared empty table (never written): spares a table per call
+
 -- Add entries of requested channels that returned entries link to (within `ranges`),
 -- each as a run of its own.
 local function resolve(cid, ranges, wanted, out)
@@ -580,7 +571,7 @@ local function resolve(cid, ranges, wanted, out)
   end
   for i = 1, n, 3 do
     for _, val in ipairs(out[i + 2]) do
-      for _, l in ipairs(links_of(val)) do
+      for _, l in ipairs(val and links_of(val) or NONE) do
         local key = l[1] .. ':' .. l[2]
         local r = ranges[l[1]]
         if wanted[l[1]] and r and not have[key] and l[2] >= r[1] and l[2] <= r[2] then
@@ -604,7 +595,6 @@ local function runs_reply(reply, out)
   return reply
 end
 
-local NONE = {}  -- shared empty table (never written): spares a table per call
 
 local function wanted_set(csv)
   if csv == '' then return {}, true end
@@ -735,6 +725,12 @@ function ops.window()
   if resolving then resolve(cid, ranges, wanted, out) end
   touch(cid)
   finish(true)
+  if #out == 3 and #reply == 6 and #evicted == 0 then
+    -- The usual read (one channel, one run, no eviction): the reply in one table constructor,
+    -- its values copied by the VM in C, not by a loop of Lua (~4% of a read's instructions).
+    local vals = out[3]
+    return {reply[1], reply[2], 1, reply[4], reply[5], reply[6], 0, out[1], out[2], #vals, unpack(vals)}
+  end
   reply[#reply + 1] = #evicted
   evicted_reply(reply)
   return runs_reply(reply, out)
