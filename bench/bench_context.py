@@ -315,6 +315,36 @@ async def preload(r: aioredis.Redis, cfg: ContextConfig, naive: Naive, principal
         await pipe.execute()
 
 
+LUA_BYTES = """#!lua name=lmbench_bytes
+redis.register_function('lmbench_bytes_get', function(keys, args)
+  local n = 0
+  for _ = 1, tonumber(args[1]) do n = n + #redis.call('GET', keys[1]) end
+  return n
+end)
+"""
+
+
+async def lua_byte_cost(r: aioredis.Redis, n: int = 200) -> tuple[float, float, float]:
+    """What Redis's Lua spends to make a string of a value a script reads: the time of a
+    script that GETs a value ``n`` times, for 100 B and 100 KiB values. Returns (ns per
+    byte, µs per 100 B, µs per 100 KiB). Every byte of an entry a script returns passes
+    through such a string once (docs/context.md, "Figures", ninth session)."""
+    await r.function_load(LUA_BYTES, replace=True)
+    out = []
+    for size in (100, 100 * 1024):
+        await r.set("lmbench:bytes", b"x" * size)
+        best = float("inf")
+        for _ in range(3):  # the least of three: scheduling noise only ever adds
+            t0 = time.perf_counter()
+            assert await r.fcall("lmbench_bytes_get", 1, "lmbench:bytes", n) == n * size
+            best = min(best, time.perf_counter() - t0)
+        out.append(best / n)
+    await r.delete("lmbench:bytes")
+    await r.function_delete("lmbench_bytes")
+    small, big = out
+    return (big - small) / (100 * 1024 - 100) * 1e9, small * 1e6, big * 1e6
+
+
 async def memory_per_entry(r: aioredis.Redis, cfg: ContextConfig, contexts: int) -> tuple[float, float]:
     """MEMORY USAGE (exact, SAMPLES 0) of the keys holding 100-entry contexts of 1 KiB entries,
     per entry / 1024, for the store and for the naive JSON documents."""
@@ -451,6 +481,9 @@ async def main(args: argparse.Namespace) -> int:
         mem_store, mem_naive = await memory_per_entry(r, cfg, args.mem_contexts)
         print(f"\nmemory per 1 KiB entry / payload: store {mem_store:.2f}x, naive JSON {mem_naive:.2f}x "
               f"({args.mem_contexts} contexts x 100 entries)")
+        per_byte, small_us, big_us = await lua_byte_cost(r)
+        print(f"Lua strings: {per_byte:.2f} ns per byte (a script reading a 100 KiB value {big_us:.1f} us, "
+              f"100 B {small_us:.2f} us): every byte a script gets from Redis or builds pays it once")
         print(f"redis used_memory {(await r.info('memory'))['used_memory_human']}; load average at end: {loadavg()}")
     finally:
         await r.aclose()

@@ -26,3 +26,4 @@ def test_bench_context_runs_small(redis_url):
     one = [line for line in out.stdout.splitlines() if "onevalue.get_window" in line]
     assert len(one) == 1 and " 1.00 " in one[0], one  # the store's bookkeeping, the window in one value
     assert "one-value bound" in out.stdout
+    assert "ns per byte" in out.stdout  # what a byte costs a script's Lua
