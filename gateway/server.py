@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+from types import FrameType
 from typing import Any
 
 from gateway.auth import is_loopback
@@ -29,6 +31,14 @@ def check_bind(cfg: Config) -> None:
                     gw.host, gw.port)
 
 
+class _Stopped(Exception):
+    """SIGTERM or SIGINT: the replica stops (see main)."""
+
+
+def _stop(signum: int, frame: FrameType | None) -> None:
+    raise _Stopped(signum)
+
+
 def main(cfg: Config, args: argparse.Namespace | Any) -> int:
     import uvicorn
 
@@ -45,6 +55,11 @@ def main(cfg: Config, args: argparse.Namespace | Any) -> int:
     check_bind(cfg)
     url, proc = resolve_redis_url(cfg.redis.url)
     cfg.redis.url = url
+    # uvicorn drains on SIGTERM / SIGINT and then raises the signal again under the handlers
+    # it found: with the default ones the process would die there, exit code -15, without
+    # the `finally` below (an embedded Redis this replica started would outlive it). These
+    # end the replica here instead, exit code 0.
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         app = create_app(cfg, fixtures=fixtures)
         # No access log and no X-Forwarded-* rewriting on the hot path: the gateway identifies
@@ -52,7 +67,11 @@ def main(cfg: Config, args: argparse.Namespace | Any) -> int:
         uvicorn.run(app, host=cfg.gateway.host, port=cfg.gateway.port, loop="uvloop", http=CoalescingHttpToolsProtocol,
                     ws="websockets-sansio", log_level="warning", access_log=False, proxy_headers=False,
                     timeout_graceful_shutdown=5, lifespan="on")
+    except _Stopped as stop:
+        log.info("gateway stopped (%s)", signal.Signals(stop.args[0]).name)
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         if proc is not None:
             proc.terminate()
             proc.wait(10)

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
-from conftest import free_port
+import httpx
+import pytest
+from conftest import free_port, wait_for_sync
 
 from services.supervisor import Child, Supervisor, _var_overrides, load_or_create_keys, wait_ready
 from shared.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_keys_are_generated_once_private_and_config_keys_win(tmp_path: Path) -> None:
@@ -35,3 +43,31 @@ def test_default_var_paths_move_under_learnmesh_var(tmp_path: Path) -> None:
 def test_wait_ready_gives_up_on_a_gateway_that_never_answers() -> None:
     sup = Supervisor([Child("none", ["true"], {})])
     assert wait_ready(f"http://127.0.0.1:{free_port()}", 0.5, sup) is False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_gateway_told_to_stop_drains_and_exits_0(redis_url: str, tmp_path: Path, sig: signal.Signals) -> None:
+    """`learnmesh gateway` on SIGTERM (what the supervisor sends) or Ctrl-C: uvicorn drains,
+    then raises the signal again; the replica must end in its own code (which stops an
+    embedded Redis it started), exit code 0 — not die of the signal (-15)."""
+    port = free_port()
+    log = (tmp_path / "gateway.log").open("wb")
+    env = dict(os.environ, REDIS_URL=redis_url)
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "gateway", "--host", "127.0.0.1", "--port",
+                             str(port)], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        def healthy() -> bool:
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for_sync(healthy, timeout_s=30)
+        proc.send_signal(sig)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+    assert f"gateway stopped ({sig.name})" in (tmp_path / "gateway.log").read_text()
