@@ -193,7 +193,7 @@ def _library(source: str) -> tuple[str, str]:
     return fn, code
 
 
-_SEEN_MAX = 65536  # contexts the read cache remembers reading without keeping them (~16 MiB at most)
+_SEEN_MAX = 65536  # contexts the read cache remembers reading without keeping them (~17 MiB at most with 20-character names)
 
 _LU = b"\x00u"  # meta field prefix of a context's last use (see context.lua)
 
