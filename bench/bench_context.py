@@ -104,7 +104,20 @@ class Naive:
         return orjson.loads(raw)["entries"][-last_n:]
 
 
-class Floor:
+class _BenchLibrary:
+    """A Redis Function library of the bench's own, called through a pipeline like the store's."""
+
+    code = ""
+
+    def __init__(self, r: aioredis.Redis) -> None:
+        self.r = r
+        self.batch = AutoPipeline(r)
+
+    async def load(self) -> None:
+        await self.r.function_load(self.code, replace=True)
+
+
+class Floor(_BenchLibrary):
     """The least a read can cost when it is one Lua call, as the issue requires: a Redis
     Function that only reads the channel's range (the ``\\0v`` field) and ``HMGET``s the
     last ``n`` stored entries of the store's own layout — no principal state, no LRU use, no
@@ -114,7 +127,7 @@ class Floor:
 
     # Sequence numbers' names are kept as the store's script keeps them (SEQS in context.lua):
     # formatting them per call would cost the floor ~3 µs the store does not pay.
-    LIBRARY = """#!lua name=lmbench_floor
+    code = """#!lua name=lmbench_floor
 local SEQS = {}
 redis.register_function('lmbench_floor_window', function(keys, args)
   local cid, n = args[1], tonumber(args[2])
@@ -129,21 +142,14 @@ redis.register_function('lmbench_floor_window', function(keys, args)
 end)
 """
 
-    def __init__(self, r: aioredis.Redis) -> None:
-        self.r = r
-        self.batch = AutoPipeline(r)
-
-    async def load(self) -> None:
-        await self.r.function_load(self.LIBRARY, replace=True)
-
     async def get_window(self, principal: str, cid: str, last_n: int) -> list[Entry]:
-        e, m = keys.ctx_keys(principal)[:2]
+        e, m = keys.ctx_entries(principal), keys.ctx_meta(principal)
         vals = await self.batch.submit(pack_command(("FCALL", "lmbench_floor_window", 2, e, m, cid, last_n)))
         return decode_run(b"".join((array_header(len(vals)), *vals)))  # as the store decodes a run
 
 
 
-class OneValue:
+class OneValue(_BenchLibrary):
     """The store's own read with one thing changed: the window comes as ONE value. The
     store's script (its library, as loaded by the store) plus one operation that does what
     a window read does for its bookkeeping — the principal's state and the context's meta in
@@ -166,12 +172,9 @@ end
 """
 
     def __init__(self, r: aioredis.Redis, store: ContextStore) -> None:
-        self.r, self.store = r, store
-        self.batch = AutoPipeline(r)
+        super().__init__(r)
+        self.store = store
         self.fn, self.code = library(script_source() + self.OP)
-
-    async def load(self) -> None:
-        await self.r.function_load(self.code, replace=True)
 
     async def prepare(self, principals: int, entries: int, n: int) -> None:
         """Every principal u<i>'s context "c": its last ``n`` stored entries as one value."""
@@ -180,11 +183,11 @@ end
             names = [f"u{i}" for i in range(start, min(principals, start + 500))]
             pipe = self.r.pipeline(transaction=False)
             for p in names:
-                pipe.hmget(keys.ctx_keys(p)[0], fields)
+                pipe.hmget(keys.ctx_entries(p), fields)
             got = await pipe.execute()
             pipe = self.r.pipeline(transaction=False)
             for p, vals in zip(names, got, strict=True):
-                pipe.hset(keys.ctx_keys(p)[0], "\x00wc", b"".join((array_header(n), *vals)))
+                pipe.hset(keys.ctx_entries(p), "\x00wc", b"".join((array_header(n), *vals)))
             await pipe.execute()
 
     async def get_window(self, principal: str, cid: str) -> list[Entry]:
