@@ -446,10 +446,11 @@ class DeltaEncoder:
 
     # ---------------------------------------------------------------- public API
     def encode(self, params: dict[str, torch.Tensor], version: int, *, anchor: bool | None = None,
-               max_bytes: int | None = None, sink: ChunkSink | None = None) -> EncodedDelta:
+               max_bytes: int | None = None, sink: ChunkSink | None = None, lossless: bool = False) -> EncodedDelta:
         """Encode the change from the reference (at ``self.version``) to ``params`` at ``version``.
 
-        ``anchor=None`` follows ``anchor_every``. ``max_bytes`` caps the delta: chunks go out
+        ``anchor=None`` follows ``anchor_every``. ``lossless=True`` sends this one delta bit-exactly
+        whatever the configured algorithm (the residual flush when training pauses). ``max_bytes`` caps the delta: chunks go out
         most important first and the rest stays in the residual (error feedback).
 
         ``sink(header, i, blob)`` receives every chunk to send. A lossy delta without a byte
@@ -474,7 +475,7 @@ class DeltaEncoder:
             flatten(params, self.layout, self.ref)
             enc = self._dense(version, base=self.version)
             enc.header["kind"] = "anchor"
-        elif self.cfg.algorithm == "lossless":
+        elif self.cfg.algorithm == "lossless" or lossless:
             enc = self._lossless(params, version, max_bytes)
         else:
             enc = self._lossy(params, version, max_bytes, out if sink is not None and max_bytes is None else None)

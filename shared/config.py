@@ -224,7 +224,7 @@ class TrainerConfig:
     comm_hook: str = "none"  # none | fp16 | bf16 | powersgd
     powersgd_rank: int = 2
     optimizer: str = "adamw"  # adamw | sgd
-    lr: float = 3e-3
+    lr: float = 1e-3
     weight_decay: float = 0.0
     schedule: str = "constant"  # constant | cosine
     warmup_steps: int = 0
@@ -248,9 +248,19 @@ class TrainerConfig:
     model_factory: str = ""  # "module:function" building the LearnModel; "" = shared.model.build_model
     trim_log: bool = True  # after a checkpoint, XTRIM log entries it fully contains (never needed again)
     pretrained: bool = True
+    # How a taught fact becomes an answer (docs/trainer.md, "Learning from few samples"): every
+    # sample is trained in replay_passes steps (its first, then replays mixed into later steps,
+    # round-robin), and every step also trains rehearsal_per_step windows of the shipped corpus,
+    # so the model learns the new facts without forgetting what it knew.
+    replay_passes: int = 8
+    replay_buffer: int = 4096  # samples waiting for replay passes; the oldest give way beyond it
+    rehearsal_per_step: int = 8
 
     def __post_init__(self) -> None:
         _require(self.ranks >= 1, "trainer.ranks must be >= 1")
+        _require(self.replay_passes >= 1, "trainer.replay_passes must be >= 1 (1 = each sample once)")
+        _require(self.replay_buffer >= 1, "trainer.replay_buffer must be >= 1")
+        _require(self.rehearsal_per_step >= 0, "trainer.rehearsal_per_step must be >= 0")
         _require(self.max_restarts >= 0, "trainer.max_restarts must be >= 0")
         _require(self.checkpoint_every >= 1 and self.checkpoint_keep >= 1,
                  "trainer.checkpoint_every and trainer.checkpoint_keep must be >= 1")
@@ -282,7 +292,7 @@ class CompressionConfig:
     threshold: float = 0.0
     quantization: str = "int8"  # fp16 | int8 | sign (1 bit + per-block mean |v|) | none
     block_size: int = 4096
-    anchor_every: int = 100
+    anchor_every: int = 0  # 0: no periodic full resends (joiners and gaps fetch a snapshot)
     max_ratio: float = 0.0  # 0 = no cap; else refuse to send a delta bigger than dense/max_ratio
     zstd_level: int = 1
     tuner: str = "off"  # off | bytes | error
@@ -323,9 +333,15 @@ class ConsistencyConfig:
     timeout_s: float = 10.0  # min_model_version wait
     max_lag: int = 5
     delta_heartbeat_ms: int = 1000  # trainer PUB heartbeat: lets workers notice a lost last delta
+    # When no step has run for this long, what lossy deltas left behind (trainer - served) is
+    # published losslessly: workers then serve exactly the trainer's weights. 0 = never.
+    idle_sync_ms: int = 200
+    learn_wait_s: float = 120.0  # generate/score with after_learn: how long to wait for the samples' version
 
     def __post_init__(self) -> None:
         _require(self.sync_interval >= 1, "consistency.sync_interval must be >= 1")
+        _require(self.idle_sync_ms >= 0, "consistency.idle_sync_ms must be >= 0 (0 = off)")
+        _require(self.learn_wait_s > 0, "consistency.learn_wait_s must be > 0")
         _require(self.delta_heartbeat_ms >= 10, "consistency.delta_heartbeat_ms must be >= 10")
         _require(self.timeout_s > 0, "consistency.timeout_s must be > 0")
         _require(self.max_lag >= 0, "consistency.max_lag must be >= 0")

@@ -136,15 +136,27 @@ SAMPLE_LOG = f"{PREFIX}{{samples}}:log"
 ``n``, ``p`` (principal), ``s`` (JSON array of samples). Sample id = ``<entry id>:<index>``."""
 SAMPLE_SEQ = f"{PREFIX}{{samples}}:seq"
 """String: last sequence number handed out with a sample (INCR inside the append script)."""
+SAMPLE_LOG_ID = f"{PREFIX}{{samples}}:logid"
+"""String: the identity of the sample log, made by the first append (SET NX in the append script).
+The trainer binds its offsets to it: a log recreated (a Redis that lost its data, another
+``REDIS_URL``) has another id, so its sequence numbers are never mistaken for the old log's."""
 TRAINER_OFFSET = f"{PREFIX}{{trainer}}:offset"
 """Hash: the trainer's commit record: seq (last trained), id (its log entry), step, version, epoch."""
 TRAINER_TRAINED = f"{PREFIX}{{trainer}}:trained"
 """Hash: optimizer step -> space-separated sample ids trained in that step (the ledger)."""
+TRAINER_SKIPPED = f"{PREFIX}{{trainer}}:skipped"
+"""Hash: optimizer step -> space-separated ``<sample id>=<reason>`` consumed in that step without
+a gradient (``no_gradient``: a down-vote; ``context_gone``: its context snapshot could not be
+read). Never in the ledger of trained ids."""
 TRAINER_STATUS = f"{PREFIX}trainer:status"
 """Hash: progress of the running trainer (step, loss, samples/s, updated_ms) for admin/stats."""
 
 # ---------------------------------------------------------------- model versions / workers
 MODEL_VERSION = f"{PREFIX}model:version"
+MODEL_VERSION_SEQ = f"{PREFIX}model:versionseq"
+"""Sorted set: published model version (member) scored by the last sample seq its weights hold.
+``learn`` answers with its last seq; the first version scored at or above it contains the samples
+(read-your-writes without guessing a version)."""
 
 # ---------------------------------------------------------------- audit
 AUDIT_STREAM = f"{PREFIX}audit"

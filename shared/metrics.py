@@ -139,7 +139,15 @@ SAMPLES_BACKPRESSURE = Counter("learnmesh_samples_backpressure_total",
 TRAINER_STEP = Gauge("learnmesh_trainer_step", "Optimizer steps of the current model lineage")
 TRAINER_LOSS = Gauge("learnmesh_trainer_loss", "Training loss of the last optimizer step")
 TRAINER_SAMPLES_PER_S = Gauge("learnmesh_trainer_samples_per_second", "Samples trained per second (EMA)")
-TRAINER_SAMPLES = Counter("learnmesh_trainer_samples_total", "Samples trained (committed)")
+TRAINER_SAMPLES = Counter("learnmesh_trainer_samples_total", "Samples trained (committed with a gradient)")
+TRAINER_SAMPLES_SKIPPED = Counter("learnmesh_trainer_samples_skipped_total",
+                                  "Samples consumed without a gradient, by reason", ["reason"])
+TRAINER_REPLAYED = Counter("learnmesh_trainer_replayed_samples_total",
+                           "Extra passes over recent samples (trainer.replay_passes)")
+TRAINER_LOG_RESETS = Counter("learnmesh_trainer_log_resets_total",
+                             "Times the trainer found a sample log other than the one its offsets came from")
+TRAINER_IDLE_SYNCS = Counter("learnmesh_trainer_idle_syncs_total",
+                             "Bit-exact residual publishes while training paused (consistency.idle_sync_ms)")
 TRAINER_COMMITTED_SEQ = Gauge("learnmesh_trainer_committed_seq", "Last sample sequence number committed")
 TRAINER_STEP_SECONDS = Histogram("learnmesh_trainer_step_seconds", "Wall time of one optimizer step",
                                  buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))

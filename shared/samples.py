@@ -188,12 +188,38 @@ def load_stored(raw: bytes | str | memoryview) -> Sample:
 # replicas and a gap in seq is visible to the trainer. One entry per batch (not per sample)
 # keeps the Redis cost of a 500-sample `learn` call close to that of one sample.
 # Entry fields: seq (first seq of the batch), n, p (principal), s (JSON array of samples).
+# The first append also names the log (KEYS[3], SET NX with the caller's fresh random id): a
+# log that is recreated gets a new name, and the trainer never mixes two logs' sequence numbers.
 APPEND_LUA = """
 local n = tonumber(ARGV[2])
+redis.call('SET', KEYS[3], ARGV[4], 'NX')
 local last = redis.call('INCRBY', KEYS[2], n)
 local id = redis.call('XADD', KEYS[1], '*', 'seq', last - n + 1, 'n', n, 'p', ARGV[1], 's', ARGV[3])
-return {last, id}
+return {last, id, redis.call('GET', KEYS[3])}
 """
+
+
+def new_log_id() -> str:
+    """A fresh identity for a sample log (passed to every append; only the first one sticks)."""
+    import secrets
+
+    return secrets.token_hex(8)
+
+
+def learned_token(log_id: str, last_seq: int) -> str:
+    """What ``learn`` answers and ``generate`` / ``score`` accept as ``after_learn``: the log and
+    the last seq of the call's samples."""
+    return f"{log_id}.{last_seq}"
+
+
+def parse_learned_token(token: Any) -> tuple[str, int]:
+    """(log id, seq) of an ``after_learn`` token; ValueError when it is not one."""
+    if not isinstance(token, str) or token.count(".") != 1:
+        raise ValueError("after_learn must be the 'learned' token a learn call returned")
+    log_id, _, seq = token.partition(".")
+    if not log_id or not log_id.isalnum() or len(log_id) > 64 or not seq.isdigit() or len(seq) > 18:
+        raise ValueError("after_learn must be the 'learned' token a learn call returned")
+    return log_id, int(seq)
 
 
 def sample_id(entry_id: str, index: int) -> str:

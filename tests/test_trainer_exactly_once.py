@@ -35,7 +35,9 @@ def _assert_exactly_once(redis_url: str, acked: list[str]) -> None:
 
 
 async def test_kill9_mid_stream_trains_every_acknowledged_id_exactly_once(redis_url, tmp_path):
-    cfg = trainer_config(redis_url, tmp_path, free_port(), ranks=1, checkpoint_every=3, batch_size=4)
+    # replays on: extra passes must never enter the ledger or move the offset
+    cfg = trainer_config(redis_url, tmp_path, free_port(), ranks=1, checkpoint_every=3, batch_size=4,
+                         replay_passes=3, rehearsal_per_step=2)
     redis = aioredis.Redis.from_url(redis_url)
     ingest = SampleIngest(redis, cfg)
     acked: list[str] = []

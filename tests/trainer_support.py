@@ -31,7 +31,9 @@ def trainer_config(redis_url: str, tmp_path: Path, samples_port: int, model: dic
         "trainer": {"ranks": 1, "model_factory": "services.trainer.tiny:build_tiny_model",
                     "checkpoint_dir": str(tmp_path / "ckpt"), "batch_size": 4, "batch_wait_ms": 50,
                     "checkpoint_every": 5, "samples_endpoint": f"tcp://127.0.0.1:{samples_port}",
-                    "init_timeout_s": 60, "step_timeout_s": 20, "lr": 0.01, **trainer},
+                    "init_timeout_s": 60, "step_timeout_s": 20, "lr": 0.01,
+                    # one pass, no rehearsal unless a test asks: each test counts its own steps
+                    "replay_passes": 1, "rehearsal_per_step": 0, **trainer},
     }
     over["security"] = {"delta_key_file": str(tmp_path / "keys" / "delta.key"),
                         "delta_pub_endpoint": f"tcp://127.0.0.1:{_port()}",

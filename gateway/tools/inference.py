@@ -27,6 +27,7 @@ from gateway.workers import NoWorker, WorkerPool, WorkerRequestError, WorkerTime
 from shared import keys
 from shared.context_store import ContextError, ContextNotFound
 from shared.inference import pack_entries
+from shared.samples import parse_learned_token
 
 log = logging.getLogger("learnmesh.inference")
 
@@ -39,6 +40,9 @@ _COMMON: dict[str, Any] = {
                    "description": "context channels to include (default: all)"},
     "min_model_version": {"type": "integer", "minimum": 0, "default": 0,
                           "description": "only a worker at or past this model version may answer"},
+    "after_learn": {"type": "string", "maxLength": 100,
+                    "description": "the 'learned' token of a learn call: wait until a model version that has "
+                    "finished training those samples serves this request"},
 }
 GENERATE_INPUT: dict[str, Any] = {
     "type": "object",
@@ -113,10 +117,45 @@ async def _window(ctx: Any, args: dict[str, Any]) -> tuple[list[dict[str, Any]],
     return meta, frames, win.version
 
 
-async def _call(ctx: Any, header: dict[str, Any], frames: list[bytes], args: dict[str, Any], **kw: Any) -> dict:
+async def _min_version(ctx: Any, args: dict[str, Any]) -> int:
+    """``min_model_version``, raised to the first version that holds the samples of ``after_learn``
+    (waiting up to ``consistency.learn_wait_s`` for the trainer to publish it)."""
+    wanted = int(args.get("min_model_version") or 0)
+    token = args.get("after_learn")
+    if token is None:
+        return wanted
     try:
-        return await _pool(ctx.state).request(header, frames, min_version=int(args.get("min_model_version") or 0),
-                                              **kw)
+        log_id, seq = parse_learned_token(token)
+    except ValueError as exc:
+        raise InvalidParams(str(exc)) from None
+    cfg = ctx.state.config
+    deadline = time.monotonic() + cfg.consistency.learn_wait_s
+    try:
+        while True:
+            pipe = ctx.state.redis.pipeline(transaction=False)
+            pipe.get(keys.SAMPLE_LOG_ID)
+            pipe.zrangebyscore(keys.MODEL_VERSION_SEQ, seq, "+inf", start=0, num=1)
+            current, found = await pipe.execute()
+            if (current.decode() if isinstance(current, bytes) else current) != log_id:
+                raise InvalidParams("after_learn names samples of a sample log that no longer exists (it was "
+                                    "recreated); learn them again", {"after_learn": token})
+            if found:
+                return max(wanted, int(found[0]))
+            if time.monotonic() >= deadline:
+                raise Unavailable(f"the samples of after_learn are not trained yet (waited "
+                                  f"{cfg.consistency.learn_wait_s:g}s); retry later", cfg.redis.retry_after_s)
+            await asyncio.sleep(_LEARN_POLL_S)
+    except (RedisConnectionError, RedisTimeoutError):
+        raise Unavailable("redis is unreachable", cfg.redis.retry_after_s) from None
+
+
+_LEARN_POLL_S = 0.02
+
+
+async def _call(ctx: Any, header: dict[str, Any], frames: list[bytes], args: dict[str, Any], **kw: Any) -> dict:
+    min_version = await _min_version(ctx, args)
+    try:
+        return await _pool(ctx.state).request(header, frames, min_version=min_version, **kw)
     except NoWorker as exc:
         raise Unavailable(str(exc), exc.retry_after_s) from None
     except WorkerRequestError as exc:

@@ -23,7 +23,17 @@ from gateway.admin.auth import require_role
 from gateway.errors import InvalidParams, Unavailable
 from shared import keys, wire
 from shared import metrics as m
-from shared.samples import APPEND_LUA, Sample, SampleError, batch_json, parse_batch, parse_sample, sample_id
+from shared.samples import (
+    APPEND_LUA,
+    Sample,
+    SampleError,
+    batch_json,
+    learned_token,
+    new_log_id,
+    parse_batch,
+    parse_sample,
+    sample_id,
+)
 from shared.zmq_util import make_socket
 
 log = logging.getLogger("learnmesh.learning")
@@ -54,8 +64,10 @@ LEARN_OUTPUT_SCHEMA: dict[str, Any] = {
         "ids": {"type": "array", "items": {"type": "string"}},
         "seqs": {"type": "array", "items": {"type": "integer"}},
         "queued": {"type": "boolean", "description": "false: trainer queue full or absent (samples are durable)"},
+        "learned": {"type": "string", "description": "pass as 'after_learn' to generate or score: they then wait "
+                    "for (and are answered by) a model version that has finished training these samples"},
     },
-    "required": ["ids", "seqs", "queued"],
+    "required": ["ids", "seqs", "queued", "learned"],
 }
 
 
@@ -116,8 +128,8 @@ class SampleIngest:
         await self.check_contexts(principal, samples)
         blobs = [s.to_json() for s in samples]
         try:
-            last, entry = await self._append(keys=[keys.SAMPLE_LOG, keys.SAMPLE_SEQ],
-                                             args=[principal, len(blobs), batch_json(blobs)])
+            last, entry, log_id = await self._append(keys=[keys.SAMPLE_LOG, keys.SAMPLE_SEQ, keys.SAMPLE_LOG_ID],
+                                             args=[principal, len(blobs), batch_json(blobs), new_log_id()])
         except (RedisConnectionError, RedisTimeoutError):
             raise Unavailable("redis is unreachable") from None
         entry = entry.decode() if isinstance(entry, bytes) else str(entry)
@@ -126,7 +138,7 @@ class SampleIngest:
         seqs = list(range(last - len(ids) + 1, last + 1))
         m.SAMPLES_ACCEPTED.inc(len(ids))
         queued = self._forward(principal, entry, ids, seqs, blobs)
-        return {"ids": ids, "seqs": seqs, "queued": queued}
+        return {"ids": ids, "seqs": seqs, "queued": queued, "learned": learned_token(_s(log_id), last)}
 
     def _forward(self, principal: str, entry: str, ids: list[str], seqs: list[int], blobs: list[bytes]) -> bool:
         msg = wire.encode(wire.MsgType.SAMPLE, {"p": principal, "entry": entry, "ids": ids, "seqs": seqs}, blobs)
@@ -145,13 +157,20 @@ class SampleIngest:
         pipe.get(keys.SAMPLE_SEQ)
         pipe.hgetall(keys.TRAINER_OFFSET)
         pipe.hgetall(keys.TRAINER_STATUS)
-        length, last_seq, offset, status = await pipe.execute()
+        pipe.hvals(keys.TRAINER_SKIPPED)
+        length, last_seq, offset, status, skipped_steps = await pipe.execute()
+        skipped: dict[str, int] = {}
+        for step in skipped_steps or []:
+            for item in _s(step).split():
+                reason = item.rpartition("=")[2]
+                skipped[reason] = skipped.get(reason, 0) + 1
         offset = {_s(k): _s(v) for k, v in (offset or {}).items()}
         status = {_s(k): _s(v) for k, v in (status or {}).items()}
         last_seq = int(last_seq or 0)
         trained_seq = int(offset.get("seq", 0) or 0)
         return {"log_entries": int(length), "last_seq": last_seq, "trained_seq": trained_seq,
                 "lag": max(0, last_seq - trained_seq), "trainer_offset": offset, "trainer": status,
+                "skipped": skipped,
                 "pushed_by_this_gateway": self.pushed, "backpressured_by_this_gateway": self.backpressured}
 
     def close(self) -> None:

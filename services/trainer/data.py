@@ -36,12 +36,14 @@ log = logging.getLogger("learnmesh.trainer.data")
 class TrainRecord:
     """A sample plus the context snapshot it names: everything a rank needs to encode it."""
 
-    __slots__ = ("logged", "context", "skip")
+    __slots__ = ("logged", "context", "skip", "replay")
 
-    def __init__(self, logged: LoggedSample, context: ContextWindow | None, skip: bool = False) -> None:
+    def __init__(self, logged: LoggedSample, context: ContextWindow | None, skip: bool = False,
+                 replay: bool = False) -> None:
         self.logged = logged
         self.context = context
         self.skip = skip  # consumed without gradient (its context snapshot is gone)
+        self.replay = replay  # a further pass over a sample already trained (services/trainer/replay.py)
 
 
 # ---------------------------------------------------------------- batch bytes
@@ -54,7 +56,7 @@ def encode_batch(op: str, records: list[TrainRecord], extra: dict[str, Any] | No
     for r in records:
         ls = r.logged
         item: dict[str, Any] = {"id": ls.id, "e": ls.entry, "seq": ls.seq, "p": ls.principal, "s": ls.sample.to_dict(),
-                                "skip": r.skip}
+                                "skip": r.skip, "rp": r.replay}
         if r.context is not None:
             ents = []
             for mod, entries in r.context.channels.items():
@@ -88,7 +90,7 @@ def decode_batch(data: bytes | memoryview) -> tuple[str, list[TrainRecord], dict
                           size_bytes=e["n"], ts_ms=e["t"], links=tuple(e["links"])))
             ctx = ContextWindow(item["p"], c["cid"], c["v"], channels)
         records.append(TrainRecord(LoggedSample(item["id"], item["seq"], item["p"], sample, item["e"]), ctx,
-                                   bool(item.get("skip"))))
+                                   bool(item.get("skip")), bool(item.get("rp"))))
     op = header.pop("op")
     return op, records, header
 
@@ -155,7 +157,7 @@ class SampleSource:
     """
 
     def __init__(self, cfg: Any, redis: Any, zmq_ctx: zmq.Context, committed_seq: int, committed_id: str,
-                 contexts: ContextReader | None = None) -> None:
+                 contexts: ContextReader | None = None, log_id: str = "") -> None:
         self.cfg = cfg
         self.redis = redis
         self.pull = make_socket(zmq_ctx, zmq.PULL, bind=cfg.trainer.samples_endpoint, hwm=cfg.trainer.sample_hwm)
@@ -165,6 +167,7 @@ class SampleSource:
         self.seq = committed_seq      # last seq handed out (== committed once the step commits)
         self.last_id = committed_id
         self.contexts = contexts
+        self.log_id = log_id          # keys.SAMPLE_LOG_ID that seq and last_id count in ("": not known yet)
         self._log_first = True        # read the log before trusting pushes (start-up / replay)
         self.from_log = 0
         self.from_push = 0
@@ -215,6 +218,29 @@ class SampleSource:
         self.from_log += len(out)
         return out
 
+    def check_log(self) -> bool:
+        """Follow the log's identity: adopt it when first seen; when it changes (the log was
+        recreated: a Redis that lost its data, or emptied), start over at its first sample.
+        True when the position was reset."""
+        current = self.redis.get(keys.SAMPLE_LOG_ID)
+        current = current.decode() if isinstance(current, bytes) else (current or "")
+        if current == self.log_id:
+            return False
+        if not self.log_id:
+            self.log_id = current
+            return False
+        from shared import metrics
+
+        log.warning("the sample log changed (%s, trained up to seq %d, is gone; now %s): training the current "
+                    "log from its start, keeping the weights", self.log_id, self.seq, current or "no log yet")
+        metrics.TRAINER_LOG_RESETS.inc()
+        self.log_id = current
+        self.seq, self.last_id = 0, ""
+        self.buffer.clear()
+        self._log_first = True
+        self.redis.delete(keys.MODEL_VERSION_SEQ)
+        return True
+
     def next_batch(self, limit: int, wait_ms: int, stop: Callable[[], bool]) -> list[LoggedSample]:
         """Up to ``limit`` samples continuing the stream; [] after ``wait_ms`` with nothing new."""
         deadline = time.monotonic() + wait_ms / 1000
@@ -227,6 +253,7 @@ class SampleSource:
                     self._drain(min(remaining, 50))
                     continue
             if not got:
+                self.check_log()
                 got = self._read_log(limit)
                 self._log_first = len(got) == limit   # a full batch: maybe more backlog
             else:

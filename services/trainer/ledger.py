@@ -34,6 +34,11 @@ class Offset:
     step: int = 0
     version: int = 0
     epoch: int = 0
+    log: str = ""  # keys.SAMPLE_LOG_ID of the log that seq and id belong to ("" before any sample)
+
+    def fields(self) -> dict[str, Any]:
+        return {"seq": self.seq, "id": self.id, "step": self.step, "version": self.version,
+                "epoch": self.epoch, "log": self.log}
 
 
 def _s(v: Any) -> str:
@@ -43,15 +48,17 @@ def _s(v: Any) -> str:
 def read_offset(redis: Any) -> Offset:
     raw = {_s(k): _s(v) for k, v in (redis.hgetall(keys.TRAINER_OFFSET) or {}).items()}
     return Offset(int(raw.get("seq", 0)), raw.get("id", ""), int(raw.get("step", 0)),
-                  int(raw.get("version", 0)), int(raw.get("epoch", 0)))
+                  int(raw.get("version", 0)), int(raw.get("epoch", 0)), raw.get("log", ""))
 
 
-def commit(redis: Any, off: Offset, ids: list[str]) -> None:
-    """Record one optimizer step: offset and the step's ids, atomically."""
+def commit(redis: Any, off: Offset, ids: list[str], skipped: dict[str, str] | None = None) -> None:
+    """Record one optimizer step atomically: the offset, the ids whose gradient the step holds,
+    and the ids it consumed without one (``skipped``: id -> reason), kept apart."""
     pipe = redis.pipeline(transaction=True)
-    pipe.hset(keys.TRAINER_OFFSET, mapping={"seq": off.seq, "id": off.id, "step": off.step,
-                                            "version": off.version, "epoch": off.epoch})
+    pipe.hset(keys.TRAINER_OFFSET, mapping=off.fields())
     pipe.hset(keys.TRAINER_TRAINED, str(off.step), " ".join(ids))
+    if skipped:
+        pipe.hset(keys.TRAINER_SKIPPED, str(off.step), " ".join(f"{i}={r}" for i, r in skipped.items()))
     pipe.execute()
 
 
@@ -61,17 +68,19 @@ def rollback(redis: Any, to: Offset) -> tuple[Offset, int]:
     while True:
         with redis.pipeline(transaction=True) as pipe:
             try:
-                pipe.watch(keys.TRAINER_OFFSET, keys.TRAINER_TRAINED)
+                pipe.watch(keys.TRAINER_OFFSET, keys.TRAINER_TRAINED, keys.TRAINER_SKIPPED)
                 current = read_offset(pipe)
                 later = [f for f in pipe.hkeys(keys.TRAINER_TRAINED) if int(_s(f)) > to.step]
+                later_skipped = [f for f in pipe.hkeys(keys.TRAINER_SKIPPED) if int(_s(f)) > to.step]
                 # +1: the restored weights are published as a version nobody has served yet
                 version = max(current.version, to.version, _published_version(pipe)) + 1
-                new = Offset(to.seq, to.id, to.step, version, current.epoch + 1)
+                new = Offset(to.seq, to.id, to.step, version, current.epoch + 1, to.log)
                 pipe.multi()
                 if later:
                     pipe.hdel(keys.TRAINER_TRAINED, *later)
-                pipe.hset(keys.TRAINER_OFFSET, mapping={"seq": new.seq, "id": new.id, "step": new.step,
-                                                        "version": new.version, "epoch": new.epoch})
+                if later_skipped:
+                    pipe.hdel(keys.TRAINER_SKIPPED, *later_skipped)
+                pipe.hset(keys.TRAINER_OFFSET, mapping=new.fields())
                 pipe.execute()
                 return new, len(later)
             except Exception as exc:
@@ -86,6 +95,21 @@ def _published_version(redis: Any) -> int:
         return int(redis.get(keys.MODEL_VERSION) or 0)
     except Exception:
         return 0
+
+
+def skipped_ids(redis: Any) -> dict[str, str]:
+    """Every id consumed without a gradient -> the reason (tests, audits, admin stats)."""
+    out: dict[str, str] = {}
+    for v in (redis.hgetall(keys.TRAINER_SKIPPED) or {}).values():
+        for item in _s(v).split():
+            sid, _, reason = item.rpartition("=")
+            out[sid] = reason
+    return out
+
+
+def log_identity(redis: Any) -> str:
+    """The current sample log's id ("" while no sample was ever appended)."""
+    return _s(redis.get(keys.SAMPLE_LOG_ID) or b"")
 
 
 def trained_ids(redis: Any) -> list[str]:

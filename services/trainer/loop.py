@@ -11,13 +11,16 @@ zero-weighted pass so the gradient all-reduce still lines up.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import logging
 import math
 import os
+import random
 import signal
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -28,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from services.trainer import checkpoint, ledger
 from services.trainer.data import ContextReader, SampleSource, TrainRecord, decode_batch, encode_batch
+from services.trainer.replay import ReplayBuffer
 from shared import keys
 from shared import metrics as m
 
@@ -53,14 +57,17 @@ class LossModule(nn.Module):
 
 
 def ddp_options(cfg: Any) -> dict[str, Any]:
-    """PowerSGD over gloo gets a single gradient bucket: its hook issues follow-up all-reduces
-    from future callbacks, and with several buckets in flight two ranks can issue them in a
-    different order — gloo then deadlocks (seen on torch 2.13). NCCL keeps DDP's buckets.
-    Parameters a batch does not use (image/audio projections on a text-only batch) are
-    found per step (``find_unused_parameters``)."""
-    # Batches without images or audio leave the media projections without gradients;
-    # DDP must be told to expect that, or its next reduction fails.
-    opts: dict[str, Any] = {"find_unused_parameters": True}
+    """No ``find_unused_parameters``: the model's loss gives every trainable parameter a
+    gradient every step (``LearnModel.loss`` weights the ones a batch leaves idle, such as
+    the image projection on a text-only batch, by zero); with a model that does not, DDP
+    raises at the next step that some parameters did not receive a gradient.
+
+    That flag would make DDP all-reduce a used-parameter map while the PowerSGD hook's
+    follow-up all-reduces (issued from future callbacks on gloo's threads) are in flight;
+    two ranks then issue them in different orders and gloo aborts ("op.preamble.length <=
+    op.nbytes"). For the same reason PowerSGD over gloo gets a single gradient bucket, so one
+    hook chain is in flight at a time. NCCL keeps DDP's buckets."""
+    opts: dict[str, Any] = {"find_unused_parameters": False}
     if cfg.trainer.comm_hook == "powersgd" and dist.get_backend() == "gloo":
         opts["bucket_cap_mb"] = 4096
     return opts
@@ -152,17 +159,20 @@ class Trainer:
         self._published_step = -1
         self._last_loss: float | None = None
         self.ops: Any = None
+        self.replay = ReplayBuffer(self.t.replay_passes, self.t.replay_buffer)  # filled on rank 0 only
+        self._last_step_s = time.monotonic()
+        self._residual = False  # rank 0: workers may hold something other than the trainer's weights
         self._fault = _parse_fault(os.environ.get("LEARNMESH_TRAINER_FAULT", ""))
         self._resume()
         self.ddp = DDP(LossModule(self.model), device_ids=[device.index] if device.type == "cuda" else None,
                        **ddp_options(cfg)) if world > 1 else None
         self.hook_state = register_comm_hook(self.ddp, cfg) if self.ddp is not None and not self.local_sgd else None
-        self.averager = None
+        self.averager: LocalSGDAverager | None = None
+        self._consensus: dict[str, torch.Tensor] | None = None
+        self._agreed_at = 0
         if self.local_sgd and world > 1:
-            from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
-
-            self.averager = PeriodicModelAverager(period=self.t.local_sgd_period, warmup_steps=0)
-            self.averager.step = self.step
+            self.averager = LocalSGDAverager(self.t.local_sgd_period, self.step, self._ranks_agreed)
+            self._ranks_agreed()  # building DDP broadcast rank 0's parameters to every rank
         self.model.train()
 
     @property
@@ -180,20 +190,25 @@ class Trainer:
             self.opt.load_state_dict(state["optimizer"])
             self.sched.load_state_dict(state["scheduler"])
             self.step = int(state["step"])
-            ck_off = ledger.Offset(int(state["seq"]), str(state["id"]), self.step, int(state["version"]))
+            ck_off = ledger.Offset(int(state["seq"]), str(state["id"]), self.step, int(state["version"]),
+                                   log=str(state.get("log", "")))
         if self.rank != 0:
             return
         import redis as redis_sync
         import zmq
 
         self.redis = redis_sync.Redis.from_url(redis_url(self.cfg), socket_timeout=30)
+        ck_off = self._bind_to_log(ck_off)
         self.offset, rolled = ledger.rollback(self.redis, ck_off)
+        # versions of the lost steps no longer hold the samples after the checkpoint's seq
+        self.redis.zremrangebyscore(keys.MODEL_VERSION_SEQ, f"({self.offset.seq}", "+inf")
         self.version = self.offset.version
         log.info("trainer resumed at step %d (seq %d, epoch %d); %d uncheckpointed step(s) rolled back and "
                  "will be replayed from the log", self.step, self.offset.seq, self.offset.epoch, rolled)
         self.zmq_ctx = zmq.Context()
         self.contexts = ContextReader(self.cfg, redis_url(self.cfg))
-        self.source = SampleSource(self.cfg, self.redis, self.zmq_ctx, self.offset.seq, self.offset.id, self.contexts)
+        self.source = SampleSource(self.cfg, self.redis, self.zmq_ctx, self.offset.seq, self.offset.id, self.contexts,
+                                   log_id=self.offset.log)
         # The restored lineage becomes a version newer than anything served before: the
         # publisher's snapshot (what joining/re-syncing workers fetch) starts at it.
         self.publisher = self._make_publisher()
@@ -201,6 +216,20 @@ class Trainer:
         from services.trainer.operations import TrainerOps
 
         self.ops = TrainerOps(self)
+
+    def _bind_to_log(self, ck: ledger.Offset) -> ledger.Offset:
+        """The checkpoint's offsets count samples of the log it trained from; if the log found now
+        is another one (a Redis that lost its data, another ``REDIS_URL``), its sequence numbers
+        mean nothing here: train the new log from its start and keep the weights."""
+        current = ledger.log_identity(self.redis)
+        if not ck.log or ck.log == current:
+            return ck
+        m.TRAINER_LOG_RESETS.inc()
+        log.warning("the sample log this checkpoint trained from (%s, up to seq %d) is gone; found %s. Keeping "
+                    "the weights (step %d) and training the current log from its start", ck.log, ck.seq,
+                    current or "no log yet", ck.step)
+        self.redis.delete(keys.MODEL_VERSION_SEQ)
+        return dataclasses.replace(ck, seq=0, id="", log=current)
 
     def _make_publisher(self) -> Any:
         try:
@@ -213,6 +242,24 @@ class Trainer:
 
     def named_params(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().cpu() for n, p in self.model.trainable_named_parameters()}
+
+    def consensus_params(self) -> dict[str, torch.Tensor]:
+        """The weights workers may be sent. With local SGD the ranks drift apart between
+        averages, so that is the last parameters every rank held; otherwise the current ones.
+        No collective: rank 0 calls it alone, from publish."""
+        return self._consensus if self._consensus is not None else self.named_params()
+
+    def _ranks_agreed(self) -> None:
+        """Every rank holds the same parameters now (an average, a rollback, start-up): rank 0
+        keeps a copy to publish until the next time."""
+        assert self.averager is not None
+        self._agreed_at = self.averager.step
+        if self.rank == 0:
+            self._consensus = {n: p.detach().to("cpu", copy=True) for n, p in self.model.trainable_named_parameters()}
+
+    def _ranks_agree(self) -> bool:
+        """No optimizer step since the ranks last agreed; the same answer on every rank."""
+        return self.averager is None or self._agreed_at == self.averager.step
 
     # ---------------------------------------------------------------- collectives
     def broadcast_bytes(self, data: bytes | None) -> bytes:
@@ -251,6 +298,9 @@ class Trainer:
                     continue
                 if op == "idle":
                     continue
+                if op == "sync":
+                    self.idle_sync()
+                    continue
                 self.train_step(records)
                 if first:
                     self._set_timeout(self.t.step_timeout_s)
@@ -273,21 +323,45 @@ class Trainer:
                 return encode_batch("control", [], {"ctl": commands})
             if self.ops.paused:  # no steps; the publisher thread still answers snapshot requests
                 self.ops.wait_paused(self.stop_flag, self.t.batch_wait_ms / 1000)
-                return encode_batch("idle", [])
-        samples = self.source.next_batch(self.t.batch_size * self.world, self.t.batch_wait_ms, self.stop_flag)
-        if not samples:
+                return self._idle()
+        limit = self.t.batch_size * self.world
+        # replays pending: take what has arrived and go on stepping, rather than wait for more
+        samples = self.source.next_batch(limit, 0 if self.replay else self.t.batch_wait_ms, self.stop_flag)
+        records = self.source.records(samples) + self.replay.take(limit)
+        if not records:
             if self.ops is not None:
                 self.ops.report(force=False)
-            return encode_batch("idle", [])
-        return encode_batch("train", self.source.records(samples))
+            return self._idle()
+        return encode_batch("train", records)
+
+    def _idle(self) -> bytes:
+        """``sync`` once training has paused for ``consistency.idle_sync_ms`` and workers may hold
+        something other than the trainer's weights; else ``idle``."""
+        wait_ms = self.cfg.consistency.idle_sync_ms
+        if self._residual and wait_ms and self.publisher is not None \
+                and (time.monotonic() - self._last_step_s) * 1000 >= wait_ms:
+            return encode_batch("sync", [])
+        return encode_batch("idle", [])
+
+    def idle_sync(self) -> None:
+        """Publish what lossy deltas left behind, losslessly, as a new version: workers then
+        serve bit-exactly the weights the trainer holds (with local SGD: the last average)."""
+        if self.rank != 0:
+            return
+        self.offset = dataclasses.replace(self.offset, version=max(self.version, self.offset.version) + 1)
+        self.publish(lossless=True)
+        self._residual = False
+        m.TRAINER_IDLE_SYNCS.inc()
+        log.info("training paused: published the residual losslessly as version %d (served == trainer)",
+                 self.version)
 
     def train_step(self, records: list[TrainRecord]) -> None:
         t0 = time.perf_counter()
         items = [(r, pair) for r in records if not r.skip and (pair := r.logged.sample.training_pair())]
-        total = len(items)
+        total = len(items) + self.t.rehearsal_per_step if items else 0
         loss_sum = torch.zeros(2, dtype=torch.float64)
         if total:
-            mine = items[self.rank::self.world]
+            mine = [self._encode(r, p) for r, p in items[self.rank::self.world]] + self._rehearsal()
             n_micro = self.t.grad_accum_steps
             chunks = [mine[i::n_micro] for i in range(n_micro)]
             for i, chunk in enumerate(chunks):
@@ -295,9 +369,9 @@ class Trainer:
                 sync = last and not self.local_sgd
                 ctx = self.ddp.no_sync() if self.ddp is not None and not sync else contextlib.nullcontext()
                 weight = len(chunk) / total * self.world
-                use = chunk or items[:1]  # a zero-weighted pass keeps the all-reduce aligned
+                use = chunk or mine[:1] or [self._encode(*items[0])]  # a zero-weighted pass keeps the all-reduce aligned
                 with ctx:
-                    batch = self.model.collate([self._encode(r, p) for r, p in use]).to(self.device)
+                    batch = self.model.collate(use).to(self.device)
                     loss = self.ddp(batch) if self.ddp is not None else self.model.loss(batch)
                     (loss * (weight if chunk else 0.0)).backward()
                 if chunk:
@@ -322,6 +396,18 @@ class Trainer:
         if self.step % self.t.checkpoint_every == 0:
             self.save_checkpoint()
 
+    def _rehearsal(self) -> list[Any]:
+        """This rank's share of the step's ``trainer.rehearsal_per_step`` corpus windows (each rank
+        draws its own, from a generator seeded by step and rank: reproducible, no broadcast)."""
+        n = self.t.rehearsal_per_step // self.world + (self.rank < self.t.rehearsal_per_step % self.world)
+        if not n:
+            return []
+        from shared.model.pretrain import corpus_windows
+
+        rng = random.Random(f"rehearsal:{self.step}:{self.rank}")
+        return [self.model.encode(None, a.decode(errors="replace"), b.decode(errors="replace"))
+                for a, b in corpus_windows(n, rng, max(8, self.cfg.model.pretrain_seq - 3))]
+
     def _encode(self, record: TrainRecord, pair: tuple[str, str]) -> Any:
         mods = record.logged.sample.modalities
         if mods:
@@ -332,44 +418,64 @@ class Trainer:
         return self.model.encode(record.context, pair[0], pair[1])
 
     def _after_step(self, records: list[TrainRecord], loss: float, seconds: float) -> None:
-        last = records[-1].logged
+        assert self.source is not None
+        fresh = [r for r in records if not r.replay]
         publish_now = self.step % self.cfg.consistency.sync_interval == 0
         next_version = self.version + 1 if publish_now else self.version
-        self.offset = ledger.Offset(last.seq, last.entry, self.step, next_version, self.offset.epoch)
-        ledger.commit(self.redis, self.offset, [r.logged.id for r in records])
+        seq, entry = (fresh[-1].logged.seq, fresh[-1].logged.entry) if fresh else (self.offset.seq, self.offset.id)
+        self.offset = ledger.Offset(seq, entry, self.step, next_version, self.offset.epoch, self.source.log_id)
+        trained, skipped = outcomes(fresh)
+        ledger.commit(self.redis, self.offset, trained, skipped)
+        self.replay.add([r for r in fresh if r.logged.id not in skipped])
         self._last_loss = None if math.isnan(loss) else loss
+        self._last_step_s = time.monotonic()
+        self._residual = True
         if publish_now:
             self.publish()
+        m.TRAINER_SAMPLES.inc(len(trained))
+        for reason in skipped.values():
+            m.TRAINER_SAMPLES_SKIPPED.labels(reason).inc()
+        m.TRAINER_REPLAYED.inc(len(records) - len(fresh))
         rate = len(records) / max(seconds, 1e-9)
         self._rate = rate if self._rate == 0 else 0.8 * self._rate + 0.2 * rate
         m.TRAINER_STEP.set(self.step)
         if not math.isnan(loss):
             m.TRAINER_LOSS.set(loss)
         m.TRAINER_SAMPLES_PER_S.set(self._rate)
-        m.TRAINER_SAMPLES.inc(len(records))
-        m.TRAINER_COMMITTED_SEQ.set(last.seq)
+        m.TRAINER_COMMITTED_SEQ.set(seq)
         m.TRAINER_STEP_SECONDS.observe(seconds)
         self.redis.hset(keys.TRAINER_STATUS, mapping={
-            "step": self.step, "loss": loss, "paused": 0, "samples_per_s": round(self._rate, 2), "seq": last.seq,
+            "step": self.step, "loss": loss, "paused": 0, "samples_per_s": round(self._rate, 2), "seq": seq,
+            "replay_pending": len(self.replay), "log": self.source.log_id,
             "version": self.version, "epoch": self.offset.epoch, "world": self.world,
             "updated_ms": int(time.time() * 1000)})
         if self.step == 1 or self.step % 10 == 0 or seconds > 1.0:
             log.info("step %d loss %.4f samples/s %.1f seq %d version %d", self.step, loss, self._rate,
-                     last.seq, self.version)
-        self.progress.update(self.step, loss, self._rate, last.seq)
+                     seq, self.version)
+        self.progress.update(self.step, loss, self._rate, seq)
 
-    def publish(self, anchor: bool | None = None, rollback_of: int | None = None) -> None:
+    def publish(self, anchor: bool | None = None, rollback_of: int | None = None, lossless: bool = False) -> None:
         self.version = max(self.version, self.offset.version)
         if self.publisher is not None:
             if self.ops is not None:
                 self.ops.before_publish(self.version)
             cpu0 = time.thread_time()
-            stats = self.publisher.publish(self.named_params(), self.version, anchor=anchor)
+            stats = self.publisher.publish(self.consensus_params(), self.version, anchor=anchor, lossless=lossless)
+            self._record_version_seq()
             m.CODEC_CPU_SECONDS.labels("encode").inc(time.thread_time() - cpu0)
-            self._published_step = self.step
+            if self._ranks_agree():  # else what went out is an earlier average, not this step's weights
+                self._published_step = self.step
             if self.ops is not None:
                 self.ops.published(stats, self.step, self._last_loss, rollback_of)
         m.TRAINER_VERSION.set(self.version)
+
+    def _record_version_seq(self) -> None:
+        """keys.MODEL_VERSION_SEQ: this version holds every pass over the samples up to the seq
+        it is scored with (read-your-writes for ``learn``)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zadd(keys.MODEL_VERSION_SEQ, {str(self.version): self.replay.settled_seq(self.offset.seq)})
+        pipe.zremrangebyrank(keys.MODEL_VERSION_SEQ, 0, -_VERSION_SEQS_KEPT - 1)
+        pipe.execute()
 
     # ---------------------------------------------------------------- operator commands
     def run_commands(self, commands: list[dict[str, Any]]) -> None:
@@ -401,23 +507,29 @@ class Trainer:
         state = checkpoint.load_bytes(data)
         self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["optimizer"])
+        if self.averager is not None:
+            self._ranks_agreed()
+        target = int(c["to_version"])
+        if self.rank == 0:
+            self.offset = ledger.Offset(self.offset.seq, self.offset.id, self.offset.step,
+                                        max(self.version, self.offset.version) + 1, self.offset.epoch)
+            self.publish(anchor=True, rollback_of=target)
+        self._saved_step = -1
+        # Every rank: with local SGD saving is a collective. A restart resumes the rolled-back lineage.
+        path = self.save_checkpoint()
         if self.rank != 0:
             return
-        target = int(c["to_version"])
-        self.offset = ledger.Offset(self.offset.seq, self.offset.id, self.offset.step,
-                                    max(self.version, self.offset.version) + 1, self.offset.epoch)
-        self.publish(anchor=True, rollback_of=target)
-        self._saved_step = -1
-        path = self.save_checkpoint()  # a restart resumes the rolled-back lineage
         log.warning("rolled back to version %d, published as version %d", target, self.version)
         if self.ops is not None:
             self.ops.ack(c["id"], to_version=target, new_version=self.version, checkpoint=path)
 
     def save_checkpoint(self) -> str | None:
-        if self.local_sgd and self.world > 1:  # checkpoint the consensus model, not rank 0's drift
-            for p in self.params:
-                dist.all_reduce(p.data, group=None)
-                p.data /= self.world
+        """Write a checkpoint on rank 0. Every rank calls it at the same point: with local SGD
+        the ranks first average their parameters (the checkpoint holds the consensus model,
+        not rank 0's drift)."""
+        if not self._ranks_agree():
+            assert self.averager is not None
+            self.averager.average_now(self.params)
         if self.rank != 0 or self._saved_step == self.step:
             return self._last_ckpt
         self._saved_step = self.step
@@ -454,6 +566,53 @@ class Trainer:
             self.zmq_ctx.term()
         if self.redis is not None:
             self.redis.close()
+
+
+class LocalSGDAverager:
+    """Local SGD's model average (``trainer.local_sgd_period`` H): after optimizer steps H, 2H, …
+    every rank's parameters are replaced by their mean, then ``on_average`` runs.
+
+    torch's PeriodicModelAverager leaves out parameters without a gradient; when a batch uses a
+    parameter on one rank only (an image projection), ranks would all-reduce different lists,
+    and a parameter trained earlier would never be averaged. This one averages every parameter
+    it is given; ``step`` counts optimizer steps like torch's."""
+
+    def __init__(self, period: int, step: int, on_average: Callable[[], None]) -> None:
+        self.period = period
+        self.step = step
+        self.on_average = on_average
+
+    def average_parameters(self, params: list[nn.Parameter]) -> None:
+        """Call once after each optimizer step, on every rank."""
+        self.step += 1
+        if self.step % self.period == 0:
+            self.average_now(params)
+
+    def average_now(self, params: list[nn.Parameter]) -> None:
+        """A collective: every rank calls it at the same point."""
+        from torch.distributed.algorithms.model_averaging.utils import average_parameters
+
+        group = dist.group.WORLD
+        assert group is not None, "the process group is not initialised"
+        average_parameters(iter(params), group)
+        self.on_average()
+
+
+_VERSION_SEQS_KEPT = 4096
+
+
+def outcomes(records: list[TrainRecord]) -> tuple[list[str], dict[str, str]]:
+    """(ids whose gradient the step holds, {id: reason} of those consumed without one)."""
+    trained: list[str] = []
+    skipped: dict[str, str] = {}
+    for r in records:
+        if r.skip:
+            skipped[r.logged.id] = "context_gone"
+        elif r.logged.sample.training_pair() is None:
+            skipped[r.logged.id] = "no_gradient"
+        else:
+            trained.append(r.logged.id)
+    return trained, skipped
 
 
 def _allreduce_bytes(trainer: Any) -> tuple[str, int]:

@@ -101,8 +101,9 @@ class DeltaPublisher:
         return self.encoder.version
 
     # ---------------------------------------------------------------- publishing
-    def publish(self, named_params: dict[str, torch.Tensor], version: int, *, anchor: bool | None = None) -> PublishStats:
-        """Encode and send the change since the last publish as ``version``."""
+    def publish(self, named_params: dict[str, torch.Tensor], version: int, *, anchor: bool | None = None,
+                lossless: bool = False) -> PublishStats:
+        """Encode and send the change since the last publish as ``version`` (``lossless``: bit-exact)."""
         self._raise_background_error()
         self.ring.reload_if_changed()
         now = time.monotonic()
@@ -116,7 +117,7 @@ class DeltaPublisher:
             # decode chunk k while chunk k+1 is still being encoded
             sent_before = self.sealer.next_seq(STREAM_DELTA)
             enc = self.encoder.encode(named_params, version, anchor=anchor, max_bytes=max_bytes,
-                                      sink=self._send_chunk)
+                                      sink=self._send_chunk, lossless=lossless)
             if not enc.chunks:  # an empty delta still moves receivers to the new version
                 self._send_chunk(enc.header, 0, b"")
             packets = self.sealer.next_seq(STREAM_DELTA) - sent_before

@@ -9,6 +9,7 @@ the first one instead of all training; the file is written atomically.
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -27,6 +28,7 @@ BASE_FIELDS = ("kind", "d_model", "n_layers", "n_heads", "max_seq", "seed", "pre
                "image_grid", "audio_frame", "pretrain_batch", "pretrain_seq", "pretrain_lr")
 
 
+@functools.lru_cache(maxsize=1)
 def corpus_bytes() -> bytes:
     return CORPUS_PATH.read_bytes()
 
@@ -56,6 +58,19 @@ def cached_base_state(cfg: ModelConfig, model: torch.nn.Module) -> dict[str, tor
         torch.save(state, tmp)
         os.replace(tmp, path)
         return state
+
+
+def corpus_windows(n: int, rng: random.Random, length: int) -> list[tuple[bytes, bytes]]:
+    """``n`` random (prompt, continuation) windows of the shipped corpus, cut the way
+    pre-training cuts them (rehearsal: the trainer mixes them into online steps)."""
+    data = corpus_bytes()
+    out = []
+    for _ in range(n):
+        start = rng.randrange(0, len(data) - length)
+        window = data[start:start + length]
+        cut = rng.randrange(1, length // 2)
+        out.append((window[:cut], window[cut:]))
+    return out
 
 
 def pretrain(cfg: ModelConfig, model: Any) -> None:
