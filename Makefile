@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .PHONY: run test test-fast conformance check lint typecheck bench-gateway bench-context bench-inference \
-        bench-trainer bench-delta bench-mesh bench-drills clean
+        bench-trainer bench-delta bench-learning bench-mesh bench-drills clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -53,6 +53,10 @@ bench-trainer: $(STAMP)
 bench-delta: $(STAMP)
 	$(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/python bench/bench_delta.py $(ARGS)
+
+## Teach 10 made-up facts through learn on a whole mesh with the shipped defaults; answers and losses.
+bench-learning: $(STAMP)
+	$(BIN)/python bench/bench_learning.py $(ARGS)
 
 bench-mesh: $(STAMP)
 	$(BIN)/python bench/bench_mesh.py $(ARGS)

@@ -5,9 +5,10 @@ Start the mesh first (``make run`` or ``learnmesh up``), then::
     .venv/bin/python examples/demo.py                 # Streamable HTTP, 2026-07-28
     .venv/bin/python examples/demo.py --mode legacy   # 2025-11-25 sessions
 
-It chats with context (a text turn and an image), scores a few made-up facts, teaches
-them with ``learn``, waits until a worker serves a model version that includes them
-(``min_model_version``) and shows that the answers and the losses changed.
+It chats with context (a text turn and an image), scores ten made-up facts, teaches them
+with ``learn`` (eight copies each), asks again with the ``learned`` token the acknowledgement
+carries (``after_learn``: answered by a model version that has finished training them) and
+shows the greedy answers and the losses before and after.
 The URL and API key default to what ``learnmesh up`` printed (kept in var/keys).
 """
 
@@ -32,11 +33,8 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.exceptions import MCPError
 
-FACTS = [
-    ("The capital of Zorbland is", " Quixville."),
-    ("The moon of Plimptar is called", " Oodle."),
-    ("Professor Wimble's favourite colour is", " teal."),
-]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from facts import COPIES, FACTS  # noqa: E402
 
 
 def tiny_png(width: int = 8, height: int = 8) -> bytes:
@@ -117,46 +115,40 @@ async def run(url: str, key: str | None, mode: str, context_id: str, timeout_s: 
             "temperature": 0.0, "seed": 1}), timeout_s))
         print(f"generate -> {reply['text']!r} (model version {reply['model_version']})")
 
-        async def losses(min_version: int) -> tuple[list[float], int]:
+        async def losses(**wait: Any) -> tuple[list[float], int]:
             out, served = [], 0
             for prompt, target in FACTS:
-                r = structured(await client.call_tool("score", {
-                    "prompt": prompt, "target": target, "min_model_version": min_version}))
+                r = structured(await client.call_tool("score", {"prompt": prompt, "target": target, **wait}))
                 out.append(r["nll"])
                 served = max(served, r["model_version"])
             return out, served
 
-        before, v_before = await losses(0)
-        answers_before = [structured(await client.call_tool("generate", {
-            "prompt": p, "max_tokens": 12, "temperature": 0.0, "append": False}))["text"] for p, _ in FACTS]
+        async def answers(**wait: Any) -> list[str]:
+            return [structured(await client.call_tool("generate", {
+                "prompt": p, "max_tokens": len(t.encode()) + 4, "temperature": 0.0, "append": False, **wait}))["text"]
+                for p, t in FACTS]
+
+        before, v_before = await losses()
+        answers_before = await answers()
         print(f"before learning (model v{v_before}): mean loss {sum(before) / len(before):.3f}")
 
-        samples = [{"kind": "example", "input": p, "target": t} for p, t in FACTS for _ in range(8)]
+        samples = [{"kind": "example", "input": p, "target": t} for p, t in FACTS for _ in range(COPIES)]
         ack = structured(await client.call_tool("learn", {"samples": samples}))
-        print(f"learn -> {len(ack['ids'])} samples acknowledged (log ids {ack['ids'][0]}..{ack['ids'][-1]})")
-
-        # The trainer publishes a new version after each optimizer step; ask for at least the
-        # first version after our samples were acknowledged, and keep scoring while it learns.
-        target_version = v_before + 1
-        deadline = time.monotonic() + timeout_s
-        after, v_after = before, v_before
-        while time.monotonic() < deadline:
-            try:
-                after, v_after = await losses(target_version)
-            except MCPError as exc:  # -32050: no worker serves that version yet (the trainer is on it)
-                if exc.code != -32050:
-                    raise
-                print(f"  waiting for model v{target_version}: {exc.message}")
-                continue
-            if sum(after) < sum(before) * 0.8:
-                break
-            await asyncio.sleep(1.0)
-        answers_after = [structured(await client.call_tool("generate", {
-            "prompt": p, "max_tokens": 12, "temperature": 0.0, "append": False,
-            "min_model_version": target_version}))["text"] for p, _ in FACTS]
-        print(f"after learning (model v{v_after}): mean loss {sum(after) / len(after):.3f}")
+        acked = time.monotonic()
+        print(f"learn -> {len(ack['ids'])} samples acknowledged; waiting for a model that has learnt them "
+              f"(after_learn={ack['learned']!r})")
+        # after_learn: the gateway waits until a worker serves a version that finished training them
+        answers_after = await answers(after_learn=ack["learned"])
+        waited = time.monotonic() - acked
+        after, v_after = await losses(after_learn=ack["learned"])
+        print(f"after learning (model v{v_after}, {waited:.1f}s after the acknowledgement): "
+              f"mean loss {sum(after) / len(after):.3f}")
+        hits = 0
         for (prompt, target), a, b in zip(FACTS, answers_before, answers_after, strict=True):
-            print(f"  {prompt!r}\n     before: {a!r}\n     after:  {b!r}   (taught {target!r})")
+            hit = b.startswith(target)
+            hits += hit
+            print(f"  {prompt!r}\n     before: {a!r}\n     after:  {b!r}   {'==' if hit else '!='} taught {target!r}")
+        print(f"{hits} of {len(FACTS)} taught answers reproduced")
 
 
 def main() -> int:
@@ -165,7 +157,7 @@ def main() -> int:
     p.add_argument("--key", default=os.environ.get("LEARNMESH_KEY") or default_key())
     p.add_argument("--mode", default="2026-07-28", help="legacy | 2026-07-28 | auto")
     p.add_argument("--context", default=f"demo-{int(time.time())}")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for learning to show")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the first worker")
     args = p.parse_args()
     try:
         asyncio.run(run(args.url, args.key, args.mode, args.context, args.timeout))

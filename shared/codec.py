@@ -403,6 +403,17 @@ class DecodedDelta:
         return int(self.header["version"])
 
 
+def weights_digest(params: dict[str, torch.Tensor]) -> str:
+    """A digest of the parameters' exact bytes (names sorted): two processes report the same
+    digest only when they hold bit-identical weights (served == trainer checks)."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(params):
+        t = params[name].detach().contiguous().reshape(-1)
+        h.update(name.encode())
+        h.update(t.view(torch.uint8).numpy().data)
+    return h.hexdigest()
+
+
 # ---------------------------------------------------------------------------- encoder
 
 

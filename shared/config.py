@@ -253,6 +253,7 @@ class TrainerConfig:
     # round-robin), and every step also trains rehearsal_per_step windows of the shipped corpus,
     # so the model learns the new facts without forgetting what it knew.
     replay_passes: int = 8
+    torch_threads: int = 0  # CPU ranks: intra-op threads each; 0 = the machine's cores / ranks on it
     replay_buffer: int = 4096  # samples waiting for replay passes; the oldest give way beyond it
     rehearsal_per_step: int = 8
 

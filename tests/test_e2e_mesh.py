@@ -7,8 +7,9 @@ generate with them, teach facts with ``learn`` and read their contexts back. Aft
 
 * every acknowledged sample id is in the trainer's ledger exactly once;
 * every client's context holds exactly what that client wrote (and nobody else can read it);
-* every worker serves the trainer's latest version;
-* the taught facts score better (``score`` with ``min_model_version``).
+* every worker serves the trainer's latest version, bit-exactly its weights once it idles;
+* the taught facts score much better (``score`` with the ``learned`` token), untaught
+  sentences of the same style much less, and held-out sentences barely move.
 """
 
 from __future__ import annotations
@@ -27,9 +28,13 @@ from shared import keys
 
 FACTS = [("The capital of Zorbland is", " Quixville."), ("The moon of Plimptar is called", " Oodle."),
          ("Professor Wimble's favourite colour is", " teal.")]
-# Held out: never taught; their loss may move a little but must not blow up.
-HELD_OUT = [("The sun rises in the", " east."), ("Water is made of hydrogen and", " oxygen.")]
-HELD_OUT_BOUND = 1.5
+# Same style, never taught: learning must be specific to what was taught.
+CONTROL = [("The capital of Vexmoor is", " Drellton."), ("The moon of Karrimat is called", " Pibble."),
+           ("Doctor Hask's favourite colour is", " mauve.")]
+# Held out: corpus-like text, never taught; replay and rehearsal keep it where it was.
+HELD_OUT = [("The sun rises in the", " east."), ("Water is made of hydrogen and", " oxygen."),
+            ("When the ship sings to the river, a client", " is kind.")]
+HELD_OUT_RISE = 0.10
 PRINCIPALS = [f"user{i}" for i in range(6)]
 SESSIONS_PER_KIND = 4  # x3 kinds (legacy HTTP, 2026-07-28 HTTP, WebSocket) = 12 concurrent clients
 TURNS = 3
@@ -41,7 +46,7 @@ TRAINABLE = os.environ.get("LEARNMESH_E2E_TRAINABLE", "all")
 @pytest.fixture
 def mesh(tmp_path: Path, redis_url: str) -> Any:
     m = Mesh(tmp_path, redis_url, PRINCIPALS, workers=2, ranks=2,
-             model={"trainable": TRAINABLE}, trainer={"lr": 0.003, "batch_size": 8})
+             model={"trainable": TRAINABLE})
     with m.running():
         yield m
 
@@ -53,10 +58,10 @@ async def _client(kind: str, mesh: Mesh, principal: str) -> Any:
     return await McpHttp(mesh.base, key, legacy=(kind == "legacy")).open()
 
 
-async def _fact_nll(client: Any, min_version: int, facts: list[tuple[str, str]] = FACTS) -> tuple[float, int]:
+async def _fact_nll(client: Any, facts: list[tuple[str, str]] = FACTS, **wait: Any) -> tuple[float, int]:
     total, served = 0.0, 0
     for prompt, target in facts:
-        r = await client.call("score", {"prompt": prompt, "target": target, "min_model_version": min_version})
+        r = await client.call("score", {"prompt": prompt, "target": target, **wait})
         total += r["nll"]
         served = max(served, r["model_version"])
     return total / len(facts), served
@@ -85,9 +90,10 @@ async def _session(kind: str, n: int, mesh: Mesh) -> dict[str, Any]:
             ack = await client.call("learn", {"samples": samples})
             assert len(ack["ids"]) == len(samples)
             acked.extend(ack["ids"])
+            last_token = ack["learned"]
         got = await client.call("context_get", {"context_id": ctx_id})
         return {"principal": principal, "ctx": ctx_id, "written": written, "acked": acked,
-                "read": [e.get("text") for e in got["entries"]], "kind": kind}
+                "read": [e.get("text") for e in got["entries"]], "kind": kind, "learned": last_token}
     finally:
         await client.close()
 
@@ -95,8 +101,9 @@ async def _session(kind: str, n: int, mesh: Mesh) -> dict[str, Any]:
 async def _run(mesh: Mesh) -> None:
     probe = await McpHttp(mesh.base, mesh.api_keys[PRINCIPALS[0]]).open()
     try:
-        nll_before, v_before = await _fact_nll(probe, 0)
-        held_before, _ = await _fact_nll(probe, 0, HELD_OUT)
+        nll_before, v_before = await _fact_nll(probe)
+        control_before, _ = await _fact_nll(probe, CONTROL)
+        held_before, _ = await _fact_nll(probe, HELD_OUT)
         results = await asyncio.gather(*(_session(kind, n, mesh) for kind in ("legacy", "modern", "ws")
                                          for n in range(SESSIONS_PER_KIND)))
 
@@ -125,21 +132,38 @@ async def _run(mesh: Mesh) -> None:
         finally:
             await intruder.close()
 
-        # workers converge to the trainer's version
-        await asyncio.to_thread(wait_until, mesh.converged, 60, "workers at the trainer's version", 0.25)
+        # once training pauses, every worker serves exactly the trainer's weights (same digest)
+        await asyncio.to_thread(wait_until, lambda: _bit_exact(mesh), 60, "workers bit-exact with the trainer", 0.1)
         latest = mesh.trainer_version()
         assert latest > v_before
 
-        # the taught facts score better on a model that includes them
-        nll_after, v_after = await _fact_nll(probe, latest)
-        held_after, _ = await _fact_nll(probe, latest, HELD_OUT)
+        # the taught facts score much better on a model that includes them, and specifically
+        newest = max(results, key=lambda res: int(res["learned"].rpartition(".")[2]))["learned"]
+        nll_after, v_after = await _fact_nll(probe, after_learn=newest)
+        control_after, _ = await _fact_nll(probe, CONTROL, after_learn=newest)
+        held_after, _ = await _fact_nll(probe, HELD_OUT, after_learn=newest)
         assert v_after >= latest
+        taught_fall = (nll_before - nll_after) / nll_before
+        control_fall = (control_before - control_after) / control_before
         print(f"e2e: {len(results)} clients, {len(acked)} samples trained once each, versions {v_before}->{v_after}, "
-              f"facts mean NLL {nll_before:.3f} -> {nll_after:.3f}, held-out {held_before:.3f} -> {held_after:.3f}")
-        assert nll_after < nll_before - 0.05, (nll_before, nll_after)
-        assert held_after < held_before * HELD_OUT_BOUND, (held_before, held_after)
+              f"facts NLL {nll_before:.3f} -> {nll_after:.3f} ({taught_fall:.0%} lower), control {control_before:.3f} "
+              f"-> {control_after:.3f} ({control_fall:.0%}), held-out {held_before:.3f} -> {held_after:.3f}")
+        assert taught_fall > 0.5, (nll_before, nll_after)
+        assert control_fall < taught_fall / 2, (control_before, control_after, taught_fall)
+        assert held_after < held_before * (1 + HELD_OUT_RISE), (held_before, held_after)
     finally:
         await probe.close()
+
+
+def _bit_exact(mesh: Mesh) -> bool:
+    r = mesh.redis()
+    try:
+        digest = r.hget(keys.component_status("delta"), "weights_digest")
+        served = [r.hget(keys.component_status(f"worker:{w['id']}"), "weights_digest")
+                  for w in mesh.workers_status().get("workers", [])]
+    finally:
+        r.close()
+    return bool(digest) and len(served) >= mesh.workers and all(d == digest for d in served)
 
 
 def test_whole_loop_many_clients(mesh: Mesh) -> None:

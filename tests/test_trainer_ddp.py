@@ -1,4 +1,5 @@
-"""Two real gloo ranks: identical parameters after steps, with each comm hook and local SGD."""
+"""Two real gloo ranks: identical parameters after steps, with each comm hook and local SGD;
+and how NCCL ranks are placed on a machine's GPUs (pure logic: no GPU here)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ from conftest import free_port, wait_for
 from trainer_support import TrainerProc, committed, trainer_config
 
 from gateway.tools.learning import SampleIngest
+from services.trainer import dist as trainer_dist
+from services.trainer.dist import RankEnv, gpu_index, ranks_for_gpus
+from services.trainer.main import Agent
 from services.trainer.tiny import build_tiny_model
+from shared.config import load_config
 from shared.samples import Sample
 
 N = 48
@@ -47,3 +52,46 @@ async def test_two_gloo_ranks_hold_identical_parameters(redis_url, tmp_path, mod
     moved = sum(float((ranks[0][n] - initial[n].detach()).abs().sum()) for n in initial)
     assert moved > 0, "training did not change the parameters"
     assert int(committed(redis_url)["step"]) >= N // 8
+
+
+def test_nccl_rank_uses_the_gpu_of_its_local_rank():
+    assert [gpu_index(r, 4, 4) for r in range(4)] == [0, 1, 2, 3]
+    assert gpu_index(1, 2, 8) == 1  # a node with spare GPUs
+
+
+@pytest.mark.parametrize(("local_rank", "local_world", "gpus"), [(0, 2, 1), (1, 2, 1), (0, 4, 0), (2, 1, 2)],
+                         ids=["2-ranks-1-gpu", "second-rank-1-gpu", "no-gpu", "local-rank-past-the-gpus"])
+def test_more_nccl_ranks_than_gpus_fail_naming_the_setting(local_rank, local_world, gpus):
+    with pytest.raises(RuntimeError, match=r"trainer\.ranks") as err:
+        gpu_index(local_rank, local_world, gpus)
+    assert f"{gpus} visible GPU" in str(err.value)
+
+
+def test_rank_env_reads_the_local_world_size(monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert RankEnv.from_environ() == RankEnv(5, 8, 1, 4)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert RankEnv.from_environ().local_world == 2  # at least this rank and the ones below it
+
+
+@pytest.mark.parametrize(("ranks", "backend", "gpus", "spawned"),
+                         [(4, "nccl", 2, 2), (4, "auto", 2, 2), (2, "nccl", 8, 2), (4, "gloo", 2, 4),
+                          (4, "auto", 0, 4), (3, "nccl", 0, 3)],
+                         ids=["nccl-capped", "auto-capped", "nccl-enough", "gloo", "auto-cpu", "nccl-no-cuda"])
+def test_agent_caps_nccl_ranks_at_the_gpu_count(caplog, ranks, backend, gpus, spawned):
+    assert ranks_for_gpus(ranks, backend, gpus) == spawned
+    capped = [r for r in caplog.records if "trainer.ranks" in r.getMessage()]
+    assert bool(capped) == (spawned < ranks)
+
+
+def test_agent_spawns_at_most_one_nccl_rank_per_gpu(monkeypatch):
+    monkeypatch.setattr(trainer_dist, "local_gpu_count", lambda: 1)
+    cfg = load_config(env={}, overrides={"trainer": {"ranks": 2, "backend": "nccl"}})
+    assert Agent(cfg)._ranks() == 1
+    cfg.trainer.backend = "gloo"
+    assert Agent(cfg)._ranks() == 2

@@ -1,7 +1,8 @@
 """The one init path and the one teardown path of a trainer rank's process group.
 
-Environment contract (torchrun's): MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK.
-Backend: NCCL when CUDA is available (``trainer.backend: auto|nccl``), gloo otherwise. With
+Environment contract (torchrun's): MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE. Backend: NCCL when CUDA is available (``trainer.backend: auto|nccl``), gloo
+otherwise; an NCCL rank uses the visible GPU numbered by its LOCAL_RANK. With
 NCCL a second, gloo group carries the control traffic (batch bytes, checkpoint bytes, loss)
 so those stay CPU tensors. The init timeout is long (``trainer.init_timeout_s``: ranks on
 other machines may start late); after the first step it is shortened to
@@ -27,13 +28,16 @@ class RankEnv:
     rank: int
     world: int
     local_rank: int
+    local_world: int = 1  # ranks on this machine
 
     @classmethod
     def from_environ(cls) -> RankEnv:
         missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if k not in os.environ]
         if missing:
             raise RuntimeError(f"--as-rank needs the torchrun environment; missing {', '.join(missing)}")
-        return cls(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0")))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        return cls(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), local_rank,
+                   int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1)))
 
 
 def choose_backend(cfg: Any) -> str:
@@ -45,14 +49,50 @@ def choose_backend(cfg: Any) -> str:
     return "gloo"
 
 
+def gpu_index(local_rank: int, local_world: int, gpus: int) -> int:
+    """The CUDA device of an NCCL rank: its LOCAL_RANK among the ``gpus`` visible GPUs. NCCL
+    refuses two ranks on one GPU, so more ranks on a machine than GPUs cannot start."""
+    ranks = max(local_world, local_rank + 1)
+    if ranks > gpus:
+        raise RuntimeError(f"{ranks} NCCL ranks on this machine but {gpus} visible GPU(s): NCCL needs one GPU per "
+                           f"rank; set trainer.ranks (or torchrun --nproc-per-node) to at most {gpus}, or use "
+                           "trainer.backend gloo")
+    return local_rank
+
+
+def ranks_for_gpus(ranks: int, backend: str, gpus: int) -> int:
+    """How many ranks the local agent spawns: ``ranks``, capped at the GPU count when the
+    ranks would use NCCL (see :func:`gpu_index`)."""
+    nccl = backend == "nccl" or (backend == "auto" and gpus > 0)
+    if not nccl or gpus == 0 or ranks <= gpus:
+        return ranks  # gloo, or NCCL without CUDA: the ranks themselves report that
+    log.warning("trainer.ranks is %d but this machine has %d GPU(s) and NCCL needs one GPU per rank: "
+                "starting %d ranks", ranks, gpus, gpus)
+    return gpus
+
+
+def local_gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def cpu_threads(configured: int, local_world: int) -> int:
+    """Intra-op threads of a CPU rank: ``trainer.torch_threads``, or (0) the machine's cores
+    shared among the ranks on it — torch's default of every core per rank oversubscribes the
+    machine R times over (torchrun sets one thread per rank for the same reason)."""
+    if configured > 0:
+        return configured
+    return max(1, (os.cpu_count() or 1) // max(1, local_world))
+
+
 def init_distributed(cfg: Any, env: RankEnv) -> tuple[torch.device, Any]:
     """Initialise the process group; returns (device, control group)."""
     backend = choose_backend(cfg)
     if backend == "nccl":
-        device = torch.device("cuda", env.local_rank)
+        device = torch.device("cuda", gpu_index(env.local_rank, env.local_world, torch.cuda.device_count()))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+        torch.set_num_threads(cpu_threads(cfg.trainer.torch_threads, env.local_world))
     dist.init_process_group(backend, rank=env.rank, world_size=env.world,
                             timeout=timedelta(seconds=cfg.trainer.init_timeout_s),
                             device_id=device if backend == "nccl" else None)

@@ -460,8 +460,10 @@ class Trainer:
             if self.ops is not None:
                 self.ops.before_publish(self.version)
             cpu0 = time.thread_time()
-            stats = self.publisher.publish(self.consensus_params(), self.version, anchor=anchor, lossless=lossless)
+            params = self.consensus_params()
+            stats = self.publisher.publish(params, self.version, anchor=anchor, lossless=lossless)
             self._record_version_seq()
+            stats.extra.update(served_gap(params, self.publisher.encoder.last_stats))
             m.CODEC_CPU_SECONDS.labels("encode").inc(time.thread_time() - cpu0)
             if self._ranks_agree():  # else what went out is an earlier average, not this step's weights
                 self._published_step = self.step
@@ -511,8 +513,8 @@ class Trainer:
             self._ranks_agreed()
         target = int(c["to_version"])
         if self.rank == 0:
-            self.offset = ledger.Offset(self.offset.seq, self.offset.id, self.offset.step,
-                                        max(self.version, self.offset.version) + 1, self.offset.epoch)
+            self.offset = dataclasses.replace(self.offset, version=max(self.version, self.offset.version) + 1)
+            self.replay.clear()  # the learning of the discarded steps is not to be repeated
             self.publish(anchor=True, rollback_of=target)
         self._saved_step = -1
         # Every rank: with local SGD saving is a collective. A restart resumes the rolled-back lineage.
@@ -535,7 +537,7 @@ class Trainer:
         self._saved_step = self.step
         state = {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
                  "scheduler": self.sched.state_dict(), "step": self.step, "seq": self.offset.seq,
-                 "id": self.offset.id, "version": self.version, "model_id": getattr(self.model, "model_id", ""),
+                 "id": self.offset.id, "log": self.offset.log, "version": self.version, "model_id": getattr(self.model, "model_id", ""),
                  # the weights are exactly this published version (rollback targets need that)
                  "published_version": self.version if self._published_step == self.step else None}
         path = checkpoint.save(self.t.checkpoint_dir, self.step, state, self.t.checkpoint_keep)
@@ -599,6 +601,18 @@ class LocalSGDAverager:
 
 
 _VERSION_SEQS_KEPT = 4096
+
+
+def served_gap(params: dict[str, torch.Tensor], enc_stats: dict[str, Any]) -> dict[str, Any]:
+    """How far what workers hold is from ``params`` after a publish: ``served_gap`` =
+    ‖trainer − served‖ / ‖trainer‖, and the weights' digest when they are bit-identical."""
+    residual = float(enc_stats.get("residual_norm", 0.0))
+    if residual == 0.0:
+        from shared.codec import weights_digest
+
+        return {"served_gap": 0.0, "weights_digest": weights_digest(params)}
+    norm = math.sqrt(sum(float(p.detach().float().pow(2).sum()) for p in params.values()))
+    return {"served_gap": residual / norm if norm else 0.0, "weights_digest": ""}
 
 
 def outcomes(records: list[TrainRecord]) -> tuple[list[str], dict[str, str]]:

@@ -109,6 +109,14 @@ class Agent:
         self.stopping = False
         self.procs: list[subprocess.Popen[bytes]] = []
 
+    def _ranks(self) -> int:
+        t = self.cfg.trainer
+        if t.backend == "gloo":  # no need to load torch and probe CUDA here
+            return t.ranks
+        from services.trainer.dist import local_gpu_count, ranks_for_gpus
+
+        return ranks_for_gpus(t.ranks, t.backend, local_gpu_count())
+
     def _write_config(self) -> str:
         fd, path = tempfile.mkstemp(prefix="learnmesh-trainer-", suffix=".yaml")
         with os.fdopen(fd, "w") as f:
@@ -142,6 +150,7 @@ class Agent:
 
         signal.signal(signal.SIGTERM, self._forward_term)
         signal.signal(signal.SIGINT, self._forward_term)
+        self.cfg.trainer.ranks = self._ranks()
         path = self._write_config()
         try:
             for attempt in range(self.cfg.trainer.max_restarts + 1):

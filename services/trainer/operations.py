@@ -216,6 +216,8 @@ class TrainerOps:
                                   density_target=getattr(pub.encoder, "density", comp.density) if pub else None,
                                   algorithm=comp.algorithm, encode_ms=round(stats.encode_s * 1000, 3),
                                   sync_interval=self.tr.cfg.consistency.sync_interval,
+                                  served_gap=stats.extra.get("served_gap"),
+                                  weights_digest=stats.extra.get("weights_digest"),
                                   key_id=pub.ring.active if pub else None)
         except Exception as exc:
             log.warning("could not record version %d: %s", stats.version, type(exc).__name__)

@@ -66,6 +66,7 @@ class Worker:
         self.drained = False
         self._redis: Any = None
         self._next_report = 0.0
+        self._digest: tuple[int, str] = (-1, "")
 
     def _subscriber(self, enabled: bool) -> Any:
         if not enabled:
@@ -141,9 +142,19 @@ class Worker:
             control.report_status(self._redis, f"worker:{self.worker_id}",
                                   ttl_s=max(10.0, 5 * self.cfg.metrics.status_interval_s), version=self.version,
                                   load=self.load(), lag=lag, drained=int(drained),
-                                  idle=int(drained and not self.queue and not self.running))
+                                  idle=int(drained and not self.queue and not self.running),
+                                  weights_digest=self._weights_digest())
         except Exception as exc:  # Redis away: serving goes on, the report is advisory
             log.debug("worker status report failed: %s", exc)
+
+    def _weights_digest(self) -> str:
+        """Digest of the served weights (once per version): equal to the trainer's reported digest
+        exactly when this worker serves bit-identical weights."""
+        if self._digest[0] != self.version:
+            from shared.codec import weights_digest
+
+            self._digest = (self.version, weights_digest(dict(self.model.trainable_named_parameters())))
+        return self._digest[1]
 
     def _apply_updates(self) -> None:
         if self.subscriber is None:

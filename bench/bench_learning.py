@@ -1,0 +1,244 @@
+"""Teach and answer, on a whole mesh (``learnmesh up``) with the shipped defaults.
+
+Ten made-up facts (examples/facts.py), eight copies each, go in through one ``learn`` call.
+Reported, before and after:
+
+* greedy answers (temperature 0) on each taught prompt: how many reproduce the taught
+  continuation (target: at least 8 of 10), asked with the acknowledgement's ``learned`` token,
+  and the time from the acknowledgement to the answers (target: within 5 s);
+* loss (nats/token, ``score``) on the taught facts, on ten control sentences of the same
+  style that were never taught (their relative fall must be less than half the taught one)
+  and on held-out windows of the corpus (may rise at most 5 %);
+* the served-vs-trainer weight gap (‖trainer − served‖ / ‖trainer‖, from the trainer's
+  ``delta`` report) while teaching and after the last step, and the time until every worker
+  reports the trainer's exact weights digest (bit-exact; target within 1 s of idle);
+* learn acknowledgement → every worker serving a version that holds the samples, p50/p99 over
+  ``--probes`` single-sample ``learn`` calls (resolution: the workers' heartbeat interval).
+
+The baseline is the same mesh before teaching (the "before" column), in the same run.
+
+    .venv/bin/python bench/bench_learning.py [--probes 10] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "examples")]
+
+from facts import CONTROLS, COPIES, FACTS  # noqa: E402
+from mesh_support import McpHttp, Mesh, RedisServer  # noqa: E402
+
+from shared import keys  # noqa: E402
+from shared.config import ModelConfig  # noqa: E402
+from shared.model.pretrain import corpus_windows  # noqa: E402
+
+HELD_OUT = 48
+
+
+def shipped_config(mesh: Mesh) -> None:
+    """Keep only what must differ from the shipped defaults (free ports, paths, fast status)."""
+    cfg = mesh.cfg
+    cfg["model"] = {"cache_dir": str(ROOT / "var" / "model")}  # the default model, pre-trained once
+    t = cfg["trainer"]
+    cfg["trainer"] = {k: t[k] for k in ("samples_endpoint", "master_port", "checkpoint_dir")}
+    cfg["consistency"] = {}
+    cfg["metrics"]["status_interval_s"] = 0.1  # reporting only: resolution of the digest comparison
+    mesh.config_path.write_text(yaml.safe_dump(cfg))
+
+
+class GapSampler(threading.Thread):
+    """The trainer's ``delta`` report and the workers' digests, every 50 ms."""
+
+    def __init__(self, redis_url: str) -> None:
+        super().__init__(daemon=True)
+        import redis
+
+        self.r = redis.Redis.from_url(redis_url, decode_responses=True)
+        self.stop = threading.Event()
+        self.series: list[tuple[float, float, int]] = []  # (t, served_gap, version)
+        self.exact_at: float | None = None
+
+    def snapshot(self) -> tuple[dict[str, str], list[dict[str, str]]]:
+        delta = self.r.hgetall(keys.component_status("delta"))
+        workers = [self.r.hgetall(keys.component_status(c)) for c in self.r.smembers(keys.STATUS_INDEX)
+                   if c.startswith("worker:")]
+        return delta, [w for w in workers if w]
+
+    def run(self) -> None:
+        while not self.stop.wait(0.05):
+            delta, workers = self.snapshot()
+            if not delta:
+                continue
+            now = time.monotonic()
+            self.series.append((now, float(delta.get("served_gap") or 0.0), int(delta.get("version") or 0)))
+            digest = delta.get("weights_digest")
+            exact = bool(digest) and len(workers) >= 2 and all(w.get("weights_digest") == digest for w in workers)
+            if exact and self.exact_at is None:
+                self.exact_at = now
+            elif not exact:
+                self.exact_at = None
+
+
+async def measure(client: McpHttp, pairs: list[tuple[str, str]], **wait: Any) -> tuple[float, int]:
+    nll, version = [], 0
+    for prompt, target in pairs:
+        r = await client.call("score", {"prompt": prompt, "target": target, **wait})
+        nll.append(r["nll"])
+        version = max(version, r["model_version"])
+    return statistics.fmean(nll), version
+
+
+async def answers(client: McpHttp, **wait: Any) -> list[str]:
+    out = []
+    for prompt, target in FACTS:
+        r = await client.call("generate", {"prompt": prompt, "max_tokens": len(target.encode()) + 4,
+                                           "temperature": 0.0, "append": False, **wait})
+        out.append(r["text"])
+    return out
+
+
+async def probe_sync(client: McpHttp, mesh: Mesh, n: int) -> list[float]:
+    """learn ack -> every worker serving a version that holds the sample (heartbeat resolution)."""
+    r = mesh.redis()
+    out = []
+    try:
+        for i in range(n):
+            ack = await client.call("learn", {"input": f"probe {i} says", "target": f" ok {i}."})
+            t0 = time.monotonic()
+            seq = int(ack["learned"].rpartition(".")[2])
+            deadline = t0 + 120
+            while time.monotonic() < deadline:
+                found = r.zrangebyscore(keys.MODEL_VERSION_SEQ, seq, "+inf", start=0, num=1)
+                versions = mesh.worker_versions()
+                if found and len(versions) >= mesh.workers and min(versions) >= int(found[0]):
+                    out.append(time.monotonic() - t0)
+                    break
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(1.0)  # let the trainer go idle between probes
+    finally:
+        r.close()
+    return out
+
+
+async def experiment(mesh: Mesh, key: str, probes: int) -> dict[str, Any]:
+    import httpx
+
+    # generate/score with after_learn wait for training (consistency.learn_wait_s)
+    client = await McpHttp(mesh.base, key, client=httpx.AsyncClient(timeout=300)).open()
+    rng = random.Random(11)
+    seq = ModelConfig().pretrain_seq - 3
+    held = [(a.decode(errors="replace"), b.decode(errors="replace")) for a, b in corpus_windows(HELD_OUT, rng, seq)]
+    held = [(a, b) for a, b in held if a.strip() and b.strip()]
+    sampler = GapSampler(mesh.redis_url)
+    try:
+        before = {"taught": await measure(client, FACTS), "control": await measure(client, CONTROLS),
+                  "held_out": await measure(client, held)}
+        answers_before = await answers(client)
+        sampler.start()
+        samples = [{"kind": "example", "input": p, "target": t} for p, t in FACTS for _ in range(COPIES)]
+        ack = await client.call("learn", {"samples": samples})
+        acked = time.monotonic()
+        answers_after = await answers(client, after_learn=ack["learned"])
+        answered_s = time.monotonic() - acked
+        wait = {"after_learn": ack["learned"]}
+        after = {"taught": await measure(client, FACTS, **wait), "control": await measure(client, CONTROLS, **wait),
+                 "held_out": await measure(client, held, **wait)}
+        deadline = time.monotonic() + 60
+        while sampler.exact_at is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        sampler.stop.set()
+        sampler.join()
+        exact_at = sampler.exact_at
+        series = [(round(t - acked, 2), g, v) for t, g, v in sampler.series]
+        last_step = _last_lossy(series)
+        sync = await probe_sync(client, mesh, probes)
+    finally:
+        await client.close()
+    hits = sum(a.startswith(t) for a, (_, t) in zip(answers_after, FACTS, strict=True))
+    return {"before": before, "after": after, "answers_before": answers_before, "answers_after": answers_after,
+            "hits": hits, "answered_s": answered_s, "gap_series": series, "last_lossy_s": last_step,
+            "exact_after_ack_s": None if exact_at is None else exact_at - acked, "learn_to_all_workers_s": sync}
+
+
+def _last_lossy(series: list[tuple[float, float, int]]) -> float | None:
+    lossy = [t for t, g, _ in series if g > 0]
+    return max(lossy) if lossy else None
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def report(res: dict[str, Any]) -> None:
+    b, a = res["before"], res["after"]
+
+    def change(name: str) -> float:
+        return (a[name][0] - b[name][0]) / b[name][0]
+
+    print("\n== teach 10 made-up facts x8 through learn, shipped defaults (2 workers, 2 trainer ranks) ==")
+    print(f"{'loss (nats/token)':<22}{'before':>9}{'after':>9}{'change':>9}")
+    for name in ("taught", "control", "held_out"):
+        print(f"{name:<22}{b[name][0]:>9.3f}{a[name][0]:>9.3f}{change(name) * 100:>8.1f}%")
+    fall_t, fall_c = -change("taught"), -change("control")
+    print(f"control fall / taught fall: {fall_c / fall_t if fall_t else float('nan'):.2f}  (target < 0.5)")
+    print(f"held-out change: {change('held_out') * 100:+.1f}%  (target <= +5%)")
+    print(f"greedy answers reproducing the taught continuation: {res['hits']} of {len(FACTS)} (target >= 8), "
+          f"answered {res['answered_s']:.1f} s after the acknowledgement (target <= 5 s)")
+    for (prompt, target), x, y in zip(FACTS, res["answers_before"], res["answers_after"], strict=True):
+        print(f"  {prompt!r}: {x!r} -> {y!r} {'==' if y.startswith(target) else '!='} {target!r}")
+    series = res["gap_series"]
+    if series:
+        gaps = [g for _, g, _ in series if g > 0]
+        print(f"served-vs-trainer weight gap while teaching: max {max(gaps, default=0):.2%}, "
+              f"median {statistics.median(gaps) if gaps else 0:.2%} (samples every 50 ms)")
+    exact, last = res["exact_after_ack_s"], res["last_lossy_s"]
+    if exact is None:
+        print("served == trainer (bit-exact digests): NOT reached within 60 s")
+    else:
+        idle = exact - last if last is not None else exact
+        print(f"served == trainer bit-exact on every worker {exact:.2f} s after the acknowledgement, "
+              f"{idle:.2f} s after the last lossy publish (target <= 1 s of idle)")
+    sync = res["learn_to_all_workers_s"]
+    if sync:
+        print(f"learn ack -> every worker serves the samples' version: p50 {pct(sync, 0.5) * 1000:.0f} ms, "
+              f"p99 {pct(sync, 0.99) * 1000:.0f} ms over {len(sync)} probes (heartbeat resolution 200 ms)")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--probes", type=int, default=10)
+    p.add_argument("--json", help="write the raw results here")
+    args = p.parse_args()
+    server = RedisServer()
+    server.start()
+    workdir = Path(tempfile.mkdtemp(prefix="lm-bench-learning-"))
+    mesh = Mesh(workdir, f"redis://127.0.0.1:{server.port}/0", ["alice"], workers=2, ranks=2)
+    shipped_config(mesh)
+    try:
+        with mesh.running():
+            res = asyncio.run(experiment(mesh, mesh.api_keys["alice"], args.probes))
+    finally:
+        server.close()
+    report(res)
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

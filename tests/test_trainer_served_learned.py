@@ -1,0 +1,148 @@
+"""What the trainer records is what it trained: replay passes, skipped samples kept out of the
+ledger with their reason, and offsets bound to the identity of the sample log they count in."""
+
+from __future__ import annotations
+
+import pytest
+import redis as redis_sync
+import redis.asyncio as aioredis
+from conftest import free_port, wait_for
+from trainer_support import TrainerProc, committed, trainer_config
+
+from gateway.tools.learning import SampleIngest
+from services.trainer import ledger
+from services.trainer.data import TrainRecord
+from services.trainer.loop import outcomes
+from services.trainer.replay import ReplayBuffer
+from shared import keys
+from shared.context_store import ContextStore
+from shared.samples import LoggedSample, Sample, learned_token, parse_learned_token
+
+
+def _record(seq: int, sample: Sample | None = None, skip: bool = False) -> TrainRecord:
+    s = sample or Sample("example", input=f"q{seq}", target=f"a{seq}")
+    return TrainRecord(LoggedSample(f"e-{seq}:0", seq, "alice", s, f"e-{seq}"), None, skip=skip)
+
+
+def test_replay_gives_every_sample_its_passes_round_robin_and_tracks_what_is_settled() -> None:
+    buf = ReplayBuffer(passes=3, capacity=100)
+    buf.add([_record(1), _record(2), _record(3)])
+    assert buf.settled_seq(3) == 0, "no sample has had all its passes yet"
+    first = buf.take(2)
+    assert [r.logged.seq for r in first] == [1, 2] and all(r.replay for r in first)
+    second = buf.take(10)
+    assert [r.logged.seq for r in second] == [3, 1, 2], "one pass each per step, the oldest first"
+    assert buf.settled_seq(3) == 2, "samples 1 and 2 had their three passes; 3 is owed one"
+    assert [r.logged.seq for r in buf.take(10)] == [3]
+    assert len(buf) == 0 and buf.settled_seq(3) == 3
+
+
+def test_replay_capacity_drops_the_oldest_and_one_pass_means_no_replay() -> None:
+    buf = ReplayBuffer(passes=2, capacity=2)
+    buf.add([_record(i) for i in range(1, 5)])
+    assert [r.logged.seq for r in buf.take(10)] == [3, 4] and buf.dropped == 2
+    single = ReplayBuffer(passes=1, capacity=10)
+    single.add([_record(1)])
+    assert len(single) == 0 and single.take(5) == []
+
+
+def test_outcomes_never_count_a_sample_without_gradient_as_trained() -> None:
+    down = Sample("feedback", input="q", generation_id="g", output="a", preference="down")
+    trained, skipped = outcomes([_record(1), _record(2, skip=True), _record(3, down)])
+    assert trained == ["e-1:0"]
+    assert skipped == {"e-2:0": "context_gone", "e-3:0": "no_gradient"}
+
+
+def test_learned_tokens_round_trip_and_refuse_anything_else() -> None:
+    assert parse_learned_token(learned_token("ab12", 42)) == ("ab12", 42)
+    for bad in (None, 42, "", "ab12", "ab12.", ".5", "a.b.3", "ab 1.3", "ab12.-3", "x" * 70 + ".1"):
+        with pytest.raises(ValueError):
+            parse_learned_token(bad)
+
+
+async def test_a_sample_whose_context_is_gone_is_skipped_with_its_reason_not_trained(redis_url, tmp_path):
+    cfg = trainer_config(redis_url, tmp_path, free_port())
+    redis = aioredis.Redis.from_url(redis_url)
+    store = ContextStore(redis, cfg.context)
+    ingest = SampleIngest(redis, cfg, store)
+    proc = None
+    try:
+        first = await store.append("alice", "chat", "text", "user", b"hello there")
+        ok = await ingest.submit("alice", [Sample("example", input="hi", target=" there")])
+        aged = await ingest.submit("alice", [Sample("example", input="x", target=" y", context_id="chat",
+                                                    version=first.version)])
+        down = await ingest.submit("alice", [Sample("feedback", input="q", generation_id="g1", output="a",
+                                                    preference="down")])
+        # the version the sample names ages out before the trainer reads it
+        for i in range(cfg.context.versions_retained + 2):
+            await store.append("alice", "chat", "text", "user", f"turn {i}".encode())
+        proc = TrainerProc(cfg, tmp_path)
+        await wait_for(lambda: int(committed(redis_url).get("seq", 0)) == 3, timeout_s=90,
+                       what=lambda: f"the trainer to consume all three samples\n{proc.output()}")
+        assert proc.term() == 0, proc.output()
+        stats = await ingest.stats()
+    finally:
+        if proc is not None:
+            proc.close()
+        ingest.close()
+        await redis.aclose()
+    r = redis_sync.Redis.from_url(redis_url)
+    try:
+        trained, skipped = ledger.trained_ids(r), ledger.skipped_ids(r)
+    finally:
+        r.close()
+    assert trained == ok["ids"], "only the sample whose gradient is in the weights is in the ledger"
+    assert skipped == {aged["ids"][0]: "context_gone", down["ids"][0]: "no_gradient"}
+    assert stats["skipped"] == {"context_gone": 1, "no_gradient": 1}
+    assert stats["trained_seq"] == 3
+
+
+async def test_a_trainer_against_a_log_that_lost_its_data_trains_the_new_log_from_its_start(redis_url, tmp_path):
+    cfg = trainer_config(redis_url, tmp_path, free_port(), checkpoint_every=2)
+    redis = aioredis.Redis.from_url(redis_url)
+    ingest = SampleIngest(redis, cfg)
+    first = second = None
+
+    async def teach(n: int, tag: str) -> dict:
+        return await ingest.submit("alice", [Sample("example", input=f"{tag}{i}", target=f" {i}") for i in range(n)])
+
+    def trained_with(seq: int, log: str) -> bool:
+        c = committed(redis_url)
+        return int(c.get("seq", 0)) == seq and c.get("log") == log
+
+    try:
+        old = await teach(8, "old")
+        first = TrainerProc(cfg, tmp_path)
+        await wait_for(lambda: trained_with(8, old["learned"].partition(".")[0]), timeout_s=90,
+                       what=lambda: f"the first log trained\n{first.output()}")
+        assert first.term() == 0, first.output()  # checkpoint at seq 8 of the old log
+
+        await redis.flushdb()  # a Redis that lost its data: an empty log numbers from 1 again
+        new = await teach(5, "new")
+        new_log = new["learned"].partition(".")[0]
+        assert new_log != old["learned"].partition(".")[0] and new["seqs"] == [1, 2, 3, 4, 5]
+        second = TrainerProc(cfg, tmp_path)
+        await wait_for(lambda: trained_with(5, new_log), timeout_s=90,
+                       what=lambda: f"the new log trained from its start\n{second.output()}")
+        r = redis_sync.Redis.from_url(redis_url)
+        try:
+            assert set(new["ids"]) <= set(ledger.trained_ids(r))
+            assert int(committed(redis_url)["step"]) > 1, "the weights (and steps) of the checkpoint were kept"
+
+            await redis.flushdb()  # and once more while the trainer runs
+            again = await teach(3, "again")
+            await wait_for(lambda: trained_with(3, again["learned"].partition(".")[0]), timeout_s=90,
+                           what=lambda: f"the log recreated under a running trainer\n{second.output()}")
+            assert set(again["ids"]) <= set(ledger.trained_ids(r))
+            assert r.zcard(keys.MODEL_VERSION_SEQ) >= 1
+        finally:
+            r.close()
+        assert second.term() == 0, second.output()
+        out = second.output()
+        assert "is gone" in out and "the sample log changed" in out, out
+    finally:
+        for p in (first, second):
+            if p is not None:
+                p.close()
+        ingest.close()
+        await redis.aclose()
