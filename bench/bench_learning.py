@@ -71,6 +71,7 @@ class GapSampler(threading.Thread):
         self.stop = threading.Event()
         self.series: list[tuple[float, float, int]] = []  # (t, served_gap, version)
         self.exact_at: float | None = None
+        self.exact_version = 0
 
     def snapshot(self) -> tuple[dict[str, str], list[dict[str, str]]]:
         delta = self.r.hgetall(keys.component_status("delta"))
@@ -88,7 +89,7 @@ class GapSampler(threading.Thread):
             digest = delta.get("weights_digest")
             exact = bool(digest) and len(workers) >= 2 and all(w.get("weights_digest") == digest for w in workers)
             if exact and self.exact_at is None:
-                self.exact_at = now
+                self.exact_at, self.exact_version = now, int(delta.get("version") or 0)
             elif not exact:
                 self.exact_at = None
 
@@ -162,6 +163,8 @@ async def experiment(mesh: Mesh, key: str, probes: int) -> dict[str, Any]:
             await asyncio.sleep(0.05)
         sampler.stop.set()
         sampler.join()
+        answers_exact = await answers(client, min_model_version=sampler.exact_version) \
+            if sampler.exact_at is not None else []
         exact_at = sampler.exact_at
         series = [(round(t - acked, 2), g, v) for t, g, v in sampler.series]
         last_step = _last_lossy(series)
@@ -169,8 +172,9 @@ async def experiment(mesh: Mesh, key: str, probes: int) -> dict[str, Any]:
     finally:
         await client.close()
     hits = sum(a.startswith(t) for a, (_, t) in zip(answers_after, FACTS, strict=True))
+    hits_exact = sum(a.startswith(t) for a, (_, t) in zip(answers_exact, FACTS, strict=True))
     return {"before": before, "after": after, "answers_before": answers_before, "answers_after": answers_after,
-            "hits": hits, "answered_s": answered_s, "gap_series": series, "last_lossy_s": last_step,
+            "hits": hits, "hits_exact": hits_exact, "answered_s": answered_s, "gap_series": series, "last_lossy_s": last_step,
             "exact_after_ack_s": None if exact_at is None else exact_at - acked, "learn_to_all_workers_s": sync}
 
 
@@ -199,6 +203,7 @@ def report(res: dict[str, Any]) -> None:
     print(f"held-out change: {change('held_out') * 100:+.1f}%  (target <= +5%)")
     print(f"greedy answers reproducing the taught continuation: {res['hits']} of {len(FACTS)} (target >= 8), "
           f"answered {res['answered_s']:.1f} s after the acknowledgement (target <= 5 s)")
+    print(f"  once every worker serves the trainer's exact weights: {res['hits_exact']} of {len(FACTS)}")
     for (prompt, target), x, y in zip(FACTS, res["answers_before"], res["answers_after"], strict=True):
         print(f"  {prompt!r}: {x!r} -> {y!r} {'==' if y.startswith(target) else '!='} {target!r}")
     series = res["gap_series"]

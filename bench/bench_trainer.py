@@ -1,37 +1,52 @@
-"""Trainer benchmark (``make bench-trainer``).
+"""Trainer benchmark (``make bench-trainer``): training, ingest and gradient traffic, each
+printed against a named baseline measured in the same run.
 
-1. Samples accepted end to end: a live gateway (``learnmesh gateway``) takes batches on
-   ``POST /admin/samples``; each is validated, appended to the Redis log and pushed over
-   ZeroMQ to a running trainer. Reports accepted samples/s, then waits until the trainer has
-   committed every one and checks by id that none was lost or trained twice. Baseline in
-   the same run: the same samples appended with one plain XADD per sample (no validation,
-   no push), the floor cost of a Redis Stream write from one client.
-2. Trainer steps/s with 1 and 2 gloo ranks (DDP, the tiny model at ``--width``).
-3. Bytes all-reduced per step with no hook, the fp16 hook (bf16's twin on gloo: torch's bf16
-   hook needs NCCL; both send 2 bytes per element) and PowerSGD — counted by
-   wrapping ``torch.distributed.all_reduce``, which all of torch's hooks call (the no-hook
-   case uses torch's ``allreduce_hook``, the same all-reduce DDP does in C++).
+1. Training throughput of the default model (``shared.model.build_model``, pretrained base
+   from the cache) under the shipped ``TrainerConfig`` (optimizer, lr, clip, batch per rank,
+   2 gloo ranks, DDP built with ``ddp_options`` as the trainer builds it), one step as
+   ``Trainer.train_step`` runs it: each rank takes its strided share of ``batch_size * world``
+   samples, forward + backward, clip, optimizer step, loss all-reduce. Reported as samples/s
+   and tokens/s (non-pad tokens through forward and backward). Baseline: this CPU's fp32
+   matmul peak, measured by the same rank processes with the same torch thread count, all
+   ranks at once; the fraction is model FLOP/s over that peak, with model FLOPs per token
+   = 6 x (weights of the matmuls a text token goes through) + causal attention.
+2. Ingest: samples/s the gateway's ``SampleIngest`` accepts (validation, one Lua append to
+   the Redis log, ZeroMQ push to a draining PULL socket). Baseline: the same sample JSON
+   written with pipelined XADDs (one stream entry per sample, one pipeline per batch, no
+   validation).
+3. Gradient bytes all-reduced per step and throughput with each comm hook on the default
+   model: DDP's own all-reduce (every bucket in full, fp32), the fp16 hook (bf16's twin on
+   gloo: torch's bf16 hook needs NCCL) and PowerSGD at the shipped ``powersgd_rank``; hook
+   bytes are counted by wrapping ``torch.distributed.all_reduce``, which torch's hooks call.
 
-Defaults are modest for a shared 2-core machine; ``--full`` scales up.
+Rows marked "shipped" use shipped settings; the others are labelled by what they change.
+A scratch ``redis-server`` on a free port holds the ingest data. ``--quick`` runs fewer
+steps and samples (a smoke run).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
+import json
 import os
+import random
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-ADMIN_KEY = "bench-admin-key-0123456789"
+WARMUP_STEPS = 3  # DDP rebuilds its buckets after step 1; PowerSGD compresses from step 2
+PEAK_MATMUL_N = 1024
 
 
 def free_port() -> int:
@@ -40,237 +55,308 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# ---------------------------------------------------------------- 1. end to end
+# ---------------------------------------------------------------- 1 + 3. training
 
 
-def start_redis(workdir: str) -> tuple[subprocess.Popen, str]:
+@dataclass
+class TrainCase:
+    """One training run; the defaults are the shipped settings."""
+
+    label: str
+    world: int = 2
+    hook: str = "none"  # trainer.comm_hook
+    threads: int = 0  # torch threads per rank; 0 = torch's default, as the trainer ranks run
+    flip_find_unused: bool = False  # the opposite of the find_unused_parameters ddp_options ships
+    count_bytes: bool = False
+    measure_peak: bool = False
+
+
+def training_samples(n: int, seed: int) -> list[tuple[bytes, bytes]]:
+    """``n`` (prompt, target) pairs cut from the shipped corpus: 48-192 bytes, target 8-64."""
+    from shared.model.pretrain import corpus_bytes
+
+    data = corpus_bytes()
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        length = rng.randrange(48, 193)
+        start = rng.randrange(0, len(data) - length)
+        window = data[start:start + length]
+        cut = length - rng.randrange(8, min(64, length // 2) + 1)
+        out.append((window[:cut], window[cut:]))
+    return out
+
+
+def matmul_flops(model: Any) -> int:
+    """Weights of the matmuls one text token goes through (embeddings are lookups; the image
+    and audio projections idle on text)."""
+    from torch import nn
+
+    return sum(m.weight.numel() for name, m in model.named_modules()
+               if isinstance(m, nn.Linear) and name not in ("image_proj", "audio_proj"))
+
+
+def step_flops(model: Any, lengths: list[int], n_matmul: int) -> float:
+    """Forward + backward: 6 FLOPs per matmul weight per token, plus causal attention
+    (QK^T and AV, 2 x 2 x d per attended pair, x3 for backward)."""
+    cfg = model.cfg
+    attention = 6 * cfg.n_layers * cfg.d_model * sum(n * (n + 1) for n in lengths)
+    return 6.0 * n_matmul * sum(lengths) + attention
+
+
+def peak_matmul_flops_s(seconds: float) -> float:
+    """fp32 matmul FLOP/s of this process at its torch thread count."""
+    import torch
+
+    a = torch.randn(PEAK_MATMUL_N, PEAK_MATMUL_N)
+    b = torch.randn(PEAK_MATMUL_N, PEAK_MATMUL_N)
+    out = torch.empty(PEAK_MATMUL_N, PEAK_MATMUL_N)
+    torch.matmul(a, b, out=out)
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        torch.matmul(a, b, out=out)
+        n += 1
+    return 2 * PEAK_MATMUL_N ** 3 * n / (time.perf_counter() - t0)
+
+
+def _train_rank(rank: int, case: TrainCase, port: int, steps: int, peak_s: float, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from services.trainer.loop import LossModule, build_model, ddp_options, make_optimizer, register_comm_hook
+    from shared.config import load_config
+
+    if case.threads:
+        torch.set_num_threads(case.threads)
+    world = case.world
+    cfg = load_config(env={}, overrides={"trainer": {"comm_hook": case.hook},
+                                         "model": {"cache_dir": str(ROOT / "var" / "model")}})
+    t = cfg.trainer
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model = build_model(cfg)
+    params = [p for _, p in model.trainable_named_parameters()]
+    opt, sched = make_optimizer(params, t)
+    ddp = None
+    find_unused = None
+    if world > 1:
+        opts = ddp_options(cfg)
+        if case.flip_find_unused:
+            opts["find_unused_parameters"] = not opts["find_unused_parameters"]
+        find_unused = opts["find_unused_parameters"]
+        ddp = DDP(LossModule(model), **opts)
+        register_comm_hook(ddp, cfg)
+    model.train()
+    allreduce = dist.all_reduce
+    counted = [0]
+    if case.count_bytes:
+        def counting(tensor: Any, *a: Any, **k: Any) -> Any:
+            counted[0] += tensor.numel() * tensor.element_size()
+            return allreduce(tensor, *a, **k)
+
+        dist.all_reduce = counting
+
+    per_step = t.batch_size * world
+    pool = training_samples(per_step * (WARMUP_STEPS + steps), seed=1234)
+    n_matmul = matmul_flops(model)
+    samples = tokens = 0
+    flops = 0.0
+    step_s: list[float] = []
+    for i in range(WARMUP_STEPS + steps):
+        if i == WARMUP_STEPS:
+            dist.barrier()
+            counted[0] = 0
+        t0 = time.perf_counter()
+        mine = pool[i * per_step:(i + 1) * per_step][rank::world]
+        batch = model.collate([model.encode(None, p, q) for p, q in mine])
+        loss = ddp(batch) if ddp is not None else model.loss(batch)
+        loss.backward()
+        if t.clip_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(params, t.clip_grad_norm)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        loss_sum = torch.tensor([float(loss.detach()) * len(mine), len(mine)], dtype=torch.float64)
+        if world > 1:
+            allreduce(loss_sum)
+        if i >= WARMUP_STEPS:
+            step_s.append(time.perf_counter() - t0)
+            lengths = batch.lengths.tolist()
+            samples += len(mine)
+            tokens += sum(lengths)
+            flops += step_flops(model, lengths, n_matmul)
+    totals = torch.tensor([samples, tokens, flops, sum(step_s)], dtype=torch.float64)
+    allreduce(totals)
+    peak = torch.tensor([0.0], dtype=torch.float64)
+    if case.measure_peak:
+        dist.barrier()
+        peak[0] = peak_matmul_flops_s(peak_s)  # every rank at once: the load training puts on the CPU
+        allreduce(peak)
+    if rank == 0:
+        wall_s = float(totals[3]) / world
+        Path(out).write_text(json.dumps({
+            "samples_per_s": float(totals[0]) / wall_s, "tokens_per_s": float(totals[1]) / wall_s,
+            "model_flops_s": float(totals[2]) / wall_s, "peak_flops_s": float(peak[0]),
+            "step_ms_median": 1000 * statistics.median(step_s), "bytes_per_step": counted[0] / steps,
+            "ddp_bytes_per_step": 4 * sum(p.numel() for p in params), "torch_threads": torch.get_num_threads(),
+            "find_unused_parameters": find_unused,
+            "tokens_per_sample": float(totals[1]) / float(totals[0]), "lr": t.lr, "optimizer": t.optimizer,
+            "batch_size": t.batch_size, "powersgd_rank": t.powersgd_rank}))
+    dist.destroy_process_group()
+    # as services/trainer/main.py does: gloo's threads can abort the process in static destructors
+    os._exit(0)
+
+
+def run_training(case: TrainCase, steps: int, peak_s: float) -> dict[str, Any]:
+    import torch.multiprocessing as mp
+
+    fd, out = tempfile.mkstemp(prefix="lm-bench-train-")
+    os.close(fd)
+    try:
+        mp.start_processes(_train_rank, args=(case, free_port(), steps, peak_s, out), nprocs=case.world,
+                           join=True, start_method="spawn")
+        return dict(json.loads(Path(out).read_text()), **asdict(case))
+    finally:
+        os.unlink(out)
+
+
+# ---------------------------------------------------------------- 2. ingest
+
+
+def start_redis(workdir: str) -> tuple[subprocess.Popen[bytes], str]:
+    import redis
+
     port = free_port()
     proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                              "--appendonly", "no", "--dir", workdir], stdout=subprocess.DEVNULL)
-    import redis
     r = redis.Redis(port=port)
-    for _ in range(200):
+    deadline = time.monotonic() + 10
+    while True:
         try:
             r.ping()
             break
         except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
             time.sleep(0.05)
+    r.close()
     return proc, f"redis://127.0.0.1:{port}/0"
 
 
-def write_config(tmp: Path, redis_url: str, gw_port: int, batch: int) -> Path:
-    import yaml
-    cfg = {
-        "redis": {"url": redis_url},
-        "gateway": {"port": gw_port, "admin_keys": {"bench": {"key": ADMIN_KEY, "role": "operator"}},
-                    "max_body_bytes": 16 * 1024 * 1024},
-        "trainer": {"ranks": 1, "model_factory": "services.trainer.tiny:build_tiny_model", "batch_size": batch,
-                    "checkpoint_dir": str(tmp / "ckpt"), "checkpoint_every": 1000, "batch_wait_ms": 20,
-                    "samples_endpoint": f"tcp://127.0.0.1:{free_port()}", "sample_hwm": 100_000},
-        "security": {"delta_key_file": str(tmp / "delta.key"),
-                     "delta_pub_endpoint": f"tcp://127.0.0.1:{free_port()}",
-                     "snapshot_endpoint": f"tcp://127.0.0.1:{free_port()}",
-                     "ack_endpoint": f"tcp://127.0.0.1:{free_port()}"},
-        "worker": {"endpoints": [f"tcp://127.0.0.1:{free_port()}"]},
-        "metrics": {"trainer_port": 0},
-    }
-    path = tmp / "learnmesh.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+def drain(ctx: Any, endpoint: str, stop: threading.Event) -> None:
+    """The trainer's end of the sample push: receive and drop."""
+    import zmq
 
+    from shared.zmq_util import make_socket
 
-async def post_batches(port: int, batches: list[list[dict]], concurrency: int) -> tuple[list[str], float]:
-    import httpx
-    ids: list[str] = []
-    queue = list(batches)
-    headers = {"authorization": f"Bearer {ADMIN_KEY}"}
-
-    async def client() -> None:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as c:
-            while queue:
-                batch = queue.pop()
-                r = await c.post("/admin/samples", json={"principal": "bench", "samples": batch}, headers=headers)
-                r.raise_for_status()
-                ids.extend(r.json()["ids"])
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(concurrency)))
-    return ids, time.perf_counter() - t0
-
-
-def bench_end_to_end(n: int, batch: int, concurrency: int) -> dict:
-    import redis
-
-    from services.trainer import ledger
-    from shared import keys
-    tmp = Path(tempfile.mkdtemp(prefix="lm-bench-trainer-"))
-    rproc, url = start_redis(str(tmp))
-    gw_port = free_port()
-    cfg_path = write_config(tmp, url, gw_port, batch=256)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LEARNMESH_")}
-    log = open(tmp / "procs.log", "wb")
-    # one torch thread for the trainer: on a 2-core box it otherwise takes both cores from the gateway
-    procs = [subprocess.Popen([sys.executable, "-m", "services.cli", "--config", str(cfg_path), cmd], cwd=ROOT,
-                              env=dict(env, OMP_NUM_THREADS="1") if cmd == "trainer" else env,
-                              stdout=log, stderr=subprocess.STDOUT) for cmd in ("trainer", "gateway")]
-    r = redis.Redis.from_url(url)
+    pull = make_socket(ctx, zmq.PULL, bind=endpoint)
     try:
-        import httpx
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{gw_port}/healthz", timeout=1).status_code == 200 \
-                        and r.hgetall(keys.TRAINER_OFFSET):
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        batches = [[{"input": f"bench {i}", "target": f"value {i % 97}"} for i in range(s, min(n, s + batch))]
-                   for s in range(0, n, batch)]
-        ids, secs = asyncio.run(post_batches(gw_port, batches, concurrency))
-        accepted = len(ids) / secs
-        t0 = time.perf_counter()
-        while int(r.hget(keys.TRAINER_OFFSET, "seq") or 0) < n and time.perf_counter() - t0 < 300:
-            time.sleep(0.1)
-        trained_s = time.perf_counter() - t0
-        counts = collections.Counter(ledger.trained_ids(r))
-        lost = len(set(ids) - set(counts))
-        dup = sum(1 for c in counts.values() if c > 1)
-        in_log = int(r.get(keys.SAMPLE_SEQ) or 0)
-        return {"samples": n, "accepted_per_s": accepted, "lost": lost, "duplicates": dup, "in_log": in_log,
-                "ack_ids": len(set(ids)), "trainer_drain_s": trained_s,
-                "baseline_xadd_per_s": baseline_xadd(url, min(n, 20_000))}
+        while not stop.is_set():
+            if pull.poll(50):
+                pull.recv_multipart()
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        r.close()
-        rproc.terminate()
-        rproc.wait()
-        log.close()
+        pull.close(0)
 
 
-def baseline_xadd(url: str, n: int) -> float:
-    import redis
-    r = redis.Redis.from_url(url)
-    t0 = time.perf_counter()
-    for i in range(n):
-        r.xadd("bench:baseline", {"s": f'{{"input":"bench {i}","target":"value"}}'})
-    rate = n / (time.perf_counter() - t0)
-    r.delete("bench:baseline")
-    r.close()
-    return rate
+async def ingest_rates(url: str, batch: int, n: int) -> tuple[float, float]:
+    """(SampleIngest samples/s, pipelined XADD samples/s) for ``n`` samples in calls of ``batch``."""
+    import redis.asyncio as aioredis
+    import zmq
 
-
-# ---------------------------------------------------------------- 2 + 3. DDP steps and bytes
-
-
-def _rank(rank: int, world: int, port: int, width: int, steps: int, hook: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    os.environ["LEARNMESH_TINY_WIDTH"] = str(width)
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from services.trainer.loop import LossModule, ddp_options, register_comm_hook
-    from services.trainer.tiny import build_tiny_model
+    from gateway.tools.learning import SampleIngest
     from shared.config import load_config
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    counted = [0]
-    real = dist.all_reduce
-
-    def counting(tensor, *a, **k):
-        counted[0] += tensor.numel() * tensor.element_size()
-        return real(tensor, *a, **k)
-
-    dist.all_reduce = counting  # torch's hooks call dist.all_reduce: count what they send
-    model = build_tiny_model()
-    cfg = load_config(env={}, overrides={"trainer": {"comm_hook": hook, "powersgd_rank": 1}})
-    ddp = DDP(LossModule(model), **ddp_options(cfg))
-    if hook == "none":
-        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
-    else:
-        register_comm_hook(ddp, cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(rank)
-    examples = [model.encode(None, f"prompt {i} " * 4, f"target {torch.randint(0, 99, (1,), generator=gen).item()}")
-                for i in range(8)]
-    batch = model.collate(examples)
-    warm = 3
-    for i in range(warm + steps):
-        if i == warm:
-            dist.barrier()
-            counted[0] = 0
-            t0 = time.perf_counter()
-        loss = ddp(batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    dt = time.perf_counter() - t0
-    if rank == 0:
-        n_params = sum(p.numel() for p in model.parameters())
-        Path(out).write_text(f"{steps / dt} {counted[0] / steps} {n_params}")
-    dist.destroy_process_group()
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    cfg = load_config(env={}, overrides={"redis": {"url": url}, "trainer": {"samples_endpoint": endpoint,
+                                                                           "sample_hwm": 1_000_000}})
+    ctx = zmq.Context()
+    stop = threading.Event()
+    reader = threading.Thread(target=drain, args=(ctx, endpoint, stop), daemon=True)
+    reader.start()
+    r = aioredis.Redis.from_url(url)
+    ingest = SampleIngest(r, cfg, zmq_ctx=ctx)
+    calls = [[{"kind": "example", "input": f"bench question {i}?", "target": f"answer {i % 97}"}
+              for i in range(s, s + batch)] for s in range(0, n, batch)]
+    try:
+        await ingest.submit("bench", ingest.parse({"samples": calls[0]}))  # connects the push, loads the script
+        t0 = time.perf_counter()
+        for items in calls:
+            await ingest.submit("bench", ingest.parse({"samples": items}))
+        accepted = n / (time.perf_counter() - t0)
+        blobs = [[json.dumps(s, separators=(",", ":")).encode() for s in items] for items in calls]
+        t0 = time.perf_counter()
+        for call in blobs:
+            pipe = r.pipeline(transaction=False)
+            for blob in call:
+                pipe.xadd("bench:xadd", {"s": blob})
+            await pipe.execute()
+        baseline = n / (time.perf_counter() - t0)
+        await r.flushdb()
+        return accepted, baseline
+    finally:
+        stop.set()
+        reader.join()
+        ingest.close()
+        await r.aclose()
+        ctx.term()
 
 
-def run_ddp(world: int, width: int, steps: int, hook: str) -> tuple[float, float, int]:
-    import torch.multiprocessing as mp
-    out = tempfile.mktemp(prefix="lm-bench-ddp-")
-    mp.start_processes(_rank, args=(world, free_port(), width, steps, hook, out), nprocs=world, join=True,
-                       start_method="spawn")
-    sps, nbytes, n_params = Path(out).read_text().split()
-    os.unlink(out)
-    return float(sps), float(nbytes), int(n_params)
+def bench_ingest(rows: list[tuple[int, int]]) -> list[tuple[int, float, float]]:
+    workdir = tempfile.mkdtemp(prefix="lm-bench-ingest-")
+    proc, url = start_redis(workdir)
+    try:
+        return [(batch, *asyncio.run(ingest_rates(url, batch, n))) for batch, n in rows]
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+# ---------------------------------------------------------------- report
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--samples", type=int, default=20_000)
-    ap.add_argument("--batch", type=int, default=500, help="samples per POST /admin/samples")
-    ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--width", type=int, default=128)
-    ap.add_argument("--full", action="store_true", help="100k samples, 100 steps, width 256")
-    ap.add_argument("--skip-e2e", action="store_true")
-    ap.add_argument("--only-e2e", action="store_true")
+    ap.add_argument("--steps", type=int, default=20, help="timed training steps per run")
+    ap.add_argument("--peak-s", type=float, default=3.0, help="seconds of the matmul peak loop")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 3 steps, small ingest, short peak")
     args = ap.parse_args()
-    if args.full:
-        args.samples, args.steps, args.width = 100_000, 100, 256
+    steps, peak_s, scale = (3, 0.5, 0.1) if args.quick else (args.steps, args.peak_s, 1.0)
 
-    if not args.skip_e2e:
-        e2e = bench_end_to_end(args.samples, args.batch, args.concurrency)
-        print(f"end to end (gateway -> Redis log -> ZeroMQ -> trainer), {e2e['samples']} samples "
-              f"in batches of {args.batch}, {args.concurrency} clients:")
-        print(f"  accepted           {e2e['accepted_per_s']:10.0f} samples/s")
-        print(f"  baseline XADD      {e2e['baseline_xadd_per_s']:10.0f} samples/s (one plain XADD per sample)")
-        print(f"  ratio              {e2e['accepted_per_s'] / e2e['baseline_xadd_per_s']:10.2f}x")
-        print(f"  trainer drained all in {e2e['trainer_drain_s']:.1f}s after the last ack; lost by id: "
-              f"{e2e['lost']}, trained twice: {e2e['duplicates']}, samples in the log: {e2e['in_log']}")
+    ship = run_training(TrainCase("shipped", measure_peak=True), steps, peak_s)
+    print(f"training, default model, shipped trainer settings ({ship['optimizer']} lr {ship['lr']:g}, "
+          f"{ship['batch_size']} samples/rank, {ship['tokens_per_sample']:.0f} tokens/sample, "
+          f"{ship['torch_threads']} torch threads/rank), {steps} steps after {WARMUP_STEPS} warm-up:")
+    peak = ship["peak_flops_s"]
+    print(f"  {'shipped, 2 gloo ranks':28s}{ship['samples_per_s']:7.1f} samples/s  {ship['tokens_per_s']:8.0f} tokens/s  "
+          f"{ship['model_flops_s'] / 1e9:6.2f} GFLOP/s  step {ship['step_ms_median']:6.1f} ms")
+    print(f"  baseline: fp32 matmul peak, both ranks at once   {peak / 1e9:6.2f} GFLOP/s "
+          f"({PEAK_MATMUL_N}x{PEAK_MATMUL_N}, same threads)")
+    print(f"  fraction of peak        {ship['model_flops_s'] / peak:7.1%}")
+    extras = [TrainCase("1 rank, no DDP", world=1),
+              TrainCase("find_unused_parameters={}", flip_find_unused=True),
+              TrainCase("1 torch thread per rank", threads=1)]
+    for case in extras:
+        row = run_training(case, steps, 0)
+        label = case.label.format(row["find_unused_parameters"])
+        print(f"  {label:28s}{row['samples_per_s']:7.1f} samples/s  {row['tokens_per_s']:8.0f} tokens/s  "
+              f"step {row['step_ms_median']:6.1f} ms  ({row['samples_per_s'] / ship['samples_per_s']:.2f}x shipped)")
 
-    if args.only_e2e:
-        return
-    print(f"\nDDP steps/s (tiny GRU width {args.width}, 8 examples/rank, {args.steps} steps):")
-    base = None
-    for world in (1, 2):
-        sps, _, n_params = run_ddp(world, args.width, args.steps, "none")
-        base = base or sps
-        print(f"  {world} gloo rank(s)    {sps:8.2f} steps/s  ({sps / base:.2f}x of 1 rank; {n_params:,} params)")
+    rows = [(500, int(20_000 * scale)), (8, int(4_000 * scale)), (1, int(1_000 * scale))]
+    print("\ningest into Redis, one client, baseline: pipelined XADD (one entry per sample, one pipeline per call):")
+    for batch, accepted, baseline in bench_ingest(rows):
+        label = "samples per call" if batch > 1 else "sample per call"
+        print(f"  {batch:4d} {label:17s} SampleIngest {accepted:9.0f} samples/s   pipelined XADD "
+              f"{baseline:9.0f} samples/s   ratio {accepted / baseline:5.2f}x")
 
-    print("\nbytes all-reduced per step, 2 gloo ranks:")
-    ref = None
-    # torch's bf16 hook requires NCCL; on gloo the fp16 hook sends the same 2 bytes per element.
-    for hook in ("none", "fp16", "powersgd"):
-        sps, nbytes, _ = run_ddp(2, args.width, args.steps, hook)
-        ref = ref or nbytes
-        print(f"  {hook:9s} {nbytes / 1e6:10.3f} MB/step  ({ref / nbytes:6.1f}x fewer than no hook)  "
-              f"{sps:7.2f} steps/s")
+    print(f"\ngradient all-reduce per step, default model, 2 gloo ranks (baseline: DDP's own fp32 all-reduce, "
+          f"shipped), PowerSGD at rank {ship['powersgd_rank']}:")
+    ref = ship["ddp_bytes_per_step"]
+    print(f"  none (shipped) {ref / 1e6:8.3f} MB/step   1.0x fewer   {ship['samples_per_s']:6.1f} samples/s")
+    for hook in ("fp16", "powersgd"):
+        row = run_training(TrainCase(hook, hook=hook, count_bytes=True), steps, 0)
+        print(f"  {hook:14s} {row['bytes_per_step'] / 1e6:8.3f} MB/step {ref / row['bytes_per_step']:6.1f}x fewer   "
+              f"{row['samples_per_s']:6.1f} samples/s ({row['samples_per_s'] / ship['samples_per_s']:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -162,6 +162,7 @@ class Trainer:
         self.replay = ReplayBuffer(self.t.replay_passes, self.t.replay_buffer)  # filled on rank 0 only
         self._last_step_s = time.monotonic()
         self._residual = False  # rank 0: workers may hold something other than the trainer's weights
+        self._agreed_seq = 0  # rank 0, local SGD: settled seq when the ranks last agreed
         self._fault = _parse_fault(os.environ.get("LEARNMESH_TRAINER_FAULT", ""))
         self._resume()
         self.ddp = DDP(LossModule(self.model), device_ids=[device.index] if device.type == "cuda" else None,
@@ -203,6 +204,7 @@ class Trainer:
         # versions of the lost steps no longer hold the samples after the checkpoint's seq
         self.redis.zremrangebyscore(keys.MODEL_VERSION_SEQ, f"({self.offset.seq}", "+inf")
         self.version = self.offset.version
+        self._agreed_seq = self.offset.seq
         log.info("trainer resumed at step %d (seq %d, epoch %d); %d uncheckpointed step(s) rolled back and "
                  "will be replayed from the log", self.step, self.offset.seq, self.offset.epoch, rolled)
         self.zmq_ctx = zmq.Context()
@@ -327,7 +329,10 @@ class Trainer:
         limit = self.t.batch_size * self.world
         # replays pending: take what has arrived and go on stepping, rather than wait for more
         samples = self.source.next_batch(limit, 0 if self.replay else self.t.batch_wait_ms, self.stop_flag)
-        records = self.source.records(samples) + self.replay.take(limit)
+        # replays fill the batch up to its size: the number of optimizer steps, not of passes,
+        # is what makes a fact stick
+        records = self.source.records(samples)
+        records += self.replay.take(limit - len(records))
         if not records:
             if self.ops is not None:
                 self.ops.report(force=False)
@@ -474,8 +479,13 @@ class Trainer:
     def _record_version_seq(self) -> None:
         """keys.MODEL_VERSION_SEQ: this version holds every pass over the samples up to the seq
         it is scored with (read-your-writes for ``learn``)."""
+        seq = self.replay.settled_seq(self.offset.seq)
+        if self._ranks_agree():
+            self._agreed_seq = seq
+        else:  # local SGD between averages: what went out is the last average, holding less
+            seq = min(seq, self._agreed_seq)
         pipe = self.redis.pipeline(transaction=False)
-        pipe.zadd(keys.MODEL_VERSION_SEQ, {str(self.version): self.replay.settled_seq(self.offset.seq)})
+        pipe.zadd(keys.MODEL_VERSION_SEQ, {str(self.version): seq})
         pipe.zremrangebyrank(keys.MODEL_VERSION_SEQ, 0, -_VERSION_SEQS_KEPT - 1)
         pipe.execute()
 

@@ -251,10 +251,15 @@ class LearnModel(nn.Module):
 
     # ------------------------------------------------------------------ training / scoring
     def loss(self, batch: Batch) -> torch.Tensor:
-        """Mean negative log-likelihood over all target tokens of the batch."""
+        """Mean negative log-likelihood over all target tokens of the batch.
+
+        Every trainable parameter takes part, with weight zero where the batch does not use
+        it (the image and audio projections on a text-only batch), so each gets a gradient
+        every step and DDP needs no per-step search for unused parameters."""
         logits, _ = self.forward_logits(batch)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch.labels.reshape(-1),
-                               ignore_index=-100)
+        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch.labels.reshape(-1),
+                              ignore_index=-100)
+        return nll + 0.0 * sum(p.view(-1)[0] for p in self.parameters() if p.requires_grad)
 
     @torch.no_grad()
     def score(self, examples: Sequence[Example]) -> list[float]:
