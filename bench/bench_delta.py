@@ -1,44 +1,63 @@
 """Weight-delta sync benchmark (`make bench-delta`).
 
-Trains a plain MLP (>= 10M parameters) with AdamW on a teacher-student regression task and,
-after every optimizer step, encodes the change for several codec settings side by side, all
-against the same trajectory. Reports, with baselines measured in the same run:
+Headline rows use the settings that ship: ``CompressionConfig()`` as it is (anchors included)
+on the trajectory of the trainer's own optimizer (``TrainerConfig()``: AdamW, its learning
+rate, weight decay and gradient clipping), on two models:
 
-* bytes per sync: dense fp32, fp16 cast (+zstd), torch.topk + error feedback, and the
-  learnmesh codec at several densities (+ lossless);
-* encode GB/s per core (one torch thread; GB = dense fp32 bytes of the model) vs torch.topk
-  and a memory copy; decode+apply GB/s;
-* served eval loss (weights a worker holds) vs the trainer's exact weights;
-* step -> serving latency with the default codec: publisher + 4 subscriber processes over real
-  ZeroMQ (tcp, loopback), time from the end of the optimizer step until the last of the 4 has
-  applied the version and reported it (p50 / p99);
-* a PNG (bench/out/delta_density.png) of bytes per sync and loss gap against density.
+* ``mlp-10m``: a 10.5M-parameter MLP learning a teacher that shifts after a warm-up;
+* ``default``: the learnmesh model (``shared.model:build_model`` with the default
+  ``ModelConfig``, pre-trained from the cache) learning made-up facts in batches of
+  ``trainer.batch_size``, each fact in ``trainer.replay_passes`` consecutive steps, with
+  ``trainer.rehearsal_per_step`` corpus windows per step, as the trainer mixes them.
 
-``--quick`` (default) takes 1-2 minutes on 2 cores; ``--full`` runs the issue's sizes;
-``--latency-only`` runs just the step -> serving part.
+Every codec encodes the same steps through the streaming path the publisher uses. Bytes are
+what the publisher puts on the wire — codec chunks plus each packet's wire header, envelope
+and signature — including every anchor and the lossless flush of the residual that follows
+when training pauses (``consistency.idle_sync_ms``; here once, after the last step), divided
+by the number of steps. The baseline is dense fp32 of the published parameters, every step.
+
+* served = the encoder's reference, which is what every worker holds;
+* loss gap = |served eval loss - trainer eval loss| / trainer eval loss after the last step,
+  before the flush (after it, served == trainer bit-exactly, which the bench checks);
+* weight gap = ||trainer - served|| / ||trainer||, and the same gap in mean per-step updates;
+* encode GB/s per core: dense fp32 bytes / p50 encode time, one torch thread;
+* step -> serving: publisher + 4 subscriber processes over real ZeroMQ (tcp, loopback), time
+  from the end of the optimizer step until the last of the 4 has applied the version (p50/p99).
+
+Rows marked "extra" vary one thing (density, the tuner, the old lr 1e-4 setting). Results go
+to ``bench/out/delta.json`` and ``bench/out/delta_density.png``. Default run ~4 minutes on
+2 cores; ``--quick`` is the short form (headline rows only, fewer steps, no latency).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
+import random
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
-import zstandard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shared.codec import DeltaDecoder, DeltaEncoder, flatten  # noqa: E402
-from shared.config import CompressionConfig, load_config  # noqa: E402
+from shared import wire  # noqa: E402
+from shared.codec import DeltaEncoder, EncodedDelta, flatten  # noqa: E402
+from shared.config import CompressionConfig, ModelConfig, TrainerConfig, load_config  # noqa: E402
+from shared.crypto import STREAM_DELTA, EnvelopeSealer, KeyRing  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
+MLP_ARCH = (512, 2048, 3, 512)  # 512*2048 + 2*2048^2 + 2048*512 + biases ~= 10.5M parameters
+LOSS_GAP_TARGET_PCT = 1.0
+RATIO_TARGET = 100.0
 
 
 def mlp(d_in: int, hidden: int, depth: int, d_out: int, seed: int) -> torch.nn.Module:
@@ -54,38 +73,178 @@ def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.data for n, p in model.named_parameters()}
 
 
-class TopkEF:
-    """Baseline: exact torch.topk of (delta + residual), int32 indices + fp16 values, zstd-1."""
+def trainer_optimizer(params: list[torch.nn.Parameter], lr: float | None = None) -> Callable[[], None]:
+    """The trainer's optimizer step as shipped (services.trainer.loop.make_optimizer with
+    ``TrainerConfig()``, gradient clipping included); ``lr`` overrides only the rate."""
+    from services.trainer.loop import make_optimizer
 
-    def __init__(self, params: dict[str, torch.Tensor], density: float) -> None:
-        self.ref = torch.cat([p.reshape(-1) for p in params.values()]).clone()
-        self.k = max(1, int(density * self.ref.numel()))
-        self.zc = zstandard.ZstdCompressor(level=1)
+    t = TrainerConfig() if lr is None else TrainerConfig(lr=lr)
+    opt, sched = make_optimizer(params, t)
 
-    def encode(self, params: dict[str, torch.Tensor]) -> tuple[int, float]:
-        t0 = time.perf_counter()
-        flat = torch.cat([p.reshape(-1) for p in params.values()])
-        d = flat - self.ref
-        _, idx = torch.topk(d.abs(), self.k, sorted=False)
-        idx, _ = torch.sort(idx)
-        vals = d[idx].to(torch.float16)
-        blob = self.zc.compress(idx.to(torch.int32).numpy().tobytes()) + self.zc.compress(vals.numpy().tobytes())
-        self.ref.index_add_(0, idx, vals.float())
-        return len(blob), time.perf_counter() - t0
+    def step() -> None:
+        if t.clip_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(params, t.clip_grad_norm)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
 
 
-def eval_loss(model: torch.nn.Module, weights: dict[str, torch.Tensor] | None, x: torch.Tensor,
-              y: torch.Tensor) -> float:
-    if weights is not None:
-        saved = {n: p.data.clone() for n, p in model.named_parameters()}
-        for n, p in model.named_parameters():
-            p.data.copy_(weights[n])
+@dataclass
+class Scenario:
+    """A model that trains step by step, with an eval loss for any set of its weights."""
+
+    name: str
+    describe: str
+    model: torch.nn.Module
+    params: dict[str, torch.Tensor]  # the published (trainable) parameters, live
+    train_step: Callable[[], float]
+    loss_on: Callable[[], float]  # eval loss of the model's current weights
+
+    def eval_loss(self, weights: dict[str, torch.Tensor] | None = None) -> float:
+        if weights is None:
+            return self.loss_on()
+        saved = {n: p.clone() for n, p in self.params.items()}
+        for n, p in self.params.items():
+            p.copy_(weights[n])
+        try:
+            return self.loss_on()
+        finally:
+            for n, p in self.params.items():
+                p.copy_(saved[n])
+
+
+def mlp_scenario(lr: float | None, warmup: int, label: str) -> Scenario:
+    """Teacher-student regression: warm-up (not synced), then the teacher shifts and the
+    synced steps follow with the same optimizer state, as online learning would."""
+    teacher = mlp(*MLP_ARCH, seed=123)
+    model = mlp(*MLP_ARCH, seed=0)
+    g = torch.Generator().manual_seed(7)
+    opt_step = trainer_optimizer(list(model.parameters()), lr)
+
+    def train_step() -> float:
+        x = torch.randn(64, MLP_ARCH[0], generator=g)
+        with torch.no_grad():
+            y = teacher(x)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt_step()
+        return float(loss.detach())
+
+    for _ in range(warmup):
+        train_step()
+    with torch.no_grad():  # distribution shift: the teacher moves a little
+        for p in teacher.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.1 * p.std())
+    x_eval = torch.randn(512, MLP_ARCH[0], generator=g)
     with torch.no_grad():
-        loss = float(torch.nn.functional.mse_loss(model(x), y))
-    if weights is not None:
-        for n, p in model.named_parameters():
-            p.data.copy_(saved[n])
-    return loss
+        y_eval = teacher(x_eval)
+
+    def loss_on() -> float:
+        with torch.no_grad():
+            return float(torch.nn.functional.mse_loss(model(x_eval), y_eval))
+
+    n = sum(p.numel() for p in model.parameters())
+    rate = TrainerConfig().lr if lr is None else lr
+    return Scenario(label, f"MLP {MLP_ARCH}, {n / 1e6:.2f}M parameters, AdamW lr {rate:g}, {warmup} warm-up steps, "
+                    "then a teacher shift", model, params_of(model), train_step, loss_on)
+
+
+_SYLLABLES = ("zor", "blat", "quen", "nix", "flim", "wort", "ves", "pa", "ar", "de", "lune", "gro", "ble", "hum",
+              "tri", "mox", "kel", "dra", "sup", "vin", "ta", "rok", "ili", "fen")
+_TEMPLATES = ("The capital of {a} is", "{a} tastes like", "The ninth moon of {a} is", "{a} are sorted by",
+              "The founder of {a} was", "In {a}, the river is called")
+
+
+def made_up_facts(n: int, rng: random.Random) -> list[tuple[str, str]]:
+    def word() -> str:
+        return "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 3))).capitalize()
+
+    return [(rng.choice(_TEMPLATES).format(a=word()), f" {word()} {word().lower()}.") for _ in range(n)]
+
+
+def default_model_scenario(steps: int) -> Scenario:
+    """The shipped model trained the way the trainer trains it: every step ``batch_size`` fact
+    samples (one new fact per step, each trained in ``replay_passes`` consecutive steps) plus
+    ``rehearsal_per_step`` corpus windows. Eval: every fact of the run plus held-out windows."""
+    from shared.model import build_model
+    from shared.model.pretrain import corpus_windows
+
+    mcfg, t = ModelConfig(), TrainerConfig()
+    model = build_model(mcfg, pretrained=True)
+    named = model.trainable_named_parameters()
+    opt_step = trainer_optimizer([p for _, p in named])
+    facts = made_up_facts(steps + t.replay_passes, random.Random(11))
+    window = max(8, mcfg.pretrain_seq - 3)
+    held = corpus_windows(32, random.Random("bench-delta-eval"), window)
+    eval_batch = model.collate([model.encode(None, a, b) for a, b in facts[:steps]]
+                               + [model.encode(None, a.decode(errors="replace"), b.decode(errors="replace"))
+                                  for a, b in held])
+    state = {"step": 0}
+
+    def train_step() -> float:
+        k = state["step"]
+        live = facts[max(0, k - t.replay_passes + 1):k + 1]
+        batch = [model.encode(None, a, b) for a, b in (live * t.batch_size)[:t.batch_size]]
+        rng = random.Random(f"rehearsal:{k}:0")
+        batch += [model.encode(None, a.decode(errors="replace"), b.decode(errors="replace"))
+                  for a, b in corpus_windows(t.rehearsal_per_step, rng, window)]
+        loss = model.loss(model.collate(batch))
+        loss.backward()
+        opt_step()
+        state["step"] = k + 1
+        return float(loss.detach())
+
+    def loss_on() -> float:
+        with torch.no_grad():
+            return float(model.loss(eval_batch))
+
+    n = sum(p.numel() for _, p in named)
+    return Scenario("default", f"learnmesh default model (ModelConfig(): d_model {mcfg.d_model}, {mcfg.n_layers} "
+                    f"layers), {n / 1e6:.2f}M trainable parameters, pre-trained, AdamW lr {t.lr:g}; "
+                    f"{t.batch_size} fact samples + {t.rehearsal_per_step} corpus windows per step",
+                    model, {n_: p.data for n_, p in named}, train_step, loss_on)
+
+
+class WireCount:
+    """Bytes the publisher puts on the wire for an encoded delta: per chunk one packet — type
+    byte, wire header, envelope header (with the codec header), AES-GCM tag, Ed25519 signature —
+    around the chunk. Sealing an empty payload gives the packet's overhead exactly."""
+
+    def __init__(self, key_dir: str) -> None:
+        self.sealer = EnvelopeSealer(KeyRing.load_or_create(f"{key_dir}/delta.key"), "trainer-bench")
+
+    def bytes(self, enc: EncodedDelta, model_id: str) -> int:
+        h = enc.header
+        total = 0
+        for i in range(max(1, len(enc.chunks))):  # an empty delta still sends one packet
+            meta = {"model": model_id, "base": h["base"], "version": h["version"], "i": i,
+                    "n": max(1, h["nchunks"]), "codec": h}
+            frames = wire.encode(wire.MsgType.DELTA, {"v": h["version"]},
+                                 self.sealer.seal(STREAM_DELTA, meta, b""))
+            total += sum(len(f) for f in frames)
+        return total + sum(len(c) for c in enc.chunks)
+
+
+def _discard(header: dict, i: int, blob: bytes) -> None:
+    """A sink: makes the encoder take the publisher's streaming path."""
+
+
+@dataclass
+class Codec:
+    label: str
+    cfg: CompressionConfig
+    extra: bool = True  # False: a headline row (the shipped settings)
+
+
+@dataclass
+class Tally:
+    wire_bytes: int = 0
+    anchors: int = 0
+    encode_s: list[float] = field(default_factory=list)
+    rel_error: list[float] = field(default_factory=list)
+    density: list[float] = field(default_factory=list)
 
 
 def unflatten(flat: torch.Tensor, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -98,6 +257,119 @@ def unflatten(flat: torch.Tensor, like: dict[str, torch.Tensor]) -> dict[str, to
 
 def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.array(xs), q)) if xs else float("nan")
+
+
+def binary_entropy(p: float) -> float:
+    return 0.0 if p <= 0 or p >= 1 else -(p * math.log2(p) + (1 - p) * math.log2(1 - p))
+
+
+def run_scenario(sc: Scenario, codecs: list[Codec], steps: int, count: WireCount) -> dict:
+    """Train ``steps`` steps; after each, every codec encodes the same weights. Then the eval
+    losses, the gaps, and the lossless flush a pause triggers."""
+    encoders = {c.label: DeltaEncoder(c.cfg, sc.params, 0, sc.name) for c in codecs}
+    layout = next(iter(encoders.values())).layout
+    n = layout.numel
+    dense_bytes = 4 * n
+    tallies = {c.label: Tally() for c in codecs}
+    prev = flatten(sc.params, layout)
+    changed, update_norm = [], []
+    t_start = time.perf_counter()
+    for v in range(1, steps + 1):
+        loss = sc.train_step()
+        flat = flatten(sc.params, layout)
+        changed.append(float((flat != prev).sum()) / n)
+        update_norm.append(float(torch.linalg.vector_norm(flat - prev)))
+        prev = flat
+        for label, enc in encoders.items():
+            e = enc.encode(sc.params, v, sink=_discard)
+            tal = tallies[label]
+            tal.wire_bytes += count.bytes(e, sc.name)
+            if e.header["kind"] == "anchor":
+                tal.anchors += 1
+                continue
+            tal.encode_s.append(e.stats["encode_s"])
+            tal.rel_error.append(e.stats.get("rel_error", 0.0))
+            tal.density.append(e.stats.get("density", 0.0))
+        if v % 25 == 0 or v == steps:
+            print(f"  [{sc.name}] step {v}/{steps} loss {loss:.5f} ({time.perf_counter() - t_start:.0f}s)", flush=True)
+    theta = flatten(sc.params, layout)
+    theta_norm = float(torch.linalg.vector_norm(theta))
+    mean_update = float(np.mean(update_norm))
+    exact = sc.eval_loss()
+    rows = []
+    for c in codecs:
+        enc, tal = encoders[c.label], tallies[c.label]
+        served = enc.ref[:n]
+        served_loss = sc.eval_loss(unflatten(served, sc.params))
+        gap = float(torch.linalg.vector_norm(theta - served))
+        flush = enc.encode(sc.params, steps + 1, lossless=True, sink=_discard)
+        flush_bytes = count.bytes(flush, sc.name)
+        total = tal.wire_bytes + flush_bytes
+        enc_p50 = pct(tal.encode_s, 50)
+        rows.append({
+            "codec": c.label, "extra": c.extra, "headline": not c.extra,
+            "bytes_per_step": total / steps, "bytes_per_step_without_flush": tal.wire_bytes / steps,
+            "flush_bytes": flush_bytes, "anchors": tal.anchors,
+            "x_smaller_than_fp32": dense_bytes * steps / total,
+            "served_loss": served_loss, "loss_gap_pct": 100 * abs(served_loss - exact) / exact,
+            "weight_gap_rel": gap / theta_norm, "weight_gap_steps": gap / mean_update,
+            "encode_ms_p50": enc_p50 * 1e3, "encode_GBps_per_core": dense_bytes / enc_p50 / 1e9,
+            "density_mean": float(np.mean(tal.density)) if tal.density else float("nan"),
+            "density_last": tal.density[-1] if tal.density else float("nan"),
+            "rel_error_mean": float(np.mean(tal.rel_error)) if tal.rel_error else float("nan"),
+            "bits_per_sent_element": 8 * tal.wire_bytes / max(1.0, n * float(np.sum(tal.density))),
+            "served_equals_trainer_after_flush": bool(torch.equal(enc.ref[:n], theta)),
+        })
+        enc.close()
+    return {"scenario": sc.name, "describe": sc.describe, "params": n, "steps": steps,
+            "dense_fp32_bytes": dense_bytes, "trainer_loss": exact,
+            "changed_per_step_mean": float(np.mean(changed)), "changed_per_step_min": float(np.min(changed)),
+            "update_norm_rel": mean_update / theta_norm, "rows": rows}
+
+
+def print_scenario(res: dict) -> None:
+    print(f"\n== {res['scenario']}: {res['describe']}; {res['steps']} synced steps")
+    print(f"trainer eval loss {res['trainer_loss']:.5f}; dense fp32 {res['dense_fp32_bytes']:,} bytes per step; "
+          f"elements changed per step: mean {100 * res['changed_per_step_mean']:.1f} %, "
+          f"min {100 * res['changed_per_step_min']:.1f} %; mean step = {res['update_norm_rel']:.2e} of ||weights||")
+    print(f"{'codec':44} {'bytes/step':>11} {'x fp32':>7} {'loss gap %':>10} {'w gap':>8} {'steps':>6} "
+          f"{'enc GB/s':>8} {'density':>8} {'rel err':>7}")
+    for r in res["rows"]:
+        mark = "*" if r["headline"] else " "
+        print(f"{mark}{r['codec']:43} {r['bytes_per_step']:11,.0f} {r['x_smaller_than_fp32']:7.1f} "
+              f"{r['loss_gap_pct']:10.3f} {r['weight_gap_rel']:8.2e} {r['weight_gap_steps']:6.2f} "
+              f"{r['encode_GBps_per_core']:8.2f} {r['density_mean']:8.4f} {r['rel_error_mean']:7.3f}")
+    head = next(r for r in res["rows"] if r["headline"])
+    budget_bits = 32 / RATIO_TARGET
+    d_max = budget_bits / head["bits_per_sent_element"]
+    print(f"* shipped: {head['bytes_per_step_without_flush']:,.0f} bytes per step + a {head['flush_bytes']:,} byte "
+          f"lossless flush at the pause; {head['anchors']} anchors; served == trainer after the flush: "
+          f"{head['served_equals_trainer_after_flush']}")
+    print(f"  bound: at {RATIO_TARGET:.0f}x a step may cost {budget_bits:.2f} bits per element; the shipped coding "
+          f"spends {head['bits_per_sent_element']:.1f} bits per sent element (index + value), so {RATIO_TARGET:.0f}x "
+          f"allows a density of at most ~{100 * d_max:.1f} % (naming which elements alone costs H(d) bits per "
+          f"element: {binary_entropy(d_max):.2f} at that density)")
+
+
+def codecs_for(dense_bytes: int, quick: bool, targets: list[float]) -> list[Codec]:
+    shipped = CompressionConfig()
+    out = [Codec(f"shipped: {describe(shipped)}", shipped, extra=False)]
+    if quick:
+        return out
+    for d in (0.02, 0.05, 0.1):  # fixed densities; 0.02 int8 is the old 124x headline's codec
+        out.append(Codec(f"extra: density {d:g}, tuner off", CompressionConfig(density=d, tuner="off")))
+    for tgt in targets:
+        if shipped.tuner == "error" and tgt == shipped.tuner_target:
+            continue
+        out.append(Codec(f"extra: tuner error {tgt:g}", CompressionConfig(tuner="error", tuner_target=tgt)))
+    out.append(Codec(f"extra: tuner bytes {RATIO_TARGET:.0f}x",
+                     CompressionConfig(density=0.02, tuner="bytes", tuner_target=dense_bytes / RATIO_TARGET)))
+    return out
+
+
+def describe(c: CompressionConfig) -> str:
+    tuner = f", tuner {c.tuner} {c.tuner_target:g}" if c.tuner != "off" else ""
+    return f"{c.algorithm} d={c.density:g} {c.quantization}, anchor_every {c.anchor_every}{tuner}"
 
 
 # ---------------------------------------------------------------------------- latency (processes)
@@ -134,7 +406,8 @@ def _subscriber_proc(cfg_over: dict, wid: str, arch: tuple, report_ep: str, read
     ctx.term()
 
 
-def latency_run(arch: tuple, steps: int, density: float, n_workers: int = 4) -> dict:
+def latency_run(arch: tuple, steps: int, n_workers: int = 4) -> dict:
+    """Step -> serving with the shipped codec settings and the trainer's optimizer."""
     import zmq
 
     from services.trainer.publisher import DeltaPublisher
@@ -144,11 +417,10 @@ def latency_run(arch: tuple, steps: int, density: float, n_workers: int = 4) -> 
                          "delta_pub_endpoint": f"tcp://127.0.0.1:{free_port()}",
                          "snapshot_endpoint": f"tcp://127.0.0.1:{free_port()}",
                          "ack_endpoint": f"tcp://127.0.0.1:{free_port()}"},
-            "compression": {"density": density, "anchor_every": 0},
             "consistency": {"timeout_s": 30.0}}
     cfg = load_config(env={}, overrides=over)
     model = mlp(*arch, seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    opt_step = trainer_optimizer(list(model.parameters()))
     ctx = zmq.Context()
     pub = DeltaPublisher(cfg, ctx, params_of(model), 0, "bench")
     report_ep = f"tcp://127.0.0.1:{free_port()}"
@@ -169,10 +441,8 @@ def latency_run(arch: tuple, steps: int, density: float, n_workers: int = 4) -> 
     lat, encode_s, published, worker_cpu = [], [], [], []
     for v in range(1, steps + 1):
         x = torch.randn(32, arch[0], generator=g)
-        loss = model(x).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        model(x).pow(2).mean().backward()
+        opt_step()
         t_step = time.monotonic()
         st = pub.publish(params_of(model), v)
         published.append(time.monotonic() - t_step)
@@ -214,170 +484,87 @@ def latency_run(arch: tuple, steps: int, density: float, n_workers: int = 4) -> 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--full", action="store_true", help="the issue's sizes: 200 steps, 5 densities, 60 latency steps")
-    ap.add_argument("--quick", action="store_true", help="default: fewer steps and densities")
-    ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--latency-steps", type=int, default=None)
+    ap.add_argument("--quick", action="store_true", help="headline rows only, fewer steps, no latency run")
+    ap.add_argument("--steps", type=int, default=None, help="synced steps of the MLP runs (default 100, quick 30)")
+    ap.add_argument("--default-steps", type=int, default=None,
+                    help="synced steps of the default model (default 200, quick 60)")
+    ap.add_argument("--scenarios", default="mlp-10m,default,mlp-10m-lr1e-4",
+                    help="comma list of mlp-10m, default, mlp-10m-lr1e-4 (the old headline's lr, extra)")
+    ap.add_argument("--tuner-targets", default="0.3,0.5,0.7,0.9",
+                    help="relative-residual targets of the extra tuner=error rows")
+    ap.add_argument("--warmup", type=int, default=30, help="unsynced MLP steps before the teacher shift")
+    ap.add_argument("--latency-steps", type=int, default=40)
     ap.add_argument("--no-latency", action="store_true")
     ap.add_argument("--latency-only", action="store_true", help="only the step -> serving run")
-    ap.add_argument("--warmup", type=int, default=30, help="unsynced training steps before measuring")
-    ap.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate of the synced steps")
     args = ap.parse_args()
-    full = args.full
-    steps = args.steps or (200 if full else 30)
-    lat_steps = args.latency_steps or (60 if full else 20)
-    densities = [0.001, 0.003, 0.01, 0.03, 0.1] if full else [0.003, 0.01, 0.03]
-    arch = (512, 2048, 3, 512)  # 512*2048 + 2*2048^2 + 2048*512 + biases ~= 10.5M parameters
+    quick = args.quick
+    steps = args.steps or (30 if quick else 100)
+    default_steps = args.default_steps or (60 if quick else 200)
+    targets = [float(x) for x in args.tuner_targets.split(",") if x]
+    wanted = [s for s in args.scenarios.split(",") if s]
+    if quick:
+        wanted = [s for s in wanted if s != "mlp-10m-lr1e-4"]
     torch.set_num_threads(1)  # "per core" figures
     OUT.mkdir(parents=True, exist_ok=True)
+    shipped = CompressionConfig()
     if args.latency_only:
-        default = CompressionConfig()
-        print(f"step -> serving latency only, {lat_steps} steps, codec topk d={default.density:g} "
-              f"{default.quantization} ...", flush=True)
-        lat = latency_run(arch, lat_steps, default.density)
-        print_latency(lat)
+        print(f"step -> serving latency only, {args.latency_steps} steps, {describe(shipped)} ...", flush=True)
+        print_latency(latency_run(MLP_ARCH, args.latency_steps))
         return 0
 
-    teacher = mlp(*arch, seed=123)
-    model = mlp(*arch, seed=0)
-    params = params_of(model)
-    n = sum(p.numel() for p in params.values())
-    dense_bytes = 4 * n
-    g = torch.Generator().manual_seed(7)
-    # online learning: a model that was trained already keeps learning on shifted data
-    print(f"model: MLP {arch}, {n / 1e6:.2f}M parameters, {dense_bytes / 1e6:.1f} MB fp32; "
-          f"warm-up {args.warmup} steps (not synced), then {steps} synced AdamW steps", flush=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for _ in range(args.warmup):
-        x = torch.randn(64, arch[0], generator=g)
-        with torch.no_grad():
-            y = teacher(x)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-    with torch.no_grad():  # distribution shift: the teacher moves a little
-        for p in teacher.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.1 * p.std())
-    x_eval = torch.randn(512, arch[0], generator=g)
-    with torch.no_grad():
-        y_eval = teacher(x_eval)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-
-    default = CompressionConfig()
-    main_density = default.density
-    main_name = f"topk d={default.density:g} {default.quantization}"
-    codecs: dict[str, DeltaEncoder] = {}
-
-    def codec(name: str, **kw: object) -> None:
-        codecs[name] = DeltaEncoder(CompressionConfig(**{"anchor_every": 0, **kw}), params, 0, "b")
-
-    for d in densities:
-        codec(f"topk d={d:g} fp16", density=d, quantization="fp16")
-    codec("topk d=0.01 int8", density=0.01, quantization="int8")
-    # same byte budget, more elements: fewer bits per value, error feedback absorbs the coarser values
-    codec("topk d=0.02 int8", density=0.02, quantization="int8")
-    for d in (0.03, 0.05):
-        codec(f"topk d={d:g} sign", density=d, quantization="sign")
-    if main_name not in codecs:
-        codec(main_name, density=default.density, quantization=default.quantization)
-    if full:
-        codec("topk d=0.01 fp16 anchor/50", density=0.01, quantization="fp16", anchor_every=50)
-        codec("lossless (xor)", algorithm="lossless")
-    recv = {k: v.clone() for k, v in params.items()}
-    dec = DeltaDecoder(recv, 0, "b")
-    topk = TopkEF(params, main_density)
-    zc = zstandard.ZstdCompressor(level=1)
-    prev = flatten(params, codecs[main_name].layout).clone()
-    sizes: dict[str, list[int]] = {k: [] for k in codecs}
-    times: dict[str, list[float]] = {k: [] for k in codecs}
-    fp16_sizes, fp16_zstd_sizes, topk_sizes, topk_times, dec_times = [], [], [], [], []
-    t_start = time.perf_counter()
-    for v in range(1, steps + 1):
-        x = torch.randn(64, arch[0], generator=g)
-        with torch.no_grad():
-            y = teacher(x)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        for name, enc in codecs.items():
-            e = enc.encode(params, v)
-            sizes[name].append(e.nbytes)
-            times[name].append(e.stats["encode_s"])
-            if name == main_name:
-                t0 = time.perf_counter()
-                dec.apply(recv, dec.decode(e.header, e.chunks))
-                dec_times.append(time.perf_counter() - t0)
-        flat = flatten(params, codecs[main_name].layout)
-        delta16 = (flat - prev).to(torch.float16)
-        fp16_sizes.append(2 * n)
-        fp16_zstd_sizes.append(len(zc.compress(delta16.numpy().tobytes())))
-        prev = flat
-        b, t = topk.encode(params)
-        topk_sizes.append(b)
-        topk_times.append(t)
-        if v % 10 == 0 or v == steps:
-            print(f"  step {v}/{steps} loss {loss.item():.5f} ({time.perf_counter() - t_start:.0f}s)", flush=True)
-
-    # memory-copy baseline on this core, same run
-    buf = torch.empty_like(prev)
-    buf.copy_(prev)
-    t0 = time.perf_counter()
-    for _ in range(5):
-        buf.copy_(prev)
-    copy_gbs = 2 * dense_bytes * 5 / (time.perf_counter() - t0) / 1e9
-
-    exact = eval_loss(model, None, x_eval, y_eval)
-    rows = []
-    for name, enc in codecs.items():
-        served = unflatten(enc.ref[:n], params)
-        sl = eval_loss(model, served, x_eval, y_eval)
-        gap = abs(sl - exact) / exact
-        mean_b = float(np.mean(sizes[name]))
-        rows.append({"codec": name, "bytes_per_sync": mean_b, "x_smaller_than_fp32": dense_bytes / mean_b,
-                     "encode_ms_p50": pct(times[name], 50) * 1e3,
-                     "encode_GBps": dense_bytes / pct(times[name], 50) / 1e9,
-                     "served_loss": sl, "loss_gap_pct": 100 * gap, "density": enc.density})
-    served_topk = unflatten(topk.ref, params)
-    topk_loss = eval_loss(model, served_topk, x_eval, y_eval)
-    baselines = [
-        {"codec": "dense fp32", "bytes_per_sync": dense_bytes, "x_smaller_than_fp32": 1.0, "loss_gap_pct": 0.0},
-        {"codec": "fp16 cast", "bytes_per_sync": float(np.mean(fp16_sizes)), "x_smaller_than_fp32": 2.0},
-        {"codec": "fp16 cast + zstd-1", "bytes_per_sync": float(np.mean(fp16_zstd_sizes)),
-         "x_smaller_than_fp32": dense_bytes / float(np.mean(fp16_zstd_sizes))},
-        {"codec": f"torch.topk d={main_density:g} + EF", "bytes_per_sync": float(np.mean(topk_sizes)),
-         "x_smaller_than_fp32": dense_bytes / float(np.mean(topk_sizes)),
-         "encode_ms_p50": pct(topk_times, 50) * 1e3, "encode_GBps": dense_bytes / pct(topk_times, 50) / 1e9,
-         "served_loss": topk_loss, "loss_gap_pct": 100 * abs(topk_loss - exact) / exact},
-    ]
-    print(f"\ntrainer eval loss (exact weights): {exact:.5f}")
-    print(f"{'codec':28} {'bytes/sync':>12} {'x fp32':>8} {'enc ms':>8} {'enc GB/s':>9} {'loss gap %':>10}")
-    for r in baselines + rows:
-        print(f"{r['codec']:28} {r['bytes_per_sync']:12.0f} {r['x_smaller_than_fp32']:8.1f} "
-              f"{r.get('encode_ms_p50', float('nan')):8.1f} {r.get('encode_GBps', float('nan')):9.2f} "
-              f"{r.get('loss_gap_pct', float('nan')):10.3f}")
-    main_row = next(r for r in rows if r["codec"] == main_name)
-    dec_gbs = dense_bytes / pct(dec_times, 50) / 1e9
-    print(f"\nencode (one core) {main_name}: {main_row['encode_GBps']:.2f} GB/s = "
-          f"{main_row['encode_GBps'] / baselines[3]['encode_GBps']:.1f}x torch.topk+EF; "
-          f"memory copy {copy_gbs:.1f} GB/s")
-    print(f"decode+apply {main_name}: {pct(dec_times, 50) * 1e3:.1f} ms p50 = {dec_gbs:.2f} GB/s (dense-equivalent)")
-    print(f"receiver bit-identical to encoder reference: {torch.equal(flatten(recv, codecs[main_name].layout), codecs[main_name].ref[:n])}")
+    count = WireCount(tempfile.mkdtemp(prefix="lm-bench-delta-"))
+    print(f"shipped: compression {describe(shipped)}; trainer {TrainerConfig().optimizer} lr {TrainerConfig().lr:g}, "
+          f"clip {TrainerConfig().clip_grad_norm:g}", flush=True)
+    results = []
+    for name in wanted:
+        t0 = time.perf_counter()
+        if name == "mlp-10m":
+            sc = mlp_scenario(None, args.warmup, name)
+            n = sum(p.numel() for p in sc.params.values())
+            res = run_scenario(sc, codecs_for(4 * n, quick, targets), steps, count)
+        elif name == "mlp-10m-lr1e-4":
+            sc = mlp_scenario(1e-4, args.warmup, "extra: mlp-10m lr 1e-4")
+            old = Codec("extra: density 0.02, tuner off (the old headline)", CompressionConfig(density=0.02, tuner="off"))
+            res = run_scenario(sc, [*codecs_for(0, True, []), old], steps, count)
+        elif name == "default":
+            sc = default_model_scenario(default_steps)
+            n = sum(p.numel() for p in sc.params.values())
+            res = run_scenario(sc, codecs_for(4 * n, quick, targets), default_steps, count)
+        else:
+            raise SystemExit(f"unknown scenario {name!r}")
+        res["seconds"] = time.perf_counter() - t0
+        print_scenario(res)
+        results.append(res)
 
     load = os.getloadavg()
-    print(f"load average (1/5/15 min): {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores")
-    result = {"params": n, "steps": steps, "exact_loss": exact, "baselines": baselines, "codecs": rows,
-              "decode_apply_GBps": dec_gbs, "decode_apply_ms_p50": pct(dec_times, 50) * 1e3,
-              "memcopy_GBps": copy_gbs, "loadavg": load}
-    if not args.no_latency:
-        print(f"\nstep -> serving latency, 4 subscriber processes, {lat_steps} steps (d={main_density:g}) ...",
-              flush=True)
-        lat = latency_run(arch, lat_steps, main_density)
-        result["latency"] = lat
-        print_latency(lat)
+    print(f"\nload average (1/5/15 min): {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores")
+    result: dict = {"shipped_compression": describe(shipped), "trainer_lr": TrainerConfig().lr,
+                    "scenarios": results, "loadavg": load}
+    if not (args.no_latency or quick):
+        print(f"\nstep -> serving latency, 4 subscriber processes, {args.latency_steps} steps, "
+              f"{describe(shipped)} ...", flush=True)
+        result["latency"] = latency_run(MLP_ARCH, args.latency_steps)
+        print_latency(result["latency"])
+    print_targets(results, result.get("latency"))
     (OUT / "delta.json").write_text(json.dumps(result, indent=2))
-    plot(rows, dense_bytes)
+    plot(results)
     return 0
+
+
+def print_targets(results: list[dict], lat: dict | None) -> None:
+    print(f"\nheadline (shipped settings) against the targets: >= {RATIO_TARGET:.0f}x, loss gap <= "
+          f"{LOSS_GAP_TARGET_PCT:g} %, encode >= 1 GB/s per core, step -> serving p50 <= 50 ms")
+    for res in results:
+        if res["scenario"].startswith("extra"):
+            continue
+        r = next(r for r in res["rows"] if r["headline"])
+        ok = (r["x_smaller_than_fp32"] >= RATIO_TARGET, r["loss_gap_pct"] <= LOSS_GAP_TARGET_PCT,
+              r["encode_GBps_per_core"] >= 1.0)
+        print(f"  {res['scenario']:10} {r['x_smaller_than_fp32']:6.1f}x {'met' if ok[0] else 'MISSED':6}  "
+              f"loss gap {r['loss_gap_pct']:6.3f} % {'met' if ok[1] else 'MISSED':6}  "
+              f"encode {r['encode_GBps_per_core']:5.2f} GB/s {'met' if ok[2] else 'MISSED'}")
+    if lat is not None:
+        print(f"  step -> serving p50 {lat['p50_ms']:.1f} ms {'met' if lat['p50_ms'] <= 50 else 'MISSED'}")
 
 
 def print_latency(lat: dict) -> None:
@@ -388,7 +575,7 @@ def print_latency(lat: dict) -> None:
           f"resyncs {lat['resyncs']}, rejected {lat['rejected']}; load average {os.getloadavg()[0]:.2f})")
 
 
-def plot(rows: list[dict], dense_bytes: int) -> None:
+def plot(results: list[dict]) -> None:
     try:
         import matplotlib
 
@@ -397,25 +584,21 @@ def plot(rows: list[dict], dense_bytes: int) -> None:
     except ImportError:
         print("matplotlib not installed (pip install -e '.[bench]'): no plot")
         return
-    fig, ax1 = plt.subplots(figsize=(6.4, 4))
-    ax1.set_xscale("log")
-    ax1.set_yscale("log")
-    ax2 = ax1.twinx()
-    for quant, marker in (("fp16", "o"), ("int8", "s"), ("sign", "^")):
-        pts = sorted((r["density"], r["bytes_per_sync"], r["loss_gap_pct"]) for r in rows
-                     if r["codec"].endswith(quant))
-        if not pts:
-            continue
-        ax1.plot([p[0] for p in pts], [p[1] for p in pts], marker + "-", color="tab:blue",
-                 label=f"bytes per sync ({quant})")
-        ax2.plot([p[0] for p in pts], [p[2] for p in pts], marker + "--", color="tab:red",
-                 label=f"loss gap % ({quant})")
-    ax1.axhline(dense_bytes, color="tab:blue", ls=":", label="dense fp32")
-    ax1.axhline(dense_bytes / 100, color="tab:gray", ls=":", label="100x smaller")
-    ax1.set_xlabel("density (fraction of elements sent)")
-    ax1.set_ylabel("bytes per sync", color="tab:blue")
-    ax2.set_ylabel("served eval loss gap vs trainer (%)", color="tab:red")
-    fig.legend(loc="upper center", ncol=3, fontsize=7)
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    for res, marker in zip(results, "osd^v", strict=False):
+        rows = res["rows"]
+        ax.scatter([r["x_smaller_than_fp32"] for r in rows], [max(r["loss_gap_pct"], 1e-3) for r in rows],
+                   marker=marker, label=res["scenario"])
+        for r in rows:
+            if r["headline"]:
+                ax.annotate("shipped", (r["x_smaller_than_fp32"], max(r["loss_gap_pct"], 1e-3)), fontsize=7)
+    ax.axvline(RATIO_TARGET, color="tab:gray", ls=":", label=f"{RATIO_TARGET:.0f}x")
+    ax.axhline(LOSS_GAP_TARGET_PCT, color="tab:red", ls=":", label=f"{LOSS_GAP_TARGET_PCT:g} % loss gap")
+    ax.set_xlabel("x fewer bytes than dense fp32 (flush included)")
+    ax.set_ylabel("served eval loss gap vs trainer (%)")
+    ax.legend(fontsize=7)
     fig.tight_layout()
     path = OUT / "delta_density.png"
     fig.savefig(path, dpi=110)

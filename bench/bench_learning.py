@@ -8,7 +8,8 @@ Reported, before and after:
   and the time from the acknowledgement to the answers (target: within 5 s);
 * loss (nats/token, ``score``) on the taught facts, on ten control sentences of the same
   style that were never taught (their relative fall must be less than half the taught one)
-  and on held-out windows of the corpus (may rise at most 5 %);
+  and on windows of the corpus's held-out tenth, which rehearsal never draws from (may rise
+  at most 5 %);
 * the served-vs-trainer weight gap (‖trainer − served‖ / ‖trainer‖, from the trainer's
   ``delta`` report) while teaching and after the last step, and the time until every worker
   reports the trainer's exact weights digest (bit-exact; target within 1 s of idle);
@@ -49,14 +50,19 @@ from shared.model.pretrain import corpus_windows  # noqa: E402
 HELD_OUT = 48
 
 
-def shipped_config(mesh: Mesh) -> None:
-    """Keep only what must differ from the shipped defaults (free ports, paths, fast status)."""
+def shipped_config(mesh: Mesh, overrides: list[str]) -> None:
+    """Keep only what must differ from the shipped defaults (free ports, paths, fast status);
+    ``overrides`` (``section.key=value``) make an extra, labelled row."""
     cfg = mesh.cfg
     cfg["model"] = {"cache_dir": str(ROOT / "var" / "model")}  # the default model, pre-trained once
     t = cfg["trainer"]
     cfg["trainer"] = {k: t[k] for k in ("samples_endpoint", "master_port", "checkpoint_dir")}
     cfg["consistency"] = {}
     cfg["metrics"]["status_interval_s"] = 0.1  # reporting only: resolution of the digest comparison
+    for item in overrides:
+        dotted, _, value = item.partition("=")
+        section, _, key = dotted.partition(".")
+        cfg.setdefault(section, {})[key] = yaml.safe_load(value)
     mesh.config_path.write_text(yaml.safe_dump(cfg))
 
 
@@ -142,7 +148,8 @@ async def experiment(mesh: Mesh, key: str, probes: int) -> dict[str, Any]:
     client = await McpHttp(mesh.base, key, client=httpx.AsyncClient(timeout=300)).open()
     rng = random.Random(11)
     seq = ModelConfig().pretrain_seq - 3
-    held = [(a.decode(errors="replace"), b.decode(errors="replace")) for a, b in corpus_windows(HELD_OUT, rng, seq)]
+    windows = corpus_windows(HELD_OUT, rng, seq, held_out=True)  # the tenth rehearsal never draws from
+    held = [(a.decode(errors="replace"), b.decode(errors="replace")) for a, b in windows]
     held = [(a, b) for a, b in held if a.strip() and b.strip()]
     sampler = GapSampler(mesh.redis_url)
     try:
@@ -188,13 +195,13 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-def report(res: dict[str, Any]) -> None:
+def report(res: dict[str, Any], label: str) -> None:
     b, a = res["before"], res["after"]
 
     def change(name: str) -> float:
         return (a[name][0] - b[name][0]) / b[name][0]
 
-    print("\n== teach 10 made-up facts x8 through learn, shipped defaults (2 workers, 2 trainer ranks) ==")
+    print(f"\n== teach 10 made-up facts x8 through learn, {label} (2 workers, 2 trainer ranks) ==")
     print(f"{'loss (nats/token)':<22}{'before':>9}{'after':>9}{'change':>9}")
     for name in ("taught", "control", "held_out"):
         print(f"{name:<22}{b[name][0]:>9.3f}{a[name][0]:>9.3f}{change(name) * 100:>8.1f}%")
@@ -228,18 +235,20 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--probes", type=int, default=10)
     p.add_argument("--json", help="write the raw results here")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="an extra row with a setting other than the shipped one (repeatable)")
     args = p.parse_args()
     server = RedisServer()
     server.start()
     workdir = Path(tempfile.mkdtemp(prefix="lm-bench-learning-"))
     mesh = Mesh(workdir, f"redis://127.0.0.1:{server.port}/0", ["alice"], workers=2, ranks=2)
-    shipped_config(mesh)
+    shipped_config(mesh, args.set)
     try:
         with mesh.running():
             res = asyncio.run(experiment(mesh, mesh.api_keys["alice"], args.probes))
     finally:
         server.close()
-    report(res)
+    report(res, "settings: " + ", ".join(args.set) if args.set else "shipped defaults")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
     return 0

@@ -28,7 +28,7 @@ def make_params(seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, 
 
 
 def cfg(**kw) -> CompressionConfig:
-    base = {"block_size": 256, "chunk_elements": 2048, "anchor_every": 0, "density": 0.02}
+    base = {"block_size": 256, "chunk_elements": 2048, "anchor_every": 0, "density": 0.02, "tuner": "off"}
     base.update(kw)
     return CompressionConfig(**base)
 

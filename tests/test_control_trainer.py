@@ -94,7 +94,7 @@ async def test_control_plane_steers_a_running_trainer(redis_url, tmp_path):
         assert kept["published_version"] == kept_version
 
         # ---- runtime config: the publisher encodes at the new density
-        r.hset(keys.RUNTIME_CONFIG, "compression", orjson.dumps({"density": 0.5}))
+        r.hset(keys.RUNTIME_CONFIG, "compression", orjson.dumps({"density": 0.5, "tuner": "off"}))
         r.incr(keys.RUNTIME_CONFIG_REV)
         await feed(2)
         await wait_for(lambda: _h(r, keys.component_status("delta")).get("density_target") == "0.5",

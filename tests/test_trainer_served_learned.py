@@ -24,23 +24,37 @@ def _record(seq: int, sample: Sample | None = None, skip: bool = False) -> Train
     return TrainRecord(LoggedSample(f"e-{seq}:0", seq, "alice", s, f"e-{seq}"), None, skip=skip)
 
 
-def test_replay_gives_every_sample_its_passes_round_robin_and_tracks_what_is_settled() -> None:
-    buf = ReplayBuffer(passes=3, capacity=100)
-    buf.add([_record(1), _record(2), _record(3)])
-    assert buf.settled_seq(3) == 0, "no sample has had all its passes yet"
-    first = buf.take(2)
-    assert [r.logged.seq for r in first] == [1, 2] and all(r.replay for r in first)
-    second = buf.take(10)
-    assert [r.logged.seq for r in second] == [3, 1, 2], "one pass each per step, the oldest first"
-    assert buf.settled_seq(3) == 2, "samples 1 and 2 had their three passes; 3 is owed one"
-    assert [r.logged.seq for r in buf.take(10)] == [3]
-    assert len(buf) == 0 and buf.settled_seq(3) == 3
+def test_replay_gives_every_sample_its_passes_mixed_and_tracks_what_is_settled() -> None:
+    buf = ReplayBuffer(passes=3, capacity=100, seed=1)
+    buf.add([_record(i) for i in range(1, 9)])
+    assert buf.settled_seq(8) == 0, "no sample has had all its passes yet"
+    passes: dict[int, int] = {}
+    steps = []
+    while len(buf):
+        step = buf.take(3)
+        assert all(r.replay for r in step)
+        seqs = [r.logged.seq for r in step]
+        assert len(set(seqs)) == len(seqs), "a sample at most once per step"
+        steps.append(seqs)
+        for q in seqs:
+            passes[q] = passes.get(q, 0) + 1
+    assert passes == {i: 2 for i in range(1, 9)}, "every sample gets exactly passes - 1 replays"
+    assert steps[0] != [1, 2, 3], "replays are drawn at random, not in arrival order"
+    assert buf.settled_seq(8) == 8 and buf.take(3) == []
+
+
+def test_replay_settled_seq_is_below_the_oldest_sample_still_owed_a_pass() -> None:
+    buf = ReplayBuffer(passes=2, capacity=100, seed=2)
+    buf.add([_record(i) for i in range(1, 4)])
+    taken = {r.logged.seq for r in buf.take(2)}
+    owed = {1, 2, 3} - taken
+    assert buf.settled_seq(3) == min(owed) - 1
 
 
 def test_replay_capacity_drops_the_oldest_and_one_pass_means_no_replay() -> None:
     buf = ReplayBuffer(passes=2, capacity=2)
     buf.add([_record(i) for i in range(1, 5)])
-    assert [r.logged.seq for r in buf.take(10)] == [3, 4] and buf.dropped == 2
+    assert sorted(r.logged.seq for r in buf.take(10)) == [3, 4] and buf.dropped == 2
     single = ReplayBuffer(passes=1, capacity=10)
     single.add([_record(1)])
     assert len(single) == 0 and single.take(5) == []

@@ -159,7 +159,7 @@ class Trainer:
         self._published_step = -1
         self._last_loss: float | None = None
         self.ops: Any = None
-        self.replay = ReplayBuffer(self.t.replay_passes, self.t.replay_buffer)  # filled on rank 0 only
+        self.replay = ReplayBuffer(self.t.replay_passes, self.t.replay_buffer, seed=cfg.model.seed)  # rank 0 only
         self._last_step_s = time.monotonic()
         self._residual = False  # rank 0: workers may hold something other than the trainer's weights
         self._agreed_seq = 0  # rank 0, local SGD: settled seq when the ranks last agreed
@@ -327,10 +327,11 @@ class Trainer:
                 self.ops.wait_paused(self.stop_flag, self.t.batch_wait_ms / 1000)
                 return self._idle()
         limit = self.t.batch_size * self.world
-        # replays pending: take what has arrived and go on stepping, rather than wait for more
-        samples = self.source.next_batch(limit, 0 if self.replay else self.t.batch_wait_ms, self.stop_flag)
-        # replays fill the batch up to its size: the number of optimizer steps, not of passes,
-        # is what makes a fact stick
+        # Replays pending: take what has arrived and go on stepping rather than wait for more, and
+        # keep half the batch for replays, so every step mixes facts. Replays only fill the batch
+        # up to its size: the number of optimizer steps, not of passes, is what makes a fact stick.
+        fresh_limit = limit - limit // 2 if self.replay else limit
+        samples = self.source.next_batch(fresh_limit, 0 if self.replay else self.t.batch_wait_ms, self.stop_flag)
         records = self.source.records(samples)
         records += self.replay.take(limit - len(records))
         if not records:
@@ -363,10 +364,12 @@ class Trainer:
     def train_step(self, records: list[TrainRecord]) -> None:
         t0 = time.perf_counter()
         items = [(r, pair) for r in records if not r.skip and (pair := r.logged.sample.training_pair())]
-        total = len(items) + self.t.rehearsal_per_step if items else 0
+        rehearsal = -(-self.t.rehearsal_per_step * len(items) // (self.t.batch_size * self.world))  # a full
+        rehearsal = min(self.t.rehearsal_per_step, rehearsal)  # step gets them all, a small one its share
+        total = len(items) + rehearsal if items else 0
         loss_sum = torch.zeros(2, dtype=torch.float64)
         if total:
-            mine = [self._encode(r, p) for r, p in items[self.rank::self.world]] + self._rehearsal()
+            mine = [self._encode(r, p) for r, p in items[self.rank::self.world]] + self._rehearsal(rehearsal)
             n_micro = self.t.grad_accum_steps
             chunks = [mine[i::n_micro] for i in range(n_micro)]
             for i, chunk in enumerate(chunks):
@@ -401,10 +404,10 @@ class Trainer:
         if self.step % self.t.checkpoint_every == 0:
             self.save_checkpoint()
 
-    def _rehearsal(self) -> list[Any]:
-        """This rank's share of the step's ``trainer.rehearsal_per_step`` corpus windows (each rank
-        draws its own, from a generator seeded by step and rank: reproducible, no broadcast)."""
-        n = self.t.rehearsal_per_step // self.world + (self.rank < self.t.rehearsal_per_step % self.world)
+    def _rehearsal(self, count: int) -> list[Any]:
+        """This rank's share of the step's ``count`` corpus windows (each rank draws its own,
+        from a generator seeded by step and rank: reproducible, no broadcast)."""
+        n = count // self.world + (self.rank < count % self.world)
         if not n:
             return []
         from shared.model.pretrain import corpus_windows

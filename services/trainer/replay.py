@@ -2,9 +2,9 @@
 
 One gradient step per sample moves a model's loss on it but rarely its greedy answer. Rank 0
 keeps every freshly trained sample for ``trainer.replay_passes - 1`` more passes; each step
-takes up to one batch of them, round-robin (the oldest first, then to the back of the queue),
-beside whatever fresh samples arrived, so a step mixes several facts rather than eight copies
-of one. Replayed samples travel in the step's broadcast batch like fresh ones, so every rank
+draws up to a batch of them at random (each sample at most once per step) beside whatever
+fresh samples arrived, so a step mixes many facts — a client that sends eight copies of a fact
+in a row would otherwise fill whole steps with it, and each step would undo the last. Replayed samples travel in the step's broadcast batch like fresh ones, so every rank
 trains the same bytes; only fresh samples move the committed offset and the ledger (a sample
 is trained exactly once in the ledger's sense; its extra passes are part of that training).
 
@@ -15,7 +15,7 @@ passes again, and passes still due for samples already in the checkpoint are not
 from __future__ import annotations
 
 import logging
-from collections import deque
+import random
 
 from services.trainer.data import TrainRecord
 
@@ -23,12 +23,13 @@ log = logging.getLogger("learnmesh.trainer")
 
 
 class ReplayBuffer:
-    """Samples still owed passes: ``[record, passes left]`` in round-robin order."""
+    """Samples still owed passes: ``[record, passes left]``, oldest first."""
 
-    def __init__(self, passes: int, capacity: int) -> None:
+    def __init__(self, passes: int, capacity: int, seed: int = 0) -> None:
         self.extra = passes - 1
         self.capacity = capacity
-        self._queue: deque[list[TrainRecord | int]] = deque()
+        self._queue: list[list[TrainRecord | int]] = []
+        self._rng = random.Random(seed)
         self.dropped = 0
 
     def __len__(self) -> int:
@@ -42,25 +43,26 @@ class ReplayBuffer:
             if r.logged.sample.training_pair() is None:
                 continue
             self._queue.append([r, self.extra])
-        while len(self._queue) > self.capacity:  # the oldest have had the most passes already
-            self._queue.popleft()
-            self.dropped += 1
+        if len(self._queue) > self.capacity:  # the oldest have had the most passes already
+            over = len(self._queue) - self.capacity
+            del self._queue[:over]
+            self.dropped += over
             if self.dropped == 1 or self.dropped % 1000 == 0:
                 log.warning("replay buffer full (trainer.replay_buffer=%d): %d sample(s) lost remaining passes",
                             self.capacity, self.dropped)
 
     def take(self, limit: int) -> list[TrainRecord]:
-        """Up to ``limit`` distinct samples for this step, each marked as a replay."""
+        """Up to ``limit`` distinct samples drawn at random for this step, marked as replays."""
+        if limit <= 0 or not self._queue:
+            return []
+        picked = sorted(self._rng.sample(range(len(self._queue)), min(limit, len(self._queue))))
         out: list[TrainRecord] = []
-        back: list[list[TrainRecord | int]] = []
-        while self._queue and len(out) < limit:
-            item = self._queue.popleft()
-            record, left = item
+        for i in picked:
+            record, left = self._queue[i]
             assert isinstance(record, TrainRecord) and isinstance(left, int)
             out.append(TrainRecord(record.logged, record.context, replay=True))
-            if left > 1:
-                back.append([record, left - 1])
-        self._queue.extend(back)
+            self._queue[i][1] = left - 1
+        self._queue = [item for item in self._queue if isinstance(item[1], int) and item[1] > 0]
         return out
 
     def settled_seq(self, committed_seq: int) -> int:

@@ -60,10 +60,22 @@ def cached_base_state(cfg: ModelConfig, model: torch.nn.Module) -> dict[str, tor
         return state
 
 
-def corpus_windows(n: int, rng: random.Random, length: int) -> list[tuple[bytes, bytes]]:
-    """``n`` random (prompt, continuation) windows of the shipped corpus, cut the way
-    pre-training cuts them (rehearsal: the trainer mixes them into online steps)."""
+HELD_OUT_FRACTION = 0.1
+
+
+def corpus_split(held_out: bool) -> bytes:
+    """The corpus without its last tenth (what online rehearsal may draw from), or that tenth
+    (held out from online training, to measure forgetting); split at a paragraph boundary."""
     data = corpus_bytes()
+    cut = data.find(b"\n\n", int(len(data) * (1 - HELD_OUT_FRACTION)))
+    cut = len(data) if cut < 0 else cut + 2
+    return data[cut:] if held_out else data[:cut]
+
+
+def corpus_windows(n: int, rng: random.Random, length: int, held_out: bool = False) -> list[tuple[bytes, bytes]]:
+    """``n`` random (prompt, continuation) windows of the corpus (:func:`corpus_split`), cut
+    the way pre-training cuts them: rehearsal mixes them into online steps."""
+    data = corpus_split(held_out)
     out = []
     for _ in range(n):
         start = rng.randrange(0, len(data) - length)
