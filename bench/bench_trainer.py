@@ -65,7 +65,7 @@ class TrainCase:
     label: str
     world: int = 2
     hook: str = "none"  # trainer.comm_hook
-    threads: int = 0  # torch threads per rank; 0 = torch's default, as the trainer ranks run
+    threads: int = 0  # torch threads per rank; 0 = as the trainer's ranks run (trainer.torch_threads); -1 = torch's default
     flip_find_unused: bool = False  # the opposite of the find_unused_parameters ddp_options ships
     count_bytes: bool = False
     measure_peak: bool = False
@@ -125,14 +125,15 @@ def _train_rank(rank: int, case: TrainCase, port: int, steps: int, peak_s: float
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from services.trainer.dist import cpu_threads
     from services.trainer.loop import LossModule, build_model, ddp_options, make_optimizer, register_comm_hook
     from shared.config import load_config
 
-    if case.threads:
-        torch.set_num_threads(case.threads)
     world = case.world
     cfg = load_config(env={}, overrides={"trainer": {"comm_hook": case.hook},
                                          "model": {"cache_dir": str(ROOT / "var" / "model")}})
+    if case.threads >= 0:
+        torch.set_num_threads(case.threads or cpu_threads(cfg.trainer.torch_threads, world))
     t = cfg.trainer
     dist.init_process_group("gloo", rank=rank, world_size=world)
     model = build_model(cfg)
@@ -335,7 +336,7 @@ def main() -> None:
     print(f"  fraction of peak        {ship['model_flops_s'] / peak:7.1%}")
     extras = [TrainCase("1 rank, no DDP", world=1),
               TrainCase("find_unused_parameters={}", flip_find_unused=True),
-              TrainCase("1 torch thread per rank", threads=1)]
+              TrainCase("torch's default threads/rank", threads=-1)]
     for case in extras:
         row = run_training(case, steps, 0)
         label = case.label.format(row["find_unused_parameters"])
