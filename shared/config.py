@@ -224,7 +224,7 @@ class TrainerConfig:
     comm_hook: str = "none"  # none | fp16 | bf16 | powersgd
     powersgd_rank: int = 2
     optimizer: str = "adamw"  # adamw | sgd
-    lr: float = 1e-3
+    lr: float = 1.25e-3
     weight_decay: float = 0.0
     schedule: str = "constant"  # constant | cosine
     warmup_steps: int = 0
@@ -255,7 +255,7 @@ class TrainerConfig:
     replay_passes: int = 8
     torch_threads: int = 0  # CPU ranks: intra-op threads each; 0 = the machine's cores / ranks on it
     replay_buffer: int = 4096  # samples waiting for replay passes; the oldest give way beyond it
-    rehearsal_per_step: int = 8
+    rehearsal_per_step: int = 12
 
     def __post_init__(self) -> None:
         _require(self.ranks >= 1, "trainer.ranks must be >= 1")
