@@ -490,7 +490,7 @@ def main() -> int:
                     help="synced steps of the default model (default 200, quick 60)")
     ap.add_argument("--scenarios", default="mlp-10m,default,mlp-10m-lr1e-4",
                     help="comma list of mlp-10m, default, mlp-10m-lr1e-4 (the old headline's lr, extra)")
-    ap.add_argument("--tuner-targets", default="0.3,0.5,0.7,0.9",
+    ap.add_argument("--tuner-targets", default="0.2,0.5,0.7,0.9",
                     help="relative-residual targets of the extra tuner=error rows")
     ap.add_argument("--warmup", type=int, default=30, help="unsynced MLP steps before the teacher shift")
     ap.add_argument("--latency-steps", type=int, default=40)
