@@ -245,6 +245,10 @@ class TrainerConfig:
     max_restarts: int = 3  # spawn mode: restart all ranks from the checkpoint after a rank dies
     checkpoint_keep: int = 2
     max_learn_batch: int = 4096  # samples per `learn` call / admin import request
+    # Context windows a learn call names are copied into the sample log up to this many content
+    # bytes, so their samples train on that context however old the version gets; beyond it the
+    # trainer reads them from the store (context.versions_retained bounds how long they wait).
+    max_context_copy_bytes: int = 4 * 1024 * 1024
     model_factory: str = ""  # "module:function" building the LearnModel; "" = shared.model.build_model
     trim_log: bool = True  # after a checkpoint, XTRIM log entries it fully contains (never needed again)
     pretrained: bool = True

@@ -140,6 +140,9 @@ TRAINER_STEP = Gauge("learnmesh_trainer_step", "Optimizer steps of the current m
 TRAINER_LOSS = Gauge("learnmesh_trainer_loss", "Training loss of the last optimizer step")
 TRAINER_SAMPLES_PER_S = Gauge("learnmesh_trainer_samples_per_second", "Samples trained per second (EMA)")
 TRAINER_SAMPLES = Counter("learnmesh_trainer_samples_total", "Samples trained (committed with a gradient)")
+SAMPLES_CONTEXT_NOT_COPIED = Counter("learnmesh_samples_context_not_copied_total",
+                                     "learn calls whose context windows exceeded trainer.max_context_copy_bytes "
+                                     "(their samples read the context at its version when trained)")
 TRAINER_SAMPLES_SKIPPED = Counter("learnmesh_trainer_samples_skipped_total",
                                   "Samples consumed without a gradient, by reason", ["reason"])
 TRAINER_REPLAYED = Counter("learnmesh_trainer_replayed_samples_total",

@@ -23,7 +23,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import orjson
+
+from shared.types import ContextWindow, Entry
 
 log = logging.getLogger("learnmesh.samples")
 
@@ -187,14 +190,20 @@ def load_stored(raw: bytes | str | memoryview) -> Sample:
 # holding the whole batch are written atomically, so seq order == log order across gateway
 # replicas and a gap in seq is visible to the trainer. One entry per batch (not per sample)
 # keeps the Redis cost of a 500-sample `learn` call close to that of one sample.
-# Entry fields: seq (first seq of the batch), n, p (principal), s (JSON array of samples).
+# Entry fields: seq (first seq of the batch), n, p (principal), s (JSON array of samples), and
+# c (the context windows the samples name, copied at acceptance: :func:`pack_windows`) when any.
 # The first append also names the log (KEYS[3], SET NX with the caller's fresh random id): a
 # log that is recreated gets a new name, and the trainer never mixes two logs' sequence numbers.
 APPEND_LUA = """
 local n = tonumber(ARGV[2])
 redis.call('SET', KEYS[3], ARGV[4], 'NX')
 local last = redis.call('INCRBY', KEYS[2], n)
-local id = redis.call('XADD', KEYS[1], '*', 'seq', last - n + 1, 'n', n, 'p', ARGV[1], 's', ARGV[3])
+local id
+if ARGV[5] == '' then
+  id = redis.call('XADD', KEYS[1], '*', 'seq', last - n + 1, 'n', n, 'p', ARGV[1], 's', ARGV[3])
+else
+  id = redis.call('XADD', KEYS[1], '*', 'seq', last - n + 1, 'n', n, 'p', ARGV[1], 's', ARGV[3], 'c', ARGV[5])
+end
 return {last, id, redis.call('GET', KEYS[3])}
 """
 
@@ -204,6 +213,32 @@ def new_log_id() -> str:
     import secrets
 
     return secrets.token_hex(8)
+
+
+_WINDOWS = msgspec.msgpack.Decoder(list[tuple[str, str, int, dict[str, list[Entry]]]])
+
+
+def pack_windows(windows: list[ContextWindow]) -> bytes:
+    """The context windows a batch of samples names, as one binary blob (MessagePack; entry
+    contents stay raw bytes). Copied into the log at acceptance, so a sample trains on the
+    context it was taken from however many versions are written before the trainer reaches it."""
+    return msgspec.msgpack.encode([(w.principal, w.context_id, w.version, w.channels) for w in windows])
+
+
+def unpack_windows(blob: bytes | memoryview) -> dict[tuple[str, int], ContextWindow]:
+    """(context id, version) -> window, from :func:`pack_windows`."""
+    return {(cid, v): ContextWindow(p, cid, v, channels) for p, cid, v, channels in _WINDOWS.decode(blob)}
+
+
+def attach_windows(samples: list[LoggedSample], blob: bytes | memoryview | None) -> None:
+    """Give each sample the copied window it names (samples whose window was not copied keep
+    ``window=None`` and are read from the context store at their version)."""
+    if not blob:
+        return
+    windows = unpack_windows(blob)
+    for s in samples:
+        if s.sample.context_id is not None and s.sample.version is not None:
+            s.window = windows.get((s.sample.context_id, s.sample.version))
 
 
 def learned_token(log_id: str, last_seq: int) -> str:
@@ -240,6 +275,7 @@ class LoggedSample:
     principal: str
     sample: Sample
     entry: str = ""
+    window: ContextWindow | None = None  # the context it names, when copied at acceptance
 
 
 def parse_entry(entry_id: bytes | str, fields: dict[Any, Any]) -> list[LoggedSample]:
@@ -258,9 +294,11 @@ def parse_entry(entry_id: bytes | str, fields: dict[Any, Any]) -> list[LoggedSam
         objs = orjson.loads(get("s"))
         if not isinstance(objs, list):
             raise TypeError("'s' is not a list of samples")
-        return [LoggedSample(sample_id(eid, i), first + i, principal, _from_obj(obj), eid)
-                for i, obj in enumerate(objs)]
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:  # orjson.JSONDecodeError is a ValueError
+        out = [LoggedSample(sample_id(eid, i), first + i, principal, _from_obj(obj), eid)
+               for i, obj in enumerate(objs)]
+        attach_windows(out, get("c"))
+        return out
+    except (KeyError, TypeError, ValueError, AttributeError, msgspec.DecodeError) as exc:  # orjson.JSONDecodeError is a ValueError
         if eid not in _REPORTED_BAD and len(_REPORTED_BAD) < 10_000:
             _REPORTED_BAD.add(eid)
             log.error("skipping unreadable sample log entry %s: %s", eid, exc)

@@ -74,25 +74,31 @@ def test_learned_tokens_round_trip_and_refuse_anything_else() -> None:
             parse_learned_token(bad)
 
 
-async def test_a_sample_whose_context_is_gone_is_skipped_with_its_reason_not_trained(redis_url, tmp_path):
-    cfg = trainer_config(redis_url, tmp_path, free_port())
+async def test_a_copied_context_trains_however_old_its_version_gets_and_a_lost_one_is_skipped(redis_url, tmp_path):
+    # windows up to 64 content bytes are copied into the log with their samples; larger ones are
+    # read from the store when trained, and can age out first
+    cfg = trainer_config(redis_url, tmp_path, free_port(), max_context_copy_bytes=64)
     redis = aioredis.Redis.from_url(redis_url)
     store = ContextStore(redis, cfg.context)
     ingest = SampleIngest(redis, cfg, store)
     proc = None
     try:
-        first = await store.append("alice", "chat", "text", "user", b"hello there")
+        small = await store.append("alice", "small", "text", "user", b"hello there")
+        big = await store.append("alice", "big", "text", "user", b"x" * 200)
         ok = await ingest.submit("alice", [Sample("example", input="hi", target=" there")])
-        aged = await ingest.submit("alice", [Sample("example", input="x", target=" y", context_id="chat",
-                                                    version=first.version)])
+        copied = await ingest.submit("alice", [Sample("example", input="x", target=" y", context_id="small",
+                                                      version=small.version)])
+        aged = await ingest.submit("alice", [Sample("example", input="x", target=" y", context_id="big",
+                                                    version=big.version)])
         down = await ingest.submit("alice", [Sample("feedback", input="q", generation_id="g1", output="a",
                                                     preference="down")])
-        # the version the sample names ages out before the trainer reads it
+        # both versions age out of the store before the trainer reaches the samples
         for i in range(cfg.context.versions_retained + 2):
-            await store.append("alice", "chat", "text", "user", f"turn {i}".encode())
+            await store.append("alice", "small", "text", "user", f"turn {i}".encode())
+            await store.append("alice", "big", "text", "user", f"turn {i}".encode())
         proc = TrainerProc(cfg, tmp_path)
-        await wait_for(lambda: int(committed(redis_url).get("seq", 0)) == 3, timeout_s=90,
-                       what=lambda: f"the trainer to consume all three samples\n{proc.output()}")
+        await wait_for(lambda: int(committed(redis_url).get("seq", 0)) == 4, timeout_s=90,
+                       what=lambda: f"the trainer to consume all four samples\n{proc.output()}")
         assert proc.term() == 0, proc.output()
         stats = await ingest.stats()
     finally:
@@ -105,10 +111,25 @@ async def test_a_sample_whose_context_is_gone_is_skipped_with_its_reason_not_tra
         trained, skipped = ledger.trained_ids(r), ledger.skipped_ids(r)
     finally:
         r.close()
-    assert trained == ok["ids"], "only the sample whose gradient is in the weights is in the ledger"
+    assert sorted(trained) == sorted(ok["ids"] + copied["ids"]), "a copied context trains after its version aged out"
     assert skipped == {aged["ids"][0]: "context_gone", down["ids"][0]: "no_gradient"}
     assert stats["skipped"] == {"context_gone": 1, "no_gradient": 1}
-    assert stats["trained_seq"] == 3
+    assert stats["trained_seq"] == 4
+
+
+def test_copied_windows_round_trip_through_a_log_entry() -> None:
+    from shared.samples import pack_windows, parse_entry
+    from shared.types import ContextWindow, Entry
+
+    img = Entry("image:1", "image", "user", bytes(range(256)) * 3, "image/png", 0, 768, 5)
+    txt = Entry("text:2", "text", "user", "é and ok".encode(), None, 3, 9, 6, ("image:1",))
+    window = ContextWindow("alice", "c", 7, {"text": [txt], "image": [img]})
+    sample = Sample("example", input="x", target="y", context_id="c", version=7)
+    fields = {b"seq": b"3", b"n": b"2", b"p": b"alice", b"s": b"[" + sample.to_json() + b"," +
+              Sample("example", input="a", target="b").to_json() + b"]", b"c": pack_windows([window])}
+    got = parse_entry(b"1-0", fields)
+    assert got[0].window == window and got[0].window.channels["image"][0].content == img.content
+    assert got[1].window is None
 
 
 async def test_a_trainer_against_a_log_that_lost_its_data_trains_the_new_log_from_its_start(redis_url, tmp_path):

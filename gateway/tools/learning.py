@@ -30,10 +30,12 @@ from shared.samples import (
     batch_json,
     learned_token,
     new_log_id,
+    pack_windows,
     parse_batch,
     parse_sample,
     sample_id,
 )
+from shared.types import ContextWindow
 from shared.zmq_util import make_socket
 
 log = logging.getLogger("learnmesh.learning")
@@ -103,11 +105,13 @@ class SampleIngest:
             m.SAMPLES_REJECTED.labels("invalid").inc()
             raise InvalidParams(str(exc), {"index": exc.index}) from None
 
-    async def check_contexts(self, principal: str, samples: list[Sample]) -> None:
-        """Every (context_id, version) named must be readable now; else -32602, nothing written."""
+    async def check_contexts(self, principal: str, samples: list[Sample]) -> list[ContextWindow]:
+        """Every (context_id, version) named must be readable now; else -32602, nothing written.
+        Returns the windows read (what the samples will be trained with)."""
         wanted = {(s.context_id, s.version) for s in samples if s.context_id is not None}
         if not wanted:
-            return
+            return []
+        windows: list[ContextWindow] = []
         if self.store is None:
             raise Unavailable("the context store is not available; samples with context_id cannot be checked")
         for context_id, version in sorted(wanted, key=str):
@@ -115,21 +119,33 @@ class SampleIngest:
                 current = await self.store.version(principal, context_id)
                 if current is None or version is None or version > int(current):
                     raise LookupError
-                await self.store.read_at_version(principal, context_id, version)
+                windows.append(await self.store.read_at_version(principal, context_id, version))
             except (RedisConnectionError, RedisTimeoutError):
                 raise Unavailable("redis is unreachable") from None
             except Exception:  # the store's not-found / not-retained errors
                 m.SAMPLES_REJECTED.labels("context").inc()
                 raise InvalidParams(f"context {context_id!r} has no version {version} (unknown or no longer "
                                     "retained)", {"context_id": context_id, "version": version}) from None
+        return windows
+
+    def _context_copy(self, windows: list[ContextWindow]) -> bytes:
+        """The windows to store with the samples (``trainer.max_context_copy_bytes`` in all; over
+        it, the trainer reads them from the store at their version, while it still retains them)."""
+        size = sum(len(e.content) for w in windows for ch in w.channels.values() for e in ch)
+        if not windows or size > self.cfg.trainer.max_context_copy_bytes:
+            if windows:
+                m.SAMPLES_CONTEXT_NOT_COPIED.inc()
+            return b""
+        return pack_windows(windows)
 
     # -- write, then forward
     async def submit(self, principal: str, samples: list[Sample]) -> dict[str, Any]:
-        await self.check_contexts(principal, samples)
+        contexts = self._context_copy(await self.check_contexts(principal, samples))
         blobs = [s.to_json() for s in samples]
         try:
             last, entry, log_id = await self._append(keys=[keys.SAMPLE_LOG, keys.SAMPLE_SEQ, keys.SAMPLE_LOG_ID],
-                                             args=[principal, len(blobs), batch_json(blobs), new_log_id()])
+                                                     args=[principal, len(blobs), batch_json(blobs), new_log_id(),
+                                                           contexts])
         except (RedisConnectionError, RedisTimeoutError):
             raise Unavailable("redis is unreachable") from None
         entry = entry.decode() if isinstance(entry, bytes) else str(entry)
@@ -137,11 +153,16 @@ class SampleIngest:
         last = int(last)
         seqs = list(range(last - len(ids) + 1, last + 1))
         m.SAMPLES_ACCEPTED.inc(len(ids))
-        queued = self._forward(principal, entry, ids, seqs, blobs)
+        queued = self._forward(principal, entry, ids, seqs, blobs, contexts)
         return {"ids": ids, "seqs": seqs, "queued": queued, "learned": learned_token(_s(log_id), last)}
 
-    def _forward(self, principal: str, entry: str, ids: list[str], seqs: list[int], blobs: list[bytes]) -> bool:
-        msg = wire.encode(wire.MsgType.SAMPLE, {"p": principal, "entry": entry, "ids": ids, "seqs": seqs}, blobs)
+    def _forward(self, principal: str, entry: str, ids: list[str], seqs: list[int], blobs: list[bytes],
+                 contexts: bytes = b"") -> bool:
+        header: dict[str, Any] = {"p": principal, "entry": entry, "ids": ids, "seqs": seqs}
+        if contexts:  # one more frame after the samples: the windows they name
+            header["c"] = 1
+            blobs = [*blobs, contexts]
+        msg = wire.encode(wire.MsgType.SAMPLE, header, blobs)
         try:
             self.push.send_multipart(msg, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:

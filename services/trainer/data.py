@@ -20,13 +20,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import orjson
 import zmq
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared import keys, wire
-from shared.samples import LoggedSample, load_stored, parse_entry
+from shared.samples import LoggedSample, attach_windows, load_stored, parse_entry
 from shared.types import ContextWindow, Entry
 from shared.zmq_util import make_socket
 
@@ -185,11 +186,15 @@ class SampleSource:
                 kind, header, blobs = wire.decode(frames)
                 if kind != wire.MsgType.SAMPLE:
                     raise wire.WireError("not a SAMPLE message")
-                for sid, seq, blob in zip(header["ids"], header["seqs"], blobs, strict=True):
-                    if seq > self.seq:
-                        self.buffer[int(seq)] = LoggedSample(str(sid), int(seq), str(header["p"]),
-                                                             load_stored(blob), str(header["entry"]))
-            except (wire.WireError, KeyError, TypeError, ValueError) as exc:
+                contexts = blobs[-1] if header.get("c") else None
+                got = [LoggedSample(str(sid), int(seq), str(header["p"]), load_stored(blob), str(header["entry"]))
+                       for sid, seq, blob in zip(header["ids"], header["seqs"], blobs[:len(blobs) - bool(contexts)],
+                                                 strict=True)]
+                attach_windows(got, contexts)
+                for s in got:
+                    if s.seq > self.seq:
+                        self.buffer[s.seq] = s
+            except (wire.WireError, KeyError, TypeError, ValueError, msgspec.DecodeError) as exc:
                 log.warning("dropping a malformed sample message (%s); the log stays authoritative", exc)
 
     def _contiguous(self, limit: int) -> list[LoggedSample]:
@@ -269,8 +274,8 @@ class SampleSource:
     def records(self, samples: list[LoggedSample]) -> list[TrainRecord]:
         out: list[TrainRecord] = []
         for s in samples:
-            ctx = None
-            if s.sample.context_id is not None and s.sample.version is not None:
+            ctx = s.window  # copied at acceptance: no store read, cannot have aged out
+            if ctx is None and s.sample.context_id is not None and s.sample.version is not None:
                 try:
                     if self.contexts is None:
                         raise RuntimeError("no context reader is configured")
