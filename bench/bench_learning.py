@@ -218,6 +218,12 @@ def report(res: dict[str, Any], label: str) -> None:
         gaps = [g for _, g, _ in series if g > 0]
         print(f"served-vs-trainer weight gap while teaching: max {max(gaps, default=0):.2%}, "
               f"median {statistics.median(gaps) if gaps else 0:.2%} (samples every 50 ms)")
+        marks, shown = [], -1
+        for t, g, v in series:  # one sample per second after the acknowledgement
+            if int(t) > shown:
+                shown = int(t)
+                marks.append(f"{t:.0f}s {g:.2%} (v{v})")
+        print("  over time: " + ", ".join(marks))
     exact, last = res["exact_after_ack_s"], res["last_lossy_s"]
     if exact is None:
         print("served == trainer (bit-exact digests): NOT reached within 60 s")
