@@ -85,3 +85,38 @@ def test_admin_bulk_import_needs_operator_and_stats_show_the_lag(client, redis_u
     assert r.status_code == 400 and "target" in r.text
     stats = client.get("/admin/samples/stats", headers={"authorization": f"Bearer {VIEWER}"}).json()
     assert stats["log_entries"] == 1 and stats["last_seq"] == 50 and stats["lag"] == 50
+
+
+def call_tool(c: TestClient, name: str, args: dict) -> dict:
+    params = {"name": name, "arguments": args,
+              "_meta": {"io.modelcontextprotocol/protocolVersion": MODERN,
+                        "io.modelcontextprotocol/clientCapabilities": {}}}
+    h = {"accept": "application/json, text/event-stream", "mcp-protocol-version": MODERN,
+         "mcp-method": "tools/call", "mcp-name": name, "authorization": f"Bearer {KEY}"}
+    r = c.post("/mcp", json={"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": params}, headers=h)
+    return orjson.loads(r.text.strip())
+
+
+def test_learn_answers_a_token_that_generate_and_score_wait_on(client, redis_url):
+    out = learn(client, {"samples": [{"input": "q1", "target": "a1"}, {"input": "q2", "target": "a2"}]})
+    token = out["result"]["structuredContent"]["learned"]
+    r = redis_sync.Redis.from_url(redis_url)
+    try:
+        log_id = r.get(keys.SAMPLE_LOG_ID).decode()
+        assert token == f"{log_id}.2", "the token names this log and the call's last seq"
+        # not a token: refused before any wait or worker (-32602, nothing else touched)
+        for bad in ("2", "abc", f"{log_id}.x", "../etc.1"):
+            err = call_tool(client, "score", {"prompt": "q", "target": "a", "after_learn": bad})
+            assert err["error"]["code"] == -32602, (bad, err)
+        # a token of a log that was recreated since (a Redis that lost its data)
+        r.set(keys.SAMPLE_LOG_ID, "0123456789abcdef")
+        err = call_tool(client, "generate", {"prompt": "q", "after_learn": token})
+        assert err["error"]["code"] == -32602 and "no longer exists" in err["error"]["message"]
+        # the right log, and a version that holds the samples: the wait ends at once and the
+        # request goes on to the worker pool (none here: -32050, retry later)
+        r.set(keys.SAMPLE_LOG_ID, log_id)
+        r.zadd(keys.MODEL_VERSION_SEQ, {"7": 2})
+        err = call_tool(client, "score", {"prompt": "q", "target": "a", "after_learn": token})
+        assert err["error"]["code"] == -32050 and "trained" not in err["error"]["message"], err
+    finally:
+        r.close()

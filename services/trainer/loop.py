@@ -437,7 +437,8 @@ class Trainer:
         self.replay.add([r for r in fresh if r.logged.id not in skipped])
         self._last_loss = None if math.isnan(loss) else loss
         self._last_step_s = time.monotonic()
-        self._residual = True
+        # a lossless publish of this step leaves nothing behind; anything else may
+        self._residual = not (publish_now and self.cfg.compression.algorithm == "lossless")
         if publish_now:
             self.publish()
         m.TRAINER_SAMPLES.inc(len(trained))
