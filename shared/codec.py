@@ -295,14 +295,20 @@ def _code_indices(idx: np.ndarray, start: int, end: int) -> tuple[bytes, int]:
     """Sorted indices in [start, end): gaps ``idx[i] - idx[i-1] - 1`` in the narrowest
     unsigned width that holds them (one width byte, then the byte-plane shuffled gaps, which
     zstd squeezes as well as varints at a fraction of the cost), or a bitmap when smaller."""
+    if idx.size > (end - start) / 8:  # a bitmap beats gaps of any width: skip computing them
+        return _bitmap(idx, start, end), IDX_BITMAP
     gaps = np.diff(idx, prepend=start - 1) - 1
     top = int(gaps.max()) if gaps.size else 0
     width = 1 if top < 1 << 8 else 2 if top < 1 << 16 else 4
     if idx.size * width > (end - start) / 8:
-        bm = np.zeros(end - start, dtype=np.bool_)
-        bm[idx - start] = True
-        return np.packbits(bm).tobytes(), IDX_BITMAP
+        return _bitmap(idx, start, end), IDX_BITMAP
     return bytes([width]) + _shuffle(gaps.astype(_GAP_DTYPES[width])), IDX_GAPS
+
+
+def _bitmap(idx: np.ndarray, start: int, end: int) -> bytes:
+    bm = np.zeros(end - start, dtype=np.bool_)
+    bm[idx - start] = True
+    return np.packbits(bm).tobytes()
 
 
 def _decode_gaps(data: memoryview, count: int, span: int) -> np.ndarray:
