@@ -489,7 +489,7 @@ def main() -> int:
     ap.add_argument("--default-steps", type=int, default=None,
                     help="synced steps of the default model (default 200, quick 60)")
     ap.add_argument("--scenarios", default="mlp-10m,default,mlp-10m-lr1e-4",
-                    help="comma list of mlp-10m, default, mlp-10m-lr1e-4 (the old headline's lr, extra)")
+                    help="comma list of mlp-10m, default, mlp-10m-lr1e-4 (lr 1e-4, extra)")
     ap.add_argument("--tuner-targets", default="0.2,0.5,0.7,0.9",
                     help="relative-residual targets of the extra tuner=error rows")
     ap.add_argument("--warmup", type=int, default=30, help="unsynced MLP steps before the teacher shift")
@@ -524,7 +524,7 @@ def main() -> int:
             res = run_scenario(sc, codecs_for(4 * n, quick, targets), steps, count)
         elif name == "mlp-10m-lr1e-4":
             sc = mlp_scenario(1e-4, args.warmup, "extra: mlp-10m lr 1e-4")
-            old = Codec("extra: density 0.02, tuner off (the old headline)", CompressionConfig(density=0.02, tuner="off"))
+            old = Codec("extra: density 0.02, tuner off", CompressionConfig(density=0.02, tuner="off"))
             res = run_scenario(sc, [*codecs_for(0, True, []), old], steps, count)
         elif name == "default":
             sc = default_model_scenario(default_steps)
