@@ -145,7 +145,8 @@ async def experiment(mesh: Mesh, key: str, probes: int) -> dict[str, Any]:
     import httpx
 
     # generate/score with after_learn wait for training (consistency.learn_wait_s)
-    client = await McpHttp(mesh.base, key, client=httpx.AsyncClient(timeout=300)).open()
+    http = httpx.AsyncClient(timeout=300)
+    client = await McpHttp(mesh.base, key, client=http).open()
     rng = random.Random(11)
     seq = ModelConfig().pretrain_seq - 3
     windows = corpus_windows(HELD_OUT, rng, seq, held_out=True)  # the tenth rehearsal never draws from
@@ -178,6 +179,7 @@ async def experiment(mesh: Mesh, key: str, probes: int) -> dict[str, Any]:
         sync = await probe_sync(client, mesh, probes)
     finally:
         await client.close()
+        await http.aclose()
     hits = sum(a.startswith(t) for a, (_, t) in zip(answers_after, FACTS, strict=True))
     hits_exact = sum(a.startswith(t) for a, (_, t) in zip(answers_exact, FACTS, strict=True))
     return {"before": before, "after": after, "answers_before": answers_before, "answers_after": answers_after,

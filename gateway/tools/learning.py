@@ -153,12 +153,14 @@ class SampleIngest:
         last = int(last)
         seqs = list(range(last - len(ids) + 1, last + 1))
         m.SAMPLES_ACCEPTED.inc(len(ids))
-        queued = self._forward(principal, entry, ids, seqs, blobs, contexts)
-        return {"ids": ids, "seqs": seqs, "queued": queued, "learned": learned_token(_s(log_id), last)}
+        log_id = _s(log_id)
+        queued = self._forward(principal, entry, ids, seqs, blobs, contexts, log_id)
+        return {"ids": ids, "seqs": seqs, "queued": queued, "learned": learned_token(log_id, last)}
 
     def _forward(self, principal: str, entry: str, ids: list[str], seqs: list[int], blobs: list[bytes],
-                 contexts: bytes = b"") -> bool:
-        header: dict[str, Any] = {"p": principal, "entry": entry, "ids": ids, "seqs": seqs}
+                 contexts: bytes = b"", log_id: str = "") -> bool:
+        # log: the trainer notices a recreated log from the first push, not only when it idles
+        header: dict[str, Any] = {"p": principal, "entry": entry, "ids": ids, "seqs": seqs, "log": log_id}
         if contexts:  # one more frame after the samples: the windows they name
             header["c"] = 1
             blobs = [*blobs, contexts]

@@ -169,6 +169,7 @@ class SampleSource:
         self.last_id = committed_id
         self.contexts = contexts
         self.log_id = log_id          # keys.SAMPLE_LOG_ID that seq and last_id count in ("": not known yet)
+        self.on_reset: Callable[[], None] | None = None  # called after the position restarts on a new log
         self._log_first = True        # read the log before trusting pushes (start-up / replay)
         self.from_log = 0
         self.from_push = 0
@@ -186,6 +187,11 @@ class SampleSource:
                 kind, header, blobs = wire.decode(frames)
                 if kind != wire.MsgType.SAMPLE:
                     raise wire.WireError("not a SAMPLE message")
+                pushed_log = header.get("log") or self.log_id
+                if pushed_log != self.log_id:
+                    self.check_log()  # adopt, or restart on, the log Redis holds now
+                    if pushed_log != self.log_id:
+                        continue  # pushed from a log that is not the current one: the log decides
                 contexts = blobs[-1] if header.get("c") else None
                 got = [LoggedSample(str(sid), int(seq), str(header["p"]), load_stored(blob), str(header["entry"]))
                        for sid, seq, blob in zip(header["ids"], header["seqs"], blobs[:len(blobs) - bool(contexts)],
@@ -244,6 +250,8 @@ class SampleSource:
         self.buffer.clear()
         self._log_first = True
         self.redis.delete(keys.MODEL_VERSION_SEQ)
+        if self.on_reset is not None:
+            self.on_reset()
         return True
 
     def next_batch(self, limit: int, wait_ms: int, stop: Callable[[], bool]) -> list[LoggedSample]:

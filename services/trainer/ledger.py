@@ -62,6 +62,11 @@ def commit(redis: Any, off: Offset, ids: list[str], skipped: dict[str, str] | No
     pipe.execute()
 
 
+def record_offset(redis: Any, off: Offset) -> None:
+    """The commit record alone (a position moved without a step: a new sample log)."""
+    redis.hset(keys.TRAINER_OFFSET, mapping=off.fields())
+
+
 def rollback(redis: Any, to: Offset) -> tuple[Offset, int]:
     """Make Redis agree with the checkpoint ``to``: drop ledger steps after it, reset the offset,
     bump the epoch. Returns (the new offset, how many steps were rolled back)."""
@@ -105,11 +110,6 @@ def skipped_ids(redis: Any) -> dict[str, str]:
             sid, _, reason = item.rpartition("=")
             out[sid] = reason
     return out
-
-
-def log_identity(redis: Any) -> str:
-    """The current sample log's id ("" while no sample was ever appended)."""
-    return _s(redis.get(keys.SAMPLE_LOG_ID) or b"")
 
 
 def trained_ids(redis: Any) -> list[str]:

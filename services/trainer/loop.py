@@ -199,7 +199,6 @@ class Trainer:
         import zmq
 
         self.redis = redis_sync.Redis.from_url(redis_url(self.cfg), socket_timeout=30)
-        ck_off = self._bind_to_log(ck_off)
         self.offset, rolled = ledger.rollback(self.redis, ck_off)
         # versions of the lost steps no longer hold the samples after the checkpoint's seq
         self.redis.zremrangebyscore(keys.MODEL_VERSION_SEQ, f"({self.offset.seq}", "+inf")
@@ -211,6 +210,8 @@ class Trainer:
         self.contexts = ContextReader(self.cfg, redis_url(self.cfg))
         self.source = SampleSource(self.cfg, self.redis, self.zmq_ctx, self.offset.seq, self.offset.id, self.contexts,
                                    log_id=self.offset.log)
+        self.source.on_reset = self._log_reset
+        self.source.check_log()  # the checkpoint's offsets count in its log; is that the log found now?
         # The restored lineage becomes a version newer than anything served before: the
         # publisher's snapshot (what joining/re-syncing workers fetch) starts at it.
         self.publisher = self._make_publisher()
@@ -219,19 +220,15 @@ class Trainer:
 
         self.ops = TrainerOps(self)
 
-    def _bind_to_log(self, ck: ledger.Offset) -> ledger.Offset:
-        """The checkpoint's offsets count samples of the log it trained from; if the log found now
-        is another one (a Redis that lost its data, another ``REDIS_URL``), its sequence numbers
-        mean nothing here: train the new log from its start and keep the weights."""
-        current = ledger.log_identity(self.redis)
-        if not ck.log or ck.log == current:
-            return ck
-        m.TRAINER_LOG_RESETS.inc()
-        log.warning("the sample log this checkpoint trained from (%s, up to seq %d) is gone; found %s. Keeping "
-                    "the weights (step %d) and training the current log from its start", ck.log, ck.seq,
-                    current or "no log yet", ck.step)
-        self.redis.delete(keys.MODEL_VERSION_SEQ)
-        return dataclasses.replace(ck, seq=0, id="", log=current)
+    def _log_reset(self) -> None:
+        """The sample log is another one (a Redis that lost its data, another ``REDIS_URL``): its
+        sequence numbers mean nothing in the old one's. Keep the weights, count from its start;
+        replays still owed are samples of the old log, whose seqs would mislead read-your-writes."""
+        assert self.source is not None
+        self.offset = dataclasses.replace(self.offset, seq=0, id="", log=self.source.log_id)
+        self._agreed_seq = 0
+        self.replay.clear()
+        ledger.record_offset(self.redis, self.offset)
 
     def _make_publisher(self) -> Any:
         try:
@@ -364,8 +361,7 @@ class Trainer:
     def train_step(self, records: list[TrainRecord]) -> None:
         t0 = time.perf_counter()
         items = [(r, pair) for r in records if not r.skip and (pair := r.logged.sample.training_pair())]
-        rehearsal = -(-self.t.rehearsal_per_step * len(items) // (self.t.batch_size * self.world))  # a full
-        rehearsal = min(self.t.rehearsal_per_step, rehearsal)  # step gets them all, a small one its share
+        rehearsal = self._rehearsal_count(len(items))
         total = len(items) + rehearsal if items else 0
         loss_sum = torch.zeros(2, dtype=torch.float64)
         if total:
@@ -404,6 +400,12 @@ class Trainer:
         if self.step % self.t.checkpoint_every == 0:
             self.save_checkpoint()
 
+    def _rehearsal_count(self, samples: int) -> int:
+        """Corpus windows for a step of ``samples``: all of ``trainer.rehearsal_per_step`` in a full
+        step, a proportional share (rounded up) in a smaller one."""
+        full = self.t.batch_size * self.world
+        return min(self.t.rehearsal_per_step, -(-self.t.rehearsal_per_step * samples // full))
+
     def _rehearsal(self, count: int) -> list[Any]:
         """This rank's share of the step's ``count`` corpus windows (each rank draws its own,
         from a generator seeded by step and rank: reproducible, no broadcast)."""
@@ -430,7 +432,7 @@ class Trainer:
         fresh = [r for r in records if not r.replay]
         publish_now = self.step % self.cfg.consistency.sync_interval == 0
         next_version = self.version + 1 if publish_now else self.version
-        seq, entry = (fresh[-1].logged.seq, fresh[-1].logged.entry) if fresh else (self.offset.seq, self.offset.id)
+        seq, entry = self.source.seq, self.source.last_id  # what was handed out, all of it trained now
         self.offset = ledger.Offset(seq, entry, self.step, next_version, self.offset.epoch, self.source.log_id)
         trained, skipped = outcomes(fresh)
         ledger.commit(self.redis, self.offset, trained, skipped)
