@@ -29,7 +29,7 @@ conformance: $(STAMP)
 	bash scripts/conformance.sh
 
 lint: $(STAMP)
-	$(BIN)/ruff check gateway services shared tests bench
+	$(BIN)/ruff check gateway services shared tests bench conformance
 
 typecheck: $(STAMP)
 	$(BIN)/mypy gateway services shared
@@ -39,7 +39,7 @@ check: lint typecheck test
 bench-gateway: $(STAMP)
 	$(BIN)/python bench/bench_gateway.py
 
-## The issue's setting: 10,000 principals, 4 and 64 callers (ARGS=... for more, e.g. --ops 30000;
+## The store's target setting: 10,000 principals, 4 and 64 callers (ARGS=... for more, e.g. --ops 30000;
 ## bench/bench_context.py alone is the short run on 300 principals).
 bench-context: $(STAMP)
 	$(BIN)/python bench/bench_context.py --full $(ARGS)

@@ -44,12 +44,13 @@ import gc
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
+from typing import Any, cast
 
+import msgspec
 import orjson
 import redis.asyncio as aioredis
 
@@ -57,19 +58,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from shared import keys  # noqa: E402
 from shared.config import ContextConfig  # noqa: E402
-from shared.context_store import _DECODE_RUN as decode_run  # noqa: E402
-from shared.context_store import ContextStore, pack_entry, stored_entry  # noqa: E402
-from shared.context_store import _array_header as array_header  # noqa: E402
-from shared.context_store import _library as library  # noqa: E402
-from shared.context_store import _script_source as script_source  # noqa: E402
+from shared.context import ContextStore, pack_entry, stored_entry  # noqa: E402
+from shared.context.entries import array_header, decode_run  # noqa: E402
+from shared.context.scripts import library, script_config, script_keys, script_source  # noqa: E402
+from shared.net import free_port  # noqa: E402
 from shared.redis_batch import AutoPipeline, pack_command  # noqa: E402
 from shared.types import Entry  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Naive:
@@ -91,7 +85,7 @@ class Naive:
     async def append(self, principal: str, cid: str, text: str) -> None:
         key = self.key(principal, cid)
         raw = await self.r.get(key)
-        doc = orjson.loads(raw) if raw else {"version": 0, "seq": 0, "entries": []}
+        doc: dict[str, Any] = orjson.loads(raw) if raw else {"version": 0, "seq": 0, "entries": []}
         doc["version"] += 1
         doc["seq"] += 1
         doc["entries"].append(self.entry(text, doc["seq"], int(time.time() * 1000)))
@@ -101,6 +95,7 @@ class Naive:
 
     async def get_window(self, principal: str, cid: str, last_n: int) -> list:
         raw = await self.r.get(self.key(principal, cid))
+        assert raw is not None, "every measured context is preloaded"
         return orjson.loads(raw)["entries"][-last_n:]
 
 
@@ -118,7 +113,7 @@ class _BenchLibrary:
 
 
 class Floor(_BenchLibrary):
-    """The least a read can cost when it is one Lua call, as the issue requires: a Redis
+    """The least a read can cost when it is one Lua call: a Redis
     Function that only reads the channel's range (the ``\\0v`` field) and ``HMGET``s the
     last ``n`` stored entries of the store's own layout — no principal state, no LRU use, no
     idle check, no budgets, no read cache — sent through the store's pipeline and decoded as
@@ -145,7 +140,7 @@ end)
     async def get_window(self, principal: str, cid: str, last_n: int) -> list[Entry]:
         e, m = keys.ctx_entries(principal), keys.ctx_meta(principal)
         vals = await self.batch.submit(pack_command(("FCALL", "lmbench_floor_window", 2, e, m, cid, last_n)))
-        return decode_run(b"".join((array_header(len(vals)), *vals)))  # as the store decodes a run
+        return decode_run(vals)  # as the store decodes a run
 
 
 
@@ -173,7 +168,8 @@ end
 
     def __init__(self, r: aioredis.Redis, store: ContextStore) -> None:
         super().__init__(r)
-        self.store = store
+        self.cfg_arg = script_config(store.cfg)
+        self.decode = msgspec.msgpack.Decoder(list[Entry]).decode  # the window: one prebuilt array
         self.fn, self.code = library(script_source() + self.OP)
 
     async def prepare(self, principals: int, entries: int, n: int) -> None:
@@ -191,10 +187,9 @@ end
             await pipe.execute()
 
     async def get_window(self, principal: str, cid: str) -> list[Entry]:
-        st = self.store
-        reply = await self.batch.submit(pack_command(("FCALL", self.fn, 8, *st._keys(principal), "bench_one_value",
-                                                      principal, st._cfg_arg, int(time.time() * 1000), cid)))
-        return decode_run(reply[1])
+        reply = await self.batch.submit(pack_command(("FCALL", self.fn, 8, *script_keys(principal), "bench_one_value",
+                                                      principal, self.cfg_arg, int(time.time() * 1000), cid)))
+        return self.decode(reply[1])
 
 
 async def client_commands(r: aioredis.Redis) -> int:
@@ -276,8 +271,8 @@ def bulk_load(pipe, cfg: ContextConfig, principal: str, cid: str, packed: list[b
 async def snapshot(r: aioredis.Redis, principal: str) -> dict:
     e, m, lru, ver, st = keys.ctx_keys(principal)
     meta = {k: {f: x for f, x in orjson.loads(v).items() if f != "e"}  # "e" names the life: unique by design
-            for k, v in (await r.hgetall(m)).items() if not k.startswith(b"\x00")}
-    state = sorted(k for k in await r.hkeys(m) if k.startswith(b"\x00"))  # names only: clocks differ
+            for k, v in cast(dict[bytes, bytes], await r.hgetall(m)).items() if not k.startswith(b"\x00")}
+    state = sorted(k for k in cast(list[bytes], await r.hkeys(m)) if k.startswith(b"\x00"))  # names only: clocks differ
     return {"e": await r.hgetall(e), "m": meta, "state": state, "lru": await r.zrange(lru, 0, -1),
             "ver": await r.hgetall(ver),
             "bytes": (await r.hget(m, "\x00bytes")), "g": await r.hget(keys.CTX_GLOBAL_BYTES, principal)}
@@ -331,7 +326,7 @@ async def lua_byte_cost(r: aioredis.Redis, n: int = 200) -> tuple[float, float, 
     """What Redis's Lua spends to make a string of a value a script reads: the time of a
     script that GETs a value ``n`` times, for 100 B and 100 KiB values. Returns (ns per
     byte, µs per 100 B, µs per 100 KiB). Every byte of an entry a script returns passes
-    through such a string once (docs/context.md, "Figures", ninth session)."""
+    through such a string once (docs/context.md, "Where a read's time goes")."""
     await r.function_load(LUA_BYTES, replace=True)
     out = []
     for size in (100, 100 * 1024):
@@ -470,14 +465,14 @@ async def main(args: argparse.Namespace) -> int:
         print("\nratios store / naive (each run against the baseline measured next to it):")
         for run in range(1, args.repeat + 1):
             for conc in sorted({x["conc"] for x in rows}):
-                for impl, op in (("store", "append"), ("store", f"get_window(last {args.last_n})"),
+                for impl, what in (("store", "append"), ("store", f"get_window(last {args.last_n})"),
                                  ("uncached", f"get_window(last {args.last_n})"),
                                  ("floor", f"get_window(last {args.last_n})"),
                                  ("onevalue", f"get_window(last {args.last_n})")):
-                    s, n = by[(f"{impl}.{op}", conc, run)], by[(f"naive.{op}", conc, run)]
+                    s, n = by[(f"{impl}.{what}", conc, run)], by[(f"naive.{what}", conc, run)]
                     s_cpu, n_cpu = s["client_us"] + s["server_us"], n["client_us"] + n["server_us"]
-                    label = {"store": op, "uncached": f"{op}, no cache", "floor": f"{op}, fetch-only floor",
-                             "onevalue": f"{op}, one-value bound"}[impl]
+                    label = {"store": what, "uncached": f"{what}, no cache", "floor": f"{what}, fetch-only floor",
+                             "onevalue": f"{what}, one-value bound"}[impl]
                     print(f"  run {run} c={conc:<3} {label:<37} throughput x{s['ops_s'] / n['ops_s']:.2f}   "
                           f"CPU/op (client+redis) x{n_cpu / s_cpu:.2f} less   "
                           f"p99 {s['p99_ms']:.2f} vs {n['p99_ms']:.2f} ms")
@@ -493,6 +488,7 @@ async def main(args: argparse.Namespace) -> int:
         if proc is not None:
             proc.terminate()
             proc.wait(5)
+        if workdir is not None:
             shutil.rmtree(workdir, ignore_errors=True)
     return 0
 

@@ -24,7 +24,7 @@ by the number of steps. The baseline is dense fp32 of the published parameters, 
 * step -> serving: publisher + 4 subscriber processes over real ZeroMQ (tcp, loopback), time
   from the end of the optimizer step until the last of the 4 has applied the version (p50/p99).
 
-Rows marked "extra" vary one thing (density, the tuner, the old lr 1e-4 setting). Results go
+Rows marked "extra" vary one thing (density, the tuner, a 10x smaller lr of 1e-4). Results go
 to ``bench/out/delta.json`` and ``bench/out/delta_density.png``. Default run ~4 minutes on
 2 cores; ``--quick`` is the short form (headline rows only, fewer steps, no latency).
 """
@@ -43,6 +43,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -53,6 +54,7 @@ from shared import wire  # noqa: E402
 from shared.codec import DeltaEncoder, EncodedDelta, flatten  # noqa: E402
 from shared.config import CompressionConfig, ModelConfig, TrainerConfig, load_config  # noqa: E402
 from shared.crypto import STREAM_DELTA, EnvelopeSealer, KeyRing  # noqa: E402
+from shared.net import free_port  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
 MLP_ARCH = (512, 2048, 3, 512)  # 512*2048 + 2*2048^2 + 2048*512 + biases ~= 10.5M parameters
@@ -74,9 +76,9 @@ def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def trainer_optimizer(params: list[torch.nn.Parameter], lr: float | None = None) -> Callable[[], None]:
-    """The trainer's optimizer step as shipped (services.trainer.loop.make_optimizer with
+    """The trainer's optimizer step as shipped (services.trainer.stepper.make_optimizer with
     ``TrainerConfig()``, gradient clipping included); ``lr`` overrides only the rate."""
-    from services.trainer.loop import make_optimizer
+    from services.trainer.stepper import make_optimizer
 
     t = TrainerConfig() if lr is None else TrainerConfig(lr=lr)
     opt, sched = make_optimizer(params, t)
@@ -356,7 +358,7 @@ def codecs_for(dense_bytes: int, quick: bool, targets: list[float]) -> list[Code
     out = [Codec(f"shipped: {describe(shipped)}", shipped, extra=False)]
     if quick:
         return out
-    for d in (0.02, 0.05, 0.1):  # fixed densities; 0.02 int8 is the old 124x headline's codec
+    for d in (0.02, 0.05, 0.1):  # fixed densities around what a 100x ratio allows (~3 %)
         out.append(Codec(f"extra: density {d:g}, tuner off", CompressionConfig(density=d, tuner="off")))
     for tgt in targets:
         if shipped.tuner == "error" and tgt == shipped.tuner_target:
@@ -375,7 +377,10 @@ def describe(c: CompressionConfig) -> str:
 # ---------------------------------------------------------------------------- latency (processes)
 
 
-def _subscriber_proc(cfg_over: dict, wid: str, arch: tuple, report_ep: str, ready: mp.Event, stop: mp.Event) -> None:
+Arch = tuple[int, int, int, int]  # MLP input, hidden, depth, output
+
+
+def _subscriber_proc(cfg_over: dict[str, Any], wid: str, arch: Arch, report_ep: str, ready: Any, stop: Any) -> None:
     import zmq
 
     from services.worker.updates import DeltaSubscriber
@@ -406,12 +411,24 @@ def _subscriber_proc(cfg_over: dict, wid: str, arch: tuple, report_ep: str, read
     ctx.term()
 
 
-def latency_run(arch: tuple, steps: int, n_workers: int = 4) -> dict:
+def _report(pull: Any) -> dict[str, Any]:
+    return cast(dict[str, Any], pull.recv_json())
+
+
+@dataclass
+class _Latency:
+    lat: list[float] = field(default_factory=list)  # step -> every worker serving it
+    encode_s: list[float] = field(default_factory=list)
+    published: list[float] = field(default_factory=list)
+    worker_cpu: list[float] = field(default_factory=list)
+
+
+def latency_run(arch: Arch, steps: int, n_workers: int = 4) -> dict[str, Any]:
     """Step -> serving with the shipped codec settings and the trainer's optimizer."""
     import zmq
 
     from services.trainer.publisher import DeltaPublisher
-    from tests.conftest import free_port
+
     tmp = tempfile.mkdtemp(prefix="lm-bench-delta-")
     over = {"security": {"delta_key_file": f"{tmp}/delta.key",
                          "delta_pub_endpoint": f"tcp://127.0.0.1:{free_port()}",
@@ -429,6 +446,34 @@ def latency_run(arch: tuple, steps: int, n_workers: int = 4) -> dict:
     pull.bind(report_ep)
     mpctx = mp.get_context("spawn")
     stop = mpctx.Event()
+    procs = _start_subscribers(mpctx, over, arch, report_ep, stop, n_workers)
+    g = torch.Generator().manual_seed(1)
+    tally = _Latency()
+    for v in range(1, steps + 1):
+        x = torch.randn(32, arch[0], generator=g)
+        model(x).pow(2).mean().backward()
+        opt_step()
+        st = _publish_and_wait(pub, params_of(model), v, pull, n_workers, tally)
+    stop.set()
+    finals = _finals(pull, n_workers)
+    for p in procs:
+        p.join(10)
+        if p.is_alive():
+            p.terminate()
+    pub.close()
+    pull.close()
+    ctx.term()
+    return {"p50_ms": pct(tally.lat, 50) * 1e3, "p99_ms": pct(tally.lat, 99) * 1e3, "measured": len(tally.lat),
+            "steps": steps, "encode_p50_ms": pct(tally.encode_s, 50) * 1e3,
+            "published_p50_ms": pct(tally.published, 50) * 1e3, "packets": st.packets, "bytes": st.bytes,
+            "worker_cpu_p50_ms": pct(tally.worker_cpu, 50) * 1e3,
+            "resyncs": sum(f["resyncs"] for f in finals),
+            "rejected": sum(sum(f["rejected"].values()) for f in finals)}
+
+
+def _start_subscribers(mpctx: Any, over: dict[str, Any], arch: Arch, report_ep: str, stop: Any,
+                       n_workers: int) -> list[Any]:
+    """``n_workers`` subscriber processes, each holding its snapshot."""
     readies = [mpctx.Event() for _ in range(n_workers)]
     procs = [mpctx.Process(target=_subscriber_proc, args=(over, f"w{i}", arch, report_ep, readies[i], stop))
              for i in range(n_workers)]
@@ -437,46 +482,39 @@ def latency_run(arch: tuple, steps: int, n_workers: int = 4) -> dict:
     for r in readies:
         if not r.wait(120):
             raise RuntimeError("a subscriber did not load its snapshot")
-    g = torch.Generator().manual_seed(1)
-    lat, encode_s, published, worker_cpu = [], [], [], []
-    for v in range(1, steps + 1):
-        x = torch.randn(32, arch[0], generator=g)
-        model(x).pow(2).mean().backward()
-        opt_step()
-        t_step = time.monotonic()
-        st = pub.publish(params_of(model), v)
-        published.append(time.monotonic() - t_step)
-        encode_s.append(st.encode_s)
-        got: dict[str, float] = {}
-        deadline = time.monotonic() + 30
-        while len(got) < n_workers and time.monotonic() < deadline:
-            if pull.poll(1000):
-                m = pull.recv_json()
-                if m.get("v") == v:
-                    got[m["w"]] = m["t"]
-                    worker_cpu.append(m["cpu_s"])
-        if len(got) == n_workers:
-            lat.append(max(got.values()) - t_step)
-    stop.set()
-    finals = []
+    return procs
+
+
+def _publish_and_wait(pub: Any, params: dict[str, torch.Tensor], version: int, pull: Any, n_workers: int,
+                      tally: _Latency) -> Any:
+    """Publish ``version`` and wait (30 s at most) until every subscriber reports applying it."""
+    t_step = time.monotonic()
+    st = pub.publish(params, version)
+    tally.published.append(time.monotonic() - t_step)
+    tally.encode_s.append(st.encode_s)
+    got: dict[str, float] = {}
+    deadline = time.monotonic() + 30
+    while len(got) < n_workers and time.monotonic() < deadline:
+        if pull.poll(1000):
+            m = _report(pull)
+            if m.get("v") == version:
+                got[m["w"]] = m["t"]
+                tally.worker_cpu.append(m["cpu_s"])
+    if len(got) == n_workers:
+        tally.lat.append(max(got.values()) - t_step)
+    return st
+
+
+def _finals(pull: Any, n_workers: int) -> list[dict[str, Any]]:
+    """Every subscriber's closing statistics (10 s at most)."""
+    finals: list[dict[str, Any]] = []
     deadline = time.monotonic() + 10
     while len(finals) < n_workers and time.monotonic() < deadline:
         if pull.poll(500):
-            m = pull.recv_json()
+            m = _report(pull)
             if m.get("final"):
                 finals.append(m["stats"])
-    for p in procs:
-        p.join(10)
-        if p.is_alive():
-            p.terminate()
-    pub.close()
-    pull.close()
-    ctx.term()
-    return {"p50_ms": pct(lat, 50) * 1e3, "p99_ms": pct(lat, 99) * 1e3, "measured": len(lat), "steps": steps,
-            "encode_p50_ms": pct(encode_s, 50) * 1e3, "published_p50_ms": pct(published, 50) * 1e3,
-            "packets": st.packets, "bytes": st.bytes, "worker_cpu_p50_ms": pct(worker_cpu, 50) * 1e3,
-            "resyncs": sum(f["resyncs"] for f in finals),
-            "rejected": sum(sum(f["rejected"].values()) for f in finals)}
+    return finals
 
 
 # ---------------------------------------------------------------------------- main

@@ -38,18 +38,11 @@ sys.path.insert(0, str(ROOT))
 from gateway.workers import WorkerPool  # noqa: E402
 from shared.config import load_config  # noqa: E402
 from shared.model import build_model  # noqa: E402
+from shared.net import free_port  # noqa: E402
 from shared.redis_embed import start_redis  # noqa: E402
 
 MODERN = "2026-07-28"
 TINY = {"d_model": 64, "n_layers": 2, "n_heads": 2, "max_seq": 256, "pretrain_steps": 20}
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def pct(xs: list[float], p: float) -> float:

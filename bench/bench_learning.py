@@ -38,14 +38,15 @@ from typing import Any
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "examples")]
+sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
 
 from facts import CONTROLS, COPIES, FACTS  # noqa: E402
-from mesh_support import McpHttp, Mesh, RedisServer  # noqa: E402
 
+from bench.mesh_support import McpHttp, Mesh, RedisServer  # noqa: E402
 from shared import keys  # noqa: E402
 from shared.config import ModelConfig  # noqa: E402
 from shared.model.pretrain import corpus_windows  # noqa: E402
+from shared.text import as_str  # noqa: E402
 
 HELD_OUT = 48
 
@@ -80,10 +81,13 @@ class GapSampler(threading.Thread):
         self.exact_version = 0
 
     def snapshot(self) -> tuple[dict[str, str], list[dict[str, str]]]:
-        delta = self.r.hgetall(keys.component_status("delta"))
-        workers = [self.r.hgetall(keys.component_status(c)) for c in self.r.smembers(keys.STATUS_INDEX)
-                   if c.startswith("worker:")]
+        delta = self._hash(keys.component_status("delta"))
+        workers = [self._hash(keys.component_status(as_str(c))) for c in self.r.smembers(keys.STATUS_INDEX)
+                   if as_str(c).startswith("worker:")]
         return delta, [w for w in workers if w]
+
+    def _hash(self, key: str) -> dict[str, str]:
+        return {as_str(k): as_str(v) for k, v in self.r.hgetall(key).items()}
 
     def run(self) -> None:
         while not self.stop.wait(0.05):
@@ -131,7 +135,7 @@ async def probe_sync(client: McpHttp, mesh: Mesh, n: int) -> list[float]:
             while time.monotonic() < deadline:
                 found = r.zrangebyscore(keys.MODEL_VERSION_SEQ, seq, "+inf", start=0, num=1)
                 versions = mesh.worker_versions()
-                if found and len(versions) >= mesh.workers and min(versions) >= int(found[0]):
+                if found and len(versions) >= mesh.workers and min(versions) >= int(as_str(found[0])):
                     out.append(time.monotonic() - t0)
                     break
                 await asyncio.sleep(0.02)

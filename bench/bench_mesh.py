@@ -25,11 +25,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path.insert(0, str(ROOT))
 
-from mesh_drills import Load  # noqa: E402
-from mesh_support import Mesh, RedisServer  # noqa: E402
-
+from bench.mesh_drills import Load  # noqa: E402
+from bench.mesh_support import Mesh, RedisServer  # noqa: E402
 from shared import keys  # noqa: E402
 
 

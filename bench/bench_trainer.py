@@ -31,7 +31,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,14 +44,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from shared.net import free_port  # noqa: E402
+
 WARMUP_STEPS = 3  # DDP rebuilds its buckets after step 1; PowerSGD compresses from step 2
 PEAK_MATMUL_N = 1024
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------- 1 + 3. training
@@ -119,28 +114,44 @@ def peak_matmul_flops_s(seconds: float) -> float:
     return 2 * PEAK_MATMUL_N ** 3 * n / (time.perf_counter() - t0)
 
 
-def _train_rank(rank: int, case: TrainCase, port: int, steps: int, peak_s: float, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+@dataclass
+class _Rank:
+    """One rank's model, optimizer and DDP wrapper, built as the trainer builds them."""
+
+    cfg: Any
+    model: Any
+    params: list[Any]
+    opt: Any
+    sched: Any
+    ddp: Any
+    find_unused: bool | None
+
+
+def _build_rank(case: TrainCase, rank: int, world: int) -> _Rank:
+    """Join the gloo group and build this rank's model, optimizer and DDP wrapper."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from services.trainer.dist import cpu_threads
-    from services.trainer.loop import LossModule, build_model, ddp_options, make_optimizer, register_comm_hook
+    from services.trainer.stepper import (
+        LossModule,
+        build_model,
+        ddp_options,
+        make_optimizer,
+        register_comm_hook,
+    )
     from shared.config import load_config
 
-    world = case.world
     cfg = load_config(env={}, overrides={"trainer": {"comm_hook": case.hook},
                                          "model": {"cache_dir": str(ROOT / "var" / "model")}})
     if case.threads >= 0:
         torch.set_num_threads(case.threads or cpu_threads(cfg.trainer.torch_threads, world))
-    t = cfg.trainer
     dist.init_process_group("gloo", rank=rank, world_size=world)
     model = build_model(cfg)
     params = [p for _, p in model.trainable_named_parameters()]
-    opt, sched = make_optimizer(params, t)
-    ddp = None
-    find_unused = None
+    opt, sched = make_optimizer(params, cfg.trainer)
+    ddp, find_unused = None, None
     if world > 1:
         opts = ddp_options(cfg)
         if case.flip_find_unused:
@@ -149,6 +160,16 @@ def _train_rank(rank: int, case: TrainCase, port: int, steps: int, peak_s: float
         ddp = DDP(LossModule(model), **opts)
         register_comm_hook(ddp, cfg)
     model.train()
+    return _Rank(cfg, model, params, opt, sched, ddp, find_unused)
+
+
+def _train_rank(rank: int, case: TrainCase, port: int, steps: int, peak_s: float, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+    import torch.distributed as dist
+
+    world = case.world
+    r = _build_rank(case, rank, world)
     allreduce = dist.all_reduce
     counted = [0]
     if case.count_bytes:
@@ -157,10 +178,39 @@ def _train_rank(rank: int, case: TrainCase, port: int, steps: int, peak_s: float
             return allreduce(tensor, *a, **k)
 
         dist.all_reduce = counting
+    totals, step_s = _run_steps(r, rank, world, steps, counted, allreduce)
+    peak = torch.tensor([0.0], dtype=torch.float64)
+    if case.measure_peak:
+        dist.barrier()
+        peak[0] = peak_matmul_flops_s(peak_s)  # every rank at once: the load training puts on the CPU
+        allreduce(peak)
+    if rank == 0:
+        t = r.cfg.trainer
+        wall_s = float(totals[3]) / world
+        Path(out).write_text(json.dumps({
+            "samples_per_s": float(totals[0]) / wall_s, "tokens_per_s": float(totals[1]) / wall_s,
+            "model_flops_s": float(totals[2]) / wall_s, "peak_flops_s": float(peak[0]),
+            "step_ms_median": 1000 * statistics.median(step_s), "bytes_per_step": counted[0] / steps,
+            "ddp_bytes_per_step": 4 * sum(p.numel() for p in r.params), "torch_threads": torch.get_num_threads(),
+            "find_unused_parameters": r.find_unused,
+            "tokens_per_sample": float(totals[1]) / float(totals[0]), "lr": t.lr, "optimizer": t.optimizer,
+            "batch_size": t.batch_size, "powersgd_rank": t.powersgd_rank}))
+    dist.destroy_process_group()
+    # as a trainer rank does (services/trainer/main.py): gloo's threads can abort the process in static destructors
+    os._exit(0)
 
+
+def _run_steps(r: _Rank, rank: int, world: int, steps: int, counted: list[int],
+               allreduce: Any) -> tuple[Any, list[float]]:
+    """Warm-up, then ``steps`` timed steps as ``Trainer.train_step`` runs them; returns the
+    totals summed over ranks (samples, tokens, model FLOPs, seconds) and this rank's step times."""
+    import torch
+    import torch.distributed as dist
+
+    t = r.cfg.trainer
     per_step = t.batch_size * world
     pool = training_samples(per_step * (WARMUP_STEPS + steps), seed=1234)
-    n_matmul = matmul_flops(model)
+    n_matmul = matmul_flops(r.model)
     samples = tokens = 0
     flops = 0.0
     step_s: list[float] = []
@@ -170,14 +220,14 @@ def _train_rank(rank: int, case: TrainCase, port: int, steps: int, peak_s: float
             counted[0] = 0
         t0 = time.perf_counter()
         mine = pool[i * per_step:(i + 1) * per_step][rank::world]
-        batch = model.collate([model.encode(None, p, q) for p, q in mine])
-        loss = ddp(batch) if ddp is not None else model.loss(batch)
+        batch = r.model.collate([r.model.encode(None, p, q) for p, q in mine])
+        loss = r.ddp(batch) if r.ddp is not None else r.model.loss(batch)
         loss.backward()
         if t.clip_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(params, t.clip_grad_norm)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
+            torch.nn.utils.clip_grad_norm_(r.params, t.clip_grad_norm)
+        r.opt.step()
+        r.sched.step()
+        r.opt.zero_grad(set_to_none=True)
         loss_sum = torch.tensor([float(loss.detach()) * len(mine), len(mine)], dtype=torch.float64)
         if world > 1:
             allreduce(loss_sum)
@@ -186,27 +236,10 @@ def _train_rank(rank: int, case: TrainCase, port: int, steps: int, peak_s: float
             lengths = batch.lengths.tolist()
             samples += len(mine)
             tokens += sum(lengths)
-            flops += step_flops(model, lengths, n_matmul)
+            flops += step_flops(r.model, lengths, n_matmul)
     totals = torch.tensor([samples, tokens, flops, sum(step_s)], dtype=torch.float64)
     allreduce(totals)
-    peak = torch.tensor([0.0], dtype=torch.float64)
-    if case.measure_peak:
-        dist.barrier()
-        peak[0] = peak_matmul_flops_s(peak_s)  # every rank at once: the load training puts on the CPU
-        allreduce(peak)
-    if rank == 0:
-        wall_s = float(totals[3]) / world
-        Path(out).write_text(json.dumps({
-            "samples_per_s": float(totals[0]) / wall_s, "tokens_per_s": float(totals[1]) / wall_s,
-            "model_flops_s": float(totals[2]) / wall_s, "peak_flops_s": float(peak[0]),
-            "step_ms_median": 1000 * statistics.median(step_s), "bytes_per_step": counted[0] / steps,
-            "ddp_bytes_per_step": 4 * sum(p.numel() for p in params), "torch_threads": torch.get_num_threads(),
-            "find_unused_parameters": find_unused,
-            "tokens_per_sample": float(totals[1]) / float(totals[0]), "lr": t.lr, "optimizer": t.optimizer,
-            "batch_size": t.batch_size, "powersgd_rank": t.powersgd_rank}))
-    dist.destroy_process_group()
-    # as services/trainer/main.py does: gloo's threads can abort the process in static destructors
-    os._exit(0)
+    return totals, step_s
 
 
 def run_training(case: TrainCase, steps: int, peak_s: float) -> dict[str, Any]:

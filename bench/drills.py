@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path.insert(0, str(ROOT))
 
-import mesh_drills as drills  # noqa: E402
-from mesh_support import Mesh, RedisServer  # noqa: E402
+from bench import mesh_drills as drills  # noqa: E402
+from bench.mesh_support import Mesh, RedisServer  # noqa: E402
 
 ALL = ("tamper", "worker", "trainer", "gateway", "redis")
 

@@ -1,62 +1,64 @@
-"""The gateway's FastAPI application and the plug-in contract its components follow.
+"""The gateway's FastAPI application.
 
-``COMPONENTS`` are imported at build time (a module that does not exist yet is
-skipped). Each may define ``register(registry)`` (tools/resources/prompts),
-``async def startup(state)`` / ``async def shutdown(state)`` and ``router`` (an
-APIRouter included in the app). The lifespan owns the Redis clients, the control
-listener and every component's start/stop. ``/mcp`` is served by a raw ASGI app
-ahead of FastAPI's routing (see :class:`GatewayApp`); everything else is FastAPI.
+:func:`create_app` registers the MCP tools into one registry (and, for the conformance
+suite, its fixtures from a source checkout) and includes the admin routers. Its lifespan
+builds the replica's :class:`~gateway.state.Gateway` once with :func:`open_gateway`, which
+owns every resource — Redis clients, the ZeroMQ context, background tasks — and releases
+them in reverse order on shutdown. ``/mcp`` is served by a raw ASGI app ahead of FastAPI's
+routing (see :class:`GatewayApp`); everything else is FastAPI.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
+import importlib.util
 import logging
-from collections.abc import AsyncIterator
-from types import ModuleType
+import sys
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
+import zmq
+import zmq.asyncio
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
 from gateway.admin.auth import AdminKeyring
+from gateway.admin.routes import ROUTERS
+from gateway.admin.stats import LocalStats, run_stats_publisher, withdraw_stats
 from gateway.auth import PROTECTED_RESOURCE_PATH
-from gateway.dispatcher import Dispatcher
+from gateway.errors import install_http_errors
 from gateway.registry import Registry
-from gateway.state import GatewayState
-from gateway.transport_http import McpHttpTransport
-from shared.config import Config
+from gateway.state import Gateway, gateway_of
+from gateway.tasks import TaskManager
+from gateway.tools import context, inference, learning
+from gateway.transports.streamable_http import McpHttpTransport
+from gateway.transports.websocket import websocket_endpoint
+from gateway.workers import WorkerPool
+from shared import audit
+from shared.config import DEFAULT_REDIS_URL, Config, ConfigError
+from shared.context import ContextStore
+from shared.text import as_str
 
 log = logging.getLogger(__name__)
 
-COMPONENTS = ("gateway.tools.context", "gateway.tools.inference", "gateway.tools.learning", "gateway.admin.api",
-              "gateway.tasks")
-FIXTURES = {"conformance": "gateway.fixtures.conformance"}
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
-SHUTDOWN_TIMEOUT_S = 10.0
-
-
-def load_components(names: tuple[str, ...] | list[str] = COMPONENTS) -> list[ModuleType]:
-    """Import the component modules that exist; a missing module is skipped, a broken one fails."""
-    mods = []
-    for name in names:
-        try:
-            mods.append(importlib.import_module(name))
-        except ModuleNotFoundError as exc:
-            if exc.name is None or not name.startswith(exc.name):
-                raise
-            log.debug("component %s not present; skipped", name)
-    return mods
+# Test scaffolding stays out of the package: the fixture sets live in the source checkout.
+FIXTURES = {"conformance": Path(__file__).resolve().parents[1] / "conformance" / "fixtures.py"}
+SHUTDOWN_TIMEOUT_S = 10.0  # per component
+CONTROL_CONNECT_TIMEOUT_S = 2.0
 
 
 class GatewayApp(FastAPI):
-    """FastAPI app whose ``/mcp`` HTTP path bypasses routing and middleware for speed."""
+    """FastAPI app whose ``/mcp`` HTTP path bypasses routing and middleware for speed.
 
+    ``registry`` takes extra tools, resources and prompts until the app starts (tests, embedding)."""
+
+    registry: Registry
     mcp: McpHttpTransport | None = None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -66,63 +68,121 @@ class GatewayApp(FastAPI):
         await super().__call__(scope, receive, send)
 
 
+def register_fixtures(registry: Registry, name: str) -> None:
+    """Register fixture set ``name`` from the source checkout; a clear error where it is absent
+    (an installed wheel ships no fixtures)."""
+    path = FIXTURES.get(name)
+    if path is None:
+        raise ConfigError(f"unknown fixtures {name!r} (available: {', '.join(FIXTURES)})")
+    if not path.is_file():
+        raise ConfigError(f"the {name} fixtures ({path}) are not here: they ship with the learnmesh source "
+                          "checkout, not with the installed package; run the gateway from a checkout")
+    spec = importlib.util.spec_from_file_location(f"learnmesh_fixtures_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    module.register(registry)
+
+
+def _redis_clients(cfg: Config) -> tuple[aioredis.Redis, aioredis.Redis]:
+    """The request client (socket timeout) and the blocking one (none: pub/sub, blocking reads)."""
+    url = cfg.redis.url or DEFAULT_REDIS_URL
+    common: dict[str, Any] = {"socket_connect_timeout": cfg.redis.socket_timeout_s,
+                              "max_connections": cfg.redis.max_connections, "health_check_interval": 30}
+    return (aioredis.Redis.from_url(url, socket_timeout=cfg.redis.socket_timeout_s, **common),
+            aioredis.Redis.from_url(url, socket_timeout=None, **common))
+
+
+async def _warn_unless_noeviction(redis: aioredis.Redis) -> None:
+    try:
+        conf: dict[Any, Any] = await redis.config_get("maxmemory-policy")
+        policy = conf.get("maxmemory-policy") or conf.get(b"maxmemory-policy")
+        if as_str(policy) != "noeviction":
+            log.warning("redis maxmemory-policy is %r: Redis may evict part of a context's keys; learnmesh "
+                        "enforces its own exact budgets and needs 'noeviction'", as_str(policy))
+    except Exception as exc:  # noqa: BLE001 - CONFIG may be disabled (managed Redis); not fatal
+        log.warning("could not read redis maxmemory-policy (%s); make sure it is 'noeviction'", type(exc).__name__)
+
+
+async def _bounded(what: str, stop: Callable[[], Awaitable[Any]], timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+    """Run one shutdown step; a step that fails or hangs is logged and the others still run."""
+    try:
+        await asyncio.wait_for(stop(), timeout_s)
+    except Exception:
+        log.exception("%s did not stop cleanly", what)
+
+
+async def _cancel(task: asyncio.Task[Any]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+def _signal_shutdown(gateway: Gateway) -> None:
+    gateway.shutting_down.set()
+    gateway.close_listeners()
+
+
+@contextlib.asynccontextmanager
+async def open_gateway(cfg: Config, registry: Registry) -> AsyncIterator[Gateway]:
+    """Build one replica's components, start their background work, and on exit stop all of
+    it in reverse order: listen streams end first, Redis clients close last."""
+    async with contextlib.AsyncExitStack() as stack:
+        redis, blocking = _redis_clients(cfg)
+        stack.push_async_callback(blocking.aclose)
+        stack.push_async_callback(redis.aclose)
+        keyring = AdminKeyring.from_config(cfg.gateway.admin_keys, redis, cfg.gateway.api_keys)
+        zmq_ctx = zmq.asyncio.Context()
+        stack.callback(zmq_ctx.destroy, 0)  # runs after the pool and the ingest closed their sockets
+        audit.configure(cfg.context.audit_maxlen)
+        store = ContextStore(redis, cfg.context)
+        workers = WorkerPool(cfg, zmq_ctx=zmq_ctx, redis=redis)
+        stack.push_async_callback(_bounded, "the worker pool", workers.close)
+        samples = learning.SampleIngest(redis, cfg, store, zmq.Context.shadow(zmq_ctx))
+        stack.callback(samples.close)
+        replica_id = uuid.uuid4().hex
+        gateway = Gateway(config=cfg, redis=redis, blocking_redis=blocking, registry=registry,
+                          replica_id=replica_id, zmq_ctx=zmq_ctx, store=store, workers=workers, samples=samples,
+                          tasks=TaskManager(redis, blocking, replica_id), admin_keyring=keyring,
+                          admin_stats=LocalStats())
+
+        control = asyncio.create_task(gateway.run_control_listener(), name="gateway-control")
+        stack.push_async_callback(_cancel, control)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(gateway.control_connected.wait(), CONTROL_CONNECT_TIMEOUT_S)
+        await _warn_unless_noeviction(redis)
+        await workers.start()
+        await gateway.tasks.start()
+        stack.push_async_callback(_bounded, "the task manager", gateway.tasks.stop)
+        stats = asyncio.create_task(run_stats_publisher(gateway, cfg.metrics.status_interval_s), name="admin-stats")
+        stack.push_async_callback(_bounded, "the dashboard snapshot", lambda: withdraw_stats(gateway), 2.0)
+        stack.push_async_callback(_bounded, "the stats publisher", lambda: _cancel(stats), 2.0)
+        stack.callback(_signal_shutdown, gateway)
+        yield gateway
+
+
 def create_app(cfg: Config, fixtures: str | None = None) -> GatewayApp:
     registry = Registry()
     fixtures = fixtures or cfg.gateway.fixtures
-    if fixtures:
-        # Fixtures first: suites probe the first listed tool/resource with no arguments.
-        if fixtures not in FIXTURES:
-            raise ValueError(f"unknown fixtures {fixtures!r}")
-        importlib.import_module(FIXTURES[fixtures]).register(registry)
-    components = load_components()
-    for mod in components:
-        if hasattr(mod, "register"):
-            mod.register(registry)
+    if fixtures:  # first: suites probe the first listed tool/resource with no arguments
+        register_fixtures(registry, fixtures)
+    for tools in (context, inference, learning):
+        tools.register(registry)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: GatewayApp) -> AsyncIterator[None]:
-        url = cfg.redis.url or DEFAULT_REDIS_URL
-        common: dict[str, Any] = {"socket_connect_timeout": cfg.redis.socket_timeout_s,
-                                  "max_connections": cfg.redis.max_connections, "health_check_interval": 30}
-        redis = aioredis.Redis.from_url(url, socket_timeout=cfg.redis.socket_timeout_s, **common)
-        blocking = aioredis.Redis.from_url(url, socket_timeout=None, **common)
-        state = GatewayState(cfg, redis, blocking, registry)
-        state.dispatcher = Dispatcher(registry, state)
-        app.state.gateway = state
-        app.state.admin_keyring = AdminKeyring.from_config(cfg.gateway.admin_keys)
-        control = asyncio.create_task(state.run_control_listener(), name="gateway-control")
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(state.control_connected.wait(), 2.0)
-        started: list[ModuleType] = []
-        try:
-            for mod in components:
-                if hasattr(mod, "startup"):
-                    await mod.startup(state)
-                started.append(mod)
-            state.dispatcher.invalidate_lists()
-            app.mcp = McpHttpTransport(state)
-            yield
-        finally:
-            app.mcp = None
-            state.shutting_down.set()
-            for group in list(state.listeners.values()):
-                for lis in list(group):
-                    with contextlib.suppress(asyncio.QueueFull):
-                        lis.queue.put_nowait({"method": "$shutdown"})
-            for mod in reversed(started):
-                if hasattr(mod, "shutdown"):
-                    try:
-                        await asyncio.wait_for(mod.shutdown(state), SHUTDOWN_TIMEOUT_S)
-                    except Exception:
-                        log.exception("component %s failed to shut down cleanly", mod.__name__)
-            control.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await control
-            await redis.aclose()
-            await blocking.aclose()
+        async with open_gateway(cfg, registry) as gateway:
+            app.state.gateway = gateway
+            app.mcp = McpHttpTransport(gateway)
+            try:
+                yield
+            finally:
+                app.mcp = None
 
     app = GatewayApp(title="learnmesh gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.registry = registry  # register extra tools here before the app starts (tests, embedding)
+    app.registry = registry
+    install_http_errors(app, cfg)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -130,9 +190,8 @@ def create_app(cfg: Config, fixtures: str | None = None) -> GatewayApp:
 
     @app.get("/readyz")
     async def readyz(request: Request) -> Response:
-        state: GatewayState = request.app.state.gateway
         try:
-            await state.redis.ping()
+            await gateway_of(request).redis.ping()
         except (RedisError, OSError):
             return JSONResponse({"status": "unavailable", "redis": "unreachable"}, status_code=503,
                                 headers={"Retry-After": str(cfg.redis.retry_after_s)})
@@ -143,19 +202,14 @@ def create_app(cfg: Config, fixtures: str | None = None) -> GatewayApp:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     async def protected_resource(request: Request) -> Response:
-        doc = request.app.state.gateway.auth.protected_resource_metadata()
+        doc = gateway_of(request).auth.protected_resource_metadata()
         if doc is None:
             return JSONResponse({"error": "OAuth is not enabled"}, status_code=404)
         return JSONResponse(doc)
 
     app.add_api_route(PROTECTED_RESOURCE_PATH, protected_resource, methods=["GET"])
     app.add_api_route(PROTECTED_RESOURCE_PATH + "/mcp", protected_resource, methods=["GET"])
-
-    from gateway.transport_ws import websocket_endpoint
-
     app.add_api_websocket_route("/mcp/ws", websocket_endpoint)
-    for mod in components:
-        router = getattr(mod, "router", None)
-        if router is not None:
-            app.include_router(router)
+    for router in ROUTERS:
+        app.include_router(router)
     return app

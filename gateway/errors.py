@@ -1,34 +1,81 @@
-"""Protocol errors. Everything a handler raises becomes a wire error in exactly one place
-(``gateway.dispatcher``): a :class:`McpError` keeps its code, a validation error becomes
-INVALID_PARAMS, anything else is logged and becomes INTERNAL_ERROR without internals.
-A :class:`ToolError` raised from a tool body becomes a result with ``isError: true``."""
+"""The one error map: where an exception becomes a JSON-RPC error object or an HTTP status.
+
+Handlers and components raise what they know: a protocol error (:class:`McpError` and its
+subclasses) or a domain exception of the context store, the sample ingest, the worker
+pool, the session registry, or Redis itself. :func:`wire_error` decides what the client
+sees, in the manner of the MCP SDK's kernel:
+
+- a protocol error keeps its code (and its HTTP status, when it names one);
+- bad input (a store or sample validation error, a worker's ``bad_input``) is INVALID_PARAMS;
+- an unknown context is INVALID_PARAMS for a tool and RESOURCE_NOT_FOUND for ``resources/read``;
+- a backend that is down or overloaded (Redis unreachable, no worker, a worker timeout,
+  the session cap) is SERVICE_UNAVAILABLE with HTTP 503 and a Retry-After of
+  ``redis.retry_after_s`` seconds, unless the exception knows a better wait;
+- anything else is logged and becomes INTERNAL_ERROR without internals.
+
+A failing tool body is not a protocol error: :func:`tool_error_text` says which
+exceptions become a result with ``isError: true``. Admin REST routes get the same map as
+HTTP errors: :func:`install_http_errors` registers it once as the FastAPI exception
+handler, so a route lets store/Redis/pool exceptions propagate; :func:`http_error` is the
+same decision for code that needs an :class:`HTTPException` in hand.
+"""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
+
+import msgspec
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse
+from redis.exceptions import ClusterDownError, MasterDownError, ReadOnlyError, TryAgainError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from gateway.mcp.sessions import SessionLimit, SessionNotFound
+from gateway.mcp.types import ErrorObject, ErrorResponse, RequestId
+from gateway.workers import NoWorker, WorkerRequestError, WorkerTimeout
+from shared.config import Config
+from shared.context import ContextError, ContextNotFound
+from shared.metrics import MCP_ERRORS
+from shared.samples import SampleError
+
+log = logging.getLogger(__name__)
 
 PARSE_ERROR = -32700
 INVALID_REQUEST = -32600
 METHOD_NOT_FOUND = -32601
 INVALID_PARAMS = -32602
 INTERNAL_ERROR = -32603
+REQUEST_CANCELLED = -32800
 RESOURCE_NOT_FOUND = -32002
 HEADER_MISMATCH = -32020
+MISSING_REQUIRED_CLIENT_CAPABILITY = -32021
 UNSUPPORTED_PROTOCOL_VERSION = -32022
 SERVICE_UNAVAILABLE = -32050  # learnmesh: a backend (Redis, workers) is unreachable; retry
 
+# HTTP status of a 2026-07-28 answer carrying one of these codes (the others ride on 200).
+HTTP_STATUS = {PARSE_ERROR: 400, INVALID_REQUEST: 400, INVALID_PARAMS: 400, HEADER_MISMATCH: 400,
+               MISSING_REQUIRED_CLIENT_CAPABILITY: 400, UNSUPPORTED_PROTOCOL_VERSION: 400,
+               METHOD_NOT_FOUND: 404}
+
+# Redis (or the network under it) is down, failing over or overloaded: worth a retry.
+OUTAGE = (RedisConnectionError, RedisTimeoutError, ReadOnlyError, MasterDownError, TryAgainError,
+          ClusterDownError, OSError)
+
 
 class McpError(Exception):
-    """A JSON-RPC error with an HTTP status for the Streamable HTTP transport."""
+    """A JSON-RPC error; ``http_status`` is the status of an HTTP answer carrying it
+    (200 leaves it to the code: see ``HTTP_STATUS``)."""
 
-    def __init__(self, code: int, message: str, data: Any = None, http_status: int = 200,
-                 retry_after_s: int | None = None) -> None:
+    def __init__(self, code: int, message: str, data: Any = None, http_status: int = 200) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.data = data
         self.http_status = http_status
-        self.retry_after_s = retry_after_s
 
 
 class InvalidParams(McpError):
@@ -44,12 +91,113 @@ class NotFound(McpError):
 
 
 class Unavailable(McpError):
-    """A backend is down; clients should retry after ``retry_after_s`` (HTTP 503)."""
+    """Something this request needs is not there now; the client should retry (HTTP 503).
+    ``retry_after_s`` None: the configured ``redis.retry_after_s``."""
 
-    def __init__(self, message: str, retry_after_s: int = 2) -> None:
-        super().__init__(SERVICE_UNAVAILABLE, message, {"retryAfterS": retry_after_s},
-                         http_status=503, retry_after_s=retry_after_s)
+    def __init__(self, message: str, retry_after_s: int | None = None) -> None:
+        super().__init__(SERVICE_UNAVAILABLE, message, http_status=503)
+        self.retry_after_s = retry_after_s
 
 
 class ToolError(Exception):
     """Raised inside a tool body: the call returns ``isError: true`` with this message."""
+
+
+@dataclass(frozen=True, slots=True)
+class WireError:
+    """An exception as the client sees it: the JSON-RPC error, and the HTTP status (with a
+    Retry-After of ``retry_after_s`` when set) of an answer that carries it over HTTP."""
+
+    code: int
+    message: str
+    data: Any = None
+    http_status: int = 200
+    retry_after_s: int | None = None
+
+    def object(self) -> ErrorObject:
+        return ErrorObject(code=self.code, message=self.message,
+                           data=msgspec.UNSET if self.data is None else self.data)
+
+    def response(self, request_id: RequestId | None) -> ErrorResponse:
+        MCP_ERRORS.labels(str(self.code)).inc()
+        return ErrorResponse(id=request_id, error=self.object())
+
+
+def _unavailable(message: str, retry_after_s: int) -> WireError:
+    return WireError(SERVICE_UNAVAILABLE, message, {"retryAfterS": retry_after_s}, 503, retry_after_s)
+
+
+def wire_error(exc: BaseException, config: Config, *, method: str = "",
+               params: Mapping[str, Any] | None = None, crashed_status: int = 200) -> WireError:
+    """THE map. ``method``/``params``: the request being served, when there is one.
+    ``crashed_status``: the HTTP status of an unexpected exception (200 inside a handler, where
+    JSON-RPC carries the error; 500 when the transport itself failed)."""
+    retry_after_s = config.redis.retry_after_s
+    if isinstance(exc, Unavailable):
+        return _unavailable(exc.message, exc.retry_after_s or retry_after_s)
+    if isinstance(exc, McpError):
+        status = exc.http_status if exc.http_status != 200 else HTTP_STATUS.get(exc.code, 200)
+        return WireError(exc.code, exc.message, exc.data, status)
+    if isinstance(exc, ContextNotFound):
+        if method == "resources/read":
+            return WireError(RESOURCE_NOT_FOUND, str(exc), {"uri": (params or {}).get("uri")})
+        message = f"unknown {exc}" if type(exc) is ContextNotFound else str(exc)
+        return WireError(INVALID_PARAMS, message, None, 400)
+    if isinstance(exc, ContextError):
+        return WireError(INVALID_PARAMS, str(exc), None, 400)
+    if isinstance(exc, SampleError):
+        return WireError(INVALID_PARAMS, str(exc), {"index": exc.index}, 400)
+    if isinstance(exc, WorkerRequestError) and exc.code == "bad_input":
+        return WireError(INVALID_PARAMS, str(exc), None, 400)
+    if isinstance(exc, SessionNotFound):
+        return WireError(INVALID_REQUEST, "Session not found", None, 404)
+    if isinstance(exc, SessionLimit):
+        return _unavailable("Too many sessions for this principal", retry_after_s)
+    if isinstance(exc, NoWorker):
+        return _unavailable(str(exc), exc.retry_after_s or retry_after_s)
+    if isinstance(exc, WorkerTimeout):
+        return _unavailable(str(exc), retry_after_s)
+    if isinstance(exc, OUTAGE):
+        log.warning("redis unavailable while serving %s: %s", method or "a request", type(exc).__name__)
+        return _unavailable("Service unavailable: store unreachable", retry_after_s)
+    log.error("internal error while serving %s", method or "a request", exc_info=exc)
+    return WireError(INTERNAL_ERROR, "Internal error", None, crashed_status)
+
+
+def tool_error_text(exc: BaseException) -> str | None:
+    """The text of an ``isError: true`` result when a tool body raised ``exc``; None when the
+    exception is a protocol matter for :func:`wire_error` instead."""
+    if isinstance(exc, ToolError):
+        return str(exc)
+    if isinstance(exc, WorkerRequestError) and exc.code != "bad_input":
+        return f"inference failed: {exc}"
+    return None
+
+
+def http_error(exc: BaseException, config: Config) -> HTTPException:
+    """The same map for REST routes: 400 bad input, 404 unknown context, 503 + Retry-After
+    for an outage, 500 for anything unexpected."""
+    wire = wire_error(exc, config, crashed_status=500)
+    if isinstance(exc, ContextNotFound) or wire.code == RESOURCE_NOT_FOUND:
+        status = 404
+    else:
+        status = wire.http_status if wire.http_status >= 400 else 400
+    headers = {"Retry-After": str(wire.retry_after_s)} if wire.retry_after_s is not None else None
+    return HTTPException(status, wire.message, headers=headers)
+
+
+# What a REST route may let propagate; everything else stays FastAPI's (500).
+HTTP_MAPPED = (McpError, ContextError, SampleError, SessionNotFound, SessionLimit, NoWorker, WorkerTimeout,
+               WorkerRequestError, RedisConnectionError, RedisTimeoutError, ReadOnlyError, MasterDownError,
+               TryAgainError, ClusterDownError)
+
+
+def install_http_errors(app: FastAPI, config: Config) -> None:
+    """Answer the exceptions of ``HTTP_MAPPED`` escaping any REST route through :func:`http_error`."""
+
+    async def handler(request: Request, exc: Exception) -> JSONResponse:
+        err = http_error(exc, config)
+        return JSONResponse({"detail": err.detail}, status_code=err.status_code, headers=err.headers)
+
+    for cls in HTTP_MAPPED:
+        app.add_exception_handler(cls, handler)

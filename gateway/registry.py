@@ -5,6 +5,8 @@ Components register into it with ``register(registry)`` functions (see
 ``gateway/tools/``). Handlers are ``async def handler(ctx: ToolContext, args: dict)``;
 they return either a full MCP result dict (with ``content``) or, for tools with an
 ``output_schema``, a plain dict that becomes ``structuredContent`` (and a JSON text block).
+A tool's schemas are compiled when it registers (a broken one fails at start); the
+dispatcher asks the :class:`Tool` whether arguments and results match them.
 """
 
 from __future__ import annotations
@@ -12,7 +14,12 @@ from __future__ import annotations
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+import jsonschema_rs
+
+if TYPE_CHECKING:  # gateway.state builds on the registry; handlers only need the type
+    from gateway.state import Gateway
 
 
 class ToolContext(Protocol):
@@ -21,7 +28,7 @@ class ToolContext(Protocol):
     principal: str           # the authenticated principal; scopes every Redis key
     request_id: Any          # JSON-RPC id of the request
     protocol_version: str    # "2025-11-25" or "2026-07-28"
-    state: Any               # gateway.app.GatewayState: config, redis, store, workers, samples, metrics
+    state: Gateway           # the replica's components: config, redis, store, workers, samples, ...
     meta: dict[str, Any]     # the request's _meta
 
     async def progress(self, progress: float, total: float | None = None, message: str | None = None) -> None:
@@ -40,6 +47,32 @@ Handler = Callable[[ToolContext, dict[str, Any]], Awaitable[Any]]
 TASK_SUPPORT = (None, "optional", "required")
 
 
+def compile_schema(schema: dict[str, Any]) -> jsonschema_rs.Validator:
+    """A validator built once per schema (draft from ``$schema``, 2020-12 by default); every call
+    on the hot path then costs well under a microsecond. References never leave the schema."""
+    return jsonschema_rs.validator_for(schema, validate_formats=True, offline=True)
+
+
+def explain(validator: jsonschema_rs.Validator, instance: Any) -> str:
+    """The failure a person should read first, with where it is: ``reason (at a/0/b)``."""
+    err = _closest(list(validator.iter_errors(instance)))
+    where = "/".join(str(p) for p in err.instance_path)
+    return f"{err.message} (at {where})" if where else err.message
+
+
+_ALTERNATIVES = (jsonschema_rs.ValidationErrorKind.AnyOf, jsonschema_rs.ValidationErrorKind.OneOfNotValid)
+
+
+def _closest(errors: list[jsonschema_rs.ValidationError]) -> jsonschema_rs.ValidationError:
+    """Inside an anyOf/oneOf, the alternative the instance came closest to (fewest errors;
+    the first on a tie): "at target: too short" helps, "matches none of 3 schemas" does not."""
+    err = errors[0]
+    if not isinstance(err.kind, _ALTERNATIVES):
+        return err
+    branches = [b for b in err.kind.context if b]
+    return _closest(min(branches, key=len)) if branches else err
+
+
 @dataclass
 class Tool:
     name: str
@@ -52,10 +85,24 @@ class Tool:
     # Tasks extension (SEP-2663, gateway/tasks.py): None = always synchronous; "optional" = may run
     # as a task for clients that declare the extension; "required" = only for such clients.
     task_support: str | None = None
+    _input_validator: jsonschema_rs.Validator = field(init=False, repr=False, compare=False)
+    _output_validator: jsonschema_rs.Validator | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.task_support not in TASK_SUPPORT:
             raise ValueError(f"tool {self.name!r}: task_support must be one of {TASK_SUPPORT}")
+        self._input_validator = compile_schema(self.input_schema)
+        self._output_validator = None if self.output_schema is None else compile_schema(self.output_schema)
+
+    def input_problem(self, args: dict[str, Any]) -> str | None:
+        """None when ``args`` match the inputSchema, else what is wrong and where (for the client)."""
+        if self._input_validator.is_valid(args):
+            return None
+        return explain(self._input_validator, args)
+
+    def output_matches(self, out: Any) -> bool:
+        """Whether ``out`` matches the outputSchema (True for a tool without one)."""
+        return self._output_validator is None or self._output_validator.is_valid(out)
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name, "description": self.description, "inputSchema": self.input_schema}

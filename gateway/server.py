@@ -1,5 +1,5 @@
 """``learnmesh gateway``: run one gateway replica under uvicorn (uvloop + httptools, one write
-per response: see gateway/http_protocol.py).
+per response: see gateway/transports/http_protocol.py).
 
 Binds 127.0.0.1 unless told otherwise; refuses a non-loopback bind without API keys
 (or OAuth), and warns when it serves an open gateway on loopback.
@@ -12,7 +12,6 @@ import logging
 import signal
 import sys
 from types import FrameType
-from typing import Any
 
 from gateway.auth import is_loopback
 from shared.config import Config, ConfigError
@@ -39,20 +38,21 @@ def _stop(signum: int, frame: FrameType | None) -> None:
     raise _Stopped(signum)
 
 
-def main(cfg: Config, args: argparse.Namespace | Any) -> int:
+def main(cfg: Config, args: argparse.Namespace) -> int:
+    """Serve until SIGTERM/SIGINT. ``args``: ``host``, ``port`` and ``fixtures`` (None: the config's)."""
     import uvicorn
 
     from gateway.app import create_app
-    from gateway.http_protocol import CoalescingHttpToolsProtocol
+    from gateway.transports.http_protocol import CoalescingHttpToolsProtocol
     from shared.redis_embed import resolve_redis_url
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if getattr(args, "host", None):
+    if args.host:
         cfg.gateway.host = args.host
-    if getattr(args, "port", None):
+    if args.port:
         cfg.gateway.port = args.port
-    fixtures = getattr(args, "fixtures", None) or cfg.gateway.fixtures
     check_bind(cfg)
+    app = create_app(cfg, fixtures=args.fixtures)  # before Redis: a bad setting starts nothing
     url, proc = resolve_redis_url(cfg.redis.url)
     cfg.redis.url = url
     # uvicorn drains on SIGTERM / SIGINT and then raises the signal again under the handlers
@@ -61,7 +61,6 @@ def main(cfg: Config, args: argparse.Namespace | Any) -> int:
     # end the replica here instead, exit code 0.
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        app = create_app(cfg, fixtures=fixtures)
         # No access log and no X-Forwarded-* rewriting on the hot path: the gateway identifies
         # callers by their credentials and never reads the client address.
         uvicorn.run(app, host=cfg.gateway.host, port=cfg.gateway.port, loop="uvloop", http=CoalescingHttpToolsProtocol,

@@ -1,9 +1,9 @@
-"""What one gateway replica holds while it runs: config, Redis clients, the registry,
-sessions, the request-state sealer, and the control-channel listener that ties the
-replicas together (session invalidation, cancellation, resource-updated fan-out).
+"""What one gateway replica runs on: the :class:`Gateway` built once by the app's lifespan
+(gateway/app.py) and handed to the transports, the dispatcher, tool handlers (``ctx.state``)
+and the admin routes (:func:`gateway_of`).
 
-Components (``gateway.tools.*``) hang their own objects on it (``.store``,
-``.workers``, ``.samples`` ...) in their ``startup(state)``.
+It also carries the control channel that ties the replicas together over Redis pub/sub:
+session invalidation, cancellation and resource-updated / list-changed fan-out.
 """
 
 from __future__ import annotations
@@ -11,22 +11,38 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import redis.asyncio as aioredis
+import zmq.asyncio
 from redis.exceptions import RedisError
+from starlette.requests import HTTPConnection
 
+from gateway import pubsub
 from gateway.auth import Authenticator, OriginGuard
+from gateway.mcp.dispatcher import Call, Dispatcher
+from gateway.mcp.kernel import Kernel
+from gateway.mcp.request_state import RequestStateSealer
+from gateway.mcp.sessions import SessionRegistry
+from gateway.mcp.types import Notification
 from gateway.registry import Registry
-from gateway.request_state import RequestStateSealer
-from gateway.sessions import SessionRegistry
 from shared import keys
 from shared.config import Config
 
+if TYPE_CHECKING:  # the components import this module for the type, so only the type checker follows back
+    from gateway.admin.auth import AdminKeyring
+    from gateway.admin.stats import LocalStats
+    from gateway.tasks import TaskManager
+    from gateway.tools.learning import SampleIngest
+    from gateway.workers import WorkerPool
+    from shared.context import ContextStore
+
 log = logging.getLogger(__name__)
+
+InflightKey = tuple[str, str | None, str]  # principal, session id, JSON of the request id
 
 
 @dataclass(eq=False)
@@ -36,25 +52,35 @@ class Listener:
     principal: str
     uris: set[str]
     flags: dict[str, Any]
-    queue: asyncio.Queue
+    queue: asyncio.Queue[dict[str, Any]]
 
 
 @dataclass(eq=False)
-class GatewayState:
+class Gateway:
+    """The replica's components, each built once, and the state the control channel keeps."""
+
     config: Config
     redis: aioredis.Redis
-    blocking_redis: aioredis.Redis
+    blocking_redis: aioredis.Redis  # no socket timeout: pub/sub and blocking reads
     registry: Registry
+    replica_id: str
+    zmq_ctx: zmq.asyncio.Context
+    store: ContextStore
+    workers: WorkerPool
+    samples: SampleIngest
+    tasks: TaskManager
+    admin_keyring: AdminKeyring
+    admin_stats: LocalStats
     sessions: SessionRegistry = field(init=False)
     sealer: RequestStateSealer = field(init=False)
     auth: Authenticator = field(init=False)
     origin_guard: OriginGuard = field(init=False)
-    dispatcher: Any = None
+    dispatcher: Dispatcher = field(init=False)
+    kernel: Kernel = field(init=False)  # what both transports hand their messages to
     listeners: dict[str, set[Listener]] = field(default_factory=dict)
-    inflight: dict[tuple[str, str | None, str], Any] = field(default_factory=dict)
+    inflight: dict[InflightKey, tuple[asyncio.Task[Any], Call]] = field(default_factory=dict)
     shutting_down: asyncio.Event = field(default_factory=asyncio.Event)
     control_connected: asyncio.Event = field(default_factory=asyncio.Event)
-    replica_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def __post_init__(self) -> None:
         gw = self.config.gateway
@@ -63,12 +89,14 @@ class GatewayState:
         self.sealer = RequestStateSealer(gw.request_state_keys, gw.request_state_ttl_s)
         self.auth = Authenticator(gw)
         self.origin_guard = OriginGuard(gw)
+        self.dispatcher = Dispatcher(self.registry, self)
+        self.kernel = Kernel(self)
 
     # ------------------------------------------------------------------ resource updates
     async def notify_resource_updated(self, principal: str, uri: str) -> None:
         """Tell every subscriber of ``principal`` on every replica that ``uri`` changed:
         legacy sessions through their event log, listen streams through pub/sub."""
-        note = {"jsonrpc": "2.0", "method": "notifications/resources/updated", "params": {"uri": uri}}
+        note = Notification(method="notifications/resources/updated", params={"uri": uri})
         for sid in await self.sessions.subscribers(principal, uri):
             await self.sessions.append_event(principal, sid, note)
         await self.publish_control({"t": "res", "p": principal, "u": uri})
@@ -77,7 +105,8 @@ class GatewayState:
         """``kind``: tools | resources | prompts. ``principal=None`` means everyone (listen streams)."""
         await self.publish_control({"t": "lc", "p": principal, "k": kind})
 
-    def add_listener(self, principal: str, uris: set[str], flags: dict[str, Any], queue: asyncio.Queue) -> Listener:
+    def add_listener(self, principal: str, uris: set[str], flags: dict[str, Any],
+                     queue: asyncio.Queue[dict[str, Any]]) -> Listener:
         lis = Listener(principal, uris, flags, queue)
         self.listeners.setdefault(principal, set()).add(lis)
         return lis
@@ -89,19 +118,28 @@ class GatewayState:
             if not group:
                 del self.listeners[lis.principal]
 
-    def _deliver(self, principal: str, test: Any, note: dict[str, Any]) -> None:
+    def close_listeners(self) -> None:
+        """End every listen stream on this replica (the replica is stopping)."""
+        for group in list(self.listeners.values()):
+            for lis in list(group):
+                with contextlib.suppress(asyncio.QueueFull):
+                    lis.queue.put_nowait({"method": "$shutdown"})
+
+    def _deliver(self, principal: str, test: Callable[[Listener], bool], note: dict[str, Any]) -> None:
         for lis in list(self.listeners.get(principal, ())):
             if test(lis):
                 with contextlib.suppress(asyncio.QueueFull):
                     lis.queue.put_nowait(note)
 
     # ------------------------------------------------------------------ cancellation
-    def track(self, principal: str, sid: str | None, rid: Any, call: Any) -> tuple[str, str | None, str]:
+    def track(self, principal: str, sid: str | None, rid: Any, call: Call) -> InflightKey:
         key = (principal, sid, orjson.dumps(rid).decode())
-        self.inflight[key] = (asyncio.current_task(), call)
+        task = asyncio.current_task()
+        assert task is not None, "track() runs inside the request's task"
+        self.inflight[key] = (task, call)
         return key
 
-    def untrack(self, key: tuple[str, str | None, str]) -> None:
+    def untrack(self, key: InflightKey) -> None:
         self.inflight.pop(key, None)
 
     async def cancel_request(self, principal: str, sid: str | None, rid: Any) -> None:
@@ -142,33 +180,26 @@ class GatewayState:
                 self._deliver(principal, lambda lis: lis.flags.get(flag) is True, note)
 
     async def run_control_listener(self) -> None:
-        """Subscribe to the control channel for the life of the replica, reconnecting with backoff.
-        After a reconnect the session cache is dropped: messages may have been missed."""
-        backoff_s = 0.05
-        while not self.shutting_down.is_set():
-            pubsub = self.blocking_redis.pubsub(ignore_subscribe_messages=True)
-            try:
-                await pubsub.subscribe(keys.GATEWAY_CONTROL_CHANNEL)
-                self.sessions.forget_all()
-                self.control_connected.set()
-                backoff_s = 0.05
-                while True:
-                    msg = await pubsub.get_message(timeout=1.0)
-                    if msg is None or msg.get("type") != "message":
-                        continue
-                    try:
-                        payload = orjson.loads(msg["data"])
-                    except orjson.JSONDecodeError:
-                        continue
-                    if payload.get("o") != self.replica_id:
-                        self._on_control(payload)
-            except asyncio.CancelledError:
-                raise
-            except (RedisError, OSError) as exc:
-                self.control_connected.clear()
-                log.warning("control channel lost (%s); retrying", type(exc).__name__)
-            finally:
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()
-            await asyncio.sleep(backoff_s)
-            backoff_s = min(backoff_s * 2, 2.0)
+        """Follow the control channel for the life of the replica. After a reconnect the session
+        cache is dropped: invalidations may have been missed."""
+        await pubsub.follow(self.blocking_redis, keys.GATEWAY_CONTROL_CHANNEL, self._on_control_frame,
+                            on_subscribed=self._control_subscribed, on_lost=self.control_connected.clear,
+                            what="control channel")
+
+    async def _control_subscribed(self) -> None:
+        self.sessions.forget_all()
+        self.control_connected.set()
+
+    def _on_control_frame(self, data: bytes) -> None:
+        try:
+            payload = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return
+        if isinstance(payload, dict) and payload.get("o") != self.replica_id:
+            self._on_control(payload)
+
+
+def gateway_of(conn: HTTPConnection) -> Gateway:
+    """The :class:`Gateway` of the app serving ``conn`` (set by the lifespan before any request)."""
+    gateway: Gateway = conn.app.state.gateway
+    return gateway

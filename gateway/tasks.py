@@ -29,11 +29,17 @@ from datetime import UTC, datetime
 from typing import Any
 
 import orjson
+import redis.asyncio as aioredis
 from redis.exceptions import RedisError
+from redis.typing import EncodableT, FieldT
 
-from gateway.dispatcher import CLIENT_CAPABILITIES_META_KEY, Call, InputRequired, error_payload
-from gateway.errors import INTERNAL_ERROR, InvalidParams, McpError
+from gateway import pubsub
+from gateway.errors import INTERNAL_ERROR, InvalidParams, McpError, wire_error
+from gateway.mcp.dispatcher import Call, InputRequired
+from gateway.mcp.types import CLIENT_CAPABILITIES_META_KEY, encode
+from gateway.registry import Tool, ToolContext
 from shared import keys
+from shared.text import as_str
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +51,7 @@ DEFAULT_POLL_INTERVAL_MS = 500
 HEARTBEAT_S = 5.0
 INPUT_POLL_S = 2.0  # fallback re-check of delivered inputs when a pub/sub wake-up was missed
 
-Invoke = Callable[[Call, Any, dict[str, Any]], Awaitable[dict[str, Any]]]
+Invoke = Callable[[Call, Tool, dict[str, Any]], Awaitable[dict[str, Any]]]
 
 # KEYS: task, pending, inputs. ARGV: status, field ("" for none), value, now, ttl_ms.
 # Returns -1 unknown task, 0 already terminal (nothing changes), 1 settled.
@@ -102,10 +108,6 @@ def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-def _s(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def negotiated(call: Call) -> bool:
     """True when this request's client declared the tasks extension (per request, SEP-2575)."""
     caps = call.meta.get(CLIENT_CAPABILITIES_META_KEY)
@@ -118,7 +120,7 @@ def _missing_extension(what: str) -> McpError:
                     {"requiredCapabilities": {"extensions": {TASKS_EXTENSION: {}}}}, http_status=400)
 
 
-async def escalate(ctx: Any) -> None:
+async def escalate(ctx: ToolContext) -> None:
     """Turn the running tool call into a task (no-op when the client cannot take one).
 
     Called by a task-supporting handler at the point where it stops answering inline:
@@ -169,16 +171,17 @@ class TaskCall(Call):
 class TaskManager:
     """Creates, runs, settles and serves the tasks of one gateway replica; state in Redis."""
 
-    def __init__(self, state: Any, *, ttl_ms: int = DEFAULT_TTL_MS,
-                 poll_interval_ms: int = DEFAULT_POLL_INTERVAL_MS, heartbeat_s: float = HEARTBEAT_S) -> None:
+    def __init__(self, redis: aioredis.Redis, blocking_redis: aioredis.Redis, replica_id: str, *,
+                 ttl_ms: int = DEFAULT_TTL_MS, poll_interval_ms: int = DEFAULT_POLL_INTERVAL_MS,
+                 heartbeat_s: float = HEARTBEAT_S) -> None:
         if ttl_ms <= 0 or poll_interval_ms <= 0 or heartbeat_s <= 0:
             raise ValueError("task ttl_ms, poll_interval_ms and heartbeat_s must be > 0")
-        self.state = state
-        self.redis = state.redis
+        self.redis = redis
+        self.blocking_redis = blocking_redis  # pub/sub: no socket timeout
         self.ttl_ms = ttl_ms
         self.poll_interval_ms = poll_interval_ms
         self.heartbeat_s = heartbeat_s
-        self.replica_id: str = state.replica_id
+        self.replica_id = replica_id
         self.running: dict[tuple[str, str], TaskCall] = {}
         self._settle = self.redis.register_script(_SETTLE)
         self._park = self.redis.register_script(_PARK)
@@ -227,36 +230,23 @@ class TaskManager:
                 log.warning("task heartbeat failed: %s", type(exc).__name__)
 
     async def _listen(self) -> None:
-        backoff_s = 0.05
-        while True:
-            pubsub = self.state.blocking_redis.pubsub(ignore_subscribe_messages=True)
-            try:
-                await pubsub.subscribe(keys.TASKS_CHANNEL)
-                self.subscribed.set()
-                backoff_s = 0.05
-                await self._recheck()  # signals sent while we were not subscribed are lost
-                while True:
-                    msg = await pubsub.get_message(timeout=1.0)
-                    if msg is not None and msg.get("type") == "message":
-                        with contextlib.suppress(orjson.JSONDecodeError, KeyError, TypeError):
-                            m = orjson.loads(msg["data"])
-                            self._signal(m["t"], m["p"], m["id"])
-            except asyncio.CancelledError:
-                raise
-            except (RedisError, OSError) as exc:
-                self.subscribed.clear()
-                log.warning("tasks channel lost (%s); retrying", type(exc).__name__)
-            finally:
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()
-            await asyncio.sleep(backoff_s)
-            backoff_s = min(backoff_s * 2, 2.0)
+        await pubsub.follow(self.blocking_redis, keys.TASKS_CHANNEL, self._on_signal_frame,
+                            on_subscribed=self._subscribed, on_lost=self.subscribed.clear, what="tasks channel")
+
+    async def _subscribed(self) -> None:
+        self.subscribed.set()
+        await self._recheck()  # signals sent while we were not subscribed are lost
+
+    def _on_signal_frame(self, data: bytes) -> None:
+        with contextlib.suppress(orjson.JSONDecodeError, KeyError, TypeError):
+            m = orjson.loads(data)
+            self._signal(m["t"], m["p"], m["id"])
 
     async def _recheck(self) -> None:
         for (principal, task_id), tcall in list(self.running.items()):
             tcall.wake.set()
             status = await self.redis.hget(keys.task(principal, task_id), "status")
-            if (status is None or _s(status) in TERMINAL) and tcall.runner is not None:
+            if (status is None or as_str(status) in TERMINAL) and tcall.runner is not None:
                 tcall.runner.cancel()
 
     def _signal(self, kind: str, principal: str, task_id: str) -> None:
@@ -276,7 +266,7 @@ class TaskManager:
             log.warning("could not publish a task %s signal; the owner re-checks on its own", kind)
 
     # ------------------------------------------------------------------ tools/call
-    async def tools_call(self, call: Call, tool: Any, args: dict[str, Any], invoke: Invoke) -> dict[str, Any]:
+    async def tools_call(self, call: Call, tool: Tool, args: dict[str, Any], invoke: Invoke) -> dict[str, Any]:
         """Run a task-supporting tool: inline for clients without the extension (or -32021 when
         the tool requires it), else until the handler escalates into a task."""
         if not call.modern:  # 2025-11-25 has no per-request extension opt-in: run inline
@@ -299,7 +289,7 @@ class TaskManager:
             return tcall.escalated.result()
         return runner.result()
 
-    async def _run(self, tcall: TaskCall, tool: Any, args: dict[str, Any], invoke: Invoke) -> Any:
+    async def _run(self, tcall: TaskCall, tool: Tool, args: dict[str, Any], invoke: Invoke) -> Any:
         try:
             result = await invoke(tcall, tool, args)
         except asyncio.CancelledError:
@@ -319,11 +309,8 @@ class TaskManager:
                 raise
             if isinstance(exc, InputRequired):  # a handler bypassed request_client inside a task
                 exc = McpError(INTERNAL_ERROR, "the tool asked for input in a way a task cannot deliver")
-            code, message, data = error_payload(exc, "tools/call")
-            err: dict[str, Any] = {"code": code, "message": message}
-            if data is not None:
-                err["data"] = data
-            await self._finish(tcall, "failed", "error", orjson.dumps(err))
+            err = wire_error(exc, tcall.state.config, method="tools/call").object()
+            await self._finish(tcall, "failed", "error", encode(err))
             return None
         if tcall.task_id is None:
             return result
@@ -349,8 +336,8 @@ class TaskManager:
         """Write the task record (durable before the handle is returned) and adopt the runner."""
         task_id = secrets.token_urlsafe(16)
         now = _now()
-        record = {"status": "working", "createdAt": now, "lastUpdatedAt": now, "ttlMs": self.ttl_ms,
-                  "pollIntervalMs": self.poll_interval_ms, "replica": self.replica_id}
+        record: dict[FieldT, EncodableT] = {"status": "working", "createdAt": now, "lastUpdatedAt": now, "ttlMs": self.ttl_ms,
+                                        "pollIntervalMs": self.poll_interval_ms, "replica": self.replica_id}
         key = keys.task(tcall.principal, task_id)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(key, mapping=record)
@@ -380,7 +367,7 @@ class TaskManager:
                 pipe.hmget(inputs_key, wanted)
                 pipe.hget(keys.task(principal, task_id), "status")
                 raw, status = await pipe.execute()
-            if status is None or _s(status) in TERMINAL:  # settled elsewhere and the signal was missed
+            if status is None or as_str(status) in TERMINAL:  # settled elsewhere and the signal was missed
                 raise _TaskGone
             if all(v is not None for v in raw):
                 await self.redis.hdel(inputs_key, *wanted)
@@ -407,23 +394,23 @@ class TaskManager:
             record, pending = await pipe.execute()
         if not record:
             raise InvalidParams(f"Unknown task: {task_id}", {"taskId": task_id})
-        h = {_s(k): v for k, v in record.items()}
-        status = _s(h["status"])
-        owner = _s(h.get("replica", b""))
+        h = {as_str(k): v for k, v in record.items()}
+        status = as_str(h["status"])
+        owner = as_str(h.get("replica", b""))
         if status not in TERMINAL and owner != self.replica_id and not await self.redis.exists(
                 keys.task_replica(owner)):
             err = {"code": INTERNAL_ERROR, "message": "The gateway replica running this task stopped"}
             await self._settle_task(principal, task_id, "failed", "error", orjson.dumps(err))
             return await self.get(call, p)
-        out: dict[str, Any] = {"taskId": task_id, "status": status, "createdAt": _s(h["createdAt"]),
-                               "lastUpdatedAt": _s(h["lastUpdatedAt"]), "ttlMs": int(h["ttlMs"]),
+        out: dict[str, Any] = {"taskId": task_id, "status": status, "createdAt": as_str(h["createdAt"]),
+                               "lastUpdatedAt": as_str(h["lastUpdatedAt"]), "ttlMs": int(h["ttlMs"]),
                                "pollIntervalMs": int(h["pollIntervalMs"])}
         if status == "completed" and "result" in h:
             out["result"] = orjson.loads(h["result"])
         elif status == "failed" and "error" in h:
             out["error"] = orjson.loads(h["error"])
         elif status == "input_required":
-            out["inputRequests"] = {_s(k): orjson.loads(v) for k, v in pending.items()}
+            out["inputRequests"] = {as_str(k): orjson.loads(v) for k, v in pending.items()}
         return out
 
     async def update(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
@@ -458,15 +445,3 @@ def _retrieve(task: asyncio.Task[Any]) -> None:
     """Mark a runner's outcome as seen (the request or the task record reports it)."""
     if not task.cancelled():
         task.exception()
-
-
-# ---------------------------------------------------------------------- plug-in contract
-async def startup(state: Any) -> None:
-    state.tasks = TaskManager(state)
-    await state.tasks.start()
-
-
-async def shutdown(state: Any) -> None:
-    manager = getattr(state, "tasks", None)
-    if manager is not None:
-        await manager.stop()

@@ -25,27 +25,31 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
+import redis.asyncio as aioredis
 import zmq
 import zmq.asyncio
+from redis.exceptions import RedisError
 
-from shared import metrics, wire
+from shared import keys, metrics, wire
 from shared.config import Config
+from shared.text import as_str
 from shared.wire import MsgType
 from shared.zmq_util import make_socket
 
 log = logging.getLogger("learnmesh.workers")
 
 _DEAD = object()  # put into a request's queue when its worker is declared dead
+DRAINED_REFRESH_S = 2.0
 
 
 class NoWorker(RuntimeError):
     """No live worker can take the request (none up, or none at the requested version)."""
 
-    def __init__(self, message: str, retry_after_s: int = 2) -> None:
+    def __init__(self, message: str, retry_after_s: int | None = None) -> None:
         super().__init__(message)
-        self.retry_after_s = retry_after_s
+        self.retry_after_s = retry_after_s  # None: the configured redis.retry_after_s (gateway/errors.py)
 
 
 class WorkerRequestError(RuntimeError):
@@ -64,7 +68,7 @@ class WorkerTimeout(RuntimeError):
 class WorkerLink:
     index: int
     endpoint: str
-    sock: Any  # zmq.asyncio.Socket
+    sock: zmq.asyncio.Socket
     worker_id: str | None = None
     version: int = 0
     lag: int = 0  # versions behind the trainer's latest, as the worker's heartbeat reports
@@ -73,7 +77,7 @@ class WorkerLink:
     last_seen_s: float = 0.0       # monotonic; 0 = never heard from
     last_heartbeat_wall_s: float = 0.0
     alive: bool = False
-    inflight: dict[str, asyncio.Queue] = field(default_factory=dict)
+    inflight: dict[str, asyncio.Queue[Any]] = field(default_factory=dict)  # reply parts, or _DEAD
 
     @property
     def load(self) -> int:
@@ -90,25 +94,35 @@ class WorkerPool:
     """Connections to every worker; :meth:`request` routes, streams and retries one request."""
 
     def __init__(self, cfg: Config, *, endpoints: list[str] | None = None,
-                 zmq_ctx: zmq.asyncio.Context | None = None) -> None:
+                 zmq_ctx: zmq.asyncio.Context | None = None, redis: aioredis.Redis | None = None) -> None:
+        """With ``redis``, the pool follows the mesh-wide drain set (``keys.WORKERS_DRAINED``)
+        that admins change through any replica."""
         self.cfg = cfg
+        self.redis = redis
         self.wcfg = cfg.worker
         self.ctx = zmq_ctx or zmq.asyncio.Context()
         self._own_ctx = zmq_ctx is None
         self.gateway_id = uuid.uuid4().hex[:12]
-        self.links = [WorkerLink(i, ep, make_socket(self.ctx, zmq.DEALER, connect=ep, hwm=self.wcfg.hwm,
-                                                    immediate=True))
+        self.links = [WorkerLink(i, ep, self._dealer(ep))
                       for i, ep in enumerate(endpoints if endpoints is not None else self.wcfg.endpoints)]
         self._changed = asyncio.Condition()
         self._tasks: list[asyncio.Task] = []
         self._ids = itertools.count(1)
         self.drained: set[str] = set()  # worker ids that get no new requests (admin drain)
 
+    def _dealer(self, endpoint: str) -> zmq.asyncio.Socket:
+        sock = make_socket(self.ctx, zmq.DEALER, connect=endpoint, hwm=self.wcfg.hwm, immediate=True)
+        return cast(zmq.asyncio.Socket, sock)  # an asyncio context makes asyncio sockets
+
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         for link in self.links:
-            self._tasks.append(asyncio.create_task(self._reader(link), name=f"worker-reader-{link.index}"))
+            reader = asyncio.create_task(self._reader(link), name=f"worker-reader-{link.index}")
+            reader.add_done_callback(self._reader_stopped)
+            self._tasks.append(reader)
         self._tasks.append(asyncio.create_task(self._heartbeats(), name="worker-heartbeats"))
+        if self.redis is not None:
+            self._tasks.append(asyncio.create_task(self._follow_drained(self.redis), name="workers-drained"))
 
     async def close(self) -> None:
         for t in self._tasks:
@@ -158,34 +172,48 @@ class WorkerPool:
 
     # ------------------------------------------------------------------ background tasks
     async def _reader(self, link: WorkerLink) -> None:
+        """Read everything ``link``'s worker sends for the life of the pool. A message that cannot
+        be read is reported and dropped: one bad frame must not silence the worker."""
         while True:
             frames = await link.sock.recv_multipart(copy=False)
             try:
-                msg_type, header, payload = wire.decode(frames)
-            except wire.WireError as exc:
-                log.warning("malformed message from worker %s: %s", link.endpoint, exc)
+                notify = self._receive(link, frames)
+            except (ValueError, TypeError) as exc:  # wire.WireError is a ValueError
+                metrics.WORKER_BAD_MESSAGES.inc()
+                log.warning("dropped a malformed message from worker %s (%s): %s", link.worker_id, link.endpoint, exc)
                 continue
-            was_alive = link.alive
-            link.last_seen_s = time.monotonic()
-            link.alive = True
-            if isinstance(header.get("version"), int):
-                link.version = header["version"]
-            if msg_type == MsgType.HEARTBEAT:
-                link.worker_id = str(header.get("worker") or link.worker_id)
-                link.reported_load = int(header.get("load") or 0)
-                link.lag = int(header.get("lag") or 0)
-                link.model_id = header.get("model_id")
-                link.last_heartbeat_wall_s = time.time()
-            elif msg_type in (MsgType.TOKEN, MsgType.RESULT, MsgType.ERROR):
-                q = link.inflight.get(str(header.get("id")))
-                if q is not None:
-                    q.put_nowait((msg_type, header))
-            if not was_alive:
-                metrics.WORKERS_LIVE.set(len(self.live()))
-                log.info("worker %s (%s) is live at version %d", link.worker_id, link.endpoint, link.version)
-            if not was_alive or msg_type == MsgType.HEARTBEAT:
+            if notify:
                 async with self._changed:
                     self._changed.notify_all()
+
+    def _receive(self, link: WorkerLink, frames: list[Any]) -> bool:
+        """Apply one message to ``link``; True when waiters for live workers must look again.
+        Raises before changing anything when the message is malformed."""
+        msg_type, header, _ = wire.decode(frames)
+        version = header.get("version")
+        if msg_type == MsgType.HEARTBEAT:
+            worker_id = str(header.get("worker") or link.worker_id)
+            load, lag = int(header.get("load") or 0), int(header.get("lag") or 0)
+            link.worker_id, link.reported_load, link.lag = worker_id, load, lag
+            link.model_id = header.get("model_id")
+            link.last_heartbeat_wall_s = time.time()
+        elif msg_type in (MsgType.TOKEN, MsgType.RESULT, MsgType.ERROR):
+            q = link.inflight.get(str(header.get("id")))
+            if q is not None:
+                q.put_nowait((msg_type, header))
+        was_alive = link.alive
+        link.last_seen_s = time.monotonic()
+        link.alive = True
+        if isinstance(version, int):
+            link.version = version
+        if not was_alive:
+            metrics.WORKERS_LIVE.set(len(self.live()))
+            log.info("worker %s (%s) is live at version %d", link.worker_id, link.endpoint, link.version)
+        return not was_alive or msg_type == MsgType.HEARTBEAT
+
+    def _reader_stopped(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("worker reader %s stopped: %r", task.get_name(), task.exception())
 
     async def _heartbeats(self) -> None:
         interval_s = self.wcfg.heartbeat_interval_ms / 1000
@@ -199,6 +227,14 @@ class WorkerPool:
                 if link.alive and now - link.last_seen_s > timeout_s:
                     self._declare_dead(link)
             await asyncio.sleep(interval_s)
+
+    async def _follow_drained(self, redis: aioredis.Redis) -> None:
+        while True:
+            try:
+                self.set_drained({as_str(m) for m in await redis.smembers(keys.WORKERS_DRAINED)})
+            except (RedisError, OSError) as exc:  # Redis away: keep the last known set
+                log.debug("could not read the drained workers: %s", type(exc).__name__)
+            await asyncio.sleep(DRAINED_REFRESH_S)
 
     def _declare_dead(self, link: WorkerLink) -> None:
         log.warning("worker %s (%s) missed heartbeats; retrying its %d requests elsewhere",
@@ -230,7 +266,8 @@ class WorkerPool:
                 now = time.monotonic()
                 live = self.live()
                 if not live and now >= min(no_worker_deadline, deadline):
-                    raise NoWorker("no inference worker is available; retry shortly", retry_after_s=2)
+                    raise NoWorker("no inference worker is available; retry shortly",
+                                   retry_after_s=self.cfg.redis.retry_after_s)
                 if live and now >= min(version_deadline, deadline):
                     best = max(w.version for w in live)
                     raise NoWorker(f"no worker reached model version {min_version} within "

@@ -16,22 +16,23 @@ def _parser() -> argparse.ArgumentParser:
     g = sub.add_parser("gateway", help="run one gateway replica (MCP + admin API)")
     g.add_argument("--host")
     g.add_argument("--port", type=int)
-    g.add_argument("--fixtures", choices=["conformance"], help="register the conformance suite's fixtures")
+    g.add_argument("--fixtures", choices=["conformance"],
+                   help="register the MCP conformance suite's fixtures (test scaffolding, from a source checkout)")
 
     w = sub.add_parser("worker", help="run one inference worker")
     w.add_argument("--endpoint", help="ZeroMQ endpoint to bind (default: worker.endpoints[--index])")
     w.add_argument("--index", type=int, default=0)
 
-    t = sub.add_parser("trainer", help="run the trainer (spawns --ranks processes, or one torchrun rank)")
+    t = sub.add_parser("trainer", help="run the trainer: --ranks ranks on this machine under torchrun")
     t.add_argument("--ranks", type=int)
-    t.add_argument("--as-rank", action="store_true", help="run as one rank under torchrun (env contract)")
+    t.add_argument("--as-rank", action="store_true", help="run as one rank of a torchrun group (env contract)")
 
     u = sub.add_parser("up", help="run everything on this machine: redis, gateway, workers, trainer")
     u.add_argument("--host")
     u.add_argument("--port", type=int)
     u.add_argument("--workers", type=int)
     u.add_argument("--ranks", type=int)
-    u.add_argument("--fixtures", choices=["conformance"])
+    u.add_argument("--fixtures", choices=["conformance"], help="passed on to the gateway (see gateway --help)")
     return p
 
 

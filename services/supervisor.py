@@ -219,11 +219,36 @@ def main(cfg: Config, args: Any) -> int:
         cfg.gateway.port = args.port
     var_dir = Path(os.environ.get("LEARNMESH_VAR", "var")).resolve()
     redis_url, redis_proc = resolve_redis_url(cfg.redis.url, workdir=var_dir / "redis")
-    redis_note = "private, started here" if redis_proc is not None else "existing server"
-    if redis_proc is None and not (os.environ.get("REDIS_URL") or cfg.redis.url):
+    if redis_proc is None and not cfg.redis.url:
         log.warning("using the Redis already answering at %s: its sample log, trainer offsets and model version "
                     "are shared with whatever else uses that database; set REDIS_URL for a mesh of its own", redis_url)
     api_keys, admin_key = load_or_create_keys(var_dir, cfg)
+    env = _child_env(cfg, args, redis_url, api_keys, admin_key, var_dir)
+    sup = Supervisor(build_children(cfg, args, env, var_dir))
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: sup.stop())
+    sup.start()
+    base = f"http://{cfg.gateway.host}:{cfg.gateway.port}"
+    if not wait_ready(base.replace("0.0.0.0", "127.0.0.1"), READY_TIMEOUT_S, sup):
+        log.warning("the gateway is not ready after %.0fs; see %s", READY_TIMEOUT_S, var_dir / "logs" / "gateway.log")
+    redis_note = "private, started here" if redis_proc is not None else "existing server"
+    print(_banner(cfg, f"{redis_url}   ({redis_note})", var_dir, api_keys, admin_key), flush=True)
+    try:
+        sup.run()
+    finally:
+        if redis_proc is not None:
+            redis_proc.terminate()
+            try:
+                redis_proc.wait(5)
+            except subprocess.TimeoutExpired:
+                redis_proc.kill()
+    return 0
+
+
+def _child_env(cfg: Config, args: Any, redis_url: str, api_keys: dict[str, str], admin_key: str,
+               var_dir: Path) -> dict[str, str]:
+    """The children's environment: this one plus what makes them one mesh (Redis, keys,
+    endpoints, places under ``var_dir``)."""
     n_workers = args.workers if getattr(args, "workers", None) is not None else len(cfg.worker.endpoints)
     env = dict(os.environ)
     env.update({
@@ -239,33 +264,20 @@ def main(cfg: Config, args: Any) -> int:
     parse_api_keys(env["LEARNMESH_API_KEYS"])  # fail early on a bad spec
     if getattr(args, "config", None):
         env["LEARNMESH_CONFIG"] = str(Path(args.config).resolve())
-    sup = Supervisor(build_children(cfg, args, env, var_dir))
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: sup.stop())
-    sup.start()
+    return env
+
+
+def _banner(cfg: Config, redis: str, var_dir: Path, api_keys: dict[str, str], admin_key: str) -> str:
     base = f"http://{cfg.gateway.host}:{cfg.gateway.port}"
-    if not wait_ready(base.replace("0.0.0.0", "127.0.0.1"), READY_TIMEOUT_S, sup):
-        log.warning("the gateway is not ready after %.0fs; see %s", READY_TIMEOUT_S, var_dir / "logs" / "gateway.log")
-    banner = [
+    return "\n".join([
         "learnmesh is up",
         f"  MCP endpoint   {base}/mcp   (WebSocket: ws://{cfg.gateway.host}:{cfg.gateway.port}/mcp/ws)",
         f"  admin API      {base}/admin   (OpenAPI: {base}/admin/openapi.json)",
         f"  dashboard      {base}/admin/ui",
         f"  metrics        {base}/metrics",
-        f"  redis          {redis_url}   ({redis_note})",
+        f"  redis          {redis}",
         f"  logs           {var_dir / 'logs'}",
         "  MCP API keys   " + ", ".join(f"{p}: {k}" for p, k in api_keys.items()),
         f"  admin key      {admin_key}",
         "Ctrl-C stops everything.",
-    ]
-    print("\n".join(banner), flush=True)
-    try:
-        sup.run()
-    finally:
-        if redis_proc is not None:
-            redis_proc.terminate()
-            try:
-                redis_proc.wait(5)
-            except subprocess.TimeoutExpired:
-                redis_proc.kill()
-    return 0
+    ])

@@ -14,6 +14,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from shared import keys
+from shared.text import as_str
 
 DEFAULT_MAXLEN = 100_000
 _maxlen = DEFAULT_MAXLEN
@@ -39,11 +40,7 @@ async def audit(redis: aioredis.Redis, *, principal: str, action: str, context: 
         if value is not None:
             record[name] = str(value)
     entry_id = await redis.xadd(keys.AUDIT_STREAM, record, maxlen=_maxlen, approximate=True)
-    return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
-
-
-def _text(v: Any) -> str:
-    return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
+    return as_str(entry_id)
 
 
 async def query(redis: aioredis.Redis, *, principal: str | None = None, action: str | None = None,
@@ -61,8 +58,8 @@ async def query(redis: aioredis.Redis, *, principal: str | None = None, action: 
         if not batch:
             break
         for entry_id, raw in batch:
-            rec = {_text(k): _text(v) for k, v in (raw or {}).items()}
-            rec["id"] = _text(entry_id)
+            rec = {as_str(k): as_str(v) for k, v in (raw or {}).items()}
+            rec["id"] = as_str(entry_id)
             if ((principal is None or rec.get("principal") == principal)
                     and (action is None or rec.get("action") == action)
                     and (context is None or rec.get("context") == context)):
@@ -70,5 +67,5 @@ async def query(redis: aioredis.Redis, *, principal: str | None = None, action: 
                 if len(out) >= limit:
                     break
         scanned += len(batch)
-        upper = "(" + _text(batch[-1][0])  # exclusive: continue below the last id seen
+        upper = "(" + as_str(batch[-1][0])  # exclusive: continue below the last id seen
     return out

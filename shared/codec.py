@@ -54,7 +54,7 @@ from shared.config import CompressionConfig
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # 2: fixed-width gap index coding (IDX_GAPS) replaces varints on the encode side
+FORMAT_VERSION = 2  # a receiver refuses every other format
 CHUNK_MAGIC = b"LMC1"
 # magic, kind, quant, index coding, reserved, chunk number, start, end, count, n scales
 CHUNK_HDR = struct.Struct("<4sBBBBIQQQI")
@@ -62,7 +62,7 @@ MAX_CHUNK_BYTES = 256 * 1024 * 1024  # decompressed; far below the AEAD limit an
 
 KIND_SPARSE, KIND_XOR, KIND_DENSE = 0, 1, 2
 QUANT_NONE, QUANT_FP16, QUANT_INT8, QUANT_SIGN = 0, 1, 2, 3
-IDX_VARINT, IDX_BITMAP, IDX_NONE, IDX_GAPS = 0, 1, 2, 3
+IDX_BITMAP, IDX_NONE, IDX_GAPS = 1, 2, 3
 _GAP_DTYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 _QUANT_CODES = {"none": QUANT_NONE, "fp16": QUANT_FP16, "int8": QUANT_INT8, "sign": QUANT_SIGN}
@@ -140,7 +140,11 @@ _SAMPLE_RUN = 16  # consecutive elements per sample of the threshold estimate (o
 _TILE_ELEMENTS = 1 << 18  # 1 MiB of fp32 per tile: delta, magnitudes and mask stay in cache (measured best)
 
 
-def _tile_segments(layout: Layout, tile: int, padded: int) -> list[tuple[int, int, list[tuple[str, int, int, int]]]]:
+Segment = tuple[str, int, int, int]  # parameter name, offset inside it, flat start, flat end
+Tile = tuple[int, int, list[Segment]]  # flat start, length, the parameter pieces covering it
+
+
+def _tile_segments(layout: Layout, tile: int, padded: int) -> list[Tile]:
     """Cut the flat space into tiles; per tile, the parameter pieces that cover it
     (name, offset inside the parameter, flat start, flat end). Padding past ``numel`` is
     zeroed once in the tile buffer by the caller (it never changes)."""
@@ -201,14 +205,6 @@ _NO_VAL = np.zeros(0, dtype=np.float32)
 
 
 @dataclass
-class _Scan:
-    """Totals of one selection pass: squared norm of ``new - reference`` and changed blocks."""
-
-    total_sq: float = 0.0
-    active: int = 0
-
-
-@dataclass
 class _CodedChunk:
     number: int  # chunk range: elements [number * chunk_elements, ...)
     blob: bytes
@@ -218,13 +214,15 @@ class _CodedChunk:
     err_sq: float  # squared quantisation error
 
 
-def _work_units(tiles: list[tuple[int, int, list[tuple[str, int, int, int]]]], step: int,
-                numel: int) -> list[tuple[list[tuple[int, int, list[tuple[str, int, int, int]]]], list[int]]]:
+_UnitResult = tuple[list[_CodedChunk], float, int]  # a work unit's chunks, squared norm, changed blocks
+
+
+def _work_units(tiles: list[Tile], step: int, numel: int) -> list[tuple[list[Tile], list[int]]]:
     """Group tiles into units of work that each cover whole chunk ranges (``step`` elements):
     a unit closes at the first tile end that is also a chunk boundary, so one unit can be
     scanned, coded and sent without waiting for another."""
     units = []
-    cur: list[tuple[int, int, list[tuple[str, int, int, int]]]] = []
+    cur: list[Tile] = []
     first = 0  # first chunk range not yet assigned
     n_ranges = -(-numel // step)
     for tile in tiles:
@@ -247,54 +245,11 @@ def _work_units(tiles: list[tuple[int, int, list[tuple[str, int, int, int]]]], s
 # ---------------------------------------------------------------------------- small codings
 
 
-def varint_encode(values: np.ndarray) -> bytes:
-    """LEB128 of non-negative integers, vectorised."""
-    v = values.astype(np.uint64, copy=False)
-    if v.size == 0:
-        return b""
-    nbytes = np.ones(v.size, dtype=np.int64)
-    for j in range(1, 10):
-        more = v >= np.uint64(1 << (7 * j))
-        if not more.any():
-            break
-        nbytes += more
-    ends = np.cumsum(nbytes)
-    starts = ends - nbytes
-    out = np.empty(int(ends[-1]), dtype=np.uint8)
-    for j in range(int(nbytes.max())):
-        sel = nbytes > j
-        part = (v[sel] >> np.uint64(7 * j)) & np.uint64(0x7F)
-        cont = (nbytes[sel] > j + 1).astype(np.uint64) << np.uint64(7)
-        out[starts[sel] + j] = (part | cont).astype(np.uint8)
-    return out.tobytes()
-
-
-def varint_decode(data: bytes | memoryview, count: int) -> np.ndarray:
-    """Inverse of :func:`varint_encode`; raises :class:`CodecError` on malformed input."""
-    b = np.frombuffer(data, dtype=np.uint8)
-    if count == 0:
-        if b.size:
-            raise CodecError("trailing index bytes")
-        return np.zeros(0, dtype=np.uint64)
-    term = (b & 0x80) == 0
-    ends = np.flatnonzero(term)
-    if ends.size != count or b.size == 0 or not term[-1]:
-        raise CodecError("index varints do not match the element count")
-    starts = np.empty_like(ends)
-    starts[0] = 0
-    starts[1:] = ends[:-1] + 1
-    lens = ends - starts + 1
-    if int(lens.max()) > 9:
-        raise CodecError("varint too long")
-    pos = np.arange(b.size, dtype=np.int64) - np.repeat(starts, lens)
-    contrib = (b & 0x7F).astype(np.uint64) << (7 * pos).astype(np.uint64)
-    return np.add.reduceat(contrib, starts)
-
-
 def _code_indices(idx: np.ndarray, start: int, end: int) -> tuple[bytes, int]:
     """Sorted indices in [start, end): gaps ``idx[i] - idx[i-1] - 1`` in the narrowest
     unsigned width that holds them (one width byte, then the byte-plane shuffled gaps, which
-    zstd squeezes as well as varints at a fraction of the cost), or a bitmap when smaller."""
+    zstd squeezes as well as a variable-length coding at a fraction of the cost), or a bitmap
+    when smaller."""
     if idx.size > (end - start) / 8:  # a bitmap beats gaps of any width: skip computing them
         return _bitmap(idx, start, end), IDX_BITMAP
     gaps = np.diff(idx, prepend=start - 1) - 1
@@ -420,6 +375,301 @@ def weights_digest(params: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+# ---------------------------------------------------------------------------- the fused scan
+
+
+@dataclass
+class _Scan:
+    """What one pass over a group of tiles found: per tile, the selected global indices and
+    their fp32 delta values; the squared norm of ``new - reference`` and the changed blocks."""
+
+    parts: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    total_sq: float = 0.0
+    active: int = 0
+
+    def indices(self) -> np.ndarray:
+        return np.concatenate([i for i, _ in self.parts]) if len(self.parts) > 1 else self.parts[0][0]
+
+    def values(self) -> np.ndarray:
+        return np.concatenate([v for _, v in self.parts]) if len(self.parts) > 1 else self.parts[0][1]
+
+
+class _Scanner:
+    """One fused pass over ``new - reference`` (:meth:`scan`), tile by tile.
+
+    Holds the per-thread tile buffers and the per-block max ``|delta|`` of the last pass
+    (``bmax``), which is also the int8/fp16 scale of every block with a selected element: its
+    largest element is selected."""
+
+    def __init__(self, layout: Layout, ref: torch.Tensor, block: int, nblocks: int) -> None:
+        self.layout, self.ref, self.block = layout, ref, block
+        self._ref_np = ref.numpy() if layout.dtype == torch.float32 else None
+        self.tile = max(block, (_TILE_ELEMENTS // block) * block)
+        self.segments = _tile_segments(layout, self.tile, nblocks * block)
+        self.bmax = np.zeros(nblocks, dtype=np.float32)
+        self._buffers: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def scan(self, params: dict[str, torch.Tensor], thr: float, tiles: list[Tile]) -> _Scan:
+        """Change detection, energy and selection (``|delta| >= thr``) for a group of tiles.
+
+        Per tile: one subtraction per overlapping parameter, block max and min (a tile that
+        did not change is skipped — change detection for head-only or LoRA training), two
+        comparisons and an or (no ``|d|`` pass), one ``np.flatnonzero``, a dot product — so
+        the 10M-element delta is read from memory once and never materialised."""
+        out = _Scan()
+        bufs = self._tile_buffers()
+        with torch.no_grad():
+            for tile in tiles:
+                self._scan_tile(params, thr, tile, bufs, out)
+        return out
+
+    def _scan_tile(self, params: dict[str, torch.Tensor], thr: float, tile: Tile,
+                   bufs: tuple[np.ndarray, np.ndarray, np.ndarray], out: _Scan) -> None:
+        t_start, t_len, _ = tile
+        dn = self._load(params, tile, bufs[0])
+        block_max = self._block_max(dn, t_start, t_len)
+        changed = int(np.count_nonzero(block_max))
+        if changed == 0:  # change detection: nothing in this tile moved
+            out.parts.append((_NO_IDX, _NO_VAL))
+            return
+        out.active += changed
+        top = float(block_max.max())
+        local = _selected(dn, thr, bufs[1][:t_len], bufs[2][:t_len]) if top >= thr else _NO_IDX
+        if local.size:
+            vals = dn[local]
+            local += t_start
+            out.parts.append((local, vals))
+        else:
+            out.parts.append((_NO_IDX, _NO_VAL))
+        out.total_sq += _energy(dn, top)
+
+    def _load(self, params: dict[str, torch.Tensor], tile: Tile, buf: np.ndarray) -> np.ndarray:
+        """``new - reference`` over the tile, in fp32, into ``buf``."""
+        t_start, t_len, segs = tile
+        numel = self.layout.numel
+        dn = buf[:t_len]
+        if t_start + t_len > numel:
+            dn[max(0, numel - t_start):] = 0  # padding past the last parameter
+        for name, p_lo, a, b in segs:  # flat range [a, b) of parameter `name`, from p_lo
+            p = params[name].detach().reshape(-1)[p_lo:p_lo + b - a]
+            into = dn[a - t_start:b - t_start]
+            if self._ref_np is not None:
+                np.subtract(p.numpy(), self._ref_np[a:b], out=into)
+            else:
+                torch.sub(p.float(), self.ref[a:b].float(), out=torch.from_numpy(into))
+        return dn
+
+    def _block_max(self, dn: np.ndarray, t_start: int, t_len: int) -> np.ndarray:
+        """Per-block max ``|d|`` of the tile, written into ``bmax``: max(max d, -min d), no ``|d|`` pass."""
+        b0 = t_start // self.block
+        block_max = self.bmax[b0:b0 + t_len // self.block]
+        blocks = dn.reshape(-1, self.block)
+        np.max(blocks, axis=1, out=block_max)
+        np.maximum(block_max, -np.min(blocks, axis=1), out=block_max)
+        return block_max
+
+    def _tile_buffers(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Delta and two mask buffers of one tile, one set per scanning thread."""
+        key = threading.get_ident()
+        bufs = self._buffers.get(key)
+        if bufs is None:
+            bufs = (np.empty(self.tile, dtype=np.float32), np.empty(self.tile, dtype=np.bool_),
+                    np.empty(self.tile, dtype=np.bool_))
+            self._buffers[key] = bufs
+        return bufs
+
+
+def _selected(dn: np.ndarray, thr: float, m: np.ndarray, m2: np.ndarray) -> np.ndarray:
+    """Tile positions with ``|d| >= thr``, as ``d >= thr or d <= -thr`` (NaN: neither)."""
+    if thr > 0:
+        thr32 = np.float32(thr)
+        np.greater_equal(dn, thr32, out=m)
+        np.less_equal(dn, -thr32, out=m2)
+    else:
+        np.greater(dn, 0, out=m)
+        np.less(dn, 0, out=m2)
+    np.logical_or(m, m2, out=m)
+    return np.flatnonzero(m)
+
+
+def _energy(dn: np.ndarray, top: float) -> float:
+    """Squared norm of a tile's delta. torch.dot (MKL, torch's threads), not np.dot: numpy's
+    OpenBLAS runs it on a helper thread that then spins on the other core for ~0.1 s after
+    every call, taking that core from the workers on a small machine."""
+    if top < 1e-18:  # squares would underflow in fp32
+        return float(np.square(dn, dtype=np.float64).sum())
+    dt = torch.from_numpy(dn)
+    return float(torch.dot(dt, dt))
+
+
+def _sampled_threshold(params: dict[str, torch.Tensor], ref: torch.Tensor, layout: Layout, density: float,
+                       rng: np.random.Generator) -> float:
+    """|delta| threshold that keeps about ``density`` of all elements, estimated from a
+    sample of ``new - reference``: ~64K elements in runs of 16 (one cache line) spread evenly
+    over the flat space from a random offset — 1/16 of the cache misses of single strided
+    elements — and ``np.partition`` (no sort of the whole, no ``torch.kthvalue``, ~6x slower)."""
+    n = layout.numel
+    if density >= 1.0:
+        return 0.0
+    samples = min(n, max(65536, int(64 / max(density, 1e-9))))
+    run = _SAMPLE_RUN if n > samples else 1
+    stride = max(run, n * run // samples)  # distance between the starts of two runs
+    off = int(rng.integers(0, stride)) if stride > 1 else 0
+    parts = _sample_runs(params, ref, layout, off, run, stride)
+    if not parts:
+        return 0.0
+    s = torch.cat(parts).abs_().numpy()
+    kth = min(s.size, max(1, int(round((1.0 - density) * s.size))))
+    return float(np.partition(s, kth - 1)[kth - 1])
+
+
+def _sample_runs(params: dict[str, torch.Tensor], ref: torch.Tensor, layout: Layout, off: int, run: int,
+                 stride: int) -> list[torch.Tensor]:
+    """``new - reference`` at runs of ``run`` elements every ``stride``, from flat offset ``off``."""
+    parts = []
+    with torch.no_grad():
+        for i, name in enumerate(layout.names):
+            a, b = int(layout.offsets[i]), int(layout.offsets[i + 1])
+            first = a + (off - a) % stride  # first run start >= a
+            k = (b - first - run) // stride + 1 if b - first >= run else 0
+            if k <= 0:
+                continue
+            p = params[name].detach().reshape(-1)[first - a:].as_strided((k, run), (stride, 1))
+            r = ref[first:].as_strided((k, run), (stride, 1))
+            parts.append((p.float() - r.float()).reshape(-1))
+    return parts
+
+
+# ---------------------------------------------------------------------------- chunk coding
+
+
+class _ChunkCoder:
+    """Scales, quantised values, index coding and zstd of one sparse chunk range."""
+
+    def __init__(self, block: int, bmax: np.ndarray, zstd_level: int) -> None:
+        self.block = block
+        self.bmax = bmax  # per-block max |delta| of the last scan: the int8/fp16 scales
+        self.level = zstd_level
+        self.main = zstandard.ZstdCompressor(level=zstd_level)  # the main thread's compressor
+        self._per_thread: dict[tuple[int, int], zstandard.ZstdCompressor] = {}
+
+    def set_level(self, level: int) -> None:
+        if level != self.level:
+            self.main = zstandard.ZstdCompressor(level=level)
+            self.level = level
+
+    def compressor(self) -> zstandard.ZstdCompressor:
+        """zstd compressors are not thread-safe: one per encoding thread."""
+        if threading.current_thread() is threading.main_thread():
+            return self.main
+        key = (threading.get_ident(), self.level)
+        zc = self._per_thread.get(key)
+        if zc is None:
+            zc = self._per_thread[key] = zstandard.ZstdCompressor(level=self.level)
+        return zc
+
+    def code(self, number: int, start: int, end: int, idx: np.ndarray, vals: np.ndarray,
+             quant: int) -> _CodedChunk:
+        nsc = -(-(end - start) // self.block)
+        counts = _block_counts(idx, start, nsc, self.block)
+        scales = self._scales(start, nsc, counts, idx, vals, quant)
+        q = _quantise(vals, quant, scales, counts)
+        deq = _dequantise(q, quant, scales, counts)
+        v64 = vals.astype(np.float64)
+        e64 = v64 - deq  # sums of squares by einsum, not BLAS (see _energy)
+        idx_bytes, code = _code_indices(idx, start, end)
+        body = b"".join([
+            CHUNK_HDR.pack(CHUNK_MAGIC, KIND_SPARSE, quant, code, 0, number, start, end, idx.size, nsc),
+            scales.tobytes(), struct.pack("<Q", len(idx_bytes)), idx_bytes, _shuffle(q)])
+        return _CodedChunk(number, self.compressor().compress(body), idx, deq, float(np.einsum("i,i->", v64, v64)),
+                           float(np.einsum("i,i->", e64, e64)))
+
+    def _scales(self, start: int, nsc: int, counts: np.ndarray, idx: np.ndarray, vals: np.ndarray,
+                quant: int) -> np.ndarray:
+        if quant == QUANT_SIGN:  # scale = mean |value| of the block's selected elements
+            scales = np.ones(nsc, dtype=np.float32)
+            nz = counts > 0
+            if idx.size:
+                starts = np.concatenate([[0], np.cumsum(counts)[:-1]])[nz]
+                sums = np.add.reduceat(np.abs(vals).astype(np.float64), starts)
+                scales[nz] = (sums / counts[nz]).astype(np.float32)
+            return scales
+        # scale = max |value| of the block's selected elements = the block's max |delta|
+        b0 = start // self.block
+        scales = np.where(counts > 0, self.bmax[b0:b0 + nsc], np.float32(1.0)).astype(np.float32)
+        if not np.isfinite(scales).all() and idx.size:  # a NaN elsewhere in the block: not selected
+            starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+            nz = counts > 0
+            scales[nz] = np.maximum.reduceat(np.abs(vals), starts[nz])
+        return scales
+
+
+class _UnitPool:
+    """Runs work units on a small thread pool — numpy releases the GIL in its loops — sized by
+    ``torch.get_num_threads()``; with one thread allowed, inline."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self.threads = 0
+
+    def map(self, fn: Callable[..., _UnitResult], calls: list[tuple[Any, ...]]) -> Iterator[_UnitResult]:
+        """``fn(*args)`` for each call, results in order."""
+        threads = min(torch.get_num_threads(), len(calls))
+        if threads <= 1:
+            for args in calls:
+                yield fn(*args)
+            return
+        pool = self._sized(threads)
+        futures = [pool.submit(fn, *args) for args in calls]
+        try:
+            for fut in futures:
+                yield fut.result()
+        finally:  # never leave a unit running into the buffers of the next encode
+            for fut in futures:
+                fut.cancel()
+            wait(futures)
+
+    def _sized(self, threads: int) -> ThreadPoolExecutor:
+        if self._pool is None or self.threads != threads:
+            self.close()
+            self._pool = ThreadPoolExecutor(threads, thread_name_prefix="delta-encode")
+            self.threads = threads
+        return self._pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def _residual(total_sq: float, sent: list[_CodedChunk]) -> dict[str, float]:
+    """What receivers still lack after ``sent``: its norm and its share of the whole delta."""
+    sent_sq = sum(p.sel_sq for p in sent)
+    err_sq = sum(p.err_sq for p in sent)
+    residual_sq = max(0.0, total_sq - sent_sq + err_sq)
+    return {"residual_norm": math.sqrt(residual_sq),
+            "rel_error": math.sqrt(residual_sq / total_sq) if total_sq else 0.0}
+
+
+def _tuned(cfg: CompressionConfig, density: float, threshold: float, stats: dict[str, Any]) -> tuple[float, float]:
+    """The density (and fixed threshold) for the next delta, moved toward ``tuner_target``:
+    bytes per delta (``tuner=bytes``) or the relative residual (``tuner=error``)."""
+    target = cfg.tuner_target
+    if target <= 0:
+        return density, threshold
+    if cfg.tuner == "bytes":
+        factor = min(2.0, max(0.5, (target / max(1, stats["bytes"])) ** 0.8))
+    else:
+        factor = 1.25 if stats.get("rel_error", 0.0) > target else 0.95
+    new = min(1.0, max(1e-5, density * factor))
+    if cfg.algorithm == "threshold" and threshold > 0:
+        threshold /= factor  # more elements wanted -> lower threshold
+    if abs(new - density) / density > 0.25:
+        log.info("delta tuner (%s, target %g): density %.5f -> %.5f, threshold %g",
+                 cfg.tuner, target, density, new, threshold)
+    return new, threshold
+
+
 # ---------------------------------------------------------------------------- encoder
 
 
@@ -437,27 +687,20 @@ class DeltaEncoder:
         self.layout.check(params)
         self.block = cfg.block_size
         self.nblocks = max(1, -(-self.layout.numel // self.block))
-        padded = self.nblocks * self.block
-        self.ref = torch.zeros(padded, dtype=self.layout.dtype)
+        self.ref = torch.zeros(self.nblocks * self.block, dtype=self.layout.dtype)
         flatten(params, self.layout, self.ref)
-        # tile buffers: the lossy pass runs over the flat space in cache-sized tiles, so the
-        # delta and the selection masks of a tile never leave the CPU cache
-        self._tile = max(self.block, (_TILE_ELEMENTS // self.block) * self.block)
-        self._buffers: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # per scanning thread
-        self._bmax = np.zeros(self.nblocks, dtype=np.float32)  # per-block max |delta| of the last pass
-        self._segments = _tile_segments(self.layout, self._tile, padded)
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_size = 0
-        self._compressors: dict[tuple[int, int], zstandard.ZstdCompressor] = {}  # per (thread, level)
+        self.scanner = _Scanner(self.layout, self.ref, self.block, self.nblocks)
+        self.coder = _ChunkCoder(self.block, self.scanner.bmax, cfg.zstd_level)
+        self.pool = _UnitPool()
         self._xor: torch.Tensor | None = None  # lossless XOR buffer, allocated on first use
-        self._zc = zstandard.ZstdCompressor(level=cfg.zstd_level)
         self.version = version
         self.priority_mode = priority_mode
         self.density = cfg.density
         self.threshold = cfg.threshold
         self.publishes = 0
         self.chunk_blocks = max(1, cfg.chunk_elements // self.block)
-        self._units = _work_units(self._segments, self.chunk_blocks * self.block, self.layout.numel)
+        self._step = self.chunk_blocks * self.block  # elements per chunk range
+        self._units = _work_units(self.scanner.segments, self._step, self.layout.numel)
         self._rng = np.random.default_rng()
         self.last_stats: dict[str, Any] = {}
 
@@ -466,9 +709,10 @@ class DeltaEncoder:
                max_bytes: int | None = None, sink: ChunkSink | None = None, lossless: bool = False) -> EncodedDelta:
         """Encode the change from the reference (at ``self.version``) to ``params`` at ``version``.
 
-        ``anchor=None`` follows ``anchor_every``. ``lossless=True`` sends this one delta bit-exactly
-        whatever the configured algorithm (the residual flush when training pauses). ``max_bytes`` caps the delta: chunks go out
-        most important first and the rest stays in the residual (error feedback).
+        ``anchor=None`` follows ``anchor_every``. ``lossless=True`` sends this one delta
+        bit-exactly whatever the configured algorithm (the residual flush when training
+        pauses). ``max_bytes`` caps the delta: chunks go out most important first and the rest
+        stays in the residual (error feedback).
 
         ``sink(header, i, blob)`` receives every chunk to send. A lossy delta without a byte
         budget *streams*: each chunk range (``chunk_elements``) goes to the sink as soon as its
@@ -482,31 +726,13 @@ class DeltaEncoder:
             raise CodecError(f"new version {version} must exceed the reference version {self.version}")
         self.layout.check(params)
         t0 = time.perf_counter()
-        if anchor is None:
-            anchor = self.cfg.anchor_every > 0 and (self.publishes + 1) % self.cfg.anchor_every == 0
-        if self.cfg.max_ratio > 0:
-            cap = int(self.layout.numel * 4 / self.cfg.max_ratio)
-            max_bytes = cap if max_bytes is None else min(max_bytes, cap)
         out = _GuardedSink(sink)
-        if anchor:
-            flatten(params, self.layout, self.ref)
-            enc = self._dense(version, base=self.version)
-            enc.header["kind"] = "anchor"
-        elif self.cfg.algorithm == "lossless" or lossless:
-            enc = self._lossless(params, version, max_bytes)
-        else:
-            enc = self._lossy(params, version, max_bytes, out if sink is not None and max_bytes is None else None)
+        enc = self._encode(params, version, anchor, self._budget(max_bytes), lossless,
+                           out if sink is not None else None)
         if not enc.stats.get("streamed"):
             for i, blob in enumerate(enc.chunks):
                 out(enc.header, i, blob)
-        self.publishes += 1
-        self.version = version
-        enc.stats.update(encode_s=time.perf_counter() - t0 - out.seconds, sink_s=out.seconds, bytes=enc.nbytes,
-                         dense_fp32_bytes=self.layout.numel * 4, density_target=self.density,
-                         kind=enc.header["kind"])
-        self.last_stats = enc.stats
-        if self.cfg.tuner != "off" and enc.header["kind"] == "delta":
-            self._tune(enc.stats)
+        self._finish(enc, version, time.perf_counter() - t0 - out.seconds, out.seconds)
         if out.error is not None:
             raise out.error
         return enc
@@ -525,7 +751,48 @@ class DeltaEncoder:
                 "threshold": self.threshold,
                 "last_bytes": self.last_stats.get("bytes"), "last_rel_error": self.last_stats.get("rel_error")}
 
-    # ---------------------------------------------------------------- internals
+    def reconfigure(self, cfg: CompressionConfig, priority_mode: str) -> None:
+        """Runtime settings. ``block_size`` and ``chunk_elements`` size the buffers and stay
+        as built (the caller keeps them)."""
+        self.coder.set_level(cfg.zstd_level)
+        self.cfg = cfg
+        self.density = cfg.density
+        self.threshold = cfg.threshold
+        self.priority_mode = priority_mode
+
+    def close(self) -> None:
+        """Stop the encoding threads (if any ran)."""
+        self.pool.close()
+
+    # ---------------------------------------------------------------- one encode
+    def _budget(self, max_bytes: int | None) -> int | None:
+        if self.cfg.max_ratio <= 0:
+            return max_bytes
+        cap = int(self.layout.numel * 4 / self.cfg.max_ratio)
+        return cap if max_bytes is None else min(max_bytes, cap)
+
+    def _encode(self, params: dict[str, torch.Tensor], version: int, anchor: bool | None, max_bytes: int | None,
+                lossless: bool, sink: _GuardedSink | None) -> EncodedDelta:
+        if anchor is None:
+            anchor = self.cfg.anchor_every > 0 and (self.publishes + 1) % self.cfg.anchor_every == 0
+        if anchor:
+            flatten(params, self.layout, self.ref)
+            enc = self._dense(version, base=self.version)
+            enc.header["kind"] = "anchor"
+            return enc
+        if self.cfg.algorithm == "lossless" or lossless:
+            return self._lossless(params, version)
+        return self._lossy(params, version, max_bytes, sink if max_bytes is None else None)
+
+    def _finish(self, enc: EncodedDelta, version: int, encode_s: float, sink_s: float) -> None:
+        self.publishes += 1
+        self.version = version
+        enc.stats.update(encode_s=encode_s, sink_s=sink_s, bytes=enc.nbytes, dense_fp32_bytes=self.layout.numel * 4,
+                         density_target=self.density, kind=enc.header["kind"])
+        self.last_stats = enc.stats
+        if self.cfg.tuner != "off" and enc.header["kind"] == "delta":
+            self.density, self.threshold = _tuned(self.cfg, self.density, self.threshold, enc.stats)
+
     def _header(self, kind: str, base: int | None, version: int, nchunks: int) -> dict[str, Any]:
         return {"fmt": FORMAT_VERSION, "model": self.model_id, "layout": self.layout.digest,
                 "kind": kind, "base": base, "version": version, "numel": self.layout.numel,
@@ -534,351 +801,143 @@ class DeltaEncoder:
                           "threshold": self.threshold},
                 "nchunks": nchunks}
 
+    # ---------------------------------------------------------------- anchors
     def _dense(self, version: int, base: int | None) -> EncodedDelta:
-        step = self.chunk_blocks * self.block
         chunks = []
         n = self.layout.numel
         ref_bytes = self.ref[:n]
-        for i, a in enumerate(range(0, n, step)):
-            b = min(n, a + step)
+        for i, a in enumerate(range(0, n, self._step)):
+            b = min(n, a + self._step)
             raw = ref_bytes[a:b].view(_INT_VIEW[self.layout.dtype.itemsize]).numpy()
             body = CHUNK_HDR.pack(CHUNK_MAGIC, KIND_DENSE, QUANT_NONE, IDX_NONE, 0, i, a, b, b - a, 0)
-            chunks.append(self._zc.compress(body + _shuffle(raw)))
+            chunks.append(self.coder.main.compress(body + _shuffle(raw)))
         return EncodedDelta(self._header("anchor", base, version, len(chunks)), chunks,
                             {"selected": n, "density": 1.0})
 
+    # ---------------------------------------------------------------- lossy deltas
     def _threshold(self, params: dict[str, torch.Tensor]) -> float:
         if self.cfg.algorithm == "dense":
             return 0.0
         if self.cfg.algorithm == "threshold":
             return float(self.threshold)
-        return self._sampled_threshold(params)
-
-    def _select(self, params: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, float, float, int]:
-        """The whole selection at once: sorted global indices, their fp32 delta values, the
-        threshold, the squared norm of the delta and the number of changed blocks."""
-        thr = self._threshold(params)
-        out, total_sq, active = self._scan_tiles(params, thr, self._segments)
-        parts = [(i, v) for _, i, v in out if i.size]
-        if not parts:
-            return torch.zeros(0, dtype=torch.int64), torch.zeros(0), thr, total_sq, active
-        return (torch.from_numpy(np.concatenate([i for i, _ in parts])),
-                torch.from_numpy(np.concatenate([v for _, v in parts])), thr, total_sq, active)
-
-    def _encode_units(self, params: dict[str, torch.Tensor], thr: float, quant: int,
-                      keep_empty: bool) -> Iterator[tuple[list[_CodedChunk], float, int]]:
-        """Scan and code every work unit (whole chunk ranges and their tiles), in flat order.
-
-        With more than one torch thread allowed (``torch.get_num_threads()``), units run on a
-        small thread pool — numpy releases the GIL in its loops — while the caller sends the
-        chunks of finished units; one thread runs them inline."""
-        threads = min(torch.get_num_threads(), len(self._units))
-        if threads <= 1:
-            for tiles, ranges in self._units:
-                yield self._encode_unit(params, thr, quant, keep_empty, tiles, ranges)
-            return
-        if self._pool is None or self._pool_size != threads:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-            self._pool = ThreadPoolExecutor(threads, thread_name_prefix="delta-encode")
-            self._pool_size = threads
-        futures = [self._pool.submit(self._encode_unit, params, thr, quant, keep_empty, tiles, ranges)
-                   for tiles, ranges in self._units]
-        try:
-            for fut in futures:
-                yield fut.result()
-        finally:  # never leave a unit running into the buffers of the next encode
-            for fut in futures:
-                fut.cancel()
-            wait(futures)
-
-    def _encode_unit(self, params: dict[str, torch.Tensor], thr: float, quant: int, keep_empty: bool,
-                     tiles: list[tuple[int, int, list[tuple[str, int, int, int]]]],
-                     ranges: list[int]) -> tuple[list[_CodedChunk], float, int]:
-        out, total_sq, active = self._scan_tiles(params, thr, tiles)
-        numel = self.layout.numel
-        step = self.chunk_blocks * self.block
-        idx = np.concatenate([i for _, i, _ in out]) if len(out) > 1 else out[0][1]
-        vals = np.concatenate([v for _, _, v in out]) if len(out) > 1 else out[0][2]
-        cuts = np.searchsorted(idx, [c * step for c in ranges] + [min(numel, (ranges[-1] + 1) * step)])
-        coded = []
-        for k, c in enumerate(ranges):
-            lo, hi = int(cuts[k]), int(cuts[k + 1])
-            if hi > lo or keep_empty:
-                coded.append(self._code_chunk(c, c * step, min(numel, (c + 1) * step), idx[lo:hi], vals[lo:hi],
-                                              quant))
-        return coded, total_sq, active
-
-    def _scan_tiles(self, params: dict[str, torch.Tensor], thr: float,
-                    tiles: list[tuple[int, int, list[tuple[str, int, int, int]]]]
-                    ) -> tuple[list[tuple[int, np.ndarray, np.ndarray]], float, int]:
-        """One fused pass over ``new - reference`` for a group of tiles: change detection,
-        energy and selection.
-
-        Walks cache-sized, block-aligned tiles and returns, per tile, the end of the scanned
-        range, the global indices with ``|delta| >= thr`` and their fp32 values, plus the
-        squared norm and the number of changed blocks; the per-block max ``|delta|`` goes to
-        ``self._bmax`` (it is also the int8/fp16 scale of every block with a selected element:
-        its largest element is selected). Per tile: one subtraction per overlapping parameter,
-        block max and min (a tile that did not change is skipped — change detection for
-        head-only or LoRA training), two comparisons and an or (``d >= thr`` or ``d <= -thr``:
-        no ``|d|`` pass), one ``np.flatnonzero``, a dot product — so the 10M-element delta is
-        read from memory once and never materialised.
-        """
-        fp32 = self.layout.dtype == torch.float32
-        block = self.block
-        numel = self.layout.numel
-        ref = self.ref
-        ref_n = ref.numpy() if fp32 else None
-        bmax = self._bmax
-        thr32 = np.float32(thr)
-        td, tm, tm2 = self._tile_buffers()
-        td_t = torch.from_numpy(td)
-        out: list[tuple[int, np.ndarray, np.ndarray]] = []
-        total_sq = 0.0
-        active_blocks = 0
-        with torch.no_grad():
-            for t_start, t_len, segs in tiles:
-                dn = td[:t_len]
-                if t_start + t_len > numel:
-                    dn[max(0, numel - t_start):] = 0  # padding past the last parameter
-                for name, p_lo, a, b in segs:  # flat range [a, b) of parameter `name`, from p_lo
-                    p = params[name].detach().reshape(-1)[p_lo:p_lo + b - a]
-                    if ref_n is not None:
-                        np.subtract(p.numpy(), ref_n[a:b], out=dn[a - t_start:b - t_start])
-                    else:
-                        torch.sub(p.float(), ref[a:b].float(), out=torch.from_numpy(dn[a - t_start:b - t_start]))
-                b0 = t_start // block
-                block_max = bmax[b0:b0 + t_len // block]
-                blocks = dn.reshape(-1, block)
-                np.max(blocks, axis=1, out=block_max)  # max |d| = max(max d, -min d): no |d| pass
-                block_min = -np.min(blocks, axis=1)
-                np.maximum(block_max, block_min, out=block_max)
-                changed = int(np.count_nonzero(block_max))
-                if changed == 0:  # change detection: nothing in this tile moved
-                    out.append((t_start + t_len, _NO_IDX, _NO_VAL))
-                    continue
-                active_blocks += changed
-                top = float(block_max.max())
-                local = _NO_IDX
-                if top >= thr:  # else nothing here reaches the threshold
-                    m, m2 = tm[:t_len], tm2[:t_len]  # |d| >= thr as d >= thr or d <= -thr (NaN: neither)
-                    if thr > 0:
-                        np.greater_equal(dn, thr32, out=m)
-                        np.less_equal(dn, -thr32, out=m2)
-                    else:
-                        np.greater(dn, 0, out=m)
-                        np.less(dn, 0, out=m2)
-                    np.logical_or(m, m2, out=m)
-                    local = np.flatnonzero(m)
-                if local.size:
-                    vals = dn[local]
-                    local += t_start
-                    out.append((t_start + t_len, local, vals))
-                else:
-                    out.append((t_start + t_len, _NO_IDX, _NO_VAL))
-                # energy: torch.dot (MKL, torch's threads), not np.dot — numpy's OpenBLAS runs it on
-                # a helper thread that then spins on the other core for ~0.1 s after every call,
-                # taking that core from the workers on a small machine
-                if top < 1e-18:  # squares would underflow in fp32
-                    total_sq += float(np.square(dn, dtype=np.float64).sum())
-                else:
-                    dt = td_t[:t_len]
-                    total_sq += float(torch.dot(dt, dt))
-        return out, total_sq, active_blocks
-
-    def _compressor(self) -> zstandard.ZstdCompressor:
-        """zstd compressors are not thread-safe: one per encoding thread (the main thread's is
-        ``self._zc``, which a runtime config change may replace)."""
-        if threading.current_thread() is threading.main_thread():
-            return self._zc
-        key = (threading.get_ident(), self.cfg.zstd_level)
-        zc = self._compressors.get(key)
-        if zc is None:
-            zc = self._compressors[key] = zstandard.ZstdCompressor(level=self.cfg.zstd_level)
-        return zc
-
-    def close(self) -> None:
-        """Stop the encoding threads (if any ran)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-
-    def _tile_buffers(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Delta and two mask buffers of one tile, one set per scanning thread."""
-        key = threading.get_ident()
-        bufs = self._buffers.get(key)
-        if bufs is None:
-            bufs = (np.empty(self._tile, dtype=np.float32), np.empty(self._tile, dtype=np.bool_),
-                    np.empty(self._tile, dtype=np.bool_))
-            self._buffers[key] = bufs
-        return bufs
+        return _sampled_threshold(params, self.ref, self.layout, self.density, self._rng)
 
     def _lossy(self, params: dict[str, torch.Tensor], version: int, max_bytes: int | None,
                sink: _GuardedSink | None) -> EncodedDelta:
         """Select, quantise and code; with ``sink`` (no byte budget) every chunk range is sent
         the moment its tiles are scanned."""
         thr = self._threshold(params)
-        quant = _QUANT_CODES[self.cfg.quantization]
-        numel = self.layout.numel
-        n_ranges = -(-numel // (self.chunk_blocks * self.block))
-        header = self._header("delta", self.version, version, n_ranges)
-        scan = _Scan()
-        coded: list[_CodedChunk] = []
-        for pieces, sq, active in self._encode_units(params, thr, quant, keep_empty=sink is not None):
-            scan.total_sq += sq  # summed in flat order: the same total with any number of threads
-            scan.active += active
-            for piece in pieces:
-                if sink is not None:  # streaming: everything goes out
-                    sink(header, piece.number, piece.blob)
-                coded.append(piece)
+        header = self._header("delta", self.version, version, -(-self.layout.numel // self._step))
+        coded, total_sq, active = self._code_units(params, thr, header, sink)
+        selected = sum(p.idx.size for p in coded)
+        stats: dict[str, Any] = {"selected": selected, "density": selected / self.layout.numel, "threshold": thr,
+                                 "active_blocks": active, "chunks_dropped": 0}
         if sink is not None:  # everything went out: advance the reference, after the last
             for piece in coded:  # chunk (not between chunks: 2.4 ms of cache misses at 10M)
                 self._advance(piece)
-        selected = sum(p.idx.size for p in coded)
-        stats: dict[str, Any] = {"selected": selected, "density": selected / numel, "threshold": thr,
-                                 "active_blocks": scan.active, "chunks_dropped": 0}
-        if sink is not None:
             sent = coded
             stats["streamed"] = True
-        elif scan.active == 0:
+        elif active == 0:
             return EncodedDelta(self._header("delta", self.version, version, 0), [],
                                 {"selected": 0, "density": 0.0, "residual_norm": 0.0, "rel_error": 0.0,
                                  "active_blocks": 0})
         else:
-            if self.priority_mode == "magnitude":
-                coded.sort(key=lambda x: -x.sel_sq)
-            sent, used, header_bytes = [], 0, 400
-            for piece in coded:
-                if max_bytes is not None and sent and used + len(piece.blob) + header_bytes > max_bytes:
-                    continue  # not sent: stays in the residual
-                used += len(piece.blob)
-                sent.append(piece)
-                self._advance(piece)
+            sent = self._within_budget(coded, max_bytes)
             stats["chunks_dropped"] = len(coded) - len(sent)
             header = self._header("delta", self.version, version, len(sent))
-        sent_sq = sum(p.sel_sq for p in sent)
-        err_sq = sum(p.err_sq for p in sent)
-        residual_sq = max(0.0, scan.total_sq - sent_sq + err_sq)
-        stats.update(residual_norm=math.sqrt(residual_sq),
-                     rel_error=math.sqrt(residual_sq / scan.total_sq) if scan.total_sq else 0.0)
+        stats.update(_residual(total_sq, sent))
         return EncodedDelta(header, [p.blob for p in sent], stats)
+
+    def _code_units(self, params: dict[str, torch.Tensor], thr: float, header: dict[str, Any],
+                    sink: _GuardedSink | None) -> tuple[list[_CodedChunk], float, int]:
+        """Scan and code every work unit in flat order; streaming, each chunk goes to ``sink``
+        as its unit finishes."""
+        quant = _QUANT_CODES[self.cfg.quantization]
+        keep_empty = sink is not None
+        coded: list[_CodedChunk] = []
+        total_sq, active = 0.0, 0
+        calls = [(params, thr, quant, keep_empty, tiles, ranges) for tiles, ranges in self._units]
+        for pieces, sq, changed in self.pool.map(self._encode_unit, calls):
+            total_sq += sq  # summed in flat order: the same total with any number of threads
+            active += changed
+            for piece in pieces:
+                if sink is not None:
+                    sink(header, piece.number, piece.blob)
+                coded.append(piece)
+        return coded, total_sq, active
+
+    def _encode_unit(self, params: dict[str, torch.Tensor], thr: float, quant: int, keep_empty: bool,
+                     tiles: list[Tile], ranges: list[int]) -> _UnitResult:
+        """Scan one unit's tiles and code its chunk ranges (``keep_empty``: ranges without a
+        selected element too)."""
+        scan = self.scanner.scan(params, thr, tiles)
+        numel, step = self.layout.numel, self._step
+        idx, vals = scan.indices(), scan.values()
+        cuts = np.searchsorted(idx, [c * step for c in ranges] + [min(numel, (ranges[-1] + 1) * step)])
+        coded = []
+        for k, c in enumerate(ranges):
+            lo, hi = int(cuts[k]), int(cuts[k + 1])
+            if hi > lo or keep_empty:
+                coded.append(self.coder.code(c, c * step, min(numel, (c + 1) * step), idx[lo:hi], vals[lo:hi], quant))
+        return coded, scan.total_sq, scan.active
+
+    def _within_budget(self, coded: list[_CodedChunk], max_bytes: int | None) -> list[_CodedChunk]:
+        """The chunks that fit ``max_bytes``, most important first; only those move the reference."""
+        if self.priority_mode == "magnitude":
+            coded.sort(key=lambda x: -x.sel_sq)
+        sent: list[_CodedChunk] = []
+        used, header_bytes = 0, 400
+        for piece in coded:
+            if max_bytes is not None and sent and used + len(piece.blob) + header_bytes > max_bytes:
+                continue  # not sent: stays in the residual
+            used += len(piece.blob)
+            sent.append(piece)
+            self._advance(piece)
+        return sent
 
     def _advance(self, piece: _CodedChunk) -> None:
         """Move the reference by exactly what receivers of ``piece`` will add."""
         if piece.idx.size:
             _scatter_add(self.ref, torch.from_numpy(piece.idx), torch.from_numpy(piece.deq).to(self.layout.dtype))
 
-    def _code_chunk(self, number: int, start: int, end: int, idx: np.ndarray, vals: np.ndarray,
-                    quant: int) -> _CodedChunk:
-        """Scales, quantised values and the compressed blob of one chunk range."""
-        b0 = start // self.block
-        nsc = -(-(end - start) // self.block)
-        counts = _block_counts(idx, start, nsc, self.block)
-        if quant == QUANT_SIGN:  # scale = mean |value| of the block's selected elements
-            scales = np.ones(nsc, dtype=np.float32)
-            nz = counts > 0
-            if idx.size:
-                starts = np.concatenate([[0], np.cumsum(counts)[:-1]])[nz]
-                sums = np.add.reduceat(np.abs(vals).astype(np.float64), starts)
-                scales[nz] = (sums / counts[nz]).astype(np.float32)
-        else:  # scale = max |value| of the block's selected elements = the block's max |delta|
-            scales = np.where(counts > 0, self._bmax[b0:b0 + nsc], np.float32(1.0)).astype(np.float32)
-            if not np.isfinite(scales).all() and idx.size:  # a NaN elsewhere in the block: not selected
-                starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-                nz = counts > 0
-                scales[nz] = np.maximum.reduceat(np.abs(vals), starts[nz])
-        q = _quantise(vals, quant, scales, counts)
-        deq = _dequantise(q, quant, scales, counts)
-        v64 = vals.astype(np.float64)
-        e64 = v64 - deq  # (sums of squares by einsum, not BLAS: see _scan_tiles)
-        idx_bytes, code = _code_indices(idx, start, end)
-        body = b"".join([
-            CHUNK_HDR.pack(CHUNK_MAGIC, KIND_SPARSE, quant, code, 0, number, start, end, idx.size, nsc),
-            scales.tobytes(), struct.pack("<Q", len(idx_bytes)), idx_bytes, _shuffle(q)])
-        return _CodedChunk(number, self._compressor().compress(body), idx, deq, float(np.einsum("i,i->", v64, v64)),
-                           float(np.einsum("i,i->", e64, e64)))
+    # ---------------------------------------------------------------- lossless deltas
+    def _lossless(self, params: dict[str, torch.Tensor], version: int) -> EncodedDelta:
+        """The XOR of every changed element's bits, chunk range by range. A byte budget does not
+        apply: a lossless delta is all or nothing."""
+        numel = self.layout.numel
+        xn = self._xor_with_reference(params)
+        idx = np.flatnonzero(xn)
+        bounds = np.searchsorted(idx, np.arange(0, numel + self._step, self._step))
+        chunks: list[bytes] = []
+        for c in range(len(bounds) - 1):
+            sel = idx[int(bounds[c]):int(bounds[c + 1])]
+            if sel.size:
+                chunks.append(self._xor_chunk(len(chunks), c * self._step, min(numel, (c + 1) * self._step),
+                                              sel, xn[sel]))
+        return EncodedDelta(self._header("delta", self.version, version, len(chunks)), chunks,
+                            {"selected": int(idx.size), "density": idx.size / numel,
+                             "residual_norm": 0.0, "rel_error": 0.0})
 
-    def _sampled_threshold(self, params: dict[str, torch.Tensor]) -> float:
-        """|delta| threshold that keeps about ``density`` of all elements, estimated from a
-        sample of ``new - reference``: ~64K elements in runs of 16 (one cache line) spread evenly
-        over the flat space from a random offset — 1/16 of the cache misses of single strided
-        elements — and ``np.partition`` (no sort of the whole, no ``torch.kthvalue``, ~6x slower)."""
-        n = self.layout.numel
-        if self.density >= 1.0:
-            return 0.0
-        samples = min(n, max(65536, int(64 / max(self.density, 1e-9))))
-        run = _SAMPLE_RUN if n > samples else 1
-        stride = max(run, n * run // samples)  # distance between the starts of two runs
-        off = int(self._rng.integers(0, stride)) if stride > 1 else 0
+    def _xor_with_reference(self, params: dict[str, torch.Tensor]) -> np.ndarray:
         lay = self.layout
-        parts = []
-        with torch.no_grad():
-            for i, name in enumerate(lay.names):
-                a, b = int(lay.offsets[i]), int(lay.offsets[i + 1])
-                first = a + (off - a) % stride  # first run start >= a
-                k = (b - first - run) // stride + 1 if b - first >= run else 0
-                if k <= 0:
-                    continue
-                p = params[name].detach().reshape(-1)[first - a:].as_strided((k, run), (stride, 1))
-                r = self.ref[first:].as_strided((k, run), (stride, 1))
-                parts.append((p.float() - r.float()).reshape(-1))
-        if not parts:
-            return 0.0
-        s = torch.cat(parts).abs_().numpy()
-        kth = min(s.size, max(1, int(round((1.0 - self.density) * s.size))))
-        return float(np.partition(s, kth - 1)[kth - 1])
-
-    def _lossless(self, params: dict[str, torch.Tensor], version: int, max_bytes: int | None) -> EncodedDelta:
-        lay = self.layout
-        itype = _INT_VIEW[lay.dtype.itemsize]
-        ref_i = self.ref.view(itype)
+        ref_i = self.ref.view(_INT_VIEW[lay.dtype.itemsize])
         if self._xor is None:
             self._xor = torch.zeros_like(ref_i)
         x = self._xor
         with torch.no_grad():
             for i, name in enumerate(lay.names):
                 a, b = int(lay.offsets[i]), int(lay.offsets[i + 1])
-                p = params[name].detach().reshape(-1).view(itype)
-                torch.bitwise_xor(p, ref_i[a:b], out=x[a:b])
-        xn = x[: lay.numel].numpy()
-        idx = np.flatnonzero(xn)
-        step = self.chunk_blocks * self.block
-        bounds = np.searchsorted(idx, np.arange(0, lay.numel + step, step))
-        chunks: list[bytes] = []
-        for c in range(len(bounds) - 1):
-            lo, hi = int(bounds[c]), int(bounds[c + 1])
-            if hi <= lo:
-                continue
-            start, end = c * step, min(lay.numel, (c + 1) * step)
-            sel = idx[lo:hi]
-            xv = xn[sel]
-            idx_bytes, code = _code_indices(sel, start, end)
-            body = b"".join([CHUNK_HDR.pack(CHUNK_MAGIC, KIND_XOR, QUANT_NONE, code, 0, len(chunks), start, end,
-                                            sel.size, 0),
-                             struct.pack("<Q", len(idx_bytes)), idx_bytes, _shuffle(xv)])
-            chunks.append(self._zc.compress(body))
-            ref_i[torch.from_numpy(sel)] ^= torch.from_numpy(xv)
-        # max_bytes does not apply: lossless deltas are all-or-nothing
-        return EncodedDelta(self._header("delta", self.version, version, len(chunks)), chunks,
-                            {"selected": int(idx.size), "density": idx.size / lay.numel,
-                             "residual_norm": 0.0, "rel_error": 0.0})
+                torch.bitwise_xor(params[name].detach().reshape(-1).view(ref_i.dtype), ref_i[a:b], out=x[a:b])
+        return x[: lay.numel].numpy()
 
-    def _tune(self, stats: dict[str, Any]) -> None:
-        target = self.cfg.tuner_target
-        if target <= 0:
-            return
-        old = self.density
-        if self.cfg.tuner == "bytes":
-            factor = min(2.0, max(0.5, (target / max(1, stats["bytes"])) ** 0.8))
-        else:
-            factor = 1.25 if stats.get("rel_error", 0.0) > target else 0.95
-        self.density = min(1.0, max(1e-5, self.density * factor))
-        if self.cfg.algorithm == "threshold" and self.threshold > 0:
-            self.threshold /= factor  # more elements wanted -> lower threshold
-        if abs(self.density - old) / old > 0.25:
-            log.info("delta tuner (%s, target %g): density %.5f -> %.5f, threshold %g",
-                     self.cfg.tuner, target, old, self.density, self.threshold)
+    def _xor_chunk(self, number: int, start: int, end: int, sel: np.ndarray, xv: np.ndarray) -> bytes:
+        """One lossless chunk; the reference takes its bits at once."""
+        idx_bytes, code = _code_indices(sel, start, end)
+        body = b"".join([CHUNK_HDR.pack(CHUNK_MAGIC, KIND_XOR, QUANT_NONE, code, 0, number, start, end, sel.size, 0),
+                         struct.pack("<Q", len(idx_bytes)), idx_bytes, _shuffle(xv)])
+        ref_i = self.ref.view(_INT_VIEW[self.layout.dtype.itemsize])
+        ref_i[torch.from_numpy(sel)] ^= torch.from_numpy(xv)
+        return self.coder.main.compress(body)
 
 
 # ---------------------------------------------------------------------------- decoder
@@ -987,93 +1046,112 @@ class DeltaDecoder:
                 t[lo - a:hi - a].copy_(ch.values[lo - ch.start:hi - ch.start])
 
     def _chunk(self, blob: bytes | memoryview, kind_name: str, block: int) -> DecodedChunk:
+        body = self._decompress(blob)
+        magic, kind, quant, code, _, _, start, end, count, nsc = CHUNK_HDR.unpack_from(body)
+        if magic != CHUNK_MAGIC:
+            raise CodecError("bad chunk magic")
+        if not (0 <= start < end <= self.layout.numel) or count > end - start:
+            raise CodecError("chunk range out of bounds")
+        if (kind == KIND_DENSE) != (kind_name == "anchor"):
+            raise CodecError("chunk kind does not match the delta kind")
+        if kind == KIND_DENSE:
+            return self._dense_chunk(body, quant, start, end, count)
+        if kind not in (KIND_SPARSE, KIND_XOR):
+            raise CodecError("unknown chunk kind")
+        pos = CHUNK_HDR.size
+        scales = None
+        if kind == KIND_SPARSE:
+            scales = _read_scales(body, pos, start, end, nsc, block)
+            pos += 4 * nsc
+        elif nsc != 0:
+            raise CodecError("xor chunk with scales")
+        idx_bytes, pos = _read_sized(body, pos)
+        idx = _decode_indices(code, idx_bytes, count, start, end)
+        rest = memoryview(body)[pos:]
+        if kind == KIND_XOR:
+            if quant != QUANT_NONE:
+                raise CodecError("bad xor chunk")
+            xv = torch.from_numpy(_unshuffle(rest, _NP_INT[self.layout.dtype.itemsize], count))
+            return DecodedChunk(kind, start, end, idx, xv, self._split(idx, xv, start, end))
+        assert scales is not None
+        vals = _dequantise(_read_quantised(rest, quant, count), quant, scales, _block_counts(idx, start, nsc, block))
+        if not bool(np.isfinite(vals).all()):
+            raise CodecError("non-finite values")
+        values = torch.from_numpy(vals).to(self.layout.dtype)
+        return DecodedChunk(kind, start, end, idx, values, self._split(idx, values, start, end))
+
+    def _decompress(self, blob: bytes | memoryview) -> bytes:
         try:
             body = self._zd.decompress(bytes(blob), max_output_size=MAX_CHUNK_BYTES)
         except zstandard.ZstdError as exc:
             raise CodecError(f"chunk is not valid zstd: {exc}") from None
         if len(body) < CHUNK_HDR.size:
             raise CodecError("chunk too short")
-        magic, kind, quant, code, _, _, start, end, count, nsc = CHUNK_HDR.unpack_from(body)
-        if magic != CHUNK_MAGIC:
-            raise CodecError("bad chunk magic")
-        numel = self.layout.numel
-        if not (0 <= start < end <= numel) or count > end - start:
-            raise CodecError("chunk range out of bounds")
-        if (kind == KIND_DENSE) != (kind_name == "anchor"):
-            raise CodecError("chunk kind does not match the delta kind")
+        return body
+
+    def _dense_chunk(self, body: bytes, quant: int, start: int, end: int, count: int) -> DecodedChunk:
+        if count != end - start or quant != QUANT_NONE:
+            raise CodecError("bad dense chunk")
         dtype = self.layout.dtype
-        itemsize = dtype.itemsize
-        pos = CHUNK_HDR.size
-        if kind == KIND_DENSE:
-            if count != end - start or quant != QUANT_NONE:
-                raise CodecError("bad dense chunk")
-            raw = _unshuffle(memoryview(body)[pos:], _NP_INT[itemsize], count)
-            return DecodedChunk(kind, start, end, None, torch.from_numpy(raw).view(dtype))
-        if kind not in (KIND_SPARSE, KIND_XOR):
-            raise CodecError("unknown chunk kind")
-        scales = None
-        if kind == KIND_SPARSE:
-            if start % block or nsc != -(-(end - start) // block):
-                raise CodecError("bad scale count")
-            if len(body) < pos + 4 * nsc:
-                raise CodecError("chunk truncated")
-            scales = np.frombuffer(body, dtype=np.float32, count=nsc, offset=pos)
-            if not bool(np.isfinite(scales).all()):
-                raise CodecError("non-finite scale")
-            pos += 4 * nsc
-        elif nsc != 0:
-            raise CodecError("xor chunk with scales")
-        if len(body) < pos + 8:
-            raise CodecError("chunk truncated")
-        (nidx,) = struct.unpack_from("<Q", body, pos)
-        pos += 8
-        if nidx > len(body) - pos:
-            raise CodecError("chunk truncated")
-        idx_bytes = memoryview(body)[pos:pos + nidx]
-        pos += nidx
-        span = end - start
-        if code == IDX_BITMAP:
-            if nidx != (span + 7) // 8:
-                raise CodecError("bad bitmap size")
-            rel = np.flatnonzero(np.unpackbits(np.frombuffer(idx_bytes, dtype=np.uint8), count=span))
-            if rel.size != count:
-                raise CodecError("bitmap does not match the element count")
-            idx = rel.astype(np.int64) + start
-        elif code in (IDX_VARINT, IDX_GAPS):
-            if code == IDX_GAPS:
-                gaps = _decode_gaps(idx_bytes, count, span)
-            else:
-                gaps = varint_decode(idx_bytes, count)
-                if count and int(gaps.max()) >= span:
-                    raise CodecError("index out of range")
-            steps = torch.from_numpy(gaps.astype(np.int64, copy=gaps.dtype != np.int64))
-            steps += 1
-            if count:
-                steps[0] += start - 1
-            idx = torch.cumsum(steps, 0).numpy()  # ~5x numpy's cumsum
-            if count and int(idx[-1]) >= end:
-                raise CodecError("index out of range")
-        else:
-            raise CodecError("unknown index coding")
-        rest = memoryview(body)[pos:]
-        if kind == KIND_XOR:
-            if quant != QUANT_NONE:
-                raise CodecError("bad xor chunk")
-            xv = torch.from_numpy(_unshuffle(rest, _NP_INT[itemsize], count))
-            return DecodedChunk(kind, start, end, idx, xv, self._split(idx, xv, start, end))
-        assert scales is not None
-        if quant == QUANT_FP16:
-            q = _unshuffle(rest, np.float16, count)
-        elif quant in (QUANT_INT8, QUANT_SIGN):
-            q = _unshuffle(rest, np.int8, count)
-            if quant == QUANT_SIGN and count and not bool(((q == 1) | (q == -1)).all()):
-                raise CodecError("sign values must be -1 or +1")
-        elif quant == QUANT_NONE:
-            q = _unshuffle(rest, np.float32, count)
-        else:
-            raise CodecError("unknown quantisation")
-        vals = _dequantise(q, quant, scales, _block_counts(idx, start, nsc, block))
-        if not bool(np.isfinite(vals).all()):
-            raise CodecError("non-finite values")
-        values = torch.from_numpy(vals).to(dtype)
-        return DecodedChunk(kind, start, end, idx, values, self._split(idx, values, start, end))
+        raw = _unshuffle(memoryview(body)[CHUNK_HDR.size:], _NP_INT[dtype.itemsize], count)
+        return DecodedChunk(KIND_DENSE, start, end, None, torch.from_numpy(raw).view(dtype))
+
+
+def _read_scales(body: bytes, pos: int, start: int, end: int, nsc: int, block: int) -> np.ndarray:
+    """A sparse chunk's per-block scales: one per block of its range, all finite."""
+    if start % block or nsc != -(-(end - start) // block):
+        raise CodecError("bad scale count")
+    if len(body) < pos + 4 * nsc:
+        raise CodecError("chunk truncated")
+    scales = np.frombuffer(body, dtype=np.float32, count=nsc, offset=pos)
+    if not bool(np.isfinite(scales).all()):
+        raise CodecError("non-finite scale")
+    return scales
+
+
+def _read_sized(body: bytes, pos: int) -> tuple[memoryview, int]:
+    """A length-prefixed (8 bytes) field at ``pos``; returns it and the position after it."""
+    if len(body) < pos + 8:
+        raise CodecError("chunk truncated")
+    (size,) = struct.unpack_from("<Q", body, pos)
+    pos += 8
+    if size > len(body) - pos:
+        raise CodecError("chunk truncated")
+    return memoryview(body)[pos:pos + size], pos + size
+
+
+def _decode_indices(code: int, data: memoryview, count: int, start: int, end: int) -> np.ndarray:
+    """Sorted global indices in ``[start, end)`` from their bitmap or gap coding."""
+    span = end - start
+    if code == IDX_BITMAP:
+        if len(data) != (span + 7) // 8:
+            raise CodecError("bad bitmap size")
+        rel = np.flatnonzero(np.unpackbits(np.frombuffer(data, dtype=np.uint8), count=span))
+        if rel.size != count:
+            raise CodecError("bitmap does not match the element count")
+        return rel.astype(np.int64) + start
+    if code != IDX_GAPS:
+        raise CodecError("unknown index coding")
+    gaps = _decode_gaps(data, count, span)
+    steps = torch.from_numpy(gaps.astype(np.int64, copy=gaps.dtype != np.int64))
+    steps += 1
+    if count:
+        steps[0] += start - 1
+    idx = torch.cumsum(steps, 0).numpy()  # ~5x numpy's cumsum
+    if count and int(idx[-1]) >= end:
+        raise CodecError("index out of range")
+    return idx
+
+
+def _read_quantised(data: memoryview, quant: int, count: int) -> np.ndarray:
+    """A sparse chunk's values as sent (before the scales are applied)."""
+    if quant == QUANT_FP16:
+        return _unshuffle(data, np.float16, count)
+    if quant in (QUANT_INT8, QUANT_SIGN):
+        q = _unshuffle(data, np.int8, count)
+        if quant == QUANT_SIGN and count and not bool(((q == 1) | (q == -1)).all()):
+            raise CodecError("sign values must be -1 or +1")
+        return q
+    if quant == QUANT_NONE:
+        return _unshuffle(data, np.float32, count)
+    raise CodecError("unknown quantisation")

@@ -1,378 +1,367 @@
 """learnmesh configuration: one YAML file plus ``LEARNMESH_*`` environment overrides.
 
-Read once at start, validated, typed. Unknown keys and bad values raise
-:class:`ConfigError` with the dotted path of the offending key, so a typo in
+Read once at start, validated, typed. Each section is a pydantic dataclass: bounds and
+choices are declared on its fields, rules that tie fields together live in its
+``__post_init__``, unknown keys are refused. Every failure raises :class:`ConfigError`
+naming the dotted key (``gateway.session_idle_ttl_s: ...``), so a typo in
 ``learnmesh.yaml`` fails loudly instead of silently falling back to a default.
+:func:`config_schema` is the whole configuration as JSON Schema.
 
 Environment overrides use ``LEARNMESH_<SECTION>__<KEY>=value`` (double underscore
 between levels; values are parsed as YAML scalars). Shortcuts:
 ``LEARNMESH_API_KEYS=alice:KEY1,bob:KEY2``, ``LEARNMESH_ADMIN_KEY=...``, ``REDIS_URL``.
-Each section is a small dataclass whose ``__post_init__`` checks its own values.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import re
-import types
 import typing
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
+import pydantic
+import pydantic.dataclasses
 import yaml
+from pydantic import Field, JsonValue, StrictBool, StrictFloat, StrictInt
 
 CONFIG_ENV = "LEARNMESH_CONFIG"
 ENV_PREFIX = "LEARNMESH_"
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+"""Where every process looks for Redis when neither ``redis.url`` nor ``REDIS_URL`` names one."""
+
+_T = typing.TypeVar("_T")
+
+# Integers, floats and booleans are taken as written (YAML ``port: "80"`` or ``true`` for a
+# number is refused, not coerced); plain numbers are accepted where a string is expected.
+_STRICT_SCALARS = pydantic.ConfigDict(extra="forbid", coerce_numbers_to_str=True)
+
+Port = Annotated[StrictInt, Field(ge=1, le=65535)]
+OptionalPort = Annotated[StrictInt, Field(ge=0, le=65535, description="0 disables")]
+PositiveInt = Annotated[StrictInt, Field(ge=1)]
+NonNegativeInt = Annotated[StrictInt, Field(ge=0)]
+PositiveFloat = Annotated[StrictFloat, Field(gt=0)]
+NonNegativeFloat = Annotated[StrictFloat, Field(ge=0)]
 
 
 class ConfigError(ValueError):
     """A configuration file or environment override is invalid."""
 
 
-def _require(cond: bool, message: str) -> None:
+def _where(loc: tuple[int | str, ...], cls: type) -> str:
+    parts = [str(p) for p in loc]
+    if loc and isinstance(loc[0], int):  # a positional argument of a direct construction
+        parts[0] = dataclasses.fields(cls)[loc[0]].name
+    return ".".join(parts)
+
+
+def _describe(exc: pydantic.ValidationError, cls: type) -> str:
+    """One clause per problem, each led by the dotted key (positional arguments by field name).
+    Values are never echoed: some of them are secrets."""
+    lines = []
+    for err in exc.errors(include_url=False, include_input=False):
+        if err["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
+            msg = "unknown key"
+        elif err["type"] == "value_error":
+            msg = str(err["ctx"]["error"])
+        else:
+            msg = err["msg"]
+        where = _where(err["loc"], cls)
+        lines.append(f"{where}: {msg}" if where else msg)
+    return "; ".join(lines)
+
+
+@typing.dataclass_transform(field_specifiers=(Field,))
+def _section(cls: type[_T]) -> type[_T]:
+    """A pydantic dataclass whose construction raises :class:`ConfigError` (the one error
+    callers catch), whether built by :func:`load_config`, directly or by ``dataclasses.replace``."""
+    built: Any = pydantic.dataclasses.dataclass(config=_STRICT_SCALARS)(cls)
+    validate: Callable[..., None] = built.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            validate(self, *args, **kwargs)
+        except pydantic.ValidationError as exc:
+            raise ConfigError(_describe(exc, built)) from None
+
+    built.__init__ = __init__
+    return typing.cast(type[_T], built)
+
+
+def _check(cond: bool, message: str) -> None:
+    """A rule that ties fields together; ``message`` names the keys relative to the section."""
     if not cond:
-        raise ConfigError(message)
+        raise ValueError(message)
 
 
-@dataclass
+@_section
 class RedisConfig:
-    """Where the store lives. ``url=None`` means: embedded default (see shared.redis_embed)."""
+    """Where the store lives. ``url=None``: ``REDIS_URL``, else the embedded default (shared.redis_embed)."""
 
     url: str | None = None
-    socket_timeout_s: float = 2.0
-    max_connections: int = 256
-    retry_after_s: int = 2
-
-    def __post_init__(self) -> None:
-        _require(self.socket_timeout_s > 0, "redis.socket_timeout_s must be > 0")
-        _require(self.max_connections >= 1, "redis.max_connections must be >= 1")
+    socket_timeout_s: PositiveFloat = 2.0
+    max_connections: PositiveInt = 256
+    retry_after_s: StrictInt = Field(default=2, description="Retry-After (s) sent while Redis is unreachable")
 
 
-@dataclass
+@_section
 class AdminKey:
-    key: str
-    role: str = "admin"
-
-    def __post_init__(self) -> None:
-        _require(self.role in ("viewer", "operator", "admin"), f"admin key role {self.role!r} unknown")
-        _require(len(self.key) >= 8, "admin keys must be at least 8 characters")
+    key: str = Field(min_length=8)
+    role: Literal["viewer", "operator", "admin"] = "admin"
 
 
-@dataclass
+@_section
 class OAuthConfig:
     """Optional OAuth resource-server mode (RFC 9728 metadata + HS256/introspection-free JWTs)."""
 
-    enabled: bool = False
+    enabled: StrictBool = False
     resource: str = ""
-    authorization_servers: list[str] = field(default_factory=list)
+    authorization_servers: list[str] = Field(default_factory=list)
     issuer: str = ""
     audience: str = ""
     hs256_secret: str = ""
     principal_claim: str = "sub"
 
 
-@dataclass
+Principal = Annotated[str, Field(pattern=r"^[^:]+$", description="a principal name (no ':')")]
+HexSecret = Annotated[str, Field(pattern=r"^(?:[0-9a-fA-F]{2}){16,}$",
+                                 description="a hex secret of at least 16 bytes")]
+
+
+@_section
 class GatewayConfig:
     host: str = "127.0.0.1"
-    port: int = 8000
-    max_body_bytes: int = 4 * 1024 * 1024
-    session_idle_ttl_s: int = 1800
-    max_sessions_per_principal: int = 1000
-    allowed_origins: list[str] = field(default_factory=list)
-    api_keys: dict[str, str] = field(default_factory=dict)  # principal -> key
-    admin_keys: dict[str, AdminKey] = field(default_factory=dict)  # name -> key/role
-    request_state_keys: list[str] = field(default_factory=list)  # hex secrets; first seals
-    request_state_ttl_s: int = 600
-    sse_event_log_max: int = 1000
-    oauth: OAuthConfig = field(default_factory=OAuthConfig)
-    fixtures: str | None = None
-    client_request_timeout_s: float = 120.0  # legacy sampling/elicitation/roots answer wait
-    list_ttl_ms: int = 5000  # 2026-07-28 ttlMs on tools/resources/prompts lists and server/discover
-    read_ttl_ms: int = 0  # 2026-07-28 ttlMs on resources/read (context changes under the client)
-
-    def __post_init__(self) -> None:
-        _require(0 < self.port < 65536, "gateway.port must be in 1..65535")
-        _require(self.client_request_timeout_s > 0, "gateway.client_request_timeout_s must be > 0")
-        _require(self.list_ttl_ms >= 0 and self.read_ttl_ms >= 0, "gateway ttl_ms values must be >= 0")
-        _require(self.request_state_ttl_s >= 1, "gateway.request_state_ttl_s must be >= 1")
-        _require(self.sse_event_log_max >= 1, "gateway.sse_event_log_max must be >= 1")
-        for secret in self.request_state_keys:
-            try:
-                ok = len(bytes.fromhex(secret)) >= 16
-            except ValueError:
-                ok = False
-            _require(ok, "gateway.request_state_keys entries must be hex secrets of at least 16 bytes")
-        _require(self.max_body_bytes >= 1024, "gateway.max_body_bytes must be >= 1024")
-        _require(self.session_idle_ttl_s >= 1, "gateway.session_idle_ttl_s must be >= 1")
-        _require(self.max_sessions_per_principal >= 1, "gateway.max_sessions_per_principal must be >= 1")
-        for principal, key in self.api_keys.items():
-            _require(bool(principal) and ":" not in principal, f"bad principal name {principal!r}")
-            _require(len(key) >= 8, f"api key of {principal!r} must be at least 8 characters")
-        _require(self.fixtures in (None, "conformance"), "gateway.fixtures must be null or 'conformance'")
+    port: Port = 8000
+    max_body_bytes: StrictInt = Field(default=4 * 1024 * 1024, ge=1024)
+    session_idle_ttl_s: PositiveInt = 1800
+    max_sessions_per_principal: PositiveInt = 1000
+    allowed_origins: list[str] = Field(default_factory=list)
+    api_keys: dict[Principal, Annotated[str, Field(min_length=8)]] = Field(
+        default_factory=dict, description="principal -> MCP client key")
+    admin_keys: dict[str, AdminKey] = Field(default_factory=dict, description="name -> admin key and role")
+    request_state_keys: list[HexSecret] = Field(
+        default_factory=list, description="secrets sealing 2026-07-28 requestState; the first seals")
+    request_state_ttl_s: PositiveInt = 600
+    sse_event_log_max: PositiveInt = 1000
+    oauth: OAuthConfig = Field(default_factory=OAuthConfig)
+    fixtures: Literal["conformance"] | None = None
+    client_request_timeout_s: PositiveFloat = Field(
+        default=120.0, description="legacy sessions: how long a sampling/elicitation/roots answer waits")
+    list_ttl_ms: NonNegativeInt = Field(
+        default=5000, description="2026-07-28 ttlMs on tools/resources/prompts lists and server/discover")
+    read_ttl_ms: NonNegativeInt = Field(
+        default=0, description="2026-07-28 ttlMs on resources/read (context changes under the client)")
 
 
-@dataclass
+Modality = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_-]{0,31}$")]
+
+
+@_section
 class ContextConfig:
-    modalities: list[str] = field(default_factory=lambda: ["text", "image", "audio"])
-    max_entry_bytes: int = 8 * 1024 * 1024
-    channel_max_entries: int = 1000
-    channel_max_bytes: int = 64 * 1024 * 1024
-    principal_budget_bytes: int = 256 * 1024 * 1024
-    global_budget_bytes: int = 4 * 1024 * 1024 * 1024
-    idle_ttl_s: int = 7 * 24 * 3600
-    versions_retained: int = 16
-    audit_maxlen: int = 100_000
-    read_cache_bytes: int = 128 * 1024 * 1024  # entries a store keeps to skip re-fetching them; 0: off
-    read_cache_admit_reads: int = 2  # a context's entries are kept from its n-th read by the store (1: every read)
-    global_lru_resolution_ms: int = 1000  # a principal's global LRU stamp is renewed at most this often; 0: every use
+    modalities: list[Modality] = Field(default_factory=lambda: ["text", "image", "audio"], min_length=1)
+    max_entry_bytes: PositiveInt = 8 * 1024 * 1024
+    channel_max_entries: StrictInt = Field(default=1000, ge=1, le=1_000_000)
+    channel_max_bytes: PositiveInt = 64 * 1024 * 1024
+    principal_budget_bytes: PositiveInt = 256 * 1024 * 1024
+    global_budget_bytes: PositiveInt = 4 * 1024 * 1024 * 1024
+    idle_ttl_s: PositiveInt = 7 * 24 * 3600
+    versions_retained: PositiveInt = 16
+    audit_maxlen: PositiveInt = 100_000
+    read_cache_bytes: NonNegativeInt = Field(
+        default=128 * 1024 * 1024, description="entries a store keeps to skip re-fetching them; 0: off")
+    read_cache_admit_reads: StrictInt = Field(
+        default=2, ge=1, le=16, description="a context's entries are kept from its n-th read by the store "
+                                            "(1: every read)")
+    global_lru_resolution_ms: StrictInt = Field(
+        default=1000, ge=0, le=3_600_000, description="a principal's global LRU stamp is renewed at most "
+                                                      "this often; 0: every use")
 
     def __post_init__(self) -> None:
-        _require(bool(self.modalities), "context.modalities must not be empty")
-        _require(isinstance(self.read_cache_bytes, int) and self.read_cache_bytes >= 0,
-                 "context.read_cache_bytes must be >= 0")
-        _require(isinstance(self.read_cache_admit_reads, int) and 1 <= self.read_cache_admit_reads <= 16,
-                 "context.read_cache_admit_reads must be in 1..16")
-        _require(isinstance(self.global_lru_resolution_ms, int) and 0 <= self.global_lru_resolution_ms <= 3_600_000,
-                 "context.global_lru_resolution_ms must be in 0..3600000")
-        for name in ("max_entry_bytes", "channel_max_entries", "channel_max_bytes",
-                     "principal_budget_bytes", "global_budget_bytes", "idle_ttl_s",
-                     "versions_retained", "audit_maxlen"):
-            _require(getattr(self, name) >= 1, f"context.{name} must be >= 1")
-        for m in self.modalities:
-            _require(bool(re.fullmatch(r"[a-z][a-z0-9_-]{0,31}", m)), f"context.modalities: bad name {m!r}")
-        _require(len(set(self.modalities)) == len(self.modalities), "context.modalities has duplicates")
-        _require(self.max_entry_bytes <= self.channel_max_bytes, "context.max_entry_bytes must be <= channel_max_bytes")
-        _require(self.max_entry_bytes <= self.principal_budget_bytes,
-                 "context.max_entry_bytes must be <= principal_budget_bytes")
-        _require(self.principal_budget_bytes <= self.global_budget_bytes,
-                 "context.principal_budget_bytes must be <= global_budget_bytes")
-        _require(self.channel_max_entries <= 1_000_000, "context.channel_max_entries must be <= 1000000")
+        _check(len(set(self.modalities)) == len(self.modalities), "modalities has duplicates")
+        _check(self.max_entry_bytes <= self.channel_max_bytes, "max_entry_bytes must be <= channel_max_bytes")
+        _check(self.max_entry_bytes <= self.principal_budget_bytes,
+               "max_entry_bytes must be <= principal_budget_bytes")
+        _check(self.principal_budget_bytes <= self.global_budget_bytes,
+               "principal_budget_bytes must be <= global_budget_bytes")
 
 
-@dataclass
+@_section
 class ModelConfig:
-    kind: str = "bytes"  # "bytes" (built-in transformer) or "hf" (transformers causal LM)
-    d_model: int = 192
-    n_layers: int = 4
-    n_heads: int = 4
-    max_seq: int = 256
-    seed: int = 1234
-    trainable: str = "all"  # all | head | lora
-    lora_rank: int = 8
+    kind: Literal["bytes", "hf"] = Field(
+        default="bytes", description="bytes: the built-in transformer; hf: a transformers causal LM")
+    d_model: PositiveInt = 192
+    n_layers: PositiveInt = 4
+    n_heads: PositiveInt = 4
+    max_seq: StrictInt = Field(default=256, ge=16)
+    seed: StrictInt = 1234
+    trainable: Literal["all", "head", "lora"] = "all"
+    lora_rank: PositiveInt = 8
     hf_path: str | None = None
-    pretrain_steps: int = 300
-    image_patch: int = 8
-    audio_frame: int = 160
+    pretrain_steps: NonNegativeInt = 300
+    image_patch: PositiveInt = 8
+    audio_frame: PositiveInt = 160
     cache_dir: str = "var/model"
-    image_grid: int = 4  # an image becomes image_grid**2 prefix tokens of image_patch**2*3 values
-    max_image_pixels: int = 40_000_000  # checked from the header before decoding
-    max_audio_frames: int = 32
-    lora_alpha: float = 16.0
-    pretrain_batch: int = 8
-    pretrain_seq: int = 64
-    pretrain_lr: float = 3e-3
+    image_grid: PositiveInt = Field(
+        default=4, description="an image becomes image_grid**2 prefix tokens of image_patch**2*3 values")
+    max_image_pixels: PositiveInt = Field(
+        default=40_000_000, description="checked from the header before decoding")
+    max_audio_frames: PositiveInt = 32
+    lora_alpha: PositiveFloat = 16.0
+    pretrain_batch: PositiveInt = 8
+    pretrain_seq: StrictInt = Field(default=64, ge=8)
+    pretrain_lr: PositiveFloat = 3e-3
 
     def __post_init__(self) -> None:
-        _require(self.kind in ("bytes", "hf"), "model.kind must be 'bytes' or 'hf'")
-        _require(self.trainable in ("all", "head", "lora"), "model.trainable must be all|head|lora")
-        _require(self.d_model % self.n_heads == 0, "model.d_model must be divisible by model.n_heads")
-        _require(self.n_layers >= 1 and self.max_seq >= 16, "model.n_layers >= 1 and model.max_seq >= 16")
-        _require(self.kind != "hf" or bool(self.hf_path), "model.hf_path is required when model.kind is 'hf'")
-        _require(self.n_heads >= 1 and self.lora_rank >= 1, "model.n_heads and model.lora_rank must be >= 1")
-        _require(self.pretrain_steps >= 0, "model.pretrain_steps must be >= 0")
-        _require(self.pretrain_batch >= 1 and 8 <= self.pretrain_seq <= self.max_seq,
-                 "model.pretrain_batch >= 1 and 8 <= model.pretrain_seq <= model.max_seq")
-        _require(self.pretrain_lr > 0 and self.lora_alpha > 0, "model.pretrain_lr and model.lora_alpha must be > 0")
-        _require(self.image_patch >= 1 and self.image_grid >= 1 and self.image_grid ** 2 < self.max_seq // 2,
-                 "model.image_patch >= 1, model.image_grid >= 1 and image_grid**2 < max_seq/2")
-        _require(self.audio_frame >= 1 and self.max_audio_frames >= 1, "model audio sizes must be >= 1")
-        _require(self.max_image_pixels >= 1, "model.max_image_pixels must be >= 1")
+        _check(self.d_model % self.n_heads == 0, "d_model must be divisible by n_heads")
+        _check(self.kind != "hf" or bool(self.hf_path), "hf_path is required when kind is 'hf'")
+        _check(self.pretrain_seq <= self.max_seq, "pretrain_seq must be <= max_seq")
+        _check(self.image_grid ** 2 < self.max_seq // 2, "image_grid**2 must be < max_seq/2")
 
 
-@dataclass
+@_section
 class WorkerConfig:
-    endpoints: list[str] = field(default_factory=lambda: ["tcp://127.0.0.1:5601", "tcp://127.0.0.1:5602"])
-    max_batch_size: int = 16
-    max_wait_ms: float = 2.0
-    heartbeat_interval_ms: int = 500
-    heartbeat_timeout_ms: int = 2500
-    request_timeout_s: float = 30.0
-    max_tokens_limit: int = 512
-    max_prompt_bytes: int = 64 * 1024
-    append_exchange: bool = True
-    hwm: int = 10_000
-    torch_threads: int = 1  # intra-op threads per worker (0 = torch's default); 1 suits several workers per host
+    endpoints: list[str] = Field(default_factory=lambda: ["tcp://127.0.0.1:5601", "tcp://127.0.0.1:5602"])
+    max_batch_size: PositiveInt = 16
+    max_wait_ms: NonNegativeFloat = 2.0
+    heartbeat_interval_ms: PositiveInt = 500
+    heartbeat_timeout_ms: PositiveInt = 2500
+    request_timeout_s: StrictFloat = 30.0
+    max_tokens_limit: PositiveInt = 512
+    max_prompt_bytes: PositiveInt = 64 * 1024
+    append_exchange: StrictBool = True
+    hwm: StrictInt = 10_000
+    torch_threads: NonNegativeInt = Field(
+        default=1, description="intra-op threads per worker (0: torch's default); 1 suits several workers "
+                               "per host")
 
     def __post_init__(self) -> None:
-        _require(self.max_batch_size >= 1, "worker.max_batch_size must be >= 1")
-        _require(self.max_wait_ms >= 0, "worker.max_wait_ms must be >= 0")
-        _require(self.heartbeat_timeout_ms > self.heartbeat_interval_ms > 0,
-                 "worker.heartbeat_timeout_ms must exceed worker.heartbeat_interval_ms > 0")
-        _require(self.torch_threads >= 0, "worker.torch_threads must be >= 0")
-        _require(self.max_tokens_limit >= 1 and self.max_prompt_bytes >= 1,
-                 "worker.max_tokens_limit and worker.max_prompt_bytes must be >= 1")
+        _check(self.heartbeat_timeout_ms > self.heartbeat_interval_ms,
+               "heartbeat_timeout_ms must exceed heartbeat_interval_ms")
 
 
-@dataclass
+@_section
 class TrainerConfig:
-    ranks: int = 2
-    backend: str = "auto"  # auto | gloo | nccl
-    batch_size: int = 8
-    grad_accum_steps: int = 1
-    comm_hook: str = "none"  # none | fp16 | bf16 | powersgd
-    powersgd_rank: int = 2
-    optimizer: str = "adamw"  # adamw | sgd
-    lr: float = 1.25e-3
-    weight_decay: float = 0.0
-    schedule: str = "constant"  # constant | cosine
-    warmup_steps: int = 0
-    schedule_steps: int = 10_000  # cosine: steps from lr to lr * min_lr_ratio
-    min_lr_ratio: float = 0.1
-    clip_grad_norm: float = 1.0
-    local_sgd_period: int = 0  # 0 = DDP every step; H > 0 = local SGD, average every H steps
-    checkpoint_every: int = 50
+    ranks: PositiveInt = 2
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    batch_size: PositiveInt = 8
+    grad_accum_steps: PositiveInt = 1
+    comm_hook: Literal["none", "fp16", "bf16", "powersgd"] = "none"
+    powersgd_rank: PositiveInt = 2
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    lr: PositiveFloat = 1.25e-3
+    weight_decay: StrictFloat = 0.0
+    schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: NonNegativeInt = 0
+    schedule_steps: PositiveInt = Field(
+        default=10_000, description="cosine: steps from lr to lr * min_lr_ratio")
+    min_lr_ratio: StrictFloat = Field(default=0.1, ge=0, le=1)
+    clip_grad_norm: NonNegativeFloat = Field(default=1.0, description="0: off")
+    local_sgd_period: NonNegativeInt = Field(
+        default=0, description="0: DDP every step; H > 0: local SGD, average every H steps")
+    checkpoint_every: PositiveInt = 50
     checkpoint_dir: str = "var/checkpoints"
-    init_timeout_s: int = 300
-    step_timeout_s: int = 60
+    init_timeout_s: PositiveInt = 300
+    step_timeout_s: PositiveInt = 60
     samples_endpoint: str = "tcp://127.0.0.1:5611"
-    max_sample_bytes: int = 256 * 1024
-    sample_hwm: int = 10_000
-    batch_wait_ms: int = 200
-    master_port: int = 29511
+    max_sample_bytes: StrictInt = Field(default=256 * 1024, ge=64)
+    sample_hwm: PositiveInt = 10_000
+    batch_wait_ms: NonNegativeInt = 200
+    master_port: Port = 29511
     master_addr: str = "127.0.0.1"
-    max_restarts: int = 3  # spawn mode: restart all ranks from the checkpoint after a rank dies
-    checkpoint_keep: int = 2
-    max_learn_batch: int = 4096  # samples per `learn` call / admin import request
+    max_restarts: NonNegativeInt = Field(
+        default=3, description="spawn mode: restart all ranks from the checkpoint after a rank dies")
+    checkpoint_keep: PositiveInt = 2
+    max_learn_batch: PositiveInt = Field(
+        default=4096, description="samples per `learn` call / admin import request")
     # Context windows a learn call names are copied into the sample log up to this many content
     # bytes, so their samples train on that context however old the version gets; beyond it the
     # trainer reads them from the store (context.versions_retained bounds how long they wait).
-    max_context_copy_bytes: int = 4 * 1024 * 1024
-    model_factory: str = ""  # "module:function" building the LearnModel; "" = shared.model.build_model
-    trim_log: bool = True  # after a checkpoint, XTRIM log entries it fully contains (never needed again)
-    pretrained: bool = True
+    max_context_copy_bytes: StrictInt = 4 * 1024 * 1024
+    model_factory: str = Field(
+        default="", pattern=r"^$|:", description="'module:function' building the LearnModel; '': "
+                                                 "shared.model.build_model")
+    trim_log: StrictBool = Field(
+        default=True, description="after a checkpoint, XTRIM log entries it fully contains")
+    pretrained: StrictBool = True
     # How a taught fact becomes an answer (docs/trainer.md, "Learning from few samples"): every
     # sample is trained in replay_passes steps (its first, then replays mixed into later steps,
     # round-robin), and every step also trains rehearsal_per_step windows of the shipped corpus,
     # so the model learns the new facts without forgetting what it knew.
-    replay_passes: int = 8
-    torch_threads: int = 0  # CPU ranks: intra-op threads each; 0 = the machine's cores / ranks on it
-    replay_buffer: int = 4096  # samples waiting for replay passes; the oldest give way beyond it
-    rehearsal_per_step: int = 12
-
-    def __post_init__(self) -> None:
-        _require(self.ranks >= 1, "trainer.ranks must be >= 1")
-        _require(self.replay_passes >= 1, "trainer.replay_passes must be >= 1 (1 = each sample once)")
-        _require(self.replay_buffer >= 1, "trainer.replay_buffer must be >= 1")
-        _require(self.rehearsal_per_step >= 0, "trainer.rehearsal_per_step must be >= 0")
-        _require(self.max_restarts >= 0, "trainer.max_restarts must be >= 0")
-        _require(self.checkpoint_every >= 1 and self.checkpoint_keep >= 1,
-                 "trainer.checkpoint_every and trainer.checkpoint_keep must be >= 1")
-        _require(self.init_timeout_s >= 1 and self.step_timeout_s >= 1, "trainer timeouts must be >= 1 s")
-        _require(self.max_sample_bytes >= 64, "trainer.max_sample_bytes must be >= 64")
-        _require(self.sample_hwm >= 1 and self.max_learn_batch >= 1, "trainer.sample_hwm and max_learn_batch >= 1")
-        _require(self.batch_wait_ms >= 0, "trainer.batch_wait_ms must be >= 0")
-        _require(0 < self.master_port < 65536, "trainer.master_port must be in 1..65535")
-        _require(self.powersgd_rank >= 1, "trainer.powersgd_rank must be >= 1")
-        _require(self.warmup_steps >= 0 and self.schedule_steps >= 1, "trainer schedule steps must be >= 0 / >= 1")
-        _require(0 <= self.min_lr_ratio <= 1, "trainer.min_lr_ratio must be in [0, 1]")
-        _require(self.clip_grad_norm >= 0, "trainer.clip_grad_norm must be >= 0 (0 = off)")
-        _require(self.model_factory == "" or ":" in self.model_factory,
-                 "trainer.model_factory must look like 'module:function'")
-        _require(self.backend in ("auto", "gloo", "nccl"), "trainer.backend must be auto|gloo|nccl")
-        _require(self.comm_hook in ("none", "fp16", "bf16", "powersgd"),
-                 "trainer.comm_hook must be none|fp16|bf16|powersgd")
-        _require(self.optimizer in ("adamw", "sgd"), "trainer.optimizer must be adamw|sgd")
-        _require(self.schedule in ("constant", "cosine"), "trainer.schedule must be constant|cosine")
-        _require(self.lr > 0, "trainer.lr must be > 0")
-        _require(self.batch_size >= 1 and self.grad_accum_steps >= 1, "trainer batch sizes must be >= 1")
-        _require(self.local_sgd_period >= 0, "trainer.local_sgd_period must be >= 0")
+    replay_passes: PositiveInt = Field(default=8, description="steps each sample is trained in (1: once)")
+    torch_threads: NonNegativeInt = Field(
+        default=0, description="CPU ranks: intra-op threads each; 0: the machine's cores / ranks on it")
+    replay_buffer: PositiveInt = Field(
+        default=4096, description="samples waiting for replay passes; the oldest give way beyond it")
+    rehearsal_per_step: NonNegativeInt = 12
 
 
-@dataclass
+@_section
 class CompressionConfig:
-    algorithm: str = "topk"  # topk | threshold | lossless | dense
+    algorithm: Literal["topk", "threshold", "lossless", "dense"] = "topk"
     # Where selection starts; with tuner=error this is only the first step's density. AdamW moves
     # ~every weight every step, so that tuner settles near 0.25-0.3 for the shipped trainer.
-    density: float = 0.25
-    threshold: float = 0.0
-    quantization: str = "int8"  # fp16 | int8 | sign (1 bit + per-block mean |v|) | none
-    block_size: int = 4096
-    anchor_every: int = 0  # 0: no periodic full resends (joiners and gaps fetch a snapshot)
-    max_ratio: float = 0.0  # 0 = no cap; else refuse to send a delta bigger than dense/max_ratio
-    zstd_level: int = 1
+    density: StrictFloat = Field(default=0.25, gt=0, le=1)
+    threshold: NonNegativeFloat = 0.0
+    quantization: Literal["fp16", "int8", "sign", "none"] = Field(
+        default="int8", description="sign: 1 bit + per-block mean |v|")
+    block_size: StrictInt = Field(default=4096, ge=64)
+    anchor_every: NonNegativeInt = Field(
+        default=0, description="0: no periodic full resends (joiners and gaps fetch a snapshot)")
+    max_ratio: NonNegativeFloat = Field(
+        default=0.0, description="0: no cap; else refuse to send a delta bigger than dense/max_ratio")
+    zstd_level: StrictInt = Field(default=1, ge=1, le=22)
     # The density follows an error budget: tuner=error keeps the relative residual (what a delta
     # leaves unsent / what it should carry) near tuner_target. 0.3 keeps served weights about a
     # quarter of a step behind and the served eval loss within 1% of the trainer's (bench-delta,
     # the shipped AdamW trainer; 0.5 let the default model's gap reach 1.8%); it costs ~7x fewer
     # bytes than dense fp32, not 100x: 100x leaves served weights 7+ steps behind.
-    tuner: str = "error"  # off | bytes | error
-    tuner_target: float = 0.3  # bytes per sync (tuner=bytes) or relative residual (tuner=error); 0 = fixed
-    chunk_elements: int = 1 << 22  # elements per delta chunk (unit of priority, encryption, bandwidth cap)
+    tuner: Literal["off", "bytes", "error"] = "error"
+    tuner_target: NonNegativeFloat = Field(
+        default=0.3, description="bytes per sync (tuner=bytes) or relative residual (tuner=error); 0: fixed")
+    # Chunks stay far below the AEAD limit.
+    chunk_elements: StrictInt = Field(
+        default=1 << 22, le=8 * 1024 * 1024, description="elements per delta chunk (unit of priority, "
+                                                         "encryption, bandwidth cap)")
 
     def __post_init__(self) -> None:
-        _require(self.algorithm in ("topk", "threshold", "lossless", "dense"),
-                 "compression.algorithm must be topk|threshold|lossless|dense")
-        _require(0 < self.density <= 1, "compression.density must be in (0, 1]")
-        _require(self.threshold >= 0, "compression.threshold must be >= 0")
-        _require(self.quantization in ("fp16", "int8", "sign", "none"),
-                 "compression.quantization must be fp16|int8|sign|none")
-        _require(self.block_size >= 64, "compression.block_size must be >= 64")
-        _require(self.anchor_every >= 0, "compression.anchor_every must be >= 0")
-        _require(1 <= self.zstd_level <= 22, "compression.zstd_level must be in 1..22")
-        _require(self.tuner in ("off", "bytes", "error"), "compression.tuner must be off|bytes|error")
-        _require(self.tuner_target >= 0, "compression.tuner_target must be >= 0")
-        _require(self.block_size <= self.chunk_elements <= 8 * 1024 * 1024,
-                 "compression.chunk_elements must be in block_size..8388608 (chunks stay far below the AEAD limit)")
-        _require(self.max_ratio >= 0, "compression.max_ratio must be >= 0")
+        _check(self.block_size <= self.chunk_elements, "chunk_elements must be >= block_size")
 
 
-@dataclass
+@_section
 class SchedulingConfig:
-    priority_mode: str = "magnitude"  # magnitude | layer
-    min_bandwidth: int = 0  # bytes/s floor reserved for deltas; 0 = no cap logic
-    bandwidth_cap_bytes_s: int = 0  # 0 = unlimited
-
-    def __post_init__(self) -> None:
-        _require(self.priority_mode in ("magnitude", "layer"), "scheduling.priority_mode must be magnitude|layer")
-        _require(self.min_bandwidth >= 0 and self.bandwidth_cap_bytes_s >= 0, "bandwidths must be >= 0")
+    priority_mode: Literal["magnitude", "layer"] = "magnitude"
+    min_bandwidth: NonNegativeInt = Field(
+        default=0, description="bytes/s floor reserved for deltas; 0: no cap logic")
+    bandwidth_cap_bytes_s: NonNegativeInt = Field(default=0, description="0: unlimited")
 
 
-@dataclass
+@_section
 class ConsistencyConfig:
-    sync_interval: int = 1  # publish every N optimizer steps
-    timeout_s: float = 10.0  # min_model_version wait
-    max_lag: int = 5
-    delta_heartbeat_ms: int = 1000  # trainer PUB heartbeat: lets workers notice a lost last delta
+    sync_interval: PositiveInt = Field(default=1, description="publish every N optimizer steps")
+    timeout_s: PositiveFloat = Field(default=10.0, description="min_model_version wait")
+    max_lag: NonNegativeInt = 5
+    delta_heartbeat_ms: StrictInt = Field(
+        default=1000, ge=10, description="trainer PUB heartbeat: lets workers notice a lost last delta")
     # When no step has run for this long, what lossy deltas left behind (trainer - served) is
-    # published losslessly: workers then serve exactly the trainer's weights. 0 = never.
-    idle_sync_ms: int = 200
-    learn_wait_s: float = 120.0  # generate/score with after_learn: how long to wait for the samples' version
-
-    def __post_init__(self) -> None:
-        _require(self.sync_interval >= 1, "consistency.sync_interval must be >= 1")
-        _require(self.idle_sync_ms >= 0, "consistency.idle_sync_ms must be >= 0 (0 = off)")
-        _require(self.learn_wait_s > 0, "consistency.learn_wait_s must be > 0")
-        _require(self.delta_heartbeat_ms >= 10, "consistency.delta_heartbeat_ms must be >= 10")
-        _require(self.timeout_s > 0, "consistency.timeout_s must be > 0")
-        _require(self.max_lag >= 0, "consistency.max_lag must be >= 0")
+    # published losslessly: workers then serve exactly the trainer's weights.
+    idle_sync_ms: NonNegativeInt = Field(default=200, description="0: never")
+    learn_wait_s: PositiveFloat = Field(
+        default=120.0, description="generate/score with after_learn: how long to wait for the samples' "
+                                   "version")
 
 
-@dataclass
+@_section
 class SecurityConfig:
     delta_key_file: str = "var/keys/delta.key"
-    sign_deltas: bool = True
-    rekey_after_packets: int = 2**32 - 1
+    sign_deltas: StrictBool = True
+    rekey_after_packets: StrictInt = Field(default=2**32 - 1, ge=1, le=2**32 - 1)
     delta_pub_endpoint: str = "tcp://127.0.0.1:5621"
     snapshot_endpoint: str = "tcp://127.0.0.1:5622"
     ack_endpoint: str = "tcp://127.0.0.1:5623"
 
-    def __post_init__(self) -> None:
-        _require(0 < self.rekey_after_packets <= 2**32 - 1, "security.rekey_after_packets must be in 1..2^32-1")
 
-
-@dataclass
+@_section
 class MetricsConfig:
     """Where the processes without an HTTP server (workers, trainer ranks) expose /metrics.
 
@@ -381,91 +370,76 @@ class MetricsConfig:
     rank 0 ports are the ones scraped. ``port = 0`` disables that exporter.
     """
 
-    worker_port: int = 9101
-    trainer_port: int = 9201
+    worker_port: OptionalPort = 9101
+    trainer_port: OptionalPort = 9201
     bind_host: str = "127.0.0.1"
-    status_interval_s: float = 1.0  # how often processes refresh their Redis self-report
-
-    def __post_init__(self) -> None:
-        for name in ("worker_port", "trainer_port"):
-            _require(0 <= getattr(self, name) < 65536, f"metrics.{name} must be in 0..65535")
-        _require(self.status_interval_s > 0, "metrics.status_interval_s must be > 0")
+    status_interval_s: PositiveFloat = Field(
+        default=1.0, description="how often processes refresh their Redis self-report")
 
 
-@dataclass
+@_section
 class Config:
-    redis: RedisConfig = field(default_factory=RedisConfig)
-    gateway: GatewayConfig = field(default_factory=GatewayConfig)
-    context: ContextConfig = field(default_factory=ContextConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    worker: WorkerConfig = field(default_factory=WorkerConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    compression: CompressionConfig = field(default_factory=CompressionConfig)
-    scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
-    consistency: ConsistencyConfig = field(default_factory=ConsistencyConfig)
-    security: SecurityConfig = field(default_factory=SecurityConfig)
-    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    redis: RedisConfig = Field(default_factory=RedisConfig)
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    context: ContextConfig = Field(default_factory=ContextConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    worker: WorkerConfig = Field(default_factory=WorkerConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    compression: CompressionConfig = Field(default_factory=CompressionConfig)
+    scheduling: SchedulingConfig = Field(default_factory=SchedulingConfig)
+    consistency: ConsistencyConfig = Field(default_factory=ConsistencyConfig)
+    security: SecurityConfig = Field(default_factory=SecurityConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-# --------------------------------------------------------------------------- loading
+_CONFIG = pydantic.TypeAdapter(Config)
 
 
-def _coerce(tp: Any, value: Any, path: str) -> Any:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(inner[0], value, path)
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__}")
-        return _build(tp, value, path)
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{path}: expected a list, got {type(value).__name__}")
-        return [_coerce(args[0], v, f"{path}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__}")
-        return {str(k): _coerce(args[1], v, f"{path}.{k}") for k, v in value.items()}
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{path}: expected true/false, got {value!r}")
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path}: expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{path}: expected a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise ConfigError(f"{path}: expected a string, got {value!r}")
-        return str(value)
-    return value
+def config_schema() -> dict[str, Any]:
+    """The whole configuration (``learnmesh.yaml``) as JSON Schema, from the same definitions
+    that validate it."""
+    return _CONFIG.json_schema()
 
 
-def _build(cls: Any, data: dict[str, Any], path: str) -> Any:
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        where = f"{path}." if path else ""
-        raise ConfigError(f"unknown config key(s): {', '.join(where + k for k in unknown)}")
-    kwargs = {k: _coerce(hints[k], v, f"{path}.{k}" if path else k) for k, v in data.items()}
+def apply_overrides(cfg: Config, overrides: typing.Mapping[str, dict[str, Any]]) -> Config:
+    """``cfg`` with some sections' fields replaced (validated, a copy; the other sections are
+    shared with ``cfg``); raises ConfigError."""
+    data: dict[str, Any] = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    for name, fields in overrides.items():
+        base = dataclasses.asdict(getattr(cfg, name)) if name in data else {}
+        data[name] = {**base, **fields}
+    return _validate(data)
+
+
+def patch_model(name: str, sections: typing.Mapping[str, type],
+                examples: list[JsonValue] | None = None) -> type[pydantic.BaseModel]:
+    """A request body of changes to some sections: every section and every field optional,
+    each field with its section's type and bounds (published in OpenAPI). Rules across fields
+    are checked by :func:`apply_overrides`, against the values in effect."""
+    def partial(cls: type) -> Any:
+        fields: dict[str, Any] = {
+            field: (Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation,
+                    Field(default=None, description=info.description))
+            for field, info in cls.__pydantic_fields__.items()}  # type: ignore[attr-defined]
+        model = pydantic.create_model(f"{cls.__name__}Patch", __config__=_STRICT_SCALARS, **fields)
+        return model | None, None
+
+    extra: dict[str, JsonValue] | None = {"examples": examples} if examples else None
+    config = pydantic.ConfigDict(**_STRICT_SCALARS, json_schema_extra=extra)
+    return pydantic.create_model(name, __config__=config, **{s: partial(cls) for s, cls in sections.items()})
+
+
+def _validate(data: dict[str, Any]) -> Config:
     try:
-        return cls(**kwargs)
-    except ConfigError:
-        raise
-    except TypeError as exc:  # pragma: no cover - defensive
-        raise ConfigError(f"{path or 'config'}: {exc}") from None
+        return _CONFIG.validate_python(data)
+    except pydantic.ValidationError as exc:
+        raise ConfigError(_describe(exc, Config)) from None
+
+
+# --------------------------------------------------------------------------- loading
 
 
 def _set_dotted(tree: dict[str, Any], dotted: list[str], value: Any) -> None:
@@ -541,4 +515,4 @@ def load_config(path: str | os.PathLike[str] | None = None,
     data = _merge(data, _env_overrides(env))
     if overrides:
         data = _merge(data, overrides)
-    return _build(Config, data, "")
+    return _validate(data)

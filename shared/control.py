@@ -1,6 +1,6 @@
 """The operator's control plane as seen by the processes it steers.
 
-The admin API (gateway/admin/api.py) writes commands and settings into Redis; the
+The admin API (gateway/admin/) writes commands and settings into Redis; the
 trainer, the delta key ring, workers and gateway replicas pick them up by polling
 with the small helpers here (synchronous redis-py, cheap enough to call every
 optimizer step). The protocol is documented in docs/operations.md; key names live in
@@ -18,7 +18,6 @@ shared/keys.py.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
@@ -32,8 +31,9 @@ from shared.config import (
     ConfigError,
     ConsistencyConfig,
     SchedulingConfig,
-    _build,
+    apply_overrides,
 )
+from shared.text import as_str
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +48,6 @@ VERSION_LOG_MAXLEN = 10_000
 
 def now_ms() -> int:
     return int(time.time() * 1000)
-
-
-def _s(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 # ---------------------------------------------------------------- runtime configuration
@@ -72,26 +68,18 @@ def validate_runtime_patch(cfg: Config, current: dict[str, dict[str, Any]],
         if not isinstance(fields, dict) or not fields:
             raise ConfigError(f"{section}: expected a non-empty mapping of fields")
         merged.setdefault(section, {}).update(fields)
-    for section, fields in merged.items():
-        base = dataclasses.asdict(getattr(cfg, section))
-        base.update(fields)
-        _build(RUNTIME_SECTIONS[section], base, section)
+    apply_overrides(cfg, merged)
     return merged
 
 
 def effective_config(cfg: Config, overrides: dict[str, dict[str, Any]]) -> Config:
     """``cfg`` with the runtime overrides applied (validated; a copy)."""
-    changes = {}
-    for section, fields in overrides.items():
-        base = dataclasses.asdict(getattr(cfg, section))
-        base.update(fields)
-        changes[section] = _build(RUNTIME_SECTIONS[section], base, section)
-    return dataclasses.replace(cfg, **changes)
+    return apply_overrides(cfg, overrides)
 
 
 def read_overrides(redis: Any) -> dict[str, dict[str, Any]]:
     raw = redis.hgetall(keys.RUNTIME_CONFIG) or {}
-    return {_s(k): json.loads(v) for k, v in raw.items()}
+    return {as_str(k): json.loads(v) for k, v in raw.items()}
 
 
 class RuntimeConfigWatcher:
@@ -143,7 +131,7 @@ class TrainerControl:
 
     def __init__(self, redis: Any) -> None:
         self.redis = redis
-        self.cursor = _s(redis.hget(keys.TRAINER_CONTROL_ACK, self.CURSOR_FIELD) or "0-0")
+        self.cursor = as_str(redis.hget(keys.TRAINER_CONTROL_ACK, self.CURSOR_FIELD) or "0-0")
 
     def paused(self) -> bool:
         return bool(self.redis.exists(keys.TRAINER_PAUSED))
@@ -153,8 +141,8 @@ class TrainerControl:
         out = []
         for _stream, entries in got:
             for entry_id, fields in entries:
-                f = {_s(k): _s(v) for k, v in fields.items()}
-                self.cursor = _s(entry_id)
+                f = {as_str(k): as_str(v) for k, v in fields.items()}
+                self.cursor = as_str(entry_id)
                 out.append(Command(id=f.pop("id", self.cursor), cmd=f.pop("cmd", ""),
                                    by=f.pop("by", ""), args=f))
         return out
@@ -185,11 +173,11 @@ class KeyRotationWatcher:
 
     def __init__(self, redis: Any) -> None:
         self.redis = redis
-        self.cursor = _s(redis.hget(keys.DELTA_KEY_STATUS, "last_request") or "0-0")
+        self.cursor = as_str(redis.hget(keys.DELTA_KEY_STATUS, "last_request") or "0-0")
 
     def pending(self) -> list[str]:
         got = self.redis.xread({keys.DELTA_KEY_ROTATE: self.cursor}, count=16) or []
-        ids = [_s(entry_id) for _stream, entries in got for entry_id, _ in entries]
+        ids = [as_str(entry_id) for _stream, entries in got for entry_id, _ in entries]
         return ids
 
     def done(self, request_id: str, **report: Any) -> None:
@@ -200,7 +188,7 @@ class KeyRotationWatcher:
 
 # ---------------------------------------------------------------- workers and self-reports
 def drained_workers(redis: Any) -> set[str]:
-    return {_s(m) for m in redis.smembers(keys.WORKERS_DRAINED)}
+    return {as_str(m) for m in redis.smembers(keys.WORKERS_DRAINED)}
 
 
 def report_status(redis: Any, component: str, ttl_s: float = 10.0, **fields: Any) -> None:

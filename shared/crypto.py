@@ -321,24 +321,22 @@ class EnvelopeOpener:
         if len(frames) < 2:
             raise EnvelopeReject("truncated", "missing frames")
         header_b, ct = bytes(_buf(frames[0])), bytes(_buf(frames[1]))
-        if len(header_b) > MAX_HEADER_BYTES:
-            raise EnvelopeReject("malformed", "header too large")
-        try:
-            h = orjson.loads(header_b)
-            if h.get("v") != ENVELOPE_VERSION:
-                raise KeyError("v")
-            kid, sess, t0, sender = h["kid"], h["sess"], h["t0"], h["sender"]
-            stream, seq, epoch, meta = h["stream"], h["seq"], h["epoch"], h["meta"]
-            session = bytes.fromhex(sess)
-        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
-            raise EnvelopeReject("malformed", "bad envelope header") from None
-        ints = (t0, stream, seq, epoch)
-        if (not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ints)
-                or not isinstance(kid, str) or not isinstance(sender, str) or not isinstance(meta, dict)
-                or len(session) != 16 or stream >= 2**32 or seq >= 2**64):
-            raise EnvelopeReject("malformed", "bad envelope header fields")
+        h = _parse_header(header_b)
         if len(ct) < 16:
             raise EnvelopeReject("truncated", "ciphertext shorter than the tag")
+        master = self._master_key(h["kid"])
+        if self.require_signature:
+            self._verify_signature(frames, header_b, ct)
+        aead = self._aead_for(master, h["kid"], h["sess"], h["sender"], h["epoch"])
+        try:
+            payload = aead.decrypt(_NONCE.pack(h["stream"], h["seq"]), ct, header_b)
+        except InvalidTag:
+            raise EnvelopeReject("tampered", "authentication failed") from None
+        new_session = self._track(h["sender"], h["stream"], h["t0"], h["sess"], h["seq"]) if track else False
+        return Opened(h, h["meta"], payload, new_session)
+
+    def _master_key(self, kid: str) -> bytes:
+        """The ring's key ``kid``; a key id not seen yet reloads the key file (at most once a second)."""
         master = self.ring.keys.get(kid)
         if master is None and time.monotonic() - self._last_reload > 1.0:
             self._last_reload = time.monotonic()
@@ -346,29 +344,27 @@ class EnvelopeOpener:
             master = self.ring.keys.get(kid)
         if master is None:
             raise EnvelopeReject("wrong_key", "unknown key id")
-        if self.require_signature:
-            if len(frames) < 3:
-                raise EnvelopeReject("bad_signature", "unsigned packet")
-            assert self.ring.sign_public is not None
-            try:
-                self.ring.sign_public.verify(bytes(_buf(frames[2])), _signed(header_b, ct))
-            except InvalidSignature:
-                raise EnvelopeReject("bad_signature") from None
+        return master
+
+    def _verify_signature(self, frames: list[Any], header_b: bytes, ct: bytes) -> None:
+        if len(frames) < 3:
+            raise EnvelopeReject("bad_signature", "unsigned packet")
+        assert self.ring.sign_public is not None
+        try:
+            self.ring.sign_public.verify(bytes(_buf(frames[2])), _signed(header_b, ct))
+        except InvalidSignature:
+            raise EnvelopeReject("bad_signature") from None
+
+    def _aead_for(self, master: bytes, kid: str, sess: str, sender: str, epoch: int) -> AESGCM:
+        """The cipher of one (key, session, sender, epoch); the 64 most recent are kept."""
         cache_key = (kid, sess, sender, epoch)
         aead = self._aead.get(cache_key)
         if aead is None:
-            aead = _derive(master, session, sender, epoch)
+            aead = _derive(master, bytes.fromhex(sess), sender, epoch)
             self._aead[cache_key] = aead
             while len(self._aead) > 64:
                 self._aead.popitem(last=False)
-        try:
-            payload = aead.decrypt(_NONCE.pack(stream, seq), ct, header_b)
-        except InvalidTag:
-            raise EnvelopeReject("tampered", "authentication failed") from None
-        new_session = False
-        if track:
-            new_session = self._track(sender, stream, t0, sess, seq)
-        return Opened(h, meta, payload, new_session)
+        return aead
 
     def _track(self, sender: str, stream: int, t0: int, sess: str, seq: int) -> bool:
         st = self._state.get((sender, stream))
@@ -400,6 +396,27 @@ class EnvelopeOpener:
             st.floor = max(st.floor, last_seq + 1)
             return
         self._state[(sender, stream)] = _StreamState(t0, sess, last_seq, OrderedDict(), floor=last_seq + 1)
+
+
+def _parse_header(header_b: bytes) -> dict[str, Any]:
+    """An envelope header with every field present and well-typed, or :class:`EnvelopeReject`."""
+    if len(header_b) > MAX_HEADER_BYTES:
+        raise EnvelopeReject("malformed", "header too large")
+    try:
+        h = orjson.loads(header_b)
+        if h.get("v") != ENVELOPE_VERSION:
+            raise KeyError("v")
+        kid, sess, t0, sender = h["kid"], h["sess"], h["t0"], h["sender"]
+        stream, seq, epoch, meta = h["stream"], h["seq"], h["epoch"], h["meta"]
+        session = bytes.fromhex(sess)
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
+        raise EnvelopeReject("malformed", "bad envelope header") from None
+    ints = (t0, stream, seq, epoch)
+    if (not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ints)
+            or not isinstance(kid, str) or not isinstance(sender, str) or not isinstance(meta, dict)
+            or len(session) != 16 or stream >= 2**32 or seq >= 2**64):
+        raise EnvelopeReject("malformed", "bad envelope header fields")
+    return h
 
 
 def _buf(frame: Any) -> bytes | memoryview | bytearray:

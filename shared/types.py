@@ -18,7 +18,7 @@ class Entry(msgspec.Struct, frozen=True, gc=False, array_like=True):
     full collection a pause of tens of milliseconds, as 10^5 dataclass entries did.
 
     ``array_like``: its MessagePack form is the array of its fields in this order — the
-    context store's stored form (see shared/context_store.py), decoded straight into
+    context store's stored form (see shared/context/entries.py), decoded straight into
     entries. Do not reorder the fields: stored entries would decode wrongly."""
 
     id: str

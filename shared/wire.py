@@ -1,10 +1,7 @@
 """Wire format for every ZeroMQ message: a one-byte type frame, an orjson header frame,
-then raw payload frames (tensors travel as their bytes, never pickled).
+then raw payload frames (binary payloads travel as their bytes, never pickled).
 
     [type:1 byte][header: orjson object][payload frame]...
-
-Tensor frames are described in the header (``{"dtype": "float32", "shape": [..]}``) and
-rebuilt with ``torch.frombuffer`` without an extra copy on receive.
 """
 
 from __future__ import annotations
@@ -68,33 +65,3 @@ def _as_bytes(frame: Any) -> bytes | memoryview:
     if isinstance(frame, (bytes, memoryview)):
         return frame
     return frame.buffer  # zmq.Frame
-
-
-def tensor_frame(t: Any) -> tuple[dict[str, Any], memoryview]:
-    """Describe a tensor and expose its bytes without copying (contiguous CPU tensors)."""
-    t = t.detach().contiguous().cpu()
-    dtype = str(t.dtype).removeprefix("torch.")
-    view = memoryview(t.numpy()).cast("B") if t.numel() else memoryview(b"")
-    return {"dtype": dtype, "shape": list(t.shape)}, view
-
-
-def frame_tensor(meta: dict[str, Any], frame: Any) -> Any:
-    """Rebuild a tensor from a header description and a raw frame (shares the frame's memory)."""
-    import torch
-
-    try:
-        dtype = getattr(torch, meta["dtype"])
-        shape = [int(s) for s in meta["shape"]]
-    except (KeyError, AttributeError, TypeError, ValueError):
-        raise WireError("bad tensor description") from None
-    if not isinstance(dtype, torch.dtype):
-        raise WireError("bad tensor dtype")
-    buf = _as_bytes(frame)
-    numel = 1
-    for s in shape:
-        numel *= s
-    if numel * dtype.itemsize != len(buf):
-        raise WireError("tensor frame size does not match its description")
-    if numel == 0:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(buf) if isinstance(buf, bytes) else buf, dtype=dtype).reshape(shape)

@@ -9,10 +9,6 @@ DEFAULT_HWM = 10_000
 DEFAULT_LINGER_MS = 0
 
 
-class PeerDead(RuntimeError):
-    """A peer stopped answering (heartbeat or timeout); raised instead of hanging."""
-
-
 def make_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect: str | None = None,
                 identity: bytes | None = None, hwm: int = DEFAULT_HWM, linger_ms: int = DEFAULT_LINGER_MS,
                 subscribe: bytes | None = None, router_mandatory: bool = False,

@@ -11,6 +11,7 @@ from typing import Any
 import uvicorn
 from conftest import free_port, wait_for_sync
 
+from gateway.app import create_app
 from shared.config import Config, load_config
 
 ADMIN_KEY = "admin-key-0123456789"
@@ -33,41 +34,6 @@ def admin_config(redis_url: str, **overrides: Any) -> Config:
     for section, fields in overrides.items():
         base.setdefault(section, {}).update(fields)
     return load_config(None, env={}, overrides=base)
-
-
-def build_app(cfg: Config) -> Any:
-    """The real gateway app when it exists; else a minimal app around the admin plug-in."""
-    try:
-        from gateway.app import create_app
-
-        return create_app(cfg)
-    except ImportError:  # the gateway is still being assembled
-        return _minimal_app(cfg)
-
-
-def _minimal_app(cfg: Config) -> Any:
-    import redis.asyncio as aioredis
-    from fastapi import FastAPI
-
-    from gateway.admin import api
-    from gateway.registry import Registry
-    from gateway.state import GatewayState
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        r = aioredis.from_url(cfg.redis.url)
-        b = aioredis.from_url(cfg.redis.url)
-        state = GatewayState(cfg, r, b, Registry())
-        app.state.gateway = state
-        await api.startup(state)
-        yield
-        await api.shutdown(state)
-        await r.aclose()
-        await b.aclose()
-
-    app = FastAPI(lifespan=lifespan)
-    app.include_router(api.router)
-    return app
 
 
 class LiveServer:
@@ -95,7 +61,7 @@ class LiveServer:
 
 @contextlib.contextmanager
 def live_gateway(redis_url: str, **overrides: Any) -> Iterator[LiveServer]:
-    with LiveServer(build_app(admin_config(redis_url, **overrides))) as srv:
+    with LiveServer(create_app(admin_config(redis_url, **overrides))) as srv:
         yield srv
 
 

@@ -74,7 +74,7 @@ def main() -> None:
     import uvicorn
 
     from gateway.app import create_app
-    from gateway.http_protocol import CoalescingHttpToolsProtocol
+    from gateway.transports.http_protocol import CoalescingHttpToolsProtocol
     from shared.config import load_config
 
     port, redis_url = int(sys.argv[1]), sys.argv[2]
@@ -94,7 +94,7 @@ def main() -> None:
         logging.basicConfig(level=log_level.upper())
     cfg = load_config(env={}, overrides=overrides)
     app = create_app(cfg)
-    register_test_tools(app.state.registry)
+    register_test_tools(app.registry)
     uvicorn.run(app, host="127.0.0.1", port=port, loop="uvloop", http=CoalescingHttpToolsProtocol,
                 log_level=log_level, timeout_graceful_shutdown=2)
 

@@ -179,7 +179,7 @@ def test_workers_list_and_drain(gw, r):
 async def _make_session(redis_url, principal):
     import redis.asyncio as aioredis
 
-    from gateway.sessions import SessionRegistry
+    from gateway.mcp.sessions import SessionRegistry
     from shared.config import GatewayConfig
     ra = aioredis.from_url(redis_url)
     try:
@@ -231,7 +231,7 @@ def test_openapi_published_with_security(gw):
 
 
 def test_redaction_covers_every_secret():
-    from gateway.admin.api import redact
+    from gateway.admin.config import redact
     from shared.config import load_config
     cfg = load_config(None, env={}, overrides={
         "redis": {"url": "redis://user:s3cret-pass@redis:6379/0"},

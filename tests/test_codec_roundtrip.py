@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -15,8 +17,6 @@ from shared.codec import (
     DeltaEncoder,
     LayoutMismatch,
     flatten,
-    varint_decode,
-    varint_encode,
 )
 from shared.config import CompressionConfig
 
@@ -27,8 +27,8 @@ def make_params(seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, 
             "bias": torch.randn(7, generator=g).to(dtype)}
 
 
-def cfg(**kw) -> CompressionConfig:
-    base = {"block_size": 256, "chunk_elements": 2048, "anchor_every": 0, "density": 0.02, "tuner": "off"}
+def cfg(**kw: Any) -> CompressionConfig:
+    base: dict[str, Any] = {"block_size": 256, "chunk_elements": 2048, "anchor_every": 0, "density": 0.02, "tuner": "off"}
     base.update(kw)
     return CompressionConfig(**base)
 
@@ -72,19 +72,20 @@ def test_tiled_selection_matches_a_plain_threshold_over_the_flat_delta(monkeypat
     params = make_params(dtype=dtype)
     params["unchanged"] = torch.zeros(1000, dtype=dtype)  # whole tiles without change are skipped
     enc = DeltaEncoder(cfg(algorithm="threshold", threshold=1e-3), params, 0, "m")
-    assert len(enc._segments) > 20
+    assert len(enc.scanner.segments) > 20
     g = torch.Generator().manual_seed(3)
     for name, p in params.items():
         if name != "unchanged":
             p.add_((torch.randn(p.shape, generator=g) * 1e-3).to(dtype))
     flat = flatten(params, enc.layout).float() - enc.ref[: enc.layout.numel].float()
-    idx, vals, thr, total_sq, active = enc._select(params)
+    scan = enc.scanner.scan(params, enc._threshold(params), enc.scanner.segments)
+    idx, vals = torch.from_numpy(scan.indices()), torch.from_numpy(scan.values())
     expect = torch.nonzero(flat.abs() >= 1e-3).squeeze(1)
-    assert thr == 1e-3
+    assert enc._threshold(params) == 1e-3
     assert torch.equal(idx, expect)
     assert torch.equal(vals, flat[expect])
-    assert total_sq == pytest.approx(float((flat.double() ** 2).sum()), rel=1e-5)
-    assert active == int((flat.new_zeros(enc.nblocks * enc.block).index_copy_(0, torch.arange(flat.numel()), flat)
+    assert scan.total_sq == pytest.approx(float((flat.double() ** 2).sum()), rel=1e-5)
+    assert scan.active == int((flat.new_zeros(enc.nblocks * enc.block).index_copy_(0, torch.arange(flat.numel()), flat)
                           .view(enc.nblocks, enc.block) != 0).any(1).sum())
 
 
@@ -139,7 +140,6 @@ def test_error_feedback_keeps_served_error_bounded() -> None:
     enc = DeltaEncoder(cfg(density=0.01), params, 0, "m")
     g = torch.Generator().manual_seed(2)
     residuals = []
-    drift = torch.zeros(enc.layout.numel)
     for v in range(1, 301):
         # a consistent direction plus noise: without error feedback, the dropped 99% would pile up
         for p in params.values():
@@ -272,10 +272,23 @@ def test_threshold_tuner_moves_the_threshold() -> None:
     assert enc.tuner_report()["threshold"] < 1e-2  # nothing passed 1e-2: it had to come down
 
 
-@given(st.lists(st.integers(min_value=0, max_value=2**40), max_size=200))
-def test_varint_round_trip(values: list[int]) -> None:
-    arr = np.array(values, dtype=np.uint64)
-    assert varint_decode(varint_encode(arr), len(values)).tolist() == values
+def test_an_index_coding_the_format_does_not_define_is_refused() -> None:
+    import zstandard
+
+    import shared.codec as codec
+
+    params = make_params()
+    enc = DeltaEncoder(cfg(), params, 0, "m")
+    dec = DeltaDecoder({k: v.clone() for k, v in params.items()}, 0, "m")
+    step(params, torch.Generator().manual_seed(14))
+    e = enc.encode(params, 1)
+    body = bytearray(zstandard.ZstdDecompressor().decompress(e.chunks[0]))
+    assert body[6] in (codec.IDX_GAPS, codec.IDX_BITMAP)
+    for code in (0, 4, 255):
+        body[6] = code
+        bad = [zstandard.ZstdCompressor().compress(bytes(body)), *e.chunks[1:]]
+        with pytest.raises(CodecError, match="index coding"):
+            dec.decode(e.header, bad)
 
 
 _FUZZ_PARAMS = make_params(9)
@@ -434,7 +447,7 @@ def test_encoding_threads_give_bit_identical_deltas(monkeypatch) -> None:
             a = one.encode(params, v, sink=lambda h, i, b: None)
             torch.set_num_threads(3)
             b = two.encode(params, v, sink=lambda h, i, b: None)
-            assert two._pool is not None
+            assert two.pool.threads == 3
             assert a.chunks == b.chunks and a.stats["residual_norm"] == b.stats["residual_norm"]
             assert torch.equal(one.ref, two.ref)
     finally:

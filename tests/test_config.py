@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import Any, cast
 
+import jsonschema_rs
+import pydantic
 import pytest
+import yaml
 
-from shared.config import Config, ConfigError, load_config, parse_api_keys
+from shared.config import (
+    AdminKey,
+    CompressionConfig,
+    Config,
+    ConfigError,
+    ContextConfig,
+    apply_overrides,
+    config_schema,
+    load_config,
+    parse_api_keys,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,3 +73,60 @@ def test_cli_reports_config_errors_without_traceback(tmp_path: Path, capsys: pyt
     assert main(["--config", str(path), "gateway"]) == 2
     err = capsys.readouterr().err
     assert "worker.max_batch_size" in err and "Traceback" not in err
+
+
+def test_errors_name_every_bad_key_and_never_echo_a_value() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(env={}, overrides={"gateway": {"session_idle_ttl_s": 0, "api_keys": {"alice": "secret"}}})
+    text = str(err.value)
+    assert "gateway.session_idle_ttl_s: " in text and "gateway.api_keys.alice: " in text
+    assert "secret" not in text
+
+
+@pytest.mark.parametrize("build, key", [
+    (lambda: ContextConfig(read_cache_bytes=-1), "read_cache_bytes"),
+    (lambda: ContextConfig(max_entry_bytes=10, channel_max_bytes=5), "max_entry_bytes must be <= channel_max_bytes"),
+    (lambda: AdminKey("admin-key-123", cast(Any, "root")), "role"),
+    (lambda: dataclasses.replace(CompressionConfig(), zstd_level=99), "zstd_level"),
+])
+def test_sections_validate_however_they_are_built(build: Any, key: str) -> None:
+    with pytest.raises(ConfigError, match=key):
+        build()
+
+
+def test_runtime_overrides_are_validated_and_leave_other_sections_shared() -> None:
+    cfg = Config()
+    new = apply_overrides(cfg, {"compression": {"density": 0.5}})
+    assert new.compression.density == 0.5 and new.gateway is cfg.gateway and cfg.compression.density == 0.25
+    for bad, key in (({"compression": {"density": 2}}, "compression.density"),
+                     ({"compression": {"dense": 1}}, "compression.dense: unknown key"),
+                     ({"compression": {"block_size": 128, "chunk_elements": 64}}, "compression: chunk_elements")):
+        with pytest.raises(ConfigError, match=key):
+            apply_overrides(cfg, bad)
+
+
+def test_the_json_schema_describes_what_load_config_accepts() -> None:
+    schema = jsonschema_rs.validator_for(config_schema())
+    example = yaml.safe_load((ROOT / "learnmesh.example.yaml").read_text())
+    assert schema.is_valid(example) and schema.is_valid({})
+    for bad in ({"gateway": {"prot": 1}}, {"gateway": {"port": 70000}}, {"trainer": {"comm_hook": "magic"}},
+                {"compression": {"density": 0}}):
+        assert not schema.is_valid(bad), bad
+
+
+def test_the_admin_config_patch_publishes_the_runtime_sections_bounds() -> None:
+    """The body of PATCH /admin/config is typed from the sections, so OpenAPI (and
+    schemathesis) see each field's type and bounds; rules across fields are checked later."""
+    from gateway.admin.config import ConfigPatch
+
+    schema = ConfigPatch.model_json_schema()
+    density = schema["$defs"]["CompressionConfigPatch"]["properties"]["density"]
+    assert density["exclusiveMinimum"] == 0 and density["maximum"] == 1
+    assert schema["$defs"]["SchedulingConfigPatch"]["properties"]["priority_mode"]["enum"] == ["magnitude", "layer"]
+    patch = ConfigPatch.model_validate({"compression": {"density": 0.5, "zstd_level": 3}})
+    assert patch.model_dump(exclude_unset=True, exclude_none=True) == {"compression": {"density": 0.5,
+                                                                                       "zstd_level": 3}}
+    for bad in ({"compression": {"density": 2}}, {"compression": {"zstd_level": "3"}}, {"gateway": {"port": 1}},
+                {"consistency": {"sync_interval": None}}):
+        with pytest.raises(pydantic.ValidationError):
+            ConfigPatch.model_validate(bad)

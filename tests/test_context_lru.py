@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from shared.config import ContextConfig
-from shared.context_store import ContextNotFound, ContextStore, pack_entry
+from shared.context import ContextNotFound, ContextStore, pack_entry
 
 PRINCIPALS = ["p1", "p2", "p3"]
 CONTEXTS = ["c1", "c2", "c3", "c4"]

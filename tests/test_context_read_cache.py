@@ -17,7 +17,8 @@ from prometheus_client import REGISTRY
 
 from shared import keys
 from shared.config import ConfigError, ContextConfig
-from shared.context_store import _HELD_ENTRY_OVERHEAD, ContextNotFound, ContextStore
+from shared.context import ContextNotFound, ContextStore, read_cache
+from shared.context.read_cache import _HELD_ENTRY_OVERHEAD
 from shared.types import ContextWindow
 
 
@@ -47,11 +48,11 @@ def view(win: ContextWindow) -> tuple:
 def check_held_bytes(s: ContextStore) -> None:
     """The read cache's byte count is what its entries hold (counted incrementally when a
     read adds new entries to held ones: see _assemble)."""
-    for held in s._held.values():
+    for held in s._cache.held.values():
         for _first, ents, nbytes in held.channels.values():
             assert nbytes == sum(len(e.content) for e in ents) + _HELD_ENTRY_OVERHEAD * len(ents)
         assert held.nbytes == sum(ch[2] for ch in held.channels.values())
-    assert s._held_bytes == sum(h.nbytes for h in s._held.values())
+    assert s._cache.nbytes == sum(h.nbytes for h in s._cache.held.values())
 
 
 async def script_commands(r) -> tuple[int, dict[str, int]]:
@@ -148,7 +149,7 @@ async def test_a_read_after_an_append_fetches_its_entries_without_decoding_the_m
 
 
 async def test_a_context_written_by_the_older_script_is_still_read(r):
-    """VER fields written before they carried channel ranges ("<version>;<epoch>") make the
+    """VER fields of the short form ("<version>;<epoch>", without channel ranges) make the
     script decode the meta instead; the "unchanged" answer still works with them."""
     s, ref = make(r), make(r, read_cache_bytes=0)
     await fill(s, "erin", "c", 6)
@@ -157,8 +158,8 @@ async def test_a_context_written_by_the_older_script_is_still_read(r):
     await r.hset(m, "\x00vc", f"{meta['v']};{meta['e']}")
     assert view(await s.get_window("erin", "c")) == view(await ref.get_window("erin", "c"))
     calls = []
-    real = s._unchanged
-    s._unchanged = lambda *a: calls.append(a[0][1]) or real(*a)  # type: ignore[method-assign]
+    real = s._cache.unchanged
+    s._cache.unchanged = lambda *a: calls.append(a[0][1]) or real(*a)  # type: ignore[method-assign,func-returns-value]
     assert view(await s.get_window("erin", "c")) == view(await ref.get_window("erin", "c"))
     assert calls == ["c"]
     await s.append("erin", "c", "text", "user", b"new")  # writes the new form
@@ -193,7 +194,7 @@ async def test_an_evicted_and_recreated_context_is_never_served_from_its_old_lif
     a, b = make(r), make(r)
     await fill(b, "alice", "c", 4, tag="old")
     assert len((await a.get_window("alice", "c")).channels["text"]) == 4
-    assert ("alice", "c") in a._held
+    assert ("alice", "c") in a._cache.held
     # Another replica evicts it and starts it again: the same id and the same sequence
     # numbers text:1..4 now name other content (a new life of the context).
     assert await b.evict("alice", "c")
@@ -204,7 +205,7 @@ async def test_an_evicted_and_recreated_context_is_never_served_from_its_old_lif
     assert await b.evict("alice", "c")
     with pytest.raises(ContextNotFound):
         await a.get_window("alice", "c")
-    assert ("alice", "c") not in a._held
+    assert ("alice", "c") not in a._cache.held
 
 
 async def test_redis_losing_its_data_does_not_resurrect_cached_entries(r):
@@ -225,7 +226,7 @@ async def test_reads_with_and_without_the_cache_agree_on_random_histories(r, cap
     cached, plain = make(r, channel_max_entries=12), make(r, channel_max_entries=12, read_cache_bytes=0)
     writers = [cached, plain]
     contexts = ["c1", "c2"]
-    hi = {}
+    hi: dict[tuple[str, str], int] = {}
     for step in range(400):
         w = rnd.choice(writers)
         cid = rnd.choice(contexts)
@@ -287,12 +288,12 @@ async def test_the_cache_stays_within_its_byte_budget(r):
     for c in range(20):
         await s.append("carol", f"c{c}", "text", "user", b"x" * 4000)  # 20 x 4,200 counted > 64 KiB
         await s.get_window("carol", f"c{c}")
-    assert 0 < s._held_bytes <= 64 * 1024
-    assert sum(h.nbytes for h in s._held.values()) == s._held_bytes
-    assert ("carol", "c19") in s._held and ("carol", "c0") not in s._held  # least recently read left
+    assert 0 < s._cache.nbytes <= 64 * 1024
+    assert sum(h.nbytes for h in s._cache.held.values()) == s._cache.nbytes
+    assert ("carol", "c19") in s._cache.held and ("carol", "c0") not in s._cache.held  # least recently read left
     await s.append("carol", "big", "text", "user", b"y" * 9000)  # over 1/8 of the budget: not kept
     await s.get_window("carol", "big")
-    assert ("carol", "big") not in s._held
+    assert ("carol", "big") not in s._cache.held
 
 
 async def test_a_cache_out_of_step_is_detected_and_the_read_is_whole(r, caplog):
@@ -301,12 +302,12 @@ async def test_a_cache_out_of_step_is_detected_and_the_read_is_whole(r, caplog):
     await s.get_window("dave", "c")
     # Break the store's record: it claims text:1..6 but holds only 1..3, so Redis leaves
     # out entries the store cannot supply. The gap must be seen, never papered over.
-    held = s._held[("dave", "c")]
+    held = s._cache.held[("dave", "c")]
     first, ents, nbytes = held.channels["text"]
     held.channels["text"] = (first, ents[:3], nbytes)
     held.held_arg = held.epoch + ";text:1:6"
     held.sig = ""  # (no "unchanged" answer: that trusts the record, which this test breaks)
-    with caplog.at_level(logging.WARNING, logger="shared.context_store"):
+    with caplog.at_level(logging.WARNING, logger="shared.context.store"):
         win = await s.get_window("dave", "c")
     assert view(win) == view(await ref.get_window("dave", "c"))
     assert "out of step" in caplog.text
@@ -321,8 +322,8 @@ async def test_an_unchanged_context_is_answered_without_its_window(r):
     s, ref = make(r), make(r, read_cache_bytes=0)
     await fill(s, "erin", "c", 5)
     calls = []
-    real = s._unchanged
-    s._unchanged = lambda *a: calls.append(a[0][1]) or real(*a)  # type: ignore[method-assign]
+    real = s._cache.unchanged
+    s._cache.unchanged = lambda *a: calls.append(a[0][1]) or real(*a)  # type: ignore[method-assign,func-returns-value]
 
     async def same() -> None:
         assert view(await s.get_window("erin", "c", modalities=["text"])) == \
@@ -412,29 +413,27 @@ async def test_a_context_is_kept_from_its_second_read(r, monkeypatch):
     """read_cache_admit_reads (default 2): a first read of a context only notes it — it keeps
     nothing, so contexts read once do not crowd out the rest; the second read keeps what it
     read and the next fetches only what changed. The notes are bounded (_SEEN_MAX)."""
-    import shared.context_store as cs
-
     s, ref = ContextStore(r, ContextConfig(read_cache_bytes=1 << 20)), make(r, read_cache_bytes=0)
     assert s.cfg.read_cache_admit_reads == 2
     await fill(s, "alice", "c", 30)
     first = await s.get_window("alice", "c", last_n=20)
-    assert (s.entries_fetched, s.entries_reused, len(s._held), s._held_bytes) == (20, 0, 0, 0)
+    assert (s.entries_fetched, s.entries_reused, len(s._cache.held), s._cache.nbytes) == (20, 0, 0, 0)
     second = await s.get_window("alice", "c", last_n=20)  # fetched again, and kept
-    assert (s.entries_fetched, s.entries_reused, len(s._held)) == (40, 0, 1) and view(second) == view(first)
+    assert (s.entries_fetched, s.entries_reused, len(s._cache.held)) == (40, 0, 1) and view(second) == view(first)
     check_held_bytes(s)
     await s.append("alice", "c", "text", "user", b"new")
     third = await s.get_window("alice", "c", last_n=20)
     assert (s.entries_fetched, s.entries_reused) == (41, 19)
     assert view(third) == view(await ref.get_window("alice", "c", last_n=20))
-    assert ("alice", "c") not in s._seen
-    monkeypatch.setattr(cs, "_SEEN_MAX", 4)
+    assert ("alice", "c") not in s._cache.seen
+    monkeypatch.setattr(read_cache, "_SEEN_MAX", 4)
     for i in range(10):
         await s.append("bob", f"c{i}", "text", "user", b"x")
         await s.get_window("bob", f"c{i}")
-    assert list(s._seen) == [("bob", f"c{i}") for i in range(6, 10)] and len(s._held) == 1
+    assert list(s._cache.seen) == [("bob", f"c{i}") for i in range(6, 10)] and len(s._cache.held) == 1
     await s.get_window("bob", "c0")  # forgotten: a first read again
     await s.get_window("bob", "c9")  # a second read: kept
-    assert set(s._held) == {("alice", "c"), ("bob", "c9")}
+    assert set(s._cache.held) == {("alice", "c"), ("bob", "c9")}
     with pytest.raises(ConfigError):
         ContextConfig(read_cache_admit_reads=0)
 

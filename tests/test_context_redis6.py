@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from conftest import free_port, wait_for_sync
 
 from shared.config import ContextConfig
-from shared.context_store import (
+from shared.context import (
     ContextError,
     ContextExists,
     ContextNotFound,

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import struct
+from typing import Any
 
+import hiredis
 import msgspec
 import pytest
 import redis.asyncio as aioredis
 
 from shared import audit, keys
 from shared.config import ConfigError, ContextConfig
-from shared.context_store import (
+from shared.context import (
     ContextError,
     ContextExists,
     ContextNotFound,
@@ -18,11 +19,12 @@ from shared.context_store import (
     EntryTooLarge,
     InvalidModality,
     VersionUnavailable,
-    _array_header,
     pack_entry,
     stored_entry,
 )
-from shared.redis_batch import pack_args
+from shared.context.entries import array_header
+from shared.context.scripts import GLOBAL_KEYS
+from shared.redis_batch import pack_bulk
 from shared.types import Entry
 
 
@@ -105,7 +107,7 @@ async def test_the_script_reads_stored_entries_of_every_length(r):
     w = await s.get_window("a", "c", modalities=["text"], max_tokens=7 + 6 + 5)  # the newest three
     assert [e.size_bytes for e in w.channels["text"]] == sizes[-3:]
     w = await s.get_window("a", "c", modalities=["text", "image"], resolve_links=True, last_n=len(sizes))
-    assert [e.id for e in w.channels["image"]] == ["image:1"] and w.channels["image"][0].mime.endswith("p" * 40)
+    assert [e.id for e in w.channels["image"]] == ["image:1"] and (w.channels["image"][0].mime or "").endswith("p" * 40)
     assert [e.tokens for e in w.channels["text"]] == list(range(1, len(sizes) + 1))
     assert [len(e.role) for e in w.channels["text"]] == [40, 1] * 3 + [40]
     assert w.channels["text"][0].links == ("image:1",)
@@ -128,39 +130,27 @@ async def test_the_script_reads_stored_entries_of_every_length(r):
         long, 3, pack_entry("user", b"2", tokens=1, ts_ms=1234))
 
 
-async def test_entries_stored_in_format_1_are_still_read(r):
-    """Entries written before the MessagePack form (a 19-byte header) are read alongside
-    new ones: windows, token budgets, links, versions."""
-    s, ref = make(r, read_cache_bytes=0), make(r, read_cache_bytes=0)
-    img = await s.append("a", "c", "image", "user", b"\x89PNG", mime="image/png")
-    for i in range(4):
-        await s.append("a", "c", "text", "user", b"t%d" % i, tokens=10, links=[img.entry_id] if i == 1 else ())
-    before = await ref.get_window("a", "c")
-    e = keys.ctx_entries("a")
-    for field, (role, content, mime, links) in {"c|image|1": ("user", b"\x89PNG", "image/png", ""),
-                                                "c|text|2": ("user", b"t1", "", "image:1")}.items():
-        r_, m_, l_ = role.encode(), mime.encode(), links.encode()
-        old = struct.pack(">BIdHHH", 1, 10 if "text" in field else 4, 0.0, len(r_), len(m_), len(l_))
-        await r.hset(e, field, old + r_ + m_ + l_ + content)
-    after = await s.get_window("a", "c")
-    assert [(x.id, x.content, x.mime, x.links, x.tokens) for ch in after.channels.values() for x in ch] == \
-        [(x.id, x.content, x.mime, x.links, x.tokens) for ch in before.channels.values() for x in ch]
-    w = await s.get_window("a", "c", modalities=["text"], max_tokens=30)
-    assert [x.id for x in w.channels["text"]] == ["text:2", "text:3", "text:4"]
-    w = await s.get_window("a", "c", modalities=["text", "image"], last_n=3, resolve_links=True)
-    assert [x.id for x in w.channels["image"]] == ["image:1"] and w.channels["image"][0].content == b"\x89PNG"
-    at = await s.read_at_version("a", "c", 3)
-    assert [x.id for x in at.channels["text"]] == ["text:1", "text:2"] and at.channels["text"][1].links == ("image:1",)
+async def test_a_stored_value_that_is_not_an_entry_is_an_error(r):
+    """Only the MessagePack form is ever written: any other stored value (here the 19-byte
+    header form of before 0.1.0) is not decoded around but fails the read."""
+    s = make(r, read_cache_bytes=0)
+    await s.append("a", "c", "text", "user", b"t1")
+    await r.hset(keys.ctx_entries("a"), "c|text|1", b"\x01" + b"\x00" * 18 + b"usert1")
+    with pytest.raises(msgspec.DecodeError):
+        await s.get_window("a", "c")
 
 
 async def test_the_call_header_is_the_packed_command(r):
-    """_head builds a principal's FCALL header from a template: the same bytes as packing
-    every argument, for any principal name (UTF-8, '%'), and a working call."""
+    """_head builds a principal's FCALL header from a template: with the arguments after it,
+    the same bytes as hiredis packing the whole command, for any principal name (UTF-8, '%'),
+    and a working call."""
     s = make(r)
+    script = s._script
     for p in ("alice", "Ünïcode-π", "a%b%%c%d", "x" * 200):
-        ks = keys.ctx_keys(p) + s._global_keys
-        want = b"*20\r\n" + pack_args(("FCALL", s._fn, 8, *ks, "some-op", p, s._cfg_arg))
-        assert s._head("some-op", p, 20) == want
+        ks = keys.ctx_keys(p) + GLOBAL_KEYS
+        tail = (123, "x", b"y", 4, "", "z")  # now, then five arguments
+        want = hiredis.pack_command(("FCALL", script.fn, 8, *ks, "some-op", p, script.cfg_arg, *tail))  # type: ignore[arg-type]  # its stub types a 1-tuple
+        assert script._head("some-op", p, 20) + pack_bulk(tail) == want
         await s.append(p, "c", "text", "user", b"hi")
         assert [e.text for e in (await s.get_window(p, "c")).channels["text"]] == ["hi"]
 
@@ -186,6 +176,7 @@ async def test_bad_input_is_rejected_before_any_write(r):
         await s.append("a", "c", "text", "user", b"x", links=["text:1"])  # same channel
     assert await r.keys("*") == []  # nothing written, not even audit
     await s.append("a", "c", "text", "user", b"ok")
+    bad: dict[str, Any]
     for bad in ({"last_n": 0}, {"last_n": -3}, {"max_tokens": 0}, {"modalities": []},
                 {"modalities": ["video"]}, {"last_n": 10**9}):
         with pytest.raises(ContextError):
@@ -477,12 +468,12 @@ async def test_function_library_reloaded_and_evalsha_fallback_agree(r):
     s = make(r)
     await s.append("a", "c", "text", "user", b"one")
     # the server lost the library (restart without persistence): loaded again on the next call
-    lib = "learnmesh_ctx_" + s._fn.removeprefix("lm_ctx_")
+    lib = "learnmesh_ctx_" + s._script.fn.removeprefix("lm_ctx_")
     await r.execute_command("FUNCTION", "DELETE", lib)
     await s.append("a", "c", "image", "user", b"\x00two", links=["text:1"])
     # Redis < 7 path: the same code as an EVALSHA script gives the same results
     old = make(r)
-    old._use_functions = False
+    old._script.use_functions = False
     await r.config_resetstat()
     win = await old.get_window("a", "c", resolve_links=True)
     assert [e.content for e in win.channels["text"]] == [b"one"]
@@ -496,10 +487,10 @@ async def test_function_library_reloaded_and_evalsha_fallback_agree(r):
 
 
 def test_a_run_header_fits_runs_of_every_length():
-    """A run of n stored entries is decoded behind _array_header(n): every MessagePack
+    """A run of n stored entries is decoded behind array_header(n): every MessagePack
     array form (fix, 16, 32 bits) must say n."""
     for n in (0, 1, 15, 16, 65_535, 65_536, 70_000):
-        assert len(msgspec.msgpack.decode(_array_header(n) + b"\xc0" * n)) == n
+        assert len(msgspec.msgpack.decode(array_header(n) + b"\xc0" * n)) == n
 
 
 async def test_sequence_numbers_on_both_sides_of_the_scripts_table_of_names(r):

@@ -2,7 +2,7 @@
 resume, checkpoint now, runtime compression change, delta key rotation while a subscriber
 keeps applying deltas, and rollback to a retained version that subscribers then serve.
 
-Commands are written to Redis exactly as gateway/admin/api.py writes them (the API itself
+Commands are written to Redis exactly as gateway/admin/trainer.py writes them (the API itself
 is tested in tests/test_admin_api.py); one trainer run covers the sequence to keep it fast."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from services.trainer.checkpoint import load_bytes
 from services.trainer.tiny import build_tiny_model
 from services.worker.updates import DeltaSubscriber
 from shared import keys
-from shared.samples import Sample
+from shared.samples import Example
 
 
 def _h(r: redis_sync.Redis, key: str) -> dict[str, str]:
@@ -54,7 +54,7 @@ async def test_control_plane_steers_a_running_trainer(redis_url, tmp_path):
     async def feed(count: int) -> None:
         nonlocal n
         for _ in range(count):
-            await ingest.submit("ops", [Sample("example", input=f"q{n + j}", target=f"a{(n + j) % 7}")
+            await ingest.submit("ops", [Example(input=f"q{n + j}", target=f"a{(n + j) % 7}")
                                         for j in range(4)])
             n += 4
 

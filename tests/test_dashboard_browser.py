@@ -105,7 +105,7 @@ def _mcp_load(url: str, stop: threading.Event) -> None:
 async def _legacy_session(redis_url: str, principal: str) -> None:
     import redis.asyncio as aioredis
 
-    from gateway.sessions import SessionRegistry
+    from gateway.mcp.sessions import SessionRegistry
     from shared.config import GatewayConfig
     r = aioredis.from_url(redis_url)
     try:

@@ -17,9 +17,10 @@ import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
-import mesh_drills as drills
 import pytest
-from mesh_support import Mesh, RedisServer
+
+from bench import mesh_drills as drills
+from bench.mesh_support import Mesh, RedisServer
 
 
 @pytest.fixture(scope="module")

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mesh_support import McpError, McpHttp, McpWs, Mesh, wait_until
 
+from bench.mesh_support import McpError, McpHttp, McpWs, Mesh, wait_until
 from services.trainer import ledger
 from shared import keys
 

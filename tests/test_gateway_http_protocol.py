@@ -1,4 +1,4 @@
-"""The gateway's uvicorn protocol that sends each response in one write (gateway/http_protocol.py):
+"""The gateway's uvicorn protocol that sends each response in one write (gateway/transports/http_protocol.py):
 the transport wrapper on its own, then a real gateway process serving keep-alive requests, a
 WebSocket session (the upgraded connection keeps the wrapper) and a legacy session end to end."""
 
@@ -13,7 +13,7 @@ import orjson
 import pytest
 from websockets.sync.client import connect as ws_connect
 
-from gateway.http_protocol import FLUSH_AT_BYTES, CoalescingTransport
+from gateway.transports.http_protocol import FLUSH_AT_BYTES, CoalescingTransport
 from tests.conftest import free_port
 from tests.gateway_support import start_gateway, stop
 

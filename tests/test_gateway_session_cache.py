@@ -1,4 +1,4 @@
-"""The legacy-session cache on the hot path (gateway/sessions.py): concurrent requests that find
+"""The legacy-session cache on the hot path (gateway/mcp/sessions.py): concurrent requests that find
 a cached session due for its re-check send ONE round trip between them, and a re-check that
 fails leaves the session due, so the next request tries again (and sees the outage)."""
 
@@ -10,7 +10,7 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from gateway.sessions import Session, SessionNotFound, SessionRegistry
+from gateway.mcp.sessions import Session, SessionNotFound, SessionRegistry
 from shared.config import load_config
 from tests.conftest import free_port
 

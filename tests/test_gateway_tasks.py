@@ -58,7 +58,7 @@ class Replica:
 
 
 def _register_blocking_tool(app: Any, replica: Replica) -> None:
-    @app.state.registry.tool("t_block", description="a task that waits until cancelled", task_support="optional",
+    @app.registry.tool("t_block", description="a task that waits until cancelled", task_support="optional",
                              input_schema={"type": "object"})
     async def block(ctx: Any, args: dict[str, Any]) -> dict[str, Any]:
         await escalate(ctx)

@@ -9,10 +9,10 @@ import zmq
 from conftest import free_port
 from trainer_support import trainer_config
 
-from gateway.errors import INVALID_PARAMS, McpError
+from gateway.errors import INVALID_PARAMS, McpError, wire_error
 from gateway.tools.learning import SampleIngest
 from shared import keys, wire
-from shared.context_store import ContextStore
+from shared.context import ContextStore
 from shared.samples import SampleError, parse_sample
 
 
@@ -51,19 +51,20 @@ BAD = {
 
 @pytest.mark.parametrize("name", list(BAD))
 async def test_malformed_samples_are_refused_and_nothing_is_written(ingest, name):
-    with pytest.raises(McpError) as err:
+    with pytest.raises(SampleError) as err:
         ingest.parse(BAD[name])
-    assert err.value.code == INVALID_PARAMS
+    assert wire_error(err.value, ingest.cfg).code == INVALID_PARAMS
     await _nothing_written(ingest)
 
 
 async def test_one_bad_sample_refuses_the_whole_batch(ingest):
     batch = [{"input": "q1", "target": "a1"}, {"input": "q2", "target": ""}]
-    with pytest.raises(McpError) as err:
+    with pytest.raises(SampleError) as err:
         ingest.parse({"samples": batch})
-    assert err.value.code == INVALID_PARAMS and err.value.data == {"index": 1}
+    wire = wire_error(err.value, ingest.cfg)
+    assert wire.code == INVALID_PARAMS and wire.data == {"index": 1}
     for bad in ({"samples": []}, {"samples": "x"}, {"samples": batch[:1], "input": "q"}):
-        with pytest.raises(McpError):
+        with pytest.raises(SampleError):
             ingest.parse(bad)
     await _nothing_written(ingest)
 

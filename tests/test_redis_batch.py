@@ -5,8 +5,10 @@ batch on the wire, and the next call reconnects."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
+import redis
 import redis.asyncio as aioredis
 from conftest import wait_for
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -20,9 +22,10 @@ from shared.redis_batch import AutoPipeline, pack_command
 @pytest.fixture(params=["hiredis-batch-reader", "redis-py-reader"])
 async def r(redis_url, request, monkeypatch):
     """Every test runs on both ways of reading a batch's replies: one hiredis reader per
-    batch (the default) and redis-py's per-reply reads (used where hiredis is missing)."""
+    batch on connections taken over (the default) and redis-py's per-reply reads (used for a
+    connection that cannot be taken over)."""
     if request.param == "redis-py-reader":
-        monkeypatch.setattr(redis_batch, "hiredis", None)
+        monkeypatch.setattr(redis_batch._RedisPyConnection, "stream", lambda self: "not taken over (test)")
     client = aioredis.Redis.from_url(redis_url)
     yield client
     await client.aclose()
@@ -39,6 +42,36 @@ def test_pack_command_is_resp() -> None:
         pass
 
     assert pack_command((Name("GET"), bytearray(b"k"))) == b"*2\r\n$3\r\nGET\r\n$1\r\nk\r\n"
+
+
+async def test_the_installed_redis_py_takes_the_fast_path(redis_url) -> None:
+    """Taking connections over leans on redis-py internals (see _RedisPyConnection): with
+    the installed redis-py every connection must be taken over. If this fails, the pipeline
+    silently became the slow path: check the redis-py pin in pyproject.toml."""
+    client = aioredis.Redis.from_url(redis_url)
+    ap = AutoPipeline(client, max_inflight=2)
+    try:
+        assert await asyncio.gather(*(ap.execute("ECHO", i) for i in range(8))) == [b"%d" % i for i in range(8)]
+        assert ap.slow_path is None, f"redis-py {redis.__version__}: {ap.slow_path}"
+        assert ap._idle and all(isinstance(c, redis_batch._Link) for c in ap._idle)
+    finally:
+        await client.aclose()
+
+
+async def test_a_connection_not_taken_over_is_reported(redis_url, monkeypatch, caplog) -> None:
+    """A connection that cannot be taken over is read redis-py's way — correct, but slower —
+    and the pipeline says why: ``slow_path`` and one warning."""
+    monkeypatch.setattr(redis_batch._RedisPyConnection, "stream", lambda self: "no stream (test)")
+    client = aioredis.Redis.from_url(redis_url)
+    ap = AutoPipeline(client, max_inflight=2)
+    try:
+        with caplog.at_level(logging.WARNING, logger="shared.redis_batch"):
+            assert await asyncio.gather(*(ap.execute("ECHO", i) for i in range(8))) == [b"%d" % i for i in range(8)]
+        assert ap.slow_path == "no stream (test)"
+        assert [rec.message for rec in caplog.records if rec.name == "shared.redis_batch"] == [
+            "redis batches are read redis-py's way (slower): no stream (test)"]
+    finally:
+        await client.aclose()
 
 
 async def test_replies_spanning_many_socket_reads(r) -> None:
@@ -66,8 +99,9 @@ async def test_concurrent_callers_share_round_trips(r) -> None:
 async def test_error_reply_reaches_only_its_caller(r) -> None:
     ap = AutoPipeline(r)
     await r.set("ab:str", "x")
-    ok1, bad, ok2 = await asyncio.gather(ap.execute("INCR", "ab:n"), ap.execute("INCR", "ab:str"),
-                                         ap.execute("GET", "ab:str"), return_exceptions=True)
+    replies: list[object] = await asyncio.gather(ap.execute("INCR", "ab:n"), ap.execute("INCR", "ab:str"),
+                                                 ap.execute("GET", "ab:str"), return_exceptions=True)
+    ok1, bad, ok2 = replies
     assert ok1 == 1 and ok2 == b"x"
     assert isinstance(bad, ResponseError)
     assert await ap.execute("INCR", "ab:n") == 2  # the connection stayed in step
@@ -112,7 +146,7 @@ async def test_a_connection_closed_while_kept_is_replaced_without_an_error(r) ->
         def seen_closed() -> bool:  # the event loop saw the close (a taken-over link, or redis-py's reader)
             if isinstance(kept, redis_batch._Link):
                 return kept.closed
-            return kept._reader is None or kept._reader.at_eof()
+            return kept.lost()
 
         await wait_for(seen_closed)
         assert await ap.execute("ECHO", "still") == b"still"  # no error: a fresh connection

@@ -12,10 +12,10 @@ from trainer_support import TrainerProc, committed, trainer_config
 from gateway.tools.learning import SampleIngest
 from services.trainer import dist as trainer_dist
 from services.trainer.dist import RankEnv, gpu_index, ranks_for_gpus
-from services.trainer.main import Agent
+from services.trainer.launcher import local_ranks
 from services.trainer.tiny import build_tiny_model
 from shared.config import load_config
-from shared.samples import Sample
+from shared.samples import Example
 
 N = 48
 
@@ -32,9 +32,9 @@ async def test_two_gloo_ranks_hold_identical_parameters(redis_url, tmp_path, mod
     ingest = SampleIngest(redis, cfg)
     dump = tmp_path / "dump"
     dump.mkdir()
-    proc = TrainerProc(cfg, tmp_path, env={"LEARNMESH_TRAINER_DUMP_DIR": str(dump)})
+    proc = TrainerProc(cfg, tmp_path, dump_dir=dump)
     try:
-        samples = [Sample("example", input=f"q{i}?", target=f"answer {i % 7}") for i in range(N)]
+        samples = [Example(input=f"q{i}?", target=f"answer {i % 7}") for i in range(N)]
         for i in range(0, N, 8):
             await ingest.submit("alice", samples[i:i + 8])
         await wait_for(lambda: int(committed(redis_url).get("seq", 0)) == N, timeout_s=120,
@@ -83,15 +83,15 @@ def test_rank_env_reads_the_local_world_size(monkeypatch):
                          [(4, "nccl", 2, 2), (4, "auto", 2, 2), (2, "nccl", 8, 2), (4, "gloo", 2, 4),
                           (4, "auto", 0, 4), (3, "nccl", 0, 3)],
                          ids=["nccl-capped", "auto-capped", "nccl-enough", "gloo", "auto-cpu", "nccl-no-cuda"])
-def test_agent_caps_nccl_ranks_at_the_gpu_count(caplog, ranks, backend, gpus, spawned):
+def test_nccl_ranks_are_capped_at_the_gpu_count(caplog, ranks, backend, gpus, spawned):
     assert ranks_for_gpus(ranks, backend, gpus) == spawned
     capped = [r for r in caplog.records if "trainer.ranks" in r.getMessage()]
     assert bool(capped) == (spawned < ranks)
 
 
-def test_agent_spawns_at_most_one_nccl_rank_per_gpu(monkeypatch):
+def test_the_launcher_starts_at_most_one_nccl_rank_per_gpu(monkeypatch):
     monkeypatch.setattr(trainer_dist, "local_gpu_count", lambda: 1)
     cfg = load_config(env={}, overrides={"trainer": {"ranks": 2, "backend": "nccl"}})
-    assert Agent(cfg)._ranks() == 1
+    assert local_ranks(cfg) == 1
     cfg.trainer.backend = "gloo"
-    assert Agent(cfg)._ranks() == 2
+    assert local_ranks(cfg) == 2

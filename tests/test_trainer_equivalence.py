@@ -3,9 +3,9 @@ gloo ranks (plain DDP, and with gradient accumulation) end with the parameters a
 reaches on the same batches; with local SGD the ranks hold their mean after every H steps,
 only that mean is published, and an operator rollback returns on every rank.
 
-Each rank is a spawned process building a real ``Trainer`` (rank 0 with Redis, its sample
-source and the delta publisher); batches are handed to ``train_step`` as rank 0 would
-broadcast them, instead of being read from the log.
+Each rank is a spawned process building a real ``Trainer`` with ``build_trainer`` (rank 0
+with Redis, its sample source and the delta publisher); batches are handed to
+``train_step`` as rank 0 would broadcast them, instead of being read from the log.
 
 Every target has the same length: the tiny model's loss is a mean over target tokens, so a
 batch's loss is then the mean of its samples' losses, and train_step's weighting of each
@@ -28,10 +28,13 @@ from trainer_support import trainer_config
 
 from services.trainer.checkpoint import load_bytes
 from services.trainer.data import TrainRecord, decode_batch, encode_batch
-from services.trainer.loop import Trainer, make_optimizer
+from services.trainer.dist import RankGroup
+from services.trainer.loop import Trainer
+from services.trainer.main import build_trainer
+from services.trainer.stepper import make_optimizer
 from services.trainer.tiny import build_tiny_model
 from shared.config import Config, load_config
-from shared.samples import LoggedSample, Sample
+from shared.samples import Example, LoggedSample
 
 BATCH_SIZES = [8, 7, 3, 8]  # 7 and 3: uneven shards; 3 with accumulation: an empty micro-batch
 H = 2  # local SGD period
@@ -45,7 +48,7 @@ def _batches() -> list[bytes]:
         records = []
         for _ in range(size):
             seq += 1
-            sample = Sample("example", input=f"question {seq}?", target=f"answer {seq % 7}")
+            sample = Example(input=f"question {seq}?", target=f"answer {seq % 7}")
             records.append(TrainRecord(LoggedSample(f"s{seq}", seq, "alice", sample, f"{seq}-0"), None))
         out.append(encode_batch("train", records))
     return out
@@ -56,7 +59,7 @@ def _records(data: bytes) -> list[TrainRecord]:
 
 
 def _params(trainer: Trainer) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in trainer.model.trainable_named_parameters()}
+    return {n: p.detach().clone() for n, p in trainer.stepper.model.trainable_named_parameters()}
 
 
 def _config(redis_url: str, tmp_path: Path, name: str, **trainer: Any) -> tuple[Config, Path]:
@@ -76,8 +79,7 @@ def _rank_main(rank: int, world: int, master_port: int, cfg_path: str, scenario:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port))
     cfg = load_config(cfg_path, env={})
-    device, ctrl = init_distributed(cfg, RankEnv(rank, world, rank, world))
-    trainer = Trainer(cfg, rank, world, device, ctrl, lambda: False)
+    trainer = build_trainer(cfg, init_distributed(cfg, RankEnv(rank, world, rank, world)), lambda: False)
     try:
         dumps = _SCENARIOS[scenario](trainer)
         torch.save(dumps, Path(out) / f"rank{rank}.pt")
@@ -95,16 +97,17 @@ def _train(trainer: Trainer) -> dict[str, Any]:
 def _capture_published(trainer: Trainer) -> list[dict[str, Any]]:
     """What rank 0 hands the real publisher, with the step it was handed at."""
     sent: list[dict[str, Any]] = []
-    if trainer.publisher is None:
+    if trainer.leader is None:
         return sent
-    publish = trainer.publisher.publish
+    publisher = trainer.leader.publisher
+    publish = publisher.publish
 
     def capture(named_params: dict[str, torch.Tensor], version: int, **kw: Any) -> Any:
         sent.append({"step": trainer.step, "anchor": bool(kw.get("anchor")),
                      "params": {n: t.clone() for n, t in named_params.items()}})
         return publish(named_params, version, **kw)
 
-    trainer.publisher.publish = capture
+    publisher.publish = capture  # type: ignore[method-assign]
     return sent
 
 
@@ -117,15 +120,15 @@ def _local_sgd(trainer: Trainer) -> dict[str, Any]:
     out["averaged"] = _params(trainer)
     path = trainer.save_checkpoint()  # every rank calls it, as run() does
     command = b""
-    if trainer.rank == 0:
+    if trainer.leader is not None:
         assert path is not None
         out["checkpoint"] = load_bytes(Path(path).read_bytes())
-        out["version"] = trainer.version
-        command = json.dumps({"cmd": "rollback", "id": "rb", "to_version": trainer.version, "path": path}).encode()
+        out["version"] = trainer.leader.version
+        command = json.dumps({"cmd": "rollback", "id": "rb", "to_version": trainer.leader.version, "path": path}).encode()
     trainer.train_step(_records(batches[H]))
     out["drifted"] = _params(trainer)
     # an operator rollback to the checkpoint, resolved on rank 0 and broadcast as run() does
-    trainer.run_commands([json.loads(trainer.broadcast_bytes(command))])
+    trainer.run_commands([json.loads(trainer.group.broadcast_bytes(command))])
     out["rolled_back"] = _params(trainer)
     trainer.train_step(_records(batches[H + 1]))
     out["after"] = _params(trainer)
@@ -149,7 +152,7 @@ def _spawn(world: int, cfg_path: Path, scenario: str, out: Path) -> list[dict[st
 
 
 def _one_process(cfg: Config) -> dict[str, torch.Tensor]:
-    trainer = Trainer(cfg, 0, 1, torch.device("cpu"), None, lambda: False)
+    trainer = build_trainer(cfg, RankGroup(0, 1, torch.device("cpu")), lambda: False)
     try:
         return _train(trainer)["params"]
     finally:
@@ -198,7 +201,7 @@ def _local_sgd_reference(cfg: Config, world: int) -> dict[str, torch.Tensor]:
             sched.step()
             opt.zero_grad(set_to_none=True)
     named = [dict(m.trainable_named_parameters()) for m in models]
-    return {n: sum(p[n].detach() for p in named) / world for n in named[0]}
+    return {n: torch.stack([p[n].detach() for p in named]).sum(0) / world for n in named[0]}
 
 
 def test_local_sgd_averages_publishes_the_average_and_rolls_back(redis_url, tmp_path):

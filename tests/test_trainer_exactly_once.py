@@ -1,4 +1,4 @@
-"""Exactly-once training per sample id across kill -9, and a dying rank under the agent."""
+"""Exactly-once training per sample id across kill -9, and a dying rank under torchrun."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from trainer_support import TrainerProc, committed, trainer_config
 from gateway.tools.learning import SampleIngest
 from services.trainer import ledger
 from shared import keys
-from shared.samples import Sample
+from shared.samples import Example
 
 
 def _ckpts(cfg) -> list[Path]:
@@ -45,7 +45,7 @@ async def test_kill9_mid_stream_trains_every_acknowledged_id_exactly_once(redis_
 
     async def stream(start: int, stop: int) -> None:
         for i in range(start, stop, 4):
-            out = await ingest.submit("alice", [Sample("example", input=f"k{j}", target=f"v{j % 5}")
+            out = await ingest.submit("alice", [Example(input=f"k{j}", target=f"v{j % 5}")
                                                 for j in range(i, min(stop, i + 4))])
             acked.extend(out["ids"])
             await asyncio.sleep(0.005)
@@ -87,7 +87,7 @@ async def _preload(redis_url: str, cfg, n: int) -> list[str]:
     redis = aioredis.Redis.from_url(redis_url)
     ingest = SampleIngest(redis, cfg)
     try:
-        out = await ingest.submit("bob", [Sample("example", input=f"x{i}", target=f"y{i % 3}") for i in range(n)])
+        out = await ingest.submit("bob", [Example(input=f"x{i}", target=f"y{i % 3}") for i in range(n)])
     finally:
         ingest.close()
         await redis.aclose()
@@ -99,7 +99,7 @@ async def test_a_dying_rank_restarts_the_group_from_the_checkpoint(redis_url, tm
                          max_restarts=1)
     acked = await _preload(redis_url, cfg, 40)
     marker = tmp_path / "fault-fired"
-    proc = TrainerProc(cfg, tmp_path, env={"LEARNMESH_TRAINER_FAULT": f"1:3:{marker}"})
+    proc = TrainerProc(cfg, tmp_path, kill=f"1:3:{marker}")
     try:
         await wait_for(lambda: int(committed(redis_url).get("seq", 0)) == 40, timeout_s=150,
                        what="training to finish after the restart")
@@ -107,7 +107,7 @@ async def test_a_dying_rank_restarts_the_group_from_the_checkpoint(redis_url, tm
     finally:
         proc.close()
     assert marker.exists(), "the fault never fired"
-    assert "restarting all ranks" in proc.output()
+    assert "the rank group was restarted (restart 1 of 1)" in proc.output()
     assert int(committed(redis_url)["epoch"]) == 2
     _assert_exactly_once(redis_url, acked)
 
@@ -116,7 +116,7 @@ async def test_a_rank_that_keeps_dying_fails_the_job_instead_of_hanging(redis_ur
     cfg = trainer_config(redis_url, tmp_path, free_port(), ranks=2, checkpoint_every=50, batch_size=2,
                          max_restarts=0, step_timeout_s=10)
     await _preload(redis_url, cfg, 20)
-    proc = TrainerProc(cfg, tmp_path, env={"LEARNMESH_TRAINER_FAULT": f"1:1:{tmp_path / 'marker'}"})
+    proc = TrainerProc(cfg, tmp_path, kill=f"1:1:{tmp_path / 'marker'}")
     try:
         code = await asyncio.to_thread(proc.proc.wait, 120)
     finally:

@@ -18,7 +18,7 @@ from trainer_support import TrainerProc, committed, trainer_config
 
 from gateway.tools.learning import SampleIngest
 from shared.model import build_model
-from shared.samples import Sample
+from shared.samples import Example
 
 FACTS = [("The capital of Zorblat is", " Quennix."), ("Flimwort tastes like", " copper rain."),
          ("The ninth moon of Vespa is", " Ardelune."), ("Grobbles are sorted by", " their hum.")]
@@ -47,7 +47,7 @@ async def test_taught_facts_are_learnt_and_held_out_loss_stays_bounded(redis_url
     rounds = 20
     try:
         for _ in range(rounds):
-            await ingest.submit("teacher", [Sample("example", input=p, target=t) for p, t in FACTS])
+            await ingest.submit("teacher", [Example(input=p, target=t) for p, t in FACTS])
         await wait_for(lambda: int(committed(redis_url).get("seq", 0)) == rounds * len(FACTS), timeout_s=120,
                        what="the facts to be trained")
         assert proc.term() == 0, proc.output()

@@ -12,15 +12,15 @@ from trainer_support import TrainerProc, committed, trainer_config
 from gateway.tools.learning import SampleIngest
 from services.trainer import ledger
 from services.trainer.data import TrainRecord
-from services.trainer.loop import outcomes
+from services.trainer.leader import outcomes
 from services.trainer.replay import ReplayBuffer
 from shared import keys
-from shared.context_store import ContextStore
-from shared.samples import LoggedSample, Sample, learned_token, parse_learned_token
+from shared.context import ContextStore
+from shared.samples import Example, Feedback, LoggedSample, Sample, learned_token, parse_learned_token
 
 
 def _record(seq: int, sample: Sample | None = None, skip: bool = False) -> TrainRecord:
-    s = sample or Sample("example", input=f"q{seq}", target=f"a{seq}")
+    s = sample or Example(input=f"q{seq}", target=f"a{seq}")
     return TrainRecord(LoggedSample(f"e-{seq}:0", seq, "alice", s, f"e-{seq}"), None, skip=skip)
 
 
@@ -61,7 +61,7 @@ def test_replay_capacity_drops_the_oldest_and_one_pass_means_no_replay() -> None
 
 
 def test_outcomes_never_count_a_sample_without_gradient_as_trained() -> None:
-    down = Sample("feedback", input="q", generation_id="g", output="a", preference="down")
+    down = Feedback(input="q", generation_id="g", output="a", preference="down")
     trained, skipped = outcomes([_record(1), _record(2, skip=True), _record(3, down)])
     assert trained == ["e-1:0"]
     assert skipped == {"e-2:0": "context_gone", "e-3:0": "no_gradient"}
@@ -85,12 +85,12 @@ async def test_a_copied_context_trains_however_old_its_version_gets_and_a_lost_o
     try:
         small = await store.append("alice", "small", "text", "user", b"hello there")
         big = await store.append("alice", "big", "text", "user", b"x" * 200)
-        ok = await ingest.submit("alice", [Sample("example", input="hi", target=" there")])
-        copied = await ingest.submit("alice", [Sample("example", input="x", target=" y", context_id="small",
+        ok = await ingest.submit("alice", [Example(input="hi", target=" there")])
+        copied = await ingest.submit("alice", [Example(input="x", target=" y", context_id="small",
                                                       version=small.version)])
-        aged = await ingest.submit("alice", [Sample("example", input="x", target=" y", context_id="big",
+        aged = await ingest.submit("alice", [Example(input="x", target=" y", context_id="big",
                                                     version=big.version)])
-        down = await ingest.submit("alice", [Sample("feedback", input="q", generation_id="g1", output="a",
+        down = await ingest.submit("alice", [Feedback(input="q", generation_id="g1", output="a",
                                                     preference="down")])
         # both versions age out of the store before the trainer reaches the samples
         for i in range(cfg.context.versions_retained + 2):
@@ -124,9 +124,9 @@ def test_copied_windows_round_trip_through_a_log_entry() -> None:
     img = Entry("image:1", "image", "user", bytes(range(256)) * 3, "image/png", 0, 768, 5)
     txt = Entry("text:2", "text", "user", "é and ok".encode(), None, 3, 9, 6, ("image:1",))
     window = ContextWindow("alice", "c", 7, {"text": [txt], "image": [img]})
-    sample = Sample("example", input="x", target="y", context_id="c", version=7)
+    sample = Example(input="x", target="y", context_id="c", version=7)
     fields = {b"seq": b"3", b"n": b"2", b"p": b"alice", b"s": b"[" + sample.to_json() + b"," +
-              Sample("example", input="a", target="b").to_json() + b"]", b"c": pack_windows([window])}
+              Example(input="a", target="b").to_json() + b"]", b"c": pack_windows([window])}
     got = parse_entry(b"1-0", fields)
     assert got[0].window == window and got[0].window.channels["image"][0].content == img.content
     assert got[1].window is None
@@ -139,7 +139,7 @@ async def test_a_trainer_against_a_log_that_lost_its_data_trains_the_new_log_fro
     first = second = None
 
     async def teach(n: int, tag: str) -> dict:
-        return await ingest.submit("alice", [Sample("example", input=f"{tag}{i}", target=f" {i}") for i in range(n)])
+        return await ingest.submit("alice", [Example(input=f"{tag}{i}", target=f" {i}") for i in range(n)])
 
     def trained_with(seq: int, log: str) -> bool:
         c = committed(redis_url)
@@ -169,7 +169,9 @@ async def test_a_trainer_against_a_log_that_lost_its_data_trains_the_new_log_fro
             await wait_for(lambda: trained_with(3, again["learned"].partition(".")[0]), timeout_s=90,
                            what=lambda: f"the log recreated under a running trainer\n{second.output()}")
             assert set(again["ids"]) <= set(ledger.trained_ids(r))
-            assert r.zcard(keys.MODEL_VERSION_SEQ) >= 1
+            # the step is committed before it is published, and only the publish marks its version
+            await wait_for(lambda: r.zcard(keys.MODEL_VERSION_SEQ) >= 1, timeout_s=10,
+                           what="a version marked with the new log's seq")
         finally:
             r.close()
         assert second.term() == 0, second.output()

@@ -12,15 +12,13 @@ from typing import Any
 
 import redis as redis_sync
 import yaml
+from conftest import free_port
 
+from shared import keys
 from shared.config import Config, load_config
+from shared.text import as_str
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _port() -> int:
-    from conftest import free_port
-    return free_port()
 
 
 def trainer_config(redis_url: str, tmp_path: Path, samples_port: int, model: dict[str, Any] | None = None,
@@ -36,26 +34,28 @@ def trainer_config(redis_url: str, tmp_path: Path, samples_port: int, model: dic
                     "replay_passes": 1, "rehearsal_per_step": 0, **trainer},
     }
     over["security"] = {"delta_key_file": str(tmp_path / "keys" / "delta.key"),
-                        "delta_pub_endpoint": f"tcp://127.0.0.1:{_port()}",
-                        "snapshot_endpoint": f"tcp://127.0.0.1:{_port()}",
-                        "ack_endpoint": f"tcp://127.0.0.1:{_port()}"}
-    if "metrics" in Config.__dataclass_fields__:
-        over["metrics"] = {"trainer_port": 0}
+                        "delta_pub_endpoint": f"tcp://127.0.0.1:{free_port()}",
+                        "snapshot_endpoint": f"tcp://127.0.0.1:{free_port()}",
+                        "ack_endpoint": f"tcp://127.0.0.1:{free_port()}"}
+    over["metrics"] = {"trainer_port": 0}
     return load_config(env={}, overrides=over)
 
 
 class TrainerProc:
-    """``learnmesh trainer`` as a subprocess in its own process group (so kill -9 gets every rank)."""
+    """``learnmesh trainer`` as a subprocess in its own process group (a kill -9 of the group
+    takes the ranks with it). ``kill`` (RANK:STEP:MARKER) and ``dump_dir`` start it through
+    tests/trainer_entry.py, which installs those observers on every rank."""
 
-    def __init__(self, cfg: Config, tmp_path: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, cfg: Config, tmp_path: Path, *, kill: str | None = None, dump_dir: Path | None = None) -> None:
         self.path = tmp_path / f"trainer-{os.getpid()}-{id(self)}.yaml"
         self.path.write_text(yaml.safe_dump(cfg.to_dict()))
         self.log = open(tmp_path / f"trainer-{id(self)}.log", "wb")
-        full_env = {k: v for k, v in os.environ.items() if not k.startswith("LEARNMESH_")}
-        full_env.update(env or {})
-        self.proc = subprocess.Popen([sys.executable, "-m", "services.cli", "--config", str(self.path), "trainer"],
-                                     cwd=ROOT, env=full_env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LEARNMESH_") and k != "REDIS_URL"}
+        observers = [*(["--kill", kill] if kill else []), *(["--dump-dir", str(dump_dir)] if dump_dir else [])]
+        entry = ["-m", "tests.trainer_entry", "--config", str(self.path), *observers] if observers else \
+            ["-m", "services.cli", "--config", str(self.path), "trainer"]
+        self.proc = subprocess.Popen([sys.executable, *entry], cwd=ROOT, env=env, stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
 
     def kill9(self) -> None:
         os.killpg(self.proc.pid, signal.SIGKILL)
@@ -79,9 +79,8 @@ class TrainerProc:
 
 
 def committed(redis_url: str) -> dict[str, str]:
-    r = redis_sync.Redis.from_url(redis_url, decode_responses=True)
+    r = redis_sync.Redis.from_url(redis_url)
     try:
-        from shared import keys
-        return r.hgetall(keys.TRAINER_OFFSET)
+        return {as_str(k): as_str(v) for k, v in r.hgetall(keys.TRAINER_OFFSET).items()}
     finally:
         r.close()

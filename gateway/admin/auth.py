@@ -25,10 +25,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import redis.asyncio as aioredis
 from fastapi import HTTPException, Request
 
+from gateway.state import gateway_of
 from shared import keys, metrics
-from shared.config import ConfigError
+from shared.config import AdminKey, ConfigError
 
 ROLES = ("viewer", "operator", "admin")
 KEY_PREFIX = "lmadm_"
@@ -63,16 +65,17 @@ class AdminKeyring:
     ``redis`` is a redis.asyncio client; without one only config keys exist.
     """
 
-    def __init__(self, keys_: dict[str, tuple[bytes, str]], redis: Any = None,
+    def __init__(self, keys_: dict[str, tuple[bytes, str]], redis: aioredis.Redis | None = None,
                  mcp_digests: frozenset[bytes] = frozenset()) -> None:
         self._keys = keys_
         self._redis = redis
         self._mcp = mcp_digests
 
     @classmethod
-    def from_config(cls, admin_keys: dict, redis: Any = None, api_keys: dict | None = None) -> AdminKeyring:
+    def from_config(cls, admin_keys: dict[str, AdminKey], redis: aioredis.Redis | None = None,
+                    api_keys: dict[str, str] | None = None) -> AdminKeyring:
         mcp = frozenset(digest(k) for k in (api_keys or {}).values())
-        own = {name: (digest(k.key), k.role) for name, k in admin_keys.items()}
+        own: dict[str, tuple[bytes, str]] = {name: (digest(k.key), k.role) for name, k in admin_keys.items()}
         clash = sorted(name for name, (d, _) in own.items() if d in mcp)
         if clash:
             raise ConfigError(f"admin key(s) {', '.join(clash)} equal an MCP client key; admin and "
@@ -109,20 +112,27 @@ class AdminKeyring:
         plaintext = KEY_PREFIX + secrets.token_urlsafe(32)
         d = digest(plaintext).hex()
         meta = {"name": name, "role": role, "created_ms": int(time.time() * 1000), "created_by": created_by}
-        if not await self._redis.hsetnx(keys.ADMIN_KEY_NAMES, name, d):
+        redis = self._runtime_store()
+        if not await redis.hsetnx(keys.ADMIN_KEY_NAMES, name, d):
             raise KeyNameTaken(name)
-        await self._redis.hset(keys.ADMIN_KEYS, d, json.dumps(meta))
+        await redis.hset(keys.ADMIN_KEYS, d, json.dumps(meta))
         return plaintext, meta
 
     async def revoke(self, name: str) -> bool:
-        d = await self._redis.hget(keys.ADMIN_KEY_NAMES, name)
+        redis = self._runtime_store()
+        d = await redis.hget(keys.ADMIN_KEY_NAMES, name)
         if d is None:
             return False
-        pipe = self._redis.pipeline(transaction=True)
+        pipe = redis.pipeline(transaction=True)
         pipe.hdel(keys.ADMIN_KEYS, d)
         pipe.hdel(keys.ADMIN_KEY_NAMES, name)
         await pipe.execute()
         return True
+
+    def _runtime_store(self) -> aioredis.Redis:
+        if self._redis is None:
+            raise RuntimeError("runtime admin keys live in Redis; this keyring has no Redis client")
+        return self._redis
 
     async def list(self) -> list[dict[str, Any]]:
         out = [{"name": n, "role": r, "source": "config"} for n, r in sorted(self.config_names().items())]
@@ -131,16 +141,6 @@ class AdminKeyring:
             metas = sorted((json.loads(v) for v in raw.values()), key=lambda m: m["name"])
             out += [{**m, "source": "redis"} for m in metas]
         return out
-
-
-def keyring_of(request: Request) -> AdminKeyring | None:
-    """The keyring built by gateway.admin.api.startup (config + Redis keys), else ``app.state.admin_keyring``."""
-    st = request.app.state
-    for name in ("gateway", "state", "gateway_state"):
-        ring = getattr(getattr(st, name, None), "admin_keyring", None)
-        if ring is not None:
-            return ring
-    return getattr(st, "admin_keyring", None)
 
 
 def require_role(role: str) -> Callable[[Request], Awaitable[AdminPrincipal]]:
@@ -152,10 +152,9 @@ def require_role(role: str) -> Callable[[Request], Awaitable[AdminPrincipal]]:
         auth = request.headers.get("authorization", "")
         scheme, _, token = auth.partition(" ")
         token = token.strip()
-        keyring = keyring_of(request)
         who = None
-        if keyring is not None and scheme.lower() == "bearer" and token:
-            who = await keyring.lookup(token)
+        if scheme.lower() == "bearer" and token:
+            who = await gateway_of(request).admin_keyring.lookup(token)
         if who is None:
             metrics.ADMIN_DENIED.labels("401").inc()
             raise HTTPException(401, "a valid admin key is required", headers={"WWW-Authenticate": "Bearer"})

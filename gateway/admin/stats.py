@@ -1,20 +1,37 @@
-"""Rates and latency quantiles of this gateway replica, for the dashboard.
+"""Rates and latency quantiles of this gateway replica, for the dashboard, and the mesh-wide
+gauges its /metrics serves.
 
 Prometheus counters are cumulative; the dashboard wants "requests per second now"
-and "p99 over the last few seconds". A background task samples this process's
-registry once per interval, keeps a short ring of samples and derives windowed
-rates and histogram quantiles from differences, then publishes the snapshot to
-Redis (``keys.GATEWAY_STATS``) so any replica's /admin/summary shows all replicas.
+and "p99 over the last few seconds". A background task (:func:`run_stats_publisher`)
+samples this process's registry once per interval, keeps a short ring of samples and
+derives windowed rates and histogram quantiles from differences, then publishes the
+snapshot to Redis (``keys.GATEWAY_STATS``) so any replica's /admin/summary shows all
+replicas. The same task refreshes the per-worker version and lag gauges and the
+context store's byte count.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
+import logging
 import math
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from shared import metrics
+from prometheus_client import Counter, Histogram
+from redis.exceptions import RedisError
+
+from gateway.admin.workers import mesh_workers
+from shared import control, keys, metrics
+
+if TYPE_CHECKING:  # gateway.state names LocalStats as the type of one of its fields
+    from gateway.state import Gateway
+
+log = logging.getLogger(__name__)
 
 WINDOW_S = 5.0
 
@@ -27,7 +44,7 @@ class _Sample:
     buckets: list[tuple[float, float]]  # (le, cumulative count) summed over labels
 
 
-def _counter_total(counter) -> float:
+def _counter_total(counter: Counter) -> float:
     total = 0.0
     for fam in counter.collect():
         for s in fam.samples:
@@ -36,7 +53,7 @@ def _counter_total(counter) -> float:
     return total
 
 
-def _hist_buckets(hist) -> list[tuple[float, float]]:
+def _hist_buckets(hist: Histogram) -> list[tuple[float, float]]:
     by_le: dict[float, float] = {}
     for fam in hist.collect():
         for s in fam.samples:
@@ -65,6 +82,8 @@ def quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
 
 
 class LocalStats:
+    """A short ring of samples of this process's MCP counters and latency histogram."""
+
     def __init__(self, window_s: float = WINDOW_S) -> None:
         self.window_s = window_s
         self.ring: deque[_Sample] = deque(maxlen=120)
@@ -92,3 +111,51 @@ class LocalStats:
             "p50_ms": None if p50 is None else round(p50 * 1000, 3),
             "p99_ms": None if p99 is None else round(p99 * 1000, 3),
         }
+
+
+async def publish_stats(gateway: Gateway) -> None:
+    """Sample now and publish this replica's snapshot for every replica's /admin/summary."""
+    stats = gateway.admin_stats
+    stats.tick()
+    snap = {**stats.snapshot(), "ts_ms": control.now_ms()}
+    await gateway.redis.hset(keys.GATEWAY_STATS, gateway.replica_id, json.dumps(snap))
+
+
+async def withdraw_stats(gateway: Gateway) -> None:
+    """Take this replica's snapshot out of the dashboard (the replica is stopping). With Redis
+    away it stays until any replica's /admin/summary finds it stale."""
+    try:
+        await gateway.redis.hdel(keys.GATEWAY_STATS, gateway.replica_id)
+    except (RedisError, OSError) as exc:
+        log.debug("could not withdraw the dashboard snapshot: %s", type(exc).__name__)
+
+
+async def _refresh_gauges(gateway: Gateway, labelled: set[str]) -> None:
+    """Per-worker version and lag, and the context store's bytes; ``labelled`` holds the worker
+    ids this replica exports, so that workers gone from the mesh leave the gauges too."""
+    seen = set()
+    for w in await mesh_workers(gateway):
+        if isinstance(w.get("version"), (int, float)):
+            metrics.WORKER_VERSION.labels(w["id"]).set(w["version"])
+        if isinstance(w.get("lag"), (int, float)):
+            metrics.WORKER_VERSION_LAG.labels(w["id"]).set(w["lag"])
+        seen.add(w["id"])
+    for gone in labelled - seen:
+        for gauge in (metrics.WORKER_VERSION, metrics.WORKER_VERSION_LAG):
+            with contextlib.suppress(KeyError):
+                gauge.remove(gone)
+    labelled.clear()
+    labelled.update(seen)
+    metrics.CONTEXT_STORED_BYTES.set(await gateway.store.global_bytes())
+
+
+async def run_stats_publisher(gateway: Gateway, interval_s: float) -> None:
+    """Publish the snapshot and refresh the gauges every ``interval_s`` until cancelled."""
+    labelled: set[str] = set()
+    while True:
+        try:
+            await publish_stats(gateway)
+            await _refresh_gauges(gateway, labelled)
+        except Exception as exc:  # noqa: BLE001 - Redis down: the gateway reports 503 elsewhere; keep sampling
+            log.debug("admin stats publish failed: %s", exc)
+        await asyncio.sleep(interval_s)

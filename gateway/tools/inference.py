@@ -5,13 +5,14 @@ The gateway reads the caller's context window from Redis and sends it with each 
 notifications (``message`` = the text so far), and returns the text, the model version that
 produced it and a generation id; the exchange (prompt, then reply) is appended to the context
 when ``worker.append_exchange`` is on. ``score`` returns the model's negative log-likelihood
-of a continuation (used to check that learning took effect).
+of a continuation (used to check that learning took effect). Store, Redis and worker-pool
+exceptions propagate: gateway/errors.py decides what the client sees (no worker or a timeout:
+-32050 and retry later; a worker refusing the input: -32602; a worker failing: ``isError``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -22,10 +23,10 @@ import orjson
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from gateway.errors import SERVICE_UNAVAILABLE, InvalidParams, McpError, ToolError, Unavailable
-from gateway.workers import NoWorker, WorkerPool, WorkerRequestError, WorkerTimeout
+from gateway.errors import InvalidParams, Unavailable
+from gateway.registry import Registry, ToolContext
 from shared import keys
-from shared.context_store import ContextError, ContextNotFound
+from shared.context import ContextError
 from shared.inference import pack_entries
 from shared.samples import parse_learned_token
 
@@ -81,43 +82,26 @@ SCORE_OUTPUT: dict[str, Any] = {
 }
 
 
-def _pool(state: Any) -> WorkerPool:
-    pool = getattr(state, "workers", None)
-    if pool is None:
-        raise Unavailable("the worker pool is not started")
-    return pool
-
-
-def _check_prompt(state: Any, args: dict[str, Any]) -> str:
+def _check_prompt(ctx: ToolContext, args: dict[str, Any]) -> str:
     prompt = args.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
         raise InvalidParams("prompt must be a non-empty string")
-    limit = state.config.worker.max_prompt_bytes
+    limit = ctx.state.config.worker.max_prompt_bytes
     if len(prompt.encode()) > limit:
         raise InvalidParams(f"prompt is {len(prompt.encode())} bytes; at most {limit} are accepted")
     return prompt
 
 
-async def _window(ctx: Any, args: dict[str, Any]) -> tuple[list[dict[str, Any]], list[bytes], int | None]:
+async def _window(ctx: ToolContext, args: dict[str, Any]) -> tuple[list[dict[str, Any]], list[bytes], int | None]:
     context_id = args.get("context_id")
     if context_id is None:
         return [], [], None
-    store = getattr(ctx.state, "store", None)
-    if store is None:
-        raise Unavailable("the context store is not started")
-    try:
-        win = await store.get_window(ctx.principal, context_id, modalities=args.get("modalities"))
-    except ContextNotFound:
-        raise InvalidParams(f"unknown context {context_id!r}") from None
-    except ContextError as exc:
-        raise InvalidParams(str(exc)) from None
-    except (RedisConnectionError, RedisTimeoutError):
-        raise Unavailable("context store unavailable", ctx.state.config.redis.retry_after_s) from None
+    win = await ctx.state.store.get_window(ctx.principal, context_id, modalities=args.get("modalities"))
     meta, frames = pack_entries(win.entries())
     return meta, frames, win.version
 
 
-async def _min_version(ctx: Any, args: dict[str, Any]) -> int:
+async def _min_version(ctx: ToolContext, args: dict[str, Any]) -> int:
     """``min_model_version``, raised to the first version that holds the samples of ``after_learn``
     (waiting up to ``consistency.learn_wait_s`` for the trainer to publish it)."""
     wanted = int(args.get("min_model_version") or 0)
@@ -130,46 +114,35 @@ async def _min_version(ctx: Any, args: dict[str, Any]) -> int:
         raise InvalidParams(str(exc)) from None
     cfg = ctx.state.config
     deadline = time.monotonic() + cfg.consistency.learn_wait_s
-    try:
-        while True:
-            pipe = ctx.state.redis.pipeline(transaction=False)
-            pipe.get(keys.SAMPLE_LOG_ID)
-            pipe.zrangebyscore(keys.MODEL_VERSION_SEQ, seq, "+inf", start=0, num=1)
-            current, found = await pipe.execute()
-            if (current.decode() if isinstance(current, bytes) else current) != log_id:
-                raise InvalidParams("after_learn names samples of a sample log that no longer exists (it was "
-                                    "recreated); learn them again", {"after_learn": token})
-            if found:
-                return max(wanted, int(found[0]))
-            if time.monotonic() >= deadline:
-                raise Unavailable(f"the samples of after_learn are not trained yet (waited "
-                                  f"{cfg.consistency.learn_wait_s:g}s); retry later", cfg.redis.retry_after_s)
-            await asyncio.sleep(_LEARN_POLL_S)
-    except (RedisConnectionError, RedisTimeoutError):
-        raise Unavailable("redis is unreachable", cfg.redis.retry_after_s) from None
+    while True:
+        pipe = ctx.state.redis.pipeline(transaction=False)
+        pipe.get(keys.SAMPLE_LOG_ID)
+        pipe.zrangebyscore(keys.MODEL_VERSION_SEQ, seq, "+inf", start=0, num=1)
+        current, found = await pipe.execute()
+        if (current.decode() if isinstance(current, bytes) else current) != log_id:
+            raise InvalidParams("after_learn names samples of a sample log that no longer exists (it was "
+                                "recreated); learn them again", {"after_learn": token})
+        if found:
+            return max(wanted, int(found[0]))
+        if time.monotonic() >= deadline:
+            raise Unavailable(f"the samples of after_learn are not trained yet (waited "
+                              f"{cfg.consistency.learn_wait_s:g}s); retry later")
+        await asyncio.sleep(_LEARN_POLL_S)
 
 
 _LEARN_POLL_S = 0.02
 
 
-async def _call(ctx: Any, header: dict[str, Any], frames: list[bytes], args: dict[str, Any], **kw: Any) -> dict:
+async def _call(ctx: ToolContext, header: dict[str, Any], frames: list[bytes], args: dict[str, Any],
+                **kw: Any) -> dict[str, Any]:
     min_version = await _min_version(ctx, args)
-    try:
-        return await _pool(ctx.state).request(header, frames, min_version=min_version, **kw)
-    except NoWorker as exc:
-        raise Unavailable(str(exc), exc.retry_after_s) from None
-    except WorkerRequestError as exc:
-        if exc.code == "bad_input":
-            raise InvalidParams(str(exc)) from None
-        raise ToolError(f"inference failed: {exc}") from None
-    except WorkerTimeout as exc:
-        raise McpError(SERVICE_UNAVAILABLE, str(exc), {"retryAfterS": 1}, http_status=503, retry_after_s=1) from None
+    return await ctx.state.workers.request(header, frames, min_version=min_version, **kw)
 
 
-async def generate(ctx: Any, args: dict[str, Any]) -> dict[str, Any]:
+async def generate(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
     state = ctx.state
     wcfg = state.config.worker
-    prompt = _check_prompt(state, args)
+    prompt = _check_prompt(ctx, args)
     max_tokens = args.get("max_tokens", 64)
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= wcfg.max_tokens_limit:
         raise InvalidParams(f"max_tokens must be an integer in 1..{wcfg.max_tokens_limit}")
@@ -215,8 +188,8 @@ def _result(out: dict[str, Any]) -> dict[str, Any]:
     return {"content": [{"type": "text", "text": orjson.dumps(out).decode()}], "structuredContent": out}
 
 
-async def score(ctx: Any, args: dict[str, Any]) -> dict[str, Any]:
-    prompt = _check_prompt(ctx.state, args)
+async def score(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
+    prompt = _check_prompt(ctx, args)
     target = args.get("target")
     if not isinstance(target, str) or not target:
         raise InvalidParams("target must be a non-empty string")
@@ -229,7 +202,7 @@ async def score(ctx: Any, args: dict[str, Any]) -> dict[str, Any]:
             "tokens": tokens, "model_version": res["version"]}
 
 
-def register(registry: Any) -> None:
+def register(registry: Registry) -> None:
     registry.tool("generate", description="Generate a reply from the model, given your prompt and (optionally) one "
                   "of your contexts. Streams partial text as progress notifications; returns the text, the "
                   "model version and a generation id; appends the exchange to the context.",
@@ -238,30 +211,3 @@ def register(registry: Any) -> None:
                   "of your prompt and context; lower means the model finds it more likely.",
                   input_schema=SCORE_INPUT, output_schema=SCORE_OUTPUT, title="Score a continuation",
                   annotations={"readOnlyHint": True})(score)
-
-
-async def _refresh_drained(state: Any, pool: WorkerPool) -> None:
-    while True:
-        with contextlib.suppress(Exception):
-            members = await state.redis.smembers(keys.WORKERS_DRAINED)
-            pool.set_drained({m.decode() if isinstance(m, bytes) else str(m) for m in members})
-        await asyncio.sleep(2.0)
-
-
-async def startup(state: Any) -> None:
-    pool = WorkerPool(state.config)
-    await pool.start()
-    state.workers = pool
-    state._inference_drain_task = asyncio.create_task(_refresh_drained(state, pool), name="workers-drained")
-
-
-async def shutdown(state: Any) -> None:
-    task = getattr(state, "_inference_drain_task", None)
-    if task is not None:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-    pool = getattr(state, "workers", None)
-    if pool is not None:
-        await pool.close()
-        state.workers = None

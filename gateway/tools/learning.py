@@ -1,4 +1,5 @@
-"""Samples in: the ``learn`` tool and the admin sample routes.
+"""Samples in: the ``learn`` tool and the :class:`SampleIngest` behind it (and behind the
+admin sample routes in gateway/admin/samples.py).
 
 Flow of one ``learn`` call: validate every sample (schema, size, context version) —
 nothing is written unless all pass; append them to the durable log (keys.SAMPLE_LOG) in
@@ -6,7 +7,8 @@ one Lua round trip that also hands out dense sequence numbers; acknowledge with 
 then push them to the trainer over ZeroMQ PUSH (non-blocking, explicit HWM). If the push
 queue is full or no trainer is connected the acknowledgement says ``queued: false`` —
 the samples are durable and the trainer picks them up from the log; nothing is dropped
-silently.
+silently. A malformed sample raises :class:`~shared.samples.SampleError` and Redis errors propagate:
+gateway/errors.py decides what the client sees.
 """
 
 from __future__ import annotations
@@ -14,20 +16,21 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import redis.asyncio as aioredis
 import zmq
-from fastapi import APIRouter, Body, Depends, HTTPException, Request
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from gateway.admin.auth import require_role
 from gateway.errors import InvalidParams, Unavailable
+from gateway.registry import Registry, ToolContext
 from shared import keys, wire
 from shared import metrics as m
+from shared.config import Config
+from shared.context import ContextError, ContextStore
 from shared.samples import (
     APPEND_LUA,
     Sample,
     SampleError,
     batch_json,
+    learn_input_schema,
     learned_token,
     new_log_id,
     pack_windows,
@@ -35,30 +38,13 @@ from shared.samples import (
     parse_sample,
     sample_id,
 )
+from shared.text import as_str
 from shared.types import ContextWindow
 from shared.zmq_util import make_socket
 
 log = logging.getLogger("learnmesh.learning")
 
-_SAMPLE_PROPS: dict[str, Any] = {
-    "kind": {"type": "string", "enum": ["example", "feedback"]},
-    "input": {"type": "string", "description": "the prompt / input text"},
-    "target": {"type": "string", "description": "example: the continuation to learn"},
-    "context_id": {"type": "string"},
-    "version": {"type": "integer", "minimum": 0, "description": "context version the sample was taken from"},
-    "modalities": {"type": "array", "items": {"type": "string"}},
-    "generation_id": {"type": "string", "description": "feedback: the generation it refers to"},
-    "output": {"type": "string", "description": "feedback: the generated answer"},
-    "corrected": {"type": "string", "description": "feedback: the corrected answer"},
-    "preference": {"type": "string", "enum": ["up", "down"]},
-}
-
-LEARN_INPUT_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "description": "One sample (its fields at top level) or a batch under 'samples'.",
-    "properties": {**_SAMPLE_PROPS, "samples": {"type": "array", "items": {"type": "object",
-                                                                         "properties": _SAMPLE_PROPS}}},
-}
+LEARN_INPUT_SCHEMA = learn_input_schema()
 
 LEARN_OUTPUT_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -74,9 +60,11 @@ LEARN_OUTPUT_SCHEMA: dict[str, Any] = {
 
 
 class SampleIngest:
-    """Validates, logs and forwards samples; one per gateway process (``state.samples``)."""
+    """Validates, logs and forwards samples; one per gateway process (``Gateway.samples``).
+    Without a ``store``, samples that name a context are refused."""
 
-    def __init__(self, redis: Any, cfg: Any, store: Any = None, zmq_ctx: zmq.Context | None = None) -> None:
+    def __init__(self, redis: aioredis.Redis, cfg: Config, store: ContextStore | None = None,
+                 zmq_ctx: zmq.Context | None = None) -> None:
         self.redis = redis
         self.cfg = cfg
         self.store = store
@@ -101,9 +89,9 @@ class SampleIngest:
                 return parse_batch(args["samples"], max_bytes=t.max_sample_bytes,
                                    max_count=t.max_learn_batch, modalities=mods)
             return [parse_sample(args, max_bytes=t.max_sample_bytes, modalities=mods)]
-        except SampleError as exc:
+        except SampleError:
             m.SAMPLES_REJECTED.labels("invalid").inc()
-            raise InvalidParams(str(exc), {"index": exc.index}) from None
+            raise
 
     async def check_contexts(self, principal: str, samples: list[Sample]) -> list[ContextWindow]:
         """Every (context_id, version) named must be readable now; else -32602, nothing written.
@@ -115,17 +103,18 @@ class SampleIngest:
         if self.store is None:
             raise Unavailable("the context store is not available; samples with context_id cannot be checked")
         for context_id, version in sorted(wanted, key=str):
+            window = None
             try:
                 current = await self.store.version(principal, context_id)
-                if current is None or version is None or version > int(current):
-                    raise LookupError
-                windows.append(await self.store.read_at_version(principal, context_id, version))
-            except (RedisConnectionError, RedisTimeoutError):
-                raise Unavailable("redis is unreachable") from None
-            except Exception:  # the store's not-found / not-retained errors
+                if current is not None and version is not None and version <= int(current):
+                    window = await self.store.read_at_version(principal, context_id, version)
+            except ContextError:  # unknown context, or that version is no longer retained
+                pass
+            if window is None:
                 m.SAMPLES_REJECTED.labels("context").inc()
                 raise InvalidParams(f"context {context_id!r} has no version {version} (unknown or no longer "
-                                    "retained)", {"context_id": context_id, "version": version}) from None
+                                    "retained)", {"context_id": context_id, "version": version})
+            windows.append(window)
         return windows
 
     def _context_copy(self, windows: list[ContextWindow]) -> bytes:
@@ -142,18 +131,15 @@ class SampleIngest:
     async def submit(self, principal: str, samples: list[Sample]) -> dict[str, Any]:
         contexts = self._context_copy(await self.check_contexts(principal, samples))
         blobs = [s.to_json() for s in samples]
-        try:
-            last, entry, log_id = await self._append(keys=[keys.SAMPLE_LOG, keys.SAMPLE_SEQ, keys.SAMPLE_LOG_ID],
-                                                     args=[principal, len(blobs), batch_json(blobs), new_log_id(),
-                                                           contexts])
-        except (RedisConnectionError, RedisTimeoutError):
-            raise Unavailable("redis is unreachable") from None
+        last, entry, log_id = await self._append(keys=[keys.SAMPLE_LOG, keys.SAMPLE_SEQ, keys.SAMPLE_LOG_ID],
+                                                 args=[principal, len(blobs), batch_json(blobs), new_log_id(),
+                                                       contexts])
         entry = entry.decode() if isinstance(entry, bytes) else str(entry)
         ids = [sample_id(entry, i) for i in range(len(blobs))]
         last = int(last)
         seqs = list(range(last - len(ids) + 1, last + 1))
         m.SAMPLES_ACCEPTED.inc(len(ids))
-        log_id = _s(log_id)
+        log_id = as_str(log_id)
         queued = self._forward(principal, entry, ids, seqs, blobs, contexts, log_id)
         return {"ids": ids, "seqs": seqs, "queued": queued, "learned": learned_token(log_id, last)}
 
@@ -184,11 +170,11 @@ class SampleIngest:
         length, last_seq, offset, status, skipped_steps = await pipe.execute()
         skipped: dict[str, int] = {}
         for step in skipped_steps or []:
-            for item in _s(step).split():
+            for item in as_str(step).split():
                 reason = item.rpartition("=")[2]
                 skipped[reason] = skipped.get(reason, 0) + 1
-        offset = {_s(k): _s(v) for k, v in (offset or {}).items()}
-        status = {_s(k): _s(v) for k, v in (status or {}).items()}
+        offset = {as_str(k): as_str(v) for k, v in (offset or {}).items()}
+        status = {as_str(k): as_str(v) for k, v in (status or {}).items()}
         last_seq = int(last_seq or 0)
         trained_seq = int(offset.get("seq", 0) or 0)
         return {"log_entries": int(length), "last_seq": last_seq, "trained_seq": trained_seq,
@@ -202,79 +188,13 @@ class SampleIngest:
             self.ctx.term()
 
 
-def _s(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
-
-
-# ---------------------------------------------------------------- plug-in contract
-
-
-def register(registry: Any) -> None:
+def register(registry: Registry) -> None:
     @registry.tool("learn", description="Submit learning samples (one, or a batch under 'samples'). Each is an "
                    "example (input + target, optionally from a context at a version) or feedback on an earlier "
                    "generation (corrected answer or preference). Acknowledged after the durable write.",
                    input_schema=LEARN_INPUT_SCHEMA, output_schema=LEARN_OUTPUT_SCHEMA, title="Learn",
                    annotations={"destructiveHint": False, "idempotentHint": False})
-    async def learn(ctx: Any, args: dict[str, Any]) -> dict[str, Any]:
-        ingest: SampleIngest | None = getattr(ctx.state, "samples", None)
-        if ingest is None:
-            raise Unavailable("learning is not enabled on this gateway")
+    async def learn(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
+        ingest = ctx.state.samples
         samples = ingest.parse(args or {})
         return await ingest.submit(ctx.principal, samples)
-
-
-async def startup(state: Any) -> None:
-    state.samples = SampleIngest(state.redis, state.config, getattr(state, "store", None),
-                                 getattr(state, "zmq_ctx", None))
-
-
-async def shutdown(state: Any) -> None:
-    ingest = getattr(state, "samples", None)
-    if ingest is not None:
-        ingest.close()
-        state.samples = None
-
-
-def _ingest(request: Request) -> SampleIngest:
-    app_state = request.app.state
-    for holder in (getattr(app_state, "gateway", None), getattr(app_state, "state", None),
-                   getattr(app_state, "gateway_state", None), app_state):
-        ingest = getattr(holder, "samples", None) if holder is not None else None
-        if ingest is not None:
-            if getattr(ingest, "store", None) is None and holder is not None:
-                ingest.store = getattr(holder, "store", None)
-            return ingest
-    raise HTTPException(503, "learning is not enabled on this gateway")
-
-
-router = APIRouter()
-_OPERATOR = Depends(require_role("operator"))
-_VIEWER = Depends(require_role("viewer"))
-_JSON_BODY = Body(...)
-
-
-@router.post("/admin/samples")
-async def import_samples(request: Request, body: Any = _JSON_BODY, who: Any = _OPERATOR) -> dict[str, Any]:
-    """Bulk import on behalf of a principal: ``{"principal": str, "samples": [...]}``; all or nothing."""
-    ingest = _ingest(request)
-    if not isinstance(body, dict) or not isinstance(body.get("principal"), str) or not body["principal"] \
-            or any(c in body["principal"] for c in "{}:"):
-        raise HTTPException(400, "body must be {\"principal\": str, \"samples\": [...]}")
-    try:
-        samples = ingest.parse({"samples": body.get("samples")})
-        result = await ingest.submit(body["principal"], samples)
-    except InvalidParams as exc:
-        raise HTTPException(400, exc.message) from None
-    except Unavailable as exc:
-        raise HTTPException(503, exc.message, headers={"Retry-After": str(exc.retry_after_s or 2)}) from None
-    log.info("admin %s imported %d samples for principal %s", who.name, len(result["ids"]), body["principal"])
-    return result
-
-
-@router.get("/admin/samples/stats")
-async def sample_stats(request: Request, who: Any = _VIEWER) -> dict[str, Any]:
-    """Log length, last sequence number, the trainer's committed offset and lag, trainer progress."""
-    try:
-        return await _ingest(request).stats()
-    except (RedisConnectionError, RedisTimeoutError):
-        raise HTTPException(503, "redis is unreachable", headers={"Retry-After": "2"}) from None

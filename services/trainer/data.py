@@ -27,7 +27,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared import keys, wire
+from shared.config import Config
 from shared.samples import LoggedSample, attach_windows, load_stored, parse_entry
+from shared.text import as_str
 from shared.types import ContextWindow, Entry
 from shared.zmq_util import make_socket
 
@@ -102,7 +104,7 @@ def decode_batch(data: bytes | memoryview) -> tuple[str, list[TrainRecord], dict
 class ContextReader:
     """Reads context snapshots through the (async) ContextStore on a private event loop thread."""
 
-    def __init__(self, cfg: Any, redis_url: str) -> None:
+    def __init__(self, cfg: Config, redis_url: str) -> None:
         self.cfg = cfg
         self.redis_url = redis_url
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -113,7 +115,7 @@ class ContextReader:
     def _start(self) -> None:
         from redis import asyncio as aioredis
 
-        from shared.context_store import ContextStore  # the context engineer's store
+        from shared.context import ContextStore  # imported with the reader's first use
 
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="ctx-reader", daemon=True)
@@ -157,7 +159,7 @@ class SampleSource:
     are dropped: they are already in the model.
     """
 
-    def __init__(self, cfg: Any, redis: Any, zmq_ctx: zmq.Context, committed_seq: int, committed_id: str,
+    def __init__(self, cfg: Config, redis: Any, zmq_ctx: zmq.Context, committed_seq: int, committed_id: str,
                  contexts: ContextReader | None = None, log_id: str = "") -> None:
         self.cfg = cfg
         self.redis = redis
@@ -221,7 +223,7 @@ class SampleSource:
                 out.extend(s for s in parse_entry(eid, fields) if s.seq > self.seq)
             if len(entries) < 8:
                 break
-            start = "(" + (entries[-1][0].decode() if isinstance(entries[-1][0], bytes) else entries[-1][0])
+            start = "(" + as_str(entries[-1][0])
         out = out[:limit]
         if out and out[0].seq != self.seq + 1:
             log.error("sample log does not continue at seq %d (found %d): entries were trimmed before "
@@ -233,8 +235,8 @@ class SampleSource:
         """Follow the log's identity: adopt it when first seen; when it changes (the log was
         recreated: a Redis that lost its data, or emptied), start over at its first sample.
         True when the position was reset."""
-        current = self.redis.get(keys.SAMPLE_LOG_ID)
-        current = current.decode() if isinstance(current, bytes) else (current or "")
+        raw = self.redis.get(keys.SAMPLE_LOG_ID)
+        current = as_str(raw) if raw is not None else ""
         if current == self.log_id:
             return False
         if not self.log_id:

@@ -1,7 +1,8 @@
-"""The one init path and the one teardown path of a trainer rank's process group.
+"""The one init path and the one teardown path of a trainer rank's process group, and the
+collectives the loop needs beyond DDP's.
 
 Environment contract (torchrun's): MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK,
-LOCAL_WORLD_SIZE. Backend: NCCL when CUDA is available (``trainer.backend: auto|nccl``), gloo
+LOCAL_WORLD_SIZE, and TORCHELASTIC_RESTART_COUNT (how often the group was restarted). Backend: NCCL when CUDA is available (``trainer.backend: auto|nccl``), gloo
 otherwise; an NCCL rank uses the visible GPU numbered by its LOCAL_RANK. With
 NCCL a second, gloo group carries the control traffic (batch bytes, checkpoint bytes, loss)
 so those stay CPU tensors. The init timeout is long (``trainer.init_timeout_s``: ranks on
@@ -15,10 +16,11 @@ import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from shared.config import Config
 
 log = logging.getLogger("learnmesh.trainer")
 
@@ -29,6 +31,7 @@ class RankEnv:
     world: int
     local_rank: int
     local_world: int = 1  # ranks on this machine
+    restarts: int = 0  # times torchrun restarted the group before this start
 
     @classmethod
     def from_environ(cls) -> RankEnv:
@@ -37,10 +40,51 @@ class RankEnv:
             raise RuntimeError(f"--as-rank needs the torchrun environment; missing {', '.join(missing)}")
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         return cls(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), local_rank,
-                   int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1)))
+                   int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1)),
+                   int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
 
 
-def choose_backend(cfg: Any) -> str:
+@dataclass
+class RankGroup:
+    """This rank's place in the group; ``ctrl`` carries the control traffic (batch bytes,
+    checkpoint bytes, the loss): a gloo group beside NCCL, else None (the default group)."""
+
+    rank: int
+    world: int
+    device: torch.device
+    ctrl: dist.ProcessGroup | None = None
+
+    def broadcast_bytes(self, data: bytes | None) -> bytes:
+        """Rank 0's ``data`` on every rank (b"" when it has none)."""
+        if self.world == 1:
+            return data or b""
+        mine = data if self.rank == 0 and data else b""
+        n = torch.tensor([len(mine)], dtype=torch.int64)
+        dist.broadcast(n, 0, group=self.ctrl)
+        size = int(n.item())
+        if size == 0:
+            return b""
+        buf = torch.frombuffer(bytearray(mine), dtype=torch.uint8) if mine else torch.empty(size, dtype=torch.uint8)
+        dist.broadcast(buf, 0, group=self.ctrl)
+        return mine or buf.numpy().tobytes()
+
+    def sum(self, tensor: torch.Tensor) -> None:
+        """All-reduce a CPU tensor in place (a no-op alone)."""
+        if self.world > 1:
+            dist.all_reduce(tensor, group=self.ctrl)
+
+    def shorten_timeout(self, seconds: int) -> None:
+        """From now on a collective waits at most ``seconds`` for a peer (a dead one fails the job)."""
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        for group in {None, self.ctrl}:
+            try:
+                _set_pg_timeout(timedelta(seconds=seconds), group)
+            except Exception as exc:  # pragma: no cover - backend without the call
+                log.debug("could not shorten the process-group timeout: %s", exc)
+
+
+def choose_backend(cfg: Config) -> str:
     wanted = cfg.trainer.backend
     if wanted == "nccl" or (wanted == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
@@ -61,7 +105,7 @@ def gpu_index(local_rank: int, local_world: int, gpus: int) -> int:
 
 
 def ranks_for_gpus(ranks: int, backend: str, gpus: int) -> int:
-    """How many ranks the local agent spawns: ``ranks``, capped at the GPU count when the
+    """How many ranks ``learnmesh trainer`` starts on this machine: ``ranks``, capped at the GPU count when the
     ranks would use NCCL (see :func:`gpu_index`)."""
     nccl = backend == "nccl" or (backend == "auto" and gpus > 0)
     if not nccl or gpus == 0 or ranks <= gpus:
@@ -84,8 +128,8 @@ def cpu_threads(configured: int, local_world: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, local_world))
 
 
-def init_distributed(cfg: Any, env: RankEnv) -> tuple[torch.device, Any]:
-    """Initialise the process group; returns (device, control group)."""
+def init_distributed(cfg: Config, env: RankEnv) -> RankGroup:
+    """Initialise the process group."""
     backend = choose_backend(cfg)
     if backend == "nccl":
         device = torch.device("cuda", gpu_index(env.local_rank, env.local_world, torch.cuda.device_count()))
@@ -99,7 +143,7 @@ def init_distributed(cfg: Any, env: RankEnv) -> tuple[torch.device, Any]:
     ctrl = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.trainer.init_timeout_s)) \
         if backend == "nccl" else None
     log.info("rank %d/%d up: backend %s, device %s", env.rank, env.world, backend, device)
-    return device, ctrl
+    return RankGroup(env.rank, env.world, device, ctrl)
 
 
 def teardown() -> None:

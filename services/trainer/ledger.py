@@ -24,7 +24,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from redis import Redis
+from redis.exceptions import WatchError
+from redis.typing import EncodableT, FieldT
+
 from shared import keys
+from shared.text import as_str
+
+VERSION_SEQS_KEPT = 4096
 
 
 @dataclass
@@ -36,47 +43,66 @@ class Offset:
     epoch: int = 0
     log: str = ""  # keys.SAMPLE_LOG_ID of the log that seq and id belong to ("" before any sample)
 
-    def fields(self) -> dict[str, Any]:
+    def fields(self) -> dict[FieldT, EncodableT]:
         return {"seq": self.seq, "id": self.id, "step": self.step, "version": self.version,
                 "epoch": self.epoch, "log": self.log}
 
 
-def _s(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
-
-
 def read_offset(redis: Any) -> Offset:
-    raw = {_s(k): _s(v) for k, v in (redis.hgetall(keys.TRAINER_OFFSET) or {}).items()}
+    raw = {as_str(k): as_str(v) for k, v in (redis.hgetall(keys.TRAINER_OFFSET) or {}).items()}
     return Offset(int(raw.get("seq", 0)), raw.get("id", ""), int(raw.get("step", 0)),
                   int(raw.get("version", 0)), int(raw.get("epoch", 0)), raw.get("log", ""))
 
 
-def commit(redis: Any, off: Offset, ids: list[str], skipped: dict[str, str] | None = None) -> None:
-    """Record one optimizer step atomically: the offset, the ids whose gradient the step holds,
-    and the ids it consumed without one (``skipped``: id -> reason), kept apart."""
-    pipe = redis.pipeline(transaction=True)
-    pipe.hset(keys.TRAINER_OFFSET, mapping=off.fields())
-    pipe.hset(keys.TRAINER_TRAINED, str(off.step), " ".join(ids))
-    if skipped:
-        pipe.hset(keys.TRAINER_SKIPPED, str(off.step), " ".join(f"{i}={r}" for i, r in skipped.items()))
-    pipe.execute()
+class Ledger:
+    """Rank 0's writes to the commit record, the ledger and the read-your-writes marks."""
+
+    def __init__(self, redis: Redis) -> None:
+        self.redis = redis
+
+    def resume(self, checkpointed: Offset) -> tuple[Offset, int]:
+        """Make Redis agree with the checkpoint: drop ledger steps after it, reset the offset,
+        bump the epoch. Returns (the new offset, how many steps were rolled back)."""
+        new, rolled = _rollback(self.redis, checkpointed)
+        # versions of the lost steps no longer hold the samples after the checkpoint's seq
+        self.redis.zremrangebyscore(keys.MODEL_VERSION_SEQ, f"({new.seq}", "+inf")
+        return new, rolled
+
+    def commit(self, off: Offset, ids: list[str], skipped: dict[str, str] | None = None) -> None:
+        """Record one optimizer step atomically: the offset, the ids whose gradient the step holds,
+        and the ids it consumed without one (``skipped``: id -> reason), kept apart."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(keys.TRAINER_OFFSET, mapping=off.fields())
+        pipe.hset(keys.TRAINER_TRAINED, str(off.step), " ".join(ids))
+        if skipped:
+            pipe.hset(keys.TRAINER_SKIPPED, str(off.step), " ".join(f"{i}={r}" for i, r in skipped.items()))
+        pipe.execute()
+
+    def record_offset(self, off: Offset) -> None:
+        """The commit record alone (a position moved without a step: a new sample log)."""
+        self.redis.hset(keys.TRAINER_OFFSET, mapping=off.fields())
+
+    def record_version_seq(self, version: int, seq: int) -> None:
+        """keys.MODEL_VERSION_SEQ: ``version`` holds every pass over the samples up to ``seq``
+        (read-your-writes for ``learn``)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zadd(keys.MODEL_VERSION_SEQ, {str(version): seq})
+        pipe.zremrangebyrank(keys.MODEL_VERSION_SEQ, 0, -VERSION_SEQS_KEPT - 1)
+        pipe.execute()
+
+    def trim_log(self, entry_id: str) -> None:
+        """Replay after a crash starts at the checkpoint's entry: older entries are never read again."""
+        self.redis.xtrim(keys.SAMPLE_LOG, minid=entry_id, approximate=False)
 
 
-def record_offset(redis: Any, off: Offset) -> None:
-    """The commit record alone (a position moved without a step: a new sample log)."""
-    redis.hset(keys.TRAINER_OFFSET, mapping=off.fields())
-
-
-def rollback(redis: Any, to: Offset) -> tuple[Offset, int]:
-    """Make Redis agree with the checkpoint ``to``: drop ledger steps after it, reset the offset,
-    bump the epoch. Returns (the new offset, how many steps were rolled back)."""
+def _rollback(redis: Any, to: Offset) -> tuple[Offset, int]:
     while True:
         with redis.pipeline(transaction=True) as pipe:
             try:
                 pipe.watch(keys.TRAINER_OFFSET, keys.TRAINER_TRAINED, keys.TRAINER_SKIPPED)
                 current = read_offset(pipe)
-                later = [f for f in pipe.hkeys(keys.TRAINER_TRAINED) if int(_s(f)) > to.step]
-                later_skipped = [f for f in pipe.hkeys(keys.TRAINER_SKIPPED) if int(_s(f)) > to.step]
+                later = [f for f in pipe.hkeys(keys.TRAINER_TRAINED) if int(as_str(f)) > to.step]
+                later_skipped = [f for f in pipe.hkeys(keys.TRAINER_SKIPPED) if int(as_str(f)) > to.step]
                 # +1: the restored weights are published as a version nobody has served yet
                 version = max(current.version, to.version, _published_version(pipe)) + 1
                 new = Offset(to.seq, to.id, to.step, version, current.epoch + 1, to.log)
@@ -88,10 +114,8 @@ def rollback(redis: Any, to: Offset) -> tuple[Offset, int]:
                 pipe.hset(keys.TRAINER_OFFSET, mapping=new.fields())
                 pipe.execute()
                 return new, len(later)
-            except Exception as exc:
-                if type(exc).__name__ == "WatchError":
-                    continue
-                raise
+            except WatchError:
+                continue
 
 
 def _published_version(redis: Any) -> int:
@@ -106,7 +130,7 @@ def skipped_ids(redis: Any) -> dict[str, str]:
     """Every id consumed without a gradient -> the reason (tests, audits, admin stats)."""
     out: dict[str, str] = {}
     for v in (redis.hgetall(keys.TRAINER_SKIPPED) or {}).values():
-        for item in _s(v).split():
+        for item in as_str(v).split():
             sid, _, reason = item.rpartition("=")
             out[sid] = reason
     return out
@@ -116,5 +140,5 @@ def trained_ids(redis: Any) -> list[str]:
     """Every id in the ledger, with repetitions (tests and audits count them)."""
     out: list[str] = []
     for v in (redis.hgetall(keys.TRAINER_TRAINED) or {}).values():
-        out.extend(_s(v).split())
+        out.extend(as_str(v).split())
     return out

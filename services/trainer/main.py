@@ -1,73 +1,93 @@
-"""``learnmesh trainer``: spawn ``trainer.ranks`` rank processes with torchrun's environment
-contract, or run as one rank under torchrun (``--as-rank``).
+"""``learnmesh trainer``: start ``trainer.ranks`` ranks on this machine under torchrun
+(services/trainer/launcher.py), or run as one rank of a torchrun group (``--as-rank``).
 
-Spawn mode is a small elastic agent for one machine: it starts every rank, watches them,
-and when one dies it kills the rest and restarts the whole group from the latest
-checkpoint (up to ``trainer.max_restarts`` times, like ``torchrun --max-restarts``). SIGTERM
-is forwarded to every rank; rank 0 then stops the group, which checkpoints and exits.
-Across machines use torchrun itself (see docs/trainer.md).
+:func:`build_trainer` is the one place a rank's loop is assembled: the model and its
+stepper on every rank, and on rank 0 the leader with its sample source, ledger, replays,
+publisher and control plane, all positioned at the latest checkpoint.
 """
 
 from __future__ import annotations
 
+import argparse
+import ctypes
 import logging
 import os
 import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import threading
-import time
-from typing import Any
+from collections.abc import Callable, Sequence
+from types import FrameType
+from typing import Any, NoReturn
 
-import yaml
+import redis as redis_sync
+import zmq
+
+from services.trainer import checkpoint
+from services.trainer.data import ContextReader, SampleSource
+from services.trainer.dist import RankEnv, RankGroup, init_distributed, teardown
+from services.trainer.leader import Leader
+from services.trainer.ledger import Ledger, Offset
+from services.trainer.loop import StepObserver, Trainer
+from services.trainer.operations import TrainerOps
+from services.trainer.publisher import DeltaPublisher
+from services.trainer.replay import ReplayBuffer
+from services.trainer.stepper import Stepper, build_model
+from shared import metrics as m
+from shared.config import DEFAULT_REDIS_URL, Config
+from shared.control import start_metrics_server
 
 log = logging.getLogger("learnmesh.trainer")
 
 
-def main(cfg: Any, args: Any) -> int:
-    if getattr(args, "ranks", None):
+def main(cfg: Config, args: argparse.Namespace) -> int:
+    if args.ranks:
         cfg.trainer.ranks = int(args.ranks)
-    _logging(os.environ.get("RANK", "agent") if getattr(args, "as_rank", False) else "agent")
-    if getattr(args, "as_rank", False):
-        code = run_rank(cfg)
-        # Everything is checkpointed, committed and torn down by now. Leave without running
-        # interpreter/C++ static destructors: gloo's transport threads can otherwise abort
-        # the process at exit ("terminate called without an active exception"), turning a
-        # clean stop into exit code 1 (seen on torch 2.13).
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    return Agent(cfg).run()
+    if args.as_rank:
+        rank_main(cfg)
+    from services.trainer.launcher import launch
+
+    configure_logging("launcher")
+    return launch(cfg)
 
 
-def _logging(who: str) -> None:
+def rank_main(cfg: Config, observers: Sequence[StepObserver] = ()) -> NoReturn:
+    """Run this process as one rank and exit with its status."""
+    configure_logging(os.environ.get("RANK", "?"))
+    code = run_rank(cfg, observers)
+    # Everything is checkpointed, committed and torn down by now. Leave without running
+    # interpreter/C++ static destructors: gloo's transport threads can otherwise abort
+    # the process at exit ("terminate called without an active exception"), turning a
+    # clean stop into exit code 1 (seen on torch 2.13).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def configure_logging(who: str) -> None:
+    """Log lines name the process: ``trainer[launcher]`` or ``trainer[<rank>]``."""
     logging.basicConfig(level=os.environ.get("LEARNMESH_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s trainer[{who}] %(levelname)s %(message)s")
 
 
-# ---------------------------------------------------------------- one rank
-
-
-def run_rank(cfg: Any) -> int:
-    from services.trainer.dist import RankEnv, init_distributed, teardown
-    from services.trainer.loop import Trainer
-
+def run_rank(cfg: Config, observers: Sequence[StepObserver] = ()) -> int:
     env = RankEnv.from_environ()
+    _die_with_launcher()
     stop = threading.Event()
 
-    def on_term(signum: int, frame: Any) -> None:
+    def on_term(signum: int, frame: FrameType | None) -> None:
         stop.set()
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
-    _metrics_server(cfg, env.rank)
+    start_metrics_server(cfg, "trainer", env.rank)
+    m.TRAINER_RESTARTS.inc(env.restarts)
+    if env.restarts and env.rank == 0:
+        log.warning("the rank group was restarted (restart %d of %s): resuming from the latest checkpoint",
+                    env.restarts, os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"))
     trainer = None
     try:
-        device, ctrl = init_distributed(cfg, env)
-        trainer = Trainer(cfg, env.rank, env.world, device, ctrl, stop.is_set)
+        trainer = build_trainer(cfg, init_distributed(cfg, env), stop.is_set, observers)
         trainer.run()
         log.info("rank %d stopped cleanly at step %d", env.rank, trainer.step)
         return 0
@@ -81,112 +101,60 @@ def run_rank(cfg: Any) -> int:
         teardown()
 
 
-def _metrics_server(cfg: Any, rank: int) -> None:
-    mcfg = getattr(cfg, "metrics", None)
-    port = getattr(mcfg, "trainer_port", 0) if mcfg is not None else 0
-    if not port:
-        return
-    from prometheus_client import start_http_server
-
-    try:
-        start_http_server(port + rank, addr=getattr(mcfg, "bind_host", "127.0.0.1"))
-    except OSError as exc:
-        log.warning("metrics port %d unavailable: %s", port + rank, exc)
+def _die_with_launcher() -> None:
+    """torchrun starts each rank in a session of its own, so a kill -9 of the launcher (or of
+    its process group) would leave the ranks running, holding the sample endpoint and the
+    publisher's ports. On Linux the kernel kills a rank when the process that started it dies.
+    (A rank whose launcher died before this call cannot join its group and fails at
+    ``trainer.init_timeout_s``.)"""
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
-# ---------------------------------------------------------------- the local agent
+# ---------------------------------------------------------------- assembling a rank
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def build_trainer(cfg: Config, group: RankGroup, stop: Callable[[], bool],
+                  observers: Sequence[StepObserver] = ()) -> Trainer:
+    """A rank's loop at the latest checkpoint (every rank calls it: it broadcasts)."""
+    stepper = Stepper(cfg, group, build_model(cfg).to(group.device))
+    data = checkpoint.latest_bytes(cfg.trainer.checkpoint_dir) if group.rank == 0 else None
+    data = group.broadcast_bytes(data)
+    state = checkpoint.load_bytes(data) if data else None
+    if state is not None:
+        stepper.restore(state)
+    step = int(state["step"]) if state is not None else 0
+    leader = _build_leader(cfg, group, stepper, _checkpointed_offset(state)) if group.rank == 0 else None
+    stepper.distribute(step)
+    return Trainer(cfg, group, stepper, leader, stop, step=step, observers=observers)
 
 
-class Agent:
-    def __init__(self, cfg: Any) -> None:
-        self.cfg = cfg
-        self.stopping = False
-        self.procs: list[subprocess.Popen[bytes]] = []
+def _checkpointed_offset(state: dict[str, Any] | None) -> Offset:
+    if state is None:
+        return Offset()
+    return Offset(int(state["seq"]), str(state["id"]), int(state["step"]), int(state["version"]),
+                  log=str(state.get("log", "")))
 
-    def _ranks(self) -> int:
-        t = self.cfg.trainer
-        if t.backend == "gloo":  # no need to load torch and probe CUDA here
-            return t.ranks
-        from services.trainer.dist import local_gpu_count, ranks_for_gpus
 
-        return ranks_for_gpus(t.ranks, t.backend, local_gpu_count())
-
-    def _write_config(self) -> str:
-        fd, path = tempfile.mkstemp(prefix="learnmesh-trainer-", suffix=".yaml")
-        with os.fdopen(fd, "w") as f:
-            yaml.safe_dump(self.cfg.to_dict(), f)
-        return path
-
-    def _spawn(self, path: str, port: int) -> None:
-        world = self.cfg.trainer.ranks
-        self.procs = []
-        for rank in range(world):
-            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "services.cli", "--config", path, "trainer", "--as-rank"], env=env))
-
-    def _kill_all(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-        for p in self.procs:
-            p.wait()
-
-    def _forward_term(self, signum: int, frame: Any) -> None:
-        self.stopping = True
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-
-    def run(self) -> int:
-        from shared import metrics as m
-
-        signal.signal(signal.SIGTERM, self._forward_term)
-        signal.signal(signal.SIGINT, self._forward_term)
-        self.cfg.trainer.ranks = self._ranks()
-        path = self._write_config()
-        try:
-            for attempt in range(self.cfg.trainer.max_restarts + 1):
-                # One machine: any free port will do (trainer.master_port is torchrun's, across machines).
-                self._spawn(path, _free_port())
-                failed = self._watch()
-                if failed is None:
-                    return 0
-                if self.stopping:
-                    return 1
-                if attempt < self.cfg.trainer.max_restarts:
-                    m.TRAINER_RESTARTS.inc()
-                    log.warning("rank %d exited with %s; restarting all ranks from the latest checkpoint "
-                                "(restart %d of %d)", failed[0], failed[1], attempt + 1, self.cfg.trainer.max_restarts)
-            log.error("trainer failed: a rank kept dying (%d restarts used)", self.cfg.trainer.max_restarts)
-            return 1
-        finally:
-            self._kill_all()
-            os.unlink(path)
-
-    def _watch(self) -> tuple[int, int] | None:
-        """Wait for the group; None when every rank exited 0, else (rank, code) of the first failure."""
-        grace_deadline: float | None = None
-        while True:
-            codes = [p.poll() for p in self.procs]
-            for rank, code in enumerate(codes):
-                if code not in (None, 0):
-                    self._kill_all()  # the others are blocked in a collective with a dead peer
-                    return rank, code
-            if all(c == 0 for c in codes):
-                return None
-            if self.stopping:
-                grace_deadline = grace_deadline or time.monotonic() + self.cfg.trainer.step_timeout_s
-                if time.monotonic() > grace_deadline:
-                    log.error("ranks did not stop within %ss after SIGTERM; killing them",
-                              self.cfg.trainer.step_timeout_s)
-                    self._kill_all()
-                    return -1, -9
-            time.sleep(0.05)
+def _build_leader(cfg: Config, group: RankGroup, stepper: Stepper, checkpointed: Offset) -> Leader:
+    url = cfg.redis.url or DEFAULT_REDIS_URL
+    redis = redis_sync.Redis.from_url(url, socket_timeout=30)
+    ledger = Ledger(redis)
+    offset, rolled = ledger.resume(checkpointed)
+    log.info("trainer resumed at step %d (seq %d, epoch %d); %d uncheckpointed step(s) rolled back and "
+             "will be replayed from the log", checkpointed.step, offset.seq, offset.epoch, rolled)
+    zmq_ctx = zmq.Context()
+    contexts = ContextReader(cfg, url)
+    source = SampleSource(cfg, redis, zmq_ctx, offset.seq, offset.id, contexts, log_id=offset.log)
+    # The restored lineage becomes a version newer than anything served before: the
+    # publisher's snapshot (what joining/re-syncing workers fetch) starts at it.
+    publisher = DeltaPublisher(cfg, zmq_ctx, stepper.named_params(), offset.version,
+                               getattr(stepper.model, "model_id", "model"), redis_client=redis)
+    leader = Leader(cfg, weights=stepper, world=group.world, offset=offset, redis=redis, ledger=ledger,
+                    source=source, contexts=contexts,
+                    replay=ReplayBuffer(cfg.trainer.replay_passes, cfg.trainer.replay_buffer, seed=cfg.model.seed),
+                    publisher=publisher, ops=TrainerOps(cfg, redis, publisher), zmq_ctx=zmq_ctx)
+    source.check_log()  # the checkpoint's offsets count in its log; is that the log found now?
+    m.TRAINER_VERSION.set(offset.version)
+    return leader

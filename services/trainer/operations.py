@@ -25,12 +25,17 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from redis import Redis
+
 from services.trainer import checkpoint
-from shared import control
+from services.trainer.publisher import DeltaPublisher, PublishStats
+from shared import control, keys
 from shared import metrics as m
+from shared.config import Config
 from shared.crypto import STREAM_DELTA, KeyFileError, rotate_key_file
 
 log = logging.getLogger("learnmesh.trainer")
@@ -52,14 +57,16 @@ def find_version_checkpoint(directory: str, version: int) -> Path | None:
 
 
 class TrainerOps:
-    """Rank 0's control-plane poller; ``trainer`` is the :class:`services.trainer.loop.Trainer`."""
+    """Rank 0's control-plane poller. ``cfg`` is the configuration in effect: the operator's
+    runtime changes (compression, consistency, scheduling) replace it."""
 
-    def __init__(self, trainer: Any) -> None:
-        self.tr = trainer
-        self.redis = trainer.redis
-        self.ctl = control.TrainerControl(self.redis)
-        self.cfg_watch = control.RuntimeConfigWatcher(self.redis, trainer.cfg)
-        self.rotations = control.KeyRotationWatcher(self.redis)
+    def __init__(self, cfg: Config, redis: Redis, publisher: DeltaPublisher) -> None:
+        self.cfg = cfg
+        self.redis = redis
+        self.publisher = publisher
+        self.ctl = control.TrainerControl(redis)
+        self.cfg_watch = control.RuntimeConfigWatcher(redis, cfg)
+        self.rotations = control.KeyRotationWatcher(redis)
         self.pending: dict[str, control.Command] = {}
         self.paused = False
         self._published_at: OrderedDict[int, float] = OrderedDict()
@@ -67,9 +74,7 @@ class TrainerOps:
         self._ack_lock = threading.Lock()
         self._sync_latency_ms: float | None = None
         self._next_report = 0.0
-        pub = trainer.publisher
-        if pub is not None and hasattr(type(pub), "ack_listener"):
-            pub.ack_listener = self._on_ack
+        publisher.ack_listener = self._on_ack
 
     # ---------------------------------------------------------------- per iteration (rank 0)
     def poll(self) -> list[dict[str, Any]]:
@@ -96,10 +101,10 @@ class TrainerOps:
             except ValueError:
                 self.ctl.ack(cmd, ok=False, error="rollback needs an integer to_version")
                 return None
-            path = find_version_checkpoint(self.tr.t.checkpoint_dir, version)
+            path = find_version_checkpoint(self.cfg.trainer.checkpoint_dir, version)
             if path is None:
                 self.ctl.ack(cmd, ok=False, error=f"version {version} is not retained: no checkpoint holds its "
-                             f"exact weights (trainer.checkpoint_keep={self.tr.t.checkpoint_keep})")
+                             f"exact weights (trainer.checkpoint_keep={self.cfg.trainer.checkpoint_keep})")
                 return None
             self.pending[cmd.id] = cmd
             return {"id": cmd.id, "cmd": "rollback", "to_version": version, "path": str(path)}
@@ -112,7 +117,7 @@ class TrainerOps:
             self.ctl.ack(cmd, ok=ok, **result)
             log.info("control command %s %s: %s", cmd.cmd, "done" if ok else "failed", result)
 
-    def wait_paused(self, stop: Any, wait_s: float) -> None:
+    def wait_paused(self, stop: Callable[[], bool], wait_s: float) -> None:
         """Idle a little while paused (stays responsive to the stop flag)."""
         self.report(force=False)
         deadline = time.monotonic() + wait_s
@@ -124,9 +129,7 @@ class TrainerOps:
         now = time.monotonic()
         if not force and now < self._next_report:
             return
-        self._next_report = now + self.tr.cfg.metrics.status_interval_s
-        from shared import keys
-
+        self._next_report = now + self.cfg.metrics.status_interval_s
         try:
             self.redis.hset(keys.TRAINER_STATUS, mapping={"paused": int(self.paused),
                                                           "updated_ms": control.now_ms()})
@@ -134,44 +137,30 @@ class TrainerOps:
             log.debug("status report failed: %s", exc)
 
     # ---------------------------------------------------------------- runtime config
-    def apply_config(self, new: Any) -> None:
-        tr = self.tr
-        old = tr.cfg.compression
+    def apply_config(self, new: Config) -> None:
+        old = self.cfg.compression
         comp = new.compression
         kept = {f: getattr(old, f) for f in _FIXED_COMPRESSION if getattr(comp, f) != getattr(old, f)}
         if kept:
             log.warning("compression.%s cannot change at runtime (restart the trainer); kept", ", ".join(kept))
             comp = dataclasses.replace(comp, **kept)
-        tr.cfg = dataclasses.replace(tr.cfg, compression=comp, consistency=new.consistency,
-                                     scheduling=new.scheduling)
-        pub = tr.publisher
-        if pub is not None:
-            with pub._lock:
-                pub.cfg = tr.cfg
-                enc = pub.encoder
-                if comp.zstd_level != enc.cfg.zstd_level:
-                    import zstandard
-
-                    enc._zc = zstandard.ZstdCompressor(level=comp.zstd_level)
-                enc.cfg = comp
-                enc.density = comp.density
-                enc.threshold = comp.threshold
-                enc.priority_mode = new.scheduling.priority_mode
+        self.cfg = dataclasses.replace(self.cfg, compression=comp, consistency=new.consistency,
+                                       scheduling=new.scheduling)
+        pub = self.publisher
+        with pub._lock:
+            pub.cfg = self.cfg
+            pub.encoder.reconfigure(comp, new.scheduling.priority_mode)
         log.info("runtime config applied: compression %s density %g, sync_interval %d, priority %s",
                  comp.algorithm, comp.density, new.consistency.sync_interval, new.scheduling.priority_mode)
 
     # ---------------------------------------------------------------- delta key ring
     def rotate_key(self, request_id: str) -> None:
-        path = self.tr.cfg.security.delta_key_file
-        pub = self.tr.publisher
+        pub = self.publisher
         try:
-            if pub is not None:
-                with pub._lock:  # no packet is sealed half-way through the switch
-                    kid = rotate_key_file(path)
-                    pub.ring.reload_if_changed()
-                    epoch = pub.sealer.next_seq(STREAM_DELTA) // pub.sealer.rekey_after
-            else:
-                kid, epoch = rotate_key_file(path), 0
+            with pub._lock:  # no packet is sealed half-way through the switch
+                kid = rotate_key_file(self.cfg.security.delta_key_file)
+                pub.ring.reload_if_changed()
+                epoch = pub.sealer.next_seq(STREAM_DELTA) // pub.sealer.rekey_after
         except (KeyFileError, OSError) as exc:
             log.error("delta key rotation failed: %s", exc)
             self.rotations.done(request_id, error=type(exc).__name__)
@@ -198,51 +187,32 @@ class TrainerOps:
             m.DELTA_STEP_TO_SERVING.observe(seconds)
             self._sync_latency_ms = round(seconds * 1000, 2)
 
-    def published(self, stats: Any, step: int, loss: float | None, rollback_of: int | None = None) -> None:
-        pub = self.tr.publisher
-        dense = (getattr(pub.encoder, "last_stats", {}) or {}).get("dense_fp32_bytes") if pub else None
-        ratio = round(dense / max(1, stats.bytes), 2) if dense else None
-        if ratio is not None:
-            m.DELTA_COMPRESSION_RATIO.set(ratio)
+    def published(self, stats: PublishStats, step: int, loss: float | None, rollback_of: int | None = None) -> None:
+        """Record a publish in the version log and the ``delta`` self-report."""
+        ratio = self._compression_ratio(stats)
         extra: dict[str, Any] = {"rollback_of": rollback_of} if rollback_of is not None else {}
         try:
             control.record_version(self.redis, stats.version, step=step,
                                    loss=None if loss is None or loss != loss else round(loss, 6),
                                    anchor=stats.kind == "anchor", kind=stats.kind, bytes=stats.bytes, **extra)
-            comp = self.tr.cfg.compression
-            control.report_status(self.redis, "delta", compression_ratio=ratio,
-                                  sync_latency_ms=self._sync_latency_ms, version=stats.version, kind=stats.kind,
-                                  bytes=stats.bytes, density=round(stats.density, 6),
-                                  density_target=getattr(pub.encoder, "density", comp.density) if pub else None,
-                                  algorithm=comp.algorithm, encode_ms=round(stats.encode_s * 1000, 3),
-                                  sync_interval=self.tr.cfg.consistency.sync_interval,
-                                  served_gap=stats.extra.get("served_gap"),
-                                  weights_digest=stats.extra.get("weights_digest"),
-                                  key_id=pub.ring.active if pub else None)
+            self._report_delta(stats, ratio)
         except Exception as exc:
             log.warning("could not record version %d: %s", stats.version, type(exc).__name__)
 
+    def _compression_ratio(self, stats: PublishStats) -> float | None:
+        dense = self.publisher.encoder.last_stats.get("dense_fp32_bytes")
+        ratio = round(dense / max(1, stats.bytes), 2) if dense else None
+        if ratio is not None:
+            m.DELTA_COMPRESSION_RATIO.set(ratio)
+        return ratio
 
-def allreduce_bytes(trainer: Any) -> tuple[str, int]:
-    """Gradient bytes one synchronising step all-reduces on this rank, from the tensor shapes
-    and the comm hook (fp16/bf16: 2 bytes per element; PowerSGD: P and Q factors of each
-    matrix, vectors uncompressed, full precision before its start iteration)."""
-    hook = trainer.cfg.trainer.comm_hook
-    numel = sum(p.numel() for p in trainer.params)
-    if hook in ("fp16", "bf16"):
-        return hook, 2 * numel
-    if hook == "powersgd":
-        state = trainer.hook_state
-        if state is None or getattr(state, "iter", 0) < getattr(state, "start_powerSGD_iter", 0):
-            return hook, 4 * numel
-        rank = trainer.cfg.trainer.powersgd_rank
-        total = 0
-        for p in trainer.params:
-            if p.dim() <= 1:
-                total += p.numel()
-            else:
-                n = p.shape[0]
-                mm = p.numel() // n
-                total += (n + mm) * min(rank, n, mm)
-        return hook, 4 * total
-    return "none", 4 * numel
+    def _report_delta(self, stats: PublishStats, ratio: float | None) -> None:
+        comp = self.cfg.compression
+        pub = self.publisher
+        control.report_status(self.redis, "delta", compression_ratio=ratio,
+                              sync_latency_ms=self._sync_latency_ms, version=stats.version, kind=stats.kind,
+                              bytes=stats.bytes, density=round(stats.density, 6), density_target=pub.encoder.density,
+                              algorithm=comp.algorithm, encode_ms=round(stats.encode_s * 1000, 3),
+                              sync_interval=self.cfg.consistency.sync_interval,
+                              served_gap=stats.extra.get("served_gap"),
+                              weights_digest=stats.extra.get("weights_digest"), key_id=pub.ring.active)

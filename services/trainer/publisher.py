@@ -23,11 +23,13 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import zmq
+from redis import Redis
 
 from shared import keys, metrics, wire
 from shared.codec import DeltaEncoder, EncodedDelta
@@ -57,10 +59,10 @@ class PublishStats:
 class DeltaPublisher:
     """Encode ``new - last published``, seal, publish; serve snapshots; collect acks."""
 
-    ack_listener: Any = None  # callable(worker, version), set by services.trainer.operations
+    ack_listener: Callable[[str, int], None] | None = None  # (worker, version): services.trainer.operations
 
     def __init__(self, cfg: Config, zmq_ctx: zmq.Context, named_params: dict[str, torch.Tensor], version: int,
-                 model_id: str, *, sender: str | None = None, redis_client: Any = None,
+                 model_id: str, *, sender: str | None = None, redis_client: Redis | None = None,
                  start_thread: bool = True) -> None:
         self.cfg = cfg
         self.model_id = model_id

@@ -3,17 +3,18 @@
 It exists so the trainer's distributed machinery (DDP, hooks, exactly-once, restarts) can be
 tested and benchmarked in seconds on a CPU. Select it with
 ``trainer.model_factory: services.trainer.tiny:build_tiny_model``; the product model is
-``shared.model.build_model``. ``LEARNMESH_TINY_WIDTH`` scales it for benchmarks.
+``shared.model.build_model``.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+
+from shared.config import ModelConfig
 
 SEP = 256
 PAD = 257
@@ -93,7 +94,5 @@ class TinyLM(nn.Module):
         return [(n, p) for n, p in self.named_parameters() if p.requires_grad]
 
 
-def build_tiny_model(model_cfg: Any = None, pretrained: bool = True) -> TinyLM:
-    width = int(os.environ.get("LEARNMESH_TINY_WIDTH", "32"))
-    seed = getattr(model_cfg, "seed", 1234) if model_cfg is not None else 1234
-    return TinyLM(width=width, seed=seed)
+def build_tiny_model(model_cfg: ModelConfig | None = None, pretrained: bool = True) -> TinyLM:
+    return TinyLM(seed=model_cfg.seed if model_cfg is not None else 1234)

@@ -294,47 +294,62 @@ class Worker:
                                                 "nll": nll, "tokens": r.example.n_target, "batch": len(batch)})
 
     def _run_generate(self, batch: list[Request]) -> None:
-        n = len(batch)
-        decoders = [codecs.getincrementaldecoder("utf-8")(errors="replace") for _ in batch]
-        texts = [""] * n
-        counts = [0] * n
-        finish: list[str | None] = [None] * n
+        gens = [_Generation(r) for r in batch]
         steps = self.model.generate([r.example for r in batch], max_tokens=max(r.max_tokens for r in batch),
                                     temperature=[r.temperature for r in batch], seed=[r.seed for r in batch])
         try:
             for chunks in steps:
-                for i, (r, chunk) in enumerate(zip(batch, chunks, strict=True)):
-                    if finish[i] is not None:
-                        continue
-                    if r.cancelled:
-                        finish[i] = "cancelled"
-                        continue
-                    if not chunk:
-                        finish[i] = "stop" if len(r.example) + counts[i] + 1 < self.model.max_seq else "length"
-                        continue
-                    counts[i] += 1
-                    delta = decoders[i].decode(chunk)
-                    if delta:
-                        texts[i] += delta
-                        if r.stream:
-                            self._send(r.peer, MsgType.TOKEN, {"id": r.id, "text": delta, "version": self.version})
-                    if counts[i] >= r.max_tokens:
-                        finish[i] = "length"
-                if all(f is not None for f in finish):
+                for g, chunk in zip(gens, chunks, strict=True):
+                    if g.finish is None:
+                        self._take_token(g, chunk)
+                if all(g.finish is not None for g in gens):
                     break
                 self._drain()  # heartbeats, cancels and new requests while the batch runs
         finally:
             steps.close()
-        metrics.WORKER_TOKENS.inc(sum(counts))
-        for i, r in enumerate(batch):
-            metrics.WORKER_REQUESTS.labels("generate", finish[i] or "length").inc()
-            if finish[i] == "cancelled":
-                continue
-            tail = decoders[i].decode(b"", final=True)
-            texts[i] += tail
-            self._send(r.peer, MsgType.RESULT, {"id": r.id, "version": self.version, "model_id": self.model.model_id,
-                                                "worker": self.worker_id, "text": texts[i], "tokens": counts[i],
-                                                "finish_reason": finish[i] or "length", "batch": n})
+        metrics.WORKER_TOKENS.inc(sum(g.tokens for g in gens))
+        for g in gens:
+            self._finish_generation(g, len(batch))
+
+    def _take_token(self, g: _Generation, chunk: bytes) -> None:
+        """One generated token of a running request (b"": the model stopped it)."""
+        r = g.request
+        if r.cancelled:
+            g.finish = "cancelled"
+            return
+        if not chunk:
+            g.finish = "stop" if len(r.example) + g.tokens + 1 < self.model.max_seq else "length"
+            return
+        g.tokens += 1
+        delta = g.decoder.decode(chunk)
+        if delta:
+            g.text += delta
+            if r.stream:
+                self._send(r.peer, MsgType.TOKEN, {"id": r.id, "text": delta, "version": self.version})
+        if g.tokens >= r.max_tokens:
+            g.finish = "length"
+
+    def _finish_generation(self, g: _Generation, batch: int) -> None:
+        r = g.request
+        metrics.WORKER_REQUESTS.labels("generate", g.finish or "length").inc()
+        if g.finish == "cancelled":
+            return
+        g.text += g.decoder.decode(b"", final=True)
+        self._send(r.peer, MsgType.RESULT, {"id": r.id, "version": self.version, "model_id": self.model.model_id,
+                                            "worker": self.worker_id, "text": g.text, "tokens": g.tokens,
+                                            "finish_reason": g.finish or "length", "batch": batch})
+
+
+@dataclass
+class _Generation:
+    """One request's answer as its tokens arrive."""
+
+    request: Request
+    decoder: codecs.IncrementalDecoder = field(
+        default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace"))
+    text: str = ""
+    tokens: int = 0
+    finish: str | None = None
 
 
 def main(cfg: Config, args: Any) -> int:

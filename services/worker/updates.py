@@ -184,36 +184,47 @@ class DeltaSubscriber:
             self._request_snapshot("gap")
             return
         self._expected_seq = seq + 1
-        i, n, codec = meta["i"], meta["n"], meta["codec"]
-        if i == 0:
-            self._assembly = None
-            try:  # refuse a wrong base or layout at the first chunk, not after the last
-                self.decoder.check_header(codec)
-                if n != max(1, codec["nchunks"]):
-                    raise CodecError("packet count does not match the header")
-            except CodecError as exc:
-                self._refuse(meta["version"], exc)
+        if meta["i"] == 0:
+            if not self._start_assembly(meta):
                 return
-            self._refused = None
-            self._assembly = _Assembly(meta["version"], n, codec)
         elif self._refused == meta["version"]:
             return  # the rest of a delta refused at its first chunk
         asm = self._assembly
-        if asm is None or asm.version != meta["version"] or i != asm.received or n != asm.n or codec != asm.codec:
+        if asm is None or asm.version != meta["version"] or meta["i"] != asm.received or meta["n"] != asm.n \
+                or meta["codec"] != asm.codec:
             self._request_snapshot("gap")
             return
-        asm.received += 1
-        if codec["nchunks"]:  # (an empty delta is one packet without a chunk)
-            t0 = time.perf_counter()
-            try:
-                asm.decoded.append(self.decoder.decode_chunk(codec, op.payload))
-            except CodecError as exc:
-                self._refuse(asm.version, exc)
-                return
-            asm.decode_s += time.perf_counter() - t0
-        if asm.received == asm.n:
+        if self._add_chunk(asm, op.payload) and asm.received == asm.n:
             self._assembly = None
             self._apply(asm)
+
+    def _start_assembly(self, meta: dict[str, Any]) -> bool:
+        """A delta's first packet: refuse a wrong base or layout now, not after the last chunk."""
+        self._assembly = None
+        codec = meta["codec"]
+        try:
+            self.decoder.check_header(codec)
+            if meta["n"] != max(1, codec["nchunks"]):
+                raise CodecError("packet count does not match the header")
+        except CodecError as exc:
+            self._refuse(meta["version"], exc)
+            return False
+        self._refused = None
+        self._assembly = _Assembly(meta["version"], meta["n"], codec)
+        return True
+
+    def _add_chunk(self, asm: _Assembly, payload: bytes) -> bool:
+        """Decode the next chunk into ``asm``; False when the codec refuses it (the delta is dropped)."""
+        asm.received += 1
+        if asm.codec["nchunks"]:  # (an empty delta is one packet without a chunk)
+            t0 = time.perf_counter()
+            try:
+                asm.decoded.append(self.decoder.decode_chunk(asm.codec, payload))
+            except CodecError as exc:
+                self._refuse(asm.version, exc)
+                return False
+            asm.decode_s += time.perf_counter() - t0
+        return True
 
     def _refuse(self, version: int, exc: CodecError) -> None:
         """Count a delta that failed the codec's checks; nothing of it is applied."""
@@ -295,35 +306,45 @@ class DeltaSubscriber:
                 return
 
     def _on_snapshot_part(self, frames: list[bytes]) -> None:
+        op = self._open_snapshot_part(frames)
+        if op is None:
+            return
+        meta = op.meta
+        self._snap_parts[meta["i"]] = (op, op.payload)
+        ordered = [self._snap_parts[i] for i in range(meta["n"]) if i in self._snap_parts]
+        if len(ordered) != meta["n"]:
+            return
+        if self._load_snapshot(meta, [p for _, p in ordered]):
+            self._adopt_snapshot(op)
+
+    def _open_snapshot_part(self, frames: list[bytes]) -> Opened | None:
+        """The opened envelope of one part of the snapshot asked for; None (counted) otherwise."""
         try:
             mtype, _, payload = wire.decode(frames)
             if mtype != wire.MsgType.SNAPSHOT:
                 raise wire.WireError("not a snapshot")
         except wire.WireError:
             self._reject("malformed")
-            return
+            return None
         try:
             op = self.opener.open(payload, track=False)
         except EnvelopeReject as exc:
             self._reject(exc.reason)
-            return
-        meta = op.meta
-        if meta.get("req") != self._pending_req:
+            return None
+        if op.meta.get("req") != self._pending_req:
             self._reject("stale")
-            return
-        if not _valid_snapshot_meta(meta):
+            return None
+        if not _valid_snapshot_meta(op.meta):
             self._reject("malformed")
-            return
-        self._snap_parts[meta["i"]] = (op, op.payload)
-        if len(self._snap_parts) < meta["n"]:
-            return
-        ordered = [self._snap_parts[i] for i in range(meta["n"]) if i in self._snap_parts]
-        if len(ordered) != meta["n"]:
-            return
+            return None
+        return op
+
+    def _load_snapshot(self, meta: dict[str, Any], parts: list[bytes]) -> bool:
+        """Decode every part, then apply; False (nothing applied) when the codec refuses it."""
         if self.model_id is None:
             self.decoder.model_id = meta["model"]
         try:
-            decoded = self.decoder.decode(meta["codec"], [p for _, p in ordered])
+            decoded = self.decoder.decode(meta["codec"], parts)
         except CodecError as exc:
             log.warning("snapshot refused: %s", exc)
             self._reject("layout" if isinstance(exc, LayoutMismatch) else "corrupt")
@@ -331,10 +352,16 @@ class DeltaSubscriber:
             # model must not make the trainer encode snapshots in a loop
             self._pending_req = secrets.token_hex(16)
             self._snap_parts = {}
-            return
+            return False
         self.decoder.apply(self.params, decoded)
         self.stats["anchors"] += 1
         metrics.DELTA_APPLIED.labels("snapshot").inc()
+        return True
+
+    def _adopt_snapshot(self, op: Opened) -> None:
+        """Follow the publisher's delta stream from the snapshot's sequence number on, then
+        handle the deltas buffered while the snapshot was on its way."""
+        meta = op.meta
         self._pending_req = None
         self._snap_parts = {}
         self._session = (op.header["t0"], op.header["sess"])

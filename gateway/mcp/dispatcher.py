@@ -1,9 +1,10 @@
 """The one MCP dispatcher behind every transport (HTTP, WebSocket) and both revisions.
 
-A transport decodes a JSON-RPC message, builds a :class:`Call` (who, which revision,
-how to emit notifications on the response stream) and asks :meth:`Dispatcher.handle`
-for the response. Methods live in one table of ``_handle_<method>`` coroutines;
-exceptions become wire errors only in :func:`error_payload`.
+The kernel (:mod:`gateway.mcp.kernel`) checks a message, builds the :class:`Call` (who,
+which revision, how to emit notifications on the response stream) and asks
+:meth:`Dispatcher.handle` for the answer. Methods live in one table of
+``_handle_<method>`` coroutines; exceptions become wire errors only in
+:func:`gateway.errors.wire_error`.
 """
 
 from __future__ import annotations
@@ -13,45 +14,54 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jsonschema
+import msgspec
 import orjson
+from prometheus_client import Counter, Histogram
 
 from gateway.errors import (
     INTERNAL_ERROR,
-    INVALID_PARAMS,
     INVALID_REQUEST,
     METHOD_NOT_FOUND,
+    REQUEST_CANCELLED,
     InvalidParams,
     McpError,
     NotFound,
-    ToolError,
+    WireError,
+    tool_error_text,
+    wire_error,
 )
-from gateway.registry import Registry
-from shared.metrics import MCP_ERRORS, MCP_LATENCY, MCP_REQUESTS
+from gateway.mcp.sessions import Session
+from gateway.mcp.types import (
+    HANDSHAKE_VERSIONS,
+    LEGACY_VERSION,
+    LOG_LEVEL_META_KEY,
+    LOG_LEVELS,
+    MODERN_VERSION,
+    MODERN_VERSIONS,
+    SERVER_INFO_META_KEY,
+    SUBSCRIPTION_ID_META_KEY,
+    Emit,
+    Envelope,
+    Notification,
+    Reply,
+    Request,
+    RequestId,
+    Response,
+)
+from gateway.registry import Registry, Tool
+from shared.metrics import MCP_LATENCY, MCP_REQUESTS
+
+if TYPE_CHECKING:  # the gateway builds its dispatcher; the dispatcher only needs the type
+    from gateway.state import Gateway
 
 log = logging.getLogger(__name__)
 
-LEGACY_VERSION = "2025-11-25"
-MODERN_VERSION = "2026-07-28"
-HANDSHAKE_VERSIONS = ("2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25")
-MODERN_VERSIONS = (MODERN_VERSION,)
-SUPPORTED_VERSIONS = (*HANDSHAKE_VERSIONS, *MODERN_VERSIONS)
-
-PROTOCOL_VERSION_META_KEY = "io.modelcontextprotocol/protocolVersion"
-CLIENT_CAPABILITIES_META_KEY = "io.modelcontextprotocol/clientCapabilities"
-CLIENT_INFO_META_KEY = "io.modelcontextprotocol/clientInfo"
-LOG_LEVEL_META_KEY = "io.modelcontextprotocol/logLevel"
-SERVER_INFO_META_KEY = "io.modelcontextprotocol/serverInfo"
-SUBSCRIPTION_ID_META_KEY = "io.modelcontextprotocol/subscriptionId"
-
-REQUEST_CANCELLED = -32800
-LOG_LEVELS = ("debug", "info", "notice", "warning", "error", "critical", "alert", "emergency")
 _LEVEL_RANK = {lvl: i for i, lvl in enumerate(LOG_LEVELS)}
 SERVER_INFO = {"name": "learnmesh", "version": "0.1.0"}
 
-Emit = Callable[[dict[str, Any]], Awaitable[None]]
+Handler = Callable[["Call", dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
 class InputRequired(Exception):
@@ -65,32 +75,33 @@ class InputRequired(Exception):
 class Call:
     """One request being served; the :class:`gateway.registry.ToolContext` handlers see."""
 
-    __slots__ = ("principal", "request_id", "protocol_version", "state", "meta", "session", "emit",
-                 "modern", "responses", "cancelled", "http_status", "_log_level")
+    __slots__ = ("principal", "request_id", "protocol_version", "state", "meta", "envelope", "session", "emit",
+                 "modern", "responses", "cancelled", "_log_level")
 
-    def __init__(self, *, principal: str, request_id: Any, protocol_version: str, state: Any,
-                 meta: dict[str, Any] | None = None, session: Any = None, emit: Emit | None = None) -> None:
+    def __init__(self, *, principal: str, request_id: RequestId | None, protocol_version: str, state: Gateway,
+                 meta: dict[str, Any] | None = None, envelope: Envelope | None = None,
+                 session: Session | None = None, emit: Emit | None = None) -> None:
         self.principal = principal
         self.request_id = request_id
         self.protocol_version = protocol_version
         self.state = state
         self.meta = meta or {}
+        self.envelope = envelope
         self.session = session
         self.emit = emit
         self.modern = protocol_version in MODERN_VERSIONS
         self.responses: dict[str, Any] = {}
         self.cancelled = False
-        self.http_status: int | None = None  # set when an error carries its own HTTP status
         level = self.meta.get(LOG_LEVEL_META_KEY) if self.modern else getattr(session, "log_level", None)
         self._log_level = level if level in _LEVEL_RANK else None
 
     async def notify(self, method: str, params: dict[str, Any]) -> None:
         """Send a notification related to this request (dropped when there is no stream)."""
-        msg = {"jsonrpc": "2.0", "method": method, "params": params}
+        note = Notification(method=method, params=params)
         if self.emit is not None:
-            await self.emit(msg)
+            await self.emit(note)
         elif self.session is not None:
-            await self.state.sessions.append_event(self.principal, self.session.id, msg)
+            await self.state.sessions.append_event(self.principal, self.session.id, note)
 
     async def progress(self, progress: float, total: float | None = None, message: str | None = None) -> None:
         token = self.meta.get("progressToken")
@@ -126,7 +137,7 @@ class Call:
         sessions = self.state.sessions
         rid = "srv-" + uuid.uuid4().hex
         await sessions.add_pending(self.principal, self.session.id, rid)
-        msg = {"jsonrpc": "2.0", "id": rid, "method": method, "params": params}
+        msg = Request(jsonrpc="2.0", id=rid, method=method, params=params)
         if self.emit is not None:
             await self.emit(msg)
         else:
@@ -135,38 +146,10 @@ class Call:
                                                self.state.config.gateway.client_request_timeout_s)
         if answer is None:
             raise McpError(INTERNAL_ERROR, f"the client did not answer {method} in time")
-        if "error" in answer:
-            err = answer["error"] if isinstance(answer["error"], dict) else {}
-            raise McpError(int(err.get("code", INTERNAL_ERROR)), str(err.get("message", "client error")),
-                           err.get("data"))
-        return answer.get("result") or {}
-
-
-def error_payload(exc: BaseException, method: str = "") -> tuple[int, str, Any]:
-    """THE mapping of exceptions to JSON-RPC errors: protocol errors keep their code,
-    validation errors become INVALID_PARAMS, anything else is logged and hidden."""
-    if isinstance(exc, McpError):
-        return exc.code, exc.message, exc.data
-    if isinstance(exc, jsonschema.ValidationError):
-        return INVALID_PARAMS, f"Invalid params: {exc.message}", None
-    log.exception("internal error while serving %s", method or "a request", exc_info=exc)
-    return INTERNAL_ERROR, "Internal error", None
-
-
-def error_response(request_id: Any, code: int, message: str, data: Any = None) -> dict[str, Any]:
-    err: dict[str, Any] = {"code": code, "message": message}
-    if data is not None:
-        err["data"] = data
-    MCP_ERRORS.labels(str(code)).inc()
-    return {"jsonrpc": "2.0", "id": request_id, "error": err}
-
-
-def _params(params: Any) -> dict[str, Any]:
-    if params is None:
-        return {}
-    if not isinstance(params, dict):
-        raise InvalidParams("params must be an object")
-    return params
+        if answer.error is not None:
+            err = answer.error
+            raise McpError(err.code, err.message, None if err.data is msgspec.UNSET else err.data)
+        return answer.result or {}
 
 
 def _str_param(params: dict[str, Any], name: str) -> str:
@@ -184,13 +167,14 @@ class Dispatcher:
     MODERN_ONLY = frozenset({"server/discover", "subscriptions/listen", "tasks/get", "tasks/update",
                              "tasks/cancel"})
 
-    def __init__(self, registry: Registry, state: Any) -> None:
+    def __init__(self, registry: Registry, state: Gateway) -> None:
         self.registry = registry
         self.state = state
+        self.config = state.config
         gw = state.config.gateway
         self.list_ttl_ms = gw.list_ttl_ms
         self.read_ttl_ms = gw.read_ttl_ms
-        self.table: dict[str, Callable[[Call, dict[str, Any]], Awaitable[dict[str, Any]]]] = {
+        self.table: dict[str, Handler] = {
             "initialize": self._handle_initialize,
             "ping": self._handle_ping,
             "server/discover": self._handle_server_discover,
@@ -210,11 +194,9 @@ class Dispatcher:
             "tasks/update": self._handle_tasks_update,
             "tasks/cancel": self._handle_tasks_cancel,
         }
-        self._validators: dict[str, Any] = {}
-        self._out_validators: dict[str, Any] = {}
         self._no_args_valid: set[str] = set()  # tools whose inputSchema accepts an empty arguments object
         self._lists: dict[str, list[dict[str, Any]]] | None = None
-        self._metrics: dict[tuple[str, bool, str], tuple[Any, Any]] = {}  # labelled children, looked up once
+        self._metrics: dict[tuple[str, bool, str], tuple[Counter, Histogram]] = {}  # labelled children, looked up once
 
     # ------------------------------------------------------------------ entry points
     def knows(self, method: str, modern: bool) -> bool:
@@ -222,8 +204,9 @@ class Dispatcher:
             return False
         return method not in (self.LEGACY_ONLY if modern else self.MODERN_ONLY)
 
-    async def handle(self, call: Call, method: str, params: Any, transport: str = "http") -> dict[str, Any]:
-        """Serve one request; always returns a JSON-RPC response (result or error)."""
+    async def handle(self, call: Call, request: Request, transport: str = "http") -> Reply:
+        """Serve one request; always answers (a result or an error)."""
+        method, params = request.method, request.params
         counters = self._metrics.get((method, call.modern, transport))  # known methods only: bounded
         known = counters is not None or self.knows(method, call.modern)
         if counters is None:
@@ -237,34 +220,34 @@ class Dispatcher:
         try:
             if not known:
                 raise McpError(METHOD_NOT_FOUND, f"Method not found: {method}")
-            result = await self.table[method](call, _params(params))
+            result = await self.table[method](call, params)
             if call.modern:
                 result.setdefault("resultType", "complete")
-            response = {"jsonrpc": "2.0", "id": call.request_id, "result": result}
+            reply = Reply(Response(id=request.id, result=result))
         except InputRequired as ir:
-            response = {"jsonrpc": "2.0", "id": call.request_id,
-                        "result": self._input_required(call, method, _params(params), ir)}
+            reply = Reply(Response(id=request.id, result=self._input_required(call, method, params, ir)))
         except asyncio.CancelledError:
             if not call.cancelled:
                 raise
             task = asyncio.current_task()
             if task is not None:
                 task.uncancel()
-            response = error_response(call.request_id, REQUEST_CANCELLED, "Request cancelled")
-        except Exception as exc:  # noqa: BLE001 - the one mapping point
-            code, message, data = error_payload(exc, method)
-            if isinstance(exc, McpError) and exc.http_status != 200:
-                call.http_status = exc.http_status
-            response = error_response(call.request_id, code, message, data)
+            reply = Reply(WireError(REQUEST_CANCELLED, "Request cancelled").response(request.id))
+        except Exception as exc:  # noqa: BLE001 - handed to the one error map
+            wire = wire_error(exc, self.config, method=method, params=params)
+            reply = Reply(wire.response(request.id))
+            if call.modern:  # a legacy session's answers are HTTP 200 whatever they carry
+                reply.http_status, reply.retry_after_s = wire.http_status, wire.retry_after_s
         counters[1].observe(time.perf_counter() - t0)
-        return response
+        return reply
 
-    async def notification(self, call: Call, method: str, params: Any) -> None:
+    async def notification(self, call: Call, note: Notification) -> None:
         """Client notifications: initialized, cancelled, roots/list_changed ... (no response)."""
-        if method == "notifications/cancelled" and isinstance(params, dict):
-            rid = params.get("requestId")
+        if note.method == "notifications/cancelled":
+            rid = note.params.get("requestId")
             if rid is not None:
-                await self.state.cancel_request(call.principal, getattr(call.session, "id", None), rid)
+                sid = call.session.id if call.session is not None else None
+                await self.state.cancel_request(call.principal, sid, rid)
 
     # ------------------------------------------------------------------ lifecycle
     def capabilities(self) -> dict[str, Any]:
@@ -282,8 +265,7 @@ class Dispatcher:
 
     async def _handle_server_discover(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
         caps = self.capabilities()
-        if getattr(self.state, "tasks", None) is not None:  # gateway/tasks.py (SEP-2663)
-            caps["extensions"] = {"io.modelcontextprotocol/tasks": {}}
+        caps["extensions"] = {"io.modelcontextprotocol/tasks": {}}  # gateway/tasks.py (SEP-2663)
         return {"supportedVersions": list(MODERN_VERSIONS), "capabilities": caps,
                 "serverInfo": SERVER_INFO, "_meta": {SERVER_INFO_META_KEY: SERVER_INFO},
                 "ttlMs": self.list_ttl_ms, "cacheScope": "public"}
@@ -340,13 +322,6 @@ class Dispatcher:
         return self._list(call, "prompts")
 
     # ------------------------------------------------------------------ tools
-    def _validator(self, cache: dict[str, Any], name: str, schema: dict[str, Any]) -> Any:
-        v = cache.get(name)
-        if v is None:
-            cls = jsonschema.validators.validator_for(schema)
-            v = cache[name] = cls(schema, format_checker=cls.FORMAT_CHECKER)
-        return v
-
     async def _handle_tools_call(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
         name = _str_param(p, "name")
         tool = self.registry.tools.get(name)
@@ -360,32 +335,31 @@ class Dispatcher:
         if args or name not in self._no_args_valid:  # a tool's verdict on {} never changes
             self._check_arguments(name, tool, args)
         self._restore_inputs(call, p, "tools/call", name)
-        if tool.task_support is not None and getattr(self.state, "tasks", None) is not None:
+        if tool.task_support is not None:
             return await self.state.tasks.tools_call(call, tool, args, self._run_tool)
         return await self._run_tool(call, tool, args)
 
-    def _check_arguments(self, name: str, tool: Any, args: dict[str, Any]) -> None:
-        validator = self._validator(self._validators, name, tool.input_schema)
-        if not validator.is_valid(args):
-            err = jsonschema.exceptions.best_match(validator.iter_errors(args))
-            where = "/".join(str(x) for x in err.absolute_path) if err is not None else ""
-            raise InvalidParams(f"Invalid arguments for tool {name}: {err.message if err else 'invalid'}"
-                                + (f" (at {where})" if where else ""))
+    def _check_arguments(self, name: str, tool: Tool, args: dict[str, Any]) -> None:
+        problem = tool.input_problem(args)
+        if problem is not None:
+            raise InvalidParams(f"Invalid arguments for tool {name}: {problem}")
         if not args:
             self._no_args_valid.add(name)
 
-    async def _run_tool(self, call: Call, tool: Any, args: dict[str, Any]) -> dict[str, Any]:
+    async def _run_tool(self, call: Call, tool: Tool, args: dict[str, Any]) -> dict[str, Any]:
         """Run a tool's handler and shape its output into a CallToolResult."""
         name = tool.name
         try:
             out = await tool.handler(call, args)
-        except ToolError as exc:
-            return {"content": [{"type": "text", "text": str(exc)}], "isError": True}
+        except Exception as exc:
+            text = tool_error_text(exc)
+            if text is None:
+                raise
+            return {"content": [{"type": "text", "text": text}], "isError": True}
         if isinstance(out, dict) and "content" in out:
             return out
         if tool.output_schema is not None:
-            ov = self._validator(self._out_validators, name, tool.output_schema)
-            if not ov.is_valid(out):
+            if not tool.output_matches(out):
                 log.error("tool %s returned output that does not match its outputSchema", name)
                 raise McpError(INTERNAL_ERROR, "Tool output did not match its output schema")
             return {"content": [{"type": "text", "text": orjson.dumps(out).decode()}], "structuredContent": out}
@@ -396,20 +370,14 @@ class Dispatcher:
         return {"content": [{"type": "text", "text": orjson.dumps(out).decode()}]}
 
     # ------------------------------------------------------------------ tasks extension (gateway/tasks.py)
-    def _tasks(self) -> Any:
-        tasks = getattr(self.state, "tasks", None)
-        if tasks is None:
-            raise McpError(METHOD_NOT_FOUND, "Method not found: the tasks extension is not enabled")
-        return tasks
-
     async def _handle_tasks_get(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
-        return await self._tasks().get(call, p)
+        return await self.state.tasks.get(call, p)
 
     async def _handle_tasks_update(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
-        return await self._tasks().update(call, p)
+        return await self.state.tasks.update(call, p)
 
     async def _handle_tasks_cancel(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
-        return await self._tasks().cancel(call, p)
+        return await self.state.tasks.cancel(call, p)
 
     # ------------------------------------------------------------------ input_required (2026-07-28)
     def _restore_inputs(self, call: Call, p: dict[str, Any], method: str, name: str) -> None:
@@ -486,8 +454,8 @@ class Dispatcher:
             if wanted.get(flag) is True:
                 ack[flag] = True
         sub_meta = {SUBSCRIPTION_ID_META_KEY: call.request_id}
-        await call.emit({"jsonrpc": "2.0", "method": "notifications/subscriptions/acknowledged",
-                         "params": {"notifications": ack, "_meta": sub_meta}})
+        await call.emit(Notification(method="notifications/subscriptions/acknowledged",
+                                     params={"notifications": ack, "_meta": sub_meta}))
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(maxsize=1000)
         listener = self.state.add_listener(call.principal, set(uris or ()), ack, queue)
         try:
@@ -497,7 +465,7 @@ class Dispatcher:
                     break
                 params = dict(note.get("params") or {})
                 params["_meta"] = {**params.get("_meta", {}), **sub_meta}
-                await call.emit({"jsonrpc": "2.0", "method": note["method"], "params": params})
+                await call.emit(Notification(method=note["method"], params=params))
         finally:
             self.state.remove_listener(listener)
         return {"_meta": sub_meta}

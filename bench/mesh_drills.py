@@ -1,4 +1,4 @@
-"""Mixed MCP load and fault drills against a running :class:`mesh_support.Mesh`.
+"""Mixed MCP load and fault drills against a running :class:`bench.mesh_support.Mesh`.
 
 Used by tests/test_drills.py (short, in CI), bench/drills.py (longer, prints a table) and
 bench/bench_mesh.py (the load generator). Each drill returns a :class:`DrillReport`:
@@ -21,8 +21,8 @@ from typing import Any
 
 import httpx
 import zmq
-from mesh_support import ROOT, McpError, McpHttp, McpWs, Mesh, RedisServer, free_port, wait_until
 
+from bench.mesh_support import ROOT, McpError, McpHttp, McpWs, Mesh, RedisServer, free_port, wait_until
 from services.trainer import ledger
 
 
@@ -233,7 +233,7 @@ async def drill_trainer_kill(mesh: Mesh, load_s: float = 15) -> DrillReport:
 
     def fault() -> str:
         wait_until(lambda: mesh.trainer_version() > before, 60, "a trained step before the kill", 0.2)
-        mesh.kill9("trainer")  # the trainer's process group: the agent and every rank
+        mesh.kill9("trainer")  # the launcher's process group; every rank dies with the launcher
         return ""
 
     def recovered() -> bool:

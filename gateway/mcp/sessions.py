@@ -20,17 +20,21 @@ import base64
 import os
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import orjson
 import redis.asyncio as aioredis
 
+from gateway.mcp.types import ClientReply, ServerMessage, encode
 from shared import keys
 from shared.config import GatewayConfig
 from shared.metrics import MCP_SESSIONS_OPEN
 
 _CACHE_MAX = 50_000
+_replies = msgspec.json.Decoder(ClientReply)
 
 _CREATE_LUA = """
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', tonumber(ARGV[1]) - tonumber(ARGV[2]))
@@ -77,7 +81,7 @@ class SessionRegistry:
         self.recheck_s = min(5.0, self.ttl_s / 4)
         self._cache: OrderedDict[tuple[str, str], Session] = OrderedDict()
         self._create = redis.register_script(_CREATE_LUA)
-        self.publish_control: Any = None  # set by GatewayState: async (message dict) -> None
+        self.publish_control: Callable[[dict[str, Any]], Awaitable[None]] | None = None  # set by the Gateway
 
     # ------------------------------------------------------------------ lifecycle
     async def create(self, principal: str, protocol_version: str, capabilities: dict[str, Any]) -> Session:
@@ -167,10 +171,10 @@ class SessionRegistry:
             await self.publish_control({"t": "inv", "p": principal, "s": sid})
 
     # ------------------------------------------------------------------ standalone stream events
-    async def append_event(self, principal: str, sid: str, message: dict[str, Any]) -> str:
+    async def append_event(self, principal: str, sid: str, message: ServerMessage) -> str:
         """Log a message for the session's GET stream; returns its event id."""
         pipe = self._redis.pipeline(transaction=False)
-        pipe.xadd(keys.session_events(principal, sid), {"d": orjson.dumps(message)},
+        pipe.xadd(keys.session_events(principal, sid), {"d": encode(message)},
                   maxlen=self.events_max, approximate=True)
         pipe.expire(keys.session_events(principal, sid), self.ttl_s)
         eid, _ = await pipe.execute()
@@ -196,24 +200,24 @@ class SessionRegistry:
         pipe.expire(keys.session_pending(principal, sid), self.ttl_s)
         await pipe.execute()
 
-    async def post_response(self, principal: str, sid: str, rid: str, message: dict[str, Any]) -> bool:
+    async def post_response(self, principal: str, sid: str, rid: str, reply: ClientReply) -> bool:
         """Deliver the client's answer to whichever replica waits for it; False if nobody asked."""
         if not await self._redis.hdel(keys.session_pending(principal, sid), rid):
             return False
         key = keys.session_response(principal, sid, rid)
         pipe = self._redis.pipeline(transaction=False)
-        pipe.rpush(key, orjson.dumps(message))
+        pipe.rpush(key, encode(reply))
         pipe.expire(key, 60)
         await pipe.execute()
         return True
 
-    async def await_response(self, principal: str, sid: str, rid: str, timeout_s: float) -> dict[str, Any] | None:
+    async def await_response(self, principal: str, sid: str, rid: str, timeout_s: float) -> ClientReply | None:
         key = keys.session_response(principal, sid, rid)
         try:
-            got = await self._blocking.blpop([key], timeout=timeout_s)
+            got = await self._blocking.blpop([key], timeout=timeout_s)  # type: ignore[misc]
         finally:
             await self._redis.hdel(keys.session_pending(principal, sid), rid)
-        return orjson.loads(got[1]) if got else None
+        return _replies.decode(got[1]) if got else None
 
     # ------------------------------------------------------------------ resource subscriptions
     async def subscribe(self, session: Session, uri: str) -> None:

@@ -1,5 +1,5 @@
-"""Run a whole mesh (``learnmesh up``) for the end-to-end test, the fault drills and the
-mesh benchmark, and talk to it over MCP.
+"""Run a whole mesh (``learnmesh up``) for the mesh benchmarks and drills, and for the
+end-to-end tests that reuse them, and talk to it over MCP.
 
 * :class:`RedisServer` — a private ``redis-server`` (optionally with AOF persistence) that
   can be stopped and restarted on the same port.
@@ -16,13 +16,16 @@ import asyncio
 import contextlib
 import itertools
 import os
+import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,15 +33,54 @@ import httpx
 import orjson
 import redis as redis_sync
 import yaml
-from conftest import free_port, wait_for_sync
 
 ROOT = Path(__file__).resolve().parents[1]
 MODERN = "2026-07-28"
 LEGACY = "2025-11-25"
 
 
-def wait_until(cond: Any, timeout_s: float, what: str, interval_s: float = 0.1) -> Any:
-    return wait_for_sync(cond, timeout_s=timeout_s, interval_s=interval_s, what=what)
+def wait_until(cond: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.1) -> Any:
+    """Poll ``cond`` until it returns something true (returned) or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(interval_s)
+
+
+_LOWEST_PORT = 20000
+_given_ports: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port() -> int:
+    """A port to listen on, free now and below the kernel's ephemeral range. A mesh's peers
+    keep reconnecting to a killed process's endpoint; were that port an ephemeral one, such a
+    reconnect could take it as its own local end (or connect to itself) before the process
+    restarts and binds it again."""
+    rnd = random.Random()
+    top = min(_ephemeral_low(), 32768)
+    for _ in range(1000):
+        port = rnd.randrange(_LOWEST_PORT, top)
+        if port in _given_ports:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _given_ports.add(port)
+        return port
+    raise RuntimeError(f"no free port in {_LOWEST_PORT}-{top}")
 
 
 # --------------------------------------------------------------------------- redis
@@ -210,7 +252,7 @@ class Mesh:
         return len(re.findall(rf"started {re.escape(name)} \(pid", self.log_path.read_text(errors="replace")))
 
     def kill9(self, name: str) -> None:
-        """SIGKILL a child's whole process group (the trainer's group holds its ranks)."""
+        """SIGKILL a child's whole process group (the trainer's ranks die with their launcher)."""
         os.killpg(self.child_pid(name), signal.SIGKILL)
 
     def stop(self, timeout_s: float = 60) -> int | None:
@@ -374,8 +416,9 @@ class McpWs:
 
     async def open(self) -> McpWs:
         import websockets
+        from websockets.typing import Subprotocol
 
-        self.ws = await websockets.connect(self.url, subprotocols=["mcp"],
+        self.ws = await websockets.connect(self.url, subprotocols=[Subprotocol("mcp")],
                                            additional_headers={"Authorization": f"Bearer {self.key}"})
         self.reader = asyncio.create_task(self._read())
         return self

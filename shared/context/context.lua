@@ -1,5 +1,6 @@
--- learnmesh context store: every operation of shared/context_store.py is one call of
--- lm_main (FCALL of this library, loaded once with FUNCTION LOAD; EVALSHA on Redis < 7). It reads, writes, bumps the version, updates recency and enforces the
+-- learnmesh context store: every operation of shared/context/store.py is one call of
+-- lm_main (FCALL of this library, loaded once with FUNCTION LOAD; EVALSHA on Redis < 7; see
+-- shared/context/scripts.py). It reads, writes, bumps the version, updates recency and enforces the
 -- window, per-principal and idle bounds atomically, so no reader ever sees half a change.
 --
 -- KEYS (fixed list, built by shared.keys.ctx_keys + globals):
@@ -75,7 +76,7 @@ end
 -- stays loaded.
 -- Lua formats a number it concatenates with sprintf("%.14g"): building the 20 field names of
 -- a first read's HMGET took ~4 µs of Redis CPU, ~1 µs with this table (docs/context.md,
--- "Figures", eighth session). Bounded: numbers from 65536 up are formatted every time.
+-- "Where a read's time goes"). Bounded: numbers from 65536 up are formatted every time.
 -- A string (a seq parsed from an argument) is already its decimal name.
 local SEQS = {}
 local function seqstr(s)
@@ -96,8 +97,7 @@ local function efield(cid, mod, seq) return cid .. '|' .. mod .. '|' .. seqstr(s
 -- whose length is what budgets count: an entry's name is not counted, like its field
 -- name); the script puts the name in front, as only it knows the sequence number. So a
 -- run of a window's entries joined behind an array header is what the client decodes in
--- one C call (msgspec), straight into Entry objects. Entries of format 1 (a 19-byte header
--- starting with byte 1; written before format 2) are still read.
+-- one C call (msgspec), straight into Entry objects (see shared/context/entries.py).
 local function mp_str(s)  -- MessagePack str, in its shortest form (as msgspec writes it)
   local n = #s
   if n < 32 then return string.char(0xa0 + n) .. s end
@@ -160,7 +160,7 @@ local function mp_uint(v, p)
   return hi * 4294967296 + lo, p + 9
 end
 
--- Position of the tokens field of a format-2 entry.
+-- Position of the tokens field of a stored entry.
 local function tokens_pos(v)
   local p = 2
   for _ = 1, 5 do p = mp_skip(v, p) end  -- id, modality, role, content, mime
@@ -168,22 +168,12 @@ local function tokens_pos(v)
 end
 
 local function tokens_of(val)
-  if string.byte(val, 1) == 1 then  -- format 1
-    local _, tok = struct.unpack('>BI4', val)
-    return tok
-  end
   return (mp_uint(val, tokens_pos(val)))
 end
 
 -- The links of an entry as {{mod, seq}, ...}.
 local function links_of(val)
   local out = {}
-  if string.byte(val, 1) == 1 then  -- format 1: "mod:seq,..." after role and mime
-    local _, _, _, rl, ml, ll, pos = struct.unpack('>BI4dHHH', val)
-    local s = string.sub(val, pos + rl + ml, pos + rl + ml + ll - 1)
-    for mod, seq in string.gmatch(s, '([^:,]+):(%d+)') do out[#out + 1] = {mod, tonumber(seq)} end
-    return out
-  end
   local _, p = mp_uint(val, tokens_pos(val))
   _, p = mp_uint(val, p)  -- size_bytes
   _, p = mp_uint(val, p)  -- ts_ms
@@ -510,7 +500,7 @@ end
 
 -- Window replies are runs of consecutive entries of one channel, flat:
 -- {mod, first seq, {value, value, ...}, mod, first seq, {...}, ...}. Values go out as they
--- came from HMGET (no copying or packing in Lua: that was a quarter of a read's cost), and
+-- came from HMGET (no copying or packing in Lua: packing costs a quarter of a read), and
 -- an HMGET reply is itself a run's value table (no per-entry work in Lua at all).
 local function add_run(out, mod, first, vals)
   out[#out + 1] = mod; out[#out + 1] = first; out[#out + 1] = vals
@@ -700,7 +690,7 @@ function ops.window()
       if v then v, ranges = tonumber(v), parse_ranges(ranges) end
     end
   end
-  if not v then  -- no context, or a VER field of an older script ("<version>;<epoch>")
+  if not v then  -- no context, or a VER field of the short form ("<version>;<epoch>")
     local m = load(cid)
     if not m then fail('LM_NOTFOUND context ' .. cid) end
     v, epoch, ranges = m.v, m.e or '', {}
@@ -869,7 +859,7 @@ local function run_op(fn)
 end
 
 -- The entry point: FCALL <fn> 8 KEYS... ARGV... (or, on Redis < 7, EVALSHA of this body
--- followed by `return lm_main(KEYS, ARGV)`; see shared/context_store.py).
+-- followed by `return lm_main(KEYS, ARGV)`; see shared/context/scripts.py).
 local function lm_main(keys, args)
   KEYV, ARGS = keys, args
   E, M, R, V, S, GB, GL, AU = keys[1], keys[2], keys[3], keys[4], keys[5], keys[6], keys[7], keys[8]

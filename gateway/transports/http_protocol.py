@@ -13,6 +13,7 @@ the same at-most-one-iteration deferral. Nothing else of uvicorn is changed.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -43,7 +44,7 @@ class CoalescingTransport:
             # (pause_writing -> uvicorn's flow control) apply as they would without us.
             self._flush()
 
-    def writelines(self, chunks: Any) -> None:
+    def writelines(self, chunks: Iterable[bytes]) -> None:
         for chunk in chunks:
             self.write(chunk)
 

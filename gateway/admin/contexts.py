@@ -1,0 +1,70 @@
+"""The context store for operators: principals and their bytes, a principal's contexts, one
+context's entry metadata, a full export, and eviction. Store and Redis errors reach the
+client through the one error map (gateway/errors.py: 400 bad input, 404 unknown context,
+503 with Retry-After when Redis is away)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, HTTPException, Query, Request
+
+from gateway.admin.auth import AdminPrincipal
+from gateway.admin.common import admin, operator, viewer
+from gateway.state import gateway_of
+from gateway.tools.context import entry_json, window_json
+from shared import audit as audit_log
+
+router = APIRouter()
+
+_PRINCIPAL_Q = Query(None, max_length=256)
+
+
+@router.get("/admin/contexts")
+async def admin_list(request: Request, principal: str | None = _PRINCIPAL_Q,
+                     who: AdminPrincipal = viewer) -> dict[str, Any]:
+    """Without ``principal``: principals with their bytes; with it: that principal's contexts."""
+    store = gateway_of(request).store
+    if principal is None:
+        names = await store.principals()
+        return {"principals": [{"principal": p, "bytes": await store.principal_bytes(p)} for p in names],
+                "global_bytes": await store.global_bytes(),
+                "global_budget_bytes": store.cfg.global_budget_bytes}
+    infos = await store.list_contexts(principal)
+    return {"principal": principal, "bytes": sum(i.bytes for i in infos),
+            "budget_bytes": store.cfg.principal_budget_bytes,
+            "contexts": [{"id": i.id, "version": i.version, "bytes": i.bytes, "entries": i.entries,
+                          "last_used_ms": i.last_used_ms, "created_ms": i.created_ms} for i in infos]}
+
+
+@router.get("/admin/contexts/{principal}/{context_id}")
+async def admin_inspect(request: Request, principal: str, context_id: str,
+                        who: AdminPrincipal = viewer) -> dict[str, Any]:
+    """Entry metadata (no content) of the current version."""
+    win = await gateway_of(request).store.get_window(principal, context_id)
+    return {"principal": principal, "context_id": context_id, "version": win.version,
+            "entries": [{k: v for k, v in entry_json(e).items() if k not in ("text", "data")}
+                        for e in win.entries()]}
+
+
+@router.get("/admin/contexts/{principal}/{context_id}/export")
+async def admin_export(request: Request, principal: str, context_id: str,
+                       who: AdminPrincipal = admin) -> dict[str, Any]:
+    """The whole current context as JSON; binary entries base64 (``data``)."""
+    gateway = gateway_of(request)
+    win = await gateway.store.get_window(principal, context_id)
+    await audit_log.audit(gateway.redis, principal=principal, action="admin_export", context=context_id,
+                          version=win.version, admin=who.name)
+    return {"principal": principal, **window_json(win)}
+
+
+@router.delete("/admin/contexts/{principal}/{context_id}")
+async def admin_evict(request: Request, principal: str, context_id: str,
+                      who: AdminPrincipal = operator) -> dict[str, Any]:
+    gateway = gateway_of(request)
+    done = await gateway.store.evict(principal, context_id, reason="admin")
+    await audit_log.audit(gateway.redis, principal=principal, action="admin_evict", context=context_id,
+                          admin=who.name, found=int(done))
+    if not done:
+        raise HTTPException(404, f"context {context_id} not found")
+    return {"evicted": True, "principal": principal, "context_id": context_id}

@@ -1,0 +1,32 @@
+"""The delta encryption key ring: its report, and a rotation request the trainer carries out
+without downtime."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+
+from gateway.admin.auth import AdminPrincipal
+from gateway.admin.common import admin, admin_router, audit_action, redis_hash, viewer
+from gateway.state import gateway_of
+from shared import control, keys
+from shared.text import as_str
+
+router = admin_router()
+
+
+@router.get("/delta-key", summary="The delta key ring's report (key id, epoch, last rotation)")
+async def delta_key_status(request: Request, who: AdminPrincipal = viewer) -> dict[str, Any]:
+    r = gateway_of(request).redis
+    pending = await r.xlen(keys.DELTA_KEY_ROTATE)
+    return {"key_ring": redis_hash(await r.hgetall(keys.DELTA_KEY_STATUS)), "rotation_requests": pending}
+
+
+@router.post("/delta-key/rotate", status_code=202, summary="Rotate the delta encryption key (no downtime)")
+async def delta_key_rotate(request: Request, who: AdminPrincipal = admin) -> dict[str, Any]:
+    gateway = gateway_of(request)
+    rid = await gateway.redis.xadd(keys.DELTA_KEY_ROTATE, {"by": who.audit_name, "ts_ms": str(control.now_ms())},
+                                   maxlen=1000, approximate=True)
+    await audit_action(gateway, who, "delta_key.rotate", request=as_str(rid))
+    return {"request_id": as_str(rid), "status_url": "/admin/delta-key"}

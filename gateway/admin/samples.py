@@ -1,0 +1,40 @@
+"""Samples for operators: a bulk import on behalf of a principal (all or nothing, through the
+same :class:`~gateway.tools.learning.SampleIngest` as the ``learn`` tool) and the sample log's
+statistics. Validation and Redis errors reach the client through the one error map
+(gateway/errors.py)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import APIRouter, Body, HTTPException, Request
+
+from gateway.admin.auth import AdminPrincipal
+from gateway.admin.common import operator, viewer
+from gateway.state import gateway_of
+
+log = logging.getLogger(__name__)
+
+router = APIRouter()
+
+_JSON_BODY = Body(...)
+
+
+@router.post("/admin/samples")
+async def import_samples(request: Request, body: Any = _JSON_BODY, who: AdminPrincipal = operator) -> dict[str, Any]:
+    """Bulk import on behalf of a principal: ``{"principal": str, "samples": [...]}``; all or nothing."""
+    ingest = gateway_of(request).samples
+    if not isinstance(body, dict) or not isinstance(body.get("principal"), str) or not body["principal"] \
+            or any(c in body["principal"] for c in "{}:"):
+        raise HTTPException(400, "body must be {\"principal\": str, \"samples\": [...]}")
+    samples = ingest.parse({"samples": body.get("samples")})
+    result = await ingest.submit(body["principal"], samples)
+    log.info("admin %s imported %d samples for principal %s", who.name, len(result["ids"]), body["principal"])
+    return result
+
+
+@router.get("/admin/samples/stats")
+async def sample_stats(request: Request, who: AdminPrincipal = viewer) -> dict[str, Any]:
+    """Log length, last sequence number, the trainer's committed offset and lag, trainer progress."""
+    return await gateway_of(request).samples.stats()

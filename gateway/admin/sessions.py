@@ -1,0 +1,104 @@
+"""Legacy (2025-11-25) MCP sessions: list them, inspect one, terminate one on every replica."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Annotated, Any
+
+import redis.asyncio as aioredis
+from fastapi import HTTPException, Query, Request
+from fastapi import Path as PathParam
+
+from gateway.admin.auth import AdminPrincipal
+from gateway.admin.common import E404, MAX_LIST, admin_router, audit_action, operator, viewer
+from gateway.state import gateway_of
+from shared import keys
+from shared.text import as_str
+
+router = admin_router()
+
+_SESS_RE = re.compile(r"^" + re.escape(keys.PREFIX) + r"\{([^{}]+)\}:sess:([^:]+)$")
+
+
+async def session_refs(redis: aioredis.Redis, principal: str | None, limit: int, session_id: str | None = None,
+                       max_scan_calls: int | None = None) -> list[tuple[str, str]]:
+    """(principal, session id) pairs: from the principal's index, or by scanning session hashes
+    (``max_scan_calls`` bounds the cost where completeness does not matter: the dashboard)."""
+    if principal and session_id is None:
+        newest = await redis.zrevrange(keys.principal_sessions(principal), 0, limit - 1)
+        return [(principal, as_str(x)) for x in newest]
+    pattern = keys.session(principal or "*", session_id or "*")
+    out: list[tuple[str, str]] = []
+    cursor, calls = 0, 0
+    while True:
+        cursor, batch = await redis.scan(cursor=cursor, match=pattern, count=1000)
+        calls += 1
+        for k in batch:
+            m = _SESS_RE.fullmatch(as_str(k))
+            if m:
+                out.append((m.group(1), m.group(2)))
+                if len(out) >= limit:
+                    return out
+        if cursor == 0 or (max_scan_calls is not None and calls >= max_scan_calls):
+            return out
+
+
+async def session_info(redis: aioredis.Redis, principal: str, sid: str) -> dict[str, Any] | None:
+    pipe = redis.pipeline(transaction=False)
+    pipe.hgetall(keys.session(principal, sid))
+    pipe.pttl(keys.session(principal, sid))
+    pipe.xlen(keys.session_events(principal, sid))
+    pipe.hlen(keys.session_pending(principal, sid))
+    pipe.zscore(keys.principal_sessions(principal), sid)
+    fields, ttl_ms, n_events, n_pending, last_used = await pipe.execute()
+    if not fields:
+        return None
+    f = {as_str(k): as_str(v) for k, v in fields.items()}
+    try:
+        caps = json.loads(f.get("caps") or "{}")
+    except ValueError:
+        caps = {}
+    return {"id": sid, "principal": principal, "protocol_version": f.get("v"), "log_level": f.get("lvl") or None,
+            "capabilities": caps, "last_used_s": last_used, "ttl_s": None if ttl_ms < 0 else round(ttl_ms / 1000, 1),
+            "events": n_events, "pending_requests": n_pending}
+
+
+async def _find_session(redis: aioredis.Redis, session_id: str) -> dict[str, Any]:
+    if "*" in session_id or "?" in session_id or "[" in session_id or ":" in session_id:
+        raise HTTPException(404, "no such session")
+    for principal, sid in await session_refs(redis, None, 2, session_id=session_id):
+        info = await session_info(redis, principal, sid)
+        if info is not None:
+            return info
+    raise HTTPException(404, "no such session")
+
+
+@router.get("/sessions", summary="List legacy MCP sessions (optionally of one principal)")
+async def list_sessions(request: Request,
+                        principal: Annotated[str | None, Query(max_length=128, pattern=r"^[A-Za-z0-9_.@:\-]+$")] = None,
+                        limit: Annotated[int, Query(ge=1, le=MAX_LIST)] = 100,
+                        who: AdminPrincipal = viewer) -> dict[str, Any]:
+    redis = gateway_of(request).redis
+    infos = []
+    for p, sid in await session_refs(redis, principal, limit):
+        info = await session_info(redis, p, sid)
+        if info is not None:
+            infos.append(info)
+    return {"sessions": infos, "count": len(infos)}
+
+
+@router.get("/sessions/{session_id}", summary="Inspect one session", responses={404: E404})
+async def get_session(request: Request, session_id: Annotated[str, PathParam(max_length=256)],
+                      who: AdminPrincipal = viewer) -> dict[str, Any]:
+    return await _find_session(gateway_of(request).redis, session_id)
+
+
+@router.delete("/sessions/{session_id}", summary="Terminate a session on every replica", responses={404: E404})
+async def terminate_session(request: Request, session_id: Annotated[str, PathParam(max_length=256)],
+                            who: AdminPrincipal = operator) -> dict[str, Any]:
+    gateway = gateway_of(request)
+    info = await _find_session(gateway.redis, session_id)
+    await gateway.sessions.delete(info["principal"], session_id)
+    await audit_action(gateway, who, "session.terminate", session=session_id, client=info["principal"])
+    return {"terminated": session_id, "principal": info["principal"]}

@@ -1,0 +1,96 @@
+"""Everything the dashboard shows, in one call: every replica's rates and latency, workers,
+trainer, delta sync, the sample log, recent sessions and contexts."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import Request
+
+from gateway.admin.auth import AdminPrincipal
+from gateway.admin.common import admin_router, current_version, redis_hash, viewer
+from gateway.admin.sessions import session_info, session_refs
+from gateway.admin.stats import publish_stats
+from gateway.admin.trainer import trainer_report
+from gateway.admin.workers import mesh_workers
+from gateway.state import Gateway, gateway_of
+from shared import control, keys
+from shared.text import as_str
+
+router = admin_router()
+
+STATS_TTL_S = 10.0  # a replica snapshot older than this belongs to a replica that stopped
+
+
+async def _samples(gateway: Gateway) -> dict[str, Any]:
+    r = gateway.redis
+    length = await r.xlen(keys.SAMPLE_LOG)
+    last_seq = await r.get(keys.SAMPLE_SEQ)
+    offset = await r.hgetall(keys.TRAINER_OFFSET) if await r.type(keys.TRAINER_OFFSET) in (b"hash", "hash") else {}
+    off = redis_hash(offset)
+    last = int(last_seq) if last_seq is not None else None
+    trained_seq = off.get("seq") if isinstance(off.get("seq"), int) else None
+    backlog = (last - trained_seq) if last is not None and trained_seq is not None else None
+    return {"log_length": length, "last_seq": last, "trainer_offset": off, "backlog": backlog}
+
+
+async def _gateways(gateway: Gateway) -> dict[str, Any]:
+    raw = await gateway.redis.hgetall(keys.GATEWAY_STATS)
+    now = control.now_ms()
+    live: list[dict[str, Any]] = []
+    stale: list[dict[str, Any]] = []
+    for rid, body in raw.items():
+        snap = json.loads(body)
+        fresh = now - snap.get("ts_ms", 0) < STATS_TTL_S * 1000
+        (live if fresh else stale).append({"replica": as_str(rid), **snap})
+    if stale:
+        await gateway.redis.hdel(keys.GATEWAY_STATS, *[s["replica"] for s in stale])
+    p99s = [g["p99_ms"] for g in live if g.get("p99_ms") is not None]
+    p50s = [g["p50_ms"] for g in live if g.get("p50_ms") is not None]
+    return {"replicas": len(live), "rps": round(sum(g.get("rps", 0) for g in live), 3),
+            "errors_per_s": round(sum(g.get("errors_per_s", 0) for g in live), 3),
+            "requests_total": sum(g.get("requests_total", 0) for g in live),
+            "p50_ms": max(p50s) if p50s else None, "p99_ms": max(p99s) if p99s else None,
+            "per_replica": live}
+
+
+async def _contexts(gateway: Gateway, principals_shown: int = 5, contexts_shown: int = 20) -> dict[str, Any]:
+    """Global bytes and budget, principals by recency, the most recently used contexts."""
+    store = gateway.store
+    principals = await store.principals()
+    rows: list[dict[str, Any]] = []
+    for p in principals[:principals_shown]:
+        for info in await store.list_contexts(p):
+            rows.append({"principal": p, "id": info.id, "version": info.version, "bytes": info.bytes,
+                         "entries": sum(info.entries.values()), "last_used_ms": info.last_used_ms})
+    rows.sort(key=lambda c: c["last_used_ms"], reverse=True)
+    return {"principals": len(principals), "global_bytes": await store.global_bytes(),
+            "global_budget_bytes": store.cfg.global_budget_bytes, "recent": rows[:contexts_shown]}
+
+
+@router.get("/summary", summary="Everything the dashboard shows, in one call")
+async def summary(request: Request, who: AdminPrincipal = viewer) -> dict[str, Any]:
+    gateway = gateway_of(request)
+    await publish_stats(gateway)
+    sessions = []
+    for p, sid in await session_refs(gateway.redis, None, 20, max_scan_calls=3):
+        info = await session_info(gateway.redis, p, sid)
+        if info is not None:
+            sessions.append(info)
+    delta = redis_hash(await gateway.redis.hgetall(keys.component_status("delta")))
+    trainer = await trainer_report(gateway)
+    return {
+        "ts_ms": control.now_ms(),
+        "gateway": await _gateways(gateway),
+        "model_version": await current_version(gateway),
+        "workers": await mesh_workers(gateway),
+        "trainer": trainer,
+        "delta": delta,
+        "sync": {"compression_ratio": delta.get("compression_ratio", trainer.get("compression_ratio")),
+                 "sync_latency_ms": delta.get("sync_latency_ms", trainer.get("sync_latency_ms"))},
+        "samples": await _samples(gateway),
+        "sessions": {"shown": sessions},
+        "contexts": await _contexts(gateway),
+        "who": {"name": who.name, "role": who.role},
+    }

@@ -1,0 +1,96 @@
+"""Inference workers as the mesh sees them: this replica's pool merged with the workers'
+own reports in Redis (version, lag behind the trainer, load, drained); drain and undrain."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import HTTPException, Request
+from fastapi import Path as PathParam
+
+from gateway.admin.auth import AdminPrincipal
+from gateway.admin.common import (
+    E404,
+    admin_router,
+    audit_action,
+    current_version,
+    operator,
+    redis_hash,
+    viewer,
+)
+from gateway.state import Gateway, gateway_of
+from shared import keys
+from shared.text import as_str
+
+router = admin_router()
+
+
+async def _statuses(gateway: Gateway, prefix: str) -> dict[str, dict[str, Any]]:
+    """Live self-reports (shared.control.report_status) whose component name starts with ``prefix``."""
+    r = gateway.redis
+    names = sorted(n for n in (as_str(m) for m in await r.smembers(keys.STATUS_INDEX)) if n.startswith(prefix))
+    if not names:
+        return {}
+    pipe = r.pipeline(transaction=False)
+    for n in names:
+        pipe.hgetall(keys.component_status(n))
+    out, gone = {}, []
+    for n, raw in zip(names, await pipe.execute(), strict=True):
+        if raw:
+            out[n] = redis_hash(raw)
+        else:
+            gone.append(n)
+    if gone:  # expired reports: the process stopped reporting
+        await r.srem(keys.STATUS_INDEX, *gone)
+    return out
+
+
+async def mesh_workers(gateway: Gateway) -> list[dict[str, Any]]:
+    """Every worker this replica connects to or that reports itself, by id."""
+    current = await current_version(gateway)
+    drained = {as_str(m) for m in await gateway.redis.smembers(keys.WORKERS_DRAINED)}
+    by_id: dict[str, dict[str, Any]] = {w["id"]: w for w in gateway.workers.status()}
+    for comp, st in (await _statuses(gateway, "worker:")).items():
+        wid = comp.split(":", 1)[1]
+        by_id[wid] = {**st, **by_id.get(wid, {}), "id": wid, "reported_ms": st.get("ts_ms")}
+    out = []
+    for wid, w in sorted(by_id.items()):
+        version = w.get("version")
+        lag = (current - int(version)) if current is not None and isinstance(version, (int, float)) else None
+        out.append({**w, "version": version, "lag": w.get("lag", lag), "load": w.get("load"),
+                    "drained": wid in drained or bool(w.get("drained"))})
+    return out
+
+
+@router.get("/workers", summary="Inference workers: version, lag behind the trainer, load, drained")
+async def list_workers(request: Request, who: AdminPrincipal = viewer) -> dict[str, Any]:
+    gateway = gateway_of(request)
+    return {"model_version": await current_version(gateway), "workers": await mesh_workers(gateway)}
+
+
+async def _set_drain(request: Request, worker_id: str, who: AdminPrincipal, drain: bool) -> dict[str, Any]:
+    gateway = gateway_of(request)
+    known = {w["id"] for w in await mesh_workers(gateway)}
+    if worker_id not in known:
+        raise HTTPException(404, f"no worker {worker_id!r}")
+    if drain:
+        await gateway.redis.sadd(keys.WORKERS_DRAINED, worker_id)
+        gateway.workers.drain(worker_id)
+    else:
+        await gateway.redis.srem(keys.WORKERS_DRAINED, worker_id)
+        gateway.workers.undrain(worker_id)
+    await audit_action(gateway, who, "worker.drain" if drain else "worker.undrain", worker=worker_id)
+    return {"worker": worker_id, "drained": drain}
+
+
+@router.post("/workers/{worker_id}/drain", summary="Stop routing new requests to a worker",
+             responses={404: E404})
+async def drain_worker(request: Request, worker_id: Annotated[str, PathParam(max_length=256)],
+                       who: AdminPrincipal = operator) -> dict[str, Any]:
+    return await _set_drain(request, worker_id, who, True)
+
+
+@router.delete("/workers/{worker_id}/drain", summary="Route to a drained worker again", responses={404: E404})
+async def undrain_worker(request: Request, worker_id: Annotated[str, PathParam(max_length=256)],
+                         who: AdminPrincipal = operator) -> dict[str, Any]:
+    return await _set_drain(request, worker_id, who, False)

@@ -1,0 +1,372 @@
+"""The MCP kernel: everything between a transport's bytes and the dispatcher, for every transport.
+
+A transport reads one message (an HTTP body, a WebSocket text frame), hands it to
+:meth:`Kernel.decode`, then to :meth:`Kernel.receive` with a :class:`Link` saying what
+else it knows (HTTP headers, the session a WebSocket opened, the stream to emit on),
+and writes the :class:`~gateway.mcp.types.Reply` it gets back. In between, and the same
+for every transport:
+
+- **decoding** (msgspec) and the JSON-RPC 2.0 shape checks;
+- **revision negotiation**: an ``Mcp-Session-Id`` means the 2025-11-25 session protocol;
+  otherwise a 2026-07-28 ``MCP-Protocol-Version`` header or a protocol version in
+  ``params._meta`` means the stateless revision; anything else is a legacy message;
+- **the 2026-07-28 envelope checks**, first failure wins: ``_meta`` with the protocol
+  version and client capabilities, the routing headers when the transport has headers
+  (``Mcp-Method``, ``Mcp-Name``, ``Mcp-Param-*``, SEP-2243), a supported version;
+- **session resolution** for 2025-11-25: ``initialize`` creates the session, every
+  other message needs a live one;
+- cancellation tracking of legacy ``tools/call`` requests.
+
+Every exception on the way becomes an answer through :func:`gateway.errors.wire_error`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import orjson
+
+from gateway.errors import (
+    HEADER_MISMATCH,
+    INVALID_REQUEST,
+    PARSE_ERROR,
+    UNSUPPORTED_PROTOCOL_VERSION,
+    InvalidParams,
+    McpError,
+    wire_error,
+)
+from gateway.mcp.dispatcher import Call
+from gateway.mcp.sessions import SessionNotFound
+from gateway.mcp.types import (
+    CLIENT_CAPABILITIES_META_KEY,
+    CLIENT_INFO_META_KEY,
+    HANDSHAKE_VERSIONS,
+    LEGACY_VERSION,
+    LOG_LEVEL_META_KEY,
+    LOG_LEVELS,
+    MODERN_VERSIONS,
+    PROTOCOL_VERSION_META_KEY,
+    ClientReply,
+    Emit,
+    Envelope,
+    ErrorObject,
+    Incoming,
+    Notification,
+    Reply,
+    Request,
+    RequestId,
+    Response,
+)
+
+if TYPE_CHECKING:
+    from gateway.state import Gateway
+
+Message = Request | Notification | ClientReply
+
+# Which body parameter the Mcp-Name header repeats, per method.
+NAME_BEARING = {"tools/call": "name", "prompts/get": "name", "resources/read": "uri",
+                "tasks/get": "taskId", "tasks/update": "taskId", "tasks/cancel": "taskId"}
+_ID_MIN, _ID_MAX = -(2**63), 2**64  # integer ids JSON-RPC peers can be expected to round-trip
+
+_requests = msgspec.json.Decoder(Request)
+_incoming = msgspec.json.Decoder(Incoming)
+
+
+@dataclass(slots=True)
+class Link:
+    """What a transport knows about one message besides its body.
+
+    ``headers``: the HTTP request headers (lower-case names), whose routing headers the
+    envelope checks compare with the body; None where messages carry no headers
+    (WebSocket frames). ``session_id``: the ``Mcp-Session-Id`` header, or the session a
+    WebSocket connection opened. ``emit``: the response stream (SSE, the socket); None
+    when the answer can only be one JSON body. ``duplicated_header``: a routing header the
+    request carried twice."""
+
+    transport: str
+    headers: Mapping[str, str] | None = None
+    session_id: str | None = None
+    emit: Emit | None = None
+    duplicated_header: str | None = None
+
+
+def _meta(message: Request | Notification) -> dict[str, Any] | None:
+    meta = message.params.get("_meta")
+    return meta if isinstance(meta, dict) else None
+
+
+class Kernel:
+    """Decodes, negotiates, checks and resolves; the dispatcher serves what passes."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.dispatcher = gateway.dispatcher
+        self.sessions = gateway.sessions
+        self.config = gateway.config
+        self._param_specs: dict[str, tuple[object, tuple[tuple[str, str], ...]]] = {}
+
+    # ------------------------------------------------------------------ decoding
+    def decode(self, data: bytes | str) -> Message | Reply:
+        """The message, or the error answer when ``data`` is not one JSON-RPC 2.0 message."""
+        try:  # most messages are plain requests: typed in one step
+            request = _requests.decode(data)
+            if isinstance(request.id, str) or _ID_MIN <= request.id < _ID_MAX:
+                return request
+        except msgspec.DecodeError:
+            pass
+        try:
+            return _classify(_incoming.decode(data))
+        except msgspec.ValidationError:  # valid JSON, but not an object
+            return self.fail(McpError(INVALID_REQUEST, "Body must be a single JSON-RPC 2.0 request, "
+                                      "notification or response"))
+        except msgspec.DecodeError:
+            return self.fail(McpError(PARSE_ERROR, "Parse error"))
+        except _Invalid as exc:
+            return self.fail(exc.error, exc.request_id)
+
+    def fail(self, exc: BaseException, request_id: RequestId | None = None) -> Reply:
+        """The answer to a message that could not be served (``exc`` through the error map)."""
+        wire = wire_error(exc, self.config, crashed_status=500)
+        return Reply(wire.response(request_id), wire.http_status, wire.retry_after_s)
+
+    # ------------------------------------------------------------------ negotiation
+    def is_stateless(self, message: Message, link: Link) -> bool:
+        """True for the 2026-07-28 revision (see the module docstring for the rule)."""
+        headers = link.headers
+        if headers is not None:
+            if "mcp-session-id" in headers:
+                return False
+            if headers.get("mcp-protocol-version") in MODERN_VERSIONS:
+                return True
+        if isinstance(message, ClientReply):
+            return False
+        meta = _meta(message)
+        return meta is not None and PROTOCOL_VERSION_META_KEY in meta
+
+    async def receive(self, principal: str, message: Message, link: Link) -> Reply:
+        """Serve one decoded message from ``principal``; always answers (202: nothing to send)."""
+        request_id = message.id if isinstance(message, Request) else None
+        try:
+            if self.is_stateless(message, link):
+                if isinstance(message, ClientReply):  # the stateless revision sends no requests to answer
+                    return self.fail(McpError(INVALID_REQUEST, "Invalid JSON-RPC message"), message.id)
+                return await self._stateless(principal, message, link)
+            return await self._session(principal, message, link)
+        except Exception as exc:  # noqa: BLE001 - handed to the one error map
+            return self.fail(exc, request_id)
+
+    # ------------------------------------------------------------------ 2026-07-28
+    async def _stateless(self, principal: str, message: Request | Notification, link: Link) -> Reply:
+        if isinstance(message, Notification):
+            meta = _meta(message) or {}
+            requested = (link.headers.get("mcp-protocol-version", "") if link.headers is not None
+                         else meta.get(PROTOCOL_VERSION_META_KEY, ""))
+            if requested not in MODERN_VERSIONS:
+                raise McpError(UNSUPPORTED_PROTOCOL_VERSION, "Unsupported protocol version",
+                               {"supported": list(MODERN_VERSIONS), "requested": requested})
+            call = Call(principal=principal, request_id=None, protocol_version=requested, state=self.gateway)
+            await self.dispatcher.notification(call, message)
+            return Reply(http_status=202)
+        if link.duplicated_header is not None:
+            raise McpError(HEADER_MISMATCH, f"{link.duplicated_header} header appears more than once")
+        envelope = self.envelope(message, link.headers)
+        call = Call(principal=principal, request_id=message.id, protocol_version=envelope.protocol_version,
+                    state=self.gateway, meta=message.params["_meta"], envelope=envelope, emit=link.emit)
+        return await self.dispatcher.handle(call, message, link.transport)
+
+    def envelope(self, request: Request, headers: Mapping[str, str] | None) -> Envelope:
+        """The checked ``_meta`` envelope of a 2026-07-28 request; the first failed check raises."""
+        meta = request.params.get("_meta")
+        if type(meta) is not dict:
+            raise InvalidParams("params._meta must be an object carrying the required "
+                                f"'{PROTOCOL_VERSION_META_KEY}' and '{CLIENT_CAPABILITIES_META_KEY}' envelope keys")
+        if PROTOCOL_VERSION_META_KEY not in meta or CLIENT_CAPABILITIES_META_KEY not in meta:
+            missing = [k for k in (PROTOCOL_VERSION_META_KEY, CLIENT_CAPABILITIES_META_KEY) if k not in meta]
+            raise InvalidParams(f"params._meta is missing the required envelope key(s): {', '.join(missing)}")
+        version = meta[PROTOCOL_VERSION_META_KEY]
+        if headers is not None:
+            self._check_routing_headers(request, version, headers)
+        if not isinstance(version, str):
+            raise InvalidParams("the protocol-version envelope value must be a string")
+        if version not in MODERN_VERSIONS:
+            raise McpError(UNSUPPORTED_PROTOCOL_VERSION, "Unsupported protocol version",
+                           {"supported": list(MODERN_VERSIONS), "requested": version})
+        if headers is not None and request.method == "tools/call":
+            self._check_param_headers(request.params, headers)
+        capabilities = meta[CLIENT_CAPABILITIES_META_KEY]
+        if not isinstance(capabilities, dict):
+            raise InvalidParams("the client-capabilities envelope value must be an object")
+        info, level = meta.get(CLIENT_INFO_META_KEY), meta.get(LOG_LEVEL_META_KEY)
+        return Envelope(protocol_version=version, client_capabilities=capabilities,
+                        client_info=info if isinstance(info, dict) else None,
+                        log_level=level if level in LOG_LEVELS else None)
+
+    def _check_routing_headers(self, request: Request, version: object, headers: Mapping[str, str]) -> None:
+        if headers.get("mcp-protocol-version") != version:
+            raise McpError(HEADER_MISMATCH, "MCP-Protocol-Version header does not match the request's protocol version")
+        if headers.get("mcp-method") != request.method:
+            raise McpError(HEADER_MISMATCH, "Mcp-Method header does not match the request body's method")
+        name_key = NAME_BEARING.get(request.method)
+        if name_key is not None:
+            body_value = request.params.get(name_key)
+            if body_value is not None and _decode_header(headers.get("mcp-name")) != body_value:
+                raise McpError(HEADER_MISMATCH,
+                               f"Mcp-Name header does not match the request body's {name_key!r} parameter")
+
+    def _check_param_headers(self, params: dict[str, Any], headers: Mapping[str, str]) -> None:
+        """SEP-2243 custom headers: every tool argument declared with ``x-mcp-header: X`` travels
+        as ``Mcp-Param-X`` too, and the two must agree (a cached lookup for tools without any)."""
+        name = params.get("name")
+        tool = self.gateway.registry.tools.get(name) if isinstance(name, str) else None
+        if tool is None:
+            return
+        cached = self._param_specs.get(tool.name)
+        if cached is None or cached[0] is not tool:
+            cached = self._param_specs[tool.name] = (tool, _param_header_spec(tool.input_schema))
+        if cached[1]:
+            args = params.get("arguments")
+            _check_param_header_values(cached[1], args if isinstance(args, dict) else {}, headers)
+
+    # ------------------------------------------------------------------ 2025-11-25
+    async def _session(self, principal: str, message: Message, link: Link) -> Reply:
+        if isinstance(message, Request) and message.method == "initialize":
+            return await self._initialize(principal, message, link.transport)
+        version = link.headers.get("mcp-protocol-version") if link.headers is not None else None
+        if version is not None and version not in HANDSHAKE_VERSIONS and not isinstance(message, ClientReply):
+            raise McpError(INVALID_REQUEST, f"Unsupported MCP-Protocol-Version: {version}",
+                           {"supported": list(HANDSHAKE_VERSIONS), "requested": version})
+        if link.session_id is None:
+            raise McpError(INVALID_REQUEST, "Bad Request: Mcp-Session-Id header is required" if link.headers is not None
+                           else "Send initialize first (or a 2026-07-28 _meta envelope)")
+        session = await self.sessions.get(principal, link.session_id)
+        if isinstance(message, ClientReply):
+            await self.sessions.post_response(principal, session.id, str(message.id), message)
+            return Reply(http_status=202)
+        call = Call(principal=principal, request_id=message.id if isinstance(message, Request) else None,
+                    protocol_version=session.protocol_version, state=self.gateway, meta=_meta(message),
+                    session=session, emit=link.emit)
+        if isinstance(message, Notification):
+            await self.dispatcher.notification(call, message)
+            return Reply(http_status=202)
+        if message.method != "tools/call":
+            return await self.dispatcher.handle(call, message, link.transport)
+        key = self.gateway.track(principal, session.id, message.id, call)
+        try:
+            return await self.dispatcher.handle(call, message, link.transport)
+        finally:
+            self.gateway.untrack(key)
+
+    async def _initialize(self, principal: str, request: Request, transport: str) -> Reply:
+        call = Call(principal=principal, request_id=request.id, protocol_version=LEGACY_VERSION, state=self.gateway)
+        reply = await self.dispatcher.handle(call, request, transport)
+        if not isinstance(reply.message, Response):
+            return reply
+        caps = request.params.get("capabilities")
+        session = await self.sessions.create(principal, reply.message.result["protocolVersion"],
+                                             caps if isinstance(caps, dict) else {})
+        reply.session_id = session.id
+        return reply
+
+    async def resolve(self, principal: str, session_id: str) -> None:
+        """Raise :class:`SessionNotFound` unless ``session_id`` is a live session of ``principal``."""
+        await self.sessions.get(principal, session_id)
+
+    async def end_session(self, principal: str, session_id: str) -> None:
+        if not await self.sessions.delete(principal, session_id):
+            raise SessionNotFound(session_id)
+
+
+# ---------------------------------------------------------------------- decoding helpers
+class _Invalid(Exception):
+    def __init__(self, error: McpError, request_id: RequestId | None = None) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.request_id = request_id
+
+
+def _classify(msg: Incoming) -> Message:
+    """The JSON-RPC 2.0 shape checks, first failure wins."""
+    if msg.jsonrpc != "2.0":
+        raise _Invalid(McpError(INVALID_REQUEST, "Body must be a single JSON-RPC 2.0 request, notification or "
+                                "response"))
+    has_id = msg.id is not msgspec.UNSET
+    if has_id and not (isinstance(msg.id, str) or (type(msg.id) is int and _ID_MIN <= msg.id < _ID_MAX)):
+        raise _Invalid(McpError(INVALID_REQUEST, "id must be a string or an integer"))
+    rid: RequestId | None = msg.id if has_id else None
+    if msg.method is msgspec.UNSET:
+        if rid is not None and (msg.result is not msgspec.UNSET or msg.error is not msgspec.UNSET):
+            return _client_reply(rid, msg)
+        raise _Invalid(McpError(INVALID_REQUEST, "Invalid JSON-RPC message"), rid)
+    params = msg.params
+    if not isinstance(msg.method, str) or (params not in (msgspec.UNSET, None) and not isinstance(params, dict)):
+        raise _Invalid(McpError(INVALID_REQUEST, "method must be a string and params an object"), rid)
+    params = params if isinstance(params, dict) else {}
+    if rid is None:
+        return Notification(method=msg.method, params=params)
+    return Request(jsonrpc="2.0", id=rid, method=msg.method, params=params)
+
+
+def _client_reply(rid: RequestId, msg: Incoming) -> ClientReply:
+    if msg.error is msgspec.UNSET:
+        return ClientReply(id=rid, result=msg.result if isinstance(msg.result, dict) else {})
+    try:
+        error = msgspec.convert(msg.error, ErrorObject)
+    except msgspec.ValidationError:
+        error = ErrorObject(code=-32603, message="client error")
+    return ClientReply(id=rid, error=error)
+
+
+# ---------------------------------------------------------------------- routing headers
+def _decode_header(value: str | None) -> str | None:
+    """Header values that are not plain printable ASCII travel as ``=?base64?...?=``.
+    Optional whitespace around a field value is not part of it (RFC 9110 §5.5)."""
+    if value is None:
+        return None
+    value = value.strip(" \t")
+    if not (value.startswith("=?base64?") and value.endswith("?=")):
+        return value
+    payload = value[9:-2]
+    try:
+        raw = base64.b64decode(payload, validate=True)
+        if base64.b64encode(raw).decode("ascii") != payload:
+            return None
+        return raw.decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+
+
+def _param_header_spec(schema: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    """(argument name, lower-case ``mcp-param-*`` header name) for each ``x-mcp-header`` property."""
+    props = schema.get("properties")
+    if not isinstance(props, dict):
+        return ()
+    return tuple((arg, "mcp-param-" + prop["x-mcp-header"].lower()) for arg, prop in props.items()
+                 if isinstance(prop, dict) and isinstance(prop.get("x-mcp-header"), str))
+
+
+def _header_form(value: object) -> str | None:
+    """How a primitive argument reads in a header (JSON spelling for numbers and booleans)."""
+    if value is None or isinstance(value, (dict, list)):
+        return None
+    return value if isinstance(value, str) else orjson.dumps(value).decode()
+
+
+def _check_param_header_values(spec: tuple[tuple[str, str], ...], args: dict[str, Any],
+                               headers: Mapping[str, str]) -> None:
+    for arg, header in spec:
+        raw = headers.get(header)
+        body = _header_form(args.get(arg))
+        if raw is None and body is None:
+            continue
+        if raw is None:
+            raise McpError(HEADER_MISMATCH, f"{header} header is required when argument {arg!r} is present")
+        decoded = _decode_header(raw)
+        if decoded is None:
+            raise McpError(HEADER_MISMATCH, f"{header} header is not valid base64-encoded UTF-8")
+        if decoded != body:
+            raise McpError(HEADER_MISMATCH, f"{header} header does not match argument {arg!r}")

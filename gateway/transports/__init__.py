@@ -1,0 +1,7 @@
+"""The transports that carry MCP messages; each only moves bytes and leaves the protocol
+to the kernel in ``gateway/mcp/``.
+
+- ``streamable_http``: MCP Streamable HTTP at ``/mcp`` (JSON or SSE answers, GET streams).
+- ``websocket``: MCP over WebSocket at ``/mcp/ws`` (the SEP-1288 draft).
+- ``http_protocol``: uvicorn's HTTP protocol with one socket write per response.
+"""

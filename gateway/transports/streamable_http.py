@@ -1,0 +1,321 @@
+"""MCP Streamable HTTP at ``/mcp`` as a raw ASGI app (no framework machinery on the hot path).
+
+This module moves bytes: guards that belong to HTTP run before any parsing (Origin/Host
+403, credentials 401, body size 413, ``Accept`` 406); the body goes to the kernel
+(:mod:`gateway.mcp.kernel`: revisions, envelope, sessions) and its
+:class:`~gateway.mcp.types.Reply` goes back as JSON — or as an SSE stream once the handler
+emits a notification or a server->client request before its answer. GET opens a legacy
+session's standalone SSE stream (``Last-Event-ID`` replay), DELETE ends the session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from redis.exceptions import RedisError
+
+from gateway.auth import AuthError
+from gateway.errors import INVALID_REQUEST, McpError
+from gateway.mcp.kernel import Link
+from gateway.mcp.sessions import SessionNotFound
+from gateway.mcp.types import (
+    HANDSHAKE_VERSIONS,
+    ErrorResponse,
+    Reply,
+    Request,
+    Response,
+    ServerMessage,
+    encode,
+)
+
+if TYPE_CHECKING:
+    from gateway.state import Gateway
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+_ROUTING = frozenset({"mcp-protocol-version", "mcp-method", "mcp-name"})
+_EVENT_ID = re.compile(r"^\d{1,20}-\d{1,20}$")
+_JSON = (b"content-type", b"application/json")
+_SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache, no-transform"),
+                (b"x-accel-buffering", b"no")]
+STREAM_POLL_MS = 5000
+KEEPALIVE_EVERY = 3  # polls
+
+
+class _Sent:
+    __slots__ = ("started",)
+
+    def __init__(self) -> None:
+        self.started = False
+
+
+async def _reply(send: Send, sent: _Sent, status: int, body: bytes = b"",
+                 headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    h = [_JSON] if body else []
+    h.append((b"content-length", str(len(body)).encode()))
+    if headers:
+        h.extend(headers)
+    sent.started = True
+    await send({"type": "http.response.start", "status": status, "headers": h})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _write(send: Send, sent: _Sent, reply: Reply) -> None:
+    headers: list[tuple[bytes, bytes]] = []
+    if reply.retry_after_s is not None:
+        headers.append((b"retry-after", str(reply.retry_after_s).encode()))
+    if reply.session_id is not None:
+        headers.append((b"mcp-session-id", reply.session_id.encode()))
+    body = encode(reply.message) if reply.message is not None else b""
+    await _reply(send, sent, reply.http_status, body, headers)
+
+
+def _sse(msg: ServerMessage | Response | ErrorResponse) -> bytes:
+    return b"event: message\ndata: " + encode(msg) + b"\n\n"
+
+
+class _LazySse:
+    """Response stream that commits to ``text/event-stream`` on the first emitted message."""
+
+    __slots__ = ("send", "sent", "lock")
+
+    def __init__(self, send: Send, sent: _Sent) -> None:
+        self.send = send
+        self.sent = sent
+        self.lock: asyncio.Lock | None = None
+
+    async def emit(self, msg: ServerMessage) -> None:
+        if self.lock is None:
+            self.lock = asyncio.Lock()
+        async with self.lock:  # concurrent emitters (several pending client requests) keep frames whole
+            if not self.sent.started:
+                self.sent.started = True
+                await self.send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+            await self.send({"type": "http.response.body", "body": _sse(msg), "more_body": True})
+
+    async def finish(self, msg: Response | ErrorResponse) -> None:
+        if self.lock is None:
+            self.lock = asyncio.Lock()
+        async with self.lock:
+            await self.send({"type": "http.response.body", "body": _sse(msg), "more_body": False})
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+_ACCEPTS: dict[str, tuple[bool, bool]] = {}
+
+
+def _accepts(accept: str) -> tuple[bool, bool]:
+    """(json, sse) acceptable per the Accept header; a missing header accepts both."""
+    found = _ACCEPTS.get(accept)
+    if found is not None:  # clients send the same few values over and over
+        return found
+    if not accept:
+        return True, True
+    a = accept.lower()
+    wild = "*/*" in a
+    found = (wild or "application/json" in a or "application/*" in a), (wild or "text/event-stream" in a)
+    if len(_ACCEPTS) >= 256:
+        _ACCEPTS.clear()
+    _ACCEPTS[accept] = found
+    return found
+
+
+def _duplicated_routing_header(raw: list[tuple[bytes, bytes]]) -> str | None:
+    """The last routing header (``MCP-Protocol-Version``, ``Mcp-Method``, ``Mcp-Name``) sent twice."""
+    seen: set[str] = set()
+    duplicated = None
+    for k, _ in raw:
+        name = k.decode("latin-1")
+        if name in seen and name in _ROUTING:
+            duplicated = name
+        seen.add(name)
+    return duplicated
+
+
+class McpHttpTransport:
+    """ASGI app for ``/mcp``; one instance per gateway replica."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.kernel = gateway.kernel
+        self.max_body = gateway.config.gateway.max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        sent = _Sent()
+        try:
+            await self._serve(scope, receive, send, sent)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - handed to the one error map
+            if not sent.started:
+                await _write(send, sent, self.kernel.fail(exc))
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, sent: _Sent) -> None:
+        raw = scope["headers"]
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw}
+        why = self.gateway.origin_guard.check(headers.get("origin"), headers.get("host"))
+        if why is not None:
+            await _reply(send, sent, 403, orjson.dumps({"error": "forbidden", "error_description": why}))
+            return
+        try:
+            principal = self.gateway.auth.principal(headers.get("authorization"))
+        except AuthError as exc:
+            extra = [(b"www-authenticate", exc.www_authenticate.encode())] if exc.www_authenticate else []
+            await _reply(send, sent, exc.status, orjson.dumps({"error": "unauthorized",
+                                                               "error_description": exc.message}), extra)
+            return
+        method = scope["method"]
+        if method == "POST":
+            duplicated = _duplicated_routing_header(raw) if len(headers) != len(raw) else None
+            await self._post(receive, send, sent, headers, principal, duplicated)
+        elif method in ("GET", "DELETE"):
+            await self._get_or_delete(method, receive, send, sent, headers, principal)
+        else:
+            await _reply(send, sent, 405, b"", [(b"allow", b"GET, POST, DELETE")])
+
+    async def _read_body(self, receive: Receive, headers: dict[str, str]) -> bytes | None:
+        declared = headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body):
+            return None
+        body = b""
+        more = True
+        while more:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                raise asyncio.CancelledError
+            body += msg.get("body", b"")
+            if len(body) > self.max_body:
+                return None
+            more = msg.get("more_body", False)
+        return body
+
+    # ------------------------------------------------------------------ POST
+    async def _post(self, receive: Receive, send: Send, sent: _Sent, headers: dict[str, str], principal: str,
+                    duplicated: str | None) -> None:
+        body = await self._read_body(receive, headers)
+        if body is None:
+            await _write(send, sent, self.kernel.fail(McpError(INVALID_REQUEST, "Request body too large",
+                                                               http_status=413)))
+            return
+        has_json, has_sse = _accepts(headers.get("accept", ""))
+        if not has_json:
+            await _reply(send, sent, 406, orjson.dumps({"error": "Accept must include application/json"}))
+            return
+        message = self.kernel.decode(body)
+        if isinstance(message, Reply):
+            await _write(send, sent, message)
+            return
+        stream = _LazySse(send, sent) if has_sse else None
+        link = Link("http", headers, headers.get("mcp-session-id"), stream.emit if stream is not None else None,
+                    duplicated)
+        listen = isinstance(message, Request) and message.method == "subscriptions/listen" \
+            and self.kernel.is_stateless(message, link)
+        if listen and not has_sse:
+            await _reply(send, sent, 406, orjson.dumps({"error": "subscriptions/listen needs Accept: text/event-stream"}))
+            return
+        if listen:
+            reply = await self._until_disconnect(self.kernel.receive(principal, message, link), receive)
+            if reply is None:
+                return
+        else:
+            reply = await self.kernel.receive(principal, message, link)
+        if sent.started and stream is not None and reply.message is not None:
+            await stream.finish(reply.message)
+        else:
+            await _write(send, sent, reply)
+
+    @staticmethod
+    async def _until_disconnect(serving: Awaitable[Reply], receive: Receive) -> Reply | None:
+        """``serving``'s reply, or None once the client has gone (``serving`` is then cancelled)."""
+        handler = asyncio.ensure_future(serving)
+        gone = asyncio.ensure_future(_wait_disconnect(receive))
+        done, _ = await asyncio.wait({handler, gone}, return_when=asyncio.FIRST_COMPLETED)
+        gone.cancel()
+        if handler in done:
+            return handler.result()
+        handler.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await handler
+        return None
+
+    # ------------------------------------------------------------------ GET stream and DELETE (legacy)
+    async def _get_or_delete(self, method: str, receive: Receive, send: Send, sent: _Sent, headers: dict[str, str],
+                             principal: str) -> None:
+        sid = headers.get("mcp-session-id")
+        if sid is None:
+            if headers.get("mcp-protocol-version") in HANDSHAKE_VERSIONS:
+                await _write(send, sent, self.kernel.fail(
+                    McpError(INVALID_REQUEST, "Bad Request: Mcp-Session-Id header is required")))
+            else:  # the stateless revision has no GET stream and no session to end
+                await _reply(send, sent, 405, b"", [(b"allow", b"POST")])
+            return
+        if method == "DELETE":
+            try:
+                await self.kernel.end_session(principal, sid)
+            except SessionNotFound as exc:
+                await _write(send, sent, self.kernel.fail(exc))
+                return
+            await _reply(send, sent, 200)
+            return
+        if not _accepts(headers.get("accept", ""))[1]:
+            await _reply(send, sent, 406, orjson.dumps({"error": "Accept must include text/event-stream"}))
+            return
+        try:
+            await self.kernel.resolve(principal, sid)
+        except SessionNotFound as exc:
+            await _write(send, sent, self.kernel.fail(exc))
+            return
+        await self._stream(receive, send, sent, principal, sid, headers.get("last-event-id"))
+
+    async def _stream(self, receive: Receive, send: Send, sent: _Sent, principal: str, sid: str,
+                      last: str | None) -> None:
+        sessions = self.gateway.sessions
+        cursor = last if last and _EVENT_ID.fullmatch(last) else await sessions.last_event_id(principal, sid)
+        sent.started = True
+        await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+        await send({"type": "http.response.body", "body": f"id: {cursor}\ndata: \n\n".encode(), "more_body": True})
+        pump = asyncio.ensure_future(self._pump(send, principal, sid, cursor))
+        gone = asyncio.ensure_future(_wait_disconnect(receive))
+        await asyncio.wait({pump, gone}, return_when=asyncio.FIRST_COMPLETED)
+        for t in (pump, gone):
+            t.cancel()
+        for t in (pump, gone):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        with contextlib.suppress(Exception):
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _pump(self, send: Send, principal: str, sid: str, cursor: str) -> None:
+        """Copy the session's event log onto the stream until the session ends or Redis is lost
+        (the client reconnects with ``Last-Event-ID`` and misses nothing)."""
+        sessions = self.gateway.sessions
+        idle = 0
+        while not self.gateway.shutting_down.is_set():
+            try:
+                events = await sessions.read_events(principal, sid, cursor, STREAM_POLL_MS)
+                if not events:
+                    await sessions.get(principal, sid)  # ends the stream once the session is gone
+            except (SessionNotFound, RedisError, OSError):  # the client reconnects; the log keeps the events
+                return
+            for eid, data in events:
+                await send({"type": "http.response.body", "more_body": True,
+                            "body": b"id: " + eid.encode() + b"\nevent: message\ndata: " + data + b"\n\n"})
+                cursor = eid
+            idle = 0 if events else idle + 1
+            if idle >= KEEPALIVE_EVERY:
+                idle = 0
+                await send({"type": "http.response.body", "body": b": keepalive\n\n", "more_body": True})

@@ -1,0 +1,117 @@
+"""``learnmesh trainer`` on one machine: torchrun (``torch.distributed.run``) with the settings
+of ``learnmesh.yaml``.
+
+torchrun starts ``trainer.ranks`` rank processes (``learnmesh trainer --as-rank``) with its
+environment contract, rendezvous at ``trainer.master_addr`` (on a free port: one machine
+needs no agreed port), and when a rank dies restarts the whole group from the latest
+checkpoint, up to ``trainer.max_restarts`` times (each rank exports the count as
+``learnmesh_trainer_restarts_total``). SIGTERM or SIGINT stops the group: every rank gets
+it, rank 0 stops the others at the next step boundary and they checkpoint; ranks still
+running after ``trainer.step_timeout_s`` are killed. Across machines run torchrun itself
+(docs/trainer.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from types import FrameType
+
+import yaml
+from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from shared.config import Config
+from shared.net import free_port
+
+log = logging.getLogger("learnmesh.trainer")
+
+RankArgv = Callable[[str], Sequence[str]]  # config path -> the rank's command line after the interpreter
+
+
+def cli_rank_argv(config_path: str) -> list[str]:
+    return ["-m", "services.cli", "--config", config_path, "trainer", "--as-rank"]
+
+
+def launch(cfg: Config, rank_argv: RankArgv = cli_rank_argv) -> int:
+    """Run the rank group until it stops; the exit status of ``learnmesh trainer``."""
+    cfg.trainer.ranks = local_ranks(cfg)
+    fd, path = tempfile.mkstemp(prefix="learnmesh-trainer-", suffix=".yaml")
+    with os.fdopen(fd, "w") as f:
+        yaml.safe_dump(cfg.to_dict(), f)
+    try:
+        return _run(cfg, rank_argv(path))
+    finally:
+        os.unlink(path)
+
+
+def local_ranks(cfg: Config) -> int:
+    """``trainer.ranks``, capped at the GPU count when the ranks would use NCCL."""
+    t = cfg.trainer
+    if t.backend == "gloo":  # no need to load CUDA here
+        return t.ranks
+    from services.trainer.dist import local_gpu_count, ranks_for_gpus
+
+    return ranks_for_gpus(t.ranks, t.backend, local_gpu_count())
+
+
+def launch_config(cfg: Config) -> LaunchConfig:
+    """torchrun's settings for one machine: ``--nproc-per-node ranks --max-restarts N
+    --master-addr A --master-port <free> --shutdown-timeout step_timeout_s``."""
+    t = cfg.trainer
+    return LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=t.ranks, run_id=f"learnmesh-{uuid.uuid4().hex}",
+                        rdzv_backend="static", rdzv_endpoint=f"{t.master_addr}:{free_port(t.master_addr)}",
+                        rdzv_configs={"rank": 0}, max_restarts=t.max_restarts, shutdown_timeout=t.step_timeout_s,
+                        # SIGTERM and SIGINT go through _StopRequest (below), which times the stop
+                        signals_to_handle="SIGHUP,SIGQUIT")
+
+
+def _run(cfg: Config, argv: Sequence[str]) -> int:
+    stop = _StopRequest()
+    try:
+        elastic_launch(launch_config(cfg), sys.executable)(*argv)
+        return 0
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        log.error("trainer failed: rank %d exited with %s after %d restart(s)", rank, failure.exitcode,
+                  cfg.trainer.max_restarts)
+        return 1
+    except SignalException:
+        return stop.outcome(cfg.trainer.step_timeout_s)
+    finally:
+        stop.restore()
+
+
+class _StopRequest:
+    """SIGTERM/SIGINT as torchrun's own handler treats them (raise :class:`SignalException`:
+    torchrun forwards the signal to every rank, waits up to its shutdown timeout, kills the
+    rest), remembering when the stop was asked for."""
+
+    def __init__(self) -> None:
+        self.at: float | None = None
+        self._previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.at is not None:  # already stopping
+            return
+        self.at = time.monotonic()
+        raise SignalException(f"process {os.getpid()} got signal {signum}", sigval=signal.Signals(signum))
+
+    def outcome(self, grace_s: float) -> int:
+        """0 when the ranks stopped by themselves within ``grace_s``, else 1 (torchrun killed them)."""
+        assert self.at is not None
+        if time.monotonic() - self.at < grace_s:
+            return 0
+        log.error("ranks did not stop within %ss after the stop signal; they were killed", grace_s)
+        return 1
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
