@@ -12,6 +12,7 @@ import logging
 import signal
 import sys
 from types import FrameType
+from typing import Any
 
 from gateway.auth import is_loopback
 from shared.config import Config, ConfigError
@@ -38,12 +39,24 @@ def _stop(signum: int, frame: FrameType | None) -> None:
     raise _Stopped(signum)
 
 
+def uvicorn_settings(cfg: Config) -> dict[str, Any]:
+    """``uvicorn.run``'s keyword arguments for a replica. tests/test_gateway_http_protocol.py
+    serves the gateway with them in-process and fails if a response leaves in more than one
+    write (CoalescingHttpToolsProtocol leans on uvicorn internals)."""
+    from gateway.transports.http_protocol import CoalescingHttpToolsProtocol
+
+    # No access log and no X-Forwarded-* rewriting on the hot path: the gateway identifies
+    # callers by their credentials and never reads the client address.
+    return {"host": cfg.gateway.host, "port": cfg.gateway.port, "loop": "uvloop", "http": CoalescingHttpToolsProtocol,
+            "ws": "websockets-sansio", "log_level": "warning", "access_log": False, "proxy_headers": False,
+            "timeout_graceful_shutdown": 5, "lifespan": "on"}
+
+
 def main(cfg: Config, args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT. ``args``: ``host``, ``port`` and ``fixtures`` (None: the config's)."""
     import uvicorn
 
     from gateway.app import create_app
-    from gateway.transports.http_protocol import CoalescingHttpToolsProtocol
     from shared.redis_embed import resolve_redis_url
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -61,11 +74,7 @@ def main(cfg: Config, args: argparse.Namespace) -> int:
     # end the replica here instead, exit code 0.
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        # No access log and no X-Forwarded-* rewriting on the hot path: the gateway identifies
-        # callers by their credentials and never reads the client address.
-        uvicorn.run(app, host=cfg.gateway.host, port=cfg.gateway.port, loop="uvloop", http=CoalescingHttpToolsProtocol,
-                    ws="websockets-sansio", log_level="warning", access_log=False, proxy_headers=False,
-                    timeout_graceful_shutdown=5, lifespan="on")
+        uvicorn.run(app, **uvicorn_settings(cfg))
     except _Stopped as stop:
         log.info("gateway stopped (%s)", signal.Signals(stop.args[0]).name)
     finally:

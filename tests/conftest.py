@@ -101,16 +101,18 @@ def redis_server() -> Iterator[str]:
                              "--notify-keyspace-events", ""],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{port}/0"
-    client = redis_sync.Redis.from_url(url)
-    wait_for_sync(lambda: _ping(client), timeout_s=10, what="redis-server to answer")
-    client.close()
-    yield url
-    proc.terminate()
     try:
-        proc.wait(5)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    shutil.rmtree(workdir, ignore_errors=True)
+        with redis_sync.Redis.from_url(url) as client:
+            wait_for_sync(lambda: _ping(client), timeout_s=10, what="redis-server to answer")
+        yield url
+    finally:  # also when it never answered: no server left running, no process left unreaped
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _ping(client: redis_sync.Redis) -> bool:

@@ -1,5 +1,6 @@
 """The gateway's uvicorn protocol that sends each response in one write (gateway/transports/http_protocol.py):
-the transport wrapper on its own, then a real gateway process serving keep-alive requests, a
+the transport wrapper on its own, the installed uvicorn serving the gateway with it (one write
+per response, or the test fails), then a real gateway process serving keep-alive requests, a
 WebSocket session (the upgraded connection keeps the wrapper) and a legacy session end to end."""
 
 from __future__ import annotations
@@ -11,10 +12,14 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+import uvicorn
 from websockets.sync.client import connect as ws_connect
 
-from gateway.transports.http_protocol import FLUSH_AT_BYTES, CoalescingTransport
-from tests.conftest import free_port
+from gateway.app import create_app
+from gateway.server import uvicorn_settings
+from gateway.transports.http_protocol import FLUSH_AT_BYTES, CoalescingHttpToolsProtocol, CoalescingTransport
+from shared.config import load_config
+from tests.conftest import free_port, wait_for
 from tests.gateway_support import start_gateway, stop
 
 MODERN = "2026-07-28"
@@ -78,6 +83,73 @@ async def test_abort_drops_pending_writes() -> None:
     t.abort()
     await asyncio.sleep(0)
     assert raw.writes == [] and raw.aborted
+
+
+class RecordingTransport:
+    """The socket's transport as the coalescing wrapper sees it: every write it is handed."""
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(bytes(data))
+        self.transport.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.transport, name)
+
+
+async def _response(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.lower().split(b"\r\n") if line.startswith(b"content-length:"))
+    return head + await reader.readexactly(length)
+
+
+async def test_the_installed_uvicorn_sends_each_response_in_one_write(redis_url: str) -> None:
+    """CoalescingHttpToolsProtocol leans on uvicorn internals (HttpToolsProtocol's ``loop``
+    and ``transport``, responses written through that transport within one loop iteration).
+    On the installed uvicorn a replica's settings must select it and each response of the
+    real gateway must reach the socket's transport as one write. If this fails, the gateway
+    silently lost its fast path: check the uvicorn pin in pyproject.toml."""
+    cfg = load_config(env={}, overrides={"redis": {"url": redis_url},
+                                         "gateway": {"port": free_port(), "request_state_keys": ["00" * 32]}})
+    settings = uvicorn_settings(cfg)
+    assert settings["http"] is CoalescingHttpToolsProtocol
+    seen: list[RecordingTransport] = []
+
+    class Recorded(CoalescingHttpToolsProtocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
+            seen.append(RecordingTransport(transport))  # type: ignore[arg-type]
+            super().connection_made(seen[-1])  # type: ignore[arg-type]
+
+    config = uvicorn.Config(create_app(cfg), **{**settings, "http": Recorded, "log_config": None})
+    server = uvicorn.Server(config)
+    serving = asyncio.create_task(server.serve())
+    try:
+        await wait_for(lambda: server.started or serving.done(), timeout_s=30, what="uvicorn to start")
+        assert server.started, serving.exception() if serving.done() else "not started"
+        reader, writer = await asyncio.open_connection(cfg.gateway.host, cfg.gateway.port)
+        host = f"host: {cfg.gateway.host}:{cfg.gateway.port}\r\n".encode()
+        listing = orjson.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {"_meta": META}})
+        requests = [b"GET /healthz HTTP/1.1\r\n" + host + b"\r\n",
+                    b"POST /mcp HTTP/1.1\r\n" + host + b"accept: application/json, text/event-stream\r\n"
+                    b"content-type: application/json\r\nmcp-protocol-version: " + MODERN.encode() +
+                    b"\r\nmcp-method: tools/list\r\ncontent-length: %d\r\n\r\n" % len(listing) + listing]
+        responses = []
+        for request in requests:  # one keep-alive connection
+            writer.write(request)
+            responses.append(await asyncio.wait_for(_response(reader), 10))
+        writer.close()
+        await writer.wait_closed()
+        assert responses[0].startswith(b"HTTP/1.1 200") and responses[0].endswith(b'{"status":"ok"}')
+        assert responses[1].startswith(b"HTTP/1.1 200") and b'"tools":[' in responses[1]
+        assert len(seen) == 1 and seen[0].writes == responses, (
+            f"uvicorn {uvicorn.__version__}: responses left in {len(seen[0].writes) if seen else 0} writes, "
+            f"not {len(responses)}: the one-write fast path no longer applies")
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(serving, 15)
 
 
 @pytest.fixture

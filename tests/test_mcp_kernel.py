@@ -1,9 +1,11 @@
 """The MCP kernel and the one error map, through one in-process gateway (create_app, real Redis):
-HTTP and WebSocket answer a malformed message with the same JSON-RPC error, and every
-Retry-After the gateway gives comes from ``redis.retry_after_s``."""
+HTTP and WebSocket answer a malformed message with the same JSON-RPC error, every Retry-After
+the gateway gives comes from ``redis.retry_after_s``, and a tool's output is checked against
+its outputSchema (``generate`` included)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,6 +27,7 @@ from gateway.errors import (
     wire_error,
 )
 from gateway.mcp.sessions import SessionLimit, SessionNotFound
+from gateway.tools.inference import GENERATE_OUTPUT
 from gateway.workers import NoWorker, WorkerRequestError, WorkerTimeout
 from shared.config import Config, load_config
 from shared.context import ContextError, ContextNotFound
@@ -122,6 +125,29 @@ def test_a_503_carries_the_configured_retry_after(client: TestClient, tool: str)
                     headers={"accept": ACCEPT, "mcp-protocol-version": MODERN, "mcp-method": "tools/call",
                              "mcp-name": tool})
     assert r.headers["retry-after"] == str(RETRY_AFTER_S)
+
+
+def test_generate_output_is_checked_against_its_output_schema(client: TestClient, monkeypatch) -> None:
+    """``generate`` returns its structured output and the dispatcher checks it like every
+    other tool's: it reaches the client when it conforms, and becomes INTERNAL_ERROR when it
+    does not (here: under a stricter schema than the worker's reply meets)."""
+    async def reply(header: dict, frames: list, **kw: Any) -> dict:
+        return {"text": "hi", "version": 3, "tokens": 1, "finish_reason": "length", "worker": "w0"}
+
+    monkeypatch.setattr(client.app.state.gateway.workers, "request", reply)  # type: ignore[attr-defined]
+    body = {"jsonrpc": "2.0", "id": 5, "method": "tools/call",
+            "params": {"name": "generate", "arguments": {"prompt": "x"}, "_meta": {PV: MODERN, CAPS: {}}}}
+    status, answer = _over_http(client, body)
+    out = answer["result"]["structuredContent"]
+    assert status == 200 and (out["text"], out["model_version"], out["worker"]) == ("hi", 3, "w0")
+    assert orjson.loads(answer["result"]["content"][0]["text"]) == out
+    tools = client.app.registry.tools  # type: ignore[attr-defined]
+    strict = {**GENERATE_OUTPUT, "properties": {**GENERATE_OUTPUT["properties"],
+                                                "model_version": {"type": "integer", "minimum": 4}}}
+    monkeypatch.setitem(tools, "generate", dataclasses.replace(tools["generate"], output_schema=strict))
+    status, answer = _over_http(client, body)
+    assert answer["error"]["code"] == INTERNAL_ERROR, (status, answer)
+    assert answer["error"]["message"] == "Tool output did not match its output schema"
 
 
 # ---------------------------------------------------------------------- the map on its own

@@ -109,7 +109,7 @@ async def test_error_reply_reaches_only_its_caller(r) -> None:
 
 async def test_dropped_connection_fails_the_batch_then_recovers(r) -> None:
     ap = AutoPipeline(r, max_inflight=1)
-    admin = aioredis.Redis(connection_pool=r.connection_pool.__class__(**r.connection_pool.connection_kwargs))
+    admin = aioredis.Redis.from_pool(r.connection_pool.__class__(**r.connection_pool.connection_kwargs))
     try:
         await ap.execute("PING")
         blocked = asyncio.ensure_future(ap.execute("BLPOP", "ab:never", 30))
@@ -136,7 +136,7 @@ async def test_a_connection_closed_while_kept_is_replaced_without_an_error(r) ->
     """The pipeline keeps its connections between batches; one the server closed meanwhile
     (here CLIENT KILL; a restart or an idle timeout alike) is not used for the next batch."""
     ap = AutoPipeline(r, max_inflight=1)
-    admin = aioredis.Redis(connection_pool=r.connection_pool.__class__(**r.connection_pool.connection_kwargs))
+    admin = aioredis.Redis.from_pool(r.connection_pool.__class__(**r.connection_pool.connection_kwargs))
     try:
         await admin.client_setname("ab-admin")
         assert await ap.execute("CLIENT", "SETNAME", "ab-kept") in (True, b"OK")

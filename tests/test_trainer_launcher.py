@@ -13,9 +13,8 @@ def test_torchrun_gets_the_rendezvous_address_restarts_and_grace_period_from_the
     cfg = load_config(env={}, overrides={"trainer": {"ranks": 3, "backend": "gloo", "master_addr": "127.0.0.2",
                                                      "max_restarts": 5, "step_timeout_s": 17}})
     launch = launch_config(cfg)
-    host, port = launch.rdzv_endpoint.rsplit(":", 1)
-    assert host == "127.0.0.2" and 0 < int(port) < 65536
-    assert launch.rdzv_backend == "static" and launch.min_nodes == launch.max_nodes == 1
+    assert launch.local_addr == "127.0.0.2"  # MASTER_ADDR of the ranks
+    assert launch.rdzv_endpoint == "127.0.0.2:0" and launch.min_nodes == launch.max_nodes == 1
     assert (launch.nproc_per_node, launch.max_restarts, launch.shutdown_timeout) == (3, 5, 17)
 
 

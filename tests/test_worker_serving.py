@@ -111,6 +111,7 @@ async def test_kill_one_of_two_workers_under_load(tmp_path):
         assert len(failures) == 0, f"requests should have been retried on the survivor: {failures}"
         assert all(r["text"] is not None for r in done)
         assert not pool.links[0].alive
+        stop(procs[0], signal.SIGKILL)  # reap the killed process
         procs[0] = spawn_worker(path, 0)  # restart: it rejoins without touching the pool
         await pool.wait_live(2, timeout_s=60)
         await wait_for(lambda: pool.links[0].alive, timeout_s=30, what="worker 0 to rejoin")

@@ -8,6 +8,11 @@ gathers the writes made during one event-loop iteration and sends them together 
 end of it, so a JSON response (``http.response.start`` then ``http.response.body``
 without yielding in between) leaves as one segment. Streams are unaffected apart from
 the same at-most-one-iteration deferral. Nothing else of uvicorn is changed.
+
+:class:`CoalescingHttpToolsProtocol` leans on uvicorn internals (``HttpToolsProtocol``, its
+``loop`` and ``transport``): pyproject.toml pins the uvicorn versions known to have them, and
+tests/test_gateway_http_protocol.py fails when a response of the installed one leaves in more
+than one write.
 """
 
 from __future__ import annotations

@@ -2,13 +2,15 @@
 of ``learnmesh.yaml``.
 
 torchrun starts ``trainer.ranks`` rank processes (``learnmesh trainer --as-rank``) with its
-environment contract, rendezvous at ``trainer.master_addr`` (on a free port: one machine
-needs no agreed port), and when a rank dies restarts the whole group from the latest
-checkpoint, up to ``trainer.max_restarts`` times (each rank exports the count as
-``learnmesh_trainer_restarts_total``). SIGTERM or SIGINT stops the group: every rank gets
-it, rank 0 stops the others at the next step boundary and they checkpoint; ranks still
-running after ``trainer.step_timeout_s`` are killed. Across machines run torchrun itself
-(docs/trainer.md).
+environment contract — MASTER_ADDR is ``trainer.master_addr``, the port a free one (one
+machine needs no agreed port) — and when a rank dies restarts the whole group from the
+latest checkpoint, up to ``trainer.max_restarts`` times (each rank exports the count as
+``learnmesh_trainer_restarts_total``). Every start of the group gets a fresh store, hosted by
+rank 0 on a new port: a store kept across restarts still holds the dead group's keys, and
+the new ranks would try to reach the old ranks' addresses. SIGTERM or SIGINT stops the
+group: every rank gets it, rank 0 stops the others at the next step boundary and they
+checkpoint; ranks still running after ``trainer.step_timeout_s`` are killed. Across
+machines run torchrun itself (docs/trainer.md).
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from shared.config import Config
-from shared.net import free_port
 
 log = logging.getLogger("learnmesh.trainer")
 
 RankArgv = Callable[[str], Sequence[str]]  # config path -> the rank's command line after the interpreter
+_FRESH_STORE_PER_START = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # torch reads it; no launch option exists
 
 
 def cli_rank_argv(config_path: str) -> list[str]:
@@ -63,17 +65,18 @@ def local_ranks(cfg: Config) -> int:
 
 
 def launch_config(cfg: Config) -> LaunchConfig:
-    """torchrun's settings for one machine: ``--nproc-per-node ranks --max-restarts N
-    --master-addr A --master-port <free> --shutdown-timeout step_timeout_s``."""
+    """torchrun's settings for one machine (``--standalone`` at ``trainer.master_addr``):
+    ``--nproc-per-node ranks --max-restarts N --local-addr A --shutdown-timeout step_timeout_s``."""
     t = cfg.trainer
     return LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=t.ranks, run_id=f"learnmesh-{uuid.uuid4().hex}",
-                        rdzv_backend="static", rdzv_endpoint=f"{t.master_addr}:{free_port(t.master_addr)}",
-                        rdzv_configs={"rank": 0}, max_restarts=t.max_restarts, shutdown_timeout=t.step_timeout_s,
+                        rdzv_backend="c10d", rdzv_endpoint=f"{t.master_addr}:0", rdzv_configs={"is_host": True},
+                        local_addr=t.master_addr, max_restarts=t.max_restarts, shutdown_timeout=t.step_timeout_s,
                         # SIGTERM and SIGINT go through _StopRequest (below), which times the stop
                         signals_to_handle="SIGHUP,SIGQUIT")
 
 
 def _run(cfg: Config, argv: Sequence[str]) -> int:
+    os.environ[_FRESH_STORE_PER_START] = "1"
     stop = _StopRequest()
     try:
         elastic_launch(launch_config(cfg), sys.executable)(*argv)

@@ -66,12 +66,13 @@ class ContextStore:
     def __init__(self, redis: aioredis.Redis, cfg: ContextConfig, *,
                  clock_ms: Callable[[], int] | None = None) -> None:
         if redis.connection_pool.connection_kwargs.get("decode_responses"):
-            # Content is raw bytes: use a sibling client on the same server that does not decode.
+            # Content is raw bytes: use a sibling client on the same server that does not decode;
+            # it owns its pool, so closing it (``store.redis.aclose()``) disconnects the pool.
             kwargs = dict(redis.connection_pool.connection_kwargs, decode_responses=False)
             pool = redis.connection_pool.__class__(connection_class=redis.connection_pool.connection_class,
                                                    max_connections=redis.connection_pool.max_connections,
                                                    **kwargs)
-            redis = aioredis.Redis(connection_pool=pool)
+            redis = aioredis.Redis.from_pool(pool)
         self.redis = redis
         self.cfg = cfg
         self._clock_ms = clock_ms or (lambda: int(time.time() * 1000))
