@@ -1,5 +1,5 @@
 """``learnmesh gateway``: run one gateway replica under uvicorn (uvloop + httptools, one write
-per response: see gateway/transports/http_protocol.py).
+per response and read deadlines: see gateway/transports/http_protocol.py).
 
 Binds 127.0.0.1 unless told otherwise; refuses a non-loopback bind without API keys
 (or OAuth), and warns when it serves an open gateway on loopback.
@@ -12,6 +12,7 @@ import logging
 import signal
 import sys
 from types import FrameType
+from typing import Any
 
 from gateway.auth import is_loopback
 from shared.config import Config, ConfigError
@@ -30,6 +31,18 @@ def check_bind(cfg: Config) -> None:
                     gw.host, gw.port)
 
 
+def uvicorn_options(cfg: Config) -> dict[str, Any]:
+    """How uvicorn serves the gateway: our HTTP protocol with the configured read deadlines, our
+    WebSocket protocol with messages bounded by the body limit. No access log and no
+    X-Forwarded-* rewriting on the hot path: the gateway identifies callers by their
+    credentials and never reads the client address."""
+    from gateway.transports.http_protocol import http_protocol
+    from gateway.transports.ws_protocol import GatewayWebSocketProtocol
+
+    return {"loop": "uvloop", "http": http_protocol(cfg.gateway), "ws": GatewayWebSocketProtocol,
+            "ws_max_size": cfg.gateway.max_body_bytes, "access_log": False, "proxy_headers": False}
+
+
 class _Stopped(Exception):
     """SIGTERM or SIGINT: the replica stops (see main)."""
 
@@ -43,7 +56,6 @@ def main(cfg: Config, args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway.app import create_app
-    from gateway.transports.http_protocol import CoalescingHttpToolsProtocol
     from shared.redis_embed import resolve_redis_url
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -61,11 +73,8 @@ def main(cfg: Config, args: argparse.Namespace) -> int:
     # end the replica here instead, exit code 0.
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        # No access log and no X-Forwarded-* rewriting on the hot path: the gateway identifies
-        # callers by their credentials and never reads the client address.
-        uvicorn.run(app, host=cfg.gateway.host, port=cfg.gateway.port, loop="uvloop", http=CoalescingHttpToolsProtocol,
-                    ws="websockets-sansio", log_level="warning", access_log=False, proxy_headers=False,
-                    timeout_graceful_shutdown=5, lifespan="on")
+        uvicorn.run(app, host=cfg.gateway.host, port=cfg.gateway.port, log_level="warning",
+                    timeout_graceful_shutdown=5, lifespan="on", **uvicorn_options(cfg))
     except _Stopped as stop:
         log.info("gateway stopped (%s)", signal.Signals(stop.args[0]).name)
     finally:
