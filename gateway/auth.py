@@ -13,6 +13,7 @@ resource_metadata=...`` pointing at the RFC 9728 document.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import re
 from urllib.parse import urlsplit
 
@@ -20,7 +21,6 @@ from shared.config import GatewayConfig
 
 OPEN_PRINCIPAL = "local"
 _PRINCIPAL_OK = re.compile(r"^[A-Za-z0-9_.@:\-]{1,128}$")
-_LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
 PROTECTED_RESOURCE_PATH = "/.well-known/oauth-protected-resource"
 
 
@@ -33,7 +33,28 @@ class AuthError(Exception):
 
 
 def is_loopback(host: str) -> bool:
-    return host in _LOOPBACK_HOSTS or host.startswith("127.")
+    """Whether ``host`` (a name or an address, IPv6 with or without brackets) names this machine's
+    loopback interface. Decided by parsing the address, never by its text: ``127.0.0.2`` and
+    ``[::1]`` are loopback, ``127.0.0.1.rebind.attacker.example`` is a DNS name an attacker controls."""
+    host = host.lower()
+    if host == "localhost":
+        return True
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        addr = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return addr.is_loopback
+
+
+def _host_name(host_header: str) -> str:
+    """The name in a ``Host`` header, without its port: ``[::1]:8000`` -> ``[::1]``, ``a:80`` -> ``a``."""
+    if host_header.startswith("["):
+        return host_header.split("]", 1)[0] + "]"
+    return host_header.rsplit(":", 1)[0]
 
 
 class Authenticator:
@@ -123,7 +144,7 @@ class OriginGuard:
         elif origin == "null":
             return "origin not allowed"
         if self._check_host and host:
-            name = host.rsplit(":", 1)[0] if not host.startswith("[") else host.split("]")[0] + "]"
-            if not is_loopback(name) and name not in self._allowed_hosts:
+            name = _host_name(host).lower()
+            if not is_loopback(name) and name.strip("[]") not in self._allowed_hosts:
                 return "host not allowed"
         return None
