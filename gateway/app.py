@@ -39,7 +39,7 @@ from gateway.tasks import TaskManager
 from gateway.tools import context, inference, learning
 from gateway.transports.edge import HttpEdge
 from gateway.transports.streamable_http import McpHttpTransport
-from gateway.transports.websocket import websocket_endpoint
+from gateway.transports.websocket import websocket_endpoint, ws_ticket_endpoint
 from gateway.workers import WorkerPool
 from shared import audit
 from shared.config import DEFAULT_REDIS_URL, Config, ConfigError
@@ -219,6 +219,7 @@ def create_app(cfg: Config, fixtures: str | None = None) -> GatewayApp:
     app.add_api_route(PROTECTED_RESOURCE_PATH, protected_resource, methods=["GET"])
     app.add_api_route(PROTECTED_RESOURCE_PATH + "/mcp", protected_resource, methods=["GET"])
     app.add_api_websocket_route("/mcp/ws", websocket_endpoint)
+    app.add_api_route("/mcp/ws-ticket", ws_ticket_endpoint, methods=["POST"], include_in_schema=False)
     for router in ROUTERS:
         app.include_router(router)
     return app

@@ -1,5 +1,6 @@
-"""Who is calling: bearer API keys (or OAuth access tokens) -> principal, plus the
-transport guards that run before any MCP parsing (Origin/Host against DNS rebinding).
+"""Who is calling: bearer API keys (or OAuth access tokens) -> principal, single-use WebSocket
+tickets for clients that cannot send headers, plus the transport guards that run before any
+MCP parsing (Origin/Host against DNS rebinding).
 
 Keys come from ``gateway.api_keys`` (``LEARNMESH_API_KEYS=alice:KEY1,bob:KEY2``) and
 are kept only as SHA-256 digests. With no keys and a loopback bind the gateway is
@@ -12,11 +13,17 @@ resource_metadata=...`` pointing at the RFC 9728 document.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import ipaddress
 import re
+import secrets
 from urllib.parse import urlsplit
 
+import redis.asyncio as aioredis
+
+from shared import keys
 from shared.config import GatewayConfig
 
 OPEN_PRINCIPAL = "local"
@@ -64,25 +71,25 @@ class Authenticator:
         self._by_digest = {hashlib.sha256(k.encode()).digest(): p for p, k in cfg.api_keys.items()}
         self._oauth = cfg.oauth if cfg.oauth.enabled else None
         self.open = not self._by_digest and self._oauth is None
-        self._challenge = "Bearer"
+        self.challenge = "Bearer"
         if self._oauth is not None:
             base = self._oauth.resource.rstrip("/")
-            self._challenge = f'Bearer resource_metadata="{_origin_of(base)}{PROTECTED_RESOURCE_PATH}"'
+            self.challenge = f'Bearer resource_metadata="{_origin_of(base)}{PROTECTED_RESOURCE_PATH}"'
 
     def principal(self, authorization: str | None) -> str:
         if self.open:
             return OPEN_PRINCIPAL
         if not authorization:
-            raise AuthError(401, "authentication required", self._challenge)
+            raise AuthError(401, "authentication required", self.challenge)
         scheme, _, token = authorization.partition(" ")
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
-            raise AuthError(401, "a bearer token is required", self._challenge)
+            raise AuthError(401, "a bearer token is required", self.challenge)
         who = self._by_digest.get(hashlib.sha256(token.encode()).digest())
         if who is None and self._oauth is not None:
             who = self._from_jwt(token)
         if who is None:
-            raise AuthError(401, "invalid credentials", self._challenge + ', error="invalid_token"')
+            raise AuthError(401, "invalid credentials", self.challenge + ', error="invalid_token"')
         return who
 
     def _from_jwt(self, token: str) -> str | None:
@@ -106,6 +113,44 @@ class Authenticator:
         return {"resource": self._oauth.resource,
                 "authorization_servers": list(self._oauth.authorization_servers),
                 "bearer_methods_supported": ["header"]}
+
+
+class WsTickets:
+    """Single-use WebSocket tickets: ``POST /mcp/ws-ticket`` (authenticated as any request) issues
+    one, a client that cannot set headers presents it as ``/mcp/ws?ticket=...``.
+
+    A ticket is ``<principal, base64url>.<32 random bytes, base64url>``; Redis holds only the
+    SHA-256 of the random part, under the principal's hash tag, for ``ttl_s`` seconds. Redeeming
+    deletes the key: one handshake per ticket, on any replica."""
+
+    def __init__(self, redis: aioredis.Redis, ttl_s: int) -> None:
+        self._redis = redis
+        self.ttl_s = ttl_s
+
+    async def issue(self, principal: str) -> str:
+        secret = secrets.token_urlsafe(32)
+        await self._redis.set(keys.ws_ticket(principal, _digest(secret)), b"1", ex=self.ttl_s)
+        return base64.urlsafe_b64encode(principal.encode()).rstrip(b"=").decode() + "." + secret
+
+    async def redeem(self, ticket: str) -> str | None:
+        """The ticket's principal, once; None for a ticket that is malformed, expired or used."""
+        who, _, secret = ticket.partition(".")
+        if not _TICKET_SECRET.fullmatch(secret) or not 0 < len(who) <= 512:
+            return None
+        try:
+            principal = base64.urlsafe_b64decode(who + "=" * (-len(who) % 4)).decode()
+        except (binascii.Error, UnicodeDecodeError):
+            return None
+        if not principal or "{" in principal or "}" in principal:
+            return None
+        return principal if await self._redis.delete(keys.ws_ticket(principal, _digest(secret))) else None
+
+
+_TICKET_SECRET = re.compile(r"[A-Za-z0-9_-]{43}")
+
+
+def _digest(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
 
 
 def _origin_of(url: str) -> str:

@@ -5,4 +5,5 @@ to the kernel in ``gateway/mcp/``.
 - ``websocket``: MCP over WebSocket at ``/mcp/ws`` (the SEP-1288 draft).
 - ``edge``: what every HTTP request passes before routing (body limit, admin key).
 - ``http_protocol``: uvicorn's HTTP protocol with one socket write per response and read deadlines.
+- ``ws_protocol``: uvicorn's WebSocket protocol, with a refused handshake logged as none.
 """
