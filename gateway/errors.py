@@ -151,10 +151,11 @@ def wire_error(exc: BaseException, config: Config, *, method: str = "",
         status = exc.http_status if exc.http_status != 200 else HTTP_STATUS.get(exc.code, 200)
         return WireError(exc.code, exc.message, exc.data, status)
     if isinstance(exc, ContextNotFound):
+        plain = type(exc) is ContextNotFound  # not a VersionUnavailable, whose text says what is missing
         if method == "resources/read":
-            return WireError(RESOURCE_NOT_FOUND, str(exc), {"uri": (params or {}).get("uri")})
-        message = f"unknown {exc}" if type(exc) is ContextNotFound else str(exc)
-        return WireError(INVALID_PARAMS, message, None, 400)
+            uri = (params or {}).get("uri")
+            return WireError(RESOURCE_NOT_FOUND, f"Resource not found: {uri}" if plain else str(exc), {"uri": uri})
+        return WireError(INVALID_PARAMS, f"{exc} not found" if plain else str(exc), None, 400)
     if isinstance(exc, ContextError):
         return WireError(INVALID_PARAMS, str(exc), None, 400)
     if isinstance(exc, SampleError):

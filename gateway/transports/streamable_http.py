@@ -103,11 +103,13 @@ class _LazySse:
                 await self.send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
             await self.send({"type": "http.response.body", "body": _sse(msg), "more_body": True})
 
-    async def finish(self, msg: Response | ErrorResponse) -> None:
+    async def finish(self, msg: Response | ErrorResponse | None) -> None:
+        """End the stream with the answer (None: a cancelled request, which gets none)."""
         if self.lock is None:
             self.lock = asyncio.Lock()
         async with self.lock:
-            await self.send({"type": "http.response.body", "body": _sse(msg), "more_body": False})
+            await self.send({"type": "http.response.body", "body": b"" if msg is None else _sse(msg),
+                             "more_body": False})
 
 
 async def _wait_disconnect(receive: Receive) -> None:
@@ -234,7 +236,7 @@ class McpHttpTransport:
                 return
         else:
             reply = await self.kernel.receive(principal, message, link)
-        if sent.started and stream is not None and reply.message is not None:
+        if sent.started and stream is not None:
             await stream.finish(reply.message)
         else:
             await _write(send, sent, reply)
