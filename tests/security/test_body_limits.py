@@ -9,6 +9,8 @@ from collections.abc import Iterator
 import orjson
 import pytest
 from raw_http import connection, read_response, read_until_closed
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect as ws_connect
 
 from gateway.admin.auth import admin_key_required
 from tests.conftest import free_port
@@ -80,6 +82,14 @@ def test_a_body_within_the_limit_is_served(port: int, redis_url: str) -> None:
                         f"Content-Length: {len(payload)}") + payload)
         status, _, body = read_response(s)
         assert status == 201, body
+
+
+def test_websocket_message_over_the_limit_closes_the_socket(port: int) -> None:
+    with ws_connect(f"ws://127.0.0.1:{port}/mcp/ws", subprotocols=["mcp"], open_timeout=10) as ws:
+        ws.send("x" * (LIMIT + 1))
+        with pytest.raises(ConnectionClosed) as closed:
+            ws.recv(timeout=10)
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009
 
 
 @pytest.mark.parametrize("method,path,needed", [
