@@ -37,8 +37,9 @@ from gateway.registry import Registry
 from gateway.state import Gateway, gateway_of
 from gateway.tasks import TaskManager
 from gateway.tools import context, inference, learning
+from gateway.transports.edge import HttpEdge
 from gateway.transports.streamable_http import McpHttpTransport
-from gateway.transports.websocket import websocket_endpoint
+from gateway.transports.websocket import websocket_endpoint, ws_ticket_endpoint
 from gateway.workers import WorkerPool
 from shared import audit
 from shared.config import DEFAULT_REDIS_URL, Config, ConfigError
@@ -54,17 +55,24 @@ CONTROL_CONNECT_TIMEOUT_S = 2.0
 
 
 class GatewayApp(FastAPI):
-    """FastAPI app whose ``/mcp`` HTTP path bypasses routing and middleware for speed.
+    """FastAPI app whose HTTP requests pass the edge (body limit, admin key: gateway/transports/edge.py)
+    before routing, and whose ``/mcp`` HTTP path then bypasses routing and middleware for speed.
 
     ``registry`` takes extra tools, resources and prompts until the app starts (tests, embedding)."""
 
     registry: Registry
     mcp: McpHttpTransport | None = None
+    edge: HttpEdge | None = None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] == "/mcp" and self.mcp is not None:
-            await self.mcp(scope, receive, send)
-            return
+        if scope["type"] == "http" and self.edge is not None:
+            admitted = await self.edge.admit(scope, receive, send)
+            if admitted is None:
+                return
+            receive, send = admitted
+            if scope["path"] == "/mcp" and self.mcp is not None:
+                await self.mcp(scope, receive, send)
+                return
         await super().__call__(scope, receive, send)
 
 
@@ -175,6 +183,7 @@ def create_app(cfg: Config, fixtures: str | None = None) -> GatewayApp:
         async with open_gateway(cfg, registry) as gateway:
             app.state.gateway = gateway
             app.mcp = McpHttpTransport(gateway)
+            app.edge = HttpEdge(gateway)
             try:
                 yield
             finally:
@@ -210,6 +219,7 @@ def create_app(cfg: Config, fixtures: str | None = None) -> GatewayApp:
     app.add_api_route(PROTECTED_RESOURCE_PATH, protected_resource, methods=["GET"])
     app.add_api_route(PROTECTED_RESOURCE_PATH + "/mcp", protected_resource, methods=["GET"])
     app.add_api_websocket_route("/mcp/ws", websocket_endpoint)
+    app.add_api_route("/mcp/ws-ticket", ws_ticket_endpoint, methods=["POST"], include_in_schema=False)
     for router in ROUTERS:
         app.include_router(router)
     return app

@@ -1,5 +1,6 @@
-"""Who is calling: bearer API keys (or OAuth access tokens) -> principal, plus the
-transport guards that run before any MCP parsing (Origin/Host against DNS rebinding).
+"""Who is calling: bearer API keys (or OAuth access tokens) -> principal, single-use WebSocket
+tickets for clients that cannot send headers, plus the transport guards that run before any
+MCP parsing (Origin/Host against DNS rebinding).
 
 Keys come from ``gateway.api_keys`` (``LEARNMESH_API_KEYS=alice:KEY1,bob:KEY2``) and
 are kept only as SHA-256 digests. With no keys and a loopback bind the gateway is
@@ -12,15 +13,21 @@ resource_metadata=...`` pointing at the RFC 9728 document.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
+import ipaddress
 import re
+import secrets
 from urllib.parse import urlsplit
 
+import redis.asyncio as aioredis
+
+from shared import keys
 from shared.config import GatewayConfig
 
 OPEN_PRINCIPAL = "local"
 _PRINCIPAL_OK = re.compile(r"^[A-Za-z0-9_.@:\-]{1,128}$")
-_LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
 PROTECTED_RESOURCE_PATH = "/.well-known/oauth-protected-resource"
 
 
@@ -33,7 +40,28 @@ class AuthError(Exception):
 
 
 def is_loopback(host: str) -> bool:
-    return host in _LOOPBACK_HOSTS or host.startswith("127.")
+    """Whether ``host`` (a name or an address, IPv6 with or without brackets) names this machine's
+    loopback interface. Decided by parsing the address, never by its text: ``127.0.0.2`` and
+    ``[::1]`` are loopback, ``127.0.0.1.rebind.attacker.example`` is a DNS name an attacker controls."""
+    host = host.lower()
+    if host == "localhost":
+        return True
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        addr = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return addr.is_loopback
+
+
+def _host_name(host_header: str) -> str:
+    """The name in a ``Host`` header, without its port: ``[::1]:8000`` -> ``[::1]``, ``a:80`` -> ``a``."""
+    if host_header.startswith("["):
+        return host_header.split("]", 1)[0] + "]"
+    return host_header.rsplit(":", 1)[0]
 
 
 class Authenticator:
@@ -43,25 +71,25 @@ class Authenticator:
         self._by_digest = {hashlib.sha256(k.encode()).digest(): p for p, k in cfg.api_keys.items()}
         self._oauth = cfg.oauth if cfg.oauth.enabled else None
         self.open = not self._by_digest and self._oauth is None
-        self._challenge = "Bearer"
+        self.challenge = "Bearer"
         if self._oauth is not None:
             base = self._oauth.resource.rstrip("/")
-            self._challenge = f'Bearer resource_metadata="{_origin_of(base)}{PROTECTED_RESOURCE_PATH}"'
+            self.challenge = f'Bearer resource_metadata="{_origin_of(base)}{PROTECTED_RESOURCE_PATH}"'
 
     def principal(self, authorization: str | None) -> str:
         if self.open:
             return OPEN_PRINCIPAL
         if not authorization:
-            raise AuthError(401, "authentication required", self._challenge)
+            raise AuthError(401, "authentication required", self.challenge)
         scheme, _, token = authorization.partition(" ")
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
-            raise AuthError(401, "a bearer token is required", self._challenge)
+            raise AuthError(401, "a bearer token is required", self.challenge)
         who = self._by_digest.get(hashlib.sha256(token.encode()).digest())
         if who is None and self._oauth is not None:
             who = self._from_jwt(token)
         if who is None:
-            raise AuthError(401, "invalid credentials", self._challenge + ', error="invalid_token"')
+            raise AuthError(401, "invalid credentials", self.challenge + ', error="invalid_token"')
         return who
 
     def _from_jwt(self, token: str) -> str | None:
@@ -85,6 +113,44 @@ class Authenticator:
         return {"resource": self._oauth.resource,
                 "authorization_servers": list(self._oauth.authorization_servers),
                 "bearer_methods_supported": ["header"]}
+
+
+class WsTickets:
+    """Single-use WebSocket tickets: ``POST /mcp/ws-ticket`` (authenticated as any request) issues
+    one, a client that cannot set headers presents it as ``/mcp/ws?ticket=...``.
+
+    A ticket is ``<principal, base64url>.<32 random bytes, base64url>``; Redis holds only the
+    SHA-256 of the random part, under the principal's hash tag, for ``ttl_s`` seconds. Redeeming
+    deletes the key: one handshake per ticket, on any replica."""
+
+    def __init__(self, redis: aioredis.Redis, ttl_s: int) -> None:
+        self._redis = redis
+        self.ttl_s = ttl_s
+
+    async def issue(self, principal: str) -> str:
+        secret = secrets.token_urlsafe(32)
+        await self._redis.set(keys.ws_ticket(principal, _digest(secret)), b"1", ex=self.ttl_s)
+        return base64.urlsafe_b64encode(principal.encode()).rstrip(b"=").decode() + "." + secret
+
+    async def redeem(self, ticket: str) -> str | None:
+        """The ticket's principal, once; None for a ticket that is malformed, expired or used."""
+        who, _, secret = ticket.partition(".")
+        if not _TICKET_SECRET.fullmatch(secret) or not 0 < len(who) <= 512:
+            return None
+        try:
+            principal = base64.urlsafe_b64decode(who + "=" * (-len(who) % 4)).decode()
+        except (binascii.Error, UnicodeDecodeError):
+            return None
+        if not principal or "{" in principal or "}" in principal:
+            return None
+        return principal if await self._redis.delete(keys.ws_ticket(principal, _digest(secret))) else None
+
+
+_TICKET_SECRET = re.compile(r"[A-Za-z0-9_-]{43}")
+
+
+def _digest(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
 
 
 def _origin_of(url: str) -> str:
@@ -123,7 +189,7 @@ class OriginGuard:
         elif origin == "null":
             return "origin not allowed"
         if self._check_host and host:
-            name = host.rsplit(":", 1)[0] if not host.startswith("[") else host.split("]")[0] + "]"
-            if not is_loopback(name) and name not in self._allowed_hosts:
+            name = _host_name(host).lower()
+            if not is_loopback(name) and name.strip("[]") not in self._allowed_hosts:
                 return "host not allowed"
         return None

@@ -6,6 +6,7 @@ pool, the session registry, or Redis itself. :func:`wire_error` decides what the
 sees, in the manner of the MCP SDK's kernel:
 
 - a protocol error keeps its code (and its HTTP status, when it names one);
+- a body over ``gateway.max_body_bytes`` is INVALID_REQUEST with HTTP 413;
 - bad input (a store or sample validation error, a worker's ``bad_input``) is INVALID_PARAMS;
 - an unknown context is INVALID_PARAMS for a tool and RESOURCE_NOT_FOUND for ``resources/read``;
 - a backend that is down or overloaded (Redis unreachable, no worker, a worker timeout,
@@ -99,6 +100,15 @@ class Unavailable(McpError):
         self.retry_after_s = retry_after_s
 
 
+class BodyTooLarge(HTTPException):
+    """A request body passed ``gateway.max_body_bytes`` (HTTP 413; the edge closes the connection,
+    the rest of the body is never read). An HTTPException so that a FastAPI route reading its
+    body lets it through unchanged."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        super().__init__(413, f"Request body too large (at most {limit_bytes} bytes)")
+
+
 class ToolError(Exception):
     """Raised inside a tool body: the call returns ``isError: true`` with this message."""
 
@@ -133,16 +143,19 @@ def wire_error(exc: BaseException, config: Config, *, method: str = "",
     ``crashed_status``: the HTTP status of an unexpected exception (200 inside a handler, where
     JSON-RPC carries the error; 500 when the transport itself failed)."""
     retry_after_s = config.redis.retry_after_s
+    if isinstance(exc, BodyTooLarge):
+        return WireError(INVALID_REQUEST, exc.detail, None, 413)
     if isinstance(exc, Unavailable):
         return _unavailable(exc.message, exc.retry_after_s or retry_after_s)
     if isinstance(exc, McpError):
         status = exc.http_status if exc.http_status != 200 else HTTP_STATUS.get(exc.code, 200)
         return WireError(exc.code, exc.message, exc.data, status)
     if isinstance(exc, ContextNotFound):
+        plain = type(exc) is ContextNotFound  # not a VersionUnavailable, whose text says what is missing
         if method == "resources/read":
-            return WireError(RESOURCE_NOT_FOUND, str(exc), {"uri": (params or {}).get("uri")})
-        message = f"unknown {exc}" if type(exc) is ContextNotFound else str(exc)
-        return WireError(INVALID_PARAMS, message, None, 400)
+            uri = (params or {}).get("uri")
+            return WireError(RESOURCE_NOT_FOUND, f"Resource not found: {uri}" if plain else str(exc), {"uri": uri})
+        return WireError(INVALID_PARAMS, f"{exc} not found" if plain else str(exc), None, 400)
     if isinstance(exc, ContextError):
         return WireError(INVALID_PARAMS, str(exc), None, 400)
     if isinstance(exc, SampleError):

@@ -44,6 +44,9 @@ class ToolContext(Protocol):
 
 
 Handler = Callable[[ToolContext, dict[str, Any]], Awaitable[Any]]
+# completion/complete for one variable of a resource template: (caller, the value typed so far,
+# the template's other variables the client already resolved) -> candidate values.
+TemplateCompleter = Callable[[ToolContext, str, dict[str, str]], Awaitable[list[str]]]
 TASK_SUPPORT = (None, "optional", "required")
 
 
@@ -139,6 +142,7 @@ class ResourceTemplate:
     handler: Handler  # args: {"uri": uri, **template variables}
     mime_type: str | None = None
     description: str | None = None
+    completions: dict[str, TemplateCompleter] = field(default_factory=dict)
     pattern: re.Pattern[str] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -206,11 +210,17 @@ class Registry:
         return deco
 
     def resource_template(self, uri_template: str, *, name: str, mime_type: str | None = None,
-                          description: str | None = None) -> Callable[[Handler], Handler]:
+                          description: str | None = None,
+                          completions: dict[str, TemplateCompleter] | None = None) -> Callable[[Handler], Handler]:
         def deco(fn: Handler) -> Handler:
-            self.templates.append(ResourceTemplate(uri_template, name, fn, mime_type, description))
+            self.templates.append(ResourceTemplate(uri_template, name, fn, mime_type, description,
+                                                   completions or {}))
             return fn
         return deco
+
+    def template(self, uri_template: str) -> ResourceTemplate | None:
+        """The template registered as ``uri_template`` (completion/complete names templates so)."""
+        return next((t for t in self.templates if t.uri_template == uri_template), None)
 
     def prompt(self, name: str, *, description: str | None = None,
                arguments: list[dict[str, Any]] | None = None,

@@ -1,5 +1,5 @@
 """``learnmesh gateway``: run one gateway replica under uvicorn (uvloop + httptools, one write
-per response: see gateway/transports/http_protocol.py).
+per response and read deadlines: see gateway/transports/http_protocol.py).
 
 Binds 127.0.0.1 unless told otherwise; refuses a non-loopback bind without API keys
 (or OAuth), and warns when it serves an open gateway on loopback.
@@ -31,6 +31,18 @@ def check_bind(cfg: Config) -> None:
                     gw.host, gw.port)
 
 
+def uvicorn_options(cfg: Config) -> dict[str, Any]:
+    """How uvicorn serves the gateway: our HTTP protocol with the configured read deadlines, our
+    WebSocket protocol with messages bounded by the body limit. No access log and no
+    X-Forwarded-* rewriting on the hot path: the gateway identifies callers by their
+    credentials and never reads the client address."""
+    from gateway.transports.http_protocol import http_protocol
+    from gateway.transports.ws_protocol import GatewayWebSocketProtocol
+
+    return {"loop": "uvloop", "http": http_protocol(cfg.gateway), "ws": GatewayWebSocketProtocol,
+            "ws_max_size": cfg.gateway.max_body_bytes, "access_log": False, "proxy_headers": False}
+
+
 class _Stopped(Exception):
     """SIGTERM or SIGINT: the replica stops (see main)."""
 
@@ -40,16 +52,12 @@ def _stop(signum: int, frame: FrameType | None) -> None:
 
 
 def uvicorn_settings(cfg: Config) -> dict[str, Any]:
-    """``uvicorn.run``'s keyword arguments for a replica. tests/test_gateway_http_protocol.py
-    serves the gateway with them in-process and fails if a response leaves in more than one
-    write (CoalescingHttpToolsProtocol leans on uvicorn internals)."""
-    from gateway.transports.http_protocol import CoalescingHttpToolsProtocol
-
-    # No access log and no X-Forwarded-* rewriting on the hot path: the gateway identifies
-    # callers by their credentials and never reads the client address.
-    return {"host": cfg.gateway.host, "port": cfg.gateway.port, "loop": "uvloop", "http": CoalescingHttpToolsProtocol,
-            "ws": "websockets-sansio", "log_level": "warning", "access_log": False, "proxy_headers": False,
-            "timeout_graceful_shutdown": 5, "lifespan": "on"}
+    """``uvicorn.run``'s keyword arguments for a replica: where it listens, plus
+    :func:`uvicorn_options`. tests/test_gateway_http_protocol.py serves the gateway with them
+    in-process and fails if a response leaves in more than one write (the HTTP protocol leans
+    on uvicorn internals)."""
+    return {"host": cfg.gateway.host, "port": cfg.gateway.port, "log_level": "warning",
+            "timeout_graceful_shutdown": 5, "lifespan": "on", **uvicorn_options(cfg)}
 
 
 def main(cfg: Config, args: argparse.Namespace) -> int:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import secrets
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
@@ -50,6 +51,7 @@ DEFAULT_TTL_MS = 3_600_000
 DEFAULT_POLL_INTERVAL_MS = 500
 HEARTBEAT_S = 5.0
 INPUT_POLL_S = 2.0  # fallback re-check of delivered inputs when a pub/sub wake-up was missed
+_TASK_ID = re.compile(r"[A-Za-z0-9_-]{22}")  # what create() makes: 16 random bytes, base64url
 
 Invoke = Callable[[Call, Tool, dict[str, Any]], Awaitable[dict[str, Any]]]
 
@@ -113,6 +115,11 @@ def negotiated(call: Call) -> bool:
     caps = call.meta.get(CLIENT_CAPABILITIES_META_KEY)
     ext = caps.get("extensions") if isinstance(caps, dict) else None
     return isinstance(ext, dict) and TASKS_EXTENSION in ext
+
+
+def _not_found(task_id: str) -> InvalidParams:
+    shown = task_id[:64]
+    return InvalidParams(f"Task not found: {shown}", {"taskId": shown})
 
 
 def _missing_extension(what: str) -> McpError:
@@ -383,6 +390,8 @@ class TaskManager:
         task_id = p.get("taskId")
         if not isinstance(task_id, str) or not task_id:
             raise InvalidParams("params.taskId must be a non-empty string")
+        if _TASK_ID.fullmatch(task_id) is None:  # checked before it becomes part of a Redis key
+            raise _not_found(task_id)
         return task_id
 
     async def get(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
@@ -393,7 +402,7 @@ class TaskManager:
             pipe.hgetall(keys.task_pending(principal, task_id))
             record, pending = await pipe.execute()
         if not record:
-            raise InvalidParams(f"Unknown task: {task_id}", {"taskId": task_id})
+            raise _not_found(task_id)
         h = {as_str(k): v for k, v in record.items()}
         status = as_str(h["status"])
         owner = as_str(h.get("replica", b""))
@@ -426,7 +435,7 @@ class TaskManager:
               keys.task_inputs(principal, task_id)]
         taken = int(await self._update(keys=ks, args=[_now(), self.ttl_ms, *pairs]))
         if taken < 0:
-            raise InvalidParams(f"Unknown task: {task_id}", {"taskId": task_id})
+            raise _not_found(task_id)
         if taken:
             await self._publish("input", principal, task_id)
         return {}
@@ -435,7 +444,7 @@ class TaskManager:
         task_id = self._task_id(call, p, "tasks/cancel")
         settled = await self._settle_task(call.principal, task_id, "cancelled")
         if settled < 0:
-            raise InvalidParams(f"Unknown task: {task_id}", {"taskId": task_id})
+            raise _not_found(task_id)
         if settled:
             await self._publish("cancel", call.principal, task_id)
         return {}

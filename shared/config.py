@@ -133,7 +133,16 @@ HexSecret = Annotated[str, Field(pattern=r"^(?:[0-9a-fA-F]{2}){16,}$",
 class GatewayConfig:
     host: str = "127.0.0.1"
     port: Port = 8000
-    max_body_bytes: StrictInt = Field(default=4 * 1024 * 1024, ge=1024)
+    max_body_bytes: StrictInt = Field(
+        default=4 * 1024 * 1024, ge=1024, description="largest request body on any route and largest WebSocket "
+                                                      "message (413 / close 1009), checked before it is read")
+    header_timeout_s: PositiveFloat = Field(
+        default=10.0, description="a connection whose request headers are not complete this long after their "
+                                  "first byte (or after it opened) is closed")
+    body_timeout_s: PositiveFloat = Field(
+        default=60.0, description="a request body not received in full this long after its headers is cut off (408)")
+    ws_ticket_ttl_s: StrictInt = Field(
+        default=30, ge=1, le=600, description="lifetime of a single-use WebSocket ticket (POST /mcp/ws-ticket)")
     session_idle_ttl_s: PositiveInt = 1800
     max_sessions_per_principal: PositiveInt = 1000
     allowed_origins: list[str] = Field(default_factory=list)

@@ -52,6 +52,12 @@ def resource_subscribers(principal: str, uri: str) -> str:
     return f"{PREFIX}{_tag(principal)}:ressubs:{uri}"
 
 
+def ws_ticket(principal: str, secret_digest: str) -> str:
+    """String with a short TTL: a single-use WebSocket ticket of a principal (POST /mcp/ws-ticket),
+    named by the SHA-256 of its secret part so the keyspace holds no usable ticket."""
+    return f"{PREFIX}{_tag(principal)}:wsticket:{secret_digest}"
+
+
 GATEWAY_CONTROL_CHANNEL = f"{PREFIX}gateway:control"
 """Pub/sub: session invalidation, cancellation and resource-updated fan-out to every replica."""
 

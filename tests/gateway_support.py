@@ -74,7 +74,7 @@ def main() -> None:
     import uvicorn
 
     from gateway.app import create_app
-    from gateway.transports.http_protocol import CoalescingHttpToolsProtocol
+    from gateway.server import uvicorn_options
     from shared.config import load_config
 
     port, redis_url = int(sys.argv[1]), sys.argv[2]
@@ -95,8 +95,8 @@ def main() -> None:
     cfg = load_config(env={}, overrides=overrides)
     app = create_app(cfg)
     register_test_tools(app.registry)
-    uvicorn.run(app, host="127.0.0.1", port=port, loop="uvloop", http=CoalescingHttpToolsProtocol,
-                log_level=log_level, timeout_graceful_shutdown=2)
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level=log_level, timeout_graceful_shutdown=2,
+                **uvicorn_options(cfg))
 
 
 def start_gateway(port: int, redis_url: str, api_keys: str = "", ttl_s: int = 1800,

@@ -17,7 +17,7 @@ from websockets.sync.client import connect as ws_connect
 
 from gateway.app import create_app
 from gateway.server import uvicorn_settings
-from gateway.transports.http_protocol import FLUSH_AT_BYTES, CoalescingHttpToolsProtocol, CoalescingTransport
+from gateway.transports.http_protocol import FLUSH_AT_BYTES, CoalescingTransport, GatewayHttpProtocol
 from shared.config import load_config
 from tests.conftest import free_port, wait_for
 from tests.gateway_support import start_gateway, stop
@@ -107,7 +107,7 @@ async def _response(reader: asyncio.StreamReader) -> bytes:
 
 
 async def test_the_installed_uvicorn_sends_each_response_in_one_write(redis_url: str) -> None:
-    """CoalescingHttpToolsProtocol leans on uvicorn internals (HttpToolsProtocol's ``loop``
+    """GatewayHttpProtocol leans on uvicorn internals (HttpToolsProtocol's ``loop``
     and ``transport``, responses written through that transport within one loop iteration).
     On the installed uvicorn a replica's settings must select it and each response of the
     real gateway must reach the socket's transport as one write. If this fails, the gateway
@@ -115,10 +115,10 @@ async def test_the_installed_uvicorn_sends_each_response_in_one_write(redis_url:
     cfg = load_config(env={}, overrides={"redis": {"url": redis_url},
                                          "gateway": {"port": free_port(), "request_state_keys": ["00" * 32]}})
     settings = uvicorn_settings(cfg)
-    assert settings["http"] is CoalescingHttpToolsProtocol
+    assert issubclass(settings["http"], GatewayHttpProtocol)
     seen: list[RecordingTransport] = []
 
-    class Recorded(CoalescingHttpToolsProtocol):
+    class Recorded(settings["http"]):  # type: ignore[misc,valid-type]
         def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
             seen.append(RecordingTransport(transport))  # type: ignore[arg-type]
             super().connection_made(seen[-1])  # type: ignore[arg-type]

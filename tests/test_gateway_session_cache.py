@@ -10,7 +10,7 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from gateway.mcp.sessions import Session, SessionNotFound, SessionRegistry
+from gateway.mcp.sessions import Session, SessionNotFound, SessionRegistry, new_session_id
 from shared.config import load_config
 from tests.conftest import free_port
 
@@ -37,11 +37,11 @@ async def test_failed_recheck_leaves_the_session_due() -> None:
     dead = aioredis.Redis.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=1)
     try:
         reg = SessionRegistry(dead, dead, load_config(env={}, overrides={}).gateway)
-        s = Session("sid", "alice", "2025-11-25", checked_at=0.0)
+        s = Session(new_session_id(), "alice", "2025-11-25", checked_at=0.0)
         reg._remember(s)
         for _ in range(2):  # both attempts go to Redis: the failed one did not count as a check
             with pytest.raises((RedisError, OSError)):
-                await reg.get("alice", "sid")
+                await reg.get("alice", s.id)
             assert s.checked_at == 0.0
     finally:
         await dead.aclose()

@@ -93,7 +93,7 @@ def test_generate_bad_input_is_a_clear_error(mesh):
     url, cfg = mesh
     limit = cfg.worker.max_tokens_limit
     cases = [({"prompt": ""}, "prompt"), ({"prompt": "hi", "max_tokens": limit + 1}, "max_tokens"),
-             ({"prompt": "hi", "context_id": "nope"}, "unknown context"),
+             ({"prompt": "hi", "context_id": "nope"}, "context nope not found"),
              ({"prompt": "x" * (cfg.worker.max_prompt_bytes + 1)}, "bytes")]
     for args, match in cases:
         _, res = call(url, "generate", args)

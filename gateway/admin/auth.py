@@ -35,6 +35,10 @@ from shared.config import AdminKey, ConfigError
 ROLES = ("viewer", "operator", "admin")
 KEY_PREFIX = "lmadm_"
 _NAME_OK = re.compile(r"^[A-Za-z0-9_.@\-]{1,64}$")
+ADMIN_KEY_REQUIRED = "a valid admin key is required"
+ADMIN_SCOPE_KEY = "learnmesh.admin"
+"""Where the HTTP edge (gateway/transports/edge.py) leaves the admin key it authenticated."""
+_PUBLIC = re.compile(r"^/admin/(?:ui(?:/[^/]*)?|openapi\.json)$")  # the dashboard's files, the API document
 
 
 @dataclass(frozen=True)
@@ -143,21 +147,35 @@ class AdminKeyring:
         return out
 
 
+def admin_key_required(method: str, path: str) -> bool:
+    """Whether a request needs an admin key before anything of it is read: every ``/admin`` path
+    except the dashboard's static files and the OpenAPI document (GET/HEAD)."""
+    if path != "/admin" and not path.startswith("/admin/"):
+        return False
+    return not (method in ("GET", "HEAD") and _PUBLIC.fullmatch(path))
+
+
+async def authenticate(keyring: AdminKeyring, authorization: str | None) -> AdminPrincipal | None:
+    """The admin key named by an ``Authorization: Bearer`` header, or None (counted as a 401)."""
+    scheme, _, token = (authorization or "").partition(" ")
+    token = token.strip()
+    who = await keyring.lookup(token) if scheme.lower() == "bearer" and token else None
+    if who is None:
+        metrics.ADMIN_DENIED.labels("401").inc()
+    return who
+
+
 def require_role(role: str) -> Callable[[Request], Awaitable[AdminPrincipal]]:
     """FastAPI dependency: 401 without a valid admin key, 403 if the key's role is too low."""
     if role not in ROLES:
         raise ValueError(role)
 
     async def dep(request: Request) -> AdminPrincipal:
-        auth = request.headers.get("authorization", "")
-        scheme, _, token = auth.partition(" ")
-        token = token.strip()
-        who = None
-        if scheme.lower() == "bearer" and token:
-            who = await gateway_of(request).admin_keyring.lookup(token)
+        who: AdminPrincipal | None = request.scope.get(ADMIN_SCOPE_KEY)
         if who is None:
-            metrics.ADMIN_DENIED.labels("401").inc()
-            raise HTTPException(401, "a valid admin key is required", headers={"WWW-Authenticate": "Bearer"})
+            who = await authenticate(gateway_of(request).admin_keyring, request.headers.get("authorization"))
+        if who is None:
+            raise HTTPException(401, ADMIN_KEY_REQUIRED, headers={"WWW-Authenticate": "Bearer"})
         if not who.allows(role):
             metrics.ADMIN_DENIED.labels("403").inc()
             raise HTTPException(403, f"role {who.role!r} may not do this (needs {role!r})")

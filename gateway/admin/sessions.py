@@ -12,6 +12,7 @@ from fastapi import Path as PathParam
 
 from gateway.admin.auth import AdminPrincipal
 from gateway.admin.common import E404, MAX_LIST, admin_router, audit_action, operator, viewer
+from gateway.mcp.sessions import is_session_id
 from gateway.state import gateway_of
 from shared import keys
 from shared.text import as_str
@@ -65,7 +66,7 @@ async def session_info(redis: aioredis.Redis, principal: str, sid: str) -> dict[
 
 
 async def _find_session(redis: aioredis.Redis, session_id: str) -> dict[str, Any]:
-    if "*" in session_id or "?" in session_id or "[" in session_id or ":" in session_id:
+    if not is_session_id(session_id):
         raise HTTPException(404, "no such session")
     for principal, sid in await session_refs(redis, None, 2, session_id=session_id):
         info = await session_info(redis, principal, sid)

@@ -24,11 +24,9 @@ from gateway.errors import (
     INTERNAL_ERROR,
     INVALID_REQUEST,
     METHOD_NOT_FOUND,
-    REQUEST_CANCELLED,
     InvalidParams,
     McpError,
     NotFound,
-    WireError,
     tool_error_text,
     wire_error,
 )
@@ -232,7 +230,9 @@ class Dispatcher:
             task = asyncio.current_task()
             if task is not None:
                 task.uncancel()
-            reply = Reply(WireError(REQUEST_CANCELLED, "Request cancelled").response(request.id))
+            # notifications/cancelled: the client has forgotten the request, and an answer would
+            # reach it as a response to an unknown id (the spec's SHOULD NOT; both TS SDKs report it).
+            reply = Reply(http_status=202)
         except Exception as exc:  # noqa: BLE001 - handed to the one error map
             wire = wire_error(exc, self.config, method=method, params=params)
             reply = Reply(wire.response(request.id))
@@ -326,7 +326,7 @@ class Dispatcher:
         name = _str_param(p, "name")
         tool = self.registry.tools.get(name)
         if tool is None:
-            raise InvalidParams(f"Unknown tool: {name}")
+            raise InvalidParams(f"Tool not found: {name}")
         args = p.get("arguments")
         if args is None:
             args = {}
@@ -475,7 +475,7 @@ class Dispatcher:
         name = _str_param(p, "name")
         prompt = self.registry.prompts.get(name)
         if prompt is None:
-            raise InvalidParams(f"Unknown prompt: {name}")
+            raise InvalidParams(f"Prompt not found: {name}")
         args = p.get("arguments") or {}
         if not isinstance(args, dict) or not all(isinstance(v, str) for v in args.values()):
             raise InvalidParams("params.arguments must map names to strings")
@@ -500,13 +500,23 @@ class Dispatcher:
         if ref.get("type") == "ref/prompt":
             prompt = self.registry.prompts.get(ref.get("name", ""))
             if prompt is None:
-                raise InvalidParams(f"Unknown prompt: {ref.get('name')}")
+                raise InvalidParams(f"Prompt not found: {ref.get('name')}")
             completer = prompt.completions.get(arg["name"])
             if completer is not None:
                 values = list(completer(str(value or "")))
         elif ref.get("type") == "ref/resource":
-            if not isinstance(ref.get("uri"), str):
+            uri = ref.get("uri")
+            if not isinstance(uri, str):
                 raise InvalidParams("ref.uri must be a string")
+            tpl = self.registry.template(uri)
+            if tpl is None and uri not in self.registry.resources:
+                raise InvalidParams(f"Resource template not found: {uri}")
+            template_completer = tpl.completions.get(arg["name"]) if tpl is not None else None
+            if template_completer is not None:
+                context = p.get("context")
+                resolved = context.get("arguments") if isinstance(context, dict) else None
+                resolved = {k: v for k, v in resolved.items() if isinstance(v, str)} if isinstance(resolved, dict) else {}
+                values = list(await template_completer(call, str(value or ""), resolved))
         else:
             raise InvalidParams("ref.type must be ref/prompt or ref/resource")
         return {"completion": {"values": values[:100], "total": len(values), "hasMore": len(values) > 100}}

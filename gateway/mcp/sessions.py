@@ -1,7 +1,8 @@
 """Legacy (2025-11-25) MCP sessions, kept in Redis so any gateway replica serves any request.
 
 - A session id is 32 random bytes (urlsafe base64) and its keys carry the principal's
-  hash tag, so an id presented by another principal is simply not found.
+  hash tag, so an id presented by another principal is simply not found; one that does not
+  have that form is not found without a Redis call.
 - Idle sessions expire after ``gateway.session_idle_ttl_s``; each principal holds at most
   ``gateway.max_sessions_per_principal`` (beyond it :class:`SessionLimit` -> HTTP 503).
 - Hot path: a replica caches sessions it has seen and re-checks Redis (refreshing the
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import os
+import re
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -69,6 +71,16 @@ def new_session_id() -> str:
     return base64.urlsafe_b64encode(os.urandom(32)).rstrip(b"=").decode()
 
 
+_SESSION_ID = re.compile(r"[A-Za-z0-9_-]{43}")  # what new_session_id makes: 32 bytes, unpadded base64url
+
+
+def is_session_id(sid: str) -> bool:
+    """Whether ``sid`` has the form of a session id. A client-chosen string is checked before it
+    becomes part of a Redis key: ``<id>:events`` would otherwise name another session's event
+    stream (WRONGTYPE, reported as an outage)."""
+    return _SESSION_ID.fullmatch(sid) is not None
+
+
 class SessionRegistry:
     """Create, look up, expire and delete legacy sessions; their event logs and pending requests."""
 
@@ -96,6 +108,8 @@ class SessionRegistry:
         return s
 
     async def get(self, principal: str, sid: str) -> Session:
+        if not is_session_id(sid):
+            raise SessionNotFound(sid[:64])
         s = self._cache.get((principal, sid))
         now = time.monotonic()
         if s is not None:
@@ -127,6 +141,8 @@ class SessionRegistry:
         return s
 
     async def delete(self, principal: str, sid: str) -> bool:
+        if not is_session_id(sid):
+            return False
         pipe = self._redis.pipeline(transaction=False)
         pipe.delete(keys.session(principal, sid))
         pipe.smembers(keys.session_subscriptions(principal, sid))

@@ -2,7 +2,8 @@
 
 Tools ``context_append``, ``context_get``, ``context_clear``, ``context_fork``; the resource
 template ``context://{context_id}/{modality}`` (text entries as ``text`` contents, binary as
-``blob``); the caller's contexts in resources/list. The admin routes over the same store are
+``blob``), whose variables ``completion/complete`` fills from the caller's own contexts; the
+caller's contexts in resources/list. The admin routes over the same store are
 in gateway/admin/contexts.py. Every handler scopes the store by the authenticated principal (``ctx.principal``) — a client
 can only ever name its own contexts. Binary content arrives base64 and is decoded once here.
 Store and Redis exceptions propagate: gateway/errors.py decides what the client sees (an
@@ -202,6 +203,23 @@ async def list_context_resources(ctx: ToolContext) -> list[dict[str, Any]]:
     return out
 
 
+async def complete_context_id(ctx: ToolContext, typed: str, resolved: dict[str, str]) -> list[str]:
+    """The caller's context ids that start with what was typed, most recently used first."""
+    return [info.id for info in await ctx.state.store.list_contexts(ctx.principal) if info.id.startswith(typed)]
+
+
+async def complete_modality(ctx: ToolContext, typed: str, resolved: dict[str, str]) -> list[str]:
+    """The modalities the chosen context holds entries in; every configured one before a context is chosen."""
+    store = ctx.state.store
+    context_id = resolved.get("context_id")
+    if context_id:
+        info = next((i for i in await store.list_contexts(ctx.principal) if i.id == context_id), None)
+        held = [] if info is None else [m for m in store.cfg.modalities if info.entries.get(m, 0) > 0]
+    else:
+        held = list(store.cfg.modalities)
+    return [m for m in held if m.startswith(typed)]
+
+
 def register(registry: Registry) -> None:
     registry.tool("context_append", description="Append one entry (text, or base64 data for image/audio) to "
                   "a context of yours; creates the context. Returns the entry id and the new version.",
@@ -217,5 +235,7 @@ def register(registry: Registry) -> None:
                   input_schema=FORK_INPUT, output_schema=FORK_OUTPUT, title="Fork context")(context_fork)
     registry.resource_template("context://{context_id}/{modality}", name="context channel",
                                description="The entries of one modality channel of one of your contexts "
-                               "(text entries as text, binary as blob).")(read_context_resource)
+                               "(text entries as text, binary as blob).",
+                               completions={"context_id": complete_context_id,
+                                            "modality": complete_modality})(read_context_resource)
     registry.resource_lister(list_context_resources)

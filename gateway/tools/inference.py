@@ -61,8 +61,9 @@ GENERATE_OUTPUT: dict[str, Any] = {
     "type": "object",
     "properties": {"text": {"type": "string"}, "model_version": {"type": "integer"},
                    "generation_id": {"type": "string"}, "tokens": {"type": "integer"},
-                   "finish_reason": {"type": "string"}, "worker": {"type": ["string", "null"]},
-                   "context_version": {"type": ["integer", "null"]}},
+                   "finish_reason": {"type": "string"},
+                   # present only when known: several clients take a single type per property
+                   "worker": {"type": "string"}, "context_version": {"type": "integer"}},
     "required": ["text", "model_version", "generation_id", "tokens", "finish_reason"],
 }
 SCORE_INPUT: dict[str, Any] = {
@@ -167,8 +168,9 @@ async def generate(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
     res = await _call(ctx, header, frames, args, on_token=on_token if streaming else None, on_retry=on_retry)
     worker = res.get("worker")
     out = {"text": str(res["text"]), "model_version": int(res["version"]), "generation_id": generation_id,
-           "tokens": int(res["tokens"]), "finish_reason": str(res["finish_reason"]),
-           "worker": None if worker is None else str(worker), "context_version": None}
+           "tokens": int(res["tokens"]), "finish_reason": str(res["finish_reason"])}
+    if worker is not None:
+        out["worker"] = str(worker)
     context_id = args.get("context_id")
     if context_id is not None and args.get("append", wcfg.append_exchange):
         try:

@@ -1,4 +1,5 @@
-"""uvicorn's httptools protocol with one socket write per response instead of two.
+"""uvicorn's httptools protocol with one socket write per response instead of two, and read
+deadlines uvicorn does not have.
 
 uvicorn writes a response's status line and headers, then its body, as two separate
 ``transport.write`` calls; on uvloop each is a ``send()`` syscall, and on loopback each
@@ -7,10 +8,18 @@ writes as the largest single cost of a trivial ``tools/call``. :class:`Coalescin
 gathers the writes made during one event-loop iteration and sends them together at the
 end of it, so a JSON response (``http.response.start`` then ``http.response.body``
 without yielding in between) leaves as one segment. Streams are unaffected apart from
-the same at-most-one-iteration deferral. Nothing else of uvicorn is changed.
+the same at-most-one-iteration deferral.
 
-:class:`CoalescingHttpToolsProtocol` leans on uvicorn internals (``HttpToolsProtocol``, its
-``loop`` and ``transport``): pyproject.toml pins the uvicorn versions known to have them, and
+uvicorn waits for request headers and bodies forever (its keep-alive timeout only covers an
+idle connection between requests, and nothing covers a connection that never sends a byte),
+so a few hundred connections that trickle out a header each (slowloris) hold the server.
+:class:`GatewayHttpProtocol` closes a connection whose headers are not complete within
+``gateway.header_timeout_s``, and cuts off a body not received within ``gateway.body_timeout_s``
+(408). Timers are armed only when a read leaves a message unfinished, so a request that
+arrives in one segment costs none. :func:`http_protocol` binds the configured deadlines.
+
+:class:`GatewayHttpProtocol` leans on uvicorn internals (``HttpToolsProtocol``, its ``loop``
+and ``transport``): pyproject.toml pins the uvicorn versions known to have them, and
 tests/test_gateway_http_protocol.py fails when a response of the installed one leaves in more
 than one write.
 """
@@ -23,7 +32,10 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from shared.config import GatewayConfig
+
 FLUSH_AT_BYTES = 64 * 1024
+_TIMEOUT_408 = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
 
 class CoalescingTransport:
@@ -86,8 +98,79 @@ class CoalescingTransport:
         return getattr(self._transport, name)
 
 
-class CoalescingHttpToolsProtocol(HttpToolsProtocol):
-    """``uvicorn.run(..., http=CoalescingHttpToolsProtocol)``."""
+class GatewayHttpProtocol(HttpToolsProtocol):
+    """``uvicorn.run(..., http=http_protocol(cfg.gateway))``: coalesced writes and read deadlines."""
+
+    header_timeout_s = GatewayConfig.header_timeout_s
+    body_timeout_s = GatewayConfig.body_timeout_s
+
+    _deadline: asyncio.TimerHandle | None = None
+    _in_headers = False  # a request's first byte arrived, its headers are not complete yet
+    _in_body = False  # headers complete, the body is not
+    _upgraded = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
         super().connection_made(CoalescingTransport(transport, self.loop))  # type: ignore[arg-type]
+        self._arm(self.header_timeout_s)  # a connection that never sends a byte is a slowloris too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._deadline is not None or self._upgraded or self.transport.is_closing():
+            return
+        if self._in_body:
+            self._arm(self.body_timeout_s)
+        elif self._in_headers or self.cycle is None or self.cycle.response_complete:
+            # Unfinished headers, or bytes between requests that start none (bare CRLFs stop
+            # uvicorn's keep-alive timer and nothing would re-arm it).
+            self._arm(self.header_timeout_s)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_headers = True
+
+    def on_headers_complete(self) -> None:
+        self._disarm()
+        self._in_headers = False
+        super().on_headers_complete()
+        if self.parser.should_upgrade() and self._should_upgrade():
+            self._upgraded = True  # the WebSocket protocol takes the connection over
+        else:
+            self._in_body = True
+
+    def on_message_complete(self) -> None:
+        self._disarm()
+        self._in_body = False
+        super().on_message_complete()
+
+    def _arm(self, delay_s: float) -> None:
+        self._deadline = self.loop.call_later(delay_s, self._expired)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expired(self) -> None:
+        self._deadline = None
+        if self.transport.is_closing():
+            return
+        cycle = self.cycle
+        idle = cycle is None or cycle.response_complete
+        if self._in_body and cycle is not None and not cycle.response_complete:
+            if not cycle.response_started:
+                self.transport.write(_TIMEOUT_408)
+            cycle.disconnected = True  # the app's receive() answers http.disconnect, its sends are dropped
+            cycle.message_event.set()
+        elif self._in_headers and idle:
+            self.transport.write(_TIMEOUT_408)
+        self.transport.close()
+
+
+def http_protocol(cfg: GatewayConfig) -> type[GatewayHttpProtocol]:
+    """The protocol class with ``cfg``'s read deadlines (uvicorn builds one per connection)."""
+    return type("GatewayHttpProtocol", (GatewayHttpProtocol,),
+                {"header_timeout_s": cfg.header_timeout_s, "body_timeout_s": cfg.body_timeout_s})

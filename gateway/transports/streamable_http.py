@@ -1,7 +1,7 @@
 """MCP Streamable HTTP at ``/mcp`` as a raw ASGI app (no framework machinery on the hot path).
 
-This module moves bytes: guards that belong to HTTP run before any parsing (Origin/Host
-403, credentials 401, body size 413, ``Accept`` 406); the body goes to the kernel
+This module moves bytes: guards that belong to HTTP run before any parsing (the edge's body
+limit 413 first, then Origin/Host 403, credentials 401, ``Accept`` 406); the body goes to the kernel
 (:mod:`gateway.mcp.kernel`: revisions, envelope, sessions) and its
 :class:`~gateway.mcp.types.Reply` goes back as JSON — or as an SSE stream once the handler
 emits a notification or a server->client request before its answer. GET opens a legacy
@@ -103,11 +103,13 @@ class _LazySse:
                 await self.send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
             await self.send({"type": "http.response.body", "body": _sse(msg), "more_body": True})
 
-    async def finish(self, msg: Response | ErrorResponse) -> None:
+    async def finish(self, msg: Response | ErrorResponse | None) -> None:
+        """End the stream with the answer (None: a cancelled request, which gets none)."""
         if self.lock is None:
             self.lock = asyncio.Lock()
         async with self.lock:
-            await self.send({"type": "http.response.body", "body": _sse(msg), "more_body": False})
+            await self.send({"type": "http.response.body", "body": b"" if msg is None else _sse(msg),
+                             "more_body": False})
 
 
 async def _wait_disconnect(receive: Receive) -> None:
@@ -146,13 +148,17 @@ def _duplicated_routing_header(raw: list[tuple[bytes, bytes]]) -> str | None:
     return duplicated
 
 
+class _ClientGone(Exception):
+    """The client disconnected (or its body deadline cut it off) before its body arrived."""
+
+
 class McpHttpTransport:
-    """ASGI app for ``/mcp``; one instance per gateway replica."""
+    """ASGI app for ``/mcp``; one instance per gateway replica. The body limit is the edge's
+    (gateway/transports/edge.py), which runs first."""
 
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
         self.kernel = gateway.kernel
-        self.max_body = gateway.config.gateway.max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         sent = _Sent()
@@ -160,6 +166,8 @@ class McpHttpTransport:
             await self._serve(scope, receive, send, sent)
         except asyncio.CancelledError:
             raise
+        except _ClientGone:
+            return
         except Exception as exc:  # noqa: BLE001 - handed to the one error map
             if not sent.started:
                 await _write(send, sent, self.kernel.fail(exc))
@@ -187,30 +195,25 @@ class McpHttpTransport:
         else:
             await _reply(send, sent, 405, b"", [(b"allow", b"GET, POST, DELETE")])
 
-    async def _read_body(self, receive: Receive, headers: dict[str, str]) -> bytes | None:
-        declared = headers.get("content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body):
-            return None
-        body = b""
-        more = True
-        while more:
+    @staticmethod
+    async def _read_body(receive: Receive) -> bytes:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise _ClientGone
+        if not msg.get("more_body", False):
+            return msg.get("body", b"")  # the usual case: the whole body in one message
+        chunks = [msg.get("body", b"")]
+        while msg.get("more_body", False):
             msg = await receive()
             if msg["type"] == "http.disconnect":
-                raise asyncio.CancelledError
-            body += msg.get("body", b"")
-            if len(body) > self.max_body:
-                return None
-            more = msg.get("more_body", False)
-        return body
+                raise _ClientGone
+            chunks.append(msg.get("body", b""))
+        return b"".join(chunks)
 
     # ------------------------------------------------------------------ POST
     async def _post(self, receive: Receive, send: Send, sent: _Sent, headers: dict[str, str], principal: str,
                     duplicated: str | None) -> None:
-        body = await self._read_body(receive, headers)
-        if body is None:
-            await _write(send, sent, self.kernel.fail(McpError(INVALID_REQUEST, "Request body too large",
-                                                               http_status=413)))
-            return
+        body = await self._read_body(receive)
         has_json, has_sse = _accepts(headers.get("accept", ""))
         if not has_json:
             await _reply(send, sent, 406, orjson.dumps({"error": "Accept must include application/json"}))
@@ -233,7 +236,7 @@ class McpHttpTransport:
                 return
         else:
             reply = await self.kernel.receive(principal, message, link)
-        if sent.started and stream is not None and reply.message is not None:
+        if sent.started and stream is not None:
             await stream.finish(reply.message)
         else:
             await _write(send, sent, reply)

@@ -1,6 +1,12 @@
 """MCP over WebSocket at ``/mcp/ws`` following the SEP-1288 draft: subprotocol ``mcp``,
 one JSON-RPC message per text frame, both directions.
 
+Credentials travel in the ``Authorization`` header, or — for clients that cannot set headers
+(browsers, the TypeScript SDK's ``WebSocketClientTransport``) — as a subprotocol
+``bearer.<token>`` offered next to ``mcp`` (the answer names ``mcp`` only), or as a single-use
+ticket from ``POST /mcp/ws-ticket`` in the query string (``/mcp/ws?ticket=...``). A handshake
+without valid credentials is refused with HTTP 401, as HTTP refuses a request.
+
 This module moves frames: the handshake guards (subprotocol, Origin/Host, credentials),
 the frame size limit, and the socket writes. Every message goes through the same kernel
 as HTTP (:mod:`gateway.mcp.kernel`), so a frame gets exactly the checks an HTTP body gets
@@ -19,12 +25,13 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING
 
+from fastapi import Request as HttpRequest
 from fastapi import WebSocket, WebSocketDisconnect
 from redis.exceptions import RedisError
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 
 from gateway.auth import AuthError
-from gateway.errors import INVALID_REQUEST, McpError
+from gateway.errors import INVALID_REQUEST, McpError, wire_error
 from gateway.mcp.kernel import Kernel, Link, Message
 from gateway.mcp.types import ErrorResponse, Reply, Request, ServerMessage, encode
 from gateway.mcp.types import Response as RpcResponse
@@ -35,19 +42,27 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 SUBPROTOCOL = "mcp"
+BEARER_SUBPROTOCOL = "bearer."
+TICKET_PARAM = "ticket"
 EVENT_POLL_MS = 5000
-_SECRET_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie"})
+_SECRET_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie", "sec-websocket-protocol"})
 
 
 class _RedactHandshakeCredentials(logging.Filter):
-    """At DEBUG, websockets (handed the ``uvicorn.error`` logger by uvicorn) logs every handshake
-    header as ``< name: value``; HTTP never logs a credential, so neither may the handshake."""
+    """uvicorn logs each handshake with its path and query at INFO, and at DEBUG websockets (handed
+    the ``uvicorn.error`` logger) logs the request line and every header (``< name: value``).
+    HTTP never logs a credential, so neither may the handshake: not a header, not a bearer
+    subprotocol, not a ticket in the query."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args
-        if record.msg == "< %s: %s" and isinstance(args, tuple) and len(args) == 2 \
-                and str(args[0]).lower() in _SECRET_HEADERS:
+        if not isinstance(args, tuple) or not isinstance(record.msg, str):
+            return True
+        if record.msg == "< %s: %s" and len(args) == 2 and str(args[0]).lower() in _SECRET_HEADERS:
             record.args = (args[0], "[redacted]")
+        elif (record.msg == "< %s %s %s" or '"WebSocket %s"' in record.msg) and len(args) >= 2 \
+                and "?" in str(args[1]):  # the path is the second argument of both
+            record.args = (args[0], str(args[1]).split("?", 1)[0] + "?[redacted]", *args[2:])
         return True
 
 
@@ -125,16 +140,33 @@ class _Connection:
                 await self.gateway.sessions.delete(self.principal, self.session_id)
 
 
-async def _refuse(ws: WebSocket, exc: AuthError) -> None:
+async def _refuse(ws: WebSocket, status: int, body: dict[str, str], headers: dict[str, str] | None = None) -> None:
     """Refuse the handshake as HTTP refuses a request: 401 + ``WWW-Authenticate`` (an OAuth
-    client finds the RFC 9728 document from it). A close before accept would answer 403 with
-    no challenge; that is the fallback only where the server lacks the denial-response extension."""
+    client finds the RFC 9728 document from it), 503 + ``Retry-After``. A close before accept
+    would answer 403 with no header; that is the fallback only where the server lacks the
+    denial-response extension."""
     if "websocket.http.response" not in ws.scope.get("extensions", {}):
-        await ws.close(code=1008, reason="unauthorized")
+        await ws.close(code=1008 if status == 401 else 1013, reason=body["error"])
         return
-    headers = {"www-authenticate": exc.www_authenticate} if exc.www_authenticate else None
-    await ws.send_denial_response(Response(encode({"error": "unauthorized", "error_description": exc.message}),
-                                           status_code=exc.status, headers=headers, media_type="application/json"))
+    await ws.send_denial_response(Response(encode(body), status_code=status, headers=headers,
+                                           media_type="application/json"))
+
+
+async def _principal(gateway: Gateway, ws: WebSocket) -> str:
+    """Who opens the connection: the ``Authorization`` header, else a ``bearer.<token>``
+    subprotocol, else a ticket; raises :class:`AuthError` (401) when none is valid."""
+    authorization = ws.headers.get("authorization")
+    if authorization is None and not gateway.auth.open:
+        bearer = [p for p in ws.scope.get("subprotocols", ()) if p.startswith(BEARER_SUBPROTOCOL)]
+        ticket = ws.query_params.get(TICKET_PARAM)
+        if bearer:
+            authorization = "Bearer " + bearer[0][len(BEARER_SUBPROTOCOL):]
+        elif ticket is not None:
+            principal = await gateway.ws_tickets.redeem(ticket)
+            if principal is None:
+                raise AuthError(401, "invalid or expired ticket", gateway.auth.challenge + ', error="invalid_token"')
+            return principal
+    return gateway.auth.principal(authorization)
 
 
 async def websocket_endpoint(ws: WebSocket) -> None:
@@ -146,9 +178,15 @@ async def websocket_endpoint(ws: WebSocket) -> None:
         await ws.close(code=1008, reason="origin not allowed")
         return
     try:
-        principal = gateway.auth.principal(ws.headers.get("authorization"))
+        principal = await _principal(gateway, ws)
     except AuthError as exc:
-        await _refuse(ws, exc)
+        challenge = {"www-authenticate": exc.www_authenticate} if exc.www_authenticate else None
+        await _refuse(ws, exc.status, {"error": "unauthorized", "error_description": exc.message}, challenge)
+        return
+    except (RedisError, OSError) as exc:  # a ticket could not be checked now: 503, the client may retry
+        wire = wire_error(exc, gateway.config, crashed_status=500)
+        retry = {"retry-after": str(wire.retry_after_s)} if wire.retry_after_s is not None else None
+        await _refuse(ws, wire.http_status, {"error": "unavailable", "error_description": wire.message}, retry)
         return
     await ws.accept(subprotocol=SUBPROTOCOL)
     conn = _Connection(ws, gateway, gateway.kernel, principal)
@@ -172,3 +210,21 @@ async def websocket_endpoint(ws: WebSocket) -> None:
         pass
     finally:
         await conn.close()
+
+
+async def ws_ticket_endpoint(request: HttpRequest) -> Response:
+    """``POST /mcp/ws-ticket``: a single-use ticket for one WebSocket handshake of the caller's
+    principal, for clients that can authenticate an HTTP request but not a WebSocket one."""
+    gateway = gateway_of(request)
+    why = gateway.origin_guard.check(request.headers.get("origin"), request.headers.get("host"))
+    if why is not None:
+        return JSONResponse({"error": "forbidden", "error_description": why}, status_code=403)
+    try:
+        principal = gateway.auth.principal(request.headers.get("authorization"))
+    except AuthError as exc:
+        headers = {"www-authenticate": exc.www_authenticate} if exc.www_authenticate else None
+        return JSONResponse({"error": "unauthorized", "error_description": exc.message}, status_code=exc.status,
+                            headers=headers)
+    ticket = await gateway.ws_tickets.issue(principal)
+    return JSONResponse({"ticket": ticket, "expires_in_s": gateway.ws_tickets.ttl_s},
+                        headers={"cache-control": "no-store"})

@@ -1,0 +1,113 @@
+"""What every HTTP request passes before routing and before any of its body is read.
+
+- **One body limit** (``gateway.max_body_bytes``) for every route, ``/mcp`` and ``/admin``
+  alike: a declared ``Content-Length`` over it is answered 413 at once; a chunked body is
+  counted as the route reads it and cut off with :class:`~gateway.errors.BodyTooLarge` (413
+  through the one error map) as soon as it passes the limit. A refused body is never drained:
+  the answer closes the connection.
+- **Admin authentication before the body**: an ``/admin`` route needs a valid admin key
+  (gateway/admin/auth.py says which do not), checked from the headers alone, so an
+  unauthenticated upload costs the gateway nothing but its headers. The route still checks
+  the key's role, with the key found here.
+
+The read deadlines for headers and bodies live one layer down, where the socket is
+(gateway/transports/http_protocol.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from gateway.admin.auth import ADMIN_KEY_REQUIRED, ADMIN_SCOPE_KEY, admin_key_required, authenticate
+from gateway.errors import BodyTooLarge, wire_error
+from gateway.mcp.types import encode
+
+if TYPE_CHECKING:
+    from gateway.state import Gateway
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+MCP_PATH = "/mcp"
+
+
+class _ChunkedBody:
+    """``receive``/``send`` of a request whose length its headers do not say: bytes are counted
+    as the app reads them; once past the limit the read raises and the answer closes the connection."""
+
+    __slots__ = ("_receive", "_send", "_left", "_limit", "_cut")
+
+    def __init__(self, receive: Receive, send: Send, limit: int) -> None:
+        self._receive = receive
+        self._send = send
+        self._left = limit
+        self._limit = limit
+        self._cut = False
+
+    async def receive(self) -> MutableMapping[str, Any]:
+        message = await self._receive()
+        if message["type"] == "http.request":
+            self._left -= len(message.get("body", b""))
+            if self._left < 0:
+                self._cut = True
+                raise BodyTooLarge(self._limit)
+        return message
+
+    async def send(self, message: MutableMapping[str, Any]) -> None:
+        if self._cut and message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+        await self._send(message)
+
+
+class HttpEdge:
+    """Admits HTTP requests for one gateway replica (built by the app's lifespan)."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.config = gateway.config
+        self.max_body = gateway.config.gateway.max_body_bytes
+        self.keyring = gateway.admin_keyring
+
+    async def admit(self, scope: Scope, receive: Receive, send: Send) -> tuple[Receive, Send] | None:
+        """The ``receive``/``send`` the app serves the request with, or None when it was answered here."""
+        length = authorization = None
+        chunked = False
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                length = value
+            elif name == b"transfer-encoding":
+                chunked = True
+            elif name == b"authorization":
+                authorization = value
+        if length is not None and (not length.isdigit() or int(length) > self.max_body):
+            await self._too_large(scope, send)
+            return None
+        if admin_key_required(scope["method"], scope["path"]):
+            who = await authenticate(self.keyring, None if authorization is None else authorization.decode("latin-1"))
+            if who is None:
+                await _answer(send, 401, orjson.dumps({"detail": ADMIN_KEY_REQUIRED}), [(b"www-authenticate", b"Bearer")])
+                return None
+            scope[ADMIN_SCOPE_KEY] = who
+        if chunked and length is None:
+            body = _ChunkedBody(receive, send, self.max_body)
+            return body.receive, body.send
+        return receive, send
+
+    async def _too_large(self, scope: Scope, send: Send) -> None:
+        exc = BodyTooLarge(self.max_body)
+        if scope["path"] == MCP_PATH:  # MCP clients read a JSON-RPC error
+            body = encode(wire_error(exc, self.config).response(None))
+        else:
+            body = orjson.dumps({"detail": exc.detail})
+        await _answer(send, 413, body)
+
+
+async def _answer(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    """A JSON answer that closes the connection: the request's body, if any, is left unread."""
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close"), *(headers or ())]})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,101 @@
+"""Unauthenticated memory exhaustion: one body limit for every route, enforced before routing
+and before the body is read, and admin authentication before the body
+(gateway/transports/edge.py). The gateway must answer while the attacker is still sending."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import orjson
+import pytest
+from raw_http import connection, read_response, read_until_closed
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect as ws_connect
+
+from gateway.admin.auth import admin_key_required
+from tests.conftest import free_port
+from tests.gateway_support import start_gateway, stop
+
+LIMIT = 64 * 1024
+ADMIN_KEY = "admin-key-0123456789"
+HUGE = 64 * 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def port(redis_server: str) -> Iterator[int]:
+    p = free_port()
+    proc = start_gateway(p, redis_server, overrides={"gateway": {
+        "max_body_bytes": LIMIT, "admin_keys": {"root": {"key": ADMIN_KEY, "role": "admin"}}}})
+    yield p
+    stop(proc)
+
+
+def _head(method: str, path: str, *lines: str) -> bytes:
+    return (f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            + "".join(f"{line}\r\n" for line in lines) + "\r\n").encode()
+
+
+@pytest.mark.parametrize("path", ["/admin/keys", "/admin/samples", "/admin/config", "/admin/no-such-route"])
+def test_unauthenticated_admin_upload_is_refused_before_its_body(port: int, path: str) -> None:
+    """Headers only, within the limit: the 401 must come without the gateway waiting for the body."""
+    with connection(port) as s:
+        s.sendall(_head("POST", path, f"Content-Length: {LIMIT - 1}"))
+        status, headers, body = read_response(s)
+        assert status == 401 and headers["www-authenticate"] == "Bearer", body
+        assert headers["connection"] == "close"
+        assert read_until_closed(s) == b""
+
+
+@pytest.mark.parametrize("path,auth", [("/admin/keys", ""), ("/admin/keys", ADMIN_KEY), ("/mcp", ""),
+                                       ("/healthz", "")])
+def test_declared_huge_body_is_refused_at_once(port: int, path: str, auth: str) -> None:
+    """64 MiB announced, 1 KiB sent: 413 while the rest is still unsent, and the connection ends."""
+    lines = [f"Content-Length: {HUGE}"] + ([f"Authorization: Bearer {auth}"] if auth else [])
+    with connection(port) as s:
+        s.sendall(_head("POST", path, *lines) + b"x" * 1024)
+        status, headers, body = read_response(s)
+        assert status == 413 and headers["connection"] == "close", body
+        if path == "/mcp":  # MCP clients read a JSON-RPC error
+            assert orjson.loads(body)["error"]["code"] == -32600
+        assert read_until_closed(s) == b""
+
+
+@pytest.mark.parametrize("path,auth", [("/admin/keys", ADMIN_KEY), ("/mcp", "")])
+def test_chunked_body_is_cut_off_at_the_limit(port: int, path: str, auth: str) -> None:
+    """A body whose length no header states: the gateway answers 413 once one byte past the
+    limit has arrived, although the body never ends, and closes the connection."""
+    lines = ["Transfer-Encoding: chunked", "Accept: application/json, text/event-stream"]
+    lines += [f"Authorization: Bearer {auth}"] if auth else []
+    chunk = 16 * 1024
+    body = (b"%x\r\n" % chunk + b"a" * chunk + b"\r\n") * (LIMIT // chunk) + b"1\r\na\r\n"
+    with connection(port) as s:
+        s.sendall(_head("POST", path, *lines) + body)
+        status, headers, answer = read_response(s)
+        assert status == 413 and headers["connection"] == "close", answer
+        assert read_until_closed(s) == b""
+
+
+def test_a_body_within_the_limit_is_served(port: int, redis_url: str) -> None:
+    payload = orjson.dumps({"name": "ops-1", "role": "viewer"})
+    with connection(port) as s:
+        s.sendall(_head("POST", "/admin/keys", f"Authorization: Bearer {ADMIN_KEY}",
+                        f"Content-Length: {len(payload)}") + payload)
+        status, _, body = read_response(s)
+        assert status == 201, body
+
+
+def test_websocket_message_over_the_limit_closes_the_socket(port: int) -> None:
+    with ws_connect(f"ws://127.0.0.1:{port}/mcp/ws", subprotocols=["mcp"], open_timeout=10) as ws:
+        ws.send("x" * (LIMIT + 1))
+        with pytest.raises(ConnectionClosed) as closed:
+            ws.recv(timeout=10)
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009
+
+
+@pytest.mark.parametrize("method,path,needed", [
+    ("POST", "/admin/keys", True), ("GET", "/admin/summary", True), ("GET", "/admin", True),
+    ("GET", "/admin/ui", False), ("GET", "/admin/ui/app.js", False), ("HEAD", "/admin/openapi.json", False),
+    ("POST", "/admin/ui", True), ("GET", "/admin/ui/../keys", True), ("GET", "/admin/ui/a/b", True),
+    ("GET", "/administrator", False), ("POST", "/mcp", False)])
+def test_which_paths_need_an_admin_key_before_the_body(method: str, path: str, needed: bool) -> None:
+    assert admin_key_required(method, path) is needed

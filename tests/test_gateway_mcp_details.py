@@ -1,0 +1,143 @@
+"""What MCP clients (the TypeScript SDK first) notice beyond the conformance suite, on a real
+gateway: a cancelled request gets no response, ``completion/complete`` fills the context
+template from the caller's own contexts, not-found errors say so, and output schemas give
+every property one type."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from tests.conftest import free_port
+from tests.gateway_support import start_gateway, stop
+
+ALICE, BOB = "alice-key-0123456789", "bob-key-0123456789"
+ACCEPT = "application/json, text/event-stream"
+LEGACY, MODERN = "2025-11-25", "2026-07-28"
+TEMPLATE = "context://{context_id}/{modality}"
+WAIT_S = 15
+
+
+@pytest.fixture(scope="module")
+def mcp(redis_server: str) -> Iterator[str]:
+    port = free_port()
+    proc = start_gateway(port, redis_server, api_keys=f"alice:{ALICE},bob:{BOB}")
+    yield f"http://127.0.0.1:{port}/mcp"
+    stop(proc)
+
+
+def ask(mcp: str, key: str, method: str, params: dict[str, Any], name: str | None = None) -> dict[str, Any]:
+    """One 2026-07-28 request; its JSON-RPC answer."""
+    params = {**params, "_meta": {"io.modelcontextprotocol/protocolVersion": MODERN,
+                                  "io.modelcontextprotocol/clientCapabilities": {}}}
+    headers = {"accept": ACCEPT, "authorization": f"Bearer {key}", "mcp-protocol-version": MODERN,
+               "mcp-method": method}
+    if name is not None:
+        headers["mcp-name"] = name
+    r = httpx.post(mcp, headers=headers, json={"jsonrpc": "2.0", "id": 1, "method": method, "params": params})
+    return orjson.loads(r.content)
+
+
+def append(mcp: str, key: str, context_id: str, modality: str) -> None:
+    args = {"context_id": context_id, "modality": modality}
+    args.update({"text": "hi"} if modality == "text" else {"data": "AAEC"})
+    assert "result" in ask(mcp, key, "tools/call", {"name": "context_append", "arguments": args}, "context_append")
+
+
+def complete(mcp: str, key: str, argument: str, value: str, resolved: dict[str, str] | None = None,
+             uri: str = TEMPLATE) -> dict[str, Any]:
+    params: dict[str, Any] = {"ref": {"type": "ref/resource", "uri": uri},
+                              "argument": {"name": argument, "value": value}}
+    if resolved is not None:
+        params["context"] = {"arguments": resolved}
+    return ask(mcp, key, "completion/complete", params)
+
+
+def test_cancelled_request_gets_no_response(mcp: str) -> None:
+    headers = {"accept": ACCEPT, "authorization": f"Bearer {ALICE}"}
+    init = httpx.post(mcp, headers=headers, json={"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": LEGACY, "capabilities": {"sampling": {}}, "clientInfo": {"name": "t", "version": "1"}}})
+    headers |= {"mcp-session-id": init.headers["mcp-session-id"], "mcp-protocol-version": LEGACY}
+    events: list[dict[str, Any]] = []
+    asked = threading.Event()
+
+    def call() -> None:  # t_ask waits for the client's sampling answer, which never comes
+        with httpx.stream("POST", mcp, headers=headers, timeout=WAIT_S, json={
+                "jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "t_ask", "arguments": {}}}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:") and line[5:].strip():
+                    events.append(orjson.loads(line[5:]))
+                    asked.set()
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    assert asked.wait(WAIT_S), "the tool did not ask the client"
+    cancelled = httpx.post(mcp, headers=headers, json={"jsonrpc": "2.0", "method": "notifications/cancelled",
+                                                       "params": {"requestId": 2, "reason": "user"}})
+    assert cancelled.status_code == 202
+    caller.join(WAIT_S)
+    assert not caller.is_alive(), "the cancelled request's stream did not end"
+    assert [e.get("method") for e in events] == ["sampling/createMessage"], events
+
+
+def test_context_template_completes_the_callers_own_ids(mcp: str, redis_url: str) -> None:
+    for cid, modality in (("alpha", "text"), ("alpha", "image"), ("alpine", "text"), ("beta", "text")):
+        append(mcp, ALICE, cid, modality)
+    append(mcp, BOB, "alps", "text")
+    got = complete(mcp, ALICE, "context_id", "al")["result"]["completion"]
+    assert sorted(got["values"]) == ["alpha", "alpine"] and got["total"] == 2 and got["hasMore"] is False
+    assert sorted(complete(mcp, ALICE, "context_id", "")["result"]["completion"]["values"]) == [
+        "alpha", "alpine", "beta"]
+    assert complete(mcp, BOB, "context_id", "al")["result"]["completion"]["values"] == ["alps"]
+
+
+def test_context_template_completes_the_modalities_of_the_chosen_context(mcp: str, redis_url: str) -> None:
+    append(mcp, ALICE, "alpha", "text")
+    append(mcp, ALICE, "alpha", "image")
+    append(mcp, ALICE, "alpine", "text")
+
+    def values(typed: str, resolved: dict[str, str] | None) -> list[str]:
+        return complete(mcp, ALICE, "modality", typed, resolved)["result"]["completion"]["values"]
+
+    assert values("", {"context_id": "alpha"}) == ["text", "image"]
+    assert values("i", {"context_id": "alpha"}) == ["image"]
+    assert values("", {"context_id": "alpine"}) == ["text"]
+    assert values("", {"context_id": "nope"}) == []
+    assert values("", None) == ["text", "image", "audio"]  # no context chosen yet: every configured modality
+    assert complete(mcp, BOB, "modality", "", {"context_id": "alpha"})["result"]["completion"]["values"] == []
+
+
+def test_not_found_errors_say_not_found(mcp: str, redis_url: str) -> None:
+    errors = [
+        ask(mcp, ALICE, "tools/call", {"name": "no_such_tool", "arguments": {}}, "no_such_tool"),
+        ask(mcp, ALICE, "prompts/get", {"name": "no_such_prompt"}, "no_such_prompt"),
+        ask(mcp, ALICE, "tools/call", {"name": "context_get", "arguments": {"context_id": "nope"}}, "context_get"),
+        ask(mcp, ALICE, "resources/read", {"uri": "context://nope/text"}, "context://nope/text"),
+        complete(mcp, ALICE, "x", "", uri="nothing://{here}"),
+    ]
+    for reply in errors:
+        assert "not found" in reply["error"]["message"], reply
+
+
+def _types(schema: Any) -> Iterator[Any]:
+    if isinstance(schema, dict):
+        if "type" in schema:
+            yield schema["type"]
+        for value in schema.values():
+            yield from _types(value)
+    elif isinstance(schema, list):
+        for value in schema:
+            yield from _types(value)
+
+
+def test_output_schemas_give_every_property_one_type(mcp: str) -> None:
+    tools = ask(mcp, ALICE, "tools/list", {})["result"]["tools"]
+    schemas = [t["outputSchema"] for t in tools if "outputSchema" in t]
+    assert any(t["name"] == "generate" for t in tools) and schemas
+    for schema in schemas:
+        assert all(isinstance(t, str) for t in _types(schema)), schema
