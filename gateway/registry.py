@@ -139,6 +139,9 @@ class ResourceTemplate:
     handler: Handler  # args: {"uri": uri, **template variables}
     mime_type: str | None = None
     description: str | None = None
+    # Whether a matching URI names a resource of the caller (resources/subscribe accepts only
+    # those); None: every match does.
+    exists: Callable[[ToolContext, dict[str, Any]], Awaitable[bool]] | None = None
     pattern: re.Pattern[str] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -206,9 +209,11 @@ class Registry:
         return deco
 
     def resource_template(self, uri_template: str, *, name: str, mime_type: str | None = None,
-                          description: str | None = None) -> Callable[[Handler], Handler]:
+                          description: str | None = None,
+                          exists: Callable[[ToolContext, dict[str, Any]], Awaitable[bool]] | None = None,
+                          ) -> Callable[[Handler], Handler]:
         def deco(fn: Handler) -> Handler:
-            self.templates.append(ResourceTemplate(uri_template, name, fn, mime_type, description))
+            self.templates.append(ResourceTemplate(uri_template, name, fn, mime_type, description, exists))
             return fn
         return deco
 

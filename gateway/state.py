@@ -23,6 +23,7 @@ from starlette.requests import HTTPConnection
 
 from gateway import pubsub
 from gateway.auth import Authenticator, OriginGuard
+from gateway.limits import Limits
 from gateway.mcp.dispatcher import Call, Dispatcher
 from gateway.mcp.kernel import Kernel
 from gateway.mcp.request_state import RequestStateSealer
@@ -75,6 +76,7 @@ class Gateway:
     sealer: RequestStateSealer = field(init=False)
     auth: Authenticator = field(init=False)
     origin_guard: OriginGuard = field(init=False)
+    limits: Limits = field(init=False)
     dispatcher: Dispatcher = field(init=False)
     kernel: Kernel = field(init=False)  # what both transports hand their messages to
     listeners: dict[str, set[Listener]] = field(default_factory=dict)
@@ -89,6 +91,7 @@ class Gateway:
         self.sealer = RequestStateSealer(gw.request_state_keys, gw.request_state_ttl_s)
         self.auth = Authenticator(gw)
         self.origin_guard = OriginGuard(gw)
+        self.limits = Limits(self.redis, self.config)
         self.dispatcher = Dispatcher(self.registry, self)
         self.kernel = Kernel(self)
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from gateway.errors import InvalidParams, NotFound
 from gateway.registry import Registry, ToolContext
+from shared.context import ContextError
 from shared.types import ContextWindow, Entry
 
 log = logging.getLogger("learnmesh.context")
@@ -190,6 +191,18 @@ async def read_context_resource(ctx: ToolContext, args: dict[str, Any]) -> list[
     return out
 
 
+async def context_resource_exists(ctx: ToolContext, args: dict[str, Any]) -> bool:
+    """The caller holds the context and the modality is configured (what it may subscribe to)."""
+    store = ctx.state.store
+    if args["modality"] not in store.cfg.modalities:
+        return False
+    try:
+        await store.version(ctx.principal, args["context_id"])
+    except ContextError:  # unknown context, or not an id at all
+        return False
+    return True
+
+
 async def list_context_resources(ctx: ToolContext) -> list[dict[str, Any]]:
     infos = await ctx.state.store.list_contexts(ctx.principal)
     out = []
@@ -217,5 +230,6 @@ def register(registry: Registry) -> None:
                   input_schema=FORK_INPUT, output_schema=FORK_OUTPUT, title="Fork context")(context_fork)
     registry.resource_template("context://{context_id}/{modality}", name="context channel",
                                description="The entries of one modality channel of one of your contexts "
-                               "(text entries as text, binary as blob).")(read_context_resource)
+                               "(text entries as text, binary as blob).",
+                               exists=context_resource_exists)(read_context_resource)
     registry.resource_lister(list_context_resources)
