@@ -406,7 +406,8 @@ class LimitsConfig:
         return PrincipalLimits(**{**dataclasses.asdict(self.default), **fields})
 
 
-Teacher = Annotated[str, Field(pattern=r"^(\*|[^:{}]+)$", description="a principal name, or * for every one")]
+Teacher = Annotated[str, Field(pattern=r"^(\*|[A-Za-z0-9_.@:\-]{1,128})$",
+                               description="a principal name, or * for every one")]
 
 
 @_section

@@ -16,7 +16,7 @@ from gateway.state import Gateway, gateway_of
 
 router = admin_router()
 
-PrincipalName = Annotated[str, PathParam(pattern=r"^[A-Za-z0-9_.@\-]{1,128}$",
+PrincipalName = Annotated[str, PathParam(pattern=r"^[A-Za-z0-9_.@:\-]{1,128}$",
                                          description="an MCP principal (an API key's name, or a token's subject)")]
 
 

@@ -11,6 +11,7 @@ assertions do not depend on how fast the machine runs.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,6 +22,7 @@ import redis as redis_sync
 from websockets.asyncio.client import connect as ws_connect
 
 from shared import keys
+from shared.config import ConfigError, load_config
 from tests.conftest import free_port, wait_for
 from tests.gateway_support import start_gateway, stop
 from tests.test_gateway_http import ACCEPT, init, legacy, modern, rpc
@@ -288,3 +290,16 @@ def test_the_sample_log_is_bounded_by_what_the_trainer_has_not_trained(redis_ser
         assert limit_count(base, "sample_backlog") >= 3
     finally:
         stop(proc)
+
+
+@pytest.mark.parametrize(("limits", "message"), [
+    ({"principals": {"alice": {"requests_per_s": -1}}}, "limits: principals.alice: requests_per_s"),
+    ({"principals": {"alice": {"request_per_s": 5.0}}}, "principals.alice: request_per_s: unknown key"),
+    ({"default": {"listen_streams": "many"}}, "limits.default.listen_streams"),
+    ({"max_sample_backlog": 10}, "limits.max_sample_backlog must be 0 or >= trainer.max_learn_batch"),
+])
+def test_a_bad_limit_fails_at_start_naming_its_key(limits: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(env={}, overrides={"limits": limits})
+    overrides = load_config(env={}, overrides={"limits": {"principals": {"alice": {"requests_per_s": 5.0}}}})
+    assert overrides.limits.of("alice").requests_per_s == 5.0 and overrides.limits.of("bob").requests_per_s == 1000
