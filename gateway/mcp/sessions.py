@@ -12,6 +12,8 @@
   is the SSE event id, so ``Last-Event-ID`` replay works on any replica).
 - A server->client request's answer is RPUSHed by whichever replica receives it and
   BLPOPed by the replica that waits for it.
+- A session holds at most the caller's ``limits…subscriptions_per_session`` resource
+  subscriptions, checked and written by one script.
 """
 
 from __future__ import annotations
