@@ -176,6 +176,7 @@ class Mesh:
         self.var = self.workdir / "var"
         self.var.mkdir(parents=True, exist_ok=True)
         self.config_path = self.workdir / "learnmesh.yaml"
+        sections.setdefault("learning", {"teachers": list(principals)})  # every client here teaches
         self.cfg = write_mesh_config(self.config_path, self.var, workers, **sections)
         self.redis_url = redis_url
         self.workers, self.ranks = workers, ranks

@@ -9,6 +9,9 @@ sees, in the manner of the MCP SDK's kernel:
 - a body over ``gateway.max_body_bytes`` is INVALID_REQUEST with HTTP 413;
 - bad input (a store or sample validation error, a worker's ``bad_input``) is INVALID_PARAMS;
 - an unknown context is INVALID_PARAMS for a tool and RESOURCE_NOT_FOUND for ``resources/read``;
+- a principal over one of its limits (:class:`LimitExceeded`) is LIMIT_EXCEEDED with HTTP 429
+  and a Retry-After that ``data.retryAfterS`` repeats; a principal without a permission
+  (:class:`Forbidden`) is FORBIDDEN with HTTP 403;
 - a backend that is down or overloaded (Redis unreachable, no worker, a worker timeout,
   the session cap) is SERVICE_UNAVAILABLE with HTTP 503 and a Retry-After of
   ``redis.retry_after_s`` seconds, unless the exception knows a better wait;
@@ -56,6 +59,8 @@ HEADER_MISMATCH = -32020
 MISSING_REQUIRED_CLIENT_CAPABILITY = -32021
 UNSUPPORTED_PROTOCOL_VERSION = -32022
 SERVICE_UNAVAILABLE = -32050  # learnmesh: a backend (Redis, workers) is unreachable; retry
+FORBIDDEN = -32003  # learnmesh: the principal lacks the permission this needs (teach)
+LIMIT_EXCEEDED = -32029  # learnmesh: a quota or rate limit of the principal; retry after data.retryAfterS
 
 # HTTP status of a 2026-07-28 answer carrying one of these codes (the others ride on 200).
 HTTP_STATUS = {PARSE_ERROR: 400, INVALID_REQUEST: 400, INVALID_PARAMS: 400, HEADER_MISMATCH: 400,
@@ -109,6 +114,23 @@ class BodyTooLarge(HTTPException):
         super().__init__(413, f"Request body too large (at most {limit_bytes} bytes)")
 
 
+class Forbidden(McpError):
+    """The principal may not do this (HTTP 403); ``data.permission`` names what it lacks."""
+
+    def __init__(self, message: str, permission: str) -> None:
+        super().__init__(FORBIDDEN, message, {"permission": permission}, http_status=403)
+
+
+class LimitExceeded(McpError):
+    """The principal reached one of its limits (gateway/limits.py): HTTP 429 with a Retry-After
+    of ``retry_after_s``, which ``data.retryAfterS`` repeats for transports without headers."""
+
+    def __init__(self, limit: str, message: str, retry_after_s: int) -> None:
+        super().__init__(LIMIT_EXCEEDED, message, {"limit": limit, "retryAfterS": retry_after_s}, http_status=429)
+        self.limit = limit
+        self.retry_after_s = retry_after_s
+
+
 class ToolError(Exception):
     """Raised inside a tool body: the call returns ``isError: true`` with this message."""
 
@@ -147,6 +169,8 @@ def wire_error(exc: BaseException, config: Config, *, method: str = "",
         return WireError(INVALID_REQUEST, exc.detail, None, 413)
     if isinstance(exc, Unavailable):
         return _unavailable(exc.message, exc.retry_after_s or retry_after_s)
+    if isinstance(exc, LimitExceeded):
+        return WireError(exc.code, exc.message, exc.data, 429, exc.retry_after_s)
     if isinstance(exc, McpError):
         status = exc.http_status if exc.http_status != 200 else HTTP_STATUS.get(exc.code, 200)
         return WireError(exc.code, exc.message, exc.data, status)
@@ -188,8 +212,9 @@ def tool_error_text(exc: BaseException) -> str | None:
 
 
 def http_error(exc: BaseException, config: Config) -> HTTPException:
-    """The same map for REST routes: 400 bad input, 404 unknown context, 503 + Retry-After
-    for an outage, 500 for anything unexpected."""
+    """The same map for REST routes: 400 bad input, 403 a permission missing, 404 unknown
+    context, 429 + Retry-After for a limit, 503 + Retry-After for an outage, 500 for anything
+    unexpected."""
     wire = wire_error(exc, config, crashed_status=500)
     if isinstance(exc, ContextNotFound) or wire.code == RESOURCE_NOT_FOUND:
         status = 404

@@ -142,6 +142,9 @@ class ResourceTemplate:
     handler: Handler  # args: {"uri": uri, **template variables}
     mime_type: str | None = None
     description: str | None = None
+    # Whether a matching URI names a resource of the caller (resources/subscribe accepts only
+    # those); None: every match does.
+    exists: Callable[[ToolContext, dict[str, Any]], Awaitable[bool]] | None = None
     completions: dict[str, TemplateCompleter] = field(default_factory=dict)
     pattern: re.Pattern[str] = field(init=False)
 
@@ -211,10 +214,12 @@ class Registry:
 
     def resource_template(self, uri_template: str, *, name: str, mime_type: str | None = None,
                           description: str | None = None,
-                          completions: dict[str, TemplateCompleter] | None = None) -> Callable[[Handler], Handler]:
+                          completions: dict[str, TemplateCompleter] | None = None,
+                          exists: Callable[[ToolContext, dict[str, Any]], Awaitable[bool]] | None = None,
+                          ) -> Callable[[Handler], Handler]:
         def deco(fn: Handler) -> Handler:
             self.templates.append(ResourceTemplate(uri_template, name, fn, mime_type, description,
-                                                   completions or {}))
+                                                   exists, completions or {}))
             return fn
         return deco
 

@@ -23,6 +23,7 @@ from starlette.requests import HTTPConnection
 
 from gateway import pubsub
 from gateway.auth import Authenticator, OriginGuard, WsTickets
+from gateway.limits import Limits
 from gateway.mcp.dispatcher import Call, Dispatcher
 from gateway.mcp.kernel import Kernel
 from gateway.mcp.request_state import RequestStateSealer
@@ -76,6 +77,7 @@ class Gateway:
     auth: Authenticator = field(init=False)
     origin_guard: OriginGuard = field(init=False)
     ws_tickets: WsTickets = field(init=False)
+    limits: Limits = field(init=False)
     dispatcher: Dispatcher = field(init=False)
     kernel: Kernel = field(init=False)  # what both transports hand their messages to
     listeners: dict[str, set[Listener]] = field(default_factory=dict)
@@ -91,6 +93,7 @@ class Gateway:
         self.auth = Authenticator(gw)
         self.origin_guard = OriginGuard(gw)
         self.ws_tickets = WsTickets(self.redis, gw.ws_ticket_ttl_s)
+        self.limits = Limits(self.redis, self.config)
         self.dispatcher = Dispatcher(self.registry, self)
         self.kernel = Kernel(self)
 

@@ -9,6 +9,7 @@ within ``stop_timeout_s``. Keys are generated on first start and kept in ``var/k
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -262,6 +263,9 @@ def _child_env(cfg: Config, args: Any, redis_url: str, api_keys: dict[str, str],
         **_var_overrides(cfg, var_dir),
     })
     parse_api_keys(env["LEARNMESH_API_KEYS"])  # fail early on a bad spec
+    if not cfg.gateway.api_keys:  # keys made here (the demo's): their principals may teach
+        teachers = [*cfg.learning.teachers, *(p for p in api_keys if p not in cfg.learning.teachers)]
+        env["LEARNMESH_LEARNING__TEACHERS"] = json.dumps(teachers)
     if getattr(args, "config", None):
         env["LEARNMESH_CONFIG"] = str(Path(args.config).resolve())
     return env

@@ -371,6 +371,64 @@ class SecurityConfig:
 
 
 @_section
+class PrincipalLimits:
+    """What one principal may use (gateway/limits.py); 0 turns a limit off. The defaults leave
+    room for any well-behaved client: they stop floods, not work."""
+
+    requests_per_s: NonNegativeFloat = Field(
+        default=1000.0, description="MCP messages per second, over every replica (token bucket in Redis)")
+    requests_burst: PositiveInt = 2000
+    learn_samples_per_s: NonNegativeFloat = 100.0
+    learn_samples_burst: PositiveInt = 10_000
+    learn_bytes_per_s: NonNegativeFloat = 1024.0 * 1024
+    learn_bytes_burst: PositiveInt = 64 * 1024 * 1024
+    subscriptions_per_session: NonNegativeInt = Field(
+        default=1000, description="resources/subscribe URIs per legacy session (and URIs per listen stream)")
+    listen_streams: NonNegativeInt = Field(default=64, description="open subscriptions/listen streams, all replicas")
+    ws_concurrent_requests: NonNegativeInt = Field(default=256, description="requests in flight per WebSocket")
+
+
+@_section
+class LimitsConfig:
+    """Quotas and rate limits; ``principals.<name>`` overrides some fields of ``default`` for one principal."""
+
+    default: PrincipalLimits = Field(default_factory=PrincipalLimits)
+    principals: dict[Principal, dict[str, JsonValue]] = Field(default_factory=dict)
+    max_sample_backlog: NonNegativeInt = Field(
+        default=100_000, description="samples logged but not yet trained beyond which learn is refused; 0: off")
+    backlog_retry_after_s: PositiveInt = 5
+    cap_retry_after_s: PositiveInt = Field(
+        default=1, description="Retry-After when a count cap (subscriptions, listens, WebSocket requests) is full")
+
+    def __post_init__(self) -> None:
+        for name, fields in self.principals.items():
+            try:
+                PrincipalLimits(**{**dataclasses.asdict(self.default), **fields})
+            except (ConfigError, TypeError) as exc:
+                raise ValueError(f"principals.{name}: {exc}") from None
+
+    def of(self, principal: str) -> PrincipalLimits:
+        """The limits in force for ``principal``."""
+        fields = self.principals.get(principal)
+        if not fields:
+            return self.default
+        return PrincipalLimits(**{**dataclasses.asdict(self.default), **fields})
+
+
+Teacher = Annotated[str, Field(pattern=r"^(\*|[A-Za-z0-9_.@:\-]{1,128})$",
+                               description="a principal name, or * for every one")]
+
+
+@_section
+class LearningConfig:
+    """Who may teach the shared model through ``learn`` (and whose samples an operator may import).
+    ``local`` is the one principal of an open gateway (no API keys); the admin API grants and
+    revokes at runtime (``/admin/teachers``) over this list."""
+
+    teachers: list[Teacher] = Field(default_factory=lambda: ["local"])
+
+
+@_section
 class MetricsConfig:
     """Where the processes without an HTTP server (workers, trainer ranks) expose /metrics.
 
@@ -399,6 +457,13 @@ class Config:
     consistency: ConsistencyConfig = Field(default_factory=ConsistencyConfig)
     security: SecurityConfig = Field(default_factory=SecurityConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    learning: LearningConfig = Field(default_factory=LearningConfig)
+
+    def __post_init__(self) -> None:
+        backlog = self.limits.max_sample_backlog
+        _check(backlog == 0 or backlog >= self.trainer.max_learn_batch,
+               "limits.max_sample_backlog must be 0 or >= trainer.max_learn_batch")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -58,6 +58,30 @@ def ws_ticket(principal: str, secret_digest: str) -> str:
     return f"{PREFIX}{_tag(principal)}:wsticket:{secret_digest}"
 
 
+def limit_bucket(principal: str, name: str) -> str:
+    """String: a token bucket of the principal (``requests``, ``learn_samples``, ``learn_bytes``):
+    the theoretical arrival time in µs (GCRA), expiring once the bucket is full again."""
+    return f"{PREFIX}{_tag(principal)}:limit:{name}"
+
+
+def listen_leases(principal: str) -> str:
+    """Sorted set: the principal's open subscriptions/listen streams on every replica (lease id
+    scored by its expiry in ms; a replica that dies leaves leases that simply run out)."""
+    return f"{PREFIX}{_tag(principal)}:listens"
+
+
+def teacher_grant(principal: str) -> str:
+    """String: ``1`` the admin API granted the principal the teach permission, ``0`` revoked it;
+    absent: ``learning.teachers`` decides. In the principal's slot, next to its learn buckets,
+    so one script checks the permission and takes the quota."""
+    return f"{PREFIX}{_tag(principal)}:teach"
+
+
+TEACHER_GRANTS = f"{PREFIX}learning:teachers"
+"""Hash: principal -> JSON {teach, by, ts_ms} of every runtime grant or revoke (the listing for
+operators; the per-principal ``teacher_grant`` key is what requests read)."""
+
+
 GATEWAY_CONTROL_CHANNEL = f"{PREFIX}gateway:control"
 """Pub/sub: session invalidation, cancellation and resource-updated fan-out to every replica."""
 

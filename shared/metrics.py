@@ -129,6 +129,10 @@ MCP_LATENCY = Histogram("learnmesh_mcp_request_seconds", "MCP request latency", 
                         buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10))
 MCP_ERRORS = Counter("learnmesh_mcp_errors_total", "MCP error responses", ["code"])
 MCP_SESSIONS_OPEN = Gauge("learnmesh_mcp_sessions_open", "Legacy MCP sessions cached on this replica")
+LIMIT_EXCEEDED = Counter("learnmesh_limit_exceeded_total", "Requests refused because a principal reached a limit",
+                         ["limit"])  # requests | learn_samples | learn_bytes | sample_backlog | subscriptions | ...
+LEARN_FORBIDDEN = Counter("learnmesh_learn_forbidden_total",
+                          "learn calls and sample imports refused: the principal may not teach")
 
 # ---------------------------------------------------------------- samples / trainer
 SAMPLES_ACCEPTED = Counter("learnmesh_samples_accepted_total", "Samples written to the durable log")

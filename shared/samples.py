@@ -207,8 +207,19 @@ def load_stored(raw: bytes | str | memoryview) -> Sample:
 # c (the context windows the samples name, copied at acceptance: :func:`pack_windows`) when any.
 # The first append also names the log (KEYS[3], SET NX with the caller's fresh random id): a
 # log that is recreated gets a new name, and the trainer never mixes two logs' sequence numbers.
+# The log is bounded: with a cap (ARGV[8], 0: none), a batch that would leave more than that many
+# samples not yet trained (beyond the trainer's committed seq ARGV[6], if it belongs to this log:
+# ARGV[7]) is refused with {-1, backlog, ''} and nothing is written; the log is never trimmed
+# to make room.
 APPEND_LUA = """
 local n = tonumber(ARGV[2])
+local cap = tonumber(ARGV[8])
+if cap > 0 then
+  local trained = 0
+  if redis.call('GET', KEYS[3]) == ARGV[7] then trained = tonumber(ARGV[6]) end
+  local backlog = math.max(0, tonumber(redis.call('GET', KEYS[2]) or '0') - trained)
+  if backlog + n > cap then return {-1, backlog, ''} end
+end
 redis.call('SET', KEYS[3], ARGV[4], 'NX')
 local last = redis.call('INCRBY', KEYS[2], n)
 local id

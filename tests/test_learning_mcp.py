@@ -28,6 +28,7 @@ def client(redis_url: str) -> Iterator[TestClient]:
                     "admin_keys": {"ops": {"key": OPERATOR, "role": "operator"},
                                    "watch": {"key": VIEWER, "role": "viewer"}}},
         "worker": {"endpoints": []},
+        "learning": {"teachers": ["alice", "bob"]},
         "trainer": {"samples_endpoint": f"tcp://127.0.0.1:{free_port()}", "max_sample_bytes": 1024}})
     with TestClient(create_app(cfg), base_url="http://127.0.0.1:8000") as c:
         yield c

@@ -3,7 +3,7 @@ for what no admin route matched comes last; /admin/openapi.json documents all of
 
 Roles (gateway/admin/auth.py): GET routes need ``viewer``; acting on the running mesh
 (terminate, drain, pause, checkpoint, evict) needs ``operator``; changing it (keys, config,
-rollback, delta key rotation) needs ``admin``. Every action is written to the audit stream.
+rollback, delta key rotation, who may teach) needs ``admin``. Every action is written to the audit stream.
 Commands for other processes travel through Redis (shared/control.py).
 """
 
@@ -22,6 +22,7 @@ from gateway.admin import (
     samples,
     sessions,
     summary,
+    teachers,
     trainer,
     workers,
 )
@@ -29,5 +30,5 @@ from gateway.admin import (
 ROUTERS: tuple[APIRouter, ...] = (
     contexts.router, samples.router, meta.router, keys.router, sessions.router, workers.router,
     trainer.router, models.router, config.router, delta_key.router, audit.router, summary.router,
-    meta.fallback,
+    teachers.router, meta.fallback,
 )

@@ -21,15 +21,20 @@ router = APIRouter()
 _JSON_BODY = Body(...)
 
 
-@router.post("/admin/samples")
+@router.post("/admin/samples", responses={403: {"description": "the principal may not teach"},
+                                          429: {"description": "the sample log is full; retry after Retry-After"}})
 async def import_samples(request: Request, body: Any = _JSON_BODY, who: AdminPrincipal = operator) -> dict[str, Any]:
-    """Bulk import on behalf of a principal: ``{"principal": str, "samples": [...]}``; all or nothing."""
-    ingest = gateway_of(request).samples
+    """Bulk import on behalf of a principal: ``{"principal": str, "samples": [...]}``; all or nothing.
+    The principal must hold the teach permission (403 otherwise), as its own ``learn`` calls do;
+    its learn quota does not apply, the bound on the sample log does (429)."""
+    gateway = gateway_of(request)
+    ingest = gateway.samples
     if not isinstance(body, dict) or not isinstance(body.get("principal"), str) or not body["principal"] \
             or any(c in body["principal"] for c in "{}:"):
         raise HTTPException(400, "body must be {\"principal\": str, \"samples\": [...]}")
     samples = ingest.parse({"samples": body.get("samples")})
-    result = await ingest.submit(body["principal"], samples)
+    await gateway.limits.check_teacher(body["principal"])
+    result = await ingest.submit(body["principal"], samples, admin=who.name)
     log.info("admin %s imported %d samples for principal %s", who.name, len(result["ids"]), body["principal"])
     return result
 

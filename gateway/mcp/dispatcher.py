@@ -30,6 +30,7 @@ from gateway.errors import (
     tool_error_text,
     wire_error,
 )
+from gateway.limits import exceeded
 from gateway.mcp.sessions import Session
 from gateway.mcp.types import (
     HANDSHAKE_VERSIONS,
@@ -236,7 +237,9 @@ class Dispatcher:
         except Exception as exc:  # noqa: BLE001 - handed to the one error map
             wire = wire_error(exc, self.config, method=method, params=params)
             reply = Reply(wire.response(request.id))
-            if call.modern:  # a legacy session's answers are HTTP 200 whatever they carry
+            # A legacy session's answers are HTTP 200 whatever they carry, but for a limit:
+            # 429 + Retry-After is what clients and proxies back off on.
+            if call.modern or wire.http_status == 429:
                 reply.http_status, reply.retry_after_s = wire.http_status, wire.retry_after_s
         counters[1].observe(time.perf_counter() - t0)
         return reply
@@ -421,14 +424,26 @@ class Dispatcher:
             result.setdefault("cacheScope", "private")
         return result
 
-    def _known_uri(self, uri: str) -> bool:
-        return uri in self.registry.resources or self.registry.find_template(uri) is not None
+    async def _resource_exists(self, call: Call, uri: str) -> bool:
+        """A static resource, or a template match that the template says exists for the caller."""
+        if uri in self.registry.resources:
+            return True
+        found = self.registry.find_template(uri)
+        if found is None:
+            return False
+        tpl, variables = found
+        return tpl.exists is None or await tpl.exists(call, {"uri": uri, **variables})
 
     async def _handle_resources_subscribe(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
         uri = _str_param(p, "uri")
         if call.session is None:
             raise McpError(INVALID_REQUEST, "resources/subscribe needs a session")
-        await self.state.sessions.subscribe(call.session, uri)
+        if not await self._resource_exists(call, uri):
+            raise NotFound(f"Resource not found: {uri}", {"uri": uri})
+        cap = self.state.limits.of(call.principal).subscriptions_per_session
+        if not await self.state.sessions.subscribe(call.session, uri, cap):
+            raise exceeded("subscriptions", f"a session holds at most {cap} resource subscriptions",
+                           self.config.limits.cap_retry_after_s)
         return {}
 
     async def _handle_resources_unsubscribe(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
@@ -449,25 +464,30 @@ class Dispatcher:
         if uris is not None:
             if not isinstance(uris, list) or not all(isinstance(u, str) for u in uris):
                 raise InvalidParams("notifications.resourceSubscriptions must be a list of URIs")
+            cap = self.state.limits.of(call.principal).subscriptions_per_session
+            if cap and len(uris) > cap:
+                raise exceeded("subscriptions", f"a listen stream holds at most {cap} resource subscriptions",
+                               self.config.limits.cap_retry_after_s)
             ack["resourceSubscriptions"] = uris
         for flag in ("toolsListChanged", "resourcesListChanged", "promptsListChanged"):
             if wanted.get(flag) is True:
                 ack[flag] = True
         sub_meta = {SUBSCRIPTION_ID_META_KEY: call.request_id}
-        await call.emit(Notification(method="notifications/subscriptions/acknowledged",
-                                     params={"notifications": ack, "_meta": sub_meta}))
-        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(maxsize=1000)
-        listener = self.state.add_listener(call.principal, set(uris or ()), ack, queue)
-        try:
-            while True:
-                note = await queue.get()
-                if note.get("method") == "$shutdown":
-                    break
-                params = dict(note.get("params") or {})
-                params["_meta"] = {**params.get("_meta", {}), **sub_meta}
-                await call.emit(Notification(method=note["method"], params=params))
-        finally:
-            self.state.remove_listener(listener)
+        async with self.state.limits.listen_slot(call.principal):
+            await call.emit(Notification(method="notifications/subscriptions/acknowledged",
+                                         params={"notifications": ack, "_meta": sub_meta}))
+            queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(maxsize=1000)
+            listener = self.state.add_listener(call.principal, set(uris or ()), ack, queue)
+            try:
+                while True:
+                    note = await queue.get()
+                    if note.get("method") == "$shutdown":
+                        break
+                    params = dict(note.get("params") or {})
+                    params["_meta"] = {**params.get("_meta", {}), **sub_meta}
+                    await call.emit(Notification(method=note["method"], params=params))
+            finally:
+                self.state.remove_listener(listener)
         return {"_meta": sub_meta}
 
     # ------------------------------------------------------------------ prompts and completion

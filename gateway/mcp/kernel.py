@@ -7,6 +7,7 @@ and writes the :class:`~gateway.mcp.types.Reply` it gets back. In between, and t
 for every transport:
 
 - **decoding** (msgspec) and the JSON-RPC 2.0 shape checks;
+- **the principal's request rate** (gateway/limits.py), before any other work;
 - **revision negotiation**: an ``Mcp-Session-Id`` means the 2025-11-25 session protocol;
   otherwise a 2026-07-28 ``MCP-Protocol-Version`` header or a protocol version in
   ``params._meta`` means the stateless revision; anything else is a legacy message;
@@ -152,6 +153,7 @@ class Kernel:
         """Serve one decoded message from ``principal``; always answers (202: nothing to send)."""
         request_id = message.id if isinstance(message, Request) else None
         try:
+            await self.gateway.limits.admit_request(principal)
             if self.is_stateless(message, link):
                 if isinstance(message, ClientReply):  # the stateless revision sends no requests to answer
                     return self.fail(McpError(INVALID_REQUEST, "Invalid JSON-RPC message"), message.id)

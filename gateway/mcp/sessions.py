@@ -13,6 +13,8 @@
   is the SSE event id, so ``Last-Event-ID`` replay works on any replica).
 - A server->client request's answer is RPUSHed by whichever replica receives it and
   BLPOPed by the replica that waits for it.
+- A session holds at most the caller's ``limits…subscriptions_per_session`` resource
+  subscriptions, checked and written by one script.
 """
 
 from __future__ import annotations
@@ -45,6 +47,21 @@ redis.call('HSET', KEYS[2], 'v', ARGV[5], 'caps', ARGV[6], 'lvl', '')
 redis.call('EXPIRE', KEYS[2], ARGV[2])
 redis.call('ZADD', KEYS[1], ARGV[1], ARGV[4])
 redis.call('EXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+
+
+# KEYS: the session's subscriptions, the URI's subscribers. ARGV: uri, session id, cap (0: none),
+# ttl s. 0 when the session already holds ``cap`` other URIs; subscribing twice is one subscription.
+_SUBSCRIBE_LUA = """
+local cap = tonumber(ARGV[3])
+if cap > 0 and redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 0 and redis.call('SCARD', KEYS[1]) >= cap then
+  return 0
+end
+redis.call('SADD', KEYS[1], ARGV[1])
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+redis.call('SADD', KEYS[2], ARGV[2])
+redis.call('EXPIRE', KEYS[2], ARGV[4])
 return 1
 """
 
@@ -93,6 +110,7 @@ class SessionRegistry:
         self.recheck_s = min(5.0, self.ttl_s / 4)
         self._cache: OrderedDict[tuple[str, str], Session] = OrderedDict()
         self._create = redis.register_script(_CREATE_LUA)
+        self._subscribe = redis.register_script(_SUBSCRIBE_LUA)
         self.publish_control: Callable[[dict[str, Any]], Awaitable[None]] | None = None  # set by the Gateway
 
     # ------------------------------------------------------------------ lifecycle
@@ -236,13 +254,13 @@ class SessionRegistry:
         return _replies.decode(got[1]) if got else None
 
     # ------------------------------------------------------------------ resource subscriptions
-    async def subscribe(self, session: Session, uri: str) -> None:
-        pipe = self._redis.pipeline(transaction=False)
-        pipe.sadd(keys.session_subscriptions(session.principal, session.id), uri)
-        pipe.expire(keys.session_subscriptions(session.principal, session.id), self.ttl_s)
-        pipe.sadd(keys.resource_subscribers(session.principal, uri), session.id)
-        pipe.expire(keys.resource_subscribers(session.principal, uri), self.ttl_s)
-        await pipe.execute()
+    async def subscribe(self, session: Session, uri: str, cap: int = 0) -> bool:
+        """Subscribe the session to ``uri``; False (nothing written) when it already holds
+        ``cap`` other subscriptions (0: no cap)."""
+        return bool(await self._subscribe(
+            keys=[keys.session_subscriptions(session.principal, session.id),
+                  keys.resource_subscribers(session.principal, uri)],
+            args=[uri, session.id, cap, self.ttl_s]))
 
     async def unsubscribe(self, session: Session, uri: str) -> None:
         pipe = self._redis.pipeline(transaction=False)

@@ -19,6 +19,7 @@ from typing import Any
 
 from gateway.errors import InvalidParams, NotFound
 from gateway.registry import Registry, ToolContext
+from shared.context import ContextError
 from shared.types import ContextWindow, Entry
 
 log = logging.getLogger("learnmesh.context")
@@ -191,6 +192,18 @@ async def read_context_resource(ctx: ToolContext, args: dict[str, Any]) -> list[
     return out
 
 
+async def context_resource_exists(ctx: ToolContext, args: dict[str, Any]) -> bool:
+    """The caller holds the context and the modality is configured (what it may subscribe to)."""
+    store = ctx.state.store
+    if args["modality"] not in store.cfg.modalities:
+        return False
+    try:
+        await store.version(ctx.principal, args["context_id"])
+    except ContextError:  # unknown context, or not an id at all
+        return False
+    return True
+
+
 async def list_context_resources(ctx: ToolContext) -> list[dict[str, Any]]:
     infos = await ctx.state.store.list_contexts(ctx.principal)
     out = []
@@ -237,5 +250,6 @@ def register(registry: Registry) -> None:
                                description="The entries of one modality channel of one of your contexts "
                                "(text entries as text, binary as blob).",
                                completions={"context_id": complete_context_id,
-                                            "modality": complete_modality})(read_context_resource)
+                                            "modality": complete_modality},
+                               exists=context_resource_exists)(read_context_resource)
     registry.resource_lister(list_context_resources)

@@ -2,8 +2,11 @@
 admin sample routes in gateway/admin/samples.py).
 
 Flow of one ``learn`` call: validate every sample (schema, size, context version) —
-nothing is written unless all pass; append them to the durable log (keys.SAMPLE_LOG) in
-one Lua round trip that also hands out dense sequence numbers; acknowledge with the ids;
+nothing is written unless all pass; check that the caller may teach and take the samples
+from its learn quota (gateway/limits.py); append them to the durable log (keys.SAMPLE_LOG)
+in one Lua round trip that also hands out dense sequence numbers, unless the log already
+holds ``limits.max_sample_backlog`` samples the trainer has not trained; record who taught
+what in the audit stream; acknowledge with the ids;
 then push them to the trainer over ZeroMQ PUSH (non-blocking, explicit HWM). If the push
 queue is full or no trainer is connected the acknowledgement says ``queued: false`` —
 the samples are durable and the trainer picks them up from the log; nothing is dropped
@@ -18,11 +21,14 @@ from typing import Any
 
 import redis.asyncio as aioredis
 import zmq
+from redis.exceptions import RedisError
 
 from gateway.errors import InvalidParams, Unavailable
+from gateway.limits import exceeded
 from gateway.registry import Registry, ToolContext
 from shared import keys, wire
 from shared import metrics as m
+from shared.audit import audit
 from shared.config import Config
 from shared.context import ContextError, ContextStore
 from shared.samples import (
@@ -128,20 +134,47 @@ class SampleIngest:
         return pack_windows(windows)
 
     # -- write, then forward
-    async def submit(self, principal: str, samples: list[Sample]) -> dict[str, Any]:
+    async def submit(self, principal: str, samples: list[Sample], *, admin: str | None = None) -> dict[str, Any]:
+        """Log ``samples`` as taught by ``principal`` (imported by the admin key named ``admin``)
+        and push them to the trainer. Raises :class:`LimitExceeded` (nothing written) while the
+        log holds ``limits.max_sample_backlog`` samples the trainer has not trained."""
         contexts = self._context_copy(await self.check_contexts(principal, samples))
         blobs = [s.to_json() for s in samples]
+        trained_seq, trained_log = await self._trained()
+        cap = self.cfg.limits.max_sample_backlog
         last, entry, log_id = await self._append(keys=[keys.SAMPLE_LOG, keys.SAMPLE_SEQ, keys.SAMPLE_LOG_ID],
                                                  args=[principal, len(blobs), batch_json(blobs), new_log_id(),
-                                                       contexts])
+                                                       contexts, trained_seq, trained_log, cap])
+        last = int(last)
+        if last < 0:
+            m.SAMPLES_REJECTED.labels("backlog").inc()
+            raise exceeded("sample_backlog", f"the trainer is behind: {entry} samples wait to be trained (at most "
+                           f"{cap}); retry later", self.cfg.limits.backlog_retry_after_s)
         entry = entry.decode() if isinstance(entry, bytes) else str(entry)
         ids = [sample_id(entry, i) for i in range(len(blobs))]
-        last = int(last)
         seqs = list(range(last - len(ids) + 1, last + 1))
         m.SAMPLES_ACCEPTED.inc(len(ids))
         log_id = as_str(log_id)
+        await self._audit(principal, entry, seqs, sum(len(b) for b in blobs), admin)
         queued = self._forward(principal, entry, ids, seqs, blobs, contexts, log_id)
         return {"ids": ids, "seqs": seqs, "queued": queued, "learned": learned_token(log_id, last)}
+
+    async def _trained(self) -> tuple[int, str]:
+        """The trainer's committed seq and the log it belongs to (what the backlog is counted from)."""
+        if not self.cfg.limits.max_sample_backlog:
+            return 0, ""
+        seq, log_id = await self.redis.hmget(keys.TRAINER_OFFSET, ["seq", "log"])
+        return int(seq or 0), as_str(log_id or b"")
+
+    async def _audit(self, principal: str, entry: str, seqs: list[int], nbytes: int, admin: str | None) -> None:
+        """Who taught what: the log entry (sample ids are ``<entry>:<index>``), seqs, count, bytes.
+        The samples are durable already and their log entry names the principal too, so a lost
+        record is logged, not answered as a failure."""
+        try:
+            await audit(self.redis, principal=principal, action="learn", entry=entry, first_seq=seqs[0],
+                        last_seq=seqs[-1], count=len(seqs), bytes=nbytes, admin=admin)
+        except (RedisError, OSError):
+            log.warning("could not write the audit record of log entry %s", entry)
 
     def _forward(self, principal: str, entry: str, ids: list[str], seqs: list[int], blobs: list[bytes],
                  contexts: bytes = b"", log_id: str = "") -> bool:
@@ -197,4 +230,9 @@ def register(registry: Registry) -> None:
     async def learn(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
         ingest = ctx.state.samples
         samples = ingest.parse(args or {})
-        return await ingest.submit(ctx.principal, samples)
+        refund = await ctx.state.limits.admit_learn(ctx.principal, samples)
+        try:
+            return await ingest.submit(ctx.principal, samples)
+        except Exception:
+            await refund()  # nothing was written: the quota is not spent
+            raise

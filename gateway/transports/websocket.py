@@ -14,8 +14,9 @@ as HTTP (:mod:`gateway.mcp.kernel`), so a frame gets exactly the checks an HTTP 
 apply). A 2025-11-25 ``initialize`` opens a session bound to the connection; its event
 stream is pumped onto the socket and the session ends with the connection. Requests run
 concurrently so a tool waiting for the client's answer (sampling, elicitation) does not
-block the frame that carries that answer. Notifications and client replies get no frame
-back, as JSON-RPC asks.
+block the frame that carries that answer; beyond ``ws_concurrent_requests`` of them (a
+per-principal limit) a request is answered at once with the limit error. Notifications and
+client replies get no frame back, as JSON-RPC asks.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from starlette.responses import JSONResponse, Response
 
 from gateway.auth import AuthError
 from gateway.errors import INVALID_REQUEST, McpError, wire_error
+from gateway.limits import exceeded
 from gateway.mcp.kernel import Kernel, Link, Message
 from gateway.mcp.types import ErrorResponse, Reply, Request, ServerMessage, encode
 from gateway.mcp.types import Response as RpcResponse
@@ -79,6 +81,8 @@ class _Connection:
         self.lock = asyncio.Lock()
         self.tasks: set[asyncio.Task[None]] = set()
         self.pump: asyncio.Task[None] | None = None
+        self.max_inflight = gateway.limits.of(principal).ws_concurrent_requests
+        self.retry_after_s = gateway.config.limits.cap_retry_after_s
 
     async def send(self, msg: ServerMessage | RpcResponse | ErrorResponse) -> None:
         await self.send_bytes(encode(msg))
@@ -95,6 +99,12 @@ class _Connection:
             return
         if not isinstance(message, Request):
             await self._serve(message)  # notifications and client replies are quick: in frame order
+            return
+        if self.max_inflight and len(self.tasks) >= self.max_inflight:
+            busy = self.kernel.fail(exceeded("ws_concurrent_requests", f"at most {self.max_inflight} requests may "
+                                             "run at once on one connection", self.retry_after_s), message.id)
+            if busy.message is not None:
+                await self.send(busy.message)
             return
         task = asyncio.create_task(self._serve(message))
         self.tasks.add(task)

@@ -1,0 +1,343 @@
+"""Quotas, rate limits and the teach permission of each principal, shared by every replica.
+
+One principal must not be able to starve the others, or fill a Redis that runs
+``noeviction`` and so stop writes for everyone. What each principal may use is
+``limits.default``, with ``limits.principals.<name>`` overriding some fields (shared/config.py):
+
+- **rates** — MCP messages, ``learn`` samples and ``learn`` bytes — are token buckets in
+  Redis (GCRA: one value per bucket, the time at which it would be full again). One call
+  of :data:`THROTTLE_LUA` checks every bucket a request needs and takes from all of them or
+  from none: one round trip, every key in the principal's slot. A request's check runs on
+  the request's way in (:meth:`Limits.admit_request`, from the kernel); a replica takes
+  request tokens a few at a time, so most requests cost no round trip;
+- **open listen streams** are leases in a sorted set that their replica renews, so the
+  streams of a replica that died stop counting once their lease runs out;
+- **subscriptions per legacy session** are capped by the subscribe script itself
+  (gateway/mcp/sessions.py), **requests in flight per WebSocket** by the connection that
+  holds them (it lives on one replica), and **the sample log's backlog** by its append
+  script (gateway/tools/learning.py).
+
+Going over a limit raises :class:`~gateway.errors.LimitExceeded` (HTTP 429 + Retry-After,
+JSON-RPC ``data.retryAfterS``) and counts in ``learnmesh_limit_exceeded_total{limit}``.
+
+Who may teach: ``learning.teachers`` names the principals (``*``: all) whose ``learn``
+calls, and samples imported for them by an operator, are accepted; the admin API grants and
+revokes over that list at runtime (:func:`set_teacher`), in a key of the principal's slot
+that the learn quota's script reads, so the permission costs no round trip of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError, RedisError
+
+from gateway.errors import OUTAGE, Forbidden, InvalidParams, LimitExceeded
+from shared import keys, metrics
+from shared.config import Config, PrincipalLimits
+from shared.redis_batch import AutoPipeline, pack_command
+from shared.samples import Sample
+
+log = logging.getLogger(__name__)
+
+THROTTLE_LUA = """
+-- KEYS: [the teach flag,] then one bucket per limit, all in the principal's slot.
+-- ARGV[1]: '' (no permission to check: every key is a bucket), or the principal's teach
+-- permission by the config ('1' / '0'), which a flag in KEYS[1] set by the admin API overrides.
+-- Then per bucket: the interval in us between two tokens (1e6 / rate), the burst, this call's cost
+-- (negative: give tokens back). A bucket holds the time at which it is full again (us).
+-- Returns {1}: taken from every bucket; {0, wait ms, bucket number}: over a limit, nothing
+-- taken; {-1}: not permitted.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local first = 1
+if ARGV[1] ~= '' then
+  if (redis.call('GET', KEYS[1]) or ARGV[1]) ~= '1' then return {-1} end
+  first = 2
+end
+local full_at, wait, over = {}, 0, 0
+for i = first, #KEYS do
+  local a = 2 + (i - first) * 3
+  local interval, burst, cost = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+  local at = math.max(tonumber(redis.call('GET', KEYS[i]) or '0'), now) + cost * interval
+  local late = at - now - burst * interval
+  if late > wait then wait, over = late, i - first + 1 end
+  full_at[i] = at
+end
+if over > 0 then return {0, math.ceil(wait / 1000), over} end
+for i = first, #KEYS do
+  local ttl_ms = math.ceil((full_at[i] - now) / 1000)
+  if ttl_ms > 0 then
+    redis.call('SET', KEYS[i], string.format('%.17g', full_at[i]), 'PX', ttl_ms)
+  else
+    redis.call('DEL', KEYS[i])
+  end
+end
+return {1}
+"""
+
+LEASE_LUA = """
+-- KEYS[1]: a principal's listen leases. ARGV: lease id, cap, lease ms.
+-- Takes a lease (or renews one already held); 0 when the cap is reached.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if not redis.call('ZSCORE', KEYS[1], ARGV[1]) and redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then
+  return 0
+end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+
+LISTEN_LEASE_S = 30.0  # a dead replica's listen streams stop counting after this long
+_OUTAGE_PAUSE_S = 1.0  # see admit_request
+_STOCKS_MAX = 65536  # principals whose request tokens a replica keeps (dropping them only costs round trips)
+_CHUNK_S = 0.01  # a replica takes 10 ms of a principal's request rate at a time (at most a quarter burst)
+_THROTTLE_SHA = hashlib.sha1(THROTTLE_LUA.encode()).hexdigest()
+
+Refund = Callable[[], Awaitable[None]]
+
+
+class _Stock:
+    """A principal's request tokens on this replica: taken from Redis ahead, or known to be out."""
+
+    __slots__ = ("tokens", "low", "blocked_until", "refill")
+
+    def __init__(self, low: int) -> None:
+        self.tokens = 0
+        self.low = low  # at this many tokens left the next chunk is fetched, so requests rarely wait
+        self.blocked_until = 0.0  # time.monotonic() before which Redis would refuse
+        self.refill: asyncio.Future[None] | None = None
+
+    def idle(self) -> bool:
+        return self.refill is None or self.refill.done()
+
+
+def _background(refill: Awaitable[None]) -> asyncio.Future[None]:
+    """A refill that requests may await; its failure is theirs to see (or logged by the next one)."""
+    future = asyncio.ensure_future(refill)
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return future
+
+
+def _chunk(lim: PrincipalLimits) -> int:
+    return max(1, min(lim.requests_burst // 4, int(lim.requests_per_s * _CHUNK_S)))
+
+
+def _interval_us(rate_per_s: float) -> str:
+    return "%.17g" % (1e6 / rate_per_s)
+
+
+def _retry_after_s(wait_ms: int) -> int:
+    return max(1, math.ceil(wait_ms / 1000))
+
+
+def exceeded(limit: str, message: str, retry_after_s: int) -> LimitExceeded:
+    """The error for a principal over ``limit``, counted in the metrics."""
+    metrics.LIMIT_EXCEEDED.labels(limit).inc()
+    return LimitExceeded(limit, message, retry_after_s)
+
+
+class Limits:
+    """One replica's view of the limits (``Gateway.limits``)."""
+
+    def __init__(self, redis: aioredis.Redis, cfg: Config) -> None:
+        self.redis = redis
+        self.cfg = cfg.limits
+        self.teachers = frozenset(cfg.learning.teachers)
+        self._overrides = {name: cfg.limits.of(name) for name in cfg.limits.principals}
+        self._batch = AutoPipeline(redis)
+        self._stocks: dict[str, _Stock] = {}
+        self._outage_until = 0.0
+        self._lease = redis.register_script(LEASE_LUA)
+
+    def of(self, principal: str) -> PrincipalLimits:
+        return self._overrides.get(principal, self.cfg.default)
+
+    def teaches_by_config(self, principal: str) -> bool:
+        return "*" in self.teachers or principal in self.teachers
+
+    # ------------------------------------------------------------------ token buckets
+    async def _throttle(self, command: bytes) -> Any:
+        try:
+            return await self._batch.submit(command)
+        except NoScriptError:
+            pass
+        await self.redis.script_load(THROTTLE_LUA)  # first use, or Redis restarted without it
+        return await self._batch.submit(command)
+
+    async def admit_request(self, principal: str) -> None:
+        """Take one token of the principal's request rate, or raise :class:`LimitExceeded`.
+
+        Most calls cost no round trip: a replica takes the principal's tokens from Redis a few
+        at a time (``_chunk``) and hands them out here, and once Redis says the bucket is empty
+        it refuses locally until the wait Redis named is over (nothing but time refills a
+        bucket); the next chunk is fetched while half of one is left, so requests rarely wait
+        for it. All replicas together so admit at most two chunks (20 ms of the rate) more per
+        replica than the bucket holds. While Redis is unreachable requests pass unchecked (for
+        ``_OUTAGE_PAUSE_S`` before the next try): what needs Redis fails anyway with 503, and
+        what does not (lists, discovery) keeps working."""
+        lim = self.of(principal)
+        if not lim.requests_per_s:
+            return
+        stock = self._stocks.get(principal)
+        if stock is None:
+            if len(self._stocks) >= _STOCKS_MAX:
+                self._stocks.clear()
+            chunk = _chunk(lim)
+            stock = self._stocks[principal] = _Stock(chunk // 2 if chunk > 1 else -1)  # -1: one at a time
+        while True:
+            if stock.tokens > 0:
+                stock.tokens -= 1
+                if stock.tokens <= stock.low and stock.idle() and time.monotonic() >= stock.blocked_until:
+                    stock.refill = _background(self._refill(principal, lim, stock))  # before it runs out
+                return
+            now = time.monotonic()
+            if now < stock.blocked_until:
+                raise exceeded("requests", f"Too many requests: at most {lim.requests_per_s:g} per second "
+                               f"(bursts of {lim.requests_burst})", max(1, math.ceil(stock.blocked_until - now)))
+            if now < self._outage_until:
+                return
+            refill = stock.refill
+            if refill is None or refill.done():
+                refill = stock.refill = _background(self._refill(principal, lim, stock))
+            await asyncio.shield(refill)
+
+    async def _refill(self, principal: str, lim: PrincipalLimits, stock: _Stock) -> None:
+        """Take up to a chunk of tokens (one if no more are left), or learn how long to wait."""
+        key, interval = keys.limit_bucket(principal, "requests"), _interval_us(lim.requests_per_s)
+        chunk = _chunk(lim)
+        try:
+            for cost in (chunk, 1) if chunk > 1 else (1,):
+                reply = await self._throttle(pack_command(("EVALSHA", _THROTTLE_SHA, 1, key, "", interval,
+                                                           lim.requests_burst, cost)))
+                if reply[0] == 1:
+                    stock.tokens += cost
+                    return
+            stock.blocked_until = time.monotonic() + reply[1] / 1000
+        except OUTAGE:
+            self._outage_until = time.monotonic() + _OUTAGE_PAUSE_S
+            log.warning("request limits unchecked for %.0f s: redis unreachable", _OUTAGE_PAUSE_S)
+
+    async def admit_learn(self, principal: str, samples: list[Sample]) -> Refund:
+        """Check that ``principal`` may teach and take ``samples``' count and bytes from its learn
+        quota, in one script call. Returns what gives the tokens back (the samples were not
+        written after all). Raises :class:`Forbidden` or :class:`LimitExceeded`."""
+        lim = self.of(principal)
+        nbytes = sum(len(s.to_json()) for s in samples)
+        buckets: list[tuple[str, float, int, int]] = []
+        for name, rate, burst, cost, unit in (
+                ("learn_samples", lim.learn_samples_per_s, lim.learn_samples_burst, len(samples), "samples"),
+                ("learn_bytes", lim.learn_bytes_per_s, lim.learn_bytes_burst, nbytes, "bytes")):
+            if not rate:
+                continue
+            if cost > burst:
+                raise InvalidParams(f"this call carries {cost} {unit}, more than the {burst} a principal may "
+                                    "send at once; split it into smaller calls", {"limit": name})
+            buckets.append((name, rate, burst, cost))
+        verdict = "1" if self.teaches_by_config(principal) else "0"
+        reply = await self._run_buckets(principal, buckets, verdict)
+        if reply[0] == -1:
+            raise self.forbidden(principal)
+        if reply[0] == 0:
+            name, rate, burst, _ = buckets[reply[2] - 1]
+            unit = "samples" if name == "learn_samples" else "bytes"
+            raise exceeded(name, f"learn quota reached: at most {rate:g} {unit} per second (bursts of {burst})",
+                           _retry_after_s(reply[1]))
+
+        async def refund() -> None:
+            if not buckets:
+                return
+            try:
+                await self._run_buckets(principal, [(n, r, b, -c) for n, r, b, c in buckets], "")
+            except (RedisError, OSError):
+                log.warning("could not give back the learn quota of a refused call")
+
+        return refund
+
+    async def _run_buckets(self, principal: str, buckets: list[tuple[str, float, int, int]], verdict: str) -> Any:
+        names = [keys.teacher_grant(principal)] if verdict else []
+        args: list[str | int] = [verdict]
+        for name, rate, burst, cost in buckets:
+            names.append(keys.limit_bucket(principal, name))
+            args += [_interval_us(rate), burst, cost]
+        return await self._throttle(pack_command(("EVALSHA", _THROTTLE_SHA, len(names), *names, *args)))
+
+    # ------------------------------------------------------------------ the teach permission
+    def forbidden(self, principal: str) -> Forbidden:
+        metrics.LEARN_FORBIDDEN.inc()
+        return Forbidden(f"principal {principal!r} may not teach this model: learn needs the teach "
+                         "permission, which an operator grants", "teach")
+
+    async def may_teach(self, principal: str) -> bool:
+        """The permission in force: the admin API's grant or revoke, else ``learning.teachers``."""
+        flag = await self.redis.get(keys.teacher_grant(principal))
+        if flag is None:
+            return self.teaches_by_config(principal)
+        return flag in (b"1", "1")
+
+    async def check_teacher(self, principal: str) -> None:
+        if not await self.may_teach(principal):
+            raise self.forbidden(principal)
+
+    # ------------------------------------------------------------------ listen streams
+    @contextlib.asynccontextmanager
+    async def listen_slot(self, principal: str) -> AsyncIterator[None]:
+        """Hold one of the principal's ``listen_streams`` for the life of a listen stream."""
+        cap = self.of(principal).listen_streams
+        if not cap:
+            yield
+            return
+        key, lease, lease_ms = keys.listen_leases(principal), uuid.uuid4().hex, int(LISTEN_LEASE_S * 1000)
+        if not await self._lease(keys=[key], args=[lease, cap, lease_ms]):
+            raise exceeded("listen_streams", f"at most {cap} subscriptions/listen streams may be open at once",
+                           self.cfg.cap_retry_after_s)
+        renewal = asyncio.create_task(self._renew(key, lease, cap, lease_ms))
+        try:
+            yield
+        finally:
+            renewal.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await renewal
+            try:
+                await self.redis.zrem(key, lease)
+            except (RedisError, OSError):
+                pass  # the lease runs out by itself
+
+    async def _renew(self, key: str, lease: str, cap: int, lease_ms: int) -> None:
+        while True:
+            await asyncio.sleep(LISTEN_LEASE_S / 3)
+            try:
+                await self._lease(keys=[key], args=[lease, cap, lease_ms])
+            except (RedisError, OSError):
+                log.warning("could not renew a listen stream's lease; retrying")
+
+
+async def set_teacher(redis: aioredis.Redis, principal: str, teach: bool, by: str) -> None:
+    """Grant (``teach``) or revoke the teach permission of ``principal`` on every replica, over
+    whatever ``learning.teachers`` says."""
+    record = json.dumps({"teach": teach, "by": by, "ts_ms": int(time.time() * 1000)})
+    pipe = redis.pipeline(transaction=False)
+    pipe.set(keys.teacher_grant(principal), "1" if teach else "0")
+    pipe.hset(keys.TEACHER_GRANTS, principal, record)
+    await pipe.execute()
+
+
+async def teacher_grants(redis: aioredis.Redis) -> dict[str, dict[str, Any]]:
+    """Every runtime grant and revoke: principal -> {teach, by, ts_ms}."""
+    raw = await redis.hgetall(keys.TEACHER_GRANTS)
+    out: dict[str, dict[str, Any]] = {}
+    for name, record in (raw or {}).items():
+        out[name.decode() if isinstance(name, bytes) else str(name)] = json.loads(record)
+    return out

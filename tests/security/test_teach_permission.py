@@ -1,0 +1,137 @@
+"""Who may teach (issue 21, item 11): ``learn`` — and an operator's sample import for a
+principal — needs the teach permission, from ``learning.teachers`` or granted through the
+admin API; a grant or revoke on one replica holds on the others at once, with no restart;
+the audit stream says who taught what. Two real gateway processes, one real Redis."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+import redis as redis_sync
+
+from services.supervisor import _child_env, load_or_create_keys
+from shared import keys
+from shared.config import load_config
+from tests.conftest import free_port
+from tests.gateway_support import start_gateway, stop
+from tests.test_gateway_http import modern
+
+KEYS = {"teacher": "teacher-key-0123456789", "student": "student-key-0123456789"}
+ADMIN = "root-admin-key-0123456789"
+OPERATOR = "ops-operator-key-0123456789"
+
+
+@pytest.fixture(scope="module")
+def replicas(redis_server: str) -> Iterator[tuple[str, str]]:
+    overrides = {"learning": {"teachers": ["teacher"]},
+                 "trainer": {"samples_endpoint": f"tcp://127.0.0.1:{free_port()}"},
+                 "gateway": {"admin_keys": {"root": {"key": ADMIN, "role": "admin"},
+                                            "ops": {"key": OPERATOR, "role": "operator"}}}}
+    api_keys = ",".join(f"{p}:{k}" for p, k in KEYS.items())
+    pa, pb = free_port(), free_port()
+    a = start_gateway(pa, redis_server, api_keys=api_keys, overrides=overrides)
+    b = start_gateway(pb, redis_server, api_keys=api_keys, overrides=overrides)
+    yield f"http://127.0.0.1:{pa}", f"http://127.0.0.1:{pb}"
+    stop(a)
+    stop(b)
+
+
+@pytest.fixture
+def store(redis_server: str, redis_url: str) -> Iterator[redis_sync.Redis]:
+    client = redis_sync.Redis.from_url(redis_server)
+    yield client
+    client.close()
+
+
+def learn(base: str, principal: str, samples: list[dict]) -> httpx.Response:
+    body, headers = modern("tools/call", {"name": "learn", "arguments": {"samples": samples}})
+    return httpx.post(base + "/mcp", json=body, headers={**headers, "authorization": f"Bearer {KEYS[principal]}"},
+                      timeout=10)
+
+
+def admin(method: str, url: str, key: str = ADMIN, **kw: object) -> httpx.Response:
+    return httpx.request(method, url, headers={"authorization": f"Bearer {key}"}, timeout=10, **kw)  # type: ignore
+
+
+def logged(store: redis_sync.Redis, principal: str) -> int:
+    return sum(int(f[b"n"]) for _, f in store.xrange(keys.SAMPLE_LOG) if f[b"p"] == principal.encode())
+
+
+def assert_forbidden(r: httpx.Response) -> None:
+    assert r.status_code == 403, r.text
+    error = r.json()["error"]
+    assert error["code"] == -32003 and error["data"] == {"permission": "teach"}
+    assert "may not teach" in error["message"]
+
+
+SAMPLES = [{"input": "the sky is", "target": " green"}, {"input": "two plus two is", "target": " five"}]
+
+
+def test_only_teachers_teach_and_grants_hold_on_every_replica(replicas: tuple[str, str],
+                                                              store: redis_sync.Redis) -> None:
+    a, b = replicas
+    # a principal without the permission cannot teach the shared model, on either replica
+    assert_forbidden(learn(a, "student", SAMPLES))
+    assert_forbidden(learn(b, "student", SAMPLES))
+    assert logged(store, "student") == 0
+    # nor can an operator import samples in its name
+    r = admin("POST", a + "/admin/samples", OPERATOR, json={"principal": "student", "samples": SAMPLES})
+    assert r.status_code == 403 and "may not teach" in r.json()["detail"]
+    assert logged(store, "student") == 0
+    # a teacher by the config teaches
+    taught = learn(b, "teacher", SAMPLES)
+    assert taught.status_code == 200, taught.text
+    ack = taught.json()["result"]["structuredContent"]
+    assert logged(store, "teacher") == 2
+    # only an admin changes who may teach
+    assert admin("PUT", a + "/admin/teachers/student", OPERATOR).status_code == 403
+    granted = admin("PUT", a + "/admin/teachers/student")
+    assert granted.status_code == 200 and granted.json()["may_teach"] is True
+    # the grant, made on A, holds on B at the next call
+    assert learn(b, "student", SAMPLES).status_code == 200
+    assert logged(store, "student") == 2
+    imported = admin("POST", a + "/admin/samples", OPERATOR, json={"principal": "student", "samples": SAMPLES})
+    assert imported.status_code == 200 and logged(store, "student") == 4
+    # a revoke overrides the config's list, on every replica
+    revoked = admin("DELETE", b + "/admin/teachers/teacher")
+    assert revoked.status_code == 200 and revoked.json() == {
+        "principal": "teacher", "may_teach": False, "by_config": True,
+        "runtime": {"teach": False, "by": "admin:root", "ts_ms": revoked.json()["runtime"]["ts_ms"]}}
+    assert_forbidden(learn(a, "teacher", SAMPLES))
+    assert logged(store, "teacher") == 2
+    listing = admin("GET", b + "/admin/teachers", OPERATOR).json()
+    assert listing["config"] == ["teacher"] and set(listing["runtime"]) == {"student", "teacher"}
+    assert admin("PUT", a + "/admin/teachers/bad%7Bname%7D").status_code == 422
+
+    # the audit stream says who taught what (enough to find and roll back a poisoned batch),
+    # and who changed the permission
+    audit = admin("GET", a + "/admin/audit", OPERATOR, params={"action": "learn"}).json()["entries"]
+    by_teacher = [e for e in audit if e["principal"] == "teacher"]
+    assert len(by_teacher) == 1
+    record = by_teacher[0]
+    assert record["count"] == "2" and int(record["bytes"]) > 0
+    assert [f"{record['entry']}:{i}" for i in range(2)] == ack["ids"]
+    assert [int(record["first_seq"]), int(record["last_seq"])] == [ack["seqs"][0], ack["seqs"][-1]]
+    imports = admin("GET", a + "/admin/audit", OPERATOR, params={"principal": "admin:ops"}).json()["entries"]
+    assert [(e["action"], e["principal"]) for e in imports] == [("learn", "student")]
+    changes = admin("GET", b + "/admin/audit", OPERATOR, params={"action": "teacher.*"}).json()["entries"]
+    assert [(e["action"], e["teacher"], e["principal"]) for e in changes] == [
+        ("teacher.revoke", "teacher", "admin:root"), ("teacher.grant", "student", "admin:root")]
+
+
+def test_a_fresh_learnmesh_up_lets_its_demo_key_teach(tmp_path: Path) -> None:
+    """`make run` generates the demo key; examples/demo.py teaches with it. Keys given in the
+    config or environment are teachers only where learning.teachers says so."""
+    args = SimpleNamespace(workers=1, config=None)
+    fresh = load_config(env={})
+    api_keys, admin_key = load_or_create_keys(tmp_path, fresh)
+    env = _child_env(fresh, args, "redis://127.0.0.1:1/0", api_keys, admin_key, tmp_path)
+    assert load_config(env=env).learning.teachers == ["local", *api_keys]
+    given = load_config(env={"LEARNMESH_API_KEYS": "alice:alice-key-123"})
+    keys_given, _ = load_or_create_keys(tmp_path, given)
+    env = _child_env(given, args, "redis://127.0.0.1:1/0", keys_given, admin_key, tmp_path)
+    assert load_config(env=env).learning.teachers == ["local"]
