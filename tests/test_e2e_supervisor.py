@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import stat
@@ -13,7 +14,7 @@ import httpx
 import pytest
 from conftest import free_port, wait_for_sync
 
-from services.supervisor import Child, Supervisor, _var_overrides, load_or_create_keys, wait_ready
+from services.supervisor import Child, Supervisor, child_configs, load_or_create_keys, wait_ready
 from shared.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,14 +31,15 @@ def test_keys_are_generated_once_private_and_config_keys_win(tmp_path: Path) -> 
 
 
 def test_default_var_paths_move_under_learnmesh_var(tmp_path: Path) -> None:
-    env = _var_overrides(load_config(env={}), tmp_path)
-    assert env["LEARNMESH_TRAINER__CHECKPOINT_DIR"] == str(tmp_path / "checkpoints")
-    assert env["LEARNMESH_MODEL__CACHE_DIR"] == str(tmp_path / "model")
-    assert env["LEARNMESH_SECURITY__DELTA_KEY_FILE"] == str(tmp_path / "keys" / "delta.key")
+    args = argparse.Namespace(workers=None)
+    paths = child_configs(load_config(env={}), args, tmp_path, {"demo": "demo-key-123"}, "admin-key-123")
+    cfg = load_config(paths["trainer"], env={})  # what the child loads
+    assert cfg.trainer.checkpoint_dir == str(tmp_path / "checkpoints")
+    assert cfg.model.cache_dir == str(tmp_path / "model")
+    assert cfg.security.delta_key_file == str(tmp_path / "keys" / "delta.key")
     explicit = load_config(env={}, overrides={"trainer": {"checkpoint_dir": "/elsewhere"}})
-    assert "LEARNMESH_TRAINER__CHECKPOINT_DIR" not in _var_overrides(explicit, tmp_path)
-    # what the children get parses back into the config they run with
-    assert load_config(env=env).trainer.checkpoint_dir == str(tmp_path / "checkpoints")
+    paths = child_configs(explicit, args, tmp_path, {"demo": "demo-key-123"}, "admin-key-123")
+    assert load_config(paths["trainer"], env={}).trainer.checkpoint_dir == "/elsewhere"
 
 
 def test_wait_ready_gives_up_on_a_gateway_that_never_answers() -> None:
