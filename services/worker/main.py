@@ -14,6 +14,7 @@ from __future__ import annotations
 import codecs
 import logging
 import math
+import os
 import signal
 import time
 from collections import deque
@@ -361,10 +362,13 @@ def main(cfg: Config, args: Any) -> int:
             log.error("--index %d is outside worker.endpoints (%d configured)", index, len(cfg.worker.endpoints))
             return 2
         endpoint = cfg.worker.endpoints[index]
-    if cfg.redis.url:
-        from shared.redis_client import check_access
+    from shared.redis_client import check_access
+    from shared.secret_files import check_private
 
+    if cfg.redis.url:
         check_access(cfg.redis)  # wrong credentials: a clear error now, not silent status reports
+    if os.path.exists(cfg.security.delta_key_file):  # before the model is built, not after
+        check_private(cfg.security.delta_key_file, "security.delta_key_file")
     if cfg.worker.torch_threads:
         import torch
 
