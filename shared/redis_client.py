@@ -43,7 +43,7 @@ def client_kwargs(cfg: RedisConfig) -> dict[str, Any]:
     elif cfg.password:
         kwargs["password"] = cfg.password
     if url_of(cfg).startswith("rediss://"):
-        kwargs["ssl_cert_reqs"] = "required"
+        kwargs["ssl_cert_reqs"], kwargs["ssl_check_hostname"] = "required", True  # older redis-py: off
         if cfg.tls_ca_file:
             kwargs["ssl_ca_certs"] = cfg.tls_ca_file
         if cfg.tls_cert_file and cfg.tls_key_file:
