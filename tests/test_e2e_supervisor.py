@@ -42,6 +42,16 @@ def test_default_var_paths_move_under_learnmesh_var(tmp_path: Path) -> None:
     assert load_config(paths["trainer"], env={}).trainer.checkpoint_dir == "/elsewhere"
 
 
+def test_a_child_that_exits_on_a_configuration_error_stops_the_mesh_instead_of_restarting(tmp_path: Path) -> None:
+    bad = Child("gateway", [sys.executable, "-c", "raise SystemExit(2)"], dict(os.environ), log_path=tmp_path / "g.log")
+    other = Child("worker-0", [sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ))
+    sup = Supervisor([other, bad], stop_timeout_s=10)
+    sup.start()
+    sup.run(poll_s=0.05)  # returns: it stops everything by itself
+    assert sup.exit_code == 2 and bad.restarts == 0
+    assert not other.alive()
+
+
 def test_wait_ready_gives_up_on_a_gateway_that_never_answers() -> None:
     sup = Supervisor([Child("none", ["true"], {})])
     assert wait_ready(f"http://127.0.0.1:{free_port()}", 0.5, sup) is False

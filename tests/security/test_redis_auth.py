@@ -24,7 +24,7 @@ from gateway_support import start_gateway, stop
 from redis_servers import LEARNMESH_ACL, STARTERS, SecuredRedis, make_pki
 
 from services.trainer.data import ContextReader, SampleSource
-from shared.config import Config, load_config
+from shared.config import Config, ConfigError, load_config
 from shared.context import ContextStore
 from shared.redis_client import RedisAccessError, async_client, check_access, redact_url, sync_client
 from shared.secret_files import write_private
@@ -141,7 +141,7 @@ def _run_cli(*args: str, env: dict[str, str], timeout_s: float = 120) -> subproc
 
 
 @pytest.mark.parametrize("command", [["gateway", "--port", "0"], ["worker", "--endpoint", "tcp://127.0.0.1:1"],
-                                     ["trainer", "--ranks", "1"]])
+                                     ["trainer", "--ranks", "1"], ["up", "--workers", "1", "--ranks", "1"]])
 def test_a_wrong_password_stops_each_process_at_start_with_one_clear_line(command: list[str],
                                                                           tmp_path: Path) -> None:
     server = STARTERS["password"](tmp_path)
@@ -185,3 +185,16 @@ def test_urls_print_without_their_password() -> None:
     assert redact_url("redis://learnmesh:s3cret@redis:6379/0") == "redis://learnmesh:***@redis:6379/0"
     assert redact_url("rediss://:s3cret@[::1]:6380/1") == "rediss://:***@[::1]:6380/1"
     assert redact_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+
+
+@pytest.mark.parametrize(("redis", "problem"), [
+    ({"password": "a-password", "password_file": "/run/secrets/redis_password"}, "not both"),
+    ({"url": "redis://:in-url@redis:6379/0", "password": "a-password"}, "url already carries a password"),
+    ({"url": "redis://redis:6379/0", "tls_ca_file": "/ca.crt"}, "need a rediss:// url"),
+    ({"url": "rediss://redis:6379/0", "tls_cert_file": "/client.crt"}, "go together"),
+])
+def test_contradictory_redis_settings_fail_by_key(redis: dict, problem: str) -> None:
+    with pytest.raises(ConfigError, match=problem) as err:
+        load_config(env={}, overrides={"redis": redis})
+    assert str(err.value).startswith("redis: ") and "a-password" not in str(err.value)
+    assert "in-url" not in str(err.value)
