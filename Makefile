@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast conformance check lint typecheck bench-gateway bench-context bench-inference \
+.PHONY: run compose-secrets test test-fast conformance check lint typecheck bench-gateway bench-context bench-inference \
         bench-trainer bench-delta bench-learning bench-mesh bench-drills clean
 
 $(STAMP): pyproject.toml
@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml
 ## Set up and run the whole mesh on one machine (embedded default).
 run: $(STAMP)
 	$(BIN)/learnmesh up
+
+## Every secret of the docker compose stack, generated once into compose/secrets.env (0600).
+compose-secrets: $(STAMP)
+	$(BIN)/learnmesh compose-secrets --out compose/secrets.env
 
 ## All tests, then the official MCP conformance suite on both revisions.
 test: $(STAMP)

@@ -42,8 +42,9 @@ from gateway.transports.streamable_http import McpHttpTransport
 from gateway.transports.websocket import websocket_endpoint, ws_ticket_endpoint
 from gateway.workers import WorkerPool
 from shared import audit
-from shared.config import DEFAULT_REDIS_URL, Config, ConfigError
+from shared.config import Config, ConfigError
 from shared.context import ContextStore
+from shared.redis_client import async_client
 from shared.text import as_str
 
 log = logging.getLogger(__name__)
@@ -95,11 +96,10 @@ def register_fixtures(registry: Registry, name: str) -> None:
 
 def _redis_clients(cfg: Config) -> tuple[aioredis.Redis, aioredis.Redis]:
     """The request client (socket timeout) and the blocking one (none: pub/sub, blocking reads)."""
-    url = cfg.redis.url or DEFAULT_REDIS_URL
     common: dict[str, Any] = {"socket_connect_timeout": cfg.redis.socket_timeout_s,
                               "max_connections": cfg.redis.max_connections, "health_check_interval": 30}
-    return (aioredis.Redis.from_url(url, socket_timeout=cfg.redis.socket_timeout_s, **common),
-            aioredis.Redis.from_url(url, socket_timeout=None, **common))
+    return (async_client(cfg.redis, socket_timeout=cfg.redis.socket_timeout_s, **common),
+            async_client(cfg.redis, socket_timeout=None, **common))
 
 
 async def _warn_unless_noeviction(redis: aioredis.Redis) -> None:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
+import subprocess
 import sys
 from types import FrameType
 from typing import Any
@@ -65,7 +67,8 @@ def main(cfg: Config, args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway.app import create_app
-    from shared.redis_embed import resolve_redis_url
+    from shared.redis_client import check_access
+    from shared.redis_embed import resolve_redis
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.host:
@@ -74,8 +77,12 @@ def main(cfg: Config, args: argparse.Namespace) -> int:
         cfg.gateway.port = args.port
     check_bind(cfg)
     app = create_app(cfg, fixtures=args.fixtures)  # before Redis: a bad setting starts nothing
-    url, proc = resolve_redis_url(cfg.redis.url)
-    cfg.redis.url = url
+    proc = resolve_redis(cfg.redis, os.environ.get("LEARNMESH_VAR", "var"))
+    try:
+        check_access(cfg.redis)  # wrong credentials: one clear line now, not 503s for ever
+    except ConfigError:
+        _stop_redis(proc)
+        raise
     # uvicorn drains on SIGTERM / SIGINT and then raises the signal again under the handlers
     # it found: with the default ones the process would die there, exit code -15, without
     # the `finally` below (an embedded Redis this replica started would outlive it). These
@@ -88,10 +95,14 @@ def main(cfg: Config, args: argparse.Namespace) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        if proc is not None:
-            proc.terminate()
-            proc.wait(10)
+        _stop_redis(proc)
     return 0
+
+
+def _stop_redis(proc: subprocess.Popen | None) -> None:
+    if proc is not None:
+        proc.terminate()
+        proc.wait(10)
 
 
 if __name__ == "__main__":  # pragma: no cover - `learnmesh gateway` is the entry point

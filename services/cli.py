@@ -33,6 +33,11 @@ def _parser() -> argparse.ArgumentParser:
     u.add_argument("--workers", type=int)
     u.add_argument("--ranks", type=int)
     u.add_argument("--fixtures", choices=["conformance"], help="passed on to the gateway (see gateway --help)")
+
+    c = sub.add_parser("compose-secrets", help="generate every secret of the compose stack into a 0600 env file")
+    c.add_argument("--out", default="compose/secrets.env", help="where to write (default: %(default)s; - for stdout)")
+    c.add_argument("--api-keys", help="principal:key,... instead of one generated 'demo' key")
+    c.add_argument("--force", action="store_true", help="replace an existing file (every key changes)")
     return p
 
 
@@ -49,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         from services.worker.main import main as run
     elif args.command == "trainer":
         from services.trainer.main import main as run
+    elif args.command == "compose-secrets":
+        from services.compose_secrets import main as run
     else:
         from services.supervisor import main as run
     try:

@@ -4,12 +4,18 @@ Starts (or finds) Redis, then one gateway, ``--workers`` inference workers and a
 with ``--ranks`` ranks as child processes of this one. A child that exits unexpectedly is
 logged and restarted with backoff; Ctrl-C / SIGTERM stops them in reverse order with
 SIGTERM (the gateway drains, the trainer checkpoints) and SIGKILLs what does not stop
-within ``stop_timeout_s``. Keys are generated on first start and kept in ``var/keys``.
+within ``stop_timeout_s``. A child that exits with a configuration error (exit code 2) is
+not restarted: the mesh stops with it. Keys are generated on first start and kept in
+``var/keys``.
+
+Secrets never travel in a child's environment (readable in ``/proc/<pid>/environ``, copied
+into every process a child starts): each child reads its whole configuration from a 0600
+file in ``var/keys`` (``config-<role>.yaml``), and only the gateway's holds the API and
+admin keys.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import secrets
@@ -24,11 +30,14 @@ from typing import Any
 
 import yaml
 
-from shared.config import Config, parse_api_keys
+from shared.config import CONFIG_ENV, ENV_PREFIX, Config, load_config
+from shared.redis_client import check_access, redact_url
+from shared.secret_files import read_private, write_private
 
 log = logging.getLogger("learnmesh.up")
 
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
+CONFIG_ERROR_EXIT = 2  # what `learnmesh <command>` exits with on a ConfigError (services/cli.py)
 STOP_TIMEOUT_S = 20.0
 READY_TIMEOUT_S = 120.0
 
@@ -87,17 +96,14 @@ def load_or_create_keys(var_dir: Path, cfg: Config) -> tuple[dict[str, str], str
     path = var_dir / "keys" / "generated.yaml"
     stored: dict[str, Any] = {}
     if path.is_file():
-        stored = yaml.safe_load(path.read_text()) or {}
+        stored = yaml.safe_load(read_private(path, "generated keys file")) or {}
     api_keys = dict(cfg.gateway.api_keys) or dict(stored.get("api_keys") or {})
     if not api_keys:
         api_keys = {"demo": secrets.token_urlsafe(24)}
     admin = next((k.key for k in cfg.gateway.admin_keys.values() if k.role == "admin"), None)
     admin = admin or stored.get("admin_key") or secrets.token_urlsafe(24)
     if stored != {"api_keys": api_keys, "admin_key": admin}:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            yaml.safe_dump({"api_keys": api_keys, "admin_key": admin}, fh)
+        write_private(path, yaml.safe_dump({"api_keys": api_keys, "admin_key": admin}))
     return api_keys, admin
 
 
@@ -107,6 +113,7 @@ class Supervisor:
     def __init__(self, children: list[Child], *, stop_timeout_s: float = STOP_TIMEOUT_S) -> None:
         self.children = children
         self.stop_timeout_s = stop_timeout_s
+        self.exit_code = 0
         self._stopping = threading.Event()
 
     def start(self) -> None:
@@ -122,6 +129,12 @@ class Supervisor:
             for child in self.children:
                 if child.proc is not None and not child.alive() and not self._stopping.is_set():
                     code = child.proc.returncode
+                    if code == CONFIG_ERROR_EXIT:  # a restart would fail the same way
+                        log.error("%s stopped on a configuration error (see %s); stopping everything",
+                                  child.name, child.log_path or "its output")
+                        self.exit_code = CONFIG_ERROR_EXIT
+                        self._stopping.set()
+                        break
                     delay = RESTART_BACKOFF_S[min(child.restarts, len(RESTART_BACKOFF_S) - 1)]
                     if time.monotonic() - child.started_at > 60:
                         child.restarts = 0
@@ -151,20 +164,26 @@ def _learnmesh_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "services.cli", *args]
 
 
-def build_children(cfg: Config, args: Any, env: dict[str, str], var_dir: Path) -> list[Child]:
-    workers = args.workers if getattr(args, "workers", None) is not None else len(cfg.worker.endpoints)
+def build_children(cfg: Config, args: Any, envs: dict[str, dict[str, str]], var_dir: Path) -> list[Child]:
+    """The trainer, the workers and the gateway; ``envs``: each role's environment."""
+    workers = _n_workers(cfg, args)
     ranks = args.ranks if getattr(args, "ranks", None) is not None else cfg.trainer.ranks
     logs = var_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     gw = ["gateway", "--host", cfg.gateway.host, "--port", str(cfg.gateway.port)]
     if getattr(args, "fixtures", None):
         gw += ["--fixtures", args.fixtures]
-    children = [Child("trainer", _learnmesh_argv("trainer", "--ranks", str(ranks)), env, log_path=logs / "trainer.log")]
+    children = [Child("trainer", _learnmesh_argv("trainer", "--ranks", str(ranks)), envs["trainer"],
+                      log_path=logs / "trainer.log")]
     for i in range(workers):
-        children.append(Child(f"worker-{i}", _learnmesh_argv("worker", "--index", str(i)), env,
+        children.append(Child(f"worker-{i}", _learnmesh_argv("worker", "--index", str(i)), envs["worker"],
                               log_path=logs / f"worker-{i}.log"))
-    children.append(Child("gateway", _learnmesh_argv(*gw), env, log_path=logs / "gateway.log"))
+    children.append(Child("gateway", _learnmesh_argv(*gw), envs["gateway"], log_path=logs / "gateway.log"))
     return children
+
+
+def _n_workers(cfg: Config, args: Any) -> int:
+    return args.workers if getattr(args, "workers", None) is not None else len(cfg.worker.endpoints)
 
 
 def _worker_endpoints(cfg: Config, n: int) -> list[str]:
@@ -184,13 +203,48 @@ _VAR_PATHS = {
 }
 
 
-def _var_overrides(cfg: Config, var_dir: Path) -> dict[str, str]:
-    out = {}
+def _var_overrides(cfg: Config, var_dir: Path) -> dict[str, dict[str, str]]:
+    """section -> field -> path under ``var_dir``, for the defaults in :data:`_VAR_PATHS`."""
+    out: dict[str, dict[str, str]] = {}
     for (section, name), rel in _VAR_PATHS.items():
-        value = getattr(getattr(cfg, section), name)
-        if value == f"var/{rel}":
-            out[f"LEARNMESH_{section.upper()}__{name.upper()}"] = str(var_dir / rel)
+        if getattr(getattr(cfg, section), name) == f"var/{rel}":
+            out.setdefault(section, {})[name] = str(var_dir / rel)
     return out
+
+
+# What only the gateway needs; the other children's configuration files leave it out.
+_GATEWAY_SECRETS = {("gateway", "api_keys"): {}, ("gateway", "admin_keys"): {},
+                    ("gateway", "request_state_keys"): [], ("gateway", "oauth", "hs256_secret"): ""}
+
+
+def child_configs(cfg: Config, args: Any, var_dir: Path, api_keys: dict[str, str],
+                  admin_key: str) -> dict[str, Path]:
+    """Write each role's whole configuration (``gateway``, ``worker``, ``trainer``) to a 0600
+    file under ``var_dir/keys`` and check it loads; returns role -> path."""
+    tree = cfg.to_dict()
+    tree["worker"]["endpoints"] = _worker_endpoints(cfg, _n_workers(cfg, args))
+    for section, fields in _var_overrides(cfg, var_dir).items():
+        tree[section].update(fields)
+    if not cfg.gateway.api_keys:  # keys made here (the demo's): their principals may teach
+        tree["learning"]["teachers"] = [*cfg.learning.teachers,
+                                        *(p for p in api_keys if p not in cfg.learning.teachers)]
+    tree["gateway"]["api_keys"] = api_keys
+    if not any(k["key"] == admin_key for k in tree["gateway"]["admin_keys"].values()):
+        tree["gateway"]["admin_keys"] = {"generated": {"key": admin_key, "role": "admin"}}
+    paths = {}
+    for role in ("gateway", "worker", "trainer"):
+        role_tree = yaml.safe_load(yaml.safe_dump(tree))  # a deep copy
+        if role != "gateway":
+            for (*where, name), empty in _GATEWAY_SECRETS.items():
+                node = role_tree
+                for part in where:
+                    node = node[part]
+                node[name] = empty
+        path = var_dir / "keys" / f"config-{role}.yaml"
+        write_private(path, yaml.safe_dump(role_tree))
+        load_config(path, env={})  # what the child will load: fail here, once, not in every child
+        paths[role] = path
+    return paths
 
 
 def wait_ready(base: str, timeout_s: float, sup: Supervisor) -> bool:
@@ -212,29 +266,34 @@ def wait_ready(base: str, timeout_s: float, sup: Supervisor) -> bool:
 
 def main(cfg: Config, args: Any) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from shared.redis_embed import resolve_redis_url
+    from shared.redis_embed import resolve_redis
 
     if getattr(args, "host", None):
         cfg.gateway.host = args.host
     if getattr(args, "port", None):
         cfg.gateway.port = args.port
     var_dir = Path(os.environ.get("LEARNMESH_VAR", "var")).resolve()
-    redis_url, redis_proc = resolve_redis_url(cfg.redis.url, workdir=var_dir / "redis")
-    if redis_proc is None and not cfg.redis.url:
+    redis_configured = bool(cfg.redis.url or os.environ.get("REDIS_URL"))
+    redis_proc = resolve_redis(cfg.redis, var_dir)
+    redis_url = redact_url(cfg.redis.url or "")
+    if redis_proc is None and not redis_configured:
         log.warning("using the Redis already answering at %s: its sample log, trainer offsets and model version "
                     "are shared with whatever else uses that database; set REDIS_URL for a mesh of its own", redis_url)
-    api_keys, admin_key = load_or_create_keys(var_dir, cfg)
-    env = _child_env(cfg, args, redis_url, api_keys, admin_key, var_dir)
-    sup = Supervisor(build_children(cfg, args, env, var_dir))
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: sup.stop())
-    sup.start()
-    base = f"http://{cfg.gateway.host}:{cfg.gateway.port}"
-    if not wait_ready(base.replace("0.0.0.0", "127.0.0.1"), READY_TIMEOUT_S, sup):
-        log.warning("the gateway is not ready after %.0fs; see %s", READY_TIMEOUT_S, var_dir / "logs" / "gateway.log")
-    redis_note = "private, started here" if redis_proc is not None else "existing server"
-    print(_banner(cfg, f"{redis_url}   ({redis_note})", var_dir, api_keys, admin_key), flush=True)
     try:
+        check_access(cfg.redis)  # wrong credentials stop the mesh here, with one message
+        api_keys, admin_key = load_or_create_keys(var_dir, cfg)
+        envs = {role: child_env(path) for role, path in child_configs(cfg, args, var_dir, api_keys, admin_key).items()}
+        sup = Supervisor(build_children(cfg, args, envs, var_dir))
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: sup.stop())
+        sup.start()
+        base = f"http://{cfg.gateway.host}:{cfg.gateway.port}"
+        if not wait_ready(base.replace("0.0.0.0", "127.0.0.1"), READY_TIMEOUT_S, sup):
+            log.warning("the gateway is not ready after %.0fs; see %s", READY_TIMEOUT_S,
+                        var_dir / "logs" / "gateway.log")
+        redis_note = (f"private, started here; password in {cfg.redis.password_file}" if redis_proc is not None
+                      else "existing server")
+        print(_banner(cfg, f"{redis_url}   ({redis_note})", var_dir, api_keys, admin_key), flush=True)
         sup.run()
     finally:
         if redis_proc is not None:
@@ -243,31 +302,22 @@ def main(cfg: Config, args: Any) -> int:
                 redis_proc.wait(5)
             except subprocess.TimeoutExpired:
                 redis_proc.kill()
-    return 0
+    return sup.exit_code
 
 
-def _child_env(cfg: Config, args: Any, redis_url: str, api_keys: dict[str, str], admin_key: str,
-               var_dir: Path) -> dict[str, str]:
-    """The children's environment: this one plus what makes them one mesh (Redis, keys,
-    endpoints, places under ``var_dir``)."""
-    n_workers = args.workers if getattr(args, "workers", None) is not None else len(cfg.worker.endpoints)
-    env = dict(os.environ)
-    env.update({
-        "REDIS_URL": redis_url,
-        "LEARNMESH_API_KEYS": ",".join(f"{p}:{k}" for p, k in api_keys.items()),
-        "LEARNMESH_ADMIN_KEY": admin_key,
-        "LEARNMESH_GATEWAY__HOST": cfg.gateway.host,
-        "LEARNMESH_GATEWAY__PORT": str(cfg.gateway.port),
-        "LEARNMESH_WORKER__ENDPOINTS": "[" + ",".join(_worker_endpoints(cfg, n_workers)) + "]",
-        "PYTHONUNBUFFERED": "1",
-        **_var_overrides(cfg, var_dir),
-    })
-    parse_api_keys(env["LEARNMESH_API_KEYS"])  # fail early on a bad spec
-    if not cfg.gateway.api_keys:  # keys made here (the demo's): their principals may teach
-        teachers = [*cfg.learning.teachers, *(p for p in api_keys if p not in cfg.learning.teachers)]
-        env["LEARNMESH_LEARNING__TEACHERS"] = json.dumps(teachers)
-    if getattr(args, "config", None):
-        env["LEARNMESH_CONFIG"] = str(Path(args.config).resolve())
+def _is_config_variable(name: str) -> bool:
+    """Environment variables that configure learnmesh (some carry secrets): a child gets its
+    configuration from its file instead, so none of them is passed on."""
+    return name == "REDIS_URL" or (name.startswith(ENV_PREFIX) and (
+        "__" in name or name == CONFIG_ENV or name.removesuffix("_FILE") in ("LEARNMESH_API_KEYS",
+                                                                            "LEARNMESH_ADMIN_KEY")))
+
+
+def child_env(config_path: Path) -> dict[str, str]:
+    """A child's environment: this one without learnmesh's configuration variables, plus the
+    path of the child's configuration file."""
+    env = {k: v for k, v in os.environ.items() if not _is_config_variable(k)}
+    env.update({CONFIG_ENV: str(config_path), "PYTHONUNBUFFERED": "1"})
     return env
 
 

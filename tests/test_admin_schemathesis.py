@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from admin_support import ADMIN_KEY, live_gateway
+from tests.admin_support import ADMIN_KEY, live_gateway
 
 CHECKS = "not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance," \
          "unsupported_method"

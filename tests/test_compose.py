@@ -1,23 +1,36 @@
 """compose/ is checked structurally (no Docker engine here): commands exist in the
-learnmesh CLI, environment validates against the config schema, ports and endpoints
-agree between binders and connectors, Prometheus scrapes every service by name, and
-Grafana's provisioned dashboard only queries metrics that exist."""
+learnmesh CLI, environment validates against the config schema (with the secrets that
+``learnmesh compose-secrets`` generates, mounted where compose mounts them), ports and
+endpoints agree between binders and connectors, Prometheus scrapes every service by name,
+Grafana's provisioned dashboard only queries metrics that exist; the repository holds no
+working key, each secret reaches only the services that need it, and Redis's ACL rules
+hold against a real redis-server."""
 
 from __future__ import annotations
 
+import argparse
+import hashlib
 import importlib
 import json
+import os
 import re
+import shutil
+import subprocess
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
+import redis as redis_sync
 import yaml
+from tests.conftest import free_port, wait_for_sync
 from prometheus_client.metrics import MetricWrapperBase
 
+from services import compose_secrets
 from services.cli import _parser
 from shared import metrics
 from shared.config import load_config
+from shared.crypto import KeyRing
+from shared.redis_client import client_kwargs
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "compose"
@@ -41,10 +54,28 @@ def dotenv() -> dict[str, str]:
     return out
 
 
-def _env(service: dict, dotenv: dict[str, str]) -> dict[str, str]:
-    """The service's environment with ${VAR...} substituted from compose/.env."""
+@pytest.fixture(scope="module")
+def generated() -> dict[str, str]:
+    """What `learnmesh compose-secrets` writes to compose/secrets.env."""
+    return compose_secrets.generate()
+
+
+@pytest.fixture(scope="module")
+def secrets_dir(compose, generated, tmp_path_factory) -> Path:
+    """Each compose secret as a 0400 file, as compose mounts it under /run/secrets."""
+    d = tmp_path_factory.mktemp("run-secrets")
+    for name, spec in compose["secrets"].items():
+        (d / name).write_text(generated[spec["environment"]])
+        os.chmod(d / name, 0o400)
+    return d
+
+
+def _env(service: dict, dotenv: dict[str, str], secrets_dir: Path | None = None) -> dict[str, str]:
+    """The service's environment with ${VAR...} substituted from compose/.env and /run/secrets
+    paths pointing at ``secrets_dir``."""
     def sub(v: str) -> str:
-        return re.sub(r"\$\{([A-Z_]+)[^}]*\}", lambda m: dotenv[m.group(1)], str(v))
+        v = re.sub(r"\$\{([A-Z_]+)[^}]*\}", lambda m: dotenv[m.group(1)], str(v))
+        return v.replace("/run/secrets/", f"{secrets_dir}/") if secrets_dir is not None else v
     return {k: sub(v) for k, v in (service.get("environment") or {}).items()}
 
 
@@ -81,18 +112,18 @@ def test_every_command_exists_in_the_cli(compose):
         assert callable(getattr(module, "main", None)), f"{DISPATCH[args.command]}.main missing"
 
 
-def test_environment_validates_against_the_config_schema(compose, dotenv):
+def test_environment_validates_against_the_config_schema(compose, dotenv, secrets_dir):
     for name in LEARNMESH_SERVICES:
-        env = _env(compose["services"][name], dotenv)
+        env = _env(compose["services"][name], dotenv, secrets_dir)
         assert all(k.startswith("LEARNMESH_") or k == "REDIS_URL" for k in env), name
         cfg = load_config(None, env=env)  # ConfigError on unknown keys or bad values
         assert cfg.redis.url == "redis://redis:6379/0"
         assert urlsplit(cfg.redis.url).hostname in compose["services"]
 
 
-def test_bind_and_connect_endpoints_agree(compose, dotenv):
+def test_bind_and_connect_endpoints_agree(compose, dotenv, secrets_dir):
     hosts = _hosts(compose)
-    gw_cfg = load_config(None, env=_env(compose["services"]["gateway"], dotenv))
+    gw_cfg = load_config(None, env=_env(compose["services"]["gateway"], dotenv, secrets_dir))
     # gateway -> workers: each configured endpoint is a worker service binding that port
     for i, ep in enumerate(gw_cfg.worker.endpoints):
         u = urlsplit(ep)
@@ -102,9 +133,9 @@ def test_bind_and_connect_endpoints_agree(compose, dotenv):
         assert urlsplit(cmd[cmd.index("--endpoint") + 1]).port == u.port
     # the trainer binds on 0.0.0.0 exactly the ports every other process connects to as "trainer"
     for trainer in ("trainer", "trainer-cpu"):
-        t_cfg = load_config(None, env=_env(compose["services"][trainer], dotenv))
+        t_cfg = load_config(None, env=_env(compose["services"][trainer], dotenv, secrets_dir))
         for name in ("gateway", "worker-0", "worker-1"):
-            c_cfg = load_config(None, env=_env(compose["services"][name], dotenv))
+            c_cfg = load_config(None, env=_env(compose["services"][name], dotenv, secrets_dir))
             for bind, conn in ((t_cfg.trainer.samples_endpoint, c_cfg.trainer.samples_endpoint),
                                (t_cfg.security.delta_pub_endpoint, c_cfg.security.delta_pub_endpoint),
                                (t_cfg.security.snapshot_endpoint, c_cfg.security.snapshot_endpoint),
@@ -113,7 +144,7 @@ def test_bind_and_connect_endpoints_agree(compose, dotenv):
                 assert urlsplit(conn).hostname == "trainer" and "trainer" in hosts
 
 
-def test_trainer_gpu_reservation_and_cpu_profile(compose, dotenv):
+def test_trainer_gpu_reservation_and_cpu_profile(compose, dotenv, secrets_dir):
     gpu = compose["services"]["trainer"]
     devices = gpu["deploy"]["resources"]["reservations"]["devices"]
     assert any("gpu" in d["capabilities"] for d in devices)
@@ -121,18 +152,17 @@ def test_trainer_gpu_reservation_and_cpu_profile(compose, dotenv):
     cpu = compose["services"]["trainer-cpu"]
     assert cpu["profiles"] == ["cpu"] and "deploy" not in cpu
     assert "trainer" in cpu["networks"]["default"]["aliases"]
-    assert load_config(None, env=_env(cpu, dotenv)).trainer.backend == "gloo"
+    assert load_config(None, env=_env(cpu, dotenv, secrets_dir)).trainer.backend == "gloo"
     assert dotenv["COMPOSE_PROFILES"] == "cpu"
 
 
-def test_gateway_port_published_and_keys_required(compose, dotenv):
+def test_gateway_port_published_and_keys_required(compose, dotenv, secrets_dir):
     gw = compose["services"]["gateway"]
     port = int(gw["command"][gw["command"].index("--port") + 1])
     assert f"{port}:{port}" in gw["ports"]
     assert "0.0.0.0" in gw["command"]  # non-loopback bind: the gateway refuses to start without keys
-    cfg = load_config(None, env=_env(gw, dotenv))
+    cfg = load_config(None, env=_env(gw, dotenv, secrets_dir))  # keys from its mounted secrets
     assert cfg.gateway.api_keys and cfg.gateway.admin_keys
-    assert ":?" in str(gw["environment"]["LEARNMESH_API_KEYS"])
 
 
 def _targets() -> dict[str, list[str]]:
@@ -141,7 +171,7 @@ def _targets() -> dict[str, list[str]]:
             for job in prom["scrape_configs"]}
 
 
-def test_prometheus_scrapes_every_service_by_name(compose, dotenv):
+def test_prometheus_scrapes_every_service_by_name(compose, dotenv, secrets_dir):
     targets = _targets()
     hosts = _hosts(compose)
     for job, tlist in targets.items():
@@ -151,11 +181,11 @@ def test_prometheus_scrapes_every_service_by_name(compose, dotenv):
     assert targets["gateway"] == [f"gateway:{gw['command'][gw['command'].index('--port') + 1]}"]
     for name in ("worker-0", "worker-1"):
         svc = compose["services"][name]
-        cfg = load_config(None, env=_env(svc, dotenv))
+        cfg = load_config(None, env=_env(svc, dotenv, secrets_dir))
         index = int(svc["command"][svc["command"].index("--index") + 1])
         assert f"{name}:{cfg.metrics.worker_port + index}" in targets["worker"]
         assert cfg.metrics.bind_host == "0.0.0.0"
-    t_cfg = load_config(None, env=_env(compose["services"]["trainer-cpu"], dotenv))
+    t_cfg = load_config(None, env=_env(compose["services"]["trainer-cpu"], dotenv, secrets_dir))
     assert targets["trainer"] == [f"trainer:{t_cfg.metrics.trainer_port}"]
     assert any(t.startswith("redis-exporter:") for t in targets["redis"])
     scraped = {t.split(":")[0] for tl in targets.values() for t in tl}
@@ -185,3 +215,153 @@ def test_grafana_provisioned_dashboard_queries_real_metrics(compose):
     for name in used:
         base = re.sub(r"_(bucket|sum|count|total)$", "", name)
         assert base in known or name in known, f"dashboard queries undefined metric {name}"
+
+
+# --------------------------------------------------------------------------- secrets
+
+SERVICE_SECRETS = {  # who may hold what
+    "gateway": {"redis_password", "api_keys", "admin_key"},
+    "worker-0": {"redis_password", "delta_verify"},
+    "worker-1": {"redis_password", "delta_verify"},
+    "trainer": {"redis_password", "delta_key"},
+    "trainer-cpu": {"redis_password", "delta_key"},
+    "redis-exporter": {"redis_exporter_passwords"},
+    "grafana": {"grafana_admin_password"},
+}
+SERVICE_UIDS = {"redis-exporter": "59000", "grafana": "472"}  # the images' users; learnmesh's is 10001
+
+
+def _mounted(service: dict) -> dict[str, dict]:
+    return {m["source"]: m for m in service.get("secrets") or []}
+
+
+def _interpolate(text: str, variables: dict[str, str]) -> str:
+    """Compose's ${VAR}, ${VAR:-default} and ${VAR:?message} (an unset or empty VAR fails)."""
+    def one(m: re.Match) -> str:
+        name, op, arg = m.group(1), m.group(2), m.group(3)
+        value = variables.get(name, "")
+        if op == ":?" and not value:
+            raise ValueError(f"required variable {name} is missing a value: {arg}")
+        return value or (arg if op == ":-" else "")
+    return re.sub(r"\$\{([A-Z0-9_]+)(:[-?])?([^}]*)\}", one, text)
+
+
+def test_the_repository_holds_no_working_key(compose, dotenv):
+    """compose/.env and the compose file carry settings only: no key, no password, no default
+    for one; the secrets' variables are left to compose/secrets.env."""
+    secret_vars = {spec["environment"] for spec in compose["secrets"].values()}
+    assert not secret_vars & set(dotenv), "compose/.env must not set a secret"
+    raw = (COMPOSE / "docker-compose.yml").read_text() + (COMPOSE / ".env").read_text()
+    assert "change-me" not in raw.lower() and "demo-" not in raw
+    for name in secret_vars | {"LEARNMESH_REDIS_PASSWORD_SHA256", "REDIS_EXPORTER_PASSWORD_SHA256"}:
+        assert not re.search(r"\$\{" + name + r":-", raw), f"{name} has a default"
+    assert "compose/secrets.env" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+def test_the_stack_refuses_to_start_without_generated_secrets(compose, dotenv, generated):
+    """Interpolating the file with compose/.env alone fails on the Redis ACL hashes, naming
+    the command that makes them; with the generated file it goes through. Compose itself
+    refuses to create a container whose environment-sourced secret is unset."""
+    raw = (COMPOSE / "docker-compose.yml").read_text()
+    with pytest.raises(ValueError, match="LEARNMESH_REDIS_PASSWORD_SHA256.*learnmesh compose-secrets"):
+        _interpolate(raw, dotenv)
+    _interpolate(raw, {**dotenv, **generated})
+    for name, spec in compose["secrets"].items():
+        assert set(spec) == {"environment"}, f"secret {name} must come from compose/secrets.env"
+        assert spec["environment"] in generated
+
+
+def test_each_secret_reaches_only_the_services_that_use_it(compose):
+    for name, service in compose["services"].items():
+        mounted = _mounted(service)
+        assert set(mounted) == SERVICE_SECRETS.get(name, set()), name
+        for mount in mounted.values():
+            assert mount["uid"] == SERVICE_UIDS.get(name, "10001"), (name, mount)
+            assert int(str(mount["mode"]).replace("0o", ""), 8) == 0o400, (name, mount)
+        for key, value in (service.get("environment") or {}).items():
+            assert key not in ("LEARNMESH_API_KEYS", "LEARNMESH_ADMIN_KEY", "GF_SECURITY_ADMIN_PASSWORD",
+                               "REDIS_PASSWORD", "LEARNMESH_REDIS__PASSWORD"), f"{name} gets {key} in its environment"
+            assert "@" not in str(value), f"{name}: {key} carries credentials"
+    # no volume hands keys around: the gateway mounts none, only the trainer writes checkpoints
+    assert "volumes" not in compose["services"]["gateway"]
+    for name, service in compose["services"].items():
+        for volume in service.get("volumes") or []:
+            target = volume.split(":")[1]
+            assert target != "/app/var" and "keys" not in target, (name, volume)
+            assert not target.endswith("/checkpoints") or name in ("trainer", "trainer-cpu"), (name, volume)
+
+
+def test_generated_secrets_give_each_service_what_it_needs_and_no_more(compose, dotenv, secrets_dir, generated):
+    rings = {}
+    for name in LEARNMESH_SERVICES:
+        cfg = load_config(None, env=_env(compose["services"][name], dotenv, secrets_dir))
+        assert client_kwargs(cfg.redis) == {"username": "learnmesh", "password": generated["LEARNMESH_REDIS_PASSWORD"]}
+        if name != "gateway":
+            rings[name] = KeyRing.load(cfg.security.delta_key_file)
+    # the trainer signs; workers verify the same signatures and open the same AES keys, and cannot sign
+    for trainer in ("trainer", "trainer-cpu"):
+        assert rings[trainer].sign_private is not None
+    for worker in ("worker-0", "worker-1"):
+        assert rings[worker].sign_private is None and rings[worker].sign_public is not None
+        assert rings[worker].keys == rings["trainer"].keys and rings[worker].active == rings["trainer"].active
+    redis_cmd = compose["services"]["redis"]["command"]
+    hashes = [a for a in redis_cmd if a.startswith("#")]
+    assert _interpolate(hashes[0], generated) == "#" + hashlib.sha256(
+        generated["LEARNMESH_REDIS_PASSWORD"].encode()).hexdigest()
+    exporter = compose["services"]["redis-exporter"]["environment"]
+    passwords = json.loads(generated["REDIS_EXPORTER_PASSWORDS"])
+    assert list(passwords) == [exporter["REDIS_ADDR"]]  # the exporter looks its password up by address
+    assert _interpolate(hashes[1], generated) == "#" + hashlib.sha256(passwords[exporter["REDIS_ADDR"]].encode()).hexdigest()
+    grafana = compose["services"]["grafana"]["environment"]
+    assert grafana["GF_SECURITY_ADMIN_PASSWORD__FILE"] == "/run/secrets/grafana_admin_password"
+
+
+def _redis_args(compose: dict, generated: dict[str, str]) -> list[str]:
+    cmd = compose["services"]["redis"]["command"]
+    assert cmd[0] == "redis-server"
+    return [_interpolate(a, generated) for a in cmd[1:]]
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs a redis-server binary")
+def test_redis_acl_rules_of_the_compose_file_hold_on_a_real_server(compose, generated, tmp_path):
+    port = free_port()
+    proc = subprocess.Popen(["redis-server", *_redis_args(compose, generated), "--port", str(port), "--bind",
+                             "127.0.0.1", "--dir", str(tmp_path), "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        learnmesh = redis_sync.Redis(port=port, username="learnmesh", password=generated["LEARNMESH_REDIS_PASSWORD"])
+        wait_for_sync(lambda: _pings(learnmesh), timeout_s=10, what="the compose redis-server")
+        learnmesh.set("lm:probe", b"1")
+        exporter_pw = next(iter(json.loads(generated["REDIS_EXPORTER_PASSWORDS"]).values()))
+        exporter = redis_sync.Redis(port=port, username="exporter", password=exporter_pw)
+        assert exporter.info("server")["tcp_port"] == port
+        denied = [lambda: learnmesh.set("elsewhere", b"1"), learnmesh.flushall, lambda: exporter.get("lm:probe"),
+                  lambda: redis_sync.Redis(port=port).get("lm:probe")]
+        for attempt in denied:
+            with pytest.raises((redis_sync.exceptions.NoPermissionError, redis_sync.exceptions.AuthenticationError)):
+                attempt()
+        health = compose["services"]["redis"]["healthcheck"]["test"][1].replace("redis-cli", f"redis-cli -p {port}")
+        assert subprocess.run(["sh", "-c", health]).returncode == 0
+        for client in (learnmesh, exporter):
+            client.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _pings(client: redis_sync.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except (redis_sync.RedisError, OSError):
+        return False
+
+
+def test_compose_secrets_writes_a_private_file_once(tmp_path, capsys):
+    out = tmp_path / "secrets.env"
+    args = argparse.Namespace(out=str(out), api_keys="alice:alice-key-0123456789", force=False)
+    assert compose_secrets.main(load_config(env={}), args) == 0
+    assert os.stat(out).st_mode & 0o777 == 0o600
+    first = out.read_text()
+    assert "LEARNMESH_API_KEYS='alice:alice-key-0123456789'" in first
+    assert compose_secrets.main(load_config(env={}), args) == 1 and out.read_text() == first  # kept
+    assert "--force" in capsys.readouterr().err

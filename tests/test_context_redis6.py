@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import redis as redis_sync
 import redis.asyncio as aioredis
-from conftest import free_port, wait_for_sync
+from tests.conftest import free_port, wait_for_sync
 
 from shared.config import ContextConfig
 from shared.context import (

@@ -16,7 +16,7 @@ import redis as redis_sync
 import redis.asyncio as aioredis
 import torch
 import zmq
-from conftest import free_port, wait_for
+from tests.conftest import free_port, wait_for
 from trainer_support import TrainerProc, trainer_config
 
 from gateway.tools.learning import SampleIngest

@@ -4,7 +4,7 @@ notices when an operator drains it (docs/operations.md)."""
 from __future__ import annotations
 
 import redis as redis_sync
-from conftest import wait_for_sync
+from tests.conftest import wait_for_sync
 from worker_support import spawn_worker, stop, write_config
 
 from shared import keys

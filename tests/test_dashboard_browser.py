@@ -19,8 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 import redis as redis_sync
-from admin_support import ADMIN_KEY, MCP_KEY, bearer, live_gateway
-from conftest import wait_for_sync
+from tests.admin_support import ADMIN_KEY, MCP_KEY, bearer, live_gateway
+from tests.conftest import wait_for_sync
 from websockets.sync.client import connect
 
 from shared import control, keys

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import stat
@@ -11,9 +12,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import free_port, wait_for_sync
+from tests.conftest import free_port, wait_for_sync
 
-from services.supervisor import Child, Supervisor, _var_overrides, load_or_create_keys, wait_ready
+from services.supervisor import Child, Supervisor, child_configs, load_or_create_keys, wait_ready
 from shared.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,14 +31,25 @@ def test_keys_are_generated_once_private_and_config_keys_win(tmp_path: Path) -> 
 
 
 def test_default_var_paths_move_under_learnmesh_var(tmp_path: Path) -> None:
-    env = _var_overrides(load_config(env={}), tmp_path)
-    assert env["LEARNMESH_TRAINER__CHECKPOINT_DIR"] == str(tmp_path / "checkpoints")
-    assert env["LEARNMESH_MODEL__CACHE_DIR"] == str(tmp_path / "model")
-    assert env["LEARNMESH_SECURITY__DELTA_KEY_FILE"] == str(tmp_path / "keys" / "delta.key")
+    args = argparse.Namespace(workers=None)
+    paths = child_configs(load_config(env={}), args, tmp_path, {"demo": "demo-key-123"}, "admin-key-123")
+    cfg = load_config(paths["trainer"], env={})  # what the child loads
+    assert cfg.trainer.checkpoint_dir == str(tmp_path / "checkpoints")
+    assert cfg.model.cache_dir == str(tmp_path / "model")
+    assert cfg.security.delta_key_file == str(tmp_path / "keys" / "delta.key")
     explicit = load_config(env={}, overrides={"trainer": {"checkpoint_dir": "/elsewhere"}})
-    assert "LEARNMESH_TRAINER__CHECKPOINT_DIR" not in _var_overrides(explicit, tmp_path)
-    # what the children get parses back into the config they run with
-    assert load_config(env=env).trainer.checkpoint_dir == str(tmp_path / "checkpoints")
+    paths = child_configs(explicit, args, tmp_path, {"demo": "demo-key-123"}, "admin-key-123")
+    assert load_config(paths["trainer"], env={}).trainer.checkpoint_dir == "/elsewhere"
+
+
+def test_a_child_that_exits_on_a_configuration_error_stops_the_mesh_instead_of_restarting(tmp_path: Path) -> None:
+    bad = Child("gateway", [sys.executable, "-c", "raise SystemExit(2)"], dict(os.environ), log_path=tmp_path / "g.log")
+    other = Child("worker-0", [sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ))
+    sup = Supervisor([other, bad], stop_timeout_s=10)
+    sup.start()
+    sup.run(poll_s=0.05)  # returns: it stops everything by itself
+    assert sup.exit_code == 2 and bad.restarts == 0
+    assert not other.alive()
 
 
 def test_wait_ready_gives_up_on_a_gateway_that_never_answers() -> None:

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import orjson
 import pytest
 import redis as redis_sync
-from conftest import free_port
+from tests.conftest import free_port
 from fastapi.testclient import TestClient
 
 from gateway.app import create_app

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import redis.asyncio as aioredis
 import zmq
-from conftest import free_port
+from tests.conftest import free_port
 from trainer_support import trainer_config
 
 from gateway.errors import INVALID_PARAMS, McpError, wire_error

@@ -10,7 +10,7 @@ import logging
 import pytest
 import redis
 import redis.asyncio as aioredis
-from conftest import wait_for
+from tests.conftest import wait_for
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError

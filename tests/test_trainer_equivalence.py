@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import yaml
-from conftest import free_port
+from tests.conftest import free_port
 from trainer_support import trainer_config
 
 from services.trainer.checkpoint import load_bytes

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import redis as redis_sync
 import redis.asyncio as aioredis
-from conftest import free_port, wait_for
+from tests.conftest import free_port, wait_for
 from trainer_support import TrainerProc, committed, trainer_config
 
 from gateway.tools.learning import SampleIngest

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 import torch
-from conftest import free_port, wait_for
+from tests.conftest import free_port, wait_for
 from trainer_support import TrainerProc, committed, trainer_config
 
 from gateway.tools.learning import SampleIngest

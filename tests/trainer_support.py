@@ -12,7 +12,7 @@ from typing import Any
 
 import redis as redis_sync
 import yaml
-from conftest import free_port
+from tests.conftest import free_port
 
 from shared import keys
 from shared.config import Config, load_config

@@ -104,25 +104,23 @@ def decode_batch(data: bytes | memoryview) -> tuple[str, list[TrainRecord], dict
 class ContextReader:
     """Reads context snapshots through the (async) ContextStore on a private event loop thread."""
 
-    def __init__(self, cfg: Config, redis_url: str) -> None:
+    def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        self.redis_url = redis_url
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._store: Any = None
         self._redis: Any = None
 
     def _start(self) -> None:
-        from redis import asyncio as aioredis
-
         from shared.context import ContextStore  # imported with the reader's first use
+        from shared.redis_client import async_client
 
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="ctx-reader", daemon=True)
         self._thread.start()
 
         async def make() -> Any:
-            self._redis = aioredis.Redis.from_url(self.redis_url)
+            self._redis = async_client(self.cfg.redis)
             return ContextStore(self._redis, self.cfg.context)
 
         self._store = asyncio.run_coroutine_threadsafe(make(), self._loop).result(30)

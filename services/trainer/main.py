@@ -19,7 +19,6 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any, NoReturn
 
-import redis as redis_sync
 import zmq
 
 from services.trainer import checkpoint
@@ -33,8 +32,10 @@ from services.trainer.publisher import DeltaPublisher
 from services.trainer.replay import ReplayBuffer
 from services.trainer.stepper import Stepper, build_model
 from shared import metrics as m
-from shared.config import DEFAULT_REDIS_URL, Config
+from shared.config import Config
 from shared.control import start_metrics_server
+from shared.redis_client import check_access, sync_client
+from shared.secret_files import check_private
 
 log = logging.getLogger("learnmesh.trainer")
 
@@ -47,7 +48,17 @@ def main(cfg: Config, args: argparse.Namespace) -> int:
     from services.trainer.launcher import launch
 
     configure_logging("launcher")
+    preflight(cfg)
     return launch(cfg)
+
+
+def preflight(cfg: Config) -> None:
+    """Settings no restart can fix stop the launcher with one clear message (ConfigError)
+    instead of failing every rank of every torchrun restart: Redis refusing our credentials,
+    a delta key file others can read."""
+    check_access(cfg.redis)
+    if os.path.exists(cfg.security.delta_key_file):
+        check_private(cfg.security.delta_key_file, "security.delta_key_file")
 
 
 def rank_main(cfg: Config, observers: Sequence[StepObserver] = ()) -> NoReturn:
@@ -138,14 +149,13 @@ def _checkpointed_offset(state: dict[str, Any] | None) -> Offset:
 
 
 def _build_leader(cfg: Config, group: RankGroup, stepper: Stepper, checkpointed: Offset) -> Leader:
-    url = cfg.redis.url or DEFAULT_REDIS_URL
-    redis = redis_sync.Redis.from_url(url, socket_timeout=30)
+    redis = sync_client(cfg.redis, socket_timeout=30)
     ledger = Ledger(redis)
     offset, rolled = ledger.resume(checkpointed)
     log.info("trainer resumed at step %d (seq %d, epoch %d); %d uncheckpointed step(s) rolled back and "
              "will be replayed from the log", checkpointed.step, offset.seq, offset.epoch, rolled)
     zmq_ctx = zmq.Context()
-    contexts = ContextReader(cfg, url)
+    contexts = ContextReader(cfg)
     source = SampleSource(cfg, redis, zmq_ctx, offset.seq, offset.id, contexts, log_id=offset.log)
     # The restored lineage becomes a version newer than anything served before: the
     # publisher's snapshot (what joining/re-syncing workers fetch) starts at it.

@@ -88,9 +88,9 @@ class DeltaPublisher:
         self._last_publish = time.monotonic()
         self._redis = redis_client
         if self._redis is None and cfg.redis.url:
-            import redis
+            from shared.redis_client import sync_client
 
-            self._redis = redis.Redis.from_url(cfg.redis.url, socket_timeout=cfg.redis.socket_timeout_s)
+            self._redis = sync_client(cfg.redis, socket_timeout=cfg.redis.socket_timeout_s)
         self._set_latest(version)
         self._stop = threading.Event()
         self._error: BaseException | None = None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import codecs
 import logging
 import math
+import os
 import signal
 import time
 from collections import deque
@@ -131,9 +132,9 @@ class Worker:
 
         try:
             if self._redis is None:
-                import redis
+                from shared.redis_client import sync_client
 
-                self._redis = redis.Redis.from_url(self.cfg.redis.url, socket_timeout=2.0)
+                self._redis = sync_client(self.cfg.redis, socket_timeout=2.0)
             drained = bool(self._redis.sismember(keys.WORKERS_DRAINED, self.worker_id))
             if drained != self.drained:
                 log.info("worker %s %s by an operator", self.worker_id, "drained" if drained else "undrained")
@@ -361,6 +362,13 @@ def main(cfg: Config, args: Any) -> int:
             log.error("--index %d is outside worker.endpoints (%d configured)", index, len(cfg.worker.endpoints))
             return 2
         endpoint = cfg.worker.endpoints[index]
+    from shared.redis_client import check_access
+    from shared.secret_files import check_private
+
+    if cfg.redis.url:
+        check_access(cfg.redis)  # wrong credentials: a clear error now, not silent status reports
+    if os.path.exists(cfg.security.delta_key_file):  # before the model is built, not after
+        check_private(cfg.security.delta_key_file, "security.delta_key_file")
     if cfg.worker.torch_threads:
         import torch
 

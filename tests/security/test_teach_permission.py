@@ -13,7 +13,7 @@ import httpx
 import pytest
 import redis as redis_sync
 
-from services.supervisor import _child_env, load_or_create_keys
+from services.supervisor import child_configs, load_or_create_keys
 from shared import keys
 from shared.config import load_config
 from tests.conftest import free_port
@@ -129,9 +129,9 @@ def test_a_fresh_learnmesh_up_lets_its_demo_key_teach(tmp_path: Path) -> None:
     args = SimpleNamespace(workers=1, config=None)
     fresh = load_config(env={})
     api_keys, admin_key = load_or_create_keys(tmp_path, fresh)
-    env = _child_env(fresh, args, "redis://127.0.0.1:1/0", api_keys, admin_key, tmp_path)
-    assert load_config(env=env).learning.teachers == ["local", *api_keys]
+    paths = child_configs(fresh, args, tmp_path / "fresh", api_keys, admin_key)
+    assert load_config(paths["gateway"], env={}).learning.teachers == ["local", *api_keys]
     given = load_config(env={"LEARNMESH_API_KEYS": "alice:alice-key-123"})
     keys_given, _ = load_or_create_keys(tmp_path, given)
-    env = _child_env(given, args, "redis://127.0.0.1:1/0", keys_given, admin_key, tmp_path)
-    assert load_config(env=env).learning.teachers == ["local"]
+    paths = child_configs(given, args, tmp_path / "given", keys_given, admin_key)
+    assert load_config(paths["gateway"], env={}).learning.teachers == ["local"]
