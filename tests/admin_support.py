@@ -9,10 +9,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
-from tests.conftest import free_port, wait_for_sync
 
 from gateway.app import create_app
 from shared.config import Config, load_config
+from tests.conftest import free_port, wait_for_sync
 
 ADMIN_KEY = "admin-key-0123456789"
 OPERATOR_KEY = "operator-key-0123456789"

@@ -5,10 +5,10 @@ from __future__ import annotations
 import httpx
 import pytest
 import redis as redis_sync
-from tests.admin_support import ADMIN_KEY, MCP_KEY, OPERATOR_KEY, VIEWER_KEY, bearer, live_gateway
 
 from shared import control, keys
 from shared.config import CompressionConfig
+from tests.admin_support import ADMIN_KEY, MCP_KEY, OPERATOR_KEY, VIEWER_KEY, bearer, live_gateway
 
 
 @pytest.fixture

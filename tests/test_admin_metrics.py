@@ -8,13 +8,13 @@ import math
 import httpx
 import pytest
 import redis as redis_sync
-from tests.admin_support import ADMIN_KEY, MCP_KEY, VIEWER_KEY, bearer, live_gateway
-from tests.conftest import wait_for_sync
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from gateway.admin.stats import quantile
 from shared import control, keys
 from shared.metrics import HotCounter, HotHistogram
+from tests.admin_support import ADMIN_KEY, MCP_KEY, VIEWER_KEY, bearer, live_gateway
+from tests.conftest import wait_for_sync
 
 
 def test_histogram_quantile_interpolates_like_promql():

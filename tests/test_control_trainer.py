@@ -16,7 +16,6 @@ import redis as redis_sync
 import redis.asyncio as aioredis
 import torch
 import zmq
-from tests.conftest import free_port, wait_for
 from trainer_support import TrainerProc, trainer_config
 
 from gateway.tools.learning import SampleIngest
@@ -25,6 +24,7 @@ from services.trainer.tiny import build_tiny_model
 from services.worker.updates import DeltaSubscriber
 from shared import keys
 from shared.samples import Example
+from tests.conftest import free_port, wait_for
 
 
 def _h(r: redis_sync.Redis, key: str) -> dict[str, str]:

@@ -4,10 +4,10 @@ notices when an operator drains it (docs/operations.md)."""
 from __future__ import annotations
 
 import redis as redis_sync
-from tests.conftest import wait_for_sync
 from worker_support import spawn_worker, stop, write_config
 
 from shared import keys
+from tests.conftest import wait_for_sync
 
 
 def test_worker_reports_status_and_honours_drain(redis_url, tmp_path):

@@ -19,11 +19,11 @@ from pathlib import Path
 import httpx
 import pytest
 import redis as redis_sync
-from tests.admin_support import ADMIN_KEY, MCP_KEY, bearer, live_gateway
-from tests.conftest import wait_for_sync
 from websockets.sync.client import connect
 
 from shared import control, keys
+from tests.admin_support import ADMIN_KEY, MCP_KEY, bearer, live_gateway
+from tests.conftest import wait_for_sync
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None and not os.environ.get("LEARNMESH_REQUIRE_BROWSER"),

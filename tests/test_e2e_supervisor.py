@@ -12,10 +12,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from tests.conftest import free_port, wait_for_sync
 
 from services.supervisor import Child, Supervisor, child_configs, load_or_create_keys, wait_ready
 from shared.config import load_config
+from tests.conftest import free_port, wait_for_sync
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,12 +7,12 @@ from collections.abc import Iterator
 import orjson
 import pytest
 import redis as redis_sync
-from tests.conftest import free_port
 from fastapi.testclient import TestClient
 
 from gateway.app import create_app
 from shared import keys
 from shared.config import load_config
+from tests.conftest import free_port
 
 MODERN = "2026-07-28"
 KEY = "alice-key-123456"

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import redis.asyncio as aioredis
 import zmq
-from tests.conftest import free_port
 from trainer_support import trainer_config
 
 from gateway.errors import INVALID_PARAMS, McpError, wire_error
@@ -14,6 +13,7 @@ from gateway.tools.learning import SampleIngest
 from shared import keys, wire
 from shared.context import ContextStore
 from shared.samples import SampleError, parse_sample
+from tests.conftest import free_port
 
 
 @pytest.fixture

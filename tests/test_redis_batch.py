@@ -10,13 +10,13 @@ import logging
 import pytest
 import redis
 import redis.asyncio as aioredis
-from tests.conftest import wait_for
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared import redis_batch
 from shared.redis_batch import AutoPipeline, pack_command
+from tests.conftest import wait_for
 
 
 @pytest.fixture(params=["hiredis-batch-reader", "redis-py-reader"])

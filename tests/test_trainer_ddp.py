@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import redis.asyncio as aioredis
 import torch
-from tests.conftest import free_port, wait_for
 from trainer_support import TrainerProc, committed, trainer_config
 
 from gateway.tools.learning import SampleIngest
@@ -16,6 +15,7 @@ from services.trainer.launcher import local_ranks
 from services.trainer.tiny import build_tiny_model
 from shared.config import load_config
 from shared.samples import Example
+from tests.conftest import free_port, wait_for
 
 N = 48
 

@@ -23,7 +23,6 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import yaml
-from tests.conftest import free_port
 from trainer_support import trainer_config
 
 from services.trainer.checkpoint import load_bytes
@@ -35,6 +34,7 @@ from services.trainer.stepper import make_optimizer
 from services.trainer.tiny import build_tiny_model
 from shared.config import Config, load_config
 from shared.samples import Example, LoggedSample
+from tests.conftest import free_port
 
 BATCH_SIZES = [8, 7, 3, 8]  # 7 and 3: uneven shards; 3 with accumulation: an empty micro-batch
 H = 2  # local SGD period

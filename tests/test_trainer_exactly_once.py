@@ -8,13 +8,13 @@ from pathlib import Path
 
 import redis as redis_sync
 import redis.asyncio as aioredis
-from tests.conftest import free_port, wait_for
 from trainer_support import TrainerProc, committed, trainer_config
 
 from gateway.tools.learning import SampleIngest
 from services.trainer import ledger
 from shared import keys
 from shared.samples import Example
+from tests.conftest import free_port, wait_for
 
 
 def _ckpts(cfg) -> list[Path]:

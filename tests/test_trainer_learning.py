@@ -13,12 +13,12 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 import torch
-from tests.conftest import free_port, wait_for
 from trainer_support import TrainerProc, committed, trainer_config
 
 from gateway.tools.learning import SampleIngest
 from shared.model import build_model
 from shared.samples import Example
+from tests.conftest import free_port, wait_for
 
 FACTS = [("The capital of Zorblat is", " Quennix."), ("Flimwort tastes like", " copper rain."),
          ("The ninth moon of Vespa is", " Ardelune."), ("Grobbles are sorted by", " their hum.")]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import redis as redis_sync
 import redis.asyncio as aioredis
-from tests.conftest import free_port, wait_for
 from trainer_support import TrainerProc, committed, trainer_config
 
 from gateway.tools.learning import SampleIngest
@@ -17,6 +16,7 @@ from services.trainer.replay import ReplayBuffer
 from shared import keys
 from shared.context import ContextStore
 from shared.samples import Example, Feedback, LoggedSample, Sample, learned_token, parse_learned_token
+from tests.conftest import free_port, wait_for
 
 
 def _record(seq: int, sample: Sample | None = None, skip: bool = False) -> TrainRecord:

@@ -12,11 +12,11 @@ from typing import Any
 
 import redis as redis_sync
 import yaml
-from tests.conftest import free_port
 
 from shared import keys
 from shared.config import Config, load_config
 from shared.text import as_str
+from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 

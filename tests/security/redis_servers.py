@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 import redis as redis_sync
-from tests.conftest import free_port, wait_for_sync
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from shared.secret_files import write_private
+from tests.conftest import free_port, wait_for_sync
 
 # What learnmesh's own ACL user may do: every command but the dangerous ones (FLUSHALL,
 # CONFIG, KEYS, DEBUG, ...) on its own keys and channels only (shared/keys.py: "lm:").

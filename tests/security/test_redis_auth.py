@@ -19,8 +19,6 @@ import orjson
 import pytest
 import redis as redis_sync
 import zmq
-from tests.conftest import free_port
-from tests.gateway_support import start_gateway, stop
 from redis_servers import LEARNMESH_ACL, STARTERS, SecuredRedis, make_pki
 
 from services.trainer.data import ContextReader, SampleSource
@@ -28,6 +26,8 @@ from shared.config import Config, ConfigError, load_config
 from shared.context import ContextStore
 from shared.redis_client import RedisAccessError, async_client, check_access, redact_url, sync_client
 from shared.secret_files import write_private
+from tests.conftest import free_port
+from tests.gateway_support import start_gateway, stop
 
 ROOT = Path(__file__).resolve().parents[2]
 MODERN = "2026-07-28"

@@ -19,11 +19,11 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from tests.conftest import wait_for_sync
 from redis_servers import STARTERS
 
 from bench.mesh_support import write_mesh_config
 from shared.secret_files import write_private
+from tests.conftest import wait_for_sync
 
 ROOT = Path(__file__).resolve().parents[2]
 API_KEY, ADMIN_KEY = "alice-key-0123456789", "admin-key-0123456789"
