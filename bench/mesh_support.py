@@ -16,11 +16,9 @@ import asyncio
 import contextlib
 import itertools
 import os
-import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +31,8 @@ import httpx
 import orjson
 import redis as redis_sync
 import yaml
+
+from shared.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 MODERN = "2026-07-28"
@@ -49,38 +49,6 @@ def wait_until(cond: Callable[[], Any], timeout_s: float, what: str, interval_s:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
         time.sleep(interval_s)
-
-
-_LOWEST_PORT = 20000
-_given_ports: set[int] = set()
-
-
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def free_port() -> int:
-    """A port to listen on, free now and below the kernel's ephemeral range. A mesh's peers
-    keep reconnecting to a killed process's endpoint; were that port an ephemeral one, such a
-    reconnect could take it as its own local end (or connect to itself) before the process
-    restarts and binds it again."""
-    rnd = random.Random()
-    top = min(_ephemeral_low(), 32768)
-    for _ in range(1000):
-        port = rnd.randrange(_LOWEST_PORT, top)
-        if port in _given_ports:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _given_ports.add(port)
-        return port
-    raise RuntimeError(f"no free port in {_LOWEST_PORT}-{top}")
 
 
 # --------------------------------------------------------------------------- redis

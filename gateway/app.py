@@ -87,7 +87,8 @@ def register_fixtures(registry: Registry, name: str) -> None:
         raise ConfigError(f"the {name} fixtures ({path}) are not here: they ship with the learnmesh source "
                           "checkout, not with the installed package; run the gateway from a checkout")
     spec = importlib.util.spec_from_file_location(f"learnmesh_fixtures_{name}", path)
-    assert spec is not None and spec.loader is not None
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"the {name} fixtures ({path}) cannot be imported")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)

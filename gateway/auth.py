@@ -95,7 +95,8 @@ class Authenticator:
     def _from_jwt(self, token: str) -> str | None:
         import jwt  # PyJWT; only needed in OAuth mode
 
-        assert self._oauth is not None
+        if self._oauth is None:  # OAuth not configured: no token is a JWT of ours
+            return None
         try:
             claims = jwt.decode(token, self._oauth.hs256_secret, algorithms=["HS256"],
                                 audience=self._oauth.audience or self._oauth.resource or None,

@@ -104,7 +104,7 @@ LISTEN_LEASE_S = 30.0  # a dead replica's listen streams stop counting after thi
 _OUTAGE_PAUSE_S = 1.0  # see admit_request
 _STOCKS_MAX = 65536  # principals whose request tokens a replica keeps (dropping them only costs round trips)
 _CHUNK_S = 0.01  # a replica takes 10 ms of a principal's request rate at a time (at most a quarter burst)
-_THROTTLE_SHA = hashlib.sha1(THROTTLE_LUA.encode()).hexdigest()
+_THROTTLE_SHA = hashlib.sha1(THROTTLE_LUA.encode(), usedforsecurity=False).hexdigest()
 
 Refund = Callable[[], Awaitable[None]]
 

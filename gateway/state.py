@@ -140,7 +140,8 @@ class Gateway:
     def track(self, principal: str, sid: str | None, rid: Any, call: Call) -> InflightKey:
         key = (principal, sid, orjson.dumps(rid).decode())
         task = asyncio.current_task()
-        assert task is not None, "track() runs inside the request's task"
+        if task is None:
+            raise RuntimeError("track() runs inside the request's task")
         self.inflight[key] = (task, call)
         return key
 

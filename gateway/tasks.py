@@ -325,7 +325,8 @@ class TaskManager:
         return None
 
     async def _finish(self, tcall: TaskCall, status: str, field: str, value: bytes) -> None:
-        assert tcall.task_id is not None
+        if tcall.task_id is None:
+            raise RuntimeError("a task call finishes only after it was parked as a task")
         self.running.pop((tcall.principal, tcall.task_id), None)
         try:
             await self._settle_task(tcall.principal, tcall.task_id, status, field, value)
@@ -358,7 +359,8 @@ class TaskManager:
     async def wait_for_input(self, tcall: TaskCall, requests: dict[str, dict[str, Any]]) -> dict[str, Any]:
         """Park the task as ``input_required`` until ``tasks/update`` answered every request."""
         principal, task_id = tcall.principal, tcall.task_id
-        assert task_id is not None
+        if task_id is None:
+            raise RuntimeError("only a task call waits for input")
         pairs: list[Any] = []
         for k, req in requests.items():
             pairs += [k, orjson.dumps(req)]

@@ -1073,7 +1073,8 @@ class DeltaDecoder:
                 raise CodecError("bad xor chunk")
             xv = torch.from_numpy(_unshuffle(rest, _NP_INT[self.layout.dtype.itemsize], count))
             return DecodedChunk(kind, start, end, idx, xv, self._split(idx, xv, start, end))
-        assert scales is not None
+        if scales is None:
+            raise CodecError("quantised chunk without scales")
         vals = _dequantise(_read_quantised(rest, quant, count), quant, scales, _block_counts(idx, start, nsc, block))
         if not bool(np.isfinite(vals).all()):
             raise CodecError("non-finite values")

@@ -2,11 +2,38 @@
 
 from __future__ import annotations
 
+import random
 import socket
+from pathlib import Path
+
+_LOWEST_PORT = 20000
+_given: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port the kernel reports free on ``host`` right now (the caller binds it next)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port free on ``host`` now, taken from below the kernel's ephemeral range and never
+    handed out twice by this process. A port the kernel hands out (bind to 0) can be taken
+    again before the caller binds it: by the local end of any outgoing connection, or by a
+    ZeroMQ socket that keeps reconnecting to a killed peer's endpoint and connects to itself.
+    Ports below that range are never given to outgoing connections."""
+    top = min(_ephemeral_low(), 32768)
+    rnd = random.Random()  # noqa: S311 - spreads picks across the range, not a secret
+    for _ in range(1000):
+        port = rnd.randrange(_LOWEST_PORT, top)
+        if port in _given:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _given.add(port)
+        return port
+    raise RuntimeError(f"no free port in {_LOWEST_PORT}-{top}")

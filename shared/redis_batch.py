@@ -171,7 +171,7 @@ class _Link(asyncio.Protocol):
                   RedisConnectionError(f"redis connection lost: {exc}"))
         try:  # redis-py's side hears it too (its close waiter, its reader's end of stream)
             self.stream_protocol.connection_lost(exc)
-        except Exception:  # noqa: BLE001 - best effort: the connection is gone either way
+        except Exception:  # noqa: BLE001, S110 - best effort: the connection is gone either way
             pass
 
     def fail(self, err: Exception) -> None:
@@ -265,29 +265,35 @@ class AutoPipeline:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        """The loop ``submit`` bound this pipeline to (set before any batch exists)."""
+        if self._loop is None:
+            raise RuntimeError("the pipeline has no loop before its first submit")
+        return self._loop
+
     def _write(self, link: _Link, batch: _Batch) -> None:
-        assert self._loop is not None  # set by submit() before any batch
+        loop = self._running_loop()
         link.busy = True
         link.waiting.extend([f for _, f in batch])
-        link.sent_at = self._loop.time()
+        link.sent_at = loop.time()
         link.transport.write(b"".join([packed for packed, _ in batch]))
         if not self._watching and link.timeout_s:
             self._watching = True
-            self._loop.call_later(link.timeout_s / 4, self._watch)
+            loop.call_later(link.timeout_s / 4, self._watch)
 
     def _watch(self) -> None:
         """Fail a batch whose replies have not all come within the connection's socket
         timeout (a dead or stuck peer is reported, never waited on for ever): one timer per
         pipeline while batches are on the wire, not one per batch."""
-        assert self._loop is not None
-        now = self._loop.time()
+        loop = self._running_loop()
+        now = loop.time()
         busy = [link for link in self._links if link.busy]
         for link in busy:
             if link.timeout_s and now - link.sent_at > link.timeout_s:
                 link.fail(RedisTimeoutError(f"no reply from redis within {link.timeout_s} s"))
         timeouts = [link.timeout_s for link in busy if link.busy and link.timeout_s]
         if timeouts:
-            self._loop.call_later(min(timeouts) / 4, self._watch)
+            loop.call_later(min(timeouts) / 4, self._watch)
         else:
             self._watching = False
 
@@ -336,9 +342,8 @@ class AutoPipeline:
         """A batch is over: its slot is free for what waits (on the next loop turn)."""
         self._inflight -= 1
         if self._pending and not self._scheduled:
-            assert self._loop is not None
             self._scheduled = True
-            self._loop.call_soon(self._flush)
+            self._running_loop().call_soon(self._flush)
 
     async def _connection(self, kept: _RedisPyConnection | None) -> _Link | _RedisPyConnection:
         """A connection for the next batch: a fresh redis-py connection taken over (see

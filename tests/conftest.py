@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -21,38 +19,7 @@ from collections.abc import Awaitable, Callable, Iterator
 import pytest
 import redis as redis_sync
 
-
-def _ephemeral_low() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-_PORTS_FROM, _PORTS_TO = 20000, min(_ephemeral_low(), 32768)
-_given: set[int] = set()
-
-
-def free_port() -> int:
-    """A port to listen on, free now, taken from below the kernel's ephemeral range. A port
-    the kernel hands out (bind to 0) can be taken again before the test binds it: by the
-    local end of any outgoing connection, or by a ZeroMQ socket that keeps reconnecting to
-    a closed endpoint and connects to itself (CI saw "Address already in use"). Ports below
-    that range are never given to outgoing connections; none is handed out twice here."""
-    rnd = random.Random()
-    for _ in range(1000):
-        port = rnd.randrange(_PORTS_FROM, _PORTS_TO)
-        if port in _given:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _given.add(port)
-        return port
-    raise RuntimeError(f"no free port in {_PORTS_FROM}-{_PORTS_TO}")
+from shared.net import free_port
 
 
 def _describe(what: str | Callable[[], str]) -> str:

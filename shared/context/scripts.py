@@ -34,7 +34,7 @@ def script_source() -> str:
 def library(source: str) -> tuple[str, str]:
     """(function name, FUNCTION LOAD code). The name carries a digest of the source, so a
     changed script is a new function and replicas running different versions never mix."""
-    digest = hashlib.sha1(source.encode()).hexdigest()[:12]
+    digest = hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest()[:12]
     fn = f"lm_ctx_{digest}"
     code = (f"#!lua name=learnmesh_ctx_{digest}\n{source}\n"
             f"redis.register_function('{fn}', lm_main)\n")

@@ -287,7 +287,8 @@ class LearnModel(nn.Module):
         B = batch.size
         temps = [float(temperature)] * B if isinstance(temperature, (int, float)) else [float(t) for t in temperature]
         seeds = [seed] * B if seed is None or isinstance(seed, int) else list(seed)
-        rngs = [random.Random(None if s is None else int(s) + (i if isinstance(seed, int) else 0))
+        # Token sampling, not secrets: a seeded PRNG is what reproducible generation needs.
+        rngs = [random.Random(None if s is None else int(s) + (i if isinstance(seed, int) else 0))  # noqa: S311
                 for i, s in enumerate(seeds)]
         logits, cache = self.forward_logits(batch)
         last = logits[:, -1, :]
