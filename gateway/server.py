@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from types import FrameType
 from typing import Any
 
 from gateway.auth import is_loopback
-from shared.config import Config, ConfigError
+from shared.config import Config, ConfigError, var_dir
 
 log = logging.getLogger("learnmesh.gateway")
 
@@ -77,7 +76,7 @@ def main(cfg: Config, args: argparse.Namespace) -> int:
         cfg.gateway.port = args.port
     check_bind(cfg)
     app = create_app(cfg, fixtures=args.fixtures)  # before Redis: a bad setting starts nothing
-    proc = resolve_redis(cfg.redis, os.environ.get("LEARNMESH_VAR", "var"))
+    proc = resolve_redis(cfg.redis, var_dir())
     try:
         check_access(cfg.redis)  # wrong credentials: one clear line now, not 503s for ever
     except ConfigError:

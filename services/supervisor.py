@@ -31,6 +31,7 @@ from typing import Any
 import yaml
 
 from shared.config import CONFIG_ENV, ENV_PREFIX, Config, load_config
+from shared.config import var_dir as config_var_dir
 from shared.redis_client import check_access, redact_url
 from shared.secret_files import read_private, write_private
 
@@ -272,8 +273,8 @@ def main(cfg: Config, args: Any) -> int:
         cfg.gateway.host = args.host
     if getattr(args, "port", None):
         cfg.gateway.port = args.port
-    var_dir = Path(os.environ.get("LEARNMESH_VAR", "var")).resolve()
-    redis_configured = bool(cfg.redis.url or os.environ.get("REDIS_URL"))
+    var_dir = config_var_dir().resolve()
+    redis_configured = bool(cfg.redis.url)
     redis_proc = resolve_redis(cfg.redis, var_dir)
     redis_url = redact_url(cfg.redis.url or "")
     if redis_proc is None and not redis_configured:

@@ -594,6 +594,16 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def var_dir(env: typing.Mapping[str, str] | None = None) -> Path:
+    """Where ``learnmesh up`` and an embedded Redis keep their state: ``$LEARNMESH_VAR`` or ``var``."""
+    return Path((os.environ if env is None else env).get("LEARNMESH_VAR", "var"))
+
+
+def log_level(env: typing.Mapping[str, str] | None = None) -> str:
+    """The log level of a learnmesh process: ``$LEARNMESH_LOG_LEVEL`` or ``INFO``."""
+    return (os.environ if env is None else env).get("LEARNMESH_LOG_LEVEL", "INFO").upper()
+
+
 def load_config(path: str | os.PathLike[str] | None = None,
                 env: typing.Mapping[str, str] | None = None,
                 overrides: dict[str, Any] | None = None) -> Config:

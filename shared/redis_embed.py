@@ -96,8 +96,6 @@ def resolve_redis(cfg: RedisConfig, var_dir: str | os.PathLike[str] = "var") -> 
     """Point ``cfg`` at the Redis this mesh uses, following the embedded-default rules; returns
     the redis-server process started here, or None. A private server's password is in
     ``cfg.password_file``."""
-    if not cfg.url and os.environ.get("REDIS_URL"):
-        cfg.url = os.environ["REDIS_URL"]
     if cfg.url:
         return None
     if _answers(cfg):

@@ -32,7 +32,7 @@ from services.trainer.publisher import DeltaPublisher
 from services.trainer.replay import ReplayBuffer
 from services.trainer.stepper import Stepper, build_model
 from shared import metrics as m
-from shared.config import Config
+from shared.config import Config, log_level
 from shared.control import start_metrics_server
 from shared.redis_client import check_access, sync_client
 from shared.secret_files import check_private
@@ -77,7 +77,7 @@ def rank_main(cfg: Config, observers: Sequence[StepObserver] = ()) -> NoReturn:
 
 def configure_logging(who: str) -> None:
     """Log lines name the process: ``trainer[launcher]`` or ``trainer[<rank>]``."""
-    logging.basicConfig(level=os.environ.get("LEARNMESH_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=log_level(),
                         format=f"%(asctime)s trainer[{who}] %(levelname)s %(message)s")
 
 
