@@ -382,107 +382,179 @@ def parse_args() -> argparse.Namespace:
     return ap.parse_args()
 
 
-async def main(args: argparse.Namespace) -> int:
+def apply_profile(args: argparse.Namespace) -> None:
+    """Fill in what ``--full`` and ``--ops`` leave to the profile."""
     if args.full:
         args.principals, args.mem_contexts = 10_000, 50
     if args.ops is None:
         args.ops = 3000 if args.full else 1000
+
+
+def start_private_redis() -> tuple[subprocess.Popen, str, str]:
+    """A redis-server of the bench's own in a temporary directory: (process, directory, URL)."""
+    port, workdir = free_port(), tempfile.mkdtemp(prefix="lm-bench-redis-")
+    proc = subprocess.Popen([shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind",
+                             "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", workdir,
+                             "--maxmemory-policy", "noeviction"], stdout=subprocess.DEVNULL)
+    return proc, workdir, f"redis://127.0.0.1:{port}/0"
+
+
+async def wait_for_redis(r: aioredis.Redis) -> None:
+    for _ in range(200):
+        try:
+            await r.ping()
+            return
+        except Exception:  # noqa: BLE001
+            await asyncio.sleep(0.05)
+
+
+@dataclasses.dataclass
+class Sides:
+    """Everything a run measures, on one Redis: the store as the gateway uses it, the naive
+    baseline, and the three reads that explain the store's read figures."""
+
+    store: ContextStore
+    naive: Naive
+    uncached: ContextStore  # the same store without its read cache: every read fetches all it returns
+    floor: Floor  # the bound of any one-script read that must fetch its entries
+    one: OneValue  # the store's read bookkeeping, the window in one value
+
+
+async def open_sides(r: aioredis.Redis, cfg: ContextConfig, entries: int) -> Sides:
+    store, naive = ContextStore(r, cfg), Naive(r, entries)
+    uncached = ContextStore(r, dataclasses.replace(cfg, read_cache_bytes=0))
+    floor = Floor(r)
+    await floor.load()
+    one = OneValue(r, uncached)
+    await one.load()
+    return Sides(store, naive, uncached, floor, one)
+
+
+async def load_data(r: aioredis.Redis, cfg: ContextConfig, sides: Sides, args: argparse.Namespace,
+                    payload: bytes) -> None:
+    """Check the bulk loader, then preload the measured and the warm-up principals in every layout."""
+    await check_bulk_load(r, sides.store, args.entries, payload)
+    t0 = time.perf_counter()
+    await preload(r, cfg, sides.naive, args.principals + WARM_PRINCIPALS, args.entries, payload)
+    await sides.one.prepare(args.principals + WARM_PRINCIPALS, args.entries, args.last_n)
+    probe = f"u{args.principals}"  # a warm-up principal: measured ones stay unread
+    want = (await sides.uncached.get_window(probe, "c", last_n=args.last_n)).channels["text"]
+    assert await sides.one.get_window(probe, "c") == want, "the one-value bound reads other entries than the store"
+    print(f"preloaded {args.principals} principals x {args.entries} entries x {args.payload} B "
+          f"in {time.perf_counter() - t0:.1f}s (both layouts, pipelined bulk load)")
+
+
+def operations(sides: Sides, payload: bytes, last_n: int) -> tuple[tuple[str, Any], ...]:
+    """(name, operation on a principal) of every row, in the order they are measured."""
+    text = payload.decode()
+    return (
+        ("store.append", lambda p: sides.store.append(p, "c", "text", "user", payload)),
+        ("naive.append", lambda p: sides.naive.append(p, "c", text)),
+        (f"store.get_window(last {last_n})", lambda p: sides.store.get_window(p, "c", last_n=last_n)),
+        (f"naive.get_window(last {last_n})", lambda p: sides.naive.get_window(p, "c", last_n)),
+        (f"uncached.get_window(last {last_n})", lambda p: sides.uncached.get_window(p, "c", last_n=last_n)),
+        (f"floor.get_window(last {last_n})", lambda p: sides.floor.get_window(p, "c", last_n)),
+        (f"onevalue.get_window(last {last_n})", lambda p: sides.one.get_window(p, "c")),
+    )
+
+
+async def warm_up(r: aioredis.Redis, ops: tuple[tuple[str, Any], ...], args: argparse.Namespace) -> None:
+    """Every operation of both sides on principals of their own (u<principals>..), not recorded,
+    so that the first measurement does not pay for what only a process's first operations pay
+    (allocator growth, first-touch pages in Redis, connections) and no measured context is read
+    before it is measured."""
+    for name, op in ops:
+        await measure(r, name, op, min(WARM_OPS, args.ops), 4, WARM_PRINCIPALS, seed=7, first=args.principals)
+
+
+async def measure_all(r: aioredis.Redis, sides: Sides, ops: tuple[tuple[str, Any], ...],
+                      args: argparse.Namespace) -> list[dict]:
+    """Every operation at every concurrency, ``--repeat`` times; prints a line per measurement."""
+    rows = []
+    print("  run conc  operation                        ops/s    p50 ms   p99 ms  cmds/op  "
+          "client-CPU us/op  redis-CPU us/op")
+    for run in range(args.repeat):
+        for conc in [int(x) for x in args.concurrency.split(",")]:
+            for name, op in ops:
+                rows.append(await measure_row(r, sides, name, op, args, run, conc))
+    return rows
+
+
+async def measure_row(r: aioredis.Redis, sides: Sides, name: str, op: Any, args: argparse.Namespace, run: int,
+                      conc: int) -> dict:
+    st = sides.store if name.startswith("store") else sides.uncached
+    ours = name.startswith(("store", "uncached"))
+    rt0, f0, u0 = st.round_trips, st.entries_fetched, st.entries_reused
+    row = await measure(r, name, op, args.ops, conc, args.principals, seed=run * 1000 + conc)
+    if ours:  # cross-check against the store's own call counter
+        assert st.round_trips - rt0 == args.ops, "store made more than one call per op"
+    row["conc"], row["run"] = conc, run + 1
+    cache = ""
+    if "get_window" in name and ours:
+        cache = (f"  entries/op fetched {(st.entries_fetched - f0) / args.ops:.1f}, "
+                 f"from the read cache {(st.entries_reused - u0) / args.ops:.1f}")
+    print(f"  {run + 1:<3} {conc:<5} {name:<31} {row['ops_s']:>7.0f} {row['p50_ms']:>9.2f} "
+          f"{row['p99_ms']:>8.2f} {row['cmds_per_op']:>8.2f} {row['client_us']:>17.0f} "
+          f"{row['server_us']:>16.0f}{cache}")
+    return row
+
+
+RATIO_LABELS = {"store": "{}", "uncached": "{}, no cache", "floor": "{}, fetch-only floor",
+                "onevalue": "{}, one-value bound"}
+
+
+def print_ratios(rows: list[dict], repeat: int, last_n: int) -> None:
+    by = {(x["name"], x["conc"], x["run"]): x for x in rows}
+    window = f"get_window(last {last_n})"
+    print("\nratios store / naive (each run against the baseline measured next to it):")
+    for run in range(1, repeat + 1):
+        for conc in sorted({x["conc"] for x in rows}):
+            for impl, what in (("store", "append"), ("store", window), ("uncached", window), ("floor", window),
+                               ("onevalue", window)):
+                s, n = by[(f"{impl}.{what}", conc, run)], by[(f"naive.{what}", conc, run)]
+                s_cpu, n_cpu = s["client_us"] + s["server_us"], n["client_us"] + n["server_us"]
+                label = RATIO_LABELS[impl].format(what)
+                print(f"  run {run} c={conc:<3} {label:<37} throughput x{s['ops_s'] / n['ops_s']:.2f}   "
+                      f"CPU/op (client+redis) x{n_cpu / s_cpu:.2f} less   "
+                      f"p99 {s['p99_ms']:.2f} vs {n['p99_ms']:.2f} ms")
+
+
+async def print_costs(r: aioredis.Redis, cfg: ContextConfig, mem_contexts: int) -> None:
+    """Memory per entry of both layouts, what a byte costs a script's Lua, and Redis's memory."""
+    mem_store, mem_naive = await memory_per_entry(r, cfg, mem_contexts)
+    print(f"\nmemory per 1 KiB entry / payload: store {mem_store:.2f}x, naive JSON {mem_naive:.2f}x "
+          f"({mem_contexts} contexts x 100 entries)")
+    per_byte, small_us, big_us = await lua_byte_cost(r)
+    print(f"Lua strings: {per_byte:.2f} ns per byte (a script reading a 100 KiB value {big_us:.1f} us, "
+          f"100 B {small_us:.2f} us): every byte a script gets from Redis or builds pays it once")
+    print(f"redis used_memory {(await r.info('memory'))['used_memory_human']}; load average at end: {loadavg()}")
+
+
+async def run_bench(r: aioredis.Redis, args: argparse.Namespace) -> None:
+    await wait_for_redis(r)
+    await r.flushdb()
+    print(f"load average at start: {loadavg()}; event loop: {args.loop}")
+    cfg = ContextConfig(channel_max_entries=args.entries, audit_maxlen=10_000)
+    sides = await open_sides(r, cfg, args.entries)
+    payload = b"a" * args.payload
+    await load_data(r, cfg, sides, args, payload)
+    gc.collect()  # the preload's garbage, not the first measurement's pause
+    ops = operations(sides, payload, args.last_n)
+    await warm_up(r, ops, args)
+    rows = await measure_all(r, sides, ops, args)
+    print_ratios(rows, args.repeat, args.last_n)
+    await print_costs(r, cfg, args.mem_contexts)
+
+
+async def main(args: argparse.Namespace) -> int:
+    apply_profile(args)
     proc = workdir = None
     url = args.redis_url
     if url is None:
-        port, workdir = free_port(), tempfile.mkdtemp(prefix="lm-bench-redis-")
-        proc = subprocess.Popen([shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind",
-                                 "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", workdir,
-                                 "--maxmemory-policy", "noeviction"], stdout=subprocess.DEVNULL)
-        url = f"redis://127.0.0.1:{port}/0"
+        proc, workdir, url = start_private_redis()
     r = aioredis.Redis.from_url(url, max_connections=128)
     try:
-        for _ in range(200):
-            try:
-                await r.ping()
-                break
-            except Exception:  # noqa: BLE001
-                await asyncio.sleep(0.05)
-        await r.flushdb()
-        print(f"load average at start: {loadavg()}; event loop: {args.loop}")
-        cfg = ContextConfig(channel_max_entries=args.entries, audit_maxlen=10_000)
-        store, naive = ContextStore(r, cfg), Naive(r, args.entries)
-        # The same store without its read cache: every read fetches every entry it returns.
-        uncached = ContextStore(r, dataclasses.replace(cfg, read_cache_bytes=0))
-        floor = Floor(r)  # the bound of any one-script read that must fetch its entries
-        await floor.load()
-        one = OneValue(r, uncached)  # the store's read bookkeeping, the window in one value
-        await one.load()
-        payload = b"a" * args.payload
-        await check_bulk_load(r, store, args.entries, payload)
-        t0 = time.perf_counter()
-        await preload(r, cfg, naive, args.principals + WARM_PRINCIPALS, args.entries, payload)
-        await one.prepare(args.principals + WARM_PRINCIPALS, args.entries, args.last_n)
-        probe = f"u{args.principals}"  # a warm-up principal: measured ones stay unread
-        want = (await uncached.get_window(probe, "c", last_n=args.last_n)).channels["text"]
-        assert await one.get_window(probe, "c") == want, "the one-value bound reads other entries than the store"
-        print(f"preloaded {args.principals} principals x {args.entries} entries x {args.payload} B "
-              f"in {time.perf_counter() - t0:.1f}s (both layouts, pipelined bulk load)")
-        gc.collect()  # the preload's garbage, not the first measurement's pause
-        text = payload.decode()
-        ops = (
-            ("store.append", lambda p: store.append(p, "c", "text", "user", payload)),
-            ("naive.append", lambda p: naive.append(p, "c", text)),
-            (f"store.get_window(last {args.last_n})", lambda p: store.get_window(p, "c", last_n=args.last_n)),
-            (f"naive.get_window(last {args.last_n})", lambda p: naive.get_window(p, "c", args.last_n)),
-            (f"uncached.get_window(last {args.last_n})", lambda p: uncached.get_window(p, "c", last_n=args.last_n)),
-            (f"floor.get_window(last {args.last_n})", lambda p: floor.get_window(p, "c", args.last_n)),
-            (f"onevalue.get_window(last {args.last_n})", lambda p: one.get_window(p, "c")),
-        )
-        # Warm-up, not recorded: every operation of both sides on principals of their own
-        # (u<principals>..), so that the first measurement does not pay for what only a
-        # process's first operations pay (allocator growth, first-touch pages in Redis,
-        # connections) and no measured context is read before it is measured.
-        for name, op in ops:
-            await measure(r, name, op, min(WARM_OPS, args.ops), 4, WARM_PRINCIPALS, seed=7, first=args.principals)
-        rows = []
-        print("  run conc  operation                        ops/s    p50 ms   p99 ms  cmds/op  "
-              "client-CPU us/op  redis-CPU us/op")
-        for run in range(args.repeat):
-            for conc in [int(x) for x in args.concurrency.split(",")]:
-                for name, op in ops:
-                    st = store if name.startswith("store") else uncached
-                    ours = name.startswith(("store", "uncached"))
-                    rt0, f0, u0 = st.round_trips, st.entries_fetched, st.entries_reused
-                    row = await measure(r, name, op, args.ops, conc, args.principals, seed=run * 1000 + conc)
-                    if ours:  # cross-check against the store's own call counter
-                        assert st.round_trips - rt0 == args.ops, "store made more than one call per op"
-                    row["conc"], row["run"] = conc, run + 1
-                    rows.append(row)
-                    cache = ""
-                    if "get_window" in name and ours:
-                        cache = (f"  entries/op fetched {(st.entries_fetched - f0) / args.ops:.1f}, "
-                                 f"from the read cache {(st.entries_reused - u0) / args.ops:.1f}")
-                    print(f"  {run + 1:<3} {conc:<5} {name:<31} {row['ops_s']:>7.0f} {row['p50_ms']:>9.2f} "
-                          f"{row['p99_ms']:>8.2f} {row['cmds_per_op']:>8.2f} {row['client_us']:>17.0f} "
-                          f"{row['server_us']:>16.0f}{cache}")
-        by = {(x["name"], x["conc"], x["run"]): x for x in rows}
-        print("\nratios store / naive (each run against the baseline measured next to it):")
-        for run in range(1, args.repeat + 1):
-            for conc in sorted({x["conc"] for x in rows}):
-                for impl, what in (("store", "append"), ("store", f"get_window(last {args.last_n})"),
-                                 ("uncached", f"get_window(last {args.last_n})"),
-                                 ("floor", f"get_window(last {args.last_n})"),
-                                 ("onevalue", f"get_window(last {args.last_n})")):
-                    s, n = by[(f"{impl}.{what}", conc, run)], by[(f"naive.{what}", conc, run)]
-                    s_cpu, n_cpu = s["client_us"] + s["server_us"], n["client_us"] + n["server_us"]
-                    label = {"store": what, "uncached": f"{what}, no cache", "floor": f"{what}, fetch-only floor",
-                             "onevalue": f"{what}, one-value bound"}[impl]
-                    print(f"  run {run} c={conc:<3} {label:<37} throughput x{s['ops_s'] / n['ops_s']:.2f}   "
-                          f"CPU/op (client+redis) x{n_cpu / s_cpu:.2f} less   "
-                          f"p99 {s['p99_ms']:.2f} vs {n['p99_ms']:.2f} ms")
-        mem_store, mem_naive = await memory_per_entry(r, cfg, args.mem_contexts)
-        print(f"\nmemory per 1 KiB entry / payload: store {mem_store:.2f}x, naive JSON {mem_naive:.2f}x "
-              f"({args.mem_contexts} contexts x 100 entries)")
-        per_byte, small_us, big_us = await lua_byte_cost(r)
-        print(f"Lua strings: {per_byte:.2f} ns per byte (a script reading a 100 KiB value {big_us:.1f} us, "
-              f"100 B {small_us:.2f} us): every byte a script gets from Redis or builds pays it once")
-        print(f"redis used_memory {(await r.info('memory'))['used_memory_human']}; load average at end: {loadavg()}")
+        await run_bench(r, args)
     finally:
         await r.aclose()
         if proc is not None:

@@ -248,6 +248,26 @@ class Tally:
     rel_error: list[float] = field(default_factory=list)
     density: list[float] = field(default_factory=list)
 
+    def add(self, e: EncodedDelta, wire_bytes: int) -> None:
+        self.wire_bytes += wire_bytes
+        if e.header["kind"] == "anchor":
+            self.anchors += 1
+            return
+        self.encode_s.append(e.stats["encode_s"])
+        self.rel_error.append(e.stats.get("rel_error", 0.0))
+        self.density.append(e.stats.get("density", 0.0))
+
+
+@dataclass
+class _Trained:
+    """Where a scenario's training ended, against which every codec's row is measured."""
+
+    theta: torch.Tensor  # the trainer's final weights, flat
+    theta_norm: float
+    mean_update: float  # mean norm of one step's update
+    trainer_loss: float
+    steps: int
+
 
 def unflatten(flat: torch.Tensor, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out, pos = {}, 0
@@ -271,62 +291,68 @@ def run_scenario(sc: Scenario, codecs: list[Codec], steps: int, count: WireCount
     encoders = {c.label: DeltaEncoder(c.cfg, sc.params, 0, sc.name) for c in codecs}
     layout = next(iter(encoders.values())).layout
     n = layout.numel
-    dense_bytes = 4 * n
     tallies = {c.label: Tally() for c in codecs}
+    changed, update_norm = _train_and_encode(sc, encoders, tallies, steps, count)
+    theta = flatten(sc.params, layout)
+    mean_update = float(np.mean(update_norm))
+    end = _Trained(theta, float(torch.linalg.vector_norm(theta)), mean_update, sc.eval_loss(), steps)
+    rows = []
+    for c in codecs:
+        rows.append(_codec_row(sc, c, encoders[c.label], tallies[c.label], end, count))
+        encoders[c.label].close()
+    return {"scenario": sc.name, "describe": sc.describe, "params": n, "steps": steps,
+            "dense_fp32_bytes": 4 * n, "trainer_loss": end.trainer_loss,
+            "changed_per_step_mean": float(np.mean(changed)), "changed_per_step_min": float(np.min(changed)),
+            "update_norm_rel": mean_update / end.theta_norm, "rows": rows}
+
+
+def _train_and_encode(sc: Scenario, encoders: dict[str, DeltaEncoder], tallies: dict[str, Tally], steps: int,
+                      count: WireCount) -> tuple[list[float], list[float]]:
+    """Train ``steps`` steps, every codec encoding the weights after each; per step, the fraction
+    of elements it changed and the norm of its update."""
+    layout = next(iter(encoders.values())).layout
     prev = flatten(sc.params, layout)
     changed, update_norm = [], []
     t_start = time.perf_counter()
     for v in range(1, steps + 1):
         loss = sc.train_step()
         flat = flatten(sc.params, layout)
-        changed.append(float((flat != prev).sum()) / n)
+        changed.append(float((flat != prev).sum()) / layout.numel)
         update_norm.append(float(torch.linalg.vector_norm(flat - prev)))
         prev = flat
         for label, enc in encoders.items():
             e = enc.encode(sc.params, v, sink=_discard)
-            tal = tallies[label]
-            tal.wire_bytes += count.bytes(e, sc.name)
-            if e.header["kind"] == "anchor":
-                tal.anchors += 1
-                continue
-            tal.encode_s.append(e.stats["encode_s"])
-            tal.rel_error.append(e.stats.get("rel_error", 0.0))
-            tal.density.append(e.stats.get("density", 0.0))
+            tallies[label].add(e, count.bytes(e, sc.name))
         if v % 25 == 0 or v == steps:
             print(f"  [{sc.name}] step {v}/{steps} loss {loss:.5f} ({time.perf_counter() - t_start:.0f}s)", flush=True)
-    theta = flatten(sc.params, layout)
-    theta_norm = float(torch.linalg.vector_norm(theta))
-    mean_update = float(np.mean(update_norm))
-    exact = sc.eval_loss()
-    rows = []
-    for c in codecs:
-        enc, tal = encoders[c.label], tallies[c.label]
-        served = enc.ref[:n]
-        served_loss = sc.eval_loss(unflatten(served, sc.params))
-        gap = float(torch.linalg.vector_norm(theta - served))
-        flush = enc.encode(sc.params, steps + 1, lossless=True, sink=_discard)
-        flush_bytes = count.bytes(flush, sc.name)
-        total = tal.wire_bytes + flush_bytes
-        enc_p50 = pct(tal.encode_s, 50)
-        rows.append({
-            "codec": c.label, "extra": c.extra, "headline": not c.extra,
-            "bytes_per_step": total / steps, "bytes_per_step_without_flush": tal.wire_bytes / steps,
-            "flush_bytes": flush_bytes, "anchors": tal.anchors,
-            "x_smaller_than_fp32": dense_bytes * steps / total,
-            "served_loss": served_loss, "loss_gap_pct": 100 * abs(served_loss - exact) / exact,
-            "weight_gap_rel": gap / theta_norm, "weight_gap_steps": gap / mean_update,
-            "encode_ms_p50": enc_p50 * 1e3, "encode_GBps_per_core": dense_bytes / enc_p50 / 1e9,
-            "density_mean": float(np.mean(tal.density)) if tal.density else float("nan"),
-            "density_last": tal.density[-1] if tal.density else float("nan"),
-            "rel_error_mean": float(np.mean(tal.rel_error)) if tal.rel_error else float("nan"),
-            "bits_per_sent_element": 8 * tal.wire_bytes / max(1.0, n * float(np.sum(tal.density))),
-            "served_equals_trainer_after_flush": bool(torch.equal(enc.ref[:n], theta)),
-        })
-        enc.close()
-    return {"scenario": sc.name, "describe": sc.describe, "params": n, "steps": steps,
-            "dense_fp32_bytes": dense_bytes, "trainer_loss": exact,
-            "changed_per_step_mean": float(np.mean(changed)), "changed_per_step_min": float(np.min(changed)),
-            "update_norm_rel": mean_update / theta_norm, "rows": rows}
+    return changed, update_norm
+
+
+def _codec_row(sc: Scenario, c: Codec, enc: DeltaEncoder, tal: Tally, end: _Trained, count: WireCount) -> dict:
+    """One codec's figures: what it served, what it cost, and the flush that ends the run."""
+    n = enc.layout.numel
+    dense_bytes = 4 * n
+    served = enc.ref[:n]
+    served_loss = sc.eval_loss(unflatten(served, sc.params))
+    gap = float(torch.linalg.vector_norm(end.theta - served))
+    flush = enc.encode(sc.params, end.steps + 1, lossless=True, sink=_discard)
+    flush_bytes = count.bytes(flush, sc.name)
+    total = tal.wire_bytes + flush_bytes
+    enc_p50 = pct(tal.encode_s, 50)
+    return {
+        "codec": c.label, "extra": c.extra, "headline": not c.extra,
+        "bytes_per_step": total / end.steps, "bytes_per_step_without_flush": tal.wire_bytes / end.steps,
+        "flush_bytes": flush_bytes, "anchors": tal.anchors,
+        "x_smaller_than_fp32": dense_bytes * end.steps / total,
+        "served_loss": served_loss, "loss_gap_pct": 100 * abs(served_loss - end.trainer_loss) / end.trainer_loss,
+        "weight_gap_rel": gap / end.theta_norm, "weight_gap_steps": gap / end.mean_update,
+        "encode_ms_p50": enc_p50 * 1e3, "encode_GBps_per_core": dense_bytes / enc_p50 / 1e9,
+        "density_mean": float(np.mean(tal.density)) if tal.density else float("nan"),
+        "density_last": tal.density[-1] if tal.density else float("nan"),
+        "rel_error_mean": float(np.mean(tal.rel_error)) if tal.rel_error else float("nan"),
+        "bits_per_sent_element": 8 * tal.wire_bytes / max(1.0, n * float(np.sum(tal.density))),
+        "served_equals_trainer_after_flush": bool(torch.equal(enc.ref[:n], end.theta)),
+    }
 
 
 def print_scenario(res: dict) -> None:
@@ -520,7 +546,7 @@ def _finals(pull: Any, n_workers: int) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------------------- main
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="headline rows only, fewer steps, no latency run")
     ap.add_argument("--steps", type=int, default=None, help="synced steps of the MLP runs (default 100, quick 30)")
@@ -534,14 +560,40 @@ def main() -> int:
     ap.add_argument("--latency-steps", type=int, default=40)
     ap.add_argument("--no-latency", action="store_true")
     ap.add_argument("--latency-only", action="store_true", help="only the step -> serving run")
-    args = ap.parse_args()
-    quick = args.quick
-    steps = args.steps or (30 if quick else 100)
-    default_steps = args.default_steps or (60 if quick else 200)
-    targets = [float(x) for x in args.tuner_targets.split(",") if x]
+    return ap.parse_args()
+
+
+def wanted_scenarios(args: argparse.Namespace) -> list[str]:
     wanted = [s for s in args.scenarios.split(",") if s]
-    if quick:
-        wanted = [s for s in wanted if s != "mlp-10m-lr1e-4"]
+    return [s for s in wanted if s != "mlp-10m-lr1e-4"] if args.quick else wanted
+
+
+def run_named_scenario(name: str, args: argparse.Namespace, count: WireCount) -> dict:
+    """Scenario ``name`` of ``--scenarios`` with its codecs, timed."""
+    steps = args.steps or (30 if args.quick else 100)
+    targets = [float(x) for x in args.tuner_targets.split(",") if x]
+    t0 = time.perf_counter()
+    if name == "mlp-10m":
+        sc = mlp_scenario(None, args.warmup, name)
+        n = sum(p.numel() for p in sc.params.values())
+        res = run_scenario(sc, codecs_for(4 * n, args.quick, targets), steps, count)
+    elif name == "mlp-10m-lr1e-4":
+        sc = mlp_scenario(1e-4, args.warmup, "extra: mlp-10m lr 1e-4")
+        old = Codec("extra: density 0.02, tuner off", CompressionConfig(density=0.02, tuner="off"))
+        res = run_scenario(sc, [*codecs_for(0, True, []), old], steps, count)
+    elif name == "default":
+        default_steps = args.default_steps or (60 if args.quick else 200)
+        sc = default_model_scenario(default_steps)
+        n = sum(p.numel() for p in sc.params.values())
+        res = run_scenario(sc, codecs_for(4 * n, args.quick, targets), default_steps, count)
+    else:
+        raise SystemExit(f"unknown scenario {name!r}")
+    res["seconds"] = time.perf_counter() - t0
+    return res
+
+
+def main() -> int:
+    args = parse_args()
     torch.set_num_threads(1)  # "per core" figures
     OUT.mkdir(parents=True, exist_ok=True)
     shipped = CompressionConfig()
@@ -554,23 +606,8 @@ def main() -> int:
     print(f"shipped: compression {describe(shipped)}; trainer {TrainerConfig().optimizer} lr {TrainerConfig().lr:g}, "
           f"clip {TrainerConfig().clip_grad_norm:g}", flush=True)
     results = []
-    for name in wanted:
-        t0 = time.perf_counter()
-        if name == "mlp-10m":
-            sc = mlp_scenario(None, args.warmup, name)
-            n = sum(p.numel() for p in sc.params.values())
-            res = run_scenario(sc, codecs_for(4 * n, quick, targets), steps, count)
-        elif name == "mlp-10m-lr1e-4":
-            sc = mlp_scenario(1e-4, args.warmup, "extra: mlp-10m lr 1e-4")
-            old = Codec("extra: density 0.02, tuner off", CompressionConfig(density=0.02, tuner="off"))
-            res = run_scenario(sc, [*codecs_for(0, True, []), old], steps, count)
-        elif name == "default":
-            sc = default_model_scenario(default_steps)
-            n = sum(p.numel() for p in sc.params.values())
-            res = run_scenario(sc, codecs_for(4 * n, quick, targets), default_steps, count)
-        else:
-            raise SystemExit(f"unknown scenario {name!r}")
-        res["seconds"] = time.perf_counter() - t0
+    for name in wanted_scenarios(args):
+        res = run_named_scenario(name, args, count)
         print_scenario(res)
         results.append(res)
 
@@ -578,7 +615,7 @@ def main() -> int:
     print(f"\nload average (1/5/15 min): {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores")
     result: dict = {"shipped_compression": describe(shipped), "trainer_lr": TrainerConfig().lr,
                     "scenarios": results, "loadavg": load}
-    if not (args.no_latency or quick):
+    if not (args.no_latency or args.quick):
         print(f"\nstep -> serving latency, 4 subscriber processes, {args.latency_steps} steps, "
               f"{describe(shipped)} ...", flush=True)
         result["latency"] = latency_run(MLP_ARCH, args.latency_steps)

@@ -284,7 +284,7 @@ def loadavg() -> float:
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--duration-s", type=int, default=5)
     ap.add_argument("--connections", type=int, nargs="+", default=[16, 64])
@@ -295,56 +295,72 @@ def main() -> int:
                     help="pin the servers to CPU 0 and wrk to the other CPUs (on a busy 2-core machine this "
                          "hurts more than it helps: the pinned server cannot escape other load on CPU 0)")
     ap.add_argument("--serve-sdk", type=int, help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.serve_sdk:
-        serve_sdk(args.serve_sdk)
-        return 0
-    if shutil.which("wrk") is None:
-        raise SystemExit("wrk not found: apt-get install -y wrk")
+    return ap.parse_args()
 
-    server_cpus, wrk_cpus = split_cpus(args.pin)
-    redis_url, redis_proc, redis_dir = start_redis()
-    ours_proc = sdk_proc = None
-    best: dict[tuple[str, str, int], tuple[Point, float]] = {}
-    load_start = loadavg()
-    try:
-        ours_port, sdk_port = free_port(), free_port()
-        ours_proc, sdk_proc = start_ours(ours_port, redis_url), start_sdk(sdk_port)
-        if server_cpus:
-            for proc in (ours_proc, sdk_proc):
-                os.sched_setaffinity(proc.pid, server_cpus)
-        servers = {"learnmesh": f"http://127.0.0.1:{ours_port}/mcp", "sdk": f"http://127.0.0.1:{sdk_port}/mcp"}
-        procs = {"learnmesh": ours_proc, "sdk": sdk_proc}
-        for revision in (LEGACY, MODERN):
-            requests = {}
-            for name, url in servers.items():
-                body, headers = legacy_request(url) if revision == LEGACY else modern_request()
-                check_answers(url, body, headers, f"{name} {revision}")
-                run_wrk(url, body, headers, 16, 1, args.threads, wrk_cpus)  # warm-up, not reported
-                requests[name] = (body, headers)
-            for conns in args.connections:
-                for rep in range(args.repeat):
-                    for name, url in servers.items():
-                        body, headers = requests[name]
-                        la, pid = loadavg(), procs[name].pid
-                        cpu0 = cpu_s(pid)
-                        rps, p50, p99, errors = run_wrk(url, body, headers, conns, args.duration_s, args.threads,
-                                                        wrk_cpus)
-                        cpu_us = (cpu_s(pid) - cpu0) / max(rps * args.duration_s, 1) * 1e6
-                        point = Point(name, revision, conns, rps, p50, p99, errors, cpu_us)
-                        print(f"  {name:9} {revision} c={conns:<3} run {rep + 1}: {rps:7.0f} req/s  p50 {p50:7.2f} ms"
-                              f"  p99 {p99:7.2f} ms  bad {errors}  cpu {cpu_us:6.0f} us/req  load1 {la:.1f}",
-                              flush=True)
-                        key = (name, revision, conns)
-                        if key not in best or rps > best[key][0].rps:
-                            best[key] = (point, la)
-    finally:
-        stop(ours_proc)
-        stop(sdk_proc)
-        stop(redis_proc)
-        if redis_dir:
-            shutil.rmtree(redis_dir, ignore_errors=True)
 
+@dataclass
+class Server:
+    name: str
+    url: str
+    pid: int
+
+
+Best = dict[tuple[str, str, int], tuple[Point, float]]  # (server, revision, connections) -> (point, load1)
+
+
+def start_servers(procs: dict[str, subprocess.Popen], redis_url: str, cpus: set[int] | None) -> list[Server]:
+    """Start both servers, each recorded in ``procs`` as soon as it runs (the caller stops them)."""
+    ours_port, sdk_port = free_port(), free_port()
+    procs["learnmesh"] = start_ours(ours_port, redis_url)
+    procs["sdk"] = start_sdk(sdk_port)
+    if cpus:
+        for proc in procs.values():
+            os.sched_setaffinity(proc.pid, cpus)
+    return [Server("learnmesh", f"http://127.0.0.1:{ours_port}/mcp", procs["learnmesh"].pid),
+            Server("sdk", f"http://127.0.0.1:{sdk_port}/mcp", procs["sdk"].pid)]
+
+
+def prepare_requests(servers: list[Server], revision: str, threads: int,
+                     wrk_cpus: set[int] | None) -> dict[str, tuple[dict, dict[str, str]]]:
+    """Per server, the checked and warmed-up tools/call request of ``revision``."""
+    requests = {}
+    for s in servers:
+        body, headers = legacy_request(s.url) if revision == LEGACY else modern_request()
+        check_answers(s.url, body, headers, f"{s.name} {revision}")
+        run_wrk(s.url, body, headers, 16, 1, threads, wrk_cpus)  # warm-up, not reported
+        requests[s.name] = (body, headers)
+    return requests
+
+
+def run_points(servers: list[Server], args: argparse.Namespace, wrk_cpus: set[int] | None) -> Best:
+    best: Best = {}
+    for revision in (LEGACY, MODERN):
+        requests = prepare_requests(servers, revision, args.threads, wrk_cpus)
+        for conns in args.connections:
+            for rep in range(args.repeat):
+                for s in servers:
+                    point, la = measure_point(s, revision, conns, rep, requests[s.name], args, wrk_cpus)
+                    key = (s.name, revision, conns)
+                    if key not in best or point.rps > best[key][0].rps:
+                        best[key] = (point, la)
+    return best
+
+
+def measure_point(s: Server, revision: str, conns: int, rep: int, request: tuple[dict, dict[str, str]],
+                  args: argparse.Namespace, wrk_cpus: set[int] | None) -> tuple[Point, float]:
+    """One wrk run against one server, printed; (the point, the load average before it)."""
+    body, headers = request
+    la = loadavg()
+    cpu0 = cpu_s(s.pid)
+    rps, p50, p99, errors = run_wrk(s.url, body, headers, conns, args.duration_s, args.threads, wrk_cpus)
+    cpu_us = (cpu_s(s.pid) - cpu0) / max(rps * args.duration_s, 1) * 1e6
+    print(f"  {s.name:9} {revision} c={conns:<3} run {rep + 1}: {rps:7.0f} req/s  p50 {p50:7.2f} ms"
+          f"  p99 {p99:7.2f} ms  bad {errors}  cpu {cpu_us:6.0f} us/req  load1 {la:.1f}", flush=True)
+    return Point(s.name, revision, conns, rps, p50, p99, errors, cpu_us), la
+
+
+def print_table(best: Best, args: argparse.Namespace, server_cpus: set[int] | None, wrk_cpus: set[int] | None,
+                load_start: float) -> None:
     pin = (f"servers pinned to CPU {sorted(server_cpus)}, wrk to CPU {sorted(wrk_cpus)}" if server_cpus
            else "no CPU pinning")
     print(f"\ntools/call, {args.duration_s} s per run, best of {args.repeat} runs per server, wrk -t{args.threads}, "
@@ -362,6 +378,28 @@ def main() -> int:
                   f"{ratio:5.1f}x {sdk.cpu_us / ours.cpu_us:8.1f}x | {la_o:.1f}/{la_s:.1f}")
     if any(p.errors for p, _ in best.values()):
         print("\nWARNING: some reported runs had bad answers or socket errors (see the per-run lines)")
+
+
+def main() -> int:
+    args = parse_args()
+    if args.serve_sdk:
+        serve_sdk(args.serve_sdk)
+        return 0
+    if shutil.which("wrk") is None:
+        raise SystemExit("wrk not found: apt-get install -y wrk")
+    server_cpus, wrk_cpus = split_cpus(args.pin)
+    redis_url, redis_proc, redis_dir = start_redis()
+    procs: dict[str, subprocess.Popen] = {}
+    load_start = loadavg()
+    try:
+        best = run_points(start_servers(procs, redis_url, server_cpus), args, wrk_cpus)
+    finally:
+        for proc in procs.values():
+            stop(proc)
+        stop(redis_proc)
+        if redis_dir:
+            shutil.rmtree(redis_dir, ignore_errors=True)
+    print_table(best, args, server_cpus, wrk_cpus, load_start)
     return 0
 
 

@@ -196,7 +196,7 @@ async def overheads(port: int, cfg, model, n: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in res.items()}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=["default", "tiny"], default="default")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
@@ -204,76 +204,111 @@ def main() -> None:
     ap.add_argument("--requests-per-client", type=int, default=2)
     ap.add_argument("--baseline-requests", type=int, default=8)
     ap.add_argument("--overhead-requests", type=int, default=30)
-    args = ap.parse_args()
+    return ap.parse_args()
 
-    tmp = Path(tempfile.mkdtemp(prefix="lm-bench-inf-"))
-    port = free_port()
-    data = {"model": {**(TINY if args.model == "tiny" else {}), "cache_dir": str(ROOT / "var" / "model")},
+
+def config_data(tmp: Path, model: str) -> dict:
+    """The run's configuration, every endpoint on a free port (Redis still to be added)."""
+    return {"model": {**(TINY if model == "tiny" else {}), "cache_dir": str(ROOT / "var" / "model")},
             "worker": {"endpoints": [f"tcp://127.0.0.1:{free_port()}"], "max_batch_size": 64, "max_wait_ms": 2.0},
-            "gateway": {"port": port},
+            "gateway": {"port": free_port()},
             "security": {"delta_key_file": str(tmp / "delta.key"), "delta_pub_endpoint": f"tcp://127.0.0.1:{free_port()}",
                          "snapshot_endpoint": f"tcp://127.0.0.1:{free_port()}",
                          "ack_endpoint": f"tcp://127.0.0.1:{free_port()}"}}
+
+
+def load_model(cfg, name: str):
+    """The baseline's model, with the worker's torch thread count."""
+    if cfg.worker.torch_threads:
+        import torch
+
+        torch.set_num_threads(cfg.worker.torch_threads)
+    print(f"model: {name} (pre-training once if not cached in var/model) ...", flush=True)
+    t0 = time.perf_counter()
+    model = build_model(cfg.model)
+    print(f"model ready in {time.perf_counter() - t0:.1f} s")
+    print(f"model {model.model_id}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params")
+    return model
+
+
+def start_services(config_path: Path) -> list[subprocess.Popen]:
+    """One worker and one gateway, configured by ``config_path`` alone."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LEARNMESH_") and k != "REDIS_URL"}
+    return [subprocess.Popen([sys.executable, "-m", "services.cli", "--config", str(config_path), cmd, *extra],
+                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for cmd, extra in (("worker", ["--index", "0"]), ("gateway", []))]
+
+
+def stop_services(procs: list[subprocess.Popen], redis_proc: subprocess.Popen) -> None:
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+    redis_proc.terminate()
+    redis_proc.wait(10)
+
+
+def wait_generating(url: str, timeout_s: float = 120) -> None:
+    """Until the gateway answers a generation, which needs the worker up too."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            r = httpx.post(url, json=body("warm up", 1, 0), headers=HEADERS, timeout=10)
+            if "result" in r.json():
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit("gateway/worker did not come up")
+        time.sleep(0.2)
+
+
+def report_levels(port: int, model, args: argparse.Namespace) -> None:
+    """The baseline, then every concurrency level against it."""
+    base_tok_s, base_1tok_s = baseline(model, args.baseline_requests, args.max_tokens)
+    print(f"\nbaseline (in-process, one at a time): {base_tok_s:8.1f} tokens/s; 1-token call p50 "
+          f"{base_1tok_s * 1000:.2f} ms")
+    print(f"\n{'sessions':>8} {'tokens/s':>10} {'x baseline':>10} {'p50 ms':>9} {'p99 ms':>9} {'requests':>8}")
+    for c in args.concurrency:
+        res = asyncio.run(level(port, c, args.requests_per_client, args.max_tokens))
+        print(f"{c:>8} {res['tok_s']:>10.1f} {res['tok_s'] / base_tok_s:>10.2f} {res['p50_ms']:>9.1f} "
+              f"{res['p99_ms']:>9.1f} {res['n']:>8}", flush=True)
+
+
+def report_overheads(port: int, cfg, model, n: int) -> None:
+    ms = {k: v * 1000 for k, v in asyncio.run(overheads(port, cfg, model, n)).items()}
+    print(f"\n1-token generation p50 (interleaved, {n} each): in-process {ms['local']:.2f} ms, "
+          f"via ZeroMQ {ms['zmq']:.2f} ms, via gateway {ms['gateway']:.2f} ms "
+          f"(keep-alive raw HTTP/1.1 client)")
+    print(f"per-request overhead over in-process: ZeroMQ+worker loop {ms['zmq'] - ms['local']:+.2f} ms, "
+          f"gateway(HTTP+MCP)+ZeroMQ {ms['gateway'] - ms['local']:+.2f} ms "
+          f"(of which gateway over ZeroMQ {ms['gateway'] - ms['zmq']:+.2f} ms)")
+    print(f"for reference: HTTP+MCP round trip of a trivial request (server/discover) {ms['ping']:.2f} ms; the same "
+          f"generation through a pooled httpx client {ms['httpx']:.2f} ms "
+          f"(client-side cost {ms['httpx'] - ms['gateway']:+.2f} ms, not the gateway's)")
+
+
+def main() -> None:
+    args = parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="lm-bench-inf-"))
+    data = config_data(tmp, args.model)
+    port = data["gateway"]["port"]
     redis_url, redis_proc = start_redis(tmp / "redis")
     data["redis"] = {"url": redis_url}
     path = tmp / "learnmesh.yaml"
     path.write_text(yaml.safe_dump(data))
     cfg = load_config(path, env={})
-    if cfg.worker.torch_threads:  # the baseline runs with the worker's thread count
-        import torch
-
-        torch.set_num_threads(cfg.worker.torch_threads)
-    print(f"model: {args.model} (pre-training once if not cached in var/model) ...", flush=True)
-    t0 = time.perf_counter()
-    model = build_model(cfg.model)
-    print(f"model ready in {time.perf_counter() - t0:.1f} s")
-    print(f"model {model.model_id}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LEARNMESH_") and k != "REDIS_URL"}
-    procs = [subprocess.Popen([sys.executable, "-m", "services.cli", "--config", str(path), cmd, *extra], cwd=ROOT,
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-             for cmd, extra in (("worker", ["--index", "0"]), ("gateway", []))]
-    url = f"http://127.0.0.1:{port}/mcp"
+    model = load_model(cfg, args.model)
+    procs = start_services(path)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                r = httpx.post(url, json=body("warm up", 1, 0), headers=HEADERS, timeout=10)
-                if "result" in r.json():
-                    break
-            except (httpx.HTTPError, ValueError):
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit("gateway/worker did not come up")
-            time.sleep(0.2)
-        base_tok_s, base_1tok_s = baseline(model, args.baseline_requests, args.max_tokens)
-        print(f"\nbaseline (in-process, one at a time): {base_tok_s:8.1f} tokens/s; 1-token call p50 "
-              f"{base_1tok_s * 1000:.2f} ms")
-        print(f"\n{'sessions':>8} {'tokens/s':>10} {'x baseline':>10} {'p50 ms':>9} {'p99 ms':>9} {'requests':>8}")
-        for c in args.concurrency:
-            res = asyncio.run(level(port, c, args.requests_per_client, args.max_tokens))
-            print(f"{c:>8} {res['tok_s']:>10.1f} {res['tok_s'] / base_tok_s:>10.2f} {res['p50_ms']:>9.1f} "
-                  f"{res['p99_ms']:>9.1f} {res['n']:>8}", flush=True)
-        o = asyncio.run(overheads(port, cfg, model, args.overhead_requests))
-        ms = {k: v * 1000 for k, v in o.items()}
-        print(f"\n1-token generation p50 (interleaved, {args.overhead_requests} each): in-process {ms['local']:.2f} ms, "
-              f"via ZeroMQ {ms['zmq']:.2f} ms, via gateway {ms['gateway']:.2f} ms "
-              f"(keep-alive raw HTTP/1.1 client)")
-        print(f"per-request overhead over in-process: ZeroMQ+worker loop {ms['zmq'] - ms['local']:+.2f} ms, "
-              f"gateway(HTTP+MCP)+ZeroMQ {ms['gateway'] - ms['local']:+.2f} ms "
-              f"(of which gateway over ZeroMQ {ms['gateway'] - ms['zmq']:+.2f} ms)")
-        print(f"for reference: HTTP+MCP round trip of a trivial request (server/discover) {ms['ping']:.2f} ms; the same "
-              f"generation through a pooled httpx client {ms['httpx']:.2f} ms "
-              f"(client-side cost {ms['httpx'] - ms['gateway']:+.2f} ms, not the gateway's)")
+        wait_generating(f"http://127.0.0.1:{port}/mcp")
+        report_levels(port, model, args)
+        report_overheads(port, cfg, model, args.overhead_requests)
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        redis_proc.terminate()
-        redis_proc.wait(10)
+        stop_services(procs, redis_proc)
 
 
 if __name__ == "__main__":

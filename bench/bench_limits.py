@@ -163,49 +163,63 @@ async def admit_alone(redis_url: str, calls: int, callers: int, principals: int)
         await client.aclose()
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--duration-s", type=int, default=5)
     ap.add_argument("--connections", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--repeat", type=int, default=2, help="runs per point, gateways interleaved; the best is kept")
     ap.add_argument("--principals", type=int, default=32, help="principals taking turns, each under its limit")
-    args = ap.parse_args()
-    if shutil.which("wrk") is None:
-        raise SystemExit("wrk not found: apt-get install -y wrk")
-    api_keys = {f"p{i}": f"bench-key-{i:04d}-{os.urandom(4).hex()}" for i in range(args.principals)}
-    tokens = list(api_keys.values())
-    redis_url, redis_proc, redis_dir = start_redis()
-    procs: dict[str, subprocess.Popen] = {}
-    best: dict[tuple[str, int], tuple[float, float, float, float]] = {}
-    load_start = loadavg()
-    try:
-        ports = {OFF: free_port(), ON: free_port()}
-        procs = {name: start_gateway(port, redis_url, api_keys, name == ON) for name, port in ports.items()}
-        urls = {name: f"http://127.0.0.1:{port}/mcp" for name, port in ports.items()}
-        body, headers = modern_request()
-        for name, url in urls.items():
-            check_answers(url, body, {**headers, "Authorization": f"Bearer {tokens[0]}"}, name)
-            run_wrk(url, tokens, 16, 1)  # warm-up
-        for conns in args.connections:
-            for rep in range(args.repeat):
-                for name, url in urls.items():
-                    gw0, rd0 = cpu_s(procs[name].pid), cpu_s(redis_proc.pid)
-                    rps, p50, bad = run_wrk(url, tokens, conns, args.duration_s)
-                    n = max(rps * args.duration_s, 1)
-                    gw_us = (cpu_s(procs[name].pid) - gw0) / n * 1e6
-                    rd_us = (cpu_s(redis_proc.pid) - rd0) / n * 1e6
-                    print(f"  {name:9} c={conns:<3} run {rep + 1}: {rps:7.0f} req/s  p50 {p50:6.2f} ms"
-                          f"  gateway {gw_us:5.1f} us/req  redis {rd_us:5.2f} us/req  bad {bad}"
-                          f"  load1 {loadavg():.1f}", flush=True)
-                    if (name, conns) not in best or rps > best[(name, conns)][0]:
-                        best[(name, conns)] = (rps, p50, gw_us, rd_us)
-        alone = {c: asyncio.run(admit_alone(redis_url, 20_000, c, args.principals)) for c in (1, 64)}
-    finally:
-        for proc in procs.values():
-            stop(proc)
-        stop(redis_proc)
-        shutil.rmtree(redis_dir, ignore_errors=True)
+    return ap.parse_args()
 
+
+Point = tuple[float, float, float, float]  # good req/s, p50 ms, gateway us/req, redis us/req
+
+
+def start_gateways(procs: dict[str, subprocess.Popen], redis_url: str, api_keys: dict[str, str]) -> dict[str, str]:
+    """Start the gateway without and with the limit, each recorded in ``procs`` as soon as it runs
+    (the caller stops them); their /mcp URLs."""
+    ports = {OFF: free_port(), ON: free_port()}
+    for name, port in ports.items():
+        procs[name] = start_gateway(port, redis_url, api_keys, name == ON)
+    return {name: f"http://127.0.0.1:{port}/mcp" for name, port in ports.items()}
+
+
+def check_and_warm_up(urls: dict[str, str], tokens: list[str]) -> None:
+    body, headers = modern_request()
+    for name, url in urls.items():
+        check_answers(url, body, {**headers, "Authorization": f"Bearer {tokens[0]}"}, name)
+        run_wrk(url, tokens, 16, 1)  # warm-up
+
+
+def run_points(urls: dict[str, str], pids: dict[str, int], redis_pid: int, tokens: list[str],
+               args: argparse.Namespace) -> dict[tuple[str, int], Point]:
+    """Every point ``--repeat`` times, gateways interleaved; the best run of each."""
+    best: dict[tuple[str, int], Point] = {}
+    for conns in args.connections:
+        for rep in range(args.repeat):
+            for name, url in urls.items():
+                point = measure_point(name, url, (pids[name], redis_pid), tokens, conns, rep, args.duration_s)
+                if (name, conns) not in best or point[0] > best[(name, conns)][0]:
+                    best[(name, conns)] = point
+    return best
+
+
+def measure_point(name: str, url: str, pids: tuple[int, int], tokens: list[str], conns: int, rep: int,
+                  duration_s: int) -> Point:
+    """One wrk run, printed; ``pids``: the gateway's and redis-server's, whose CPU time it bills."""
+    gw_pid, redis_pid = pids
+    gw0, rd0 = cpu_s(gw_pid), cpu_s(redis_pid)
+    rps, p50, bad = run_wrk(url, tokens, conns, duration_s)
+    n = max(rps * duration_s, 1)
+    gw_us = (cpu_s(gw_pid) - gw0) / n * 1e6
+    rd_us = (cpu_s(redis_pid) - rd0) / n * 1e6
+    print(f"  {name:9} c={conns:<3} run {rep + 1}: {rps:7.0f} req/s  p50 {p50:6.2f} ms"
+          f"  gateway {gw_us:5.1f} us/req  redis {rd_us:5.2f} us/req  bad {bad}"
+          f"  load1 {loadavg():.1f}", flush=True)
+    return rps, p50, gw_us, rd_us
+
+
+def print_table(best: dict[tuple[str, int], Point], args: argparse.Namespace, load_start: float) -> None:
     print(f"\n2026-07-28 tools/call, wrk -t1, {args.principals} principals in turn, {args.duration_s} s per run, best "
           f"of {args.repeat}; baseline = the same gateway with the request limit off, in the same run; "
           f"{os.cpu_count()} CPUs, load average {load_start:.1f} at start, {loadavg():.1f} at end\n")
@@ -215,11 +229,37 @@ def main() -> int:
         off, on = best[(OFF, conns)], best[(ON, conns)]
         print(f"{conns:>5} | {off[0]:9.0f} {on[0]:9.0f} {on[0] / off[0]:5.2f}x | {off[1]:7.2f} {on[1]:7.2f} | "
               f"{off[2]:18.1f} {on[2]:5.1f} | {off[3]:16.2f} {on[3]:5.2f}")
+
+
+def print_admit_alone(alone: dict[int, tuple[float, float]]) -> None:
     print("\nLimits.admit_request alone (this process, shipped limits, the same principals in turn; wall time "
           "per call; baseline = PING through the same auto-pipeline):")
     for callers, (admit_us, ping_us) in alone.items():
         print(f"  {callers:>2} callers: admit_request {admit_us:6.1f} us, PING {ping_us:6.1f} us "
               f"({admit_us / ping_us:.2f}x)")
+
+
+def main() -> int:
+    args = parse_args()
+    if shutil.which("wrk") is None:
+        raise SystemExit("wrk not found: apt-get install -y wrk")
+    api_keys = {f"p{i}": f"bench-key-{i:04d}-{os.urandom(4).hex()}" for i in range(args.principals)}
+    tokens = list(api_keys.values())
+    redis_url, redis_proc, redis_dir = start_redis()
+    procs: dict[str, subprocess.Popen] = {}
+    load_start = loadavg()
+    try:
+        urls = start_gateways(procs, redis_url, api_keys)
+        check_and_warm_up(urls, tokens)
+        best = run_points(urls, {name: p.pid for name, p in procs.items()}, redis_proc.pid, tokens, args)
+        alone = {c: asyncio.run(admit_alone(redis_url, 20_000, c, args.principals)) for c in (1, 64)}
+    finally:
+        for proc in procs.values():
+            stop(proc)
+        stop(redis_proc)
+        shutil.rmtree(redis_dir, ignore_errors=True)
+    print_table(best, args, load_start)
+    print_admit_alone(alone)
     return 0
 
 

@@ -291,140 +291,197 @@ def _learn_ok(mesh: Mesh) -> bool:
 async def drill_gateway_replica(mesh: Mesh, load_s: float = 10) -> DrillReport:
     """A legacy session lives across two replicas; replica B stops and comes back."""
     port_b = free_port()
-    base_b = f"http://127.0.0.1:{port_b}"
     proc_b = mesh.start_gateway(port_b)
     principal = next(iter(mesh.api_keys))
     session = await McpHttp(mesh.base, mesh.api_keys[principal], legacy=True).open()
     load = Load(mesh, clients=3, kinds=("legacy", "modern"), bases=[mesh.base])
     load.start()
-    texts: list[str] = []
-    fails_a = fails_b = 0
-    requests = 0
-    t_fault = recover_s = 0.0
+    writes = _SessionWrites(session, principal, mesh.base, f"http://127.0.0.1:{port_b}")
     try:
-        for step in range(int(load_s * 5)):
-            if step == 5:
-                proc_b.terminate()
-                proc_b.wait(20)
-                t_fault = time.monotonic()
-            if step == 15:
-                proc_b = await asyncio.to_thread(mesh.start_gateway, port_b)
-            for base in (mesh.base, base_b):
-                text = f"{principal}:session:{step}:{base[-5:]}"
-                requests += 1
-                try:
-                    await session.call("context_append", {"context_id": "shared-session", "modality": "text",
-                                                          "text": text}, base=base)
-                    texts.append(text)
-                    if base == base_b and t_fault and not recover_s and step >= 15:
-                        recover_s = time.monotonic() - t_fault
-                except (McpError, httpx.HTTPError):
-                    if base == mesh.base:
-                        fails_a += 1
-                    else:
-                        fails_b += 1
-            await asyncio.sleep(0.2)
-        got = await session.call("context_get", {"context_id": "shared-session"}, base=base_b)
+        await _stop_and_resume_b(mesh, port_b, proc_b, writes, steps=int(load_s * 5))
+        got = await session.call("context_get", {"context_id": "shared-session"}, base=writes.base_b)
     finally:
         await load.finish()
         await session.close()
+    return await _replica_report(mesh, load, writes, got)
+
+
+_B_STOP_STEP, _B_RESTART_STEP = 5, 15  # steps are 0.2 s apart
+
+
+@dataclass
+class _SessionWrites:
+    """One legacy session's appends to replica A (stays up) and replica B (stops, comes back)."""
+
+    session: McpHttp
+    principal: str
+    base_a: str
+    base_b: str
+    texts: list[str] = field(default_factory=list)  # acknowledged, in order
+    fails_a: int = 0
+    fails_b: int = 0
+    requests: int = 0
+    t_fault: float = 0.0
+    recover_s: float = 0.0
+
+    async def append_to_both(self, step: int) -> None:
+        for base in (self.base_a, self.base_b):
+            text = f"{self.principal}:session:{step}:{base[-5:]}"
+            self.requests += 1
+            try:
+                await self.session.call("context_append", {"context_id": "shared-session", "modality": "text",
+                                                           "text": text}, base=base)
+                self.texts.append(text)
+                if base == self.base_b and self.t_fault and not self.recover_s and step >= _B_RESTART_STEP:
+                    self.recover_s = time.monotonic() - self.t_fault
+            except (McpError, httpx.HTTPError):
+                if base == self.base_a:
+                    self.fails_a += 1
+                else:
+                    self.fails_b += 1
+
+
+async def _stop_and_resume_b(mesh: Mesh, port_b: int, proc_b: subprocess.Popen, writes: _SessionWrites,
+                             steps: int) -> None:
+    for step in range(steps):
+        if step == _B_STOP_STEP:
+            proc_b.terminate()
+            proc_b.wait(20)
+            writes.t_fault = time.monotonic()
+        if step == _B_RESTART_STEP:
+            proc_b = await asyncio.to_thread(mesh.start_gateway, port_b)
+        await writes.append_to_both(step)
+        await asyncio.sleep(0.2)
+
+
+async def _replica_report(mesh: Mesh, load: Load, writes: _SessionWrites, got: dict[str, Any]) -> DrillReport:
     rep = load.report("gateway replica stop/resume")
-    rep.requests += requests
-    rep.failed += fails_a
-    rep.failures["session@A"] = fails_a
-    rep.failures["session@B(while down)"] = fails_b
-    rep.recover_s = recover_s
+    rep.requests += writes.requests
+    rep.failed += writes.fails_a
+    rep.failures["session@A"] = writes.fails_a
+    rep.failures["session@B(while down)"] = writes.fails_b
+    rep.recover_s = writes.recover_s
     stored = [e.get("text") for e in got["entries"]]
-    assert stored == texts, "the session's context differs from what was acknowledged"
-    assert fails_a == 0, "the session failed on the replica that stayed up"
+    assert stored == writes.texts, "the session's context differs from what was acknowledged"
+    assert writes.fails_a == 0, "the session failed on the replica that stayed up"
     rep.samples_lost, rep.duplicates = await asyncio.to_thread(settle, mesh, load.acked)
-    rep.notes = f"legacy session kept {len(texts)} writes across the replica restart"
+    rep.notes = f"legacy session kept {len(writes.texts)} writes across the replica restart"
     return rep
 
 
 async def drill_tampered_deltas(mesh: Mesh, load_s: float = 10) -> DrillReport:
     """A man-in-the-middle on the delta path of an extra worker: every real packet is forwarded,
     and with it a bit-flipped copy, a replay of an older packet and a garbage frame."""
-    real = mesh.cfg["security"]["delta_pub_endpoint"]
     mitm = f"tcp://127.0.0.1:{free_port()}"
     worker_ep = f"tcp://127.0.0.1:{free_port()}"
     metrics_port = free_port()
-    ctx = zmq.Context()
-    stop = threading.Event()
-    armed = threading.Event()  # inject only once the worker is up, so every injected packet reaches it
-    injected: collections.Counter[str] = collections.Counter()
-
-    def proxy() -> None:
-        sub = ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.connect(real)
-        pub = ctx.socket(zmq.PUB)
-        pub.setsockopt(zmq.LINGER, 0)
-        pub.bind(mitm)
-        previous: list[bytes] | None = None
-        while not stop.is_set():
-            if not sub.poll(100):
-                continue
-            frames = sub.recv_multipart()
-            if not armed.is_set():
-                pub.send_multipart(frames)
-                continue
-            flipped = list(frames)
-            last = bytearray(flipped[-1])
-            last[len(last) // 2] ^= 0x40
-            flipped[-1] = bytes(last)
-            pub.send_multipart(flipped)
-            injected["bitflip"] += 1
-            pub.send_multipart([b"\x07", b"not a delta"])
-            injected["garbage"] += 1
-            pub.send_multipart(frames)
-            if previous is not None:
-                pub.send_multipart(previous)
-                injected["replay"] += 1
-            previous = frames
-        sub.close()
-        pub.close()
-    thread = threading.Thread(target=proxy, daemon=True)
-    thread.start()
-    env = {**mesh.env(), "LEARNMESH_SECURITY__DELTA_PUB_ENDPOINT": mitm,
-           "LEARNMESH_METRICS__WORKER_PORT": str(metrics_port - 2)}
-    with open(mesh.workdir / "worker-mitm.log", "ab") as out:
-        worker = subprocess.Popen([sys.executable, "-m", "services.cli", "worker", "--index", "2",
-                                   "--endpoint", worker_ep], cwd=ROOT, env=env, stdout=out,
-                                  stderr=subprocess.STDOUT, start_new_session=True)
+    proxy = _TamperingProxy(mesh.cfg["security"]["delta_pub_endpoint"], mitm)
+    proxy.start()
+    worker = _start_mitm_worker(mesh, mitm, worker_ep, metrics_port)
     load = Load(mesh, clients=3, learn_every=1)
     load.start()
     try:
         await asyncio.to_thread(wait_until, lambda: "version" in _scrape(metrics_port), 90, "the extra worker", 0.2)
-        armed.set()
+        proxy.armed.set()
         await asyncio.sleep(load_s)
         await load.finish()
         lost_dup = await asyncio.to_thread(settle, mesh, load.acked)
-
-        def worker_caught_up() -> bool:
-            m = _scrape(metrics_port)
-            return m.get("version", -1) == mesh.trainer_version() and m.get("rejected", 0) > 0
-        await asyncio.to_thread(wait_until, worker_caught_up, 60, "the tampered worker at the trainer's version", 0.2)
-        latest = mesh.trainer_version()
-        m = _scrape(metrics_port)
+        latest, m = await _caught_up(mesh, metrics_port)
     finally:
         await load.finish()
-        stop.set()
-        thread.join(5)
-        worker.send_signal(signal.SIGTERM)
-        try:
-            worker.wait(15)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-        ctx.term()
+        proxy.stop()
+        _stop_worker(worker)
+        proxy.ctx.term()
     rep = load.report("tampered deltas")
     rep.samples_lost, rep.duplicates = lost_dup
-    rep.notes = (f"injected {dict(injected)}; worker rejected {m['rejected_by']} and serves v{m['version']} "
+    rep.notes = (f"injected {dict(proxy.injected)}; worker rejected {m['rejected_by']} and serves v{m['version']} "
                  f"(trainer v{latest})")
     rep.rejected = m["rejected"]  # type: ignore[attr-defined]
-    rep.injected = sum(injected.values())  # type: ignore[attr-defined]
+    rep.injected = sum(proxy.injected.values())  # type: ignore[attr-defined]
     return rep
+
+
+class _TamperingProxy:
+    """Forwards every delta packet from ``upstream`` to ``endpoint``; once armed, sends with each
+    a bit-flipped copy, a garbage frame and a replay of the packet before it."""
+
+    def __init__(self, upstream: str, endpoint: str) -> None:
+        self.upstream, self.endpoint = upstream, endpoint
+        self.ctx = zmq.Context()
+        self.stopping = threading.Event()
+        self.armed = threading.Event()  # inject only once the worker is up, so every injected packet reaches it
+        self.injected: collections.Counter[str] = collections.Counter()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(5)
+
+    def _run(self) -> None:
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.connect(self.upstream)
+        pub = self.ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.bind(self.endpoint)
+        previous: list[bytes] | None = None
+        while not self.stopping.is_set():
+            if not sub.poll(100):
+                continue
+            frames = sub.recv_multipart()
+            if not self.armed.is_set():
+                pub.send_multipart(frames)
+                continue
+            self._tamper(pub, frames, previous)
+            previous = frames
+        sub.close()
+        pub.close()
+
+    def _tamper(self, pub: zmq.Socket, frames: list[bytes], previous: list[bytes] | None) -> None:
+        flipped = list(frames)
+        last = bytearray(flipped[-1])
+        last[len(last) // 2] ^= 0x40
+        flipped[-1] = bytes(last)
+        pub.send_multipart(flipped)
+        self.injected["bitflip"] += 1
+        pub.send_multipart([b"\x07", b"not a delta"])
+        self.injected["garbage"] += 1
+        pub.send_multipart(frames)
+        if previous is not None:
+            pub.send_multipart(previous)
+            self.injected["replay"] += 1
+
+
+def _start_mitm_worker(mesh: Mesh, delta_endpoint: str, worker_ep: str, metrics_port: int) -> subprocess.Popen:
+    """An extra worker that takes its deltas from ``delta_endpoint`` and serves metrics on ``metrics_port``."""
+    env = {**mesh.env(), "LEARNMESH_SECURITY__DELTA_PUB_ENDPOINT": delta_endpoint,
+           "LEARNMESH_METRICS__WORKER_PORT": str(metrics_port - 2)}
+    with open(mesh.workdir / "worker-mitm.log", "ab") as out:
+        return subprocess.Popen([sys.executable, "-m", "services.cli", "worker", "--index", "2",
+                                 "--endpoint", worker_ep], cwd=ROOT, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _stop_worker(worker: subprocess.Popen) -> None:
+    worker.send_signal(signal.SIGTERM)
+    try:
+        worker.wait(15)
+    except subprocess.TimeoutExpired:
+        worker.kill()
+
+
+async def _caught_up(mesh: Mesh, metrics_port: int) -> tuple[int, dict[str, Any]]:
+    """Wait until the tampered worker serves the trainer's version, having rejected packets;
+    (the trainer's version, the worker's metrics)."""
+    def worker_caught_up() -> bool:
+        m = _scrape(metrics_port)
+        return m.get("version", -1) == mesh.trainer_version() and m.get("rejected", 0) > 0
+    await asyncio.to_thread(wait_until, worker_caught_up, 60, "the tampered worker at the trainer's version", 0.2)
+    return mesh.trainer_version(), _scrape(metrics_port)
 
 
 def _scrape(port: int) -> dict[str, Any]:

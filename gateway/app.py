@@ -172,13 +172,28 @@ async def open_gateway(cfg: Config, registry: Registry) -> AsyncIterator[Gateway
 
 
 def create_app(cfg: Config, fixtures: str | None = None) -> GatewayApp:
+    registry = _registry(fixtures or cfg.gateway.fixtures)
+    app = GatewayApp(title="learnmesh gateway", lifespan=_lifespan(cfg, registry), docs_url=None, redoc_url=None)
+    app.registry = registry
+    install_http_errors(app, cfg)
+    _add_probes(app, cfg)
+    _add_mcp_routes(app)
+    for router in ROUTERS:
+        app.include_router(router)
+    return app
+
+
+def _registry(fixtures: str | None) -> Registry:
     registry = Registry()
-    fixtures = fixtures or cfg.gateway.fixtures
     if fixtures:  # first: suites probe the first listed tool/resource with no arguments
         register_fixtures(registry, fixtures)
     for tools in (context, inference, learning):
         tools.register(registry)
+    return registry
 
+
+def _lifespan(cfg: Config, registry: Registry) -> Callable[[GatewayApp], contextlib.AbstractAsyncContextManager[None]]:
+    """Opens the replica's gateway for the app's life and hands its transports to the app."""
     @contextlib.asynccontextmanager
     async def lifespan(app: GatewayApp) -> AsyncIterator[None]:
         async with open_gateway(cfg, registry) as gateway:
@@ -189,11 +204,11 @@ def create_app(cfg: Config, fixtures: str | None = None) -> GatewayApp:
                 yield
             finally:
                 app.mcp = None
+    return lifespan
 
-    app = GatewayApp(title="learnmesh gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.registry = registry
-    install_http_errors(app, cfg)
 
+def _add_probes(app: GatewayApp, cfg: Config) -> None:
+    """Liveness, readiness (Redis reachable) and Prometheus metrics."""
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
@@ -211,6 +226,9 @@ def create_app(cfg: Config, fixtures: str | None = None) -> GatewayApp:
     async def metrics() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
+
+def _add_mcp_routes(app: GatewayApp) -> None:
+    """OAuth protected-resource metadata and the WebSocket transport (HTTP ``/mcp`` is :class:`GatewayApp`'s)."""
     async def protected_resource(request: Request) -> Response:
         doc = gateway_of(request).auth.protected_resource_metadata()
         if doc is None:
@@ -221,6 +239,3 @@ def create_app(cfg: Config, fixtures: str | None = None) -> GatewayApp:
     app.add_api_route(PROTECTED_RESOURCE_PATH + "/mcp", protected_resource, methods=["GET"])
     app.add_api_websocket_route("/mcp/ws", websocket_endpoint)
     app.add_api_route("/mcp/ws-ticket", ws_ticket_endpoint, methods=["POST"], include_in_schema=False)
-    for router in ROUTERS:
-        app.include_router(router)
-    return app
