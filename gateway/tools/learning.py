@@ -4,10 +4,11 @@ admin sample routes in gateway/admin/samples.py).
 Flow of one ``learn`` call: validate every sample (schema, size, context version) —
 nothing is written unless all pass; append them to the durable log (keys.SAMPLE_LOG) in
 one Lua round trip that also hands out dense sequence numbers; acknowledge with the ids;
-then push them to the trainer over ZeroMQ PUSH (non-blocking, explicit HWM). If the push
-queue is full or no trainer is connected the acknowledgement says ``queued: false`` —
-the samples are durable and the trainer picks them up from the log; nothing is dropped
-silently. A malformed sample raises :class:`~shared.samples.SampleError` and Redis errors propagate:
+then wake the trainer over ZeroMQ PUSH (non-blocking, explicit HWM). The wake-up carries no
+sample: the trainer reads bodies and principals from the log alone, so what it trains is
+what was acknowledged. If the push queue is full or no trainer is connected the
+acknowledgement says ``queued: false`` — the samples are durable and the trainer picks them
+up from the log at its next idle read; nothing is dropped silently. A malformed sample raises :class:`~shared.samples.SampleError` and Redis errors propagate:
 gateway/errors.py decides what the client sees.
 """
 
@@ -140,24 +141,20 @@ class SampleIngest:
         seqs = list(range(last - len(ids) + 1, last + 1))
         m.SAMPLES_ACCEPTED.inc(len(ids))
         log_id = as_str(log_id)
-        queued = self._forward(principal, entry, ids, seqs, blobs, contexts, log_id)
+        queued = self._wake_trainer(log_id, last, len(ids))
         return {"ids": ids, "seqs": seqs, "queued": queued, "learned": learned_token(log_id, last)}
 
-    def _forward(self, principal: str, entry: str, ids: list[str], seqs: list[int], blobs: list[bytes],
-                 contexts: bytes = b"", log_id: str = "") -> bool:
-        # log: the trainer notices a recreated log from the first push, not only when it idles
-        header: dict[str, Any] = {"p": principal, "entry": entry, "ids": ids, "seqs": seqs, "log": log_id}
-        if contexts:  # one more frame after the samples: the windows they name
-            header["c"] = 1
-            blobs = [*blobs, contexts]
-        msg = wire.encode(wire.MsgType.SAMPLE, header, blobs)
+    def _wake_trainer(self, log_id: str, last_seq: int, n: int) -> bool:
+        """Tell the trainer the log grew. ``log``: it notices a recreated log from the first
+        wake-up, not only when it idles."""
+        msg = wire.encode(wire.MsgType.SAMPLE, {"log": log_id, "seq": last_seq})
         try:
             self.push.send_multipart(msg, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
-            self.backpressured += len(ids)
-            m.SAMPLES_BACKPRESSURE.inc(len(ids))
+            self.backpressured += n
+            m.SAMPLES_BACKPRESSURE.inc(n)
             return False
-        self.pushed += len(ids)
+        self.pushed += n
         return True
 
     async def stats(self) -> dict[str, Any]:
