@@ -213,7 +213,8 @@ def main() -> None:
             "gateway": {"port": port},
             "security": {"delta_key_file": str(tmp / "delta.key"), "delta_pub_endpoint": f"tcp://127.0.0.1:{free_port()}",
                          "snapshot_endpoint": f"tcp://127.0.0.1:{free_port()}",
-                         "ack_endpoint": f"tcp://127.0.0.1:{free_port()}"}}
+                         "ack_endpoint": f"tcp://127.0.0.1:{free_port()}"},
+            "zmq": {"keys_dir": str(tmp / "zmq")}}
     redis_url, redis_proc = start_redis(tmp / "redis")
     data["redis"] = {"url": redis_url}
     path = tmp / "learnmesh.yaml"

@@ -33,6 +33,10 @@ def _parser() -> argparse.ArgumentParser:
     u.add_argument("--workers", type=int)
     u.add_argument("--ranks", type=int)
     u.add_argument("--fixtures", choices=["conformance"], help="passed on to the gateway (see gateway --help)")
+
+    k = sub.add_parser("keys", help="make the mesh's missing keys (CURVE keypairs, delta ring and signing key)")
+    k.add_argument("--rotate-zmq", choices=["gateway", "worker", "trainer"],
+                   help="replace this role's CURVE keypair instead (the old public key stays allowed)")
     return p
 
 
@@ -49,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         from services.worker.main import main as run
     elif args.command == "trainer":
         from services.trainer.main import main as run
+    elif args.command == "keys":
+        from services.key_files import main as run
     else:
         from services.supervisor import main as run
     try:

@@ -4,7 +4,9 @@ Starts (or finds) Redis, then one gateway, ``--workers`` inference workers and a
 with ``--ranks`` ranks as child processes of this one. A child that exits unexpectedly is
 logged and restarted with backoff; Ctrl-C / SIGTERM stops them in reverse order with
 SIGTERM (the gateway drains, the trainer checkpoints) and SIGKILLs what does not stop
-within ``stop_timeout_s``. Keys are generated on first start and kept in ``var/keys``.
+within ``stop_timeout_s``. Keys are generated on first start and kept in ``var/keys``: API
+and admin keys, each role's CURVE keypair (``keys/zmq``), the delta key ring and the
+trainer's signing key.
 """
 
 from __future__ import annotations
@@ -180,6 +182,7 @@ _VAR_PATHS = {
     ("trainer", "checkpoint_dir"): "checkpoints",
     ("model", "cache_dir"): "model",
     ("security", "delta_key_file"): "keys/delta.key",
+    ("zmq", "keys_dir"): "keys/zmq",
 }
 
 
@@ -190,6 +193,22 @@ def _var_overrides(cfg: Config, var_dir: Path) -> dict[str, str]:
         if value == f"var/{rel}":
             out[f"LEARNMESH_{section.upper()}__{name.upper()}"] = str(var_dir / rel)
     return out
+
+
+def prepare_keys(cfg: Config, var_dir: Path) -> None:
+    """Make the mesh's ZeroMQ keypairs and delta keys before any child starts (children then
+    only read them), and split a delta key file of an earlier version that still holds the
+    signing key, so no worker is ever handed the trainer's private key."""
+    from shared import crypto, curve
+
+    def path(section: str, name: str) -> str:
+        value = str(getattr(getattr(cfg, section), name))
+        return str(var_dir / _VAR_PATHS[(section, name)]) if value == f"var/{_VAR_PATHS[(section, name)]}" else value
+
+    if cfg.zmq.curve:
+        curve.ensure_keys(path("zmq", "keys_dir"))
+    ring = path("security", "delta_key_file")
+    crypto.ensure_keys(ring, cfg.security.delta_sign_key_file or str(Path(ring).with_name("delta-sign.key")))
 
 
 def wait_ready(base: str, timeout_s: float, sup: Supervisor) -> bool:
@@ -223,6 +242,7 @@ def main(cfg: Config, args: Any) -> int:
         log.warning("using the Redis already answering at %s: its sample log, trainer offsets and model version "
                     "are shared with whatever else uses that database; set REDIS_URL for a mesh of its own", redis_url)
     api_keys, admin_key = load_or_create_keys(var_dir, cfg)
+    prepare_keys(cfg, var_dir)
     env = _child_env(cfg, args, redis_url, api_keys, admin_key, var_dir)
     sup = Supervisor(build_children(cfg, args, env, var_dir))
     for sig in (signal.SIGINT, signal.SIGTERM):

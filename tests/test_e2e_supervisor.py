@@ -34,6 +34,7 @@ def test_default_var_paths_move_under_learnmesh_var(tmp_path: Path) -> None:
     assert env["LEARNMESH_TRAINER__CHECKPOINT_DIR"] == str(tmp_path / "checkpoints")
     assert env["LEARNMESH_MODEL__CACHE_DIR"] == str(tmp_path / "model")
     assert env["LEARNMESH_SECURITY__DELTA_KEY_FILE"] == str(tmp_path / "keys" / "delta.key")
+    assert env["LEARNMESH_ZMQ__KEYS_DIR"] == str(tmp_path / "keys" / "zmq")
     explicit = load_config(env={}, overrides={"trainer": {"checkpoint_dir": "/elsewhere"}})
     assert "LEARNMESH_TRAINER__CHECKPOINT_DIR" not in _var_overrides(explicit, tmp_path)
     # what the children get parses back into the config they run with

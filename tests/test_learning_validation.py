@@ -13,7 +13,9 @@ from gateway.errors import INVALID_PARAMS, McpError, wire_error
 from gateway.tools.learning import SampleIngest
 from shared import keys, wire
 from shared.context import ContextStore
+from shared.curve import CurveKeys
 from shared.samples import SampleError, parse_sample
+from shared.zmq_util import make_socket
 
 
 @pytest.fixture
@@ -95,8 +97,9 @@ async def test_accepted_samples_are_logged_then_pushed_with_backpressure_reporte
     assert len(entries) == 1 and [f"{entries[0][0].decode()}:{i}" for i in range(3)] == out["ids"]
     assert out["seqs"] == [1, 2, 3]
     ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
-    pull.bind(ingest.cfg.trainer.samples_endpoint)
+    trainer = CurveKeys.load(ingest.cfg.zmq, "trainer")
+    assert trainer is not None
+    pull = make_socket(ctx, zmq.PULL, bind=ingest.cfg.trainer.samples_endpoint, curve=trainer.server("samples"))
     try:
         import asyncio
         for _ in range(500):  # wait for the PUSH side to see the connection

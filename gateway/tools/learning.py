@@ -26,6 +26,7 @@ from shared import keys, wire
 from shared import metrics as m
 from shared.config import Config
 from shared.context import ContextError, ContextStore
+from shared.curve import CurveKeys
 from shared.samples import (
     APPEND_LUA,
     Sample,
@@ -71,10 +72,12 @@ class SampleIngest:
         self.store = store
         self._own_ctx = zmq_ctx is None
         self.ctx = zmq_ctx or zmq.Context()
+        keys = CurveKeys.load(cfg.zmq, "gateway")
         self.push = make_socket(self.ctx, zmq.PUSH, connect=cfg.trainer.samples_endpoint,
-                                hwm=cfg.trainer.sample_hwm, immediate=True)
-        # immediate: with no trainer connected a send fails (reported as backpressure)
-        # instead of queueing for a peer that may never come.
+                                hwm=cfg.trainer.sample_hwm, immediate=True,
+                                curve=keys.client("trainer") if keys else None)
+        # immediate: with no trainer connected (or one without the pinned trainer key) a send
+        # fails (reported as backpressure) instead of queueing for a peer that may never come.
         self._append = redis.register_script(APPEND_LUA)
         self.pushed = 0
         self.backpressured = 0

@@ -27,6 +27,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared import keys, wire
 from shared.config import Config
+from shared.curve import CurveKeys
 from shared.samples import LoggedSample, load_stored, parse_entry
 from shared.text import as_str
 from shared.types import ContextWindow, Entry
@@ -165,7 +166,9 @@ class SampleSource:
                  contexts: ContextReader | None = None, log_id: str = "") -> None:
         self.cfg = cfg
         self.redis = redis
-        self.pull = make_socket(zmq_ctx, zmq.PULL, bind=cfg.trainer.samples_endpoint, hwm=cfg.trainer.sample_hwm)
+        keys = CurveKeys.load(cfg.zmq, "trainer")
+        self.pull = make_socket(zmq_ctx, zmq.PULL, bind=cfg.trainer.samples_endpoint, hwm=cfg.trainer.sample_hwm,
+                                curve=keys.server("samples") if keys else None)
         self.poller = zmq.Poller()
         self.poller.register(self.pull, zmq.POLLIN)
         self.seq = committed_seq      # last seq handed out (== committed once the step commits)
