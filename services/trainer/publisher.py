@@ -281,6 +281,9 @@ class DeltaPublisher:
             raise RuntimeError("delta publisher background thread failed") from err
 
     def close(self) -> None:
+        """Stop serving and close the sockets (a second call does nothing)."""
+        if self._pub.closed:
+            return
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
