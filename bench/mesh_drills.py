@@ -24,6 +24,9 @@ import zmq
 
 from bench.mesh_support import ROOT, McpError, McpHttp, McpWs, Mesh, RedisServer, free_port, wait_until
 from services.trainer import ledger
+from shared.config import ZmqConfig
+from shared.curve import CurveKeys
+from shared.zmq_util import make_socket
 
 
 @dataclass
@@ -355,13 +358,11 @@ async def drill_tampered_deltas(mesh: Mesh, load_s: float = 10) -> DrillReport:
     injected: collections.Counter[str] = collections.Counter()
 
     def proxy() -> None:
-        sub = ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.connect(real)
-        pub = ctx.socket(zmq.PUB)
-        pub.setsockopt(zmq.LINGER, 0)
-        pub.bind(mitm)
+        # it holds the worker's and the trainer's CURVE keys: what is drilled is the envelope
+        zmq_cfg = ZmqConfig(**mesh.cfg["zmq"])
+        worker_keys, trainer_keys = CurveKeys.load(zmq_cfg, "worker"), CurveKeys.load(zmq_cfg, "trainer")
+        sub = make_socket(ctx, zmq.SUB, connect=real, curve=worker_keys.client("trainer") if worker_keys else None)
+        pub = make_socket(ctx, zmq.PUB, bind=mitm, curve=trainer_keys.server("deltas") if trainer_keys else None)
         previous: list[bytes] | None = None
         while not stop.is_set():
             if not sub.poll(100):
