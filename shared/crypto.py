@@ -325,7 +325,9 @@ def split_legacy_key_file(ring_path: str | os.PathLike[str], sign_path: str | os
     if not sign_p.exists() or SigningKey.load(sign_p).id != signing.id:
         sign_p.parent.mkdir(parents=True, exist_ok=True)
         signing.save(sign_p)
-    ring = KeyRing.load(ring_p)
+    data = orjson.loads(ring_p.read_bytes())
+    data.pop("sign_private")
+    ring = KeyRing.from_dict(data, ring_p)
     ring.verify_keys.setdefault(signing.id, signing.public)
     ring.signer = ring.signer or signing.id
     ring.save()

@@ -144,6 +144,13 @@ def _check_private(path: Path) -> None:
                             f"may have read it")
 
 
+def _mtime_ns(path: Path) -> int:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return -1
+
+
 @dataclass(frozen=True)
 class Keypair:
     public: bytes  # z85, 40 bytes
@@ -168,7 +175,7 @@ class CurveKeys:
         if secret is None:
             raise CurveKeyError(f"{path} holds no secret key")
         self.own = Keypair(public, secret)
-        self._allowed: dict[str, tuple[int, frozenset[bytes]]] = {}
+        self._allowed: dict[str, tuple[tuple[tuple[str, int], ...], frozenset[bytes]]] = {}
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:  # never the secret key
@@ -190,25 +197,22 @@ class CurveKeys:
         return _read_public(public_file(self.dir, role))
 
     def allowed(self, role: str) -> frozenset[bytes]:
-        """Client keys of ``role`` a server admits: ``<role>.key`` and ``<role>.*.key``,
-        re-read when the directory changed (a key rotated in or out)."""
-        try:
-            mtime = self.dir.stat().st_mtime_ns
-        except OSError:
-            mtime = -1
+        """Client keys of ``role`` a server admits: ``<role>.key`` and ``<role>.*.key``, read
+        again when one of those files is added, removed or changed (a key rotated in or out)."""
+        paths = [public_file(self.dir, role), *sorted(self.dir.glob(f"{role}.*.key"))]
+        stamp = tuple((str(p), _mtime_ns(p)) for p in paths)
         with self._lock:
             cached = self._allowed.get(role)
-            if cached is not None and cached[0] == mtime:
+            if cached is not None and cached[0] == stamp:
                 return cached[1]
             keys = set()
-            for path in [public_file(self.dir, role), *self.dir.glob(f"{role}.*.key")]:
+            for path in paths:
                 try:
                     keys.add(_read_public(path))
                 except CurveKeyError as exc:
-                    if path == public_file(self.dir, role):
-                        log.warning("%s", exc)
+                    log.warning("%s", exc)
             found = frozenset(keys)
-            self._allowed[role] = (mtime, found)
+            self._allowed[role] = (stamp, found)
             return found
 
     def server(self, domain: str) -> CurveServer:
@@ -252,7 +256,7 @@ class _AllowList:
         self._reported: set[tuple[str, bytes]] = set()
 
     def callback(self, domain: str, key: bytes) -> bool:
-        if any(key in allowed() for allowed in self.domains.get(domain, ())):
+        if any(key in allowed() for allowed in list(self.domains.get(domain, ()))):
             return True
         metrics.ZMQ_AUTH_REFUSED.labels(domain).inc()
         if (domain, key) not in self._reported and len(self._reported) < 1000:

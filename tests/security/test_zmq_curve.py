@@ -28,11 +28,12 @@ from services.trainer import ledger
 from services.trainer.publisher import DeltaPublisher
 from services.worker.updates import DeltaSubscriber
 from shared import wire
-from shared.config import load_config
-from shared.curve import CurveKeys
+from shared.config import ConfigError, ZmqConfig, load_config
+from shared.curve import CurveKeys, write_keypair
 from shared.model import build_model
 from shared.samples import Example
 from shared.wire import MsgType
+from shared.zmq_util import make_socket
 from tests.conftest import free_port, wait_for, wait_for_sync
 from tests.security.zmq_support import FAILED, Outsider, metric, send_all
 from tests.trainer_support import TrainerProc, committed, trainer_config
@@ -270,3 +271,52 @@ def test_a_gateway_does_not_use_another_meshs_worker(redis_url: str, tmp_path: P
         gateway.wait(30)
         stop(worker)
     assert our_cfg.zmq.keys_dir != their_cfg.zmq.keys_dir
+
+
+def test_a_client_key_rotates_without_restarting_the_server(tmp_path: Path) -> None:
+    """`learnmesh keys --rotate-zmq gateway`: the server admits the new key and, until
+    gateway.previous.key is deleted, the old one; then the old one is refused."""
+    zcfg = ZmqConfig(keys_dir=str(tmp_path / "zmq"))
+    trainer, old = keys_of(zcfg, "trainer"), keys_of(zcfg, "gateway")
+    ctx = zmq.Context()
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    pull = make_socket(ctx, zmq.PULL, bind=endpoint, curve=trainer.server("samples"))
+    server_key = old.server_key("trainer")
+
+    def connects(keypair: tuple[bytes, bytes]) -> int:
+        client = Outsider(ctx, zmq.PUSH, endpoint, curve_server_key=server_key, keypair=keypair)
+        try:
+            return client.handshake()
+        finally:
+            client.close()
+
+    try:
+        write_keypair(zcfg.keys_dir, "gateway", keep_previous=True)
+        new = CurveKeys(zcfg.keys_dir, "gateway")
+        assert new.own.public != old.own.public
+        assert connects((new.own.public, new.own.secret)) == zmq.EVENT_HANDSHAKE_SUCCEEDED
+        assert connects((old.own.public, old.own.secret)) == zmq.EVENT_HANDSHAKE_SUCCEEDED
+        (Path(zcfg.keys_dir) / "gateway.previous.key").unlink()
+        assert connects((old.own.public, old.own.secret)) == AUTH
+        assert connects((new.own.public, new.own.secret)) == zmq.EVENT_HANDSHAKE_SUCCEEDED
+    finally:
+        pull.close(0)
+        ctx.term()
+
+
+def test_a_secret_key_others_can_read_stops_the_process_with_the_fix(tmp_path: Path) -> None:
+    zcfg = ZmqConfig(keys_dir=str(tmp_path / "zmq"))
+    keys_of(zcfg, "worker")
+    secret = Path(zcfg.keys_dir) / "worker.key_secret"
+    secret.chmod(0o644)
+    with pytest.raises(ConfigError, match=f"chmod 600 {secret}"):
+        CurveKeys.load(zcfg, "worker")
+    secret.unlink()
+    with pytest.raises(ConfigError, match="learnmesh keys"):
+        CurveKeys.load(zcfg, "worker")
+
+
+def keys_of(zcfg: ZmqConfig, role: str) -> CurveKeys:
+    k = CurveKeys.load(zcfg, role)
+    assert k is not None
+    return k
