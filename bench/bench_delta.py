@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from shared import wire  # noqa: E402
 from shared.codec import DeltaEncoder, EncodedDelta, flatten  # noqa: E402
 from shared.config import CompressionConfig, ModelConfig, TrainerConfig, load_config  # noqa: E402
-from shared.crypto import STREAM_DELTA, EnvelopeSealer, KeyRing  # noqa: E402
+from shared.crypto import STREAM_DELTA, EnvelopeSealer, trainer_keys  # noqa: E402
 from shared.net import free_port  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
@@ -215,7 +215,8 @@ class WireCount:
     around the chunk. Sealing an empty payload gives the packet's overhead exactly."""
 
     def __init__(self, key_dir: str) -> None:
-        self.sealer = EnvelopeSealer(KeyRing.load_or_create(f"{key_dir}/delta.key"), "trainer-bench")
+        ring, signer = trainer_keys(f"{key_dir}/delta.key", f"{key_dir}/delta-sign.key")
+        self.sealer = EnvelopeSealer(ring, "trainer-bench", signer=signer)
 
     def bytes(self, enc: EncodedDelta, model_id: str) -> int:
         h = enc.header
@@ -460,6 +461,7 @@ def latency_run(arch: Arch, steps: int, n_workers: int = 4) -> dict[str, Any]:
                          "delta_pub_endpoint": f"tcp://127.0.0.1:{free_port()}",
                          "snapshot_endpoint": f"tcp://127.0.0.1:{free_port()}",
                          "ack_endpoint": f"tcp://127.0.0.1:{free_port()}"},
+            "zmq": {"keys_dir": f"{tmp}/zmq"},
             "consistency": {"timeout_s": 30.0}}
     cfg = load_config(env={}, overrides=over)
     model = mlp(*arch, seed=0)

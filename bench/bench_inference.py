@@ -214,7 +214,8 @@ def config_data(tmp: Path, model: str) -> dict:
             "gateway": {"port": free_port()},
             "security": {"delta_key_file": str(tmp / "delta.key"), "delta_pub_endpoint": f"tcp://127.0.0.1:{free_port()}",
                          "snapshot_endpoint": f"tcp://127.0.0.1:{free_port()}",
-                         "ack_endpoint": f"tcp://127.0.0.1:{free_port()}"}}
+                         "ack_endpoint": f"tcp://127.0.0.1:{free_port()}"},
+            "zmq": {"keys_dir": str(tmp / "zmq")}}
 
 
 def load_model(cfg, name: str):

@@ -278,13 +278,15 @@ def start_redis(workdir: str) -> tuple[subprocess.Popen[bytes], str]:
     return proc, f"redis://127.0.0.1:{port}/0"
 
 
-def drain(ctx: Any, endpoint: str, stop: threading.Event) -> None:
-    """The trainer's end of the sample push: receive and drop."""
+def drain(ctx: Any, cfg: Any, stop: threading.Event) -> None:
+    """The trainer's end of the sample push (its CURVE key included): receive and drop."""
     import zmq
 
+    from shared.curve import CurveKeys
     from shared.zmq_util import make_socket
 
-    pull = make_socket(ctx, zmq.PULL, bind=endpoint)
+    keys = CurveKeys.load(cfg.zmq, "trainer")
+    pull = make_socket(ctx, zmq.PULL, bind=cfg.trainer.samples_endpoint, curve=keys.server("samples") if keys else None)
     try:
         while not stop.is_set():
             if pull.poll(50):
@@ -303,10 +305,11 @@ async def ingest_rates(url: str, batch: int, n: int) -> tuple[float, float]:
 
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     cfg = load_config(env={}, overrides={"redis": {"url": url}, "trainer": {"samples_endpoint": endpoint,
-                                                                           "sample_hwm": 1_000_000}})
+                                                                           "sample_hwm": 1_000_000},
+                                         "zmq": {"keys_dir": tempfile.mkdtemp(prefix="lm-bench-zmq-")}})
     ctx = zmq.Context()
     stop = threading.Event()
-    reader = threading.Thread(target=drain, args=(ctx, endpoint, stop), daemon=True)
+    reader = threading.Thread(target=drain, args=(ctx, cfg, stop), daemon=True)
     reader.start()
     r = aioredis.Redis.from_url(url)
     ingest = SampleIngest(r, cfg, zmq_ctx=ctx)

@@ -24,6 +24,9 @@ import zmq
 
 from bench.mesh_support import ROOT, McpError, McpHttp, McpWs, Mesh, RedisServer, free_port, wait_until
 from services.trainer import ledger
+from shared.config import ZmqConfig
+from shared.curve import CurveKeys
+from shared.zmq_util import make_socket
 
 
 @dataclass
@@ -375,7 +378,7 @@ async def drill_tampered_deltas(mesh: Mesh, load_s: float = 10) -> DrillReport:
     mitm = f"tcp://127.0.0.1:{free_port()}"
     worker_ep = f"tcp://127.0.0.1:{free_port()}"
     metrics_port = free_port()
-    proxy = _TamperingProxy(mesh.cfg["security"]["delta_pub_endpoint"], mitm)
+    proxy = _TamperingProxy(mesh.cfg["security"]["delta_pub_endpoint"], mitm, ZmqConfig(**mesh.cfg["zmq"]))
     proxy.start()
     worker = _start_mitm_worker(mesh, mitm, worker_ep, metrics_port)
     load = Load(mesh, clients=3, learn_every=1)
@@ -405,8 +408,8 @@ class _TamperingProxy:
     """Forwards every delta packet from ``upstream`` to ``endpoint``; once armed, sends with each
     a bit-flipped copy, a garbage frame and a replay of the packet before it."""
 
-    def __init__(self, upstream: str, endpoint: str) -> None:
-        self.upstream, self.endpoint = upstream, endpoint
+    def __init__(self, upstream: str, endpoint: str, zmq_cfg: ZmqConfig) -> None:
+        self.upstream, self.endpoint, self.zmq_cfg = upstream, endpoint, zmq_cfg
         self.ctx = zmq.Context()
         self.stopping = threading.Event()
         self.armed = threading.Event()  # inject only once the worker is up, so every injected packet reaches it
@@ -421,13 +424,13 @@ class _TamperingProxy:
         self.thread.join(5)
 
     def _run(self) -> None:
-        sub = self.ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.connect(self.upstream)
-        pub = self.ctx.socket(zmq.PUB)
-        pub.setsockopt(zmq.LINGER, 0)
-        pub.bind(self.endpoint)
+        # It holds the worker's and the trainer's CURVE keys: what is drilled is the envelope.
+        worker_keys = CurveKeys.load(self.zmq_cfg, "worker")
+        trainer_keys = CurveKeys.load(self.zmq_cfg, "trainer")
+        sub = make_socket(self.ctx, zmq.SUB, connect=self.upstream,
+                          curve=worker_keys.client("trainer") if worker_keys else None)
+        pub = make_socket(self.ctx, zmq.PUB, bind=self.endpoint,
+                          curve=trainer_keys.server("deltas") if trainer_keys else None)
         previous: list[bytes] | None = None
         while not self.stopping.is_set():
             if not sub.poll(100):

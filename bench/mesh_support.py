@@ -124,6 +124,7 @@ def write_mesh_config(path: Path, var_dir: Path, workers: int = 2, **sections: d
                      "delta_pub_endpoint": f"tcp://127.0.0.1:{p()}", "snapshot_endpoint": f"tcp://127.0.0.1:{p()}",
                      "ack_endpoint": f"tcp://127.0.0.1:{p()}"},
         "consistency": {"delta_heartbeat_ms": 200},
+        "zmq": {"keys_dir": str(var_dir / "keys" / "zmq")},
         "metrics": {"worker_port": 0, "trainer_port": 0, "status_interval_s": 0.5},
     }
     for name, values in sections.items():

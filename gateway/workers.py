@@ -34,6 +34,7 @@ from redis.exceptions import RedisError
 
 from shared import keys, metrics, wire
 from shared.config import Config
+from shared.curve import CurveKeys, report_handshakes
 from shared.text import as_str
 from shared.wire import MsgType
 from shared.zmq_util import make_socket
@@ -77,11 +78,15 @@ class WorkerLink:
     last_seen_s: float = 0.0       # monotonic; 0 = never heard from
     last_heartbeat_wall_s: float = 0.0
     alive: bool = False
+    handshake_failing: bool = False  # the process at the endpoint does not hold the pinned worker key
     inflight: dict[str, asyncio.Queue[Any]] = field(default_factory=dict)  # reply parts, or _DEAD
 
     @property
     def load(self) -> int:
         return max(len(self.inflight), self.reported_load)
+
+    def set_handshake_failing(self, failing: bool) -> None:
+        self.handshake_failing = failing
 
     def status(self) -> dict[str, Any]:
         return {"index": self.index, "endpoint": self.endpoint, "id": self.worker_id or f"worker-{self.index}",
@@ -103,6 +108,7 @@ class WorkerPool:
         self.ctx = zmq_ctx or zmq.asyncio.Context()
         self._own_ctx = zmq_ctx is None
         self.gateway_id = uuid.uuid4().hex[:12]
+        self.curve = CurveKeys.load(cfg.zmq, "gateway")
         self.links = [WorkerLink(i, ep, self._dealer(ep))
                       for i, ep in enumerate(endpoints if endpoints is not None else self.wcfg.endpoints)]
         self._changed = asyncio.Condition()
@@ -111,7 +117,11 @@ class WorkerPool:
         self.drained: set[str] = set()  # worker ids that get no new requests (admin drain)
 
     def _dealer(self, endpoint: str) -> zmq.asyncio.Socket:
-        sock = make_socket(self.ctx, zmq.DEALER, connect=endpoint, hwm=self.wcfg.hwm, immediate=True)
+        """A DEALER pinned to the workers' public key: a process on that port without the
+        worker secret key (someone else's worker, one that took the port while ours was down)
+        never completes the handshake, so nothing is queued for it (immediate) or sent to it."""
+        sock = make_socket(self.ctx, zmq.DEALER, connect=endpoint, hwm=self.wcfg.hwm, immediate=True,
+                           curve=self.curve.client("worker") if self.curve else None)
         return cast(zmq.asyncio.Socket, sock)  # an asyncio context makes asyncio sockets
 
     # ------------------------------------------------------------------ lifecycle
@@ -120,6 +130,10 @@ class WorkerPool:
             reader = asyncio.create_task(self._reader(link), name=f"worker-reader-{link.index}")
             reader.add_done_callback(self._reader_stopped)
             self._tasks.append(reader)
+            if self.curve is not None:
+                self._tasks.append(asyncio.create_task(
+                    report_handshakes(self.ctx, link.sock, "worker", link.endpoint, link.set_handshake_failing),
+                    name=f"worker-handshakes-{link.index}"))
         self._tasks.append(asyncio.create_task(self._heartbeats(), name="worker-heartbeats"))
         if self.redis is not None:
             self._tasks.append(asyncio.create_task(self._follow_drained(self.redis), name="workers-drained"))

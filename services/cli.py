@@ -38,6 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--out", default="compose/secrets.env", help="where to write (default: %(default)s; - for stdout)")
     c.add_argument("--api-keys", help="principal:key,... instead of one generated 'demo' key")
     c.add_argument("--force", action="store_true", help="replace an existing file (every key changes)")
+    k = sub.add_parser("keys", help="make the mesh's missing keys (CURVE keypairs, delta ring and signing key)")
+    k.add_argument("--rotate-zmq", choices=["gateway", "worker", "trainer"],
+                   help="replace this role's CURVE keypair instead (the old public key stays allowed)")
     return p
 
 
@@ -56,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         from services.trainer.main import main as run
     elif args.command == "compose-secrets":
         from services.compose_secrets import main as run
+    elif args.command == "keys":
+        from services.key_files import main as run
     else:
         from services.supervisor import main as run
     try:

@@ -2,11 +2,13 @@
 0600 env file that ``docker compose --env-file .env --env-file secrets.env`` reads.
 
 compose/docker-compose.yml turns each variable into a compose secret mounted (0400, owned by
-the service's user) only where it is needed: the API and admin keys in the gateway, the
-delta signing ring in the trainer, the verify-only ring in the workers, the Redis passwords
-in learnmesh's processes and the exporter, the Grafana password in Grafana. Redis itself
-gets only SHA-256 hashes of its users' passwords (ACL rules on its command line). Nothing
-in the repository works as a key: without this file the stack refuses to start.
+the service's user) only where it is needed: the API and admin keys in the gateway; the
+delta ring (AES keys, Ed25519 verify keys) in the trainer and workers, the signing key in
+the trainer alone; each role's CURVE secret key in that role's services and its public key
+in its peers'; the Redis passwords in learnmesh's processes and the exporter, the Grafana
+password in Grafana. Redis itself gets only SHA-256 hashes of its users' passwords (ACL
+rules on its command line). Nothing in the repository works as a key: without this file
+the stack refuses to start.
 """
 
 from __future__ import annotations
@@ -16,30 +18,56 @@ import hashlib
 import json
 import secrets
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
+from shared import curve
 from shared.config import Config, parse_api_keys
-from shared.crypto import KeyRing
+from shared.crypto import KeyRing, SigningKey
 from shared.secret_files import write_private
 
 REDIS_USER = "learnmesh"
 EXPORTER_USER = "exporter"
 
 
-def _ring_json(ring: KeyRing, *, signing: bool) -> str:
-    return json.dumps(ring.to_dict(include_signing_private=signing), separators=(",", ":"))
+def curve_variable(role: str, part: str) -> str:
+    """The variable holding ``role``'s CURVE certificate, ``part`` ``secret`` or ``public``."""
+    return f"LEARNMESH_ZMQ_{role.upper()}_{part.upper()}"
+
+
+def _delta_keys() -> dict[str, str]:
+    """The ring every delta party holds and the signing key the trainer alone holds."""
+    signing = SigningKey.generate()
+    kid = "k" + time.strftime("%Y%m%d%H%M%S") + "-" + secrets.token_hex(3)
+    ring = KeyRing(None, {kid: secrets.token_bytes(32)}, kid, {signing.id: signing.public}, signing.id)
+    sign_private = {"sign_private": signing.private.private_bytes_raw().hex()}
+    return {"LEARNMESH_DELTA_KEY_RING": json.dumps(ring.to_dict(), separators=(",", ":")),
+            "LEARNMESH_DELTA_SIGN_KEY": json.dumps(sign_private, separators=(",", ":"))}
+
+
+def _curve_keys() -> dict[str, str]:
+    """Each role's CURVE certificates, as shared/curve.py writes them into a keys directory."""
+    out = {}
+    with tempfile.TemporaryDirectory() as keys_dir:
+        for role in curve.ROLES:
+            curve.write_keypair(keys_dir, role)
+            out[curve_variable(role, "secret")] = _quotable(curve.secret_file(keys_dir, role).read_text())
+            out[curve_variable(role, "public")] = _quotable(curve.public_file(keys_dir, role).read_text())
+    return out
+
+
+def _quotable(certificate: str) -> str:
+    """``certificate`` without its comment lines that hold a single quote (which would end the
+    env file's quoted value); ZPL comments carry no key material."""
+    return "".join(line for line in certificate.splitlines(keepends=True)
+                   if not (line.startswith("#") and "'" in line))
 
 
 def generate(api_keys: dict[str, str] | None = None) -> dict[str, str]:
     """Variable -> value, all freshly generated (``api_keys``: principal -> key to use instead)."""
     api_keys = api_keys or {"demo": secrets.token_urlsafe(24)}
     redis_password, exporter_password = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
-    signing = Ed25519PrivateKey.generate()
-    kid = "k" + time.strftime("%Y%m%d%H%M%S") + "-" + secrets.token_hex(3)
-    ring = KeyRing(None, {kid: secrets.token_bytes(32)}, kid, signing, signing.public_key())
     return {
         "LEARNMESH_API_KEYS": ",".join(f"{p}:{k}" for p, k in api_keys.items()),
         "LEARNMESH_ADMIN_KEY": secrets.token_urlsafe(24),
@@ -47,18 +75,19 @@ def generate(api_keys: dict[str, str] | None = None) -> dict[str, str]:
         "LEARNMESH_REDIS_PASSWORD_SHA256": hashlib.sha256(redis_password.encode()).hexdigest(),
         "REDIS_EXPORTER_PASSWORD_SHA256": hashlib.sha256(exporter_password.encode()).hexdigest(),
         "REDIS_EXPORTER_PASSWORDS": json.dumps({"redis://redis:6379": exporter_password}),
-        "LEARNMESH_DELTA_KEY_RING": _ring_json(ring, signing=True),
-        "LEARNMESH_DELTA_VERIFY_RING": _ring_json(ring, signing=False),
+        **_delta_keys(),
+        **_curve_keys(),
         "GRAFANA_ADMIN_PASSWORD": secrets.token_urlsafe(18),
     }
 
 
 def render(values: dict[str, str]) -> str:
-    """An env file compose reads: single quotes keep JSON literal."""
+    """An env file compose reads: single quotes keep a value literal, newlines included (the
+    CURVE certificates span lines)."""
     lines = ["# learnmesh compose secrets, made by `learnmesh compose-secrets`. Private (mode 0600), never commit.",
              "# Use: docker compose --env-file .env --env-file secrets.env up --build"]
     for name, value in values.items():
-        if "'" in value or "\n" in value:
+        if "'" in value or "\\" in value:
             raise ValueError(f"{name} cannot be written to an env file")
         lines.append(f"{name}='{value}'")
     return "\n".join(lines) + "\n"

@@ -6,7 +6,8 @@ logged and restarted with backoff; Ctrl-C / SIGTERM stops them in reverse order 
 SIGTERM (the gateway drains, the trainer checkpoints) and SIGKILLs what does not stop
 within ``stop_timeout_s``. A child that exits with a configuration error (exit code 2) is
 not restarted: the mesh stops with it. Keys are generated on first start and kept in
-``var/keys``.
+``var/keys``: API and admin keys, each role's CURVE keypair (``keys/zmq``), the delta key
+ring and the trainer's signing key.
 
 Secrets never travel in a child's environment (readable in ``/proc/<pid>/environ``, copied
 into every process a child starts): each child reads its whole configuration from a 0600
@@ -201,6 +202,7 @@ _VAR_PATHS = {
     ("trainer", "checkpoint_dir"): "checkpoints",
     ("model", "cache_dir"): "model",
     ("security", "delta_key_file"): "keys/delta.key",
+    ("zmq", "keys_dir"): "keys/zmq",
 }
 
 
@@ -248,6 +250,22 @@ def child_configs(cfg: Config, args: Any, var_dir: Path, api_keys: dict[str, str
     return paths
 
 
+def prepare_keys(cfg: Config, var_dir: Path) -> None:
+    """Make the mesh's ZeroMQ keypairs and delta keys before any child starts (children then
+    only read them), and split a delta key file of an earlier version that still holds the
+    signing key, so no worker is ever handed the trainer's private key."""
+    from shared import crypto, curve
+
+    def path(section: str, name: str) -> str:
+        value = str(getattr(getattr(cfg, section), name))
+        return str(var_dir / _VAR_PATHS[(section, name)]) if value == f"var/{_VAR_PATHS[(section, name)]}" else value
+
+    if cfg.zmq.curve:
+        curve.ensure_keys(path("zmq", "keys_dir"))
+    ring = path("security", "delta_key_file")
+    crypto.ensure_keys(ring, cfg.security.delta_sign_key_file or str(Path(ring).with_name("delta-sign.key")))
+
+
 def wait_ready(base: str, timeout_s: float, sup: Supervisor) -> bool:
     """Poll the gateway's /readyz until it answers 200 (Redis reachable) or time runs out."""
     import urllib.error
@@ -283,6 +301,7 @@ def main(cfg: Config, args: Any) -> int:
     try:
         check_access(cfg.redis)  # wrong credentials stop the mesh here, with one message
         api_keys, admin_key = load_or_create_keys(var_dir, cfg)
+        prepare_keys(cfg, var_dir)
         envs = {role: child_env(path) for role, path in child_configs(cfg, args, var_dir, api_keys, admin_key).items()}
         sup = Supervisor(build_children(cfg, args, envs, var_dir))
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -384,12 +384,34 @@ class ConsistencyConfig:
 
 @_section
 class SecurityConfig:
-    delta_key_file: str = "var/keys/delta.key"
+    delta_key_file: str = Field(default="var/keys/delta.key", description="the delta key ring: AES keys and "
+                                "verify keys; every trainer rank and worker reads it")
+    delta_sign_key_file: str = Field(default="", description="the trainer's Ed25519 signing key; only the "
+                                     "trainer reads it. '': delta-sign.key next to delta_key_file")
+    delta_key_grace_s: NonNegativeInt = Field(
+        default=300, description="after a rotation, packets under the previous AES or signing key are accepted "
+                                 "this long, then refused")
     sign_deltas: StrictBool = True
     rekey_after_packets: StrictInt = Field(default=2**32 - 1, ge=1, le=2**32 - 1)
     delta_pub_endpoint: str = "tcp://127.0.0.1:5621"
     snapshot_endpoint: str = "tcp://127.0.0.1:5622"
     ack_endpoint: str = "tcp://127.0.0.1:5623"
+
+    @property
+    def signing_key_path(self) -> str:
+        """Where the trainer's signing key lives (``delta_sign_key_file`` or its default)."""
+        return self.delta_sign_key_file or str(Path(self.delta_key_file).with_name("delta-sign.key"))
+
+
+@_section
+class ZmqConfig:
+    """CurveZMQ on every ZeroMQ link: each process holds its role's keypair under ``keys_dir``
+    (``<role>.key_secret``, 0600) and the public keys of its peers (``<role>.key``); see
+    shared/curve.py and docs/operations.md, "ZeroMQ links"."""
+
+    curve: StrictBool = Field(default=True, description="encrypt and authenticate every ZeroMQ link; off: "
+                                                        "any local process can read and inject messages")
+    keys_dir: str = "var/keys/zmq"
 
 
 @_section
@@ -478,6 +500,7 @@ class Config:
     scheduling: SchedulingConfig = Field(default_factory=SchedulingConfig)
     consistency: ConsistencyConfig = Field(default_factory=ConsistencyConfig)
     security: SecurityConfig = Field(default_factory=SecurityConfig)
+    zmq: ZmqConfig = Field(default_factory=ZmqConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     learning: LearningConfig = Field(default_factory=LearningConfig)

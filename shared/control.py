@@ -167,18 +167,26 @@ def record_version(redis: Any, version: int, *, step: int | None = None, loss: f
 
 
 # ---------------------------------------------------------------- delta key rotation
+ROTATION_KINDS = ("encryption", "signing", "both")
+"""What a delta key rotation request replaces: the AES key, the Ed25519 signing key, or both."""
+
+
 class KeyRotationWatcher:
-    """The delta key ring calls ``pending()``; every returned request id means: rotate once,
-    then ``done(request_id, key_id=..., epoch=...)`` so operators see it happened."""
+    """The delta key ring calls ``pending()``; every returned (request id, kind) means: rotate
+    once, then ``done(request_id, key_id=..., epoch=...)`` so operators see it happened."""
 
     def __init__(self, redis: Any) -> None:
         self.redis = redis
         self.cursor = as_str(redis.hget(keys.DELTA_KEY_STATUS, "last_request") or "0-0")
 
-    def pending(self) -> list[str]:
+    def pending(self) -> list[tuple[str, str]]:
         got = self.redis.xread({keys.DELTA_KEY_ROTATE: self.cursor}, count=16) or []
-        ids = [as_str(entry_id) for _stream, entries in got for entry_id, _ in entries]
-        return ids
+        out = []
+        for _stream, entries in got:
+            for entry_id, fields in entries:
+                kind = as_str(fields.get(b"kind", fields.get("kind")) or "encryption")
+                out.append((as_str(entry_id), kind if kind in ROTATION_KINDS else "encryption"))
+        return out
 
     def done(self, request_id: str, **report: Any) -> None:
         self.cursor = request_id

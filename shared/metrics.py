@@ -219,3 +219,10 @@ INFER_RETRIES = Counter("learnmesh_inference_retries_total", "Requests retried o
 WORKERS_LIVE = Gauge("learnmesh_workers_live", "Inference workers answering heartbeats")
 WORKER_BAD_MESSAGES = Counter("learnmesh_worker_bad_messages_total",
                               "Messages from workers the gateway could not read and dropped")
+
+# ---------------------------------------------------------------- ZeroMQ links (CurveZMQ)
+ZMQ_AUTH_REFUSED = Counter("learnmesh_zmq_auth_refused_total",
+                           "CURVE clients refused by this process's ZAP allow-list", ["domain"])
+ZMQ_HANDSHAKE_FAILED = Counter("learnmesh_zmq_handshake_failed_total",
+                               "CURVE handshakes this process failed as a client (peer: the server's role)",
+                               ["peer", "reason"])

@@ -27,7 +27,7 @@ class MsgType(enum.IntEnum):
     HELLO = 6          # gateway -> worker: register this DEALER
     CANCEL = 7         # gateway -> worker: drop a request
     # samples
-    SAMPLE = 20        # gateway -> trainer: learning samples (PUSH/PULL)
+    SAMPLE = 20        # gateway -> trainer: the sample log grew (a wake-up; the log holds the samples)
     # deltas / snapshots (Clone pattern)
     DELTA = 40         # trainer PUB -> workers
     SNAPSHOT_REQ = 41  # worker -> trainer ROUTER

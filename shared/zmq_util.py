@@ -1,9 +1,12 @@
 """The one place ZeroMQ sockets are made: bind/connect, identity, linger and high-water
-marks are always explicit (never ZeroMQ's unbounded or infinite defaults)."""
+marks are always explicit (never ZeroMQ's unbounded or infinite defaults), and so is CURVE
+(shared/curve.py: a server's keys and allow-list, or a client's keys and pinned server key)."""
 
 from __future__ import annotations
 
 import zmq
+
+from shared.curve import CurveClient, CurveServer, new_socket
 
 DEFAULT_HWM = 10_000
 DEFAULT_LINGER_MS = 0
@@ -12,14 +15,16 @@ DEFAULT_LINGER_MS = 0
 def make_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect: str | None = None,
                 identity: bytes | None = None, hwm: int = DEFAULT_HWM, linger_ms: int = DEFAULT_LINGER_MS,
                 subscribe: bytes | None = None, router_mandatory: bool = False,
-                immediate: bool = False) -> zmq.Socket:
+                immediate: bool = False, curve: CurveServer | CurveClient | None = None) -> zmq.Socket:
     """Create a socket with explicit options, then bind or connect (exactly one of them).
 
     ``immediate=True`` (ZMQ_IMMEDIATE) queues messages only on completed connections, so a
-    message to a peer that is down fails fast (EAGAIN) instead of waiting for it to return."""
+    message to a peer that is down fails fast (EAGAIN) instead of waiting for it to return
+    (with CURVE, a connection completes only after the handshake: nothing is queued for a
+    peer that does not hold the pinned key). ``curve``: None only where ``zmq.curve`` is off."""
     if (bind is None) == (connect is None):
         raise ValueError("give exactly one of bind= or connect=")
-    sock = ctx.socket(kind)
+    sock = new_socket(ctx, kind, curve)
     sock.setsockopt(zmq.LINGER, linger_ms)
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)

@@ -152,9 +152,13 @@ def test_delta_key_rotation_signal(gw, r):
     watcher = control.KeyRotationWatcher(r)
     assert watcher.pending() == []
     rid = gw.post("/admin/delta-key/rotate", headers=bearer(ADMIN_KEY)).json()["request_id"]
-    assert watcher.pending() == [rid]
+    signing = gw.post("/admin/delta-key/rotate", params={"kind": "signing"}, headers=bearer(ADMIN_KEY))
+    assert signing.status_code == 202
+    assert watcher.pending() == [(rid, "encryption"), (signing.json()["request_id"], "signing")]
+    bad = gw.post("/admin/delta-key/rotate", params={"kind": "everything"}, headers=bearer(ADMIN_KEY))
+    assert bad.status_code == 422
     watcher.done(rid, key_id="k2", epoch=2)
-    assert control.KeyRotationWatcher(r).pending() == []
+    assert [kind for _, kind in control.KeyRotationWatcher(r).pending()] == ["signing"]
     status = gw.get("/admin/delta-key", headers=bearer(VIEWER_KEY)).json()
     assert status["key_ring"]["key_id"] == "k2" and status["key_ring"]["last_request"] == rid
 

@@ -22,13 +22,15 @@ from urllib.parse import urlsplit
 import pytest
 import redis as redis_sync
 import yaml
+import zmq.auth
 from prometheus_client.metrics import MetricWrapperBase
 
 from services import compose_secrets
 from services.cli import _parser
 from shared import metrics
-from shared.config import load_config
-from shared.crypto import KeyRing
+from shared.config import Config, load_config
+from shared.crypto import KeyFileError, KeyRing, SigningKey, trainer_keys
+from shared.curve import CurveKeys
 from shared.redis_client import client_kwargs
 from tests.conftest import free_port, wait_for_sync
 
@@ -60,23 +62,38 @@ def generated() -> dict[str, str]:
     return compose_secrets.generate()
 
 
+def _target(mount: dict) -> str:
+    """Where compose mounts a secret in the container: ``target``, else /run/secrets/<source>."""
+    return mount.get("target") or f"/run/secrets/{mount['source']}"
+
+
 @pytest.fixture(scope="module")
-def secrets_dir(compose, generated, tmp_path_factory) -> Path:
-    """Each compose secret as a 0400 file, as compose mounts it under /run/secrets."""
-    d = tmp_path_factory.mktemp("run-secrets")
-    for name, spec in compose["secrets"].items():
-        (d / name).write_text(generated[spec["environment"]])
-        os.chmod(d / name, 0o400)
-    return d
+def mounts(compose, generated, tmp_path_factory) -> dict[str, Path]:
+    """Service -> a directory standing for its container's root: each secret it mounts, at its
+    target, 0400, as compose mounts it; nothing else."""
+    roots = {}
+    for name, service in compose["services"].items():
+        root = roots[name] = tmp_path_factory.mktemp(f"root-{name}")
+        for mount in service.get("secrets") or []:
+            path = root / _target(mount).lstrip("/")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(generated[compose["secrets"][mount["source"]]["environment"]])
+            os.chmod(path, 0o400)
+    return roots
 
 
-def _env(service: dict, dotenv: dict[str, str], secrets_dir: Path | None = None) -> dict[str, str]:
-    """The service's environment with ${VAR...} substituted from compose/.env and /run/secrets
-    paths pointing at ``secrets_dir``."""
+def _env(service: dict, dotenv: dict[str, str], root: Path | None = None) -> dict[str, str]:
+    """The service's environment with ${VAR...} substituted from compose/.env and /run/ paths
+    pointing into ``root`` (the service's entry of ``mounts``)."""
     def sub(v: str) -> str:
         v = re.sub(r"\$\{([A-Z_]+)[^}]*\}", lambda m: dotenv[m.group(1)], str(v))
-        return v.replace("/run/secrets/", f"{secrets_dir}/") if secrets_dir is not None else v
+        return v.replace("/run/", f"{root}/run/") if root is not None else v
     return {k: sub(v) for k, v in (service.get("environment") or {}).items()}
+
+
+def _cfg(compose: dict, dotenv: dict[str, str], mounts: dict[str, Path], name: str) -> Config:
+    """The configuration service ``name`` starts with, its secrets mounted."""
+    return load_config(None, env=_env(compose["services"][name], dotenv, mounts[name]))
 
 
 def _hosts(compose: dict) -> set[str]:
@@ -112,18 +129,18 @@ def test_every_command_exists_in_the_cli(compose):
         assert callable(getattr(module, "main", None)), f"{DISPATCH[args.command]}.main missing"
 
 
-def test_environment_validates_against_the_config_schema(compose, dotenv, secrets_dir):
+def test_environment_validates_against_the_config_schema(compose, dotenv, mounts):
     for name in LEARNMESH_SERVICES:
-        env = _env(compose["services"][name], dotenv, secrets_dir)
+        env = _env(compose["services"][name], dotenv, mounts[name])
         assert all(k.startswith("LEARNMESH_") or k == "REDIS_URL" for k in env), name
         cfg = load_config(None, env=env)  # ConfigError on unknown keys or bad values
         assert cfg.redis.url == "redis://redis:6379/0"
         assert urlsplit(cfg.redis.url).hostname in compose["services"]
 
 
-def test_bind_and_connect_endpoints_agree(compose, dotenv, secrets_dir):
+def test_bind_and_connect_endpoints_agree(compose, dotenv, mounts):
     hosts = _hosts(compose)
-    gw_cfg = load_config(None, env=_env(compose["services"]["gateway"], dotenv, secrets_dir))
+    gw_cfg = _cfg(compose, dotenv, mounts, "gateway")
     # gateway -> workers: each configured endpoint is a worker service binding that port
     for i, ep in enumerate(gw_cfg.worker.endpoints):
         u = urlsplit(ep)
@@ -133,9 +150,9 @@ def test_bind_and_connect_endpoints_agree(compose, dotenv, secrets_dir):
         assert urlsplit(cmd[cmd.index("--endpoint") + 1]).port == u.port
     # the trainer binds on 0.0.0.0 exactly the ports every other process connects to as "trainer"
     for trainer in ("trainer", "trainer-cpu"):
-        t_cfg = load_config(None, env=_env(compose["services"][trainer], dotenv, secrets_dir))
+        t_cfg = _cfg(compose, dotenv, mounts, trainer)
         for name in ("gateway", "worker-0", "worker-1"):
-            c_cfg = load_config(None, env=_env(compose["services"][name], dotenv, secrets_dir))
+            c_cfg = _cfg(compose, dotenv, mounts, name)
             for bind, conn in ((t_cfg.trainer.samples_endpoint, c_cfg.trainer.samples_endpoint),
                                (t_cfg.security.delta_pub_endpoint, c_cfg.security.delta_pub_endpoint),
                                (t_cfg.security.snapshot_endpoint, c_cfg.security.snapshot_endpoint),
@@ -144,7 +161,7 @@ def test_bind_and_connect_endpoints_agree(compose, dotenv, secrets_dir):
                 assert urlsplit(conn).hostname == "trainer" and "trainer" in hosts
 
 
-def test_trainer_gpu_reservation_and_cpu_profile(compose, dotenv, secrets_dir):
+def test_trainer_gpu_reservation_and_cpu_profile(compose, dotenv, mounts):
     gpu = compose["services"]["trainer"]
     devices = gpu["deploy"]["resources"]["reservations"]["devices"]
     assert any("gpu" in d["capabilities"] for d in devices)
@@ -152,16 +169,16 @@ def test_trainer_gpu_reservation_and_cpu_profile(compose, dotenv, secrets_dir):
     cpu = compose["services"]["trainer-cpu"]
     assert cpu["profiles"] == ["cpu"] and "deploy" not in cpu
     assert "trainer" in cpu["networks"]["default"]["aliases"]
-    assert load_config(None, env=_env(cpu, dotenv, secrets_dir)).trainer.backend == "gloo"
+    assert _cfg(compose, dotenv, mounts, "trainer-cpu").trainer.backend == "gloo"
     assert dotenv["COMPOSE_PROFILES"] == "cpu"
 
 
-def test_gateway_port_published_and_keys_required(compose, dotenv, secrets_dir):
+def test_gateway_port_published_and_keys_required(compose, dotenv, mounts):
     gw = compose["services"]["gateway"]
     port = int(gw["command"][gw["command"].index("--port") + 1])
     assert f"{port}:{port}" in gw["ports"]
     assert "0.0.0.0" in gw["command"]  # non-loopback bind: the gateway refuses to start without keys
-    cfg = load_config(None, env=_env(gw, dotenv, secrets_dir))  # keys from its mounted secrets
+    cfg = _cfg(compose, dotenv, mounts, "gateway")  # keys from its mounted secrets
     assert cfg.gateway.api_keys and cfg.gateway.admin_keys
 
 
@@ -171,7 +188,7 @@ def _targets() -> dict[str, list[str]]:
             for job in prom["scrape_configs"]}
 
 
-def test_prometheus_scrapes_every_service_by_name(compose, dotenv, secrets_dir):
+def test_prometheus_scrapes_every_service_by_name(compose, dotenv, mounts):
     targets = _targets()
     hosts = _hosts(compose)
     for job, tlist in targets.items():
@@ -181,11 +198,11 @@ def test_prometheus_scrapes_every_service_by_name(compose, dotenv, secrets_dir):
     assert targets["gateway"] == [f"gateway:{gw['command'][gw['command'].index('--port') + 1]}"]
     for name in ("worker-0", "worker-1"):
         svc = compose["services"][name]
-        cfg = load_config(None, env=_env(svc, dotenv, secrets_dir))
+        cfg = _cfg(compose, dotenv, mounts, name)
         index = int(svc["command"][svc["command"].index("--index") + 1])
         assert f"{name}:{cfg.metrics.worker_port + index}" in targets["worker"]
         assert cfg.metrics.bind_host == "0.0.0.0"
-    t_cfg = load_config(None, env=_env(compose["services"]["trainer-cpu"], dotenv, secrets_dir))
+    t_cfg = _cfg(compose, dotenv, mounts, "trainer-cpu")
     assert targets["trainer"] == [f"trainer:{t_cfg.metrics.trainer_port}"]
     assert any(t.startswith("redis-exporter:") for t in targets["redis"])
     scraped = {t.split(":")[0] for tl in targets.values() for t in tl}
@@ -219,14 +236,31 @@ def test_grafana_provisioned_dashboard_queries_real_metrics(compose):
 
 # --------------------------------------------------------------------------- secrets
 
-SERVICE_SECRETS = {  # who may hold what
-    "gateway": {"redis_password", "api_keys", "admin_key"},
-    "worker-0": {"redis_password", "delta_verify"},
-    "worker-1": {"redis_password", "delta_verify"},
-    "trainer": {"redis_password", "delta_key"},
-    "trainer-cpu": {"redis_password", "delta_key"},
-    "redis-exporter": {"redis_exporter_passwords"},
-    "grafana": {"grafana_admin_password"},
+ZMQ_DIR = "/run/keys/zmq"
+ZMQ_PEERS = {"gateway": ("worker", "trainer"), "worker": ("gateway", "trainer"), "trainer": ("gateway", "worker")}
+"""Role -> the roles it speaks ZeroMQ with (shared/curve.py): their public keys it pins or admits."""
+SERVICE_ROLES = {"gateway": "gateway", "worker-0": "worker", "worker-1": "worker", "trainer": "trainer",
+                 "trainer-cpu": "trainer"}
+
+
+def _zmq_secrets(role: str) -> dict[str, str]:
+    """Secret -> target of a role's CURVE files: its own secret key and its peers' public keys."""
+    return {f"zmq_{role}_secret": f"{ZMQ_DIR}/{role}.key_secret",
+            **{f"zmq_{peer}_public": f"{ZMQ_DIR}/{peer}.key" for peer in ZMQ_PEERS[role]}}
+
+
+DELTA_RING = {"delta_ring": "/run/keys/delta.key"}
+SERVICE_SECRETS = {  # who may hold what, and where it is mounted
+    "gateway": {"redis_password": "/run/secrets/redis_password", "api_keys": "/run/secrets/api_keys",
+                "admin_key": "/run/secrets/admin_key", **_zmq_secrets("gateway")},
+    "worker-0": {"redis_password": "/run/secrets/redis_password", **DELTA_RING, **_zmq_secrets("worker")},
+    "worker-1": {"redis_password": "/run/secrets/redis_password", **DELTA_RING, **_zmq_secrets("worker")},
+    "trainer": {"redis_password": "/run/secrets/redis_password", **DELTA_RING,
+                "delta_sign_key": "/run/keys/delta-sign.key", **_zmq_secrets("trainer")},
+    "trainer-cpu": {"redis_password": "/run/secrets/redis_password", **DELTA_RING,
+                    "delta_sign_key": "/run/keys/delta-sign.key", **_zmq_secrets("trainer")},
+    "redis-exporter": {"redis_exporter_passwords": "/run/secrets/redis_exporter_passwords"},
+    "grafana": {"grafana_admin_password": "/run/secrets/grafana_admin_password"},
 }
 SERVICE_UIDS = {"redis-exporter": "59000", "grafana": "472"}  # the images' users; learnmesh's is 10001
 
@@ -274,7 +308,7 @@ def test_the_stack_refuses_to_start_without_generated_secrets(compose, dotenv, g
 def test_each_secret_reaches_only_the_services_that_use_it(compose):
     for name, service in compose["services"].items():
         mounted = _mounted(service)
-        assert set(mounted) == SERVICE_SECRETS.get(name, set()), name
+        assert {source: _target(m) for source, m in mounted.items()} == SERVICE_SECRETS.get(name, {}), name
         for mount in mounted.values():
             assert mount["uid"] == SERVICE_UIDS.get(name, "10001"), (name, mount)
             assert int(str(mount["mode"]).replace("0o", ""), 8) == 0o400, (name, mount)
@@ -291,19 +325,26 @@ def test_each_secret_reaches_only_the_services_that_use_it(compose):
             assert not target.endswith("/checkpoints") or name in ("trainer", "trainer-cpu"), (name, volume)
 
 
-def test_generated_secrets_give_each_service_what_it_needs_and_no_more(compose, dotenv, secrets_dir, generated):
+def test_generated_secrets_give_each_service_what_it_needs_and_no_more(compose, dotenv, mounts, generated):
     rings = {}
     for name in LEARNMESH_SERVICES:
-        cfg = load_config(None, env=_env(compose["services"][name], dotenv, secrets_dir))
+        cfg = _cfg(compose, dotenv, mounts, name)
         assert client_kwargs(cfg.redis) == {"username": "learnmesh", "password": generated["LEARNMESH_REDIS_PASSWORD"]}
         if name != "gateway":
             rings[name] = KeyRing.load(cfg.security.delta_key_file)
-    # the trainer signs; workers verify the same signatures and open the same AES keys, and cannot sign
+    # the trainer signs with the key the ring verifies; workers verify the same signatures and
+    # open the same AES keys, and hold no file with a signing key
     for trainer in ("trainer", "trainer-cpu"):
-        assert rings[trainer].sign_private is not None
+        cfg = _cfg(compose, dotenv, mounts, trainer)
+        ring, signing = trainer_keys(cfg.security.delta_key_file, cfg.security.signing_key_path)
+        assert signing is not None and signing.id == ring.signer == rings[trainer].signer
     for worker in ("worker-0", "worker-1"):
-        assert rings[worker].sign_private is None and rings[worker].sign_public is not None
-        assert rings[worker].keys == rings["trainer"].keys and rings[worker].active == rings["trainer"].active
+        assert rings[worker].to_dict() == rings["trainer"].to_dict() and rings[worker].signer in rings[worker].verify_keys
+        files = [p for p in mounts[worker].rglob("*") if p.is_file()]
+        assert files and not any(b"sign_private" in p.read_bytes() for p in files), worker
+        cfg = _cfg(compose, dotenv, mounts, worker)
+        with pytest.raises(KeyFileError):
+            SigningKey.load(cfg.security.signing_key_path)
     redis_cmd = compose["services"]["redis"]["command"]
     hashes = [a for a in redis_cmd if a.startswith("#")]
     assert _interpolate(hashes[0], generated) == "#" + hashlib.sha256(
@@ -365,3 +406,51 @@ def test_compose_secrets_writes_a_private_file_once(tmp_path, capsys):
     assert "LEARNMESH_API_KEYS='alice:alice-key-0123456789'" in first
     assert compose_secrets.main(load_config(env={}), args) == 1 and out.read_text() == first  # kept
     assert "--force" in capsys.readouterr().err
+
+
+def test_each_learnmesh_service_holds_its_curve_keys_and_its_peers_public_keys(compose, dotenv, mounts, generated,
+                                                                              tmp_path):
+    """Every ZeroMQ process loads its role's keypair from its keys dir and finds there the
+    public key of every peer it pins or admits; the keys are the generated ones, and no
+    service holds another role's secret key."""
+    publics = {}
+    for role in ZMQ_PEERS:
+        (tmp_path / role).write_text(generated[compose_secrets.curve_variable(role, "public")])
+        publics[role] = zmq.auth.load_certificate(tmp_path / role)[0]
+    for name, role in SERVICE_ROLES.items():
+        cfg = _cfg(compose, dotenv, mounts, name)
+        assert cfg.zmq.curve and Path(cfg.zmq.keys_dir) == mounts[name] / ZMQ_DIR.lstrip("/")
+        keys = CurveKeys.load(cfg.zmq, role)
+        assert keys is not None and keys.own.public == publics[role]
+        for peer in ZMQ_PEERS[role]:
+            assert keys.server_key(peer) == publics[peer] and keys.allowed(peer) == {publics[peer]}
+        assert sorted(p.name for p in Path(cfg.zmq.keys_dir).glob("*.key_secret")) == [f"{role}.key_secret"]
+
+
+def test_compose_secrets_output_loads_as_key_files(tmp_path):
+    """What `compose-secrets` writes, read back the way compose hands it over: the ring loads,
+    the signing key loads and matches it, each CURVE certificate reads with zmq.auth."""
+    out = tmp_path / "secrets.env"
+    args = argparse.Namespace(out=str(out), api_keys=None, force=False)
+    assert compose_secrets.main(load_config(env={}), args) == 0
+    values = _parse_env_file(out.read_text())
+    files = {}
+    for name, value in values.items():
+        files[name] = tmp_path / name
+        files[name].write_text(value)
+        os.chmod(files[name], 0o400)
+    ring = KeyRing.load(files["LEARNMESH_DELTA_KEY_RING"])
+    assert "sign_private" not in values["LEARNMESH_DELTA_KEY_RING"]
+    assert SigningKey.load(files["LEARNMESH_DELTA_SIGN_KEY"]).id == ring.signer
+    for role in ZMQ_PEERS:
+        public, secret = zmq.auth.load_certificate(files[compose_secrets.curve_variable(role, "secret")])
+        assert secret is not None and len(public) == len(secret) == 40
+        assert zmq.auth.load_certificate(files[compose_secrets.curve_variable(role, "public")]) == (public, None)
+
+
+def _parse_env_file(text: str) -> dict[str, str]:
+    """compose's reading of single-quoted values (compose-go dotenv): literal up to the next
+    quote, newlines included."""
+    found = dict(re.findall(r"^([A-Z0-9_]+)='([^']*)'", text, re.M))
+    assert len(found) == len(re.findall(r"^[A-Z0-9_]+=", text, re.M))
+    return found

@@ -1,4 +1,5 @@
-"""Envelope: AES-256-GCM + Ed25519, key file, rotation, and every rejection reason."""
+"""Envelope: AES-256-GCM + Ed25519, key ring and signing key files, rotation with a grace
+period, and every rejection reason."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import stat
 from pathlib import Path
 
 import numpy as np
+import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -17,8 +19,11 @@ from shared.crypto import (
     EnvelopeReject,
     EnvelopeSealer,
     KeyRing,
+    SigningKey,
     retire_key,
-    rotate_key_file,
+    rotate_encryption_key,
+    rotate_signing_key,
+    trainer_keys,
 )
 
 
@@ -27,9 +32,18 @@ def key_file(tmp_path: Path) -> Path:
     return tmp_path / "keys" / "delta.key"
 
 
+def sign_file(key_file: Path) -> Path:
+    return key_file.with_name("delta-sign.key")
+
+
+def sealer_for(key_file: Path, sender: str = "trainer-a", **kw) -> EnvelopeSealer:
+    ring, signer = trainer_keys(key_file, sign_file(key_file))
+    return EnvelopeSealer(ring, sender, signer=signer, **kw)
+
+
 def pair(key_file: Path, **kw) -> tuple[EnvelopeSealer, EnvelopeOpener]:
-    ring = KeyRing.load_or_create(key_file)
-    return EnvelopeSealer(ring, "trainer-a", **kw), EnvelopeOpener(KeyRing.load(key_file))
+    sealer = sealer_for(key_file, **kw)
+    return sealer, EnvelopeOpener(KeyRing.load(key_file))
 
 
 def reason(opener: EnvelopeOpener, frames: list[bytes], **kw) -> str:
@@ -38,13 +52,39 @@ def reason(opener: EnvelopeOpener, frames: list[bytes], **kw) -> str:
     return exc.value.reason
 
 
-def test_key_file_is_created_private_and_never_printed(key_file: Path) -> None:
-    ring = KeyRing.load_or_create(key_file)
-    assert stat.S_IMODE(os.stat(key_file).st_mode) == 0o600
+def test_key_files_are_created_private_split_and_never_printed(key_file: Path) -> None:
+    ring, signer = trainer_keys(key_file, sign_file(key_file))
+    assert signer is not None
+    for path in (key_file, sign_file(key_file)):
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     secret = ring.keys[ring.active].hex()
-    assert secret not in repr(ring) and secret not in str(ring)
-    again = KeyRing.load_or_create(key_file)  # existing file is kept
-    assert again.keys == ring.keys
+    private = signer.private.private_bytes_raw().hex()
+    assert secret not in repr(ring) and private not in repr(signer)
+    assert private not in key_file.read_text(), "the ring file holds no signing private key"
+    assert ring.signer == signer.id and ring.verify_keys[signer.id] is not None
+    again, same = trainer_keys(key_file, sign_file(key_file))  # existing files are kept
+    assert again.keys == ring.keys and same is not None and same.id == signer.id
+
+
+def test_a_legacy_combined_file_is_split_and_keeps_working(key_file: Path) -> None:
+    """A ring file written before the split (signing private key inside) still opens packets
+    for workers, which never load the private key from it; the trainer moves it out."""
+    private = SigningKey.generate()
+    legacy = {"active": "k1", "keys": {"k1": os.urandom(32).hex()},
+              "sign_private": private.private.private_bytes_raw().hex(),
+              "sign_public": private.public.public_bytes_raw().hex()}
+    key_file.parent.mkdir(parents=True)
+    key_file.write_bytes(orjson.dumps(legacy))
+    key_file.chmod(0o600)
+    worker_ring = KeyRing.load(key_file)  # what a worker of the old var/ loads
+    assert not any(isinstance(v, SigningKey) for v in vars(worker_ring).values())
+    assert worker_ring.signer == private.id
+    ring, signer = trainer_keys(key_file, sign_file(key_file))
+    assert signer is not None and signer.id == private.id and ring.keys == {"k1": bytes.fromhex(legacy["keys"]["k1"])}
+    assert "sign_private" not in orjson.loads(key_file.read_bytes())
+    assert SigningKey.load(sign_file(key_file)).id == private.id
+    frames = EnvelopeSealer(ring, "trainer-a", signer=signer).seal(STREAM_DELTA, {"v": 1}, b"x")
+    assert EnvelopeOpener(worker_ring).open(frames).payload == b"x"
 
 
 def test_round_trip_and_metadata_is_authenticated(key_file: Path) -> None:
@@ -84,14 +124,14 @@ def test_replayed_out_of_order_and_stale_session(key_file: Path) -> None:
     assert reason(opener, p[2]) == "replayed"
     assert reason(opener, p[1]) == "out_of_order"
     opener.open(p[3])
-    restarted = EnvelopeSealer(KeyRing.load(key_file), "trainer-a")
+    restarted = sealer_for(key_file)
     assert opener.open(restarted.seal(STREAM_DELTA, {}, b"new")).new_session
     assert reason(opener, sealer.seal(STREAM_DELTA, {}, b"old")) == "stale"
 
 
 def test_wrong_key_and_forgery_by_a_key_holding_worker(key_file: Path, tmp_path: Path) -> None:
     sealer, opener = pair(key_file)
-    other = EnvelopeSealer(KeyRing.load_or_create(tmp_path / "other.key"), "trainer-a")
+    other = sealer_for(tmp_path / "other" / "delta.key")
     assert reason(opener, other.seal(STREAM_DELTA, {}, b"x")) == "wrong_key"
     # same key id, different secret
     ring = KeyRing.load(key_file)
@@ -99,29 +139,31 @@ def test_wrong_key_and_forgery_by_a_key_holding_worker(key_file: Path, tmp_path:
     impostor = EnvelopeSealer(ring, "trainer-a", sign=False)
     lax = EnvelopeOpener(KeyRing.load(key_file), require_signature=False)
     assert reason(lax, impostor.seal(STREAM_DELTA, {}, b"x")) == "tampered"
-    # a worker holds the symmetric key but only the public signing key: it cannot sign
-    worker_file = tmp_path / "worker.key"
-    KeyRing.load(key_file).save(worker_file, include_signing_private=False)
-    worker_ring = KeyRing.load(worker_file)
-    assert worker_ring.sign_private is None and worker_ring.sign_public is not None
+    # a worker holds the symmetric key and verify keys only: it cannot sign
+    worker_ring = KeyRing.load(key_file)
     forged = EnvelopeSealer(worker_ring, "trainer-a", sign=False).seal(STREAM_DELTA, {"version": 99}, b"evil")
     assert reason(EnvelopeOpener(worker_ring), forged) == "bad_signature"
-    fake_sig = EnvelopeSealer(KeyRing.load_or_create(tmp_path / "x.key"), "trainer-a")
-    resigned = [forged[0], forged[1], fake_sig.ring.sign_private.sign(forged[0] + forged[1])]
+    # signed by a key that is not the trainer's, whether it names the trainer's key id or its own
+    rogue = SigningKey.generate()
+    resigned = [forged[0], forged[1], rogue.private.sign(forged[0] + forged[1])]
     assert reason(EnvelopeOpener(worker_ring), resigned) == "bad_signature"
+    own = EnvelopeSealer(worker_ring, "trainer-a", signer=rogue).seal(STREAM_DELTA, {"version": 99}, b"evil")
+    assert reason(EnvelopeOpener(worker_ring), own) == "bad_signature"
+    claims = orjson.loads(own[0])
+    claims["sk"] = worker_ring.signer
+    header = orjson.dumps(claims)
+    assert reason(EnvelopeOpener(worker_ring), [header, own[1], own[2]]) == "bad_signature"
 
 
-def test_signature_covers_the_ciphertext_digest_under_envelope_version_2(key_file: Path) -> None:
+def test_signature_covers_the_ciphertext_digest_and_names_its_key(key_file: Path) -> None:
     import hashlib
-
-    import orjson
 
     sealer, opener = pair(key_file)
     frames = sealer.seal(STREAM_DELTA, {"version": 1}, b"w" * 1000)
     header, ct, sig = frames
-    assert orjson.loads(header)["v"] == 2
-    priv = sealer.ring.sign_private
-    assert priv is not None
+    assert sealer.signer is not None
+    assert orjson.loads(header)["v"] == 3 and orjson.loads(header)["sk"] == sealer.signer.id
+    priv = sealer.signer.private
     priv.public_key().verify(sig, header + hashlib.sha256(ct).digest())
     old_style = [header, ct, priv.sign(header + ct)]  # version 1 signed the whole ciphertext
     assert reason(opener, old_style) == "bad_signature"
@@ -130,21 +172,57 @@ def test_signature_covers_the_ciphertext_digest_under_envelope_version_2(key_fil
     assert opener.open(frames).payload == b"w" * 1000
 
 
-def test_rotation_without_stopping_and_retirement(key_file: Path) -> None:
-    sealer, opener = pair(key_file)
-    before = sealer.seal(STREAM_DELTA, {}, b"a")
+def test_encryption_key_rotation_keeps_the_old_key_for_the_grace_period_only(key_file: Path) -> None:
+    sealer, _ = pair(key_file)
+    now = [10**13]
+    opener = EnvelopeOpener(KeyRing.load(key_file), clock_ms=lambda: now[0])
     old_kid = sealer.ring.active
-    new_kid = rotate_key_file(key_file)
-    assert sealer.ring.reload_if_changed() and sealer.ring.active == new_kid
+    before = [sealer.seal(STREAM_DELTA, {}, b"a%d" % i) for i in range(2)]
+    new_kid = rotate_encryption_key(key_file, grace_s=60)
+    assert sealer.ring.reload_if_changed() and sealer.ring.active == new_kid != old_kid
     after = sealer.seal(STREAM_DELTA, {}, b"b")
-    assert opener.open(before).payload == b"a"
+    now[0] = KeyRing.load(key_file).retiring[old_kid] - 1  # still within the grace period
+    assert opener.open(before[0]).payload == b"a0"
     assert opener.open(after).payload == b"b"  # unknown kid -> opener reloads the file
+    now[0] += 1  # the deadline: the old key is refused from here on
+    assert reason(opener, before[1]) == "retired_key"
+    assert opener.open(sealer.seal(STREAM_DELTA, {}, b"c")).payload == b"c"
+    # a rotation after the deadline drops the expired key from the file
+    ring = KeyRing.load(key_file)
+    ring.prune(now[0])
+    assert old_kid not in ring.keys and new_kid in ring.keys
+
+
+def test_signing_key_rotation_accepts_both_verify_keys_during_the_grace_period(key_file: Path) -> None:
+    sealer, _ = pair(key_file)
+    now = [10**13]
+    opener = EnvelopeOpener(KeyRing.load(key_file), clock_ms=lambda: now[0])
+    assert sealer.signer is not None
+    old_id = sealer.signer.id
+    signed_old = [sealer.seal(STREAM_DELTA, {}, b"o%d" % i) for i in range(2)]
+    fresh = rotate_signing_key(key_file, sign_file(key_file), grace_s=30)
+    assert SigningKey.load(sign_file(key_file)).id == fresh.id != old_id
+    sealer.ring.reload_if_changed()
+    sealer.set_signer(fresh)
+    signed_new = sealer.seal(STREAM_DELTA, {}, b"n")
+    now[0] = KeyRing.load(key_file).verify_retiring[old_id] - 1
+    assert opener.open(signed_old[0]).payload == b"o0"
+    assert opener.open(signed_new).payload == b"n"  # unknown signer -> opener reloads the ring
+    now[0] += 1
+    assert reason(opener, signed_old[1]) == "bad_signature"
+    assert opener.open(sealer.seal(STREAM_DELTA, {}, b"m")).payload == b"m"
+
+
+def test_a_key_can_be_retired_at_once(key_file: Path) -> None:
+    sealer, opener = pair(key_file)
+    old_kid = sealer.ring.active
+    before = sealer.seal(STREAM_DELTA, {}, b"a")
+    rotate_encryption_key(key_file, grace_s=3600)
+    with pytest.raises(ValueError):
+        retire_key(key_file, KeyRing.load(key_file).active)
     retire_key(key_file, old_kid)
     opener.ring.reload_if_changed()
-    late = EnvelopeSealer(KeyRing.load_or_create(key_file), "trainer-b")
-    late.ring.keys[old_kid] = sealer.ring.keys[old_kid]
-    late.ring.active = old_kid
-    assert reason(opener, late.seal(STREAM_DELTA, {}, b"c")) == "wrong_key"
+    assert reason(opener, before) == "wrong_key"
 
 
 def test_rekey_changes_epoch_and_nonces_never_repeat(key_file: Path) -> None:

@@ -18,6 +18,7 @@ from services.worker.updates import DeltaSubscriber
 from shared import keys
 from shared.codec import flatten
 from shared.config import Config, load_config
+from shared.curve import CurveClient, CurveKeys, CurveServer
 from shared.zmq_util import make_socket
 from tests.conftest import free_port, wait_for_sync
 
@@ -31,6 +32,7 @@ def make_cfg(tmp_path: Path, **compression) -> Config:
                      "snapshot_endpoint": f"tcp://127.0.0.1:{free_port()}",
                      "ack_endpoint": f"tcp://127.0.0.1:{free_port()}"},
         "compression": comp,
+        "zmq": {"keys_dir": str(tmp_path / "zmq")},
         "consistency": {"delta_heartbeat_ms": 100, "timeout_s": 2.0}})
 
 
@@ -55,15 +57,31 @@ def served_equals_reference(pub: DeltaPublisher, params: dict[str, torch.Tensor]
     return torch.equal(flatten(params, pub.encoder.layout), pub.encoder.ref[: pub.encoder.layout.numel])
 
 
-class Relay(threading.Thread):
-    """SUB from the trainer's PUB, PUB to the worker: drops, duplicates and reorders packets."""
+def as_worker(cfg: Config) -> CurveClient:
+    """CURVE options of a socket that connects to the trainer's delta sockets as a worker."""
+    keys = CurveKeys.load(cfg.zmq, "worker")
+    assert keys is not None
+    return keys.client("trainer")
 
-    def __init__(self, ctx: zmq.Context, upstream: str, downstream: str, *, drop: float = 0.0,
+
+def as_trainer(cfg: Config) -> CurveServer:
+    """CURVE options of a socket that binds in the trainer's place (workers pin its key)."""
+    keys = CurveKeys.load(cfg.zmq, "trainer")
+    assert keys is not None
+    return keys.server("deltas")
+
+
+class Relay(threading.Thread):
+    """SUB from the trainer's PUB, PUB to the worker: drops, duplicates and reorders packets.
+    It holds the worker's and the trainer's CURVE keys: the network it stands for is hostile,
+    not the links' authentication (tests/security covers that)."""
+
+    def __init__(self, ctx: zmq.Context, cfg: Config, downstream: str, *, drop: float = 0.0,
                  dup: float = 0.0, reorder: float = 0.0, mutate: float = 0.0, garbage: float = 0.0,
                  seed: int = 0) -> None:
         super().__init__(daemon=True)
-        self.sub = make_socket(ctx, zmq.SUB, connect=upstream)
-        self.pub = make_socket(ctx, zmq.PUB, bind=downstream)
+        self.sub = make_socket(ctx, zmq.SUB, connect=cfg.security.delta_pub_endpoint, curve=as_worker(cfg))
+        self.pub = make_socket(ctx, zmq.PUB, bind=downstream, curve=as_trainer(cfg))
         self.rng = random.Random(seed)
         self.drop, self.dup, self.reorder, self.mutate, self.garbage = drop, dup, reorder, mutate, garbage
         self.stop = threading.Event()
@@ -158,7 +176,7 @@ def test_converges_through_a_relay_that_drops_duplicates_and_reorders(
     trainer = model(3)
     pub = DeltaPublisher(cfg, ctx, trainer, 0, "m")
     relay_ep = f"tcp://127.0.0.1:{free_port()}"
-    relay = Relay(ctx, cfg.security.delta_pub_endpoint, relay_ep, drop=0.1, dup=0.1, reorder=0.1, seed=4)
+    relay = Relay(ctx, cfg, relay_ep, drop=0.1, dup=0.1, reorder=0.1, seed=4)
     relay.start()
     wcfg = via(cfg, relay_ep)
     worker = model(5)
@@ -190,7 +208,7 @@ def test_tampered_packets_are_counted_and_never_applied(tmp_path: Path, ctx: zmq
     trainer = model(7)
     pub = DeltaPublisher(cfg, ctx, trainer, 0, "m")
     relay_ep = f"tcp://127.0.0.1:{free_port()}"
-    relay = Relay(ctx, cfg.security.delta_pub_endpoint, relay_ep, mutate=0.3, garbage=0.3, seed=8)
+    relay = Relay(ctx, cfg, relay_ep, mutate=0.3, garbage=0.3, seed=8)
     relay.start()
     wcfg = via(cfg, relay_ep)
     worker = model(9)
@@ -289,9 +307,9 @@ def test_streamed_chunks_are_decoded_on_arrival_and_applied_together(tmp_path: P
     cfg = make_cfg(tmp_path)
     trainer = model(19)
     pub = DeltaPublisher(cfg, ctx, trainer, 0, "m")
-    tap = make_socket(ctx, zmq.SUB, connect=cfg.security.delta_pub_endpoint)
+    tap = make_socket(ctx, zmq.SUB, connect=cfg.security.delta_pub_endpoint, curve=as_worker(cfg))
     relay_ep = f"tcp://127.0.0.1:{free_port()}"
-    out = make_socket(ctx, zmq.PUB, bind=relay_ep)
+    out = make_socket(ctx, zmq.PUB, bind=relay_ep, curve=as_trainer(cfg))
     wcfg = via(cfg, relay_ep)
     worker = model(20)
     sub = DeltaSubscriber(wcfg, ctx, "w1", worker, 0)

@@ -37,6 +37,7 @@ def test_default_var_paths_move_under_learnmesh_var(tmp_path: Path) -> None:
     assert cfg.trainer.checkpoint_dir == str(tmp_path / "checkpoints")
     assert cfg.model.cache_dir == str(tmp_path / "model")
     assert cfg.security.delta_key_file == str(tmp_path / "keys" / "delta.key")
+    assert cfg.zmq.keys_dir == str(tmp_path / "keys" / "zmq")
     explicit = load_config(env={}, overrides={"trainer": {"checkpoint_dir": "/elsewhere"}})
     paths = child_configs(explicit, args, tmp_path, {"demo": "demo-key-123"}, "admin-key-123")
     assert load_config(paths["trainer"], env={}).trainer.checkpoint_dir == "/elsewhere"

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from pathlib import Path
 
 import zmq
 import zmq.asyncio
 
 from gateway.workers import WorkerPool
 from shared import wire
-from shared.config import load_config
+from shared.config import ZmqConfig, load_config
+from shared.curve import CurveKeys
 from shared.wire import MsgType
+from shared.zmq_util import make_socket
 from tests.conftest import free_port, wait_for
 
 
@@ -21,11 +24,10 @@ class ScriptedWorker:
     """Answers HELLO with a HEARTBEAT carrying the lag it is told to report, and every INFER
     with a RESULT naming itself; counts the requests it served."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, name: str) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, name: str, keys: CurveKeys) -> None:
         self.name = name
         self.endpoint = f"tcp://127.0.0.1:{free_port()}"
-        self.sock = ctx.socket(zmq.ROUTER)
-        self.sock.bind(self.endpoint)
+        self.sock = make_socket(ctx, zmq.ROUTER, bind=self.endpoint, curve=keys.server("infer"))
         self.lag = 0
         self.served = 0
         self.task: asyncio.Task[None] | None = None
@@ -45,12 +47,15 @@ class ScriptedWorker:
             await self.sock.send_multipart([peer, *reply])
 
 
-async def test_lagging_worker_leaves_the_pool_until_it_catches_up() -> None:
+async def test_lagging_worker_leaves_the_pool_until_it_catches_up(tmp_path: Path) -> None:
     ctx = zmq.asyncio.Context()
-    a, b = ScriptedWorker(ctx, "a"), ScriptedWorker(ctx, "b")
+    keys = CurveKeys.load(ZmqConfig(keys_dir=str(tmp_path / "zmq")), "worker")
+    assert keys is not None
+    a, b = ScriptedWorker(ctx, "a", keys), ScriptedWorker(ctx, "b", keys)
     cfg = load_config(env={}, overrides={"consistency": {"max_lag": 2},
                                          "worker": {"endpoints": [a.endpoint, b.endpoint],
-                                                    "heartbeat_interval_ms": 50}})
+                                                    "heartbeat_interval_ms": 50},
+                                         "zmq": {"keys_dir": str(tmp_path / "zmq")}})
     for w in (a, b):
         w.task = asyncio.create_task(w.run())
     pool = WorkerPool(cfg, zmq_ctx=ctx)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 
 import pytest
 import zmq
@@ -15,7 +16,9 @@ from prometheus_client import REGISTRY
 from gateway.workers import WorkerPool
 from shared import wire
 from shared.config import load_config
+from shared.curve import CurveKeys
 from shared.wire import MsgType
+from shared.zmq_util import make_socket
 from tests.conftest import free_port
 
 BAD_MESSAGES = (
@@ -32,12 +35,14 @@ def _dropped() -> float:
 
 @pytest.mark.parametrize("bad", BAD_MESSAGES)
 async def test_a_malformed_message_is_reported_and_the_next_one_delivered(
-        bad: list[bytes], caplog: pytest.LogCaptureFixture) -> None:
+        bad: list[bytes], caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
     ctx = zmq.asyncio.Context()
     endpoint = f"tcp://127.0.0.1:{free_port()}"
-    worker = ctx.socket(zmq.ROUTER)
-    worker.bind(endpoint)
-    cfg = load_config(env={}, overrides={"worker": {"endpoints": [endpoint], "heartbeat_interval_ms": 50}})
+    cfg = load_config(env={}, overrides={"worker": {"endpoints": [endpoint], "heartbeat_interval_ms": 50},
+                                         "zmq": {"keys_dir": str(tmp_path / "zmq")}})
+    keys = CurveKeys.load(cfg.zmq, "worker")
+    assert keys is not None
+    worker = make_socket(ctx, zmq.ROUTER, bind=endpoint, curve=keys.server("infer"))
     pool = WorkerPool(cfg, zmq_ctx=ctx)
     dropped_before = _dropped()
     await pool.start()

@@ -38,6 +38,7 @@ def trainer_config(redis_url: str, tmp_path: Path, samples_port: int, model: dic
                         "snapshot_endpoint": f"tcp://127.0.0.1:{free_port()}",
                         "ack_endpoint": f"tcp://127.0.0.1:{free_port()}"}
     over["metrics"] = {"trainer_port": 0}
+    over["zmq"] = {"keys_dir": str(tmp_path / "keys" / "zmq")}
     return load_config(env={}, overrides=over)
 
 

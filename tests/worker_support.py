@@ -32,6 +32,7 @@ def write_config(tmp_path: Path, n_workers: int = 1, *, worker: dict[str, Any] |
                      "snapshot_endpoint": f"tcp://127.0.0.1:{free_port()}",
                      "ack_endpoint": f"tcp://127.0.0.1:{free_port()}"},
         "trainer": {"checkpoint_dir": str(tmp_path / "checkpoints")},
+        "zmq": {"keys_dir": str(tmp_path / "keys" / "zmq")},
         "metrics": {"worker_port": 0},
     }
     if redis_url:

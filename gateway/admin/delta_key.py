@@ -1,9 +1,9 @@
-"""The delta encryption key ring: its report, and a rotation request the trainer carries out
-without downtime."""
+"""The delta key ring: its report, and rotation requests (the AES key, the trainer's signing
+key, or both) the trainer carries out without downtime."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import Request
 
@@ -23,10 +23,13 @@ async def delta_key_status(request: Request, who: AdminPrincipal = viewer) -> di
     return {"key_ring": redis_hash(await r.hgetall(keys.DELTA_KEY_STATUS)), "rotation_requests": pending}
 
 
-@router.post("/delta-key/rotate", status_code=202, summary="Rotate the delta encryption key (no downtime)")
-async def delta_key_rotate(request: Request, who: AdminPrincipal = admin) -> dict[str, Any]:
+@router.post("/delta-key/rotate", status_code=202, summary="Rotate a delta key: encryption, signing or both "
+             "(no downtime; the previous key is refused after security.delta_key_grace_s)")
+async def delta_key_rotate(request: Request, who: AdminPrincipal = admin,
+                           kind: Literal["encryption", "signing", "both"] = "encryption") -> dict[str, Any]:
     gateway = gateway_of(request)
-    rid = await gateway.redis.xadd(keys.DELTA_KEY_ROTATE, {"by": who.audit_name, "ts_ms": str(control.now_ms())},
+    rid = await gateway.redis.xadd(keys.DELTA_KEY_ROTATE, {"by": who.audit_name, "kind": kind,
+                                                           "ts_ms": str(control.now_ms())},
                                    maxlen=1000, approximate=True)
-    await audit_action(gateway, who, "delta_key.rotate", request=as_str(rid))
+    await audit_action(gateway, who, "delta_key.rotate", request=as_str(rid), kind=kind)
     return {"request_id": as_str(rid), "status_url": "/admin/delta-key"}

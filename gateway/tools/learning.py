@@ -7,10 +7,12 @@ from its learn quota (gateway/limits.py); append them to the durable log (keys.S
 in one Lua round trip that also hands out dense sequence numbers, unless the log already
 holds ``limits.max_sample_backlog`` samples the trainer has not trained; record who taught
 what in the audit stream; acknowledge with the ids;
-then push them to the trainer over ZeroMQ PUSH (non-blocking, explicit HWM). If the push
-queue is full or no trainer is connected the acknowledgement says ``queued: false`` —
-the samples are durable and the trainer picks them up from the log; nothing is dropped
-silently. A malformed sample raises :class:`~shared.samples.SampleError` and Redis errors propagate:
+then wake the trainer over ZeroMQ PUSH (non-blocking, explicit HWM). The wake-up carries no
+sample: the trainer reads bodies and principals from the log alone, so what it trains is
+what was acknowledged. If the push queue is full or no trainer is connected the
+acknowledgement says ``queued: false`` — the samples are durable and the trainer picks them
+up from the log at its next idle read; nothing is dropped silently. A malformed sample
+raises :class:`~shared.samples.SampleError` and Redis errors propagate:
 gateway/errors.py decides what the client sees.
 """
 
@@ -31,6 +33,7 @@ from shared import metrics as m
 from shared.audit import audit
 from shared.config import Config
 from shared.context import ContextError, ContextStore
+from shared.curve import CurveKeys
 from shared.samples import (
     APPEND_LUA,
     Sample,
@@ -76,10 +79,12 @@ class SampleIngest:
         self.store = store
         self._own_ctx = zmq_ctx is None
         self.ctx = zmq_ctx or zmq.Context()
+        keys = CurveKeys.load(cfg.zmq, "gateway")
         self.push = make_socket(self.ctx, zmq.PUSH, connect=cfg.trainer.samples_endpoint,
-                                hwm=cfg.trainer.sample_hwm, immediate=True)
-        # immediate: with no trainer connected a send fails (reported as backpressure)
-        # instead of queueing for a peer that may never come.
+                                hwm=cfg.trainer.sample_hwm, immediate=True,
+                                curve=keys.client("trainer") if keys else None)
+        # immediate: with no trainer connected (or one without the pinned trainer key) a send
+        # fails (reported as backpressure) instead of queueing for a peer that may never come.
         self._append = redis.register_script(APPEND_LUA)
         self.pushed = 0
         self.backpressured = 0
@@ -136,7 +141,7 @@ class SampleIngest:
     # -- write, then forward
     async def submit(self, principal: str, samples: list[Sample], *, admin: str | None = None) -> dict[str, Any]:
         """Log ``samples`` as taught by ``principal`` (imported by the admin key named ``admin``)
-        and push them to the trainer. Raises :class:`LimitExceeded` (nothing written) while the
+        and wake the trainer. Raises :class:`LimitExceeded` (nothing written) while the
         log holds ``limits.max_sample_backlog`` samples the trainer has not trained."""
         contexts = self._context_copy(await self.check_contexts(principal, samples))
         blobs = [s.to_json() for s in samples]
@@ -156,7 +161,7 @@ class SampleIngest:
         m.SAMPLES_ACCEPTED.inc(len(ids))
         log_id = as_str(log_id)
         await self._audit(principal, entry, seqs, sum(len(b) for b in blobs), admin)
-        queued = self._forward(principal, entry, ids, seqs, blobs, contexts, log_id)
+        queued = self._wake_trainer(log_id, last, len(ids))
         return {"ids": ids, "seqs": seqs, "queued": queued, "learned": learned_token(log_id, last)}
 
     async def _trained(self) -> tuple[int, str]:
@@ -176,21 +181,17 @@ class SampleIngest:
         except (RedisError, OSError):
             log.warning("could not write the audit record of log entry %s", entry)
 
-    def _forward(self, principal: str, entry: str, ids: list[str], seqs: list[int], blobs: list[bytes],
-                 contexts: bytes = b"", log_id: str = "") -> bool:
-        # log: the trainer notices a recreated log from the first push, not only when it idles
-        header: dict[str, Any] = {"p": principal, "entry": entry, "ids": ids, "seqs": seqs, "log": log_id}
-        if contexts:  # one more frame after the samples: the windows they name
-            header["c"] = 1
-            blobs = [*blobs, contexts]
-        msg = wire.encode(wire.MsgType.SAMPLE, header, blobs)
+    def _wake_trainer(self, log_id: str, last_seq: int, n: int) -> bool:
+        """Tell the trainer the log grew. ``log``: it notices a recreated log from the first
+        wake-up, not only when it idles."""
+        msg = wire.encode(wire.MsgType.SAMPLE, {"log": log_id, "seq": last_seq})
         try:
             self.push.send_multipart(msg, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
-            self.backpressured += len(ids)
-            m.SAMPLES_BACKPRESSURE.inc(len(ids))
+            self.backpressured += n
+            m.SAMPLES_BACKPRESSURE.inc(n)
             return False
-        self.pushed += len(ids)
+        self.pushed += n
         return True
 
     async def stats(self) -> dict[str, Any]:

@@ -1,6 +1,6 @@
-"""Rank 0's side of the sample stream: ZeroMQ PULL for fresh samples, the Redis log for
-replay and gaps, context snapshots read at the version each sample names, and the byte
-format in which a batch is broadcast to the other ranks.
+"""Rank 0's side of the sample stream: the Redis log (the one source of samples), ZeroMQ PULL
+for the wake-ups that say it grew, context snapshots read at the version each sample names,
+and the byte format in which a batch is broadcast to the other ranks.
 
 Why rank 0 reads and broadcasts (rather than ranks reading disjoint partitions): the log
 gives one total order (dense ``seq``), so a single committed offset describes exactly what
@@ -20,7 +20,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
 import orjson
 import zmq
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -28,7 +27,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared import keys, wire
 from shared.config import Config
-from shared.samples import LoggedSample, attach_windows, load_stored, parse_entry
+from shared.curve import CurveKeys
+from shared.samples import LoggedSample, load_stored, parse_entry
 from shared.text import as_str
 from shared.types import ContextWindow, Entry
 from shared.zmq_util import make_socket
@@ -149,85 +149,76 @@ class ContextReader:
 
 
 class SampleSource:
-    """Hands rank 0 the next contiguous samples after the committed ``seq``.
+    """Hands rank 0 the next samples of the log after the committed ``seq``.
 
-    Fresh samples arrive over PULL (bound here; gateways connect PUSH). Sequence numbers are
-    dense, so a missing one means its push was refused (backpressure) or lost with a gateway
-    — then, and at start-up, the log is read instead. Samples at or below the committed seq
-    are dropped: they are already in the model.
+    The Redis log is the only source of sample bodies and principals: what was acknowledged to
+    a client is exactly what is trained. A push over PULL (bound here; gateways connect PUSH)
+    is only a wake-up naming the log and its last seq, so a fresh sample is read at once
+    instead of at the next idle poll; whatever else a pushed message carries is ignored, so a
+    forged push can cost at most one log read, never a sample. Without pushes (a lost one, a
+    gateway that died after its write) the log is read whenever a wait ends empty. Samples at
+    or below the committed seq are never handed out again: they are already in the model.
     """
 
     def __init__(self, cfg: Config, redis: Any, zmq_ctx: zmq.Context, committed_seq: int, committed_id: str,
                  contexts: ContextReader | None = None, log_id: str = "") -> None:
         self.cfg = cfg
         self.redis = redis
-        self.pull = make_socket(zmq_ctx, zmq.PULL, bind=cfg.trainer.samples_endpoint, hwm=cfg.trainer.sample_hwm)
+        keys = CurveKeys.load(cfg.zmq, "trainer")
+        self.pull = make_socket(zmq_ctx, zmq.PULL, bind=cfg.trainer.samples_endpoint, hwm=cfg.trainer.sample_hwm,
+                                curve=keys.server("samples") if keys else None)
         self.poller = zmq.Poller()
         self.poller.register(self.pull, zmq.POLLIN)
-        self.buffer: dict[int, LoggedSample] = {}
         self.seq = committed_seq      # last seq handed out (== committed once the step commits)
         self.last_id = committed_id
         self.contexts = contexts
         self.log_id = log_id          # keys.SAMPLE_LOG_ID that seq and last_id count in ("": not known yet)
         self.on_reset: Callable[[], None] | None = None  # called after the position restarts on a new log
-        self._log_first = True        # read the log before trusting pushes (start-up / replay)
-        self.from_log = 0
-        self.from_push = 0
+        self.ahead: list[LoggedSample] = []  # read from the log, not handed out yet (seq order)
+        self._read_id = ""            # last log entry read into ``ahead`` ("": none since the position)
+        self._backlog = True          # the log may hold more than a batch: read it without waiting
+        self._woken = False           # a wake-up arrived since the log was last read
+        self.wakeups = 0
+        self.log_reads = 0
 
     def _drain(self, timeout_ms: int) -> None:
-        limit = self.cfg.trainer.sample_hwm
+        """Take the wake-ups waiting on PULL (at most ``timeout_ms`` for the first one)."""
         wait = timeout_ms
-        while len(self.buffer) < limit and self.poller.poll(wait):
+        while self.poller.poll(wait):
             wait = 0
             try:
                 frames = self.pull.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 break
             try:
-                kind, header, blobs = wire.decode(frames)
-                if kind != wire.MsgType.SAMPLE:
-                    raise wire.WireError("not a SAMPLE message")
-                pushed_log = header.get("log") or self.log_id
-                if pushed_log != self.log_id:
-                    self.check_log()  # adopt, or restart on, the log Redis holds now
-                    if pushed_log != self.log_id:
-                        continue  # pushed from a log that is not the current one: the log decides
-                contexts = blobs[-1] if header.get("c") else None
-                got = [LoggedSample(str(sid), int(seq), str(header["p"]), load_stored(blob), str(header["entry"]))
-                       for sid, seq, blob in zip(header["ids"], header["seqs"], blobs[:len(blobs) - bool(contexts)],
-                                                 strict=True)]
-                attach_windows(got, contexts)
-                for s in got:
-                    if s.seq > self.seq:
-                        self.buffer[s.seq] = s
-            except (wire.WireError, KeyError, TypeError, ValueError, msgspec.DecodeError) as exc:
-                log.warning("dropping a malformed sample message (%s); the log stays authoritative", exc)
+                kind, header, _ = wire.decode(frames)
+            except wire.WireError:
+                continue
+            if kind != wire.MsgType.SAMPLE:
+                continue
+            self.wakeups += 1
+            self._woken = True
+            pushed_log = header.get("log")
+            if isinstance(pushed_log, str) and pushed_log and pushed_log != self.log_id:
+                self.check_log()  # adopt, or restart on, the log Redis holds now (never the pushed name)
 
-    def _contiguous(self, limit: int) -> list[LoggedSample]:
-        out: list[LoggedSample] = []
-        nxt = self.seq + 1
-        while len(out) < limit and nxt in self.buffer:
-            out.append(self.buffer[nxt])
-            nxt += 1
-        return out
-
-    def _read_log(self, limit: int) -> list[LoggedSample]:
-        # from the entry holding the last sample handed out (a batch may end inside an entry)
-        out: list[LoggedSample] = []
-        start = self.last_id or "-"
-        while len(out) < limit:
+    def _fill(self, limit: int) -> None:
+        """Read log entries after the last one read until ``limit`` samples are ahead or the log ends."""
+        start = "(" + self._read_id if self._read_id else (self.last_id or "-")
+        after = self.ahead[-1].seq if self.ahead else self.seq
+        first = len(self.ahead)
+        while len(self.ahead) < limit:
+            self.log_reads += 1
             entries = self.redis.xrange(keys.SAMPLE_LOG, min=start, max="+", count=8)
             for eid, fields in entries:
-                out.extend(s for s in parse_entry(eid, fields) if s.seq > self.seq)
+                self.ahead.extend(s for s in parse_entry(eid, fields) if s.seq > after)
+                self._read_id = as_str(eid)
             if len(entries) < 8:
                 break
-            start = "(" + as_str(entries[-1][0])
-        out = out[:limit]
-        if out and out[0].seq != self.seq + 1:
+            start = "(" + self._read_id
+        if len(self.ahead) > first and self.ahead[first].seq != after + 1:
             log.error("sample log does not continue at seq %d (found %d): entries were trimmed before "
-                      "being trained; continuing from the log", self.seq + 1, out[0].seq)
-        self.from_log += len(out)
-        return out
+                      "being trained; continuing from the log", after + 1, self.ahead[first].seq)
 
     def check_log(self) -> bool:
         """Follow the log's identity: adopt it when first seen; when it changes (the log was
@@ -247,37 +238,41 @@ class SampleSource:
         metrics.TRAINER_LOG_RESETS.inc()
         self.log_id = current
         self.seq, self.last_id = 0, ""
-        self.buffer.clear()
-        self._log_first = True
+        self.ahead, self._read_id, self._backlog = [], "", True
         self.redis.delete(keys.MODEL_VERSION_SEQ)
         if self.on_reset is not None:
             self.on_reset()
         return True
 
     def next_batch(self, limit: int, wait_ms: int, stop: Callable[[], bool]) -> list[LoggedSample]:
-        """Up to ``limit`` samples continuing the stream; [] after ``wait_ms`` with nothing new."""
+        """Up to ``limit`` samples continuing the stream; [] after ``wait_ms`` with nothing new.
+        Short of a full batch it waits (up to ``wait_ms``) for wake-ups, unless a backlog is
+        being read, which goes out at once."""
         deadline = time.monotonic() + wait_ms / 1000
         while True:
             self._drain(0)
-            got = self._contiguous(limit)
-            if len(got) < limit and not self._log_first and not self._gap():
-                remaining = int((deadline - time.monotonic()) * 1000)
-                if remaining > 0 and not stop():
-                    self._drain(min(remaining, 50))
-                    continue
-            if not got:
+            if self._backlog or self._woken:
+                self._woken = False
+                backlog, self._backlog = self._backlog, False
+                self._fill(limit)
+                if backlog and self.ahead:
+                    self._backlog = len(self.ahead) >= limit  # a full batch: maybe more behind it
+                    break
+            if len(self.ahead) >= limit:
+                break
+            remaining = int((deadline - time.monotonic()) * 1000)
+            if remaining > 0 and not stop():
+                self._drain(min(remaining, 50))
+                continue
+            if not self.ahead:  # idle: read anyway, a push may have been refused or lost
                 self.check_log()
-                got = self._read_log(limit)
-                self._log_first = len(got) == limit   # a full batch: maybe more backlog
-            else:
-                self.from_push += len(got)
-            if got:
-                self.seq, self.last_id = got[-1].seq, got[-1].entry
-                self.buffer = {k: v for k, v in self.buffer.items() if k > self.seq}
-            return got
-
-    def _gap(self) -> bool:
-        return bool(self.buffer) and (self.seq + 1) not in self.buffer
+                self._fill(limit)
+                self._backlog = len(self.ahead) >= limit
+            break
+        got, self.ahead = self.ahead[:limit], self.ahead[limit:]
+        if got:
+            self.seq, self.last_id = got[-1].seq, got[-1].entry
+        return got
 
     def records(self, samples: list[LoggedSample]) -> list[TrainRecord]:
         out: list[TrainRecord] = []

@@ -10,8 +10,9 @@ Rank 0 polls Redis once per loop iteration through :class:`TrainerOps`:
   batch header, so all ranks act in lockstep; rank 0 acknowledges once they are done;
 * runtime config — compression / scheduling go to the publisher's encoder, consistency to
   the loop (``sync_interval``); only rank 0 uses them, so nothing is broadcast;
-* delta key rotation — a fresh key is added to the key file and made active without
-  stopping; receivers reload the file when a packet names a key id they do not know.
+* delta key rotation — a fresh AES key and/or signing key replaces the current one without
+  stopping; the previous one is accepted for ``security.delta_key_grace_s`` more seconds;
+  receivers reload the ring when a packet names a key id they do not know.
 
 It also publishes what the dashboard and ``/admin/models`` show: the version log
 (:func:`shared.control.record_version`), the ``delta`` self-report (compression ratio,
@@ -36,7 +37,7 @@ from services.trainer.publisher import DeltaPublisher, PublishStats
 from shared import control, keys
 from shared import metrics as m
 from shared.config import Config
-from shared.crypto import STREAM_DELTA, KeyFileError, rotate_key_file
+from shared.crypto import STREAM_DELTA, KeyFileError, rotate_encryption_key, rotate_signing_key
 
 log = logging.getLogger("learnmesh.trainer")
 
@@ -84,8 +85,8 @@ class TrainerOps:
             new = self.cfg_watch.poll()
             if new is not None:
                 self.apply_config(new)
-            for rid in self.rotations.pending():
-                self.rotate_key(rid)
+            for rid, kind in self.rotations.pending():
+                self.rotate_key(rid, kind)
             return [c for cmd in self.ctl.commands() if (c := self._resolve(cmd)) is not None]
         except Exception as exc:  # Redis hiccup: keep training, try again next iteration
             log.warning("control plane poll failed: %s: %s", type(exc).__name__, exc)
@@ -154,19 +155,31 @@ class TrainerOps:
                  comp.algorithm, comp.density, new.consistency.sync_interval, new.scheduling.priority_mode)
 
     # ---------------------------------------------------------------- delta key ring
-    def rotate_key(self, request_id: str) -> None:
-        pub = self.publisher
+    def rotate_key(self, request_id: str, kind: str = "encryption") -> None:
+        """Replace the AES key, the signing key, or both (``kind``); the previous ones stay
+        valid for ``security.delta_key_grace_s`` and are then refused by every receiver."""
+        pub, sec = self.publisher, self.cfg.security
+        report: dict[str, Any] = {"kind": kind}
         try:
             with pub._lock:  # no packet is sealed half-way through the switch
-                kid = rotate_key_file(self.cfg.security.delta_key_file)
+                if kind in ("encryption", "both"):
+                    rotate_encryption_key(sec.delta_key_file, sec.delta_key_grace_s)
+                if kind in ("signing", "both"):
+                    if pub.sealer.signer is None:
+                        raise KeyFileError("sign_deltas is off: there is no signing key to rotate")
+                    signer = rotate_signing_key(sec.delta_key_file, sec.signing_key_path, sec.delta_key_grace_s)
+                    pub.sealer.set_signer(signer)
                 pub.ring.reload_if_changed()
-                epoch = pub.sealer.next_seq(STREAM_DELTA) // pub.sealer.rekey_after
+                report["key_id"] = pub.ring.active
+                report["signing_key_id"] = pub.ring.signer
+                report["epoch"] = pub.sealer.next_seq(STREAM_DELTA) // pub.sealer.rekey_after
         except (KeyFileError, OSError) as exc:
-            log.error("delta key rotation failed: %s", exc)
-            self.rotations.done(request_id, error=type(exc).__name__)
+            log.error("delta key rotation (%s) failed: %s", kind, exc)
+            self.rotations.done(request_id, kind=kind, error=type(exc).__name__)
             return
-        self.rotations.done(request_id, key_id=kid, epoch=epoch)
-        log.info("delta key rotated (active key id %s)", kid)
+        self.rotations.done(request_id, **report)
+        log.info("delta %s key rotated (key id %s, signing key id %s; the previous ones are refused after %ds)",
+                 kind, report["key_id"], report["signing_key_id"] or "-", sec.delta_key_grace_s)
 
     # ---------------------------------------------------------------- publishing and acks
     def before_publish(self, version: int) -> None:
@@ -215,4 +228,5 @@ class TrainerOps:
                               algorithm=comp.algorithm, encode_ms=round(stats.encode_s * 1000, 3),
                               sync_interval=self.cfg.consistency.sync_interval,
                               served_gap=stats.extra.get("served_gap"),
-                              weights_digest=stats.extra.get("weights_digest"), key_id=pub.ring.active)
+                              weights_digest=stats.extra.get("weights_digest"), key_id=pub.ring.active,
+                              signing_key_id=pub.ring.signer)

@@ -34,7 +34,15 @@ from redis import Redis
 from shared import keys, metrics, wire
 from shared.codec import DeltaEncoder, EncodedDelta
 from shared.config import Config
-from shared.crypto import STREAM_DELTA, STREAM_HEARTBEAT, STREAM_SNAPSHOT, EnvelopeSealer, KeyRing
+from shared.crypto import (
+    STREAM_DELTA,
+    STREAM_HEARTBEAT,
+    STREAM_SNAPSHOT,
+    EnvelopeSealer,
+    SigningKey,
+    trainer_keys,
+)
+from shared.curve import CurveKeys, CurveServer
 from shared.zmq_util import make_socket
 
 log = logging.getLogger(__name__)
@@ -67,18 +75,22 @@ class DeltaPublisher:
         self.cfg = cfg
         self.model_id = model_id
         self.sender = sender or f"trainer-{os.getpid()}"
-        self.ring = KeyRing.load_or_create(cfg.security.delta_key_file)
-        self.sealer = EnvelopeSealer(self.ring, self.sender, rekey_after_packets=cfg.security.rekey_after_packets,
-                                     sign=cfg.security.sign_deltas)
+        sec = cfg.security
+        self.ring, signer = trainer_keys(sec.delta_key_file, sec.signing_key_path, sign=sec.sign_deltas,
+                                         grace_s=sec.delta_key_grace_s)
+        self.sealer = EnvelopeSealer(self.ring, self.sender, signer=signer,
+                                     rekey_after_packets=sec.rekey_after_packets, sign=sec.sign_deltas)
         self.encoder = DeltaEncoder(cfg.compression, named_params, version, model_id,
                                     priority_mode=cfg.scheduling.priority_mode)
         self._lock = threading.RLock()  # encoder + sealer
         self._sock_lock = threading.Lock()  # ROUTER + PULL
         sockets: list[zmq.Socket] = []
+        keys = CurveKeys.load(cfg.zmq, "trainer")
+        workers = keys.server("deltas") if keys else None  # only workers' keys subscribe, ask and ack
         try:
-            self._pub = _bind(zmq_ctx, zmq.PUB, cfg.security.delta_pub_endpoint, sockets, hwm=100_000)
-            self._router = _bind(zmq_ctx, zmq.ROUTER, cfg.security.snapshot_endpoint, sockets)
-            self._acks_sock = _bind(zmq_ctx, zmq.PULL, cfg.security.ack_endpoint, sockets)
+            self._pub = _bind(zmq_ctx, zmq.PUB, cfg.security.delta_pub_endpoint, sockets, hwm=100_000, curve=workers)
+            self._router = _bind(zmq_ctx, zmq.ROUTER, cfg.security.snapshot_endpoint, sockets, curve=workers)
+            self._acks_sock = _bind(zmq_ctx, zmq.PULL, cfg.security.ack_endpoint, sockets, curve=workers)
         except BaseException:
             for sock in sockets:
                 sock.close(linger=0)
@@ -107,7 +119,7 @@ class DeltaPublisher:
                 lossless: bool = False) -> PublishStats:
         """Encode and send the change since the last publish as ``version`` (``lossless``: bit-exact)."""
         self._raise_background_error()
-        self.ring.reload_if_changed()
+        self.reload_keys()
         now = time.monotonic()
         max_bytes = None
         cap = self.cfg.scheduling.bandwidth_cap_bytes_s
@@ -134,6 +146,17 @@ class DeltaPublisher:
         return PublishStats(version, enc.header["kind"], enc.nbytes, packets, st.get("chunks_dropped", 0),
                             st.get("density", 0.0), st.get("rel_error", 0.0), st["encode_s"], send_s,
                             {"tuner": self.encoder.tuner_report()} if self.cfg.compression.tuner != "off" else {})
+
+    def reload_keys(self) -> None:
+        """Pick up a ring changed on disk, and the signing key it names when that changed too."""
+        with self._lock:
+            if not self.ring.reload_if_changed():
+                return
+            signer = self.sealer.signer
+            if signer is not None and self.ring.signer != signer.id:
+                fresh = SigningKey.load(self.cfg.security.signing_key_path)
+                if fresh.id == self.ring.signer:
+                    self.sealer.set_signer(fresh)
 
     def _send_chunk(self, header: dict[str, Any], i: int, blob: bytes) -> None:
         meta = {"model": self.model_id, "base": header["base"], "version": header["version"], "i": i,
@@ -258,6 +281,9 @@ class DeltaPublisher:
             raise RuntimeError("delta publisher background thread failed") from err
 
     def close(self) -> None:
+        """Stop serving and close the sockets (a second call does nothing)."""
+        if self._pub.closed:
+            return
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
@@ -268,13 +294,13 @@ class DeltaPublisher:
 
 
 def _bind(ctx: zmq.Context, kind: int, endpoint: str, made: list[zmq.Socket], hwm: int = 10_000,
-          retry_s: float = 3.0) -> zmq.Socket:
+          retry_s: float = 3.0, curve: CurveServer | None = None) -> zmq.Socket:
     """Bind, retrying briefly while a previous publisher's socket still holds the port
     (ZeroMQ closes sockets asynchronously, so an in-process restart can race it)."""
     deadline = time.monotonic() + retry_s
     while True:
         try:
-            sock = make_socket(ctx, kind, bind=endpoint, hwm=hwm)
+            sock = make_socket(ctx, kind, bind=endpoint, hwm=hwm, curve=curve)
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
                 raise

@@ -25,6 +25,7 @@ import zmq
 
 from shared import metrics, wire
 from shared.config import Config
+from shared.curve import CurveKeys
 from shared.inference import unpack_entries
 from shared.model import Example, LearnModel, MediaError, ModelInputError, build_model
 from shared.wire import MsgType
@@ -57,7 +58,10 @@ class Worker:
         self.worker_id = worker_id
         self.model = model if model is not None else build_model(cfg.model)
         self.ctx = zmq_ctx or zmq.Context.instance()
-        self.sock = make_socket(self.ctx, zmq.ROUTER, bind=endpoint, hwm=self.wcfg.hwm, router_mandatory=True)
+        keys = CurveKeys.load(cfg.zmq, "worker")
+        # only gateways (their allow-listed keys) can connect, send requests and read answers
+        self.sock = make_socket(self.ctx, zmq.ROUTER, bind=endpoint, hwm=self.wcfg.hwm, router_mandatory=True,
+                                curve=keys.server("infer") if keys else None)
         self.queue: deque[Request] = deque()
         self.running: dict[str, Request] = {}
         self.version = 0

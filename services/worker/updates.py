@@ -15,6 +15,7 @@ applied.
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import time
 from collections import deque
@@ -28,6 +29,7 @@ from shared import metrics, wire
 from shared.codec import BaseMismatch, CodecError, DecodedChunk, DeltaDecoder, LayoutMismatch
 from shared.config import Config
 from shared.crypto import STREAM_DELTA, STREAM_HEARTBEAT, EnvelopeOpener, EnvelopeReject, KeyRing, Opened
+from shared.curve import CurveKeys
 from shared.zmq_util import make_socket
 
 log = logging.getLogger(__name__)
@@ -59,14 +61,15 @@ class DeltaSubscriber:
         self.params = params
         self.model_id = model_id
         self.decoder = DeltaDecoder(params, version, model_id or "")
-        self.opener = EnvelopeOpener(KeyRing.load_or_create(cfg.security.delta_key_file),
-                                     require_signature=cfg.security.sign_deltas)
+        self.opener = EnvelopeOpener(load_ring(cfg.security.delta_key_file), require_signature=cfg.security.sign_deltas)
         self.stats: dict[str, Any] = {"applied": 0, "anchors": 0, "resyncs": 0, "snapshot_timeouts": 0,
                                       "dropped_old": 0, "rejected": {}, "latest_seen": version}
-        self._sub = make_socket(zmq_ctx, zmq.SUB, connect=cfg.security.delta_pub_endpoint, hwm=100_000)
+        keys = CurveKeys.load(cfg.zmq, "worker")
+        trainer = keys.client("trainer") if keys else None  # pinned: only the real trainer is heard
+        self._sub = make_socket(zmq_ctx, zmq.SUB, connect=cfg.security.delta_pub_endpoint, hwm=100_000, curve=trainer)
         self._dealer = make_socket(zmq_ctx, zmq.DEALER, connect=cfg.security.snapshot_endpoint,
-                                   identity=f"{worker_id}-{secrets.token_hex(4)}".encode())
-        self._push = make_socket(zmq_ctx, zmq.PUSH, connect=cfg.security.ack_endpoint, hwm=100)
+                                   identity=f"{worker_id}-{secrets.token_hex(4)}".encode(), curve=trainer)
+        self._push = make_socket(zmq_ctx, zmq.PUSH, connect=cfg.security.ack_endpoint, hwm=100, curve=trainer)
         self._expected_seq: int | None = None
         self._session: tuple[int, str] | None = None
         self._assembly: _Assembly | None = None
@@ -382,6 +385,16 @@ class DeltaSubscriber:
                 self._request_snapshot("publisher_restart")
             else:
                 self._handle(b)
+
+
+def load_ring(path: str) -> KeyRing:
+    """The delta key ring: AES keys and verify keys, never a signing key (the trainer alone
+    signs). A ring not written yet (the trainer makes it on first start) is read once it
+    appears; until then every delta is refused."""
+    if not os.path.exists(path):
+        log.warning("delta key ring %s does not exist yet: deltas are refused until the trainer writes it", path)
+        return KeyRing.waiting_for(path)
+    return KeyRing.load(path)
 
 
 def _is_int(x: Any) -> bool:

@@ -1,0 +1,397 @@
+"""CurveZMQ keys and the ZAP allow-list of every ZeroMQ link (docs/operations.md, "ZeroMQ links").
+
+Three roles talk over ZeroMQ, and each has one CURVE keypair in ``zmq.keys_dir``:
+``<role>.key_secret`` (its own; 0600, read only by that role's processes) and ``<role>.key``
+(the public key its peers pin or allow; the same ZPL certificate format as pyzmq's
+``zmq.auth``). Who binds and who connects:
+
+=========  ============================================  =======================  ==============
+server     sockets                                       ZAP domain               clients allowed
+=========  ============================================  =======================  ==============
+worker     ROUTER (inference)                            ``infer``                gateway
+trainer    PULL (sample wake-ups)                        ``samples``              gateway
+trainer    PUB (deltas), ROUTER (snapshots), PULL (acks)  ``deltas``               worker
+=========  ============================================  =======================  ==============
+
+A client pins its server's public key: a process that binds the port in the server's place
+cannot complete the handshake, so it receives nothing. A server admits only the client keys
+allowed for the socket's domain, through pyzmq's ZAP authenticator (one thread per ZeroMQ
+context, running while a server socket of that context is open). The allowed keys of a role
+are ``<role>.key`` and any ``<role>.*.key`` (a key being rotated in or out), read again when
+the directory changes, so a client key rotates without restarting servers.
+
+Keys are made on first start: by ``learnmesh up`` before it starts anything, else by the
+first process that finds ``keys_dir`` without any secret key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import stat
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+from zmq.auth import load_certificate
+from zmq.auth.thread import ThreadAuthenticator
+
+from shared import metrics
+from shared.config import ConfigError, ZmqConfig
+
+log = logging.getLogger("learnmesh.curve")
+
+ROLES = ("gateway", "worker", "trainer")
+DOMAIN_CLIENTS = {"infer": "gateway", "samples": "gateway", "deltas": "worker"}
+"""ZAP domain of a server socket -> the role whose keys may connect to it."""
+
+
+class CurveKeyError(ConfigError):
+    """A CURVE key file is missing, malformed, or readable by other users."""
+
+
+# ---------------------------------------------------------------------------- key files
+
+
+def secret_file(keys_dir: str | os.PathLike[str], role: str) -> Path:
+    return Path(keys_dir) / f"{role}.key_secret"
+
+
+def public_file(keys_dir: str | os.PathLike[str], role: str) -> Path:
+    return Path(keys_dir) / f"{role}.key"
+
+
+def _certificate(public: bytes, secret: bytes | None, role: str) -> str:
+    lines = [f"#   learnmesh {role} CURVE {'secret' if secret else 'public'} certificate "
+             f"({time.strftime('%Y-%m-%d %H:%M:%S')})",
+             "#   ZeroMQ ZPL format (zmq.auth.load_certificate reads it)" if secret is None else
+             "#   Private: never copy it to another role's host", "metadata", "    role = " + role, "curve",
+             f'    public-key = "{public.decode()}"']
+    if secret is not None:
+        lines.append(f'    secret-key = "{secret.decode()}"')
+    return "\n".join(lines) + "\n"
+
+
+def _write(path: Path, text: str, mode: int) -> None:
+    """Replace ``path`` atomically with ``text`` at ``mode``."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_keypair(keys_dir: str | os.PathLike[str], role: str, *, keep_previous: bool = False) -> bytes:
+    """A fresh keypair for ``role`` (secret 0600, public 0644); returns the public key.
+    ``keep_previous``: the replaced public key stays allowed as ``<role>.previous.key``."""
+    d = Path(keys_dir)
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    public, secret = zmq.curve_keypair()
+    old = public_file(d, role)
+    if keep_previous and old.exists():
+        os.replace(old, d / f"{role}.previous.key")
+    _write(secret_file(d, role), _certificate(public, secret, role), 0o600)
+    _write(public_file(d, role), _certificate(public, None, role), 0o644)
+    return public
+
+
+def ensure_keys(keys_dir: str | os.PathLike[str], roles: tuple[str, ...] = ROLES) -> list[str]:
+    """Make the keypairs of ``roles`` that ``keys_dir`` lacks; returns the roles made. Safe
+    when several processes start at once (a lock file serialises them)."""
+    d = Path(keys_dir)
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    made = []
+    with open(d / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for role in roles:
+            if not secret_file(d, role).exists():
+                write_keypair(d, role)
+                made.append(role)
+    if made:
+        log.info("made CURVE keypairs for %s in %s", ", ".join(made), d)
+    return made
+
+
+def _read_public(path: Path) -> bytes:
+    try:
+        public, _ = load_certificate(path)
+    except (OSError, ValueError) as exc:
+        raise CurveKeyError(f"cannot read CURVE public key {path}: {exc}") from None
+    return public
+
+
+def _check_private(path: Path) -> None:
+    """A secret key file must be a regular file only its owner may read or write."""
+    try:
+        st = path.stat()
+    except OSError:
+        raise CurveKeyError(f"CURVE secret key {path} is missing: run `learnmesh keys` (or `learnmesh up`, which "
+                            f"makes every missing key), or copy this role's key there") from None
+    if not stat.S_ISREG(st.st_mode) or stat.S_IMODE(st.st_mode) & 0o077:
+        raise CurveKeyError(f"CURVE secret key {path} is open to group or others (mode "
+                            f"{stat.S_IMODE(st.st_mode):04o}): run `chmod 600 {path}`, or make a new key if others "
+                            f"may have read it")
+
+
+def _mtime_ns(path: Path) -> int:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return -1
+
+
+@dataclass(frozen=True)
+class Keypair:
+    public: bytes  # z85, 40 bytes
+    secret: bytes
+
+
+class CurveKeys:
+    """What one process of ``role`` holds: its own keypair, and read access to its peers'
+    public keys (pinned when it connects, allowed when it binds)."""
+
+    def __init__(self, keys_dir: str | os.PathLike[str], role: str) -> None:
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}")
+        self.dir = Path(keys_dir)
+        self.role = role
+        path = secret_file(self.dir, role)
+        _check_private(path)
+        try:
+            public, secret = load_certificate(path)
+        except (OSError, ValueError) as exc:
+            raise CurveKeyError(f"cannot read CURVE secret key {path}: {exc}") from None
+        if secret is None:
+            raise CurveKeyError(f"{path} holds no secret key")
+        self.own = Keypair(public, secret)
+        self._allowed: dict[str, tuple[tuple[tuple[str, int], ...], frozenset[bytes]]] = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:  # never the secret key
+        return f"CurveKeys(dir={self.dir}, role={self.role!r}, public={self.own.public.decode()[:8]}...)"
+
+    @classmethod
+    def load(cls, cfg: ZmqConfig, role: str) -> CurveKeys | None:
+        """This process's keys, or None when ``zmq.curve`` is off. A keys directory without
+        any secret key is a first start: every role's keypair is made there."""
+        if not cfg.curve:
+            return None
+        d = Path(cfg.keys_dir)
+        if not d.is_dir() or not any(d.glob("*.key_secret")):
+            ensure_keys(d)
+        return cls(d, role)
+
+    def server_key(self, role: str) -> bytes:
+        """The public key a client pins for a server of ``role``."""
+        return _read_public(public_file(self.dir, role))
+
+    def allowed(self, role: str) -> frozenset[bytes]:
+        """Client keys of ``role`` a server admits: ``<role>.key`` and ``<role>.*.key``, read
+        again when one of those files is added, removed or changed (a key rotated in or out)."""
+        paths = [public_file(self.dir, role), *sorted(self.dir.glob(f"{role}.*.key"))]
+        stamp = tuple((str(p), _mtime_ns(p)) for p in paths)
+        with self._lock:
+            cached = self._allowed.get(role)
+            if cached is not None and cached[0] == stamp:
+                return cached[1]
+            keys = set()
+            for path in paths:
+                try:
+                    keys.add(_read_public(path))
+                except CurveKeyError as exc:
+                    log.warning("%s", exc)
+            found = frozenset(keys)
+            self._allowed[role] = (stamp, found)
+            return found
+
+    def server(self, domain: str) -> CurveServer:
+        """Options for a socket that binds: this role's secret key, and the allow-list of
+        the clients of ``domain``."""
+        client_role = DOMAIN_CLIENTS[domain]
+        return CurveServer(self.own.secret, domain, lambda: self.allowed(client_role))
+
+    def client(self, server_role: str) -> CurveClient:
+        """Options for a socket that connects to a server of ``server_role`` (its key pinned)."""
+        return CurveClient(self.own.public, self.own.secret, self.server_key(server_role), server_role)
+
+
+# ---------------------------------------------------------------------------- socket options
+
+
+@dataclass(frozen=True)
+class CurveServer:
+    secret_key: bytes
+    domain: str
+    allowed: Callable[[], frozenset[bytes]]
+
+
+@dataclass(frozen=True)
+class CurveClient:
+    public_key: bytes
+    secret_key: bytes
+    server_key: bytes
+    server_role: str
+
+
+def _fingerprint(key: bytes) -> str:
+    return key.decode(errors="replace")[:8]
+
+
+class _AllowList:
+    """The credentials provider pyzmq's authenticator asks once per CURVE handshake."""
+
+    def __init__(self) -> None:
+        self.domains: dict[str, list[Callable[[], frozenset[bytes]]]] = {}
+        self._reported: set[tuple[str, bytes]] = set()
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if any(key in allowed() for allowed in list(self.domains.get(domain, ()))):
+            return True
+        metrics.ZMQ_AUTH_REFUSED.labels(domain).inc()
+        if (domain, key) not in self._reported and len(self._reported) < 1000:
+            self._reported.add((domain, key))
+            log.warning("refused a CURVE client on the %s link: key %s... is not allowed (counted in "
+                        "learnmesh_zmq_auth_refused_total)", domain, _fingerprint(key))
+        return False
+
+
+class _Zap:
+    """One running authenticator of a ZeroMQ context, and how many server sockets use it."""
+
+    def __init__(self, ctx: zmq.Context) -> None:
+        self.allow = _AllowList()
+        self.auth = ThreadAuthenticator(ctx, log=logging.getLogger("learnmesh.curve.zap"))
+        self.auth.start()
+        self.auth.configure_curve_callback("*", self.allow)
+        for domain in DOMAIN_CLIENTS:
+            self.auth.configure_curve_callback(domain, self.allow)
+        self.users = 0
+
+    def stop(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):  # ctx.destroy() may have closed its sockets already
+            self.auth.stop()
+
+
+_ZAPS: dict[int, _Zap] = {}
+_ZAPS_LOCK = threading.Lock()
+
+
+def _attach(ctx: zmq.Context, opts: CurveServer) -> Callable[[], None]:
+    """Start (or share) the context's authenticator with ``opts``'s allow-list; returns the
+    release to call when the server socket closes (the last one stops the authenticator,
+    so ``ctx.term()`` does not wait on its sockets)."""
+    key = ctx.underlying  # shadow contexts share one libzmq context, hence one ZAP endpoint
+    with _ZAPS_LOCK:
+        zap = _ZAPS.get(key)
+        if zap is None:
+            zap = _ZAPS[key] = _Zap(ctx)
+        zap.users += 1
+        zap.allow.domains.setdefault(opts.domain, []).append(opts.allowed)
+
+    def release() -> None:
+        with _ZAPS_LOCK:
+            providers = zap.allow.domains.get(opts.domain, [])
+            with contextlib.suppress(ValueError):
+                providers.remove(opts.allowed)
+            zap.users -= 1
+            if zap.users > 0:
+                return
+            _ZAPS.pop(key, None)
+        zap.stop()
+
+    return release
+
+
+_SERVER_CLASSES: dict[type, type] = {}
+
+
+def _server_class(base: type[zmq.Socket]) -> type[zmq.Socket]:
+    """``base`` whose close() also releases the context's authenticator."""
+    cls = _SERVER_CLASSES.get(base)
+    if cls is None:
+        def close(self: Any, linger: int | None = None) -> None:
+            release, self._zap_release = self._zap_release, None
+            base.close(self, linger)
+            if release is not None:
+                release()
+
+        cls = _SERVER_CLASSES[base] = type(f"Curve{base.__name__}", (base,),
+                                           {"_zap_release": None, "close": close})
+    return cls
+
+
+def new_socket(ctx: zmq.Context, kind: int, curve: CurveServer | CurveClient | None) -> zmq.Socket:
+    """A socket of ``kind`` with ``curve`` applied (before any bind or connect)."""
+    if isinstance(curve, CurveServer):
+        sock = ctx.socket(kind, socket_class=_server_class(ctx._socket_class))
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret_key)
+        sock.setsockopt(zmq.ZAP_DOMAIN, curve.domain.encode())
+        sock._zap_release = _attach(ctx, curve)
+        return sock
+    sock = ctx.socket(kind)
+    if isinstance(curve, CurveClient):
+        sock.setsockopt(zmq.CURVE_SERVERKEY, curve.server_key)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.public_key)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret_key)
+    return sock
+
+
+# ---------------------------------------------------------------------------- handshake reports
+
+_FAILED: dict[int, str] = {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no_detail",
+                           zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol", zmq.EVENT_HANDSHAKE_FAILED_AUTH: "refused"}
+
+
+async def report_handshakes(ctx: Any, sock: zmq.Socket, peer: str, endpoint: str,
+                            on_change: Callable[[bool], None] | None = None) -> None:
+    """Log and count failed CURVE handshakes of ``sock`` (a client) until cancelled: a server
+    that does not hold the pinned key (someone else's worker on this port, a process that
+    took it, a peer with CURVE off) never completes one. ``ctx``: an asyncio context the
+    monitor socket is read from. Logged once per failure streak, counted every time."""
+    import zmq.asyncio
+    from zmq.utils.monitor import parse_monitor_message
+
+    addr = f"inproc://curve-monitor-{id(sock)}"
+    sock.monitor(addr, zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                 | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    mon: zmq.asyncio.Socket = ctx.socket(zmq.PAIR)
+    mon.setsockopt(zmq.LINGER, 0)
+    mon.connect(addr)
+    failing = False
+    try:
+        while True:
+            event = int(parse_monitor_message(await mon.recv_multipart())["event"])
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                if failing:
+                    log.info("CURVE handshake with %s %s succeeded", peer, endpoint)
+                failing = False
+            elif event in _FAILED:
+                metrics.ZMQ_HANDSHAKE_FAILED.labels(peer, _FAILED[event]).inc()
+                if not failing and event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                    log.warning("CURVE handshake with %s %s refused: this process's key is not in its allow-list; "
+                                "nothing is sent to it", peer, endpoint)
+                elif not failing:
+                    log.warning("CURVE handshake with %s %s failed (%s): it does not hold the %s key this "
+                                "process pins (another mesh's %s, a process that took its port, or CURVE off "
+                                "there); nothing is sent to it", peer, endpoint, _FAILED[event], peer, peer)
+                failing = True
+            else:
+                continue
+            if on_change is not None:
+                on_change(failing)
+    finally:
+        with contextlib.suppress(zmq.ZMQError):
+            sock.disable_monitor()
+        mon.close(0)
