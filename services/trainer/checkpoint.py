@@ -52,7 +52,7 @@ def latest_bytes(directory: str | os.PathLike[str]) -> bytes | None:
             data = path.read_bytes()
             load_bytes(data)  # refuse a corrupt file, fall back to the previous one
             return data
-        except Exception:
+        except Exception:  # noqa: S112 - a corrupt or partial file: the next older one is tried
             continue
     return None
 

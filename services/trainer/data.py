@@ -128,7 +128,8 @@ class ContextReader:
     def read(self, principal: str, context_id: str, version: int, modalities: list[str] | None) -> ContextWindow:
         if self._loop is None:
             self._start()
-        assert self._loop is not None
+        if self._loop is None:
+            raise RuntimeError("the context reader's loop did not start")
         fut = asyncio.run_coroutine_threadsafe(
             self._store.read_at_version(principal, context_id, version, modalities=modalities), self._loop)
         return fut.result(30)

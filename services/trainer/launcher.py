@@ -109,7 +109,8 @@ class _StopRequest:
 
     def outcome(self, grace_s: float) -> int:
         """0 when the ranks stopped by themselves within ``grace_s``, else 1 (torchrun killed them)."""
-        assert self.at is not None
+        if self.at is None:
+            raise RuntimeError("outcome() is asked after the stop began")
         if time.monotonic() - self.at < grace_s:
             return 0
         log.error("ranks did not stop within %ss after the stop signal; they were killed", grace_s)

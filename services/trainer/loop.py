@@ -124,7 +124,7 @@ class Trainer:
             return []
         from shared.model.pretrain import corpus_windows
 
-        rng = random.Random(f"rehearsal:{self.step}:{rank}")
+        rng = random.Random(f"rehearsal:{self.step}:{rank}")  # noqa: S311 - reproducible draws, not secrets
         model = self.stepper.model
         return [model.encode(None, a.decode(errors="replace"), b.decode(errors="replace"))
                 for a, b in corpus_windows(n, rng, max(8, self.cfg.model.pretrain_seq - 3))]

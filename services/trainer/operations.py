@@ -50,7 +50,7 @@ def find_version_checkpoint(directory: str, version: int) -> Path | None:
     for path in sorted(Path(directory).glob("ckpt-*.pt"), reverse=True):
         try:
             state = checkpoint.load_bytes(path.read_bytes())
-        except Exception:
+        except Exception:  # noqa: S112 - a corrupt or partial file: the next older one is tried
             continue
         if state.get("published_version") == version:
             return path

@@ -29,7 +29,7 @@ class ReplayBuffer:
         self.extra = passes - 1
         self.capacity = capacity
         self._queue: list[list[TrainRecord | int]] = []
-        self._rng = random.Random(seed)
+        self._rng = random.Random(seed)  # noqa: S311 - which replay comes next, not a secret
         self.dropped = 0
 
     def __len__(self) -> int:
@@ -59,7 +59,8 @@ class ReplayBuffer:
         out: list[TrainRecord] = []
         for i in picked:
             record, left = self._queue[i]
-            assert isinstance(record, TrainRecord) and isinstance(left, int)
+            if not isinstance(record, TrainRecord) or not isinstance(left, int):
+                raise TypeError("replay queue entries are [TrainRecord, passes left]")
             out.append(TrainRecord(record.logged, record.context, replay=True))
             self._queue[i][1] = left - 1
         self._queue = [item for item in self._queue if isinstance(item[1], int) and item[1] > 0]

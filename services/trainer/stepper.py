@@ -152,7 +152,8 @@ class LocalSGDAverager:
         from torch.distributed.algorithms.model_averaging.utils import average_parameters
 
         group = dist.group.WORLD
-        assert group is not None, "the process group is not initialised"
+        if group is None:
+            raise RuntimeError("the process group is not initialised")
         average_parameters(iter(params), group)
         self.on_average()
 
@@ -253,8 +254,7 @@ class Stepper:
         """Make every rank hold the same parameters (local SGD between averages: average now).
         A collective when it acts: every rank calls it at the same point."""
         if not self.agreed():
-            assert self.averager is not None
-            self.averager.average_now(self.params)
+            self._averager().average_now(self.params)
 
     def agreed(self) -> bool:
         """No optimizer step since the ranks last agreed; the same answer on every rank."""
@@ -269,10 +269,14 @@ class Stepper:
         No collective: rank 0 calls it alone, from publish."""
         return self._consensus if self._consensus is not None else self.named_params()
 
+    def _averager(self) -> LocalSGDAverager:
+        if self.averager is None:
+            raise RuntimeError("local SGD is off: there is no averager")
+        return self.averager
+
     def _ranks_agreed(self) -> None:
         """Every rank holds the same parameters now (an average, a rollback, start-up): rank 0
         keeps a copy to publish until the next time."""
-        assert self.averager is not None
-        self._agreed_at = self.averager.step
+        self._agreed_at = self._averager().step
         if self.group.rank == 0:
             self._consensus = {n: p.detach().to("cpu", copy=True) for n, p in self.model.trainable_named_parameters()}

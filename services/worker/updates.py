@@ -177,7 +177,8 @@ class DeltaSubscriber:
             self._request_snapshot("gap")
 
     def _handle(self, op: Opened) -> None:
-        assert self._expected_seq is not None
+        if self._expected_seq is None:
+            raise RuntimeError("a delta is handled only after a snapshot set the expected seq")
         seq, meta = op.header["seq"], op.meta
         if seq < self._expected_seq or meta["version"] <= self.version:
             self.stats["dropped_old"] += 1
