@@ -51,9 +51,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shared import wire  # noqa: E402
-from shared.codec import DeltaEncoder, EncodedDelta, flatten  # noqa: E402
 from shared.config import CompressionConfig, ModelConfig, TrainerConfig, load_config  # noqa: E402
 from shared.crypto import STREAM_DELTA, EnvelopeSealer, trainer_keys  # noqa: E402
+from shared.delta.codec import DeltaEncoder, EncodedDelta, flatten  # noqa: E402
 from shared.net import free_port  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"

@@ -16,8 +16,8 @@ import pytest
 import torch
 import zstandard
 
-from shared.codec import ChunkSink, DeltaEncoder, EncodedDelta
 from shared.config import CompressionConfig
+from shared.delta.codec import ChunkSink, DeltaEncoder, EncodedDelta
 
 _STEPS = 3
 

@@ -10,7 +10,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared.codec import (
+from shared.config import CompressionConfig
+from shared.delta.codec import (
     BaseMismatch,
     CodecError,
     DeltaDecoder,
@@ -18,7 +19,6 @@ from shared.codec import (
     LayoutMismatch,
     flatten,
 )
-from shared.config import CompressionConfig
 
 
 def make_params(seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -66,7 +66,7 @@ def test_lossy_receiver_tracks_reference_bit_exactly(algorithm: str, quant: str)
 def test_tiled_selection_matches_a_plain_threshold_over_the_flat_delta(monkeypatch, dtype) -> None:
     """The fused pass walks tiles that cut across parameters and padding; it must select exactly
     what a plain |new - reference| >= threshold over the whole flat vector selects."""
-    import shared.codec as codec
+    import shared.delta.codec as codec
 
     monkeypatch.setattr(codec, "_TILE_ELEMENTS", 512)  # many tiles, each spanning parameter edges
     params = make_params(dtype=dtype)
@@ -115,7 +115,7 @@ def test_gap_index_coding_picks_a_width_and_round_trips(gap: int) -> None:
 def test_sign_values_other_than_plus_minus_one_are_refused() -> None:
     import zstandard
 
-    import shared.codec as codec
+    import shared.delta.codec as codec
 
     params = make_params()
     enc = DeltaEncoder(cfg(quantization="sign"), params, 0, "m")
@@ -275,7 +275,7 @@ def test_threshold_tuner_moves_the_threshold() -> None:
 def test_an_index_coding_the_format_does_not_define_is_refused() -> None:
     import zstandard
 
-    import shared.codec as codec
+    import shared.delta.codec as codec
 
     params = make_params()
     enc = DeltaEncoder(cfg(), params, 0, "m")
@@ -365,7 +365,7 @@ def _stream_model() -> dict[str, torch.Tensor]:
 
 
 def test_streaming_sink_gets_every_range_as_it_is_encoded_and_chunks_decode_one_by_one(monkeypatch) -> None:
-    import shared.codec as codec
+    import shared.delta.codec as codec
 
     monkeypatch.setattr(codec, "_TILE_ELEMENTS", 512)
     params = _stream_model()
@@ -431,7 +431,7 @@ def test_a_failing_sink_leaves_the_encoder_whole() -> None:
 
 
 def test_encoding_threads_give_bit_identical_deltas(monkeypatch) -> None:
-    import shared.codec as codec
+    import shared.delta.codec as codec
 
     monkeypatch.setattr(codec, "_TILE_ELEMENTS", 512)
     params = make_params(12)
@@ -458,7 +458,7 @@ def test_encoding_threads_give_bit_identical_deltas(monkeypatch) -> None:
 @pytest.mark.parametrize("numel,block,tile,chunk", [(10_000, 256, 512, 2048), (10_000, 256, 4096, 1024),
                                                      (10_000, 256, 768, 1024), (300, 64, 256, 128)])
 def test_work_units_cover_every_tile_and_range_once(numel: int, block: int, tile: int, chunk: int) -> None:
-    import shared.codec as codec
+    import shared.delta.codec as codec
 
     lay = codec.Layout.of({"w": torch.zeros(numel)})
     padded = -(-numel // block) * block

@@ -16,9 +16,9 @@ import zmq
 from services.trainer.publisher import DeltaPublisher
 from services.worker.updates import DeltaSubscriber
 from shared import keys
-from shared.codec import flatten
 from shared.config import Config, load_config
 from shared.curve import CurveClient, CurveKeys, CurveServer
+from shared.delta.codec import flatten
 from shared.zmq_util import make_socket
 from tests.conftest import free_port, wait_for_sync
 

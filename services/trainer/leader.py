@@ -250,7 +250,7 @@ def served_gap(params: dict[str, torch.Tensor], enc_stats: dict[str, Any]) -> di
     ‖trainer − served‖ / ‖trainer‖, and the weights' digest when they are bit-identical."""
     residual = float(enc_stats.get("residual_norm", 0.0))
     if residual == 0.0:
-        from shared.codec import weights_digest
+        from shared.delta.codec import weights_digest
 
         return {"served_gap": 0.0, "weights_digest": weights_digest(params)}
     norm = math.sqrt(sum(float(p.detach().float().pow(2).sum()) for p in params.values()))

@@ -32,7 +32,6 @@ import zmq
 from redis import Redis
 
 from shared import keys, metrics, wire
-from shared.codec import DeltaEncoder, EncodedDelta
 from shared.config import Config
 from shared.crypto import (
     STREAM_DELTA,
@@ -43,6 +42,7 @@ from shared.crypto import (
     trainer_keys,
 )
 from shared.curve import CurveKeys, CurveServer
+from shared.delta.codec import DeltaEncoder, EncodedDelta
 from shared.zmq_util import make_socket
 
 log = logging.getLogger(__name__)

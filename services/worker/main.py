@@ -156,7 +156,7 @@ class Worker:
         """Digest of the served weights (once per version): equal to the trainer's reported digest
         exactly when this worker serves bit-identical weights."""
         if self._digest[0] != self.version:
-            from shared.codec import weights_digest
+            from shared.delta.codec import weights_digest
 
             self._digest = (self.version, weights_digest(dict(self.model.trainable_named_parameters())))
         return self._digest[1]

@@ -26,10 +26,10 @@ import torch
 import zmq
 
 from shared import metrics, wire
-from shared.codec import BaseMismatch, CodecError, DecodedChunk, DeltaDecoder, LayoutMismatch
 from shared.config import Config
 from shared.crypto import STREAM_DELTA, STREAM_HEARTBEAT, EnvelopeOpener, EnvelopeReject, KeyRing, Opened
 from shared.curve import CurveKeys
+from shared.delta.codec import BaseMismatch, CodecError, DecodedChunk, DeltaDecoder, LayoutMismatch
 from shared.zmq_util import make_socket
 
 log = logging.getLogger(__name__)
