@@ -123,9 +123,24 @@ def ensure_keys(keys_dir: str | os.PathLike[str], roles: tuple[str, ...] = ROLES
     return made
 
 
+def read_key_file(path: Path) -> tuple[bytes, bytes | None]:
+    """(public, secret or None) from a ZPL certificate (what ``learnmesh keys`` writes, and
+    pyzmq's ``zmq.auth`` format), or from a file holding only the Z85 keys on one line —
+    ``PUBLIC`` or ``PUBLIC SECRET`` — the form a container secret passed as one environment
+    value takes."""
+    text = path.read_bytes()
+    if b"public-key" not in text:
+        keys = text.split()
+        if len(keys) in (1, 2) and all(len(k) == 40 for k in keys):
+            return keys[0], keys[1] if len(keys) == 2 else None
+        raise ValueError("neither a ZPL certificate nor Z85 keys")
+    public, secret = load_certificate(path)
+    return public, secret
+
+
 def _read_public(path: Path) -> bytes:
     try:
-        public, _ = load_certificate(path)
+        public, _ = read_key_file(path)
     except (OSError, ValueError) as exc:
         raise CurveKeyError(f"cannot read CURVE public key {path}: {exc}") from None
     return public
@@ -169,7 +184,7 @@ class CurveKeys:
         path = secret_file(self.dir, role)
         _check_private(path)
         try:
-            public, secret = load_certificate(path)
+            public, secret = read_key_file(path)
         except (OSError, ValueError) as exc:
             raise CurveKeyError(f"cannot read CURVE secret key {path}: {exc}") from None
         if secret is None:

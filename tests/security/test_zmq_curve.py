@@ -402,3 +402,32 @@ def test_a_link_a_plain_socket_broke_is_connected_again(tmp_path: Path) -> None:
             real.close(0)
         squatter.close()
         ctx.term()
+
+
+def test_key_files_may_hold_the_bare_z85_keys(tmp_path: Path) -> None:
+    """A container secret arrives as one environment value: `PUBLIC SECRET` on one line is a
+    secret key file, `PUBLIC` a public one; they interoperate with the certificates."""
+    d = tmp_path / "zmq"
+    d.mkdir()
+    for role in ("gateway", "worker", "trainer"):
+        public, secret = zmq.curve_keypair()
+        (d / f"{role}.key_secret").write_bytes(public + b" " + secret + b"\n")
+        (d / f"{role}.key_secret").chmod(0o600)
+        (d / f"{role}.key").write_bytes(public)
+    zcfg = ZmqConfig(keys_dir=str(d))
+    trainer, gateway = keys_of(zcfg, "trainer"), keys_of(zcfg, "gateway")
+    assert gateway.server_key("trainer") == trainer.own.public
+    ctx = zmq.Context()
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    pull = make_socket(ctx, zmq.PULL, bind=endpoint, curve=trainer.server("samples"))
+    client = Outsider(ctx, zmq.PUSH, endpoint, curve_server_key=gateway.server_key("trainer"),
+                      keypair=(gateway.own.public, gateway.own.secret))
+    try:
+        assert client.handshake() == zmq.EVENT_HANDSHAKE_SUCCEEDED
+        (d / "gateway.key").write_bytes(b"not a key")
+        with pytest.raises(ConfigError, match="cannot read CURVE public key"):
+            gateway.server_key("gateway")
+    finally:
+        client.close()
+        pull.close(0)
+        ctx.term()
