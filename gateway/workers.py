@@ -34,7 +34,7 @@ from redis.exceptions import RedisError
 
 from shared import keys, metrics, wire
 from shared.config import Config
-from shared.curve import CurveKeys, report_handshakes
+from shared.curve import CurveKeys, HandshakeWatch
 from shared.text import as_str
 from shared.wire import MsgType
 from shared.zmq_util import make_socket
@@ -79,6 +79,7 @@ class WorkerLink:
     last_heartbeat_wall_s: float = 0.0
     alive: bool = False
     handshake_failing: bool = False  # the process at the endpoint does not hold the pinned worker key
+    watch: HandshakeWatch | None = None
     inflight: dict[str, asyncio.Queue[Any]] = field(default_factory=dict)  # reply parts, or _DEAD
 
     @property
@@ -92,7 +93,8 @@ class WorkerLink:
         return {"index": self.index, "endpoint": self.endpoint, "id": self.worker_id or f"worker-{self.index}",
                 "alive": self.alive,
                 "version": self.version, "lag": self.lag, "load": self.load, "inflight": len(self.inflight),
-                "model_id": self.model_id, "last_heartbeat": self.last_heartbeat_wall_s or None}
+                "model_id": self.model_id, "last_heartbeat": self.last_heartbeat_wall_s or None,
+                "handshake_failing": self.handshake_failing}
 
 
 class WorkerPool:
@@ -109,20 +111,27 @@ class WorkerPool:
         self._own_ctx = zmq_ctx is None
         self.gateway_id = uuid.uuid4().hex[:12]
         self.curve = CurveKeys.load(cfg.zmq, "gateway")
-        self.links = [WorkerLink(i, ep, self._dealer(ep))
+        self.links = [self._link(i, ep)
                       for i, ep in enumerate(endpoints if endpoints is not None else self.wcfg.endpoints)]
         self._changed = asyncio.Condition()
         self._tasks: list[asyncio.Task] = []
         self._ids = itertools.count(1)
         self.drained: set[str] = set()  # worker ids that get no new requests (admin drain)
 
-    def _dealer(self, endpoint: str) -> zmq.asyncio.Socket:
+    def _link(self, index: int, endpoint: str) -> WorkerLink:
         """A DEALER pinned to the workers' public key: a process on that port without the
         worker secret key (someone else's worker, one that took the port while ours was down)
-        never completes the handshake, so nothing is queued for it (immediate) or sent to it."""
+        never completes the handshake, so nothing is queued for it (immediate) or sent to it;
+        its watch reports that, and connects again once the real worker can be back."""
+        watch = HandshakeWatch(self.ctx, "worker", endpoint) if self.curve is not None else None
         sock = make_socket(self.ctx, zmq.DEALER, connect=endpoint, hwm=self.wcfg.hwm, immediate=True,
-                           curve=self.curve.client("worker") if self.curve else None)
-        return cast(zmq.asyncio.Socket, sock)  # an asyncio context makes asyncio sockets
+                           curve=self.curve.client("worker") if self.curve is not None else None,
+                           monitor=watch.address if watch is not None else None)
+        link = WorkerLink(index, endpoint, cast(zmq.asyncio.Socket, sock), watch=watch)  # asyncio context
+        if watch is not None:
+            watch.attach(sock)
+            watch.on_change = link.set_handshake_failing
+        return link
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -130,10 +139,8 @@ class WorkerPool:
             reader = asyncio.create_task(self._reader(link), name=f"worker-reader-{link.index}")
             reader.add_done_callback(self._reader_stopped)
             self._tasks.append(reader)
-            if self.curve is not None:
-                self._tasks.append(asyncio.create_task(
-                    report_handshakes(self.ctx, link.sock, "worker", link.endpoint, link.set_handshake_failing),
-                    name=f"worker-handshakes-{link.index}"))
+            if link.watch is not None:
+                self._tasks.append(asyncio.create_task(link.watch.run(), name=f"worker-handshakes-{link.index}"))
         self._tasks.append(asyncio.create_task(self._heartbeats(), name="worker-heartbeats"))
         if self.redis is not None:
             self._tasks.append(asyncio.create_task(self._follow_drained(self.redis), name="workers-drained"))
@@ -148,6 +155,8 @@ class WorkerPool:
         for link in self.links:
             for q in link.inflight.values():
                 q.put_nowait(_DEAD)
+            if link.watch is not None:
+                link.watch.close()
             link.sock.close(linger=0)
         if self._own_ctx:
             self.ctx.term()

@@ -385,7 +385,7 @@ class ConsistencyConfig:
 @_section
 class SecurityConfig:
     delta_key_file: str = Field(default="var/keys/delta.key", description="the delta key ring: AES keys and "
-                                "verify keys; every trainer rank and worker reads it")
+                                "verify keys; the trainer and every worker read it")
     delta_sign_key_file: str = Field(default="", description="the trainer's Ed25519 signing key; only the "
                                      "trainer reads it. '': delta-sign.key next to delta_key_file")
     delta_key_grace_s: NonNegativeInt = Field(

@@ -123,9 +123,24 @@ def ensure_keys(keys_dir: str | os.PathLike[str], roles: tuple[str, ...] = ROLES
     return made
 
 
+def read_key_file(path: Path) -> tuple[bytes, bytes | None]:
+    """(public, secret or None) from a ZPL certificate (what ``learnmesh keys`` writes, and
+    pyzmq's ``zmq.auth`` format), or from a file holding only the Z85 keys on one line —
+    ``PUBLIC`` or ``PUBLIC SECRET`` — the form a container secret passed as one environment
+    value takes."""
+    text = path.read_bytes()
+    if b"public-key" not in text:
+        keys = text.split()
+        if len(keys) in (1, 2) and all(len(k) == 40 for k in keys):
+            return keys[0], keys[1] if len(keys) == 2 else None
+        raise ValueError("neither a ZPL certificate nor Z85 keys")
+    public, secret = load_certificate(path)
+    return public, secret
+
+
 def _read_public(path: Path) -> bytes:
     try:
-        public, _ = load_certificate(path)
+        public, _ = read_key_file(path)
     except (OSError, ValueError) as exc:
         raise CurveKeyError(f"cannot read CURVE public key {path}: {exc}") from None
     return public
@@ -169,7 +184,7 @@ class CurveKeys:
         path = secret_file(self.dir, role)
         _check_private(path)
         try:
-            public, secret = load_certificate(path)
+            public, secret = read_key_file(path)
         except (OSError, ValueError) as exc:
             raise CurveKeyError(f"cannot read CURVE secret key {path}: {exc}") from None
         if secret is None:
@@ -269,10 +284,21 @@ class _AllowList:
 class _Zap:
     """One running authenticator of a ZeroMQ context, and how many server sockets use it."""
 
-    def __init__(self, ctx: zmq.Context) -> None:
+    def __init__(self, ctx: zmq.Context, start_timeout_s: float = 5.0) -> None:
         self.allow = _AllowList()
-        self.auth = ThreadAuthenticator(ctx, log=logging.getLogger("learnmesh.curve.zap"))
-        self.auth.start()
+        deadline = time.monotonic() + start_timeout_s
+        while True:
+            self.auth = ThreadAuthenticator(ctx, log=logging.getLogger("learnmesh.curve.zap"))
+            try:
+                self.auth.start()
+                break
+            except zmq.ZMQError as exc:
+                self.auth.stop()  # closes what start() made
+                # the previous authenticator of this context releases its endpoint in the I/O
+                # thread, a moment after it stopped
+                if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                    raise RuntimeError(f"the ZAP authenticator could not start: {exc}") from None
+            time.sleep(0.02)
         self.auth.configure_curve_callback("*", self.allow)
         for domain in DOMAIN_CLIENTS:
             self.auth.configure_curve_callback(domain, self.allow)
@@ -338,7 +364,11 @@ def new_socket(ctx: zmq.Context, kind: int, curve: CurveServer | CurveClient | N
         sock.setsockopt(zmq.CURVE_SERVER, 1)
         sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret_key)
         sock.setsockopt(zmq.ZAP_DOMAIN, curve.domain.encode())
-        sock._zap_release = _attach(ctx, curve)
+        try:
+            sock._zap_release = _attach(ctx, curve)
+        except BaseException:
+            sock.close(linger=0)
+            raise
         return sock
     sock = ctx.socket(kind)
     if isinstance(curve, CurveClient):
@@ -348,50 +378,99 @@ def new_socket(ctx: zmq.Context, kind: int, curve: CurveServer | CurveClient | N
     return sock
 
 
-# ---------------------------------------------------------------------------- handshake reports
+# ---------------------------------------------------------------------------- handshake watch
 
+HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 _FAILED: dict[int, str] = {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no_detail",
                            zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol", zmq.EVENT_HANDSHAKE_FAILED_AUTH: "refused"}
+_RETRY_S = (0.5, 1.0, 2.0, 5.0)
 
 
-async def report_handshakes(ctx: Any, sock: zmq.Socket, peer: str, endpoint: str,
-                            on_change: Callable[[bool], None] | None = None) -> None:
-    """Log and count failed CURVE handshakes of ``sock`` (a client) until cancelled: a server
-    that does not hold the pinned key (someone else's worker on this port, a process that
-    took it, a peer with CURVE off) never completes one. ``ctx``: an asyncio context the
-    monitor socket is read from. Logged once per failure streak, counted every time."""
-    import zmq.asyncio
-    from zmq.utils.monitor import parse_monitor_message
+class HandshakeWatch:
+    """Follows the CURVE handshakes of one client socket and keeps its link alive.
 
-    addr = f"inproc://curve-monitor-{id(sock)}"
-    sock.monitor(addr, zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-                 | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-    mon: zmq.asyncio.Socket = ctx.socket(zmq.PAIR)
-    mon.setsockopt(zmq.LINGER, 0)
-    mon.connect(addr)
-    failing = False
-    try:
-        while True:
-            event = int(parse_monitor_message(await mon.recv_multipart())["event"])
-            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                if failing:
-                    log.info("CURVE handshake with %s %s succeeded", peer, endpoint)
-                failing = False
-            elif event in _FAILED:
-                metrics.ZMQ_HANDSHAKE_FAILED.labels(peer, _FAILED[event]).inc()
-                if not failing and event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                    log.warning("CURVE handshake with %s %s refused: this process's key is not in its allow-list; "
-                                "nothing is sent to it", peer, endpoint)
-                elif not failing:
-                    log.warning("CURVE handshake with %s %s failed (%s): it does not hold the %s key this "
-                                "process pins (another mesh's %s, a process that took its port, or CURVE off "
-                                "there); nothing is sent to it", peer, endpoint, _FAILED[event], peer, peer)
-                failing = True
-            else:
-                continue
-            if on_change is not None:
-                on_change(failing)
-    finally:
+    A server that does not hold the pinned key (another mesh's, a process that took the port,
+    one with CURVE off) never completes a handshake: each failure is counted in
+    ``learnmesh_zmq_handshake_failed_total{peer,reason}`` and logged once per failure streak.
+    libzmq gives up on an endpoint for good after a protocol error or a refusal (it would stay
+    dead after the impostor left, or once the allow-list is fixed), so the watch connects it
+    again, with a growing pause. Create it before the socket (``make_socket(monitor=
+    watch.address)``) so the first handshake is seen, then :meth:`attach` the socket; read
+    events with :meth:`run` (asyncio contexts) or :meth:`poll` (synchronous)."""
+
+    def __init__(self, ctx: zmq.Context, peer: str, endpoint: str,
+                 on_change: Callable[[bool], None] | None = None) -> None:
+        self.peer, self.endpoint, self.on_change = peer, endpoint, on_change
+        self.address = f"inproc://curve-handshakes-{id(self)}"
+        self.mon = ctx.socket(zmq.PAIR)
+        self.mon.setsockopt(zmq.LINGER, 0)
+        self.mon.connect(self.address)  # before the monitor binds it: inproc queues what it emits
+        self.sock: zmq.Socket | None = None
+        self.failing = False
+        self._retries = 0
+        self._retry_at: float | None = None
+
+    def attach(self, sock: zmq.Socket) -> None:
+        self.sock = sock
+
+    def _handle(self, event: int) -> None:
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            if self.failing:
+                log.info("CURVE handshake with %s %s succeeded", self.peer, self.endpoint)
+            self.failing, self._retries = False, 0
+        elif event in _FAILED:
+            metrics.ZMQ_HANDSHAKE_FAILED.labels(self.peer, _FAILED[event]).inc()
+            if not self.failing and event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                log.warning("CURVE handshake with %s %s refused: this process's key is not in its allow-list; "
+                            "nothing is sent to it", self.peer, self.endpoint)
+            elif not self.failing:
+                log.warning("CURVE handshake with %s %s failed (%s): it does not hold the %s key this "
+                            "process pins (another mesh's %s, a process that took its port, or CURVE off "
+                            "there); nothing is sent to it", self.peer, self.endpoint, _FAILED[event], self.peer,
+                            self.peer)
+            self.failing = True
+            if event != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:  # that one libzmq retries by itself
+                self._retry_at = time.monotonic() + _RETRY_S[min(self._retries, len(_RETRY_S) - 1)]
+                self._retries += 1
+        else:
+            return
+        if self.on_change is not None:
+            self.on_change(self.failing)
+
+    def _reconnect_if_due(self) -> None:
+        if self._retry_at is None or time.monotonic() < self._retry_at or self.sock is None or self.sock.closed:
+            return
+        self._retry_at = None
+        with contextlib.suppress(zmq.ZMQError):  # the failed session may already be gone
+            self.sock.disconnect(self.endpoint)
         with contextlib.suppress(zmq.ZMQError):
-            sock.disable_monitor()
-        mon.close(0)
+            self.sock.connect(self.endpoint)
+
+    def poll(self) -> None:
+        """Take the events so far and reconnect when due (synchronous sockets; cheap)."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        while True:
+            try:
+                frames = self.mon.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self._handle(int(parse_monitor_message(frames)["event"]))
+        self._reconnect_if_due()
+
+    async def run(self) -> None:
+        """Follow the events until cancelled (asyncio sockets)."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        while True:
+            timeout_ms = None if self._retry_at is None else max(0, int((self._retry_at - time.monotonic()) * 1000))
+            if await self.mon.poll(timeout_ms):
+                self._handle(int(parse_monitor_message(await self.mon.recv_multipart())["event"]))
+            self._reconnect_if_due()
+
+    def close(self) -> None:
+        if self.sock is not None and not self.sock.closed:
+            with contextlib.suppress(zmq.ZMQError):
+                self.sock.disable_monitor()
+        self.mon.close(0)

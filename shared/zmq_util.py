@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import zmq
 
-from shared.curve import CurveClient, CurveServer, new_socket
+from shared.curve import HANDSHAKE_EVENTS, CurveClient, CurveServer, new_socket
 
 DEFAULT_HWM = 10_000
 DEFAULT_LINGER_MS = 0
@@ -15,13 +15,16 @@ DEFAULT_LINGER_MS = 0
 def make_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect: str | None = None,
                 identity: bytes | None = None, hwm: int = DEFAULT_HWM, linger_ms: int = DEFAULT_LINGER_MS,
                 subscribe: bytes | None = None, router_mandatory: bool = False,
-                immediate: bool = False, curve: CurveServer | CurveClient | None = None) -> zmq.Socket:
+                immediate: bool = False, curve: CurveServer | CurveClient | None = None,
+                monitor: str | None = None) -> zmq.Socket:
     """Create a socket with explicit options, then bind or connect (exactly one of them).
 
     ``immediate=True`` (ZMQ_IMMEDIATE) queues messages only on completed connections, so a
     message to a peer that is down fails fast (EAGAIN) instead of waiting for it to return
     (with CURVE, a connection completes only after the handshake: nothing is queued for a
-    peer that does not hold the pinned key). ``curve``: None only where ``zmq.curve`` is off."""
+    peer that does not hold the pinned key). ``curve``: None only where ``zmq.curve`` is off.
+    ``monitor``: an inproc address that gets the socket's handshake events from its first
+    connection on (shared.curve.HandshakeWatch)."""
     if (bind is None) == (connect is None):
         raise ValueError("give exactly one of bind= or connect=")
     sock = new_socket(ctx, kind, curve)
@@ -36,6 +39,8 @@ def make_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect
         sock.setsockopt(zmq.IMMEDIATE, 1)
     if kind == zmq.SUB:
         sock.setsockopt(zmq.SUBSCRIBE, subscribe or b"")
+    if monitor is not None:
+        sock.monitor(monitor, HANDSHAKE_EVENTS)
     try:
         if bind is not None:
             sock.bind(bind)

@@ -12,8 +12,8 @@ sample: the trainer reads bodies and principals from the log alone, so what it t
 what was acknowledged. If the push queue is full or no trainer is connected the
 acknowledgement says ``queued: false`` — the samples are durable and the trainer picks them
 up from the log at its next idle read; nothing is dropped silently. A malformed sample
-raises :class:`~shared.samples.SampleError` and Redis errors propagate:
-gateway/errors.py decides what the client sees.
+raises :class:`~shared.samples.SampleError` and Redis errors propagate: gateway/errors.py
+decides what the client sees.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from shared import metrics as m
 from shared.audit import audit
 from shared.config import Config
 from shared.context import ContextError, ContextStore
-from shared.curve import CurveKeys
+from shared.curve import CurveKeys, HandshakeWatch
 from shared.samples import (
     APPEND_LUA,
     Sample,
@@ -80,9 +80,13 @@ class SampleIngest:
         self._own_ctx = zmq_ctx is None
         self.ctx = zmq_ctx or zmq.Context()
         keys = CurveKeys.load(cfg.zmq, "gateway")
-        self.push = make_socket(self.ctx, zmq.PUSH, connect=cfg.trainer.samples_endpoint,
-                                hwm=cfg.trainer.sample_hwm, immediate=True,
-                                curve=keys.client("trainer") if keys else None)
+        endpoint = cfg.trainer.samples_endpoint
+        self.watch = HandshakeWatch(self.ctx, "trainer", endpoint) if keys else None
+        self.push = make_socket(self.ctx, zmq.PUSH, connect=endpoint, hwm=cfg.trainer.sample_hwm, immediate=True,
+                                curve=keys.client("trainer") if keys else None,
+                                monitor=self.watch.address if self.watch else None)
+        if self.watch is not None:
+            self.watch.attach(self.push)
         # immediate: with no trainer connected (or one without the pinned trainer key) a send
         # fails (reported as backpressure) instead of queueing for a peer that may never come.
         self._append = redis.register_script(APPEND_LUA)
@@ -185,6 +189,8 @@ class SampleIngest:
         """Tell the trainer the log grew. ``log``: it notices a recreated log from the first
         wake-up, not only when it idles."""
         msg = wire.encode(wire.MsgType.SAMPLE, {"log": log_id, "seq": last_seq})
+        if self.watch is not None:
+            self.watch.poll()  # report a trainer without the pinned key; reconnect when due
         try:
             self.push.send_multipart(msg, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
@@ -217,6 +223,8 @@ class SampleIngest:
                 "pushed_by_this_gateway": self.pushed, "backpressured_by_this_gateway": self.backpressured}
 
     def close(self) -> None:
+        if self.watch is not None:
+            self.watch.close()
         self.push.close(0)
         if self._own_ctx:
             self.ctx.term()

@@ -28,7 +28,7 @@ import zmq
 from shared import metrics, wire
 from shared.config import Config
 from shared.crypto import STREAM_DELTA, STREAM_HEARTBEAT, EnvelopeOpener, EnvelopeReject, KeyRing, Opened
-from shared.curve import CurveKeys
+from shared.curve import CurveKeys, HandshakeWatch
 from shared.delta.codec import BaseMismatch, CodecError, DecodedChunk, DeltaDecoder, LayoutMismatch
 from shared.zmq_util import make_socket
 
@@ -66,10 +66,21 @@ class DeltaSubscriber:
                                       "dropped_old": 0, "rejected": {}, "latest_seen": version}
         keys = CurveKeys.load(cfg.zmq, "worker")
         trainer = keys.client("trainer") if keys else None  # pinned: only the real trainer is heard
-        self._sub = make_socket(zmq_ctx, zmq.SUB, connect=cfg.security.delta_pub_endpoint, hwm=100_000, curve=trainer)
-        self._dealer = make_socket(zmq_ctx, zmq.DEALER, connect=cfg.security.snapshot_endpoint,
-                                   identity=f"{worker_id}-{secrets.token_hex(4)}".encode(), curve=trainer)
-        self._push = make_socket(zmq_ctx, zmq.PUSH, connect=cfg.security.ack_endpoint, hwm=100, curve=trainer)
+        self._watches: list[HandshakeWatch] = []
+
+        def connect(kind: int, endpoint: str, **opts: Any) -> zmq.Socket:
+            watch = HandshakeWatch(zmq_ctx, "trainer", endpoint) if trainer else None
+            sock = make_socket(zmq_ctx, kind, connect=endpoint, curve=trainer,
+                               monitor=watch.address if watch else None, **opts)
+            if watch is not None:
+                watch.attach(sock)
+                self._watches.append(watch)
+            return sock
+
+        sec = cfg.security
+        self._sub = connect(zmq.SUB, sec.delta_pub_endpoint, hwm=100_000)
+        self._dealer = connect(zmq.DEALER, sec.snapshot_endpoint, identity=f"{worker_id}-{secrets.token_hex(4)}".encode())
+        self._push = connect(zmq.PUSH, sec.ack_endpoint, hwm=100)
         self._expected_seq: int | None = None
         self._session: tuple[int, str] | None = None
         self._assembly: _Assembly | None = None
@@ -94,6 +105,8 @@ class DeltaSubscriber:
     def poll(self, max_packets: int = 64) -> int | None:
         """Apply pending verified updates in place; return the new version, or None if unchanged."""
         before = self.version
+        for watch in self._watches:
+            watch.poll()
         self._poll_snapshot()
         for _ in range(max_packets):
             try:
@@ -113,6 +126,8 @@ class DeltaSubscriber:
         return bool(poller.poll(timeout_ms))
 
     def close(self) -> None:
+        for watch in self._watches:
+            watch.close()
         for sock in (self._sub, self._dealer, self._push):
             sock.close(linger=0)
 

@@ -138,6 +138,8 @@ async def test_a_delta_signed_by_another_key_is_refused(tmp_path: Path) -> None:
         rogue.close()
         pub = DeltaPublisher(cfg, ctx, params, 0, model_id)
         pub.publish(_nudged(model, 8), 1)
+        # the worker asks the real trainer for a snapshot at its next retry (consistency.timeout_s)
+        await wait_for(lambda: pool.links[0].version == 1, timeout_s=30, what="the worker to follow the trainer")
         assert (await pool.request(PROMPT, min_version=1))["version"] == 1
     finally:
         await pool.close()

@@ -7,10 +7,12 @@ and metrics. Real worker, trainer and gateway processes, real sockets, real Redi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import httpx
@@ -29,17 +31,15 @@ from services.trainer.publisher import DeltaPublisher
 from services.worker.updates import DeltaSubscriber
 from shared import wire
 from shared.config import ConfigError, ZmqConfig, load_config
-from shared.curve import CurveKeys, write_keypair
+from shared.curve import CurveKeys, HandshakeWatch, write_keypair
 from shared.model import build_model
 from shared.samples import Example
 from shared.wire import MsgType
 from shared.zmq_util import make_socket
 from tests.conftest import free_port, wait_for, wait_for_sync
-from tests.security.zmq_support import FAILED, Outsider, metric, send_all
+from tests.security.zmq_support import FAILED, Outsider, bind_when_free, metric, send_all
 from tests.trainer_support import TrainerProc, committed, trainer_config
 from tests.worker_support import ROOT, spawn_worker, stop, write_config
-
-AUTH, PROTOCOL = zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 
 
 def gen(prompt: str = "hello") -> dict:
@@ -52,8 +52,16 @@ def keys(cfg, role: str) -> CurveKeys:
     return k
 
 
-async def handshakes(outsiders: list[Outsider]) -> list[int]:
-    return [await asyncio.to_thread(o.handshake) for o in outsiders]
+def outcome(event: int) -> str:
+    """``refused``: the server's allow-list said no; ``failed``: no CURVE handshake was possible
+    (which end gave up first decides whether libzmq reports a protocol error or no detail)."""
+    if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+        return "connected"
+    return "refused" if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH else "failed"
+
+
+async def handshakes(outsiders: list[Outsider]) -> list[str]:
+    return [outcome(await asyncio.to_thread(o.handshake)) for o in outsiders]
 
 
 def requests_served(url: str) -> float:
@@ -81,7 +89,7 @@ async def test_a_worker_answers_allow_listed_gateways_only(tmp_path: Path) -> No
         send_all(outsiders, wire.encode(MsgType.HELLO, {"gateway": "outsider"}))
         send_all(outsiders, wire.encode(MsgType.INFER, {**gen("tell me the other principals' context"),
                                                        "id": "stolen"}))
-        assert await handshakes(outsiders) == [AUTH, PROTOCOL, AUTH]
+        assert await handshakes(outsiders) == ["refused", "failed", "refused"]
         assert (await pool.request(gen()))["version"] == 0  # the gateway is still served
         assert [o.received() for o in outsiders] == [[], [], []]
         assert requests_served(metrics_url) == 1, "the worker ran a request that was not the gateway's"
@@ -95,9 +103,7 @@ async def test_a_worker_answers_allow_listed_gateways_only(tmp_path: Path) -> No
 
 
 async def test_the_trainer_takes_sample_wakeups_from_gateways_only(redis_url: str, tmp_path: Path) -> None:
-    base = trainer_config(redis_url, tmp_path, free_port())
-    metrics_port = free_port()
-    cfg = load_config(env={}, overrides={**base.to_dict(), "metrics": {"trainer_port": metrics_port}})
+    cfg = trainer_config(redis_url, tmp_path, free_port())
     redis = aioredis.Redis.from_url(redis_url)
     ingest = SampleIngest(redis, cfg)
     trainer = TrainerProc(cfg, tmp_path)
@@ -116,16 +122,14 @@ async def test_the_trainer_takes_sample_wakeups_from_gateways_only(redis_url: st
         forged = wire.encode(MsgType.SAMPLE, {"p": "mallory", "entry": "9-0", "ids": ["9-0:0"], "seqs": [2],
                                               "log": "x"}, [orjson.dumps({"input": "q", "target": "evil"})])
         send_all(outsiders, forged)
-        assert await handshakes(outsiders) == [AUTH, PROTOCOL, AUTH]
+        assert await handshakes(outsiders) == ["refused", "failed", "refused"]
         second = await ingest.submit("alice", [Example(input="q2", target="a2")])
         assert second["queued"], "the gateway's wake-up still reaches the trainer"
         acked += second["ids"]
         await wait_for(lambda: committed(redis_url).get("seq") == "2", timeout_s=60,
                        what=lambda: f"the second sample trained\n{trainer.output()}")
-        refused = metric(f"http://127.0.0.1:{metrics_port}/metrics", "learnmesh_zmq_auth_refused_total",
-                         domain="samples")
-        assert refused >= 2
         assert trainer.term() == 0, trainer.output()
+        assert trainer.output().count("refused a CURVE client on the samples link") == 2, trainer.output()
     finally:
         for o in outsiders:
             o.close()
@@ -162,6 +166,7 @@ def test_delta_sockets_serve_allow_listed_workers_only(tmp_path: Path) -> None:
     trainer_key = keys(cfg, "worker").server_key("trainer")
     gw = keys(cfg, "gateway")
     sec = cfg.security
+    refused_before = _refused("deltas")
     outsiders = [Outsider(ctx, zmq.SUB, sec.delta_pub_endpoint, curve_server_key=trainer_key),
                  Outsider(ctx, zmq.SUB, sec.delta_pub_endpoint),
                  Outsider(ctx, zmq.SUB, sec.delta_pub_endpoint, curve_server_key=trainer_key,
@@ -169,11 +174,10 @@ def test_delta_sockets_serve_allow_listed_workers_only(tmp_path: Path) -> None:
                  Outsider(ctx, zmq.DEALER, sec.snapshot_endpoint, curve_server_key=trainer_key),
                  Outsider(ctx, zmq.DEALER, sec.snapshot_endpoint),
                  Outsider(ctx, zmq.PUSH, sec.ack_endpoint, curve_server_key=trainer_key)]
-    refused_before = _refused("deltas")
     try:
         send_all(outsiders[3:5], wire.encode(MsgType.SNAPSHOT_REQ, {"req": "x" * 32, "worker": "mallory"}))
         send_all(outsiders[5:], wire.encode(MsgType.ACK, {"worker": "mallory", "version": 10**9}))
-        assert [o.handshake() for o in outsiders] == [AUTH, PROTOCOL, AUTH, AUTH, PROTOCOL, AUTH]
+        assert [outcome(o.handshake()) for o in outsiders] == ["refused", "failed", "refused"] * 2
         wait_for_sync(lambda: (sub.poll(), sub._pending_req is None)[1], what="the worker's snapshot")
         trainer["w"].add_(1.0)
         pub.publish(trainer, 1)
@@ -193,20 +197,51 @@ def test_delta_sockets_serve_allow_listed_workers_only(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("curve_impostor", [False, True], ids=["no-curve", "own-key"])
+class ReturningWorker(threading.Thread):
+    """The real worker's side of the link (its keys, its allow-list), answering HELLO and INFER."""
+
+    def __init__(self, ctx: zmq.Context, cfg, endpoint: str) -> None:
+        super().__init__(daemon=True)
+        server = keys(cfg, "worker").server("infer")
+        self.sock = bind_when_free(lambda: make_socket(ctx, zmq.ROUTER, bind=endpoint, curve=server))
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            if not self.sock.poll(20):
+                continue
+            peer, *frames = self.sock.recv_multipart()
+            kind, header, _ = wire.decode(frames)
+            if kind == MsgType.HELLO:
+                reply = wire.encode(MsgType.HEARTBEAT, {"worker": "real", "version": 3, "load": 0, "lag": 0})
+            elif kind == MsgType.INFER:
+                reply = wire.encode(MsgType.RESULT, {"id": header["id"], "version": 3, "text": "ok"})
+            else:
+                continue
+            self.sock.send_multipart([peer, *reply])
+        self.sock.close(0)
+
+
+def _handshake_failures() -> float:
+    return sum(REGISTRY.get_sample_value("learnmesh_zmq_handshake_failed_total", {"peer": "worker", "reason": r})
+               or 0.0 for r in ("no_detail", "protocol", "refused"))
+
+
+@pytest.mark.parametrize("curve_impostor", [False, True], ids=["no-curve", "own-key"])
 async def test_a_process_on_a_workers_port_gets_no_request(tmp_path: Path, curve_impostor: bool,
                                                            caplog: pytest.LogCaptureFixture) -> None:
     """The worker is down and something else binds its port: it answers every HELLO with a
-    heartbeat claiming version 10^9, if anything reaches it. Nothing does."""
+    heartbeat claiming version 10^9, if anything reaches it. Nothing does; and once the real
+    worker is back on the port, the gateway uses it again."""
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     _, cfg = write_config(tmp_path, 1, worker={"endpoints": [endpoint], "heartbeat_interval_ms": 50,
                                                "heartbeat_timeout_ms": 300})
     ctx = zmq.Context()
     impostor = Outsider(ctx, zmq.ROUTER, endpoint, bind=True, curve_server=curve_impostor)
-    failed_before = sum(REGISTRY.get_sample_value("learnmesh_zmq_handshake_failed_total",
-                                                  {"peer": "worker", "reason": r}) or 0.0
-                        for r in ("no_detail", "protocol", "refused"))
+    failed_before = _handshake_failures()
     pool = WorkerPool(cfg)
     await pool.start()
+    real = None
     try:
         with caplog.at_level(logging.WARNING, logger="learnmesh.curve"):
             assert await asyncio.to_thread(impostor.handshake) in FAILED
@@ -215,14 +250,23 @@ async def test_a_process_on_a_workers_port_gets_no_request(tmp_path: Path, curve
                 await pool.request(gen("my secret context"), min_version=10**9, timeout_s=5)
         assert impostor.received() == []
         assert not pool.links[0].alive and pool.links[0].version == 0
-        failed = sum(REGISTRY.get_sample_value("learnmesh_zmq_handshake_failed_total",
-                                               {"peer": "worker", "reason": r}) or 0.0
-                     for r in ("no_detail", "protocol", "refused"))
-        assert failed > failed_before
+        assert pool.status()[0]["handshake_failing"] is True
+        assert _handshake_failures() > failed_before
         assert any(f"CURVE handshake with worker {endpoint} failed" in r.getMessage() for r in caplog.records)
+
+        impostor.close()
+        real = ReturningWorker(ctx, cfg, endpoint)
+        real.start()
+        await pool.wait_live(1, timeout_s=20)
+        assert (await pool.request(gen()))["text"] == "ok"
+        assert pool.status()[0]["handshake_failing"] is False
     finally:
         await pool.close()
-        impostor.close()
+        if real is not None:
+            real.stop.set()
+            real.join(5)
+        else:
+            impostor.close()
         ctx.term()
 
 
@@ -297,7 +341,7 @@ def test_a_client_key_rotates_without_restarting_the_server(tmp_path: Path) -> N
         assert connects((new.own.public, new.own.secret)) == zmq.EVENT_HANDSHAKE_SUCCEEDED
         assert connects((old.own.public, old.own.secret)) == zmq.EVENT_HANDSHAKE_SUCCEEDED
         (Path(zcfg.keys_dir) / "gateway.previous.key").unlink()
-        assert connects((old.own.public, old.own.secret)) == AUTH
+        assert outcome(connects((old.own.public, old.own.secret))) == "refused"
         assert connects((new.own.public, new.own.secret)) == zmq.EVENT_HANDSHAKE_SUCCEEDED
     finally:
         pull.close(0)
@@ -320,3 +364,70 @@ def keys_of(zcfg: ZmqConfig, role: str) -> CurveKeys:
     k = CurveKeys.load(zcfg, role)
     assert k is not None
     return k
+
+
+def test_a_link_a_plain_socket_broke_is_connected_again(tmp_path: Path) -> None:
+    """libzmq gives up on an endpoint for good after a failed handshake with a server that does
+    not speak CURVE; the handshake watch connects it again, so the real trainer is reached once
+    it is back (here: a worker's ack socket)."""
+    zcfg = ZmqConfig(keys_dir=str(tmp_path / "zmq"))
+    worker, trainer = keys_of(zcfg, "worker"), keys_of(zcfg, "trainer")
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    ctx = zmq.Context()
+    squatter = Outsider(ctx, zmq.PULL, endpoint, bind=True)
+    watch = HandshakeWatch(ctx, "trainer", endpoint)
+    push = make_socket(ctx, zmq.PUSH, connect=endpoint, curve=worker.client("trainer"), monitor=watch.address)
+    watch.attach(push)
+    real = None
+    try:
+        assert squatter.handshake() in FAILED
+        wait_for_sync(lambda: (watch.poll(), watch.failing)[1], what="the watch to see the failure")
+        squatter.close()
+        real = bind_when_free(lambda: make_socket(ctx, zmq.PULL, bind=endpoint, curve=trainer.server("deltas")))
+        ack = wire.encode(MsgType.ACK, {"worker": "w", "version": 1})
+
+        def acked() -> bool:  # a worker acks every version it applies: send until one arrives
+            watch.poll()
+            with contextlib.suppress(zmq.Again):
+                push.send_multipart(ack, zmq.NOBLOCK)
+            return bool(real.poll(20))
+
+        wait_for_sync(acked, timeout_s=15, what="the real trainer to get an ack")
+        assert wire.decode(real.recv_multipart())[1] == {"worker": "w", "version": 1}
+        wait_for_sync(lambda: (watch.poll(), not watch.failing)[1], what="the watch to see the handshake succeed")
+    finally:
+        watch.close()
+        push.close(0)
+        if real is not None:
+            real.close(0)
+        squatter.close()
+        ctx.term()
+
+
+def test_key_files_may_hold_the_bare_z85_keys(tmp_path: Path) -> None:
+    """A container secret arrives as one environment value: `PUBLIC SECRET` on one line is a
+    secret key file, `PUBLIC` a public one; they interoperate with the certificates."""
+    d = tmp_path / "zmq"
+    d.mkdir()
+    for role in ("gateway", "worker", "trainer"):
+        public, secret = zmq.curve_keypair()
+        (d / f"{role}.key_secret").write_bytes(public + b" " + secret + b"\n")
+        (d / f"{role}.key_secret").chmod(0o600)
+        (d / f"{role}.key").write_bytes(public)
+    zcfg = ZmqConfig(keys_dir=str(d))
+    trainer, gateway = keys_of(zcfg, "trainer"), keys_of(zcfg, "gateway")
+    assert gateway.server_key("trainer") == trainer.own.public
+    ctx = zmq.Context()
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    pull = make_socket(ctx, zmq.PULL, bind=endpoint, curve=trainer.server("samples"))
+    client = Outsider(ctx, zmq.PUSH, endpoint, curve_server_key=gateway.server_key("trainer"),
+                      keypair=(gateway.own.public, gateway.own.secret))
+    try:
+        assert client.handshake() == zmq.EVENT_HANDSHAKE_SUCCEEDED
+        (d / "gateway.key").write_bytes(b"not a key")
+        with pytest.raises(ConfigError, match="cannot read CURVE public key"):
+            gateway.server_key("gateway")
+    finally:
+        client.close()
+        pull.close(0)
+        ctx.term()

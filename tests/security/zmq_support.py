@@ -4,6 +4,7 @@ know that their handshake is over (so "nothing was delivered" is a fact, not a w
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -53,6 +54,8 @@ class Outsider:
         return got
 
     def close(self) -> None:
+        if self.sock.closed:
+            return
         self.sock.disable_monitor()
         self.monitor.close(0)
         self.sock.close(0)
@@ -77,3 +80,16 @@ def send_all(outsiders: list[Outsider], msg: list[Any]) -> None:
             o.sock.send_multipart(msg, zmq.NOBLOCK)
         except zmq.Again:  # nothing connected: there is no peer to queue for
             pass
+
+
+def bind_when_free(make: Callable[[], zmq.Socket], timeout_s: float = 10.0) -> zmq.Socket:
+    """``make()`` (a socket that binds) once the port is free again: ZeroMQ releases a closed
+    socket's port in its I/O thread, a moment after close() returns."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return make()
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise
+        time.sleep(0.02)
