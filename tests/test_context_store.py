@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import hiredis
@@ -503,7 +504,11 @@ async def test_sequence_numbers_on_both_sides_of_the_scripts_table_of_names(r):
     path = Path(__file__).resolve().parent.parent / "bench" / "bench_context.py"
     spec = importlib.util.spec_from_file_location("bench_context", path)
     bench = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(bench)  # type: ignore[union-attr]
+    sys.modules[spec.name] = bench  # type: ignore[union-attr]  # its dataclasses resolve names there
+    try:
+        spec.loader.exec_module(bench)  # type: ignore[union-attr]
+    finally:
+        sys.modules.pop(spec.name, None)  # type: ignore[union-attr]
     bulk_load = bench.bulk_load  # the store's layout, checked against the script by the bench
     now = 1_000_000
     cfg = ContextConfig(channel_max_entries=8, versions_retained=4)
