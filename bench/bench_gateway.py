@@ -155,10 +155,19 @@ def start_redis() -> tuple[str, subprocess.Popen | None, str | None]:
         return "redis://127.0.0.1:6379/0", None, None
     except redis.RedisError:
         pass
+    if shutil.which("redis-server") is None:
+        raise SystemExit("no Redis: set REDIS_URL or install redis-server")
+    return start_private_redis("lm-bench-redis-")
+
+
+def start_private_redis(prefix: str) -> tuple[str, subprocess.Popen, str]:
+    """A private redis-server under a fresh temp dir named ``prefix...``: (url, process, dir)."""
+    import redis
+
     binary = shutil.which("redis-server")
     if binary is None:
-        raise SystemExit("no Redis: set REDIS_URL or install redis-server")
-    port, workdir = free_port(), tempfile.mkdtemp(prefix="lm-bench-redis-")
+        raise SystemExit("redis-server not found")
+    port, workdir = free_port(), tempfile.mkdtemp(prefix=prefix)
     proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                              "--dir", workdir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{port}/0"

@@ -39,6 +39,7 @@ from bench_gateway import (
     free_port,
     loadavg,
     modern_request,
+    start_private_redis,
     stop,
     wait_up,
 )
@@ -78,24 +79,7 @@ end
 
 def start_redis() -> tuple[str, subprocess.Popen, str]:
     """A private redis-server (its CPU time is part of the cost)."""
-    import redis
-
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("redis-server not found")
-    port, workdir = free_port(), tempfile.mkdtemp(prefix="lm-bench-limits-")
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", workdir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            redis.Redis.from_url(url, socket_timeout=1).ping()
-            return url, proc, workdir
-        except redis.RedisError:
-            if time.monotonic() > deadline:
-                raise SystemExit("private redis-server did not start") from None
-            time.sleep(0.05)
+    return start_private_redis("lm-bench-limits-")
 
 
 def start_gateway(port: int, redis_url: str, api_keys: dict[str, str], limited: bool) -> subprocess.Popen:
