@@ -156,7 +156,8 @@ class Limits:
         self.redis = redis
         self.cfg = cfg.limits
         self.teachers = frozenset(cfg.learning.teachers)
-        self._overrides = {name: cfg.limits.of(name) for name in cfg.limits.principals}
+        self.teacher_roles = frozenset(cfg.learning.teacher_roles)
+        self._overrides = {name: cfg.limits.of(name) for name in {*cfg.limits.principals, *cfg.limits.principal_roles}}
         self._batch = AutoPipeline(redis)
         self._stocks: dict[str, _Stock] = {}
         self._outage_until = 0.0
@@ -166,7 +167,8 @@ class Limits:
         return self._overrides.get(principal, self.cfg.default)
 
     def teaches_by_config(self, principal: str) -> bool:
-        return "*" in self.teachers or principal in self.teachers
+        return ("*" in self.teachers or principal in self.teachers
+                or self.cfg.principal_roles.get(principal) in self.teacher_roles)
 
     # ------------------------------------------------------------------ token buckets
     async def _throttle(self, command: bytes) -> Any:

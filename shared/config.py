@@ -434,9 +434,14 @@ class PrincipalLimits:
 
 @_section
 class LimitsConfig:
-    """Quotas and rate limits; ``principals.<name>`` overrides some fields of ``default`` for one principal."""
+    """Quotas and rate limits: ``default``, then ``roles.<role>`` for the principals that
+    ``principal_roles`` puts in that role, then ``principals.<name>`` for one principal, each
+    overriding some fields of what comes before."""
 
     default: PrincipalLimits = Field(default_factory=PrincipalLimits)
+    roles: dict[Principal, dict[str, JsonValue]] = Field(default_factory=dict)
+    principal_roles: dict[Principal, Principal] = Field(
+        default_factory=dict, description="principal -> role, for limits.roles and learning.teacher_roles")
     principals: dict[Principal, dict[str, JsonValue]] = Field(default_factory=dict)
     max_sample_backlog: NonNegativeInt = Field(
         default=100_000, description="samples logged but not yet trained beyond which learn is refused; 0: off")
@@ -445,18 +450,23 @@ class LimitsConfig:
         default=1, description="Retry-After when a count cap (subscriptions, listens, WebSocket requests) is full")
 
     def __post_init__(self) -> None:
-        for name, fields in self.principals.items():
-            try:
-                PrincipalLimits(**{**dataclasses.asdict(self.default), **fields})
-            except (ConfigError, TypeError) as exc:
-                raise ValueError(f"principals.{name}: {exc}") from None
+        for where, table in (("roles", self.roles), ("principals", self.principals)):
+            for name, fields in table.items():
+                try:
+                    PrincipalLimits(**{**dataclasses.asdict(self.default), **fields})
+                except (ConfigError, TypeError) as exc:
+                    raise ValueError(f"{where}.{name}: {exc}") from None
+        for principal, role in self.principal_roles.items():
+            if role not in self.roles:
+                raise ValueError(f"principal_roles.{principal}: no role {role!r} in limits.roles")
 
     def of(self, principal: str) -> PrincipalLimits:
-        """The limits in force for ``principal``."""
-        fields = self.principals.get(principal)
-        if not fields:
+        """The limits in force for ``principal``: default, its role's, then its own."""
+        role = self.roles.get(self.principal_roles.get(principal, ""), {})
+        own = self.principals.get(principal, {})
+        if not role and not own:
             return self.default
-        return PrincipalLimits(**{**dataclasses.asdict(self.default), **fields})
+        return PrincipalLimits(**{**dataclasses.asdict(self.default), **role, **own})
 
 
 Teacher = Annotated[str, Field(pattern=r"^(\*|[A-Za-z0-9_.@:\-]{1,128})$",
@@ -470,6 +480,8 @@ class LearningConfig:
     revokes at runtime (``/admin/teachers``) over this list."""
 
     teachers: list[Teacher] = Field(default_factory=lambda: ["local"])
+    teacher_roles: list[Principal] = Field(
+        default_factory=list, description="roles (limits.principal_roles) whose principals may teach")
 
 
 @_section

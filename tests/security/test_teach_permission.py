@@ -20,14 +20,17 @@ from tests.conftest import free_port
 from tests.gateway_support import start_gateway, stop
 from tests.test_gateway_http import modern
 
-KEYS = {"teacher": "teacher-key-0123456789", "student": "student-key-0123456789"}
+KEYS = {"teacher": "teacher-key-0123456789", "student": "student-key-0123456789",
+        "assistant": "assistant-key-0123456789"}
 ADMIN = "root-admin-key-0123456789"
 OPERATOR = "ops-operator-key-0123456789"
 
 
 @pytest.fixture(scope="module")
 def replicas(redis_server: str) -> Iterator[tuple[str, str]]:
-    overrides = {"learning": {"teachers": ["teacher"]},
+    overrides = {"learning": {"teachers": ["teacher"], "teacher_roles": ["staff"]},
+                 "limits": {"roles": {"staff": {"learn_samples_per_s": 0.001, "learn_samples_burst": 3}},
+                            "principal_roles": {"assistant": "staff"}},
                  "trainer": {"samples_endpoint": f"tcp://127.0.0.1:{free_port()}"},
                  "gateway": {"admin_keys": {"root": {"key": ADMIN, "role": "admin"},
                                             "ops": {"key": OPERATOR, "role": "operator"}}}}
@@ -135,3 +138,18 @@ def test_a_fresh_learnmesh_up_lets_its_demo_key_teach(tmp_path: Path) -> None:
     keys_given, _ = load_or_create_keys(tmp_path, given)
     paths = child_configs(given, args, tmp_path / "given", keys_given, admin_key)
     assert load_config(paths["gateway"], env={}).learning.teachers == ["local"]
+
+
+def test_a_role_gives_its_principals_the_teach_permission_and_its_limits(replicas: tuple[str, str],
+                                                                          store: redis_sync.Redis) -> None:
+    """``assistant`` is in no teacher list by name: its role ``staff`` may teach, and the role's
+    learn quota (3 samples, next to nothing refilled) is the one in force, on every replica."""
+    a, b = replicas
+    taught = learn(a, "assistant", SAMPLES)
+    assert taught.status_code == 200, taught.text
+    assert logged(store, "assistant") == 2
+    over = learn(b, "assistant", SAMPLES)
+    assert over.status_code == 429, over.text
+    assert over.json()["error"]["data"]["limit"] == "learn_samples"
+    assert logged(store, "assistant") == 2
+    assert admin("GET", a + "/admin/teachers/assistant", OPERATOR).json()["by_config"] is True
