@@ -40,7 +40,6 @@ import os
 import secrets
 import stat
 import struct
-import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -57,7 +56,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from shared.config import ConfigError
-from shared.secret_files import InsecureFileError, read_private
+from shared.secret_files import InsecureFileError, read_private, write_private
 
 log = logging.getLogger(__name__)
 
@@ -453,15 +452,7 @@ def _write_private(path: Path, data: dict[str, Any], exclusive: bool = False) ->
         with os.fdopen(fd, "wb") as f:
             f.write(payload)
         return
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".keyring-")
-    try:
-        os.fchmod(fd, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(payload)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_private(path, payload)
 
 
 def _derive(master: bytes, session: bytes, sender: str, epoch: int) -> AESGCM:

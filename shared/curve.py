@@ -30,8 +30,6 @@ import contextlib
 import fcntl
 import logging
 import os
-import stat
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -45,6 +43,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from shared import metrics
 from shared.config import ConfigError, ZmqConfig
+from shared.secret_files import InsecureFileError, check_private, write_private
 
 log = logging.getLogger("learnmesh.curve")
 
@@ -79,19 +78,6 @@ def _certificate(public: bytes, secret: bytes | None, role: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write(path: Path, text: str, mode: int) -> None:
-    """Replace ``path`` atomically with ``text`` at ``mode``."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_keypair(keys_dir: str | os.PathLike[str], role: str, *, keep_previous: bool = False) -> bytes:
     """A fresh keypair for ``role`` (secret 0600, public 0644); returns the public key.
     ``keep_previous``: the replaced public key stays allowed as ``<role>.previous.key``."""
@@ -101,8 +87,8 @@ def write_keypair(keys_dir: str | os.PathLike[str], role: str, *, keep_previous:
     old = public_file(d, role)
     if keep_previous and old.exists():
         os.replace(old, d / f"{role}.previous.key")
-    _write(secret_file(d, role), _certificate(public, secret, role), 0o600)
-    _write(public_file(d, role), _certificate(public, None, role), 0o644)
+    write_private(secret_file(d, role), _certificate(public, secret, role))
+    write_private(public_file(d, role), _certificate(public, None, role), mode=0o644)
     return public
 
 
@@ -148,15 +134,13 @@ def _read_public(path: Path) -> bytes:
 
 def _check_private(path: Path) -> None:
     """A secret key file must be a regular file only its owner may read or write."""
-    try:
-        st = path.stat()
-    except OSError:
+    if not path.exists():
         raise CurveKeyError(f"CURVE secret key {path} is missing: run `learnmesh keys` (or `learnmesh up`, which "
-                            f"makes every missing key), or copy this role's key there") from None
-    if not stat.S_ISREG(st.st_mode) or stat.S_IMODE(st.st_mode) & 0o077:
-        raise CurveKeyError(f"CURVE secret key {path} is open to group or others (mode "
-                            f"{stat.S_IMODE(st.st_mode):04o}): run `chmod 600 {path}`, or make a new key if others "
-                            f"may have read it")
+                            f"makes every missing key), or copy this role's key there")
+    try:
+        check_private(path, "CURVE secret key")
+    except InsecureFileError as exc:
+        raise CurveKeyError(str(exc)) from None
 
 
 def _mtime_ns(path: Path) -> int:

@@ -49,13 +49,14 @@ def read_private_text(path: str | os.PathLike[str], what: str = "key file") -> s
     return read_private(path, what).decode().strip()
 
 
-def write_private(path: str | os.PathLike[str], data: bytes | str) -> None:
-    """Replace ``path`` atomically with a 0600 file (its directory made 0700 when created)."""
+def write_private(path: str | os.PathLike[str], data: bytes | str, mode: int = 0o600) -> None:
+    """Replace ``path`` atomically with a file of ``mode`` (0600 unless it is a public part; its
+    directory made 0700 when created)."""
     p = Path(path)
     p.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}-")
     try:
-        os.fchmod(fd, 0o600)
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
         os.replace(tmp, p)
