@@ -1,5 +1,11 @@
 """The gateway's view of the inference workers: one ZeroMQ DEALER per worker endpoint.
 
+Which endpoints: the static ``worker.endpoints``, plus (``worker.discovery``) every worker
+announced in Redis (shared/worker_registry.py), read every ``worker.register_interval_ms``.
+A worker whose announcement appears gets a connection; one whose announcement is withdrawn
+or expires loses it, and its requests in flight are retried on another worker. Static
+workers stay in the pool while silent (they rejoin on their next answer).
+
 Liveness is ping/pong: every ``worker.heartbeat_interval_ms`` the pool sends HELLO to each
 worker and the worker answers with a HEARTBEAT (version, load). Any message from a worker
 counts as a sign of life; a worker silent for ``worker.heartbeat_timeout_ms`` is declared
@@ -32,7 +38,7 @@ import zmq
 import zmq.asyncio
 from redis.exceptions import RedisError
 
-from shared import keys, metrics, wire
+from shared import keys, metrics, wire, worker_registry
 from shared.config import Config
 from shared.curve import CurveKeys, HandshakeWatch
 from shared.text import as_str
@@ -74,6 +80,8 @@ class WorkerLink:
     version: int = 0
     lag: int = 0  # versions behind the trainer's latest, as the worker's heartbeat reports
     reported_load: int = 0
+    capacity: int = 1  # the worker's largest batch (heartbeat or announcement): load is weighed against it
+    static: bool = True  # from worker.endpoints; False: discovered through its announcement
     model_id: str | None = None
     last_seen_s: float = 0.0       # monotonic; 0 = never heard from
     last_heartbeat_wall_s: float = 0.0
@@ -81,6 +89,7 @@ class WorkerLink:
     handshake_failing: bool = False  # the process at the endpoint does not hold the pinned worker key
     watch: HandshakeWatch | None = None
     inflight: dict[str, asyncio.Queue[Any]] = field(default_factory=dict)  # reply parts, or _DEAD
+    tasks: list[asyncio.Task] = field(default_factory=list)  # its reader and handshake watch
 
     @property
     def load(self) -> int:
@@ -94,7 +103,8 @@ class WorkerLink:
                 "alive": self.alive,
                 "version": self.version, "lag": self.lag, "load": self.load, "inflight": len(self.inflight),
                 "model_id": self.model_id, "last_heartbeat": self.last_heartbeat_wall_s or None,
-                "handshake_failing": self.handshake_failing}
+                "handshake_failing": self.handshake_failing, "capacity": self.capacity,
+                "source": "static" if self.static else "discovered"}
 
 
 class WorkerPool:
@@ -111,14 +121,16 @@ class WorkerPool:
         self._own_ctx = zmq_ctx is None
         self.gateway_id = uuid.uuid4().hex[:12]
         self.curve = CurveKeys.load(cfg.zmq, "gateway")
-        self.links = [self._link(i, ep)
-                      for i, ep in enumerate(endpoints if endpoints is not None else self.wcfg.endpoints)]
+        self._indices = itertools.count()  # a link's index is never reused: routing excludes by it
+        self.links = [self._link(next(self._indices), ep)
+                      for ep in (endpoints if endpoints is not None else self.wcfg.endpoints)]
+        self._discovered: dict[str, WorkerLink] = {}  # advertised endpoint -> its link
         self._changed = asyncio.Condition()
         self._tasks: list[asyncio.Task] = []
         self._ids = itertools.count(1)
         self.drained: set[str] = set()  # worker ids that get no new requests (admin drain)
 
-    def _link(self, index: int, endpoint: str) -> WorkerLink:
+    def _link(self, index: int, endpoint: str, *, static: bool = True) -> WorkerLink:
         """A DEALER pinned to the workers' public key: a process on that port without the
         worker secret key (someone else's worker, one that took the port while ours was down)
         never completes the handshake, so nothing is queued for it (immediate) or sent to it;
@@ -127,7 +139,8 @@ class WorkerPool:
         sock = make_socket(self.ctx, zmq.DEALER, connect=endpoint, hwm=self.wcfg.hwm, immediate=True,
                            curve=self.curve.client("worker") if self.curve is not None else None,
                            monitor=watch.address if watch is not None else None)
-        link = WorkerLink(index, endpoint, cast(zmq.asyncio.Socket, sock), watch=watch)  # asyncio context
+        link = WorkerLink(index, endpoint, cast(zmq.asyncio.Socket, sock), static=static,
+                          watch=watch)  # asyncio context
         if watch is not None:
             watch.attach(sock)
             watch.on_change = link.set_handshake_failing
@@ -136,30 +149,37 @@ class WorkerPool:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         for link in self.links:
-            reader = asyncio.create_task(self._reader(link), name=f"worker-reader-{link.index}")
-            reader.add_done_callback(self._reader_stopped)
-            self._tasks.append(reader)
-            if link.watch is not None:
-                self._tasks.append(asyncio.create_task(link.watch.run(), name=f"worker-handshakes-{link.index}"))
+            self._start_link(link)
         self._tasks.append(asyncio.create_task(self._heartbeats(), name="worker-heartbeats"))
         if self.redis is not None:
             self._tasks.append(asyncio.create_task(self._follow_drained(self.redis), name="workers-drained"))
+            if self.wcfg.discovery:
+                self._tasks.append(asyncio.create_task(self._follow_registry(self.redis), name="workers-discovery"))
+
+    def _start_link(self, link: WorkerLink) -> None:
+        reader = asyncio.create_task(self._reader(link), name=f"worker-reader-{link.index}")
+        reader.add_done_callback(self._reader_stopped)
+        link.tasks.append(reader)
+        if link.watch is not None:
+            link.tasks.append(asyncio.create_task(link.watch.run(), name=f"worker-handshakes-{link.index}"))
 
     async def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
-        self._tasks.clear()
-        for link in self.links:
-            for q in link.inflight.values():
-                q.put_nowait(_DEAD)
-            if link.watch is not None:
-                link.watch.close()
-            link.sock.close(linger=0)
+        await _cancel_all(self._tasks)
+        for link in list(self.links):
+            await self._close_link(link)
+        self.links.clear()
         if self._own_ctx:
             self.ctx.term()
+
+    async def _close_link(self, link: WorkerLink) -> None:
+        """Stop ``link``'s tasks and close its socket; its requests in flight go elsewhere."""
+        await _cancel_all(link.tasks)
+        for q in link.inflight.values():
+            q.put_nowait(_DEAD)
+        link.inflight.clear()
+        if link.watch is not None:
+            link.watch.close()
+        link.sock.close(linger=0)
 
     def status(self) -> list[dict[str, Any]]:
         """Per-worker id, endpoint, liveness, version, load and last heartbeat (admin API)."""
@@ -219,6 +239,7 @@ class WorkerPool:
             load, lag = int(header.get("load") or 0), int(header.get("lag") or 0)
             link.worker_id, link.reported_load, link.lag = worker_id, load, lag
             link.model_id = header.get("model_id")
+            link.capacity = max(1, int(header.get("max_batch_size") or link.capacity))
             link.last_heartbeat_wall_s = time.time()
         elif msg_type in (MsgType.TOKEN, MsgType.RESULT, MsgType.ERROR):
             q = link.inflight.get(str(header.get("id")))
@@ -244,12 +265,55 @@ class WorkerPool:
         hello = wire.encode(MsgType.HELLO, {"gateway": self.gateway_id})
         while True:
             now = time.monotonic()
-            for link in self.links:
+            for link in list(self.links):
+                if link.sock.closed:  # left the pool while this round ran
+                    continue
                 with contextlib.suppress(zmq.Again):
                     await link.sock.send_multipart(hello, flags=zmq.NOBLOCK)
                 if link.alive and now - link.last_seen_s > timeout_s:
                     self._declare_dead(link)
             await asyncio.sleep(interval_s)
+
+    async def _follow_registry(self, redis: aioredis.Redis) -> None:
+        """Connect to every announced worker and drop the ones whose announcement is gone."""
+        interval_s = self.wcfg.register_interval_ms / 1000
+        while True:
+            try:
+                announced = await worker_registry.registered(redis)
+            except (RedisError, OSError) as exc:  # Redis away: keep the workers known so far
+                log.debug("could not read the worker announcements: %s", type(exc).__name__)
+            else:
+                await self.follow_announcements(announced)
+            await asyncio.sleep(interval_s)
+
+    async def follow_announcements(self, announced: list[worker_registry.Registration]) -> None:
+        """Make the discovered part of the pool match ``announced`` (endpoints already among the
+        static ones are not connected twice)."""
+        static = {link.endpoint for link in self.links if link.static}
+        wanted = {reg.endpoint: reg for reg in announced if reg.endpoint not in static}
+        for endpoint, link in list(self._discovered.items()):
+            if endpoint not in wanted:
+                await self._forget(link)
+        for endpoint, reg in wanted.items():
+            if endpoint not in self._discovered:
+                self._join(reg)
+            self._discovered[endpoint].capacity = reg.capacity
+
+    def _join(self, reg: worker_registry.Registration) -> None:
+        link = self._discovered[reg.endpoint] = self._link(next(self._indices), reg.endpoint, static=False)
+        link.worker_id = reg.worker_id
+        self.links.append(link)
+        self._start_link(link)
+        log.info("worker %s announced at %s joins the pool", reg.worker_id, reg.endpoint)
+
+    async def _forget(self, link: WorkerLink) -> None:
+        log.warning("worker %s (%s) is no longer announced; leaving the pool with %d requests to retry",
+                    link.worker_id, link.endpoint, len(link.inflight))
+        del self._discovered[link.endpoint]
+        self.links.remove(link)
+        await self._close_link(link)
+        metrics.WORKERS_LIVE.set(len(self.live()))
+        self._notify_soon()
 
     async def _follow_drained(self, redis: aioredis.Redis) -> None:
         while True:
@@ -276,7 +340,7 @@ class WorkerPool:
         ok = [w for w in live if w.version >= min_version]
         if not ok:
             return None
-        return min(ok, key=lambda w: (w.load, w.index))
+        return min(ok, key=lambda w: (w.load / w.capacity, w.load, w.index))
 
     async def _choose(self, min_version: int, exclude: set[int], deadline: float) -> WorkerLink:
         version_deadline = time.monotonic() + self.cfg.consistency.timeout_s
@@ -397,3 +461,12 @@ class WorkerPool:
     async def _cancel(self, link: WorkerLink, rid: str) -> None:
         with contextlib.suppress(zmq.ZMQError):
             await link.sock.send_multipart(wire.encode(MsgType.CANCEL, {"id": rid}), flags=zmq.NOBLOCK)
+
+
+async def _cancel_all(tasks: list[asyncio.Task]) -> None:
+    for t in tasks:
+        t.cancel()
+    for t in tasks:
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await t
+    tasks.clear()

@@ -9,6 +9,9 @@ not restarted: the mesh stops with it. Keys are generated on first start and kep
 ``var/keys``: API and admin keys, each role's CURVE keypair (``keys/zmq``), the delta key
 ring and the trainer's signing key.
 
+The gateway has no fixed worker list: the workers announce themselves in Redis and the
+gateway follows the announcements (gateway/workers.py), as gateways on many hosts do.
+
 Secrets never travel in a child's environment (readable in ``/proc/<pid>/environ``, copied
 into every process a child starts): each child reads its whole configuration from a 0600
 file in ``var/keys`` (``config-<role>.yaml``), and only the gateway's holds the API and
@@ -237,6 +240,8 @@ def child_configs(cfg: Config, args: Any, var_dir: Path, api_keys: dict[str, str
     paths = {}
     for role in ("gateway", "worker", "trainer"):
         role_tree = yaml.safe_load(yaml.safe_dump(tree))  # a deep copy
+        if role == "gateway" and cfg.worker.discovery and cfg.worker.register:
+            role_tree["worker"]["endpoints"] = []  # the workers announce themselves (worker discovery)
         if role != "gateway":
             for (*where, name), empty in _GATEWAY_SECRETS.items():
                 node = role_tree

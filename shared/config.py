@@ -265,10 +265,31 @@ class WorkerConfig:
     torch_threads: NonNegativeInt = Field(
         default=1, description="intra-op threads per worker (0: torch's default); 1 suits several workers "
                                "per host")
+    # Discovery (docs/operations.md, "Workers that join by themselves"): workers announce
+    # themselves in Redis and every gateway connects to the announced ones as well as to
+    # ``endpoints`` (static workers, which need no Redis and stay in the pool when silent).
+    id: str = Field(default="", pattern=r"^[A-Za-z0-9_.{}-]{0,128}$",
+                    description="this worker's id; '': worker-<index>; {host} and {index} are filled in "
+                                "(replicas sharing one config: worker-{host})")
+    advertise: str = Field(default="", description="the endpoint gateways connect to; '': the bound endpoint, or "
+                                                   "tcp://{ip}:{port} when it binds a wildcard; {host} (hostname), "
+                                                   "{ip} (this host's address toward Redis), {port} (bound port)")
+    register: StrictBool = Field(default=True, description="announce this worker in Redis (needs redis)")
+    discovery: StrictBool = Field(default=True, description="gateways connect to every worker announced in Redis, "
+                                                            "and drop one when its announcement expires")
+    register_interval_ms: PositiveInt = Field(default=1000, description="how often a worker renews its announcement "
+                                                                        "(and a gateway reads them)")
+    registration_ttl_ms: PositiveInt = Field(default=5000, description="an announcement not renewed this long expires: "
+                                                                       "gateways drop that worker")
 
     def __post_init__(self) -> None:
         _check(self.heartbeat_timeout_ms > self.heartbeat_interval_ms,
                "heartbeat_timeout_ms must exceed heartbeat_interval_ms")
+        _check(self.registration_ttl_ms >= 2 * self.register_interval_ms,
+               "registration_ttl_ms must be at least twice register_interval_ms")
+        _check("{" not in self.id.replace("{host}", "").replace("{index}", "")
+               and "}" not in self.id.replace("{host}", "").replace("{index}", ""),
+               "id may hold {host} and {index}, no other braces")
 
 
 @_section
@@ -412,6 +433,9 @@ class ZmqConfig:
     curve: StrictBool = Field(default=True, description="encrypt and authenticate every ZeroMQ link; off: "
                                                         "any local process can read and inject messages")
     keys_dir: str = "var/keys/zmq"
+    bind_host: str = Field(default="", description="'': every ZeroMQ socket binds the host its endpoint names "
+                                                   "(loopback by default); e.g. 0.0.0.0: bind that host on the "
+                                                   "endpoint's port, while peers connect to the endpoint as written")
 
 
 @_section

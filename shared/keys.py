@@ -229,3 +229,19 @@ STATUS_INDEX = f"{PREFIX}status:index"
 def component_status(component: str) -> str:
     """Hash: a process's self-report (``worker:<id>``, ``trainer``, ``delta``) with ``ts_ms``; short TTL."""
     return f"{PREFIX}status:{component}"
+
+
+# ---------------------------------------------------------------- worker discovery
+# A worker's registration is one key tagged with its own id (one slot); the index that lists
+# them is one key. Worker ids are validated (shared.config.WorkerConfig) and never contain
+# ``{`` or ``}``.
+WORKERS_INDEX = f"{PREFIX}workers:index"
+"""Sorted set: worker id -> time of its last registration heartbeat (ms, the worker's clock).
+Readers look up each member's registration; members left by workers long gone are trimmed."""
+
+
+def worker_registration(worker_id: str) -> str:
+    """Hash with a TTL: a worker's announcement (advertised endpoint, capacity, model id and
+    version, heartbeat time), renewed every ``worker.register_interval_ms``; it expires when the
+    worker stops renewing it, and a worker that stops cleanly deletes it."""
+    return f"{PREFIX}worker:{_tag(worker_id)}:reg"

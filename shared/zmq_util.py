@@ -50,3 +50,19 @@ def make_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect
         sock.close(linger=0)  # a failed bind must not leave a socket that blocks ctx.term()
         raise
     return sock
+
+
+def bind_address(endpoint: str, bind_host: str) -> str:
+    """Where a socket configured with ``endpoint`` binds: ``endpoint`` itself, or with
+    ``bind_host`` (``zmq.bind_host``) in place of its host, so a process can listen on every
+    interface while its peers keep connecting to the name ``endpoint`` advertises."""
+    if not bind_host or not endpoint.startswith("tcp://"):
+        return endpoint
+    port = endpoint.rsplit(":", 1)[1]
+    return f"tcp://{bind_host}:{port}"
+
+
+def bound_endpoint(sock: zmq.Socket) -> str:
+    """The address a bound socket listens on, with the port ZeroMQ chose for ``:*``."""
+    last = sock.getsockopt(zmq.LAST_ENDPOINT)
+    return last.decode() if isinstance(last, bytes) else str(last)

@@ -44,11 +44,13 @@ def write_config(tmp_path: Path, n_workers: int = 1, *, worker: dict[str, Any] |
     return path, load_config(path, env={})
 
 
-def spawn_worker(config_path: Path, index: int) -> subprocess.Popen:
+def spawn_worker(config_path: Path, index: int, endpoint: str | None = None) -> subprocess.Popen:
+    """``learnmesh worker --index index`` (binding ``endpoint`` instead of worker.endpoints[index])."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("LEARNMESH_")}
     env["OMP_NUM_THREADS"] = "1"
+    bind = ["--endpoint", endpoint] if endpoint else []
     return subprocess.Popen([sys.executable, "-m", "services.cli", "--config", str(config_path), "worker",
-                             "--index", str(index)], cwd=ROOT, env=env,
+                             "--index", str(index), *bind], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 

@@ -1,6 +1,8 @@
 """``learnmesh worker``: one inference worker.
 
-Holds one model replica, binds a ZeroMQ ROUTER (``worker.endpoints[--index]``), and serves
+Holds one model replica, binds a ZeroMQ ROUTER (``--endpoint``, else ``worker.endpoints[--index]``;
+``zmq.bind_host`` replaces its host), announces the endpoint gateways should connect to in Redis
+(services.worker.registration), and serves
 INFER requests from gateway DEALERs (message shapes: :mod:`shared.inference`). Requests that
 arrive close together are batched (``worker.max_batch_size``, ``worker.max_wait_ms``);
 generated text streams back as TOKEN messages, then a RESULT. Every reply names the model
@@ -16,6 +18,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -24,12 +27,13 @@ from typing import Any
 import zmq
 
 from shared import metrics, wire
-from shared.config import Config
+from shared.config import Config, ConfigError
 from shared.curve import CurveKeys
 from shared.inference import unpack_entries
 from shared.model import Example, LearnModel, MediaError, ModelInputError, build_model
 from shared.wire import MsgType
-from shared.zmq_util import make_socket
+from shared.worker_registry import Registration, RegistrationError, advertised_endpoint
+from shared.zmq_util import bind_address, bound_endpoint, make_socket
 
 log = logging.getLogger("learnmesh.worker")
 
@@ -60,8 +64,11 @@ class Worker:
         self.ctx = zmq_ctx or zmq.Context.instance()
         keys = CurveKeys.load(cfg.zmq, "worker")
         # only gateways (their allow-listed keys) can connect, send requests and read answers
-        self.sock = make_socket(self.ctx, zmq.ROUTER, bind=endpoint, hwm=self.wcfg.hwm, router_mandatory=True,
+        self.sock = make_socket(self.ctx, zmq.ROUTER, bind=bind_address(endpoint, cfg.zmq.bind_host),
+                                hwm=self.wcfg.hwm, router_mandatory=True,
                                 curve=keys.server("infer") if keys else None)
+        self.endpoint = bound_endpoint(self.sock)  # a ``:*`` bind names its port here
+        self.advertised = self._advertised()
         self.queue: deque[Request] = deque()
         self.running: dict[str, Request] = {}
         self.version = 0
@@ -72,6 +79,44 @@ class Worker:
         self._redis: Any = None
         self._next_report = 0.0
         self._digest: tuple[int, str] = (-1, "")
+        self.registrar: Any = None
+
+    def _advertised(self) -> str | None:
+        """The endpoint this worker announces, or None when it does not announce itself."""
+        if not (self.wcfg.register and self.cfg.redis.url):
+            return None
+        from urllib.parse import urlsplit
+
+        from shared.redis_client import url_of
+
+        try:
+            return advertised_endpoint(self.endpoint, self.wcfg.advertise, urlsplit(url_of(self.cfg.redis)).hostname
+                                       or "127.0.0.1")
+        except (RegistrationError, KeyError, IndexError, ValueError) as exc:
+            self.sock.close(linger=0)
+            raise ConfigError(f"worker.advertise: {exc}") from None
+
+    def registration(self) -> Registration:
+        """What this worker announces now (called by the registrar's thread)."""
+        from shared.control import now_ms
+
+        return Registration(self.worker_id, self.advertised or self.endpoint, self.wcfg.max_batch_size,
+                            self.model.model_id, self.version, now_ms())
+
+    def _start_registrar(self) -> None:
+        if self.advertised is None:
+            return
+        from services.worker.registration import Registrar
+
+        self.registrar = Registrar(self.cfg, self._client(), self.registration)
+        self.registrar.start()
+
+    def _client(self) -> Any:
+        if self._redis is None:
+            from shared.redis_client import sync_client
+
+            self._redis = sync_client(self.cfg.redis, socket_timeout=2.0)
+        return self._redis
 
     def _subscriber(self, enabled: bool) -> Any:
         if not enabled:
@@ -95,6 +140,7 @@ class Worker:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         log.info("worker %s ready (model %s, version %d)", self.worker_id, self.model.model_id, self.version)
+        self._start_registrar()
         try:
             while not self._stop:
                 self._report_status()
@@ -112,6 +158,8 @@ class Worker:
                     self._apply_updates()
                     self._run_batch()
         finally:
+            if self.registrar is not None:  # gateways stop routing here before the queue is refused
+                self.registrar.close()
             for req in list(self.queue):
                 self._error(req.peer, req.id, "shutting_down", "worker is shutting down; retry elsewhere")
             self.queue.clear()
@@ -135,11 +183,7 @@ class Worker:
         from shared import control, keys
 
         try:
-            if self._redis is None:
-                from shared.redis_client import sync_client
-
-                self._redis = sync_client(self.cfg.redis, socket_timeout=2.0)
-            drained = bool(self._redis.sismember(keys.WORKERS_DRAINED, self.worker_id))
+            drained = bool(self._client().sismember(keys.WORKERS_DRAINED, self.worker_id))
             if drained != self.drained:
                 log.info("worker %s %s by an operator", self.worker_id, "drained" if drained else "undrained")
                 self.drained = drained
@@ -357,6 +401,13 @@ class _Generation:
     finish: str | None = None
 
 
+def worker_id_of(template: str, index: int) -> str:
+    """``worker.id`` with ``{host}`` and ``{index}`` filled in; '': ``worker-<index>``."""
+    if not template:
+        return f"worker-{index}"
+    return template.format(host=socket.gethostname(), index=index)
+
+
 def main(cfg: Config, args: Any) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     index = int(getattr(args, "index", 0) or 0)
@@ -377,7 +428,7 @@ def main(cfg: Config, args: Any) -> int:
         import torch
 
         torch.set_num_threads(cfg.worker.torch_threads)
-    worker = Worker(cfg, endpoint, f"worker-{index}")
+    worker = Worker(cfg, endpoint, worker_id_of(cfg.worker.id, index))
     try:
         from shared.control import start_metrics_server
 

@@ -1,0 +1,227 @@
+"""Workers that join and leave by themselves: real `learnmesh worker` processes announce
+themselves in a real Redis, and a gateway's WorkerPool with no configured endpoint follows
+the announcements under traffic."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+import redis as redis_sync
+import redis.asyncio as aioredis
+import yaml
+from redis.cluster import key_slot
+
+from gateway.workers import WorkerPool
+from services import supervisor
+from services.worker.main import Worker, worker_id_of
+from shared import keys, worker_registry
+from shared.config import ConfigError, load_config
+from shared.control import now_ms
+from shared.model import build_model
+from shared.worker_registry import Registration, RegistrationError, advertised_endpoint
+from tests.conftest import free_port, wait_for, wait_for_sync
+from tests.worker_support import spawn_worker, stop, write_config
+
+DISCOVERY = {"endpoints": [], "register_interval_ms": 200, "registration_ttl_ms": 1000,
+             "max_batch_size": 4, "request_timeout_s": 60.0}
+
+
+def gen(i: int) -> dict:
+    return {"op": "generate", "prompt": f"traffic {i}", "max_tokens": 16, "temperature": 1.0, "seed": i,
+            "entries": []}
+
+
+class Traffic:
+    """``n`` callers sending requests back to back until stopped; every outcome is kept."""
+
+    def __init__(self, pool: WorkerPool, n: int = 4) -> None:
+        self.pool = pool
+        self.served: list[str] = []  # worker id of every answered request, in order
+        self.failures: list[BaseException] = []
+        self._stop = asyncio.Event()
+        self._tasks = [asyncio.create_task(self._caller(c)) for c in range(n)]
+
+    async def _caller(self, c: int) -> None:
+        i = c
+        while not self._stop.is_set():
+            try:
+                self.served.append(str((await self.pool.request(gen(i)))["worker"]))
+            except Exception as exc:  # every failure is a finding of the test
+                self.failures.append(exc)
+            i += 100
+
+    async def stop(self) -> None:
+        self._stop.set()
+        await asyncio.wait_for(asyncio.gather(*self._tasks), 120)
+
+
+def _endpoints(pool: WorkerPool) -> set[str]:
+    return {link.endpoint for link in pool.links}
+
+
+async def test_a_worker_started_under_traffic_joins_and_a_killed_one_leaves(tmp_path, redis_url):
+    path, cfg = write_config(tmp_path, 0, worker=DISCOVERY, redis_url=redis_url)
+    build_model(cfg.model)  # warm the shared weight cache before the workers start
+    endpoints = [f"tcp://127.0.0.1:{free_port()}" for _ in range(3)]
+    procs = [spawn_worker(path, i, endpoints[i]) for i in range(2)]
+    redis = aioredis.Redis.from_url(redis_url)
+    pool = WorkerPool(cfg, redis=redis)
+    assert pool.links == []  # nothing configured: every worker comes from its announcement
+    await pool.start()
+    traffic = None
+    try:
+        await pool.wait_live(2, timeout_s=90)
+        traffic = Traffic(pool)
+        await wait_for(lambda: len(traffic.served) >= 8, timeout_s=60, what="traffic on the first two workers")
+
+        procs.append(spawn_worker(path, 2, endpoints[2]))
+        await wait_for(lambda: "worker-2" in traffic.served, timeout_s=90, what="the third worker to take requests")
+        [third] = [w for w in pool.status() if w["endpoint"] == endpoints[2]]
+        assert third["source"] == "discovered" and third["id"] == "worker-2" and third["capacity"] == 4
+
+        procs[0].send_signal(signal.SIGKILL)
+        await wait_for(lambda: endpoints[0] not in _endpoints(pool), timeout_s=30,
+                       what="the killed worker to leave the pool")
+        after = len(traffic.served)
+        await wait_for(lambda: len(traffic.served) >= after + 12, timeout_s=60, what="traffic after the kill")
+        await traffic.stop()
+        assert traffic.failures == [], traffic.failures
+        assert set(traffic.served[after:]) <= {"worker-1", "worker-2"}
+        assert await redis.exists(keys.worker_registration("worker-0")) == 0  # expired: nobody renewed it
+
+        stop(procs[1])  # a clean stop withdraws the announcement at once
+        assert await redis.exists(keys.worker_registration("worker-1")) == 0
+        await wait_for(lambda: endpoints[1] not in _endpoints(pool), timeout_s=10,
+                       what="the stopped worker to leave the pool")
+        assert _endpoints(pool) == {endpoints[2]}
+        assert (await pool.request(gen(0)))["worker"] == "worker-2"
+    finally:
+        if traffic is not None and not traffic._stop.is_set():
+            await traffic.stop()
+        await pool.close()
+        await redis.aclose()
+        for p in procs:
+            stop(p, signal.SIGKILL)
+
+
+async def test_announcements_follow_redis_and_static_endpoints_stay(tmp_path, redis_url):
+    """The pool's discovered part is exactly the live announcements: an expired or malformed
+    one gives no connection, an announced static endpoint is not connected twice, and a
+    static worker stays in the pool though nothing announces it."""
+    static = f"tcp://127.0.0.1:{free_port()}"
+    _, cfg = write_config(tmp_path, 0, worker={**DISCOVERY, "endpoints": [static]}, redis_url=redis_url)
+    sync = redis_sync.Redis.from_url(redis_url)
+    redis = aioredis.Redis.from_url(redis_url)
+    pool = WorkerPool(cfg, redis=redis)
+    await pool.start()
+    try:
+        a, b = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+        worker_registry.register(sync, Registration("a", a, capacity=8, heartbeat_ms=now_ms()), ttl_ms=60_000)
+        worker_registry.register(sync, Registration("b", b, heartbeat_ms=now_ms()), ttl_ms=300)
+        worker_registry.register(sync, Registration("same", static, heartbeat_ms=now_ms()), ttl_ms=60_000)
+        sync.hset(keys.worker_registration("bad"), mapping={"endpoint": "tcp://0.0.0.0:1"})
+        sync.zadd(keys.WORKERS_INDEX, {"bad": now_ms()})
+        await wait_for(lambda: _endpoints(pool) == {static, a, b}, what="the announced workers to join")
+        by_endpoint = {link.endpoint: link for link in pool.links}
+        assert by_endpoint[static].static and not by_endpoint[a].static and not by_endpoint[b].static
+        assert by_endpoint[a].capacity == 8 and not by_endpoint[a].alive  # nothing answers there
+        await wait_for(lambda: _endpoints(pool) == {static, a}, what="the expired announcement to leave")
+        worker_registry.withdraw(sync, "a")
+        await wait_for(lambda: _endpoints(pool) == {static}, what="the withdrawn announcement to leave")
+        indices = [link.index for link in pool.links]
+        worker_registry.register(sync, Registration("a", a, heartbeat_ms=now_ms()), ttl_ms=60_000)
+        await wait_for(lambda: _endpoints(pool) == {static, a}, what="the worker to join again")
+        sync.zadd(keys.WORKERS_INDEX, {"long-gone": now_ms() - worker_registry.INDEX_TRIM_AFTER_MS - 1000})
+        await wait_for(lambda: sync.zscore(keys.WORKERS_INDEX, "long-gone") is None,
+                       what="a reader to trim the index")
+        assert sync.zscore(keys.WORKERS_INDEX, "a") is not None
+        assert pool.links[-1].index not in indices  # a new connection, never a reused index
+    finally:
+        await pool.close()
+        await redis.aclose()
+        sync.close()
+
+
+async def test_discovery_off_ignores_announcements(tmp_path, redis_url):
+    _, cfg = write_config(tmp_path, 0, worker={**DISCOVERY, "discovery": False}, redis_url=redis_url)
+    sync = redis_sync.Redis.from_url(redis_url)
+    worker_registry.register(sync, Registration("a", f"tcp://127.0.0.1:{free_port()}", heartbeat_ms=now_ms()),
+                             ttl_ms=60_000)
+    redis = aioredis.Redis.from_url(redis_url)
+    pool = WorkerPool(cfg, redis=redis)
+    await pool.start()
+    try:
+        assert await worker_registry.registered(redis)  # the announcement is there to be read
+        assert "workers-discovery" not in {t.get_name() for t in pool._tasks}
+        assert pool.links == []
+    finally:
+        await pool.close()
+        await redis.aclose()
+        sync.close()
+
+
+def test_a_worker_binding_any_port_announces_the_port_it_got(tmp_path, redis_url):
+    _, cfg = write_config(tmp_path, 0, worker={**DISCOVERY, "id": "w-{host}-{index}"}, redis_url=redis_url)
+    worker = Worker(cfg, "tcp://127.0.0.1:*", worker_id_of(cfg.worker.id, 3), updates=False)
+    sync = redis_sync.Redis.from_url(redis_url)
+    try:
+        port = int(worker.endpoint.rsplit(":", 1)[1])
+        assert worker.advertised == f"tcp://127.0.0.1:{port}" and port > 0
+        assert worker.worker_id == f"w-{socket.gethostname()}-3"
+        worker._start_registrar()
+        raw = sync.hgetall(keys.worker_registration(worker.worker_id))
+        assert raw[b"endpoint"] == worker.advertised.encode() and raw[b"capacity"] == b"4"
+        assert 0 < sync.pttl(keys.worker_registration(worker.worker_id)) <= 1000
+        wait_for_sync(lambda: worker.registrar.renewals >= 3, what="the registration to be renewed")
+        worker.registrar.close()
+        assert not sync.exists(keys.worker_registration(worker.worker_id))
+        assert sync.zscore(keys.WORKERS_INDEX, worker.worker_id) is None
+    finally:
+        worker.sock.close(linger=0)
+        sync.close()
+
+
+def test_advertised_endpoints():
+    assert advertised_endpoint("tcp://10.1.2.3:5601", "", "redis") == "tcp://10.1.2.3:5601"
+    wildcard = advertised_endpoint("tcp://0.0.0.0:5601", "", "127.0.0.1")
+    assert wildcard == "tcp://127.0.0.1:5601"  # this host's address toward Redis
+    assert advertised_endpoint("tcp://0.0.0.0:5601", "tcp://{host}:{port}", "x") == \
+        f"tcp://{socket.gethostname()}:5601"
+    assert advertised_endpoint("tcp://0.0.0.0:5601", "tcp://worker-7.svc:7000", "x") == "tcp://worker-7.svc:7000"
+    for template in ("tcp://0.0.0.0:{port}", "tcp://*:5601", "ipc:///tmp/w", "tcp://host"):
+        with pytest.raises(RegistrationError):
+            advertised_endpoint("tcp://0.0.0.0:5601", template, "x")
+    with pytest.raises(RegistrationError, match="only tcp"):
+        advertised_endpoint("ipc:///tmp/w", "", "x")
+
+
+def test_a_worker_advertising_a_wildcard_is_a_configuration_error(tmp_path, redis_url):
+    _, cfg = write_config(tmp_path, 0, worker={**DISCOVERY, "advertise": "tcp://*:{port}"}, redis_url=redis_url)
+    with pytest.raises(ConfigError, match="worker.advertise"):
+        Worker(cfg, "tcp://127.0.0.1:*", "w", updates=False)
+
+
+def test_worker_ids_and_keys_stay_in_one_slot_each():
+    assert worker_id_of("", 2) == "worker-2"
+    assert worker_id_of("pod-{index}", 5) == "pod-5"
+    reg = keys.worker_registration("worker-abc")
+    assert key_slot(reg.encode()) == key_slot(b"worker-abc") and "{worker-abc}" in reg
+    for bad in ("a{b}", "x y", "{ip}"):
+        with pytest.raises(ConfigError, match="worker.*id"):
+            load_config(env={}, overrides={"worker": {"id": bad}})
+    with pytest.raises(ConfigError, match="registration_ttl_ms"):
+        load_config(env={}, overrides={"worker": {"register_interval_ms": 1000, "registration_ttl_ms": 1500}})
+
+
+def test_learnmesh_up_lets_the_gateway_discover_its_workers(tmp_path: Path):
+    cfg = load_config(env={}, overrides={"redis": {"url": "redis://127.0.0.1:1/0"}})
+    paths = supervisor.child_configs(cfg, Namespace(workers=3, ranks=1), tmp_path, {"demo": "k" * 24}, "a" * 24)
+    gateway = yaml.safe_load(paths["gateway"].read_text())["worker"]
+    worker = yaml.safe_load(paths["worker"].read_text())["worker"]
+    assert gateway["endpoints"] == [] and gateway["discovery"]
+    assert len(worker["endpoints"]) == 3 and worker["register"]  # each binds its own, then announces it
