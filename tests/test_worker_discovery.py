@@ -24,6 +24,7 @@ from shared.config import ConfigError, load_config
 from shared.control import now_ms
 from shared.model import build_model
 from shared.worker_registry import Registration, RegistrationError, advertised_endpoint
+from shared.zmq_util import bind_address
 from tests.conftest import free_port, wait_for, wait_for_sync
 from tests.worker_support import spawn_worker, stop, write_config
 
@@ -225,3 +226,28 @@ def test_learnmesh_up_lets_the_gateway_discover_its_workers(tmp_path: Path):
     worker = yaml.safe_load(paths["worker"].read_text())["worker"]
     assert gateway["endpoints"] == [] and gateway["discovery"]
     assert len(worker["endpoints"]) == 3 and worker["register"]  # each binds its own, then announces it
+
+
+def test_every_zeromq_endpoint_binds_loopback_unless_configured_otherwise():
+    cfg = load_config(env={})
+    for where, endpoint in (("worker.endpoints", cfg.worker.endpoints[0]),
+                            ("trainer.samples_endpoint", cfg.trainer.samples_endpoint),
+                            ("security.delta_pub_endpoint", cfg.security.delta_pub_endpoint),
+                            ("security.snapshot_endpoint", cfg.security.snapshot_endpoint),
+                            ("security.ack_endpoint", cfg.security.ack_endpoint)):
+        assert bind_address(endpoint, cfg.zmq.bind_host).startswith("tcp://127.0.0.1:"), where
+    assert cfg.gateway.host == cfg.metrics.bind_host == "127.0.0.1"
+    assert bind_address("tcp://trainer:5611", "0.0.0.0") == "tcp://0.0.0.0:5611"
+    assert bind_address("ipc:///run/x", "0.0.0.0") == "ipc:///run/x"
+
+
+def test_a_worker_binding_every_interface_announces_the_name_it_is_configured_with(tmp_path, redis_url):
+    _, cfg = write_config(tmp_path, 0, worker=DISCOVERY, redis_url=redis_url,
+                          extra={"zmq": {"bind_host": "0.0.0.0"}})
+    port = free_port()
+    worker = Worker(cfg, f"tcp://worker-a.example:{port}", "w", updates=False)
+    try:
+        assert worker.endpoint == f"tcp://0.0.0.0:{port}"
+        assert worker.advertised == f"tcp://worker-a.example:{port}"
+    finally:
+        worker.sock.close(linger=0)

@@ -31,7 +31,7 @@ from shared.curve import CurveKeys
 from shared.samples import LoggedSample, load_stored, parse_entry
 from shared.text import as_str
 from shared.types import ContextWindow, Entry
-from shared.zmq_util import make_socket
+from shared.zmq_util import bind_address, make_socket
 
 log = logging.getLogger("learnmesh.trainer.data")
 
@@ -166,7 +166,7 @@ class SampleSource:
         self.cfg = cfg
         self.redis = redis
         keys = CurveKeys.load(cfg.zmq, "trainer")
-        self.pull = make_socket(zmq_ctx, zmq.PULL, bind=cfg.trainer.samples_endpoint, hwm=cfg.trainer.sample_hwm,
+        self.pull = make_socket(zmq_ctx, zmq.PULL, bind=bind_address(cfg.trainer.samples_endpoint, cfg.zmq.bind_host), hwm=cfg.trainer.sample_hwm,
                                 curve=keys.server("samples") if keys else None)
         self.poller = zmq.Poller()
         self.poller.register(self.pull, zmq.POLLIN)

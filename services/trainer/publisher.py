@@ -43,7 +43,7 @@ from shared.crypto import (
 )
 from shared.curve import CurveKeys, CurveServer
 from shared.delta.codec import DeltaEncoder, EncodedDelta
-from shared.zmq_util import make_socket
+from shared.zmq_util import bind_address, make_socket
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +87,12 @@ class DeltaPublisher:
         sockets: list[zmq.Socket] = []
         keys = CurveKeys.load(cfg.zmq, "trainer")
         workers = keys.server("deltas") if keys else None  # only workers' keys subscribe, ask and ack
+        sec, host = cfg.security, cfg.zmq.bind_host
         try:
-            self._pub = _bind(zmq_ctx, zmq.PUB, cfg.security.delta_pub_endpoint, sockets, hwm=100_000, curve=workers)
-            self._router = _bind(zmq_ctx, zmq.ROUTER, cfg.security.snapshot_endpoint, sockets, curve=workers)
-            self._acks_sock = _bind(zmq_ctx, zmq.PULL, cfg.security.ack_endpoint, sockets, curve=workers)
+            self._pub = _bind(zmq_ctx, zmq.PUB, bind_address(sec.delta_pub_endpoint, host), sockets, hwm=100_000,
+                              curve=workers)
+            self._router = _bind(zmq_ctx, zmq.ROUTER, bind_address(sec.snapshot_endpoint, host), sockets, curve=workers)
+            self._acks_sock = _bind(zmq_ctx, zmq.PULL, bind_address(sec.ack_endpoint, host), sockets, curve=workers)
         except BaseException:
             for sock in sockets:
                 sock.close(linger=0)

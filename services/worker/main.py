@@ -68,7 +68,7 @@ class Worker:
                                 hwm=self.wcfg.hwm, router_mandatory=True,
                                 curve=keys.server("infer") if keys else None)
         self.endpoint = bound_endpoint(self.sock)  # a ``:*`` bind names its port here
-        self.advertised = self._advertised()
+        self.advertised = self._advertised(endpoint)
         self.queue: deque[Request] = deque()
         self.running: dict[str, Request] = {}
         self.version = 0
@@ -81,17 +81,20 @@ class Worker:
         self._digest: tuple[int, str] = (-1, "")
         self.registrar: Any = None
 
-    def _advertised(self) -> str | None:
-        """The endpoint this worker announces, or None when it does not announce itself."""
+    def _advertised(self, configured: str) -> str | None:
+        """The endpoint this worker announces, or None when it does not announce itself: by
+        default the configured endpoint with the port it got (``zmq.bind_host`` may bind
+        another host than the one peers are told)."""
         if not (self.wcfg.register and self.cfg.redis.url):
             return None
         from urllib.parse import urlsplit
 
         from shared.redis_client import url_of
 
+        redis_host = urlsplit(url_of(self.cfg.redis)).hostname or "127.0.0.1"
+        named = configured.rsplit(":", 1)[0] + ":" + self.endpoint.rsplit(":", 1)[1]
         try:
-            return advertised_endpoint(self.endpoint, self.wcfg.advertise, urlsplit(url_of(self.cfg.redis)).hostname
-                                       or "127.0.0.1")
+            return advertised_endpoint(named, self.wcfg.advertise, redis_host)
         except (RegistrationError, KeyError, IndexError, ValueError) as exc:
             self.sock.close(linger=0)
             raise ConfigError(f"worker.advertise: {exc}") from None
