@@ -32,11 +32,14 @@ from shared.config import Config, load_config
 from shared.crypto import KeyFileError, KeyRing, SigningKey, trainer_keys
 from shared.curve import CurveKeys
 from shared.redis_client import client_kwargs
+from shared.worker_registry import advertised_endpoint
+from shared.zmq_util import bind_address
 from tests.conftest import free_port, wait_for_sync
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "compose"
-LEARNMESH_SERVICES = {"gateway", "worker-0", "worker-1", "trainer", "trainer-cpu"}
+LEARNMESH_SERVICES = {"gateway", "worker", "trainer", "trainer-cpu"}
+SCALED_SERVICES = ("gateway", "worker")  # `docker compose up --scale gateway=N --scale worker=M`
 DISPATCH = {"gateway": "gateway.server", "worker": "services.worker.main", "trainer": "services.trainer.main",
             "up": "services.supervisor"}
 
@@ -141,23 +144,26 @@ def test_environment_validates_against_the_config_schema(compose, dotenv, mounts
 def test_bind_and_connect_endpoints_agree(compose, dotenv, mounts):
     hosts = _hosts(compose)
     gw_cfg = _cfg(compose, dotenv, mounts, "gateway")
-    # gateway -> workers: each configured endpoint is a worker service binding that port
-    for i, ep in enumerate(gw_cfg.worker.endpoints):
-        u = urlsplit(ep)
-        svc = compose["services"][u.hostname]
-        cmd = svc["command"]
-        assert int(cmd[cmd.index("--index") + 1]) == i
-        assert urlsplit(cmd[cmd.index("--endpoint") + 1]).port == u.port
+    # gateway -> workers: no fixed list; every worker replica binds all its interfaces and
+    # announces its own address (worker discovery), with an id of its own
+    assert gw_cfg.worker.endpoints == [] and gw_cfg.worker.discovery
+    w_cfg = _cfg(compose, dotenv, mounts, "worker")
+    cmd = compose["services"]["worker"]["command"]
+    bound = bind_address(cmd[cmd.index("--endpoint") + 1], w_cfg.zmq.bind_host)
+    assert "--index" not in cmd and urlsplit(bound).hostname == "0.0.0.0"
+    assert w_cfg.worker.register and w_cfg.worker.advertise == "" and "{host}" in w_cfg.worker.id
+    assert advertised_endpoint(bound, w_cfg.worker.advertise, "127.0.0.1") == f"tcp://127.0.0.1:{urlsplit(bound).port}"
     # the trainer binds on 0.0.0.0 exactly the ports every other process connects to as "trainer"
     for trainer in ("trainer", "trainer-cpu"):
         t_cfg = _cfg(compose, dotenv, mounts, trainer)
-        for name in ("gateway", "worker-0", "worker-1"):
+        for name in ("gateway", "worker"):
             c_cfg = _cfg(compose, dotenv, mounts, name)
             for bind, conn in ((t_cfg.trainer.samples_endpoint, c_cfg.trainer.samples_endpoint),
                                (t_cfg.security.delta_pub_endpoint, c_cfg.security.delta_pub_endpoint),
                                (t_cfg.security.snapshot_endpoint, c_cfg.security.snapshot_endpoint),
                                (t_cfg.security.ack_endpoint, c_cfg.security.ack_endpoint)):
-                assert urlsplit(bind).hostname == "0.0.0.0" and urlsplit(bind).port == urlsplit(conn).port
+                bound = urlsplit(bind_address(bind, t_cfg.zmq.bind_host))
+                assert bound.hostname == "0.0.0.0" and bound.port == urlsplit(conn).port
                 assert urlsplit(conn).hostname == "trainer" and "trainer" in hosts
 
 
@@ -173,10 +179,17 @@ def test_trainer_gpu_reservation_and_cpu_profile(compose, dotenv, mounts):
     assert dotenv["COMPOSE_PROFILES"] == "cpu"
 
 
-def test_gateway_port_published_and_keys_required(compose, dotenv, mounts):
+def test_gateway_reached_through_the_load_balancer_and_keys_required(compose, dotenv, mounts):
     gw = compose["services"]["gateway"]
     port = int(gw["command"][gw["command"].index("--port") + 1])
-    assert f"{port}:{port}" in gw["ports"]
+    assert "ports" not in gw and gw["expose"] == [str(port)]
+    assert compose["services"]["lb"]["ports"] == [f"{port}:8000"]
+    nginx = (COMPOSE / "nginx.conf").read_text()
+    assert re.search(r"^\s*listen 8000;", nginx, re.M)
+    assert f"set $gateway http://gateway:{port};" in nginx and "proxy_pass $gateway;" in nginx
+    assert "resolver 127.0.0.11" in nginx  # re-resolved: replicas added by --scale get traffic
+    assert "proxy_set_header Upgrade $http_upgrade;" in nginx and "proxy_buffering off;" in nginx
+    assert ["./nginx.conf:/etc/nginx/nginx.conf:ro"] == compose["services"]["lb"]["volumes"]
     assert "0.0.0.0" in gw["command"]  # non-loopback bind: the gateway refuses to start without keys
     cfg = _cfg(compose, dotenv, mounts, "gateway")  # keys from its mounted secrets
     assert cfg.gateway.api_keys and cfg.gateway.admin_keys
@@ -184,8 +197,12 @@ def test_gateway_port_published_and_keys_required(compose, dotenv, mounts):
 
 def _targets() -> dict[str, list[str]]:
     prom = yaml.safe_load((COMPOSE / "prometheus.yml").read_text())
-    return {job["job_name"]: [t for sc in job["static_configs"] for t in sc["targets"]]
-            for job in prom["scrape_configs"]}
+    out: dict[str, list[str]] = {}
+    for job in prom["scrape_configs"]:
+        found = [t for sc in job.get("static_configs", []) for t in sc["targets"]]
+        found += [f"{n}:{sd['port']}" for sd in job.get("dns_sd_configs", []) for n in sd["names"]]
+        out[job["job_name"]] = found
+    return out
 
 
 def test_prometheus_scrapes_every_service_by_name(compose, dotenv, mounts):
@@ -196,17 +213,17 @@ def test_prometheus_scrapes_every_service_by_name(compose, dotenv, mounts):
             assert t.split(":")[0] in hosts, f"{job}: {t} is not a compose service"
     gw = compose["services"]["gateway"]
     assert targets["gateway"] == [f"gateway:{gw['command'][gw['command'].index('--port') + 1]}"]
-    for name in ("worker-0", "worker-1"):
-        svc = compose["services"][name]
-        cfg = _cfg(compose, dotenv, mounts, name)
-        index = int(svc["command"][svc["command"].index("--index") + 1])
-        assert f"{name}:{cfg.metrics.worker_port + index}" in targets["worker"]
-        assert cfg.metrics.bind_host == "0.0.0.0"
+    cfg = _cfg(compose, dotenv, mounts, "worker")
+    assert targets["worker"] == [f"worker:{cfg.metrics.worker_port}"] and cfg.metrics.bind_host == "0.0.0.0"
+    prom = yaml.safe_load((COMPOSE / "prometheus.yml").read_text())
+    for job in prom["scrape_configs"]:  # every replica of a scaled service, not one of them
+        if job["job_name"] in SCALED_SERVICES:
+            assert "static_configs" not in job and job["dns_sd_configs"][0]["type"] == "A", job
     t_cfg = _cfg(compose, dotenv, mounts, "trainer-cpu")
     assert targets["trainer"] == [f"trainer:{t_cfg.metrics.trainer_port}"]
     assert any(t.startswith("redis-exporter:") for t in targets["redis"])
     scraped = {t.split(":")[0] for tl in targets.values() for t in tl}
-    for name in set(compose["services"]) - {"grafana", "redis", "trainer-cpu"}:
+    for name in set(compose["services"]) - {"grafana", "redis", "trainer-cpu", "lb"}:
         assert name in scraped, f"{name} is not scraped"
 
 
@@ -239,7 +256,7 @@ def test_grafana_provisioned_dashboard_queries_real_metrics(compose):
 ZMQ_DIR = "/run/keys/zmq"
 ZMQ_PEERS = {"gateway": ("worker", "trainer"), "worker": ("gateway", "trainer"), "trainer": ("gateway", "worker")}
 """Role -> the roles it speaks ZeroMQ with (shared/curve.py): their public keys it pins or admits."""
-SERVICE_ROLES = {"gateway": "gateway", "worker-0": "worker", "worker-1": "worker", "trainer": "trainer",
+SERVICE_ROLES = {"gateway": "gateway", "worker": "worker", "trainer": "trainer",
                  "trainer-cpu": "trainer"}
 
 
@@ -253,8 +270,7 @@ DELTA_RING = {"delta_ring": "/run/keys/delta.key"}
 SERVICE_SECRETS = {  # who may hold what, and where it is mounted
     "gateway": {"redis_password": "/run/secrets/redis_password", "api_keys": "/run/secrets/api_keys",
                 "admin_key": "/run/secrets/admin_key", **_zmq_secrets("gateway")},
-    "worker-0": {"redis_password": "/run/secrets/redis_password", **DELTA_RING, **_zmq_secrets("worker")},
-    "worker-1": {"redis_password": "/run/secrets/redis_password", **DELTA_RING, **_zmq_secrets("worker")},
+    "worker": {"redis_password": "/run/secrets/redis_password", **DELTA_RING, **_zmq_secrets("worker")},
     "trainer": {"redis_password": "/run/secrets/redis_password", **DELTA_RING,
                 "delta_sign_key": "/run/keys/delta-sign.key", **_zmq_secrets("trainer")},
     "trainer-cpu": {"redis_password": "/run/secrets/redis_password", **DELTA_RING,
@@ -338,7 +354,7 @@ def test_generated_secrets_give_each_service_what_it_needs_and_no_more(compose, 
         cfg = _cfg(compose, dotenv, mounts, trainer)
         ring, signing = trainer_keys(cfg.security.delta_key_file, cfg.security.signing_key_path)
         assert signing is not None and signing.id == ring.signer == rings[trainer].signer
-    for worker in ("worker-0", "worker-1"):
+    for worker in ("worker",):
         assert rings[worker].to_dict() == rings["trainer"].to_dict() and rings[worker].signer in rings[worker].verify_keys
         files = [p for p in mounts[worker].rglob("*") if p.is_file()]
         assert files and not any(b"sign_private" in p.read_bytes() for p in files), worker
@@ -454,3 +470,72 @@ def _parse_env_file(text: str) -> dict[str, str]:
     found = dict(re.findall(r"^([A-Z0-9_]+)='([^']*)'", text, re.M))
     assert len(found) == len(re.findall(r"^[A-Z0-9_]+=", text, re.M))
     return found
+
+
+# --------------------------------------------------------------------------- scaling out
+
+def test_the_compose_file_is_valid_against_the_compose_specification(compose, dotenv, generated):
+    """The official Compose Specification schema (vendored in compose/schema/, no compose CLI
+    here) accepts the file as `docker compose` sees it: variables interpolated, anchors and
+    merge keys resolved."""
+    import jsonschema
+
+    schema = json.loads((COMPOSE / "schema" / "compose-spec.json").read_text())
+    variables = {**dotenv, **generated}
+
+    def interpolated(node):  # compose interpolates string values after parsing the YAML
+        if isinstance(node, dict):
+            return {k: interpolated(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [interpolated(v) for v in node]
+        return _interpolate(node, variables) if isinstance(node, str) else node
+
+    jsonschema.validate(interpolated(compose), schema)
+    broken = interpolated(compose)
+    broken["services"]["gateway"]["healthcheck"]["interval"] = ["5s"]
+    with pytest.raises(jsonschema.ValidationError):  # the schema is really applied
+        jsonschema.validate(broken, schema)
+
+
+def test_scaled_services_have_no_fixed_names_or_host_ports(compose):
+    for name in SCALED_SERVICES:
+        service = compose["services"][name]
+        assert "container_name" not in service and "ports" not in service and "hostname" not in service, name
+        for value in (service.get("environment") or {}).values():
+            assert not re.search(rf"\b{name}-\d\b", str(value)), f"{name}: a replica named in {value}"
+    assert not any("container_name" in s for s in compose["services"].values())
+    published = [p.split(":")[-2] for s in compose["services"].values() for p in s.get("ports") or []]
+    assert len(published) == len(set(published)), "two services publish the same host port"
+
+
+def test_every_service_has_a_healthcheck_and_a_restart_policy(compose):
+    for name, service in compose["services"].items():
+        check = service.get("healthcheck")
+        assert check and check["test"][0] in ("CMD", "CMD-SHELL") and not check.get("disable"), name
+        assert service.get("restart") in ("unless-stopped", "always", "on-failure"), name
+    # learnmesh's processes wait for a healthy Redis, the balancer for a healthy gateway
+    for name in LEARNMESH_SERVICES:
+        assert compose["services"][name]["depends_on"]["redis"]["condition"] == "service_healthy", name
+    assert compose["services"]["lb"]["depends_on"]["gateway"]["condition"] == "service_healthy"
+    gw_check = " ".join(compose["services"]["gateway"]["healthcheck"]["test"])
+    assert "/readyz" in gw_check
+
+
+def _bytes(size: str) -> int:
+    """redis.conf memory units: 1k = 1000, 1kb = 1024 (and m/mb, g/gb)."""
+    m = re.fullmatch(r"(\d+)(k|kb|m|mb|g|gb)?", size.lower())
+    assert m, size
+    unit = {None: 1, "k": 1000, "kb": 1024, "m": 1000**2, "mb": 1024**2, "g": 1000**3, "gb": 1024**3}
+    return int(m.group(1)) * unit[m.group(2)]
+
+
+def test_redis_has_headroom_above_the_context_budget(compose, dotenv, mounts):
+    """Redis must not refuse writes (noeviction OOM) before learnmesh's own global LRU has
+    evicted down to context.global_budget_bytes: maxmemory is the budget plus room for
+    sessions, the sample log, audit and the AOF rewrite buffer."""
+    cmd = compose["services"]["redis"]["command"]
+    maxmemory = _bytes(cmd[cmd.index("--maxmemory") + 1])
+    assert cmd[cmd.index("--maxmemory-policy") + 1] == "noeviction"
+    for name in LEARNMESH_SERVICES:
+        budget = _cfg(compose, dotenv, mounts, name).context.global_budget_bytes
+        assert maxmemory >= budget * 5 // 4 + 512 * 1024**2, (name, maxmemory, budget)
