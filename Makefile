@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .PHONY: run compose-secrets test test-fast conformance check lint typecheck bench-gateway bench-context bench-inference \
-        bench-trainer bench-delta bench-learning bench-mesh bench-drills clean
+        bench-trainer bench-delta bench-learning bench-mesh bench-drills clean deploy-tools check-deploy
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -69,5 +69,19 @@ bench-mesh: $(STAMP)
 bench-drills: $(STAMP)
 	$(BIN)/python bench/drills.py $(ARGS)
 
+## The tools that check deploy/ (kubernetes-validate, checkov), in their own venv.
+DEPLOY_VENV := .venv-deploy
+$(DEPLOY_VENV)/.installed: deploy/requirements.txt
+	test -x $(DEPLOY_VENV)/bin/python || $(PY) -m venv $(DEPLOY_VENV)
+	$(DEPLOY_VENV)/bin/pip install -q -r deploy/requirements.txt
+	touch $@
+
+deploy-tools: $(DEPLOY_VENV)/.installed
+
+## Render the Kubernetes overlays and check them (kubectl kustomize, kubernetes-validate, checkov) and compose/.
+check-deploy: $(STAMP) deploy-tools
+	LEARNMESH_REQUIRE_DEPLOY_TOOLS=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_deploy_kubernetes.py \
+		tests/test_compose.py
+
 clean:
-	rm -rf $(VENV) var node_modules .pytest_cache
+	rm -rf $(VENV) $(DEPLOY_VENV) var node_modules .pytest_cache

@@ -512,8 +512,8 @@ class LearningConfig:
 class MetricsConfig:
     """Where the processes without an HTTP server (workers, trainer ranks) expose /metrics.
 
-    Worker ``i`` listens on ``worker_port + i`` (``--index``); trainer rank ``r`` on
-    ``trainer_port + r``. In containers every process has its own address, so index 0 /
+    Worker ``i`` listens on ``worker_port + i`` (``--index``); the trainer rank with local rank ``r``
+    (its index on its host) on ``trainer_port + r``. In containers every process has its own address, so index 0 /
     rank 0 ports are the ones scraped. ``port = 0`` disables that exporter.
     """
 

@@ -219,7 +219,7 @@ def start_metrics_server(cfg: Config, kind: str, index: int = 0) -> int | None:
     """Expose this process's Prometheus registry over HTTP (workers and trainer ranks).
 
     ``kind`` is ``"worker"`` (port ``metrics.worker_port + index``) or ``"trainer"``
-    (``metrics.trainer_port + rank``). Returns the port, or None when disabled or taken.
+    (``metrics.trainer_port + local rank``: ports count per host). Returns the port, or None when disabled or taken.
     """
     from prometheus_client import start_http_server
 

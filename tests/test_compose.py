@@ -35,6 +35,7 @@ from shared.redis_client import client_kwargs
 from shared.worker_registry import advertised_endpoint
 from shared.zmq_util import bind_address
 from tests.conftest import free_port, wait_for_sync
+from tests.deploy_support import headroom_bytes, redis_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "compose"
@@ -521,21 +522,14 @@ def test_every_service_has_a_healthcheck_and_a_restart_policy(compose):
     assert "/readyz" in gw_check
 
 
-def _bytes(size: str) -> int:
-    """redis.conf memory units: 1k = 1000, 1kb = 1024 (and m/mb, g/gb)."""
-    m = re.fullmatch(r"(\d+)(k|kb|m|mb|g|gb)?", size.lower())
-    assert m, size
-    unit = {None: 1, "k": 1000, "kb": 1024, "m": 1000**2, "mb": 1024**2, "g": 1000**3, "gb": 1024**3}
-    return int(m.group(1)) * unit[m.group(2)]
-
 
 def test_redis_has_headroom_above_the_context_budget(compose, dotenv, mounts):
     """Redis must not refuse writes (noeviction OOM) before learnmesh's own global LRU has
     evicted down to context.global_budget_bytes: maxmemory is the budget plus room for
     sessions, the sample log, audit and the AOF rewrite buffer."""
     cmd = compose["services"]["redis"]["command"]
-    maxmemory = _bytes(cmd[cmd.index("--maxmemory") + 1])
+    maxmemory = redis_bytes(cmd[cmd.index("--maxmemory") + 1])
     assert cmd[cmd.index("--maxmemory-policy") + 1] == "noeviction"
     for name in LEARNMESH_SERVICES:
         budget = _cfg(compose, dotenv, mounts, name).context.global_budget_bytes
-        assert maxmemory >= budget * 5 // 4 + 512 * 1024**2, (name, maxmemory, budget)
+        assert maxmemory >= headroom_bytes(budget), (name, maxmemory, budget)

@@ -91,7 +91,7 @@ def run_rank(cfg: Config, observers: Sequence[StepObserver] = ()) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
-    start_metrics_server(cfg, "trainer", env.rank)
+    start_metrics_server(cfg, "trainer", env.local_rank)  # ports count per host: one node, one rank each
     m.TRAINER_RESTARTS.inc(env.restarts)
     if env.restarts and env.rank == 0:
         log.warning("the rank group was restarted (restart %d of %s): resuming from the latest checkpoint",
