@@ -9,26 +9,36 @@ LEARNMESH_REQUIRE_DEPLOY_TOOLS=1, so these never skip there)."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis as redis_sync
+import redis.asyncio as aioredis
 import yaml
 
+from gateway.tools.learning import SampleIngest
 from services import compose_secrets
 from services.cli import _parser
+from shared import keys
 from shared.config import load_config
 from shared.crypto import KeyFileError, KeyRing, SigningKey, trainer_keys
 from shared.curve import CurveKeys
+from shared.samples import Example
 from shared.worker_registry import advertised_endpoint
 from shared.zmq_util import bind_address
+from tests.conftest import free_port, wait_for
 from tests.deploy_support import headroom_bytes, redis_bytes
+from tests.trainer_support import committed, trainer_config
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "kubernetes"
@@ -207,8 +217,8 @@ def _pod_config(docs: list[dict], name: str, kind: str, secrets: dict[str, dict[
 
 def test_make_secrets_builds_what_the_pods_mount(rendered, secrets, tmp_path):
     for overlay, docs in rendered.items():
-        for name, keys in _mounted_items(docs).items():
-            assert keys <= set(secrets[name]), (overlay, name, keys - set(secrets[name]))
+        for name, items in _mounted_items(docs).items():
+            assert items <= set(secrets[name]), (overlay, name, items - set(secrets[name]))
     assert set(secrets["learnmesh-worker"]) == {"redis_password", "delta.key", "worker.key_secret", "gateway.key",
                                                "trainer.key"}
     docs = rendered["cpu"]
@@ -216,8 +226,8 @@ def test_make_secrets_builds_what_the_pods_mount(rendered, secrets, tmp_path):
                               tmp_path / role / "keys") for role in ROLE_SECRETS}
     peers = {"gateway": ("worker", "trainer"), "worker": ("gateway", "trainer"), "trainer": ("gateway", "worker")}
     for role, cfg in cfgs.items():
-        keys = CurveKeys.load(cfg.zmq, role)
-        assert keys is not None and all(keys.server_key(p) for p in peers[role])
+        curve = CurveKeys.load(cfg.zmq, role)
+        assert curve is not None and all(curve.server_key(p) for p in peers[role])
     ring, signing = trainer_keys(cfgs["trainer"].security.delta_key_file, cfgs["trainer"].security.signing_key_path)
     assert signing is not None and signing.id == ring.signer
     worker_ring = KeyRing.load(cfgs["worker"].security.delta_key_file)
@@ -374,3 +384,53 @@ def test_checkov_finds_no_misconfiguration(rendered, tmp_path):
     _write({"cpu": broken}, tmp_path / "broken")
     caught = {f["check_id"] for f in _checkov(tool, tmp_path / "broken")["results"]["failed_checks"]}
     assert "CKV_K8S_16" in caught  # "Container should not be privileged"
+
+
+async def test_the_trainer_pods_torchrun_command_trains_a_real_gloo_group(rendered, redis_url, tmp_path):
+    """The trainer container's command line as the StatefulSet renders it (one node, two
+    ranks, static rendezvous at the master address; the pod's names swapped for loopback)
+    forms a gloo group that trains what the gateway logs, and stops cleanly on SIGTERM."""
+    [c] = _pod(_find(rendered["cpu"], "StatefulSet", "trainer"))["containers"]
+    env = _env(c)
+    cfg = trainer_config(redis_url, tmp_path, free_port(), backend=env["LEARNMESH_TRAINER__BACKEND"])
+    path = tmp_path / "learnmesh.yaml"
+    path.write_text(yaml.safe_dump(cfg.to_dict()))
+    port = free_port()
+    values = {"TRAINER_NODES": env["TRAINER_NODES"], "TRAINER_PROCS_PER_NODE": env["TRAINER_PROCS_PER_NODE"],
+              "POD_INDEX": "0"}
+    args = [re.sub(r"\$\((\w+)\)", lambda m: values[m.group(1)], a) for a in c["args"]]
+    args = [a.replace("trainer-0.trainer", "127.0.0.1").replace("=29511", f"={port}") for a in args]
+    assert c["command"][0] == "python"
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("LEARNMESH_") and k != "REDIS_URL"}
+    child_env.update({"LEARNMESH_CONFIG": str(path), "OMP_NUM_THREADS": "1"})
+    log = open(tmp_path / "trainer.log", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen([sys.executable, *c["command"][1:], *args], cwd=ROOT, env=child_env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    redis = aioredis.Redis.from_url(redis_url)
+    ingest = SampleIngest(redis, cfg)
+    try:
+        out = await ingest.submit("alice", [Example(input=f"k{i}", target=f"v{i}") for i in range(8)])
+        await wait_for(lambda: int(committed(redis_url).get("seq", 0)) == 8 or proc.poll() is not None,
+                       timeout_s=240, what="the torchrun group to train the samples")
+        assert proc.poll() is None, (tmp_path / "trainer.log").read_text()[-3000:]
+        sync = redis_sync.Redis.from_url(redis_url)
+        try:  # every rank of the pod is in the group
+            await wait_for(lambda: sync.hget(keys.TRAINER_STATUS, "world"), what="the trainer's status report")
+            assert sync.hget(keys.TRAINER_STATUS, "world") == env["TRAINER_PROCS_PER_NODE"].encode()
+        finally:
+            sync.close()
+        assert len(out["ids"]) == 8
+        # what Kubernetes sends a pod it stops: torchrun hands SIGTERM to every rank, which
+        # checkpoints and stops (torchrun itself then exits with its SignalException status)
+        os.killpg(proc.pid, signal.SIGTERM)
+        await asyncio.to_thread(proc.wait, 120)
+        output = (tmp_path / "trainer.log").read_text()
+        assert "rank 0 stopped cleanly" in output and "rank 1 stopped cleanly" in output, output[-3000:]
+        assert list(Path(cfg.trainer.checkpoint_dir).glob("ckpt-*.pt"))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        log.close()
+        ingest.close()
+        await redis.aclose()
