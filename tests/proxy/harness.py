@@ -1,0 +1,184 @@
+"""Upstream server processes and the SDK client, for the proxy tests and the proxy bench.
+
+:func:`start_http_upstream` runs ``python -m tests.proxy.upstreams http`` on a free port
+(``shared.net.free_port``), pinned to one protocol revision and, when given a token, demanding
+it as a bearer token (passed in the environment, never on the command line), and waits until
+the port answers HTTP. :func:`sdk_client` connects the official SDK client to an upstream or
+to a proxy, answering elicitation and sampling requests with fixed answers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from mcp import Client
+from mcp.client.stdio import StdioServerParameters
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared._httpx_utils import create_mcp_http_client
+from mcp.types import CreateMessageResult, ElicitResult, TextContent
+
+from shared.net import free_port
+from tests.conftest import wait_for_sync
+from tests.proxy.upstreams.server import MARK_DIR_ENV
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKEN_ENV = "UPSTREAM_BEARER_TOKEN"
+STOP_TIMEOUT_S = 10.0
+
+
+@dataclass
+class Upstream:
+    """One upstream server process and how to reach it."""
+
+    name: str
+    revision: str  # what it speaks: "2025-11-25", "2026-07-28" or "both"
+    command: list[str]
+    env: dict[str, str]
+    mark_dir: Path
+    url: str | None = None  # None for stdio: a proxy runs ``command`` itself
+    token: str | None = None
+    proc: subprocess.Popen | None = None
+    log_path: Path | None = field(default=None, repr=False)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What a direct client sends to be let in."""
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
+    def calls_started(self) -> int:
+        """How many marked calls (``slow``) have begun on this upstream."""
+        return sum(1 for _ in self.mark_dir.iterdir())
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
+
+    def kill(self) -> None:
+        """SIGKILL: the process gets no chance to answer anything in flight."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(STOP_TIMEOUT_S)
+
+
+def upstream_command(transport: str, name: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "tests.proxy.upstreams", transport, "--name", name, *extra]
+
+
+def upstream_env(mark_dir: Path, token: str | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LEARNMESH_", TOKEN_ENV))}
+    env["PYTHONPATH"] = str(ROOT)
+    env[MARK_DIR_ENV] = str(mark_dir)
+    if token:
+        env[TOKEN_ENV] = token
+    return env
+
+
+def _answers_http(url: str) -> bool:
+    try:
+        httpx.get(url, timeout=1)
+    except httpx.HTTPError:
+        return False
+    return True
+
+
+def start_http_upstream(name: str, revision: str, workdir: Path, token: str | None = None) -> Upstream:
+    """Start an HTTP upstream pinned to ``revision`` ("both" for an unpinned one) and wait until
+    it answers HTTP."""
+    port = free_port()
+    mark_dir = workdir / f"{name}-marks"
+    mark_dir.mkdir(parents=True, exist_ok=True)
+    extra = ["--port", str(port), "--revision", revision]
+    if token:
+        extra += ["--token-env", TOKEN_ENV]
+    up = Upstream(name=name, revision=revision, command=upstream_command("http", name, *extra),
+                  env=upstream_env(mark_dir, token), mark_dir=mark_dir,
+                  url=f"http://127.0.0.1:{port}/mcp", token=token, log_path=workdir / f"{name}.log")
+    with up.log_path.open("wb") as log:  # type: ignore[union-attr]
+        up.proc = subprocess.Popen(up.command, cwd=ROOT, env=up.env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for_sync(lambda: _alive(up) and _answers_http(f"http://127.0.0.1:{port}/"), timeout_s=30,
+                      interval_s=0.05, what=lambda: f"upstream {name} on port {port}:\n{up.log()}")
+    except BaseException:
+        stop_upstream(up)
+        raise
+    return up
+
+
+def _alive(up: Upstream) -> bool:
+    if up.proc is not None and up.proc.poll() is not None:
+        raise AssertionError(f"upstream {up.name} exited with {up.proc.returncode}:\n{up.log()}")
+    return True
+
+
+def stop_upstream(up: Upstream) -> None:
+    if up.proc is None or up.proc.poll() is not None:
+        return
+    up.proc.terminate()
+    try:
+        up.proc.wait(STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        up.kill()
+
+
+def stdio_upstream_spec(name: str, workdir: Path) -> Upstream:
+    """The stdio upstream: not started here; whoever mounts it runs ``command`` with ``env``."""
+    mark_dir = workdir / f"{name}-marks"
+    mark_dir.mkdir(parents=True, exist_ok=True)
+    return Upstream(name=name, revision="both", command=upstream_command("stdio", name),
+                    env=upstream_env(mark_dir), mark_dir=mark_dir)
+
+
+CallOutcome = tuple[str, Any]  # ("result", value), ("error", exception) or ("cancelled", None)
+
+
+def leaf_errors(exc: BaseException) -> list[BaseException]:
+    """The exceptions inside (nested) exception groups: the SDK client raises its transport's
+    failures out of task groups."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in leaf_errors(inner)]
+    return [exc]
+
+
+ELICITED_NAME = "Ada"
+SAMPLED_TEXT = "Paris"
+
+
+async def answer_elicitation(context: Any, params: Any) -> ElicitResult:
+    """The client side of ``greet_user``: accept with a name in the first requested field."""
+    field_name = next(iter(params.requested_schema["properties"]))
+    return ElicitResult(action="accept", content={field_name: ELICITED_NAME})
+
+
+async def answer_sampling(context: Any, params: Any) -> CreateMessageResult:
+    """The client side of ``ask_model``: a fixed model answer."""
+    return CreateMessageResult(role="assistant", content=TextContent(type="text", text=SAMPLED_TEXT),
+                               model="test-model")
+
+
+@contextlib.asynccontextmanager
+async def sdk_client(target: str | Upstream, mode: str, headers: dict[str, str] | None = None,
+                     **options: Any) -> AsyncIterator[Client]:
+    """The official SDK client on ``target`` (a URL or an upstream: its URL and bearer token, or
+    its stdio command) in ``mode`` ("legacy", "auto" or "2026-07-28"), answering elicitation
+    and sampling requests; ``headers`` are sent with every HTTP request."""
+    options = {"elicitation_callback": answer_elicitation, "sampling_callback": answer_sampling,
+               "cache": None, **options}
+    if isinstance(target, Upstream) and target.url is None:
+        params = StdioServerParameters(command=target.command[0], args=target.command[1:], env=target.env,
+                                       cwd=str(ROOT))
+        async with Client(params, mode=mode, **options) as client:
+            yield client
+        return
+    url = target if isinstance(target, str) else target.url
+    sent = {**(target.headers if isinstance(target, Upstream) else {}), **(headers or {})}
+    async with create_mcp_http_client(headers=sent) as http, \
+            Client(streamable_http_client(url, http_client=http), mode=mode, **options) as client:
+        yield client
