@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
+from conformance.http_guards import LEGACY, MODERN
 from tests.conftest import wait_for
 from tests.proxy.harness import CallOutcome, Upstream, start_http_upstream, stdio_upstream_spec, stop_upstream
-from tests.proxy.upstreams.pinning import LEGACY, MODERN
 
 
 @pytest.fixture

@@ -16,8 +16,8 @@ import httpx2
 import pytest
 from mcp.shared.exceptions import MCPError
 
+from conformance.http_guards import LEGACY, MODERN
 from tests.proxy.harness import ELICITED_NAME, SAMPLED_TEXT, Upstream, leaf_errors, sdk_client
-from tests.proxy.upstreams.pinning import LEGACY, MODERN
 from tests.proxy.upstreams.server import FAIL_MESSAGE, PNG_1PX, STATIC_TEXT, STATIC_URI
 
 pytest_plugins = ("tests.proxy_support",)  # its fixtures: the upstream processes

@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 
-from tests.proxy.upstreams.pinning import REVISIONS, BearerCheck, RevisionPin
+from conformance.http_guards import REVISIONS, BearerCheck, RevisionPin
 from tests.proxy.upstreams.server import build_server
 
 

@@ -1,6 +1,8 @@
-"""ASGI guards in front of an SDK server's Streamable HTTP app: a revision pin and a bearer check.
+"""ASGI guards in front of an MCP server's Streamable HTTP app: a revision pin and a bearer check.
 
-The SDK 2.3.0 has no switch to serve one protocol revision only: one
+They make an upstream that speaks one protocol revision only, for the conformance runs through
+the proxy (``conformance/pinned_upstream.py``: a learnmesh gateway with the fixtures) and the
+proxy tests (``tests/proxy/upstreams``: the official SDK's server). The SDK 2.3.0 has no switch to serve one protocol revision only: one
 ``StreamableHTTPSessionManager`` serves both eras and routes each POST by its
 ``MCP-Protocol-Version`` header (absent or a handshake-era version → the 2025-11-25
 session transport; anything else → the 2026-07-28 single-exchange entry), and stdio decides
@@ -55,16 +57,18 @@ def _error(code: int, message: str, data: Any = None) -> dict[str, Any]:
 
 
 class RevisionPin:
-    """Serve only ``revision`` (``2025-11-25`` or ``2026-07-28``) of the wrapped SDK app."""
+    """Serve only ``revision`` (``2025-11-25`` or ``2026-07-28``) of the wrapped app's MCP
+    endpoint ``path``; its other routes (``/healthz``) pass untouched."""
 
-    def __init__(self, app: ASGIApp, revision: str) -> None:
+    def __init__(self, app: ASGIApp, revision: str, path: str = "/mcp") -> None:
         if revision not in REVISIONS:
             raise ValueError(f"revision must be one of {REVISIONS}, got {revision!r}")
         self.app = app
         self.revision = revision
+        self.path = path
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
+        if scope["type"] == "http" and scope["path"] == self.path:
             refusal = self._refusal(scope)
             if refusal is not None:
                 await _send_json(send, *refusal)
