@@ -339,8 +339,12 @@ class Proxy:
             meta["io.modelcontextprotocol/clientCapabilities"] = call.envelope.client_capabilities
         side = CallHooks(self, call, up)
         for _ in range(MAX_INPUT_ROUNDS):
-            result = await up.client.request(call.principal, method, params, side.hooks)
-            if side.input_required is not None:
+            try:
+                result = await up.client.request(call.principal, method, params, side.hooks)
+            except McpError:
+                if side.input_required is None:
+                    raise
+            if side.input_required is not None:  # whatever the upstream made of the unanswered request
                 raise side.input_required
             if result.get("resultType") != "input_required":
                 return _for_client(result)
