@@ -229,3 +229,15 @@ STATUS_INDEX = f"{PREFIX}status:index"
 def component_status(component: str) -> str:
     """Hash: a process's self-report (``worker:<id>``, ``trainer``, ``delta``) with ``ts_ms``; short TTL."""
     return f"{PREFIX}status:{component}"
+
+
+# ---------------------------------------------------------------- MCP-Proxy (gateway/proxy/)
+def proxy_session(principal: str, upstream: str) -> str:
+    """String: the 2025-11-25 session id the gateway holds at ``upstream`` for ``principal``, so
+    any replica continues the principal's upstream session."""
+    return f"{PREFIX}{_tag(principal)}:proxy:sess:{upstream}"
+
+
+PROXY_UPSTREAMS = f"{PREFIX}proxy:upstreams"
+"""Hash: upstream name -> its configuration as JSON (names of credential sources only, never their
+values), or a removal marker for a config-file upstream deleted at runtime. No principal data."""

@@ -10,6 +10,7 @@ which revision, how to emit notifications on the response stream) and asks
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import time
 import uuid
@@ -49,6 +50,7 @@ from gateway.mcp.types import (
     RequestId,
     Response,
 )
+from gateway.proxy.names import URI_SCHEME as UPSTREAM_URI_SCHEME
 from gateway.registry import Registry, Tool
 from shared.metrics import MCP_LATENCY, MCP_REQUESTS
 
@@ -149,6 +151,23 @@ class Call:
             err = answer.error
             raise McpError(err.code, err.message, None if err.data is msgspec.UNSET else err.data)
         return answer.result or {}
+
+
+def _cursor(kind: str, offset: int) -> str:
+    return base64.urlsafe_b64encode(f"{kind}:{offset}".encode()).decode()
+
+
+def _cursor_offset(cursor: Any, kind: str) -> int:
+    """Where a list page starts; a cursor that is not one of this list's is bad input."""
+    if cursor is None:
+        return 0
+    try:
+        name, _, offset = base64.urlsafe_b64decode(str(cursor).encode()).decode().partition(":")
+        if name == kind and offset.isdigit():
+            return int(offset)
+    except (ValueError, UnicodeDecodeError):
+        pass
+    raise InvalidParams("params.cursor is not a cursor of this list")
 
 
 def _str_param(params: dict[str, Any], name: str) -> str:
@@ -301,8 +320,24 @@ class Dispatcher:
             out["cacheScope"] = "public"
         return out
 
+    async def _merged(self, call: Call, key: str, params: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+        """``out`` with the upstreams' entries after the gateway's own, one page of
+        ``proxy.page_size`` entries at a time (``nextCursor`` / ``cursor``)."""
+        proxy = self.state.proxy
+        if not proxy.active:
+            return out
+        entries = [*out[key], *await proxy.listing(call, key)]
+        start = _cursor_offset(params.get("cursor"), key)
+        size = self.config.proxy.page_size
+        out[key] = entries[start:start + size]
+        if start + size < len(entries):
+            out["nextCursor"] = _cursor(key, start + size)
+        if call.modern and proxy.per_principal_lists:
+            out["cacheScope"] = "private"
+        return out
+
     async def _handle_tools_list(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
-        return self._list(call, "tools")
+        return await self._merged(call, "tools", p, self._list(call, "tools"))
 
     async def _handle_resources_list(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
         """Static resources, then each ``registry.resource_listers`` entry's resources for the
@@ -316,20 +351,23 @@ class Dispatcher:
             out["resources"] = resources
             if call.modern:
                 out["cacheScope"] = "private"
-        return out
+        return await self._merged(call, "resources", p, out)
 
     async def _handle_resources_templates_list(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
-        return self._list(call, "resourceTemplates")
+        return await self._merged(call, "resourceTemplates", p, self._list(call, "resourceTemplates"))
 
     async def _handle_prompts_list(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
-        return self._list(call, "prompts")
+        return await self._merged(call, "prompts", p, self._list(call, "prompts"))
 
     # ------------------------------------------------------------------ tools
     async def _handle_tools_call(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
         name = _str_param(p, "name")
         tool = self.registry.tools.get(name)
         if tool is None:
-            raise InvalidParams(f"Tool not found: {name}")
+            if not self.state.proxy.active:
+                raise InvalidParams(f"Tool not found: {name}")
+            self._restore_inputs(call, p, "tools/call", name)
+            return await self.state.proxy.call_tool(call, name, p)
         args = p.get("arguments")
         if args is None:
             args = {}
@@ -410,6 +448,8 @@ class Dispatcher:
         res = self.registry.resources.get(uri)
         if res is not None:
             out = await res.handler(call, {"uri": uri})
+        elif uri.startswith(UPSTREAM_URI_SCHEME) and self.state.proxy.active:
+            out = await self.state.proxy.read_resource(call, uri)
         else:
             found = self.registry.find_template(uri)
             if found is None:
@@ -495,7 +535,10 @@ class Dispatcher:
         name = _str_param(p, "name")
         prompt = self.registry.prompts.get(name)
         if prompt is None:
-            raise InvalidParams(f"Prompt not found: {name}")
+            if not self.state.proxy.active:
+                raise InvalidParams(f"Prompt not found: {name}")
+            self._restore_inputs(call, p, "prompts/get", name)
+            return await self.state.proxy.get_prompt(call, name, p)
         args = p.get("arguments") or {}
         if not isinstance(args, dict) or not all(isinstance(v, str) for v in args.values()):
             raise InvalidParams("params.arguments must map names to strings")

@@ -1,0 +1,276 @@
+"""The gateway's MCP client for one upstream, on the kernel's message types.
+
+Revisions:
+
+- **2026-07-28** (stateless): every request carries ``_meta`` with the protocol version and the
+  client capabilities, and the ``MCP-Protocol-Version``/``Mcp-Method``/``Mcp-Name`` headers that
+  must match the body; no session.
+- **2025-11-25** (sessions): ``initialize`` then ``notifications/initialized``; the session id
+  (``Mcp-Session-Id``) is held per principal, in Redis, so any replica continues it. An upstream
+  that no longer knows the session (HTTP 404) gets a new one and the request is sent again.
+- ``auto``: ``server/discover`` decides once per upstream (2026-07-28 when offered, else 2025-11-25).
+
+Every call passes the breaker and the concurrency bound, and runs under ``timeout_s``; what
+fails becomes :class:`~gateway.proxy.errors.UpstreamFailed`, naming the upstream and never a
+credential. The upstream's own JSON-RPC errors keep their code and message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import itertools
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+import msgspec
+import redis.asyncio as aioredis
+
+from gateway.errors import McpError
+from gateway.mcp.kernel import NAME_BEARING
+from gateway.mcp.types import (
+    CLIENT_CAPABILITIES_META_KEY,
+    LEGACY_VERSION,
+    MODERN_VERSION,
+    PROTOCOL_VERSION_META_KEY,
+    Notification,
+    Request,
+)
+from gateway.proxy.breaker import Breaker
+from gateway.proxy.errors import UpstreamFailed, WireClosed
+from gateway.proxy.wire import NO_HOOKS, Answer, Hooks, HttpWire, StdioWire, Wire
+from shared import keys
+from shared.config import BreakerConfig, ConfigError, UpstreamConfig
+from shared.secret_files import read_private_text
+
+log = logging.getLogger(__name__)
+
+CLIENT_INFO = {"name": "learnmesh-proxy", "version": "0.1.0"}
+# What the gateway can carry back to its own clients (gateway/proxy/proxy.py forwards them).
+FORWARDED_CAPABILITIES: dict[str, Any] = {"sampling": {}, "elicitation": {}, "roots": {"listChanged": True}}
+_encode = msgspec.json.Encoder().encode
+
+
+def credential_headers(cfg: UpstreamConfig) -> dict[str, str]:
+    """The upstream's credential headers, read from their sources now; a missing source is a
+    config error naming the header and where it should come from, never a value."""
+    out: dict[str, str] = {}
+    for header, var in cfg.headers_from_env.items():
+        value = os.environ.get(var)
+        if value is None:
+            raise ConfigError(f"proxy upstream {cfg.name!r}: header {header} needs environment variable {var}")
+        out[header.lower()] = value
+    for header, path in cfg.headers_from_file.items():
+        out[header.lower()] = read_private_text(path, f"credential file of upstream {cfg.name!r}").strip()
+    return out
+
+
+def header_value(value: str) -> str:
+    """A header value as the kernel reads it back: plain printable ASCII, else ``=?base64?...?=``."""
+    if value.isascii() and value.isprintable() and value == value.strip():
+        return value
+    return "=?base64?" + base64.b64encode(value.encode()).decode() + "?="
+
+
+class UpstreamClient:
+    """Speaks MCP to one upstream for every principal of this replica."""
+
+    def __init__(self, cfg: UpstreamConfig, redis: aioredis.Redis, breaker: BreakerConfig,
+                 session_ttl_s: int) -> None:
+        self.cfg = cfg
+        self.name = cfg.name
+        self.redis = redis
+        self.session_ttl_s = session_ttl_s
+        creds = credential_headers(cfg)
+        self.wire: Wire = (HttpWire(cfg.url, creds, cfg.timeout_s, cfg.concurrency) if cfg.url is not None
+                           else StdioWire(cfg.command or [], {}))
+        self.revision: str | None = None if cfg.revision == "auto" else cfg.revision
+        self.legacy_version = LEGACY_VERSION  # what initialize agreed on
+        self.breaker = Breaker(breaker.failures, breaker.reset_s)
+        self.gate = asyncio.Semaphore(cfg.concurrency)
+        self._ids = itertools.count(1)
+        self._sessions: dict[str, str] = {}  # principal -> upstream session id (cache of Redis)
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._stdio_session = 0  # generation of the stdio process the session was opened on
+
+    # ------------------------------------------------------------------ the one entry point
+    async def request(self, principal: str, method: str, params: dict[str, Any], hooks: Hooks = NO_HOOKS,
+                      ) -> dict[str, Any]:
+        """The upstream's result for ``method``; raises McpError (its error) or UpstreamFailed."""
+        if not self.breaker.admit():
+            raise UpstreamFailed(self.name, "breaker_open",
+                                 f"upstream {self.name!r} is failing; calls resume in "
+                                 f"{self.breaker.retry_in_s():.0f} s (circuit breaker open)")
+        try:
+            async with asyncio.timeout(self.cfg.timeout_s):
+                async with self.gate:
+                    result = await self._request(principal, method, params, hooks)
+        except TimeoutError:
+            self.breaker.failed()
+            raise UpstreamFailed(self.name, "timeout", f"upstream {self.name!r} did not answer {method} "
+                                 f"within {self.cfg.timeout_s:g} s") from None
+        except (httpx.HTTPError, OSError, WireClosed) as exc:
+            self.breaker.failed()
+            raise UpstreamFailed(self.name, "unreachable",
+                                 f"upstream {self.name!r} is unreachable ({type(exc).__name__})") from None
+        except UpstreamFailed:
+            self.breaker.failed()
+            raise
+        except McpError:
+            self.breaker.succeeded()  # the upstream answered: it is alive
+            raise
+        self.breaker.succeeded()
+        return result
+
+    async def _request(self, principal: str, method: str, params: dict[str, Any], hooks: Hooks) -> dict[str, Any]:
+        if self.revision is None:
+            await self._negotiate(principal)
+        if self.revision == MODERN_VERSION:
+            return self._result(method, await self._modern(method, params, hooks))
+        return self._result(method, await self._legacy(principal, method, params, hooks))
+
+    # ------------------------------------------------------------------ 2026-07-28
+    async def _modern(self, method: str, params: dict[str, Any], hooks: Hooks,
+                      capabilities: dict[str, Any] | None = None) -> Answer:
+        meta = params.get("_meta")
+        meta = dict(meta) if isinstance(meta, dict) else {}
+        meta[PROTOCOL_VERSION_META_KEY] = MODERN_VERSION
+        meta.setdefault(CLIENT_CAPABILITIES_META_KEY, capabilities or FORWARDED_CAPABILITIES)
+        rid = next(self._ids)
+        body = _encode(Request(jsonrpc="2.0", id=rid, method=method, params={**params, "_meta": meta}))
+        headers = {"mcp-protocol-version": MODERN_VERSION, "mcp-method": method}
+        name_key = NAME_BEARING.get(method)
+        if name_key is not None and isinstance(params.get(name_key), str):
+            headers["mcp-name"] = header_value(params[name_key])
+        return await self.wire.send(body, headers, rid, hooks)
+
+    async def _negotiate(self, principal: str) -> None:
+        lock = self._locks.setdefault("", asyncio.Lock())
+        async with lock:
+            if self.revision is not None:
+                return
+            answer = await self._modern("server/discover", {}, NO_HOOKS)
+            result = (answer.message or {}).get("result") if answer.status == 200 else None
+            offered = result.get("supportedVersions") if isinstance(result, dict) else None
+            self.revision = MODERN_VERSION if isinstance(offered, list) and MODERN_VERSION in offered \
+                else LEGACY_VERSION
+            log.info("upstream %s speaks %s", self.name, self.revision)
+
+    # ------------------------------------------------------------------ 2025-11-25
+    async def _legacy(self, principal: str, method: str, params: dict[str, Any], hooks: Hooks) -> Answer:
+        for attempt in (1, 2):
+            sid = await self._session(principal)
+            rid = next(self._ids)
+            body = _encode(Request(jsonrpc="2.0", id=rid, method=method, params=params))
+            answer = await self.wire.send(body, self._session_headers(sid), rid, hooks)
+            if answer.status != 404 or sid is None or attempt == 2:
+                return answer
+            await self._forget_session(principal)  # the upstream lost it (restart, expiry): open a new one
+        raise AssertionError("unreachable")
+
+    def _session_headers(self, sid: str | None) -> dict[str, str]:
+        headers = {"mcp-protocol-version": self.legacy_version}
+        if sid is not None:
+            headers["mcp-session-id"] = sid
+        return headers
+
+    def _owner(self, principal: str) -> str:
+        """Whose session a principal uses: its own over HTTP; the process's one over stdio."""
+        return "" if isinstance(self.wire, StdioWire) else principal
+
+    async def _session(self, principal: str) -> str | None:
+        owner = self._owner(principal)
+        if isinstance(self.wire, StdioWire):
+            if self._stdio_session == self.wire.generation and self.wire.proc is not None \
+                    and self.wire.proc.returncode is None:
+                return None
+        elif owner in self._sessions:
+            return self._sessions[owner]
+        async with self._locks.setdefault(owner, asyncio.Lock()):
+            if isinstance(self.wire, HttpWire):
+                if owner in self._sessions:
+                    return self._sessions[owner]
+                stored = await self.redis.get(keys.proxy_session(owner, self.name))
+                if stored is not None:
+                    sid = stored.decode() if isinstance(stored, bytes) else str(stored)
+                    self._sessions[owner] = sid
+                    return sid
+            elif self._stdio_session == self.wire.generation and self.wire.proc is not None \
+                    and self.wire.proc.returncode is None:
+                return None
+            return await self._initialize(owner)
+
+    async def _initialize(self, owner: str) -> str | None:
+        rid = next(self._ids)
+        params = {"protocolVersion": LEGACY_VERSION, "capabilities": FORWARDED_CAPABILITIES,
+                  "clientInfo": CLIENT_INFO}
+        answer = await self.wire.send(_encode(Request(jsonrpc="2.0", id=rid, method="initialize", params=params)),
+                                      {"mcp-protocol-version": LEGACY_VERSION}, rid, NO_HOOKS)
+        result = self._result("initialize", answer)
+        version = result.get("protocolVersion")
+        self.legacy_version = version if isinstance(version, str) else LEGACY_VERSION
+        sid = answer.headers.get("mcp-session-id")
+        await self.wire.send(_encode(Notification(method="notifications/initialized")), self._session_headers(sid),
+                             None, NO_HOOKS)
+        if isinstance(self.wire, StdioWire):
+            self._stdio_session = self.wire.generation
+            return None
+        if sid is not None:
+            self._sessions[owner] = sid
+            await self.redis.set(keys.proxy_session(owner, self.name), sid, ex=self.session_ttl_s)
+        return sid
+
+    async def _forget_session(self, principal: str) -> None:
+        owner = self._owner(principal)
+        self._sessions.pop(owner, None)
+        if isinstance(self.wire, HttpWire):
+            await self.redis.delete(keys.proxy_session(owner, self.name))
+
+    def forget_cached_sessions(self) -> None:
+        self._sessions.clear()
+
+    # ------------------------------------------------------------------ answers
+    def _result(self, method: str, answer: Answer) -> dict[str, Any]:
+        msg = answer.message
+        if msg is None:
+            if answer.status >= 500 or answer.status in (401, 403, 404):
+                raise UpstreamFailed(self.name, "unreachable",
+                                     f"upstream {self.name!r} answered {method} with HTTP {answer.status}")
+            raise UpstreamFailed(self.name, "protocol",
+                                 f"upstream {self.name!r} sent no JSON-RPC answer to {method} "
+                                 f"(HTTP {answer.status})")
+        error = msg.get("error")
+        if isinstance(error, dict):
+            code = error.get("code")
+            raise McpError(code if isinstance(code, int) else -32603, str(error.get("message", "upstream error")),
+                           error.get("data"))
+        result = msg.get("result")
+        if not isinstance(result, dict):
+            raise UpstreamFailed(self.name, "protocol", f"upstream {self.name!r} sent a malformed answer to {method}")
+        return result
+
+    async def notify(self, principal: str, method: str, params: dict[str, Any]) -> None:
+        """A notification to the upstream (cancellation), best effort: it may already be gone."""
+        try:
+            if self.revision == MODERN_VERSION:
+                body = _encode(Notification(method=method, params={**params, "_meta": {
+                    PROTOCOL_VERSION_META_KEY: MODERN_VERSION}}))
+                await self.wire.send(body, {"mcp-protocol-version": MODERN_VERSION, "mcp-method": method}, None,
+                                     NO_HOOKS)
+            else:
+                sid = self._sessions.get(self._owner(principal))
+                await self.wire.send(_encode(Notification(method=method, params=params)),
+                                     self._session_headers(sid), None, NO_HOOKS)
+        except (httpx.HTTPError, OSError, WireClosed):
+            pass
+
+    async def close(self) -> None:
+        await self.wire.close()
+
+
+def describe_sources(cfg: UpstreamConfig) -> Mapping[str, str]:
+    """Which headers carry credentials, and from what kind of source (never the value or its name)."""
+    return {**{h: "env" for h in cfg.headers_from_env}, **{h: "file" for h in cfg.headers_from_file}}

@@ -1,0 +1,480 @@
+"""The proxy: upstreams merged into the gateway's lists and their calls routed to them.
+
+The dispatcher asks it for what it does not serve itself: list entries (after its own),
+``tools/call`` and ``prompts/get`` of a name it does not know, ``resources/read`` of an
+``upstream://`` URI. Each upstream's lists are fetched with the caller's session, kept for
+``proxy.list_ttl_s`` (a stale copy is served while a fresh one is fetched; ``list_changed``
+from the upstream drops it) and filtered by what the caller may use.
+
+A forwarded call carries the client's progress token; the upstream's progress and log
+messages go to the client's stream; its server->client requests (sampling, elicitation,
+roots) go to the client the way the client's revision expects (``Call.request_client``), and
+so do a 2026-07-28 upstream's ``input_required`` rounds. A 2026-07-28 client answers on its
+next request: the call is then sent to the upstream again with the answers at hand, so an
+upstream tool that asks is run once per round trip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from gateway.errors import INTERNAL_ERROR, METHOD_NOT_FOUND, Forbidden, InvalidParams, McpError
+from gateway.mcp.dispatcher import Call, InputRequired
+from gateway.proxy import names
+from gateway.proxy.breaker import STATE_VALUE
+from gateway.proxy.client import UpstreamClient
+from gateway.proxy.errors import UpstreamFailed
+from gateway.proxy.wire import Hooks, Message
+from shared import metrics
+from shared.audit import audit
+from shared.config import ProxyAllow, UpstreamConfig
+from shared.context import ContextError
+
+if TYPE_CHECKING:
+    from gateway.state import Gateway
+
+log = logging.getLogger(__name__)
+
+LISTS = {"tools": "tools/list", "resources": "resources/list", "resourceTemplates": "resources/templates/list",
+         "prompts": "prompts/list"}
+MAX_LIST_PAGES = 50
+MAX_INPUT_ROUNDS = 8
+CAPTURE_CONTEXT_META_KEY = "io.learnmesh/context"  # _meta key naming the context captured calls go to
+_MEDIA = {"image": "image", "audio": "audio"}
+
+
+@dataclass
+class Catalog:
+    """One upstream's lists as the gateway's clients see them (names and URIs rewritten)."""
+
+    fetched_at: float = 0.0  # monotonic; 0: never
+    lists: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    tools: dict[str, str] = field(default_factory=dict)    # exposed name -> upstream's name
+    prompts: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class Upstream:
+    cfg: UpstreamConfig
+    client: UpstreamClient
+    catalog: Catalog = field(default_factory=Catalog)
+    refresh: asyncio.Task[None] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.cfg.name
+
+
+class Proxy:
+    """The replica's upstreams (the set in Redis, see gateway/proxy/store.py) and what routes to them."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.config = gateway.config.proxy
+        self.upstreams: dict[str, Upstream] = {}
+        self._background: set[asyncio.Task[Any]] = set()
+        self._apply_lock = asyncio.Lock()
+
+    @property
+    def active(self) -> bool:
+        return bool(self.upstreams)
+
+    # ------------------------------------------------------------------ the set of upstreams
+    async def apply(self, configs: list[UpstreamConfig]) -> None:
+        """Make the replica's upstreams ``configs``: new ones opened, changed ones reopened,
+        removed ones closed. An upstream whose credentials cannot be read is left out, logged."""
+        async with self._apply_lock:
+            await self._apply(configs)
+        self.gateway.dispatcher.invalidate_lists()
+
+    async def _apply(self, configs: list[UpstreamConfig]) -> None:
+        wanted = {c.name: c for c in configs}
+        for name in list(self.upstreams):
+            if name not in wanted or wanted[name] != self.upstreams[name].cfg:
+                await self._close(self.upstreams.pop(name))
+        for name, cfg in wanted.items():
+            if name not in self.upstreams:
+                try:
+                    self.upstreams[name] = Upstream(cfg, self._client(cfg))
+                except Exception as exc:  # noqa: BLE001 - one bad upstream must not take the others down
+                    log.error("proxy upstream %s left out: %s", name, exc)
+
+    def _client(self, cfg: UpstreamConfig) -> UpstreamClient:
+        gw = self.gateway
+        return UpstreamClient(cfg, gw.redis, self.config.breaker, gw.config.gateway.session_idle_ttl_s)
+
+    async def _close(self, up: Upstream) -> None:
+        if up.refresh is not None:
+            up.refresh.cancel()
+        try:
+            await up.client.close()
+        except Exception:  # noqa: BLE001 - closing is best effort
+            log.warning("proxy upstream %s did not close cleanly", up.name)
+
+    async def close(self) -> None:
+        for up in list(self.upstreams.values()):
+            await self._close(up)
+        self.upstreams.clear()
+        for task in list(self._background):
+            task.cancel()
+
+    # ------------------------------------------------------------------ who may use what
+    def allowed(self, principal: str, upstream: str, item: str | None = None) -> bool:
+        """Whether ``principal`` may use ``item`` (a tool or prompt) of ``upstream``, or the whole
+        upstream when ``item`` is None."""
+        return any(g in ("*", upstream) or (item is not None and g == f"{upstream}.{item}")
+                   for g in self._grants(principal))
+
+    def _grants(self, principal: str) -> list[str]:
+        allow: ProxyAllow | None = self.config.allow
+        if allow is None:
+            return ["*"]
+        role = self.gateway.config.limits.principal_roles.get(principal)
+        return [*allow.principals.get(principal, ()), *(allow.roles.get(role, ()) if role else ())]
+
+    def _usable(self, principal: str) -> list[Upstream]:
+        """Enabled upstreams of which the principal may use something."""
+        grants = self._grants(principal)
+        return [u for u in self.upstreams.values() if u.cfg.enabled
+                and any(g in ("*", u.name) or g.startswith(u.name + ".") for g in grants)]
+
+    @property
+    def per_principal_lists(self) -> bool:
+        """Lists differ by principal when allow-lists exist (2026-07-28 ``cacheScope: private``)."""
+        return self.config.allow is not None
+
+    # ------------------------------------------------------------------ lists
+    async def listing(self, call: Call, kind: str) -> list[dict[str, Any]]:
+        """The entries of list ``kind`` the caller may see, over every usable upstream. An
+        upstream that fails is left out (its error logged); it never holds the others up beyond
+        its own timeout, and an open breaker skips it at once."""
+        ups = self._usable(call.principal)
+        catalogs = await asyncio.gather(*(self._catalog(call.principal, u) for u in ups))
+        out: list[dict[str, Any]] = []
+        for up, catalog in zip(ups, catalogs, strict=True):
+            if catalog is None:
+                continue
+            entries = catalog.lists.get(kind, [])
+            if kind in ("tools", "prompts") and self.config.allow is not None:
+                lookup = catalog.tools if kind == "tools" else catalog.prompts
+                entries = [e for e in entries if self.allowed(call.principal, up.name, lookup.get(e["name"]))]
+            out.extend(entries)
+        return out
+
+    async def _catalog(self, principal: str, up: Upstream) -> Catalog | None:
+        fresh = time.monotonic() - up.catalog.fetched_at < self.config.list_ttl_s
+        if fresh:
+            return up.catalog
+        if up.refresh is None or up.refresh.done():
+            up.refresh = asyncio.create_task(self._refresh(principal, up), name=f"proxy-lists-{up.name}")
+        if up.catalog.fetched_at:
+            return up.catalog  # stale but usable while the fresh one comes
+        try:
+            await asyncio.shield(up.refresh)
+        except Exception as exc:  # noqa: BLE001 - reported, the upstream is left out of this list
+            log.warning("proxy upstream %s: lists unavailable (%s)", up.name, getattr(exc, "message", type(exc).__name__))
+            return None
+        return up.catalog
+
+    async def _refresh(self, principal: str, up: Upstream) -> None:
+        catalog = Catalog()
+        own = self.gateway.registry
+        for kind, method in LISTS.items():
+            try:
+                raw = await self._fetch_all(principal, up, method, kind)
+            except McpError as exc:
+                if isinstance(exc, UpstreamFailed):
+                    raise
+                if exc.code != METHOD_NOT_FOUND:
+                    log.warning("proxy upstream %s: %s failed (%s)", up.name, method, exc.message)
+                raw = []
+            catalog.lists[kind] = [self._rewrite(up, kind, e, catalog, own.tools, own.prompts) for e in raw]
+            catalog.lists[kind] = [e for e in catalog.lists[kind] if e]
+        catalog.fetched_at = time.monotonic()
+        up.catalog = catalog
+
+    async def _fetch_all(self, principal: str, up: Upstream, method: str, kind: str) -> list[dict[str, Any]]:
+        entries: list[dict[str, Any]] = []
+        params: dict[str, Any] = {}
+        for _ in range(MAX_LIST_PAGES):
+            result = await up.client.request(principal, method, params)
+            page = result.get(kind)
+            entries.extend(e for e in page if isinstance(e, dict)) if isinstance(page, list) else None
+            cursor = result.get("nextCursor")
+            if not isinstance(cursor, str) or not cursor:
+                break
+            params = {"cursor": cursor}
+        return entries
+
+    def _rewrite(self, up: Upstream, kind: str, entry: dict[str, Any], catalog: Catalog,
+                 own_tools: dict[str, Any], own_prompts: dict[str, Any]) -> dict[str, Any]:
+        """The entry as clients see it ({} when it cannot be mounted: a name clash)."""
+        out = dict(entry)
+        if kind in ("tools", "prompts"):
+            name = entry.get("name")
+            exposed = names.exposed(up.cfg.prefix, name) if isinstance(name, str) else None
+            taken = own_tools if kind == "tools" else own_prompts
+            if exposed is None or exposed in taken:
+                log.error("proxy upstream %s: %s %r clashes with the gateway's own and is not mounted",
+                          up.name, kind[:-1], name)
+                return {}
+            (catalog.tools if kind == "tools" else catalog.prompts)[exposed] = str(name)
+            out["name"] = exposed
+        elif kind == "resources" and isinstance(entry.get("uri"), str):
+            out["uri"] = names.wrap_uri(up.name, entry["uri"])
+        elif kind == "resourceTemplates" and isinstance(entry.get("uriTemplate"), str):
+            out["uriTemplate"] = names.wrap_template(up.name, entry["uriTemplate"])
+        return out
+
+    def list_changed(self, up: Upstream, kind: str) -> None:
+        """The upstream's list changed: drop the copy and tell subscribed clients on every replica."""
+        up.catalog.fetched_at = 0.0
+        self._spawn(self.gateway.notify_list_changed(None, kind))
+
+    # ------------------------------------------------------------------ routing
+    def _resolve(self, name: str, kind: str) -> tuple[Upstream, str] | None:
+        for up in self.upstreams.values():
+            lookup = up.catalog.tools if kind == "tools" else up.catalog.prompts
+            if name in lookup:
+                return up, lookup[name]
+            prefix = up.cfg.prefix
+            if prefix and name.startswith(prefix + "."):
+                return up, name[len(prefix) + 1:]
+        bare = [u for u in self.upstreams.values() if u.cfg.prefix == ""]
+        return (bare[0], name) if bare else None
+
+    def _target(self, call: Call, name: str, kind: str, what: str) -> tuple[Upstream, str]:
+        found = self._resolve(name, kind)
+        if found is None or not found[0].cfg.enabled:
+            raise InvalidParams(f"{what} not found: {name}")
+        up, original = found
+        if not self.allowed(call.principal, up.name, original):
+            raise Forbidden(f"principal {call.principal!r} may not use {what.lower()} {name} "
+                            f"of upstream {up.name!r}", f"proxy:{up.name}.{original}")
+        return up, original
+
+    async def call_tool(self, call: Call, name: str, params: dict[str, Any]) -> dict[str, Any]:
+        up, tool = self._target(call, name, "tools", "Tool")
+        args = params.get("arguments")
+        args = args if isinstance(args, dict) else {}
+        result = await self._observed(call, up, "tools/call", tool, {"name": tool, "arguments": args})
+        if up.cfg.captures(tool):
+            await self._capture(call, up, name, args, result)
+        return result
+
+    async def get_prompt(self, call: Call, name: str, params: dict[str, Any]) -> dict[str, Any]:
+        up, prompt = self._target(call, name, "prompts", "Prompt")
+        forwarded = {"name": prompt, "arguments": params.get("arguments") or {}}
+        return await self._observed(call, up, "prompts/get", prompt, forwarded)
+
+    async def read_resource(self, call: Call, uri: str) -> dict[str, Any]:
+        found = names.unwrap_uri(uri)
+        up = self.upstreams.get(found[0]) if found is not None else None
+        if found is None or up is None or not up.cfg.enabled:
+            raise InvalidParams(f"Resource not found: {uri}", {"uri": uri})
+        if not self.allowed(call.principal, up.name):
+            raise Forbidden(f"principal {call.principal!r} may not use upstream {up.name!r}", f"proxy:{up.name}")
+        result = await self._observed(call, up, "resources/read", found[1], {"uri": found[1]})
+        for item in result.get("contents") or ():
+            if isinstance(item, dict) and isinstance(item.get("uri"), str):
+                item["uri"] = names.wrap_uri(up.name, item["uri"])
+        return result
+
+    async def _observed(self, call: Call, up: Upstream, method: str, item: str,
+                        params: dict[str, Any]) -> dict[str, Any]:
+        """Forward with metrics, breaker gauge and one audit record, whatever the outcome."""
+        t0 = time.perf_counter()
+        outcome = "ok"
+        try:
+            result = await self._forward(call, up, method, params)
+            if result.get("isError") is True:
+                outcome = "tool_error"
+            return result
+        except InputRequired:
+            outcome = "input_required"
+            raise
+        except UpstreamFailed as exc:
+            outcome = exc.reason
+            raise
+        except McpError:
+            outcome = "rpc_error"
+            raise
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        finally:
+            self._record(call.principal, up, method, item, outcome, time.perf_counter() - t0)
+
+    def _record(self, principal: str, up: Upstream, method: str, item: str, outcome: str, latency_s: float) -> None:
+        metrics.PROXY_CALLS.labels(up.name, method, outcome).inc()
+        metrics.PROXY_LATENCY.labels(up.name).observe(latency_s)
+        metrics.PROXY_BREAKER.labels(up.name).set(STATE_VALUE[up.client.breaker.state])
+        self._spawn(audit(self.gateway.redis, principal=principal, action="proxy.call", upstream=up.name,
+                          method=method, item=item, outcome=outcome, latency_ms=f"{latency_s * 1000:.2f}"))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("proxy background write failed: %s", type(task.exception()).__name__)
+
+    async def _forward(self, call: Call, up: Upstream, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        token = call.meta.get("progressToken")
+        if token is not None:
+            params["_meta"] = {"progressToken": token}
+        if call.envelope is not None and up.client.revision != "2025-11-25":
+            meta = params.setdefault("_meta", {})
+            meta["io.modelcontextprotocol/clientCapabilities"] = call.envelope.client_capabilities
+        side = CallHooks(self, call, up)
+        for _ in range(MAX_INPUT_ROUNDS):
+            try:
+                result = await up.client.request(call.principal, method, params, side.hooks)
+            except McpError:
+                if side.input_required is None:
+                    raise
+            if side.input_required is not None:  # whatever the upstream made of the unanswered request
+                raise side.input_required
+            if result.get("resultType") != "input_required":
+                return _for_client(result)
+            params = {**params, "inputResponses": await side.answers(result.get("inputRequests")),
+                      "requestState": result.get("requestState")}
+            if params["requestState"] is None:
+                del params["requestState"]
+        raise McpError(INTERNAL_ERROR, f"upstream {up.name!r} kept asking for input")
+
+    # ------------------------------------------------------------------ capture
+    async def _capture(self, call: Call, up: Upstream, name: str, args: dict[str, Any],
+                       result: dict[str, Any]) -> None:
+        """The call's arguments and results as entries of the caller's context (``_meta``
+        ``io.learnmesh/context``, else ``proxy.<upstream>``): text, image and audio content by
+        channel. A capture that fails is logged; the call's answer is not affected."""
+        context = call.meta.get(CAPTURE_CONTEXT_META_KEY)
+        context_id = context if isinstance(context, str) and context else f"proxy.{up.name}"
+        store = self.gateway.store
+        try:
+            call_text = orjson.dumps({"tool": name, "arguments": args}).decode()
+            await store.append(call.principal, context_id, "text", "user", call_text.encode())
+            for item in result.get("content") or ():
+                entry = _capture_entry(item)
+                if entry is not None:
+                    await store.append(call.principal, context_id, entry[0], "assistant", entry[1], mime=entry[2])
+            if isinstance(result.get("structuredContent"), dict) and not result.get("content"):
+                await store.append(call.principal, context_id, "text", "assistant",
+                                   orjson.dumps(result["structuredContent"]))
+        except (ContextError, McpError, OSError) as exc:
+            log.warning("proxy capture of %s into %s failed: %s", name, context_id, type(exc).__name__)
+
+    # ------------------------------------------------------------------ admin reads
+    def health(self, name: str) -> dict[str, Any]:
+        up = self.upstreams[name]
+        breaker = up.client.breaker
+        return {"name": name, "enabled": up.cfg.enabled, "revision": up.client.revision or "unknown",
+                "breaker": breaker.state, "consecutive_failures": breaker.failures,
+                "lists_age_s": round(time.monotonic() - up.catalog.fetched_at, 1) if up.catalog.fetched_at else None,
+                "tools": len(up.catalog.tools)}
+
+
+def _for_client(result: dict[str, Any]) -> dict[str, Any]:
+    """The upstream's result without what belongs to its own revision (the dispatcher adds the
+    client revision's fields)."""
+    for key in ("resultType", "ttlMs", "cacheScope"):
+        result.pop(key, None)
+    return result
+
+
+def _capture_entry(item: Any) -> tuple[str, bytes, str | None] | None:
+    """(channel, bytes, mime type) of one content item; None for what has no channel."""
+    if not isinstance(item, dict):
+        return None
+    kind = item.get("type")
+    if kind == "text" and isinstance(item.get("text"), str):
+        return "text", item["text"].encode(), None
+    if kind in _MEDIA and isinstance(item.get("data"), str):
+        try:
+            return _MEDIA[kind], base64.b64decode(item["data"], validate=True), item.get("mimeType")
+        except (binascii.Error, ValueError):
+            return None
+    return None
+
+
+class CallHooks:
+    """What arrives from the upstream during one forwarded call, carried to the client."""
+
+    def __init__(self, proxy: Proxy, call: Call, up: Upstream) -> None:
+        self.proxy = proxy
+        self.call = call
+        self.up = up
+        self.asked = 0
+        self.input_required: InputRequired | None = None
+        self.hooks = Hooks(notify=self.notify, ask=self.ask)
+
+    async def notify(self, msg: Message) -> None:
+        method = msg.get("method", "")
+        params = _params(msg)
+        if method == "notifications/progress":
+            await self.call.notify(method, params)
+        elif method == "notifications/message":
+            level = params.get("level")
+            await self.call.log(level if isinstance(level, str) else "info", params.get("data"),
+                                params.get("logger") if isinstance(params.get("logger"), str) else None)
+        elif method.endswith("/list_changed"):
+            kind = method.split("/")[1]
+            self.proxy.list_changed(self.up, kind)
+
+    async def ask(self, msg: Message) -> Message:
+        """A server->client request: the client's answer (or why there is none yet)."""
+        key = f"{self.up.name}:{self.asked}"
+        self.asked += 1
+        params = _params(msg)
+        try:
+            result = await self.call.request_client(str(msg.get("method")), params, key)
+        except InputRequired as ir:
+            self._defer(ir)
+            return _error_reply(msg, INTERNAL_ERROR, "the client answers on its next request")
+        except McpError as exc:
+            return _error_reply(msg, exc.code, exc.message)
+        return {"jsonrpc": "2.0", "id": msg.get("id"), "result": result}
+
+    async def answers(self, requests: Any) -> dict[str, Any]:
+        """Answers to a 2026-07-28 upstream's ``inputRequests``, each asked of the client; a
+        2026-07-28 client is asked for every missing one at once."""
+        if not isinstance(requests, dict):
+            raise McpError(INTERNAL_ERROR, f"upstream {self.up.name!r} sent input_required without inputRequests")
+        out: dict[str, Any] = {}
+        for key, req in requests.items():
+            req = req if isinstance(req, dict) else {}
+            params = _params(req)
+            try:
+                out[key] = await self.call.request_client(str(req.get("method")), params, f"{self.up.name}:{key}")
+            except InputRequired as ir:
+                self._defer(ir)
+        if self.input_required is not None:
+            raise self.input_required
+        return out
+
+    def _defer(self, ir: InputRequired) -> None:
+        if self.input_required is None:
+            self.input_required = ir
+        else:
+            self.input_required.requests.update(ir.requests)
+
+
+def _params(msg: dict[str, Any]) -> dict[str, Any]:
+    params = msg.get("params")
+    return params if isinstance(params, dict) else {}
+
+
+def _error_reply(msg: Message, code: int, message: str) -> Message:
+    return {"jsonrpc": "2.0", "id": msg.get("id"), "error": {"code": code, "message": message}}
