@@ -17,8 +17,9 @@
 # scenario fails (scored or not: the tasks-* extension scenarios count too); the gateway
 # and any Redis started here are always stopped. With THROUGH_PROXY the suite talks to a
 # gateway without fixtures whose proxy mounts the upstream with namespace "" and that
-# revision pinned; the upstream has its own private Redis (a shared one would carry its
-# list_changed pub/sub straight to the proxy's clients, around the proxy). Scenarios listed
+# revision pinned; each has its own private Redis (a shared one would carry the upstream's
+# list_changed pub/sub straight to the proxy's clients, around the proxy, and keep the
+# upstream set of an earlier run). Scenarios listed
 # in PROXY_EXPECTED_FAIL are reported but do not fail the run (docs/conformance.md says why).
 set -euo pipefail
 
@@ -99,10 +100,11 @@ pick_redis() {
         REDIS_URL="redis://127.0.0.1:6379/0"
         return
     fi
-    REDIS_URL="$(start_private_redis)"
+    start_private_redis
+    REDIS_URL="$PRIVATE_REDIS_URL"
 }
 
-start_private_redis() {  # prints the URL of a new redis-server on a free port (stopped at exit)
+start_private_redis() {  # sets PRIVATE_REDIS_URL: a new redis-server on a free port (stopped at exit)
     local bin port dir url
     bin="$(command -v redis-server || true)"
     [[ -n "$bin" ]] || { log "no Redis: set REDIS_URL, run one on 127.0.0.1:6379, or put redis-server on PATH"; exit 2; }
@@ -113,7 +115,7 @@ start_private_redis() {  # prints the URL of a new redis-server on a free port (
         --maxmemory-policy noeviction >/dev/null 2>&1 &
     REDIS_PIDS+=($!)
     url="redis://127.0.0.1:$port/0"
-    for _ in $(seq 100); do redis_answers "$url" && { echo "$url"; return; }; sleep 0.1; done
+    for _ in $(seq 100); do redis_answers "$url" && { PRIVATE_REDIS_URL="$url"; return; }; sleep 0.1; done
     log "private redis-server did not start"; exit 2
 }
 
@@ -155,7 +157,8 @@ start_gateway() {  # "$@" = what follows `learnmesh` (--config ...), before `gat
 start_upstream() {
     local port redis_url
     port="$(free_port)"
-    redis_url="$(start_private_redis)"
+    start_private_redis
+    redis_url="$PRIVATE_REDIS_URL"
     mkdir -p "$OUT_DIR"
     log "starting upstream (fixtures, $THROUGH_PROXY only) on 127.0.0.1:$port (redis $redis_url)"
     REDIS_URL="$redis_url" PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" \
@@ -176,7 +179,10 @@ YAML
 
 install_suite
 if [[ -n "$THROUGH_PROXY" ]]; then
-    pick_redis
+    # A private Redis for the proxy too: the upstream set lives in Redis and an entry left
+    # there by an earlier run (another port) would win over this run's configuration.
+    start_private_redis
+    REDIS_URL="$PRIVATE_REDIS_URL"
     start_upstream
     if [[ "${PROXY_DIRECT:-0}" == "1" ]]; then
         log "PROXY_DIRECT=1: the suite talks to the pinned upstream itself, no proxy in front"
