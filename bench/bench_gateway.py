@@ -182,7 +182,8 @@ def start_private_redis(prefix: str) -> tuple[str, subprocess.Popen, str]:
             time.sleep(0.05)
 
 
-def start_ours(port: int, redis_url: str) -> subprocess.Popen:
+def gateway_env(redis_url: str) -> dict[str, str]:
+    """The environment of a benchmarked gateway: this Redis, no inherited LEARNMESH_ settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("LEARNMESH_")}
     env["REDIS_URL"] = redis_url
     # wrk is one principal at full speed, which the shipped per-principal request rate would
@@ -190,8 +191,12 @@ def start_ours(port: int, redis_url: str) -> subprocess.Popen:
     # (bench/bench_limits.py measures it with many principals at the shipped rate).
     env["LEARNMESH_LIMITS__DEFAULT__REQUESTS_PER_S"] = "1000000000.0"
     env["LEARNMESH_LIMITS__DEFAULT__REQUESTS_BURST"] = "1000000000"
+    return env
+
+
+def start_ours(port: int, redis_url: str) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "gateway", "--host", "127.0.0.1", "--port", str(port),
-                             "--fixtures", "conformance"], cwd=ROOT, env=env,
+                             "--fixtures", "conformance"], cwd=ROOT, env=gateway_env(redis_url),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_up(f"http://127.0.0.1:{port}/healthz", proc, "learnmesh gateway")
     return proc
