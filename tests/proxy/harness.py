@@ -62,8 +62,13 @@ class Upstream:
         return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
 
     def kill(self) -> None:
-        """SIGKILL: the process gets no chance to answer anything in flight."""
-        if self.proc is not None and self.proc.poll() is None:
+        """SIGKILL: the process gets no chance to answer anything in flight. A stdio upstream is
+        whoever runs it's child: its pid comes from the marks its calls left."""
+        if self.proc is None:
+            for pid in {int(mark.name.split("-")[1]) for mark in self.mark_dir.iterdir()}:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        elif self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(STOP_TIMEOUT_S)
 
@@ -182,3 +187,55 @@ async def sdk_client(target: str | Upstream, mode: str, headers: dict[str, str] 
     async with create_mcp_http_client(headers=sent) as http, \
             Client(streamable_http_client(url, http_client=http), mode=mode, **options) as client:
         yield client
+
+
+# ----------------------------------------------------------------------------- the proxy
+PROXY_AUTH_ENV = "LM_E2E_UPSTREAM_AUTHORIZATION"  # the proxy reads the upstream credential here
+ALICE_KEY, BOB_KEY, ADMIN_KEY = "alice-key-0123456789abcdef", "bob-key-0123456789abcdef", "admin-key-0123456789ab"
+
+
+@dataclass
+class Proxy:
+    """A learnmesh gateway process whose ``proxy`` section mounts the given upstreams."""
+
+    url: str  # its MCP endpoint
+    proc: subprocess.Popen
+    log_path: Path
+
+    @property
+    def base(self) -> str:
+        return self.url.removesuffix("/mcp")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def proxy_entry(up: Upstream) -> dict[str, Any]:
+    """``proxy.upstreams`` entry for ``up``: pinned to the revision it speaks, its bearer token
+    named by environment variable (never written into the configuration)."""
+    entry: dict[str, Any] = {"name": up.name, "timeout_s": 20.0}
+    if up.url is None:
+        entry["command"] = up.command
+    else:
+        entry.update(url=up.url, revision=up.revision if up.revision != "both" else "auto")
+    if up.token:
+        entry["headers_from_env"] = {"Authorization": PROXY_AUTH_ENV}
+    return entry
+
+
+def start_proxy(redis_url: str, upstreams: list[Upstream], log_path: Path,
+                allow: dict[str, Any] | None = None) -> Proxy:
+    """A proxy gateway (principals alice and bob, admin key ADMIN_KEY) logging at DEBUG into
+    ``log_path``. The caller puts ``Bearer <token>`` into ``$LM_E2E_UPSTREAM_AUTHORIZATION``
+    (and a stdio upstream's environment into this process's) before the call."""
+    from tests.gateway_support import start_gateway
+
+    proxy: dict[str, Any] = {"upstreams": [proxy_entry(up) for up in upstreams]}
+    if allow is not None:
+        proxy["allow"] = allow
+    overrides = {"proxy": proxy, "gateway": {"admin_keys": {"root": {"key": ADMIN_KEY, "role": "admin"}}}}
+    port = free_port()
+    with log_path.open("wb") as log:
+        proc = start_gateway(port, redis_url, api_keys=f"alice:{ALICE_KEY},bob:{BOB_KEY}", overrides=overrides,
+                             output=log, log_level="debug")
+    return Proxy(f"http://127.0.0.1:{port}/mcp", proc, log_path)

@@ -31,11 +31,12 @@ MARK_DIR_ENV = "UPSTREAM_MARK_DIR"
 
 
 def _mark_started(tool: str) -> None:
-    """Leave a file in ``$UPSTREAM_MARK_DIR`` when a call starts, so a test knows the call is in
-    flight on the upstream (not merely sent) before it kills the process."""
+    """Leave a file ``<tool>-<pid>-<random>`` in ``$UPSTREAM_MARK_DIR`` when a call starts, so a
+    test knows the call is in flight on the upstream (not merely sent) and which process to kill
+    (a stdio upstream is the proxy's child, not the test's)."""
     mark_dir = os.environ.get(MARK_DIR_ENV)
     if mark_dir:
-        (Path(mark_dir) / f"{tool}-{uuid.uuid4().hex}").touch()
+        (Path(mark_dir) / f"{tool}-{os.getpid()}-{uuid.uuid4().hex}").touch()
 
 
 class Sum(BaseModel):
