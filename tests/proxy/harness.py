@@ -106,15 +106,25 @@ def start_http_upstream(name: str, revision: str, workdir: Path, token: str | No
     up = Upstream(name=name, revision=revision, command=upstream_command("http", name, *extra),
                   env=upstream_env(mark_dir, token), mark_dir=mark_dir,
                   url=f"http://127.0.0.1:{port}/mcp", token=token, log_path=workdir / f"{name}.log")
-    with up.log_path.open("wb") as log:  # type: ignore[union-attr]
+    launch(up)
+    return up
+
+
+def launch(up: Upstream) -> None:
+    """(Re)start an HTTP upstream's process on its port and wait until it answers HTTP; a stdio
+    upstream is started again by whoever runs it, on its next use."""
+    if up.url is None:
+        return
+    assert up.log_path is not None
+    with up.log_path.open("ab") as log:
         up.proc = subprocess.Popen(up.command, cwd=ROOT, env=up.env, stdout=log, stderr=subprocess.STDOUT)
+    root = up.url.removesuffix("/mcp") + "/"
     try:
-        wait_for_sync(lambda: _alive(up) and _answers_http(f"http://127.0.0.1:{port}/"), timeout_s=30,
-                      interval_s=0.05, what=lambda: f"upstream {name} on port {port}:\n{up.log()}")
+        wait_for_sync(lambda: _alive(up) and _answers_http(root), timeout_s=30, interval_s=0.05,
+                      what=lambda: f"upstream {up.name} at {root}:\n{up.log()}")
     except BaseException:
         stop_upstream(up)
         raise
-    return up
 
 
 def _alive(up: Upstream) -> bool:
