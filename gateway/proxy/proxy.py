@@ -163,9 +163,12 @@ class Proxy:
             if catalog is None:
                 continue
             entries = catalog.lists.get(kind, [])
-            if kind in ("tools", "prompts") and self.config.allow is not None:
-                lookup = catalog.tools if kind == "tools" else catalog.prompts
-                entries = [e for e in entries if self.allowed(call.principal, up.name, lookup.get(e["name"]))]
+            if self.config.allow is not None:
+                if kind in ("tools", "prompts"):
+                    lookup = catalog.tools if kind == "tools" else catalog.prompts
+                    entries = [e for e in entries if self.allowed(call.principal, up.name, lookup.get(e["name"]))]
+                elif not self.allowed(call.principal, up.name):  # resources need the whole upstream
+                    continue
             out.extend(entries)
         return out
 
