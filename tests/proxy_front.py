@@ -80,6 +80,11 @@ class Client:
             self.sid = r.headers["mcp-session-id"]
         return self
 
+    def notify(self, method: str, params: dict[str, Any]) -> httpx.Response:
+        """A notification on the legacy session."""
+        headers = {**self.auth, "mcp-session-id": self.sid or "", "mcp-protocol-version": LEGACY}
+        return httpx.post(self.url, headers=headers, json={"jsonrpc": "2.0", "method": method, "params": params})
+
     def post(self, method: str, params: dict[str, Any] | None = None, caps: dict[str, Any] | None = None,
              ) -> httpx.Response:
         p = dict(params or {})

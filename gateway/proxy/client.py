@@ -95,6 +95,7 @@ class UpstreamClient:
         self._sessions: dict[str, str] = {}  # principal -> upstream session id (cache of Redis)
         self._locks: dict[str, asyncio.Lock] = {}
         self._stdio_session = 0  # generation of the stdio process the session was opened on
+        self._cancels: set[asyncio.Future[None]] = set()
 
     # ------------------------------------------------------------------ the one entry point
     async def request(self, principal: str, method: str, params: dict[str, Any], hooks: Hooks = NO_HOOKS,
@@ -145,7 +146,30 @@ class UpstreamClient:
         name_key = NAME_BEARING.get(method)
         if name_key is not None and isinstance(params.get(name_key), str):
             headers["mcp-name"] = header_value(params[name_key])
-        return await self.wire.send(body, headers, rid, hooks)
+        return await self._exchange(body, headers, rid, hooks)
+
+    async def _exchange(self, body: bytes, headers: dict[str, str], rid: int, hooks: Hooks) -> Answer:
+        """One request and its answer; a request abandoned here (the client cancelled, or the
+        timeout struck) is cancelled at the upstream too, so it stops working on it."""
+        try:
+            return await self.wire.send(body, headers, rid, hooks)
+        except asyncio.CancelledError:
+            task = asyncio.ensure_future(self._cancel_upstream(headers, rid))
+            self._cancels.add(task)
+            task.add_done_callback(self._cancels.discard)
+            raise
+
+    async def _cancel_upstream(self, headers: dict[str, str], rid: int) -> None:
+        params: dict[str, Any] = {"requestId": rid, "reason": "the gateway's client cancelled or timed out"}
+        note_headers = {k: v for k, v in headers.items() if k in ("mcp-session-id", "mcp-protocol-version")}
+        if headers.get("mcp-protocol-version") == MODERN_VERSION:
+            params["_meta"] = {PROTOCOL_VERSION_META_KEY: MODERN_VERSION}
+            note_headers["mcp-method"] = "notifications/cancelled"
+        try:
+            await self.wire.send(_encode(Notification(method="notifications/cancelled", params=params)),
+                                 note_headers, None, NO_HOOKS)
+        except (httpx.HTTPError, OSError, WireClosed):
+            pass  # the upstream is gone: nothing left to cancel
 
     async def _negotiate(self, principal: str) -> None:
         lock = self._locks.setdefault("", asyncio.Lock())
@@ -165,7 +189,7 @@ class UpstreamClient:
             sid = await self._session(principal)
             rid = next(self._ids)
             body = _encode(Request(jsonrpc="2.0", id=rid, method=method, params=params))
-            answer = await self.wire.send(body, self._session_headers(sid), rid, hooks)
+            answer = await self._exchange(body, self._session_headers(sid), rid, hooks)
             if answer.status != 404 or sid is None or attempt == 2:
                 return answer
             await self._forget_session(principal)  # the upstream lost it (restart, expiry): open a new one
@@ -251,21 +275,6 @@ class UpstreamClient:
         if not isinstance(result, dict):
             raise UpstreamFailed(self.name, "protocol", f"upstream {self.name!r} sent a malformed answer to {method}")
         return result
-
-    async def notify(self, principal: str, method: str, params: dict[str, Any]) -> None:
-        """A notification to the upstream (cancellation), best effort: it may already be gone."""
-        try:
-            if self.revision == MODERN_VERSION:
-                body = _encode(Notification(method=method, params={**params, "_meta": {
-                    PROTOCOL_VERSION_META_KEY: MODERN_VERSION}}))
-                await self.wire.send(body, {"mcp-protocol-version": MODERN_VERSION, "mcp-method": method}, None,
-                                     NO_HOOKS)
-            else:
-                sid = self._sessions.get(self._owner(principal))
-                await self.wire.send(_encode(Notification(method=method, params=params)),
-                                     self._session_headers(sid), None, NO_HOOKS)
-        except (httpx.HTTPError, OSError, WireClosed):
-            pass
 
     async def close(self) -> None:
         await self.wire.close()
