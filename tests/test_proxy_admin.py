@@ -54,6 +54,9 @@ def test_admin_api_manages_upstreams(redis_url: str, upstream: str) -> None:
         assert httpx.post(admin_url, json=entry, headers=ADMIN).status_code == 409
         assert [u["name"] for u in httpx.get(admin_url, headers=ADMIN).json()["upstreams"]] == ["up2"]
         assert "u2.t_echo" in _tools(base)
+        Client(base, MCP_KEY, LEGACY).open().result("tools/call", {"name": "u2.t_echo", "arguments": {"text": "d"}})
+        [panel] = httpx.get(base + "/admin/summary", headers=ADMIN).json()["upstreams"]  # the dashboard's panel
+        assert panel["name"] == "up2" and panel["calls"] == 1 and panel["errors"] == 0 and panel["breaker"] == "closed"
         off = httpx.patch(admin_url + "/up2", json={"enabled": False}, headers=ADMIN)
         assert off.status_code == 200 and off.json()["enabled"] is False
         assert "u2.t_echo" not in _tools(base)

@@ -67,6 +67,8 @@ class Upstream:
     client: UpstreamClient
     catalog: Catalog = field(default_factory=Catalog)
     refresh: asyncio.Task[None] | None = None
+    calls: int = 0  # on this replica, for the dashboard (/metrics has the rest)
+    errors: int = 0
 
     @property
     def name(self) -> str:
@@ -317,6 +319,8 @@ class Proxy:
             self._record(call.principal, up, method, item, outcome, time.perf_counter() - t0)
 
     def _record(self, principal: str, up: Upstream, method: str, item: str, outcome: str, latency_s: float) -> None:
+        up.calls += 1
+        up.errors += outcome not in ("ok", "tool_error", "input_required")
         metrics.PROXY_CALLS.labels(up.name, method, outcome).inc()
         metrics.PROXY_LATENCY.labels(up.name).observe(latency_s)
         metrics.PROXY_BREAKER.labels(up.name).set(STATE_VALUE[up.client.breaker.state])
@@ -386,7 +390,8 @@ class Proxy:
         return {"name": name, "enabled": up.cfg.enabled, "revision": up.client.revision or "unknown",
                 "breaker": breaker.state, "consecutive_failures": breaker.failures,
                 "lists_age_s": round(time.monotonic() - up.catalog.fetched_at, 1) if up.catalog.fetched_at else None,
-                "tools": len(up.catalog.tools)}
+                "tools": len(up.catalog.tools), "transport": "http" if up.cfg.url else "stdio",
+                "calls": up.calls, "errors": up.errors}
 
 
 def _for_client(result: dict[str, Any]) -> dict[str, Any]:
