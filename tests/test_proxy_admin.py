@@ -4,7 +4,6 @@ in Redis so any replica continues them (and renews one the upstream forgot)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from contextlib import ExitStack
 from typing import Any
 
@@ -18,25 +17,14 @@ from tests.conftest import wait_for_sync
 from tests.proxy_front import (
     ADMIN,
     LEGACY,
-    TOKEN_ENV,
     UPSTREAM_SECRET,
     Client,
     front_gateway,
     upstream_db,
     upstream_entry,
-    upstream_gateway,
 )
 
-
-@pytest.fixture(scope="module")
-def upstream(redis_server: str) -> Iterator[str]:
-    with upstream_gateway(redis_server) as (url, _):
-        yield url
-
-
-@pytest.fixture(autouse=True)
-def token(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(TOKEN_ENV, f"Bearer {UPSTREAM_SECRET}")
+pytest_plugins = ("tests.proxy_front_fixtures",)
 
 
 def _tools(base: str) -> set[str]:
@@ -113,13 +101,13 @@ def test_upstream_session_is_shared_by_replicas_and_renewed(redis_url: str, upst
         b = stack.enter_context(front_gateway(redis_url, proxy))
         sessions_before = up_redis.zcard("lm:{proxy}:sessions")
         assert Client(a, MCP_KEY, LEGACY).open().result("tools/call", echo)["content"][0]["text"] == "proxy:s"
-        sid = r.get(keys.proxy_session("alice", "up"))
+        sid = r.get(keys.proxy_session("alice", "up/sampling"))
         assert sid
         assert Client(b, MCP_KEY, LEGACY).open().result("tools/call", echo)["content"][0]["text"] == "proxy:s"
-        assert r.get(keys.proxy_session("alice", "up")) == sid  # b continued a's upstream session
+        assert r.get(keys.proxy_session("alice", "up/sampling")) == sid  # b continued a's upstream session
         assert up_redis.zcard("lm:{proxy}:sessions") == sessions_before + 1
         gone = httpx.delete(upstream, headers={"authorization": f"Bearer {UPSTREAM_SECRET}", "mcp-session-id": sid})
         assert gone.status_code in (200, 204)
         assert Client(a, MCP_KEY, LEGACY).open().result("tools/call", echo)["content"][0]["text"] == "proxy:s"
-        renewed = r.get(keys.proxy_session("alice", "up"))
+        renewed = r.get(keys.proxy_session("alice", "up/sampling"))
         assert renewed and renewed != sid

@@ -4,33 +4,18 @@ version); calls of tools not opted in leave no entry. Plus the proxy's /metrics 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import httpx
 import orjson
-import pytest
 
 from tests.admin_support import MCP_KEY
 from tests.proxy_front import (
     MODERN,
-    TOKEN_ENV,
-    UPSTREAM_SECRET,
     Client,
     front_gateway,
     upstream_entry,
-    upstream_gateway,
 )
 
-
-@pytest.fixture(scope="module")
-def upstream(redis_server: str) -> Iterator[str]:
-    with upstream_gateway(redis_server) as (url, _):
-        yield url
-
-
-@pytest.fixture(autouse=True)
-def token(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(TOKEN_ENV, f"Bearer {UPSTREAM_SECRET}")
+pytest_plugins = ("tests.proxy_front_fixtures",)
 
 
 def test_captured_calls_become_context_entries_and_samples(redis_url: str, upstream: str) -> None:

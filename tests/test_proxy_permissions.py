@@ -4,7 +4,6 @@ credential appears in no response, log line, admin read, metric, audit record or
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -23,21 +22,11 @@ from tests.proxy_front import (
     Client,
     front_gateway,
     upstream_entry,
-    upstream_gateway,
 )
 
+pytest_plugins = ("tests.proxy_front_fixtures",)
+
 FORBIDDEN = -32003
-
-
-@pytest.fixture(scope="module")
-def upstream(redis_server: str) -> Iterator[str]:
-    with upstream_gateway(redis_server) as (url, _):
-        yield url
-
-
-@pytest.fixture(autouse=True)
-def token(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(TOKEN_ENV, f"Bearer {UPSTREAM_SECRET}")
 
 
 def test_allow_lists_by_principal_and_role(redis_url: str, upstream: str) -> None:

@@ -18,8 +18,6 @@ from tests.conftest import wait_for_sync
 from tests.proxy_front import (
     LEGACY,
     MODERN,
-    TOKEN_ENV,
-    UPSTREAM_SECRET,
     Client,
     front_gateway,
     upstream_db,
@@ -27,13 +25,10 @@ from tests.proxy_front import (
     upstream_gateway,
 )
 
+pytest_plugins = ("tests.proxy_front_fixtures",)
+
 STDIO_SERVER = str(Path(__file__).resolve().parent / "proxy_stdio_server.py")
 UPSTREAM_FAILED = -32052
-
-
-@pytest.fixture(autouse=True)
-def token(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(TOKEN_ENV, f"Bearer {UPSTREAM_SECRET}")
 
 
 @pytest.fixture

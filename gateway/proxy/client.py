@@ -23,6 +23,7 @@ import itertools
 import logging
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -50,8 +51,23 @@ log = logging.getLogger(__name__)
 
 CLIENT_INFO = {"name": "learnmesh-proxy", "version": "0.1.0"}
 # What the gateway can carry back to its own clients (gateway/proxy/proxy.py forwards them).
-FORWARDED_CAPABILITIES: dict[str, Any] = {"sampling": {}, "elicitation": {}, "roots": {"listChanged": True}}
+FORWARDED_CAPABILITIES: dict[str, Any] = {"elicitation": {}, "roots": {"listChanged": True}, "sampling": {}}
+ALL_FORWARDED = tuple(FORWARDED_CAPABILITIES)
+
+
+@dataclass(frozen=True, slots=True)
+class Seat:
+    """Who holds a 2025-11-25 upstream session: a principal, with the client capabilities it was
+    opened with (clients of one principal that declare different ones get different sessions)."""
+
+    principal: str
+    capabilities: tuple[str, ...]
+
+    @property
+    def slot(self) -> str:
+        return "+".join(self.capabilities) or "none"
 _encode = msgspec.json.Encoder().encode
+ENVELOPE_PREFIX = "io.modelcontextprotocol/"
 
 
 def credential_headers(cfg: UpstreamConfig) -> dict[str, str]:
@@ -92,15 +108,19 @@ class UpstreamClient:
         self.breaker = Breaker(breaker.failures, breaker.reset_s)
         self.gate = asyncio.Semaphore(cfg.concurrency)
         self._ids = itertools.count(1)
-        self._sessions: dict[str, str] = {}  # principal -> upstream session id (cache of Redis)
+        self._sessions: dict[Seat, str] = {}  # upstream session ids (this replica's copy of Redis)
         self._locks: dict[str, asyncio.Lock] = {}
         self._stdio_session = 0  # generation of the stdio process the session was opened on
         self._cancels: set[asyncio.Future[None]] = set()
 
     # ------------------------------------------------------------------ the one entry point
     async def request(self, principal: str, method: str, params: dict[str, Any], hooks: Hooks = NO_HOOKS,
-                      ) -> dict[str, Any]:
-        """The upstream's result for ``method``; raises McpError (its error) or UpstreamFailed."""
+                      headers: Mapping[str, str] | None = None,
+                      capabilities: tuple[str, ...] = ALL_FORWARDED) -> dict[str, Any]:
+        """The upstream's result for ``method``; raises McpError (its error) or UpstreamFailed.
+        ``headers``: extra request headers for a 2026-07-28 upstream (SEP-2243 ``Mcp-Param-*``);
+        ``capabilities``: which of sampling, elicitation, roots the client declared (a 2025-11-25
+        upstream session is opened with exactly those, so the upstream sees what the client can do)."""
         if not self.breaker.admit():
             raise UpstreamFailed(self.name, "breaker_open",
                                  f"upstream {self.name!r} is failing; calls resume in "
@@ -108,7 +128,7 @@ class UpstreamClient:
         try:
             async with asyncio.timeout(self.cfg.timeout_s):
                 async with self.gate:
-                    result = await self._request(principal, method, params, hooks)
+                    result = await self._request(principal, method, params, hooks, headers or {}, capabilities)
         except TimeoutError:
             self.breaker.failed()
             raise UpstreamFailed(self.name, "timeout", f"upstream {self.name!r} did not answer {method} "
@@ -126,23 +146,25 @@ class UpstreamClient:
         self.breaker.succeeded()
         return result
 
-    async def _request(self, principal: str, method: str, params: dict[str, Any], hooks: Hooks) -> dict[str, Any]:
+    async def _request(self, principal: str, method: str, params: dict[str, Any], hooks: Hooks,
+                       headers: Mapping[str, str], capabilities: tuple[str, ...]) -> dict[str, Any]:
         if self.revision is None:
             await self._negotiate(principal)
         if self.revision == MODERN_VERSION:
-            return self._result(method, await self._modern(method, params, hooks))
-        return self._result(method, await self._legacy(principal, method, params, hooks))
+            return self._result(method, await self._modern(method, params, hooks, headers))
+        seat = Seat(principal, capabilities if isinstance(self.wire, HttpWire) else ALL_FORWARDED)
+        return self._result(method, await self._legacy(seat, method, _legacy_params(params), hooks))
 
     # ------------------------------------------------------------------ 2026-07-28
     async def _modern(self, method: str, params: dict[str, Any], hooks: Hooks,
-                      capabilities: dict[str, Any] | None = None) -> Answer:
+                      extra_headers: Mapping[str, str] | None = None) -> Answer:
         meta = params.get("_meta")
         meta = dict(meta) if isinstance(meta, dict) else {}
         meta[PROTOCOL_VERSION_META_KEY] = MODERN_VERSION
-        meta.setdefault(CLIENT_CAPABILITIES_META_KEY, capabilities or FORWARDED_CAPABILITIES)
+        meta.setdefault(CLIENT_CAPABILITIES_META_KEY, FORWARDED_CAPABILITIES)
         rid = next(self._ids)
         body = _encode(Request(jsonrpc="2.0", id=rid, method=method, params={**params, "_meta": meta}))
-        headers = {"mcp-protocol-version": MODERN_VERSION, "mcp-method": method}
+        headers = {"mcp-protocol-version": MODERN_VERSION, "mcp-method": method, **(extra_headers or {})}
         name_key = NAME_BEARING.get(method)
         if name_key is not None and isinstance(params.get(name_key), str):
             headers["mcp-name"] = header_value(params[name_key])
@@ -184,15 +206,15 @@ class UpstreamClient:
             log.info("upstream %s speaks %s", self.name, self.revision)
 
     # ------------------------------------------------------------------ 2025-11-25
-    async def _legacy(self, principal: str, method: str, params: dict[str, Any], hooks: Hooks) -> Answer:
+    async def _legacy(self, seat: Seat, method: str, params: dict[str, Any], hooks: Hooks) -> Answer:
         for attempt in (1, 2):
-            sid = await self._session(principal)
+            sid = await self._session(seat)
             rid = next(self._ids)
             body = _encode(Request(jsonrpc="2.0", id=rid, method=method, params=params))
             answer = await self._exchange(body, self._session_headers(sid), rid, hooks)
             if answer.status != 404 or sid is None or attempt == 2:
                 return answer
-            await self._forget_session(principal)  # the upstream lost it (restart, expiry): open a new one
+            await self._forget_session(seat)  # the upstream lost it (restart, expiry): open a new one
         raise AssertionError("unreachable")
 
     def _session_headers(self, sid: str | None) -> dict[str, str]:
@@ -201,36 +223,37 @@ class UpstreamClient:
             headers["mcp-session-id"] = sid
         return headers
 
-    def _owner(self, principal: str) -> str:
-        """Whose session a principal uses: its own over HTTP; the process's one over stdio."""
-        return "" if isinstance(self.wire, StdioWire) else principal
+    def _stdio_ready(self) -> bool:
+        wire = self.wire
+        return isinstance(wire, StdioWire) and self._stdio_session == wire.generation \
+            and wire.proc is not None and wire.proc.returncode is None
 
-    async def _session(self, principal: str) -> str | None:
-        owner = self._owner(principal)
-        if isinstance(self.wire, StdioWire):
-            if self._stdio_session == self.wire.generation and self.wire.proc is not None \
-                    and self.wire.proc.returncode is None:
-                return None
-        elif owner in self._sessions:
-            return self._sessions[owner]
-        async with self._locks.setdefault(owner, asyncio.Lock()):
-            if isinstance(self.wire, HttpWire):
-                if owner in self._sessions:
-                    return self._sessions[owner]
-                stored = await self.redis.get(keys.proxy_session(owner, self.name))
-                if stored is not None:
-                    sid = stored.decode() if isinstance(stored, bytes) else str(stored)
-                    self._sessions[owner] = sid
-                    return sid
-            elif self._stdio_session == self.wire.generation and self.wire.proc is not None \
-                    and self.wire.proc.returncode is None:
-                return None
-            return await self._initialize(owner)
+    async def _session(self, seat: Seat) -> str | None:
+        """The upstream session of ``seat``: this replica's copy, else the one in Redis, else a new one.
+        A stdio server has one session, opened again after each restart."""
+        if self._stdio_ready():
+            return None
+        if seat in self._sessions:
+            return self._sessions[seat]
+        async with self._locks.setdefault(seat.slot, asyncio.Lock()):
+            if isinstance(self.wire, StdioWire):
+                return None if self._stdio_ready() else await self._initialize(seat)
+            if seat in self._sessions:
+                return self._sessions[seat]
+            stored = await self.redis.get(self._key(seat))
+            if stored is not None:
+                sid = stored.decode() if isinstance(stored, bytes) else str(stored)
+                self._sessions[seat] = sid
+                return sid
+            return await self._initialize(seat)
 
-    async def _initialize(self, owner: str) -> str | None:
+    def _key(self, seat: Seat) -> str:
+        return keys.proxy_session(seat.principal, f"{self.name}/{seat.slot}")
+
+    async def _initialize(self, seat: Seat) -> str | None:
         rid = next(self._ids)
-        params = {"protocolVersion": LEGACY_VERSION, "capabilities": FORWARDED_CAPABILITIES,
-                  "clientInfo": CLIENT_INFO}
+        caps = {c: FORWARDED_CAPABILITIES[c] for c in seat.capabilities}
+        params = {"protocolVersion": LEGACY_VERSION, "capabilities": caps, "clientInfo": CLIENT_INFO}
         answer = await self.wire.send(_encode(Request(jsonrpc="2.0", id=rid, method="initialize", params=params)),
                                       {"mcp-protocol-version": LEGACY_VERSION}, rid, NO_HOOKS)
         result = self._result("initialize", answer)
@@ -243,18 +266,14 @@ class UpstreamClient:
             self._stdio_session = self.wire.generation
             return None
         if sid is not None:
-            self._sessions[owner] = sid
-            await self.redis.set(keys.proxy_session(owner, self.name), sid, ex=self.session_ttl_s)
+            self._sessions[seat] = sid
+            await self.redis.set(self._key(seat), sid, ex=self.session_ttl_s)
         return sid
 
-    async def _forget_session(self, principal: str) -> None:
-        owner = self._owner(principal)
-        self._sessions.pop(owner, None)
+    async def _forget_session(self, seat: Seat) -> None:
+        self._sessions.pop(seat, None)
         if isinstance(self.wire, HttpWire):
-            await self.redis.delete(keys.proxy_session(owner, self.name))
-
-    def forget_cached_sessions(self) -> None:
-        self._sessions.clear()
+            await self.redis.delete(self._key(seat))
 
     # ------------------------------------------------------------------ answers
     def _result(self, method: str, answer: Answer) -> dict[str, Any]:
@@ -278,6 +297,19 @@ class UpstreamClient:
 
     async def close(self) -> None:
         await self.wire.close()
+
+
+def _legacy_params(params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` for a 2025-11-25 upstream: without the 2026-07-28 ``_meta`` envelope keys (a
+    protocol version there would make the upstream read the request as 2026-07-28)."""
+    meta = params.get("_meta")
+    if not isinstance(meta, dict) or not any(k.startswith(ENVELOPE_PREFIX) for k in meta):
+        return params
+    kept = {k: v for k, v in meta.items() if not k.startswith(ENVELOPE_PREFIX)}
+    out = {k: v for k, v in params.items() if k != "_meta"}
+    if kept:
+        out["_meta"] = kept
+    return out
 
 
 def describe_sources(cfg: UpstreamConfig) -> Mapping[str, str]:
