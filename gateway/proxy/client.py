@@ -26,7 +26,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import msgspec
 import redis.asyncio as aioredis
 
@@ -101,7 +100,7 @@ class UpstreamClient:
         self.redis = redis
         self.session_ttl_s = session_ttl_s
         creds = credential_headers(cfg)
-        self.wire: Wire = (HttpWire(cfg.url, creds, cfg.timeout_s, cfg.concurrency) if cfg.url is not None
+        self.wire: Wire = (HttpWire(cfg.url, creds, cfg.timeout_s) if cfg.url is not None
                            else StdioWire(cfg.command or [], {}))
         self.revision: str | None = None if cfg.revision == "auto" else cfg.revision
         self.legacy_version = LEGACY_VERSION  # what initialize agreed on
@@ -133,7 +132,7 @@ class UpstreamClient:
             self.breaker.failed()
             raise UpstreamFailed(self.name, "timeout", f"upstream {self.name!r} did not answer {method} "
                                  f"within {self.cfg.timeout_s:g} s") from None
-        except (httpx.HTTPError, OSError, WireClosed) as exc:
+        except (OSError, WireClosed) as exc:
             self.breaker.failed()
             raise UpstreamFailed(self.name, "unreachable",
                                  f"upstream {self.name!r} is unreachable ({type(exc).__name__})") from None
@@ -190,7 +189,7 @@ class UpstreamClient:
         try:
             await self.wire.send(_encode(Notification(method="notifications/cancelled", params=params)),
                                  note_headers, None, NO_HOOKS)
-        except (httpx.HTTPError, OSError, WireClosed):
+        except (OSError, WireClosed):
             pass  # the upstream is gone: nothing left to cancel
 
     async def _negotiate(self, principal: str) -> None:
