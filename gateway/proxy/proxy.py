@@ -43,7 +43,7 @@ from gateway.proxy.client import ALL_FORWARDED, UpstreamClient, header_value
 from gateway.proxy.errors import UpstreamFailed
 from gateway.proxy.wire import Hooks, Message
 from shared import metrics
-from shared.audit import audit
+from shared.audit import audit_many, record
 from shared.config import ProxyAllow, UpstreamConfig
 from shared.context import ContextError
 
@@ -79,8 +79,14 @@ class Upstream:
     client: UpstreamClient
     catalog: Catalog = field(default_factory=Catalog)
     refresh: asyncio.Task[None] | None = None
+    latency: Any = None  # its /metrics children, looked up once
+    breaker_gauge: Any = None
     calls: int = 0  # on this replica, for the dashboard (/metrics has the rest)
     errors: int = 0
+
+    def __post_init__(self) -> None:
+        self.latency = metrics.PROXY_LATENCY.labels(self.cfg.name)
+        self.breaker_gauge = metrics.PROXY_BREAKER.labels(self.cfg.name)
 
     @property
     def name(self) -> str:
@@ -96,6 +102,8 @@ class Proxy:
         self.upstreams: dict[str, Upstream] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._apply_lock = asyncio.Lock()
+        self._audit: list[dict[Any, Any]] = []  # records waiting for the next batched write
+        self._counters: dict[tuple[str, str, str], Any] = {}
 
     @property
     def active(self) -> bool:
@@ -369,11 +377,21 @@ class Proxy:
     def _record(self, principal: str, up: Upstream, method: str, item: str, outcome: str, latency_s: float) -> None:
         up.calls += 1
         up.errors += outcome not in ("ok", "tool_error", "input_required")
-        metrics.PROXY_CALLS.labels(up.name, method, outcome).inc()
-        metrics.PROXY_LATENCY.labels(up.name).observe(latency_s)
-        metrics.PROXY_BREAKER.labels(up.name).set(STATE_VALUE[up.client.breaker.state])
-        self._spawn(audit(self.gateway.redis, principal=principal, action="proxy.call", upstream=up.name,
-                          method=method, item=item, outcome=outcome, latency_ms=f"{latency_s * 1000:.2f}"))
+        counter = self._counters.get((up.name, method, outcome))
+        if counter is None:  # label sets are bounded: upstreams x methods x outcomes
+            counter = self._counters[(up.name, method, outcome)] = metrics.PROXY_CALLS.labels(up.name, method, outcome)
+        counter.inc()
+        up.latency.observe(latency_s)
+        up.breaker_gauge.set(STATE_VALUE[up.client.breaker.state])
+        self._audit.append(record(principal=principal, action="proxy.call", upstream=up.name, method=method,
+                                  item=item, outcome=outcome, latency_ms=f"{latency_s * 1000:.2f}"))
+        if len(self._audit) == 1:  # the first of a batch: written once this loop turn's calls are in
+            self._spawn(self._flush_audit())
+
+    async def _flush_audit(self) -> None:
+        await asyncio.sleep(0)
+        batch, self._audit = self._audit, []
+        await audit_many(self.gateway.redis, batch)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
