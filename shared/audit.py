@@ -50,12 +50,11 @@ async def audit(redis: aioredis.Redis, *, principal: str, action: str, context: 
     return as_str(entry_id)
 
 
-async def audit_many(redis: aioredis.Redis, records: list[dict[Any, Any]]) -> None:
-    """Append records built by :func:`record` in one round trip (a hot path's batch)."""
-    pipe = redis.pipeline(transaction=False)
-    for entry in records:
-        pipe.xadd(keys.AUDIT_STREAM, entry, maxlen=_maxlen, approximate=True)
-    await pipe.execute()
+def xadd_command(entry: dict[Any, Any]) -> tuple[Any, ...]:
+    """The XADD that appends ``entry`` (from :func:`record`), for callers that pipeline their
+    writes (shared/redis_batch.py) instead of one round trip each."""
+    fields = [part for pair in entry.items() for part in pair]
+    return ("XADD", keys.AUDIT_STREAM, "MAXLEN", "~", _maxlen, "*", *fields)
 
 
 async def query(redis: aioredis.Redis, *, principal: str | None = None, action: str | None = None,
