@@ -82,7 +82,8 @@ def test_replicas_follow_the_set_in_redis(redis_url: str, upstream: str) -> None
         wait_for_sync(lambda: "up.t_echo" not in _tools(a), timeout_s=10, what="replica a to drop it")
 
 
-def test_config_upstream_removed_at_runtime_stays_removed(redis_url: str, upstream: str) -> None:
+def test_config_upstream_removed_at_runtime_stays_removed(redis_url: str, upstream: str,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
     proxy = {"upstreams": [upstream_entry(upstream)]}
     with front_gateway(redis_url, proxy) as base:
         assert "up.t_echo" in _tools(base)
@@ -90,6 +91,8 @@ def test_config_upstream_removed_at_runtime_stays_removed(redis_url: str, upstre
     with front_gateway(redis_url, proxy) as base:
         assert "up.t_echo" not in _tools(base)
         assert httpx.get(base + "/admin/upstreams", headers=ADMIN).json() == {"upstreams": []}
+    assert "proxy upstream up: the configuration file differs from the set in Redis (removed at runtime)" \
+        in caplog.text
 
 
 def test_upstream_session_is_shared_by_replicas_and_renewed(redis_url: str, upstream: str) -> None:

@@ -131,6 +131,7 @@ def test_unprefixed_namespace_and_pagination(redis_url: str, upstream: str) -> N
             if cursor is None:
                 break
         assert "t_echo" in names and "context_append" in names and len(names) == len(set(names))
+        assert names.index("t_echo") < names.index("context_append")  # an unprefixed upstream's entries first
         out = client.result("tools/call", {"name": "t_echo", "arguments": {"text": "bare"}})
         assert out["content"][0]["text"] == "proxy:bare"
         assert "test://r" in [r["uri"] for r in client.result("resources/list")["resources"]]

@@ -325,7 +325,9 @@ class Dispatcher:
         proxy = self.state.proxy
         if not proxy.active:
             return out
-        entries = [*out[key], *await proxy.listing(call, key)]
+        upstream = await proxy.listing(call, key)
+        # An upstream mounted unprefixed fronts the gateway as if it were that server: its entries first.
+        entries = [*upstream, *out[key]] if proxy.transparent else [*out[key], *upstream]
         start = _cursor_offset(params.get("cursor"), key)
         size = self.config.proxy.page_size
         out[key] = entries[start:start + size]

@@ -301,6 +301,11 @@ class Proxy:
         """The upstream mounted with the empty namespace (at most one)."""
         return next((u for u in self.upstreams.values() if u.cfg.prefix == ""), None)
 
+    @property
+    def transparent(self) -> bool:
+        """Whether an upstream is mounted with the empty namespace (its lists then come first)."""
+        return self._bare() is not None
+
     def owns_uri(self, uri: str) -> bool:
         """Whether ``uri`` (not the gateway's own) names an upstream's resource."""
         found = names.unwrap_uri(uri)
