@@ -232,10 +232,11 @@ def component_status(component: str) -> str:
 
 
 # ---------------------------------------------------------------- MCP-Proxy (gateway/proxy/)
-def proxy_session(principal: str, upstream: str) -> str:
-    """String: the 2025-11-25 session id the gateway holds at ``upstream`` for ``principal``, so
-    any replica continues the principal's upstream session."""
-    return f"{PREFIX}{_tag(principal)}:proxy:sess:{upstream}"
+def proxy_session(principal: str, seat: str) -> str:
+    """String: the 2025-11-25 session id the gateway holds at an upstream for ``principal``, so
+    any replica continues the principal's upstream session. ``seat``: ``<upstream>/<client
+    capabilities it was opened with>`` (e.g. ``weather/elicitation+sampling``)."""
+    return f"{PREFIX}{_tag(principal)}:proxy:sess:{seat}"
 
 
 PROXY_UPSTREAMS = f"{PREFIX}proxy:upstreams"

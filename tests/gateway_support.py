@@ -66,7 +66,10 @@ def register_test_tools(registry: Any) -> None:
         import asyncio
 
         await ctx.state.redis.rpush("test:t_sleep:started", ctx.principal)  # the call is in flight here
-        await asyncio.sleep(args["seconds"])
+        try:
+            await asyncio.sleep(args["seconds"])
+        finally:
+            await ctx.state.redis.rpush("test:t_sleep:ended", ctx.principal)
         return {"content": [{"type": "text", "text": "slept"}]}
 
     @registry.resource("test://r", name="r", mime_type="text/plain")

@@ -1,4 +1,4 @@
-"""Helpers for the proxy tests: a real upstream (a second learnmesh gateway process, which
+"""Helpers for the proxy tests (their fixtures: tests/proxy_front_fixtures.py): a real upstream (a second learnmesh gateway process, which
 serves both revisions) and a front gateway (in a thread, so ``caplog`` sees its log lines)
 whose ``proxy`` section points at it, plus small MCP clients for both revisions."""
 
@@ -32,15 +32,17 @@ def upstream_db(redis_url: str) -> str:
 
 
 @contextmanager
-def upstream_gateway(redis_url: str) -> Iterator[tuple[str, subprocess.Popen]]:
-    """A learnmesh gateway as the upstream; its one principal ``proxy`` holds UPSTREAM_SECRET."""
+def upstream_gateway(redis_url: str, fixtures: str | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+    """A learnmesh gateway as the upstream; its one principal ``proxy`` holds UPSTREAM_SECRET.
+    ``fixtures="conformance"`` adds the conformance suite's fixture tools, resources and prompts."""
     import redis as redis_sync
 
     db = upstream_db(redis_url)
     with redis_sync.Redis.from_url(db) as client:
         client.flushdb()
     port = free_port()
-    proc = start_gateway(port, db, api_keys=f"proxy:{UPSTREAM_SECRET}")
+    overrides = {"gateway": {"fixtures": fixtures}} if fixtures else None
+    proc = start_gateway(port, db, api_keys=f"proxy:{UPSTREAM_SECRET}", overrides=overrides)
     try:
         yield f"http://127.0.0.1:{port}/mcp", proc
     finally:
@@ -79,6 +81,11 @@ class Client:
             assert r.status_code == 200, r.text
             self.sid = r.headers["mcp-session-id"]
         return self
+
+    def notify(self, method: str, params: dict[str, Any]) -> httpx.Response:
+        """A notification on the legacy session."""
+        headers = {**self.auth, "mcp-session-id": self.sid or "", "mcp-protocol-version": LEGACY}
+        return httpx.post(self.url, headers=headers, json={"jsonrpc": "2.0", "method": method, "params": params})
 
     def post(self, method: str, params: dict[str, Any] | None = None, caps: dict[str, Any] | None = None,
              ) -> httpx.Response:

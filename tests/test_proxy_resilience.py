@@ -18,8 +18,6 @@ from tests.conftest import wait_for_sync
 from tests.proxy_front import (
     LEGACY,
     MODERN,
-    TOKEN_ENV,
-    UPSTREAM_SECRET,
     Client,
     front_gateway,
     upstream_db,
@@ -27,13 +25,10 @@ from tests.proxy_front import (
     upstream_gateway,
 )
 
+pytest_plugins = ("tests.proxy_front_fixtures",)
+
 STDIO_SERVER = str(Path(__file__).resolve().parent / "proxy_stdio_server.py")
 UPSTREAM_FAILED = -32052
-
-
-@pytest.fixture(autouse=True)
-def token(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(TOKEN_ENV, f"Bearer {UPSTREAM_SECRET}")
 
 
 @pytest.fixture
@@ -128,3 +123,21 @@ def test_stdio_upstream_serves_dies_and_comes_back(redis_url: str) -> None:
         entries = window["structuredContent"]["entries"]
         assert [e["modality"] for e in entries] == ["text", "image"]
         assert entries[1]["mimeType"] == "image/png" and entries[1]["role"] == "assistant"
+
+
+def test_client_cancellation_reaches_the_upstream(redis_url: str, killable: tuple[str, Any]) -> None:
+    url, _ = killable
+    with front_gateway(redis_url, {"upstreams": [upstream_entry(url, revision=LEGACY)]}) as base:
+        client = Client(base, MCP_KEY, LEGACY).open()
+        statuses: list[int] = []
+        params = {"name": "up.t_sleep", "arguments": {"seconds": 60}}
+        thread = threading.Thread(target=lambda: statuses.append(client.post("tools/call", params).status_code))
+        thread.start()
+        wait_for_sync(lambda: _started(redis_url) == 1, timeout_s=15, what="the call in flight on the upstream")
+        cancelled = client.notify("notifications/cancelled", {"requestId": 1, "reason": "changed my mind"})
+        assert cancelled.status_code == 202
+        with redis_sync.Redis.from_url(upstream_db(redis_url)) as r:
+            wait_for_sync(lambda: r.llen("test:t_sleep:ended") == 1, timeout_s=20,
+                          what="the upstream to stop the cancelled call")
+        thread.join(20)
+        assert statuses == [202]  # a cancelled request gets no answer

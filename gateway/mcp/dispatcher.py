@@ -50,7 +50,6 @@ from gateway.mcp.types import (
     RequestId,
     Response,
 )
-from gateway.proxy.names import URI_SCHEME as UPSTREAM_URI_SCHEME
 from gateway.registry import Registry, Tool
 from shared.metrics import MCP_LATENCY, MCP_REQUESTS
 
@@ -326,7 +325,9 @@ class Dispatcher:
         proxy = self.state.proxy
         if not proxy.active:
             return out
-        entries = [*out[key], *await proxy.listing(call, key)]
+        upstream = await proxy.listing(call, key)
+        # An upstream mounted unprefixed fronts the gateway as if it were that server: its entries first.
+        entries = [*upstream, *out[key]] if proxy.transparent else [*out[key], *upstream]
         start = _cursor_offset(params.get("cursor"), key)
         size = self.config.proxy.page_size
         out[key] = entries[start:start + size]
@@ -448,21 +449,27 @@ class Dispatcher:
         res = self.registry.resources.get(uri)
         if res is not None:
             out = await res.handler(call, {"uri": uri})
-        elif uri.startswith(UPSTREAM_URI_SCHEME) and self.state.proxy.active:
-            out = await self.state.proxy.read_resource(call, uri)
         else:
             found = self.registry.find_template(uri)
+            if found is None and self._upstream_uri(uri):
+                return self._read_result(call, await self.state.proxy.read_resource(call, uri))
             if found is None:
                 if call.modern:  # SEP-2164: an unknown resource is a bad parameter
                     raise InvalidParams(f"Resource not found: {uri}", {"uri": uri})
                 raise NotFound(f"Resource not found: {uri}", {"uri": uri})
             tpl, variables = found
             out = await tpl.handler(call, {"uri": uri, **variables})
-        result = out if isinstance(out, dict) and "contents" in out else {"contents": out}
+        return self._read_result(call, out if isinstance(out, dict) and "contents" in out else {"contents": out})
+
+    def _read_result(self, call: Call, result: dict[str, Any]) -> dict[str, Any]:
         if call.modern:
             result.setdefault("ttlMs", self.read_ttl_ms)
             result.setdefault("cacheScope", "private")
         return result
+
+    def _upstream_uri(self, uri: str) -> bool:
+        """Whether a URI the gateway does not serve itself belongs to a proxied upstream."""
+        return self.state.proxy.active and self.state.proxy.owns_uri(uri)
 
     async def _resource_exists(self, call: Call, uri: str) -> bool:
         """A static resource, or a template match that the template says exists for the caller."""
@@ -470,7 +477,7 @@ class Dispatcher:
             return True
         found = self.registry.find_template(uri)
         if found is None:
-            return False
+            return self._upstream_uri(uri)
         tpl, variables = found
         return tpl.exists is None or await tpl.exists(call, {"uri": uri, **variables})
 
@@ -562,6 +569,8 @@ class Dispatcher:
         values: list[str] = []
         if ref.get("type") == "ref/prompt":
             prompt = self.registry.prompts.get(ref.get("name", ""))
+            if prompt is None and self.state.proxy.active:
+                return await self.state.proxy.complete(call, p)
             if prompt is None:
                 raise InvalidParams(f"Prompt not found: {ref.get('name')}")
             completer = prompt.completions.get(arg["name"])
@@ -573,6 +582,8 @@ class Dispatcher:
                 raise InvalidParams("ref.uri must be a string")
             tpl = self.registry.template(uri)
             if tpl is None and uri not in self.registry.resources:
+                if self._upstream_uri(uri):
+                    return await self.state.proxy.complete(call, p)
                 raise InvalidParams(f"Resource template not found: {uri}")
             template_completer = tpl.completions.get(arg["name"]) if tpl is not None else None
             if template_completer is not None:

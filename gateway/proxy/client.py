@@ -23,9 +23,9 @@ import itertools
 import logging
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import msgspec
 import redis.asyncio as aioredis
 
@@ -50,8 +50,23 @@ log = logging.getLogger(__name__)
 
 CLIENT_INFO = {"name": "learnmesh-proxy", "version": "0.1.0"}
 # What the gateway can carry back to its own clients (gateway/proxy/proxy.py forwards them).
-FORWARDED_CAPABILITIES: dict[str, Any] = {"sampling": {}, "elicitation": {}, "roots": {"listChanged": True}}
+FORWARDED_CAPABILITIES: dict[str, Any] = {"elicitation": {}, "roots": {"listChanged": True}, "sampling": {}}
+ALL_FORWARDED = tuple(FORWARDED_CAPABILITIES)
+
+
+@dataclass(frozen=True, slots=True)
+class Seat:
+    """Who holds a 2025-11-25 upstream session: a principal, with the client capabilities it was
+    opened with (clients of one principal that declare different ones get different sessions)."""
+
+    principal: str
+    capabilities: tuple[str, ...]
+
+    @property
+    def slot(self) -> str:
+        return "+".join(self.capabilities) or "none"
 _encode = msgspec.json.Encoder().encode
+ENVELOPE_PREFIX = "io.modelcontextprotocol/"
 
 
 def credential_headers(cfg: UpstreamConfig) -> dict[str, str]:
@@ -85,21 +100,26 @@ class UpstreamClient:
         self.redis = redis
         self.session_ttl_s = session_ttl_s
         creds = credential_headers(cfg)
-        self.wire: Wire = (HttpWire(cfg.url, creds, cfg.timeout_s, cfg.concurrency) if cfg.url is not None
+        self.wire: Wire = (HttpWire(cfg.url, creds, cfg.timeout_s) if cfg.url is not None
                            else StdioWire(cfg.command or [], {}))
         self.revision: str | None = None if cfg.revision == "auto" else cfg.revision
         self.legacy_version = LEGACY_VERSION  # what initialize agreed on
         self.breaker = Breaker(breaker.failures, breaker.reset_s)
         self.gate = asyncio.Semaphore(cfg.concurrency)
         self._ids = itertools.count(1)
-        self._sessions: dict[str, str] = {}  # principal -> upstream session id (cache of Redis)
+        self._sessions: dict[Seat, str] = {}  # upstream session ids (this replica's copy of Redis)
         self._locks: dict[str, asyncio.Lock] = {}
         self._stdio_session = 0  # generation of the stdio process the session was opened on
+        self._cancels: set[asyncio.Future[None]] = set()
 
     # ------------------------------------------------------------------ the one entry point
     async def request(self, principal: str, method: str, params: dict[str, Any], hooks: Hooks = NO_HOOKS,
-                      ) -> dict[str, Any]:
-        """The upstream's result for ``method``; raises McpError (its error) or UpstreamFailed."""
+                      headers: Mapping[str, str] | None = None,
+                      capabilities: tuple[str, ...] = ALL_FORWARDED) -> dict[str, Any]:
+        """The upstream's result for ``method``; raises McpError (its error) or UpstreamFailed.
+        ``headers``: extra request headers for a 2026-07-28 upstream (SEP-2243 ``Mcp-Param-*``);
+        ``capabilities``: which of sampling, elicitation, roots the client declared (a 2025-11-25
+        upstream session is opened with exactly those, so the upstream sees what the client can do)."""
         if not self.breaker.admit():
             raise UpstreamFailed(self.name, "breaker_open",
                                  f"upstream {self.name!r} is failing; calls resume in "
@@ -107,12 +127,12 @@ class UpstreamClient:
         try:
             async with asyncio.timeout(self.cfg.timeout_s):
                 async with self.gate:
-                    result = await self._request(principal, method, params, hooks)
+                    result = await self._request(principal, method, params, hooks, headers or {}, capabilities)
         except TimeoutError:
             self.breaker.failed()
             raise UpstreamFailed(self.name, "timeout", f"upstream {self.name!r} did not answer {method} "
                                  f"within {self.cfg.timeout_s:g} s") from None
-        except (httpx.HTTPError, OSError, WireClosed) as exc:
+        except (OSError, WireClosed) as exc:
             self.breaker.failed()
             raise UpstreamFailed(self.name, "unreachable",
                                  f"upstream {self.name!r} is unreachable ({type(exc).__name__})") from None
@@ -125,27 +145,52 @@ class UpstreamClient:
         self.breaker.succeeded()
         return result
 
-    async def _request(self, principal: str, method: str, params: dict[str, Any], hooks: Hooks) -> dict[str, Any]:
+    async def _request(self, principal: str, method: str, params: dict[str, Any], hooks: Hooks,
+                       headers: Mapping[str, str], capabilities: tuple[str, ...]) -> dict[str, Any]:
         if self.revision is None:
             await self._negotiate(principal)
         if self.revision == MODERN_VERSION:
-            return self._result(method, await self._modern(method, params, hooks))
-        return self._result(method, await self._legacy(principal, method, params, hooks))
+            return self._result(method, await self._modern(method, params, hooks, headers))
+        seat = Seat(principal, capabilities if isinstance(self.wire, HttpWire) else ALL_FORWARDED)
+        return self._result(method, await self._legacy(seat, method, _legacy_params(params), hooks))
 
     # ------------------------------------------------------------------ 2026-07-28
     async def _modern(self, method: str, params: dict[str, Any], hooks: Hooks,
-                      capabilities: dict[str, Any] | None = None) -> Answer:
+                      extra_headers: Mapping[str, str] | None = None) -> Answer:
         meta = params.get("_meta")
         meta = dict(meta) if isinstance(meta, dict) else {}
         meta[PROTOCOL_VERSION_META_KEY] = MODERN_VERSION
-        meta.setdefault(CLIENT_CAPABILITIES_META_KEY, capabilities or FORWARDED_CAPABILITIES)
+        meta.setdefault(CLIENT_CAPABILITIES_META_KEY, FORWARDED_CAPABILITIES)
         rid = next(self._ids)
         body = _encode(Request(jsonrpc="2.0", id=rid, method=method, params={**params, "_meta": meta}))
-        headers = {"mcp-protocol-version": MODERN_VERSION, "mcp-method": method}
+        headers = {"mcp-protocol-version": MODERN_VERSION, "mcp-method": method, **(extra_headers or {})}
         name_key = NAME_BEARING.get(method)
         if name_key is not None and isinstance(params.get(name_key), str):
             headers["mcp-name"] = header_value(params[name_key])
-        return await self.wire.send(body, headers, rid, hooks)
+        return await self._exchange(body, headers, rid, hooks)
+
+    async def _exchange(self, body: bytes, headers: dict[str, str], rid: int, hooks: Hooks) -> Answer:
+        """One request and its answer; a request abandoned here (the client cancelled, or the
+        timeout struck) is cancelled at the upstream too, so it stops working on it."""
+        try:
+            return await self.wire.send(body, headers, rid, hooks)
+        except asyncio.CancelledError:
+            task = asyncio.ensure_future(self._cancel_upstream(headers, rid))
+            self._cancels.add(task)
+            task.add_done_callback(self._cancels.discard)
+            raise
+
+    async def _cancel_upstream(self, headers: dict[str, str], rid: int) -> None:
+        params: dict[str, Any] = {"requestId": rid, "reason": "the gateway's client cancelled or timed out"}
+        note_headers = {k: v for k, v in headers.items() if k in ("mcp-session-id", "mcp-protocol-version")}
+        if headers.get("mcp-protocol-version") == MODERN_VERSION:
+            params["_meta"] = {PROTOCOL_VERSION_META_KEY: MODERN_VERSION}
+            note_headers["mcp-method"] = "notifications/cancelled"
+        try:
+            await self.wire.send(_encode(Notification(method="notifications/cancelled", params=params)),
+                                 note_headers, None, NO_HOOKS)
+        except (OSError, WireClosed):
+            pass  # the upstream is gone: nothing left to cancel
 
     async def _negotiate(self, principal: str) -> None:
         lock = self._locks.setdefault("", asyncio.Lock())
@@ -160,15 +205,15 @@ class UpstreamClient:
             log.info("upstream %s speaks %s", self.name, self.revision)
 
     # ------------------------------------------------------------------ 2025-11-25
-    async def _legacy(self, principal: str, method: str, params: dict[str, Any], hooks: Hooks) -> Answer:
+    async def _legacy(self, seat: Seat, method: str, params: dict[str, Any], hooks: Hooks) -> Answer:
         for attempt in (1, 2):
-            sid = await self._session(principal)
+            sid = await self._session(seat)
             rid = next(self._ids)
             body = _encode(Request(jsonrpc="2.0", id=rid, method=method, params=params))
-            answer = await self.wire.send(body, self._session_headers(sid), rid, hooks)
+            answer = await self._exchange(body, self._session_headers(sid), rid, hooks)
             if answer.status != 404 or sid is None or attempt == 2:
                 return answer
-            await self._forget_session(principal)  # the upstream lost it (restart, expiry): open a new one
+            await self._forget_session(seat)  # the upstream lost it (restart, expiry): open a new one
         raise AssertionError("unreachable")
 
     def _session_headers(self, sid: str | None) -> dict[str, str]:
@@ -177,36 +222,37 @@ class UpstreamClient:
             headers["mcp-session-id"] = sid
         return headers
 
-    def _owner(self, principal: str) -> str:
-        """Whose session a principal uses: its own over HTTP; the process's one over stdio."""
-        return "" if isinstance(self.wire, StdioWire) else principal
+    def _stdio_ready(self) -> bool:
+        wire = self.wire
+        return isinstance(wire, StdioWire) and self._stdio_session == wire.generation \
+            and wire.proc is not None and wire.proc.returncode is None
 
-    async def _session(self, principal: str) -> str | None:
-        owner = self._owner(principal)
-        if isinstance(self.wire, StdioWire):
-            if self._stdio_session == self.wire.generation and self.wire.proc is not None \
-                    and self.wire.proc.returncode is None:
-                return None
-        elif owner in self._sessions:
-            return self._sessions[owner]
-        async with self._locks.setdefault(owner, asyncio.Lock()):
-            if isinstance(self.wire, HttpWire):
-                if owner in self._sessions:
-                    return self._sessions[owner]
-                stored = await self.redis.get(keys.proxy_session(owner, self.name))
-                if stored is not None:
-                    sid = stored.decode() if isinstance(stored, bytes) else str(stored)
-                    self._sessions[owner] = sid
-                    return sid
-            elif self._stdio_session == self.wire.generation and self.wire.proc is not None \
-                    and self.wire.proc.returncode is None:
-                return None
-            return await self._initialize(owner)
+    async def _session(self, seat: Seat) -> str | None:
+        """The upstream session of ``seat``: this replica's copy, else the one in Redis, else a new one.
+        A stdio server has one session, opened again after each restart."""
+        if self._stdio_ready():
+            return None
+        if seat in self._sessions:
+            return self._sessions[seat]
+        async with self._locks.setdefault(seat.slot, asyncio.Lock()):
+            if isinstance(self.wire, StdioWire):
+                return None if self._stdio_ready() else await self._initialize(seat)
+            if seat in self._sessions:
+                return self._sessions[seat]
+            stored = await self.redis.get(self._key(seat))
+            if stored is not None:
+                sid = stored.decode() if isinstance(stored, bytes) else str(stored)
+                self._sessions[seat] = sid
+                return sid
+            return await self._initialize(seat)
 
-    async def _initialize(self, owner: str) -> str | None:
+    def _key(self, seat: Seat) -> str:
+        return keys.proxy_session(seat.principal, f"{self.name}/{seat.slot}")
+
+    async def _initialize(self, seat: Seat) -> str | None:
         rid = next(self._ids)
-        params = {"protocolVersion": LEGACY_VERSION, "capabilities": FORWARDED_CAPABILITIES,
-                  "clientInfo": CLIENT_INFO}
+        caps = {c: FORWARDED_CAPABILITIES[c] for c in seat.capabilities}
+        params = {"protocolVersion": LEGACY_VERSION, "capabilities": caps, "clientInfo": CLIENT_INFO}
         answer = await self.wire.send(_encode(Request(jsonrpc="2.0", id=rid, method="initialize", params=params)),
                                       {"mcp-protocol-version": LEGACY_VERSION}, rid, NO_HOOKS)
         result = self._result("initialize", answer)
@@ -219,18 +265,14 @@ class UpstreamClient:
             self._stdio_session = self.wire.generation
             return None
         if sid is not None:
-            self._sessions[owner] = sid
-            await self.redis.set(keys.proxy_session(owner, self.name), sid, ex=self.session_ttl_s)
+            self._sessions[seat] = sid
+            await self.redis.set(self._key(seat), sid, ex=self.session_ttl_s)
         return sid
 
-    async def _forget_session(self, principal: str) -> None:
-        owner = self._owner(principal)
-        self._sessions.pop(owner, None)
+    async def _forget_session(self, seat: Seat) -> None:
+        self._sessions.pop(seat, None)
         if isinstance(self.wire, HttpWire):
-            await self.redis.delete(keys.proxy_session(owner, self.name))
-
-    def forget_cached_sessions(self) -> None:
-        self._sessions.clear()
+            await self.redis.delete(self._key(seat))
 
     # ------------------------------------------------------------------ answers
     def _result(self, method: str, answer: Answer) -> dict[str, Any]:
@@ -252,23 +294,21 @@ class UpstreamClient:
             raise UpstreamFailed(self.name, "protocol", f"upstream {self.name!r} sent a malformed answer to {method}")
         return result
 
-    async def notify(self, principal: str, method: str, params: dict[str, Any]) -> None:
-        """A notification to the upstream (cancellation), best effort: it may already be gone."""
-        try:
-            if self.revision == MODERN_VERSION:
-                body = _encode(Notification(method=method, params={**params, "_meta": {
-                    PROTOCOL_VERSION_META_KEY: MODERN_VERSION}}))
-                await self.wire.send(body, {"mcp-protocol-version": MODERN_VERSION, "mcp-method": method}, None,
-                                     NO_HOOKS)
-            else:
-                sid = self._sessions.get(self._owner(principal))
-                await self.wire.send(_encode(Notification(method=method, params=params)),
-                                     self._session_headers(sid), None, NO_HOOKS)
-        except (httpx.HTTPError, OSError, WireClosed):
-            pass
-
     async def close(self) -> None:
         await self.wire.close()
+
+
+def _legacy_params(params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` for a 2025-11-25 upstream: without the 2026-07-28 ``_meta`` envelope keys (a
+    protocol version there would make the upstream read the request as 2026-07-28)."""
+    meta = params.get("_meta")
+    if not isinstance(meta, dict) or not any(k.startswith(ENVELOPE_PREFIX) for k in meta):
+        return params
+    kept = {k: v for k, v in meta.items() if not k.startswith(ENVELOPE_PREFIX)}
+    out = {k: v for k, v in params.items() if k != "_meta"}
+    if kept:
+        out["_meta"] = kept
+    return out
 
 
 def describe_sources(cfg: UpstreamConfig) -> Mapping[str, str]:

@@ -26,17 +26,27 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from gateway.errors import INTERNAL_ERROR, METHOD_NOT_FOUND, Forbidden, InvalidParams, McpError
+from gateway.errors import (
+    INTERNAL_ERROR,
+    METHOD_NOT_FOUND,
+    MISSING_REQUIRED_CLIENT_CAPABILITY,
+    Forbidden,
+    InvalidParams,
+    McpError,
+)
 from gateway.mcp.dispatcher import Call, InputRequired
+from gateway.mcp.kernel import header_form, param_header_spec
+from gateway.mcp.types import CLIENT_CAPABILITIES_META_KEY, LOG_LEVEL_META_KEY
 from gateway.proxy import names
 from gateway.proxy.breaker import STATE_VALUE
-from gateway.proxy.client import UpstreamClient
+from gateway.proxy.client import ALL_FORWARDED, UpstreamClient, header_value
 from gateway.proxy.errors import UpstreamFailed
 from gateway.proxy.wire import Hooks, Message
 from shared import metrics
-from shared.audit import audit
+from shared.audit import record, xadd_command
 from shared.config import ProxyAllow, UpstreamConfig
 from shared.context import ContextError
+from shared.redis_batch import AutoPipeline, pack_command
 
 if TYPE_CHECKING:
     from gateway.state import Gateway
@@ -49,6 +59,8 @@ MAX_LIST_PAGES = 50
 MAX_INPUT_ROUNDS = 8
 CAPTURE_CONTEXT_META_KEY = "io.learnmesh/context"  # _meta key naming the context captured calls go to
 _MEDIA = {"image": "image", "audio": "audio"}
+CLIENT_CAPABILITY_OF = {"sampling/createMessage": "sampling", "elicitation/create": "elicitation",
+                        "roots/list": "roots"}
 
 
 @dataclass
@@ -59,6 +71,7 @@ class Catalog:
     lists: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     tools: dict[str, str] = field(default_factory=dict)    # exposed name -> upstream's name
     prompts: dict[str, str] = field(default_factory=dict)
+    schemas: dict[str, dict[str, Any]] = field(default_factory=dict)  # exposed tool name -> inputSchema
 
 
 @dataclass(eq=False)
@@ -67,6 +80,14 @@ class Upstream:
     client: UpstreamClient
     catalog: Catalog = field(default_factory=Catalog)
     refresh: asyncio.Task[None] | None = None
+    latency: Any = None  # its /metrics children, looked up once
+    breaker_gauge: Any = None
+    calls: int = 0  # on this replica, for the dashboard (/metrics has the rest)
+    errors: int = 0
+
+    def __post_init__(self) -> None:
+        self.latency = metrics.PROXY_LATENCY.labels(self.cfg.name)
+        self.breaker_gauge = metrics.PROXY_BREAKER.labels(self.cfg.name)
 
     @property
     def name(self) -> str:
@@ -82,6 +103,8 @@ class Proxy:
         self.upstreams: dict[str, Upstream] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._apply_lock = asyncio.Lock()
+        self._audit = AutoPipeline(gateway.redis)
+        self._counters: dict[tuple[str, str, str], Any] = {}
 
     @property
     def active(self) -> bool:
@@ -163,9 +186,12 @@ class Proxy:
             if catalog is None:
                 continue
             entries = catalog.lists.get(kind, [])
-            if kind in ("tools", "prompts") and self.config.allow is not None:
-                lookup = catalog.tools if kind == "tools" else catalog.prompts
-                entries = [e for e in entries if self.allowed(call.principal, up.name, lookup.get(e["name"]))]
+            if self.config.allow is not None:
+                if kind in ("tools", "prompts"):
+                    lookup = catalog.tools if kind == "tools" else catalog.prompts
+                    entries = [e for e in entries if self.allowed(call.principal, up.name, lookup.get(e["name"]))]
+                elif not self.allowed(call.principal, up.name):  # resources need the whole upstream
+                    continue
             out.extend(entries)
         return out
 
@@ -227,10 +253,12 @@ class Proxy:
                           up.name, kind[:-1], name)
                 return {}
             (catalog.tools if kind == "tools" else catalog.prompts)[exposed] = str(name)
+            if kind == "tools" and isinstance(entry.get("inputSchema"), dict):
+                catalog.schemas[exposed] = entry["inputSchema"]
             out["name"] = exposed
         elif kind == "resources" and isinstance(entry.get("uri"), str):
-            out["uri"] = names.wrap_uri(up.name, entry["uri"])
-        elif kind == "resourceTemplates" and isinstance(entry.get("uriTemplate"), str):
+            out["uri"] = _uri_for_client(up, entry["uri"])
+        elif kind == "resourceTemplates" and isinstance(entry.get("uriTemplate"), str) and up.cfg.prefix:
             out["uriTemplate"] = names.wrap_template(up.name, entry["uriTemplate"])
         return out
 
@@ -261,11 +289,44 @@ class Proxy:
                             f"of upstream {up.name!r}", f"proxy:{up.name}.{original}")
         return up, original
 
+    def input_schema(self, name: str) -> dict[str, Any] | None:
+        """The inputSchema of the upstream tool clients call ``name`` (None: not known)."""
+        for up in self.upstreams.values():
+            schema = up.catalog.schemas.get(name)
+            if schema is not None:
+                return schema
+        return None
+
+    def _bare(self) -> Upstream | None:
+        """The upstream mounted with the empty namespace (at most one)."""
+        return next((u for u in self.upstreams.values() if u.cfg.prefix == ""), None)
+
+    @property
+    def transparent(self) -> bool:
+        """Whether an upstream is mounted with the empty namespace (its lists then come first)."""
+        return self._bare() is not None
+
+    def owns_uri(self, uri: str) -> bool:
+        """Whether ``uri`` (not the gateway's own) names an upstream's resource."""
+        found = names.unwrap_uri(uri)
+        return (found is not None and found[0] in self.upstreams) or self._bare() is not None
+
+    def _resource_target(self, call: Call, uri: str) -> tuple[Upstream, str]:
+        found = names.unwrap_uri(uri)
+        up = self.upstreams.get(found[0]) if found is not None else self._bare()
+        if up is None or not up.cfg.enabled:
+            raise InvalidParams(f"Resource not found: {uri}", {"uri": uri})
+        if not self.allowed(call.principal, up.name):
+            raise Forbidden(f"principal {call.principal!r} may not use upstream {up.name!r}", f"proxy:{up.name}")
+        return up, found[1] if found is not None else uri
+
     async def call_tool(self, call: Call, name: str, params: dict[str, Any]) -> dict[str, Any]:
         up, tool = self._target(call, name, "tools", "Tool")
         args = params.get("arguments")
         args = args if isinstance(args, dict) else {}
-        result = await self._observed(call, up, "tools/call", tool, {"name": tool, "arguments": args})
+        schema = up.catalog.schemas.get(name)
+        headers = _param_headers(schema, args) if schema is not None else None
+        result = await self._observed(call, up, "tools/call", tool, {"name": tool, "arguments": args}, headers)
         if up.cfg.captures(tool):
             await self._capture(call, up, name, args, result)
         return result
@@ -276,25 +337,31 @@ class Proxy:
         return await self._observed(call, up, "prompts/get", prompt, forwarded)
 
     async def read_resource(self, call: Call, uri: str) -> dict[str, Any]:
-        found = names.unwrap_uri(uri)
-        up = self.upstreams.get(found[0]) if found is not None else None
-        if found is None or up is None or not up.cfg.enabled:
-            raise InvalidParams(f"Resource not found: {uri}", {"uri": uri})
-        if not self.allowed(call.principal, up.name):
-            raise Forbidden(f"principal {call.principal!r} may not use upstream {up.name!r}", f"proxy:{up.name}")
-        result = await self._observed(call, up, "resources/read", found[1], {"uri": found[1]})
+        up, original = self._resource_target(call, uri)
+        result = await self._observed(call, up, "resources/read", original, {"uri": original})
         for item in result.get("contents") or ():
             if isinstance(item, dict) and isinstance(item.get("uri"), str):
-                item["uri"] = names.wrap_uri(up.name, item["uri"])
+                item["uri"] = _uri_for_client(up, item["uri"])
         return result
 
-    async def _observed(self, call: Call, up: Upstream, method: str, item: str,
-                        params: dict[str, Any]) -> dict[str, Any]:
+    async def complete(self, call: Call, params: dict[str, Any]) -> dict[str, Any]:
+        """completion/complete for an upstream's prompt or resource template."""
+        ref = dict(params["ref"])
+        if ref.get("type") == "ref/prompt":
+            up, ref["name"] = self._target(call, str(ref.get("name")), "prompts", "Prompt")
+        else:
+            up, ref["uri"] = self._resource_target(call, str(ref.get("uri")))
+        forwarded = {k: v for k, v in params.items() if k not in ("_meta", "ref")}
+        return await self._observed(call, up, "completion/complete", str(ref.get("name") or ref.get("uri")),
+                                    {**forwarded, "ref": ref})
+
+    async def _observed(self, call: Call, up: Upstream, method: str, item: str, params: dict[str, Any],
+                        headers: dict[str, str] | None = None) -> dict[str, Any]:
         """Forward with metrics, breaker gauge and one audit record, whatever the outcome."""
         t0 = time.perf_counter()
         outcome = "ok"
         try:
-            result = await self._forward(call, up, method, params)
+            result = await self._forward(call, up, method, params, headers)
             if result.get("isError") is True:
                 outcome = "tool_error"
             return result
@@ -314,11 +381,18 @@ class Proxy:
             self._record(call.principal, up, method, item, outcome, time.perf_counter() - t0)
 
     def _record(self, principal: str, up: Upstream, method: str, item: str, outcome: str, latency_s: float) -> None:
-        metrics.PROXY_CALLS.labels(up.name, method, outcome).inc()
-        metrics.PROXY_LATENCY.labels(up.name).observe(latency_s)
-        metrics.PROXY_BREAKER.labels(up.name).set(STATE_VALUE[up.client.breaker.state])
-        self._spawn(audit(self.gateway.redis, principal=principal, action="proxy.call", upstream=up.name,
-                          method=method, item=item, outcome=outcome, latency_ms=f"{latency_s * 1000:.2f}"))
+        up.calls += 1
+        up.errors += outcome not in ("ok", "tool_error", "input_required")
+        counter = self._counters.get((up.name, method, outcome))
+        if counter is None:  # label sets are bounded: upstreams x methods x outcomes
+            counter = self._counters[(up.name, method, outcome)] = metrics.PROXY_CALLS.labels(up.name, method, outcome)
+        counter.inc()
+        up.latency.observe(latency_s)
+        up.breaker_gauge.set(STATE_VALUE[up.client.breaker.state])
+        entry = record(principal=principal, action="proxy.call", upstream=up.name, method=method, item=item,
+                       outcome=outcome, latency_ms=f"{latency_s * 1000:.2f}")
+        # Pipelined with the other calls' records (no task, no round trip of its own on the call's path).
+        self._audit.submit(pack_command(xadd_command(entry))).add_done_callback(_audit_written)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -330,22 +404,19 @@ class Proxy:
         if not task.cancelled() and task.exception() is not None:
             log.warning("proxy background write failed: %s", type(task.exception()).__name__)
 
-    async def _forward(self, call: Call, up: Upstream, method: str, params: dict[str, Any]) -> dict[str, Any]:
-        token = call.meta.get("progressToken")
-        if token is not None:
-            params["_meta"] = {"progressToken": token}
-        if call.envelope is not None and up.client.revision != "2025-11-25":
-            meta = params.setdefault("_meta", {})
-            meta["io.modelcontextprotocol/clientCapabilities"] = call.envelope.client_capabilities
+    async def _forward(self, call: Call, up: Upstream, method: str, params: dict[str, Any],
+                       headers: dict[str, str] | None) -> dict[str, Any]:
+        params["_meta"] = _upstream_meta(call)
         side = CallHooks(self, call, up)
         for _ in range(MAX_INPUT_ROUNDS):
             try:
-                result = await up.client.request(call.principal, method, params, side.hooks)
+                result = await up.client.request(call.principal, method, params, side.hooks, headers,
+                                                 forwardable_capabilities(call))
             except McpError:
-                if side.input_required is None:
+                if side.stopped is None:
                     raise
-            if side.input_required is not None:  # whatever the upstream made of the unanswered request
-                raise side.input_required
+            if side.stopped is not None:  # whatever the upstream made of the request the client cannot answer
+                raise side.stopped
             if result.get("resultType") != "input_required":
                 return _for_client(result)
             params = {**params, "inputResponses": await side.answers(result.get("inputRequests")),
@@ -383,7 +454,58 @@ class Proxy:
         return {"name": name, "enabled": up.cfg.enabled, "revision": up.client.revision or "unknown",
                 "breaker": breaker.state, "consecutive_failures": breaker.failures,
                 "lists_age_s": round(time.monotonic() - up.catalog.fetched_at, 1) if up.catalog.fetched_at else None,
-                "tools": len(up.catalog.tools)}
+                "tools": len(up.catalog.tools), "transport": "http" if up.cfg.url else "stdio",
+                "calls": up.calls, "errors": up.errors}
+
+
+def _audit_written(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("an audit record of a proxied call was not written (%s)", type(future.exception()).__name__)
+
+
+def _uri_for_client(up: Upstream, uri: str) -> str:
+    return names.wrap_uri(up.name, uri) if up.cfg.prefix else uri
+
+
+def _upstream_meta(call: Call) -> dict[str, Any]:
+    """The ``_meta`` the upstream gets: the client's own (progress token, log level, extensions;
+    for a 2025-11-25 client its session's capabilities and log level), without learnmesh's keys."""
+    meta = {k: v for k, v in call.meta.items() if k != CAPTURE_CONTEXT_META_KEY}
+    if not call.modern:
+        session = call.session
+        meta[LOG_LEVEL_META_KEY] = (session.log_level if session is not None else None) or "debug"
+        if session is not None:
+            meta[CLIENT_CAPABILITIES_META_KEY] = session.capabilities
+    return meta
+
+
+def _param_headers(schema: dict[str, Any], args: dict[str, Any]) -> dict[str, str] | None:
+    """SEP-2243: the ``Mcp-Param-*`` headers a 2026-07-28 upstream expects for these arguments."""
+    out: dict[str, str] = {}
+    for arg, header in param_header_spec(schema):
+        value = header_form(args.get(arg))
+        if value is not None:
+            out[header] = header_value(value)
+    return out or None
+
+
+def _declared(call: Call) -> dict[str, Any]:
+    if call.envelope is not None:
+        return call.envelope.client_capabilities
+    return call.session.capabilities if call.session is not None else {}
+
+
+def forwardable_capabilities(call: Call) -> tuple[str, ...]:
+    declared = _declared(call)
+    return tuple(c for c in ALL_FORWARDED if c in declared)
+
+
+def client_lacks(call: Call, method: str) -> str | None:
+    """The capability a server->client request needs that the client did not declare, if any."""
+    need = CLIENT_CAPABILITY_OF.get(method)
+    if need is None:
+        return None
+    return None if need in _declared(call) else need
 
 
 def _for_client(result: dict[str, Any]) -> dict[str, Any]:
@@ -417,7 +539,7 @@ class CallHooks:
         self.call = call
         self.up = up
         self.asked = 0
-        self.input_required: InputRequired | None = None
+        self.stopped: InputRequired | McpError | None = None  # why the call cannot finish on this round
         self.hooks = Hooks(notify=self.notify, ask=self.ask)
 
     async def notify(self, msg: Message) -> None:
@@ -437,15 +559,22 @@ class CallHooks:
         """A server->client request: the client's answer (or why there is none yet)."""
         key = f"{self.up.name}:{self.asked}"
         self.asked += 1
-        params = _params(msg)
         try:
-            result = await self.call.request_client(str(msg.get("method")), params, key)
+            result = await self._ask_client(str(msg.get("method")), _params(msg), key)
         except InputRequired as ir:
             self._defer(ir)
             return _error_reply(msg, INTERNAL_ERROR, "the client answers on its next request")
         except McpError as exc:
             return _error_reply(msg, exc.code, exc.message)
         return {"jsonrpc": "2.0", "id": msg.get("id"), "result": result}
+
+    async def _ask_client(self, method: str, params: dict[str, Any], key: str) -> dict[str, Any]:
+        lacking = client_lacks(self.call, method)
+        if lacking is not None:
+            self.stopped = McpError(MISSING_REQUIRED_CLIENT_CAPABILITY,
+                                    f"Missing required client capability: {lacking}", {"capability": lacking})
+            raise self.stopped
+        return await self.call.request_client(method, params, key)
 
     async def answers(self, requests: Any) -> dict[str, Any]:
         """Answers to a 2026-07-28 upstream's ``inputRequests``, each asked of the client; a
@@ -455,20 +584,19 @@ class CallHooks:
         out: dict[str, Any] = {}
         for key, req in requests.items():
             req = req if isinstance(req, dict) else {}
-            params = _params(req)
-            try:
-                out[key] = await self.call.request_client(str(req.get("method")), params, f"{self.up.name}:{key}")
+            try:  # the upstream's keys pass through: one call goes to one upstream
+                out[key] = await self._ask_client(str(req.get("method")), _params(req), key)
             except InputRequired as ir:
                 self._defer(ir)
-        if self.input_required is not None:
-            raise self.input_required
+        if self.stopped is not None:
+            raise self.stopped
         return out
 
     def _defer(self, ir: InputRequired) -> None:
-        if self.input_required is None:
-            self.input_required = ir
-        else:
-            self.input_required.requests.update(ir.requests)
+        if isinstance(self.stopped, InputRequired):
+            self.stopped.requests.update(ir.requests)
+        elif self.stopped is None:
+            self.stopped = ir
 
 
 def _params(msg: dict[str, Any]) -> dict[str, Any]:

@@ -11,6 +11,7 @@ file paths) and never a credential's value.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import orjson
@@ -19,6 +20,8 @@ import redis.asyncio as aioredis
 from shared import keys
 from shared.config import ConfigError, UpstreamConfig
 from shared.text import as_str
+
+log = logging.getLogger(__name__)
 
 REMOVED = b'{"removed":true}'
 
@@ -36,8 +39,17 @@ def from_json(raw: bytes | str) -> UpstreamConfig | None:
 
 
 async def seed(redis: aioredis.Redis, initial: list[UpstreamConfig]) -> None:
+    """Write the config file's upstreams whose names Redis does not have; one that Redis holds
+    differently (changed or removed at runtime, or by an earlier configuration) is kept as stored,
+    with a warning naming it."""
     for cfg in initial:
-        await redis.hsetnx(keys.PROXY_UPSTREAMS, cfg.name, to_json(cfg))
+        if await redis.hsetnx(keys.PROXY_UPSTREAMS, cfg.name, to_json(cfg)):
+            continue
+        stored = await get(redis, cfg.name)
+        if stored != cfg:
+            log.warning("proxy upstream %s: the configuration file differs from the set in Redis (%s), which is "
+                        "what is served; change it through /admin/upstreams", cfg.name,
+                        "removed at runtime" if stored is None else "changed at runtime or by an earlier config")
 
 
 async def load(redis: aioredis.Redis) -> list[UpstreamConfig]:

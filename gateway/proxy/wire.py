@@ -1,4 +1,4 @@
-"""How bytes reach one upstream: Streamable HTTP (one pooled :mod:`httpx` client per upstream)
+"""How bytes reach one upstream: Streamable HTTP (pooled keep-alive connections, gateway/proxy/http1.py)
 or stdio (one subprocess, newline-delimited JSON-RPC).
 
 Both offer :meth:`send`: one JSON-RPC message out, and, for a request, the upstream's answer
@@ -18,10 +18,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import orjson
 
 from gateway.proxy.errors import WireClosed
+from gateway.proxy.http1 import Origin, Response
 
 log = logging.getLogger(__name__)
 
@@ -69,28 +69,26 @@ async def side_traffic(msg: Message, hooks: Hooks) -> Message | None:
 class HttpWire:
     """Streamable HTTP: a POST per message; the answer is JSON or an SSE stream."""
 
-    def __init__(self, url: str, headers: Mapping[str, str], timeout_s: float, concurrency: int) -> None:
+    def __init__(self, url: str, headers: Mapping[str, str], timeout_s: float) -> None:
         self.url = url
         base = {"accept": "application/json, text/event-stream", "content-type": "application/json", **headers}
-        self.http = httpx.AsyncClient(
-            headers=base, timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
-            limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
-            follow_redirects=False, trust_env=False)
+        self.origin = Origin(url, base, connect_timeout_s=min(timeout_s, 10.0))
 
     async def send(self, body: bytes, headers: Mapping[str, str], request_id: Any, hooks: Hooks) -> Answer:
-        async with self.http.stream("POST", self.url, content=body, headers=headers) as resp:
+        async with await self.origin.open(b"POST", headers, body) as resp:
             kind = resp.headers.get("content-type", "")
             if kind.startswith("text/event-stream"):
                 found = await self._stream(resp, headers, request_id, hooks)
-                return Answer(resp.status_code, found, resp.headers)
-            data = await resp.aread()
+                return Answer(resp.status, found, resp.headers)
+            data = await resp.read()
             message = _json_object(data) if kind.startswith("application/json") else None
-            return Answer(resp.status_code, message, resp.headers)
+            return Answer(resp.status, message, resp.headers)
 
-    async def _stream(self, resp: httpx.Response, headers: Mapping[str, str], request_id: Any,
+    async def _stream(self, resp: Response, headers: Mapping[str, str], request_id: Any,
                       hooks: Hooks) -> Message | None:
-        async for msg in _sse_messages(resp.aiter_lines()):
+        async for msg in _sse_messages(_lines(resp.chunks())):
             if "method" not in msg and msg.get("id") == request_id:
+                await resp.read()  # the rest of the stream, so the connection can be reused
                 return msg
             reply = await side_traffic(msg, hooks)
             if reply is not None:
@@ -100,12 +98,28 @@ class HttpWire:
     async def post_reply(self, reply: Message, headers: Mapping[str, str]) -> None:
         """The answer to a server->client request travels as its own POST on the same session."""
         keep = {k: v for k, v in headers.items() if k in ("mcp-session-id", "mcp-protocol-version")}
-        resp = await self.http.post(self.url, content=orjson.dumps(reply), headers=keep)
-        if resp.status_code >= 400:
-            log.warning("upstream %s refused a reply to its request (HTTP %d)", self.url, resp.status_code)
+        async with await self.origin.open(b"POST", keep, orjson.dumps(reply)) as resp:
+            await resp.read()
+            if resp.status >= 400:
+                log.warning("upstream %s refused a reply to its request (HTTP %d)", self.url, resp.status)
 
     async def close(self) -> None:
-        await self.http.aclose()
+        self.origin.close()
+
+
+async def _lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    """Text lines of a byte stream (``\n``, ``\r\n`` or ``\r`` ends a line, as SSE allows)."""
+    pending = b""
+    async for chunk in chunks:
+        pending += chunk
+        held = b"\r" if pending.endswith(b"\r") else b""  # may be the first half of a \r\n
+        text = pending[:-1] if held else pending
+        *whole, rest = text.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
+        pending = rest + held
+        for line in whole:
+            yield line.decode("utf-8", "replace")
+    if pending:
+        yield pending.rstrip(b"\r").decode("utf-8", "replace")
 
 
 async def _sse_messages(lines: AsyncIterator[str]) -> AsyncIterator[Message]:

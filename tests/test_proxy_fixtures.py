@@ -1,0 +1,62 @@
+"""Through the proxy to an upstream serving the conformance suite's fixtures, in either
+revision: SEP-2243 ``Mcp-Param-*`` headers checked at the proxy and sent on, completion of an
+upstream prompt, and a client without a capability an upstream tool needs refused with -32021."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.admin_support import MCP_KEY
+from tests.proxy_front import LEGACY, MODERN, Client, front_gateway, upstream_entry
+
+pytest_plugins = ("tests.proxy_front_fixtures",)
+
+HEADER_MISMATCH = -32020
+MISSING_CAPABILITY = -32021
+
+
+def _header_call(client: Client, region_header: str | None) -> httpx.Response:
+    params = {"name": "up.test_header_param", "arguments": {"region": "eu west"},
+              "_meta": {"io.modelcontextprotocol/protocolVersion": MODERN,
+                        "io.modelcontextprotocol/clientCapabilities": {}}}
+    headers = {**client.auth, "mcp-protocol-version": MODERN, "mcp-method": "tools/call",
+               "mcp-name": "up.test_header_param"}
+    if region_header is not None:
+        headers["mcp-param-region"] = region_header
+    return httpx.post(client.url, headers=headers, json={"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                                                         "params": params})
+
+
+@pytest.mark.parametrize("upstream_rev", [LEGACY, MODERN])
+def test_param_headers_are_checked_and_sent_on(redis_url: str, fixtures_upstream: str, upstream_rev: str) -> None:
+    with front_gateway(redis_url, {"upstreams": [upstream_entry(fixtures_upstream, revision=upstream_rev)]}) as base:
+        client = Client(base, MCP_KEY, MODERN).open()
+        assert "up.test_header_param" in client.names()
+        ok = _header_call(client, "eu west")
+        assert ok.status_code == 200 and ok.json()["result"]["content"][0]["text"] == "region=eu west"
+        missing = _header_call(client, None)
+        assert missing.status_code == 400 and missing.json()["error"]["code"] == HEADER_MISMATCH
+        wrong = _header_call(client, "=?base64?SGVs!!!bG8=?=")
+        assert wrong.status_code == 400 and wrong.json()["error"]["code"] == HEADER_MISMATCH
+
+
+@pytest.mark.parametrize(("client_rev", "upstream_rev"), [(LEGACY, MODERN), (MODERN, LEGACY), (MODERN, MODERN)])
+def test_completion_of_an_upstream_prompt(redis_url: str, fixtures_upstream: str, client_rev: str, upstream_rev: str) -> None:
+    with front_gateway(redis_url, {"upstreams": [upstream_entry(fixtures_upstream, revision=upstream_rev)]}) as base:
+        client = Client(base, MCP_KEY, client_rev).open()
+        assert "up.test_prompt_with_arguments" in client.names("prompts")
+        out = client.result("completion/complete", {"ref": {"type": "ref/prompt", "name": "up.test_prompt_with_arguments"},
+                                                    "argument": {"name": "arg1", "value": "pa"}})
+        assert set(out["completion"]["values"]) >= {"paris", "park", "party"}
+
+
+@pytest.mark.parametrize("upstream_rev", [LEGACY, MODERN])
+def test_missing_client_capability_is_refused(redis_url: str, fixtures_upstream: str, upstream_rev: str) -> None:
+    with front_gateway(redis_url, {"upstreams": [upstream_entry(fixtures_upstream, revision=upstream_rev)]}) as base:
+        client = Client(base, MCP_KEY, MODERN).open()
+        refused = client.post("tools/call", {"name": "up.test_missing_capability", "arguments": {}}, caps={})
+        assert refused.json()["error"]["code"] == MISSING_CAPABILITY and refused.status_code == 400
+        allowed = client.result("tools/call", {"name": "up.test_missing_capability", "arguments": {}},
+                                caps={"sampling": {}})
+        assert allowed["content"][0]["text"] == "Success"
