@@ -239,8 +239,9 @@ def check_answers(url: str, body: dict, headers: dict[str, str], what: str) -> N
 
 
 def run_wrk(url: str, body: dict, headers: dict[str, str], connections: int, duration_s: int,
-            threads: int, cpus: set[int] | None) -> tuple[float, float, float, int]:
-    """Drive ``url`` for ``duration_s``; (good req/s, p50 ms, p99 ms, bad answers)."""
+            threads: int, cpus: set[int] | None, timeout_s: int | None = None) -> tuple[float, float, float, int]:
+    """Drive ``url`` for ``duration_s``; (good req/s, p50 ms, p99 ms, bad answers). ``timeout_s``:
+    wrk's per-request timeout (its default, 2 s, counts a slower answer as a socket error)."""
     all_headers = {"Content-Type": "application/json", "Accept": ACCEPT, **headers}
     prefix, suffix = json.dumps({**body, "id": "@ID@"}, separators=(",", ":")).split('"@ID@"')
     lua = LUA % {"prefix": json.dumps(prefix + '"'), "suffix": json.dumps('"' + suffix),
@@ -250,6 +251,8 @@ def run_wrk(url: str, body: dict, headers: dict[str, str], connections: int, dur
         f.write(lua)
         script = f.name
     cmd = ["wrk", "-t", str(threads), "-c", str(connections), "-d", f"{duration_s}s", "--latency", "-s", script, url]
+    if timeout_s:
+        cmd[-1:-1] = ["--timeout", f"{timeout_s}s"]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, check=True,
                              preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None).stdout

@@ -14,7 +14,9 @@ body, ``revision: auto``, shipped timeout and concurrency), and FastMCP's proxy
 ``make bench-proxy`` builds ``.venv-bench-proxy`` for it so the test venv keeps its pins).
 ``wrk`` drives each target with the same 2026-07-28 ``tools/call`` (``--revision 2025-11-25``:
 one legacy session per target) at each ``--connections``; only HTTP 200 answers carrying the
-tool's text count. Targets are interleaved, ``--repeat`` runs each, the best run is reported
+tool's text count, within ``--wrk-timeout-s``. ``create_proxy(url)`` opens a fresh backend
+session for every request (FastMCP's default, which keeps callers apart); learnmesh keeps one
+upstream session per principal. Targets are interleaved, ``--repeat`` runs each, the best run is reported
 with the target process's CPU time per request. Every process (upstream, proxies, private
 Redis servers) is started here and stopped at the end.
 
@@ -134,7 +136,7 @@ def measure(targets: list[Target], args: argparse.Namespace) -> Best:
     for t in live:
         body, headers = legacy_request(t.url) if args.revision == LEGACY else modern_request()
         check_answers(t.url, body, headers, t.name)
-        run_wrk(t.url, body, headers, 16, 1, args.threads, None)  # warm-up, not reported
+        run_wrk(t.url, body, headers, 16, 1, args.threads, None, args.wrk_timeout_s)  # warm-up, not reported
         requests[t.name] = (body, headers)
     best: Best = {}
     for conns in args.connections:
@@ -153,7 +155,8 @@ def run_point(t: Target, conns: int, request: tuple[dict, dict[str, str]], args:
     assert t.url is not None
     body, headers = request
     cpu0 = cpu_s(t.pid)
-    rps, p50, p99, errors = run_wrk(t.url, body, headers, conns, args.duration_s, args.threads, None)
+    rps, p50, p99, errors = run_wrk(t.url, body, headers, conns, args.duration_s, args.threads, None,
+                                    args.wrk_timeout_s)
     cpu_us = (cpu_s(t.pid) - cpu0) / max(rps * args.duration_s, 1) * 1e6
     return Point(t.name, args.revision, conns, rps, p50, p99, errors, cpu_us)
 
@@ -209,6 +212,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="wrk threads")
     ap.add_argument("--revision", choices=[MODERN, LEGACY], default=MODERN, help="what the load speaks")
+    ap.add_argument("--wrk-timeout-s", type=int, default=30,
+                    help="per-request timeout: FastMCP's proxy takes seconds per answer at 64 connections")
     ap.add_argument("--fastmcp-python", default=str(ROOT / ".venv-bench-proxy" / "bin" / "python"),
                     help="interpreter with fastmcp==4.2.3 installed (make bench-proxy builds it)")
     return ap.parse_args()
