@@ -14,9 +14,10 @@ body, ``revision: auto``, shipped timeout and concurrency), and FastMCP's proxy
 ``make bench-proxy`` builds ``.venv-bench-proxy`` for it so the test venv keeps its pins).
 ``wrk`` drives each target with the same 2026-07-28 ``tools/call`` (``--revision 2025-11-25``:
 one legacy session per target) at each ``--connections``; only HTTP 200 answers carrying the
-tool's text count, within ``--wrk-timeout-s``. ``create_proxy(url)`` opens a fresh backend
-session for every request (FastMCP's default, which keeps callers apart); learnmesh keeps one
-upstream session per principal. Targets are interleaved, ``--repeat`` runs each, the best run is reported
+tool's text count, within ``--wrk-timeout-s``. FastMCP runs twice: ``create_proxy(url)``
+opens a fresh backend session for every request (its default, which keeps callers apart), and
+``create_proxy(connected client)`` reuses one session for everyone (its opt-in); learnmesh
+keeps one upstream session per principal. Targets are interleaved, ``--repeat`` runs each, the best run is reported
 with the target process's CPU time per request. Every process (upstream, proxies, private
 Redis servers) is started here and stopped at the end.
 
@@ -55,8 +56,8 @@ from bench_gateway import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-DIRECT, OURS, FASTMCP = "direct", "learnmesh proxy", "FastMCP proxy"
-TARGETS = (DIRECT, OURS, FASTMCP)
+DIRECT, OURS, FASTMCP, FASTMCP_SHARED = "direct", "learnmesh proxy", "FastMCP proxy", "FastMCP shared"
+TARGETS = (DIRECT, OURS, FASTMCP, FASTMCP_SHARED)
 
 
 @dataclass
@@ -116,15 +117,18 @@ def start_learnmesh_proxy(upstream_url: str, ps: Processes) -> Target:
     return Target(OURS, f"http://127.0.0.1:{port}/mcp", proc.pid)
 
 
-def start_fastmcp_proxy(upstream_url: str, python: str, ps: Processes) -> Target:
+def start_fastmcp_proxy(name: str, upstream_url: str, python: str, ps: Processes) -> Target:
+    """``FASTMCP``: ``create_proxy(url)``, a fresh backend session per request (its default);
+    ``FASTMCP_SHARED``: ``create_proxy(connected client)``, one backend session for all."""
     if not Path(python).exists():
-        return Target(FASTMCP, None, missing=f"{python} not found (make bench-proxy builds it)")
+        return Target(name, None, missing=f"{python} not found (make bench-proxy builds it)")
     port = free_port()
+    session = "shared" if name == FASTMCP_SHARED else "fresh"
     proc = ps.add(subprocess.Popen([python, str(ROOT / "bench" / "fastmcp_proxy.py"), "--upstream", upstream_url,
-                                    "--port", str(port)], cwd=ROOT,
+                                    "--port", str(port), "--session", session], cwd=ROOT,
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-    wait_up(f"http://127.0.0.1:{port}/mcp", proc, "FastMCP proxy")
-    return Target(FASTMCP, f"http://127.0.0.1:{port}/mcp", proc.pid)
+    wait_up(f"http://127.0.0.1:{port}/mcp", proc, name)
+    return Target(name, f"http://127.0.0.1:{port}/mcp", proc.pid)
 
 
 Best = dict[tuple[str, int], Point]  # (target, connections) -> best run
@@ -167,7 +171,8 @@ def bench_upstream(kind: str, args: argparse.Namespace) -> tuple[list[Target], B
         upstream = start_upstream(kind, ps)
         assert upstream.url is not None
         targets = [upstream, start_learnmesh_proxy(upstream.url, ps),
-                   start_fastmcp_proxy(upstream.url, args.fastmcp_python, ps)]
+                   *(start_fastmcp_proxy(name, upstream.url, args.fastmcp_python, ps)
+                     for name in (FASTMCP, FASTMCP_SHARED))]
         print(f"upstream {kind}: " + ", ".join(f"{t.name} {t.url or 'not available: ' + t.missing}"
                                              for t in targets), flush=True)
         return targets, measure(targets, args)
@@ -187,11 +192,11 @@ def print_table(kind: str, targets: list[Target], best: Best, args: argparse.Nam
                 continue
             print(f"{t.name:15} {conns:>5} | {p.rps:7.0f} {p.p50_ms:7.2f} {p.p99_ms:7.2f} {p.cpu_us:6.0f} | {p.errors}")
     print(f"\n{'conns':>5} | {'proxy/direct req/s':>18} {'added p50 ms':>12} | {'learnmesh/FastMCP req/s':>23}"
-          f" {'FastMCP/direct req/s':>20}")
+          f" {'learnmesh/FastMCP shared':>24}")
     for conns in args.connections:
-        direct, ours, fast = (best.get((name, conns)) for name in TARGETS)
+        direct, ours, fast, shared = (best.get((name, conns)) for name in TARGETS)
         print(f"{conns:>5} | {ratio(ours, direct):>18} {added_p50(ours, direct):>12} | {ratio(ours, fast):>23}"
-              f" {ratio(fast, direct):>20}")
+              f" {ratio(ours, shared):>24}")
     if any(p.errors for p in best.values()):
         print("WARNING: some reported runs had bad answers or socket errors (see the per-run lines)")
 
