@@ -4,10 +4,14 @@ upstream prompt, and a client without a capability an upstream tool needs refuse
 
 from __future__ import annotations
 
+import threading
+
 import httpx
+import orjson
 import pytest
 
 from tests.admin_support import MCP_KEY
+from tests.conftest import wait_for_sync
 from tests.proxy_front import LEGACY, MODERN, Client, front_gateway, upstream_entry
 
 pytest_plugins = ("tests.proxy_front_fixtures",)
@@ -60,3 +64,38 @@ def test_missing_client_capability_is_refused(redis_url: str, fixtures_upstream:
         allowed = client.result("tools/call", {"name": "up.test_missing_capability", "arguments": {}},
                                 caps={"sampling": {}})
         assert allowed["content"][0]["text"] == "Success"
+
+
+def test_upstream_list_changed_reaches_listen_streams(redis_url: str, fixtures_upstream: str) -> None:
+    with front_gateway(redis_url, {"upstreams": [upstream_entry(fixtures_upstream, revision=MODERN)]}) as base:
+        client = Client(base, MCP_KEY, MODERN).open()
+        seen: list[dict] = []
+        params = {"notifications": {"toolsListChanged": True},
+                  "_meta": {"io.modelcontextprotocol/protocolVersion": MODERN,
+                            "io.modelcontextprotocol/clientCapabilities": {}}}
+        headers = {**client.auth, "mcp-protocol-version": MODERN, "mcp-method": "subscriptions/listen"}
+
+        def listen() -> None:
+            body = {"jsonrpc": "2.0", "id": 7, "method": "subscriptions/listen", "params": params}
+            try:
+                with httpx.stream("POST", client.url, json=body, headers=headers, timeout=30) as resp:
+                    for line in resp.iter_lines():
+                        if line.startswith("data:") and line[5:].strip():
+                            seen.append(orjson.loads(line[5:]))
+                            if seen[-1].get("method") == "notifications/tools/list_changed":
+                                return
+            except httpx.HTTPError:
+                return  # the gateway stopped: the assertions below say what was missing
+
+        reader = threading.Thread(target=listen, daemon=True)
+        reader.start()
+        wait_for_sync(lambda: seen, timeout_s=10, what="the listen stream's acknowledgement")
+
+        def changed() -> bool:  # the upstream announces the change to the proxy's own standing stream
+            client.result("tools/call", {"name": "up.test_trigger_tool_change", "arguments": {}})
+            reader.join(0.5)
+            return any(m.get("method") == "notifications/tools/list_changed" for m in seen)
+
+        wait_for_sync(changed, timeout_s=20, what="the upstream's tools/list_changed on the client's listen stream")
+        note = next(m for m in seen if m.get("method") == "notifications/tools/list_changed")
+        assert note["params"]["_meta"]["io.modelcontextprotocol/subscriptionId"] == 7

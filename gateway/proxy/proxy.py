@@ -41,7 +41,7 @@ from gateway.proxy import names
 from gateway.proxy.breaker import STATE_VALUE
 from gateway.proxy.client import ALL_FORWARDED, UpstreamClient, header_value
 from gateway.proxy.errors import UpstreamFailed
-from gateway.proxy.wire import Hooks, Message
+from gateway.proxy.wire import Hooks, Message, StdioWire
 from shared import metrics
 from shared.audit import record, xadd_command
 from shared.config import ProxyAllow, UpstreamConfig
@@ -57,6 +57,7 @@ LISTS = {"tools": "tools/list", "resources": "resources/list", "resourceTemplate
          "prompts": "prompts/list"}
 MAX_LIST_PAGES = 50
 MAX_INPUT_ROUNDS = 8
+WATCH_RETRY_MIN_S, WATCH_RETRY_MAX_S = 1.0, 60.0
 CAPTURE_CONTEXT_META_KEY = "io.learnmesh/context"  # _meta key naming the context captured calls go to
 _MEDIA = {"image": "image", "audio": "audio"}
 CLIENT_CAPABILITY_OF = {"sampling/createMessage": "sampling", "elicitation/create": "elicitation",
@@ -80,6 +81,7 @@ class Upstream:
     client: UpstreamClient
     catalog: Catalog = field(default_factory=Catalog)
     refresh: asyncio.Task[None] | None = None
+    watcher: asyncio.Task[None] | None = None
     latency: Any = None  # its /metrics children, looked up once
     breaker_gauge: Any = None
     calls: int = 0  # on this replica, for the dashboard (/metrics has the rest)
@@ -126,17 +128,49 @@ class Proxy:
         for name, cfg in wanted.items():
             if name not in self.upstreams:
                 try:
-                    self.upstreams[name] = Upstream(cfg, self._client(cfg))
+                    self.upstreams[name] = up = Upstream(cfg, self._client(cfg))
                 except Exception as exc:  # noqa: BLE001 - one bad upstream must not take the others down
                     log.error("proxy upstream %s left out: %s", name, exc)
+                    continue
+                if cfg.enabled:
+                    self._watch(up)
+
+    def _watch(self, up: Upstream) -> None:
+        """Follow what the upstream announces outside calls (list changes), on this replica."""
+        hooks = Hooks(notify=lambda msg: self._standing_note(up, msg))
+        if isinstance(up.client.wire, StdioWire):
+            up.client.wire.idle_hooks = hooks
+        else:
+            up.watcher = asyncio.create_task(self._follow(up, hooks), name=f"proxy-watch-{up.name}")
+
+    async def _follow(self, up: Upstream, hooks: Hooks) -> None:
+        delay_s = WATCH_RETRY_MIN_S
+        while True:
+            try:
+                status = await up.client.follow(hooks)
+                # No standing stream offered (405), or none now: try again, less and less often.
+                delay_s = WATCH_RETRY_MIN_S if status == 200 else min(delay_s * 2, WATCH_RETRY_MAX_S)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the upstream is away; calls report that themselves
+                log.debug("proxy upstream %s: standing stream ended (%s)", up.name, type(exc).__name__)
+                delay_s = min(delay_s * 2, WATCH_RETRY_MAX_S)
+            await asyncio.sleep(delay_s)
+
+    async def _standing_note(self, up: Upstream, msg: Message) -> None:
+        method = msg.get("method", "")
+        if method.endswith("/list_changed"):
+            up.catalog.fetched_at = 0.0
+            self.gateway.list_changed_here(method.split("/")[1])  # every replica follows the upstream itself
 
     def _client(self, cfg: UpstreamConfig) -> UpstreamClient:
         gw = self.gateway
         return UpstreamClient(cfg, gw.redis, self.config.breaker, gw.config.gateway.session_idle_ttl_s)
 
     async def _close(self, up: Upstream) -> None:
-        if up.refresh is not None:
-            up.refresh.cancel()
+        for task in (up.refresh, up.watcher):
+            if task is not None:
+                task.cancel()
         try:
             await up.client.close()
         except Exception:  # noqa: BLE001 - closing is best effort

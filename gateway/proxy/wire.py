@@ -95,6 +95,19 @@ class HttpWire:
                 await self.post_reply(reply, headers)
         return None
 
+    async def follow(self, method: bytes, headers: Mapping[str, str], body: bytes | None, hooks: Hooks) -> int:
+        """Read a standing SSE stream (GET, or a POST such as ``subscriptions/listen``) until it
+        ends, handing each message to ``hooks``; returns the HTTP status."""
+        async with await self.origin.open(method, headers, body) as resp:
+            if not resp.headers.get("content-type", "").startswith("text/event-stream"):
+                await resp.read()
+                return resp.status
+            async for msg in _sse_messages(_lines(resp.chunks())):
+                reply = await side_traffic(msg, hooks)
+                if reply is not None:
+                    await self.post_reply(reply, headers)
+            return resp.status
+
     async def post_reply(self, reply: Message, headers: Mapping[str, str]) -> None:
         """The answer to a server->client request travels as its own POST on the same session."""
         keep = {k: v for k, v in headers.items() if k in ("mcp-session-id", "mcp-protocol-version")}
@@ -160,6 +173,7 @@ class StdioWire:
         self._reader: asyncio.Task[None] | None = None
         self._start_lock = asyncio.Lock()
         self._side: set[asyncio.Task[None]] = set()  # server requests being answered (held until done)
+        self.idle_hooks = NO_HOOKS  # for what the server sends while no request waits (list_changed)
 
     async def _ensure(self) -> asyncio.subprocess.Process:
         async with self._start_lock:
@@ -216,7 +230,7 @@ class StdioWire:
             if waiting is not None and not waiting[0].done():
                 waiting[0].set_result(msg)
             return
-        hooks = next(iter(self._waiting.values()))[1] if self._waiting else NO_HOOKS
+        hooks = next(iter(self._waiting.values()))[1] if self._waiting else self.idle_hooks
         task = asyncio.create_task(self._serve_side(proc, msg, hooks))
         self._side.add(task)
         task.add_done_callback(self._side.discard)
