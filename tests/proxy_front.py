@@ -132,6 +132,8 @@ class Client:
             name = p.get("uri") if method == "resources/read" else p.get("name")
             if method in ("tools/call", "prompts/get", "resources/read"):
                 headers["mcp-name"] = name
+            elif method.startswith("tasks/"):
+                headers["mcp-name"] = p.get("taskId")
         else:
             headers.update({"mcp-session-id": self.sid or "", "mcp-protocol-version": LEGACY})
         return httpx.post(self.url, headers=headers, timeout=30,

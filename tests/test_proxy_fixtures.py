@@ -99,3 +99,21 @@ def test_upstream_list_changed_reaches_listen_streams(redis_url: str, fixtures_u
         wait_for_sync(changed, timeout_s=20, what="the upstream's tools/list_changed on the client's listen stream")
         note = next(m for m in seen if m.get("method") == "notifications/tools/list_changed")
         assert note["params"]["_meta"]["io.modelcontextprotocol/subscriptionId"] == 7
+
+
+def test_upstream_tasks_are_followed_through_the_proxy(redis_url: str, fixtures_upstream: str) -> None:
+    with front_gateway(redis_url, {"upstreams": [upstream_entry(fixtures_upstream, revision=MODERN)]}) as base:
+        client = Client(base, MCP_KEY, MODERN).open()
+        caps = {"extensions": {"io.modelcontextprotocol/tasks": {}}}
+        created = client.result("tools/call", {"name": "up.slow_compute", "arguments": {"seconds": 0.2}}, caps=caps)
+        assert created["resultType"] == "task" and created["ttlMs"] > 0
+        task = {"taskId": created["taskId"]}
+
+        def status() -> str:
+            return client.result("tasks/get", task, caps=caps)["status"]
+
+        wait_for_sync(lambda: status() == "completed", timeout_s=15, what="the upstream's task to complete")
+        done = client.result("tasks/get", task, caps=caps)
+        assert done["taskId"] == created["taskId"]
+        unknown = client.call("tasks/get", {"taskId": "not-a-task"}, caps=caps)
+        assert unknown["error"]["code"] == -32602  # the gateway's own answer for a task nobody created

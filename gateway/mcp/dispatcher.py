@@ -413,12 +413,24 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ tasks extension (gateway/tasks.py)
     async def _handle_tasks_get(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
+        if self.state.proxy.active:
+            forwarded = await self.state.proxy.task_request(call, "tasks/get", p)
+            if forwarded is not None:
+                return forwarded
         return await self.state.tasks.get(call, p)
 
     async def _handle_tasks_update(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
+        if self.state.proxy.active:
+            forwarded = await self.state.proxy.task_request(call, "tasks/update", p)
+            if forwarded is not None:
+                return forwarded
         return await self.state.tasks.update(call, p)
 
     async def _handle_tasks_cancel(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
+        if self.state.proxy.active:
+            forwarded = await self.state.proxy.task_request(call, "tasks/cancel", p)
+            if forwarded is not None:
+                return forwarded
         return await self.state.tasks.cancel(call, p)
 
     # ------------------------------------------------------------------ input_required (2026-07-28)

@@ -42,7 +42,7 @@ from gateway.proxy.breaker import STATE_VALUE
 from gateway.proxy.client import ALL_FORWARDED, UpstreamClient, header_value
 from gateway.proxy.errors import UpstreamFailed
 from gateway.proxy.wire import Hooks, Message, StdioWire
-from shared import metrics
+from shared import keys, metrics
 from shared.audit import record, xadd_command
 from shared.config import ProxyAllow, UpstreamConfig
 from shared.context import ContextError
@@ -58,6 +58,8 @@ LISTS = {"tools": "tools/list", "resources": "resources/list", "resourceTemplate
 MAX_LIST_PAGES = 50
 MAX_INPUT_ROUNDS = 8
 WATCH_RETRY_MIN_S, WATCH_RETRY_MAX_S = 1.0, 60.0
+TASK_KEY_TTL_S = 86_400  # how long a task's upstream is remembered when the task names no ttlMs
+TASK_KEY_SLACK_S = 60
 CAPTURE_CONTEXT_META_KEY = "io.learnmesh/context"  # _meta key naming the context captured calls go to
 _MEDIA = {"image": "image", "audio": "audio"}
 CLIENT_CAPABILITY_OF = {"sampling/createMessage": "sampling", "elicitation/create": "elicitation",
@@ -451,13 +453,38 @@ class Proxy:
                     raise
             if side.stopped is not None:  # whatever the upstream made of the request the client cannot answer
                 raise side.stopped
-            if result.get("resultType") != "input_required":
+            kind = result.get("resultType")
+            if kind == "task" or method.startswith("tasks/"):  # the tasks extension's results pass whole
+                await self._remember_task(call, up, result)
+                return result
+            if kind != "input_required":
                 return _for_client(result)
             params = {**params, "inputResponses": await side.answers(result.get("inputRequests")),
                       "requestState": result.get("requestState")}
             if params["requestState"] is None:
                 del params["requestState"]
         raise McpError(INTERNAL_ERROR, f"upstream {up.name!r} kept asking for input")
+
+    # ------------------------------------------------------------------ tasks extension
+    async def _remember_task(self, call: Call, up: Upstream, result: dict[str, Any]) -> None:
+        task_id = result.get("taskId")
+        if result.get("resultType") == "task" and isinstance(task_id, str):
+            ttl_ms = result.get("ttlMs")
+            ttl_s = int(ttl_ms) // 1000 + TASK_KEY_SLACK_S if isinstance(ttl_ms, int) and ttl_ms > 0 else TASK_KEY_TTL_S
+            await self.gateway.redis.set(keys.proxy_task(call.principal, task_id), up.name, ex=ttl_s)
+
+    async def task_request(self, call: Call, method: str, params: dict[str, Any]) -> dict[str, Any] | None:
+        """tasks/get|update|cancel of a task an upstream created, answered by that upstream;
+        None for a task that is not an upstream's."""
+        task_id = params.get("taskId")
+        if not isinstance(task_id, str) or not task_id:
+            return None
+        name = await self.gateway.redis.get(keys.proxy_task(call.principal, task_id))
+        up = self.upstreams.get(name.decode() if isinstance(name, bytes) else str(name)) if name else None
+        if up is None:
+            return None
+        forwarded = {k: v for k, v in params.items() if k != "_meta"}
+        return await self._observed(call, up, method, task_id, forwarded)
 
     # ------------------------------------------------------------------ capture
     async def _capture(self, call: Call, up: Upstream, name: str, args: dict[str, Any],
