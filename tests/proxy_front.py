@@ -158,3 +158,18 @@ class Client:
     def names(self, kind: str = "tools") -> list[str]:
         method = {"tools": "tools/list", "prompts": "prompts/list"}[kind]
         return [t["name"] for t in self.result(method)[kind]]
+
+
+def read_stream(method: str, url: str, headers: dict[str, str], body: Any, seen: list[dict[str, Any]],
+                until: str) -> None:
+    """Collect the JSON-RPC messages of an SSE response into ``seen`` until one has method
+    ``until`` (run in a thread; a stream cut by the gateway stopping just ends the reading)."""
+    try:
+        with httpx.stream(method, url, json=body, headers=headers, timeout=30) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data:") and line[5:].strip():
+                    seen.append(orjson.loads(line[5:]))
+                    if seen[-1].get("method") == until:
+                        return
+    except httpx.HTTPError:
+        return

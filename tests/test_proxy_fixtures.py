@@ -7,12 +7,11 @@ from __future__ import annotations
 import threading
 
 import httpx
-import orjson
 import pytest
 
 from tests.admin_support import MCP_KEY
 from tests.conftest import wait_for_sync
-from tests.proxy_front import LEGACY, MODERN, Client, front_gateway, upstream_entry
+from tests.proxy_front import LEGACY, MODERN, Client, front_gateway, read_stream, upstream_entry
 
 pytest_plugins = ("tests.proxy_front_fixtures",)
 
@@ -75,19 +74,9 @@ def test_upstream_list_changed_reaches_listen_streams(redis_url: str, fixtures_u
                             "io.modelcontextprotocol/clientCapabilities": {}}}
         headers = {**client.auth, "mcp-protocol-version": MODERN, "mcp-method": "subscriptions/listen"}
 
-        def listen() -> None:
-            body = {"jsonrpc": "2.0", "id": 7, "method": "subscriptions/listen", "params": params}
-            try:
-                with httpx.stream("POST", client.url, json=body, headers=headers, timeout=30) as resp:
-                    for line in resp.iter_lines():
-                        if line.startswith("data:") and line[5:].strip():
-                            seen.append(orjson.loads(line[5:]))
-                            if seen[-1].get("method") == "notifications/tools/list_changed":
-                                return
-            except httpx.HTTPError:
-                return  # the gateway stopped: the assertions below say what was missing
-
-        reader = threading.Thread(target=listen, daemon=True)
+        body = {"jsonrpc": "2.0", "id": 7, "method": "subscriptions/listen", "params": params}
+        reader = threading.Thread(target=read_stream, daemon=True,
+                                  args=("POST", client.url, headers, body, seen, "notifications/tools/list_changed"))
         reader.start()
         wait_for_sync(lambda: seen, timeout_s=10, what="the listen stream's acknowledgement")
 

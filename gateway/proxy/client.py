@@ -297,6 +297,27 @@ class UpstreamClient:
             await self._forget_session(seat)
         return status
 
+    async def negotiated(self, principal: str) -> str:
+        """The revision spoken with the upstream (asked once when ``auto``)."""
+        if self.revision is None:
+            await self._negotiate(principal)
+        return self.revision or LEGACY_VERSION
+
+    async def follow_resources(self, principal: str, uris: list[str], hooks: Hooks) -> int:
+        """Hold the stream that carries ``principal``'s resource updates open until it ends: a
+        ``subscriptions/listen`` naming ``uris`` on 2026-07-28; on 2025-11-25 the GET stream of
+        the principal's session (subscribed with ``resources/subscribe`` beforehand)."""
+        if not isinstance(self.wire, HttpWire):
+            raise TypeError("a stdio upstream's updates arrive on its pipe")
+        if await self.negotiated(principal) == MODERN_VERSION:
+            meta = {PROTOCOL_VERSION_META_KEY: MODERN_VERSION, CLIENT_CAPABILITIES_META_KEY: {}}
+            body = _encode(Request(jsonrpc="2.0", id=next(self._ids), method="subscriptions/listen",
+                                   params={"notifications": {"resourceSubscriptions": uris}, "_meta": meta}))
+            headers = {"mcp-protocol-version": MODERN_VERSION, "mcp-method": "subscriptions/listen"}
+            return await self.wire.follow(b"POST", headers, body, hooks)
+        sid = await self._session(Seat(principal, ALL_FORWARDED))
+        return await self.wire.follow(b"GET", self._session_headers(sid), None, hooks)
+
     # ------------------------------------------------------------------ answers
     def _result(self, method: str, answer: Answer) -> dict[str, Any]:
         msg = answer.message

@@ -41,6 +41,7 @@ from gateway.proxy import names
 from gateway.proxy.breaker import STATE_VALUE
 from gateway.proxy.client import ALL_FORWARDED, UpstreamClient, header_value
 from gateway.proxy.errors import UpstreamFailed
+from gateway.proxy.resources import ResourceFollowers
 from gateway.proxy.wire import Hooks, Message, StdioWire
 from shared import keys, metrics
 from shared.audit import record, xadd_command
@@ -107,6 +108,7 @@ class Proxy:
         self.upstreams: dict[str, Upstream] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._apply_lock = asyncio.Lock()
+        self.resources = ResourceFollowers(self)
         self._audit = AutoPipeline(gateway.redis)
         self._counters: dict[tuple[str, str, str], Any] = {}
 
@@ -170,6 +172,7 @@ class Proxy:
         return UpstreamClient(cfg, gw.redis, self.config.breaker, gw.config.gateway.session_idle_ttl_s)
 
     async def _close(self, up: Upstream) -> None:
+        self.resources.forget(up.name)
         for task in (up.refresh, up.watcher):
             if task is not None:
                 task.cancel()
@@ -179,6 +182,7 @@ class Proxy:
             log.warning("proxy upstream %s did not close cleanly", up.name)
 
     async def close(self) -> None:
+        self.resources.close()
         for up in list(self.upstreams.values()):
             await self._close(up)
         self.upstreams.clear()
@@ -293,7 +297,7 @@ class Proxy:
                 catalog.schemas[exposed] = entry["inputSchema"]
             out["name"] = exposed
         elif kind == "resources" and isinstance(entry.get("uri"), str):
-            out["uri"] = _uri_for_client(up, entry["uri"])
+            out["uri"] = self.uri_for_client(up, entry["uri"])
         elif kind == "resourceTemplates" and isinstance(entry.get("uriTemplate"), str) and up.cfg.prefix:
             out["uriTemplate"] = names.wrap_template(up.name, entry["uriTemplate"])
         return out
@@ -347,7 +351,9 @@ class Proxy:
         found = names.unwrap_uri(uri)
         return (found is not None and found[0] in self.upstreams) or self._bare() is not None
 
-    def _resource_target(self, call: Call, uri: str) -> tuple[Upstream, str]:
+    def resource_target(self, call: Call, uri: str) -> tuple[Upstream, str]:
+        """The upstream serving ``uri`` (as clients see it) and the URI it knows; the caller
+        must be allowed the upstream."""
         found = names.unwrap_uri(uri)
         up = self.upstreams.get(found[0]) if found is not None else self._bare()
         if up is None or not up.cfg.enabled:
@@ -373,11 +379,11 @@ class Proxy:
         return await self._observed(call, up, "prompts/get", prompt, forwarded)
 
     async def read_resource(self, call: Call, uri: str) -> dict[str, Any]:
-        up, original = self._resource_target(call, uri)
+        up, original = self.resource_target(call, uri)
         result = await self._observed(call, up, "resources/read", original, {"uri": original})
         for item in result.get("contents") or ():
             if isinstance(item, dict) and isinstance(item.get("uri"), str):
-                item["uri"] = _uri_for_client(up, item["uri"])
+                item["uri"] = self.uri_for_client(up, item["uri"])
         return result
 
     async def complete(self, call: Call, params: dict[str, Any]) -> dict[str, Any]:
@@ -386,7 +392,7 @@ class Proxy:
         if ref.get("type") == "ref/prompt":
             up, ref["name"] = self._target(call, str(ref.get("name")), "prompts", "Prompt")
         else:
-            up, ref["uri"] = self._resource_target(call, str(ref.get("uri")))
+            up, ref["uri"] = self.resource_target(call, str(ref.get("uri")))
         forwarded = {k: v for k, v in params.items() if k not in ("_meta", "ref")}
         return await self._observed(call, up, "completion/complete", str(ref.get("name") or ref.get("uri")),
                                     {**forwarded, "ref": ref})
@@ -465,6 +471,10 @@ class Proxy:
                 del params["requestState"]
         raise McpError(INTERNAL_ERROR, f"upstream {up.name!r} kept asking for input")
 
+    @staticmethod
+    def uri_for_client(up: Upstream, uri: str) -> str:
+        return names.wrap_uri(up.name, uri) if up.cfg.prefix else uri
+
     # ------------------------------------------------------------------ tasks extension
     async def _remember_task(self, call: Call, up: Upstream, result: dict[str, Any]) -> None:
         task_id = result.get("taskId")
@@ -522,10 +532,6 @@ class Proxy:
 def _audit_written(future: asyncio.Future[Any]) -> None:
     if not future.cancelled() and future.exception() is not None:
         log.warning("an audit record of a proxied call was not written (%s)", type(future.exception()).__name__)
-
-
-def _uri_for_client(up: Upstream, uri: str) -> str:
-    return names.wrap_uri(up.name, uri) if up.cfg.prefix else uri
 
 
 def _upstream_meta(call: Call) -> dict[str, Any]:
