@@ -106,3 +106,23 @@ def test_upstream_tasks_are_followed_through_the_proxy(redis_url: str, fixtures_
         assert done["taskId"] == created["taskId"]
         unknown = client.call("tasks/get", {"taskId": "not-a-task"}, caps=caps)
         assert unknown["error"]["code"] == -32602  # the gateway's own answer for a task nobody created
+
+
+def test_concurrent_questions_of_a_legacy_upstream_come_in_one_input_required(redis_url: str,
+                                                                              fixtures_upstream: str) -> None:
+    with front_gateway(redis_url, {"upstreams": [upstream_entry(fixtures_upstream, revision=LEGACY)]}) as base:
+        client = Client(base, MCP_KEY, MODERN).open()
+        caps = {"sampling": {}, "elicitation": {}, "roots": {}}
+        call = {"name": "up.test_input_required_result_multiple_inputs", "arguments": {}}
+        first = client.result("tools/call", call, caps=caps)
+        assert first["resultType"] == "input_required"
+        methods = sorted(r["method"] for r in first["inputRequests"].values())
+        assert methods == ["elicitation/create", "roots/list", "sampling/createMessage"]
+        answers = {key: {"elicitation/create": {"action": "accept", "content": {"name": "Ada"}},
+                         "sampling/createMessage": {"role": "assistant", "model": "m",
+                                                    "content": {"type": "text", "text": "Hi"}},
+                         "roots/list": {"roots": [{"uri": "file:///r", "name": "r"}]}}[r["method"]]
+                   for key, r in first["inputRequests"].items()}
+        done = client.result("tools/call", {**call, "requestState": first["requestState"], "inputResponses": answers},
+                             caps=caps)
+        assert done["content"][0]["text"] == "Name: Ada; Greeting: Hi; Roots: 1"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ LISTS = {"tools": "tools/list", "resources": "resources/list", "resourceTemplate
          "prompts": "prompts/list"}
 MAX_LIST_PAGES = 50
 MAX_INPUT_ROUNDS = 8
+INPUT_GATHER_S = 0.05  # how long a 2025-11-25 upstream's further questions are awaited before refusing
 WATCH_RETRY_MIN_S, WATCH_RETRY_MAX_S = 1.0, 60.0
 TASK_KEY_TTL_S = 86_400  # how long a task's upstream is remembered when the task names no ttlMs
 TASK_KEY_SLACK_S = 60
@@ -605,7 +607,7 @@ class CallHooks:
         self.proxy = proxy
         self.call = call
         self.up = up
-        self.asked = 0
+        self.asked: dict[str, int] = {}  # questions of a 2025-11-25 upstream so far, by key
         self.stopped: InputRequired | McpError | None = None  # why the call cannot finish on this round
         self.hooks = Hooks(notify=self.notify, ask=self.ask)
 
@@ -624,16 +626,27 @@ class CallHooks:
 
     async def ask(self, msg: Message) -> Message:
         """A server->client request: the client's answer (or why there is none yet)."""
-        key = f"{self.up.name}:{self.asked}"
-        self.asked += 1
+        method, params = str(msg.get("method")), _params(msg)
         try:
-            result = await self._ask_client(str(msg.get("method")), _params(msg), key)
+            result = await self._ask_client(method, params, self._key(method, params))
         except InputRequired as ir:
             self._defer(ir)
+            # The upstream may be asking more at once: let those arrive before this refusal makes
+            # it give up, so the client gets every question in one input_required.
+            await asyncio.sleep(INPUT_GATHER_S)
             return _error_reply(msg, INTERNAL_ERROR, "the client answers on its next request")
         except McpError as exc:
             return _error_reply(msg, exc.code, exc.message)
         return {"jsonrpc": "2.0", "id": msg.get("id"), "result": result}
+
+    def _key(self, method: str, params: dict[str, Any]) -> str:
+        """A 2025-11-25 upstream's question has no key of its own: it is named by what it asks, so
+        that the same question asked again when the call is repeated with the answers (in
+        whatever order concurrent questions arrive) finds its answer."""
+        digest = hashlib.sha256(orjson.dumps([method, params], option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
+        key = f"{self.up.name}:{digest}"
+        self.asked[key] = n = self.asked.get(key, 0) + 1
+        return key if n == 1 else f"{key}#{n}"
 
     async def _ask_client(self, method: str, params: dict[str, Any], key: str) -> dict[str, Any]:
         lacking = client_lacks(self.call, method)

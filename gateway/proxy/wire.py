@@ -86,14 +86,30 @@ class HttpWire:
 
     async def _stream(self, resp: Response, headers: Mapping[str, str], request_id: Any,
                       hooks: Hooks) -> Message | None:
-        async for msg in _sse_messages(_lines(resp.chunks())):
-            if "method" not in msg and msg.get("id") == request_id:
-                await resp.read()  # the rest of the stream, so the connection can be reused
-                return msg
-            reply = await side_traffic(msg, hooks)
-            if reply is not None:
-                await self.post_reply(reply, headers)
-        return None
+        """Read the answer's SSE stream. Notifications are handed over in order; server requests
+        are answered concurrently (an upstream may ask several things at once, and the reading
+        goes on meanwhile); those still unanswered when the answer arrives are dropped."""
+        asking: set[asyncio.Task[None]] = set()
+        try:
+            async for msg in _sse_messages(_lines(resp.chunks())):
+                if "method" not in msg and msg.get("id") == request_id:
+                    await resp.read()  # the rest of the stream, so the connection can be reused
+                    return msg
+                if "id" in msg and "method" in msg:
+                    task = asyncio.create_task(self._answer(msg, hooks, headers))
+                    asking.add(task)
+                    task.add_done_callback(asking.discard)
+                else:
+                    await side_traffic(msg, hooks)
+            return None
+        finally:
+            for task in asking:
+                task.cancel()
+
+    async def _answer(self, request: Message, hooks: Hooks, headers: Mapping[str, str]) -> None:
+        reply = await side_traffic(request, hooks)
+        if reply is not None:
+            await self.post_reply(reply, headers)
 
     async def follow(self, method: bytes, headers: Mapping[str, str], body: bytes | None, hooks: Hooks) -> int:
         """Read a standing SSE stream (GET, or a POST such as ``subscriptions/listen``) until it
