@@ -78,6 +78,7 @@ class Catalog:
     tools: dict[str, str] = field(default_factory=dict)    # exposed name -> upstream's name
     prompts: dict[str, str] = field(default_factory=dict)
     schemas: dict[str, dict[str, Any]] = field(default_factory=dict)  # exposed tool name -> inputSchema
+    param_specs: dict[str, tuple[tuple[str, str], ...]] = field(default_factory=dict)  # tools with x-mcp-header
 
 
 @dataclass(eq=False)
@@ -297,6 +298,9 @@ class Proxy:
             (catalog.tools if kind == "tools" else catalog.prompts)[exposed] = str(name)
             if kind == "tools" and isinstance(entry.get("inputSchema"), dict):
                 catalog.schemas[exposed] = entry["inputSchema"]
+                spec = param_header_spec(entry["inputSchema"])
+                if spec:
+                    catalog.param_specs[exposed] = spec
             out["name"] = exposed
         elif kind == "resources" and isinstance(entry.get("uri"), str):
             out["uri"] = self.uri_for_client(up, entry["uri"])
@@ -368,8 +372,8 @@ class Proxy:
         up, tool = self._target(call, name, "tools", "Tool")
         args = params.get("arguments")
         args = args if isinstance(args, dict) else {}
-        schema = up.catalog.schemas.get(name)
-        headers = _param_headers(schema, args) if schema is not None else None
+        spec = up.catalog.param_specs.get(name)
+        headers = _param_headers(spec, args) if spec is not None else None
         result = await self._observed(call, up, "tools/call", tool, {"name": tool, "arguments": args}, headers)
         if up.cfg.captures(tool):
             await self._capture(call, up, name, args, result)
@@ -548,10 +552,10 @@ def _upstream_meta(call: Call) -> dict[str, Any]:
     return meta
 
 
-def _param_headers(schema: dict[str, Any], args: dict[str, Any]) -> dict[str, str] | None:
+def _param_headers(spec: tuple[tuple[str, str], ...], args: dict[str, Any]) -> dict[str, str] | None:
     """SEP-2243: the ``Mcp-Param-*`` headers a 2026-07-28 upstream expects for these arguments."""
     out: dict[str, str] = {}
-    for arg, header in param_header_spec(schema):
+    for arg, header in spec:
         value = header_form(args.get(arg))
         if value is not None:
             out[header] = header_value(value)
