@@ -115,6 +115,11 @@ class Gateway:
         """``kind``: tools | resources | prompts. ``principal=None`` means everyone (listen streams)."""
         await self.publish_control({"t": "lc", "p": principal, "k": kind})
 
+    def list_changed_here(self, kind: str) -> None:
+        """``notify_list_changed`` for the listen streams of this replica only (each replica
+        learns of an upstream's change on its own)."""
+        self._on_control({"t": "lc", "p": None, "k": kind})
+
     def add_listener(self, principal: str, uris: set[str], flags: dict[str, Any],
                      queue: asyncio.Queue[dict[str, Any]]) -> Listener:
         lis = Listener(principal, uris, flags, queue)

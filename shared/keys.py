@@ -239,6 +239,12 @@ def proxy_session(principal: str, seat: str) -> str:
     return f"{PREFIX}{_tag(principal)}:proxy:sess:{seat}"
 
 
+def proxy_task(principal: str, task_id: str) -> str:
+    """String with the task's TTL: the upstream that created task ``task_id`` of ``principal``
+    (tasks/get, tasks/update and tasks/cancel go there, from any replica)."""
+    return f"{PREFIX}{_tag(principal)}:proxy:task:{task_id}"
+
+
 PROXY_UPSTREAMS = f"{PREFIX}proxy:upstreams"
 """Hash: upstream name -> its configuration as JSON (names of credential sources only, never their
 values), or a removal marker for a config-file upstream deleted at runtime. No principal data."""

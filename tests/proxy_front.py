@@ -4,7 +4,9 @@ whose ``proxy`` section points at it, plus small MCP clients for both revisions.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -14,7 +16,7 @@ import orjson
 
 from gateway.app import create_app
 from tests.admin_support import ADMIN_KEY, MCP_KEY, LiveServer, admin_config
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_for_sync
 from tests.gateway_support import start_gateway, stop
 
 MODERN = "2026-07-28"
@@ -26,27 +28,59 @@ BOB_KEY = "mcp-bob-key-0123456789"
 ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
 
 
-def upstream_db(redis_url: str) -> str:
-    """The upstream gateway's own database on the test Redis (its keys stay apart from the front's)."""
-    return redis_url.rsplit("/", 1)[0] + "/1"
+_UPSTREAM_REDIS: dict[str, str] = {}
+
+
+def upstream_db(upstream_url: str) -> str:
+    """The URL of the upstream gateway's own Redis."""
+    return _UPSTREAM_REDIS[upstream_url]
 
 
 @contextmanager
-def upstream_gateway(redis_url: str, fixtures: str | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
-    """A learnmesh gateway as the upstream; its one principal ``proxy`` holds UPSTREAM_SECRET.
-    ``fixtures="conformance"`` adds the conformance suite's fixture tools, resources and prompts."""
+def private_redis() -> Iterator[str]:
+    """A redis-server of its own: an upstream sharing the front's server would share its pub/sub
+    control channel too, and reach the front's clients around the proxy."""
     import redis as redis_sync
 
-    db = upstream_db(redis_url)
-    with redis_sync.Redis.from_url(db) as client:
-        client.flushdb()
     port = free_port()
-    overrides = {"gateway": {"fixtures": fixtures}} if fixtures else None
-    proc = start_gateway(port, db, api_keys=f"proxy:{UPSTREAM_SECRET}", overrides=overrides)
+    workdir = tempfile.mkdtemp(prefix="lm-upstream-redis-")
+    proc = subprocess.Popen([shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind",
+                             "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", workdir],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
     try:
-        yield f"http://127.0.0.1:{port}/mcp", proc
+        with redis_sync.Redis.from_url(url) as client:
+            wait_for_sync(lambda: _answers(client), timeout_s=10, what="the upstream's redis-server")
+        yield url
     finally:
         stop(proc)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _answers(client: Any) -> bool:
+    import redis as redis_sync
+
+    try:
+        return bool(client.ping())
+    except redis_sync.ConnectionError:
+        return False
+
+
+@contextmanager
+def upstream_gateway(fixtures: str | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+    """A learnmesh gateway as the upstream, on its own Redis; its one principal ``proxy`` holds
+    UPSTREAM_SECRET. ``fixtures="conformance"`` adds the conformance suite's fixtures."""
+    with private_redis() as db:
+        port = free_port()
+        overrides = {"gateway": {"fixtures": fixtures}} if fixtures else None
+        proc = start_gateway(port, db, api_keys=f"proxy:{UPSTREAM_SECRET}", overrides=overrides)
+        url = f"http://127.0.0.1:{port}/mcp"
+        _UPSTREAM_REDIS[url] = db
+        try:
+            yield url, proc
+        finally:
+            stop(proc)
+            _UPSTREAM_REDIS.pop(url, None)
 
 
 def upstream_entry(url: str, **fields: Any) -> dict[str, Any]:
@@ -54,10 +88,12 @@ def upstream_entry(url: str, **fields: Any) -> dict[str, Any]:
 
 
 @contextmanager
-def front_gateway(redis_url: str, proxy: dict[str, Any], **sections: Any) -> Iterator[str]:
-    """A gateway whose ``proxy`` section is ``proxy``; principals alice (MCP_KEY) and bob (BOB_KEY)."""
-    cfg = admin_config(redis_url, gateway={"api_keys": {"alice": MCP_KEY, "bob": BOB_KEY}}, proxy=proxy,
-                       **sections)
+def front_gateway(redis_url: str, proxy: dict[str, Any], api_keys: dict[str, str] | None = None,
+                  **sections: Any) -> Iterator[str]:
+    """A gateway whose ``proxy`` section is ``proxy``; principals alice (MCP_KEY) and bob (BOB_KEY),
+    or ``api_keys`` ({}: an open loopback gateway, every caller ``local``)."""
+    keys = {"alice": MCP_KEY, "bob": BOB_KEY} if api_keys is None else api_keys
+    cfg = admin_config(redis_url, gateway={"api_keys": keys}, proxy=proxy, **sections)
     with LiveServer(create_app(cfg)) as server:
         yield server.url
 
@@ -98,6 +134,8 @@ class Client:
             name = p.get("uri") if method == "resources/read" else p.get("name")
             if method in ("tools/call", "prompts/get", "resources/read"):
                 headers["mcp-name"] = name
+            elif method.startswith("tasks/"):
+                headers["mcp-name"] = p.get("taskId")
         else:
             headers.update({"mcp-session-id": self.sid or "", "mcp-protocol-version": LEGACY})
         return httpx.post(self.url, headers=headers, timeout=30,
@@ -122,3 +160,18 @@ class Client:
     def names(self, kind: str = "tools") -> list[str]:
         method = {"tools": "tools/list", "prompts": "prompts/list"}[kind]
         return [t["name"] for t in self.result(method)[kind]]
+
+
+def read_stream(method: str, url: str, headers: dict[str, str], body: Any, seen: list[dict[str, Any]],
+                until: str) -> None:
+    """Collect the JSON-RPC messages of an SSE response into ``seen`` until one has method
+    ``until`` (run in a thread; a stream cut by the gateway stopping just ends the reading)."""
+    try:
+        with httpx.stream(method, url, json=body, headers=headers, timeout=30) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data:") and line[5:].strip():
+                    seen.append(orjson.loads(line[5:]))
+                    if seen[-1].get("method") == until:
+                        return
+    except httpx.HTTPError:
+        return

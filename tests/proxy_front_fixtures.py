@@ -17,14 +17,14 @@ def upstream_token(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(scope="module")
-def upstream(redis_server: str) -> Iterator[str]:
+def upstream() -> Iterator[str]:
     """One upstream gateway (test tools) for a test module."""
-    with upstream_gateway(redis_server) as (url, _):
+    with upstream_gateway() as (url, _):
         yield url
 
 
 @pytest.fixture(scope="module")
-def fixtures_upstream(redis_server: str) -> Iterator[str]:
+def fixtures_upstream() -> Iterator[str]:
     """One upstream gateway serving the conformance suite's fixtures, for a test module."""
-    with upstream_gateway(redis_server, fixtures="conformance") as (url, _):
+    with upstream_gateway(fixtures="conformance") as (url, _):
         yield url

@@ -99,7 +99,7 @@ def test_upstream_session_is_shared_by_replicas_and_renewed(redis_url: str, upst
     proxy = {"upstreams": [upstream_entry(upstream, revision="2025-11-25")]}
     echo = {"name": "up.t_echo", "arguments": {"text": "s"}}
     with ExitStack() as stack, redis_sync.Redis.from_url(redis_url, decode_responses=True) as r, \
-            redis_sync.Redis.from_url(upstream_db(redis_url)) as up_redis:
+            redis_sync.Redis.from_url(upstream_db(upstream)) as up_redis:
         a = stack.enter_context(front_gateway(redis_url, proxy))
         b = stack.enter_context(front_gateway(redis_url, proxy))
         sessions_before = up_redis.zcard("lm:{proxy}:sessions")

@@ -99,3 +99,13 @@ def test_credentials_appear_nowhere(redis_url: str, upstream: str, caplog: pytes
     assert any("proxy:a" in s for s in seen)  # the calls did reach the upstream
     for text in [*seen, caplog.text]:
         assert UPSTREAM_SECRET not in text
+
+
+def test_quotas_apply_to_proxied_calls(redis_url: str, upstream: str) -> None:
+    limits = {"principals": {"alice": {"requests_per_s": 0.01, "requests_burst": 2}}}
+    with front_gateway(redis_url, {"upstreams": [upstream_entry(upstream)]}, limits=limits) as base:
+        client = Client(base, MCP_KEY, MODERN).open()
+        answers = [client.post("tools/call", {"name": "up.t_echo", "arguments": {"text": "q"}}) for _ in range(3)]
+        assert [a.status_code for a in answers[:2]] == [200, 200]
+        assert answers[2].status_code == 429 and answers[2].json()["error"]["code"] == -32029
+        assert "retry-after" in answers[2].headers

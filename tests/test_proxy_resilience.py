@@ -32,8 +32,8 @@ UPSTREAM_FAILED = -32052
 
 
 @pytest.fixture
-def killable(redis_url: str) -> Iterator[tuple[str, Any]]:
-    with upstream_gateway(redis_url) as (url, proc):
+def killable() -> Iterator[tuple[str, Any]]:
+    with upstream_gateway() as (url, proc):
         yield url, proc
 
 
@@ -44,8 +44,8 @@ def _in_background(client: Client, params: dict[str, Any]) -> tuple[threading.Th
     return thread, out
 
 
-def _started(redis_url: str) -> int:
-    with redis_sync.Redis.from_url(upstream_db(redis_url)) as r:
+def _started(upstream: str) -> int:
+    with redis_sync.Redis.from_url(upstream_db(upstream)) as r:
         return int(r.llen("test:t_sleep:started"))
 
 
@@ -57,7 +57,7 @@ def test_upstream_killed_mid_call_fails_clearly_and_opens_the_breaker(redis_url:
     with front_gateway(redis_url, proxy) as base:
         client = Client(base, MCP_KEY, revision).open()
         thread, out = _in_background(client, {"name": "up.t_sleep", "arguments": {"seconds": 30}})
-        wait_for_sync(lambda: _started(redis_url) == 1, timeout_s=15, what="the call in flight on the upstream")
+        wait_for_sync(lambda: _started(url) == 1, timeout_s=15, what="the call in flight on the upstream")
         proc.kill()
         thread.join(20)
         assert not thread.is_alive(), "a call to a killed upstream must end"
@@ -91,7 +91,7 @@ def test_slow_upstream_times_out_and_blocks_nothing_else(redis_url: str, killabl
         client = Client(base, MCP_KEY, LEGACY).open()
         assert "other.t_echo" in client.names()
         thread, out = _in_background(client, {"name": "up.t_sleep", "arguments": {"seconds": 20}})
-        wait_for_sync(lambda: _started(redis_url) == 1, timeout_s=15, what="the slow call in flight")
+        wait_for_sync(lambda: _started(url) == 1, timeout_s=15, what="the slow call in flight")
         other = client.result("tools/call", {"name": "other.t_echo", "arguments": {"text": "fast"}})
         own = client.result("tools/call", {"name": "context_append", "arguments": {
             "context_id": "c1", "modality": "text", "text": "x"}})
@@ -133,10 +133,10 @@ def test_client_cancellation_reaches_the_upstream(redis_url: str, killable: tupl
         params = {"name": "up.t_sleep", "arguments": {"seconds": 60}}
         thread = threading.Thread(target=lambda: statuses.append(client.post("tools/call", params).status_code))
         thread.start()
-        wait_for_sync(lambda: _started(redis_url) == 1, timeout_s=15, what="the call in flight on the upstream")
+        wait_for_sync(lambda: _started(url) == 1, timeout_s=15, what="the call in flight on the upstream")
         cancelled = client.notify("notifications/cancelled", {"requestId": 1, "reason": "changed my mind"})
         assert cancelled.status_code == 202
-        with redis_sync.Redis.from_url(upstream_db(redis_url)) as r:
+        with redis_sync.Redis.from_url(upstream_db(url)) as r:
             wait_for_sync(lambda: r.llen("test:t_sleep:ended") == 1, timeout_s=20,
                           what="the upstream to stop the cancelled call")
         thread.join(20)

@@ -413,12 +413,24 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ tasks extension (gateway/tasks.py)
     async def _handle_tasks_get(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
+        if self.state.proxy.active:
+            forwarded = await self.state.proxy.task_request(call, "tasks/get", p)
+            if forwarded is not None:
+                return forwarded
         return await self.state.tasks.get(call, p)
 
     async def _handle_tasks_update(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
+        if self.state.proxy.active:
+            forwarded = await self.state.proxy.task_request(call, "tasks/update", p)
+            if forwarded is not None:
+                return forwarded
         return await self.state.tasks.update(call, p)
 
     async def _handle_tasks_cancel(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
+        if self.state.proxy.active:
+            forwarded = await self.state.proxy.task_request(call, "tasks/cancel", p)
+            if forwarded is not None:
+                return forwarded
         return await self.state.tasks.cancel(call, p)
 
     # ------------------------------------------------------------------ input_required (2026-07-28)
@@ -491,13 +503,21 @@ class Dispatcher:
         if not await self.state.sessions.subscribe(call.session, uri, cap):
             raise exceeded("subscriptions", f"a session holds at most {cap} resource subscriptions",
                            self.config.limits.cap_retry_after_s)
+        if self._proxied_resource(uri):
+            await self.state.proxy.resources.subscribe(call, uri)
         return {}
 
     async def _handle_resources_unsubscribe(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
         uri = _str_param(p, "uri")
         if call.session is not None:
             await self.state.sessions.unsubscribe(call.session, uri)
+            if self._proxied_resource(uri):
+                await self.state.proxy.resources.unsubscribe(call, uri)
         return {}
+
+    def _proxied_resource(self, uri: str) -> bool:
+        return uri not in self.registry.resources and self.registry.find_template(uri) is None \
+            and self._upstream_uri(uri)
 
     async def _handle_subscriptions_listen(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
         """Hold a notification stream open until the client goes or the gateway stops."""
@@ -525,7 +545,12 @@ class Dispatcher:
                                          params={"notifications": ack, "_meta": sub_meta}))
             queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(maxsize=1000)
             listener = self.state.add_listener(call.principal, set(uris or ()), ack, queue)
+            proxied: list[str] = []  # upstream resources this stream subscribed to (undone when it ends)
             try:
+                for uri in uris or ():
+                    if self._proxied_resource(uri):
+                        await self.state.proxy.resources.subscribe(call, uri)
+                        proxied.append(uri)
                 while True:
                     note = await queue.get()
                     if note.get("method") == "$shutdown":
@@ -535,6 +560,8 @@ class Dispatcher:
                     await call.emit(Notification(method=note["method"], params=params))
             finally:
                 self.state.remove_listener(listener)
+                for uri in proxied:
+                    await self.state.proxy.resources.unsubscribe(call, uri)
         return {"_meta": sub_meta}
 
     # ------------------------------------------------------------------ prompts and completion

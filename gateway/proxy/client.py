@@ -239,7 +239,7 @@ class UpstreamClient:
                 return None if self._stdio_ready() else await self._initialize(seat)
             if seat in self._sessions:
                 return self._sessions[seat]
-            stored = await self.redis.get(self._key(seat))
+            stored = await self.redis.get(self._key(seat)) if seat.principal else None
             if stored is not None:
                 sid = stored.decode() if isinstance(stored, bytes) else str(stored)
                 self._sessions[seat] = sid
@@ -266,13 +266,57 @@ class UpstreamClient:
             return None
         if sid is not None:
             self._sessions[seat] = sid
-            await self.redis.set(self._key(seat), sid, ex=self.session_ttl_s)
+            if seat.principal:  # the gateway's own session (standing stream) stays on this replica
+                await self.redis.set(self._key(seat), sid, ex=self.session_ttl_s)
         return sid
 
     async def _forget_session(self, seat: Seat) -> None:
         self._sessions.pop(seat, None)
-        if isinstance(self.wire, HttpWire):
+        if isinstance(self.wire, HttpWire) and seat.principal:
             await self.redis.delete(self._key(seat))
+
+    # ------------------------------------------------------------------ the standing stream
+    async def follow(self, hooks: Hooks) -> int:
+        """Hold the upstream's notification stream open until it ends (HTTP status returned):
+        ``subscriptions/listen`` for list changes on 2026-07-28, the session's GET stream on
+        2025-11-25 (a session of the gateway's own, not of a principal)."""
+        if not isinstance(self.wire, HttpWire):
+            raise TypeError("a stdio upstream's notifications arrive on its pipe")
+        if self.revision is None:
+            await self._negotiate("")
+        if self.revision == MODERN_VERSION:
+            meta = {PROTOCOL_VERSION_META_KEY: MODERN_VERSION, CLIENT_CAPABILITIES_META_KEY: {}}
+            wanted = {"toolsListChanged": True, "resourcesListChanged": True, "promptsListChanged": True}
+            body = _encode(Request(jsonrpc="2.0", id=next(self._ids), method="subscriptions/listen",
+                                   params={"notifications": wanted, "_meta": meta}))
+            headers = {"mcp-protocol-version": MODERN_VERSION, "mcp-method": "subscriptions/listen"}
+            return await self.wire.follow(b"POST", headers, body, hooks)
+        seat = Seat("", ALL_FORWARDED)
+        status = await self.wire.follow(b"GET", self._session_headers(await self._session(seat)), None, hooks)
+        if status == 404:
+            await self._forget_session(seat)
+        return status
+
+    async def negotiated(self, principal: str) -> str:
+        """The revision spoken with the upstream (asked once when ``auto``)."""
+        if self.revision is None:
+            await self._negotiate(principal)
+        return self.revision or LEGACY_VERSION
+
+    async def follow_resources(self, principal: str, uris: list[str], hooks: Hooks) -> int:
+        """Hold the stream that carries ``principal``'s resource updates open until it ends: a
+        ``subscriptions/listen`` naming ``uris`` on 2026-07-28; on 2025-11-25 the GET stream of
+        the principal's session (subscribed with ``resources/subscribe`` beforehand)."""
+        if not isinstance(self.wire, HttpWire):
+            raise TypeError("a stdio upstream's updates arrive on its pipe")
+        if await self.negotiated(principal) == MODERN_VERSION:
+            meta = {PROTOCOL_VERSION_META_KEY: MODERN_VERSION, CLIENT_CAPABILITIES_META_KEY: {}}
+            body = _encode(Request(jsonrpc="2.0", id=next(self._ids), method="subscriptions/listen",
+                                   params={"notifications": {"resourceSubscriptions": uris}, "_meta": meta}))
+            headers = {"mcp-protocol-version": MODERN_VERSION, "mcp-method": "subscriptions/listen"}
+            return await self.wire.follow(b"POST", headers, body, hooks)
+        sid = await self._session(Seat(principal, ALL_FORWARDED))
+        return await self.wire.follow(b"GET", self._session_headers(sid), None, hooks)
 
     # ------------------------------------------------------------------ answers
     def _result(self, method: str, answer: Answer) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -41,8 +42,9 @@ from gateway.proxy import names
 from gateway.proxy.breaker import STATE_VALUE
 from gateway.proxy.client import ALL_FORWARDED, UpstreamClient, header_value
 from gateway.proxy.errors import UpstreamFailed
-from gateway.proxy.wire import Hooks, Message
-from shared import metrics
+from gateway.proxy.resources import ResourceFollowers
+from gateway.proxy.wire import Hooks, Message, StdioWire
+from shared import keys, metrics
 from shared.audit import record, xadd_command
 from shared.config import ProxyAllow, UpstreamConfig
 from shared.context import ContextError
@@ -57,6 +59,10 @@ LISTS = {"tools": "tools/list", "resources": "resources/list", "resourceTemplate
          "prompts": "prompts/list"}
 MAX_LIST_PAGES = 50
 MAX_INPUT_ROUNDS = 8
+INPUT_GATHER_S = 0.05  # how long a 2025-11-25 upstream's further questions are awaited before refusing
+WATCH_RETRY_MIN_S, WATCH_RETRY_MAX_S = 1.0, 60.0
+TASK_KEY_TTL_S = 86_400  # how long a task's upstream is remembered when the task names no ttlMs
+TASK_KEY_SLACK_S = 60
 CAPTURE_CONTEXT_META_KEY = "io.learnmesh/context"  # _meta key naming the context captured calls go to
 _MEDIA = {"image": "image", "audio": "audio"}
 CLIENT_CAPABILITY_OF = {"sampling/createMessage": "sampling", "elicitation/create": "elicitation",
@@ -72,6 +78,7 @@ class Catalog:
     tools: dict[str, str] = field(default_factory=dict)    # exposed name -> upstream's name
     prompts: dict[str, str] = field(default_factory=dict)
     schemas: dict[str, dict[str, Any]] = field(default_factory=dict)  # exposed tool name -> inputSchema
+    param_specs: dict[str, tuple[tuple[str, str], ...]] = field(default_factory=dict)  # tools with x-mcp-header
 
 
 @dataclass(eq=False)
@@ -80,6 +87,7 @@ class Upstream:
     client: UpstreamClient
     catalog: Catalog = field(default_factory=Catalog)
     refresh: asyncio.Task[None] | None = None
+    watcher: asyncio.Task[None] | None = None
     latency: Any = None  # its /metrics children, looked up once
     breaker_gauge: Any = None
     calls: int = 0  # on this replica, for the dashboard (/metrics has the rest)
@@ -103,6 +111,7 @@ class Proxy:
         self.upstreams: dict[str, Upstream] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._apply_lock = asyncio.Lock()
+        self.resources = ResourceFollowers(self)
         self._audit = AutoPipeline(gateway.redis)
         self._counters: dict[tuple[str, str, str], Any] = {}
 
@@ -126,23 +135,57 @@ class Proxy:
         for name, cfg in wanted.items():
             if name not in self.upstreams:
                 try:
-                    self.upstreams[name] = Upstream(cfg, self._client(cfg))
+                    self.upstreams[name] = up = Upstream(cfg, self._client(cfg))
                 except Exception as exc:  # noqa: BLE001 - one bad upstream must not take the others down
                     log.error("proxy upstream %s left out: %s", name, exc)
+                    continue
+                if cfg.enabled:
+                    self._watch(up)
+
+    def _watch(self, up: Upstream) -> None:
+        """Follow what the upstream announces outside calls (list changes), on this replica."""
+        hooks = Hooks(notify=lambda msg: self._standing_note(up, msg))
+        if isinstance(up.client.wire, StdioWire):
+            up.client.wire.idle_hooks = hooks
+        else:
+            up.watcher = asyncio.create_task(self._follow(up, hooks), name=f"proxy-watch-{up.name}")
+
+    async def _follow(self, up: Upstream, hooks: Hooks) -> None:
+        delay_s = WATCH_RETRY_MIN_S
+        while True:
+            try:
+                status = await up.client.follow(hooks)
+                # No standing stream offered (405), or none now: try again, less and less often.
+                delay_s = WATCH_RETRY_MIN_S if status == 200 else min(delay_s * 2, WATCH_RETRY_MAX_S)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the upstream is away; calls report that themselves
+                log.debug("proxy upstream %s: standing stream ended (%s)", up.name, type(exc).__name__)
+                delay_s = min(delay_s * 2, WATCH_RETRY_MAX_S)
+            await asyncio.sleep(delay_s)
+
+    async def _standing_note(self, up: Upstream, msg: Message) -> None:
+        method = msg.get("method", "")
+        if method.endswith("/list_changed"):
+            up.catalog.fetched_at = 0.0
+            self.gateway.list_changed_here(method.split("/")[1])  # every replica follows the upstream itself
 
     def _client(self, cfg: UpstreamConfig) -> UpstreamClient:
         gw = self.gateway
         return UpstreamClient(cfg, gw.redis, self.config.breaker, gw.config.gateway.session_idle_ttl_s)
 
     async def _close(self, up: Upstream) -> None:
-        if up.refresh is not None:
-            up.refresh.cancel()
+        self.resources.forget(up.name)
+        for task in (up.refresh, up.watcher):
+            if task is not None:
+                task.cancel()
         try:
             await up.client.close()
         except Exception:  # noqa: BLE001 - closing is best effort
             log.warning("proxy upstream %s did not close cleanly", up.name)
 
     async def close(self) -> None:
+        self.resources.close()
         for up in list(self.upstreams.values()):
             await self._close(up)
         self.upstreams.clear()
@@ -255,9 +298,12 @@ class Proxy:
             (catalog.tools if kind == "tools" else catalog.prompts)[exposed] = str(name)
             if kind == "tools" and isinstance(entry.get("inputSchema"), dict):
                 catalog.schemas[exposed] = entry["inputSchema"]
+                spec = param_header_spec(entry["inputSchema"])
+                if spec:
+                    catalog.param_specs[exposed] = spec
             out["name"] = exposed
         elif kind == "resources" and isinstance(entry.get("uri"), str):
-            out["uri"] = _uri_for_client(up, entry["uri"])
+            out["uri"] = self.uri_for_client(up, entry["uri"])
         elif kind == "resourceTemplates" and isinstance(entry.get("uriTemplate"), str) and up.cfg.prefix:
             out["uriTemplate"] = names.wrap_template(up.name, entry["uriTemplate"])
         return out
@@ -311,7 +357,9 @@ class Proxy:
         found = names.unwrap_uri(uri)
         return (found is not None and found[0] in self.upstreams) or self._bare() is not None
 
-    def _resource_target(self, call: Call, uri: str) -> tuple[Upstream, str]:
+    def resource_target(self, call: Call, uri: str) -> tuple[Upstream, str]:
+        """The upstream serving ``uri`` (as clients see it) and the URI it knows; the caller
+        must be allowed the upstream."""
         found = names.unwrap_uri(uri)
         up = self.upstreams.get(found[0]) if found is not None else self._bare()
         if up is None or not up.cfg.enabled:
@@ -324,8 +372,8 @@ class Proxy:
         up, tool = self._target(call, name, "tools", "Tool")
         args = params.get("arguments")
         args = args if isinstance(args, dict) else {}
-        schema = up.catalog.schemas.get(name)
-        headers = _param_headers(schema, args) if schema is not None else None
+        spec = up.catalog.param_specs.get(name)
+        headers = _param_headers(spec, args) if spec is not None else None
         result = await self._observed(call, up, "tools/call", tool, {"name": tool, "arguments": args}, headers)
         if up.cfg.captures(tool):
             await self._capture(call, up, name, args, result)
@@ -337,11 +385,11 @@ class Proxy:
         return await self._observed(call, up, "prompts/get", prompt, forwarded)
 
     async def read_resource(self, call: Call, uri: str) -> dict[str, Any]:
-        up, original = self._resource_target(call, uri)
+        up, original = self.resource_target(call, uri)
         result = await self._observed(call, up, "resources/read", original, {"uri": original})
         for item in result.get("contents") or ():
             if isinstance(item, dict) and isinstance(item.get("uri"), str):
-                item["uri"] = _uri_for_client(up, item["uri"])
+                item["uri"] = self.uri_for_client(up, item["uri"])
         return result
 
     async def complete(self, call: Call, params: dict[str, Any]) -> dict[str, Any]:
@@ -350,7 +398,7 @@ class Proxy:
         if ref.get("type") == "ref/prompt":
             up, ref["name"] = self._target(call, str(ref.get("name")), "prompts", "Prompt")
         else:
-            up, ref["uri"] = self._resource_target(call, str(ref.get("uri")))
+            up, ref["uri"] = self.resource_target(call, str(ref.get("uri")))
         forwarded = {k: v for k, v in params.items() if k not in ("_meta", "ref")}
         return await self._observed(call, up, "completion/complete", str(ref.get("name") or ref.get("uri")),
                                     {**forwarded, "ref": ref})
@@ -417,13 +465,42 @@ class Proxy:
                     raise
             if side.stopped is not None:  # whatever the upstream made of the request the client cannot answer
                 raise side.stopped
-            if result.get("resultType") != "input_required":
+            kind = result.get("resultType")
+            if kind == "task" or method.startswith("tasks/"):  # the tasks extension's results pass whole
+                await self._remember_task(call, up, result)
+                return result
+            if kind != "input_required":
                 return _for_client(result)
             params = {**params, "inputResponses": await side.answers(result.get("inputRequests")),
                       "requestState": result.get("requestState")}
             if params["requestState"] is None:
                 del params["requestState"]
         raise McpError(INTERNAL_ERROR, f"upstream {up.name!r} kept asking for input")
+
+    @staticmethod
+    def uri_for_client(up: Upstream, uri: str) -> str:
+        return names.wrap_uri(up.name, uri) if up.cfg.prefix else uri
+
+    # ------------------------------------------------------------------ tasks extension
+    async def _remember_task(self, call: Call, up: Upstream, result: dict[str, Any]) -> None:
+        task_id = result.get("taskId")
+        if result.get("resultType") == "task" and isinstance(task_id, str):
+            ttl_ms = result.get("ttlMs")
+            ttl_s = int(ttl_ms) // 1000 + TASK_KEY_SLACK_S if isinstance(ttl_ms, int) and ttl_ms > 0 else TASK_KEY_TTL_S
+            await self.gateway.redis.set(keys.proxy_task(call.principal, task_id), up.name, ex=ttl_s)
+
+    async def task_request(self, call: Call, method: str, params: dict[str, Any]) -> dict[str, Any] | None:
+        """tasks/get|update|cancel of a task an upstream created, answered by that upstream;
+        None for a task that is not an upstream's."""
+        task_id = params.get("taskId")
+        if not isinstance(task_id, str) or not task_id:
+            return None
+        name = await self.gateway.redis.get(keys.proxy_task(call.principal, task_id))
+        up = self.upstreams.get(name.decode() if isinstance(name, bytes) else str(name)) if name else None
+        if up is None:
+            return None
+        forwarded = {k: v for k, v in params.items() if k != "_meta"}
+        return await self._observed(call, up, method, task_id, forwarded)
 
     # ------------------------------------------------------------------ capture
     async def _capture(self, call: Call, up: Upstream, name: str, args: dict[str, Any],
@@ -463,10 +540,6 @@ def _audit_written(future: asyncio.Future[Any]) -> None:
         log.warning("an audit record of a proxied call was not written (%s)", type(future.exception()).__name__)
 
 
-def _uri_for_client(up: Upstream, uri: str) -> str:
-    return names.wrap_uri(up.name, uri) if up.cfg.prefix else uri
-
-
 def _upstream_meta(call: Call) -> dict[str, Any]:
     """The ``_meta`` the upstream gets: the client's own (progress token, log level, extensions;
     for a 2025-11-25 client its session's capabilities and log level), without learnmesh's keys."""
@@ -479,10 +552,10 @@ def _upstream_meta(call: Call) -> dict[str, Any]:
     return meta
 
 
-def _param_headers(schema: dict[str, Any], args: dict[str, Any]) -> dict[str, str] | None:
+def _param_headers(spec: tuple[tuple[str, str], ...], args: dict[str, Any]) -> dict[str, str] | None:
     """SEP-2243: the ``Mcp-Param-*`` headers a 2026-07-28 upstream expects for these arguments."""
     out: dict[str, str] = {}
-    for arg, header in param_header_spec(schema):
+    for arg, header in spec:
         value = header_form(args.get(arg))
         if value is not None:
             out[header] = header_value(value)
@@ -538,7 +611,7 @@ class CallHooks:
         self.proxy = proxy
         self.call = call
         self.up = up
-        self.asked = 0
+        self.asked: dict[str, int] = {}  # questions of a 2025-11-25 upstream so far, by key
         self.stopped: InputRequired | McpError | None = None  # why the call cannot finish on this round
         self.hooks = Hooks(notify=self.notify, ask=self.ask)
 
@@ -557,16 +630,27 @@ class CallHooks:
 
     async def ask(self, msg: Message) -> Message:
         """A server->client request: the client's answer (or why there is none yet)."""
-        key = f"{self.up.name}:{self.asked}"
-        self.asked += 1
+        method, params = str(msg.get("method")), _params(msg)
         try:
-            result = await self._ask_client(str(msg.get("method")), _params(msg), key)
+            result = await self._ask_client(method, params, self._key(method, params))
         except InputRequired as ir:
             self._defer(ir)
+            # The upstream may be asking more at once: let those arrive before this refusal makes
+            # it give up, so the client gets every question in one input_required.
+            await asyncio.sleep(INPUT_GATHER_S)
             return _error_reply(msg, INTERNAL_ERROR, "the client answers on its next request")
         except McpError as exc:
             return _error_reply(msg, exc.code, exc.message)
         return {"jsonrpc": "2.0", "id": msg.get("id"), "result": result}
+
+    def _key(self, method: str, params: dict[str, Any]) -> str:
+        """A 2025-11-25 upstream's question has no key of its own: it is named by what it asks, so
+        that the same question asked again when the call is repeated with the answers (in
+        whatever order concurrent questions arrive) finds its answer."""
+        digest = hashlib.sha256(orjson.dumps([method, params], option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
+        key = f"{self.up.name}:{digest}"
+        self.asked[key] = n = self.asked.get(key, 0) + 1
+        return key if n == 1 else f"{key}#{n}"
 
     async def _ask_client(self, method: str, params: dict[str, Any], key: str) -> dict[str, Any]:
         lacking = client_lacks(self.call, method)

@@ -86,14 +86,43 @@ class HttpWire:
 
     async def _stream(self, resp: Response, headers: Mapping[str, str], request_id: Any,
                       hooks: Hooks) -> Message | None:
-        async for msg in _sse_messages(_lines(resp.chunks())):
-            if "method" not in msg and msg.get("id") == request_id:
-                await resp.read()  # the rest of the stream, so the connection can be reused
-                return msg
-            reply = await side_traffic(msg, hooks)
-            if reply is not None:
-                await self.post_reply(reply, headers)
-        return None
+        """Read the answer's SSE stream. Notifications are handed over in order; server requests
+        are answered concurrently (an upstream may ask several things at once, and the reading
+        goes on meanwhile); those still unanswered when the answer arrives are dropped."""
+        asking: set[asyncio.Task[None]] = set()
+        try:
+            async for msg in _sse_messages(_lines(resp.chunks())):
+                if "method" not in msg and msg.get("id") == request_id:
+                    await resp.read()  # the rest of the stream, so the connection can be reused
+                    return msg
+                if "id" in msg and "method" in msg:
+                    task = asyncio.create_task(self._answer(msg, hooks, headers))
+                    asking.add(task)
+                    task.add_done_callback(asking.discard)
+                else:
+                    await side_traffic(msg, hooks)
+            return None
+        finally:
+            for task in asking:
+                task.cancel()
+
+    async def _answer(self, request: Message, hooks: Hooks, headers: Mapping[str, str]) -> None:
+        reply = await side_traffic(request, hooks)
+        if reply is not None:
+            await self.post_reply(reply, headers)
+
+    async def follow(self, method: bytes, headers: Mapping[str, str], body: bytes | None, hooks: Hooks) -> int:
+        """Read a standing SSE stream (GET, or a POST such as ``subscriptions/listen``) until it
+        ends, handing each message to ``hooks``; returns the HTTP status."""
+        async with await self.origin.open(method, headers, body) as resp:
+            if not resp.headers.get("content-type", "").startswith("text/event-stream"):
+                await resp.read()
+                return resp.status
+            async for msg in _sse_messages(_lines(resp.chunks())):
+                reply = await side_traffic(msg, hooks)
+                if reply is not None:
+                    await self.post_reply(reply, headers)
+            return resp.status
 
     async def post_reply(self, reply: Message, headers: Mapping[str, str]) -> None:
         """The answer to a server->client request travels as its own POST on the same session."""
@@ -160,6 +189,7 @@ class StdioWire:
         self._reader: asyncio.Task[None] | None = None
         self._start_lock = asyncio.Lock()
         self._side: set[asyncio.Task[None]] = set()  # server requests being answered (held until done)
+        self.idle_hooks = NO_HOOKS  # for what the server sends while no request waits (list_changed)
 
     async def _ensure(self) -> asyncio.subprocess.Process:
         async with self._start_lock:
@@ -216,7 +246,7 @@ class StdioWire:
             if waiting is not None and not waiting[0].done():
                 waiting[0].set_result(msg)
             return
-        hooks = next(iter(self._waiting.values()))[1] if self._waiting else NO_HOOKS
+        hooks = next(iter(self._waiting.values()))[1] if self._waiting else self.idle_hooks
         task = asyncio.create_task(self._serve_side(proc, msg, hooks))
         self._side.add(task)
         task.add_done_callback(self._side.discard)
