@@ -339,6 +339,8 @@ class UpstreamClient:
         return result
 
     async def close(self) -> None:
+        for task in self._cancels:
+            task.cancel()
         await self.wire.close()
 
 
