@@ -83,6 +83,12 @@ def credential_headers(cfg: UpstreamConfig) -> dict[str, str]:
     return out
 
 
+def stdio_env(cfg: UpstreamConfig) -> dict[str, str]:
+    """For a stdio upstream, ``headers_from_env`` names environment variables its process gets
+    (its credentials, by their own names); nothing else of the gateway's environment but the basics."""
+    return {var: os.environ[var] for var in cfg.headers_from_env.values() if var in os.environ}
+
+
 def header_value(value: str) -> str:
     """A header value as the kernel reads it back: plain printable ASCII, else ``=?base64?...?=``."""
     if value.isascii() and value.isprintable() and value == value.strip():
@@ -101,7 +107,7 @@ class UpstreamClient:
         self.session_ttl_s = session_ttl_s
         creds = credential_headers(cfg)
         self.wire: Wire = (HttpWire(cfg.url, creds, cfg.timeout_s) if cfg.url is not None
-                           else StdioWire(cfg.command or [], {}))
+                           else StdioWire(cfg.command or [], stdio_env(cfg)))
         self.revision: str | None = None if cfg.revision == "auto" else cfg.revision
         self.legacy_version = LEGACY_VERSION  # what initialize agreed on
         self.breaker = Breaker(breaker.failures, breaker.reset_s)
