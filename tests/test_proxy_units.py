@@ -24,6 +24,8 @@ def test_breaker_opens_probes_once_and_closes_or_reopens() -> None:
     assert probing.admit() and not probing.admit()  # one probe call at a time
     probing.failed()  # the probe failed: open again (and, with reset_s 0, half-open again)
     assert probing.failures == 2 and probing.admit()
+    probing.abandoned()  # the probe got no slot and never reached the upstream: another may probe
+    assert probing.admit()
     probing.succeeded()
     assert probing.state == CLOSED and probing.failures == 0 and probing.admit() and probing.admit()
 
