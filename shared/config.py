@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import typing
 from collections.abc import Callable
 from pathlib import Path
@@ -502,6 +503,7 @@ class MetricsConfig:
 
 UpstreamName = Annotated[str, Field(pattern=r"^[a-z0-9_-]{1,32}$", description="an upstream's name")]
 UPSTREAM_REVISIONS = ("auto", "2025-11-25", "2026-07-28")
+_HEADER_NAME = re.compile(r"[A-Za-z0-9-]{1,64}")
 
 
 @_section
@@ -540,6 +542,8 @@ class UpstreamConfig:
         _check(self.command is None or len(self.command) > 0, "command must name a program")
         _check(not set(self.headers_from_env) & set(self.headers_from_file),
                "a header comes from the environment or from a file, not both")
+        _check(all(_HEADER_NAME.fullmatch(h) for h in (*self.headers_from_env, *self.headers_from_file)),
+               "header names are letters, digits and '-'")
 
     @property
     def prefix(self) -> str:

@@ -24,6 +24,11 @@ def image() -> Image:
     return Image(data=PNG_1PX, format="png")
 
 
+@server.tool(description="Whether the process has environment variable `name`")
+def has_env(name: str) -> str:
+    return "yes" if name in os.environ else "no"
+
+
 @server.tool(description="The process ends while this call is in flight")
 def exit_now() -> str:
     os._exit(3)

@@ -141,3 +141,18 @@ def test_client_cancellation_reaches_the_upstream(redis_url: str, killable: tupl
                           what="the upstream to stop the cancelled call")
         thread.join(20)
         assert statuses == [202]  # a cancelled request gets no answer
+
+
+def test_stdio_upstream_gets_only_the_environment_it_is_given(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LM_TEST_STDIO_TOKEN", "stdio-token")
+    monkeypatch.setenv("LM_TEST_GATEWAY_ONLY_SECRET", "not-for-upstreams")
+    proxy = {"upstreams": [{"name": "local", "command": [sys.executable, STDIO_SERVER],
+                            "headers_from_env": {"Authorization": "LM_TEST_STDIO_TOKEN"}}]}
+    with front_gateway(redis_url, proxy) as base:
+        client = Client(base, MCP_KEY, LEGACY).open()
+
+        def has(name: str) -> str:
+            return client.result("tools/call", {"name": "local.has_env", "arguments": {"name": name}})["content"][0]["text"]
+
+        assert has("LM_TEST_STDIO_TOKEN") == "yes" and has("PATH") == "yes"
+        assert has("LM_TEST_GATEWAY_ONLY_SECRET") == "no"

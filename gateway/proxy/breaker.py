@@ -43,6 +43,10 @@ class Breaker:
     def retry_in_s(self) -> float:
         return max(0.0, self.reset_s - (time.monotonic() - self.opened_at))
 
+    def abandoned(self) -> None:
+        """An admitted call never reached the upstream (it got no slot): another may probe."""
+        self._probing = False
+
     def succeeded(self) -> None:
         self.failures = 0
         self._probing = False

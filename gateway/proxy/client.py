@@ -83,6 +83,12 @@ def credential_headers(cfg: UpstreamConfig) -> dict[str, str]:
     return out
 
 
+def stdio_env(cfg: UpstreamConfig) -> dict[str, str]:
+    """For a stdio upstream, ``headers_from_env`` names environment variables its process gets
+    (its credentials, by their own names); nothing else of the gateway's environment but the basics."""
+    return {var: os.environ[var] for var in cfg.headers_from_env.values() if var in os.environ}
+
+
 def header_value(value: str) -> str:
     """A header value as the kernel reads it back: plain printable ASCII, else ``=?base64?...?=``."""
     if value.isascii() and value.isprintable() and value == value.strip():
@@ -101,7 +107,7 @@ class UpstreamClient:
         self.session_ttl_s = session_ttl_s
         creds = credential_headers(cfg)
         self.wire: Wire = (HttpWire(cfg.url, creds, cfg.timeout_s) if cfg.url is not None
-                           else StdioWire(cfg.command or [], {}))
+                           else StdioWire(cfg.command or [], stdio_env(cfg)))
         self.revision: str | None = None if cfg.revision == "auto" else cfg.revision
         self.legacy_version = LEGACY_VERSION  # what initialize agreed on
         self.breaker = Breaker(breaker.failures, breaker.reset_s)
@@ -124,10 +130,11 @@ class UpstreamClient:
             raise UpstreamFailed(self.name, "breaker_open",
                                  f"upstream {self.name!r} is failing; calls resume in "
                                  f"{self.breaker.retry_in_s():.0f} s (circuit breaker open)")
+        deadline = asyncio.get_running_loop().time() + self.cfg.timeout_s
+        await self._take_slot(deadline)
         try:
-            async with asyncio.timeout(self.cfg.timeout_s):
-                async with self.gate:
-                    result = await self._request(principal, method, params, hooks, headers or {}, capabilities)
+            async with asyncio.timeout_at(deadline):
+                result = await self._request(principal, method, params, hooks, headers or {}, capabilities)
         except TimeoutError:
             self.breaker.failed()
             raise UpstreamFailed(self.name, "timeout", f"upstream {self.name!r} did not answer {method} "
@@ -142,8 +149,21 @@ class UpstreamClient:
         except McpError:
             self.breaker.succeeded()  # the upstream answered: it is alive
             raise
+        finally:
+            self.gate.release()
         self.breaker.succeeded()
         return result
+
+    async def _take_slot(self, deadline: float) -> None:
+        """One of the ``concurrency`` slots; waiting for one is not the upstream failing (no
+        breaker count), but it comes out of the call's ``timeout_s``."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self.gate.acquire()
+        except TimeoutError:
+            self.breaker.abandoned()
+            raise UpstreamFailed(self.name, "busy", f"upstream {self.name!r} has {self.cfg.concurrency} calls in "
+                                 f"flight and none ended within {self.cfg.timeout_s:g} s") from None
 
     async def _request(self, principal: str, method: str, params: dict[str, Any], hooks: Hooks,
                        headers: Mapping[str, str], capabilities: tuple[str, ...]) -> dict[str, Any]:
@@ -339,6 +359,8 @@ class UpstreamClient:
         return result
 
     async def close(self) -> None:
+        for task in self._cancels:
+            task.cancel()
         await self.wire.close()
 
 

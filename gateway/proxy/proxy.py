@@ -6,48 +6,42 @@ The dispatcher asks it for what it does not serve itself: list entries (after it
 ``proxy.list_ttl_s`` (a stale copy is served while a fresh one is fetched; ``list_changed``
 from the upstream drops it) and filtered by what the caller may use.
 
-A forwarded call carries the client's progress token; the upstream's progress and log
-messages go to the client's stream; its server->client requests (sampling, elicitation,
-roots) go to the client the way the client's revision expects (``Call.request_client``), and
-so do a 2026-07-28 upstream's ``input_required`` rounds. A 2026-07-28 client answers on its
-next request: the call is then sent to the upstream again with the answers at hand, so an
-upstream tool that asks is run once per round trip.
+A forwarded call carries the client's ``_meta``; what the upstream sends during it is carried
+back by :mod:`gateway.proxy.exchange`, and so are a 2026-07-28 upstream's ``input_required``
+rounds. A 2026-07-28 client answers on its next request: the call is then sent to the upstream
+again with the answers at hand, so an upstream tool that asks is run once per round trip. Every
+call is measured, audited (batched) and, when the upstream opts in, captured
+(:mod:`gateway.proxy.capture`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
-import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import orjson
-
 from gateway.errors import (
     INTERNAL_ERROR,
     METHOD_NOT_FOUND,
-    MISSING_REQUIRED_CLIENT_CAPABILITY,
     Forbidden,
     InvalidParams,
     McpError,
 )
 from gateway.mcp.dispatcher import Call, InputRequired
 from gateway.mcp.kernel import header_form, param_header_spec
-from gateway.mcp.types import CLIENT_CAPABILITIES_META_KEY, LOG_LEVEL_META_KEY
 from gateway.proxy import names
 from gateway.proxy.breaker import STATE_VALUE
-from gateway.proxy.client import ALL_FORWARDED, UpstreamClient, header_value
+from gateway.proxy.capture import capture
+from gateway.proxy.client import UpstreamClient, header_value
 from gateway.proxy.errors import UpstreamFailed
+from gateway.proxy.exchange import CallHooks, forwardable_capabilities, upstream_meta
 from gateway.proxy.resources import ResourceFollowers
 from gateway.proxy.wire import Hooks, Message, StdioWire
 from shared import keys, metrics
 from shared.audit import record, xadd_command
 from shared.config import ProxyAllow, UpstreamConfig
-from shared.context import ContextError
 from shared.redis_batch import AutoPipeline, pack_command
 
 if TYPE_CHECKING:
@@ -59,14 +53,9 @@ LISTS = {"tools": "tools/list", "resources": "resources/list", "resourceTemplate
          "prompts": "prompts/list"}
 MAX_LIST_PAGES = 50
 MAX_INPUT_ROUNDS = 8
-INPUT_GATHER_S = 0.05  # how long a 2025-11-25 upstream's further questions are awaited before refusing
 WATCH_RETRY_MIN_S, WATCH_RETRY_MAX_S = 1.0, 60.0
 TASK_KEY_TTL_S = 86_400  # how long a task's upstream is remembered when the task names no ttlMs
 TASK_KEY_SLACK_S = 60
-CAPTURE_CONTEXT_META_KEY = "io.learnmesh/context"  # _meta key naming the context captured calls go to
-_MEDIA = {"image": "image", "audio": "audio"}
-CLIENT_CAPABILITY_OF = {"sampling/createMessage": "sampling", "elicitation/create": "elicitation",
-                        "roots/list": "roots"}
 
 
 @dataclass
@@ -376,7 +365,7 @@ class Proxy:
         headers = _param_headers(spec, args) if spec is not None else None
         result = await self._observed(call, up, "tools/call", tool, {"name": tool, "arguments": args}, headers)
         if up.cfg.captures(tool):
-            await self._capture(call, up, name, args, result)
+            await capture(self.gateway.store, call, up.name, name, args, result)
         return result
 
     async def get_prompt(self, call: Call, name: str, params: dict[str, Any]) -> dict[str, Any]:
@@ -454,7 +443,7 @@ class Proxy:
 
     async def _forward(self, call: Call, up: Upstream, method: str, params: dict[str, Any],
                        headers: dict[str, str] | None) -> dict[str, Any]:
-        params["_meta"] = _upstream_meta(call)
+        params["_meta"] = upstream_meta(call)
         side = CallHooks(self, call, up)
         for _ in range(MAX_INPUT_ROUNDS):
             try:
@@ -502,28 +491,6 @@ class Proxy:
         forwarded = {k: v for k, v in params.items() if k != "_meta"}
         return await self._observed(call, up, method, task_id, forwarded)
 
-    # ------------------------------------------------------------------ capture
-    async def _capture(self, call: Call, up: Upstream, name: str, args: dict[str, Any],
-                       result: dict[str, Any]) -> None:
-        """The call's arguments and results as entries of the caller's context (``_meta``
-        ``io.learnmesh/context``, else ``proxy.<upstream>``): text, image and audio content by
-        channel. A capture that fails is logged; the call's answer is not affected."""
-        context = call.meta.get(CAPTURE_CONTEXT_META_KEY)
-        context_id = context if isinstance(context, str) and context else f"proxy.{up.name}"
-        store = self.gateway.store
-        try:
-            call_text = orjson.dumps({"tool": name, "arguments": args}).decode()
-            await store.append(call.principal, context_id, "text", "user", call_text.encode())
-            for item in result.get("content") or ():
-                entry = _capture_entry(item)
-                if entry is not None:
-                    await store.append(call.principal, context_id, entry[0], "assistant", entry[1], mime=entry[2])
-            if isinstance(result.get("structuredContent"), dict) and not result.get("content"):
-                await store.append(call.principal, context_id, "text", "assistant",
-                                   orjson.dumps(result["structuredContent"]))
-        except (ContextError, McpError, OSError) as exc:
-            log.warning("proxy capture of %s into %s failed: %s", name, context_id, type(exc).__name__)
-
     # ------------------------------------------------------------------ admin reads
     def health(self, name: str) -> dict[str, Any]:
         up = self.upstreams[name]
@@ -540,18 +507,6 @@ def _audit_written(future: asyncio.Future[Any]) -> None:
         log.warning("an audit record of a proxied call was not written (%s)", type(future.exception()).__name__)
 
 
-def _upstream_meta(call: Call) -> dict[str, Any]:
-    """The ``_meta`` the upstream gets: the client's own (progress token, log level, extensions;
-    for a 2025-11-25 client its session's capabilities and log level), without learnmesh's keys."""
-    meta = {k: v for k, v in call.meta.items() if k != CAPTURE_CONTEXT_META_KEY}
-    if not call.modern:
-        session = call.session
-        meta[LOG_LEVEL_META_KEY] = (session.log_level if session is not None else None) or "debug"
-        if session is not None:
-            meta[CLIENT_CAPABILITIES_META_KEY] = session.capabilities
-    return meta
-
-
 def _param_headers(spec: tuple[tuple[str, str], ...], args: dict[str, Any]) -> dict[str, str] | None:
     """SEP-2243: the ``Mcp-Param-*`` headers a 2026-07-28 upstream expects for these arguments."""
     out: dict[str, str] = {}
@@ -562,25 +517,6 @@ def _param_headers(spec: tuple[tuple[str, str], ...], args: dict[str, Any]) -> d
     return out or None
 
 
-def _declared(call: Call) -> dict[str, Any]:
-    if call.envelope is not None:
-        return call.envelope.client_capabilities
-    return call.session.capabilities if call.session is not None else {}
-
-
-def forwardable_capabilities(call: Call) -> tuple[str, ...]:
-    declared = _declared(call)
-    return tuple(c for c in ALL_FORWARDED if c in declared)
-
-
-def client_lacks(call: Call, method: str) -> str | None:
-    """The capability a server->client request needs that the client did not declare, if any."""
-    need = CLIENT_CAPABILITY_OF.get(method)
-    if need is None:
-        return None
-    return None if need in _declared(call) else need
-
-
 def _for_client(result: dict[str, Any]) -> dict[str, Any]:
     """The upstream's result without what belongs to its own revision (the dispatcher adds the
     client revision's fields)."""
@@ -589,104 +525,3 @@ def _for_client(result: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def _capture_entry(item: Any) -> tuple[str, bytes, str | None] | None:
-    """(channel, bytes, mime type) of one content item; None for what has no channel."""
-    if not isinstance(item, dict):
-        return None
-    kind = item.get("type")
-    if kind == "text" and isinstance(item.get("text"), str):
-        return "text", item["text"].encode(), None
-    if kind in _MEDIA and isinstance(item.get("data"), str):
-        try:
-            return _MEDIA[kind], base64.b64decode(item["data"], validate=True), item.get("mimeType")
-        except (binascii.Error, ValueError):
-            return None
-    return None
-
-
-class CallHooks:
-    """What arrives from the upstream during one forwarded call, carried to the client."""
-
-    def __init__(self, proxy: Proxy, call: Call, up: Upstream) -> None:
-        self.proxy = proxy
-        self.call = call
-        self.up = up
-        self.asked: dict[str, int] = {}  # questions of a 2025-11-25 upstream so far, by key
-        self.stopped: InputRequired | McpError | None = None  # why the call cannot finish on this round
-        self.hooks = Hooks(notify=self.notify, ask=self.ask)
-
-    async def notify(self, msg: Message) -> None:
-        method = msg.get("method", "")
-        params = _params(msg)
-        if method == "notifications/progress":
-            await self.call.notify(method, params)
-        elif method == "notifications/message":
-            level = params.get("level")
-            await self.call.log(level if isinstance(level, str) else "info", params.get("data"),
-                                params.get("logger") if isinstance(params.get("logger"), str) else None)
-        elif method.endswith("/list_changed"):
-            kind = method.split("/")[1]
-            self.proxy.list_changed(self.up, kind)
-
-    async def ask(self, msg: Message) -> Message:
-        """A server->client request: the client's answer (or why there is none yet)."""
-        method, params = str(msg.get("method")), _params(msg)
-        try:
-            result = await self._ask_client(method, params, self._key(method, params))
-        except InputRequired as ir:
-            self._defer(ir)
-            # The upstream may be asking more at once: let those arrive before this refusal makes
-            # it give up, so the client gets every question in one input_required.
-            await asyncio.sleep(INPUT_GATHER_S)
-            return _error_reply(msg, INTERNAL_ERROR, "the client answers on its next request")
-        except McpError as exc:
-            return _error_reply(msg, exc.code, exc.message)
-        return {"jsonrpc": "2.0", "id": msg.get("id"), "result": result}
-
-    def _key(self, method: str, params: dict[str, Any]) -> str:
-        """A 2025-11-25 upstream's question has no key of its own: it is named by what it asks, so
-        that the same question asked again when the call is repeated with the answers (in
-        whatever order concurrent questions arrive) finds its answer."""
-        digest = hashlib.sha256(orjson.dumps([method, params], option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
-        key = f"{self.up.name}:{digest}"
-        self.asked[key] = n = self.asked.get(key, 0) + 1
-        return key if n == 1 else f"{key}#{n}"
-
-    async def _ask_client(self, method: str, params: dict[str, Any], key: str) -> dict[str, Any]:
-        lacking = client_lacks(self.call, method)
-        if lacking is not None:
-            self.stopped = McpError(MISSING_REQUIRED_CLIENT_CAPABILITY,
-                                    f"Missing required client capability: {lacking}", {"capability": lacking})
-            raise self.stopped
-        return await self.call.request_client(method, params, key)
-
-    async def answers(self, requests: Any) -> dict[str, Any]:
-        """Answers to a 2026-07-28 upstream's ``inputRequests``, each asked of the client; a
-        2026-07-28 client is asked for every missing one at once."""
-        if not isinstance(requests, dict):
-            raise McpError(INTERNAL_ERROR, f"upstream {self.up.name!r} sent input_required without inputRequests")
-        out: dict[str, Any] = {}
-        for key, req in requests.items():
-            req = req if isinstance(req, dict) else {}
-            try:  # the upstream's keys pass through: one call goes to one upstream
-                out[key] = await self._ask_client(str(req.get("method")), _params(req), key)
-            except InputRequired as ir:
-                self._defer(ir)
-        if self.stopped is not None:
-            raise self.stopped
-        return out
-
-    def _defer(self, ir: InputRequired) -> None:
-        if isinstance(self.stopped, InputRequired):
-            self.stopped.requests.update(ir.requests)
-        elif self.stopped is None:
-            self.stopped = ir
-
-
-def _params(msg: dict[str, Any]) -> dict[str, Any]:
-    params = msg.get("params")
-    return params if isinstance(params, dict) else {}
-
-
-def _error_reply(msg: Message, code: int, message: str) -> Message:
-    return {"jsonrpc": "2.0", "id": msg.get("id"), "error": {"code": code, "message": message}}

@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 
 Message = dict[str, Any]
 STDIO_LINE_LIMIT_BYTES = 64 * 1024 * 1024
+STDIO_INHERITED_ENV = frozenset({"PATH", "HOME", "USER", "LOGNAME", "SHELL", "TERM", "LANG", "LC_ALL", "TMPDIR",
+                                 "PYTHONPATH", "VIRTUAL_ENV", "SYSTEMROOT"})
 
 
 @dataclass(slots=True)
@@ -182,7 +184,9 @@ class StdioWire:
 
     def __init__(self, command: list[str], env: Mapping[str, str]) -> None:
         self.command = command
-        self.env = {**os.environ, **env}
+        # Not the gateway's environment (it holds the gateway's own secrets): the basics a program
+        # needs, plus what the upstream's configuration names.
+        self.env = {k: v for k, v in os.environ.items() if k in STDIO_INHERITED_ENV} | dict(env)
         self.proc: asyncio.subprocess.Process | None = None
         self.generation = 0  # bumps on every (re)start: the session must be initialized again
         self._waiting: dict[Any, tuple[asyncio.Future[Message], Hooks]] = {}
