@@ -41,7 +41,7 @@ from tests.proxy.harness import (
     stdio_upstream_spec,
     stop_upstream,
 )
-from tests.proxy.upstreams.server import FAIL_MESSAGE, MARK_DIR_ENV, PNG_1PX, STATIC_TEXT, STATIC_URI
+from tests.proxy.upstreams.server import FAIL_MESSAGE, PNG_1PX, STATIC_TEXT, STATIC_URI
 
 pytest_plugins = ("tests.proxy_support",)
 
@@ -81,7 +81,6 @@ def proxy(redis_server: str, upstreams: dict[str, Upstream], upstream_token: str
     allow = {"principals": {"alice": ["*"], "bob": ["modern", "local"]}}
     with pytest.MonkeyPatch.context() as env:  # what the gateway process inherits
         env.setenv(PROXY_AUTH_ENV, f"Bearer {upstream_token}")
-        env.setenv(MARK_DIR_ENV, str(upstreams["local"].mark_dir))  # the stdio child's marks
         gateway = start_proxy(db, list(upstreams.values()), tmp_path_factory.mktemp("proxy") / "proxy.log",
                               allow=allow)
     yield gateway

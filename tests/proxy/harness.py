@@ -147,7 +147,7 @@ def stdio_upstream_spec(name: str, workdir: Path) -> Upstream:
     """The stdio upstream: not started here; whoever mounts it runs ``command`` with ``env``."""
     mark_dir = workdir / f"{name}-marks"
     mark_dir.mkdir(parents=True, exist_ok=True)
-    return Upstream(name=name, revision="both", command=upstream_command("stdio", name),
+    return Upstream(name=name, revision="both", command=upstream_command("stdio", name, "--mark-dir", str(mark_dir)),
                     env=upstream_env(mark_dir), mark_dir=mark_dir)
 
 

@@ -12,7 +12,7 @@ import os
 import sys
 
 from conformance.http_guards import REVISIONS, BearerCheck, RevisionPin
-from tests.proxy.upstreams.server import build_server
+from tests.proxy.upstreams.server import MARK_DIR_ENV, build_server
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -24,6 +24,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                         help="serve one protocol revision only (HTTP)")
     parser.add_argument("--token-env", default="",
                         help="environment variable holding the bearer token every request must carry (HTTP)")
+    parser.add_argument("--mark-dir", default="", help="where calls of `slow` leave a mark (else $UPSTREAM_MARK_DIR)")
     return parser.parse_args(argv)
 
 
@@ -44,6 +45,8 @@ def serve_http(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = _parse(sys.argv[1:] if argv is None else argv)
+    if args.mark_dir:  # a stdio upstream's runner may not pass the environment on
+        os.environ[MARK_DIR_ENV] = args.mark_dir
     if args.transport == "stdio":
         build_server(args.name).run("stdio")
     else:
