@@ -5,7 +5,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .PHONY: run compose-secrets test test-fast conformance check lint typecheck bench-gateway bench-context bench-inference \
-        bench-trainer bench-delta bench-learning bench-mesh bench-drills clean deploy-tools check-deploy
+        bench-trainer bench-delta bench-learning bench-mesh bench-drills clean deploy-tools check-deploy \
+        conformance-proxy bench-proxy
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,16 +22,23 @@ run: $(STAMP)
 compose-secrets: $(STAMP)
 	$(BIN)/learnmesh compose-secrets --out compose/secrets.env
 
-## All tests, then the official MCP conformance suite on both revisions.
+## All tests, then the official MCP conformance suite on both revisions (directly, and through
+## the proxy to an upstream that speaks only 2025-11-25, then only 2026-07-28).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 	bash scripts/conformance.sh
+	THROUGH_PROXY=2025-11-25 bash scripts/conformance.sh
+	THROUGH_PROXY=2026-07-28 bash scripts/conformance.sh
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -x -p no:cacheprovider
 
 conformance: $(STAMP)
 	bash scripts/conformance.sh
+
+conformance-proxy: $(STAMP)
+	THROUGH_PROXY=2025-11-25 bash scripts/conformance.sh
+	THROUGH_PROXY=2026-07-28 bash scripts/conformance.sh
 
 lint: $(STAMP)
 	$(BIN)/ruff check gateway services shared tests bench conformance
@@ -65,6 +73,17 @@ bench-learning: $(STAMP)
 bench-mesh: $(STAMP)
 	$(BIN)/python bench/bench_mesh.py $(ARGS)
 
+## The proxy: proxied tools/call vs the upstream directly vs FastMCP's proxy. FastMCP runs from its
+## own venv (.venv-bench-proxy) so the test venv keeps its pins; wrk: apt-get install -y wrk.
+BENCH_PROXY_VENV := .venv-bench-proxy
+$(BENCH_PROXY_VENV)/.installed:
+	test -x $(BENCH_PROXY_VENV)/bin/python || $(PY) -m venv $(BENCH_PROXY_VENV)
+	$(BENCH_PROXY_VENV)/bin/pip install -q 'fastmcp==4.2.3' 'mcp==2.3.0' uvicorn uvloop httptools
+	touch $@
+
+bench-proxy: $(STAMP) $(BENCH_PROXY_VENV)/.installed
+	$(BIN)/python bench/bench_proxy.py --fastmcp-python $(BENCH_PROXY_VENV)/bin/python $(ARGS)
+
 ## Fault drills (kill -9 worker/trainer, Redis restart, gateway replica, tampered deltas), long form.
 bench-drills: $(STAMP)
 	$(BIN)/python bench/drills.py $(ARGS)
@@ -84,4 +103,4 @@ check-deploy: $(STAMP) deploy-tools
 		tests/test_compose.py
 
 clean:
-	rm -rf $(VENV) $(DEPLOY_VENV) var node_modules .pytest_cache
+	rm -rf $(VENV) $(DEPLOY_VENV) $(BENCH_PROXY_VENV) var node_modules .pytest_cache

@@ -182,7 +182,8 @@ def start_private_redis(prefix: str) -> tuple[str, subprocess.Popen, str]:
             time.sleep(0.05)
 
 
-def start_ours(port: int, redis_url: str) -> subprocess.Popen:
+def gateway_env(redis_url: str) -> dict[str, str]:
+    """The environment of a benchmarked gateway: this Redis, no inherited LEARNMESH_ settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("LEARNMESH_")}
     env["REDIS_URL"] = redis_url
     # wrk is one principal at full speed, which the shipped per-principal request rate would
@@ -190,8 +191,12 @@ def start_ours(port: int, redis_url: str) -> subprocess.Popen:
     # (bench/bench_limits.py measures it with many principals at the shipped rate).
     env["LEARNMESH_LIMITS__DEFAULT__REQUESTS_PER_S"] = "1000000000.0"
     env["LEARNMESH_LIMITS__DEFAULT__REQUESTS_BURST"] = "1000000000"
+    return env
+
+
+def start_ours(port: int, redis_url: str) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "gateway", "--host", "127.0.0.1", "--port", str(port),
-                             "--fixtures", "conformance"], cwd=ROOT, env=env,
+                             "--fixtures", "conformance"], cwd=ROOT, env=gateway_env(redis_url),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_up(f"http://127.0.0.1:{port}/healthz", proc, "learnmesh gateway")
     return proc
@@ -234,8 +239,9 @@ def check_answers(url: str, body: dict, headers: dict[str, str], what: str) -> N
 
 
 def run_wrk(url: str, body: dict, headers: dict[str, str], connections: int, duration_s: int,
-            threads: int, cpus: set[int] | None) -> tuple[float, float, float, int]:
-    """Drive ``url`` for ``duration_s``; (good req/s, p50 ms, p99 ms, bad answers)."""
+            threads: int, cpus: set[int] | None, timeout_s: int | None = None) -> tuple[float, float, float, int]:
+    """Drive ``url`` for ``duration_s``; (good req/s, p50 ms, p99 ms, bad answers). ``timeout_s``:
+    wrk's per-request timeout (its default, 2 s, counts a slower answer as a socket error)."""
     all_headers = {"Content-Type": "application/json", "Accept": ACCEPT, **headers}
     prefix, suffix = json.dumps({**body, "id": "@ID@"}, separators=(",", ":")).split('"@ID@"')
     lua = LUA % {"prefix": json.dumps(prefix + '"'), "suffix": json.dumps('"' + suffix),
@@ -245,6 +251,8 @@ def run_wrk(url: str, body: dict, headers: dict[str, str], connections: int, dur
         f.write(lua)
         script = f.name
     cmd = ["wrk", "-t", str(threads), "-c", str(connections), "-d", f"{duration_s}s", "--latency", "-s", script, url]
+    if timeout_s:
+        cmd[-1:-1] = ["--timeout", f"{timeout_s}s"]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, check=True,
                              preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None).stdout

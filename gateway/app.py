@@ -33,6 +33,7 @@ from gateway.admin.routes import ROUTERS
 from gateway.admin.stats import LocalStats, run_stats_publisher, withdraw_stats
 from gateway.auth import PROTECTED_RESOURCE_PATH
 from gateway.errors import install_http_errors
+from gateway.proxy import store as proxy_store
 from gateway.registry import Registry
 from gateway.state import Gateway, gateway_of
 from gateway.tasks import TaskManager
@@ -162,6 +163,8 @@ async def open_gateway(cfg: Config, registry: Registry) -> AsyncIterator[Gateway
             await asyncio.wait_for(gateway.control_connected.wait(), CONTROL_CONNECT_TIMEOUT_S)
         await _warn_unless_noeviction(redis)
         await workers.start()
+        await open_proxy(gateway)
+        stack.push_async_callback(_bounded, "the proxy's upstreams", gateway.proxy.close)
         await gateway.tasks.start()
         stack.push_async_callback(_bounded, "the task manager", gateway.tasks.stop)
         stats = asyncio.create_task(run_stats_publisher(gateway, cfg.metrics.status_interval_s), name="admin-stats")
@@ -169,6 +172,12 @@ async def open_gateway(cfg: Config, registry: Registry) -> AsyncIterator[Gateway
         stack.push_async_callback(_bounded, "the stats publisher", lambda: _cancel(stats), 2.0)
         stack.callback(_signal_shutdown, gateway)
         yield gateway
+
+
+async def open_proxy(gateway: Gateway) -> None:
+    """The config file's upstreams are the initial set; the set in Redis is what is served."""
+    await proxy_store.seed(gateway.redis, gateway.config.proxy.upstreams)
+    await gateway.reload_proxy()
 
 
 def create_app(cfg: Config, fixtures: str | None = None) -> GatewayApp:

@@ -29,6 +29,8 @@ from gateway.mcp.kernel import Kernel
 from gateway.mcp.request_state import RequestStateSealer
 from gateway.mcp.sessions import SessionRegistry
 from gateway.mcp.types import Notification
+from gateway.proxy import store as proxy_store
+from gateway.proxy.proxy import Proxy
 from gateway.registry import Registry
 from shared import keys
 from shared.config import Config
@@ -80,10 +82,12 @@ class Gateway:
     limits: Limits = field(init=False)
     dispatcher: Dispatcher = field(init=False)
     kernel: Kernel = field(init=False)  # what both transports hand their messages to
+    proxy: Proxy = field(init=False)  # upstream MCP servers (gateway/proxy/)
     listeners: dict[str, set[Listener]] = field(default_factory=dict)
     inflight: dict[InflightKey, tuple[asyncio.Task[Any], Call]] = field(default_factory=dict)
     shutting_down: asyncio.Event = field(default_factory=asyncio.Event)
     control_connected: asyncio.Event = field(default_factory=asyncio.Event)
+    proxy_reload: asyncio.Future[None] | None = None
 
     def __post_init__(self) -> None:
         gw = self.config.gateway
@@ -96,6 +100,7 @@ class Gateway:
         self.limits = Limits(self.redis, self.config)
         self.dispatcher = Dispatcher(self.registry, self)
         self.kernel = Kernel(self)
+        self.proxy = Proxy(self)
 
     # ------------------------------------------------------------------ resource updates
     async def notify_resource_updated(self, principal: str, uri: str) -> None:
@@ -109,6 +114,11 @@ class Gateway:
     async def notify_list_changed(self, principal: str | None, kind: str) -> None:
         """``kind``: tools | resources | prompts. ``principal=None`` means everyone (listen streams)."""
         await self.publish_control({"t": "lc", "p": principal, "k": kind})
+
+    def list_changed_here(self, kind: str) -> None:
+        """``notify_list_changed`` for the listen streams of this replica only (each replica
+        learns of an upstream's change on its own)."""
+        self._on_control({"t": "lc", "p": None, "k": kind})
 
     def add_listener(self, principal: str, uris: set[str], flags: dict[str, Any],
                      queue: asyncio.Queue[dict[str, Any]]) -> Listener:
@@ -178,6 +188,8 @@ class Gateway:
         elif t == "res":
             note = {"method": "notifications/resources/updated", "params": {"uri": m["u"]}}
             self._deliver(m["p"], lambda lis: m["u"] in lis.uris, note)
+        elif t == "proxy":
+            self._reload_proxy()
         elif t == "lc":
             flag = f"{m['k']}ListChanged"
             note = {"method": f"notifications/{m['k']}/list_changed", "params": {}}
@@ -194,7 +206,19 @@ class Gateway:
 
     async def _control_subscribed(self) -> None:
         self.sessions.forget_all()
+        self._reload_proxy()
         self.control_connected.set()
+
+    def _reload_proxy(self) -> None:
+        """Follow the set of upstreams in Redis (an admin change on any replica)."""
+        if self.proxy_reload is None or self.proxy_reload.done():
+            self.proxy_reload = asyncio.ensure_future(self.reload_proxy())
+
+    async def reload_proxy(self) -> None:
+        try:
+            await self.proxy.apply(await proxy_store.load(self.redis))
+        except RedisError:
+            log.warning("could not reload the proxy's upstreams; the next control message retries")
 
     def _on_control_frame(self, data: bytes) -> None:
         try:

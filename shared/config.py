@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import typing
 from collections.abc import Callable
 from pathlib import Path
@@ -524,6 +525,92 @@ class MetricsConfig:
         default=1.0, description="how often processes refresh their Redis self-report")
 
 
+UpstreamName = Annotated[str, Field(pattern=r"^[a-z0-9_-]{1,32}$", description="an upstream's name")]
+UPSTREAM_REVISIONS = ("auto", "2025-11-25", "2026-07-28")
+_HEADER_NAME = re.compile(r"[A-Za-z0-9-]{1,64}")
+
+
+@_section
+class CaptureTools:
+    """Capture only these tools' calls (names as the upstream spells them, without the namespace)."""
+
+    tools: list[str] = Field(default_factory=list)
+
+
+@_section
+class UpstreamConfig:
+    """One upstream MCP server the gateway fronts (gateway/proxy/). Exactly one of ``url``
+    (Streamable HTTP) or ``command`` (stdio). Credentials are named, never written here:
+    ``headers_from_env`` maps a header to an environment variable, ``headers_from_file`` to a
+    0600 file; their values are read when the upstream is opened and never shown anywhere."""
+
+    name: UpstreamName
+    url: str | None = Field(default=None, description="Streamable HTTP endpoint (http:// or https://)")
+    command: list[str] | None = Field(default=None, description="stdio server: argv of the process to run")
+    revision: Literal["auto", "2025-11-25", "2026-07-28"] = Field(
+        default="auto", description="auto: 2026-07-28 when the upstream offers it, else 2025-11-25")
+    namespace: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]{0,32}$",
+                                  description="prefix of its names (<namespace>.<name>); default: name; "
+                                              "'' mounts them unprefixed")
+    headers_from_env: dict[str, str] = Field(default_factory=dict, description="header -> environment variable")
+    headers_from_file: dict[str, str] = Field(default_factory=dict, description="header -> 0600 file")
+    timeout_s: PositiveFloat = 30.0
+    concurrency: PositiveInt = Field(default=16, description="calls in flight to this upstream per gateway replica")
+    capture: StrictBool | CaptureTools = Field(
+        default=False, description="true, or {tools: [...]}: calls become entries in the caller's context")
+    enabled: StrictBool = True
+
+    def __post_init__(self) -> None:
+        _check((self.url is None) != (self.command is None), "set exactly one of url or command")
+        _check(self.url is None or urlsplit(self.url).scheme in ("http", "https"), "url must be http(s)://")
+        _check(self.command is None or len(self.command) > 0, "command must name a program")
+        _check(not set(self.headers_from_env) & set(self.headers_from_file),
+               "a header comes from the environment or from a file, not both")
+        _check(all(_HEADER_NAME.fullmatch(h) for h in (*self.headers_from_env, *self.headers_from_file)),
+               "header names are letters, digits and '-'")
+
+    @property
+    def prefix(self) -> str:
+        """The namespace its names are mounted under ('' = unprefixed)."""
+        return self.name if self.namespace is None else self.namespace
+
+    def captures(self, tool: str) -> bool:
+        return self.capture is True or (isinstance(self.capture, CaptureTools) and tool in self.capture.tools)
+
+
+@_section
+class ProxyAllow:
+    """Who may use which upstream: entries are ``upstream``, ``upstream.tool`` or ``*``. A
+    principal may use what its own list and its role's list (limits.principal_roles) name."""
+
+    roles: dict[Principal, list[str]] = Field(default_factory=dict)
+    principals: dict[Principal, list[str]] = Field(default_factory=dict)
+
+
+@_section
+class BreakerConfig:
+    failures: PositiveInt = Field(default=5, description="consecutive failures that open an upstream's breaker")
+    reset_s: PositiveFloat = Field(default=30.0, description="how long it stays open before one probe call")
+
+
+@_section
+class ProxyConfig:
+    """Upstream MCP servers merged into the gateway's lists (docs/gateway.md, "MCP-Proxy")."""
+
+    upstreams: list[UpstreamConfig] = Field(default_factory=list)
+    allow: ProxyAllow | None = Field(default=None, description="absent: every principal may use every upstream")
+    breaker: BreakerConfig = Field(default_factory=BreakerConfig)
+    list_ttl_s: PositiveFloat = Field(default=30.0, description="how long an upstream's lists are reused "
+                                                                "(list_changed refreshes them sooner)")
+    page_size: PositiveInt = Field(default=500, description="entries per page of a merged list (nextCursor)")
+
+    def __post_init__(self) -> None:
+        names = [u.name for u in self.upstreams]
+        _check(len(names) == len(set(names)), "upstreams: names must be unique")
+        prefixes = [u.prefix for u in self.upstreams]
+        _check(len(prefixes) == len(set(prefixes)), "upstreams: two upstreams mount under the same namespace")
+
+
 @_section
 class Config:
     redis: RedisConfig = Field(default_factory=RedisConfig)
@@ -540,6 +627,7 @@ class Config:
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     learning: LearningConfig = Field(default_factory=LearningConfig)
+    proxy: ProxyConfig = Field(default_factory=ProxyConfig)
 
     def __post_init__(self) -> None:
         backlog = self.limits.max_sample_backlog

@@ -245,3 +245,22 @@ def worker_registration(worker_id: str) -> str:
     version, heartbeat time), renewed every ``worker.register_interval_ms``; it expires when the
     worker stops renewing it, and a worker that stops cleanly deletes it."""
     return f"{PREFIX}worker:{_tag(worker_id)}:reg"
+
+
+# ---------------------------------------------------------------- MCP-Proxy (gateway/proxy/)
+def proxy_session(principal: str, seat: str) -> str:
+    """String: the 2025-11-25 session id the gateway holds at an upstream for ``principal``, so
+    any replica continues the principal's upstream session. ``seat``: ``<upstream>/<client
+    capabilities it was opened with>`` (e.g. ``weather/elicitation+sampling``)."""
+    return f"{PREFIX}{_tag(principal)}:proxy:sess:{seat}"
+
+
+def proxy_task(principal: str, task_id: str) -> str:
+    """String with the task's TTL: the upstream that created task ``task_id`` of ``principal``
+    (tasks/get, tasks/update and tasks/cancel go there, from any replica)."""
+    return f"{PREFIX}{_tag(principal)}:proxy:task:{task_id}"
+
+
+PROXY_UPSTREAMS = f"{PREFIX}proxy:upstreams"
+"""Hash: upstream name -> its configuration as JSON (names of credential sources only, never their
+values), or a removal marker for a config-file upstream deleted at runtime. No principal data."""

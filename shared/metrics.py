@@ -134,6 +134,15 @@ LIMIT_EXCEEDED = Counter("learnmesh_limit_exceeded_total", "Requests refused bec
 LEARN_FORBIDDEN = Counter("learnmesh_learn_forbidden_total",
                           "learn calls and sample imports refused: the principal may not teach")
 
+# ---------------------------------------------------------------- MCP-Proxy (gateway/proxy/)
+PROXY_CALLS = Counter("learnmesh_proxy_calls_total", "Calls forwarded to upstream MCP servers",
+                      ["upstream", "method", "outcome"])
+PROXY_LATENCY = Histogram("learnmesh_proxy_call_seconds", "Latency of calls forwarded to an upstream",
+                          ["upstream"], buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
+                                                 10, 30))
+PROXY_BREAKER = Gauge("learnmesh_proxy_breaker_state", "An upstream's circuit breaker: 0 closed, 1 half-open, 2 open",
+                      ["upstream"])
+
 # ---------------------------------------------------------------- samples / trainer
 SAMPLES_ACCEPTED = Counter("learnmesh_samples_accepted_total", "Samples written to the durable log")
 SAMPLES_REJECTED = Counter("learnmesh_samples_rejected_total", "Samples refused at the gateway", ["reason"])

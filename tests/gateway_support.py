@@ -60,6 +60,18 @@ def register_test_tools(registry: Any) -> None:
             "messages": [{"role": "user", "content": {"type": "text", "text": "hi"}}], "maxTokens": 5}, "q")
         return {"content": [{"type": "text", "text": "got " + answer["content"]["text"]}]}
 
+    @registry.tool("t_sleep", description="sleeps", input_schema={
+        "type": "object", "properties": {"seconds": {"type": "number"}}, "required": ["seconds"]})
+    async def sleep(ctx: Any, args: dict) -> dict:
+        import asyncio
+
+        await ctx.state.redis.rpush("test:t_sleep:started", ctx.principal)  # the call is in flight here
+        try:
+            await asyncio.sleep(args["seconds"])
+        finally:
+            await ctx.state.redis.rpush("test:t_sleep:ended", ctx.principal)
+        return {"content": [{"type": "text", "text": "slept"}]}
+
     @registry.resource("test://r", name="r", mime_type="text/plain")
     async def res(ctx: Any, args: dict) -> list:
         return [{"uri": args["uri"], "mimeType": "text/plain", "text": "resource text"}]

@@ -24,11 +24,12 @@ from gateway.admin import (
     summary,
     teachers,
     trainer,
+    upstreams,
     workers,
 )
 
 ROUTERS: tuple[APIRouter, ...] = (
     contexts.router, samples.router, meta.router, keys.router, sessions.router, workers.router,
     trainer.router, models.router, config.router, delta_key.router, audit.router, summary.router,
-    teachers.router, meta.fallback,
+    teachers.router, upstreams.router, meta.fallback,
 )

@@ -92,5 +92,6 @@ async def summary(request: Request, who: AdminPrincipal = viewer) -> dict[str, A
         "samples": await _samples(gateway),
         "sessions": {"shown": sessions},
         "contexts": await _contexts(gateway),
+        "upstreams": [gateway.proxy.health(name) for name in sorted(gateway.proxy.upstreams)],
         "who": {"name": who.name, "role": who.role},
     }

@@ -10,6 +10,7 @@ which revision, how to emit notifications on the response stream) and asks
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import time
 import uuid
@@ -149,6 +150,23 @@ class Call:
             err = answer.error
             raise McpError(err.code, err.message, None if err.data is msgspec.UNSET else err.data)
         return answer.result or {}
+
+
+def _cursor(kind: str, offset: int) -> str:
+    return base64.urlsafe_b64encode(f"{kind}:{offset}".encode()).decode()
+
+
+def _cursor_offset(cursor: Any, kind: str) -> int:
+    """Where a list page starts; a cursor that is not one of this list's is bad input."""
+    if cursor is None:
+        return 0
+    try:
+        name, _, offset = base64.urlsafe_b64decode(str(cursor).encode()).decode().partition(":")
+        if name == kind and offset.isdigit():
+            return int(offset)
+    except (ValueError, UnicodeDecodeError):
+        pass
+    raise InvalidParams("params.cursor is not a cursor of this list")
 
 
 def _str_param(params: dict[str, Any], name: str) -> str:
@@ -301,8 +319,26 @@ class Dispatcher:
             out["cacheScope"] = "public"
         return out
 
+    async def _merged(self, call: Call, key: str, params: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
+        """``out`` with the upstreams' entries after the gateway's own, one page of
+        ``proxy.page_size`` entries at a time (``nextCursor`` / ``cursor``)."""
+        proxy = self.state.proxy
+        if not proxy.active:
+            return out
+        upstream = await proxy.listing(call, key)
+        # An upstream mounted unprefixed fronts the gateway as if it were that server: its entries first.
+        entries = [*upstream, *out[key]] if proxy.transparent else [*out[key], *upstream]
+        start = _cursor_offset(params.get("cursor"), key)
+        size = self.config.proxy.page_size
+        out[key] = entries[start:start + size]
+        if start + size < len(entries):
+            out["nextCursor"] = _cursor(key, start + size)
+        if call.modern and proxy.per_principal_lists:
+            out["cacheScope"] = "private"
+        return out
+
     async def _handle_tools_list(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
-        return self._list(call, "tools")
+        return await self._merged(call, "tools", p, self._list(call, "tools"))
 
     async def _handle_resources_list(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
         """Static resources, then each ``registry.resource_listers`` entry's resources for the
@@ -316,20 +352,23 @@ class Dispatcher:
             out["resources"] = resources
             if call.modern:
                 out["cacheScope"] = "private"
-        return out
+        return await self._merged(call, "resources", p, out)
 
     async def _handle_resources_templates_list(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
-        return self._list(call, "resourceTemplates")
+        return await self._merged(call, "resourceTemplates", p, self._list(call, "resourceTemplates"))
 
     async def _handle_prompts_list(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
-        return self._list(call, "prompts")
+        return await self._merged(call, "prompts", p, self._list(call, "prompts"))
 
     # ------------------------------------------------------------------ tools
     async def _handle_tools_call(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
         name = _str_param(p, "name")
         tool = self.registry.tools.get(name)
         if tool is None:
-            raise InvalidParams(f"Tool not found: {name}")
+            if not self.state.proxy.active:
+                raise InvalidParams(f"Tool not found: {name}")
+            self._restore_inputs(call, p, "tools/call", name)
+            return await self.state.proxy.call_tool(call, name, p)
         args = p.get("arguments")
         if args is None:
             args = {}
@@ -374,12 +413,24 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ tasks extension (gateway/tasks.py)
     async def _handle_tasks_get(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
+        if self.state.proxy.active:
+            forwarded = await self.state.proxy.task_request(call, "tasks/get", p)
+            if forwarded is not None:
+                return forwarded
         return await self.state.tasks.get(call, p)
 
     async def _handle_tasks_update(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
+        if self.state.proxy.active:
+            forwarded = await self.state.proxy.task_request(call, "tasks/update", p)
+            if forwarded is not None:
+                return forwarded
         return await self.state.tasks.update(call, p)
 
     async def _handle_tasks_cancel(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
+        if self.state.proxy.active:
+            forwarded = await self.state.proxy.task_request(call, "tasks/cancel", p)
+            if forwarded is not None:
+                return forwarded
         return await self.state.tasks.cancel(call, p)
 
     # ------------------------------------------------------------------ input_required (2026-07-28)
@@ -412,17 +463,25 @@ class Dispatcher:
             out = await res.handler(call, {"uri": uri})
         else:
             found = self.registry.find_template(uri)
+            if found is None and self._upstream_uri(uri):
+                return self._read_result(call, await self.state.proxy.read_resource(call, uri))
             if found is None:
                 if call.modern:  # SEP-2164: an unknown resource is a bad parameter
                     raise InvalidParams(f"Resource not found: {uri}", {"uri": uri})
                 raise NotFound(f"Resource not found: {uri}", {"uri": uri})
             tpl, variables = found
             out = await tpl.handler(call, {"uri": uri, **variables})
-        result = out if isinstance(out, dict) and "contents" in out else {"contents": out}
+        return self._read_result(call, out if isinstance(out, dict) and "contents" in out else {"contents": out})
+
+    def _read_result(self, call: Call, result: dict[str, Any]) -> dict[str, Any]:
         if call.modern:
             result.setdefault("ttlMs", self.read_ttl_ms)
             result.setdefault("cacheScope", "private")
         return result
+
+    def _upstream_uri(self, uri: str) -> bool:
+        """Whether a URI the gateway does not serve itself belongs to a proxied upstream."""
+        return self.state.proxy.active and self.state.proxy.owns_uri(uri)
 
     async def _resource_exists(self, call: Call, uri: str) -> bool:
         """A static resource, or a template match that the template says exists for the caller."""
@@ -430,7 +489,7 @@ class Dispatcher:
             return True
         found = self.registry.find_template(uri)
         if found is None:
-            return False
+            return self._upstream_uri(uri)
         tpl, variables = found
         return tpl.exists is None or await tpl.exists(call, {"uri": uri, **variables})
 
@@ -444,13 +503,21 @@ class Dispatcher:
         if not await self.state.sessions.subscribe(call.session, uri, cap):
             raise exceeded("subscriptions", f"a session holds at most {cap} resource subscriptions",
                            self.config.limits.cap_retry_after_s)
+        if self._proxied_resource(uri):
+            await self.state.proxy.resources.subscribe(call, uri)
         return {}
 
     async def _handle_resources_unsubscribe(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
         uri = _str_param(p, "uri")
         if call.session is not None:
             await self.state.sessions.unsubscribe(call.session, uri)
+            if self._proxied_resource(uri):
+                await self.state.proxy.resources.unsubscribe(call, uri)
         return {}
+
+    def _proxied_resource(self, uri: str) -> bool:
+        return uri not in self.registry.resources and self.registry.find_template(uri) is None \
+            and self._upstream_uri(uri)
 
     async def _handle_subscriptions_listen(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
         """Hold a notification stream open until the client goes or the gateway stops."""
@@ -478,7 +545,12 @@ class Dispatcher:
                                          params={"notifications": ack, "_meta": sub_meta}))
             queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(maxsize=1000)
             listener = self.state.add_listener(call.principal, set(uris or ()), ack, queue)
+            proxied: list[str] = []  # upstream resources this stream subscribed to (undone when it ends)
             try:
+                for uri in uris or ():
+                    if self._proxied_resource(uri):
+                        await self.state.proxy.resources.subscribe(call, uri)
+                        proxied.append(uri)
                 while True:
                     note = await queue.get()
                     if note.get("method") == "$shutdown":
@@ -488,6 +560,8 @@ class Dispatcher:
                     await call.emit(Notification(method=note["method"], params=params))
             finally:
                 self.state.remove_listener(listener)
+                for uri in proxied:
+                    await self.state.proxy.resources.unsubscribe(call, uri)
         return {"_meta": sub_meta}
 
     # ------------------------------------------------------------------ prompts and completion
@@ -495,7 +569,10 @@ class Dispatcher:
         name = _str_param(p, "name")
         prompt = self.registry.prompts.get(name)
         if prompt is None:
-            raise InvalidParams(f"Prompt not found: {name}")
+            if not self.state.proxy.active:
+                raise InvalidParams(f"Prompt not found: {name}")
+            self._restore_inputs(call, p, "prompts/get", name)
+            return await self.state.proxy.get_prompt(call, name, p)
         args = p.get("arguments") or {}
         if not isinstance(args, dict) or not all(isinstance(v, str) for v in args.values()):
             raise InvalidParams("params.arguments must map names to strings")
@@ -519,6 +596,8 @@ class Dispatcher:
         values: list[str] = []
         if ref.get("type") == "ref/prompt":
             prompt = self.registry.prompts.get(ref.get("name", ""))
+            if prompt is None and self.state.proxy.active:
+                return await self.state.proxy.complete(call, p)
             if prompt is None:
                 raise InvalidParams(f"Prompt not found: {ref.get('name')}")
             completer = prompt.completions.get(arg["name"])
@@ -530,6 +609,8 @@ class Dispatcher:
                 raise InvalidParams("ref.uri must be a string")
             tpl = self.registry.template(uri)
             if tpl is None and uri not in self.registry.resources:
+                if self._upstream_uri(uri):
+                    return await self.state.proxy.complete(call, p)
                 raise InvalidParams(f"Resource template not found: {uri}")
             template_completer = tpl.completions.get(arg["name"]) if tpl is not None else None
             if template_completer is not None:

@@ -224,12 +224,15 @@ class Kernel:
         """SEP-2243 custom headers: every tool argument declared with ``x-mcp-header: X`` travels
         as ``Mcp-Param-X`` too, and the two must agree (a cached lookup for tools without any)."""
         name = params.get("name")
-        tool = self.gateway.registry.tools.get(name) if isinstance(name, str) else None
-        if tool is None:
+        if not isinstance(name, str):
             return
-        cached = self._param_specs.get(tool.name)
-        if cached is None or cached[0] is not tool:
-            cached = self._param_specs[tool.name] = (tool, _param_header_spec(tool.input_schema))
+        tool = self.gateway.registry.tools.get(name)
+        schema = tool.input_schema if tool is not None else self.gateway.proxy.input_schema(name)
+        if schema is None:
+            return
+        cached = self._param_specs.get(name)
+        if cached is None or cached[0] is not schema:
+            cached = self._param_specs[name] = (schema, param_header_spec(schema))
         if cached[1]:
             args = params.get("arguments")
             _check_param_header_values(cached[1], args if isinstance(args, dict) else {}, headers)
@@ -342,7 +345,7 @@ def _decode_header(value: str | None) -> str | None:
         return None
 
 
-def _param_header_spec(schema: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+def param_header_spec(schema: dict[str, Any]) -> tuple[tuple[str, str], ...]:
     """(argument name, lower-case ``mcp-param-*`` header name) for each ``x-mcp-header`` property."""
     props = schema.get("properties")
     if not isinstance(props, dict):
@@ -351,7 +354,7 @@ def _param_header_spec(schema: dict[str, Any]) -> tuple[tuple[str, str], ...]:
                  if isinstance(prop, dict) and isinstance(prop.get("x-mcp-header"), str))
 
 
-def _header_form(value: object) -> str | None:
+def header_form(value: object) -> str | None:
     """How a primitive argument reads in a header (JSON spelling for numbers and booleans)."""
     if value is None or isinstance(value, (dict, list)):
         return None
@@ -362,7 +365,7 @@ def _check_param_header_values(spec: tuple[tuple[str, str], ...], args: dict[str
                                headers: Mapping[str, str]) -> None:
     for arg, header in spec:
         raw = headers.get(header)
-        body = _header_form(args.get(arg))
+        body = header_form(args.get(arg))
         if raw is None and body is None:
             continue
         if raw is None:

@@ -166,6 +166,10 @@ function render(s) {
     x.id.slice(0, 8) + "…", x.principal, x.protocol_version || "–", fmt(x.events),
     x.ttl_s === null ? "–" : `${fmt(x.ttl_s, 0)} s`,
   ], "no legacy sessions");
+  fillTable("upstreams", s.upstreams || [], (u) => [
+    u.enabled ? u.name : u.name + " (disabled)", u.revision,
+    { text: u.breaker, cls: u.breaker === "closed" ? "" : "lag-bad" }, fmt(u.calls, 0), fmt(u.errors, 0),
+  ], "no upstream MCP servers");
   const ctx = s.contexts || {};
   $("ctx-bytes").textContent = ctx.global_bytes !== undefined
     ? `${bytes(ctx.global_bytes)} of ${bytes(ctx.global_budget_bytes)} · ${fmt(ctx.principals)} principals` : "";

@@ -1,0 +1,137 @@
+"""The proxy's upstream MCP servers at runtime: list, add, change, enable/disable, remove and
+health, for every replica at once (the set lives in Redis: gateway/proxy/store.py).
+
+Reads show where a credential comes from (``env`` or ``file``) for each header, never its
+value, the variable's name or the file's path; a URL is shown without user info or query.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Annotated, Any
+from urllib.parse import urlsplit, urlunsplit
+
+from fastapi import Body, HTTPException, Request
+from fastapi import Path as PathParam
+
+from gateway.admin.auth import AdminPrincipal
+from gateway.admin.common import E404, E409, E422, admin, admin_router, audit_action, viewer
+from gateway.proxy import store
+from gateway.proxy.client import credential_headers, describe_sources
+from gateway.state import Gateway, gateway_of
+from shared.config import ConfigError, UpstreamConfig
+
+router = admin_router()
+
+Name = Annotated[str, PathParam(pattern=r"^[a-z0-9_-]{1,32}$", description="an upstream's name")]
+PATCHABLE = frozenset({"enabled", "timeout_s", "concurrency", "capture", "revision"})
+
+
+def public_view(cfg: UpstreamConfig) -> dict[str, Any]:
+    """What an admin read shows of an upstream (no credential, no credential source's name)."""
+    out: dict[str, Any] = {"name": cfg.name, "namespace": cfg.prefix, "revision": cfg.revision,
+                           "timeout_s": cfg.timeout_s, "concurrency": cfg.concurrency, "enabled": cfg.enabled,
+                           "capture": cfg.capture if isinstance(cfg.capture, bool) else dataclasses.asdict(cfg.capture),
+                           "credentials": dict(describe_sources(cfg))}
+    if cfg.url is not None:
+        parts = urlsplit(cfg.url)
+        host = parts.hostname or ""
+        netloc = f"{host}:{parts.port}" if parts.port else host
+        out["transport"], out["url"] = "http", urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+    else:
+        out["transport"], out["program"] = "stdio", (cfg.command or [""])[0]
+    return out
+
+
+def _view(gateway: Gateway, cfg: UpstreamConfig) -> dict[str, Any]:
+    out = public_view(cfg)
+    if cfg.name in gateway.proxy.upstreams:
+        out["health"] = gateway.proxy.health(cfg.name)
+    return out
+
+
+def _validated(body: dict[str, Any]) -> UpstreamConfig:
+    try:
+        cfg = UpstreamConfig(**body)
+        credential_headers(cfg)  # a source that cannot be read is refused now, not at the first call
+    except (ConfigError, TypeError) as exc:
+        raise HTTPException(422, str(exc)) from None
+    return cfg
+
+
+async def _changed(gateway: Gateway) -> None:
+    """Every replica reloads the set; this one before answering."""
+    await gateway.publish_control({"t": "proxy"})
+    await gateway.reload_proxy()
+
+
+async def _existing(gateway: Gateway, name: str) -> UpstreamConfig:
+    cfg = await store.get(gateway.redis, name)
+    if cfg is None:
+        raise HTTPException(404, f"no upstream named {name!r}")
+    return cfg
+
+
+@router.get("/upstreams", summary="Upstream MCP servers the proxy serves, with their health")
+async def list_upstreams(request: Request, who: AdminPrincipal = viewer) -> dict[str, Any]:
+    gateway = gateway_of(request)
+    return {"upstreams": [_view(gateway, c) for c in await store.load(gateway.redis)]}
+
+
+@router.post("/upstreams", status_code=201, summary="Add an upstream (every replica)",
+             responses={409: E409, 422: E422})
+async def add_upstream(request: Request, body: Annotated[dict[str, Any], Body()],
+                       who: AdminPrincipal = admin) -> dict[str, Any]:
+    gateway = gateway_of(request)
+    cfg = _validated(body)
+    current = await store.load(gateway.redis)
+    if any(c.name == cfg.name for c in current):
+        raise HTTPException(409, f"an upstream named {cfg.name!r} exists")
+    if any(c.prefix == cfg.prefix for c in current):
+        raise HTTPException(409, f"another upstream mounts under namespace {cfg.prefix!r}")
+    await store.put(gateway.redis, cfg)
+    await audit_action(gateway, who, "upstream.add", upstream=cfg.name)
+    await _changed(gateway)
+    return _view(gateway, cfg)
+
+
+@router.get("/upstreams/{name}", summary="One upstream", responses={404: E404})
+async def get_upstream(request: Request, name: Name, who: AdminPrincipal = viewer) -> dict[str, Any]:
+    gateway = gateway_of(request)
+    return _view(gateway, await _existing(gateway, name))
+
+
+@router.patch("/upstreams/{name}", summary="Enable, disable or tune an upstream (every replica)",
+              responses={404: E404, 422: E422})
+async def patch_upstream(request: Request, name: Name, body: Annotated[dict[str, Any], Body()],
+                         who: AdminPrincipal = admin) -> dict[str, Any]:
+    gateway = gateway_of(request)
+    unknown = set(body) - PATCHABLE
+    if unknown:
+        raise HTTPException(422, f"cannot change {', '.join(sorted(unknown))} (changeable: {', '.join(sorted(PATCHABLE))})")
+    cfg = _validated({**dataclasses.asdict(await _existing(gateway, name)), **body})
+    await store.put(gateway.redis, cfg)
+    await audit_action(gateway, who, "upstream.change", upstream=name, fields=",".join(sorted(body)))
+    await _changed(gateway)
+    return _view(gateway, cfg)
+
+
+@router.delete("/upstreams/{name}", summary="Remove an upstream (every replica; stays removed after a restart)",
+               responses={404: E404})
+async def delete_upstream(request: Request, name: Name, who: AdminPrincipal = admin) -> dict[str, Any]:
+    gateway = gateway_of(request)
+    if not await store.remove(gateway.redis, name):
+        raise HTTPException(404, f"no upstream named {name!r}")
+    await audit_action(gateway, who, "upstream.remove", upstream=name)
+    await _changed(gateway)
+    return {"removed": name}
+
+
+@router.get("/upstreams/{name}/health", summary="An upstream's breaker, revision and lists on this replica",
+            responses={404: E404})
+async def upstream_health(request: Request, name: Name, who: AdminPrincipal = viewer) -> dict[str, Any]:
+    gateway = gateway_of(request)
+    await _existing(gateway, name)
+    if name not in gateway.proxy.upstreams:
+        raise HTTPException(404, f"upstream {name!r} is not open on this replica (its credentials cannot be read)")
+    return gateway.proxy.health(name)

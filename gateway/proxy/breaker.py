@@ -1,0 +1,60 @@
+"""A per-upstream circuit breaker: closed, open, half-open.
+
+Closed: calls pass; ``failures`` consecutive failures open it. Open: calls fail at once for
+``reset_s``. Then half-open: one probe call passes (the others still fail fast); its success
+closes the breaker, its failure opens it again. State is per replica: each replica learns on
+its own that an upstream is down, within ``failures`` calls.
+"""
+
+from __future__ import annotations
+
+import time
+
+CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
+STATE_VALUE = {CLOSED: 0, HALF_OPEN: 1, OPEN: 2}  # the /metrics gauge
+
+
+class Breaker:
+    def __init__(self, failures: int, reset_s: float) -> None:
+        self.threshold = failures
+        self.reset_s = reset_s
+        self.failures = 0
+        self.opened_at = 0.0
+        self._probing = False
+        self._state = CLOSED
+
+    @property
+    def state(self) -> str:
+        if self._state == OPEN and time.monotonic() - self.opened_at >= self.reset_s:
+            self._state = HALF_OPEN
+            self._probing = False
+        return self._state
+
+    def admit(self) -> bool:
+        """Whether a call may go to the upstream now (half-open: only the one probe)."""
+        state = self.state
+        if state == CLOSED:
+            return True
+        if state == HALF_OPEN and not self._probing:
+            self._probing = True
+            return True
+        return False
+
+    def retry_in_s(self) -> float:
+        return max(0.0, self.reset_s - (time.monotonic() - self.opened_at))
+
+    def abandoned(self) -> None:
+        """An admitted call never reached the upstream (it got no slot): another may probe."""
+        self._probing = False
+
+    def succeeded(self) -> None:
+        self.failures = 0
+        self._probing = False
+        self._state = CLOSED
+
+    def failed(self) -> None:
+        self.failures += 1
+        self._probing = False
+        if self._state == HALF_OPEN or self.failures >= self.threshold:
+            self._state = OPEN
+            self.opened_at = time.monotonic()

@@ -1,0 +1,382 @@
+"""The gateway's MCP client for one upstream, on the kernel's message types.
+
+Revisions:
+
+- **2026-07-28** (stateless): every request carries ``_meta`` with the protocol version and the
+  client capabilities, and the ``MCP-Protocol-Version``/``Mcp-Method``/``Mcp-Name`` headers that
+  must match the body; no session.
+- **2025-11-25** (sessions): ``initialize`` then ``notifications/initialized``; the session id
+  (``Mcp-Session-Id``) is held per principal, in Redis, so any replica continues it. An upstream
+  that no longer knows the session (HTTP 404) gets a new one and the request is sent again.
+- ``auto``: ``server/discover`` decides once per upstream (2026-07-28 when offered, else 2025-11-25).
+
+Every call passes the breaker and the concurrency bound, and runs under ``timeout_s``; what
+fails becomes :class:`~gateway.proxy.errors.UpstreamFailed`, naming the upstream and never a
+credential. The upstream's own JSON-RPC errors keep their code and message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import itertools
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import redis.asyncio as aioredis
+
+from gateway.errors import McpError
+from gateway.mcp.kernel import NAME_BEARING
+from gateway.mcp.types import (
+    CLIENT_CAPABILITIES_META_KEY,
+    LEGACY_VERSION,
+    MODERN_VERSION,
+    PROTOCOL_VERSION_META_KEY,
+    Notification,
+    Request,
+)
+from gateway.proxy.breaker import Breaker
+from gateway.proxy.errors import UpstreamFailed, WireClosed
+from gateway.proxy.wire import NO_HOOKS, Answer, Hooks, HttpWire, StdioWire, Wire
+from shared import keys
+from shared.config import BreakerConfig, ConfigError, UpstreamConfig
+from shared.secret_files import read_private_text
+
+log = logging.getLogger(__name__)
+
+CLIENT_INFO = {"name": "learnmesh-proxy", "version": "0.1.0"}
+# What the gateway can carry back to its own clients (gateway/proxy/proxy.py forwards them).
+FORWARDED_CAPABILITIES: dict[str, Any] = {"elicitation": {}, "roots": {"listChanged": True}, "sampling": {}}
+ALL_FORWARDED = tuple(FORWARDED_CAPABILITIES)
+
+
+@dataclass(frozen=True, slots=True)
+class Seat:
+    """Who holds a 2025-11-25 upstream session: a principal, with the client capabilities it was
+    opened with (clients of one principal that declare different ones get different sessions)."""
+
+    principal: str
+    capabilities: tuple[str, ...]
+
+    @property
+    def slot(self) -> str:
+        return "+".join(self.capabilities) or "none"
+_encode = msgspec.json.Encoder().encode
+ENVELOPE_PREFIX = "io.modelcontextprotocol/"
+
+
+def credential_headers(cfg: UpstreamConfig) -> dict[str, str]:
+    """The upstream's credential headers, read from their sources now; a missing source is a
+    config error naming the header and where it should come from, never a value."""
+    out: dict[str, str] = {}
+    for header, var in cfg.headers_from_env.items():
+        value = os.environ.get(var)
+        if value is None:
+            raise ConfigError(f"proxy upstream {cfg.name!r}: header {header} needs environment variable {var}")
+        out[header.lower()] = value
+    for header, path in cfg.headers_from_file.items():
+        out[header.lower()] = read_private_text(path, f"credential file of upstream {cfg.name!r}").strip()
+    return out
+
+
+def stdio_env(cfg: UpstreamConfig) -> dict[str, str]:
+    """For a stdio upstream, ``headers_from_env`` names environment variables its process gets
+    (its credentials, by their own names); nothing else of the gateway's environment but the basics."""
+    return {var: os.environ[var] for var in cfg.headers_from_env.values() if var in os.environ}
+
+
+def header_value(value: str) -> str:
+    """A header value as the kernel reads it back: plain printable ASCII, else ``=?base64?...?=``."""
+    if value.isascii() and value.isprintable() and value == value.strip():
+        return value
+    return "=?base64?" + base64.b64encode(value.encode()).decode() + "?="
+
+
+class UpstreamClient:
+    """Speaks MCP to one upstream for every principal of this replica."""
+
+    def __init__(self, cfg: UpstreamConfig, redis: aioredis.Redis, breaker: BreakerConfig,
+                 session_ttl_s: int) -> None:
+        self.cfg = cfg
+        self.name = cfg.name
+        self.redis = redis
+        self.session_ttl_s = session_ttl_s
+        creds = credential_headers(cfg)
+        self.wire: Wire = (HttpWire(cfg.url, creds, cfg.timeout_s) if cfg.url is not None
+                           else StdioWire(cfg.command or [], stdio_env(cfg)))
+        self.revision: str | None = None if cfg.revision == "auto" else cfg.revision
+        self.legacy_version = LEGACY_VERSION  # what initialize agreed on
+        self.breaker = Breaker(breaker.failures, breaker.reset_s)
+        self.gate = asyncio.Semaphore(cfg.concurrency)
+        self._ids = itertools.count(1)
+        self._sessions: dict[Seat, str] = {}  # upstream session ids (this replica's copy of Redis)
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._stdio_session = 0  # generation of the stdio process the session was opened on
+        self._cancels: set[asyncio.Future[None]] = set()
+
+    # ------------------------------------------------------------------ the one entry point
+    async def request(self, principal: str, method: str, params: dict[str, Any], hooks: Hooks = NO_HOOKS,
+                      headers: Mapping[str, str] | None = None,
+                      capabilities: tuple[str, ...] = ALL_FORWARDED) -> dict[str, Any]:
+        """The upstream's result for ``method``; raises McpError (its error) or UpstreamFailed.
+        ``headers``: extra request headers for a 2026-07-28 upstream (SEP-2243 ``Mcp-Param-*``);
+        ``capabilities``: which of sampling, elicitation, roots the client declared (a 2025-11-25
+        upstream session is opened with exactly those, so the upstream sees what the client can do)."""
+        if not self.breaker.admit():
+            raise UpstreamFailed(self.name, "breaker_open",
+                                 f"upstream {self.name!r} is failing; calls resume in "
+                                 f"{self.breaker.retry_in_s():.0f} s (circuit breaker open)")
+        deadline = asyncio.get_running_loop().time() + self.cfg.timeout_s
+        await self._take_slot(deadline)
+        try:
+            async with asyncio.timeout_at(deadline):
+                result = await self._request(principal, method, params, hooks, headers or {}, capabilities)
+        except TimeoutError:
+            self.breaker.failed()
+            raise UpstreamFailed(self.name, "timeout", f"upstream {self.name!r} did not answer {method} "
+                                 f"within {self.cfg.timeout_s:g} s") from None
+        except (OSError, WireClosed) as exc:
+            self.breaker.failed()
+            raise UpstreamFailed(self.name, "unreachable",
+                                 f"upstream {self.name!r} is unreachable ({type(exc).__name__})") from None
+        except UpstreamFailed:
+            self.breaker.failed()
+            raise
+        except McpError:
+            self.breaker.succeeded()  # the upstream answered: it is alive
+            raise
+        finally:
+            self.gate.release()
+        self.breaker.succeeded()
+        return result
+
+    async def _take_slot(self, deadline: float) -> None:
+        """One of the ``concurrency`` slots; waiting for one is not the upstream failing (no
+        breaker count), but it comes out of the call's ``timeout_s``."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self.gate.acquire()
+        except TimeoutError:
+            self.breaker.abandoned()
+            raise UpstreamFailed(self.name, "busy", f"upstream {self.name!r} has {self.cfg.concurrency} calls in "
+                                 f"flight and none ended within {self.cfg.timeout_s:g} s") from None
+
+    async def _request(self, principal: str, method: str, params: dict[str, Any], hooks: Hooks,
+                       headers: Mapping[str, str], capabilities: tuple[str, ...]) -> dict[str, Any]:
+        if self.revision is None:
+            await self._negotiate(principal)
+        if self.revision == MODERN_VERSION:
+            return self._result(method, await self._modern(method, params, hooks, headers))
+        seat = Seat(principal, capabilities if isinstance(self.wire, HttpWire) else ALL_FORWARDED)
+        return self._result(method, await self._legacy(seat, method, _legacy_params(params), hooks))
+
+    # ------------------------------------------------------------------ 2026-07-28
+    async def _modern(self, method: str, params: dict[str, Any], hooks: Hooks,
+                      extra_headers: Mapping[str, str] | None = None) -> Answer:
+        meta = params.get("_meta")
+        meta = dict(meta) if isinstance(meta, dict) else {}
+        meta[PROTOCOL_VERSION_META_KEY] = MODERN_VERSION
+        meta.setdefault(CLIENT_CAPABILITIES_META_KEY, FORWARDED_CAPABILITIES)
+        rid = next(self._ids)
+        body = _encode(Request(jsonrpc="2.0", id=rid, method=method, params={**params, "_meta": meta}))
+        headers = {"mcp-protocol-version": MODERN_VERSION, "mcp-method": method, **(extra_headers or {})}
+        name_key = NAME_BEARING.get(method)
+        if name_key is not None and isinstance(params.get(name_key), str):
+            headers["mcp-name"] = header_value(params[name_key])
+        return await self._exchange(body, headers, rid, hooks)
+
+    async def _exchange(self, body: bytes, headers: dict[str, str], rid: int, hooks: Hooks) -> Answer:
+        """One request and its answer; a request abandoned here (the client cancelled, or the
+        timeout struck) is cancelled at the upstream too, so it stops working on it."""
+        try:
+            return await self.wire.send(body, headers, rid, hooks)
+        except asyncio.CancelledError:
+            task = asyncio.ensure_future(self._cancel_upstream(headers, rid))
+            self._cancels.add(task)
+            task.add_done_callback(self._cancels.discard)
+            raise
+
+    async def _cancel_upstream(self, headers: dict[str, str], rid: int) -> None:
+        params: dict[str, Any] = {"requestId": rid, "reason": "the gateway's client cancelled or timed out"}
+        note_headers = {k: v for k, v in headers.items() if k in ("mcp-session-id", "mcp-protocol-version")}
+        if headers.get("mcp-protocol-version") == MODERN_VERSION:
+            params["_meta"] = {PROTOCOL_VERSION_META_KEY: MODERN_VERSION}
+            note_headers["mcp-method"] = "notifications/cancelled"
+        try:
+            await self.wire.send(_encode(Notification(method="notifications/cancelled", params=params)),
+                                 note_headers, None, NO_HOOKS)
+        except (OSError, WireClosed):
+            pass  # the upstream is gone: nothing left to cancel
+
+    async def _negotiate(self, principal: str) -> None:
+        lock = self._locks.setdefault("", asyncio.Lock())
+        async with lock:
+            if self.revision is not None:
+                return
+            answer = await self._modern("server/discover", {}, NO_HOOKS)
+            result = (answer.message or {}).get("result") if answer.status == 200 else None
+            offered = result.get("supportedVersions") if isinstance(result, dict) else None
+            self.revision = MODERN_VERSION if isinstance(offered, list) and MODERN_VERSION in offered \
+                else LEGACY_VERSION
+            log.info("upstream %s speaks %s", self.name, self.revision)
+
+    # ------------------------------------------------------------------ 2025-11-25
+    async def _legacy(self, seat: Seat, method: str, params: dict[str, Any], hooks: Hooks) -> Answer:
+        for attempt in (1, 2):
+            sid = await self._session(seat)
+            rid = next(self._ids)
+            body = _encode(Request(jsonrpc="2.0", id=rid, method=method, params=params))
+            answer = await self._exchange(body, self._session_headers(sid), rid, hooks)
+            if answer.status != 404 or sid is None or attempt == 2:
+                return answer
+            await self._forget_session(seat)  # the upstream lost it (restart, expiry): open a new one
+        raise AssertionError("unreachable")
+
+    def _session_headers(self, sid: str | None) -> dict[str, str]:
+        headers = {"mcp-protocol-version": self.legacy_version}
+        if sid is not None:
+            headers["mcp-session-id"] = sid
+        return headers
+
+    def _stdio_ready(self) -> bool:
+        wire = self.wire
+        return isinstance(wire, StdioWire) and self._stdio_session == wire.generation \
+            and wire.proc is not None and wire.proc.returncode is None
+
+    async def _session(self, seat: Seat) -> str | None:
+        """The upstream session of ``seat``: this replica's copy, else the one in Redis, else a new one.
+        A stdio server has one session, opened again after each restart."""
+        if self._stdio_ready():
+            return None
+        if seat in self._sessions:
+            return self._sessions[seat]
+        async with self._locks.setdefault(seat.slot, asyncio.Lock()):
+            if isinstance(self.wire, StdioWire):
+                return None if self._stdio_ready() else await self._initialize(seat)
+            if seat in self._sessions:
+                return self._sessions[seat]
+            stored = await self.redis.get(self._key(seat)) if seat.principal else None
+            if stored is not None:
+                sid = stored.decode() if isinstance(stored, bytes) else str(stored)
+                self._sessions[seat] = sid
+                return sid
+            return await self._initialize(seat)
+
+    def _key(self, seat: Seat) -> str:
+        return keys.proxy_session(seat.principal, f"{self.name}/{seat.slot}")
+
+    async def _initialize(self, seat: Seat) -> str | None:
+        rid = next(self._ids)
+        caps = {c: FORWARDED_CAPABILITIES[c] for c in seat.capabilities}
+        params = {"protocolVersion": LEGACY_VERSION, "capabilities": caps, "clientInfo": CLIENT_INFO}
+        answer = await self.wire.send(_encode(Request(jsonrpc="2.0", id=rid, method="initialize", params=params)),
+                                      {"mcp-protocol-version": LEGACY_VERSION}, rid, NO_HOOKS)
+        result = self._result("initialize", answer)
+        version = result.get("protocolVersion")
+        self.legacy_version = version if isinstance(version, str) else LEGACY_VERSION
+        sid = answer.headers.get("mcp-session-id")
+        await self.wire.send(_encode(Notification(method="notifications/initialized")), self._session_headers(sid),
+                             None, NO_HOOKS)
+        if isinstance(self.wire, StdioWire):
+            self._stdio_session = self.wire.generation
+            return None
+        if sid is not None:
+            self._sessions[seat] = sid
+            if seat.principal:  # the gateway's own session (standing stream) stays on this replica
+                await self.redis.set(self._key(seat), sid, ex=self.session_ttl_s)
+        return sid
+
+    async def _forget_session(self, seat: Seat) -> None:
+        self._sessions.pop(seat, None)
+        if isinstance(self.wire, HttpWire) and seat.principal:
+            await self.redis.delete(self._key(seat))
+
+    # ------------------------------------------------------------------ the standing stream
+    async def follow(self, hooks: Hooks) -> int:
+        """Hold the upstream's notification stream open until it ends (HTTP status returned):
+        ``subscriptions/listen`` for list changes on 2026-07-28, the session's GET stream on
+        2025-11-25 (a session of the gateway's own, not of a principal)."""
+        if not isinstance(self.wire, HttpWire):
+            raise TypeError("a stdio upstream's notifications arrive on its pipe")
+        if self.revision is None:
+            await self._negotiate("")
+        if self.revision == MODERN_VERSION:
+            meta = {PROTOCOL_VERSION_META_KEY: MODERN_VERSION, CLIENT_CAPABILITIES_META_KEY: {}}
+            wanted = {"toolsListChanged": True, "resourcesListChanged": True, "promptsListChanged": True}
+            body = _encode(Request(jsonrpc="2.0", id=next(self._ids), method="subscriptions/listen",
+                                   params={"notifications": wanted, "_meta": meta}))
+            headers = {"mcp-protocol-version": MODERN_VERSION, "mcp-method": "subscriptions/listen"}
+            return await self.wire.follow(b"POST", headers, body, hooks)
+        seat = Seat("", ALL_FORWARDED)
+        status = await self.wire.follow(b"GET", self._session_headers(await self._session(seat)), None, hooks)
+        if status == 404:
+            await self._forget_session(seat)
+        return status
+
+    async def negotiated(self, principal: str) -> str:
+        """The revision spoken with the upstream (asked once when ``auto``)."""
+        if self.revision is None:
+            await self._negotiate(principal)
+        return self.revision or LEGACY_VERSION
+
+    async def follow_resources(self, principal: str, uris: list[str], hooks: Hooks) -> int:
+        """Hold the stream that carries ``principal``'s resource updates open until it ends: a
+        ``subscriptions/listen`` naming ``uris`` on 2026-07-28; on 2025-11-25 the GET stream of
+        the principal's session (subscribed with ``resources/subscribe`` beforehand)."""
+        if not isinstance(self.wire, HttpWire):
+            raise TypeError("a stdio upstream's updates arrive on its pipe")
+        if await self.negotiated(principal) == MODERN_VERSION:
+            meta = {PROTOCOL_VERSION_META_KEY: MODERN_VERSION, CLIENT_CAPABILITIES_META_KEY: {}}
+            body = _encode(Request(jsonrpc="2.0", id=next(self._ids), method="subscriptions/listen",
+                                   params={"notifications": {"resourceSubscriptions": uris}, "_meta": meta}))
+            headers = {"mcp-protocol-version": MODERN_VERSION, "mcp-method": "subscriptions/listen"}
+            return await self.wire.follow(b"POST", headers, body, hooks)
+        sid = await self._session(Seat(principal, ALL_FORWARDED))
+        return await self.wire.follow(b"GET", self._session_headers(sid), None, hooks)
+
+    # ------------------------------------------------------------------ answers
+    def _result(self, method: str, answer: Answer) -> dict[str, Any]:
+        msg = answer.message
+        if msg is None:
+            if answer.status >= 500 or answer.status in (401, 403, 404):
+                raise UpstreamFailed(self.name, "unreachable",
+                                     f"upstream {self.name!r} answered {method} with HTTP {answer.status}")
+            raise UpstreamFailed(self.name, "protocol",
+                                 f"upstream {self.name!r} sent no JSON-RPC answer to {method} "
+                                 f"(HTTP {answer.status})")
+        error = msg.get("error")
+        if isinstance(error, dict):
+            code = error.get("code")
+            raise McpError(code if isinstance(code, int) else -32603, str(error.get("message", "upstream error")),
+                           error.get("data"))
+        result = msg.get("result")
+        if not isinstance(result, dict):
+            raise UpstreamFailed(self.name, "protocol", f"upstream {self.name!r} sent a malformed answer to {method}")
+        return result
+
+    async def close(self) -> None:
+        for task in self._cancels:
+            task.cancel()
+        await self.wire.close()
+
+
+def _legacy_params(params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` for a 2025-11-25 upstream: without the 2026-07-28 ``_meta`` envelope keys (a
+    protocol version there would make the upstream read the request as 2026-07-28)."""
+    meta = params.get("_meta")
+    if not isinstance(meta, dict) or not any(k.startswith(ENVELOPE_PREFIX) for k in meta):
+        return params
+    kept = {k: v for k, v in meta.items() if not k.startswith(ENVELOPE_PREFIX)}
+    out = {k: v for k, v in params.items() if k != "_meta"}
+    if kept:
+        out["_meta"] = kept
+    return out
+
+
+def describe_sources(cfg: UpstreamConfig) -> Mapping[str, str]:
+    """Which headers carry credentials, and from what kind of source (never the value or its name)."""
+    return {**{h: "env" for h in cfg.headers_from_env}, **{h: "file" for h in cfg.headers_from_file}}

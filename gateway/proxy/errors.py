@@ -1,0 +1,20 @@
+"""What can go wrong between the gateway and an upstream, as exceptions the error map knows."""
+
+from __future__ import annotations
+
+from gateway.errors import UPSTREAM_FAILED, McpError
+
+
+class UpstreamFailed(McpError):
+    """The upstream could not serve the call: unreachable, too slow, broken answer, or its
+    breaker is open. ``reason`` is one of ``unreachable``, ``timeout``, ``protocol``,
+    ``breaker_open``, ``busy``; the message names the upstream, never its credentials."""
+
+    def __init__(self, upstream: str, reason: str, message: str) -> None:
+        super().__init__(UPSTREAM_FAILED, message, {"upstream": upstream, "reason": reason})
+        self.upstream = upstream
+        self.reason = reason
+
+
+class WireClosed(Exception):
+    """The connection to the upstream ended before its answer (a stdio process exited)."""

@@ -1,0 +1,226 @@
+"""A lean HTTP/1.1 keep-alive client for one upstream origin, on asyncio and ``httptools``
+(the C parser uvicorn already brings).
+
+Why not a general client: a proxied call is one small POST and one small answer (JSON, or an
+SSE stream of a few events), and the proxy's budget is a fraction of a millisecond per call.
+General clients spend most of that on machinery this path never uses (per-request objects,
+pool bookkeeping, async-library detection). Here a request is one prebuilt header block and one
+``write``; a response is parsed as it arrives and handed over as body chunks; idle connections
+are reused. Redirects, proxies, cookies and HTTP/2 are not needed and not offered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import ssl
+from collections.abc import AsyncIterator, Mapping
+from urllib.parse import urlsplit
+
+import httptools
+
+from gateway.proxy.errors import WireClosed
+
+MAX_IDLE_CONNECTIONS = 64
+
+
+class HttpProtocolError(WireClosed):
+    """The upstream's bytes are not HTTP/1.1 this client can read."""
+
+
+class Response:
+    """One response as it arrives: status and headers first, then the body in chunks."""
+
+    __slots__ = ("status", "headers", "_chunks", "_more", "complete", "keep_alive", "error", "_head")
+
+    def __init__(self) -> None:
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._more = asyncio.Event()
+        self._head = asyncio.Event()
+        self.complete = False
+        self.keep_alive = False
+        self.error: BaseException | None = None
+
+    async def head(self) -> None:
+        await self._head.wait()
+        if self.error is not None and not self.status:
+            raise self.error
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        while True:
+            while self._chunks:
+                yield self._chunks.popleft()
+            if self.complete:
+                return
+            if self.error is not None:
+                raise self.error
+            self._more.clear()
+            await self._more.wait()
+
+    async def read(self) -> bytes:
+        return b"".join([c async for c in self.chunks()])
+
+    # parser side
+    def _push(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._more.set()
+
+    def _fail(self, exc: BaseException) -> None:
+        self.error = exc
+        self._head.set()
+        self._more.set()
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection; ``httptools`` calls the ``on_*`` methods while parsing."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.response: Response | None = None
+        self.closed = False
+        self._header: bytes = b""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._abort(HttpProtocolError(f"unreadable HTTP answer ({type(exc).__name__})"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.response is not None and not self.response.complete:
+            self.response._fail(WireClosed("the upstream closed the connection"))
+
+    def eof_received(self) -> bool | None:
+        return None  # close our side too
+
+    def _abort(self, exc: BaseException) -> None:
+        if self.response is not None:
+            self.response._fail(exc)
+        self.close()
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+    # httptools callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self.response is not None:
+            self.response.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        if self.response is not None:
+            self.response.status = self.parser.get_status_code()
+            self.response._head.set()
+
+    def on_body(self, body: bytes) -> None:
+        if self.response is not None:
+            self.response._push(body)
+
+    def on_message_complete(self) -> None:
+        response = self.response
+        if response is not None:
+            response.keep_alive = self.parser.should_keep_alive()
+            response.complete = True
+            response._more.set()
+
+
+class Origin:
+    """Pooled keep-alive connections to one ``http(s)://host:port`` and one path on it."""
+
+    def __init__(self, url: str, headers: Mapping[str, str], connect_timeout_s: float) -> None:
+        parts = urlsplit(url)
+        self.host = parts.hostname or "localhost"
+        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        self.tls = ssl.create_default_context() if parts.scheme == "https" else None
+        self.target = ((parts.path or "/") + (f"?{parts.query}" if parts.query else "")).encode()
+        host = self.host if parts.port is None else f"{self.host}:{parts.port}"
+        self.fixed = b"".join(_line(k, v) for k, v in {"host": host, **headers}.items())
+        self.connect_timeout_s = connect_timeout_s
+        self._idle: list[_Connection] = []
+
+    async def _connect(self) -> _Connection:
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(self.connect_timeout_s):
+            _, conn = await loop.create_connection(_Connection, self.host, self.port, ssl=self.tls,
+                                                   server_hostname=self.host if self.tls else None)
+        return conn
+
+    def _request_bytes(self, method: bytes, headers: Mapping[str, str], body: bytes | None) -> bytes:
+        parts = [method, b" ", self.target, b" HTTP/1.1\r\n", self.fixed]
+        parts.extend(_line(k, v) for k, v in headers.items())
+        if body is not None:
+            parts.append(b"content-length: %d\r\n" % len(body))
+        parts.append(b"\r\n")
+        if body is not None:
+            parts.append(body)
+        return b"".join(parts)
+
+    async def open(self, method: bytes, headers: Mapping[str, str], body: bytes | None) -> Exchange:
+        """Send a request; the :class:`Exchange` has the response once its head has arrived. A
+        reused connection that turns out closed before any answer is replaced once."""
+        data = self._request_bytes(method, headers, body)
+        while self._idle:
+            conn = self._idle.pop()
+            if conn.closed:
+                continue
+            try:
+                return await self._send(conn, data)
+            except WireClosed:
+                continue  # the upstream dropped the idle connection: take another or a new one
+        return await self._send(await self._connect(), data)
+
+    async def _send(self, conn: _Connection, data: bytes) -> Exchange:
+        response = conn.response = Response()
+        if conn.transport is None or conn.closed:
+            raise WireClosed("connection closed")
+        conn.transport.write(data)
+        try:
+            await response.head()
+        except BaseException:
+            conn.close()
+            raise
+        return Exchange(self, conn, response)
+
+    def release(self, conn: _Connection, response: Response) -> None:
+        conn.response = None
+        if response.complete and response.keep_alive and not conn.closed and len(self._idle) < MAX_IDLE_CONNECTIONS:
+            self._idle.append(conn)
+        else:
+            conn.close()
+
+    def close(self) -> None:
+        for conn in self._idle:
+            conn.close()
+        self._idle.clear()
+
+
+class Exchange:
+    """A response being read; leaving the ``async with`` returns the connection to the pool when
+    the response was read to its end, and closes it otherwise."""
+
+    __slots__ = ("origin", "conn", "response")
+
+    def __init__(self, origin: Origin, conn: _Connection, response: Response) -> None:
+        self.origin = origin
+        self.conn = conn
+        self.response = response
+
+    async def __aenter__(self) -> Response:
+        return self.response
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.origin.release(self.conn, self.response)
+
+
+def _line(name: str, value: str) -> bytes:
+    if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
+        raise ValueError(f"header {name} has a line break")
+    return f"{name}: {value}\r\n".encode("latin-1")

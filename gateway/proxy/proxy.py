@@ -1,0 +1,527 @@
+"""The proxy: upstreams merged into the gateway's lists and their calls routed to them.
+
+The dispatcher asks it for what it does not serve itself: list entries (after its own),
+``tools/call`` and ``prompts/get`` of a name it does not know, ``resources/read`` of an
+``upstream://`` URI. Each upstream's lists are fetched with the caller's session, kept for
+``proxy.list_ttl_s`` (a stale copy is served while a fresh one is fetched; ``list_changed``
+from the upstream drops it) and filtered by what the caller may use.
+
+A forwarded call carries the client's ``_meta``; what the upstream sends during it is carried
+back by :mod:`gateway.proxy.exchange`, and so are a 2026-07-28 upstream's ``input_required``
+rounds. A 2026-07-28 client answers on its next request: the call is then sent to the upstream
+again with the answers at hand, so an upstream tool that asks is run once per round trip. Every
+call is measured, audited (batched) and, when the upstream opts in, captured
+(:mod:`gateway.proxy.capture`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from gateway.errors import (
+    INTERNAL_ERROR,
+    METHOD_NOT_FOUND,
+    Forbidden,
+    InvalidParams,
+    McpError,
+)
+from gateway.mcp.dispatcher import Call, InputRequired
+from gateway.mcp.kernel import header_form, param_header_spec
+from gateway.proxy import names
+from gateway.proxy.breaker import STATE_VALUE
+from gateway.proxy.capture import capture
+from gateway.proxy.client import UpstreamClient, header_value
+from gateway.proxy.errors import UpstreamFailed
+from gateway.proxy.exchange import CallHooks, forwardable_capabilities, upstream_meta
+from gateway.proxy.resources import ResourceFollowers
+from gateway.proxy.wire import Hooks, Message, StdioWire
+from shared import keys, metrics
+from shared.audit import record, xadd_command
+from shared.config import ProxyAllow, UpstreamConfig
+from shared.redis_batch import AutoPipeline, pack_command
+
+if TYPE_CHECKING:
+    from gateway.state import Gateway
+
+log = logging.getLogger(__name__)
+
+LISTS = {"tools": "tools/list", "resources": "resources/list", "resourceTemplates": "resources/templates/list",
+         "prompts": "prompts/list"}
+MAX_LIST_PAGES = 50
+MAX_INPUT_ROUNDS = 8
+WATCH_RETRY_MIN_S, WATCH_RETRY_MAX_S = 1.0, 60.0
+TASK_KEY_TTL_S = 86_400  # how long a task's upstream is remembered when the task names no ttlMs
+TASK_KEY_SLACK_S = 60
+
+
+@dataclass
+class Catalog:
+    """One upstream's lists as the gateway's clients see them (names and URIs rewritten)."""
+
+    fetched_at: float = 0.0  # monotonic; 0: never
+    lists: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    tools: dict[str, str] = field(default_factory=dict)    # exposed name -> upstream's name
+    prompts: dict[str, str] = field(default_factory=dict)
+    schemas: dict[str, dict[str, Any]] = field(default_factory=dict)  # exposed tool name -> inputSchema
+    param_specs: dict[str, tuple[tuple[str, str], ...]] = field(default_factory=dict)  # tools with x-mcp-header
+
+
+@dataclass(eq=False)
+class Upstream:
+    cfg: UpstreamConfig
+    client: UpstreamClient
+    catalog: Catalog = field(default_factory=Catalog)
+    refresh: asyncio.Task[None] | None = None
+    watcher: asyncio.Task[None] | None = None
+    latency: Any = None  # its /metrics children, looked up once
+    breaker_gauge: Any = None
+    calls: int = 0  # on this replica, for the dashboard (/metrics has the rest)
+    errors: int = 0
+
+    def __post_init__(self) -> None:
+        self.latency = metrics.PROXY_LATENCY.labels(self.cfg.name)
+        self.breaker_gauge = metrics.PROXY_BREAKER.labels(self.cfg.name)
+
+    @property
+    def name(self) -> str:
+        return self.cfg.name
+
+
+class Proxy:
+    """The replica's upstreams (the set in Redis, see gateway/proxy/store.py) and what routes to them."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.config = gateway.config.proxy
+        self.upstreams: dict[str, Upstream] = {}
+        self._background: set[asyncio.Task[Any]] = set()
+        self._apply_lock = asyncio.Lock()
+        self.resources = ResourceFollowers(self)
+        self._audit = AutoPipeline(gateway.redis)
+        self._counters: dict[tuple[str, str, str], Any] = {}
+
+    @property
+    def active(self) -> bool:
+        return bool(self.upstreams)
+
+    # ------------------------------------------------------------------ the set of upstreams
+    async def apply(self, configs: list[UpstreamConfig]) -> None:
+        """Make the replica's upstreams ``configs``: new ones opened, changed ones reopened,
+        removed ones closed. An upstream whose credentials cannot be read is left out, logged."""
+        async with self._apply_lock:
+            await self._apply(configs)
+        self.gateway.dispatcher.invalidate_lists()
+
+    async def _apply(self, configs: list[UpstreamConfig]) -> None:
+        wanted = {c.name: c for c in configs}
+        for name in list(self.upstreams):
+            if name not in wanted or wanted[name] != self.upstreams[name].cfg:
+                await self._close(self.upstreams.pop(name))
+        for name, cfg in wanted.items():
+            if name not in self.upstreams:
+                try:
+                    self.upstreams[name] = up = Upstream(cfg, self._client(cfg))
+                except Exception as exc:  # noqa: BLE001 - one bad upstream must not take the others down
+                    log.error("proxy upstream %s left out: %s", name, exc)
+                    continue
+                if cfg.enabled:
+                    self._watch(up)
+
+    def _watch(self, up: Upstream) -> None:
+        """Follow what the upstream announces outside calls (list changes), on this replica."""
+        hooks = Hooks(notify=lambda msg: self._standing_note(up, msg))
+        if isinstance(up.client.wire, StdioWire):
+            up.client.wire.idle_hooks = hooks
+        else:
+            up.watcher = asyncio.create_task(self._follow(up, hooks), name=f"proxy-watch-{up.name}")
+
+    async def _follow(self, up: Upstream, hooks: Hooks) -> None:
+        delay_s = WATCH_RETRY_MIN_S
+        while True:
+            try:
+                status = await up.client.follow(hooks)
+                # No standing stream offered (405), or none now: try again, less and less often.
+                delay_s = WATCH_RETRY_MIN_S if status == 200 else min(delay_s * 2, WATCH_RETRY_MAX_S)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the upstream is away; calls report that themselves
+                log.debug("proxy upstream %s: standing stream ended (%s)", up.name, type(exc).__name__)
+                delay_s = min(delay_s * 2, WATCH_RETRY_MAX_S)
+            await asyncio.sleep(delay_s)
+
+    async def _standing_note(self, up: Upstream, msg: Message) -> None:
+        method = msg.get("method", "")
+        if method.endswith("/list_changed"):
+            up.catalog.fetched_at = 0.0
+            self.gateway.list_changed_here(method.split("/")[1])  # every replica follows the upstream itself
+
+    def _client(self, cfg: UpstreamConfig) -> UpstreamClient:
+        gw = self.gateway
+        return UpstreamClient(cfg, gw.redis, self.config.breaker, gw.config.gateway.session_idle_ttl_s)
+
+    async def _close(self, up: Upstream) -> None:
+        self.resources.forget(up.name)
+        for task in (up.refresh, up.watcher):
+            if task is not None:
+                task.cancel()
+        try:
+            await up.client.close()
+        except Exception:  # noqa: BLE001 - closing is best effort
+            log.warning("proxy upstream %s did not close cleanly", up.name)
+
+    async def close(self) -> None:
+        self.resources.close()
+        for up in list(self.upstreams.values()):
+            await self._close(up)
+        self.upstreams.clear()
+        for task in list(self._background):
+            task.cancel()
+
+    # ------------------------------------------------------------------ who may use what
+    def allowed(self, principal: str, upstream: str, item: str | None = None) -> bool:
+        """Whether ``principal`` may use ``item`` (a tool or prompt) of ``upstream``, or the whole
+        upstream when ``item`` is None."""
+        return any(g in ("*", upstream) or (item is not None and g == f"{upstream}.{item}")
+                   for g in self._grants(principal))
+
+    def _grants(self, principal: str) -> list[str]:
+        allow: ProxyAllow | None = self.config.allow
+        if allow is None:
+            return ["*"]
+        role = self.gateway.config.limits.principal_roles.get(principal)
+        return [*allow.principals.get(principal, ()), *(allow.roles.get(role, ()) if role else ())]
+
+    def _usable(self, principal: str) -> list[Upstream]:
+        """Enabled upstreams of which the principal may use something."""
+        grants = self._grants(principal)
+        return [u for u in self.upstreams.values() if u.cfg.enabled
+                and any(g in ("*", u.name) or g.startswith(u.name + ".") for g in grants)]
+
+    @property
+    def per_principal_lists(self) -> bool:
+        """Lists differ by principal when allow-lists exist (2026-07-28 ``cacheScope: private``)."""
+        return self.config.allow is not None
+
+    # ------------------------------------------------------------------ lists
+    async def listing(self, call: Call, kind: str) -> list[dict[str, Any]]:
+        """The entries of list ``kind`` the caller may see, over every usable upstream. An
+        upstream that fails is left out (its error logged); it never holds the others up beyond
+        its own timeout, and an open breaker skips it at once."""
+        ups = self._usable(call.principal)
+        catalogs = await asyncio.gather(*(self._catalog(call.principal, u) for u in ups))
+        out: list[dict[str, Any]] = []
+        for up, catalog in zip(ups, catalogs, strict=True):
+            if catalog is None:
+                continue
+            entries = catalog.lists.get(kind, [])
+            if self.config.allow is not None:
+                if kind in ("tools", "prompts"):
+                    lookup = catalog.tools if kind == "tools" else catalog.prompts
+                    entries = [e for e in entries if self.allowed(call.principal, up.name, lookup.get(e["name"]))]
+                elif not self.allowed(call.principal, up.name):  # resources need the whole upstream
+                    continue
+            out.extend(entries)
+        return out
+
+    async def _catalog(self, principal: str, up: Upstream) -> Catalog | None:
+        fresh = time.monotonic() - up.catalog.fetched_at < self.config.list_ttl_s
+        if fresh:
+            return up.catalog
+        if up.refresh is None or up.refresh.done():
+            up.refresh = asyncio.create_task(self._refresh(principal, up), name=f"proxy-lists-{up.name}")
+        if up.catalog.fetched_at:
+            return up.catalog  # stale but usable while the fresh one comes
+        try:
+            await asyncio.shield(up.refresh)
+        except Exception as exc:  # noqa: BLE001 - reported, the upstream is left out of this list
+            log.warning("proxy upstream %s: lists unavailable (%s)", up.name, getattr(exc, "message", type(exc).__name__))
+            return None
+        return up.catalog
+
+    async def _refresh(self, principal: str, up: Upstream) -> None:
+        catalog = Catalog()
+        own = self.gateway.registry
+        for kind, method in LISTS.items():
+            try:
+                raw = await self._fetch_all(principal, up, method, kind)
+            except McpError as exc:
+                if isinstance(exc, UpstreamFailed):
+                    raise
+                if exc.code != METHOD_NOT_FOUND:
+                    log.warning("proxy upstream %s: %s failed (%s)", up.name, method, exc.message)
+                raw = []
+            catalog.lists[kind] = [self._rewrite(up, kind, e, catalog, own.tools, own.prompts) for e in raw]
+            catalog.lists[kind] = [e for e in catalog.lists[kind] if e]
+        catalog.fetched_at = time.monotonic()
+        up.catalog = catalog
+
+    async def _fetch_all(self, principal: str, up: Upstream, method: str, kind: str) -> list[dict[str, Any]]:
+        entries: list[dict[str, Any]] = []
+        params: dict[str, Any] = {}
+        for _ in range(MAX_LIST_PAGES):
+            result = await up.client.request(principal, method, params)
+            page = result.get(kind)
+            entries.extend(e for e in page if isinstance(e, dict)) if isinstance(page, list) else None
+            cursor = result.get("nextCursor")
+            if not isinstance(cursor, str) or not cursor:
+                break
+            params = {"cursor": cursor}
+        return entries
+
+    def _rewrite(self, up: Upstream, kind: str, entry: dict[str, Any], catalog: Catalog,
+                 own_tools: dict[str, Any], own_prompts: dict[str, Any]) -> dict[str, Any]:
+        """The entry as clients see it ({} when it cannot be mounted: a name clash)."""
+        out = dict(entry)
+        if kind in ("tools", "prompts"):
+            name = entry.get("name")
+            exposed = names.exposed(up.cfg.prefix, name) if isinstance(name, str) else None
+            taken = own_tools if kind == "tools" else own_prompts
+            if exposed is None or exposed in taken:
+                log.error("proxy upstream %s: %s %r clashes with the gateway's own and is not mounted",
+                          up.name, kind[:-1], name)
+                return {}
+            (catalog.tools if kind == "tools" else catalog.prompts)[exposed] = str(name)
+            if kind == "tools" and isinstance(entry.get("inputSchema"), dict):
+                catalog.schemas[exposed] = entry["inputSchema"]
+                spec = param_header_spec(entry["inputSchema"])
+                if spec:
+                    catalog.param_specs[exposed] = spec
+            out["name"] = exposed
+        elif kind == "resources" and isinstance(entry.get("uri"), str):
+            out["uri"] = self.uri_for_client(up, entry["uri"])
+        elif kind == "resourceTemplates" and isinstance(entry.get("uriTemplate"), str) and up.cfg.prefix:
+            out["uriTemplate"] = names.wrap_template(up.name, entry["uriTemplate"])
+        return out
+
+    def list_changed(self, up: Upstream, kind: str) -> None:
+        """The upstream's list changed: drop the copy and tell subscribed clients on every replica."""
+        up.catalog.fetched_at = 0.0
+        self._spawn(self.gateway.notify_list_changed(None, kind))
+
+    # ------------------------------------------------------------------ routing
+    def _resolve(self, name: str, kind: str) -> tuple[Upstream, str] | None:
+        for up in self.upstreams.values():
+            lookup = up.catalog.tools if kind == "tools" else up.catalog.prompts
+            if name in lookup:
+                return up, lookup[name]
+            prefix = up.cfg.prefix
+            if prefix and name.startswith(prefix + "."):
+                return up, name[len(prefix) + 1:]
+        bare = [u for u in self.upstreams.values() if u.cfg.prefix == ""]
+        return (bare[0], name) if bare else None
+
+    def _target(self, call: Call, name: str, kind: str, what: str) -> tuple[Upstream, str]:
+        found = self._resolve(name, kind)
+        if found is None or not found[0].cfg.enabled:
+            raise InvalidParams(f"{what} not found: {name}")
+        up, original = found
+        if not self.allowed(call.principal, up.name, original):
+            raise Forbidden(f"principal {call.principal!r} may not use {what.lower()} {name} "
+                            f"of upstream {up.name!r}", f"proxy:{up.name}.{original}")
+        return up, original
+
+    def input_schema(self, name: str) -> dict[str, Any] | None:
+        """The inputSchema of the upstream tool clients call ``name`` (None: not known)."""
+        for up in self.upstreams.values():
+            schema = up.catalog.schemas.get(name)
+            if schema is not None:
+                return schema
+        return None
+
+    def _bare(self) -> Upstream | None:
+        """The upstream mounted with the empty namespace (at most one)."""
+        return next((u for u in self.upstreams.values() if u.cfg.prefix == ""), None)
+
+    @property
+    def transparent(self) -> bool:
+        """Whether an upstream is mounted with the empty namespace (its lists then come first)."""
+        return self._bare() is not None
+
+    def owns_uri(self, uri: str) -> bool:
+        """Whether ``uri`` (not the gateway's own) names an upstream's resource."""
+        found = names.unwrap_uri(uri)
+        return (found is not None and found[0] in self.upstreams) or self._bare() is not None
+
+    def resource_target(self, call: Call, uri: str) -> tuple[Upstream, str]:
+        """The upstream serving ``uri`` (as clients see it) and the URI it knows; the caller
+        must be allowed the upstream."""
+        found = names.unwrap_uri(uri)
+        up = self.upstreams.get(found[0]) if found is not None else self._bare()
+        if up is None or not up.cfg.enabled:
+            raise InvalidParams(f"Resource not found: {uri}", {"uri": uri})
+        if not self.allowed(call.principal, up.name):
+            raise Forbidden(f"principal {call.principal!r} may not use upstream {up.name!r}", f"proxy:{up.name}")
+        return up, found[1] if found is not None else uri
+
+    async def call_tool(self, call: Call, name: str, params: dict[str, Any]) -> dict[str, Any]:
+        up, tool = self._target(call, name, "tools", "Tool")
+        args = params.get("arguments")
+        args = args if isinstance(args, dict) else {}
+        spec = up.catalog.param_specs.get(name)
+        headers = _param_headers(spec, args) if spec is not None else None
+        result = await self._observed(call, up, "tools/call", tool, {"name": tool, "arguments": args}, headers)
+        if up.cfg.captures(tool):
+            await capture(self.gateway.store, call, up.name, name, args, result)
+        return result
+
+    async def get_prompt(self, call: Call, name: str, params: dict[str, Any]) -> dict[str, Any]:
+        up, prompt = self._target(call, name, "prompts", "Prompt")
+        forwarded = {"name": prompt, "arguments": params.get("arguments") or {}}
+        return await self._observed(call, up, "prompts/get", prompt, forwarded)
+
+    async def read_resource(self, call: Call, uri: str) -> dict[str, Any]:
+        up, original = self.resource_target(call, uri)
+        result = await self._observed(call, up, "resources/read", original, {"uri": original})
+        for item in result.get("contents") or ():
+            if isinstance(item, dict) and isinstance(item.get("uri"), str):
+                item["uri"] = self.uri_for_client(up, item["uri"])
+        return result
+
+    async def complete(self, call: Call, params: dict[str, Any]) -> dict[str, Any]:
+        """completion/complete for an upstream's prompt or resource template."""
+        ref = dict(params["ref"])
+        if ref.get("type") == "ref/prompt":
+            up, ref["name"] = self._target(call, str(ref.get("name")), "prompts", "Prompt")
+        else:
+            up, ref["uri"] = self.resource_target(call, str(ref.get("uri")))
+        forwarded = {k: v for k, v in params.items() if k not in ("_meta", "ref")}
+        return await self._observed(call, up, "completion/complete", str(ref.get("name") or ref.get("uri")),
+                                    {**forwarded, "ref": ref})
+
+    async def _observed(self, call: Call, up: Upstream, method: str, item: str, params: dict[str, Any],
+                        headers: dict[str, str] | None = None) -> dict[str, Any]:
+        """Forward with metrics, breaker gauge and one audit record, whatever the outcome."""
+        t0 = time.perf_counter()
+        outcome = "ok"
+        try:
+            result = await self._forward(call, up, method, params, headers)
+            if result.get("isError") is True:
+                outcome = "tool_error"
+            return result
+        except InputRequired:
+            outcome = "input_required"
+            raise
+        except UpstreamFailed as exc:
+            outcome = exc.reason
+            raise
+        except McpError:
+            outcome = "rpc_error"
+            raise
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        finally:
+            self._record(call.principal, up, method, item, outcome, time.perf_counter() - t0)
+
+    def _record(self, principal: str, up: Upstream, method: str, item: str, outcome: str, latency_s: float) -> None:
+        up.calls += 1
+        up.errors += outcome not in ("ok", "tool_error", "input_required")
+        counter = self._counters.get((up.name, method, outcome))
+        if counter is None:  # label sets are bounded: upstreams x methods x outcomes
+            counter = self._counters[(up.name, method, outcome)] = metrics.PROXY_CALLS.labels(up.name, method, outcome)
+        counter.inc()
+        up.latency.observe(latency_s)
+        up.breaker_gauge.set(STATE_VALUE[up.client.breaker.state])
+        entry = record(principal=principal, action="proxy.call", upstream=up.name, method=method, item=item,
+                       outcome=outcome, latency_ms=f"{latency_s * 1000:.2f}")
+        # Pipelined with the other calls' records (no task, no round trip of its own on the call's path).
+        self._audit.submit(pack_command(xadd_command(entry))).add_done_callback(_audit_written)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("proxy background write failed: %s", type(task.exception()).__name__)
+
+    async def _forward(self, call: Call, up: Upstream, method: str, params: dict[str, Any],
+                       headers: dict[str, str] | None) -> dict[str, Any]:
+        params["_meta"] = upstream_meta(call)
+        side = CallHooks(self, call, up)
+        for _ in range(MAX_INPUT_ROUNDS):
+            try:
+                result = await up.client.request(call.principal, method, params, side.hooks, headers,
+                                                 forwardable_capabilities(call))
+            except McpError:
+                if side.stopped is None:
+                    raise
+            if side.stopped is not None:  # whatever the upstream made of the request the client cannot answer
+                raise side.stopped
+            kind = result.get("resultType")
+            if kind == "task" or method.startswith("tasks/"):  # the tasks extension's results pass whole
+                await self._remember_task(call, up, result)
+                return result
+            if kind != "input_required":
+                return _for_client(result)
+            params = {**params, "inputResponses": await side.answers(result.get("inputRequests")),
+                      "requestState": result.get("requestState")}
+            if params["requestState"] is None:
+                del params["requestState"]
+        raise McpError(INTERNAL_ERROR, f"upstream {up.name!r} kept asking for input")
+
+    @staticmethod
+    def uri_for_client(up: Upstream, uri: str) -> str:
+        return names.wrap_uri(up.name, uri) if up.cfg.prefix else uri
+
+    # ------------------------------------------------------------------ tasks extension
+    async def _remember_task(self, call: Call, up: Upstream, result: dict[str, Any]) -> None:
+        task_id = result.get("taskId")
+        if result.get("resultType") == "task" and isinstance(task_id, str):
+            ttl_ms = result.get("ttlMs")
+            ttl_s = int(ttl_ms) // 1000 + TASK_KEY_SLACK_S if isinstance(ttl_ms, int) and ttl_ms > 0 else TASK_KEY_TTL_S
+            await self.gateway.redis.set(keys.proxy_task(call.principal, task_id), up.name, ex=ttl_s)
+
+    async def task_request(self, call: Call, method: str, params: dict[str, Any]) -> dict[str, Any] | None:
+        """tasks/get|update|cancel of a task an upstream created, answered by that upstream;
+        None for a task that is not an upstream's."""
+        task_id = params.get("taskId")
+        if not isinstance(task_id, str) or not task_id:
+            return None
+        name = await self.gateway.redis.get(keys.proxy_task(call.principal, task_id))
+        up = self.upstreams.get(name.decode() if isinstance(name, bytes) else str(name)) if name else None
+        if up is None:
+            return None
+        forwarded = {k: v for k, v in params.items() if k != "_meta"}
+        return await self._observed(call, up, method, task_id, forwarded)
+
+    # ------------------------------------------------------------------ admin reads
+    def health(self, name: str) -> dict[str, Any]:
+        up = self.upstreams[name]
+        breaker = up.client.breaker
+        return {"name": name, "enabled": up.cfg.enabled, "revision": up.client.revision or "unknown",
+                "breaker": breaker.state, "consecutive_failures": breaker.failures,
+                "lists_age_s": round(time.monotonic() - up.catalog.fetched_at, 1) if up.catalog.fetched_at else None,
+                "tools": len(up.catalog.tools), "transport": "http" if up.cfg.url else "stdio",
+                "calls": up.calls, "errors": up.errors}
+
+
+def _audit_written(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("an audit record of a proxied call was not written (%s)", type(future.exception()).__name__)
+
+
+def _param_headers(spec: tuple[tuple[str, str], ...], args: dict[str, Any]) -> dict[str, str] | None:
+    """SEP-2243: the ``Mcp-Param-*`` headers a 2026-07-28 upstream expects for these arguments."""
+    out: dict[str, str] = {}
+    for arg, header in spec:
+        value = header_form(args.get(arg))
+        if value is not None:
+            out[header] = header_value(value)
+    return out or None
+
+
+def _for_client(result: dict[str, Any]) -> dict[str, Any]:
+    """The upstream's result without what belongs to its own revision (the dispatcher adds the
+    client revision's fields)."""
+    for key in ("resultType", "ttlMs", "cacheScope"):
+        result.pop(key, None)
+    return result
+
+

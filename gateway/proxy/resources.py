@@ -1,0 +1,112 @@
+"""Resource subscriptions across the proxy: a client subscribed to an upstream's resource
+(2025-11-25 ``resources/subscribe``, or a 2026-07-28 ``subscriptions/listen`` naming it) gets the
+upstream's ``notifications/resources/updated`` for it, whatever revision either side speaks.
+
+Per (principal, upstream) this replica keeps the upstream URIs its clients watch (counted: two
+listen streams may name one URI) and one follower holding the upstream's stream for them: on
+2026-07-28 a ``subscriptions/listen`` with those ``resourceSubscriptions`` (restarted when the set
+changes); on 2025-11-25 ``resources/subscribe`` on the principal's upstream session and that
+session's GET stream. An update becomes ``Gateway.notify_resource_updated`` for the client's form
+of the URI, which reaches the principal's subscribed sessions and listen streams on every replica.
+A subscription lives as long as the client's (until unsubscribe, or the listen stream ends) on
+the replica that took it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from typing import TYPE_CHECKING
+
+from gateway.mcp.types import MODERN_VERSION
+from gateway.proxy.wire import Hooks, Message
+
+if TYPE_CHECKING:
+    from gateway.mcp.dispatcher import Call
+    from gateway.proxy.proxy import Proxy, Upstream
+
+log = logging.getLogger(__name__)
+
+RETRY_S = 2.0
+
+Key = tuple[str, str]  # principal, upstream name
+
+
+class ResourceFollowers:
+    def __init__(self, proxy: Proxy) -> None:
+        self.proxy = proxy
+        self._uris: dict[Key, collections.Counter[str]] = {}
+        self._followers: dict[Key, asyncio.Task[None]] = {}
+
+    async def subscribe(self, call: Call, client_uri: str) -> None:
+        up, uri = self.proxy.resource_target(call, client_uri)
+        key = (call.principal, up.name)
+        watched = self._uris.setdefault(key, collections.Counter())
+        watched[uri] += 1
+        if watched[uri] > 1:
+            return
+        if await up.client.negotiated(call.principal) != MODERN_VERSION:  # 2025-11-25: the upstream keeps the set
+            await up.client.request(call.principal, "resources/subscribe", {"uri": uri})
+        if up.cfg.url is not None:  # a stdio server's one session is every principal's: updates not routed
+            self._restart(key, up)
+
+    async def unsubscribe(self, call: Call, client_uri: str) -> None:
+        try:
+            up, uri = self.proxy.resource_target(call, client_uri)
+        except Exception:  # noqa: BLE001 - an upstream gone since: nothing left to undo
+            return
+        key = (call.principal, up.name)
+        watched = self._uris.get(key)
+        if watched is None or watched[uri] == 0:
+            return
+        watched[uri] -= 1
+        if watched[uri]:
+            return
+        del watched[uri]
+        if up.client.revision != MODERN_VERSION:
+            try:
+                await up.client.request(call.principal, "resources/unsubscribe", {"uri": uri})
+            except Exception:  # noqa: BLE001 - best effort: the follower stops anyway when the set is empty
+                log.debug("proxy upstream %s: resources/unsubscribe failed", up.name)
+        self._restart(key, up)
+
+    def _restart(self, key: Key, up: Upstream) -> None:
+        old = self._followers.pop(key, None)
+        if old is not None:
+            old.cancel()
+        uris = sorted(self._uris.get(key) or ())
+        if not uris:
+            self._uris.pop(key, None)
+            return
+        self._followers[key] = asyncio.create_task(self._follow(key[0], up, uris),
+                                                   name=f"proxy-resources-{up.name}")
+
+    async def _follow(self, principal: str, up: Upstream, uris: list[str]) -> None:
+        hooks = Hooks(notify=lambda msg: self._updated(principal, up, msg))
+        while True:
+            try:
+                await up.client.follow_resources(principal, uris, hooks)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the upstream is away: follow again when it is back
+                log.debug("proxy upstream %s: resource stream ended (%s)", up.name, type(exc).__name__)
+            await asyncio.sleep(RETRY_S)
+
+    async def _updated(self, principal: str, up: Upstream, msg: Message) -> None:
+        params = msg.get("params")
+        uri = params.get("uri") if isinstance(params, dict) else None
+        if msg.get("method") == "notifications/resources/updated" and isinstance(uri, str):
+            await self.proxy.gateway.notify_resource_updated(principal, self.proxy.uri_for_client(up, uri))
+
+    def close(self) -> None:
+        for task in self._followers.values():
+            task.cancel()
+        self._followers.clear()
+        self._uris.clear()
+
+    def forget(self, upstream: str) -> None:
+        """The upstream was removed or changed: its followers end (clients subscribe again)."""
+        for key in [k for k in self._followers if k[1] == upstream]:
+            self._followers.pop(key).cancel()
+            self._uris.pop(key, None)

@@ -1,0 +1,278 @@
+"""How bytes reach one upstream: Streamable HTTP (pooled keep-alive connections, gateway/proxy/http1.py)
+or stdio (one subprocess, newline-delimited JSON-RPC).
+
+Both offer :meth:`send`: one JSON-RPC message out, and, for a request, the upstream's answer
+back. What arrives before the answer on the same exchange (an SSE response stream, or the
+stdio pipe) goes to the :class:`Hooks` of the request: notifications (progress, logging) to
+``notify``, server->client requests (sampling, elicitation, roots) to ``ask``, whose reply is
+sent back to the upstream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from gateway.proxy.errors import WireClosed
+from gateway.proxy.http1 import Origin, Response
+
+log = logging.getLogger(__name__)
+
+Message = dict[str, Any]
+STDIO_LINE_LIMIT_BYTES = 64 * 1024 * 1024
+STDIO_INHERITED_ENV = frozenset({"PATH", "HOME", "USER", "LOGNAME", "SHELL", "TERM", "LANG", "LC_ALL", "TMPDIR",
+                                 "PYTHONPATH", "VIRTUAL_ENV", "SYSTEMROOT"})
+
+
+@dataclass(slots=True)
+class Hooks:
+    """Where an exchange's side traffic goes (None: dropped, or refused for a request)."""
+
+    notify: Callable[[Message], Awaitable[None]] | None = None
+    ask: Callable[[Message], Awaitable[Message]] | None = None
+
+
+NO_HOOKS = Hooks()
+
+
+@dataclass(slots=True)
+class Answer:
+    """The upstream's answer to one message: HTTP status (200 for stdio), the JSON-RPC response
+    when there is one, and the response headers (HTTP only)."""
+
+    status: int
+    message: Message | None
+    headers: Mapping[str, str]
+
+
+def refusal(request: Message) -> Message:
+    return {"jsonrpc": "2.0", "id": request.get("id"),
+            "error": {"code": -32601, "message": "the gateway's client cannot answer this request"}}
+
+
+async def side_traffic(msg: Message, hooks: Hooks) -> Message | None:
+    """Hand one non-answer message to the hooks; returns the reply owed to a server request."""
+    if "method" not in msg:
+        return None
+    if "id" in msg:
+        return await hooks.ask(msg) if hooks.ask is not None else refusal(msg)
+    if hooks.notify is not None:
+        await hooks.notify(msg)
+    return None
+
+
+class HttpWire:
+    """Streamable HTTP: a POST per message; the answer is JSON or an SSE stream."""
+
+    def __init__(self, url: str, headers: Mapping[str, str], timeout_s: float) -> None:
+        self.url = url
+        base = {"accept": "application/json, text/event-stream", "content-type": "application/json", **headers}
+        self.origin = Origin(url, base, connect_timeout_s=min(timeout_s, 10.0))
+
+    async def send(self, body: bytes, headers: Mapping[str, str], request_id: Any, hooks: Hooks) -> Answer:
+        async with await self.origin.open(b"POST", headers, body) as resp:
+            kind = resp.headers.get("content-type", "")
+            if kind.startswith("text/event-stream"):
+                found = await self._stream(resp, headers, request_id, hooks)
+                return Answer(resp.status, found, resp.headers)
+            data = await resp.read()
+            message = _json_object(data) if kind.startswith("application/json") else None
+            return Answer(resp.status, message, resp.headers)
+
+    async def _stream(self, resp: Response, headers: Mapping[str, str], request_id: Any,
+                      hooks: Hooks) -> Message | None:
+        """Read the answer's SSE stream. Notifications are handed over in order; server requests
+        are answered concurrently (an upstream may ask several things at once, and the reading
+        goes on meanwhile); those still unanswered when the answer arrives are dropped."""
+        asking: set[asyncio.Task[None]] = set()
+        try:
+            async for msg in _sse_messages(_lines(resp.chunks())):
+                if "method" not in msg and msg.get("id") == request_id:
+                    await resp.read()  # the rest of the stream, so the connection can be reused
+                    return msg
+                if "id" in msg and "method" in msg:
+                    task = asyncio.create_task(self._answer(msg, hooks, headers))
+                    asking.add(task)
+                    task.add_done_callback(asking.discard)
+                else:
+                    await side_traffic(msg, hooks)
+            return None
+        finally:
+            for task in asking:
+                task.cancel()
+
+    async def _answer(self, request: Message, hooks: Hooks, headers: Mapping[str, str]) -> None:
+        reply = await side_traffic(request, hooks)
+        if reply is not None:
+            await self.post_reply(reply, headers)
+
+    async def follow(self, method: bytes, headers: Mapping[str, str], body: bytes | None, hooks: Hooks) -> int:
+        """Read a standing SSE stream (GET, or a POST such as ``subscriptions/listen``) until it
+        ends, handing each message to ``hooks``; returns the HTTP status."""
+        async with await self.origin.open(method, headers, body) as resp:
+            if not resp.headers.get("content-type", "").startswith("text/event-stream"):
+                await resp.read()
+                return resp.status
+            async for msg in _sse_messages(_lines(resp.chunks())):
+                reply = await side_traffic(msg, hooks)
+                if reply is not None:
+                    await self.post_reply(reply, headers)
+            return resp.status
+
+    async def post_reply(self, reply: Message, headers: Mapping[str, str]) -> None:
+        """The answer to a server->client request travels as its own POST on the same session."""
+        keep = {k: v for k, v in headers.items() if k in ("mcp-session-id", "mcp-protocol-version")}
+        async with await self.origin.open(b"POST", keep, orjson.dumps(reply)) as resp:
+            await resp.read()
+            if resp.status >= 400:
+                log.warning("upstream %s refused a reply to its request (HTTP %d)", self.url, resp.status)
+
+    async def close(self) -> None:
+        self.origin.close()
+
+
+async def _lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    """Text lines of a byte stream (``\n``, ``\r\n`` or ``\r`` ends a line, as SSE allows)."""
+    pending = b""
+    async for chunk in chunks:
+        pending += chunk
+        held = b"\r" if pending.endswith(b"\r") else b""  # may be the first half of a \r\n
+        text = pending[:-1] if held else pending
+        *whole, rest = text.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
+        pending = rest + held
+        for line in whole:
+            yield line.decode("utf-8", "replace")
+    if pending:
+        yield pending.rstrip(b"\r").decode("utf-8", "replace")
+
+
+async def _sse_messages(lines: AsyncIterator[str]) -> AsyncIterator[Message]:
+    """JSON-RPC messages of an SSE stream (``data:`` lines up to a blank line form one event)."""
+    data: list[str] = []
+    async for line in lines:
+        if line == "":
+            if data:
+                msg = _json_object("\n".join(data).encode())
+                data = []
+                if msg is not None:
+                    yield msg
+        elif line.startswith("data:"):
+            data.append(line[6:] if line.startswith("data: ") else line[5:])
+
+
+def _json_object(data: bytes) -> Message | None:
+    try:
+        value = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+class StdioWire:
+    """A stdio server: started on first use, restarted on the next use after it exits.
+
+    A stdio server has one connection, so every principal shares it (and its one session).
+    Answers are matched to requests by id; a server->client request or a notification goes to
+    the hooks of the oldest request still waiting (a stdio exchange carries no other link)."""
+
+    def __init__(self, command: list[str], env: Mapping[str, str]) -> None:
+        self.command = command
+        # Not the gateway's environment (it holds the gateway's own secrets): the basics a program
+        # needs, plus what the upstream's configuration names.
+        self.env = {k: v for k, v in os.environ.items() if k in STDIO_INHERITED_ENV} | dict(env)
+        self.proc: asyncio.subprocess.Process | None = None
+        self.generation = 0  # bumps on every (re)start: the session must be initialized again
+        self._waiting: dict[Any, tuple[asyncio.Future[Message], Hooks]] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._start_lock = asyncio.Lock()
+        self._side: set[asyncio.Task[None]] = set()  # server requests being answered (held until done)
+        self.idle_hooks = NO_HOOKS  # for what the server sends while no request waits (list_changed)
+
+    async def _ensure(self) -> asyncio.subprocess.Process:
+        async with self._start_lock:
+            if self.proc is None or self.proc.returncode is not None:
+                self.proc = await asyncio.create_subprocess_exec(
+                    *self.command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.DEVNULL, env=self.env, limit=STDIO_LINE_LIMIT_BYTES)
+                self.generation += 1
+                self._reader = asyncio.create_task(self._read(self.proc), name="proxy-stdio-reader")
+            return self.proc
+
+    async def send(self, body: bytes, headers: Mapping[str, str], request_id: Any, hooks: Hooks) -> Answer:
+        proc = await self._ensure()
+        future: asyncio.Future[Message] | None = None
+        if request_id is not None:
+            future = asyncio.get_running_loop().create_future()
+            self._waiting[request_id] = (future, hooks)
+        try:
+            await self._write(proc, body)
+            return Answer(200, await future if future is not None else None, {})
+        finally:
+            self._waiting.pop(request_id, None)
+
+    async def _write(self, proc: asyncio.subprocess.Process, body: bytes) -> None:
+        if proc.stdin is None or proc.returncode is not None:
+            raise WireClosed("the stdio server is not running")
+        try:
+            proc.stdin.write(body + b"\n")
+            await proc.stdin.drain()
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            raise WireClosed("the stdio server closed its input") from exc
+
+    async def _read(self, proc: asyncio.subprocess.Process) -> None:
+        stdout = proc.stdout
+        if stdout is None:
+            return
+        try:
+            while line := await stdout.readline():
+                msg = _json_object(line)
+                if msg is not None:
+                    await self._route(proc, msg)
+        except (ValueError, OSError) as exc:  # a line over the limit, or the pipe broke
+            log.warning("stdio upstream %s: %s", self.command[0], type(exc).__name__)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            for future, _ in list(self._waiting.values()):
+                if not future.done():
+                    future.set_exception(WireClosed("the stdio server exited"))
+
+    async def _route(self, proc: asyncio.subprocess.Process, msg: Message) -> None:
+        if "method" not in msg:
+            waiting = self._waiting.get(msg.get("id"))
+            if waiting is not None and not waiting[0].done():
+                waiting[0].set_result(msg)
+            return
+        hooks = next(iter(self._waiting.values()))[1] if self._waiting else self.idle_hooks
+        task = asyncio.create_task(self._serve_side(proc, msg, hooks))
+        self._side.add(task)
+        task.add_done_callback(self._side.discard)
+
+    async def _serve_side(self, proc: asyncio.subprocess.Process, msg: Message, hooks: Hooks) -> None:
+        try:
+            reply = await side_traffic(msg, hooks)
+            if reply is not None:
+                await self._write(proc, orjson.dumps(reply))
+        except Exception:  # noqa: BLE001 - a side message must not take the reader down
+            log.warning("stdio upstream %s: could not serve a %s message", self.command[0], msg.get("method"))
+
+    async def close(self) -> None:
+        proc = self.proc
+        if proc is not None and proc.returncode is None:
+            proc.kill()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(proc.wait(), 5)
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._reader
+
+
+Wire = HttpWire | StdioWire

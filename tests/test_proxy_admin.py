@@ -1,0 +1,116 @@
+"""The upstream set at runtime: the admin API (add, read, change, disable, remove, health),
+kept in Redis so every replica serves the same set, and upstream sessions held per principal
+in Redis so any replica continues them (and renews one the upstream forgot)."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from typing import Any
+
+import httpx
+import pytest
+import redis as redis_sync
+
+from shared import keys
+from tests.admin_support import MCP_KEY, VIEWER_KEY
+from tests.conftest import wait_for_sync
+from tests.proxy_front import (
+    ADMIN,
+    LEGACY,
+    UPSTREAM_SECRET,
+    Client,
+    front_gateway,
+    upstream_db,
+    upstream_entry,
+)
+
+pytest_plugins = ("tests.proxy_front_fixtures",)
+
+
+def _tools(base: str) -> set[str]:
+    return set(Client(base, MCP_KEY, LEGACY).open().names())
+
+
+def test_admin_api_manages_upstreams(redis_url: str, upstream: str) -> None:
+    with front_gateway(redis_url, {}) as base:
+        admin_url = base + "/admin/upstreams"
+        entry: dict[str, Any] = upstream_entry(upstream, name="up2", namespace="u2")
+        assert httpx.post(admin_url, json=entry, headers={"authorization": f"Bearer {VIEWER_KEY}"}).status_code == 403
+        created = httpx.post(admin_url, json=entry, headers=ADMIN)
+        assert created.status_code == 201, created.text
+        assert created.json()["namespace"] == "u2" and created.json()["credentials"] == {"Authorization": "env"}
+        assert httpx.post(admin_url, json=entry, headers=ADMIN).status_code == 409
+        assert [u["name"] for u in httpx.get(admin_url, headers=ADMIN).json()["upstreams"]] == ["up2"]
+        assert "u2.t_echo" in _tools(base)
+        Client(base, MCP_KEY, LEGACY).open().result("tools/call", {"name": "u2.t_echo", "arguments": {"text": "d"}})
+        [panel] = httpx.get(base + "/admin/summary", headers=ADMIN).json()["upstreams"]  # the dashboard's panel
+        assert panel["name"] == "up2" and panel["calls"] == 1 and panel["errors"] == 0 and panel["breaker"] == "closed"
+        off = httpx.patch(admin_url + "/up2", json={"enabled": False}, headers=ADMIN)
+        assert off.status_code == 200 and off.json()["enabled"] is False
+        assert "u2.t_echo" not in _tools(base)
+        call = Client(base, MCP_KEY, LEGACY).open().call("tools/call", {"name": "u2.t_echo", "arguments": {"text": "x"}})
+        assert call["error"]["code"] == -32602 and "Tool not found" in call["error"]["message"]
+        assert httpx.patch(admin_url + "/up2", json={"enabled": True}, headers=ADMIN).status_code == 200
+        health = httpx.get(admin_url + "/up2/health", headers=ADMIN).json()
+        assert health["breaker"] == "closed" and health["enabled"] is True
+        assert httpx.patch(admin_url + "/up2", json={"url": "http://elsewhere/mcp"}, headers=ADMIN).status_code == 422
+        assert httpx.delete(admin_url + "/up2", headers=ADMIN).json() == {"removed": "up2"}
+        assert httpx.get(admin_url + "/up2", headers=ADMIN).status_code == 404
+        assert "u2.t_echo" not in _tools(base)
+
+
+@pytest.mark.parametrize(("body", "needle"), [
+    ({"name": "x", "url": "http://a/mcp", "command": ["srv"]}, "exactly one of url or command"),
+    ({"name": "x", "url": "http://a/mcp", "headers_from_env": {"Authorization": "LM_TEST_UNSET_VAR"}},
+     "LM_TEST_UNSET_VAR"),
+    ({"name": "Bad Name", "url": "http://a/mcp"}, "name"),
+    ({"name": "x", "url": "ftp://a/mcp"}, "http"),
+])
+def test_admin_api_refuses_bad_upstreams(redis_url: str, body: dict[str, Any], needle: str) -> None:
+    with front_gateway(redis_url, {}) as base:
+        r = httpx.post(base + "/admin/upstreams", json=body, headers=ADMIN)
+        assert r.status_code == 422 and needle in r.text
+
+
+def test_replicas_follow_the_set_in_redis(redis_url: str, upstream: str) -> None:
+    with ExitStack() as stack:
+        a = stack.enter_context(front_gateway(redis_url, {}))
+        b = stack.enter_context(front_gateway(redis_url, {}))
+        assert httpx.post(a + "/admin/upstreams", json=upstream_entry(upstream), headers=ADMIN).status_code == 201
+        wait_for_sync(lambda: "up.t_echo" in _tools(b), timeout_s=10, what="replica b to mount the new upstream")
+        assert httpx.patch(b + "/admin/upstreams/up", json={"enabled": False}, headers=ADMIN).status_code == 200
+        wait_for_sync(lambda: "up.t_echo" not in _tools(a), timeout_s=10, what="replica a to drop it")
+
+
+def test_config_upstream_removed_at_runtime_stays_removed(redis_url: str, upstream: str,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    proxy = {"upstreams": [upstream_entry(upstream)]}
+    with front_gateway(redis_url, proxy) as base:
+        assert "up.t_echo" in _tools(base)
+        assert httpx.delete(base + "/admin/upstreams/up", headers=ADMIN).status_code == 200
+    with front_gateway(redis_url, proxy) as base:
+        assert "up.t_echo" not in _tools(base)
+        assert httpx.get(base + "/admin/upstreams", headers=ADMIN).json() == {"upstreams": []}
+    assert "proxy upstream up: the configuration file differs from the set in Redis (removed at runtime)" \
+        in caplog.text
+
+
+def test_upstream_session_is_shared_by_replicas_and_renewed(redis_url: str, upstream: str) -> None:
+    proxy = {"upstreams": [upstream_entry(upstream, revision="2025-11-25")]}
+    echo = {"name": "up.t_echo", "arguments": {"text": "s"}}
+    with ExitStack() as stack, redis_sync.Redis.from_url(redis_url, decode_responses=True) as r, \
+            redis_sync.Redis.from_url(upstream_db(upstream)) as up_redis:
+        a = stack.enter_context(front_gateway(redis_url, proxy))
+        b = stack.enter_context(front_gateway(redis_url, proxy))
+        sessions_before = up_redis.zcard("lm:{proxy}:sessions")
+        assert Client(a, MCP_KEY, LEGACY).open().result("tools/call", echo)["content"][0]["text"] == "proxy:s"
+        sid = r.get(keys.proxy_session("alice", "up/sampling"))
+        assert sid
+        assert Client(b, MCP_KEY, LEGACY).open().result("tools/call", echo)["content"][0]["text"] == "proxy:s"
+        assert r.get(keys.proxy_session("alice", "up/sampling")) == sid  # b continued a's upstream session
+        assert up_redis.zcard("lm:{proxy}:sessions") == sessions_before + 1
+        gone = httpx.delete(upstream, headers={"authorization": f"Bearer {UPSTREAM_SECRET}", "mcp-session-id": sid})
+        assert gone.status_code in (200, 204)
+        assert Client(a, MCP_KEY, LEGACY).open().result("tools/call", echo)["content"][0]["text"] == "proxy:s"
+        renewed = r.get(keys.proxy_session("alice", "up/sampling"))
+        assert renewed and renewed != sid

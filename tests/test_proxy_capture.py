@@ -1,0 +1,56 @@
+"""Opt-in capture: a proxied call's arguments and results become entries of the caller's
+context, readable back (context_get) and teachable (a learn sample naming that context's
+version); calls of tools not opted in leave no entry. Plus the proxy's /metrics families."""
+
+from __future__ import annotations
+
+import httpx
+import orjson
+
+from tests.admin_support import MCP_KEY
+from tests.proxy_front import (
+    MODERN,
+    Client,
+    front_gateway,
+    upstream_entry,
+)
+
+pytest_plugins = ("tests.proxy_front_fixtures",)
+
+
+def test_captured_calls_become_context_entries_and_samples(redis_url: str, upstream: str) -> None:
+    proxy = {"upstreams": [upstream_entry(upstream, capture={"tools": ["t_echo"]})]}
+    with front_gateway(redis_url, proxy, learning={"teachers": ["alice"]}) as base:
+        client = Client(base, MCP_KEY, MODERN).open()
+        meta = {"io.learnmesh/context": "weather-chat"}
+        client.result("tools/call", {"name": "up.t_echo", "arguments": {"text": "rain?"}, "_meta": meta})
+        client.result("tools/call", {"name": "up.t_struct", "arguments": {}, "_meta": meta})  # not captured
+        window = client.result("tools/call", {"name": "context_get", "arguments": {"context_id": "weather-chat"}})
+        entries = window["structuredContent"]["entries"]
+        assert [(e["modality"], e["role"]) for e in entries] == [("text", "user"), ("text", "assistant")]
+        assert orjson.loads(entries[0]["text"]) == {"tool": "up.t_echo", "arguments": {"text": "rain?"}}
+        assert entries[1]["text"] == "proxy:rain?"
+        version = window["structuredContent"]["version"]
+        taught = client.result("tools/call", {"name": "learn", "arguments": {
+            "input": "rain?", "target": "bring an umbrella", "context_id": "weather-chat", "version": version}})
+        assert not taught.get("isError") and len(taught["structuredContent"]["ids"]) == 1
+
+
+def test_capture_defaults_to_a_context_per_upstream(redis_url: str, upstream: str) -> None:
+    with front_gateway(redis_url, {"upstreams": [upstream_entry(upstream, capture=True)]}) as base:
+        client = Client(base, MCP_KEY, MODERN).open()
+        client.result("tools/call", {"name": "up.t_echo", "arguments": {"text": "one"}})
+        window = client.result("tools/call", {"name": "context_get", "arguments": {"context_id": "proxy.up"}})
+        assert [e.get("text") for e in window["structuredContent"]["entries"]][-1] == "proxy:one"
+
+
+def test_metrics_count_calls_latency_and_breaker(redis_url: str, upstream: str) -> None:
+    with front_gateway(redis_url, {"upstreams": [upstream_entry(upstream)]}) as base:
+        client = Client(base, MCP_KEY, MODERN).open()
+        client.result("tools/call", {"name": "up.t_echo", "arguments": {"text": "m"}})
+        client.result("tools/call", {"name": "up.t_fail", "arguments": {}})
+        text = httpx.get(base + "/metrics").text
+        assert 'learnmesh_proxy_calls_total{method="tools/call",outcome="ok",upstream="up"}' in text
+        assert 'learnmesh_proxy_calls_total{method="tools/call",outcome="tool_error",upstream="up"}' in text
+        assert 'learnmesh_proxy_call_seconds_count{upstream="up"}' in text
+        assert 'learnmesh_proxy_breaker_state{upstream="up"} 0.0' in text

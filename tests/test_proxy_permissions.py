@@ -1,0 +1,111 @@
+"""Who may use what through the proxy, what the audit stream records, and that an upstream's
+credential appears in no response, log line, admin read, metric, audit record or Redis value."""
+
+from __future__ import annotations
+
+import logging
+
+import httpx
+import pytest
+import redis as redis_sync
+
+from shared import keys
+from tests.admin_support import MCP_KEY
+from tests.conftest import wait_for_sync
+from tests.proxy_front import (
+    ADMIN,
+    BOB_KEY,
+    LEGACY,
+    MODERN,
+    TOKEN_ENV,
+    UPSTREAM_SECRET,
+    Client,
+    front_gateway,
+    upstream_entry,
+)
+
+pytest_plugins = ("tests.proxy_front_fixtures",)
+
+FORBIDDEN = -32003
+
+
+def test_allow_lists_by_principal_and_role(redis_url: str, upstream: str) -> None:
+    proxy = {"upstreams": [upstream_entry(upstream)],
+             "allow": {"principals": {"alice": ["*"]}, "roles": {"analyst": ["up.t_echo"]}}}
+    limits = {"roles": {"analyst": {}}, "principal_roles": {"bob": "analyst"}}
+    with front_gateway(redis_url, proxy, limits=limits) as base:
+        alice = Client(base, MCP_KEY, LEGACY).open()
+        assert {"up.t_echo", "up.t_fail"} <= set(alice.names())
+        for revision in (LEGACY, MODERN):
+            bob = Client(base, BOB_KEY, revision).open()
+            assert [n for n in bob.names() if n.startswith("up.")] == ["up.t_echo"]
+            assert bob.result("tools/call", {"name": "up.t_echo", "arguments": {"text": "ok"}})["content"]
+            denied = bob.post("tools/call", {"name": "up.t_fail", "arguments": {}})
+            error = denied.json()["error"]
+            assert error["code"] == FORBIDDEN and "up.t_fail" in error["message"] and "'up'" in error["message"]
+            assert denied.status_code == (403 if revision == MODERN else 200)
+            read = bob.call("resources/read", {"uri": "upstream://up/test%3A%2F%2Fr"})
+            assert read["error"]["code"] == FORBIDDEN  # a tool grant is not the whole upstream
+            assert not [r for r in bob.result("resources/list")["resources"] if r["uri"].startswith("upstream://")]
+
+
+def test_unlisted_principal_sees_no_upstream(redis_url: str, upstream: str) -> None:
+    proxy = {"upstreams": [upstream_entry(upstream)], "allow": {"principals": {"alice": ["up"]}}}
+    with front_gateway(redis_url, proxy) as base:
+        bob = Client(base, BOB_KEY, LEGACY).open()
+        assert not [n for n in bob.names() if n.startswith("up.")]
+        assert bob.call("tools/call", {"name": "up.t_echo", "arguments": {"text": "x"}})["error"]["code"] == FORBIDDEN
+        alice = Client(base, MCP_KEY, LEGACY).open()
+        assert "up.t_echo" in alice.names()
+
+
+def test_every_proxied_call_is_audited(redis_url: str, upstream: str) -> None:
+    with front_gateway(redis_url, {"upstreams": [upstream_entry(upstream)]}) as base:
+        client = Client(base, MCP_KEY, MODERN).open()
+        client.result("tools/call", {"name": "up.t_echo", "arguments": {"text": "audited"}})
+        client.result("tools/call", {"name": "up.t_fail", "arguments": {}})
+        with redis_sync.Redis.from_url(redis_url, decode_responses=True) as r:
+            def records() -> list[dict[str, str]]:
+                return [f for _, f in r.xrange(keys.AUDIT_STREAM) if f.get("action") == "proxy.call"]
+            wait_for_sync(lambda: len(records()) >= 2, timeout_s=10, what="two audit records")
+            calls = {rec["item"]: rec for rec in records() if rec["method"] == "tools/call"}
+        assert calls["t_echo"]["principal"] == "alice" and calls["t_echo"]["upstream"] == "up"
+        assert calls["t_echo"]["outcome"] == "ok" and float(calls["t_echo"]["latency_ms"]) > 0
+        assert calls["t_fail"]["outcome"] == "tool_error"
+        assert not any("audited" in v for rec in calls.values() for v in rec.values())  # no arguments
+
+
+def test_credentials_appear_nowhere(redis_url: str, upstream: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    with front_gateway(redis_url, {"upstreams": [upstream_entry(upstream)]}) as base:
+        seen: list[str] = []
+        for revision in (LEGACY, MODERN):
+            client = Client(base, MCP_KEY, revision).open()
+            for method, params in (("tools/list", {}), ("resources/list", {}),
+                                   ("tools/call", {"name": "up.t_echo", "arguments": {"text": "a"}}),
+                                   ("tools/call", {"name": "up.t_crash", "arguments": {}}),
+                                   ("tools/call", {"name": "up.t_echo", "arguments": {"text": 1}}),
+                                   ("resources/read", {"uri": "upstream://up/test%3A%2F%2Fr"})):
+                seen.append(client.post(method, params).text)
+        for path in ("/admin/upstreams", "/admin/upstreams/up", "/admin/upstreams/up/health", "/admin/audit",
+                     "/admin/config"):
+            r = httpx.get(base + path, headers=ADMIN)
+            seen.append(r.text)
+        admin_read = httpx.get(base + "/admin/upstreams/up", headers=ADMIN).json()
+        assert admin_read["credentials"] == {"Authorization": "env"} and TOKEN_ENV not in str(admin_read)
+        seen.append(httpx.get(base + "/metrics").text)
+        with redis_sync.Redis.from_url(redis_url) as r:
+            seen.extend(str(r.dump(k)) for k in r.scan_iter("*"))
+    assert any("proxy:a" in s for s in seen)  # the calls did reach the upstream
+    for text in [*seen, caplog.text]:
+        assert UPSTREAM_SECRET not in text
+
+
+def test_quotas_apply_to_proxied_calls(redis_url: str, upstream: str) -> None:
+    limits = {"principals": {"alice": {"requests_per_s": 0.01, "requests_burst": 2}}}
+    with front_gateway(redis_url, {"upstreams": [upstream_entry(upstream)]}, limits=limits) as base:
+        client = Client(base, MCP_KEY, MODERN).open()
+        answers = [client.post("tools/call", {"name": "up.t_echo", "arguments": {"text": "q"}}) for _ in range(3)]
+        assert [a.status_code for a in answers[:2]] == [200, 200]
+        assert answers[2].status_code == 429 and answers[2].json()["error"]["code"] == -32029
+        assert "retry-after" in answers[2].headers

@@ -1,0 +1,60 @@
+"""The proxy's pure parts: the breaker's states, name and URI mapping, and SSE line splitting
+across chunk boundaries (no network: these are the rules the integration tests rely on)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from gateway.proxy import names
+from gateway.proxy.breaker import CLOSED, HALF_OPEN, OPEN, Breaker
+from gateway.proxy.wire import _lines, _sse_messages
+
+
+def test_breaker_opens_probes_once_and_closes_or_reopens() -> None:
+    breaker = Breaker(failures=2, reset_s=3600.0)
+    breaker.failed()
+    assert breaker.state == CLOSED and breaker.admit()
+    breaker.failed()
+    assert breaker.state == OPEN and not breaker.admit() and breaker.retry_in_s() > 3500
+    probing = Breaker(failures=1, reset_s=0.0)  # open for no time: half-open at once
+    probing.failed()
+    assert probing.state == HALF_OPEN
+    assert probing.admit() and not probing.admit()  # one probe call at a time
+    probing.failed()  # the probe failed: open again (and, with reset_s 0, half-open again)
+    assert probing.failures == 2 and probing.admit()
+    probing.abandoned()  # the probe got no slot and never reached the upstream: another may probe
+    assert probing.admit()
+    probing.succeeded()
+    assert probing.state == CLOSED and probing.failures == 0 and probing.admit() and probing.admit()
+
+
+@pytest.mark.parametrize("uri", ["test://r", "file:///a b/c?x=1#f", "https://h/p?q=%2F", "urn:x:y"])
+def test_resource_uris_map_back_exactly(uri: str) -> None:
+    wrapped = names.wrap_uri("weather", uri)
+    assert wrapped.startswith("upstream://weather/") and "/" not in wrapped[len("upstream://weather/"):]
+    assert names.unwrap_uri(wrapped) == ("weather", uri)
+
+
+def test_templates_keep_their_variables_and_names_their_namespace() -> None:
+    template = names.wrap_template("w", "file:///{dir}/data?id={id}")
+    assert "{dir}" in template and "{id}" in template
+    assert names.unwrap_uri(template.replace("{dir}", "a").replace("{id}", "7")) == ("w", "file:///a/data?id=7")
+    assert names.unwrap_uri("context://c1/text") is None and names.unwrap_uri("upstream://") is None
+    assert names.exposed("weather", "forecast") == "weather.forecast" and names.exposed("", "forecast") == "forecast"
+
+
+async def _chunks(parts: list[bytes]) -> AsyncIterator[bytes]:
+    for part in parts:
+        yield part
+
+
+@pytest.mark.parametrize("parts", [
+    [b'data: {"a":1}\r\n\r\ndata: {"b":2}\r\n\r\n'],
+    [b'data: {"a":1}\r', b'\n\r', b'\ndata: {"b"', b':2}\r\n', b'\r\n'],
+    [b'event: message\ndata: {"a":1}\n\n', b': comment\n', b'data: {"b":2}\n\n'],
+])
+async def test_sse_messages_survive_any_chunking(parts: list[bytes]) -> None:
+    got = [m async for m in _sse_messages(_lines(_chunks(parts)))]
+    assert got == [{"a": 1}, {"b": 2}]
