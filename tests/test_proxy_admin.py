@@ -114,3 +114,21 @@ def test_upstream_session_is_shared_by_replicas_and_renewed(redis_url: str, upst
         assert Client(a, MCP_KEY, LEGACY).open().result("tools/call", echo)["content"][0]["text"] == "proxy:s"
         renewed = r.get(keys.proxy_session("alice", "up/sampling"))
         assert renewed and renewed != sid
+
+
+def test_upstream_session_in_redis_is_renewed_while_in_use(redis_url: str, upstream: str) -> None:
+    proxy = {"upstreams": [upstream_entry(upstream, revision="2025-11-25")]}
+    echo = {"name": "up.t_echo", "arguments": {"text": "r"}}
+    with front_gateway(redis_url, proxy, gateway={"session_idle_ttl_s": 6}) as base, \
+            redis_sync.Redis.from_url(redis_url) as r:
+        client = Client(base, MCP_KEY, LEGACY).open()
+        client.result("tools/call", echo)
+        key = keys.proxy_session("alice", "up/sampling")
+        seen = [r.pttl(key)]
+
+        def renewed() -> bool:  # without renewal the TTL only falls (and the key is gone after 6 s)
+            client.result("tools/call", echo)
+            seen.append(r.pttl(key))
+            return seen[-1] > seen[-2]
+
+        wait_for_sync(renewed, timeout_s=10, interval_s=0.2, what="the upstream session's TTL to be renewed")
