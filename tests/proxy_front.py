@@ -93,7 +93,8 @@ def front_gateway(redis_url: str, proxy: dict[str, Any], api_keys: dict[str, str
     """A gateway whose ``proxy`` section is ``proxy``; principals alice (MCP_KEY) and bob (BOB_KEY),
     or ``api_keys`` ({}: an open loopback gateway, every caller ``local``)."""
     keys = {"alice": MCP_KEY, "bob": BOB_KEY} if api_keys is None else api_keys
-    cfg = admin_config(redis_url, gateway={"api_keys": keys}, proxy=proxy, **sections)
+    gateway = {"api_keys": keys, **sections.pop("gateway", {})}
+    cfg = admin_config(redis_url, gateway=gateway, proxy=proxy, **sections)
     with LiveServer(create_app(cfg)) as server:
         yield server.url
 

@@ -102,15 +102,33 @@ def test_upstream_session_is_shared_by_replicas_and_renewed(redis_url: str, upst
             redis_sync.Redis.from_url(upstream_db(upstream)) as up_redis:
         a = stack.enter_context(front_gateway(redis_url, proxy))
         b = stack.enter_context(front_gateway(redis_url, proxy))
-        sessions_before = up_redis.zcard("lm:{proxy}:sessions")
         assert Client(a, MCP_KEY, LEGACY).open().result("tools/call", echo)["content"][0]["text"] == "proxy:s"
         sid = r.get(keys.proxy_session("alice", "up/sampling"))
         assert sid
         assert Client(b, MCP_KEY, LEGACY).open().result("tools/call", echo)["content"][0]["text"] == "proxy:s"
-        assert r.get(keys.proxy_session("alice", "up/sampling")) == sid  # b continued a's upstream session
-        assert up_redis.zcard("lm:{proxy}:sessions") == sessions_before + 1
+        # b continued a's upstream session: opening its own would have replaced the id in Redis
+        assert r.get(keys.proxy_session("alice", "up/sampling")) == sid
+        assert up_redis.exists(f"lm:{{proxy}}:sess:{sid}")  # the upstream's own record of that session
         gone = httpx.delete(upstream, headers={"authorization": f"Bearer {UPSTREAM_SECRET}", "mcp-session-id": sid})
         assert gone.status_code in (200, 204)
         assert Client(a, MCP_KEY, LEGACY).open().result("tools/call", echo)["content"][0]["text"] == "proxy:s"
         renewed = r.get(keys.proxy_session("alice", "up/sampling"))
         assert renewed and renewed != sid
+
+
+def test_upstream_session_in_redis_is_renewed_while_in_use(redis_url: str, upstream: str) -> None:
+    proxy = {"upstreams": [upstream_entry(upstream, revision="2025-11-25")]}
+    echo = {"name": "up.t_echo", "arguments": {"text": "r"}}
+    with front_gateway(redis_url, proxy, gateway={"session_idle_ttl_s": 6}) as base, \
+            redis_sync.Redis.from_url(redis_url) as r:
+        client = Client(base, MCP_KEY, LEGACY).open()
+        client.result("tools/call", echo)
+        key = keys.proxy_session("alice", "up/sampling")
+        seen = [r.pttl(key)]
+
+        def renewed() -> bool:  # without renewal the TTL only falls (and the key is gone after 6 s)
+            client.result("tools/call", echo)
+            seen.append(r.pttl(key))
+            return seen[-1] > seen[-2]
+
+        wait_for_sync(renewed, timeout_s=10, interval_s=0.2, what="the upstream session's TTL to be renewed")

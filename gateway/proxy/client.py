@@ -22,6 +22,7 @@ import base64
 import itertools
 import logging
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -116,7 +117,8 @@ class UpstreamClient:
         self._sessions: dict[Seat, str] = {}  # upstream session ids (this replica's copy of Redis)
         self._locks: dict[str, asyncio.Lock] = {}
         self._stdio_session = 0  # generation of the stdio process the session was opened on
-        self._cancels: set[asyncio.Future[None]] = set()
+        self._cancels: set[asyncio.Future[Any]] = set()  # background writes: cancellations, session renewals
+        self._renewed: dict[Seat, float] = {}  # when each session's Redis TTL was last renewed
 
     # ------------------------------------------------------------------ the one entry point
     async def request(self, principal: str, method: str, params: dict[str, Any], hooks: Hooks = NO_HOOKS,
@@ -252,8 +254,10 @@ class UpstreamClient:
         A stdio server has one session, opened again after each restart."""
         if self._stdio_ready():
             return None
-        if seat in self._sessions:
-            return self._sessions[seat]
+        sid = self._sessions.get(seat)
+        if sid is not None:
+            self._keep_alive(seat)
+            return sid
         async with self._locks.setdefault(seat.slot, asyncio.Lock()):
             if isinstance(self.wire, StdioWire):
                 return None if self._stdio_ready() else await self._initialize(seat)
@@ -265,6 +269,19 @@ class UpstreamClient:
                 self._sessions[seat] = sid
                 return sid
             return await self._initialize(seat)
+
+    def _keep_alive(self, seat: Seat) -> None:
+        """Renew the Redis copy of a session in use (at most every third of its TTL), so other
+        replicas keep finding it while this one serves from its own copy."""
+        now = time.monotonic()
+        if not seat.principal or now - self._renewed.get(seat, now) < self.session_ttl_s / 3:
+            self._renewed.setdefault(seat, now)
+            return
+        self._renewed[seat] = now
+        task = asyncio.ensure_future(self.redis.expire(self._key(seat), self.session_ttl_s))
+        self._cancels.add(task)
+        task.add_done_callback(_renewed)
+        task.add_done_callback(self._cancels.discard)
 
     def _key(self, seat: Seat) -> str:
         return keys.proxy_session(seat.principal, f"{self.name}/{seat.slot}")
@@ -292,6 +309,7 @@ class UpstreamClient:
 
     async def _forget_session(self, seat: Seat) -> None:
         self._sessions.pop(seat, None)
+        self._renewed.pop(seat, None)
         if isinstance(self.wire, HttpWire) and seat.principal:
             await self.redis.delete(self._key(seat))
 
@@ -362,6 +380,11 @@ class UpstreamClient:
         for task in self._cancels:
             task.cancel()
         await self.wire.close()
+
+
+def _renewed(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("could not renew an upstream session's TTL (%s)", type(future.exception()).__name__)
 
 
 def _legacy_params(params: dict[str, Any]) -> dict[str, Any]:
