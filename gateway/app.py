@@ -18,7 +18,7 @@ import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 import zmq
@@ -99,8 +99,10 @@ def _redis_clients(cfg: Config) -> tuple[aioredis.Redis, aioredis.Redis]:
     """The request client (socket timeout) and the blocking one (none: pub/sub, blocking reads)."""
     common: dict[str, Any] = {"socket_connect_timeout": cfg.redis.socket_timeout_s,
                               "max_connections": cfg.redis.max_connections, "health_check_interval": 30}
-    return (async_client(cfg.redis, socket_timeout=cfg.redis.socket_timeout_s, **common),
-            async_client(cfg.redis, socket_timeout=None, **common))
+    # Typed as one server's client: the components below are written against its API, and
+    # RedisCluster answers the same commands for keys of one slot.
+    return (cast(aioredis.Redis, async_client(cfg.redis, socket_timeout=cfg.redis.socket_timeout_s, **common)),
+            cast(aioredis.Redis, async_client(cfg.redis, socket_timeout=None, **common)))
 
 
 async def _warn_unless_noeviction(redis: aioredis.Redis) -> None:

@@ -103,7 +103,10 @@ class RedisConfig:
     """Where the store lives. ``url=None``: ``REDIS_URL``, else the embedded default (shared.redis_embed).
 
     Credentials and TLS apply to every client a learnmesh process opens (shared/redis_client.py):
-    ``redis://user:password@host`` or the fields below; ``rediss://`` for TLS."""
+    ``redis://user:password@host`` or the fields below; ``rediss://`` for TLS.
+
+    Redis Cluster: ``cluster: true``, or a ``redis+cluster://`` (``rediss+cluster://``) URL naming
+    any node as the seed; every process then discovers the other masters from it."""
 
     url: str | None = None
     socket_timeout_s: PositiveFloat = 2.0
@@ -116,13 +119,15 @@ class RedisConfig:
                                                               "must chain to (None: the system's)")
     tls_cert_file: str | None = Field(default=None, description="rediss://: client certificate (mutual TLS)")
     tls_key_file: str | None = Field(default=None, description="rediss://: its private key (mode 0600)")
+    cluster: StrictBool = Field(default=False, description="the url names a node of a Redis Cluster (same as a "
+                                                           "redis+cluster:// or rediss+cluster:// url)")
 
     def __post_init__(self) -> None:
         _check(not (self.password and self.password_file), "set password or password_file, not both")
         _check(not (self.url and urlsplit(self.url).password and (self.password or self.password_file)),
                "url already carries a password; drop password/password_file or the one in url")
         tls = self.tls_ca_file or self.tls_cert_file or self.tls_key_file
-        _check(not (tls and self.url and not self.url.startswith("rediss://")),
+        _check(not (tls and self.url and not self.url.startswith(("rediss://", "rediss+cluster://"))),
                "tls_* files need a rediss:// url")
         _check(bool(self.tls_cert_file) == bool(self.tls_key_file), "tls_cert_file and tls_key_file go together")
 

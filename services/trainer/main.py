@@ -17,9 +17,10 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from types import FrameType
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import zmq
+from redis import Redis
 
 from services.trainer import checkpoint
 from services.trainer.data import ContextReader, SampleSource
@@ -149,7 +150,7 @@ def _checkpointed_offset(state: dict[str, Any] | None) -> Offset:
 
 
 def _build_leader(cfg: Config, group: RankGroup, stepper: Stepper, checkpointed: Offset) -> Leader:
-    redis = sync_client(cfg.redis, socket_timeout=30)
+    redis = cast(Redis, sync_client(cfg.redis, socket_timeout=30))  # see gateway.app._redis_clients
     ledger = Ledger(redis)
     offset, rolled = ledger.resume(checkpointed)
     log.info("trainer resumed at step %d (seq %d, epoch %d); %d uncheckpointed step(s) rolled back and "
