@@ -41,10 +41,10 @@ from gateway.transports.edge import HttpEdge
 from gateway.transports.streamable_http import McpHttpTransport
 from gateway.transports.websocket import websocket_endpoint, ws_ticket_endpoint
 from gateway.workers import WorkerPool
-from shared import audit
+from shared import audit, keys
 from shared.config import Config, ConfigError
 from shared.context import ContextStore
-from shared.redis_client import async_client
+from shared.redis_client import async_client, for_each_primary
 from shared.text import as_str
 
 log = logging.getLogger(__name__)
@@ -107,13 +107,28 @@ def _redis_clients(cfg: Config) -> tuple[aioredis.Redis, aioredis.Redis]:
 
 async def _warn_unless_noeviction(redis: aioredis.Redis) -> None:
     try:
-        conf: dict[Any, Any] = await redis.config_get("maxmemory-policy")
-        policy = conf.get("maxmemory-policy") or conf.get(b"maxmemory-policy")
-        if as_str(policy) != "noeviction":
-            log.warning("redis maxmemory-policy is %r: Redis may evict part of a context's keys; learnmesh "
-                        "enforces its own exact budgets and needs 'noeviction'", as_str(policy))
+        for policy in await for_each_primary(redis, _eviction_policy):
+            if policy != "noeviction":
+                log.warning("redis maxmemory-policy is %r: Redis may evict part of a context's keys; learnmesh "
+                            "enforces its own exact budgets and needs 'noeviction'", policy)
+                return
     except Exception as exc:  # noqa: BLE001 - CONFIG may be disabled (managed Redis); not fatal
         log.warning("could not read redis maxmemory-policy (%s); make sure it is 'noeviction'", type(exc).__name__)
+
+
+async def _eviction_policy(node: aioredis.Redis) -> str:
+    conf: dict[Any, Any] = await node.config_get("maxmemory-policy")
+    return as_str(conf.get("maxmemory-policy") or conf.get(b"maxmemory-policy"))
+
+
+async def _adopt_renamed_keys(redis: aioredis.Redis) -> None:
+    """Keys that gained a hash tag keep their data on a single server (keys.RENAMED); a cluster
+    has never held the old names, and RENAME cannot cross slots there anyway."""
+    if isinstance(redis, aioredis.RedisCluster):
+        return
+    for old, new in keys.RENAMED.items():
+        if await redis.exists(old):
+            await redis.renamenx(old, new)
 
 
 async def _bounded(what: str, stop: Callable[[], Awaitable[Any]], timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
@@ -163,6 +178,7 @@ async def open_gateway(cfg: Config, registry: Registry) -> AsyncIterator[Gateway
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(gateway.control_connected.wait(), CONTROL_CONNECT_TIMEOUT_S)
         await _warn_unless_noeviction(redis)
+        await _adopt_renamed_keys(redis)
         await workers.start()
         await gateway.tasks.start()
         stack.push_async_callback(_bounded, "the task manager", gateway.tasks.stop)

@@ -121,6 +121,10 @@ class RedisConfig:
     tls_key_file: str | None = Field(default=None, description="rediss://: its private key (mode 0600)")
     cluster: StrictBool = Field(default=False, description="the url names a node of a Redis Cluster (same as a "
                                                            "redis+cluster:// or rediss+cluster:// url)")
+    wait_replicas: NonNegativeInt = Field(default=0, description="acknowledged context and sample writes wait until "
+                                          "this many replicas hold them (Redis WAIT); 0: off")
+    wait_timeout_ms: PositiveInt = Field(default=200, description="the longest such a write waits for its replicas; "
+                                         "fewer by then: the write is reported as failed (503)")
 
     def __post_init__(self) -> None:
         _check(not (self.password and self.password_file), "set password or password_file, not both")

@@ -193,9 +193,11 @@ AUDIT_STREAM = f"{PREFIX}audit"
 
 # ---------------------------------------------------------------- operations (admin API, control plane)
 # Protocol documented in docs/operations.md; helpers for the receiving side in shared/control.py.
-ADMIN_KEYS = f"{PREFIX}admin:keys"
+# Keys written together in one MULTI share a hash tag ({admin}, {config}), so the transaction
+# stays in one Redis Cluster slot.
+ADMIN_KEYS = f"{PREFIX}{{admin}}:keys"
 """Hash: sha256(admin key) hex -> JSON {name, role, created_ms, created_by}. Plaintext is never stored."""
-ADMIN_KEY_NAMES = f"{PREFIX}admin:keys:names"
+ADMIN_KEY_NAMES = f"{PREFIX}{{admin}}:keys:names"
 """Hash: admin key name -> sha256 hex (name uniqueness and revoke by name)."""
 TRAINER_CONTROL = f"{PREFIX}trainer:control"
 """Stream: one-shot operator commands for the trainer: fields ``cmd`` (checkpoint | rollback),
@@ -208,9 +210,9 @@ MODEL_VERSION_LOG = f"{PREFIX}model:versions"
 """Stream (capped): one entry per published model version: version, step, loss, anchor, checkpoint, ts_ms."""
 WORKERS_DRAINED = f"{PREFIX}workers:drained"
 """Set: worker ids that operators drained; every gateway replica routes no new requests to them."""
-RUNTIME_CONFIG = f"{PREFIX}config:runtime"
+RUNTIME_CONFIG = f"{PREFIX}{{config}}:runtime"
 """Hash: config section name (compression | consistency | scheduling) -> JSON of fields changed at runtime."""
-RUNTIME_CONFIG_REV = f"{PREFIX}config:runtime:rev"
+RUNTIME_CONFIG_REV = f"{PREFIX}{{config}}:runtime:rev"
 """String: incremented on every runtime config change; readers poll it cheaply."""
 RUNTIME_CONFIG_CHANNEL = f"{PREFIX}config:changed"
 """Pub/sub channel: the new revision number after every runtime config change (a hint; poll the rev)."""
@@ -220,6 +222,12 @@ DELTA_KEY_STATUS = f"{PREFIX}delta:key"
 """Hash: the key ring's report: key_id, epoch, rotated_ms, last_request (id of the handled rotate entry)."""
 GATEWAY_STATS = f"{PREFIX}status:gateways"
 """Hash: gateway replica id -> JSON snapshot (ts_ms, req/s, latency quantiles) for the dashboard."""
+
+
+RENAMED = {f"{PREFIX}admin:keys": ADMIN_KEYS, f"{PREFIX}admin:keys:names": ADMIN_KEY_NAMES,
+           f"{PREFIX}config:runtime": RUNTIME_CONFIG, f"{PREFIX}config:runtime:rev": RUNTIME_CONFIG_REV}
+"""Old name -> name now, for keys that gained a hash tag: a single server's gateway renames what it
+finds at start (gateway/app.py), so admin keys created through the API and runtime config survive."""
 
 
 STATUS_INDEX = f"{PREFIX}status:index"

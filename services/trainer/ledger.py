@@ -97,6 +97,9 @@ class Ledger:
 
 def _rollback(redis: Any, to: Offset) -> tuple[Offset, int]:
     while True:
+        # read before WATCH: keys.MODEL_VERSION is in another slot than the {trainer} keys, and
+        # only the trainer (this process) writes it
+        published = _published_version(redis)
         with redis.pipeline(transaction=True) as pipe:
             try:
                 pipe.watch(keys.TRAINER_OFFSET, keys.TRAINER_TRAINED, keys.TRAINER_SKIPPED)
@@ -104,7 +107,7 @@ def _rollback(redis: Any, to: Offset) -> tuple[Offset, int]:
                 later = [f for f in pipe.hkeys(keys.TRAINER_TRAINED) if int(as_str(f)) > to.step]
                 later_skipped = [f for f in pipe.hkeys(keys.TRAINER_SKIPPED) if int(as_str(f)) > to.step]
                 # +1: the restored weights are published as a version nobody has served yet
-                version = max(current.version, to.version, _published_version(pipe)) + 1
+                version = max(current.version, to.version, published) + 1
                 new = Offset(to.seq, to.id, to.step, version, current.epoch + 1, to.log)
                 pipe.multi()
                 if later:
