@@ -23,7 +23,13 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis as redis_sync
 import redis.asyncio as aioredis
-from redis.exceptions import AuthenticationError, NoPermissionError, RedisClusterException, RedisError
+from redis.exceptions import (
+    AuthenticationError,
+    NoPermissionError,
+    RedisClusterException,
+    RedisError,
+    TryAgainError,
+)
 
 from shared.config import DEFAULT_REDIS_URL, ConfigError, RedisConfig
 from shared.secret_files import check_private, read_private_text
@@ -192,3 +198,15 @@ def _refused(cfg: RedisConfig, exc: BaseException, has_password: bool) -> bool:
         f"Redis at {redact_url(url_of(cfg))} refused this process: {problem}; check redis.url, "
         "redis.username, redis.password / redis.password_file and redis.tls_* (REDIS_URL, "
         "LEARNMESH_REDIS__*)") from None
+
+
+class ReplicasBehind(TryAgainError):
+    """A write reached its master but fewer replicas than ``redis.wait_replicas`` confirmed it
+    within ``redis.wait_timeout_ms``: not acknowledged (the client retries; the write may stay)."""
+
+
+def check_replicas(cfg: RedisConfig, acked: int) -> None:
+    """Raise :class:`ReplicasBehind` when WAIT's reply ``acked`` is short of ``redis.wait_replicas``."""
+    if acked < cfg.wait_replicas:
+        raise ReplicasBehind(f"{acked} of {cfg.wait_replicas} replica(s) confirmed the write "
+                             f"within {cfg.wait_timeout_ms} ms")

@@ -74,8 +74,9 @@ class LocalCluster:
         return self
 
     def wait_ok(self, timeout_s: float = 60.0) -> None:
-        """Until every running node says the cluster is ok and knows every slot's master, and
-        every replica's link to its master is up."""
+        """Until every running node says the cluster is ok and knows every slot's master, every
+        replica's link to its master is up and every master has an acknowledgement from each of
+        its replicas (so WAIT counts them)."""
         for node in self.running():
             _wait(lambda n=node: _cluster_ok(n), timeout_s, f"cluster_state:ok on port {node.port}")
 
@@ -147,7 +148,11 @@ def _cluster_ok(node: Node) -> bool:
             if info.get("cluster_state") != "ok" or int(info.get("cluster_slots_ok", 0)) != 16384:
                 return False
             repl = c.info("replication")
-            return repl.get("role") == "master" or repl.get("master_link_status") == "up"
+            if repl.get("role") == "master":
+                # a replica counts for WAIT once it acknowledged an offset (about a second after its sync)
+                return all(v.get("offset", 0) > 0 for k, v in repl.items() if k.startswith("slave") and
+                           isinstance(v, dict))
+            return repl.get("master_link_status") == "up"
     except redis_sync.RedisError:
         return False
 

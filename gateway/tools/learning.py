@@ -23,7 +23,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 import zmq
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from gateway.errors import InvalidParams, Unavailable
 from gateway.limits import exceeded
@@ -34,6 +34,7 @@ from shared.audit import audit
 from shared.config import Config
 from shared.context import ContextError, ContextStore
 from shared.curve import CurveKeys, HandshakeWatch
+from shared.redis_client import check_replicas
 from shared.samples import (
     APPEND_LUA,
     Sample,
@@ -151,9 +152,8 @@ class SampleIngest:
         blobs = [s.to_json() for s in samples]
         trained_seq, trained_log = await self._trained()
         cap = self.cfg.limits.max_sample_backlog
-        last, entry, log_id = await self._append(keys=[keys.SAMPLE_LOG, keys.SAMPLE_SEQ, keys.SAMPLE_LOG_ID],
-                                                 args=[principal, len(blobs), batch_json(blobs), new_log_id(),
-                                                       contexts, trained_seq, trained_log, cap])
+        last, entry, log_id = await self._log([principal, len(blobs), batch_json(blobs), new_log_id(), contexts,
+                                               trained_seq, trained_log, cap])
         last = int(last)
         if last < 0:
             m.SAMPLES_REJECTED.labels("backlog").inc()
@@ -167,6 +167,29 @@ class SampleIngest:
         await self._audit(principal, entry, seqs, sum(len(b) for b in blobs), admin)
         queued = self._wake_trainer(log_id, last, len(ids))
         return {"ids": ids, "seqs": seqs, "queued": queued, "learned": learned_token(log_id, last)}
+
+    async def _log(self, args: list[Any]) -> Any:
+        """The append script's reply; with ``redis.wait_replicas`` the write is also confirmed by
+        that many replicas (WAIT on the same connection, in the same round trip) or refused."""
+        log_keys = [keys.SAMPLE_LOG, keys.SAMPLE_SEQ, keys.SAMPLE_LOG_ID]
+        if not self.cfg.redis.wait_replicas:
+            return await self._append(keys=log_keys, args=args)
+        try:
+            return await self._append_confirmed(log_keys, args)
+        except NoScriptError:
+            await self.redis.script_load(APPEND_LUA)  # first use, or a master that never had it
+            return await self._append_confirmed(log_keys, args)
+
+    async def _append_confirmed(self, log_keys: list[str], args: list[Any]) -> Any:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.execute_command("EVALSHA", self._append.sha, len(log_keys), *log_keys, *args)  # evalsha(): not in a cluster pipeline
+        # on a cluster WAIT names no key: it goes to the node of the log's slot, next to the script
+        where: dict[str, Any] = {"target_nodes": self.redis.get_node_from_key(keys.SAMPLE_LOG)} \
+            if isinstance(self.redis, aioredis.RedisCluster) else {}
+        pipe.execute_command("WAIT", self.cfg.redis.wait_replicas, self.cfg.redis.wait_timeout_ms, **where)
+        reply, acked = await pipe.execute()
+        check_replicas(self.cfg.redis, int(acked))
+        return reply
 
     async def _trained(self) -> tuple[int, str]:
         """The trainer's committed seq and the log it belongs to (what the backlog is counted from)."""
