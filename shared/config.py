@@ -334,6 +334,10 @@ class TrainerConfig:
     replay_buffer: PositiveInt = Field(
         default=4096, description="samples waiting for replay passes; the oldest give way beyond it")
     rehearsal_per_step: NonNegativeInt = 12
+    sample_partitions: PositiveInt | None = Field(
+        default=None, le=1024, description="partitions of the sample log (each its own Redis Cluster slot; a "
+        "principal's samples go to one); None: 1 on one server, 8 on a cluster. Raise it freely; lower it only "
+        "once the trainer has trained every sample of the partitions dropped")
 
 
 @_section

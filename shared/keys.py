@@ -158,20 +158,49 @@ CTX_GLOBAL_LRU = f"{PREFIX}ctx:{{ctxglobal}}:lru"
 """Sorted set: principal -> global clock of its last context operation (LRU over principals)."""
 
 # ---------------------------------------------------------------- samples / trainer
-# The sample log and its sequence counter share the hash tag {samples} (one Lua script
-# appends to both); the trainer's commit record and its trained-id ledger share {trainer}
-# (one MULTI commits both).
-SAMPLE_LOG = f"{PREFIX}{{samples}}:log"
-"""Stream: the durable sample log; one entry per accepted batch: ``seq`` (first, dense, 1-based),
-``n``, ``p`` (principal), ``s`` (JSON array of samples). Sample id = ``<entry id>:<index>``."""
-SAMPLE_SEQ = f"{PREFIX}{{samples}}:seq"
-"""String: last sequence number handed out with a sample (INCR inside the append script)."""
-SAMPLE_LOG_ID = f"{PREFIX}{{samples}}:logid"
-"""String: the identity of the sample log, made by the first append (SET NX in the append script).
-The trainer binds its offsets to it: a log recreated (a Redis that lost its data, another
-``REDIS_URL``) has another id, so its sequence numbers are never mistaken for the old log's."""
+# The sample log is split into partitions (trainer.sample_partitions; a principal's samples all go
+# to one, by a hash of its name): each partition is a stream, its sequence counter and its
+# identity under one hash tag, so the append script stays in one Redis Cluster slot and the
+# partitions spread over the masters. Partition 0 keeps the tag {samples}; partition p the tag
+# {samples.p}. The trainer's commit record and its trained-id ledger share {trainer} (one MULTI
+# commits both) and record a position per partition.
+def _samples_tag(partition: int) -> str:
+    return "{samples}" if partition == 0 else "{samples." + str(partition) + "}"
+
+
+def sample_log(partition: int) -> str:
+    """Stream: one partition of the durable sample log; one entry per accepted batch: ``seq``
+    (first, dense per partition, 1-based), ``n``, ``p`` (principal), ``s`` (JSON array of samples).
+    Sample id = ``<entry id>:<index>``, or ``<partition>/<entry id>:<index>`` beyond partition 0."""
+    return f"{PREFIX}{_samples_tag(partition)}:log"
+
+
+def sample_seq(partition: int) -> str:
+    """String: last sequence number the partition handed out (INCR inside the append script)."""
+    return f"{PREFIX}{_samples_tag(partition)}:seq"
+
+
+def sample_log_id(partition: int) -> str:
+    """String: the identity of the partition's log, made by its first append (SET NX in the append
+    script). The trainer binds its position to it: a log recreated (a Redis that lost its data,
+    another ``REDIS_URL``) has another id, so its sequence numbers are never mistaken for the old log's."""
+    return f"{PREFIX}{_samples_tag(partition)}:logid"
+
+
+def model_version_seq(partition: int) -> str:
+    """Sorted set: published model version (member) scored by the last seq of the partition its
+    weights hold. ``learn`` answers with its partition and last seq; the first version scored at
+    or above it contains the samples (read-your-writes without guessing a version)."""
+    return MODEL_VERSION_SEQ if partition == 0 else f"{PREFIX}model:versionseq:{partition}"
+
+
+SAMPLE_LOG = sample_log(0)
+SAMPLE_SEQ = sample_seq(0)
+SAMPLE_LOG_ID = sample_log_id(0)
 TRAINER_OFFSET = f"{PREFIX}{{trainer}}:offset"
-"""Hash: the trainer's commit record: seq (last trained), id (its log entry), step, version, epoch."""
+"""Hash: the trainer's commit record: step, version, epoch, and per sample-log partition its position:
+seq (last trained), id (its log entry), log (its identity); fields ``seq``, ``id``, ``log`` for
+partition 0 and ``seq.<p>``, ``id.<p>``, ``log.<p>`` for partition p."""
 TRAINER_TRAINED = f"{PREFIX}{{trainer}}:trained"
 """Hash: optimizer step -> space-separated sample ids trained in that step (the ledger)."""
 TRAINER_SKIPPED = f"{PREFIX}{{trainer}}:skipped"
@@ -184,9 +213,7 @@ TRAINER_STATUS = f"{PREFIX}trainer:status"
 # ---------------------------------------------------------------- model versions / workers
 MODEL_VERSION = f"{PREFIX}model:version"
 MODEL_VERSION_SEQ = f"{PREFIX}model:versionseq"
-"""Sorted set: published model version (member) scored by the last sample seq its weights hold.
-``learn`` answers with its last seq; the first version scored at or above it contains the samples
-(read-your-writes without guessing a version)."""
+"""model_version_seq(0): the sorted set of sample-log partition 0."""
 
 # ---------------------------------------------------------------- audit
 AUDIT_STREAM = f"{PREFIX}audit"

@@ -111,7 +111,7 @@ async def test_accepted_samples_are_logged_then_pushed_with_backpressure_reporte
         assert pull.poll(5000)
         kind, header, blobs = wire.decode(pull.recv_multipart())
         # a wake-up naming the log and its last seq: the samples themselves stay in the log
-        assert kind == wire.MsgType.SAMPLE and header == {"log": out["learned"].split(".")[0], "seq": out["seqs"][-1]}
+        assert kind == wire.MsgType.SAMPLE and header == {"log": out["learned"].split(".")[0], "seq": out["seqs"][-1], "part": 0}
         assert blobs == []
     finally:
         pull.close(0)
