@@ -234,8 +234,7 @@ async def measure(r, name: str, op, n_ops: int, concurrency: int, principals: in
 WARM_PRINCIPALS, WARM_OPS = 100, 500  # the warm-up before the measurements (see main)
 
 
-def bulk_load(pipe, cfg: ContextConfig, principal: str, cid: str, packed: list[bytes], now_ms: int,
-              global_clock: int) -> int:
+def bulk_load(pipe, cfg: ContextConfig, principal: str, cid: str, packed: list[bytes], now_ms: int) -> int:
     """Queue on `pipe` the state the script leaves after appending `packed` (entry bodies
     of text entries, no links; see pack_entry) to a new context `cid` of a new principal at
     time `now_ms` — the store's own layout (docs/context.md), written without Lua. Audit
@@ -248,34 +247,35 @@ def bulk_load(pipe, cfg: ContextConfig, principal: str, cid: str, packed: list[b
     kept = {s: packed[s - 1] for s in range(plo, n + 1)}
     stored = sum(len(v) for v in kept.values())
     lb = sum(len(packed[s - 1]) for s in range(lo, n + 1))
-    e, m, lru, ver, _evicted_versions = keys.ctx_keys(principal)
+    e, m, lru, ver, _evicted_versions, _audit = keys.ctx_keys(principal)
     pipe.hset(e, mapping={f"{cid}|text|{s}": stored_entry("text", s, v) for s, v in kept.items()})
     meta = {"v": n, "vf": vf, "b": stored, "t": now_ms, "ch": {"text": {"lo": lo, "hi": n, "plo": plo, "lb": lb}},
             "e": f"1.bulk.{principal}"}  # the life's name: unique, its form does not matter
     score = now_ms * 1000
     pipe.hset(m, mapping={cid: orjson.dumps(meta), f"\x00v{cid}": f"{n};{meta['e']};text:{lo}:{n}", f"\x00u{cid}": score,
                           "\x00bytes": stored, "\x00clock": score,
-                          "\x00exp": now_ms, "\x00due": now_ms + cfg.idle_ttl_s * 1000, "\x00gt": now_ms})
+                          "\x00exp": now_ms, "\x00due": now_ms + cfg.idle_ttl_s * 1000})
     pipe.zadd(lru, {cid: score})
     pipe.hset(ver, mapping={f"{cid}|{v}": f"text:{max(1, v - w + 1)}:{v}" for v in range(vf, n + 1)})
     ttl = cfg.idle_ttl_s * 1000 + cfg.idle_ttl_s * 1000 // 16
     for k in (e, m, lru, ver):
         pipe.pexpire(k, ttl)
-    pipe.hincrby(keys.CTX_GLOBAL_BYTES, principal, stored)
-    pipe.hincrby(keys.CTX_GLOBAL_BYTES, "\x00total", stored)
-    pipe.hset(keys.CTX_GLOBAL_BYTES, "\x00clock", global_clock)
-    pipe.zadd(keys.CTX_GLOBAL_LRU, {principal: global_clock})
+    shard = keys.ctx_global_shard(principal)
+    pipe.hincrby(keys.ctx_global_bytes(shard), principal, stored)
+    pipe.hincrby(keys.ctx_global_bytes(shard), "\x00total", stored)
+    pipe.zadd(keys.ctx_global_lru(shard), {principal: now_ms})
+    pipe.zadd(keys.ctx_global_seen(shard), {principal: now_ms})
     return stored
 
 
 async def snapshot(r: aioredis.Redis, principal: str) -> dict:
-    e, m, lru, ver, st = keys.ctx_keys(principal)
+    e, m, lru, ver, st, _audit = keys.ctx_keys(principal)
     meta = {k: {f: x for f, x in orjson.loads(v).items() if f != "e"}  # "e" names the life: unique by design
             for k, v in cast(dict[bytes, bytes], await r.hgetall(m)).items() if not k.startswith(b"\x00")}
     state = sorted(k for k in cast(list[bytes], await r.hkeys(m)) if k.startswith(b"\x00"))  # names only: clocks differ
     return {"e": await r.hgetall(e), "m": meta, "state": state, "lru": await r.zrange(lru, 0, -1),
             "ver": await r.hgetall(ver),
-            "bytes": (await r.hget(m, "\x00bytes")), "g": await r.hget(keys.CTX_GLOBAL_BYTES, principal)}
+            "bytes": (await r.hget(m, "\x00bytes")), "g": await r.hget(keys.ctx_global_bytes(keys.ctx_global_shard(principal)), principal)}
 
 
 async def check_bulk_load(r: aioredis.Redis, store: ContextStore, entries: int, payload: bytes) -> None:
@@ -286,7 +286,7 @@ async def check_bulk_load(r: aioredis.Redis, store: ContextStore, entries: int, 
     for _ in packed:
         await fixed.append("chk-script", "c", "text", "user", payload)
     pipe = r.pipeline(transaction=False)
-    bulk_load(pipe, cfg, "chk-bulk", "c", packed, now, 1)
+    bulk_load(pipe, cfg, "chk-bulk", "c", packed, now)
     await pipe.execute()
     a, b = await snapshot(r, "chk-script"), await snapshot(r, "chk-bulk")
     assert a == b, f"bulk load differs from the script's layout:\n{a['m']} {a['state']}\n{b['m']} {b['state']}"
@@ -308,7 +308,7 @@ async def preload(r: aioredis.Redis, cfg: ContextConfig, naive: Naive, principal
     for start in range(0, principals, 200):
         pipe = r.pipeline(transaction=False)
         for i in range(start, min(principals, start + 200)):
-            bulk_load(pipe, cfg, f"u{i}", "c", packed, now, i + 1)
+            bulk_load(pipe, cfg, f"u{i}", "c", packed, now)
             pipe.set(Naive.key(f"u{i}", "c"), naive_doc)
         await pipe.execute()
 

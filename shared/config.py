@@ -204,10 +204,14 @@ class ContextConfig:
     channel_max_entries: StrictInt = Field(default=1000, ge=1, le=1_000_000)
     channel_max_bytes: PositiveInt = 64 * 1024 * 1024
     principal_budget_bytes: PositiveInt = 256 * 1024 * 1024
-    global_budget_bytes: PositiveInt = 4 * 1024 * 1024 * 1024
+    global_budget_bytes: PositiveInt = Field(
+        default=4 * 1024 * 1024 * 1024, description="bytes over all principals; the gateways' evictor evicts least "
+                                                    "recently used principals every global_evict_interval_s "
+                                                    "(see docs/context.md: how far over it can run)")
     idle_ttl_s: PositiveInt = 7 * 24 * 3600
     versions_retained: PositiveInt = 16
-    audit_maxlen: PositiveInt = 100_000
+    audit_maxlen: PositiveInt = Field(default=100_000, description="cap of each audit stream: every principal's "
+                                                                  "context records, and each shard of the others")
     read_cache_bytes: NonNegativeInt = Field(
         default=128 * 1024 * 1024, description="entries a store keeps to skip re-fetching them; 0: off")
     read_cache_admit_reads: StrictInt = Field(
@@ -215,7 +219,10 @@ class ContextConfig:
                                             "(1: every read)")
     global_lru_resolution_ms: StrictInt = Field(
         default=1000, ge=0, le=3_600_000, description="a principal's global LRU stamp is renewed at most "
-                                                      "this often; 0: every use")
+                                                      "this often per gateway; 0: every use")
+    global_evict_interval_s: PositiveFloat = Field(
+        default=1.0, le=3600, description="how often a gateway's evictor checks the global budget (one replica "
+                                          "at a time holds the lease)")
 
     def __post_init__(self) -> None:
         _check(len(set(self.modalities)) == len(self.modalities), "modalities has duplicates")

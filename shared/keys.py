@@ -7,6 +7,8 @@ edge (auth) and never contain ``{`` or ``}``.
 
 from __future__ import annotations
 
+import zlib
+
 PREFIX = "lm:"
 
 
@@ -114,10 +116,9 @@ TASKS_CHANNEL = f"{PREFIX}gateway:tasks"
 
 
 # ---------------------------------------------------------------- context store
-# A principal's whole context state lives in five keys with the hash tag {principal}, so
+# A principal's whole context state lives in six keys with the hash tag {principal}, so
 # every context script passes a FIXED key list in KEYS (context ids are hash fields, never
-# key names computed inside Lua). Global accounting (bytes per principal, LRU over
-# principals) sits in two keys tagged {ctxglobal}; see docs/context.md for Redis Cluster.
+# key names computed inside Lua) and touches one slot only; see docs/context.md.
 def ctx_entries(principal: str) -> str:
     """Hash: ``<context_id>|<modality>|<seq>`` -> packed entry (header + raw content bytes)."""
     return f"{PREFIX}ctx:{_tag(principal)}:e"
@@ -146,16 +147,49 @@ def ctx_state(principal: str) -> str:
     return f"{PREFIX}ctx:{_tag(principal)}:st"
 
 
+def ctx_audit(principal: str) -> str:
+    """Stream (capped, idle TTL like the other four): the principal's audit records, written by
+    the context script in the same call as the change (shared/audit.py merges the streams)."""
+    return f"{PREFIX}ctx:{_tag(principal)}:au"
+
+
 def ctx_keys(principal: str) -> list[str]:
-    """The fixed KEYS prefix of every context script, in script order."""
+    """The fixed KEYS of every context script, in script order: all in the principal's slot."""
     return [ctx_entries(principal), ctx_meta(principal), ctx_lru(principal),
-            ctx_versions(principal), ctx_state(principal)]
+            ctx_versions(principal), ctx_state(principal), ctx_audit(principal)]
 
 
-CTX_GLOBAL_BYTES = f"{PREFIX}ctx:{{ctxglobal}}:bytes"
-"""Hash: principal -> bytes held; field ``\0total`` = sum, ``\0clock`` = global LRU clock."""
-CTX_GLOBAL_LRU = f"{PREFIX}ctx:{{ctxglobal}}:lru"
-"""Sorted set: principal -> global clock of its last context operation (LRU over principals)."""
+# Global accounting over all principals (the global byte budget, the LRU over principals) is
+# sharded: a principal's bytes and last-use stamp live in shard crc32(principal) % N, each
+# shard its own hash tag (so its own slot, spread over the masters). The store writes them in
+# the same pipelined round trips as its script calls; the evictor sums the shards
+# (shared/context/budget.py, docs/context.md).
+CTX_GLOBAL_SHARDS = 16
+
+
+def ctx_global_shard(principal: str) -> int:
+    return zlib.crc32(principal.encode()) % CTX_GLOBAL_SHARDS
+
+
+def ctx_global_bytes(shard: int) -> str:
+    """Hash: principal -> bytes it holds (as reported), ``\0total`` -> their sum."""
+    return f"{PREFIX}ctx:{{ctxglobal-{shard}}}:bytes"
+
+
+def ctx_global_lru(shard: int) -> str:
+    """Sorted set: principal -> ms of its last stamped use (global_lru_resolution_ms apart),
+    for principals that hold contexts (the evictor removes the ones it evicts)."""
+    return f"{PREFIX}ctx:{{ctxglobal-{shard}}}:lru"
+
+
+def ctx_global_seen(shard: int) -> str:
+    """Sorted set: principal -> ms of its last stamped use, never trimmed by eviction: which
+    principals' audit streams (``ctx_audit``) a merged audit read visits."""
+    return f"{PREFIX}ctx:{{ctxglobal-{shard}}}:seen"
+
+
+CTX_EVICTOR_LEASE = f"{PREFIX}ctx:evictor"
+"""String with a TTL: the gateway replica whose evictor enforces the global budget now."""
 
 # ---------------------------------------------------------------- samples / trainer
 # The sample log is split into partitions (trainer.sample_partitions; a principal's samples all go
@@ -216,7 +250,19 @@ MODEL_VERSION_SEQ = f"{PREFIX}model:versionseq"
 """model_version_seq(0): the sorted set of sample-log partition 0."""
 
 # ---------------------------------------------------------------- audit
-AUDIT_STREAM = f"{PREFIX}audit"
+# Records of the context store are in each principal's ``ctx_audit`` stream; everything else
+# (admin actions, trainer) in AUDIT_SHARDS streams chosen by principal, each its own slot.
+AUDIT_SHARDS = 16
+
+
+def audit_stream(principal: str) -> str:
+    """Stream (capped): audit records other than the context store's, of principals of one shard."""
+    return f"{PREFIX}audit:{{audit-{zlib.crc32(principal.encode()) % AUDIT_SHARDS}}}"
+
+
+def audit_streams() -> list[str]:
+    """Every shard of ``audit_stream``."""
+    return [f"{PREFIX}audit:{{audit-{k}}}" for k in range(AUDIT_SHARDS)]
 
 # ---------------------------------------------------------------- operations (admin API, control plane)
 # Protocol documented in docs/operations.md; helpers for the receiving side in shared/control.py.

@@ -1,0 +1,215 @@
+"""The global byte budget over all principals (``context.global_budget_bytes``), with LRU over
+principals — kept outside the context script, because a script touches one principal's slot.
+
+- Accounting: every principal belongs to one of ``keys.CTX_GLOBAL_SHARDS`` shards (each its
+  own hash tag, so the shards spread over a cluster's masters). A script call that changes
+  the principal's bytes returns the change; the store adds it to the principal's field and to
+  the shard's ``\\0total`` (two HINCRBY that ride along with the next pipelined batch: the
+  caller waits for neither). Increments commute, so replicas reporting in any order agree.
+- Recency: the store stamps a principal's last use (ms) in its shard's LRU, in the same
+  pipelined batch as the script call, at most once per ``global_lru_resolution_ms`` per
+  principal and store.
+- Enforcement: :class:`GlobalEvictor` (one per gateway; one at a time holds the lease) sums
+  the shard totals every ``global_evict_interval_s``; while over budget it takes the least
+  recently stamped principals, checks each one's own byte count (correcting its shard where
+  a report was missed: an idle expiry during a read, keys Redis expired) and evicts it whole
+  through its own script (``evict_principal``: all of its contexts or none, skipped if it was
+  used after the stamp the evictor saw).
+
+So the total can exceed the budget between sweeps: by at most what every gateway appends in
+one interval (docs/context.md has the measured figure), never by a half-evicted context.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import logging
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from redis.exceptions import RedisError
+
+from shared import keys, metrics
+from shared.config import ContextConfig
+from shared.redis_batch import pack_command
+from shared.redis_client import AsyncRedis
+from shared.text import as_str
+
+if TYPE_CHECKING:
+    from shared.context.scripts import ContextScript
+
+log = logging.getLogger(__name__)
+
+TOTAL = b"\x00total"
+_STAMPS_MAX = 65536  # principals whose last stamp a store remembers (then it forgets them all)
+_CANDIDATES = 64  # least recently used principals read per shard per sweep page
+
+
+class GlobalAccounts:
+    """The sharded accounting keys as one store writes and reads them."""
+
+    def __init__(self, redis: AsyncRedis, script: ContextScript, cfg: ContextConfig,
+                 clock_ms: Callable[[], int]) -> None:
+        self.redis = redis
+        self._script = script
+        self._batch = script.batch
+        self._resolution_ms = cfg.global_lru_resolution_ms
+        self._clock_ms = clock_ms
+        self._stamped: dict[str, int] = {}  # principal -> ms this store last stamped it
+        self._unsettled: set[asyncio.Future[Any]] = set()  # posted writes not yet answered
+
+    def stamp(self, principal: str) -> None:
+        """The principal was used now: its place in the global LRU (see module docstring)."""
+        now = self._clock_ms()
+        last = self._stamped.get(principal)
+        if last is not None and 0 <= now - last < self._resolution_ms:
+            return
+        if len(self._stamped) >= _STAMPS_MAX:
+            self._stamped.clear()
+        self._stamped[principal] = now
+        shard = keys.ctx_global_shard(principal)
+        lru, seen = keys.ctx_global_lru(shard), keys.ctx_global_seen(shard)
+        self._post(pack_command(("ZADD", lru, now, principal)), lru)
+        self._post(pack_command(("ZADD", seen, now, principal)), seen)
+
+    def _post(self, packed: bytes, key: str) -> None:
+        fut = self._batch.post(packed, key)
+        self._unsettled.add(fut)
+        fut.add_done_callback(self._unsettled.discard)
+
+    async def settled(self) -> None:
+        """Until every write this store posted has been answered (its own reads see them)."""
+        if self._unsettled:
+            await asyncio.gather(*list(self._unsettled), return_exceptions=True)
+
+    def report(self, principal: str, delta: int) -> None:
+        """The principal's bytes changed by ``delta`` (a script call's reply)."""
+        if delta:
+            self.adjust(principal, delta)
+
+    def adjust(self, principal: str, delta: int) -> None:
+        gb = keys.ctx_global_bytes(keys.ctx_global_shard(principal))
+        self._post(pack_command(("HINCRBY", gb, principal, delta)), gb)
+        self._post(pack_command(("HINCRBY", gb, TOTAL, delta)), gb)
+
+    async def total(self) -> int:
+        """Bytes held by all principals, as reported."""
+        await self.settled()
+        got = await asyncio.gather(*[self.redis.hget(keys.ctx_global_bytes(k), TOTAL)
+                                     for k in range(keys.CTX_GLOBAL_SHARDS)])
+        return sum(int(v or 0) for v in got)
+
+    async def _stamps(self, key: Callable[[int], str], count: int = -1) -> list[tuple[int, str, int]]:
+        """(stamp ms, principal, shard) from every shard's sorted set ``key(shard)``: the
+        ``count`` oldest of each (-1: all)."""
+        await self.settled()
+        redis: Any = self.redis
+        shards = await asyncio.gather(*[redis.zrange(key(k), 0, count if count < 0 else count - 1, withscores=True)
+                                        for k in range(keys.CTX_GLOBAL_SHARDS)])
+        return [(int(score), as_str(p), k) for k, shard in enumerate(shards) for p, score in shard]
+
+    async def principals(self) -> list[str]:
+        """Principals that hold contexts, most recently used first."""
+        return [p for _, p, _ in sorted(await self._stamps(keys.ctx_global_lru), key=lambda s: (-s[0], s[1]))]
+
+    async def seen(self) -> list[tuple[str, int]]:
+        """(principal, ms of its last stamp) of every principal ever stamped, newest first."""
+        return [(p, t) for t, p, _ in sorted(await self._stamps(keys.ctx_global_seen), key=lambda s: (-s[0], s[1]))]
+
+    async def _oldest(self) -> list[tuple[int, str, int]]:
+        """(stamp ms, principal, shard) of the least recently used principals of every shard."""
+        out = await self._stamps(keys.ctx_global_lru, _CANDIDATES)
+        heapq.heapify(out)
+        return out
+
+    async def sweep(self, budget_bytes: int) -> list[str]:
+        """Evict least recently used principals until the reported total fits ``budget_bytes``;
+        returns the principals evicted."""
+        total = await self.total()
+        done: list[str] = []
+        while total > budget_bytes:
+            candidates = await self._oldest()
+            if not candidates:
+                break
+            progressed = False
+            while candidates and total > budget_bytes:
+                stamp, who, shard = heapq.heappop(candidates)
+                total, evicted = await self._evict_one(who, shard, stamp, total, budget_bytes)
+                progressed = True
+                if evicted:
+                    done.append(who)
+            if not progressed:
+                break
+        return done
+
+    async def _evict_one(self, who: str, shard: int, stamp: int, total: int, budget_bytes: int) -> tuple[int, bool]:
+        """Bring ``who``'s reported bytes in line with what it holds, then evict it whole if the
+        total is still over budget: (the new total, whether it was evicted)."""
+        gb, lru = keys.ctx_global_bytes(shard), keys.ctx_global_lru(shard)
+        reported = int(await self.redis.hget(gb, who) or 0)
+        held = int(await self.redis.hget(keys.ctx_meta(who), "\x00bytes") or 0)
+        if held != reported:  # a change that was never reported (idle expiry in a read, TTL)
+            await self._correct(gb, who, held - reported)
+            total += held - reported
+        if held == 0:
+            await self.redis.zrem(lru, who)
+            return total, False
+        if total <= budget_bytes:
+            return total, False
+        n, freed = await self._script.call("evict_principal", who, stamp + self._resolution_ms, "global_budget")
+        if n < 0:  # used after its stamp: no longer the least recently used
+            return total, False
+        await self._correct(gb, who, -int(freed))
+        await self.redis.zrem(lru, who)
+        # its stream just got the eviction's records: merged audit reads must visit it
+        await self.redis.zadd(keys.ctx_global_seen(shard), {who: self._clock_ms()})
+        if n:
+            metrics.CONTEXT_EVICTIONS.labels("global_budget").inc(n)
+        log.info("context: evicted principal %s (%d contexts, %d bytes) for the global budget", who, n, freed)
+        return total - int(freed), True
+
+    async def _correct(self, gb: str, who: str, delta: int) -> None:
+        if delta:
+            await self.redis.hincrby(gb, who, delta)
+            await self.redis.hincrby(gb, TOTAL, delta)
+
+
+class GlobalEvictor:
+    """The background task that enforces the global budget (see module docstring). Every
+    gateway runs one; the lease (``keys.CTX_EVICTOR_LEASE``) lets one sweep at a time, so two
+    replicas never both evict for the same excess."""
+
+    def __init__(self, accounts: GlobalAccounts, cfg: ContextConfig, *, owner: str | None = None) -> None:
+        self.accounts = accounts
+        self.budget_bytes = cfg.global_budget_bytes
+        self.interval_s = cfg.global_evict_interval_s
+        self.owner = owner or os.urandom(8).hex()
+        self.sweeps = 0
+
+    async def sweep_once(self) -> list[str]:
+        """One sweep if this replica holds (or takes) the lease; [] otherwise."""
+        if not await self._lease():
+            return []
+        self.sweeps += 1
+        return await self.accounts.sweep(self.budget_bytes)
+
+    async def run(self) -> None:
+        """Sweep every interval until cancelled; a Redis outage is logged and waited out."""
+        while True:
+            try:
+                await self.sweep_once()
+            except (RedisError, OSError) as exc:
+                log.warning("context: global budget sweep failed: %s", exc)
+            await asyncio.sleep(self.interval_s)
+
+    async def _lease(self) -> bool:
+        redis: Any = self.accounts.redis
+        ttl_ms = int(self.interval_s * 3000) + 1000
+        if await redis.set(keys.CTX_EVICTOR_LEASE, self.owner, nx=True, px=ttl_ms):
+            return True
+        if as_str(await redis.get(keys.CTX_EVICTOR_LEASE) or b"") == self.owner:
+            await redis.pexpire(keys.CTX_EVICTOR_LEASE, ttl_ms)
+            return True
+        return False
