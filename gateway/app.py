@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 # Test scaffolding stays out of the package: the fixture sets live in the source checkout.
 FIXTURES = {"conformance": Path(__file__).resolve().parents[1] / "conformance" / "fixtures.py"}
 SHUTDOWN_TIMEOUT_S = 10.0  # per component
+CANCEL_RETRY_S = 0.1  # a background task that swallowed a cancel is cancelled again after this
 CONTROL_CONNECT_TIMEOUT_S = 2.0
 
 
@@ -140,7 +141,12 @@ async def _bounded(what: str, stop: Callable[[], Awaitable[Any]], timeout_s: flo
 
 
 async def _cancel(task: asyncio.Task[Any]) -> None:
-    task.cancel()
+    # Cancelled again until it ends: on Python 3.11 a cancel that lands while a connect's
+    # wait_for completes is swallowed (redis-py connecting on a first command), and the task
+    # would carry on with its loop.
+    while not task.done():
+        task.cancel()
+        await asyncio.wait([task], timeout=CANCEL_RETRY_S)
     with contextlib.suppress(asyncio.CancelledError):
         await task
 

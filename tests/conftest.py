@@ -177,3 +177,15 @@ def redis_target(request: pytest.FixtureRequest) -> Iterator[RedisTarget]:
         target = request.getfixturevalue("redis_cluster")
     target.flush()
     yield target
+
+
+@pytest.fixture(scope="module", params=_modes())
+def redis_target_module(request: pytest.FixtureRequest) -> Iterator[RedisTarget]:
+    """``redis_target`` for a module that starts long-lived processes (gateway replicas) once per
+    Redis kind: flushed when the module's run on that kind begins; flush it per test yourself."""
+    if request.param == "single":
+        target = RedisTarget("single", request.getfixturevalue("redis_server"))
+    else:
+        target = request.getfixturevalue("redis_cluster")
+    target.flush()
+    yield target
