@@ -7,7 +7,6 @@ import math
 
 import httpx
 import pytest
-import redis as redis_sync
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from gateway.admin.stats import quantile
@@ -60,8 +59,9 @@ def _mcp(client: httpx.Client) -> httpx.Response:
                                                     "Accept": "application/json, text/event-stream"})
 
 
-def test_summary_aggregates_replicas_and_metrics_serve_mesh_gauges(redis_url):
-    r = redis_sync.Redis.from_url(redis_url)
+def test_summary_aggregates_replicas_and_metrics_serve_mesh_gauges(redis_target):
+    redis_url = redis_target.url
+    r = redis_target.sync_client()
     with live_gateway(redis_url) as a, live_gateway(redis_url) as b, \
             httpx.Client(base_url=a.url, timeout=10) as ca, httpx.Client(base_url=b.url, timeout=10) as cb:
         for _ in range(20):

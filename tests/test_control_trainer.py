@@ -13,10 +13,9 @@ from pathlib import Path
 
 import orjson
 import redis as redis_sync
-import redis.asyncio as aioredis
 import torch
 import zmq
-from trainer_support import TrainerProc, trainer_config
+from trainer_support import TrainerProc, async_redis, sync_redis, trainer_config
 
 from gateway.tools.learning import SampleIngest
 from services.trainer.checkpoint import load_bytes
@@ -42,11 +41,12 @@ def _ack(r: redis_sync.Redis, cid: str) -> dict | None:
     return json.loads(raw) if raw else None
 
 
-async def test_control_plane_steers_a_running_trainer(redis_url, tmp_path):
+async def test_control_plane_steers_a_running_trainer(redis_target, tmp_path):
+    redis_url = redis_target.url
     cfg = trainer_config(redis_url, tmp_path, free_port(), ranks=1, batch_size=4, checkpoint_every=1000,
                          checkpoint_keep=5)
-    r = redis_sync.Redis.from_url(redis_url)
-    aredis = aioredis.Redis.from_url(redis_url)
+    r = sync_redis(redis_url)
+    aredis = async_redis(redis_url)
     ingest = SampleIngest(aredis, cfg)
     ctx = zmq.Context()
     n = 0
