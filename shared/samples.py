@@ -290,10 +290,15 @@ def parse_learned_token(token: Any) -> tuple[str, int, int]:
     return log_id, int(seq), int(partition)
 
 
+def log_entry(entry_id: str, partition: int = 0) -> str:
+    """A log entry's name across partitions: its stream id, after ``<partition>/`` beyond
+    partition 0 (entry ids of two partitions' streams may be equal)."""
+    return entry_id if partition == 0 else f"{partition}/{entry_id}"
+
+
 def sample_id(entry_id: str, index: int, partition: int = 0) -> str:
-    """A sample's id: its log entry's stream id and its position in that entry (with the
-    partition beyond partition 0: entry ids of two partitions' streams may be equal)."""
-    return f"{entry_id}:{index}" if partition == 0 else f"{partition}/{entry_id}:{index}"
+    """A sample's id: its log entry (:func:`log_entry`) and its position in that entry."""
+    return f"{log_entry(entry_id, partition)}:{index}"
 
 
 def position_field(name: str, partition: int) -> str:

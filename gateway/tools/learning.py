@@ -43,6 +43,7 @@ from shared.samples import (
     batch_json,
     learn_input_schema,
     learned_token,
+    log_entry,
     new_log_id,
     pack_windows,
     parse_batch,
@@ -167,7 +168,7 @@ class SampleIngest:
         blobs = [s.to_json() for s in samples]
         part = partition_of(principal, self.partitions)
         trained_seq, trained_log = await self._trained(part)
-        cap = -(-self.cfg.limits.max_sample_backlog // self.partitions)  # each partition its share
+        cap = self._partition_cap()
         last, entry, log_id = await self._log(part, [principal, len(blobs), batch_json(blobs), new_log_id(), contexts,
                                                      trained_seq, trained_log, cap])
         last = int(last)
@@ -180,9 +181,15 @@ class SampleIngest:
         seqs = list(range(last - len(ids) + 1, last + 1))
         m.SAMPLES_ACCEPTED.inc(len(ids))
         log_id = as_str(log_id)
-        await self._audit(principal, entry, seqs, sum(len(b) for b in blobs), admin)
+        await self._audit(principal, log_entry(entry, part), seqs, sum(len(b) for b in blobs), admin)
         queued = self._wake_trainer(log_id, last, len(ids), part)
         return {"ids": ids, "seqs": seqs, "queued": queued, "learned": learned_token(log_id, last, part)}
+
+    def _partition_cap(self) -> int:
+        """Each partition's share of ``limits.max_sample_backlog`` (0: off), never below one full
+        ``learn`` batch: the bound over the whole log is at most partitions x that batch higher."""
+        cap = self.cfg.limits.max_sample_backlog
+        return max(-(-cap // self.partitions), self.cfg.trainer.max_learn_batch) if cap else 0
 
     async def _log(self, part: int, args: list[Any]) -> Any:
         """The append script's reply; with ``redis.wait_replicas`` the write is also confirmed by
