@@ -46,6 +46,7 @@ from gateway.errors import OUTAGE, Forbidden, InvalidParams, LimitExceeded
 from shared import keys, metrics
 from shared.config import Config, PrincipalLimits
 from shared.redis_batch import pack_command
+from shared.redis_client import for_each_primary
 from shared.redis_cluster_batch import auto_pipeline
 from shared.samples import Sample
 
@@ -173,12 +174,13 @@ class Limits:
 
     # ------------------------------------------------------------------ token buckets
     async def _throttle(self, command: bytes, key: str) -> Any:
+        """``command`` (EVALSHA of the throttle script, first key ``key``) on the master of its slot."""
         try:
             return await self._batch.submit(command, key)
         except NoScriptError:
             pass
-        # first use, or Redis restarted without it; on a cluster redis-py loads it on every master
-        await self.redis.script_load(THROTTLE_LUA)
+        # first use, or a master restarted (or took over) without it
+        await for_each_primary(self.redis, lambda node: node.script_load(THROTTLE_LUA))
         return await self._batch.submit(command, key)
 
     async def admit_request(self, principal: str) -> None:

@@ -9,7 +9,7 @@ write (and so that a Redis Cluster spreads them), merged newest first on read.
 
 :func:`query` reads the streams a filter can match and merges them by entry id (the time
 Redis wrote the record). Principals' streams are found through the store's stamps
-(``keys.ctx_global_seen``) and read lazily: a principal last stamped before the newest
+(``keys.ctx_global_lru`` and ``keys.ctx_global_seen``) and read lazily: a principal last stamped before the newest
 records already found cannot hold newer ones. Each record has ``ts_ms``, ``principal``,
 ``action`` and, when known, ``context`` and ``version``, plus free-form string fields.
 """
@@ -109,10 +109,14 @@ async def _principal_streams(redis: Any, principal: str | None) -> list[tuple[in
         return [(2**62, keys.ctx_audit(principal))]
     if principal is not None:
         return []  # admin keys' records are never in a principal's context stream
-    shards = await asyncio.gather(*[redis.zrange(keys.ctx_global_seen(k), 0, -1, withscores=True)
+    shards = await asyncio.gather(*[redis.zrange(key(k), 0, -1, withscores=True)
+                                    for key in (keys.ctx_global_lru, keys.ctx_global_seen)
                                     for k in range(keys.CTX_GLOBAL_SHARDS)])
-    found = [(int(score) + STAMP_SLACK_MS, keys.ctx_audit(as_str(p))) for shard in shards for p, score in shard]
-    return sorted(found, reverse=True)
+    last: dict[str, int] = {}
+    for shard in shards:
+        for p, score in shard:
+            last[as_str(p)] = max(int(score), last.get(as_str(p), 0))
+    return sorted(((t + STAMP_SLACK_MS, keys.ctx_audit(p)) for p, t in last.items()), reverse=True)
 
 
 async def query(redis: AsyncRedis, *, principal: str | None = None, action: str | None = None,

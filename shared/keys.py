@@ -183,8 +183,9 @@ def ctx_global_lru(shard: int) -> str:
 
 
 def ctx_global_seen(shard: int) -> str:
-    """Sorted set: principal -> ms of its last stamped use, never trimmed by eviction: which
-    principals' audit streams (``ctx_audit``) a merged audit read visits."""
+    """Sorted set: principal -> ms of its last stamped use, for principals the evictor took
+    out of ``ctx_global_lru`` (evicted, or holding nothing): with that LRU, the principals whose
+    audit streams (``ctx_audit``) a merged audit read visits."""
     return f"{PREFIX}ctx:{{ctxglobal-{shard}}}:seen"
 
 

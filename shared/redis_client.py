@@ -123,6 +123,16 @@ async def for_each_primary(client: AsyncRedis, fn: Callable[[aioredis.Redis], Aw
     return out
 
 
+def close_sync(client: SyncRedis) -> None:
+    """Close a blocking client and every connection it opened: redis-py's cluster client
+    leaves its nodes' connection pools open on ``close()``."""
+    client.close()
+    if isinstance(client, redis_sync.RedisCluster):
+        for node in [*client.get_nodes(), *client.nodes_manager.startup_nodes.values()]:
+            if node.redis_connection is not None:
+                node.redis_connection.connection_pool.disconnect()
+
+
 def for_each_primary_sync(client: SyncRedis, fn: Callable[[redis_sync.Redis], T]) -> list[T]:
     """:func:`for_each_primary` for a blocking client (redis-py keeps one client per node)."""
     if not isinstance(client, redis_sync.RedisCluster):
@@ -186,7 +196,7 @@ def check_access(cfg: RedisConfig, timeout_s: float = 5.0) -> bool:
     except (RedisError, RedisClusterException, OSError) as exc:
         return _refused(cfg, exc, has_password)
     finally:
-        client.close()
+        close_sync(client)
 
 
 def _refused(cfg: RedisConfig, exc: BaseException, has_password: bool) -> bool:

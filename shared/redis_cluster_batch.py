@@ -44,7 +44,7 @@ class ClusterAutoPipeline:
         self._slots: dict[int, AutoPipeline] = {}  # slot -> pipeline of its master (from redis-py's map)
         self._refresh: asyncio.Task[None] | None = None
         self._posted: set[asyncio.Task[Any]] = set()
-        self._ready = False
+        self._ready: asyncio.Future[Any] | None = None  # redis-py's first reading of the slot map
         self.redirects = 0  # MOVED and ASK followed (for tests and metrics)
 
     @property
@@ -62,9 +62,8 @@ class ClusterAutoPipeline:
         """One packed command whose first key is ``key``: its reply, after any redirection."""
         if key is None:
             raise ValueError("a cluster pipeline routes by key: give the command's key")
-        if not self._ready:
-            await self.cluster.initialize()
-            self._ready = True
+        if self._ready is None or not self._ready.done() or self._ready.exception() is not None:
+            await self._map_read()
         slot = self.cluster.keyslot(key)
         pipe = self._slots.get(slot)
         if pipe is None:
@@ -90,6 +89,13 @@ class ClusterAutoPipeline:
         if not task.cancelled() and task.exception() is not None:
             log.warning("redis cluster: a posted command failed: %s", task.exception())
 
+    async def _map_read(self) -> None:
+        """The first reading of the slot map, shared by the callers that wait for it (so they
+        go on together, and their commands share batches)."""
+        if self._ready is None or (self._ready.done() and self._ready.exception() is not None):
+            self._ready = asyncio.ensure_future(self.cluster.initialize())
+        await asyncio.shield(self._ready)
+
     async def _redirected(self, packed: bytes, slot: int, exc: Exception) -> Any:
         """Follow MOVED / ASK / TRYAGAIN until a node answers (bounded)."""
         hops = tries = 0
@@ -105,8 +111,8 @@ class ClusterAutoPipeline:
                 hops += 1
                 self.redirects += 1
                 call = self._at(exc.host, exc.port).asking(packed)
-            else:
-                tries += 1
+            else:  # the slot's keys are split between two masters for now: wait, then from the start
+                tries, hops = tries + 1, 0
                 await asyncio.sleep(TRYAGAIN_PAUSE_S)
                 call = (self._slots.get(slot) or self._at_slot(slot)).submit(packed)
             try:

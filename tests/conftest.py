@@ -34,7 +34,14 @@ import redis as redis_sync
 
 from shared.config import RedisConfig
 from shared.net import free_port
-from shared.redis_client import AsyncRedis, SyncRedis, async_client, for_each_primary_sync, sync_client
+from shared.redis_client import (
+    AsyncRedis,
+    SyncRedis,
+    async_client,
+    close_sync,
+    for_each_primary_sync,
+    sync_client,
+)
 from shared.redis_local_cluster import LocalCluster
 
 
@@ -134,6 +141,8 @@ class RedisTarget:
         return async_client(self.config, **options)
 
     def sync_client(self, **options: Any) -> SyncRedis:
+        """Close it with shared.redis_client.close_sync (a cluster client's ``close()`` leaves
+        its nodes' connections open)."""
         return sync_client(self.config, **options)
 
     def flush(self) -> None:
@@ -142,7 +151,7 @@ class RedisTarget:
         try:
             for_each_primary_sync(client, lambda node: node.flushall())
         finally:
-            client.close()
+            close_sync(client)
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import redis.asyncio as aioredis
 
 from shared.config import RedisConfig
 from shared.net import free_port
-from shared.redis_client import check_access, for_each_primary, is_cluster, server_url
+from shared.redis_client import check_access, close_sync, for_each_primary, is_cluster, server_url
 from tests.conftest import RedisTarget
 
 
@@ -41,7 +41,7 @@ async def test_clients_and_every_primary(redis_target: RedisTarget) -> None:
         assert isinstance(sync, redis_sync.RedisCluster) == redis_target.is_cluster
         assert sync.get("k7") == b"7"
     finally:
-        sync.close()
+        close_sync(sync)
 
 
 def test_check_access(redis_target: RedisTarget) -> None:

@@ -59,6 +59,7 @@ class GlobalAccounts:
         self._clock_ms = clock_ms
         self._stamped: dict[str, int] = {}  # principal -> ms this store last stamped it
         self._unsettled: set[asyncio.Future[Any]] = set()  # posted writes not yet answered
+        self.posted = 0  # commands posted beside script calls (the bench divides by operations)
 
     def stamp(self, principal: str) -> None:
         """The principal was used now: its place in the global LRU (see module docstring)."""
@@ -69,12 +70,11 @@ class GlobalAccounts:
         if len(self._stamped) >= _STAMPS_MAX:
             self._stamped.clear()
         self._stamped[principal] = now
-        shard = keys.ctx_global_shard(principal)
-        lru, seen = keys.ctx_global_lru(shard), keys.ctx_global_seen(shard)
+        lru = keys.ctx_global_lru(keys.ctx_global_shard(principal))
         self._post(pack_command(("ZADD", lru, now, principal)), lru)
-        self._post(pack_command(("ZADD", seen, now, principal)), seen)
 
     def _post(self, packed: bytes, key: str) -> None:
+        self.posted += 1
         fut = self._batch.post(packed, key)
         self._unsettled.add(fut)
         fut.add_done_callback(self._unsettled.discard)
@@ -112,11 +112,14 @@ class GlobalAccounts:
 
     async def principals(self) -> list[str]:
         """Principals that hold contexts, most recently used first."""
-        return [p for _, p, _ in sorted(await self._stamps(keys.ctx_global_lru), key=lambda s: (-s[0], s[1]))]
+        return [p for _, p, _ in sorted(await self._stamps(keys.ctx_global_lru), reverse=True)]  # the evictor's order, reversed
 
     async def seen(self) -> list[tuple[str, int]]:
         """(principal, ms of its last stamp) of every principal ever stamped, newest first."""
-        return [(p, t) for t, p, _ in sorted(await self._stamps(keys.ctx_global_seen), key=lambda s: (-s[0], s[1]))]
+        last: dict[str, int] = {}
+        for t, p, _ in [*await self._stamps(keys.ctx_global_lru), *await self._stamps(keys.ctx_global_seen)]:
+            last[p] = max(t, last.get(p, t))
+        return sorted(last.items(), key=lambda pt: (-pt[1], pt[0]))
 
     async def _oldest(self) -> list[tuple[int, str, int]]:
         """(stamp ms, principal, shard) of the least recently used principals of every shard."""
@@ -131,44 +134,48 @@ class GlobalAccounts:
         done: list[str] = []
         while total > budget_bytes:
             candidates = await self._oldest()
-            if not candidates:
-                break
-            progressed = False
+            changed = False  # a principal left the LRU: the next page differs
             while candidates and total > budget_bytes:
                 stamp, who, shard = heapq.heappop(candidates)
-                total, evicted = await self._evict_one(who, shard, stamp, total, budget_bytes)
-                progressed = True
-                if evicted:
+                total, outcome = await self._evict_one(who, shard, stamp, total, budget_bytes)
+                changed = changed or outcome != "kept"
+                if outcome == "evicted":
                     done.append(who)
-            if not progressed:
+            if not changed:  # every candidate was used after its stamp: the next sweep sees new ones
                 break
         return done
 
-    async def _evict_one(self, who: str, shard: int, stamp: int, total: int, budget_bytes: int) -> tuple[int, bool]:
+    async def _evict_one(self, who: str, shard: int, stamp: int, total: int, budget_bytes: int) -> tuple[int, str]:
         """Bring ``who``'s reported bytes in line with what it holds, then evict it whole if the
-        total is still over budget: (the new total, whether it was evicted)."""
-        gb, lru = keys.ctx_global_bytes(shard), keys.ctx_global_lru(shard)
+        total is still over budget: (the new total, "evicted" | "empty": it held nothing and
+        left the LRU | "kept")."""
+        gb = keys.ctx_global_bytes(shard)
         reported = int(await self.redis.hget(gb, who) or 0)
         held = int(await self.redis.hget(keys.ctx_meta(who), "\x00bytes") or 0)
         if held != reported:  # a change that was never reported (idle expiry in a read, TTL)
             await self._correct(gb, who, held - reported)
             total += held - reported
         if held == 0:
-            await self.redis.zrem(lru, who)
-            return total, False
+            await self._leave_lru(shard, who, stamp)
+            return total, "empty"
         if total <= budget_bytes:
-            return total, False
+            return total, "kept"
         n, freed = await self._script.call("evict_principal", who, stamp + self._resolution_ms, "global_budget")
         if n < 0:  # used after its stamp: no longer the least recently used
-            return total, False
+            return total, "kept"
         await self._correct(gb, who, -int(freed))
-        await self.redis.zrem(lru, who)
-        # its stream just got the eviction's records: merged audit reads must visit it
-        await self.redis.zadd(keys.ctx_global_seen(shard), {who: self._clock_ms()})
+        await self._leave_lru(shard, who, self._clock_ms())  # its audit stream just got the eviction's records
         if n:
             metrics.CONTEXT_EVICTIONS.labels("global_budget").inc(n)
         log.info("context: evicted principal %s (%d contexts, %d bytes) for the global budget", who, n, freed)
-        return total - int(freed), True
+        return total - int(freed), "evicted"
+
+    async def _leave_lru(self, shard: int, who: str, last_ms: int) -> None:
+        """Out of the global LRU (it holds nothing now), into the shard's list of principals
+        whose audit streams merged reads visit; its next use stamps it again."""
+        await self.redis.zadd(keys.ctx_global_seen(shard), {who: last_ms})
+        await self.redis.zrem(keys.ctx_global_lru(shard), who)
+        self._stamped.pop(who, None)
 
     async def _correct(self, gb: str, who: str, delta: int) -> None:
         if delta:

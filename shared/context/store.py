@@ -93,6 +93,11 @@ class ContextStore:
         return self._script.round_trips
 
     @property
+    def posted(self) -> int:
+        """Global accounting commands sent beside script calls, in the same batches."""
+        return self._global.posted
+
+    @property
     def entries_fetched(self) -> int:
         """Entries read from Redis."""
         return self._replies.entries_fetched
