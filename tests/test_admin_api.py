@@ -7,6 +7,7 @@ import pytest
 
 from shared import control, keys
 from shared.config import CompressionConfig
+from shared.redis_client import close_sync
 from tests.admin_support import ADMIN_KEY, MCP_KEY, OPERATOR_KEY, VIEWER_KEY, bearer, live_gateway
 
 
@@ -26,7 +27,7 @@ def gw(redis_url):
 def r(redis_target):
     client = redis_target.sync_client(decode_responses=True)
     yield client
-    client.close()
+    close_sync(client)
 
 
 def test_no_key_wrong_key_and_mcp_key_get_401(gw):

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from gateway.admin.stats import quantile
 from shared import control, keys
 from shared.metrics import HotCounter, HotHistogram
+from shared.redis_client import close_sync
 from tests.admin_support import ADMIN_KEY, MCP_KEY, VIEWER_KEY, bearer, live_gateway
 from tests.conftest import wait_for_sync
 
@@ -83,7 +84,7 @@ def test_summary_aggregates_replicas_and_metrics_serve_mesh_gauges(redis_target)
         assert 'learnmesh_admin_denied_total{status="401"}' in text
         assert "learnmesh_context_stored_bytes" in text
         assert "learnmesh_mcp_requests_total" in text
-    r.close()
+    close_sync(r)
 
 
 def test_ui_files_and_unmatched_methods(redis_url):

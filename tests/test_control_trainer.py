@@ -22,6 +22,7 @@ from services.trainer.checkpoint import load_bytes
 from services.trainer.tiny import build_tiny_model
 from services.worker.updates import DeltaSubscriber
 from shared import keys
+from shared.redis_client import close_sync
 from shared.samples import Example
 from tests.conftest import free_port, wait_for
 
@@ -143,5 +144,5 @@ async def test_control_plane_steers_a_running_trainer(redis_target, tmp_path):
         proc.close()
         ingest.close()
         ctx.term()
-        r.close()
+        close_sync(r)
         await aredis.aclose()

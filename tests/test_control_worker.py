@@ -6,6 +6,7 @@ from __future__ import annotations
 from worker_support import spawn_worker, stop, write_config
 
 from shared import keys
+from shared.redis_client import close_sync
 from tests.conftest import wait_for_sync
 
 
@@ -27,4 +28,4 @@ def test_worker_reports_status_and_honours_drain(redis_target, tmp_path):
         wait_for_sync(lambda: r.hget(status, "drained") == "0", timeout_s=10)
     finally:
         stop(proc)
-        r.close()
+        close_sync(r)

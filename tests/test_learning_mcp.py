@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 from gateway.app import create_app
 from shared import keys
 from shared.config import load_config
+from shared.redis_client import close_sync
 from shared.samples import learned_token, partition_of, sample_partitions
 from tests.conftest import free_port
 from tests.trainer_support import sync_redis
@@ -66,7 +67,7 @@ def _log_len(redis_url: str) -> int:
     try:
         return sum(int(f[b"n"]) for _, f in r.xrange(keys.sample_log(_part(redis_url))))
     finally:
-        r.close()
+        close_sync(r)
 
 
 def test_learn_acknowledges_ids_after_the_write(client, redis_url):
@@ -133,4 +134,4 @@ def test_learn_answers_a_token_that_generate_and_score_wait_on(client, redis_url
         err = call_tool(client, "score", {"prompt": "q", "target": "a", "after_learn": token})
         assert err["error"]["code"] == -32050 and "trained" not in err["error"]["message"], err
     finally:
-        r.close()
+        close_sync(r)

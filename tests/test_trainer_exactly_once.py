@@ -18,6 +18,7 @@ from trainer_support import (
 
 from gateway.tools.learning import SampleIngest
 from services.trainer import ledger
+from shared.redis_client import close_sync
 from shared.samples import Example, partition_of, sample_partitions
 from tests.conftest import free_port, wait_for
 
@@ -33,7 +34,7 @@ def _assert_exactly_once(redis_url: str, acked: list[str]) -> None:
     try:
         counts = collections.Counter(ledger.trained_ids(r))
     finally:
-        r.close()
+        close_sync(r)
     twice = [i for i, c in counts.items() if c > 1]
     assert not twice, f"trained more than once: {twice[:5]}"
     missing = set(acked) - set(counts)
@@ -91,7 +92,7 @@ async def test_kill9_mid_stream_trains_every_acknowledged_id_exactly_once(redis_
     try:  # checkpoints trimmed the log entries they fully contain
         assert 0 < log_entries(r, sample_partitions(cfg)) < total // 4
     finally:
-        r.close()
+        close_sync(r)
 
 
 async def _preload(redis_url: str, cfg, n: int) -> list[str]:

@@ -14,7 +14,7 @@ import yaml
 
 from shared import keys
 from shared.config import Config, RedisConfig, load_config
-from shared.redis_client import async_client, sync_client
+from shared.redis_client import async_client, close_sync, sync_client
 from shared.text import as_str
 from tests.conftest import free_port
 
@@ -104,4 +104,4 @@ def committed(redis_url: str) -> dict[str, str]:
     try:
         return {as_str(k): as_str(v) for k, v in r.hgetall(keys.TRAINER_OFFSET).items()}
     finally:
-        r.close()
+        close_sync(r)

@@ -33,6 +33,7 @@ from services.trainer.stepper import Stepper
 from shared import keys
 from shared import metrics as m
 from shared.config import Config
+from shared.redis_client import close_sync
 
 log = logging.getLogger("learnmesh.trainer")
 
@@ -246,7 +247,7 @@ class Leader:
         self.publisher.close()
         self.contexts.close()
         self.zmq_ctx.term()
-        self.redis.close()
+        close_sync(self.redis)
 
 
 def served_gap(params: dict[str, torch.Tensor], enc_stats: dict[str, Any]) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from websockets.asyncio.client import connect as ws_connect
 
 from shared import keys
 from shared.config import ConfigError, load_config
+from shared.redis_client import close_sync
 from shared.samples import CLUSTER_SAMPLE_PARTITIONS
 from tests.conftest import RedisTarget, free_port, wait_for
 from tests.gateway_support import start_gateway, stop
@@ -63,7 +64,7 @@ def store(redis_target_module: RedisTarget) -> Iterator[Any]:
     redis_target_module.flush()
     client = redis_target_module.sync_client()
     yield client
-    client.close()
+    close_sync(client)
 
 
 def call(base: str, principal: str, method: str, params: dict | None = None, rid: int = 1) -> httpx.Response:

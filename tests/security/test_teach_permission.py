@@ -16,6 +16,7 @@ import pytest
 from services.supervisor import child_configs, load_or_create_keys
 from shared import keys
 from shared.config import load_config
+from shared.redis_client import close_sync
 from shared.samples import CLUSTER_SAMPLE_PARTITIONS
 from tests.conftest import RedisTarget, free_port
 from tests.gateway_support import start_gateway, stop
@@ -50,7 +51,7 @@ def store(redis_target_module: RedisTarget) -> Iterator[Any]:
     redis_target_module.flush()
     client = redis_target_module.sync_client()
     yield client
-    client.close()
+    close_sync(client)
 
 
 def learn(base: str, principal: str, samples: list[dict]) -> httpx.Response:
