@@ -2,9 +2,9 @@
 killed with SIGKILL while a real gateway serves context appends and legacy-session requests.
 
 What must hold: the cluster fails over by itself (its replica takes the slots), the gateway keeps
-serving without a restart, no append it acknowledged is lost (``redis.wait_replicas: 1``: each
-acknowledged write is on a replica), and while the slots have no master clients see 503 with a
-Retry-After, never a redirect (MOVED/ASK) or a 500.
+serving without a restart, no append it acknowledged is lost, and while the slots have no master
+clients see 503 with a Retry-After, never a redirect (MOVED/ASK) or a 500. The gateway runs with
+``redis.wait_replicas: 1``, so every write that waits for a replica does.
 """
 
 from __future__ import annotations
