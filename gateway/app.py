@@ -52,7 +52,9 @@ log = logging.getLogger(__name__)
 # Test scaffolding stays out of the package: the fixture sets live in the source checkout.
 FIXTURES = {"conformance": Path(__file__).resolve().parents[1] / "conformance" / "fixtures.py"}
 SHUTDOWN_TIMEOUT_S = 10.0  # per component
-CANCEL_RETRY_S = 0.1  # a background task that swallowed a cancel is cancelled again after this
+# A background task still running this long after its cancel swallowed it (see _cancel) and is
+# cancelled again; shorter would interrupt the cleanup of one that is ending (closing a TLS link).
+CANCEL_RETRY_S = 2.0
 CONTROL_CONNECT_TIMEOUT_S = 2.0
 
 
