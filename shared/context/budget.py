@@ -4,11 +4,12 @@ principals — kept outside the context script, because a script touches one pri
 - Accounting: every principal belongs to one of ``keys.CTX_GLOBAL_SHARDS`` shards (each its
   own hash tag, so the shards spread over a cluster's masters). A script call that changes
   the principal's bytes returns the change; the store adds it to the principal's field and to
-  the shard's ``\\0total`` (two HINCRBY that ride along with the next pipelined batch: the
-  caller waits for neither). Increments commute, so replicas reporting in any order agree.
-- Recency: the store stamps a principal's last use (ms) in its shard's LRU, in the same
-  pipelined batch as the script call, at most once per ``global_lru_resolution_ms`` per
-  principal and store.
+  the shard's ``\\0total`` (HINCRBY, summed over what one event-loop turn reported, riding
+  along with the next pipelined batch: no caller waits for them). Increments commute, so
+  replicas reporting in any order agree.
+- Recency: the store stamps a principal's last use (ms) in its shard's LRU (one ZADD per shard
+  for what one event-loop turn stamped, in the next pipelined batch), at most once per
+  ``global_lru_resolution_ms`` per principal and store.
 - Enforcement: :class:`GlobalEvictor` (one per gateway; one at a time holds the lease) sums
   the shard totals every ``global_evict_interval_s``; while over budget it takes the least
   recently stamped principals, checks each one's own byte count (correcting its shard where
@@ -60,6 +61,9 @@ class GlobalAccounts:
         self._stamped: dict[str, int] = {}  # principal -> ms this store last stamped it
         self._unsettled: set[asyncio.Future[Any]] = set()  # posted writes not yet answered
         self.posted = 0  # commands posted beside script calls (the bench divides by operations)
+        self._stamps_due: dict[int, dict[str, int]] = {}  # shard -> principal -> ms, not yet sent
+        self._bytes_due: dict[int, dict[str, int]] = {}  # shard -> principal -> byte change, not yet sent
+        self._flush_scheduled = False
 
     def stamp(self, principal: str) -> None:
         """The principal was used now: its place in the global LRU (see module docstring)."""
@@ -70,8 +74,39 @@ class GlobalAccounts:
         if len(self._stamped) >= _STAMPS_MAX:
             self._stamped.clear()
         self._stamped[principal] = now
-        lru = keys.ctx_global_lru(keys.ctx_global_shard(principal))
-        self._post(pack_command(("ZADD", lru, now, principal)), lru)
+        self._stamps_due.setdefault(keys.ctx_global_shard(principal), {})[principal] = now
+        self._due()
+
+    def report(self, principal: str, delta: int) -> None:
+        """The principal's bytes changed by ``delta`` (a script call's reply)."""
+        if delta:
+            shard = self._bytes_due.setdefault(keys.ctx_global_shard(principal), {})
+            shard[principal] = shard.get(principal, 0) + delta
+            self._due()
+
+    def _due(self) -> None:
+        """What this loop turn stamped and reported goes out together, on the next turn: one
+        ZADD per shard for the stamps, one HINCRBY per principal and one per shard total for
+        the bytes (with 64 callers, a few commands for dozens of calls)."""
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        stamps, self._stamps_due = self._stamps_due, {}
+        changes, self._bytes_due = self._bytes_due, {}
+        for shard, members in stamps.items():
+            lru = keys.ctx_global_lru(shard)
+            self._post(pack_command(("ZADD", lru, *[x for p, ms in members.items() for x in (ms, p)])), lru)
+        for shard, deltas in changes.items():
+            gb = keys.ctx_global_bytes(shard)
+            for who, delta in deltas.items():
+                if delta:
+                    self._post(pack_command(("HINCRBY", gb, who, delta)), gb)
+            total = sum(deltas.values())
+            if total:
+                self._post(pack_command(("HINCRBY", gb, TOTAL, total)), gb)
 
     def _post(self, packed: bytes, key: str) -> None:
         self.posted += 1
@@ -80,19 +115,11 @@ class GlobalAccounts:
         fut.add_done_callback(self._unsettled.discard)
 
     async def settled(self) -> None:
-        """Until every write this store posted has been answered (its own reads see them)."""
+        """Until every stamp and report this store made has been written (its own reads see them)."""
+        if self._flush_scheduled:
+            self._flush()
         if self._unsettled:
             await asyncio.gather(*list(self._unsettled), return_exceptions=True)
-
-    def report(self, principal: str, delta: int) -> None:
-        """The principal's bytes changed by ``delta`` (a script call's reply)."""
-        if delta:
-            self.adjust(principal, delta)
-
-    def adjust(self, principal: str, delta: int) -> None:
-        gb = keys.ctx_global_bytes(keys.ctx_global_shard(principal))
-        self._post(pack_command(("HINCRBY", gb, principal, delta)), gb)
-        self._post(pack_command(("HINCRBY", gb, TOTAL, delta)), gb)
 
     async def total(self) -> int:
         """Bytes held by all principals, as reported."""
