@@ -577,9 +577,10 @@ async def measure_overshoot(r: AsyncRedis, args: argparse.Namespace, seconds: fl
     evictor sweeps every ``--evict-interval``; the reported total is sampled every 10 ms. Prints
     the append rate, the largest excess over the budget (bytes, and against interval x rate)
     and the longest time spent over it (against the interval)."""
+    await wait_for_redis(r)
     await for_each_primary(r, lambda node: node.flushall())
     budget = 2 * 1024 * 1024
-    cfg = ContextConfig(global_budget_bytes=budget, principal_budget_bytes=256 * 1024,
+    cfg = ContextConfig(global_budget_bytes=budget, principal_budget_bytes=256 * 1024, max_entry_bytes=4096,
                         global_evict_interval_s=args.evict_interval, global_lru_resolution_ms=100)
     store, payload, rnd = ContextStore(r, cfg), b"o" * 1024, random.Random(5)
     sweeper = asyncio.ensure_future(store.evictor(owner="bench").run())
