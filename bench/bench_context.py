@@ -398,6 +398,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--cluster", action="store_true",
                     help="also run on a 3-master Redis Cluster (started here) and compare it with the single server")
     ap.add_argument("--cluster-url", help="with --cluster: use this cluster (any node; it is FLUSHED)")
+    ap.add_argument("--evictor", action="store_true",
+                    help="measure only how far over the global budget appends run between evictor sweeps")
+    ap.add_argument("--evict-interval", type=float, default=1.0, help="with --evictor: global_evict_interval_s")
     return ap.parse_args()
 
 
@@ -569,6 +572,49 @@ async def run_bench(r: AsyncRedis, args: argparse.Namespace, *, costs: bool = Tr
     return rows
 
 
+async def measure_overshoot(r: AsyncRedis, args: argparse.Namespace, seconds: float = 6.0) -> None:
+    """64 callers append 1 KiB entries to 2,000 principals over a 2 MiB global budget while the
+    evictor sweeps every ``--evict-interval``; the reported total is sampled every 10 ms. Prints
+    the append rate, the largest excess over the budget (bytes, and against interval x rate)
+    and the longest time spent over it (against the interval)."""
+    await wait_for_redis(r)
+    await for_each_primary(r, lambda node: node.flushall())
+    budget = 2 * 1024 * 1024
+    cfg = ContextConfig(global_budget_bytes=budget, principal_budget_bytes=256 * 1024, max_entry_bytes=4096,
+                        global_evict_interval_s=args.evict_interval, global_lru_resolution_ms=100)
+    store, payload, rnd = ContextStore(r, cfg), b"o" * 1024, random.Random(5)
+    sweeper = asyncio.ensure_future(store.evictor(owner="bench").run())
+    appended, stop = [0], time.perf_counter() + seconds
+
+    async def caller() -> None:
+        while time.perf_counter() < stop:
+            await store.append(f"o{rnd.randrange(2000)}", "c", "text", "user", payload)
+            appended[0] += 1
+
+    async def sampler() -> tuple[int, float]:
+        worst, longest, since = 0, 0.0, None
+        while time.perf_counter() < stop:
+            over = await store.global_bytes() - budget
+            now = time.perf_counter()
+            worst = max(worst, over)
+            if over > 0:
+                since = now if since is None else since
+                longest = max(longest, now - since)
+            else:
+                since = None
+            await asyncio.sleep(0.01)
+        return worst, longest
+
+    t0 = time.perf_counter()
+    *_, (worst, longest) = await asyncio.gather(*(caller() for _ in range(64)), sampler())
+    sweeper.cancel()
+    rate = appended[0] / (time.perf_counter() - t0)
+    bound = args.evict_interval * rate * (len(payload) + 40)
+    print(f"global budget 2 MiB, evictor every {args.evict_interval} s: {rate:.0f} appends/s of 1 KiB; "
+          f"largest excess {worst / 1024:.0f} KiB ({worst / bound:.2f} x interval x append rate), "
+          f"longest over budget {longest:.2f} s ({longest / args.evict_interval:.2f} x interval)")
+
+
 def print_modes(rows: dict[str, list[dict]], last_n: int) -> None:
     """The single server and the cluster side by side, and first reads against the floor in each."""
     cluster = {(x["name"], x["conc"], x["run"]): x for x in rows["cluster"]}
@@ -626,8 +672,11 @@ async def main(args: argparse.Namespace) -> int:
         if args.cluster:
             print(f"\n=== {mode} ===")
         async with redis_for(mode, args) as r:
+            if args.evictor:
+                await measure_overshoot(r, args)
+                continue
             rows[mode] = await run_bench(r, args, costs=mode == "single")
-    if args.cluster:
+    if args.cluster and not args.evictor:
         print_modes(rows, args.last_n)
     return 0
 

@@ -79,10 +79,34 @@ class ClusterAutoPipeline:
     def post(self, packed: bytes, key: str | bytes | None = None) -> asyncio.Future[Any]:
         """Queue one command whose reply nobody needs to wait for (see AutoPipeline.post); it
         follows redirections like any other."""
+        slot_key = key if key is not None else b""
+        pipe = self._slots.get(self.cluster.keyslot(slot_key)) if key is not None and self._ready_now() else None
+        if pipe is not None:  # the usual case: queued with the batch now, a task only for a redirection
+            fut = pipe.submit(packed)
+            fut.add_done_callback(lambda done: self._posted_reply(done, packed, slot_key))
+            return fut
         task = asyncio.get_running_loop().create_task(self.submit(packed, key))
         self._posted.add(task)
         task.add_done_callback(self._posted_done)
         return task
+
+    def _ready_now(self) -> bool:
+        return self._ready is not None and self._ready.done() and self._ready.exception() is None
+
+    def _posted_reply(self, fut: asyncio.Future[Any], packed: bytes, key: str | bytes) -> None:
+        """A posted command's reply: a redirection is followed (in a task), other errors logged."""
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if isinstance(exc, (MovedError, AskError, TryAgainError)):
+            task = asyncio.get_running_loop().create_task(self._redirected(packed, self.cluster.keyslot(key), exc))
+            self._posted.add(task)
+            task.add_done_callback(self._posted_done)
+        elif isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
+            self._reread_map()
+            log.warning("redis cluster: a posted command failed: %s", exc)
+        elif exc is not None:
+            log.warning("redis cluster: a posted command failed: %s", exc)
 
     def _posted_done(self, task: asyncio.Task[Any]) -> None:
         self._posted.discard(task)

@@ -5,8 +5,8 @@ set of contexts, their LRU order, byte totals and the LRU order over principals 
 Rules modelled: exact LRU over a principal's contexts under its byte budget (the context
 just written goes last; alone over budget it drops its oldest entries, never the newest),
 per slot; the global budget as the evictor enforces it — a sweep evicts the least recently
-stamped principals whole until the reported total fits, after correcting each candidate's
-report to what it holds (reads that expire idle contexts report nothing) — where every call
+stamped principals whole until their reports cover the excess, clearing their reports (reads
+that expire idle contexts report nothing, so a report can run high until then) — where every call
 stamps its principal if its last stamp is global_lru_resolution_ms old (run with 0: every
 use, and 1000), failed calls included; reads and writes count as use of a context, failed
 operations do not; and the idle TTL on a fake clock: a context unused for idle_ttl is gone
@@ -72,23 +72,23 @@ class Model:
         self.reported[p] += self.total(p) - before
 
     def sweep(self) -> list[str]:
-        """What one evictor sweep does (shared/context/budget.py)."""
+        """What one evictor sweep does (shared/context/budget.py): the least recently stamped
+        principals whose reports cover the excess are evicted whole, their reports cleared."""
         total, out = sum(self.reported.values()), []
-        for q in self.principal_lru():
-            if total <= G_BUDGET:
-                break
-            total += self.total(q) - self.reported[q]
-            self.reported[q] = self.total(q)
-            if self.total(q) == 0:
-                del self.stamped[q]
-                continue
-            if total <= G_BUDGET:
-                break
-            total -= self.total(q)
-            self.reported[q] = 0
-            self.ctx[q].clear()
-            del self.stamped[q]  # its next use stamps it again
-            out.append(q)
+        while total > G_BUDGET and self.stamped:
+            excess, chosen = total - G_BUDGET, []
+            for q in self.principal_lru():
+                if excess <= 0:
+                    break
+                chosen.append(q)
+                excess -= self.reported[q]
+            for q in chosen:
+                total -= self.reported[q]
+                if self.ctx[q]:
+                    out.append(q)
+                self.ctx[q].clear()
+                self.reported[q] = 0
+                del self.stamped[q]  # its next use stamps it again
         return out
 
     def expire(self, p: str) -> None:

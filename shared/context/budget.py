@@ -4,17 +4,18 @@ principals — kept outside the context script, because a script touches one pri
 - Accounting: every principal belongs to one of ``keys.CTX_GLOBAL_SHARDS`` shards (each its
   own hash tag, so the shards spread over a cluster's masters). A script call that changes
   the principal's bytes returns the change; the store adds it to the principal's field and to
-  the shard's ``\\0total`` (two HINCRBY that ride along with the next pipelined batch: the
-  caller waits for neither). Increments commute, so replicas reporting in any order agree.
-- Recency: the store stamps a principal's last use (ms) in its shard's LRU, in the same
-  pipelined batch as the script call, at most once per ``global_lru_resolution_ms`` per
-  principal and store.
+  the shard's ``\\0total`` (HINCRBY, summed over what one event-loop turn reported, riding
+  along with the next pipelined batch: no caller waits for them). Increments commute, so
+  replicas reporting in any order agree.
+- Recency: the store stamps a principal's last use (ms) in its shard's LRU (one ZADD per shard
+  for what one event-loop turn stamped, in the next pipelined batch), at most once per
+  ``global_lru_resolution_ms`` per principal and store.
 - Enforcement: :class:`GlobalEvictor` (one per gateway; one at a time holds the lease) sums
   the shard totals every ``global_evict_interval_s``; while over budget it takes the least
-  recently stamped principals, checks each one's own byte count (correcting its shard where
-  a report was missed: an idle expiry during a read, keys Redis expired) and evicts it whole
-  through its own script (``evict_principal``: all of its contexts or none, skipped if it was
-  used after the stamp the evictor saw).
+  recently stamped principals whose reported bytes cover the excess and evicts them, at once,
+  each whole through its own script (``evict_principal``: all of its contexts or none),
+  skipping one stamped again since the evictor read the LRU; an evicted principal's report
+  goes with it (so a report left high by a read's idle expiry is cleared then).
 
 So the total can exceed the budget between sweeps: by at most what every gateway appends in
 one interval (docs/context.md has the measured figure), never by a half-evicted context.
@@ -23,7 +24,6 @@ one interval (docs/context.md has the measured figure), never by a half-evicted 
 from __future__ import annotations
 
 import asyncio
-import heapq
 import logging
 import os
 from collections.abc import Callable
@@ -60,6 +60,9 @@ class GlobalAccounts:
         self._stamped: dict[str, int] = {}  # principal -> ms this store last stamped it
         self._unsettled: set[asyncio.Future[Any]] = set()  # posted writes not yet answered
         self.posted = 0  # commands posted beside script calls (the bench divides by operations)
+        self._stamps_due: dict[int, dict[str, int]] = {}  # shard -> principal -> ms, not yet sent
+        self._bytes_due: dict[int, dict[str, int]] = {}  # shard -> principal -> byte change, not yet sent
+        self._flush_scheduled = False
 
     def stamp(self, principal: str) -> None:
         """The principal was used now: its place in the global LRU (see module docstring)."""
@@ -70,8 +73,39 @@ class GlobalAccounts:
         if len(self._stamped) >= _STAMPS_MAX:
             self._stamped.clear()
         self._stamped[principal] = now
-        lru = keys.ctx_global_lru(keys.ctx_global_shard(principal))
-        self._post(pack_command(("ZADD", lru, now, principal)), lru)
+        self._stamps_due.setdefault(keys.ctx_global_shard(principal), {})[principal] = now
+        self._due()
+
+    def report(self, principal: str, delta: int) -> None:
+        """The principal's bytes changed by ``delta`` (a script call's reply)."""
+        if delta:
+            shard = self._bytes_due.setdefault(keys.ctx_global_shard(principal), {})
+            shard[principal] = shard.get(principal, 0) + delta
+            self._due()
+
+    def _due(self) -> None:
+        """What this loop turn stamped and reported goes out together, on the next turn: one
+        ZADD per shard for the stamps, one HINCRBY per principal and one per shard total for
+        the bytes (with 64 callers, a few commands for dozens of calls)."""
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        stamps, self._stamps_due = self._stamps_due, {}
+        changes, self._bytes_due = self._bytes_due, {}
+        for shard, members in stamps.items():
+            lru = keys.ctx_global_lru(shard)
+            self._post(pack_command(("ZADD", lru, *[x for p, ms in members.items() for x in (ms, p)])), lru)
+        for shard, deltas in changes.items():
+            gb = keys.ctx_global_bytes(shard)
+            for who, delta in deltas.items():
+                if delta:
+                    self._post(pack_command(("HINCRBY", gb, who, delta)), gb)
+            total = sum(deltas.values())
+            if total:
+                self._post(pack_command(("HINCRBY", gb, TOTAL, total)), gb)
 
     def _post(self, packed: bytes, key: str) -> None:
         self.posted += 1
@@ -80,19 +114,11 @@ class GlobalAccounts:
         fut.add_done_callback(self._unsettled.discard)
 
     async def settled(self) -> None:
-        """Until every write this store posted has been answered (its own reads see them)."""
+        """Until every stamp and report this store made has been written (its own reads see them)."""
+        if self._flush_scheduled:
+            self._flush()
         if self._unsettled:
             await asyncio.gather(*list(self._unsettled), return_exceptions=True)
-
-    def report(self, principal: str, delta: int) -> None:
-        """The principal's bytes changed by ``delta`` (a script call's reply)."""
-        if delta:
-            self.adjust(principal, delta)
-
-    def adjust(self, principal: str, delta: int) -> None:
-        gb = keys.ctx_global_bytes(keys.ctx_global_shard(principal))
-        self._post(pack_command(("HINCRBY", gb, principal, delta)), gb)
-        self._post(pack_command(("HINCRBY", gb, TOTAL, delta)), gb)
 
     async def total(self) -> int:
         """Bytes held by all principals, as reported."""
@@ -121,54 +147,58 @@ class GlobalAccounts:
             last[p] = max(t, last.get(p, t))
         return sorted(last.items(), key=lambda pt: (-pt[1], pt[0]))
 
-    async def _oldest(self) -> list[tuple[int, str, int]]:
-        """(stamp ms, principal, shard) of the least recently used principals of every shard."""
-        out = await self._stamps(keys.ctx_global_lru, _CANDIDATES)
-        heapq.heapify(out)
-        return out
-
     async def sweep(self, budget_bytes: int) -> list[str]:
         """Evict least recently used principals until the reported total fits ``budget_bytes``;
-        returns the principals evicted."""
+        returns the principals evicted (those that held contexts)."""
         total = await self.total()
         done: list[str] = []
         while total > budget_bytes:
-            candidates = await self._oldest()
-            changed = False  # a principal left the LRU: the next page differs
-            while candidates and total > budget_bytes:
-                stamp, who, shard = heapq.heappop(candidates)
-                total, outcome = await self._evict_one(who, shard, stamp, total, budget_bytes)
-                changed = changed or outcome != "kept"
-                if outcome == "evicted":
-                    done.append(who)
-            if not changed:  # every candidate was used after its stamp: the next sweep sees new ones
+            candidates = sorted(await self._stamps(keys.ctx_global_lru, _CANDIDATES))
+            if not candidates:
                 break
+            reported = await self._reported(candidates)
+            chosen, excess = [], total - budget_bytes
+            for (stamp, who, shard), held in zip(candidates, reported, strict=True):
+                if excess <= 0:
+                    break
+                chosen.append((stamp, who, shard, held))
+                excess -= held
+            outcomes = await asyncio.gather(*[self._evict_one(*c) for c in chosen])
+            total -= sum(freed for freed, _ in outcomes)
+            done += [c[1] for c, (_, evicted) in zip(chosen, outcomes, strict=True) if evicted]
+            if not any(freed or evicted for freed, evicted in outcomes):
+                break  # every one was used again meanwhile: the next sweep sees the new order
         return done
 
-    async def _evict_one(self, who: str, shard: int, stamp: int, total: int, budget_bytes: int) -> tuple[int, str]:
-        """Bring ``who``'s reported bytes in line with what it holds, then evict it whole if the
-        total is still over budget: (the new total, "evicted" | "empty": it held nothing and
-        left the LRU | "kept")."""
-        gb = keys.ctx_global_bytes(shard)
-        reported = int(await self.redis.hget(gb, who) or 0)
-        held = int(await self.redis.hget(keys.ctx_meta(who), "\x00bytes") or 0)
-        if held != reported:  # a change that was never reported (idle expiry in a read, TTL)
-            await self._correct(gb, who, held - reported)
-            total += held - reported
-        if held == 0:
-            await self._leave_lru(shard, who, stamp)
-            return total, "empty"
-        if total <= budget_bytes:
-            return total, "kept"
-        n, freed = await self._script.call("evict_principal", who, stamp + self._resolution_ms, "global_budget")
-        if n < 0:  # used after its stamp: no longer the least recently used
-            return total, "kept"
-        await self._correct(gb, who, -int(freed))
-        await self._leave_lru(shard, who, self._clock_ms())  # its audit stream just got the eviction's records
+    async def _reported(self, candidates: list[tuple[int, str, int]]) -> list[int]:
+        """The reported bytes of each candidate (one HMGET per shard)."""
+        by_shard: dict[int, list[str]] = {}
+        for _, who, shard in candidates:
+            by_shard.setdefault(shard, []).append(who)
+        shards = list(by_shard)
+        got = await asyncio.gather(*[self.redis.hmget(keys.ctx_global_bytes(k), by_shard[k]) for k in shards])
+        held = {(k, who): int(v or 0) for k, vals in zip(shards, got, strict=True)
+                for who, v in zip(by_shard[k], vals, strict=True)}
+        return [held[(shard, who)] for _, who, shard in candidates]
+
+    async def _evict_one(self, stamp: int, who: str, shard: int, reported: int) -> tuple[int, bool]:
+        """Evict ``who`` whole through its own script unless it was stamped again since the
+        evictor read the LRU: (the reported bytes that left the total, whether it held
+        contexts). Its report is cleared whatever it was (a report left high by an unreported
+        idle expiry, or keys Redis expired, goes with it)."""
+        score = await self.redis.zscore(keys.ctx_global_lru(shard), who)
+        if score is None or int(score) != stamp:
+            return 0, False
+        now = self._clock_ms()
+        n, freed = await self._script.call("evict_principal", who, now, "global_budget")
+        if n < 0:  # used in the last moment
+            return 0, False
+        await self._correct(keys.ctx_global_bytes(shard), who, -reported)
+        await self._leave_lru(shard, who, now)  # its audit stream just got the eviction's records
         if n:
             metrics.CONTEXT_EVICTIONS.labels("global_budget").inc(n)
-        log.info("context: evicted principal %s (%d contexts, %d bytes) for the global budget", who, n, freed)
-        return total - int(freed), "evicted"
+            log.info("context: evicted principal %s (%d contexts, %d bytes) for the global budget", who, n, freed)
+        return reported, n > 0
 
     async def _leave_lru(self, shard: int, who: str, last_ms: int) -> None:
         """Out of the global LRU (it holds nothing now), into the shard's list of principals
