@@ -31,6 +31,10 @@ its layout held a window in one value.
 Default run is short (well under a minute on an idle machine): 300 principals, 100-entry
 contexts, 128-byte entries. ``--full``: 10,000 principals (preloaded with a pipelined bulk
 load that writes the store's own layout; checked against the script's result first).
+``--cluster``: the same run on a single redis-server, then on a Redis Cluster of 3 masters the
+bench starts itself (``shared.redis_local_cluster``; no replicas, so both use the same
+machine's cores for the same work), then the two side by side: ops/s, p99 and round trips
+per operation, and the store's first reads against the fetch-only floor in each.
 Before the first measurement, every operation of both sides runs a short warm-up that is
 not recorded, on 100 principals of its own.
 """
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import gc
 import os
@@ -48,6 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from typing import Any, cast
 
 import msgspec
@@ -57,12 +63,15 @@ import redis.asyncio as aioredis
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from shared import keys  # noqa: E402
-from shared.config import ContextConfig  # noqa: E402
+from shared.config import ContextConfig, RedisConfig  # noqa: E402
 from shared.context import ContextStore, pack_entry, stored_entry  # noqa: E402
 from shared.context.entries import array_header, decode_run  # noqa: E402
-from shared.context.scripts import library, script_config, script_keys, script_source  # noqa: E402
+from shared.context.scripts import NUM_KEYS, library, script_config, script_keys, script_source  # noqa: E402
 from shared.net import free_port  # noqa: E402
-from shared.redis_batch import AutoPipeline, pack_command  # noqa: E402
+from shared.redis_batch import pack_command  # noqa: E402
+from shared.redis_client import AsyncRedis, async_client, for_each_primary  # noqa: E402
+from shared.redis_cluster_batch import auto_pipeline  # noqa: E402
+from shared.redis_local_cluster import LocalCluster  # noqa: E402
 from shared.types import Entry  # noqa: E402
 
 
@@ -104,12 +113,12 @@ class _BenchLibrary:
 
     code = ""
 
-    def __init__(self, r: aioredis.Redis) -> None:
+    def __init__(self, r: AsyncRedis) -> None:
         self.r = r
-        self.batch = AutoPipeline(r)
+        self.batch = auto_pipeline(r)
 
     async def load(self) -> None:
-        await self.r.function_load(self.code, replace=True)
+        await for_each_primary(self.r, lambda node: node.function_load(self.code, replace=True))
 
 
 class Floor(_BenchLibrary):
@@ -139,7 +148,7 @@ end)
 
     async def get_window(self, principal: str, cid: str, last_n: int) -> list[Entry]:
         e, m = keys.ctx_entries(principal), keys.ctx_meta(principal)
-        vals = await self.batch.submit(pack_command(("FCALL", "lmbench_floor_window", 2, e, m, cid, last_n)))
+        vals = await self.batch.submit(pack_command(("FCALL", "lmbench_floor_window", 2, e, m, cid, last_n)), e)
         return decode_run(vals)  # as the store decodes a run
 
 
@@ -148,8 +157,8 @@ class OneValue(_BenchLibrary):
     """The store's own read with one thing changed: the window comes as ONE value. The
     store's script (its library, as loaded by the store) plus one operation that does what
     a window read does for its bookkeeping — the principal's state and the context's meta in
-    one ``HMGET``, the idle check, the use, the global LRU stamp, the state written back and
-    the TTLs — but fetches the last entries as one prebuilt value (``prepare`` joins each
+    one ``HMGET``, the idle check, the use, the state written back and the TTLs (not the
+    global LRU stamp the store posts beside its calls) — but fetches the last entries as one prebuilt value (``prepare`` joins each
     context's last ``n`` stored entries into the field ``\\0w<cid>`` of its entries hash,
     as the read cache's run buffer). Not a store (the value is not maintained): it shows what
     the store's read would cost if its layout held a window in one value instead of one
@@ -166,7 +175,7 @@ function ops.bench_one_value()
 end
 """
 
-    def __init__(self, r: aioredis.Redis, store: ContextStore) -> None:
+    def __init__(self, r: AsyncRedis, store: ContextStore) -> None:
         super().__init__(r)
         self.cfg_arg = script_config(store.cfg)
         self.decode = msgspec.msgpack.Decoder(list[Entry]).decode  # the window: one prebuilt array
@@ -187,21 +196,28 @@ end
             await pipe.execute()
 
     async def get_window(self, principal: str, cid: str) -> list[Entry]:
-        reply = await self.batch.submit(pack_command(("FCALL", self.fn, 8, *script_keys(principal), "bench_one_value",
-                                                      principal, self.cfg_arg, int(time.time() * 1000), cid)))
+        ks = script_keys(principal)
+        reply = await self.batch.submit(pack_command(("FCALL", self.fn, NUM_KEYS, *ks, "bench_one_value",
+                                                      principal, self.cfg_arg, int(time.time() * 1000), cid)), ks[0])
         return self.decode(reply[1])
 
 
-async def client_commands(r: aioredis.Redis) -> int:
-    """Commands clients sent (script-internal calls excluded): one per round trip here."""
-    stats = await r.info("commandstats")
-    return sum(int(v["calls"]) for k, v in stats.items() if k in (
-        "cmdstat_fcall", "cmdstat_evalsha", "cmdstat_eval", "cmdstat_get", "cmdstat_set"))
+async def client_commands(r: AsyncRedis) -> int:
+    """Commands clients sent (script-internal calls excluded), on every master: one per round
+    trip here."""
+    async def one(node: aioredis.Redis) -> int:
+        stats = await node.info("commandstats")
+        return sum(int(v["calls"]) for k, v in stats.items() if k in (
+            "cmdstat_fcall", "cmdstat_evalsha", "cmdstat_eval", "cmdstat_get", "cmdstat_set"))
+    return sum(await for_each_primary(r, one))
 
 
-async def server_cpu(r: aioredis.Redis) -> float:
-    info = await r.info("cpu")
-    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+async def server_cpu(r: AsyncRedis) -> float:
+    """CPU seconds of every master."""
+    async def one(node: aioredis.Redis) -> float:
+        info = await node.info("cpu")
+        return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+    return sum(await for_each_primary(r, one))
 
 
 async def measure(r, name: str, op, n_ops: int, concurrency: int, principals: int, seed: int,
@@ -234,8 +250,7 @@ async def measure(r, name: str, op, n_ops: int, concurrency: int, principals: in
 WARM_PRINCIPALS, WARM_OPS = 100, 500  # the warm-up before the measurements (see main)
 
 
-def bulk_load(pipe, cfg: ContextConfig, principal: str, cid: str, packed: list[bytes], now_ms: int,
-              global_clock: int) -> int:
+def bulk_load(pipe, cfg: ContextConfig, principal: str, cid: str, packed: list[bytes], now_ms: int) -> int:
     """Queue on `pipe` the state the script leaves after appending `packed` (entry bodies
     of text entries, no links; see pack_entry) to a new context `cid` of a new principal at
     time `now_ms` — the store's own layout (docs/context.md), written without Lua. Audit
@@ -248,34 +263,35 @@ def bulk_load(pipe, cfg: ContextConfig, principal: str, cid: str, packed: list[b
     kept = {s: packed[s - 1] for s in range(plo, n + 1)}
     stored = sum(len(v) for v in kept.values())
     lb = sum(len(packed[s - 1]) for s in range(lo, n + 1))
-    e, m, lru, ver, _evicted_versions = keys.ctx_keys(principal)
+    e, m, lru, ver, _evicted_versions, _audit = keys.ctx_keys(principal)
     pipe.hset(e, mapping={f"{cid}|text|{s}": stored_entry("text", s, v) for s, v in kept.items()})
     meta = {"v": n, "vf": vf, "b": stored, "t": now_ms, "ch": {"text": {"lo": lo, "hi": n, "plo": plo, "lb": lb}},
             "e": f"1.bulk.{principal}"}  # the life's name: unique, its form does not matter
     score = now_ms * 1000
     pipe.hset(m, mapping={cid: orjson.dumps(meta), f"\x00v{cid}": f"{n};{meta['e']};text:{lo}:{n}", f"\x00u{cid}": score,
                           "\x00bytes": stored, "\x00clock": score,
-                          "\x00exp": now_ms, "\x00due": now_ms + cfg.idle_ttl_s * 1000, "\x00gt": now_ms})
+                          "\x00exp": now_ms, "\x00due": now_ms + cfg.idle_ttl_s * 1000})
     pipe.zadd(lru, {cid: score})
     pipe.hset(ver, mapping={f"{cid}|{v}": f"text:{max(1, v - w + 1)}:{v}" for v in range(vf, n + 1)})
     ttl = cfg.idle_ttl_s * 1000 + cfg.idle_ttl_s * 1000 // 16
     for k in (e, m, lru, ver):
         pipe.pexpire(k, ttl)
-    pipe.hincrby(keys.CTX_GLOBAL_BYTES, principal, stored)
-    pipe.hincrby(keys.CTX_GLOBAL_BYTES, "\x00total", stored)
-    pipe.hset(keys.CTX_GLOBAL_BYTES, "\x00clock", global_clock)
-    pipe.zadd(keys.CTX_GLOBAL_LRU, {principal: global_clock})
+    shard = keys.ctx_global_shard(principal)
+    pipe.hincrby(keys.ctx_global_bytes(shard), principal, stored)
+    pipe.hincrby(keys.ctx_global_bytes(shard), "\x00total", stored)
+    pipe.zadd(keys.ctx_global_lru(shard), {principal: now_ms})
+    pipe.zadd(keys.ctx_global_seen(shard), {principal: now_ms})
     return stored
 
 
 async def snapshot(r: aioredis.Redis, principal: str) -> dict:
-    e, m, lru, ver, st = keys.ctx_keys(principal)
+    e, m, lru, ver, st, _audit = keys.ctx_keys(principal)
     meta = {k: {f: x for f, x in orjson.loads(v).items() if f != "e"}  # "e" names the life: unique by design
             for k, v in cast(dict[bytes, bytes], await r.hgetall(m)).items() if not k.startswith(b"\x00")}
     state = sorted(k for k in cast(list[bytes], await r.hkeys(m)) if k.startswith(b"\x00"))  # names only: clocks differ
     return {"e": await r.hgetall(e), "m": meta, "state": state, "lru": await r.zrange(lru, 0, -1),
             "ver": await r.hgetall(ver),
-            "bytes": (await r.hget(m, "\x00bytes")), "g": await r.hget(keys.CTX_GLOBAL_BYTES, principal)}
+            "bytes": (await r.hget(m, "\x00bytes")), "g": await r.hget(keys.ctx_global_bytes(keys.ctx_global_shard(principal)), principal)}
 
 
 async def check_bulk_load(r: aioredis.Redis, store: ContextStore, entries: int, payload: bytes) -> None:
@@ -286,7 +302,7 @@ async def check_bulk_load(r: aioredis.Redis, store: ContextStore, entries: int, 
     for _ in packed:
         await fixed.append("chk-script", "c", "text", "user", payload)
     pipe = r.pipeline(transaction=False)
-    bulk_load(pipe, cfg, "chk-bulk", "c", packed, now, 1)
+    bulk_load(pipe, cfg, "chk-bulk", "c", packed, now)
     await pipe.execute()
     a, b = await snapshot(r, "chk-script"), await snapshot(r, "chk-bulk")
     assert a == b, f"bulk load differs from the script's layout:\n{a['m']} {a['state']}\n{b['m']} {b['state']}"
@@ -308,7 +324,7 @@ async def preload(r: aioredis.Redis, cfg: ContextConfig, naive: Naive, principal
     for start in range(0, principals, 200):
         pipe = r.pipeline(transaction=False)
         for i in range(start, min(principals, start + 200)):
-            bulk_load(pipe, cfg, f"u{i}", "c", packed, now, i + 1)
+            bulk_load(pipe, cfg, f"u{i}", "c", packed, now)
             pipe.set(Naive.key(f"u{i}", "c"), naive_doc)
         await pipe.execute()
 
@@ -379,6 +395,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--full", action="store_true", help="10,000 principals, 3,000 ops per measurement (unless --ops)")
     ap.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop",
                     help="event loop of both sides (default: uvloop, the gateway's loop)")
+    ap.add_argument("--cluster", action="store_true",
+                    help="also run on a 3-master Redis Cluster (started here) and compare it with the single server")
+    ap.add_argument("--cluster-url", help="with --cluster: use this cluster (any node; it is FLUSHED)")
+    ap.add_argument("--evictor", action="store_true",
+                    help="measure only how far over the global budget appends run between evictor sweeps")
+    ap.add_argument("--evict-interval", type=float, default=1.0, help="with --evictor: global_evict_interval_s")
     return ap.parse_args()
 
 
@@ -484,15 +506,17 @@ async def measure_row(r: aioredis.Redis, sides: Sides, name: str, op: Any, args:
                       conc: int) -> dict:
     st = sides.store if name.startswith("store") else sides.uncached
     ours = name.startswith(("store", "uncached"))
-    rt0, f0, u0 = st.round_trips, st.entries_fetched, st.entries_reused
+    rt0, f0, u0, b0 = st.round_trips, st.entries_fetched, st.entries_reused, st.posted
     row = await measure(r, name, op, args.ops, conc, args.principals, seed=run * 1000 + conc)
     if ours:  # cross-check against the store's own call counter
         assert st.round_trips - rt0 == args.ops, "store made more than one call per op"
     row["conc"], row["run"] = conc, run + 1
     cache = ""
+    if ours:  # the global accounting's ZADD / HINCRBY, in the same batches (no round trip of their own)
+        cache = f"  +{(st.posted - b0) / args.ops:.2f} posted/op"
     if "get_window" in name and ours:
-        cache = (f"  entries/op fetched {(st.entries_fetched - f0) / args.ops:.1f}, "
-                 f"from the read cache {(st.entries_reused - u0) / args.ops:.1f}")
+        cache += (f", entries/op fetched {(st.entries_fetched - f0) / args.ops:.1f}, "
+                  f"from the read cache {(st.entries_reused - u0) / args.ops:.1f}")
     print(f"  {run + 1:<3} {conc:<5} {name:<31} {row['ops_s']:>7.0f} {row['p50_ms']:>9.2f} "
           f"{row['p99_ms']:>8.2f} {row['cmds_per_op']:>8.2f} {row['client_us']:>17.0f} "
           f"{row['server_us']:>16.0f}{cache}")
@@ -530,9 +554,9 @@ async def print_costs(r: aioredis.Redis, cfg: ContextConfig, mem_contexts: int) 
     print(f"redis used_memory {(await r.info('memory'))['used_memory_human']}; load average at end: {loadavg()}")
 
 
-async def run_bench(r: aioredis.Redis, args: argparse.Namespace) -> None:
+async def run_bench(r: AsyncRedis, args: argparse.Namespace, *, costs: bool = True) -> list[dict]:
     await wait_for_redis(r)
-    await r.flushdb()
+    await for_each_primary(r, lambda node: node.flushall())
     print(f"load average at start: {loadavg()}; event loop: {args.loop}")
     cfg = ContextConfig(channel_max_entries=args.entries, audit_maxlen=10_000)
     sides = await open_sides(r, cfg, args.entries)
@@ -543,25 +567,117 @@ async def run_bench(r: aioredis.Redis, args: argparse.Namespace) -> None:
     await warm_up(r, ops, args)
     rows = await measure_all(r, sides, ops, args)
     print_ratios(rows, args.repeat, args.last_n)
-    await print_costs(r, cfg, args.mem_contexts)
+    if costs:  # memory and Lua costs are a server's: measured on the single one
+        await print_costs(r, cfg, args.mem_contexts)
+    return rows
 
 
-async def main(args: argparse.Namespace) -> int:
-    apply_profile(args)
-    proc = workdir = None
-    url = args.redis_url
-    if url is None:
-        proc, workdir, url = start_private_redis()
-    r = aioredis.Redis.from_url(url, max_connections=128)
+async def measure_overshoot(r: AsyncRedis, args: argparse.Namespace, seconds: float = 6.0) -> None:
+    """64 callers append 1 KiB entries to 2,000 principals over a 2 MiB global budget while the
+    evictor sweeps every ``--evict-interval``; the reported total is sampled every 10 ms. Prints
+    the append rate, the largest excess over the budget (bytes, and against interval x rate)
+    and the longest time spent over it (against the interval)."""
+    await wait_for_redis(r)
+    await for_each_primary(r, lambda node: node.flushall())
+    budget = 2 * 1024 * 1024
+    cfg = ContextConfig(global_budget_bytes=budget, principal_budget_bytes=256 * 1024, max_entry_bytes=4096,
+                        global_evict_interval_s=args.evict_interval, global_lru_resolution_ms=100)
+    store, payload, rnd = ContextStore(r, cfg), b"o" * 1024, random.Random(5)
+    sweeper = asyncio.ensure_future(store.evictor(owner="bench").run())
+    appended, stop = [0], time.perf_counter() + seconds
+
+    async def caller() -> None:
+        while time.perf_counter() < stop:
+            await store.append(f"o{rnd.randrange(2000)}", "c", "text", "user", payload)
+            appended[0] += 1
+
+    async def sampler() -> tuple[int, float]:
+        worst, longest, since = 0, 0.0, None
+        while time.perf_counter() < stop:
+            over = await store.global_bytes() - budget
+            now = time.perf_counter()
+            worst = max(worst, over)
+            if over > 0:
+                since = now if since is None else since
+                longest = max(longest, now - since)
+            else:
+                since = None
+            await asyncio.sleep(0.01)
+        return worst, longest
+
+    t0 = time.perf_counter()
+    *_, (worst, longest) = await asyncio.gather(*(caller() for _ in range(64)), sampler())
+    sweeper.cancel()
+    rate = appended[0] / (time.perf_counter() - t0)
+    bound = args.evict_interval * rate * (len(payload) + 40)
+    print(f"global budget 2 MiB, evictor every {args.evict_interval} s: {rate:.0f} appends/s of 1 KiB; "
+          f"largest excess {worst / 1024:.0f} KiB ({worst / bound:.2f} x interval x append rate), "
+          f"longest over budget {longest:.2f} s ({longest / args.evict_interval:.2f} x interval)")
+
+
+def print_modes(rows: dict[str, list[dict]], last_n: int) -> None:
+    """The single server and the cluster side by side, and first reads against the floor in each."""
+    cluster = {(x["name"], x["conc"], x["run"]): x for x in rows["cluster"]}
+    print("\nsingle server vs 3-master cluster (same machine, same run):")
+    print("  run conc  operation                       ops/s single  cluster   ratio | p99 ms single cluster"
+          " | cmds/op single cluster")
+    for x in rows["single"]:
+        c = cluster[(x["name"], x["conc"], x["run"])]
+        print(f"  {x['run']:<3} {x['conc']:<5} {x['name']:<31} {x['ops_s']:>7.0f} {c['ops_s']:>8.0f} "
+              f"x{c['ops_s'] / x['ops_s']:>5.2f} | {x['p99_ms']:>13.2f} {c['p99_ms']:>7.2f} | "
+              f"{x['cmds_per_op']:>14.2f} {c['cmds_per_op']:>7.2f}")
+    window = f"get_window(last {last_n})"
+    print("first reads, the store against the fetch-only floor measured next to it (target >= 0.80):")
+    for mode, mine in rows.items():
+        by = {(x["name"], x["conc"], x["run"]): x for x in mine}
+        for (name, conc, run), x in sorted(by.items(), key=lambda kv: (kv[0][2], kv[0][1])):
+            if name == f"store.{window}":
+                floor = by[(f"floor.{window}", conc, run)]
+                print(f"  {mode:<7} run {run} c={conc:<3} store/floor x{x['ops_s'] / floor['ops_s']:.2f}")
+
+
+@contextlib.asynccontextmanager
+async def redis_for(mode: str, args: argparse.Namespace) -> AsyncIterator[AsyncRedis]:
+    """A client of the Redis a mode measures: the single server (``--redis-url``, else a
+    private redis-server) or the cluster (``--cluster-url``, else a private 3-master one)."""
+    proc = workdir = cluster = None
+    if mode == "cluster":
+        url = args.cluster_url
+        if url is None:
+            cluster = await asyncio.to_thread(LocalCluster(masters=3, replicas=0).start)
+            url = cluster.url
+        r: AsyncRedis = async_client(RedisConfig(url=url, cluster=True), max_connections=128)
+    else:
+        url = args.redis_url
+        if url is None:
+            proc, workdir, url = start_private_redis()
+        r = aioredis.Redis.from_url(url, max_connections=128)
     try:
-        await run_bench(r, args)
+        yield r
     finally:
         await r.aclose()
+        if cluster is not None:
+            cluster.stop()
         if proc is not None:
             proc.terminate()
             proc.wait(5)
         if workdir is not None:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+async def main(args: argparse.Namespace) -> int:
+    apply_profile(args)
+    rows: dict[str, list[dict]] = {}
+    for mode in ("single", "cluster") if args.cluster else ("single",):
+        if args.cluster:
+            print(f"\n=== {mode} ===")
+        async with redis_for(mode, args) as r:
+            if args.evictor:
+                await measure_overshoot(r, args)
+                continue
+            rows[mode] = await run_bench(r, args, costs=mode == "single")
+    if args.cluster and not args.evictor:
+        print_modes(rows, args.last_n)
     return 0
 
 

@@ -18,7 +18,7 @@ import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 import zmq
@@ -42,10 +42,10 @@ from gateway.transports.edge import HttpEdge
 from gateway.transports.streamable_http import McpHttpTransport
 from gateway.transports.websocket import websocket_endpoint, ws_ticket_endpoint
 from gateway.workers import WorkerPool
-from shared import audit
+from shared import audit, keys
 from shared.config import Config, ConfigError
 from shared.context import ContextStore
-from shared.redis_client import async_client
+from shared.redis_client import async_client, for_each_primary
 from shared.text import as_str
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,9 @@ log = logging.getLogger(__name__)
 # Test scaffolding stays out of the package: the fixture sets live in the source checkout.
 FIXTURES = {"conformance": Path(__file__).resolve().parents[1] / "conformance" / "fixtures.py"}
 SHUTDOWN_TIMEOUT_S = 10.0  # per component
+# A background task still running this long after its cancel swallowed it (see _cancel) and is
+# cancelled again; shorter would interrupt the cleanup of one that is ending (closing a TLS link).
+CANCEL_RETRY_S = 2.0
 CONTROL_CONNECT_TIMEOUT_S = 2.0
 
 
@@ -100,19 +103,36 @@ def _redis_clients(cfg: Config) -> tuple[aioredis.Redis, aioredis.Redis]:
     """The request client (socket timeout) and the blocking one (none: pub/sub, blocking reads)."""
     common: dict[str, Any] = {"socket_connect_timeout": cfg.redis.socket_timeout_s,
                               "max_connections": cfg.redis.max_connections, "health_check_interval": 30}
-    return (async_client(cfg.redis, socket_timeout=cfg.redis.socket_timeout_s, **common),
-            async_client(cfg.redis, socket_timeout=None, **common))
+    # Typed as one server's client: the components below are written against its API, and
+    # RedisCluster answers the same commands for keys of one slot.
+    return (cast(aioredis.Redis, async_client(cfg.redis, socket_timeout=cfg.redis.socket_timeout_s, **common)),
+            cast(aioredis.Redis, async_client(cfg.redis, socket_timeout=None, **common)))
 
 
 async def _warn_unless_noeviction(redis: aioredis.Redis) -> None:
     try:
-        conf: dict[Any, Any] = await redis.config_get("maxmemory-policy")
-        policy = conf.get("maxmemory-policy") or conf.get(b"maxmemory-policy")
-        if as_str(policy) != "noeviction":
-            log.warning("redis maxmemory-policy is %r: Redis may evict part of a context's keys; learnmesh "
-                        "enforces its own exact budgets and needs 'noeviction'", as_str(policy))
+        for policy in await for_each_primary(redis, _eviction_policy):
+            if policy != "noeviction":
+                log.warning("redis maxmemory-policy is %r: Redis may evict part of a context's keys; learnmesh "
+                            "enforces its own exact budgets and needs 'noeviction'", policy)
+                return
     except Exception as exc:  # noqa: BLE001 - CONFIG may be disabled (managed Redis); not fatal
         log.warning("could not read redis maxmemory-policy (%s); make sure it is 'noeviction'", type(exc).__name__)
+
+
+async def _eviction_policy(node: aioredis.Redis) -> str:
+    conf: dict[Any, Any] = await node.config_get("maxmemory-policy")
+    return as_str(conf.get("maxmemory-policy") or conf.get(b"maxmemory-policy"))
+
+
+async def _adopt_renamed_keys(redis: aioredis.Redis) -> None:
+    """Keys that gained a hash tag keep their data on a single server (keys.RENAMED); a cluster
+    has never held the old names, and RENAME cannot cross slots there anyway."""
+    if isinstance(redis, aioredis.RedisCluster):
+        return
+    for old, new in keys.RENAMED.items():
+        if await redis.exists(old):
+            await redis.renamenx(old, new)
 
 
 async def _bounded(what: str, stop: Callable[[], Awaitable[Any]], timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
@@ -124,7 +144,12 @@ async def _bounded(what: str, stop: Callable[[], Awaitable[Any]], timeout_s: flo
 
 
 async def _cancel(task: asyncio.Task[Any]) -> None:
-    task.cancel()
+    # Cancelled again until it ends: on Python 3.11 a cancel that lands while a connect's
+    # wait_for completes is swallowed (redis-py connecting on a first command), and the task
+    # would carry on with its loop.
+    while not task.done():
+        task.cancel()
+        await asyncio.wait([task], timeout=CANCEL_RETRY_S)
     with contextlib.suppress(asyncio.CancelledError):
         await task
 
@@ -162,6 +187,7 @@ async def open_gateway(cfg: Config, registry: Registry) -> AsyncIterator[Gateway
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(gateway.control_connected.wait(), CONTROL_CONNECT_TIMEOUT_S)
         await _warn_unless_noeviction(redis)
+        await _adopt_renamed_keys(redis)
         await workers.start()
         await open_proxy(gateway)
         stack.push_async_callback(_bounded, "the proxy's upstreams", gateway.proxy.close)
@@ -170,6 +196,8 @@ async def open_gateway(cfg: Config, registry: Registry) -> AsyncIterator[Gateway
         stats = asyncio.create_task(run_stats_publisher(gateway, cfg.metrics.status_interval_s), name="admin-stats")
         stack.push_async_callback(_bounded, "the dashboard snapshot", lambda: withdraw_stats(gateway), 2.0)
         stack.push_async_callback(_bounded, "the stats publisher", lambda: _cancel(stats), 2.0)
+        evictor = asyncio.create_task(store.evictor(owner=replica_id).run(), name="context-global-budget")
+        stack.push_async_callback(_cancel, evictor)
         stack.callback(_signal_shutdown, gateway)
         yield gateway
 

@@ -34,7 +34,17 @@ from typing import Any
 import msgspec
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
-from redis.exceptions import ClusterDownError, MasterDownError, ReadOnlyError, TryAgainError
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    ClusterError,
+    MasterDownError,
+    MovedError,
+    ReadOnlyError,
+    RedisClusterException,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -68,9 +78,18 @@ HTTP_STATUS = {PARSE_ERROR: 400, INVALID_REQUEST: 400, INVALID_PARAMS: 400, HEAD
                MISSING_REQUIRED_CLIENT_CAPABILITY: 400, UNSUPPORTED_PROTOCOL_VERSION: 400,
                METHOD_NOT_FOUND: 404}
 
-# Redis (or the network under it) is down, failing over or overloaded: worth a retry.
+# Redis (or the network under it) is down, failing over or overloaded: worth a retry. On a Redis
+# Cluster the client follows MOVED/ASK itself; what escapes it (a slot with no master yet, the
+# redirect budget spent while a failover settles, a stale map pointing at a node gone since) is
+# the same outage, never a redirect for the client to see.
 OUTAGE = (RedisConnectionError, RedisTimeoutError, ReadOnlyError, MasterDownError, TryAgainError,
-          ClusterDownError, OSError)
+          ClusterDownError, ClusterError, SlotNotCoveredError, MovedError, AskError, OSError)
+
+
+def is_outage(exc: BaseException) -> bool:
+    """An OUTAGE, or a cluster client that could reach no node at all (redis-py raises its
+    RedisClusterException for that, caused by the last connection error)."""
+    return isinstance(exc, OUTAGE) or (isinstance(exc, RedisClusterException) and isinstance(exc.__cause__, OUTAGE))
 
 
 class McpError(Exception):
@@ -195,7 +214,7 @@ def wire_error(exc: BaseException, config: Config, *, method: str = "",
         return _unavailable(str(exc), exc.retry_after_s or retry_after_s)
     if isinstance(exc, WorkerTimeout):
         return _unavailable(str(exc), retry_after_s)
-    if isinstance(exc, OUTAGE):
+    if is_outage(exc):
         log.warning("redis unavailable while serving %s: %s", method or "a request", type(exc).__name__)
         return _unavailable("Service unavailable: store unreachable", retry_after_s)
     log.error("internal error while serving %s", method or "a request", exc_info=exc)
@@ -227,8 +246,7 @@ def http_error(exc: BaseException, config: Config) -> HTTPException:
 
 # What a REST route may let propagate; everything else stays FastAPI's (500).
 HTTP_MAPPED = (McpError, ContextError, SampleError, SessionNotFound, SessionLimit, NoWorker, WorkerTimeout,
-               WorkerRequestError, RedisConnectionError, RedisTimeoutError, ReadOnlyError, MasterDownError,
-               TryAgainError, ClusterDownError)
+               WorkerRequestError, RedisClusterException, *OUTAGE)
 
 
 def install_http_errors(app: FastAPI, config: Config) -> None:

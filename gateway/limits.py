@@ -45,7 +45,9 @@ from redis.exceptions import NoScriptError, RedisError
 from gateway.errors import OUTAGE, Forbidden, InvalidParams, LimitExceeded
 from shared import keys, metrics
 from shared.config import Config, PrincipalLimits
-from shared.redis_batch import AutoPipeline, pack_command
+from shared.redis_batch import pack_command
+from shared.redis_client import for_each_primary
+from shared.redis_cluster_batch import auto_pipeline
 from shared.samples import Sample
 
 log = logging.getLogger(__name__)
@@ -158,7 +160,7 @@ class Limits:
         self.teachers = frozenset(cfg.learning.teachers)
         self.teacher_roles = frozenset(cfg.learning.teacher_roles)
         self._overrides = {name: cfg.limits.of(name) for name in {*cfg.limits.principals, *cfg.limits.principal_roles}}
-        self._batch = AutoPipeline(redis)
+        self._batch = auto_pipeline(redis)
         self._stocks: dict[str, _Stock] = {}
         self._outage_until = 0.0
         self._lease = redis.register_script(LEASE_LUA)
@@ -171,13 +173,15 @@ class Limits:
                 or self.cfg.principal_roles.get(principal) in self.teacher_roles)
 
     # ------------------------------------------------------------------ token buckets
-    async def _throttle(self, command: bytes) -> Any:
+    async def _throttle(self, command: bytes, key: str) -> Any:
+        """``command`` (EVALSHA of the throttle script, first key ``key``) on the master of its slot."""
         try:
-            return await self._batch.submit(command)
+            return await self._batch.submit(command, key)
         except NoScriptError:
             pass
-        await self.redis.script_load(THROTTLE_LUA)  # first use, or Redis restarted without it
-        return await self._batch.submit(command)
+        # first use, or a master restarted (or took over) without it
+        await for_each_primary(self.redis, lambda node: node.script_load(THROTTLE_LUA))
+        return await self._batch.submit(command, key)
 
     async def admit_request(self, principal: str) -> None:
         """Take one token of the principal's request rate, or raise :class:`LimitExceeded`.
@@ -223,7 +227,7 @@ class Limits:
         try:
             for cost in (chunk, 1) if chunk > 1 else (1,):
                 reply = await self._throttle(pack_command(("EVALSHA", _THROTTLE_SHA, 1, key, "", interval,
-                                                           lim.requests_burst, cost)))
+                                                           lim.requests_burst, cost)), key)
                 if reply[0] == 1:
                     stock.tokens += cost
                     return
@@ -274,7 +278,7 @@ class Limits:
         for name, rate, burst, cost in buckets:
             names.append(keys.limit_bucket(principal, name))
             args += [_interval_us(rate), burst, cost]
-        return await self._throttle(pack_command(("EVALSHA", _THROTTLE_SHA, len(names), *names, *args)))
+        return await self._throttle(pack_command(("EVALSHA", _THROTTLE_SHA, len(names), *names, *args)), names[0])
 
     # ------------------------------------------------------------------ the teach permission
     def forbidden(self, principal: str) -> Forbidden:

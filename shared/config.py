@@ -104,7 +104,10 @@ class RedisConfig:
     """Where the store lives. ``url=None``: ``REDIS_URL``, else the embedded default (shared.redis_embed).
 
     Credentials and TLS apply to every client a learnmesh process opens (shared/redis_client.py):
-    ``redis://user:password@host`` or the fields below; ``rediss://`` for TLS."""
+    ``redis://user:password@host`` or the fields below; ``rediss://`` for TLS.
+
+    Redis Cluster: ``cluster: true``, or a ``redis+cluster://`` (``rediss+cluster://``) URL naming
+    any node as the seed; every process then discovers the other masters from it."""
 
     url: str | None = None
     socket_timeout_s: PositiveFloat = 2.0
@@ -117,13 +120,19 @@ class RedisConfig:
                                                               "must chain to (None: the system's)")
     tls_cert_file: str | None = Field(default=None, description="rediss://: client certificate (mutual TLS)")
     tls_key_file: str | None = Field(default=None, description="rediss://: its private key (mode 0600)")
+    cluster: StrictBool = Field(default=False, description="the url names a node of a Redis Cluster (same as a "
+                                                           "redis+cluster:// or rediss+cluster:// url)")
+    wait_replicas: NonNegativeInt = Field(default=0, description="acknowledged context and sample writes wait until "
+                                          "this many replicas hold them (Redis WAIT); 0: off")
+    wait_timeout_ms: PositiveInt = Field(default=200, description="the longest such a write waits for its replicas; "
+                                         "fewer by then: the write is reported as failed (503)")
 
     def __post_init__(self) -> None:
         _check(not (self.password and self.password_file), "set password or password_file, not both")
         _check(not (self.url and urlsplit(self.url).password and (self.password or self.password_file)),
                "url already carries a password; drop password/password_file or the one in url")
         tls = self.tls_ca_file or self.tls_cert_file or self.tls_key_file
-        _check(not (tls and self.url and not self.url.startswith("rediss://")),
+        _check(not (tls and self.url and not self.url.startswith(("rediss://", "rediss+cluster://"))),
                "tls_* files need a rediss:// url")
         _check(bool(self.tls_cert_file) == bool(self.tls_key_file), "tls_cert_file and tls_key_file go together")
 
@@ -196,10 +205,14 @@ class ContextConfig:
     channel_max_entries: StrictInt = Field(default=1000, ge=1, le=1_000_000)
     channel_max_bytes: PositiveInt = 64 * 1024 * 1024
     principal_budget_bytes: PositiveInt = 256 * 1024 * 1024
-    global_budget_bytes: PositiveInt = 4 * 1024 * 1024 * 1024
+    global_budget_bytes: PositiveInt = Field(
+        default=4 * 1024 * 1024 * 1024, description="bytes over all principals; the gateways' evictor evicts least "
+                                                    "recently used principals every global_evict_interval_s "
+                                                    "(see docs/context.md: how far over it can run)")
     idle_ttl_s: PositiveInt = 7 * 24 * 3600
     versions_retained: PositiveInt = 16
-    audit_maxlen: PositiveInt = 100_000
+    audit_maxlen: PositiveInt = Field(default=100_000, description="cap of each audit stream: every principal's "
+                                                                  "context records, and each shard of the others")
     read_cache_bytes: NonNegativeInt = Field(
         default=128 * 1024 * 1024, description="entries a store keeps to skip re-fetching them; 0: off")
     read_cache_admit_reads: StrictInt = Field(
@@ -207,7 +220,10 @@ class ContextConfig:
                                             "(1: every read)")
     global_lru_resolution_ms: StrictInt = Field(
         default=1000, ge=0, le=3_600_000, description="a principal's global LRU stamp is renewed at most "
-                                                      "this often; 0: every use")
+                                                      "this often per gateway; 0: every use")
+    global_evict_interval_s: PositiveFloat = Field(
+        default=1.0, le=3600, description="how often a gateway's evictor checks the global budget (one replica "
+                                          "at a time holds the lease)")
 
     def __post_init__(self) -> None:
         _check(len(set(self.modalities)) == len(self.modalities), "modalities has duplicates")
@@ -347,6 +363,10 @@ class TrainerConfig:
     replay_buffer: PositiveInt = Field(
         default=4096, description="samples waiting for replay passes; the oldest give way beyond it")
     rehearsal_per_step: NonNegativeInt = 12
+    sample_partitions: PositiveInt | None = Field(
+        default=None, le=1024, description="partitions of the sample log (each its own Redis Cluster slot; a "
+        "principal's samples go to one); None: 1 on one server, 8 on a cluster. Raise it freely; lower it only "
+        "once the trainer has trained every sample of the partitions dropped")
 
 
 @_section

@@ -7,6 +7,8 @@ edge (auth) and never contain ``{`` or ``}``.
 
 from __future__ import annotations
 
+import zlib
+
 PREFIX = "lm:"
 
 
@@ -114,10 +116,9 @@ TASKS_CHANNEL = f"{PREFIX}gateway:tasks"
 
 
 # ---------------------------------------------------------------- context store
-# A principal's whole context state lives in five keys with the hash tag {principal}, so
+# A principal's whole context state lives in six keys with the hash tag {principal}, so
 # every context script passes a FIXED key list in KEYS (context ids are hash fields, never
-# key names computed inside Lua). Global accounting (bytes per principal, LRU over
-# principals) sits in two keys tagged {ctxglobal}; see docs/context.md for Redis Cluster.
+# key names computed inside Lua) and touches one slot only; see docs/context.md.
 def ctx_entries(principal: str) -> str:
     """Hash: ``<context_id>|<modality>|<seq>`` -> packed entry (header + raw content bytes)."""
     return f"{PREFIX}ctx:{_tag(principal)}:e"
@@ -146,32 +147,95 @@ def ctx_state(principal: str) -> str:
     return f"{PREFIX}ctx:{_tag(principal)}:st"
 
 
+def ctx_audit(principal: str) -> str:
+    """Stream (capped, idle TTL like the other four): the principal's audit records, written by
+    the context script in the same call as the change (shared/audit.py merges the streams)."""
+    return f"{PREFIX}ctx:{_tag(principal)}:au"
+
+
 def ctx_keys(principal: str) -> list[str]:
-    """The fixed KEYS prefix of every context script, in script order."""
+    """The fixed KEYS of every context script, in script order: all in the principal's slot."""
     return [ctx_entries(principal), ctx_meta(principal), ctx_lru(principal),
-            ctx_versions(principal), ctx_state(principal)]
+            ctx_versions(principal), ctx_state(principal), ctx_audit(principal)]
 
 
-CTX_GLOBAL_BYTES = f"{PREFIX}ctx:{{ctxglobal}}:bytes"
-"""Hash: principal -> bytes held; field ``\0total`` = sum, ``\0clock`` = global LRU clock."""
-CTX_GLOBAL_LRU = f"{PREFIX}ctx:{{ctxglobal}}:lru"
-"""Sorted set: principal -> global clock of its last context operation (LRU over principals)."""
+# Global accounting over all principals (the global byte budget, the LRU over principals) is
+# sharded: a principal's bytes and last-use stamp live in shard crc32(principal) % N, each
+# shard its own hash tag (so its own slot, spread over the masters). The store writes them in
+# the same pipelined round trips as its script calls; the evictor sums the shards
+# (shared/context/budget.py, docs/context.md).
+CTX_GLOBAL_SHARDS = 16
+
+
+def ctx_global_shard(principal: str) -> int:
+    return zlib.crc32(principal.encode()) % CTX_GLOBAL_SHARDS
+
+
+def ctx_global_bytes(shard: int) -> str:
+    """Hash: principal -> bytes it holds (as reported), ``\0total`` -> their sum."""
+    return f"{PREFIX}ctx:{{ctxglobal-{shard}}}:bytes"
+
+
+def ctx_global_lru(shard: int) -> str:
+    """Sorted set: principal -> ms of its last stamped use (global_lru_resolution_ms apart),
+    for principals that hold contexts (the evictor removes the ones it evicts)."""
+    return f"{PREFIX}ctx:{{ctxglobal-{shard}}}:lru"
+
+
+def ctx_global_seen(shard: int) -> str:
+    """Sorted set: principal -> ms of its last stamped use, for principals the evictor took
+    out of ``ctx_global_lru`` (evicted, or holding nothing): with that LRU, the principals whose
+    audit streams (``ctx_audit``) a merged audit read visits."""
+    return f"{PREFIX}ctx:{{ctxglobal-{shard}}}:seen"
+
+
+CTX_EVICTOR_LEASE = f"{PREFIX}ctx:evictor"
+"""String with a TTL: the gateway replica whose evictor enforces the global budget now."""
 
 # ---------------------------------------------------------------- samples / trainer
-# The sample log and its sequence counter share the hash tag {samples} (one Lua script
-# appends to both); the trainer's commit record and its trained-id ledger share {trainer}
-# (one MULTI commits both).
-SAMPLE_LOG = f"{PREFIX}{{samples}}:log"
-"""Stream: the durable sample log; one entry per accepted batch: ``seq`` (first, dense, 1-based),
-``n``, ``p`` (principal), ``s`` (JSON array of samples). Sample id = ``<entry id>:<index>``."""
-SAMPLE_SEQ = f"{PREFIX}{{samples}}:seq"
-"""String: last sequence number handed out with a sample (INCR inside the append script)."""
-SAMPLE_LOG_ID = f"{PREFIX}{{samples}}:logid"
-"""String: the identity of the sample log, made by the first append (SET NX in the append script).
-The trainer binds its offsets to it: a log recreated (a Redis that lost its data, another
-``REDIS_URL``) has another id, so its sequence numbers are never mistaken for the old log's."""
+# The sample log is split into partitions (trainer.sample_partitions; a principal's samples all go
+# to one, by a hash of its name): each partition is a stream, its sequence counter and its
+# identity under one hash tag, so the append script stays in one Redis Cluster slot and the
+# partitions spread over the masters. Partition 0 keeps the tag {samples}; partition p the tag
+# {samples.p}. The trainer's commit record and its trained-id ledger share {trainer} (one MULTI
+# commits both) and record a position per partition.
+def _samples_tag(partition: int) -> str:
+    return "{samples}" if partition == 0 else "{samples." + str(partition) + "}"
+
+
+def sample_log(partition: int) -> str:
+    """Stream: one partition of the durable sample log; one entry per accepted batch: ``seq``
+    (first, dense per partition, 1-based), ``n``, ``p`` (principal), ``s`` (JSON array of samples).
+    Sample id = ``<entry id>:<index>``, or ``<partition>/<entry id>:<index>`` beyond partition 0."""
+    return f"{PREFIX}{_samples_tag(partition)}:log"
+
+
+def sample_seq(partition: int) -> str:
+    """String: last sequence number the partition handed out (INCR inside the append script)."""
+    return f"{PREFIX}{_samples_tag(partition)}:seq"
+
+
+def sample_log_id(partition: int) -> str:
+    """String: the identity of the partition's log, made by its first append (SET NX in the append
+    script). The trainer binds its position to it: a log recreated (a Redis that lost its data,
+    another ``REDIS_URL``) has another id, so its sequence numbers are never mistaken for the old log's."""
+    return f"{PREFIX}{_samples_tag(partition)}:logid"
+
+
+def model_version_seq(partition: int) -> str:
+    """Sorted set: published model version (member) scored by the last seq of the partition its
+    weights hold. ``learn`` answers with its partition and last seq; the first version scored at
+    or above it contains the samples (read-your-writes without guessing a version)."""
+    return MODEL_VERSION_SEQ if partition == 0 else f"{PREFIX}model:versionseq:{partition}"
+
+
+SAMPLE_LOG = sample_log(0)
+SAMPLE_SEQ = sample_seq(0)
+SAMPLE_LOG_ID = sample_log_id(0)
 TRAINER_OFFSET = f"{PREFIX}{{trainer}}:offset"
-"""Hash: the trainer's commit record: seq (last trained), id (its log entry), step, version, epoch."""
+"""Hash: the trainer's commit record: step, version, epoch, and per sample-log partition its position:
+seq (last trained), id (its log entry), log (its identity); fields ``seq``, ``id``, ``log`` for
+partition 0 and ``seq.<p>``, ``id.<p>``, ``log.<p>`` for partition p."""
 TRAINER_TRAINED = f"{PREFIX}{{trainer}}:trained"
 """Hash: optimizer step -> space-separated sample ids trained in that step (the ledger)."""
 TRAINER_SKIPPED = f"{PREFIX}{{trainer}}:skipped"
@@ -184,18 +248,30 @@ TRAINER_STATUS = f"{PREFIX}trainer:status"
 # ---------------------------------------------------------------- model versions / workers
 MODEL_VERSION = f"{PREFIX}model:version"
 MODEL_VERSION_SEQ = f"{PREFIX}model:versionseq"
-"""Sorted set: published model version (member) scored by the last sample seq its weights hold.
-``learn`` answers with its last seq; the first version scored at or above it contains the samples
-(read-your-writes without guessing a version)."""
+"""model_version_seq(0): the sorted set of sample-log partition 0."""
 
 # ---------------------------------------------------------------- audit
-AUDIT_STREAM = f"{PREFIX}audit"
+# Records of the context store are in each principal's ``ctx_audit`` stream; everything else
+# (admin actions, trainer) in AUDIT_SHARDS streams chosen by principal, each its own slot.
+AUDIT_SHARDS = 16
+
+
+def audit_stream(principal: str) -> str:
+    """Stream (capped): audit records other than the context store's, of principals of one shard."""
+    return f"{PREFIX}audit:{{audit-{zlib.crc32(principal.encode()) % AUDIT_SHARDS}}}"
+
+
+def audit_streams() -> list[str]:
+    """Every shard of ``audit_stream``."""
+    return [f"{PREFIX}audit:{{audit-{k}}}" for k in range(AUDIT_SHARDS)]
 
 # ---------------------------------------------------------------- operations (admin API, control plane)
 # Protocol documented in docs/operations.md; helpers for the receiving side in shared/control.py.
-ADMIN_KEYS = f"{PREFIX}admin:keys"
+# Keys written together in one MULTI share a hash tag ({admin}, {config}), so the transaction
+# stays in one Redis Cluster slot.
+ADMIN_KEYS = f"{PREFIX}{{admin}}:keys"
 """Hash: sha256(admin key) hex -> JSON {name, role, created_ms, created_by}. Plaintext is never stored."""
-ADMIN_KEY_NAMES = f"{PREFIX}admin:keys:names"
+ADMIN_KEY_NAMES = f"{PREFIX}{{admin}}:keys:names"
 """Hash: admin key name -> sha256 hex (name uniqueness and revoke by name)."""
 TRAINER_CONTROL = f"{PREFIX}trainer:control"
 """Stream: one-shot operator commands for the trainer: fields ``cmd`` (checkpoint | rollback),
@@ -208,9 +284,9 @@ MODEL_VERSION_LOG = f"{PREFIX}model:versions"
 """Stream (capped): one entry per published model version: version, step, loss, anchor, checkpoint, ts_ms."""
 WORKERS_DRAINED = f"{PREFIX}workers:drained"
 """Set: worker ids that operators drained; every gateway replica routes no new requests to them."""
-RUNTIME_CONFIG = f"{PREFIX}config:runtime"
+RUNTIME_CONFIG = f"{PREFIX}{{config}}:runtime"
 """Hash: config section name (compression | consistency | scheduling) -> JSON of fields changed at runtime."""
-RUNTIME_CONFIG_REV = f"{PREFIX}config:runtime:rev"
+RUNTIME_CONFIG_REV = f"{PREFIX}{{config}}:runtime:rev"
 """String: incremented on every runtime config change; readers poll it cheaply."""
 RUNTIME_CONFIG_CHANNEL = f"{PREFIX}config:changed"
 """Pub/sub channel: the new revision number after every runtime config change (a hint; poll the rev)."""
@@ -220,6 +296,12 @@ DELTA_KEY_STATUS = f"{PREFIX}delta:key"
 """Hash: the key ring's report: key_id, epoch, rotated_ms, last_request (id of the handled rotate entry)."""
 GATEWAY_STATS = f"{PREFIX}status:gateways"
 """Hash: gateway replica id -> JSON snapshot (ts_ms, req/s, latency quantiles) for the dashboard."""
+
+
+RENAMED = {f"{PREFIX}admin:keys": ADMIN_KEYS, f"{PREFIX}admin:keys:names": ADMIN_KEY_NAMES,
+           f"{PREFIX}config:runtime": RUNTIME_CONFIG, f"{PREFIX}config:runtime:rev": RUNTIME_CONFIG_REV}
+"""Old name -> name now, for keys that gained a hash tag: a single server's gateway renames what it
+finds at start (gateway/app.py), so admin keys created through the API and runtime config survive."""
 
 
 STATUS_INDEX = f"{PREFIX}status:index"

@@ -17,6 +17,29 @@ def _ephemeral_low() -> int:
         return 32768
 
 
+def free_port_pair(offset: int, host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` whose partner ``port + offset`` is free too, both below the
+    kernel's ephemeral range (a Redis Cluster node's client and bus ports)."""
+    top = min(_ephemeral_low(), 32768) - offset
+    rnd = random.Random()  # noqa: S311 - spreads picks across the range, not a secret
+    for _ in range(1000):
+        port = rnd.randrange(_LOWEST_PORT, top)
+        if port in _given or port + offset in _given or not (_bindable(host, port) and _bindable(host, port + offset)):
+            continue
+        _given.update((port, port + offset))
+        return port
+    raise RuntimeError(f"no free port pair (+{offset}) in {_LOWEST_PORT}-{top}")
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on ``host`` now, taken from below the kernel's ephemeral range and never
     handed out twice by this process. A port the kernel hands out (bind to 0) can be taken

@@ -45,7 +45,8 @@ from typing import Any, cast
 import hiredis
 import redis
 import redis.asyncio as aioredis
-from redis.asyncio.connection import AbstractConnection
+from redis.asyncio.cluster import ClusterNode
+from redis.asyncio.connection import AbstractConnection, Connection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -55,24 +56,37 @@ log = logging.getLogger(__name__)
 # What taking a connection over needs: its transport, the protocol redis-py reads it with
 # (told when the connection closes), and redis-py's error-reply class for hiredis.
 _Stream = tuple[asyncio.Transport, asyncio.BaseProtocol, Callable[[str], Exception]]
+# Where connections come from: a client's pool, or one node of a cluster client.
+_Source = aioredis.ConnectionPool | ClusterNode
 
 
 class _RedisPyConnection:
-    """A connection of redis-py's pool as this module uses it: the only code here that
-    touches redis-py connection objects. Taking one over reads redis-py internals — the
-    stream writer's transport (``_writer``), the stream reader and its buffer (``_reader``),
-    the parser's error-reply class (``_parser``) — which are not redis-py API: pyproject.toml
-    pins the redis-py versions known to have them, and tests/test_redis_batch.py fails when a
-    connection of the installed redis-py cannot be taken over."""
+    """A connection of redis-py's as this module uses it: the only code here that touches
+    redis-py connection objects. Taking one over reads redis-py internals — the stream
+    writer's transport (``_writer``), the stream reader and its buffer (``_reader``), the
+    parser's error-reply class (``_parser``) — which are not redis-py API: pyproject.toml pins
+    the redis-py versions known to have them, and tests/test_redis_batch.py fails when a
+    connection of the installed redis-py cannot be taken over. A connection comes from a
+    client's pool (one server) or from a cluster node's own connections (``ClusterNode``'s
+    ``acquire_connection`` / ``release``: so closing the cluster client closes it too)."""
 
-    def __init__(self, pool: aioredis.ConnectionPool, conn: AbstractConnection) -> None:
-        self.pool = pool
+    def __init__(self, source: _Source, conn: AbstractConnection) -> None:
+        self.source = source
         self.conn = conn
 
     @classmethod
-    async def open(cls, pool: aioredis.ConnectionPool) -> _RedisPyConnection:
-        """A connection from ``pool``, connected: redis-py's auth, database, TLS and handshake done."""
-        return cls(pool, await pool.get_connection())
+    async def open(cls, source: _Source) -> _RedisPyConnection:
+        """A connection from ``source``, connected: redis-py's auth, database, TLS and handshake done."""
+        if isinstance(source, aioredis.ConnectionPool):
+            return cls(source, await source.get_connection())
+        conn = source.acquire_connection()
+        try:
+            await conn.connect()
+        except BaseException:
+            await conn.disconnect()
+            source.release(conn)
+            raise
+        return cls(source, conn)
 
     @property
     def socket_timeout_s(self) -> float | None:
@@ -112,15 +126,35 @@ class _RedisPyConnection:
         return replies
 
     async def release(self) -> None:
-        """Back to redis-py's pool, open."""
-        await self.pool.release(self.conn)
+        """Back to redis-py's pool (or node), open."""
+        if isinstance(self.source, aioredis.ConnectionPool):
+            await self.source.release(self.conn)
+        else:
+            self.source.release(cast(Connection, self.conn))
 
     async def close(self, *, nowait: bool = False) -> None:
-        """Disconnect, and back to redis-py's pool."""
+        """Disconnect, and back to redis-py's pool (or node)."""
         try:
             await self.conn.disconnect(nowait=nowait)
         finally:
-            await self.pool.release(self.conn)
+            await self.release()
+
+    async def asking(self, packed: bytes) -> Any:
+        """One command sent after ``ASKING`` on a connection of its own (a key of a slot being
+        migrated, answered by the node importing it): its reply, or its error reply raised."""
+        ok = False
+        try:
+            await self.conn.send_packed_command(_ASKING + packed, check_health=False)
+            await self.conn.read_response()  # +OK
+            try:
+                reply = await self.conn.read_response()
+            except ResponseError:
+                ok = True
+                raise
+            ok = True
+            return reply
+        finally:
+            await (self.release() if ok else self.close())
 
 
 class _Link(asyncio.Protocol):
@@ -195,10 +229,12 @@ _Batch = list[tuple[bytes, asyncio.Future[Any]]]
 class AutoPipeline:
     """Coalesces concurrent ``execute(*args)`` calls into pipelined round trips."""
 
-    def __init__(self, redis: aioredis.Redis, *, max_inflight: int = 4, max_batch: int = 16) -> None:
+    def __init__(self, redis: aioredis.Redis | ClusterNode, *, max_inflight: int = 4, max_batch: int = 16) -> None:
+        """``redis``: a client of one server, or one node of a cluster client (see
+        shared.redis_cluster_batch, which routes commands to each node's pipeline)."""
         if max_inflight < 1 or max_batch < 1:
             raise ValueError("max_inflight and max_batch must be >= 1")
-        self.redis = redis
+        self.source: _Source = redis if isinstance(redis, ClusterNode) else redis.connection_pool
         self.max_inflight = max_inflight
         self.max_batch = max_batch
         self._pending: _Batch = []
@@ -220,10 +256,12 @@ class AutoPipeline:
         reply raises ``ResponseError`` for this caller only."""
         return await self.submit(pack_command(args))
 
-    def submit(self, packed: bytes) -> asyncio.Future[Any]:
+    def submit(self, packed: bytes, key: str | bytes | None = None) -> asyncio.Future[Any]:
         """Queue one packed command (``pack_command``) with the next batch; the future gets
         its reply, or ``ResponseError`` for an error reply. For hot callers: one coroutine
-        layer less than ``execute`` (each costs ~1 µs). Needs a running event loop."""
+        layer less than ``execute`` (each costs ~1 µs). Needs a running event loop. ``key``
+        (the command's first key) routes on a cluster (shared.redis_cluster_batch); one
+        server needs none."""
         loop = asyncio.get_running_loop()
         if loop is not self._loop:  # first use, or the old loop went away with batches unfinished
             self._loop, self._pending, self._inflight, self._scheduled = loop, [], 0, False
@@ -235,6 +273,14 @@ class AutoPipeline:
         elif not self._scheduled and self._inflight < self.max_inflight:
             self._scheduled = True
             loop.call_soon(self._flush)
+        return fut
+
+    def post(self, packed: bytes, key: str | bytes | None = None) -> asyncio.Future[Any]:
+        """Queue one packed command whose reply nobody needs to wait for (bookkeeping that
+        rides along with the next batch); an error reply or a lost connection is logged. The
+        future returned says when it is done, for whoever wants to read its effect."""
+        fut = self.submit(packed, key)
+        fut.add_done_callback(_log_failure)
         return fut
 
     def _flush(self) -> None:
@@ -259,6 +305,10 @@ class AutoPipeline:
                     continue
                 kept = None
             self._spawn(self._send(batch, kept))
+
+    async def asking(self, packed: bytes) -> Any:
+        """``packed`` after ``ASKING``, outside the batches (see _RedisPyConnection.asking)."""
+        return await (await _RedisPyConnection.open(self.source)).asking(packed)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -353,7 +403,7 @@ class AutoPipeline:
             if not kept.lost():
                 return kept
             await kept.close()
-        conn = await _RedisPyConnection.open(self.redis.connection_pool)
+        conn = await _RedisPyConnection.open(self.source)
         stream = conn.stream()
         if isinstance(stream, str):
             if self.slow_path is None:
@@ -382,7 +432,13 @@ class AutoPipeline:
                 await conn.close()
 
 
-_EXACT = (str, bytes, int)  # what hiredis packs as given (see pack_command)
+def _log_failure(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.warning("redis: a posted command failed: %s", fut.exception())
+
+
+_EXACT = (str, bytes, int)
+_ASKING = hiredis.pack_command(("ASKING",))  # what hiredis packs as given (see pack_command)
 # hiredis's stub types the argument as a 1-tuple and the result as Any.
 _pack = cast(Callable[[tuple[str | bytes | int, ...]], bytes], hiredis.pack_command)
 

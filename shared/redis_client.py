@@ -7,17 +7,29 @@ from), so whoever reaches it must authenticate: ``redis.url`` may carry
 certificate and key. One function turns them into redis-py arguments so the gateway,
 workers, trainer and supervisor connect alike. Passwords never reach a log line:
 :func:`redact_url` is what prints a URL.
+
+Redis Cluster (``redis.cluster: true`` or a ``redis+cluster://`` / ``rediss+cluster://`` URL
+naming any node): the same functions return redis-py's ``RedisCluster`` (blocking or asyncio)
+with the same credentials and TLS; :func:`for_each_primary` runs something on every master
+(loading the function library, listing keys), on a single server on that one server.
 """
 
 from __future__ import annotations
 
 import ssl
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import redis as redis_sync
 import redis.asyncio as aioredis
-from redis.exceptions import AuthenticationError, NoPermissionError, RedisError
+from redis.exceptions import (
+    AuthenticationError,
+    NoPermissionError,
+    RedisClusterException,
+    RedisError,
+    TryAgainError,
+)
 
 from shared.config import DEFAULT_REDIS_URL, ConfigError, RedisConfig
 from shared.secret_files import check_private, read_private_text
@@ -28,8 +40,29 @@ class RedisAccessError(ConfigError):
     to wait out, so processes stop at start with this message."""
 
 
+SyncRedis = redis_sync.Redis | redis_sync.RedisCluster
+AsyncRedis = aioredis.Redis | aioredis.RedisCluster
+T = TypeVar("T")
+_CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+
+
 def url_of(cfg: RedisConfig) -> str:
+    """The configured URL as written (``+cluster`` scheme included)."""
     return cfg.url or DEFAULT_REDIS_URL
+
+
+def is_cluster(cfg: RedisConfig) -> bool:
+    """Whether ``cfg`` names a Redis Cluster (``redis.cluster`` or a ``+cluster`` URL scheme)."""
+    return cfg.cluster or urlsplit(url_of(cfg)).scheme in _CLUSTER_SCHEMES
+
+
+def server_url(cfg: RedisConfig) -> str:
+    """The URL redis-py is given: ``redis://`` / ``rediss://`` (a cluster's seed node)."""
+    url = url_of(cfg)
+    scheme = urlsplit(url).scheme
+    if scheme in _CLUSTER_SCHEMES:
+        return _CLUSTER_SCHEMES[scheme] + url[len(scheme):]
+    return url
 
 
 def client_kwargs(cfg: RedisConfig) -> dict[str, Any]:
@@ -42,7 +75,7 @@ def client_kwargs(cfg: RedisConfig) -> dict[str, Any]:
         kwargs["password"] = read_private_text(cfg.password_file, "redis.password_file")
     elif cfg.password:
         kwargs["password"] = cfg.password
-    if url_of(cfg).startswith("rediss://"):
+    if server_url(cfg).startswith("rediss://"):
         kwargs["ssl_cert_reqs"], kwargs["ssl_check_hostname"] = "required", True  # older redis-py: off
         if cfg.tls_ca_file:
             kwargs["ssl_ca_certs"] = cfg.tls_ca_file
@@ -52,14 +85,59 @@ def client_kwargs(cfg: RedisConfig) -> dict[str, Any]:
     return kwargs
 
 
-def sync_client(cfg: RedisConfig, **options: Any) -> redis_sync.Redis:
-    """A blocking client (trainer, workers, supervisor); ``options``: timeouts, pool size, ..."""
-    return redis_sync.Redis.from_url(url_of(cfg), **client_kwargs(cfg), **options)
+def sync_client(cfg: RedisConfig, **options: Any) -> SyncRedis:
+    """A blocking client (trainer, workers, supervisor); ``options``: timeouts, pool size, ...
+    A cluster client reaches the seed node as it is made (redis-py reads the slot map then)."""
+    if is_cluster(cfg):
+        return redis_sync.RedisCluster.from_url(server_url(cfg), **client_kwargs(cfg), **options)
+    return redis_sync.Redis.from_url(server_url(cfg), **client_kwargs(cfg), **options)
 
 
-def async_client(cfg: RedisConfig, **options: Any) -> aioredis.Redis:
+def async_client(cfg: RedisConfig, **options: Any) -> AsyncRedis:
     """An asyncio client (gateway, the trainer's context reader)."""
-    return aioredis.Redis.from_url(url_of(cfg), **client_kwargs(cfg), **options)
+    if is_cluster(cfg):
+        return aioredis.RedisCluster.from_url(server_url(cfg), **client_kwargs(cfg), **options)
+    return aioredis.Redis.from_url(server_url(cfg), **client_kwargs(cfg), **options)
+
+
+def node_client(client: aioredis.RedisCluster, node: Any) -> aioredis.Redis:
+    """A plain asyncio client of one node of ``client``'s cluster (its own pool, closed by the
+    caller): same credentials, TLS and timeouts as the cluster client's connections."""
+    pool = aioredis.ConnectionPool(connection_class=node.connection_class, **node.connection_kwargs)
+    return aioredis.Redis.from_pool(pool)
+
+
+async def for_each_primary(client: AsyncRedis, fn: Callable[[aioredis.Redis], Awaitable[T]]) -> list[T]:
+    """``fn`` run with a client of every master, in turn (one server: just that one). The
+    cluster's slot map is read first if the client has not read it yet."""
+    if not isinstance(client, aioredis.RedisCluster):
+        return [await fn(client)]
+    await client.initialize()
+    out: list[T] = []
+    for node in client.get_primaries():
+        node_redis = node_client(client, node)
+        try:
+            out.append(await fn(node_redis))
+        finally:
+            await node_redis.aclose()
+    return out
+
+
+def close_sync(client: SyncRedis) -> None:
+    """Close a blocking client and every connection it opened: redis-py's cluster client
+    leaves its nodes' connection pools open on ``close()``."""
+    client.close()
+    if isinstance(client, redis_sync.RedisCluster):
+        for node in [*client.get_nodes(), *client.nodes_manager.startup_nodes.values()]:
+            if node.redis_connection is not None:
+                node.redis_connection.connection_pool.disconnect()
+
+
+def for_each_primary_sync(client: SyncRedis, fn: Callable[[redis_sync.Redis], T]) -> list[T]:
+    """:func:`for_each_primary` for a blocking client (redis-py keeps one client per node)."""
+    if not isinstance(client, redis_sync.RedisCluster):
+        return [fn(client)]
+    return [fn(client.get_redis_connection(node)) for node in client.get_primaries()]
 
 
 def redact_url(url: str) -> str:
@@ -108,17 +186,37 @@ def check_access(cfg: RedisConfig, timeout_s: float = 5.0) -> bool:
     """Connect once at start: raise :class:`RedisAccessError` naming the settings to fix when
     Redis refuses our credentials or TLS identity; False when it cannot be reached (processes
     start anyway and wait for it), True when it answers."""
-    client = sync_client(cfg, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+    has_password = bool(client_kwargs(cfg).get("password") or urlsplit(server_url(cfg)).password)
     try:
-        client.ping()
-        return True
-    except (RedisError, OSError) as exc:
-        problem = access_problem(exc, bool(client.connection_pool.connection_kwargs.get("password")))
-        if problem is None:
-            return False
-        raise RedisAccessError(
-            f"Redis at {redact_url(url_of(cfg))} refused this process: {problem}; check redis.url, "
-            "redis.username, redis.password / redis.password_file and redis.tls_* (REDIS_URL, "
-            "LEARNMESH_REDIS__*)") from None
+        client = sync_client(cfg, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+    except (RedisError, RedisClusterException, OSError) as exc:  # a cluster client connects as it is made
+        return _refused(cfg, exc, has_password)
+    try:
+        return bool(for_each_primary_sync(client, lambda node: node.ping()))
+    except (RedisError, RedisClusterException, OSError) as exc:
+        return _refused(cfg, exc, has_password)
     finally:
-        client.close()
+        close_sync(client)
+
+
+def _refused(cfg: RedisConfig, exc: BaseException, has_password: bool) -> bool:
+    """False for an outage; raises RedisAccessError where Redis refused who we are."""
+    problem = access_problem(exc, has_password)
+    if problem is None:
+        return False
+    raise RedisAccessError(
+        f"Redis at {redact_url(url_of(cfg))} refused this process: {problem}; check redis.url, "
+        "redis.username, redis.password / redis.password_file and redis.tls_* (REDIS_URL, "
+        "LEARNMESH_REDIS__*)") from None
+
+
+class ReplicasBehind(TryAgainError):
+    """A write reached its master but fewer replicas than ``redis.wait_replicas`` confirmed it
+    within ``redis.wait_timeout_ms``: not acknowledged (the client retries; the write may stay)."""
+
+
+def check_replicas(cfg: RedisConfig, acked: int) -> None:
+    """Raise :class:`ReplicasBehind` when WAIT's reply ``acked`` is short of ``redis.wait_replicas``."""
+    if acked < cfg.wait_replicas:
+        raise ReplicasBehind(f"{acked} of {cfg.wait_replicas} replica(s) confirmed the write "
+                             f"within {cfg.wait_timeout_ms} ms")

@@ -19,14 +19,18 @@ stores and what the size limit (``trainer.max_sample_bytes``) is measured agains
 from __future__ import annotations
 
 import logging
+import zlib
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
 
 from shared.text import as_str
 from shared.types import ContextWindow, Entry
+
+if TYPE_CHECKING:
+    from shared.config import Config
 
 log = logging.getLogger("learnmesh.samples")
 
@@ -265,25 +269,58 @@ def attach_windows(samples: list[LoggedSample], blob: bytes | memoryview | None)
             s.window = windows.get((s.sample.context_id, s.sample.version))
 
 
-def learned_token(log_id: str, last_seq: int) -> str:
-    """What ``learn`` answers and ``generate`` / ``score`` accept as ``after_learn``: the log and
-    the last seq of the call's samples."""
-    return f"{log_id}.{last_seq}"
+def learned_token(log_id: str, last_seq: int, partition: int = 0) -> str:
+    """What ``learn`` answers and ``generate`` / ``score`` accept as ``after_learn``: the log
+    partition's identity, the last seq of the call's samples in it, and (beyond partition 0)
+    the partition."""
+    return f"{log_id}.{last_seq}" if partition == 0 else f"{log_id}.{last_seq}.{partition}"
 
 
-def parse_learned_token(token: Any) -> tuple[str, int]:
-    """(log id, seq) of an ``after_learn`` token; ValueError when it is not one."""
-    if not isinstance(token, str) or token.count(".") != 1:
+def parse_learned_token(token: Any) -> tuple[str, int, int]:
+    """(log id, seq, partition) of an ``after_learn`` token; ValueError when it is not one."""
+    parts = token.split(".") if isinstance(token, str) else []
+    if len(parts) == 2:
+        parts.append("0")
+    if len(parts) != 3:
         raise ValueError("after_learn must be the 'learned' token a learn call returned")
-    log_id, _, seq = token.partition(".")
-    if not log_id or not log_id.isalnum() or len(log_id) > 64 or not seq.isdigit() or len(seq) > 18:
+    log_id, seq, partition = parts
+    if (not log_id or not log_id.isalnum() or len(log_id) > 64 or not seq.isdigit() or len(seq) > 18
+            or not partition.isdigit() or len(partition) > 4):
         raise ValueError("after_learn must be the 'learned' token a learn call returned")
-    return log_id, int(seq)
+    return log_id, int(seq), int(partition)
 
 
-def sample_id(entry_id: str, index: int) -> str:
-    """A sample's id: its log entry's stream id and its position in that entry."""
-    return f"{entry_id}:{index}"
+def log_entry(entry_id: str, partition: int = 0) -> str:
+    """A log entry's name across partitions: its stream id, after ``<partition>/`` beyond
+    partition 0 (entry ids of two partitions' streams may be equal)."""
+    return entry_id if partition == 0 else f"{partition}/{entry_id}"
+
+
+def sample_id(entry_id: str, index: int, partition: int = 0) -> str:
+    """A sample's id: its log entry (:func:`log_entry`) and its position in that entry."""
+    return f"{log_entry(entry_id, partition)}:{index}"
+
+
+def position_field(name: str, partition: int) -> str:
+    """The trainer commit record's field ``name`` (seq, id, log) of ``partition`` (keys.TRAINER_OFFSET)."""
+    return name if partition == 0 else f"{name}.{partition}"
+
+
+def partition_of(principal: str, partitions: int) -> int:
+    """The sample-log partition of ``principal``'s samples: the same in every process."""
+    return zlib.crc32(principal.encode()) % partitions
+
+
+def sample_partitions(cfg: Config) -> int:
+    """``trainer.sample_partitions``, or its default: 1 on one server, 8 on a Redis Cluster."""
+    from shared.redis_client import is_cluster
+
+    if cfg.trainer.sample_partitions is not None:
+        return cfg.trainer.sample_partitions
+    return CLUSTER_SAMPLE_PARTITIONS if is_cluster(cfg.redis) else 1
+
+
+CLUSTER_SAMPLE_PARTITIONS = 8
 
 
 def batch_json(blobs: list[bytes]) -> bytes:
@@ -300,10 +337,11 @@ class LoggedSample:
     sample: Sample
     entry: str = ""
     window: ContextWindow | None = None  # the context it names, when copied at acceptance
+    partition: int = 0  # of the sample log
 
 
-def parse_entry(entry_id: bytes | str, fields: dict[Any, Any]) -> list[LoggedSample]:
-    """Expand one XRANGE entry of keys.SAMPLE_LOG into its samples.
+def parse_entry(entry_id: bytes | str, fields: dict[Any, Any], partition: int = 0) -> list[LoggedSample]:
+    """Expand one XRANGE entry of a sample-log partition (keys.sample_log) into its samples.
 
     An entry that cannot be read (written in another format, or damaged) is skipped with an
     error in the log: one poison entry in the durable log must not stop training for good."""
@@ -315,7 +353,7 @@ def parse_entry(entry_id: bytes | str, fields: dict[Any, Any]) -> list[LoggedSam
         principal = as_str(get("p"))
         first = int(get("seq"))
         samples = _STORED_BATCH.decode(get("s"))
-        out = [LoggedSample(sample_id(eid, i), first + i, principal, sample, eid)
+        out = [LoggedSample(sample_id(eid, i, partition), first + i, principal, sample, eid, partition=partition)
                for i, sample in enumerate(samples)]
         attach_windows(out, get("c"))
         return out

@@ -4,6 +4,17 @@ Tests run against a real Redis server: a private ``redis-server`` started for th
 session on a free port (so parallel runs never share state), or — when no binary is on
 PATH — the one answering on 127.0.0.1:6379 (database 15). Each test gets a flushed
 database. ``wait_for`` replaces sleeps: poll a condition until it holds or time runs out.
+
+Redis Cluster: a test that takes the ``redis_target`` fixture runs twice, ``[single]`` against
+the private server and ``[cluster]`` against a real cluster of 3 masters + 3 replicas started
+once per session from redis-server (``shared.redis_local_cluster``; or the cluster at
+``LEARNMESH_TEST_REDIS_CLUSTER_URL``, any node, which is FLUSHED). ``redis_target`` is a
+:class:`RedisTarget`: ``.config`` (a ``RedisConfig`` for anything built from config),
+``.url``, ``.async_client()`` / ``.sync_client()`` (shared.redis_client's, so ``RedisCluster``
+in cluster mode), ``.flush()`` (every master), ``.cluster`` (the ``LocalCluster``, to kill or
+reshard nodes; None for single or an external cluster). Every master is flushed before each
+test. ``LEARNMESH_TEST_REDIS_MODES=single`` (or ``cluster``) runs one side only. ``redis_url``
+stays the single-server fixture for files that have not opted in.
 """
 
 from __future__ import annotations
@@ -15,11 +26,23 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import redis as redis_sync
 
+from shared.config import RedisConfig
 from shared.net import free_port
+from shared.redis_client import (
+    AsyncRedis,
+    SyncRedis,
+    async_client,
+    close_sync,
+    for_each_primary_sync,
+    sync_client,
+)
+from shared.redis_local_cluster import LocalCluster
 
 
 def _describe(what: str | Callable[[], str]) -> str:
@@ -96,3 +119,82 @@ def redis_url(redis_server: str) -> Iterator[str]:
     client.flushdb()
     client.close()
     yield redis_server
+
+
+@dataclass
+class RedisTarget:
+    """One Redis a test runs against: a single server or a cluster (see the module docstring)."""
+
+    kind: str  # "single" | "cluster"
+    url: str  # learnmesh's form: redis+cluster://... for a cluster
+    cluster: LocalCluster | None = None
+
+    @property
+    def config(self) -> RedisConfig:
+        return RedisConfig(url=self.url)
+
+    @property
+    def is_cluster(self) -> bool:
+        return self.kind == "cluster"
+
+    def async_client(self, **options: Any) -> AsyncRedis:
+        return async_client(self.config, **options)
+
+    def sync_client(self, **options: Any) -> SyncRedis:
+        """Close it with shared.redis_client.close_sync (a cluster client's ``close()`` leaves
+        its nodes' connections open)."""
+        return sync_client(self.config, **options)
+
+    def flush(self) -> None:
+        """Empty every master (replicas follow)."""
+        client = self.sync_client()
+        try:
+            for_each_primary_sync(client, lambda node: node.flushall())
+        finally:
+            close_sync(client)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisTarget]:
+    """A real Redis Cluster for this test session (3 masters + 3 replicas), started only when
+    a test asks for it."""
+    external = os.environ.get("LEARNMESH_TEST_REDIS_CLUSTER_URL")
+    if external:
+        yield RedisTarget("cluster", external if "+cluster://" in external else
+                          external.replace("://", "+cluster://", 1))
+        return
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        pytest.skip("no redis-server/redis-cli to start a Redis Cluster")
+    cluster = LocalCluster(masters=3, replicas=1).start()
+    try:
+        yield RedisTarget("cluster", cluster.url, cluster)
+    finally:
+        cluster.stop()
+
+
+def _modes() -> list[str]:
+    wanted = os.environ.get("LEARNMESH_TEST_REDIS_MODES", "single,cluster")
+    return [m for m in ("single", "cluster") if m in wanted.split(",")]
+
+
+@pytest.fixture(params=_modes())
+def redis_target(request: pytest.FixtureRequest) -> Iterator[RedisTarget]:
+    """The test runs once per Redis kind (single server, cluster), each flushed first."""
+    if request.param == "single":
+        target = RedisTarget("single", request.getfixturevalue("redis_server"))
+    else:
+        target = request.getfixturevalue("redis_cluster")
+    target.flush()
+    yield target
+
+
+@pytest.fixture(scope="module", params=_modes())
+def redis_target_module(request: pytest.FixtureRequest) -> Iterator[RedisTarget]:
+    """``redis_target`` for a module that starts long-lived processes (gateway replicas) once per
+    Redis kind: flushed when the module's run on that kind begins; flush it per test yourself."""
+    if request.param == "single":
+        target = RedisTarget("single", request.getfixturevalue("redis_server"))
+    else:
+        target = request.getfixturevalue("redis_cluster")
+    target.flush()
+    yield target

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import httpx
 import pytest
-import redis as redis_sync
 
 from shared import control, keys
 from shared.config import CompressionConfig
+from shared.redis_client import close_sync
 from tests.admin_support import ADMIN_KEY, MCP_KEY, OPERATOR_KEY, VIEWER_KEY, bearer, live_gateway
+
+
+@pytest.fixture
+def redis_url(redis_target):
+    """Every test here runs on a single server and on a cluster (tests/conftest.py)."""
+    return redis_target.url
 
 
 @pytest.fixture
@@ -18,10 +24,10 @@ def gw(redis_url):
 
 
 @pytest.fixture
-def r(redis_url):
-    client = redis_sync.Redis.from_url(redis_url, decode_responses=True)
+def r(redis_target):
+    client = redis_target.sync_client(decode_responses=True)
     yield client
-    client.close()
+    close_sync(client)
 
 
 def test_no_key_wrong_key_and_mcp_key_get_401(gw):
@@ -181,11 +187,10 @@ def test_workers_list_and_drain(gw, r):
 
 
 async def _make_session(redis_url, principal):
-    import redis.asyncio as aioredis
-
     from gateway.mcp.sessions import SessionRegistry
-    from shared.config import GatewayConfig
-    ra = aioredis.from_url(redis_url)
+    from shared.config import GatewayConfig, RedisConfig
+    from shared.redis_client import async_client
+    ra = async_client(RedisConfig(url=redis_url))
     try:
         reg = SessionRegistry(ra, ra, GatewayConfig())
         return (await reg.create(principal, "2025-11-25", {"roots": {}})).id

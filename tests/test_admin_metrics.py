@@ -7,12 +7,12 @@ import math
 
 import httpx
 import pytest
-import redis as redis_sync
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from gateway.admin.stats import quantile
 from shared import control, keys
 from shared.metrics import HotCounter, HotHistogram
+from shared.redis_client import close_sync
 from tests.admin_support import ADMIN_KEY, MCP_KEY, VIEWER_KEY, bearer, live_gateway
 from tests.conftest import wait_for_sync
 
@@ -60,8 +60,9 @@ def _mcp(client: httpx.Client) -> httpx.Response:
                                                     "Accept": "application/json, text/event-stream"})
 
 
-def test_summary_aggregates_replicas_and_metrics_serve_mesh_gauges(redis_url):
-    r = redis_sync.Redis.from_url(redis_url)
+def test_summary_aggregates_replicas_and_metrics_serve_mesh_gauges(redis_target):
+    redis_url = redis_target.url
+    r = redis_target.sync_client()
     with live_gateway(redis_url) as a, live_gateway(redis_url) as b, \
             httpx.Client(base_url=a.url, timeout=10) as ca, httpx.Client(base_url=b.url, timeout=10) as cb:
         for _ in range(20):
@@ -83,7 +84,7 @@ def test_summary_aggregates_replicas_and_metrics_serve_mesh_gauges(redis_url):
         assert 'learnmesh_admin_denied_total{status="401"}' in text
         assert "learnmesh_context_stored_bytes" in text
         assert "learnmesh_mcp_requests_total" in text
-    r.close()
+    close_sync(r)
 
 
 def test_ui_files_and_unmatched_methods(redis_url):

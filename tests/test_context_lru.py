@@ -1,13 +1,17 @@
 """Property-based proof of the eviction rules: a hypothesis state machine drives the real
-store (real Redis) and a plain-Python reference model side by side, and after every step
-the set of contexts, their LRU order, byte totals and the LRU order over principals must
-agree. Rules modelled: exact LRU over a principal's contexts under its byte budget (the
-context just written goes last; alone over budget it drops its oldest entries, never the
-newest), LRU over principals under the global budget (never the caller) — a use stamps its
-principal only if its last stamp is global_lru_resolution_ms old (run with 0: every use, and
-1000) —, reads and writes count as use, failed operations do not; and the idle TTL on a fake clock: a context unused for
-idle_ttl is gone at the next operation of its principal (whatever it is, even a failing
-one), and until then it still counts."""
+store (real Redis: a single server, and a cluster whose principals sit on different masters
+and global shards) and a plain-Python reference model side by side, and after every step the
+set of contexts, their LRU order, byte totals and the LRU order over principals must agree.
+Rules modelled: exact LRU over a principal's contexts under its byte budget (the context
+just written goes last; alone over budget it drops its oldest entries, never the newest),
+per slot; the global budget as the evictor enforces it — a sweep evicts the least recently
+stamped principals whole until their reports cover the excess, clearing their reports (reads
+that expire idle contexts report nothing, so a report can run high until then) — where every call
+stamps its principal if its last stamp is global_lru_resolution_ms old (run with 0: every
+use, and 1000), failed calls included; reads and writes count as use of a context, failed
+operations do not; and the idle TTL on a fake clock: a context unused for idle_ttl is gone
+at the next operation of its principal (whatever it is, even a failing one), and until
+then it still counts."""
 
 from __future__ import annotations
 
@@ -15,15 +19,15 @@ import asyncio
 from collections import OrderedDict
 
 import pytest
-import redis.asyncio as aioredis
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from shared.config import ContextConfig
 from shared.context import ContextNotFound, ContextStore, pack_entry
+from tests.conftest import RedisTarget
 
-PRINCIPALS = ["p1", "p2", "p3"]
+PRINCIPALS = ["p1", "p2", "p3"]  # three masters of the test cluster, three global shards
 CONTEXTS = ["c1", "c2", "c3", "c4"]
 SIZES = [10, 60, 150]
 
@@ -48,11 +52,44 @@ class Model:
 
     def __init__(self, global_res_ms: int) -> None:
         self.ctx: dict[str, OrderedDict[str, list[int]]] = {p: OrderedDict() for p in PRINCIPALS}
-        self.principal_lru: OrderedDict[str, None] = OrderedDict()
         self.now = 1_000_000_000
         self.used: dict[tuple[str, str], int] = {}  # last use (ms) of each context
         self.global_res = global_res_ms
-        self.stamped: dict[str, int] = {}  # when each principal last moved in principal_lru
+        self.stamped: dict[str, int] = {}  # principal -> its stamp in the global LRU (absent: not in it)
+        self.reported = dict.fromkeys(PRINCIPALS, 0)  # bytes as the global accounting has them
+
+    def principal_lru(self) -> list[str]:
+        """The global LRU, oldest first (stamp, then name: the evictor's order)."""
+        return sorted(self.stamped, key=lambda q: (self.stamped[q], q))
+
+    def stamp(self, p: str) -> None:
+        """Every script call of `p` (failed ones too) stamps it, at most once per resolution."""
+        if p not in self.stamped or self.now - self.stamped[p] >= self.global_res:
+            self.stamped[p] = self.now
+
+    def report(self, p: str, before: int) -> None:
+        """A call that reports its byte change (all but reads)."""
+        self.reported[p] += self.total(p) - before
+
+    def sweep(self) -> list[str]:
+        """What one evictor sweep does (shared/context/budget.py): the least recently stamped
+        principals whose reports cover the excess are evicted whole, their reports cleared."""
+        total, out = sum(self.reported.values()), []
+        while total > G_BUDGET and self.stamped:
+            excess, chosen = total - G_BUDGET, []
+            for q in self.principal_lru():
+                if excess <= 0:
+                    break
+                chosen.append(q)
+                excess -= self.reported[q]
+            for q in chosen:
+                total -= self.reported[q]
+                if self.ctx[q]:
+                    out.append(q)
+                self.ctx[q].clear()
+                self.reported[q] = 0
+                del self.stamped[q]  # its next use stamps it again
+        return out
 
     def expire(self, p: str) -> None:
         """What every operation of `p` does first: drop its contexts idle for IDLE_MS."""
@@ -65,10 +102,6 @@ class Model:
     def touch(self, p: str, c: str) -> None:
         self.ctx[p].move_to_end(c)
         self.used[(p, c)] = self.now
-        if p not in self.stamped or self.now - self.stamped[p] >= self.global_res:
-            self.principal_lru.pop(p, None)
-            self.principal_lru[p] = None
-            self.stamped[p] = self.now
 
     def enforce(self, p: str, keep: str) -> None:
         ctxs = self.ctx[p]
@@ -77,27 +110,18 @@ class Model:
             del ctxs[victim]
         while self.total(p) > P_BUDGET and len(ctxs[keep]) > 1:
             ctxs[keep].pop(0)
-        grand = sum(self.total(q) for q in PRINCIPALS)
-        for q in list(self.principal_lru):
-            if grand <= G_BUDGET:
-                break
-            if q == p:
-                continue
-            grand -= self.total(q)
-            self.ctx[q].clear()
-            del self.principal_lru[q]
-            del self.stamped[q]  # its state went with it: its next use stamps it again
 
 
 class StoreMachine(RuleBasedStateMachine):
-    url = ""
+    target: RedisTarget | None = None
     global_res_ms = 0
 
     def __init__(self) -> None:
         super().__init__()
         self.loop = asyncio.new_event_loop()
-        self.r = aioredis.Redis.from_url(self.url)
-        self.run(self.r.flushdb())
+        assert self.target is not None
+        self.target.flush()
+        self.r = self.target.async_client()
         self.model = Model(self.global_res_ms)
         self.store = ContextStore(self.r, config(self.global_res_ms), clock_ms=lambda: self.model.now)
 
@@ -110,15 +134,19 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(p=st.sampled_from(PRINCIPALS), c=st.sampled_from(CONTEXTS), n=st.sampled_from(SIZES))
     def append(self, p, c, n):
+        before = self.model.total(p)
+        self.model.stamp(p)
         self.model.expire(p)
         self.run(self.store.append(p, c, "text", "user", b"x" * n))
         self.model.ctx[p].setdefault(c, []).append(packed(n))
         self.model.touch(p, c)
         self.model.enforce(p, c)
+        self.model.report(p, before)
 
     @rule(p=st.sampled_from(PRINCIPALS), c=st.sampled_from(CONTEXTS))
     def read(self, p, c):
-        self.model.expire(p)
+        self.model.stamp(p)
+        self.model.expire(p)  # not reported: reads tell the global accounting nothing
         exists = c in self.model.ctx[p]
         try:
             win = self.run(self.store.get_window(p, c))
@@ -131,18 +159,23 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(p=st.sampled_from(PRINCIPALS), c=st.sampled_from(CONTEXTS))
     def clear(self, p, c):
+        before = self.model.total(p)
+        self.model.stamp(p)
         self.model.expire(p)
         try:
             self.run(self.store.clear(p, c))
         except ContextNotFound:
             assert c not in self.model.ctx[p]
-            return
+            return  # the failed call reported nothing (its idle expiry stays unreported too)
         self.model.ctx[p][c] = []
         self.model.touch(p, c)
+        self.model.report(p, before)
 
     @rule(p=st.sampled_from(PRINCIPALS), src=st.sampled_from(CONTEXTS), dst=st.sampled_from(CONTEXTS))
     def fork(self, p, src, dst):
+        before = self.model.total(p)
         if src != dst:  # (the store refuses src == dst before calling Redis)
+            self.model.stamp(p)
             self.model.expire(p)
         ctxs = self.model.ctx[p]
         ok = src in ctxs and dst not in ctxs and src != dst
@@ -156,12 +189,21 @@ class StoreMachine(RuleBasedStateMachine):
         self.model.touch(p, src)
         self.model.touch(p, dst)
         self.model.enforce(p, dst)
+        self.model.report(p, before)
 
     @rule(p=st.sampled_from(PRINCIPALS), c=st.sampled_from(CONTEXTS))
     def evict(self, p, c):
+        before = self.model.total(p)
+        self.model.stamp(p)
         self.model.expire(p)
         assert self.run(self.store.evict(p, c)) == (c in self.model.ctx[p])
         self.model.ctx[p].pop(c, None)
+        self.model.report(p, before)
+
+    @rule()
+    def evictor_sweeps(self):
+        assert self.run(self.store.enforce_global_budget()) == self.model.sweep()
+        assert sum(self.model.total(q) for q in PRINCIPALS) <= G_BUDGET
 
     @rule(ms=st.sampled_from([0, 1, 999, 40_000, IDLE_MS - 1, IDLE_MS, 3 * IDLE_MS]))
     def time_passes(self, ms):
@@ -173,17 +215,17 @@ class StoreMachine(RuleBasedStateMachine):
             lru = self.run(self.store.lru_order(p))
             assert lru == list(self.model.ctx[p]), (p, lru, self.model.ctx[p])
             assert self.run(self.store.principal_bytes(p)) == self.model.total(p)
-        assert self.run(self.store.global_bytes()) == sum(self.model.total(q) for q in PRINCIPALS)
-        assert list(reversed(self.run(self.store.principals()))) == list(self.model.principal_lru)
+        assert self.run(self.store.global_bytes()) == sum(self.model.reported.values())
+        assert list(reversed(self.run(self.store.principals()))) == self.model.principal_lru()
         for p in PRINCIPALS:
             assert self.model.total(p) <= P_BUDGET
-        assert sum(self.model.total(q) for q in PRINCIPALS) <= G_BUDGET
+            assert self.model.reported[p] >= self.model.total(p)  # reports may lag, only upwards
 
 
 @pytest.mark.timeout(600)  # room for hypothesis's own 5-minute shrink limit, so a failure prints its steps
 @pytest.mark.parametrize("global_res_ms", [0, 1000])
-def test_lru_semantics_match_reference_model(redis_url, global_res_ms):
-    StoreMachine.url, StoreMachine.global_res_ms = redis_url, global_res_ms
+def test_lru_semantics_match_reference_model(redis_target, global_res_ms):
+    StoreMachine.target, StoreMachine.global_res_ms = redis_target, global_res_ms
     run_state_machine_as_test(StoreMachine, settings=settings(
         max_examples=40, stateful_step_count=30, deadline=None, database=None,
         suppress_health_check=[HealthCheck.too_slow]))

@@ -1,4 +1,5 @@
-"""Context store against a real Redis: data model, windows, versions, fork, budgets, audit."""
+"""Context store against a real Redis, single server and cluster (``redis_target``): data
+model, windows, versions, fork, budgets, the global budget's evictor, audit."""
 
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ from shared.context import (
     stored_entry,
 )
 from shared.context.entries import array_header
-from shared.context.scripts import GLOBAL_KEYS
 from shared.redis_batch import pack_bulk
 from shared.types import Entry
 
@@ -38,8 +38,8 @@ class Clock:
 
 
 @pytest.fixture
-async def r(redis_url):
-    client = aioredis.Redis.from_url(redis_url)
+async def r(redis_target):
+    client = redis_target.async_client()
     yield client
     await client.aclose()
 
@@ -148,10 +148,10 @@ async def test_the_call_header_is_the_packed_command(r):
     s = make(r)
     script = s._script
     for p in ("alice", "Ünïcode-π", "a%b%%c%d", "x" * 200):
-        ks = keys.ctx_keys(p) + GLOBAL_KEYS
+        ks = keys.ctx_keys(p)
         tail = (123, "x", b"y", 4, "", "z")  # now, then five arguments
-        want = hiredis.pack_command(("FCALL", script.fn, 8, *ks, "some-op", p, script.cfg_arg, *tail))  # type: ignore[arg-type]  # its stub types a 1-tuple
-        assert script._head("some-op", p, 20) + pack_bulk(tail) == want
+        want = hiredis.pack_command(("FCALL", script.fn, 6, *ks, "some-op", p, script.cfg_arg, *tail))  # type: ignore[arg-type]  # its stub types a 1-tuple
+        assert script._head("some-op", p, 18) + pack_bulk(tail) == want
         await s.append(p, "c", "text", "user", b"hi")
         assert [e.text for e in (await s.get_window(p, "c")).channels["text"]] == ["hi"]
 
@@ -175,7 +175,8 @@ async def test_bad_input_is_rejected_before_any_write(r):
         await s.append("a", "c", "text", "user", b"x", links=["image:7"])  # no such entry
     with pytest.raises(ContextError):
         await s.append("a", "c", "text", "user", b"x", links=["text:1"])  # same channel
-    assert await r.keys("*") == []  # nothing written, not even audit
+    # nothing written, not even audit (only the principal's global LRU stamp)
+    assert [k for k in await r.keys("*") if not k.startswith(b"lm:ctx:{ctxglobal-")] == []
     await s.append("a", "c", "text", "user", b"ok")
     bad: dict[str, Any]
     for bad in ({"last_n": 0}, {"last_n": -3}, {"max_tokens": 0}, {"modalities": []},
@@ -278,35 +279,71 @@ async def test_principal_budget_exact_lru(r):
 
 
 async def test_global_budget_lru_over_principals(r):
+    """Over the global budget, the evictor evicts the least recently used principal whole,
+    through its own script, and the sharded total follows."""
+    clock = Clock()
     one = size(b"x" * 100)
-    s = make(r, principal_budget_bytes=3 * one, global_budget_bytes=3 * one, max_entry_bytes=100,
+    s = make(r, clock, principal_budget_bytes=3 * one, global_budget_bytes=3 * one, max_entry_bytes=100,
              channel_max_bytes=1000, versions_retained=1, global_lru_resolution_ms=0)
     for p in ("p1", "p2", "p3"):
         await s.append(p, "c", "text", "user", b"x" * 100)
+        await s.append(p, "d", "image", "user", b"y")
+        clock.now_ms += 1
     await s.get_window("p1", "c")  # p2 is now the least recently used principal
-    res = await s.append("p4", "c", "text", "user", b"x" * 100)
-    assert res.evicted_principals == ["p2"]
-    with pytest.raises(ContextNotFound):
-        await s.get_window("p2", "c")
-    assert await s.global_bytes() == 3 * one
-    assert set(await s.principals()) == {"p1", "p3", "p4"}
+    clock.now_ms += 1
+    await s.append("p4", "c", "text", "user", b"x" * 100)
+    assert await s.global_bytes() == 4 * one + 3 * size(b"y")  # over until the evictor runs
+    assert await s.enforce_global_budget() == ["p2", "p3"]
+    assert set(await s.principals()) == {"p1", "p4"}
+    for gone in ("p2", "p3"):  # every context of the principal went, in one call
+        assert await s.list_contexts(gone) == []
+        with pytest.raises(ContextNotFound):
+            await s.get_window(gone, "c")
+    assert await s.global_bytes() == 2 * one + size(b"y")
+    assert {x["context"] for x in await audit.query(r, principal="p2", action="evict")} == {"c", "d"}
+    assert (await audit.query(r, action="evict"))[0]["reason"] == "global_budget"  # merged over principals
+    assert await s.enforce_global_budget() == []  # within budget: nothing more
     # versions stay monotonic when an evicted context is recreated
     assert (await s.append("p2", "c", "text", "user", b"again")).version == 2
 
 
-async def test_global_budget_evicts_a_principal_holding_no_bytes(r):
-    """A principal whose contexts were all cleared holds 0 bytes but stays in the global LRU;
-    evicting it must work (found by the LRU state machine: HINCRBY by "-0" was refused)."""
+async def test_the_evictor_skips_a_principal_used_after_its_stamp(r):
+    """A principal used after the stamp the evictor saw is no longer the LRU: its script says
+    so and keeps everything; the evictor's lease lets one replica sweep at a time."""
+    clock = Clock()
     one = size(b"x" * 100)
-    s = make(r, principal_budget_bytes=2 * one, global_budget_bytes=2 * one, max_entry_bytes=100,
+    s = make(r, clock, principal_budget_bytes=one, global_budget_bytes=one, max_entry_bytes=100,
+             channel_max_bytes=1000, versions_retained=1, global_lru_resolution_ms=1000)
+    await s.append("p1", "c", "text", "user", b"x" * 100)
+    clock.now_ms += 10
+    await s.append("p2", "c", "text", "user", b"x" * 100)
+    clock.now_ms += 2000
+    await s.get_window("p1", "c")  # used, and re-stamped
+    n, _ = await s._script.call("evict_principal", "p1", 1_000_000 + 1000, "global_budget")
+    assert n == -1  # used after that stamp: kept
+    assert [i.id for i in await s.list_contexts("p1")] == ["c"]
+    first, second = s.evictor(owner="a"), s.evictor(owner="b")
+    assert await first.sweep_once() == ["p2"]
+    assert await second.sweep_once() == []  # "a" holds the lease
+    assert second.sweeps == 0 and first.sweeps == 1
+
+
+async def test_global_budget_evicts_a_principal_holding_no_bytes(r):
+    """A principal whose contexts were all cleared holds 0 bytes but is still the least
+    recently used: the evictor evicts it (its cleared context goes) and goes on to the next."""
+    clock = Clock()
+    one = size(b"x" * 100)
+    s = make(r, clock, principal_budget_bytes=2 * one, global_budget_bytes=2 * one, max_entry_bytes=100,
              channel_max_bytes=1000, versions_retained=1)
     await s.append("p1", "c", "text", "user", b"x" * 100)
     await s.clear("p1", "c")
     assert await s.principal_bytes("p1") == 0
+    clock.now_ms += 1000
     await s.append("p2", "c", "text", "user", b"x" * 100)
     await s.append("p2", "c", "text", "user", b"x" * 100)
-    res = await s.append("p3", "c", "text", "user", b"x" * 100)  # over: p1 (0 B), then p2
-    assert res.evicted_principals == ["p1", "p2"]
+    clock.now_ms += 1000
+    await s.append("p3", "c", "text", "user", b"x" * 100)  # over: p1 (0 B), then p2
+    assert await s.enforce_global_budget() == ["p1", "p2"]
     assert await s.global_bytes() == one
     assert await s.principals() == ["p3"]
 
@@ -349,13 +386,17 @@ async def test_idle_ttl_lazy_and_redis_expiry_reconciled(r):
     assert rec[0]["context"] == "old" and rec[0]["reason"] == "idle"
     # keys outlive idle_ttl after the last use: TTL idle_ttl + idle_ttl/16, refreshed lazily
     assert 60_000 < await r.pttl(keys.ctx_entries("a")) <= 63_750
-    # Redis expiring the principal's keys wholesale is reconciled into the global total
+    # Redis expiring the principal's keys wholesale is reconciled into the global total by
+    # the evictor, which checks what a principal holds before evicting anyone
     for k in keys.ctx_keys("a"):
         await r.delete(k)
+    clock.now_ms += 1000
     await s.append("b", "c", "text", "user", b"b")
-    assert await s.global_bytes() > size(b"b")  # stale until "a" comes back
-    await s.list_contexts("a")
+    assert await s.global_bytes() > size(b"b")  # stale until the evictor looks at "a"
+    s.cfg.global_budget_bytes = size(b"b")
+    assert await s.enforce_global_budget() == []
     assert await s.global_bytes() == size(b"b")
+    assert [e.text for e in (await s.get_window("b", "c")).channels["text"]] == ["b"]
 
 
 async def test_evict_and_audit_trail(r):
@@ -384,7 +425,7 @@ async def test_principals_are_isolated_in_the_store(r):
     # every key of a principal carries its hash tag
     for k in await r.keys("lm:ctx:*"):
         k = k.decode()
-        assert "{alice}" in k or "{bob}" in k or "{ctxglobal}" in k
+        assert "{alice}" in k or "{bob}" in k or "{ctxglobal-" in k
 
 
 async def test_decode_responses_client_is_handled(redis_url):
@@ -433,14 +474,15 @@ async def test_global_lru_stamps_a_principal_at_most_once_per_resolution(r):
              channel_max_bytes=1000, versions_retained=1, global_lru_resolution_ms=1000)
     for p in ("p1", "p2", "p3"):
         await s.append(p, "c", "text", "user", b"x" * 100)
-    clock.now_ms += 999
+        clock.now_ms += 1
+    clock.now_ms += 996  # 999 ms after p1's stamp
     await s.get_window("p1", "c")
     assert await s.principals() == ["p3", "p2", "p1"]  # not re-stamped
     clock.now_ms += 1
     await s.get_window("p1", "c")
     assert await s.principals() == ["p1", "p3", "p2"]
-    res = await s.append("p4", "c", "text", "user", b"x" * 100)
-    assert res.evicted_principals == ["p2"]
+    await s.append("p4", "c", "text", "user", b"x" * 100)
+    assert await s.enforce_global_budget() == ["p2"]
     # the per-principal LRU stays exact whatever the global resolution
     await s.append("p1", "d", "text", "user", b"y")
     await s.get_window("p1", "c")
@@ -463,7 +505,15 @@ async def test_last_used_follows_reads_and_ties_keep_exact_lru(r):
     assert [i.id for i in await s.list_contexts("a")][0] == "c2"
 
 
-async def test_function_library_reloaded_and_evalsha_fallback_agree(r):
+async def test_function_library_reloaded_and_evalsha_fallback_agree(redis_url):
+    r = aioredis.Redis.from_url(redis_url)
+    try:
+        await _reloaded_and_evalsha_agree(r)
+    finally:
+        await r.aclose()
+
+
+async def _reloaded_and_evalsha_agree(r):
     if int((await r.info("server"))["redis_version"].split(".")[0]) < 7:
         pytest.skip("Redis < 7 has no Functions: every test here already runs the EVALSHA path")
     s = make(r)
@@ -485,6 +535,32 @@ async def test_function_library_reloaded_and_evalsha_fallback_agree(r):
     stats = await r.info("commandstats")
     # 3 operations (+1 EVALSHA answered NOSCRIPT the first time), 1 FCALL
     assert int(stats["cmdstat_evalsha"]["calls"]) >= 3 and int(stats["cmdstat_fcall"]["calls"]) == 1
+
+
+async def test_function_library_reloaded_on_the_master_that_lost_it(r, redis_target):
+    """FUNCTION FLUSH on one master (a restart without persistence, a new master): the next
+    call whose slot that master serves loads the library again — on every master — and
+    succeeds; the caller never sees "function not found"."""
+    from shared.redis_client import for_each_primary
+
+    s = make(r)
+    principals = [f"p{i}" for i in range(30)]  # their slots spread over every master
+    for p in principals:
+        await s.append(p, "c", "text", "user", b"one")
+    lib = "learnmesh_ctx_" + s._script.fn.removeprefix("lm_ctx_")
+    flushed = 0
+
+    async def flush_first(node):
+        nonlocal flushed
+        if flushed == 0:
+            await node.function_flush()
+        flushed += 1
+    await for_each_primary(r, flush_first)
+    assert 0 in [len(x) for x in await for_each_primary(r, lambda n: n.function_list(library=lib))]
+    for p in principals:
+        await s.append(p, "c", "text", "user", b"two")
+    assert [len(x) for x in await for_each_primary(r, lambda n: n.function_list(library=lib))] == [1] * flushed
+    assert [e.text for e in (await s.get_window("p7", "c")).channels["text"]] == ["one", "two"]
 
 
 def test_a_run_header_fits_runs_of_every_length():
@@ -515,7 +591,7 @@ async def test_sequence_numbers_on_both_sides_of_the_scripts_table_of_names(r):
     n = 65_533
     packed = [pack_entry("user", b"e%d" % i, tokens=1, ts_ms=now) for i in range(1, n + 1)]
     pipe = r.pipeline(transaction=False)
-    bulk_load(pipe, cfg, "alice", "c", packed, now, 1)
+    bulk_load(pipe, cfg, "alice", "c", packed, now)
     await pipe.execute()
     s = ContextStore(r, cfg, clock_ms=lambda: now)
     uncached = ContextStore(r, ContextConfig(channel_max_entries=8, versions_retained=4, read_cache_bytes=0),

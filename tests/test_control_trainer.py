@@ -13,16 +13,16 @@ from pathlib import Path
 
 import orjson
 import redis as redis_sync
-import redis.asyncio as aioredis
 import torch
 import zmq
-from trainer_support import TrainerProc, trainer_config
+from trainer_support import TrainerProc, async_redis, sync_redis, trainer_config
 
 from gateway.tools.learning import SampleIngest
 from services.trainer.checkpoint import load_bytes
 from services.trainer.tiny import build_tiny_model
 from services.worker.updates import DeltaSubscriber
 from shared import keys
+from shared.redis_client import close_sync
 from shared.samples import Example
 from tests.conftest import free_port, wait_for
 
@@ -42,11 +42,12 @@ def _ack(r: redis_sync.Redis, cid: str) -> dict | None:
     return json.loads(raw) if raw else None
 
 
-async def test_control_plane_steers_a_running_trainer(redis_url, tmp_path):
+async def test_control_plane_steers_a_running_trainer(redis_target, tmp_path):
+    redis_url = redis_target.url
     cfg = trainer_config(redis_url, tmp_path, free_port(), ranks=1, batch_size=4, checkpoint_every=1000,
                          checkpoint_keep=5)
-    r = redis_sync.Redis.from_url(redis_url)
-    aredis = aioredis.Redis.from_url(redis_url)
+    r = sync_redis(redis_url)
+    aredis = async_redis(redis_url)
     ingest = SampleIngest(aredis, cfg)
     ctx = zmq.Context()
     n = 0
@@ -143,5 +144,5 @@ async def test_control_plane_steers_a_running_trainer(redis_url, tmp_path):
         proc.close()
         ingest.close()
         ctx.term()
-        r.close()
+        close_sync(r)
         await aredis.aclose()

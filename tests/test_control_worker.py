@@ -3,16 +3,16 @@ notices when an operator drains it (docs/operations.md)."""
 
 from __future__ import annotations
 
-import redis as redis_sync
 from worker_support import spawn_worker, stop, write_config
 
 from shared import keys
+from shared.redis_client import close_sync
 from tests.conftest import wait_for_sync
 
 
-def test_worker_reports_status_and_honours_drain(redis_url, tmp_path):
-    path, _cfg = write_config(tmp_path, 1, redis_url=redis_url, extra={"metrics": {"status_interval_s": 0.1}})
-    r = redis_sync.Redis.from_url(redis_url, decode_responses=True)
+def test_worker_reports_status_and_honours_drain(redis_target, tmp_path):
+    path, _cfg = write_config(tmp_path, 1, redis_url=redis_target.url, extra={"metrics": {"status_interval_s": 0.1}})
+    r = redis_target.sync_client(decode_responses=True)
     proc = spawn_worker(path, 0)
     status = keys.component_status("worker:worker-0")
     try:
@@ -28,4 +28,4 @@ def test_worker_reports_status_and_honours_drain(redis_url, tmp_path):
         wait_for_sync(lambda: r.hget(status, "drained") == "0", timeout_s=10)
     finally:
         stop(proc)
-        r.close()
+        close_sync(r)

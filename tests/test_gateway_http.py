@@ -10,7 +10,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.conftest import free_port, wait_for_sync
+from tests.conftest import RedisTarget, free_port, wait_for_sync
 from tests.gateway_support import start_gateway, stop
 
 MODERN = "2026-07-28"
@@ -18,13 +18,21 @@ ACCEPT = "application/json, text/event-stream"
 
 
 @pytest.fixture(scope="module")
-def replicas(redis_server: str) -> Iterator[tuple[str, str]]:
+def replicas(redis_target_module: RedisTarget) -> Iterator[tuple[str, str]]:
+    """Two replicas per Redis kind (single server, cluster)."""
     pa, pb = free_port(), free_port()
-    a = start_gateway(pa, redis_server)
-    b = start_gateway(pb, redis_server)
+    a = start_gateway(pa, redis_target_module.url)
+    b = start_gateway(pb, redis_target_module.url)
     yield f"http://127.0.0.1:{pa}/mcp", f"http://127.0.0.1:{pb}/mcp"
     stop(a)
     stop(b)
+
+
+@pytest.fixture
+def redis_url(redis_target_module: RedisTarget) -> str:
+    """The replicas' Redis, emptied for each test."""
+    redis_target_module.flush()
+    return redis_target_module.url
 
 
 def rpc(method: str, params: dict | None = None, rid: int | str | None = 1) -> dict:

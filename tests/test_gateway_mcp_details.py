@@ -13,7 +13,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import RedisTarget, free_port
 from tests.gateway_support import start_gateway, stop
 
 ALICE, BOB = "alice-key-0123456789", "bob-key-0123456789"
@@ -24,11 +24,19 @@ WAIT_S = 15
 
 
 @pytest.fixture(scope="module")
-def mcp(redis_server: str) -> Iterator[str]:
+def mcp(redis_target_module: RedisTarget) -> Iterator[str]:
+    """One gateway per Redis kind (single server, cluster)."""
     port = free_port()
-    proc = start_gateway(port, redis_server, api_keys=f"alice:{ALICE},bob:{BOB}")
+    proc = start_gateway(port, redis_target_module.url, api_keys=f"alice:{ALICE},bob:{BOB}")
     yield f"http://127.0.0.1:{port}/mcp"
     stop(proc)
+
+
+@pytest.fixture
+def redis_url(redis_target_module: RedisTarget) -> str:
+    """The gateway's Redis, emptied for each test."""
+    redis_target_module.flush()
+    return redis_target_module.url
 
 
 def ask(mcp: str, key: str, method: str, params: dict[str, Any], name: str | None = None) -> dict[str, Any]:

@@ -14,16 +14,16 @@ import pytest
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import InvalidStatus
 
-from tests.conftest import free_port, wait_for_sync
+from tests.conftest import RedisTarget, free_port, wait_for_sync
 from tests.gateway_support import start_gateway, stop
 from tests.test_gateway_http import ACCEPT, init, legacy, modern, rpc
 
 KEYS = "alice:alice-key-123,bob:bob-key-4567"
 
 
-def test_api_keys_and_principal_isolation(redis_server: str, redis_url: str) -> None:
+def test_api_keys_and_principal_isolation(redis_target: RedisTarget) -> None:
     port = free_port()
-    proc = start_gateway(port, redis_server, api_keys=KEYS, cap=2)
+    proc = start_gateway(port, redis_target.url, api_keys=KEYS, cap=2)
     url = f"http://127.0.0.1:{port}/mcp"
     try:
         body, h = modern("tools/list")
@@ -94,9 +94,9 @@ def test_redis_down_503_then_recovers() -> None:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def test_websocket_transport(redis_server: str, redis_url: str) -> None:
+def test_websocket_transport(redis_target: RedisTarget) -> None:
     port = free_port()
-    proc = start_gateway(port, redis_server)
+    proc = start_gateway(port, redis_target.url)
     uri = f"ws://127.0.0.1:{port}/mcp/ws"
 
     async def scenario() -> None:

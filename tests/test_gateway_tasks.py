@@ -23,6 +23,12 @@ KEYS = {"alice": "alice-key-123", "bob": "bob-key-4567"}
 EXT_CAPS = {"extensions": {TASKS_EXTENSION: {}}}
 
 
+@pytest.fixture
+def redis_url(redis_target) -> str:
+    """Every test here runs on a single server and on a cluster (tests/conftest.py)."""
+    return redis_target.url
+
+
 class Replica:
     """One gateway app, its lifespan running, reached through an in-process ASGI client."""
 

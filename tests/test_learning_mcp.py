@@ -6,18 +6,31 @@ from collections.abc import Iterator
 
 import orjson
 import pytest
-import redis as redis_sync
 from fastapi.testclient import TestClient
 
 from gateway.app import create_app
 from shared import keys
 from shared.config import load_config
+from shared.redis_client import close_sync
+from shared.samples import learned_token, partition_of, sample_partitions
 from tests.conftest import free_port
+from tests.trainer_support import sync_redis
 
 MODERN = "2026-07-28"
 KEY = "alice-key-123456"
 OPERATOR = "operator-key-123456"
 VIEWER = "viewer-key-1234567"
+
+
+@pytest.fixture
+def redis_url(redis_target) -> str:
+    """Every test here runs on a single server and on a cluster (tests/conftest.py)."""
+    return redis_target.url
+
+
+def _part(redis_url: str, principal: str = "alice") -> int:
+    """The sample-log partition of ``principal`` (the default count: 1 on a server, 8 on a cluster)."""
+    return partition_of(principal, sample_partitions(load_config(env={}, overrides={"redis": {"url": redis_url}})))
 
 
 @pytest.fixture
@@ -50,11 +63,11 @@ def learn(c: TestClient, args: dict) -> dict:
 
 def _log_len(redis_url: str) -> int:
     """Samples in the log (entries hold whole batches)."""
-    r = redis_sync.Redis.from_url(redis_url)
+    r = sync_redis(redis_url)
     try:
-        return sum(int(f[b"n"]) for _, f in r.xrange(keys.SAMPLE_LOG))
+        return sum(int(f[b"n"]) for _, f in r.xrange(keys.sample_log(_part(redis_url))))
     finally:
-        r.close()
+        close_sync(r)
 
 
 def test_learn_acknowledges_ids_after_the_write(client, redis_url):
@@ -101,23 +114,24 @@ def call_tool(c: TestClient, name: str, args: dict) -> dict:
 def test_learn_answers_a_token_that_generate_and_score_wait_on(client, redis_url):
     out = learn(client, {"samples": [{"input": "q1", "target": "a1"}, {"input": "q2", "target": "a2"}]})
     token = out["result"]["structuredContent"]["learned"]
-    r = redis_sync.Redis.from_url(redis_url)
+    r = sync_redis(redis_url)
+    part = _part(redis_url)
     try:
-        log_id = r.get(keys.SAMPLE_LOG_ID).decode()
-        assert token == f"{log_id}.2", "the token names this log and the call's last seq"
+        log_id = r.get(keys.sample_log_id(part)).decode()
+        assert token == learned_token(log_id, 2, part), "the token names this log partition and the call's last seq"
         # not a token: refused before any wait or worker (-32602, nothing else touched)
         for bad in ("2", "abc", f"{log_id}.x", "../etc.1"):
             err = call_tool(client, "score", {"prompt": "q", "target": "a", "after_learn": bad})
             assert err["error"]["code"] == -32602, (bad, err)
         # a token of a log that was recreated since (a Redis that lost its data)
-        r.set(keys.SAMPLE_LOG_ID, "0123456789abcdef")
+        r.set(keys.sample_log_id(part), "0123456789abcdef")
         err = call_tool(client, "generate", {"prompt": "q", "after_learn": token})
         assert err["error"]["code"] == -32602 and "no longer exists" in err["error"]["message"]
         # the right log, and a version that holds the samples: the wait ends at once and the
         # request goes on to the worker pool (none here: -32050, retry later)
-        r.set(keys.SAMPLE_LOG_ID, log_id)
-        r.zadd(keys.MODEL_VERSION_SEQ, {"7": 2})
+        r.set(keys.sample_log_id(part), log_id)
+        r.zadd(keys.model_version_seq(part), {"7": 2})
         err = call_tool(client, "score", {"prompt": "q", "target": "a", "after_learn": token})
         assert err["error"]["code"] == -32050 and "trained" not in err["error"]["message"], err
     finally:
-        r.close()
+        close_sync(r)

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import pytest
-import redis.asyncio as aioredis
 import zmq
 from trainer_support import trainer_config
 
@@ -13,15 +12,15 @@ from gateway.tools.learning import SampleIngest
 from shared import keys, wire
 from shared.context import ContextStore
 from shared.curve import CurveKeys
-from shared.samples import SampleError, parse_sample
+from shared.samples import SampleError, parse_sample, partition_of, sample_id
 from shared.zmq_util import make_socket
 from tests.conftest import free_port
 
 
 @pytest.fixture
-async def ingest(redis_url, tmp_path):
-    cfg = trainer_config(redis_url, tmp_path, free_port(), max_sample_bytes=512, sample_hwm=4)
-    redis = aioredis.Redis.from_url(redis_url)
+async def ingest(redis_target, tmp_path):
+    cfg = trainer_config(redis_target.url, tmp_path, free_port(), max_sample_bytes=512, sample_hwm=4)
+    redis = redis_target.async_client()
     store = ContextStore(redis, cfg.context)
     ing = SampleIngest(redis, cfg, store)
     yield ing
@@ -29,8 +28,13 @@ async def ingest(redis_url, tmp_path):
     await redis.aclose()
 
 
+def _alice_log(ing: SampleIngest) -> str:
+    return keys.sample_log(partition_of("alice", ing.partitions))
+
+
 async def _nothing_written(ing: SampleIngest) -> None:
-    assert await ing.redis.exists(keys.SAMPLE_LOG, keys.SAMPLE_SEQ) == 0
+    for part in range(ing.partitions):
+        assert await ing.redis.exists(keys.sample_log(part), keys.sample_seq(part)) == 0
 
 
 BAD = {
@@ -86,15 +90,16 @@ async def test_unknown_context_or_version_is_refused_and_nothing_is_written(inge
         await ingest.submit("mallory", samples)
     await _nothing_written(ingest)
     out = await ingest.submit("alice", samples)
-    assert out["seqs"] == [1] and await ingest.redis.xlen(keys.SAMPLE_LOG) == 1
+    assert out["seqs"] == [1] and await ingest.redis.xlen(_alice_log(ingest)) == 1
 
 
 async def test_accepted_samples_are_logged_then_pushed_with_backpressure_reported(ingest):
     samples = ingest.parse({"samples": [{"input": f"q{i}", "target": "a"} for i in range(3)]})
     out = await ingest.submit("alice", samples)
     assert out["queued"] is False  # no trainer connected: reported, and the log still has them
-    entries = await ingest.redis.xrange(keys.SAMPLE_LOG)
-    assert len(entries) == 1 and [f"{entries[0][0].decode()}:{i}" for i in range(3)] == out["ids"]
+    part = partition_of("alice", ingest.partitions)
+    entries = await ingest.redis.xrange(keys.sample_log(part))
+    assert len(entries) == 1 and [sample_id(entries[0][0].decode(), i, part) for i in range(3)] == out["ids"]
     assert out["seqs"] == [1, 2, 3]
     ctx = zmq.Context()
     trainer = CurveKeys.load(ingest.cfg.zmq, "trainer")
@@ -111,7 +116,8 @@ async def test_accepted_samples_are_logged_then_pushed_with_backpressure_reporte
         assert pull.poll(5000)
         kind, header, blobs = wire.decode(pull.recv_multipart())
         # a wake-up naming the log and its last seq: the samples themselves stay in the log
-        assert kind == wire.MsgType.SAMPLE and header == {"log": out["learned"].split(".")[0], "seq": out["seqs"][-1]}
+        assert kind == wire.MsgType.SAMPLE and header == {"log": out["learned"].split(".")[0], "seq": out["seqs"][-1],
+                                                            "part": part}
         assert blobs == []
     finally:
         pull.close(0)

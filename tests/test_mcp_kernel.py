@@ -39,6 +39,12 @@ CAPS = "io.modelcontextprotocol/clientCapabilities"
 RETRY_AFTER_S = 7  # not the default, so a hard-coded wait cannot pass
 
 
+@pytest.fixture
+def redis_url(redis_target) -> str:
+    """Every test here runs on a single server and on a cluster (tests/conftest.py)."""
+    return redis_target.url
+
+
 def _config(redis_url: str) -> Config:
     return load_config(env={}, overrides={"redis": {"url": redis_url, "retry_after_s": RETRY_AFTER_S},
                                           "gateway": {"request_state_keys": ["00" * 32]},

@@ -1,6 +1,8 @@
 """Automatic pipelining (shared/redis_batch.py) against a real Redis: concurrent callers
 share round trips, each gets its own reply or error, a dropped connection fails only the
-batch on the wire, and the next call reconnects."""
+batch on the wire, and the next call reconnects. On a real cluster too
+(shared/redis_cluster_batch.py): one pipeline per master, and a slot moving between masters
+(ASK, MOVED) is followed without an error reaching a caller."""
 
 from __future__ import annotations
 
@@ -14,8 +16,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from shared import redis_batch
+from shared import keys, redis_batch
 from shared.redis_batch import AutoPipeline, pack_command
+from shared.redis_client import close_sync
+from shared.redis_cluster_batch import ClusterAutoPipeline, auto_pipeline
 from tests.conftest import wait_for
 
 
@@ -189,3 +193,141 @@ async def test_a_batch_without_replies_fails_after_the_socket_timeout_then_recov
         await admin.execute_command("CLIENT", "UNPAUSE")
         await client.aclose()
         await admin.aclose()
+
+
+# ---------------------------------------------------------------- on a cluster (and one server)
+# shared/redis_cluster_batch.py: the same pipelining, one AutoPipeline per master.
+
+@pytest.fixture
+async def anywhere(redis_target):
+    """An automatic pipeline on a single server and on a cluster (one per master there)."""
+    client = redis_target.async_client()
+    yield auto_pipeline(client, max_inflight=2), client
+    await client.aclose()
+
+
+async def test_callers_share_round_trips_on_every_master(anywhere) -> None:
+    ap, client = anywhere
+    names = [f"cb:{i}" for i in range(300)]  # spread over every master of a cluster
+    await asyncio.gather(*(ap.submit(pack_command(("SET", k, i)), k) for i, k in enumerate(names)))
+    got = await asyncio.gather(*(ap.submit(pack_command(("GET", k)), k) for k in names))
+    assert got == [str(i).encode() for i in range(300)]
+    assert ap.commands == 600 and ap.batches < ap.commands / 4
+    bad: list[object] = await asyncio.gather(ap.submit(pack_command(("INCR", "cb:1")), "cb:1"),
+                                             ap.submit(pack_command(("HGET", "cb:2", "f")), "cb:2"),
+                                             return_exceptions=True)
+    assert bad[0] == 2 and isinstance(bad[1], ResponseError)  # only its caller hears it
+    if isinstance(ap, ClusterAutoPipeline):
+        assert len(ap._nodes) == 3
+        for node_pipe in ap._nodes.values():  # each master's connections were taken over too
+            assert node_pipe.slow_path is None
+            assert node_pipe._idle and all(isinstance(c, redis_batch._Link) for c in node_pipe._idle)
+
+
+class SlotMove:
+    """A real resharding step of one slot, done by hand as redis-cli does it: IMPORTING on
+    the target, MIGRATING on the source, MIGRATE of its keys, then SETSLOT NODE everywhere."""
+
+    def __init__(self, target, key: str) -> None:
+        rc = target.sync_client()
+        try:
+            self.slot = rc.keyslot(key)
+            src, primaries = rc.get_node_from_key(key), rc.get_primaries()
+            dst = next(n for n in primaries if n.name != src.name)
+            self.src, self.dst = redis.Redis(host=src.host, port=src.port), redis.Redis(host=dst.host, port=dst.port)
+            self.dst_addr = (dst.host, int(dst.port))
+            self.everyone = [redis.Redis(host=n.host, port=n.port) for n in primaries]
+        finally:
+            close_sync(rc)
+        self.src_id = self.src.execute_command("CLUSTER", "MYID").decode()
+        self.dst_id = self.dst.execute_command("CLUSTER", "MYID").decode()
+
+    def begin(self) -> None:
+        self.dst.execute_command("CLUSTER", "SETSLOT", self.slot, "IMPORTING", self.src_id)
+        self.src.execute_command("CLUSTER", "SETSLOT", self.slot, "MIGRATING", self.dst_id)
+
+    def move_keys(self) -> int:
+        names = self.src.execute_command("CLUSTER", "GETKEYSINSLOT", self.slot, 10_000)
+        if names:
+            self.src.execute_command("MIGRATE", *self.dst_addr, "", 0, 5000, "KEYS", *names)
+        return len(names)
+
+    def finish(self) -> None:
+        for node in [self.dst, self.src, *self.everyone]:
+            node.execute_command("CLUSTER", "SETSLOT", self.slot, "NODE", self.dst_id)
+
+    def close(self) -> None:
+        for node in [self.src, self.dst, *self.everyone]:
+            node.close()
+
+
+async def test_a_slot_moving_to_another_master_is_followed_without_errors(redis_target) -> None:
+    """During a live migration of a slot: a key not yet on the source gets ASK (sent again
+    after ASKING to the target), a key still there is served by the source; after the move,
+    MOVED sends every command to the new master and the slot map is read again. No caller
+    ever sees ASK or MOVED."""
+    if not redis_target.is_cluster:
+        pytest.skip("a single server has no slots to move")
+    client = redis_target.async_client()
+    ap = auto_pipeline(client)
+    assert isinstance(ap, ClusterAutoPipeline)
+    names = [f"{{mv}}:{i}" for i in range(20)]
+    move = SlotMove(redis_target, names[0])
+    try:
+        await asyncio.gather(*(ap.execute("SET", k, i, key=k) for i, k in enumerate(names[:10])))
+        move.begin()
+        # still on the source: served there; new keys: ASK, created on the target
+        assert await asyncio.gather(*(ap.execute("GET", k, key=k) for k in names[:10])) == [
+            str(i).encode() for i in range(10)]
+        await asyncio.gather(*(ap.execute("SET", k, i, key=k) for i, k in enumerate(names) if i >= 10))
+        assert ap.redirects >= 10
+        with pytest.raises(redis.exceptions.MovedError):  # the target answers only after ASKING
+            move.dst.get(names[15])
+        asking = move.dst.pipeline(transaction=False)
+        assert asking.execute_command("ASKING").get(names[15]).execute() == [True, b"15"]
+        assert move.move_keys() == 10
+        got = await asyncio.gather(*(ap.execute("GET", k, key=k) for k in names))  # all ASK now
+        assert got == [str(i).encode() for i in range(20)]
+        move.finish()
+        before = ap.redirects
+        got = await asyncio.gather(*(ap.execute("INCR", k, key=k) for k in names))  # MOVED, then the new map
+        assert got == list(range(1, 21))
+        assert ap.redirects > before
+        await wait_for(lambda: ap._slots.get(move.slot) is ap._nodes.get(f"{move.dst_addr[0]}:{move.dst_addr[1]}"))
+        settled = ap.redirects
+        assert await ap.execute("GET", names[3], key=names[3]) == b"4"
+        assert ap.redirects == settled  # straight to the new master
+    finally:
+        move.close()
+        await client.aclose()
+
+
+async def test_the_context_store_follows_its_principal_to_another_master(redis_target) -> None:
+    """A principal's six keys migrate while the store is used: appends and reads go on (ASK,
+    TRYAGAIN while its keys are split, then MOVED), and nothing written is lost."""
+    if not redis_target.is_cluster:
+        pytest.skip("a single server has no slots to move")
+    from shared.config import ContextConfig
+    from shared.context import ContextStore
+
+    client = redis_target.async_client()
+    store = ContextStore(client, ContextConfig())
+    move = SlotMove(redis_target, "{mover}")
+    try:
+        for i in range(5):
+            await store.append("mover", "c", "text", "user", b"before %d" % i)
+        move.begin()
+        # its keys are split between the masters while they move: TRYAGAIN until they are all over
+        # (a key the script names that does not exist yet makes that last until the slot has moved)
+        during = asyncio.ensure_future(store.append("mover", "c", "text", "user", b"during"))
+        assert await asyncio.to_thread(move.move_keys) >= 5
+        await asyncio.to_thread(move.finish)
+        assert (await during).version == 6
+        await store.append("mover", "c", "text", "user", b"after")  # on the new master
+        win = await store.get_window("mover", "c")
+        assert [e.text for e in win.channels["text"]] == [*[f"before {i}" for i in range(5)], "during", "after"]
+        assert move.src.execute_command("CLUSTER", "COUNTKEYSINSLOT", move.slot) == 0
+        assert move.dst.exists(keys.ctx_entries("mover"), keys.ctx_meta("mover"), keys.ctx_audit("mover")) == 3
+    finally:
+        move.close()
+        await client.aclose()

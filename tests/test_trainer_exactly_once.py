@@ -6,15 +6,23 @@ import asyncio
 import collections
 from pathlib import Path
 
-import redis as redis_sync
-import redis.asyncio as aioredis
-from trainer_support import TrainerProc, committed, trainer_config
+from trainer_support import (
+    TrainerProc,
+    async_redis,
+    committed,
+    log_entries,
+    sync_redis,
+    trained_total,
+    trainer_config,
+)
 
 from gateway.tools.learning import SampleIngest
 from services.trainer import ledger
-from shared import keys
-from shared.samples import Example
+from shared.redis_client import close_sync
+from shared.samples import Example, partition_of, sample_partitions
 from tests.conftest import free_port, wait_for
+
+TEACHERS = ["alice", "bob", "carol", "dave", "erin"]
 
 
 def _ckpts(cfg) -> list[Path]:
@@ -22,11 +30,11 @@ def _ckpts(cfg) -> list[Path]:
 
 
 def _assert_exactly_once(redis_url: str, acked: list[str]) -> None:
-    r = redis_sync.Redis.from_url(redis_url)
+    r = sync_redis(redis_url)
     try:
         counts = collections.Counter(ledger.trained_ids(r))
     finally:
-        r.close()
+        close_sync(r)
     twice = [i for i, c in counts.items() if c > 1]
     assert not twice, f"trained more than once: {twice[:5]}"
     missing = set(acked) - set(counts)
@@ -34,19 +42,23 @@ def _assert_exactly_once(redis_url: str, acked: list[str]) -> None:
     assert set(counts) == set(acked)
 
 
-async def test_kill9_mid_stream_trains_every_acknowledged_id_exactly_once(redis_url, tmp_path):
+async def test_kill9_mid_stream_trains_every_acknowledged_id_exactly_once(redis_target, tmp_path):
+    redis_url = redis_target.url
     # replays on: extra passes must never enter the ledger or move the offset
     cfg = trainer_config(redis_url, tmp_path, free_port(), ranks=1, checkpoint_every=3, batch_size=4,
                          replay_passes=3, rehearsal_per_step=2)
-    redis = aioredis.Redis.from_url(redis_url)
+    partitions = sample_partitions(cfg)
+    assert partitions == (8 if redis_target.is_cluster else 1)
+    assert partitions == 1 or len({partition_of(t, partitions) for t in TEACHERS}) > 2, "spread over partitions"
+    redis = async_redis(redis_url)
     ingest = SampleIngest(redis, cfg)
     acked: list[str] = []
     total = 160
 
     async def stream(start: int, stop: int) -> None:
-        for i in range(start, stop, 4):
-            out = await ingest.submit("alice", [Example(input=f"k{j}", target=f"v{j % 5}")
-                                                for j in range(i, min(stop, i + 4))])
+        for i in range(start, stop, 4):  # several principals: on a cluster, several log partitions
+            out = await ingest.submit(TEACHERS[i // 4 % len(TEACHERS)], [Example(input=f"k{j}", target=f"v{j % 5}")
+                                                                         for j in range(i, min(stop, i + 4))])
             acked.extend(out["ids"])
             await asyncio.sleep(0.005)
 
@@ -62,7 +74,7 @@ async def test_kill9_mid_stream_trains_every_acknowledged_id_exactly_once(redis_
         await stream(100, total)
         before = committed(redis_url)
         second = TrainerProc(cfg, tmp_path)
-        await wait_for(lambda: int(committed(redis_url).get("seq", 0)) == total, timeout_s=120,
+        await wait_for(lambda: trained_total(committed(redis_url)) == total, timeout_s=120,
                        what="the restarted trainer to catch up")
         assert second.term() == 0, second.output()
     finally:
@@ -76,15 +88,15 @@ async def test_kill9_mid_stream_trains_every_acknowledged_id_exactly_once(redis_
     assert int(after["version"]) > int(before["version"]), "versions must stay monotonic across the restart"
     assert len(acked) == total
     _assert_exactly_once(redis_url, acked)
-    r = redis_sync.Redis.from_url(redis_url)
+    r = sync_redis(redis_url)
     try:  # checkpoints trimmed the log entries they fully contain
-        assert 0 < r.xlen(keys.SAMPLE_LOG) < total // 4
+        assert 0 < log_entries(r, sample_partitions(cfg)) < total // 4
     finally:
-        r.close()
+        close_sync(r)
 
 
 async def _preload(redis_url: str, cfg, n: int) -> list[str]:
-    redis = aioredis.Redis.from_url(redis_url)
+    redis = async_redis(redis_url)
     ingest = SampleIngest(redis, cfg)
     try:
         out = await ingest.submit("bob", [Example(input=f"x{i}", target=f"y{i % 3}") for i in range(n)])
@@ -95,13 +107,14 @@ async def _preload(redis_url: str, cfg, n: int) -> list[str]:
 
 
 async def test_a_dying_rank_restarts_the_group_from_the_checkpoint(redis_url, tmp_path):
+    # torchrun's restart, not Redis, is under test: one server is enough
     cfg = trainer_config(redis_url, tmp_path, free_port(), ranks=2, checkpoint_every=2, batch_size=2,
                          max_restarts=1)
     acked = await _preload(redis_url, cfg, 40)
     marker = tmp_path / "fault-fired"
     proc = TrainerProc(cfg, tmp_path, kill=f"1:3:{marker}")
     try:
-        await wait_for(lambda: int(committed(redis_url).get("seq", 0)) == 40, timeout_s=150,
+        await wait_for(lambda: trained_total(committed(redis_url)) == 40, timeout_s=150,
                        what="training to finish after the restart")
         assert proc.term() == 0, proc.output()
     finally:

@@ -27,7 +27,7 @@ def _record(seq: int, sample: Sample | None = None, skip: bool = False) -> Train
 def test_replay_gives_every_sample_its_passes_mixed_and_tracks_what_is_settled() -> None:
     buf = ReplayBuffer(passes=3, capacity=100, seed=1)
     buf.add([_record(i) for i in range(1, 9)])
-    assert buf.settled_seq(8) == 0, "no sample has had all its passes yet"
+    assert buf.settled_seqs({0: 8}) == {0: 0}, "no sample has had all its passes yet"
     passes: dict[int, int] = {}
     steps = []
     while len(buf):
@@ -40,7 +40,7 @@ def test_replay_gives_every_sample_its_passes_mixed_and_tracks_what_is_settled()
             passes[q] = passes.get(q, 0) + 1
     assert passes == {i: 2 for i in range(1, 9)}, "every sample gets exactly passes - 1 replays"
     assert steps[0] != [1, 2, 3], "replays are drawn at random, not in arrival order"
-    assert buf.settled_seq(8) == 8 and buf.take(3) == []
+    assert buf.settled_seqs({0: 8}) == {0: 8} and buf.take(3) == []
 
 
 def test_replay_settled_seq_is_below_the_oldest_sample_still_owed_a_pass() -> None:
@@ -48,7 +48,7 @@ def test_replay_settled_seq_is_below_the_oldest_sample_still_owed_a_pass() -> No
     buf.add([_record(i) for i in range(1, 4)])
     taken = {r.logged.seq for r in buf.take(2)}
     owed = {1, 2, 3} - taken
-    assert buf.settled_seq(3) == min(owed) - 1
+    assert buf.settled_seqs({0: 3, 1: 5}) == {0: min(owed) - 1, 1: 5}, "per partition of the log"
 
 
 def test_replay_capacity_drops_the_oldest_and_one_pass_means_no_replay() -> None:
@@ -68,8 +68,11 @@ def test_outcomes_never_count_a_sample_without_gradient_as_trained() -> None:
 
 
 def test_learned_tokens_round_trip_and_refuse_anything_else() -> None:
-    assert parse_learned_token(learned_token("ab12", 42)) == ("ab12", 42)
-    for bad in (None, 42, "", "ab12", "ab12.", ".5", "a.b.3", "ab 1.3", "ab12.-3", "x" * 70 + ".1"):
+    assert parse_learned_token(learned_token("ab12", 42)) == ("ab12", 42, 0)
+    assert learned_token("ab12", 42) == "ab12.42", "partition 0 keeps the one-partition form"
+    assert parse_learned_token(learned_token("ab12", 42, 5)) == ("ab12", 42, 5)
+    for bad in (None, 42, "", "ab12", "ab12.", ".5", "a.b.3", "ab 1.3", "ab12.-3", "x" * 70 + ".1", "ab.1.2.3",
+                "ab12.4.", "ab12.4.x", "ab12.4.-1", "ab12.4.12345"):
         with pytest.raises(ValueError):
             parse_learned_token(bad)
 
@@ -176,7 +179,7 @@ async def test_a_trainer_against_a_log_that_lost_its_data_trains_the_new_log_fro
             r.close()
         assert second.term() == 0, second.output()
         out = second.output()
-        assert "is gone" in out and "the sample log changed" in out, out
+        assert "is gone" in out and "sample log partition 0 changed" in out, out
     finally:
         for p in (first, second):
             if p is not None:

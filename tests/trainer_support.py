@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import redis as redis_sync
 import yaml
 
 from shared import keys
-from shared.config import Config, load_config
+from shared.config import Config, RedisConfig, load_config
+from shared.redis_client import async_client, close_sync, sync_client
 from shared.text import as_str
 from tests.conftest import free_port
 
@@ -79,9 +79,29 @@ class TrainerProc:
         return Path(self.log.name).read_text(errors="replace")
 
 
+def sync_redis(redis_url: str) -> Any:
+    """A blocking client of ``redis_url`` (a redis+cluster:// url gives a cluster client)."""
+    return sync_client(RedisConfig(url=redis_url))
+
+
+def async_redis(redis_url: str) -> Any:
+    """An asyncio client of ``redis_url`` (a redis+cluster:// url gives a cluster client)."""
+    return async_client(RedisConfig(url=redis_url))
+
+
+def trained_total(record: dict[str, str]) -> int:
+    """Samples a commit record (``committed``) says were trained, over every log partition."""
+    return sum(int(v) for k, v in record.items() if k == "seq" or k.startswith("seq."))
+
+
+def log_entries(redis: Any, partitions: int) -> int:
+    """Entries left in every partition of the sample log."""
+    return sum(redis.xlen(keys.sample_log(p)) for p in range(partitions))
+
+
 def committed(redis_url: str) -> dict[str, str]:
-    r = redis_sync.Redis.from_url(redis_url)
+    r = sync_redis(redis_url)
     try:
         return {as_str(k): as_str(v) for k, v in r.hgetall(keys.TRAINER_OFFSET).items()}
     finally:
-        r.close()
+        close_sync(r)

@@ -15,6 +15,7 @@ from gateway.admin.common import E404, MAX_LIST, admin_router, audit_action, ope
 from gateway.mcp.sessions import is_session_id
 from gateway.state import gateway_of
 from shared import keys
+from shared.redis_client import for_each_primary
 from shared.text import as_str
 
 router = admin_router()
@@ -25,24 +26,32 @@ _SESS_RE = re.compile(r"^" + re.escape(keys.PREFIX) + r"\{([^{}]+)\}:sess:([^:]+
 async def session_refs(redis: aioredis.Redis, principal: str | None, limit: int, session_id: str | None = None,
                        max_scan_calls: int | None = None) -> list[tuple[str, str]]:
     """(principal, session id) pairs: from the principal's index, or by scanning session hashes
-    (``max_scan_calls`` bounds the cost where completeness does not matter: the dashboard)."""
+    on every master (``max_scan_calls`` bounds the cost where completeness does not matter:
+    the dashboard)."""
     if principal and session_id is None:
         newest = await redis.zrevrange(keys.principal_sessions(principal), 0, limit - 1)
         return [(principal, as_str(x)) for x in newest]
     pattern = keys.session(principal or "*", session_id or "*")
     out: list[tuple[str, str]] = []
-    cursor, calls = 0, 0
-    while True:
-        cursor, batch = await redis.scan(cursor=cursor, match=pattern, count=1000)
-        calls += 1
-        for k in batch:
-            m = _SESS_RE.fullmatch(as_str(k))
-            if m:
-                out.append((m.group(1), m.group(2)))
-                if len(out) >= limit:
-                    return out
-        if cursor == 0 or (max_scan_calls is not None and calls >= max_scan_calls):
-            return out
+    budget = [max_scan_calls]  # shared by every master: the dashboard's bound holds for the whole cluster
+
+    async def scan_node(node: aioredis.Redis) -> None:
+        cursor = 0
+        while len(out) < limit and budget[0] != 0:
+            cursor, batch = await node.scan(cursor=cursor, match=pattern, count=1000)
+            if budget[0] is not None:
+                budget[0] -= 1
+            out.extend(ref for ref in map(_session_ref, batch) if ref is not None)
+            if cursor == 0:
+                return
+
+    await for_each_primary(redis, scan_node)
+    return out[:limit]
+
+
+def _session_ref(key: bytes | str) -> tuple[str, str] | None:
+    m = _SESS_RE.fullmatch(as_str(key))
+    return (m.group(1), m.group(2)) if m else None
 
 
 async def session_info(redis: aioredis.Redis, principal: str, sid: str) -> dict[str, Any] | None:

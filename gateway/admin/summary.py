@@ -24,15 +24,11 @@ STATS_TTL_S = 10.0  # a replica snapshot older than this belongs to a replica th
 
 
 async def _samples(gateway: Gateway) -> dict[str, Any]:
-    r = gateway.redis
-    length = await r.xlen(keys.SAMPLE_LOG)
-    last_seq = await r.get(keys.SAMPLE_SEQ)
-    offset = await r.hgetall(keys.TRAINER_OFFSET) if await r.type(keys.TRAINER_OFFSET) in (b"hash", "hash") else {}
-    off = redis_hash(offset)
-    last = int(last_seq) if last_seq is not None else None
-    trained_seq = off.get("seq") if isinstance(off.get("seq"), int) else None
-    backlog = (last - trained_seq) if last is not None and trained_seq is not None else None
-    return {"log_length": length, "last_seq": last, "trainer_offset": off, "backlog": backlog}
+    totals = await gateway.samples.log_totals()
+    last = totals.last_seq if totals.written else None
+    backlog = totals.backlog if totals.written and "seq" in totals.offset else None
+    return {"log_length": totals.entries, "last_seq": last, "trainer_offset": redis_hash(totals.offset),
+            "backlog": backlog}
 
 
 async def _gateways(gateway: Gateway) -> dict[str, Any]:

@@ -109,15 +109,15 @@ async def _min_version(ctx: ToolContext, args: dict[str, Any]) -> int:
     if token is None:
         return wanted
     try:
-        log_id, seq = parse_learned_token(token)
+        log_id, seq, part = parse_learned_token(token)
     except ValueError as exc:
         raise InvalidParams(str(exc)) from None
     cfg = ctx.state.config
     deadline = time.monotonic() + cfg.consistency.learn_wait_s
     while True:
         pipe = ctx.state.redis.pipeline(transaction=False)
-        pipe.get(keys.SAMPLE_LOG_ID)
-        pipe.zrangebyscore(keys.MODEL_VERSION_SEQ, seq, "+inf", start=0, num=1)
+        pipe.get(keys.sample_log_id(part))
+        pipe.zrangebyscore(keys.model_version_seq(part), seq, "+inf", start=0, num=1)
         current, found = await pipe.execute()
         if (current.decode() if isinstance(current, bytes) else current) != log_id:
             raise InvalidParams("after_learn names samples of a sample log that no longer exists (it was "

@@ -19,11 +19,12 @@ decides what the client sees.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
 import zmq
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from gateway.errors import InvalidParams, Unavailable
 from gateway.limits import exceeded
@@ -34,6 +35,7 @@ from shared.audit import audit
 from shared.config import Config
 from shared.context import ContextError, ContextStore
 from shared.curve import CurveKeys, HandshakeWatch
+from shared.redis_client import check_replicas
 from shared.samples import (
     APPEND_LUA,
     Sample,
@@ -41,11 +43,15 @@ from shared.samples import (
     batch_json,
     learn_input_schema,
     learned_token,
+    log_entry,
     new_log_id,
     pack_windows,
     parse_batch,
     parse_sample,
+    partition_of,
+    position_field,
     sample_id,
+    sample_partitions,
 )
 from shared.text import as_str
 from shared.types import ContextWindow
@@ -66,6 +72,16 @@ LEARN_OUTPUT_SCHEMA: dict[str, Any] = {
     },
     "required": ["ids", "seqs", "queued", "learned"],
 }
+
+
+@dataclass
+class LogTotals:
+    entries: int
+    last_seq: int
+    trained_seq: int
+    backlog: int
+    written: bool  # some partition has had a sample
+    offset: dict[str, str]
 
 
 class SampleIngest:
@@ -90,6 +106,7 @@ class SampleIngest:
         # immediate: with no trainer connected (or one without the pinned trainer key) a send
         # fails (reported as backpressure) instead of queueing for a peer that may never come.
         self._append = redis.register_script(APPEND_LUA)
+        self.partitions = sample_partitions(cfg)
         self.pushed = 0
         self.backpressured = 0
 
@@ -149,30 +166,61 @@ class SampleIngest:
         log holds ``limits.max_sample_backlog`` samples the trainer has not trained."""
         contexts = self._context_copy(await self.check_contexts(principal, samples))
         blobs = [s.to_json() for s in samples]
-        trained_seq, trained_log = await self._trained()
-        cap = self.cfg.limits.max_sample_backlog
-        last, entry, log_id = await self._append(keys=[keys.SAMPLE_LOG, keys.SAMPLE_SEQ, keys.SAMPLE_LOG_ID],
-                                                 args=[principal, len(blobs), batch_json(blobs), new_log_id(),
-                                                       contexts, trained_seq, trained_log, cap])
+        part = partition_of(principal, self.partitions)
+        trained_seq, trained_log = await self._trained(part)
+        cap = self._partition_cap()
+        last, entry, log_id = await self._log(part, [principal, len(blobs), batch_json(blobs), new_log_id(), contexts,
+                                                     trained_seq, trained_log, cap])
         last = int(last)
         if last < 0:
             m.SAMPLES_REJECTED.labels("backlog").inc()
             raise exceeded("sample_backlog", f"the trainer is behind: {entry} samples wait to be trained (at most "
                            f"{cap}); retry later", self.cfg.limits.backlog_retry_after_s)
         entry = entry.decode() if isinstance(entry, bytes) else str(entry)
-        ids = [sample_id(entry, i) for i in range(len(blobs))]
+        ids = [sample_id(entry, i, part) for i in range(len(blobs))]
         seqs = list(range(last - len(ids) + 1, last + 1))
         m.SAMPLES_ACCEPTED.inc(len(ids))
         log_id = as_str(log_id)
-        await self._audit(principal, entry, seqs, sum(len(b) for b in blobs), admin)
-        queued = self._wake_trainer(log_id, last, len(ids))
-        return {"ids": ids, "seqs": seqs, "queued": queued, "learned": learned_token(log_id, last)}
+        await self._audit(principal, log_entry(entry, part), seqs, sum(len(b) for b in blobs), admin)
+        queued = self._wake_trainer(log_id, last, len(ids), part)
+        return {"ids": ids, "seqs": seqs, "queued": queued, "learned": learned_token(log_id, last, part)}
 
-    async def _trained(self) -> tuple[int, str]:
-        """The trainer's committed seq and the log it belongs to (what the backlog is counted from)."""
+    def _partition_cap(self) -> int:
+        """Each partition's share of ``limits.max_sample_backlog`` (0: off), never below one full
+        ``learn`` batch: the bound over the whole log is at most partitions x that batch higher."""
+        cap = self.cfg.limits.max_sample_backlog
+        return max(-(-cap // self.partitions), self.cfg.trainer.max_learn_batch) if cap else 0
+
+    async def _log(self, part: int, args: list[Any]) -> Any:
+        """The append script's reply; with ``redis.wait_replicas`` the write is also confirmed by
+        that many replicas (WAIT on the same connection, in the same round trip) or refused."""
+        log_keys = [keys.sample_log(part), keys.sample_seq(part), keys.sample_log_id(part)]
+        if not self.cfg.redis.wait_replicas:
+            return await self._append(keys=log_keys, args=args)
+        try:
+            return await self._append_confirmed(log_keys, args)
+        except NoScriptError:
+            await self.redis.script_load(APPEND_LUA)  # first use, or a master that never had it
+            return await self._append_confirmed(log_keys, args)
+
+    async def _append_confirmed(self, log_keys: list[str], args: list[Any]) -> Any:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.execute_command("EVALSHA", self._append.sha, len(log_keys), *log_keys, *args)  # evalsha(): not in a cluster pipeline
+        # on a cluster WAIT names no key: it goes to the node of the log's slot, next to the script
+        where: dict[str, Any] = {"target_nodes": self.redis.get_node_from_key(log_keys[0])} \
+            if isinstance(self.redis, aioredis.RedisCluster) else {}
+        pipe.execute_command("WAIT", self.cfg.redis.wait_replicas, self.cfg.redis.wait_timeout_ms, **where)
+        reply, acked = await pipe.execute()
+        check_replicas(self.cfg.redis, int(acked))
+        return reply
+
+    async def _trained(self, part: int) -> tuple[int, str]:
+        """The trainer's committed seq in partition ``part`` and the log it belongs to (what the
+        backlog is counted from)."""
         if not self.cfg.limits.max_sample_backlog:
             return 0, ""
-        seq, log_id = await self.redis.hmget(keys.TRAINER_OFFSET, ["seq", "log"])
+        seq, log_id = await self.redis.hmget(keys.TRAINER_OFFSET, [position_field("seq", part),
+                                                                      position_field("log", part)])
         return int(seq or 0), as_str(log_id or b"")
 
     async def _audit(self, principal: str, entry: str, seqs: list[int], nbytes: int, admin: str | None) -> None:
@@ -185,10 +233,10 @@ class SampleIngest:
         except (RedisError, OSError):
             log.warning("could not write the audit record of log entry %s", entry)
 
-    def _wake_trainer(self, log_id: str, last_seq: int, n: int) -> bool:
+    def _wake_trainer(self, log_id: str, last_seq: int, n: int, part: int) -> bool:
         """Tell the trainer the log grew. ``log``: it notices a recreated log from the first
         wake-up, not only when it idles."""
-        msg = wire.encode(wire.MsgType.SAMPLE, {"log": log_id, "seq": last_seq})
+        msg = wire.encode(wire.MsgType.SAMPLE, {"log": log_id, "seq": last_seq, "part": part})
         if self.watch is not None:
             self.watch.poll()  # report a trainer without the pinned key; reconnect when due
         try:
@@ -200,26 +248,38 @@ class SampleIngest:
         self.pushed += n
         return True
 
+    async def log_totals(self) -> LogTotals:
+        """Entries, last seq and trained seq summed over every partition of the sample log, the
+        backlog per partition summed, and the trainer's commit record."""
+        parts = range(self.partitions)
+        pipe = self.redis.pipeline(transaction=False)
+        for p in parts:
+            pipe.xlen(keys.sample_log(p))
+            pipe.get(keys.sample_seq(p))
+        pipe.hgetall(keys.TRAINER_OFFSET)
+        *per_part, raw_offset = await pipe.execute()
+        offset = {as_str(k): as_str(v) for k, v in (raw_offset or {}).items()}
+        lengths, lasts = per_part[0::2], [int(v or 0) for v in per_part[1::2]]
+        trained = [int(offset.get(position_field("seq", p), 0) or 0) for p in parts]
+        return LogTotals(sum(lengths), sum(lasts), sum(trained),
+                         sum(max(0, last - done) for last, done in zip(lasts, trained, strict=True)),
+                         any(v is not None for v in per_part[1::2]), offset)
+
     async def stats(self) -> dict[str, Any]:
         pipe = self.redis.pipeline(transaction=False)
-        pipe.xlen(keys.SAMPLE_LOG)
-        pipe.get(keys.SAMPLE_SEQ)
-        pipe.hgetall(keys.TRAINER_OFFSET)
         pipe.hgetall(keys.TRAINER_STATUS)
         pipe.hvals(keys.TRAINER_SKIPPED)
-        length, last_seq, offset, status, skipped_steps = await pipe.execute()
+        status, skipped_steps = await pipe.execute()
+        totals = await self.log_totals()
         skipped: dict[str, int] = {}
         for step in skipped_steps or []:
             for item in as_str(step).split():
                 reason = item.rpartition("=")[2]
                 skipped[reason] = skipped.get(reason, 0) + 1
-        offset = {as_str(k): as_str(v) for k, v in (offset or {}).items()}
         status = {as_str(k): as_str(v) for k, v in (status or {}).items()}
-        last_seq = int(last_seq or 0)
-        trained_seq = int(offset.get("seq", 0) or 0)
-        return {"log_entries": int(length), "last_seq": last_seq, "trained_seq": trained_seq,
-                "lag": max(0, last_seq - trained_seq), "trainer_offset": offset, "trainer": status,
-                "skipped": skipped,
+        return {"log_entries": totals.entries, "last_seq": totals.last_seq, "trained_seq": totals.trained_seq,
+                "lag": totals.backlog, "partitions": self.partitions, "trainer_offset": totals.offset,
+                "trainer": status, "skipped": skipped,
                 "pushed_by_this_gateway": self.pushed, "backpressured_by_this_gateway": self.backpressured}
 
     def close(self) -> None:

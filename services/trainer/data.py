@@ -25,6 +25,7 @@ import zmq
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from services.trainer.ledger import Position
 from shared import keys, wire
 from shared.config import Config
 from shared.curve import CurveKeys
@@ -149,8 +150,55 @@ class ContextReader:
 # ---------------------------------------------------------------- the stream
 
 
+class _Partition:
+    """Rank 0's position in one partition of the sample log, and what it read ahead of it."""
+
+    def __init__(self, index: int, pos: Position) -> None:
+        self.index = index
+        self.log_key, self.id_key = keys.sample_log(index), keys.sample_log_id(index)
+        self.seq = pos.seq           # last seq handed out (== committed once the step commits)
+        self.last_id = pos.id
+        self.log_id = pos.log        # the partition's log identity that seq and last_id count in ("": not known yet)
+        self.ahead: list[LoggedSample] = []  # read from the log, not handed out yet (seq order)
+        self.read_id = ""            # last log entry read into ``ahead`` ("": none since the position)
+
+    def position(self) -> Position:
+        return Position(self.seq, self.last_id, self.log_id)
+
+    def fill(self, redis: Any, limit: int) -> int:
+        """Read log entries after the last one read until ``limit`` samples are ahead or the
+        partition ends; returns the reads made."""
+        start = "(" + self.read_id if self.read_id else (self.last_id or "-")
+        after = self.ahead[-1].seq if self.ahead else self.seq
+        first, reads = len(self.ahead), 0
+        while len(self.ahead) < limit:
+            reads += 1
+            entries = redis.xrange(self.log_key, min=start, max="+", count=8)
+            for eid, fields in entries:
+                self.ahead.extend(s for s in parse_entry(eid, fields, self.index) if s.seq > after)
+                self.read_id = as_str(eid)
+            if len(entries) < 8:
+                break
+            start = "(" + self.read_id
+        if len(self.ahead) > first and self.ahead[first].seq != after + 1:
+            log.error("sample log partition %d does not continue at seq %d (found %d): entries were trimmed "
+                      "before being trained; continuing from the log", self.index, after + 1, self.ahead[first].seq)
+        return reads
+
+    def restart(self, log_id: str) -> None:
+        """Count from the start of the partition's log ``log_id``."""
+        self.log_id, self.seq, self.last_id = log_id, 0, ""
+        self.ahead, self.read_id = [], ""
+
+    def take(self, n: int) -> list[LoggedSample]:
+        got, self.ahead = self.ahead[:n], self.ahead[n:]
+        if got:
+            self.seq, self.last_id = got[-1].seq, got[-1].entry
+        return got
+
+
 class SampleSource:
-    """Hands rank 0 the next samples of the log after the committed ``seq``.
+    """Hands rank 0 the next samples of the log after the committed position of every partition.
 
     The Redis log is the only source of sample bodies and principals: what was acknowledged to
     a client is exactly what is trained. A push over PULL (bound here; gateways connect PUSH)
@@ -158,11 +206,13 @@ class SampleSource:
     instead of at the next idle poll; whatever else a pushed message carries is ignored, so a
     forged push can cost at most one log read, never a sample. Without pushes (a lost one, a
     gateway that died after its write) the log is read whenever a wait ends empty. Samples at
-    or below the committed seq are never handed out again: they are already in the model.
+    or below a partition's committed seq are never handed out again: they are already in the
+    model. A batch takes the oldest entries over all partitions first (stream ids are times),
+    each partition in its own order, so one position per partition describes what was trained.
     """
 
-    def __init__(self, cfg: Config, redis: Any, zmq_ctx: zmq.Context, committed_seq: int, committed_id: str,
-                 contexts: ContextReader | None = None, log_id: str = "") -> None:
+    def __init__(self, cfg: Config, redis: Any, zmq_ctx: zmq.Context, positions: dict[int, Position],
+                 contexts: ContextReader | None = None, partitions: int = 1) -> None:
         self.cfg = cfg
         self.redis = redis
         keys = CurveKeys.load(cfg.zmq, "trainer")
@@ -170,17 +220,21 @@ class SampleSource:
                                 curve=keys.server("samples") if keys else None)
         self.poller = zmq.Poller()
         self.poller.register(self.pull, zmq.POLLIN)
-        self.seq = committed_seq      # last seq handed out (== committed once the step commits)
-        self.last_id = committed_id
+        self.parts = [_Partition(p, positions.get(p, Position())) for p in range(partitions)]
         self.contexts = contexts
-        self.log_id = log_id          # keys.SAMPLE_LOG_ID that seq and last_id count in ("": not known yet)
-        self.on_reset: Callable[[], None] | None = None  # called after the position restarts on a new log
-        self.ahead: list[LoggedSample] = []  # read from the log, not handed out yet (seq order)
-        self._read_id = ""            # last log entry read into ``ahead`` ("": none since the position)
+        self.on_reset: Callable[[int], None] | None = None  # called after a partition restarts on a new log
         self._backlog = True          # the log may hold more than a batch: read it without waiting
         self._woken = False           # a wake-up arrived since the log was last read
         self.wakeups = 0
         self.log_reads = 0
+
+    def positions(self) -> dict[int, Position]:
+        """What was handed out, per partition."""
+        return {p.index: p.position() for p in self.parts}
+
+    @property
+    def ahead(self) -> int:
+        return sum(len(p.ahead) for p in self.parts)
 
     def _drain(self, timeout_ms: int) -> None:
         """Take the wake-ups waiting on PULL (at most ``timeout_ms`` for the first one)."""
@@ -199,51 +253,46 @@ class SampleSource:
                 continue
             self.wakeups += 1
             self._woken = True
-            pushed_log = header.get("log")
-            if isinstance(pushed_log, str) and pushed_log and pushed_log != self.log_id:
-                self.check_log()  # adopt, or restart on, the log Redis holds now (never the pushed name)
+            pushed_log, part = header.get("log"), header.get("part", 0)
+            if (isinstance(pushed_log, str) and pushed_log and isinstance(part, int) and 0 <= part < len(self.parts)
+                    and pushed_log != self.parts[part].log_id):
+                self.check_log()  # adopt, or restart on, the logs Redis holds now (never the pushed name)
 
     def _fill(self, limit: int) -> None:
-        """Read log entries after the last one read until ``limit`` samples are ahead or the log ends."""
-        start = "(" + self._read_id if self._read_id else (self.last_id or "-")
-        after = self.ahead[-1].seq if self.ahead else self.seq
-        first = len(self.ahead)
-        while len(self.ahead) < limit:
-            self.log_reads += 1
-            entries = self.redis.xrange(keys.SAMPLE_LOG, min=start, max="+", count=8)
-            for eid, fields in entries:
-                self.ahead.extend(s for s in parse_entry(eid, fields) if s.seq > after)
-                self._read_id = as_str(eid)
-            if len(entries) < 8:
-                break
-            start = "(" + self._read_id
-        if len(self.ahead) > first and self.ahead[first].seq != after + 1:
-            log.error("sample log does not continue at seq %d (found %d): entries were trimmed before "
-                      "being trained; continuing from the log", after + 1, self.ahead[first].seq)
+        for part in self.parts:
+            self.log_reads += part.fill(self.redis, limit)
 
     def check_log(self) -> bool:
-        """Follow the log's identity: adopt it when first seen; when it changes (the log was
-        recreated: a Redis that lost its data, or emptied), start over at its first sample.
-        True when the position was reset."""
-        raw = self.redis.get(keys.SAMPLE_LOG_ID)
-        current = as_str(raw) if raw is not None else ""
-        if current == self.log_id:
-            return False
-        if not self.log_id:
-            self.log_id = current
-            return False
+        """Follow each partition's log identity: adopt it when first seen; when it changes (the
+        log was recreated: a Redis that lost its data, or emptied), start that partition over at
+        its first sample. True when a position was reset."""
+        pipe = self.redis.pipeline(transaction=False)
+        for part in self.parts:
+            pipe.get(part.id_key)
+        reset = False
+        for part, raw in zip(self.parts, pipe.execute(), strict=True):
+            current = as_str(raw) if raw is not None else ""
+            if current == part.log_id:
+                continue
+            if not part.log_id:
+                part.log_id = current
+                continue
+            self._restart(part, current)
+            reset = True
+        return reset
+
+    def _restart(self, part: _Partition, current: str) -> None:
         from shared import metrics
 
-        log.warning("the sample log changed (%s, trained up to seq %d, is gone; now %s): training the current "
-                    "log from its start, keeping the weights", self.log_id, self.seq, current or "no log yet")
+        log.warning("sample log partition %d changed (%s, trained up to seq %d, is gone; now %s): training the "
+                    "current log from its start, keeping the weights", part.index, part.log_id, part.seq,
+                    current or "no log yet")
         metrics.TRAINER_LOG_RESETS.inc()
-        self.log_id = current
-        self.seq, self.last_id = 0, ""
-        self.ahead, self._read_id, self._backlog = [], "", True
-        self.redis.delete(keys.MODEL_VERSION_SEQ)
+        part.restart(current)
+        self._backlog = True
+        self.redis.delete(keys.model_version_seq(part.index))
         if self.on_reset is not None:
-            self.on_reset()
-        return True
+            self.on_reset(part.index)
 
     def next_batch(self, limit: int, wait_ms: int, stop: Callable[[], bool]) -> list[LoggedSample]:
         """Up to ``limit`` samples continuing the stream; [] after ``wait_ms`` with nothing new.
@@ -257,9 +306,9 @@ class SampleSource:
                 backlog, self._backlog = self._backlog, False
                 self._fill(limit)
                 if backlog and self.ahead:
-                    self._backlog = len(self.ahead) >= limit  # a full batch: maybe more behind it
+                    self._backlog = self.ahead >= limit  # a full batch: maybe more behind it
                     break
-            if len(self.ahead) >= limit:
+            if self.ahead >= limit:
                 break
             remaining = int((deadline - time.monotonic()) * 1000)
             if remaining > 0 and not stop():
@@ -268,12 +317,22 @@ class SampleSource:
             if not self.ahead:  # idle: read anyway, a push may have been refused or lost
                 self.check_log()
                 self._fill(limit)
-                self._backlog = len(self.ahead) >= limit
+                self._backlog = self.ahead >= limit
             break
-        got, self.ahead = self.ahead[:limit], self.ahead[limit:]
-        if got:
-            self.seq, self.last_id = got[-1].seq, got[-1].entry
-        return got
+        return self._oldest(limit)
+
+    def _oldest(self, limit: int) -> list[LoggedSample]:
+        """Up to ``limit`` samples, the oldest log entries over every partition first."""
+        if len(self.parts) == 1:
+            return self.parts[0].take(limit)
+        heads = {p.index: 0 for p in self.parts}
+        for _ in range(limit):
+            waiting = [p for p in self.parts if heads[p.index] < len(p.ahead)]
+            if not waiting:
+                break
+            first = min(waiting, key=lambda p: _stream_time(p.ahead[heads[p.index]].entry))
+            heads[first.index] += 1
+        return [s for p in self.parts for s in p.take(heads[p.index])]
 
     def records(self, samples: list[LoggedSample]) -> list[TrainRecord]:
         out: list[TrainRecord] = []
@@ -297,3 +356,8 @@ class SampleSource:
 
     def close(self) -> None:
         self.pull.close(0)
+
+
+def _stream_time(entry_id: str) -> tuple[int, int]:
+    ms, _, n = entry_id.partition("-")
+    return int(ms or 0), int(n or 0)

@@ -33,6 +33,7 @@ from services.trainer.stepper import Stepper
 from shared import keys
 from shared import metrics as m
 from shared.config import Config
+from shared.redis_client import close_sync
 
 log = logging.getLogger("learnmesh.trainer")
 
@@ -72,7 +73,8 @@ class Leader:
         self._last_loss: float | None = None
         self._last_step_s = time.monotonic()
         self._residual = False  # workers may hold something other than the trainer's weights
-        self._agreed_seq = offset.seq  # local SGD: settled seq when the ranks last agreed
+        # local SGD: settled seq per partition when the ranks last agreed
+        self._agreed = {part: offset.at(part).seq for part in range(len(source.parts))}
         source.on_reset = self._log_reset
 
     @property
@@ -116,12 +118,13 @@ class Leader:
             return encode_batch("sync", [])
         return encode_batch("idle", [])
 
-    def _log_reset(self) -> None:
-        """The sample log is another one (a Redis that lost its data, another ``redis.url``): its
-        sequence numbers mean nothing in the old one's. Keep the weights, count from its start;
-        replays still owed are samples of the old log, whose seqs would mislead read-your-writes."""
-        self.offset = dataclasses.replace(self.offset, seq=0, id="", log=self.source.log_id)
-        self._agreed_seq = 0
+    def _log_reset(self, part: int) -> None:
+        """A partition of the sample log is another one (a Redis that lost its data, another
+        ``redis.url``): its sequence numbers mean nothing in the old one's. Keep the weights,
+        count from its start; replays still owed may be samples of the old log, whose seqs would
+        mislead read-your-writes."""
+        self.offset.positions[part] = self.source.positions()[part]
+        self._agreed[part] = 0
         self.replay.clear()
         self.ledger.record_offset(self.offset)
 
@@ -147,8 +150,7 @@ class Leader:
         """The step's offset and ledger entry; its trained samples are owed their replays."""
         next_version = self.version + 1 if publish_now else self.version
         # what was handed out, all of it trained now
-        self.offset = Offset(self.source.seq, self.source.last_id, step, next_version, self.offset.epoch,
-                             self.source.log_id)
+        self.offset = Offset(step, next_version, self.offset.epoch, self.source.positions())
         trained, skipped = outcomes(fresh)
         self.ledger.commit(self.offset, trained, skipped)
         self.replay.add([r for r in fresh if r.logged.id not in skipped])
@@ -165,7 +167,7 @@ class Leader:
         m.TRAINER_STEP_SECONDS.observe(seconds)
         self.redis.hset(keys.TRAINER_STATUS, mapping={
             "step": step, "loss": loss, "paused": 0, "samples_per_s": round(self._rate, 2), "seq": seq,
-            "replay_pending": len(self.replay), "log": self.source.log_id,
+            "replay_pending": len(self.replay), "log": self.offset.at(0).log,
             "version": self.version, "epoch": self.offset.epoch, "world": self.world,
             "updated_ms": int(time.time() * 1000)})
         if step == 1 or step % 10 == 0 or seconds > 1.0:
@@ -190,13 +192,14 @@ class Leader:
         m.TRAINER_VERSION.set(self.version)
 
     def _record_version_seq(self) -> None:
-        """The published version holds every pass over the samples up to the settled seq."""
-        seq = self.replay.settled_seq(self.offset.seq)
+        """The published version holds every pass over the samples of each partition up to its
+        settled seq."""
+        seqs = self.replay.settled_seqs({part: self.offset.at(part).seq for part in self._agreed})
         if self.weights.agreed():
-            self._agreed_seq = seq
+            self._agreed = dict(seqs)
         else:  # local SGD between averages: what went out is the last average, holding less
-            seq = min(seq, self._agreed_seq)
-        self.ledger.record_version_seq(self.version, seq)
+            seqs = {part: min(seq, self._agreed[part]) for part, seq in seqs.items()}
+        self.ledger.record_version_seq(self.version, seqs)
 
     def idle_sync(self, step: int) -> None:
         """Publish what lossy deltas left behind, losslessly, as a new version: workers then
@@ -223,12 +226,14 @@ class Leader:
     def checkpoint_fields(self, step: int) -> dict[str, Any]:
         """What a checkpoint at ``step`` records besides the weights: its commit record, and
         whether the weights are exactly a published version (rollback targets need that)."""
-        return {"seq": self.offset.seq, "id": self.offset.id, "log": self.offset.log, "version": self.version,
+        first = self.offset.at(0)
+        return {"seq": first.seq, "id": first.id, "log": first.log, "version": self.version,
+                "positions": {part: [pos.seq, pos.id, pos.log] for part, pos in self.offset.positions.items()},
                 "published_version": self.version if self._published_step == step else None}
 
     def checkpointed(self, path: Path, step: int) -> None:
-        if self.t.trim_log and self.offset.id:
-            self.ledger.trim_log(self.offset.id)
+        if self.t.trim_log:
+            self.ledger.trim_log(self.offset)
         log.info("checkpoint %s (step %d, seq %d, version %d)", path, step, self.offset.seq, self.version)
 
     def ack(self, command_id: str, ok: bool = True, **result: Any) -> None:
@@ -242,7 +247,7 @@ class Leader:
         self.publisher.close()
         self.contexts.close()
         self.zmq_ctx.term()
-        self.redis.close()
+        close_sync(self.redis)
 
 
 def served_gap(params: dict[str, torch.Tensor], enc_stats: dict[str, Any]) -> dict[str, Any]:

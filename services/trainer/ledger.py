@@ -1,8 +1,8 @@
 """The trainer's commit record in Redis and the exactly-once invariant.
 
 State lives in three places: the weights (in memory, published to workers, and in a
-checkpoint on disk every K steps), the commit record ``keys.TRAINER_OFFSET`` (seq/id of the
-last trained sample, step, version, epoch) and the ledger ``keys.TRAINER_TRAINED`` (step ->
+checkpoint on disk every K steps), the commit record ``keys.TRAINER_OFFSET`` (step, version,
+epoch, and per sample-log partition the seq/id of its last trained sample) and the ledger ``keys.TRAINER_TRAINED`` (step ->
 ids trained in that step). Order per optimizer step on rank 0:
 
     optimizer.step()  ->  commit(offset + ledger, one MULTI)  ->  publish(version+1)
@@ -21,7 +21,7 @@ lineage move to the surviving one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from redis import Redis
@@ -29,43 +29,75 @@ from redis.exceptions import WatchError
 from redis.typing import EncodableT, FieldT
 
 from shared import keys
+from shared.samples import position_field
 from shared.text import as_str
 
 VERSION_SEQS_KEPT = 4096
 
 
 @dataclass
+class Position:
+    """Where the trainer stands in one partition of the sample log."""
+
+    seq: int = 0  # last trained
+    id: str = ""  # its log entry
+    log: str = ""  # keys.sample_log_id of the log that seq and id belong to ("" before any sample)
+
+
+@dataclass
 class Offset:
-    seq: int = 0
-    id: str = ""
+    """The commit record: the step, version and epoch, and a position per sample-log partition
+    (a partition not listed: nothing trained from it yet)."""
+
     step: int = 0
     version: int = 0
     epoch: int = 0
-    log: str = ""  # keys.SAMPLE_LOG_ID of the log that seq and id belong to ("" before any sample)
+    positions: dict[int, Position] = field(default_factory=dict)
+
+    def at(self, partition: int) -> Position:
+        return self.positions.get(partition, Position())
+
+    @property
+    def seq(self) -> int:
+        """Samples trained over every partition (each partition's seq is dense from 1)."""
+        return sum(p.seq for p in self.positions.values())
 
     def fields(self) -> dict[FieldT, EncodableT]:
-        return {"seq": self.seq, "id": self.id, "step": self.step, "version": self.version,
-                "epoch": self.epoch, "log": self.log}
+        out: dict[FieldT, EncodableT] = {"step": self.step, "version": self.version, "epoch": self.epoch}
+        for part, pos in {0: self.at(0), **self.positions}.items():
+            out |= {position_field("seq", part): pos.seq, position_field("id", part): pos.id,
+                    position_field("log", part): pos.log}
+        return out
 
 
 def read_offset(redis: Any) -> Offset:
     raw = {as_str(k): as_str(v) for k, v in (redis.hgetall(keys.TRAINER_OFFSET) or {}).items()}
-    return Offset(int(raw.get("seq", 0)), raw.get("id", ""), int(raw.get("step", 0)),
-                  int(raw.get("version", 0)), int(raw.get("epoch", 0)), raw.get("log", ""))
+    positions: dict[int, Position] = {}
+    for name, value in raw.items():
+        base, _, part = name.partition(".")
+        if base == "seq" and (part == "" or part.isdigit()):
+            p = int(part or 0)
+            positions[p] = Position(int(value), raw.get(position_field("id", p), ""),
+                                    raw.get(position_field("log", p), ""))
+    return Offset(int(raw.get("step", 0)), int(raw.get("version", 0)), int(raw.get("epoch", 0)), positions)
 
 
 class Ledger:
     """Rank 0's writes to the commit record, the ledger and the read-your-writes marks."""
 
-    def __init__(self, redis: Redis) -> None:
+    def __init__(self, redis: Redis, partitions: int = 1) -> None:
         self.redis = redis
+        self.partitions = partitions
 
     def resume(self, checkpointed: Offset) -> tuple[Offset, int]:
         """Make Redis agree with the checkpoint: drop ledger steps after it, reset the offset,
         bump the epoch. Returns (the new offset, how many steps were rolled back)."""
         new, rolled = _rollback(self.redis, checkpointed)
-        # versions of the lost steps no longer hold the samples after the checkpoint's seq
-        self.redis.zremrangebyscore(keys.MODEL_VERSION_SEQ, f"({new.seq}", "+inf")
+        # versions of the lost steps no longer hold the samples after the checkpoint's position
+        pipe = self.redis.pipeline(transaction=False)
+        for part in range(self.partitions):
+            pipe.zremrangebyscore(keys.model_version_seq(part), f"({new.at(part).seq}", "+inf")
+        pipe.execute()
         return new, rolled
 
     def commit(self, off: Offset, ids: list[str], skipped: dict[str, str] | None = None) -> None:
@@ -82,21 +114,29 @@ class Ledger:
         """The commit record alone (a position moved without a step: a new sample log)."""
         self.redis.hset(keys.TRAINER_OFFSET, mapping=off.fields())
 
-    def record_version_seq(self, version: int, seq: int) -> None:
-        """keys.MODEL_VERSION_SEQ: ``version`` holds every pass over the samples up to ``seq``
-        (read-your-writes for ``learn``)."""
+    def record_version_seq(self, version: int, seqs: dict[int, int]) -> None:
+        """keys.model_version_seq: ``version`` holds every pass over the samples of each partition
+        up to its seq in ``seqs`` (read-your-writes for ``learn``)."""
         pipe = self.redis.pipeline(transaction=False)
-        pipe.zadd(keys.MODEL_VERSION_SEQ, {str(version): seq})
-        pipe.zremrangebyrank(keys.MODEL_VERSION_SEQ, 0, -VERSION_SEQS_KEPT - 1)
+        for part, seq in seqs.items():
+            pipe.zadd(keys.model_version_seq(part), {str(version): seq})
+            pipe.zremrangebyrank(keys.model_version_seq(part), 0, -VERSION_SEQS_KEPT - 1)
         pipe.execute()
 
-    def trim_log(self, entry_id: str) -> None:
-        """Replay after a crash starts at the checkpoint's entry: older entries are never read again."""
-        self.redis.xtrim(keys.SAMPLE_LOG, minid=entry_id, approximate=False)
+    def trim_log(self, off: Offset) -> None:
+        """Replay after a crash starts at the checkpoint's entries: older entries are never read again."""
+        pipe = self.redis.pipeline(transaction=False)
+        for part, pos in off.positions.items():
+            if pos.id:
+                pipe.xtrim(keys.sample_log(part), minid=pos.id, approximate=False)
+        pipe.execute()
 
 
 def _rollback(redis: Any, to: Offset) -> tuple[Offset, int]:
     while True:
+        # read before WATCH: keys.MODEL_VERSION is in another slot than the {trainer} keys, and
+        # only the trainer (this process) writes it
+        published = _published_version(redis)
         with redis.pipeline(transaction=True) as pipe:
             try:
                 pipe.watch(keys.TRAINER_OFFSET, keys.TRAINER_TRAINED, keys.TRAINER_SKIPPED)
@@ -104,9 +144,10 @@ def _rollback(redis: Any, to: Offset) -> tuple[Offset, int]:
                 later = [f for f in pipe.hkeys(keys.TRAINER_TRAINED) if int(as_str(f)) > to.step]
                 later_skipped = [f for f in pipe.hkeys(keys.TRAINER_SKIPPED) if int(as_str(f)) > to.step]
                 # +1: the restored weights are published as a version nobody has served yet
-                version = max(current.version, to.version, _published_version(pipe)) + 1
-                new = Offset(to.seq, to.id, to.step, version, current.epoch + 1, to.log)
+                version = max(current.version, to.version, published) + 1
+                new = Offset(to.step, version, current.epoch + 1, dict(to.positions))
                 pipe.multi()
+                pipe.delete(keys.TRAINER_OFFSET)  # partitions first read after the checkpoint start over
                 if later:
                     pipe.hdel(keys.TRAINER_TRAINED, *later)
                 if later_skipped:

@@ -17,15 +17,16 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from types import FrameType
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import zmq
+from redis import Redis
 
 from services.trainer import checkpoint
 from services.trainer.data import ContextReader, SampleSource
 from services.trainer.dist import RankEnv, RankGroup, init_distributed, teardown
 from services.trainer.leader import Leader
-from services.trainer.ledger import Ledger, Offset
+from services.trainer.ledger import Ledger, Offset, Position
 from services.trainer.loop import StepObserver, Trainer
 from services.trainer.operations import TrainerOps
 from services.trainer.publisher import DeltaPublisher
@@ -35,6 +36,7 @@ from shared import metrics as m
 from shared.config import Config, log_level
 from shared.control import start_metrics_server
 from shared.redis_client import check_access, sync_client
+from shared.samples import sample_partitions
 from shared.secret_files import check_private
 
 log = logging.getLogger("learnmesh.trainer")
@@ -144,19 +146,23 @@ def build_trainer(cfg: Config, group: RankGroup, stop: Callable[[], bool],
 def _checkpointed_offset(state: dict[str, Any] | None) -> Offset:
     if state is None:
         return Offset()
-    return Offset(int(state["seq"]), str(state["id"]), int(state["step"]), int(state["version"]),
-                  log=str(state.get("log", "")))
+    positions = {int(part): Position(int(seq), str(eid), str(log_id))
+                 for part, (seq, eid, log_id) in state.get("positions", {}).items()}
+    if not positions:  # a checkpoint of a log with one partition, from before partitions were recorded
+        positions = {0: Position(int(state["seq"]), str(state["id"]), str(state.get("log", "")))}
+    return Offset(int(state["step"]), int(state["version"]), 0, positions)
 
 
 def _build_leader(cfg: Config, group: RankGroup, stepper: Stepper, checkpointed: Offset) -> Leader:
-    redis = sync_client(cfg.redis, socket_timeout=30)
-    ledger = Ledger(redis)
+    redis = cast(Redis, sync_client(cfg.redis, socket_timeout=30))  # see gateway.app._redis_clients
+    partitions = sample_partitions(cfg)
+    ledger = Ledger(redis, partitions)
     offset, rolled = ledger.resume(checkpointed)
     log.info("trainer resumed at step %d (seq %d, epoch %d); %d uncheckpointed step(s) rolled back and "
              "will be replayed from the log", checkpointed.step, offset.seq, offset.epoch, rolled)
     zmq_ctx = zmq.Context()
     contexts = ContextReader(cfg)
-    source = SampleSource(cfg, redis, zmq_ctx, offset.seq, offset.id, contexts, log_id=offset.log)
+    source = SampleSource(cfg, redis, zmq_ctx, offset.positions, contexts, partitions)
     # The restored lineage becomes a version newer than anything served before: the
     # publisher's snapshot (what joining/re-syncing workers fetch) starts at it.
     publisher = DeltaPublisher(cfg, zmq_ctx, stepper.named_params(), offset.version,

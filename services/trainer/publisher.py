@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import zmq
@@ -104,7 +104,7 @@ class DeltaPublisher:
         if self._redis is None and cfg.redis.url:
             from shared.redis_client import sync_client
 
-            self._redis = sync_client(cfg.redis, socket_timeout=cfg.redis.socket_timeout_s)
+            self._redis = cast(Redis, sync_client(cfg.redis, socket_timeout=cfg.redis.socket_timeout_s))
         self._set_latest(version)
         self._stop = threading.Event()
         self._error: BaseException | None = None

@@ -66,10 +66,15 @@ class ReplayBuffer:
         self._queue = [item for item in self._queue if isinstance(item[1], int) and item[1] > 0]
         return out
 
-    def settled_seq(self, committed_seq: int) -> int:
-        """The highest seq up to which every sample has had all its passes."""
-        owed = [item[0].logged.seq for item in self._queue if isinstance(item[0], TrainRecord)]
-        return min(owed) - 1 if owed else committed_seq
+    def settled_seqs(self, committed: dict[int, int]) -> dict[int, int]:
+        """Per sample-log partition (``committed``: partition -> committed seq), the highest seq up
+        to which every sample has had all its passes."""
+        out = dict(committed)
+        for item in self._queue:
+            logged = item[0].logged if isinstance(item[0], TrainRecord) else None
+            if logged is not None and logged.partition in out:
+                out[logged.partition] = min(out[logged.partition], logged.seq - 1)
+        return out
 
     def clear(self) -> None:
         self._queue.clear()

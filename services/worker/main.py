@@ -31,6 +31,7 @@ from shared.config import Config, ConfigError
 from shared.curve import CurveKeys
 from shared.inference import unpack_entries
 from shared.model import Example, LearnModel, MediaError, ModelInputError, build_model
+from shared.redis_client import close_sync
 from shared.wire import MsgType
 from shared.worker_registry import Registration, RegistrationError, advertised_endpoint
 from shared.zmq_util import bind_address, bound_endpoint, make_socket
@@ -169,7 +170,7 @@ class Worker:
             if self.subscriber is not None:
                 self.subscriber.close()
             if self._redis is not None:
-                self._redis.close()
+                close_sync(self._redis)
             self.sock.close(linger=0)
 
     def _report_status(self) -> None:

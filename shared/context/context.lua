@@ -3,15 +3,15 @@
 -- shared/context/scripts.py). It reads, writes, bumps the version, updates recency and enforces the
 -- window, per-principal and idle bounds atomically, so no reader ever sees half a change.
 --
--- KEYS (fixed list, built by shared.keys.ctx_keys + globals):
+-- KEYS (fixed list, built by shared.keys.ctx_keys; all in the principal's slot):
 --   1 E  hash  "<cid>|<modality>|<seq>" -> stored entry (see stored_entry) (tag {principal})
 --   2 M  hash  cid -> JSON meta; "\0v<cid>" -> "<version>;<epoch>;<mod>:<lo>:<hi>;..." of
 --              cid (written with the meta: a window read needs nothing else, and checks
 --              "unchanged" by comparing it, without decoding the meta; see ops.window);
 --              "\0u<cid>" -> last use of cid (see R); and the principal's
 --              state: "\0bytes", "\0clock" (highest last use), "\0exp" (last TTL refresh,
---              ms), "\0due" (no context can be idle before this ms: see expire_idle), "\0gt"
---              (ms of its last global LRU stamp: see touch) — one HMGET reads the state
+--              ms), "\0due" (no context can be idle before this ms: see expire_idle) — one
+--              HMGET reads the state
 --              together with the meta of the context the call is about  (tag {principal})
 --   3 R  zset  cid -> last use: ms * 1000 (+1 per tie), strictly increasing per principal,
 --              so it is both the exact LRU order and the last-use time. Kept lazily: a use
@@ -20,12 +20,13 @@
 --              (tag {principal})
 --   4 V  hash  "<cid>|<version>" -> "mod:lo:hi;..."              (tag {principal})
 --   5 S  hash  cid -> last version of an evicted context           (tag {principal})
---   6 GB hash  principal -> bytes, "\0total", "\0clock"          (tag {ctxglobal})
---   7 GL zset  principal -> global clock of last use             (tag {ctxglobal})
---   8 AU stream audit log (capped)
+--   6 AU stream the principal's audit log (capped; shared/audit.py merges it with the others)
+-- The global budget over all principals is not kept here (a script touches one slot): the
+-- store reports each call's byte change (the `delta` of replies) to sharded accounting keys,
+-- and the gateway's evictor evicts least recently used principals through evict_principal
+-- (shared/context/budget.py, docs/context.md).
 -- ARGV: 1 op, 2 principal, 3 config "channel_max_entries:channel_max_bytes:
---       principal_budget_bytes:global_budget_bytes:idle_ttl_ms:versions_retained:audit_maxlen:
---       global_lru_resolution_ms"
+--       principal_budget_bytes:idle_ttl_ms:versions_retained:audit_maxlen"
 --       (one pre-encoded argument: fewer arguments to pack per call; with 1 and 2 it is packed
 --       once per principal and operation by the client), 4 now_ms, 5.. op arguments.
 -- Errors are error replies whose first word is the error kind (LM_NOTFOUND, ...).
@@ -38,11 +39,11 @@
 -- Per-call state. The library is loaded once (FUNCTION LOAD) and these module locals are
 -- reset at the start of every call by lm_main (Redis runs one call at a time).
 local KEYV, ARGS
-local E, M, R, V, S, GB, GL, AU
+local E, M, R, V, S, AU
 local op, P, NOW_S, now
-local CH_N, CH_B, P_BUD, G_BUD, IDLE, NVER, AMAX, SLACK, G_RES
+local CH_N, CH_B, P_BUD, IDLE, NVER, AMAX, SLACK
 local CFG                          -- the configuration argument CH_N.. were parsed from
-local BYTES, CLOCK, TOTAL, EXP, DUE, GT = '\0bytes', '\0clock', '\0total', '\0exp', '\0due', '\0gt'
+local BYTES, CLOCK, EXP, DUE = '\0bytes', '\0clock', '\0exp', '\0due'
 local LU = '\0u'                       -- M field LU .. cid: last use of cid (R is lazy)
 local VER = '\0v'                      -- M field VER .. cid: "<version>;<epoch>;<ranges>" (see save)
 local K = 1000                         -- R score = last-use ms * K (+ tiebreak)
@@ -51,12 +52,11 @@ local evicted              -- {cid, reason} pairs evicted during this call
 -- Principal state, read once per call (begin) and written once (finish).
 local pbytes, pexp, pclock
 local pdue, due_dirty      -- see expire_idle
-local pgt, gt_dirty        -- ms of the principal's last global LRU stamp (see touch)
 local used                 -- cid -> last use given by this call, written by finish()
-local pdelta               -- byte change not yet written to M / GB
+local pdelta               -- byte change not yet written to M
+local cdelta               -- byte change of this call (replies carry it: see header)
 local clock_dirty
 local created              -- this call may have created a key that has no TTL yet
-local gtotal               -- global total after finish() when it wrote one
 
 -- Exact decimal for scores/timestamps (redis.call would format numbers with %.17g). Every
 -- value given is an integer below 2^53, and '%d' (a C long) formats it in a fraction of the
@@ -228,39 +228,30 @@ end
 local function add_bytes(delta)
   pbytes = pbytes + delta
   pdelta = pdelta + delta
+  cdelta = cdelta + delta
 end
 
 local function principal_bytes() return pbytes end
 
 -- Read the principal's state (and the meta of `cid`, the context the call is about, if
--- any — or only its VER field for a window read (`ver_only`): one HMGET); bring global
--- accounting in line if Redis expired its keys.
+-- any — or only its VER field for a window read (`ver_only`): one HMGET).
 local function begin(cid, ver_only)
   local st
   if ver_only then
-    st = redis.call('HMGET', M, BYTES, EXP, CLOCK, DUE, GT, VER .. cid)
-    pre_vcid, pre_ver = cid, st[6]
+    st = redis.call('HMGET', M, BYTES, EXP, CLOCK, DUE, VER .. cid)
+    pre_vcid, pre_ver = cid, st[5]
   elseif cid then
-    st = redis.call('HMGET', M, BYTES, EXP, CLOCK, DUE, GT, cid)
-    pre_cid, pre_raw = cid, st[6]
+    st = redis.call('HMGET', M, BYTES, EXP, CLOCK, DUE, cid)
+    pre_cid, pre_raw = cid, st[5]
   else
-    st = redis.call('HMGET', M, BYTES, EXP, CLOCK, DUE, GT)
+    st = redis.call('HMGET', M, BYTES, EXP, CLOCK, DUE)
   end
-  pexp, pclock, pdue, pgt = tonumber(st[2]), tonumber(st[3] or '0'), tonumber(st[4]), tonumber(st[5])
-  if st[1] then
-    pbytes = tonumber(st[1])
-  else
-    pbytes = 0
-    local seen = tonumber(redis.call('HGET', GB, P) or '0')
-    if seen ~= 0 then
-      redis.call('HSET', GB, P, 0)
-      redis.call('HINCRBY', GB, TOTAL, -seen)
-    end
-  end
+  pexp, pclock, pdue = tonumber(st[2]), tonumber(st[3] or '0'), tonumber(st[4])
+  pbytes = tonumber(st[1] or '0')
 end
 
--- Write what this call changed in the state (M: with the metas save() staged) and GB (once),
--- and refresh the TTLs when due.
+-- Write what this call changed in the state (M: with the metas save() staged, once), and
+-- refresh the TTLs when due.
 -- keep: the operation counts as activity (keeps the principal's keys alive).
 local function finish(keep)
   local sargs = staged
@@ -269,7 +260,6 @@ local function finish(keep)
   if clock_dirty then sargs[#sargs + 1] = CLOCK; sargs[#sargs + 1] = num(pclock); clock_dirty = false end
   if due_dirty and pdue then sargs[#sargs + 1] = DUE; sargs[#sargs + 1] = num(pdue) end
   due_dirty = false
-  if gt_dirty then sargs[#sargs + 1] = GT; sargs[#sargs + 1] = num(pgt); gt_dirty = false end
   for cid, s in pairs(used) do sargs[#sargs + 1] = LU .. cid; sargs[#sargs + 1] = num(s) end
   used = {}
   local refresh = keep and (created or not pexp or now < pexp or now - pexp >= SLACK)
@@ -277,13 +267,9 @@ local function finish(keep)
   if #sargs > 0 then redis.call('HSET', M, unpack(sargs)) end
   if refresh then
     local ttl = num(IDLE + SLACK)
-    for i = 1, 5 do redis.call('PEXPIRE', KEYV[i], ttl) end
+    for i = 1, 6 do redis.call('PEXPIRE', KEYV[i], ttl) end
   end
-  if pdelta ~= 0 then
-    redis.call('HINCRBY', GB, P, pdelta)
-    gtotal = redis.call('HINCRBY', GB, TOTAL, pdelta)
-    pdelta = 0
-  end
+  pdelta = 0
 end
 
 -- Error reply after writing what already changed (idle evictions before the error).
@@ -374,9 +360,8 @@ end
 
 -- Use of a context: it becomes the principal's MRU (last use = now * K, strictly
 -- increasing), written to M by finish(); R gets it only for a context new to R (`new`) —
--- elsewhere R catches up lazily (lru_head). The principal becomes the global MRU unless it
--- was stamped less than global_lru_resolution_ms ago (0: every use stamps), so reads of a
--- busy principal skip the two global writes.
+-- elsewhere R catches up lazily (lru_head). (The store stamps the principal's place in the
+-- global LRU, outside the script: shared/context/budget.py.)
 local function touch(cid, new)
   local s = now * K
   if s <= pclock then s = pclock + 1 end
@@ -385,10 +370,6 @@ local function touch(cid, new)
   if not pdue then pdue = math.floor(s / K) + IDLE; due_dirty = true end  -- R was empty
   used[cid] = s
   if new then redis.call('ZADD', R, num(s), cid) end
-  if not pgt or now - pgt >= G_RES or now < pgt then
-    redis.call('ZADD', GL, redis.call('HINCRBY', GB, CLOCK, '1'), P)
-    pgt, gt_dirty = now, true
-  end
 end
 
 -- The principal's least recently used context other than `skip`, and its last use: R's
@@ -452,28 +433,6 @@ local function enforce_principal(keep, km)
     add_bytes(-freed)
   end
   redis.call('HSET', V, keep .. '|' .. km.v, ranges_str(km))
-end
-
--- Principals to evict (LRU first, never the caller) so the global total fits the budget.
-local function global_victims()
-  local total = gtotal or tonumber(redis.call('HGET', GB, TOTAL) or '0')
-  local out = {}
-  if total <= G_BUD then return out end
-  local start = 0
-  while total > G_BUD and #out < 64 do
-    local batch = redis.call('ZRANGE', GL, start, start + 31, 'WITHSCORES')
-    if #batch == 0 then break end
-    for i = 1, #batch, 2 do
-      local q = batch[i]
-      if q ~= P then
-        out[#out + 1] = {q, batch[i + 1]}
-        total = total - tonumber(redis.call('HGET', GB, q) or '0')
-        if total <= G_BUD or #out >= 64 then break end
-      end
-    end
-    start = start + 32
-  end
-  return out
 end
 
 -- A new context (or a new life of an evicted one). `e` (epoch) names this life: sequence
@@ -600,16 +559,10 @@ local function evicted_reply(out)
   return out
 end
 
-local function global_reply(victims)
-  local out = {}
-  for _, v in ipairs(victims) do out[#out + 1] = v[1]; out[#out + 1] = v[2] end
-  return out
-end
-
 -- ------------------------------------------------------------------ operations
 local ops = {}
 
--- ARGV 5 cid, 6 modality, 7 entry body (see stored entries), 8 links csv -> {seq, version, evicted, victims}
+-- ARGV 5 cid, 6 modality, 7 entry body (see stored entries), 8 links csv -> {seq, version, evicted, delta}
 function ops.append()
   local cid, mod, val, links = ARGS[5], ARGS[6], ARGS[7], ARGS[8]
   local m = load(cid)
@@ -639,7 +592,7 @@ function ops.append()
   save(cid, m)
   audit('append', cid, m.v, {'entry', mod .. ':' .. seqstr(seq), 'bytes', #val})
   finish(true)
-  return {seq, m.v, evicted_reply(), global_reply(global_victims())}
+  return {seq, m.v, evicted_reply(), cdelta}
 end
 
 -- Entries the caller already holds, from ARGV "<epoch>;mod:first:last;...": honoured only
@@ -747,7 +700,7 @@ end
 function ops.version()
   local m = need(ARGS[5])
   finish(false)
-  return {m.v, evicted_reply()}
+  return {m.v, evicted_reply(), cdelta}
 end
 
 -- -> {{cid, meta json}..., {cid, last-use score}..., evicted}
@@ -777,7 +730,7 @@ function ops.list()
   return {raw, lru, evicted_reply()}
 end
 
--- ARGV 5 cid -> {version, evicted}
+-- ARGV 5 cid -> {version, evicted, delta}
 function ops.clear()
   local cid = ARGS[5]
   local m = need(cid)
@@ -787,10 +740,10 @@ function ops.clear()
   save(cid, m)
   audit('clear', cid, m.v)
   finish(true)
-  return {m.v, evicted_reply()}
+  return {m.v, evicted_reply(), cdelta}
 end
 
--- ARGV 5 src, 6 dst -> {version of dst, evicted, victims}
+-- ARGV 5 src, 6 dst -> {version of dst, evicted, delta}
 function ops.fork()
   local src, dst = ARGS[5], ARGS[6]
   local sm = need(src)
@@ -817,37 +770,32 @@ function ops.fork()
   save(dst, dm)
   audit('fork', dst, dm.v, {'source', src, 'source_version', sm.v, 'bytes', dm.b})
   finish(true)
-  return {dm.v, evicted_reply(), global_reply(global_victims())}
+  return {dm.v, evicted_reply(), cdelta}
 end
 
--- ARGV 5 cid, 6 reason -> {1|0, evicted}
+-- ARGV 5 cid, 6 reason -> {1|0, evicted, delta}
 function ops.evict()
   local m = load(ARGS[5])
-  if not m then finish(false); return {0, evicted_reply()} end
+  if not m then finish(false); return {0, evicted_reply(), cdelta} end
   drop_context(ARGS[5], m, ARGS[6])
   finish(false)
-  return {1, evicted_reply()}
+  return {1, evicted_reply(), cdelta}
 end
 
--- Global budget: drop every context of principal P (ARGV 5 = its global LRU score when it
--- was chosen; skipped if it has been used since). -> {contexts dropped (-1 if skipped), bytes}
+-- Global budget (shared/context/budget.py): drop every context of principal P unless it was
+-- used after ARGV 5 (ms: the last use the evictor saw) -> {contexts dropped (-1: skipped),
+-- bytes freed}. One call: the principal's contexts go together or not at all.
 function ops.evict_principal()
-  local score = redis.call('ZSCORE', GL, P)
-  if score and score ~= ARGS[5] then return {-1, 0} end
-  if tonumber(redis.call('HGET', GB, TOTAL) or '0') <= G_BUD then return {-1, 0} end
+  local st = redis.call('HMGET', M, BYTES, CLOCK)
+  if tonumber(st[2] or '0') > tonumber(ARGS[5]) * K + K - 1 then return {-1, 0} end
   local raw = metas()
   for i = 1, #raw, 2 do
     local m = cjson.decode(raw[i + 1])
     remember_version(raw[i], m.v)
     audit('evict', raw[i], m.v, {'reason', ARGS[6], 'bytes', m.b})
   end
-  local held = tonumber(redis.call('HGET', GB, P) or '0')
   redis.call('DEL', E, M, R, V)  -- the state in M goes too: as for a new principal
-  redis.call('HDEL', GB, P)
-  -- (never HINCRBY by -held when held is 0: Lua formats -0 as "-0", which Redis refuses)
-  if held ~= 0 then redis.call('HINCRBY', GB, TOTAL, -held) end
-  redis.call('ZREM', GL, P)
-  return {#raw / 2, held}
+  return {#raw / 2, tonumber(st[1] or '0')}
 end
 
 local function run_op(fn)
@@ -862,22 +810,22 @@ end
 -- followed by `return lm_main(KEYS, ARGV)`; see shared/context/scripts.py).
 local function lm_main(keys, args)
   KEYV, ARGS = keys, args
-  E, M, R, V, S, GB, GL, AU = keys[1], keys[2], keys[3], keys[4], keys[5], keys[6], keys[7], keys[8]
+  E, M, R, V, S, AU = keys[1], keys[2], keys[3], keys[4], keys[5], keys[6]
   op, P, NOW_S = args[1], args[2], args[4]
   now = tonumber(NOW_S)
   if args[3] ~= CFG then             -- parsed once per configuration (the library stays loaded)
-    local a, b, c, d, e, f, g, h = string.match(args[3], '^(%d+):(%d+):(%d+):(%d+):(%d+):(%d+):(%d+):(%d+)$')
+    local a, b, c, e, f, g = string.match(args[3], '^(%d+):(%d+):(%d+):(%d+):(%d+):(%d+)$')
     if not a then return redis.error_reply('LM_BADCONFIG ' .. tostring(args[3])) end
-    CH_N, CH_B, P_BUD, G_BUD = tonumber(a), tonumber(b), tonumber(c), tonumber(d)
-    IDLE, NVER, AMAX, G_RES = tonumber(e), tonumber(f), g, tonumber(h)
+    CH_N, CH_B, P_BUD = tonumber(a), tonumber(b), tonumber(c)
+    IDLE, NVER, AMAX = tonumber(e), tonumber(f), g
     SLACK = math.floor(IDLE / 16)  -- TTL refresh granularity (see header)
     CFG = args[3]
   end
   evicted = {}
   pbytes, pexp, pclock, pdelta, pdue, due_dirty = 0, nil, 0, 0, nil, false
-  pgt, gt_dirty, used = nil, false, {}
+  used, cdelta = {}, 0
   pre_cid, pre_raw, pre_vcid, pre_ver = nil, nil, nil, nil
-  clock_dirty, created, gtotal, staged = false, false, nil, {}
+  clock_dirty, created, staged = false, false, {}
   local fn = ops[op]
   if not fn then return redis.error_reply('LM_BADOP ' .. tostring(op)) end
   -- fail() raises {err = ...}; turned into an error reply here rather than raised out of the

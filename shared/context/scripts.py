@@ -1,11 +1,13 @@
 """Calls of the context script (``context.lua``, next to this module): every store operation
-is ONE call — FCALL of a Redis Function library, loaded on first use and again after a
-server lost it; on Redis < 7, which has no Functions, EVALSHA of the same code. Calls share
-pipelined round trips (``AutoPipeline``); an error reply of the script becomes its
-``ContextError``."""
+is ONE call — FCALL of a Redis Function library, loaded on every master on first use and
+again after a master lost it (a restart, a failover to a replica that never had it, a new
+master); on Redis < 7, which has no Functions, EVALSHA of the same code. Calls share
+pipelined round trips (``AutoPipeline``; on a cluster one per master, see
+shared.redis_cluster_batch); an error reply of the script becomes its ``ContextError``."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import time
@@ -19,11 +21,13 @@ from redis.exceptions import ResponseError
 from shared import keys, metrics
 from shared.config import ContextConfig
 from shared.context.errors import SCRIPT_ERRORS
-from shared.redis_batch import AutoPipeline, pack_bulk
+from shared.redis_batch import pack_bulk
+from shared.redis_client import AsyncRedis, for_each_primary
+from shared.redis_cluster_batch import auto_pipeline
 
 log = logging.getLogger(__name__)
 
-GLOBAL_KEYS = [keys.CTX_GLOBAL_BYTES, keys.CTX_GLOBAL_LRU, keys.AUDIT_STREAM]
+NUM_KEYS = len(keys.ctx_keys("p"))
 _HEADS_MAX = 32768  # cached command heads (see ContextScript._head): ~250 bytes each, 8 MiB at most
 
 
@@ -44,22 +48,23 @@ def library(source: str) -> tuple[str, str]:
 def script_config(cfg: ContextConfig) -> bytes:
     """The script's configuration argument (ARGV[3] of context.lua), encoded once per store."""
     return (f"{cfg.channel_max_entries}:{cfg.channel_max_bytes}:{cfg.principal_budget_bytes}:"
-            f"{cfg.global_budget_bytes}:{cfg.idle_ttl_s * 1000}:{cfg.versions_retained}:{cfg.audit_maxlen}:"
-            f"{cfg.global_lru_resolution_ms}").encode()
+            f"{cfg.idle_ttl_s * 1000}:{cfg.versions_retained}:{cfg.audit_maxlen}").encode()
 
 
 def script_keys(principal: str) -> list[str]:
-    """KEYS of every call: the principal's 5 keys, then the 3 global ones."""
-    return keys.ctx_keys(principal) + GLOBAL_KEYS
+    """KEYS of every call: the principal's keys (one slot)."""
+    return keys.ctx_keys(principal)
 
 
 class ContextScript:
     """The context script as one store calls it: ARGV ``op, principal, config, now, *args``."""
 
-    def __init__(self, redis: aioredis.Redis, cfg: ContextConfig, clock_ms: Callable[[], int]) -> None:
+    def __init__(self, redis: AsyncRedis, cfg: ContextConfig, clock_ms: Callable[[], int]) -> None:
         self.redis = redis
         # Concurrent operations share pipelined round trips (each is still one script call).
-        self._batch = AutoPipeline(redis)
+        self.batch = auto_pipeline(redis)
+        self._routed = isinstance(redis, aioredis.RedisCluster)  # submit with the principal's slot
+        self._loading: asyncio.Future[None] | None = None  # a library load under way (see _load)
         self._clock_ms = clock_ms
         source = script_source()
         # Redis Functions (7.0+): the library is loaded once and each call runs only lm_main.
@@ -73,17 +78,20 @@ class ContextScript:
         self._now: tuple[int, bytes] = (-1, b"")  # see _now_arg
         self._op_metrics: dict[str, tuple[Any, Any]] = {}  # op -> its latency and count children
         self.round_trips = 0  # script calls made (the bench divides by operations)
+        self.stamp: Callable[[str], None] | None = None  # told of each call's principal (global LRU)
 
     async def call(self, op: str, principal: str, *args: str | bytes | int, packed: bytes | None = None) -> Any:
         """One script call: ARGV ``op, principal, config, now, *args`` (``packed``: ``args``
         already packed with ``pack_bulk``, ``len(args)`` arguments)."""
         self.round_trips += 1
         t0 = time.perf_counter()
+        if self.stamp is not None and op != "evict_principal":
+            self.stamp(principal)
         tail = self._now_arg() + (packed if packed is not None else pack_bulk(args))
-        n = 15 + len(args)  # FCALL, name, numkeys, 8 keys, op, principal, config, now, then args
+        n = 7 + NUM_KEYS + len(args)  # FCALL, name, numkeys, keys, op, principal, config, now, then args
         try:
             if self.use_functions is not False:
-                out = await self._batch.submit(self._head(op, principal, n) + tail)
+                out = await self.batch.submit(self._head(op, principal, n) + tail, self.route(principal))
             else:
                 out = await self._evalsha(op, principal, args)
         except ResponseError as exc:
@@ -95,9 +103,14 @@ class ContextScript:
         m[1].inc()
         return out
 
+    def route(self, principal: str) -> str | None:
+        """What a cluster pipeline routes a call of ``principal`` by (its hash tag, the slot of
+        all its keys); None on one server, which needs none."""
+        return "{" + principal + "}" if self._routed else None
+
     def _head(self, op: str, principal: str, n: int) -> bytes:
-        """The RESP command header of ``n`` arguments and its first ones: ``FCALL <fn> 8
-        <keys of principal> <global keys> <op> <principal> <config>``, cached per principal
+        """The RESP command header of ``n`` arguments and its first ones: ``FCALL <fn> 6
+        <keys of principal> <op> <principal> <config>``, cached per principal
         and operation (an operation always has the same number of arguments).
 
         Hand-built rather than packed by hiredis, because it is the hot path: packing all ~19
@@ -112,25 +125,24 @@ class ContextScript:
             pb = principal.encode()
             lens = self._key_lens
             keys_part = self._keys_template % (lens[0] + len(pb), pb, lens[1] + len(pb), pb, lens[2] + len(pb), pb,
-                                               lens[3] + len(pb), pb, lens[4] + len(pb), pb)
-            head = self._heads[(op, principal)] = b"*%d\r\n%b%b%b%b%b" % (
-                n, self._fcall_part, keys_part, self._after_keys, pack_bulk((op, principal)), self._cfg_part)
+                                               lens[3] + len(pb), pb, lens[4] + len(pb), pb, lens[5] + len(pb), pb)
+            head = self._heads[(op, principal)] = b"*%d\r\n%b%b%b%b" % (
+                n, self._fcall_part, keys_part, pack_bulk((op, principal)), self._cfg_part)
         return head
 
     def _head_template(self) -> None:
-        """The constant parts of every call's header (see _head): ``FCALL <fn> 8``, the
-        principal's keys as a template (each key around the principal), the global keys and
-        the configuration, packed."""
+        """The constant parts of every call's header (see _head): ``FCALL <fn> 6``, the
+        principal's keys as a template (each key around the principal) and the configuration,
+        packed."""
         marker = "\x00"  # never in a principal's name (see validation.check_principal)
         ks = keys.ctx_keys(marker)
         parts = [k.encode().split(marker.encode()) for k in ks]
-        if len(parts) != 5 or any(len(p) != 2 for p in parts):
+        if len(parts) != NUM_KEYS or any(len(p) != 2 for p in parts):
             raise RuntimeError("every context key must name its principal once")
         self._key_lens = [len(a) + len(b) for a, b in parts]
         self._keys_template = b"".join(b"$%%d\r\n%b%%b%b\r\n" % (a.replace(b"%", b"%%"), b.replace(b"%", b"%%"))
                                        for a, b in parts)
-        self._fcall_part = pack_bulk(("FCALL", self.fn, len(ks) + len(GLOBAL_KEYS)))
-        self._after_keys = pack_bulk(tuple(GLOBAL_KEYS))
+        self._fcall_part = pack_bulk(("FCALL", self.fn, len(ks)))
         self._cfg_part = pack_bulk((self.cfg_arg,))
 
     def _now_arg(self) -> bytes:
@@ -140,6 +152,17 @@ class ContextScript:
             self._now = (now, pack_bulk((now,)))
         return self._now[1]
 
+    async def load_library(self) -> None:
+        """FUNCTION LOAD on every master (replicas copy it), one load at a time: the calls that
+        found it missing together wait for the same load."""
+        if self._loading is None or self._loading.done():
+            self._loading = asyncio.ensure_future(self._load())
+        await asyncio.shield(self._loading)
+
+    async def _load(self) -> None:
+        await for_each_primary(self.redis, lambda node: node.function_load(self._fn_code, replace=True))
+        log.info("context store: function library %s loaded on every master", self.fn)
+
     async def _evalsha(self, op: str, principal: str, args: tuple[str | bytes | int, ...]) -> Any:
         """The script as EVALSHA (Redis < 7: no Functions)."""
         return await self._evalsha_script(keys=script_keys(principal),
@@ -147,15 +170,15 @@ class ContextScript:
 
     async def _retry(self, op: str, principal: str, args: tuple[str | bytes | int, ...], n: int, tail: bytes,
                      exc: ResponseError) -> Any:
-        """After an error reply: load the library if this server lacks it (first use, or it
-        restarted) and call again, or fall back to EVALSHA on Redis < 7; a script error
-        becomes its ContextError."""
+        """After an error reply: load the library if the master that answered lacks it (first
+        use, a restart, a failover, a new master) and call again, or fall back to EVALSHA on
+        Redis < 7; a script error becomes its ContextError."""
         try:
             text = str(exc).lower()
             if "function not found" in text:
-                await self.redis.function_load(self._fn_code, replace=True)
+                await self.load_library()
                 self.use_functions = True
-                return await self._batch.submit(self._head(op, principal, n) + tail)
+                return await self.batch.submit(self._head(op, principal, n) + tail, self.route(principal))
             if "unknown command" in text and self.use_functions is None:
                 log.info("context store: Redis without Functions, using EVALSHA")
                 self.use_functions = False

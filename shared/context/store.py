@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 
 from shared import keys, metrics
 from shared.config import ContextConfig
+from shared.context.budget import GlobalAccounts, GlobalEvictor
 from shared.context.entries import pack_entry
 from shared.context.errors import ContextExists, ContextNotFound
 from shared.context.read_cache import Channel, Held, ReadCache
@@ -33,6 +34,7 @@ from shared.context.validation import (
     modalities_arg,
 )
 from shared.redis_batch import pack_bulk
+from shared.redis_client import AsyncRedis
 from shared.text import as_str
 from shared.types import ContextWindow
 
@@ -47,7 +49,6 @@ class AppendResult:
     entry_id: str
     version: int
     evicted: list[str] = field(default_factory=list)  # this principal's contexts evicted by the append
-    evicted_principals: list[str] = field(default_factory=list)  # evicted for the global budget
 
 
 @dataclass
@@ -63,9 +64,12 @@ class ContextInfo:
 class ContextStore:
     """Per-principal, per-modality conversation context in Redis (see shared/context/)."""
 
-    def __init__(self, redis: aioredis.Redis, cfg: ContextConfig, *,
+    def __init__(self, redis: AsyncRedis, cfg: ContextConfig, *,
                  clock_ms: Callable[[], int] | None = None) -> None:
-        if redis.connection_pool.connection_kwargs.get("decode_responses"):
+        if isinstance(redis, aioredis.RedisCluster):
+            if redis.get_connection_kwargs().get("decode_responses"):
+                raise ValueError("the context store's cluster client must not decode responses (content is bytes)")
+        elif redis.connection_pool.connection_kwargs.get("decode_responses"):
             # Content is raw bytes: use a sibling client on the same server that does not decode;
             # it owns its pool, so closing it (``store.redis.aclose()``) disconnects the pool.
             kwargs = dict(redis.connection_pool.connection_kwargs, decode_responses=False)
@@ -77,6 +81,8 @@ class ContextStore:
         self.cfg = cfg
         self._clock_ms = clock_ms or (lambda: int(time.time() * 1000))
         self._script = ContextScript(redis, cfg, self._clock_ms)
+        self._global = GlobalAccounts(redis, self._script, cfg, self._clock_ms)
+        self._script.stamp = self._global.stamp
         self._replies = ScriptReplies(cfg.modalities)
         self._cache = ReadCache(cfg, self._replies)
         self._read_metrics = (metrics.CONTEXT_READ_ENTRIES.labels("redis"), metrics.CONTEXT_READ_ENTRIES.labels("cache"))
@@ -85,6 +91,11 @@ class ContextStore:
     def round_trips(self) -> int:
         """Script calls made (the bench divides by operations)."""
         return self._script.round_trips
+
+    @property
+    def posted(self) -> int:
+        """Global accounting commands sent beside script calls, in the same batches."""
+        return self._global.posted
 
     @property
     def entries_fetched(self) -> int:
@@ -103,13 +114,11 @@ class ContextStore:
         check_id(context_id)
         content, tokens, links = check_entry(self.cfg, modality, role, content, mime=mime, tokens=tokens, links=links)
         packed = pack_entry(role, content, tokens=tokens, ts_ms=self._clock_ms(), mime=mime, links=links)
-        seq, version, gone, victims = await self._script.call("append", principal, context_id, modality, packed,
-                                                              ",".join(links))
+        seq, version, gone, delta = await self._script.call("append", principal, context_id, modality, packed,
+                                                            ",".join(links))
+        self._global.report(principal, delta)
         metrics.CONTEXT_APPENDED_BYTES.labels(modality).inc(len(content))
-        result = AppendResult(entry_id=f"{modality}:{int(seq)}", version=int(version), evicted=evicted(gone))
-        if victims:
-            result.evicted_principals = await self._enforce_global(victims)
-        return result
+        return AppendResult(entry_id=f"{modality}:{int(seq)}", version=int(version), evicted=evicted(gone))
 
     async def get_window(self, principal: str, context_id: str, *, modalities: Iterable[str] | None = None,
                          last_n: int | None = None, max_tokens: int | None = None,
@@ -194,7 +203,8 @@ class ContextStore:
     async def version(self, principal: str, context_id: str) -> int:
         check_principal(principal)
         check_id(context_id)
-        ver, gone = await self._script.call("version", principal, context_id)
+        ver, gone, delta = await self._script.call("version", principal, context_id)
+        self._global.report(principal, delta)
         evicted(gone)
         return int(ver)
 
@@ -220,7 +230,8 @@ class ContextStore:
         """Empty every channel; returns the new version (older versions stay readable while retained)."""
         check_principal(principal)
         check_id(context_id)
-        ver, gone = await self._script.call("clear", principal, context_id)
+        ver, gone, delta = await self._script.call("clear", principal, context_id)
+        self._global.report(principal, delta)
         evicted(gone)
         return int(ver)
 
@@ -232,10 +243,9 @@ class ContextStore:
         check_id(dst_id)
         if dst_id == src_id:
             raise ContextExists("fork target must differ from the source")
-        _ver, gone, victims = await self._script.call("fork", principal, src_id, dst_id)
+        _ver, gone, delta = await self._script.call("fork", principal, src_id, dst_id)
+        self._global.report(principal, delta)
         evicted(gone)
-        if victims:
-            await self._enforce_global(victims)
         return dst_id
 
     async def evict(self, principal: str, context_id: str, *, reason: str = "admin") -> bool:
@@ -243,22 +253,10 @@ class ContextStore:
         check_principal(principal)
         check_id(context_id)
         check_reason(reason)
-        done, gone = await self._script.call("evict", principal, context_id, reason)
+        done, gone, delta = await self._script.call("evict", principal, context_id, reason)
+        self._global.report(principal, delta)
         evicted(gone)
         return bool(done)
-
-    async def _enforce_global(self, victims: list[Any]) -> list[str]:
-        """Evict the principals the script chose for the global budget (LRU over principals)."""
-        done = []
-        for i in range(0, len(victims), 2):
-            who, score = as_str(victims[i]), as_str(victims[i + 1])
-            n, _held = await self._script.call("evict_principal", who, score, "global_budget")
-            if n >= 0:
-                done.append(who)
-                if n:
-                    metrics.CONTEXT_EVICTIONS.labels("global_budget").inc(n)
-                log.info("context: evicted principal %s (%d contexts) for the global budget", who, n)
-        return done
 
     async def principal_bytes(self, principal: str) -> int:
         """Bytes the principal holds (entries physically kept, retained versions included)."""
@@ -266,8 +264,21 @@ class ContextStore:
         return int(raw or 0)
 
     async def global_bytes(self) -> int:
-        raw = await self.redis.hget(keys.CTX_GLOBAL_BYTES, "\x00total")
-        return int(raw or 0)
+        """Bytes held by all principals, as reported (see shared/context/budget.py)."""
+        return await self._global.total()
+
+    def evictor(self, *, owner: str | None = None) -> GlobalEvictor:
+        """The task that enforces ``global_budget_bytes`` (the gateway runs one: ``run()``)."""
+        return GlobalEvictor(self._global, self.cfg, owner=owner)
+
+    async def enforce_global_budget(self) -> list[str]:
+        """One sweep of the global budget now, without the lease: the principals evicted."""
+        return await self._global.sweep(self.cfg.global_budget_bytes)
+
+    async def seen_principals(self) -> list[tuple[str, int]]:
+        """(principal, ms of its last stamped use) of every principal the store has stamped,
+        newest first (audit reads visit their streams)."""
+        return await self._global.seen()
 
     async def lru_order(self, principal: str) -> list[str]:
         """The principal's contexts in exact LRU order, least recently used first, read
@@ -285,4 +296,4 @@ class ContextStore:
 
     async def principals(self) -> list[str]:
         """Principals known to the global LRU, most recently used first (for admin)."""
-        return [as_str(p) for p in await self.redis.zrevrange(keys.CTX_GLOBAL_LRU, 0, -1)]
+        return await self._global.principals()

@@ -23,7 +23,9 @@ from websockets.asyncio.client import connect as ws_connect
 
 from shared import keys
 from shared.config import ConfigError, load_config
-from tests.conftest import free_port, wait_for
+from shared.redis_client import close_sync
+from shared.samples import CLUSTER_SAMPLE_PARTITIONS
+from tests.conftest import RedisTarget, free_port, wait_for
 from tests.gateway_support import start_gateway, stop
 from tests.test_gateway_http import ACCEPT, init, legacy, modern, rpc
 
@@ -44,24 +46,25 @@ def auth(principal: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def replicas(redis_server: str) -> Iterator[tuple[str, str]]:
+def replicas(redis_target_module: RedisTarget) -> Iterator[tuple[str, str]]:
     overrides: dict[str, dict[str, Any]] = {"limits": {"principals": LIMITS}, "learning": {"teachers": ["*"]},
                                             "trainer": {"samples_endpoint": f"tcp://127.0.0.1:{free_port()}"}}
     api_keys = ",".join(f"{p}:{k}" for p, k in KEYS.items())
     pa, pb = free_port(), free_port()
-    a = start_gateway(pa, redis_server, api_keys=api_keys, overrides=overrides)
-    b = start_gateway(pb, redis_server, api_keys=api_keys, overrides=overrides)
+    a = start_gateway(pa, redis_target_module.url, api_keys=api_keys, overrides=overrides)
+    b = start_gateway(pb, redis_target_module.url, api_keys=api_keys, overrides=overrides)
     yield f"http://127.0.0.1:{pa}", f"http://127.0.0.1:{pb}"
     stop(a)
     stop(b)
 
 
 @pytest.fixture
-def store(redis_server: str, redis_url: str) -> Iterator[redis_sync.Redis]:
-    """The Redis both replicas use, flushed for this test."""
-    client = redis_sync.Redis.from_url(redis_server)
+def store(redis_target_module: RedisTarget) -> Iterator[Any]:
+    """The Redis both replicas use (a server or a cluster), flushed for this test."""
+    redis_target_module.flush()
+    client = redis_target_module.sync_client()
     yield client
-    client.close()
+    close_sync(client)
 
 
 def call(base: str, principal: str, method: str, params: dict | None = None, rid: int = 1) -> httpx.Response:
@@ -92,11 +95,12 @@ def limit_count(base: str, limit: str) -> float:
     return found[0] if found else 0.0
 
 
-def logged_samples(store: redis_sync.Redis, principal: str) -> int:
-    return sum(int(f[b"n"]) for _, f in store.xrange(keys.SAMPLE_LOG) if f[b"p"] == principal.encode())
+def logged_samples(store: Any, principal: str) -> int:
+    return sum(int(f[b"n"]) for part in range(CLUSTER_SAMPLE_PARTITIONS)  # every partition a cluster may have
+               for _, f in store.xrange(keys.sample_log(part)) if f[b"p"] == principal.encode())
 
 
-def test_request_rate_is_one_bucket_over_every_replica(replicas: tuple[str, str], store: redis_sync.Redis) -> None:
+def test_request_rate_is_one_bucket_over_every_replica(replicas: tuple[str, str], store: Any) -> None:
     a, b = replicas
     before = limit_count(a, "requests")
     # three requests, spread over both replicas, use up the burst of 3
@@ -118,7 +122,7 @@ def test_request_rate_is_one_bucket_over_every_replica(replicas: tuple[str, str]
     assert limit_count(b, "requests") >= 1 and limit_count(a, "requests") > before
 
 
-def test_learn_quota_in_samples(replicas: tuple[str, str], store: redis_sync.Redis) -> None:
+def test_learn_quota_in_samples(replicas: tuple[str, str], store: Any) -> None:
     a, b = replicas
     batch = [{"input": f"q{i}", "target": " a"} for i in range(4)]
     ok = tool(a, "learner", "learn", {"samples": batch})
@@ -137,7 +141,7 @@ def test_learn_quota_in_samples(replicas: tuple[str, str], store: redis_sync.Red
     assert logged_samples(store, "calm") == 20
 
 
-def test_learn_quota_in_bytes(replicas: tuple[str, str], store: redis_sync.Redis) -> None:
+def test_learn_quota_in_bytes(replicas: tuple[str, str], store: Any) -> None:
     a, b = replicas
     sample = {"input": "q" * 150, "target": " a"}  # ~190 bytes as logged
     assert tool(a, "heavy", "learn", sample).status_code == 200
@@ -149,7 +153,7 @@ def test_learn_quota_in_bytes(replicas: tuple[str, str], store: redis_sync.Redis
 
 
 def test_subscriptions_per_session_need_existing_resources(replicas: tuple[str, str],
-                                                           store: redis_sync.Redis) -> None:
+                                                           store: Any) -> None:
     a, _ = replicas
     for cid in ("s1", "s2", "s3"):
         assert append(a, "subber", cid).status_code == 200
@@ -228,7 +232,7 @@ async def _listen(client: httpx.AsyncClient, base: str, principal: str, opened: 
 
 
 def test_listen_streams_per_principal_over_every_replica(replicas: tuple[str, str],
-                                                         store: redis_sync.Redis) -> None:
+                                                         store: Any) -> None:
     a, b = replicas
     leases = keys.listen_leases("listener")
 
@@ -257,8 +261,8 @@ def test_listen_streams_per_principal_over_every_replica(replicas: tuple[str, st
     asyncio.run(scenario())
 
 
-def test_the_sample_log_is_bounded_by_what_the_trainer_has_not_trained(redis_server: str,
-                                                                       store: redis_sync.Redis) -> None:
+def test_the_sample_log_is_bounded_by_what_the_trainer_has_not_trained(redis_server: str, redis_url: str) -> None:
+    store = redis_sync.Redis.from_url(redis_server)  # one log partition: the bound is exact
     admin_key = "admin-key-0123456789"
     port = free_port()
     proc = start_gateway(port, redis_server, api_keys=f"calm:{KEYS['calm']},learner:{KEYS['learner']}", overrides={
@@ -290,6 +294,7 @@ def test_the_sample_log_is_bounded_by_what_the_trainer_has_not_trained(redis_ser
         assert limit_count(base, "sample_backlog") >= 3
     finally:
         stop(proc)
+        store.close()
 
 
 @pytest.mark.parametrize(("limits", "message"), [

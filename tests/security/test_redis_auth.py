@@ -107,7 +107,7 @@ async def test_store_gateway_and_sample_log_through_an_authenticated_redis(secur
     # the trainer's sample source, on the trainer's client, reads what the gateway logged
     ctx = zmq.Context()
     trainer_redis = sync_client(cfg.redis, socket_timeout=5)
-    source = SampleSource(cfg, trainer_redis, ctx, 0, "")
+    source = SampleSource(cfg, trainer_redis, ctx, {})
     try:
         got = source.next_batch(8, 100, lambda: False)
         assert [(s.seq, s.principal, s.sample.input) for s in got] == [(1, "alice", "what does the trust root hold?")]

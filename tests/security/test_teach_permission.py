@@ -8,15 +8,17 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import httpx
 import pytest
-import redis as redis_sync
 
 from services.supervisor import child_configs, load_or_create_keys
 from shared import keys
 from shared.config import load_config
-from tests.conftest import free_port
+from shared.redis_client import close_sync
+from shared.samples import CLUSTER_SAMPLE_PARTITIONS
+from tests.conftest import RedisTarget, free_port
 from tests.gateway_support import start_gateway, stop
 from tests.test_gateway_http import modern
 
@@ -27,7 +29,7 @@ OPERATOR = "ops-operator-key-0123456789"
 
 
 @pytest.fixture(scope="module")
-def replicas(redis_server: str) -> Iterator[tuple[str, str]]:
+def replicas(redis_target_module: RedisTarget) -> Iterator[tuple[str, str]]:
     overrides = {"learning": {"teachers": ["teacher"], "teacher_roles": ["staff"]},
                  "limits": {"roles": {"staff": {"learn_samples_per_s": 0.001, "learn_samples_burst": 3}},
                             "principal_roles": {"assistant": "staff"}},
@@ -36,18 +38,20 @@ def replicas(redis_server: str) -> Iterator[tuple[str, str]]:
                                             "ops": {"key": OPERATOR, "role": "operator"}}}}
     api_keys = ",".join(f"{p}:{k}" for p, k in KEYS.items())
     pa, pb = free_port(), free_port()
-    a = start_gateway(pa, redis_server, api_keys=api_keys, overrides=overrides)
-    b = start_gateway(pb, redis_server, api_keys=api_keys, overrides=overrides)
+    a = start_gateway(pa, redis_target_module.url, api_keys=api_keys, overrides=overrides)
+    b = start_gateway(pb, redis_target_module.url, api_keys=api_keys, overrides=overrides)
     yield f"http://127.0.0.1:{pa}", f"http://127.0.0.1:{pb}"
     stop(a)
     stop(b)
 
 
 @pytest.fixture
-def store(redis_server: str, redis_url: str) -> Iterator[redis_sync.Redis]:
-    client = redis_sync.Redis.from_url(redis_server)
+def store(redis_target_module: RedisTarget) -> Iterator[Any]:
+    """The Redis both replicas use (a server or a cluster), flushed for this test."""
+    redis_target_module.flush()
+    client = redis_target_module.sync_client()
     yield client
-    client.close()
+    close_sync(client)
 
 
 def learn(base: str, principal: str, samples: list[dict]) -> httpx.Response:
@@ -60,8 +64,9 @@ def admin(method: str, url: str, key: str = ADMIN, **kw: object) -> httpx.Respon
     return httpx.request(method, url, headers={"authorization": f"Bearer {key}"}, timeout=10, **kw)  # type: ignore
 
 
-def logged(store: redis_sync.Redis, principal: str) -> int:
-    return sum(int(f[b"n"]) for _, f in store.xrange(keys.SAMPLE_LOG) if f[b"p"] == principal.encode())
+def logged(store: Any, principal: str) -> int:
+    return sum(int(f[b"n"]) for part in range(CLUSTER_SAMPLE_PARTITIONS)  # every partition a cluster may have
+               for _, f in store.xrange(keys.sample_log(part)) if f[b"p"] == principal.encode())
 
 
 def assert_forbidden(r: httpx.Response) -> None:
@@ -75,7 +80,7 @@ SAMPLES = [{"input": "the sky is", "target": " green"}, {"input": "two plus two 
 
 
 def test_only_teachers_teach_and_grants_hold_on_every_replica(replicas: tuple[str, str],
-                                                              store: redis_sync.Redis) -> None:
+                                                              store: Any) -> None:
     a, b = replicas
     # a principal without the permission cannot teach the shared model, on either replica
     assert_forbidden(learn(a, "student", SAMPLES))
@@ -141,7 +146,7 @@ def test_a_fresh_learnmesh_up_lets_its_demo_key_teach(tmp_path: Path) -> None:
 
 
 def test_a_role_gives_its_principals_the_teach_permission_and_its_limits(replicas: tuple[str, str],
-                                                                          store: redis_sync.Redis) -> None:
+                                                                          store: Any) -> None:
     """``assistant`` is in no teacher list by name: its role ``staff`` may teach, and the role's
     learn quota (3 samples, next to nothing refilled) is the one in force, on every replica."""
     a, b = replicas

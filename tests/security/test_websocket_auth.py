@@ -13,12 +13,12 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-import redis as redis_sync
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import ClientConnection
 from websockets.sync.client import connect as ws_connect
 
-from tests.conftest import free_port, wait_for_sync
+from shared.redis_client import close_sync, for_each_primary_sync
+from tests.conftest import RedisTarget, free_port, wait_for_sync
 from tests.gateway_support import start_gateway, stop
 
 KEY = "alice-key-0123456789"
@@ -34,11 +34,12 @@ class Gateway:
 
 
 @pytest.fixture(scope="module")
-def gw(redis_server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+def gw(redis_target_module: RedisTarget, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """One gateway per Redis kind (single server, cluster)."""
     port = free_port()
     log = tmp_path_factory.mktemp("wsauth") / "gateway.log"
     with log.open("wb") as out:
-        proc = start_gateway(port, redis_server, api_keys=f"alice:{KEY}", output=out, log_level="debug",
+        proc = start_gateway(port, redis_target_module.url, api_keys=f"alice:{KEY}", output=out, log_level="debug",
                              overrides={"gateway": {"ws_ticket_ttl_s": TICKET_TTL_S}})
         yield Gateway(port, log)
         stop(proc)
@@ -73,18 +74,20 @@ def test_bearer_subprotocol_authenticates_and_is_not_echoed(gw: Gateway) -> None
         assert whoami(ws) == "alice"
 
 
-def test_ticket_authenticates_once(gw: Gateway, redis_url: str) -> None:
+def test_ticket_authenticates_once(gw: Gateway, redis_target_module: RedisTarget) -> None:
+    redis_target_module.flush()
     issued = ticket(gw)
     assert issued.status_code == 200 and issued.json()["expires_in_s"] == TICKET_TTL_S
     assert issued.headers["cache-control"] == "no-store"
     value = issued.json()["ticket"]
-    client = redis_sync.Redis.from_url(redis_url)
+    client = redis_target_module.sync_client()
     try:  # Redis holds the ticket under alice's hash tag, with its TTL, and never the ticket itself
-        stored = [k for k in client.scan_iter(match="*wsticket*")]
+        stored = [k for node in for_each_primary_sync(client, lambda n: list(n.scan_iter(match="*wsticket*")))
+                  for k in node]
         assert len(stored) == 1 and b"{alice}" in stored[0] and value.split(".")[1].encode() not in stored[0]
         assert 0 < client.ttl(stored[0]) <= TICKET_TTL_S
     finally:
-        client.close()
+        close_sync(client)
     with open_ws(gw, ["mcp"], f"?ticket={value}") as ws:
         assert whoami(ws) == "alice"
     assert refused(gw, ["mcp"], f"?ticket={value}").status_code == 401  # single use

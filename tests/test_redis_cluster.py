@@ -1,0 +1,50 @@
+"""Redis Cluster mode of shared/redis_client.py against a real cluster (and one server)."""
+
+from __future__ import annotations
+
+import redis as redis_sync
+import redis.asyncio as aioredis
+
+from shared.config import RedisConfig
+from shared.net import free_port
+from shared.redis_client import check_access, close_sync, for_each_primary, is_cluster, server_url
+from tests.conftest import RedisTarget
+
+
+def test_cluster_is_named_by_scheme_or_key() -> None:
+    assert is_cluster(RedisConfig(url="redis+cluster://h:7000/0"))
+    assert is_cluster(RedisConfig(url="redis://h:7000/0", cluster=True))
+    assert not is_cluster(RedisConfig(url="redis://h:7000/0"))
+    assert server_url(RedisConfig(url="rediss+cluster://u:p@h:7000/0")) == "rediss://u:p@h:7000/0"
+    assert server_url(RedisConfig(url="redis://h:1/0", cluster=True)) == "redis://h:1/0"
+
+
+def test_tls_files_accept_a_tls_cluster_url() -> None:
+    cfg = RedisConfig(url="rediss+cluster://h:7000/0", tls_ca_file="/ca.pem")
+    assert cfg.tls_ca_file == "/ca.pem"
+
+
+async def test_clients_and_every_primary(redis_target: RedisTarget) -> None:
+    r = redis_target.async_client()
+    try:
+        assert isinstance(r, aioredis.RedisCluster) == redis_target.is_cluster
+        for i in range(50):  # keys spread over every master of a cluster
+            await r.set(f"k{i}", i)
+        sizes = await for_each_primary(r, lambda node: node.dbsize())
+        assert sum(sizes) == 50
+        assert len(sizes) == (3 if redis_target.is_cluster else 1)
+        assert all(n > 0 for n in sizes)
+    finally:
+        await r.aclose()
+    sync = redis_target.sync_client()
+    try:
+        assert isinstance(sync, redis_sync.RedisCluster) == redis_target.is_cluster
+        assert sync.get("k7") == b"7"
+    finally:
+        close_sync(sync)
+
+
+def test_check_access(redis_target: RedisTarget) -> None:
+    assert check_access(redis_target.config) is True
+    gone = RedisConfig(url=f"redis://127.0.0.1:{free_port()}/0", cluster=redis_target.is_cluster)
+    assert check_access(gone, timeout_s=0.5) is False
