@@ -47,6 +47,10 @@ _STAMPS_MAX = 65536  # principals whose last stamp a store remembers (then it fo
 _CANDIDATES = 64  # least recently used principals read per shard per sweep page
 
 
+async def _skipped() -> tuple[int, int]:
+    return -1, 0
+
+
 class GlobalAccounts:
     """The sharded accounting keys as one store writes and reads them."""
 
@@ -163,7 +167,7 @@ class GlobalAccounts:
                     break
                 chosen.append((stamp, who, shard, held))
                 excess -= held
-            outcomes = await asyncio.gather(*[self._evict_one(*c) for c in chosen])
+            outcomes = await self._evict(chosen)
             total -= sum(freed for freed, _ in outcomes)
             done += [c[1] for c, (_, evicted) in zip(chosen, outcomes, strict=True) if evicted]
             if not any(freed or evicted for freed, evicted in outcomes):
@@ -181,37 +185,51 @@ class GlobalAccounts:
                 for who, v in zip(by_shard[k], vals, strict=True)}
         return [held[(shard, who)] for _, who, shard in candidates]
 
-    async def _evict_one(self, stamp: int, who: str, shard: int, reported: int) -> tuple[int, bool]:
-        """Evict ``who`` whole through its own script unless it was stamped again since the
-        evictor read the LRU: (the reported bytes that left the total, whether it held
-        contexts). Its report is cleared whatever it was (a report left high by an unreported
-        idle expiry, or keys Redis expired, goes with it)."""
-        score = await self.redis.zscore(keys.ctx_global_lru(shard), who)
-        if score is None or int(score) != stamp:
-            return 0, False
+    async def _evict(self, chosen: list[tuple[int, str, int, int]]) -> list[tuple[int, bool]]:
+        """Evict the chosen principals, each whole through its own script (the calls share
+        pipelined round trips), unless stamped again since the evictor read the LRU: per
+        principal (the reported bytes that left the total, whether it held contexts). A
+        principal's report is cleared whatever it was (a report left high by an unreported idle
+        expiry, or keys Redis expired, goes with it); the shards' bookkeeping is a few commands
+        per shard."""
+        by_shard: dict[int, list[tuple[int, str, int]]] = {}
+        for stamp, who, shard, reported in chosen:
+            by_shard.setdefault(shard, []).append((stamp, who, reported))
+        shards = list(by_shard)
+        scores = await asyncio.gather(*[self.redis.zmscore(keys.ctx_global_lru(k), [w for _, w, _ in by_shard[k]])
+                                        for k in shards])
+        still = {(k, who) for k, got in zip(shards, scores, strict=True)
+                 for (stamp, who, _), score in zip(by_shard[k], got, strict=True)
+                 if score is not None and int(score) == stamp}
         now = self._clock_ms()
-        n, freed = await self._script.call("evict_principal", who, now, "global_budget")
-        if n < 0:  # used in the last moment
-            return 0, False
-        await self._correct(keys.ctx_global_bytes(shard), who, -reported)
-        await self._leave_lru(shard, who, now)  # its audit stream just got the eviction's records
-        if n:
-            metrics.CONTEXT_EVICTIONS.labels("global_budget").inc(n)
-            log.info("context: evicted principal %s (%d contexts, %d bytes) for the global budget", who, n, freed)
-        return reported, n > 0
+        replies = await asyncio.gather(*[self._script.call("evict_principal", who, now, "global_budget")
+                                         if (shard, who) in still else _skipped()
+                                         for _, who, shard, _ in chosen])
+        out: list[tuple[int, bool]] = []
+        gone: dict[int, list[tuple[str, int]]] = {}
+        for (_, who, shard, reported), (n, freed) in zip(chosen, replies, strict=True):
+            if n < 0:  # stamped again, or used in the last moment
+                out.append((0, False))
+                continue
+            gone.setdefault(shard, []).append((who, reported))
+            out.append((reported, n > 0))
+            if n:
+                metrics.CONTEXT_EVICTIONS.labels("global_budget").inc(n)
+                log.info("context: evicted principal %s (%d contexts, %d bytes) for the global budget", who, n, freed)
+        await asyncio.gather(*[self._settle_shard(k, members, now) for k, members in gone.items()])
+        return out
 
-    async def _leave_lru(self, shard: int, who: str, last_ms: int) -> None:
-        """Out of the global LRU (it holds nothing now), into the shard's list of principals
-        whose audit streams merged reads visit; its next use stamps it again."""
-        await self.redis.zadd(keys.ctx_global_seen(shard), {who: last_ms})
-        await self.redis.zrem(keys.ctx_global_lru(shard), who)
-        self._stamped.pop(who, None)
-
-    async def _correct(self, gb: str, who: str, delta: int) -> None:
-        if delta:
-            await self.redis.hincrby(gb, who, delta)
-            await self.redis.hincrby(gb, TOTAL, delta)
-
+    async def _settle_shard(self, shard: int, members: list[tuple[str, int]], now: int) -> None:
+        """The evicted principals of one shard: reports cleared, out of the LRU, into ``seen``
+        (their audit streams just got the eviction's records); their next use stamps them again."""
+        gb = keys.ctx_global_bytes(shard)
+        total = sum(reported for _, reported in members)
+        await asyncio.gather(*[self._batch.submit(pack_command(("HINCRBY", gb, name, -n)), gb)  # shared round trips
+                               for name, n in [*members, (TOTAL, total)] if n])
+        for who, _ in members:
+            self._stamped.pop(who, None)
+        await self.redis.zadd(keys.ctx_global_seen(shard), {who: now for who, _ in members})
+        await self.redis.zrem(keys.ctx_global_lru(shard), *[who for who, _ in members])
 
 class GlobalEvictor:
     """The background task that enforces the global budget (see module docstring). Every
