@@ -42,7 +42,7 @@ class ClusterAutoPipeline:
         self.max_batch = max_batch
         self._nodes: dict[str, AutoPipeline] = {}  # node name -> its pipeline
         self._slots: dict[int, AutoPipeline] = {}  # slot -> pipeline of its master (from redis-py's map)
-        self._refresh: asyncio.Task[None] | None = None
+        self._stale = False  # the slot map is to be read again before the next command
         self._posted: set[asyncio.Task[Any]] = set()
         self._ready: asyncio.Future[Any] | None = None  # redis-py's first reading of the slot map
         self.redirects = 0  # MOVED and ASK followed (for tests and metrics)
@@ -62,7 +62,7 @@ class ClusterAutoPipeline:
         """One packed command whose first key is ``key``: its reply, after any redirection."""
         if key is None:
             raise ValueError("a cluster pipeline routes by key: give the command's key")
-        if self._ready is None or not self._ready.done() or self._ready.exception() is not None:
+        if not self._ready_now():
             await self._map_read()
         slot = self.cluster.keyslot(key)
         pipe = self._slots.get(slot)
@@ -91,7 +91,8 @@ class ClusterAutoPipeline:
         return task
 
     def _ready_now(self) -> bool:
-        return self._ready is not None and self._ready.done() and self._ready.exception() is None
+        return (not self._stale and self._ready is not None and self._ready.done()
+                and self._ready.exception() is None)
 
     def _posted_reply(self, fut: asyncio.Future[Any], packed: bytes, key: str | bytes) -> None:
         """A posted command's reply: a redirection is followed (in a task), other errors logged."""
@@ -114,10 +115,12 @@ class ClusterAutoPipeline:
             log.warning("redis cluster: a posted command failed: %s", task.exception())
 
     async def _map_read(self) -> None:
-        """The first reading of the slot map, shared by the callers that wait for it (so they
-        go on together, and their commands share batches)."""
-        if self._ready is None or (self._ready.done() and self._ready.exception() is not None):
-            self._ready = asyncio.ensure_future(self.cluster.initialize())
+        """A reading of the slot map (the first, or again after a redirection or a lost node),
+        shared by the callers that wait for it (so they go on together, and their commands
+        share batches)."""
+        if self._ready is None or self._stale or (self._ready.done() and self._ready.exception() is not None):
+            first, self._stale = self._ready is None, False
+            self._ready = asyncio.ensure_future(self.cluster.initialize() if first else self._read_map())
         await asyncio.shield(self._ready)
 
     async def _redirected(self, packed: bytes, slot: int, exc: Exception) -> Any:
@@ -169,16 +172,12 @@ class ClusterAutoPipeline:
         return pipe
 
     def _reread_map(self) -> None:
-        """Read the slot map again (one reading at a time); the slot cache follows it."""
-        if self._refresh is None or self._refresh.done():
-            self._refresh = asyncio.get_running_loop().create_task(self._read_map())
+        """Have the next command read the slot map again first. In that command's caller, not a
+        task of its own: a reading started as a client closes would open connections after it."""
+        self._stale = True
 
     async def _read_map(self) -> None:
-        try:
-            await self.cluster.nodes_manager.initialize()
-        except Exception as exc:  # noqa: BLE001 - the next failure asks again; callers already heard theirs
-            log.warning("redis cluster: reading the slot map failed: %s", exc)
-            return
+        await self.cluster.nodes_manager.initialize()
         self._slots.clear()
 
 
