@@ -189,3 +189,24 @@ async def test_a_batch_without_replies_fails_after_the_socket_timeout_then_recov
         await admin.execute_command("CLIENT", "UNPAUSE")
         await client.aclose()
         await admin.aclose()
+
+
+async def test_batched_audit_writes_a_window_of_records_at_once(r) -> None:
+    from shared import keys
+    from shared.audit import BatchedAudit, record
+
+    await r.delete(keys.AUDIT_STREAM)
+    writer = BatchedAudit(r, window_s=0.05)
+    for i in range(40):
+        writer.add(record(principal="p", action="proxy.call", item=str(i)))
+
+    async def all_written() -> bool:
+        return await r.xlen(keys.AUDIT_STREAM) >= 40
+
+    await wait_for(all_written, timeout_s=5, what="the window's records")
+    entries = await r.xrange(keys.AUDIT_STREAM)
+    assert [e[b"item"] for _, e in entries] == [str(i).encode() for i in range(40)]
+    assert writer._pipeline.batches == 1  # one write for the window, not one per record
+    writer.add(record(principal="p", action="proxy.call", item="last"))
+    await writer.close()  # what is still held is sent, not dropped
+    assert await r.xlen(keys.AUDIT_STREAM) == 41

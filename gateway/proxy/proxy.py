@@ -40,9 +40,8 @@ from gateway.proxy.exchange import CallHooks, forwardable_capabilities, upstream
 from gateway.proxy.resources import ResourceFollowers
 from gateway.proxy.wire import Hooks, Message, StdioWire
 from shared import keys, metrics
-from shared.audit import record, xadd_command
+from shared.audit import BatchedAudit, record
 from shared.config import ProxyAllow, UpstreamConfig
-from shared.redis_batch import AutoPipeline, pack_command
 
 if TYPE_CHECKING:
     from gateway.state import Gateway
@@ -101,7 +100,7 @@ class Proxy:
         self._background: set[asyncio.Task[Any]] = set()
         self._apply_lock = asyncio.Lock()
         self.resources = ResourceFollowers(self)
-        self._audit = AutoPipeline(gateway.redis)
+        self._audit = BatchedAudit(gateway.redis)
         self._counters: dict[tuple[str, str, str], Any] = {}
 
     @property
@@ -180,6 +179,7 @@ class Proxy:
         self.upstreams.clear()
         for task in list(self._background):
             task.cancel()
+        await self._audit.close()
 
     # ------------------------------------------------------------------ who may use what
     def allowed(self, principal: str, upstream: str, item: str | None = None) -> bool:
@@ -428,8 +428,7 @@ class Proxy:
         up.breaker_gauge.set(STATE_VALUE[up.client.breaker.state])
         entry = record(principal=principal, action="proxy.call", upstream=up.name, method=method, item=item,
                        outcome=outcome, latency_ms=f"{latency_s * 1000:.2f}")
-        # Pipelined with the other calls' records (no task, no round trip of its own on the call's path).
-        self._audit.submit(pack_command(xadd_command(entry))).add_done_callback(_audit_written)
+        self._audit.add(entry)  # written with the other calls' records of the next few ms
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -500,11 +499,6 @@ class Proxy:
                 "lists_age_s": round(time.monotonic() - up.catalog.fetched_at, 1) if up.catalog.fetched_at else None,
                 "tools": len(up.catalog.tools), "transport": "http" if up.cfg.url else "stdio",
                 "calls": up.calls, "errors": up.errors}
-
-
-def _audit_written(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled() and future.exception() is not None:
-        log.warning("an audit record of a proxied call was not written (%s)", type(future.exception()).__name__)
 
 
 def _param_headers(spec: tuple[tuple[str, str], ...], args: dict[str, Any]) -> dict[str, str] | None:
