@@ -55,6 +55,7 @@ MAX_INPUT_ROUNDS = 8
 WATCH_RETRY_MIN_S, WATCH_RETRY_MAX_S = 1.0, 60.0
 TASK_KEY_TTL_S = 86_400  # how long a task's upstream is remembered when the task names no ttlMs
 TASK_KEY_SLACK_S = 60
+ALLOW_CACHE_MAX = 65_536
 
 
 @dataclass
@@ -102,6 +103,7 @@ class Proxy:
         self.resources = ResourceFollowers(self)
         self._audit = BatchedAudit(gateway.redis)
         self._counters: dict[tuple[str, str, str], Any] = {}
+        self._decisions: dict[tuple[str, str, str | None], bool] = {}  # see allowed()
 
     @property
     def active(self) -> bool:
@@ -184,9 +186,16 @@ class Proxy:
     # ------------------------------------------------------------------ who may use what
     def allowed(self, principal: str, upstream: str, item: str | None = None) -> bool:
         """Whether ``principal`` may use ``item`` (a tool or prompt) of ``upstream``, or the whole
-        upstream when ``item`` is None."""
-        return any(g in ("*", upstream) or (item is not None and g == f"{upstream}.{item}")
-                   for g in self._grants(principal))
+        upstream when ``item`` is None. Allow-lists and roles come from the static config, so a
+        decision is kept (bounded: the cache starts over past ``ALLOW_CACHE_MAX`` entries)."""
+        key = (principal, upstream, item)
+        decision = self._decisions.get(key)
+        if decision is None:
+            if len(self._decisions) >= ALLOW_CACHE_MAX:
+                self._decisions.clear()
+            decision = self._decisions[key] = any(
+                g in ("*", upstream) or (item is not None and g == f"{upstream}.{item}") for g in self._grants(principal))
+        return decision
 
     def _grants(self, principal: str) -> list[str]:
         allow: ProxyAllow | None = self.config.allow
