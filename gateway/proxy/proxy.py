@@ -79,6 +79,7 @@ class Upstream:
     watcher: asyncio.Task[None] | None = None
     latency: Any = None  # its /metrics children, looked up once
     breaker_gauge: Any = None
+    breaker_state: str | None = None  # what breaker_gauge shows
     calls: int = 0  # on this replica, for the dashboard (/metrics has the rest)
     errors: int = 0
 
@@ -434,7 +435,10 @@ class Proxy:
             counter = self._counters[(up.name, method, outcome)] = metrics.PROXY_CALLS.labels(up.name, method, outcome)
         counter.inc()
         up.latency.observe(latency_s)
-        up.breaker_gauge.set(STATE_VALUE[up.client.breaker.state])
+        state = up.client.breaker.state
+        if state != up.breaker_state:  # the gauge's lock is taken when the state moves, not per call
+            up.breaker_state = state
+            up.breaker_gauge.set(STATE_VALUE[state])
         entry = record(principal=principal, action="proxy.call", upstream=up.name, method=method, item=item,
                        outcome=outcome, latency_ms=f"{latency_s * 1000:.2f}")
         self._audit.add(entry)  # written with the other calls' records of the next few ms
