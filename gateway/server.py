@@ -8,6 +8,7 @@ Binds 127.0.0.1 unless told otherwise; refuses a non-loopback bind without API k
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import signal
 import subprocess
@@ -87,6 +88,7 @@ def main(cfg: Config, args: argparse.Namespace) -> int:
     # the `finally` below (an embedded Redis this replica started would outlive it). These
     # end the replica here instead, exit code 0.
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    freeze_startup_heap()
     try:
         uvicorn.run(app, **uvicorn_settings(cfg))
     except _Stopped as stop:
@@ -96,6 +98,15 @@ def main(cfg: Config, args: argparse.Namespace) -> int:
             signal.signal(sig, handler)
         _stop_redis(proc)
     return 0
+
+
+def freeze_startup_heap() -> None:
+    """Move what exists before serving (modules, config, registry, app: ~90,000 objects that live
+    as long as the process) out of the cyclic collector's scans. Without it every full collection
+    walks all of them (~50 ms each, ~3 % of a proxied call's CPU under load); with it, only what
+    requests allocated."""
+    gc.collect()
+    gc.freeze()
 
 
 def _stop_redis(proc: subprocess.Popen | None) -> None:

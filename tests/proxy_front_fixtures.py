@@ -11,8 +11,10 @@ from tests.proxy_front import TOKEN_ENV, UPSTREAM_SECRET, upstream_gateway
 
 
 @pytest.fixture(autouse=True)
-def upstream_token(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The front gateway reads the upstream's credential from the environment."""
+def front_upstream_credential(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The front gateway reads the upstream's credential from the environment. Named apart from
+    tests/proxy_support.py's ``upstream_token``: plugins are global, and one fixture of that name
+    would replace the other in every module of a run that loads both."""
     monkeypatch.setenv(TOKEN_ENV, f"Bearer {UPSTREAM_SECRET}")
 
 

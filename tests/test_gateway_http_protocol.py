@@ -192,3 +192,17 @@ def test_keep_alive_websocket_and_legacy_session_through_the_protocol(gateway: s
                                   "params": {"name": "t_echo", "arguments": {"text": "ws"}, "_meta": META}}).decode())
             got = orjson.loads(ws.recv(timeout=10))
             assert got["id"] == i and got["result"]["content"][0]["text"] == "local:ws"
+
+
+def test_the_startup_heap_is_left_out_of_collections() -> None:
+    import gc
+
+    from gateway.server import freeze_startup_heap
+
+    try:
+        freeze_startup_heap()
+        frozen = gc.get_freeze_count()
+        assert frozen > 1000  # the modules and objects loaded so far
+        assert len(gc.get_objects()) < frozen  # what the collector still scans is what comes after
+    finally:
+        gc.unfreeze()

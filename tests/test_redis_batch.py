@@ -331,3 +331,24 @@ async def test_the_context_store_follows_its_principal_to_another_master(redis_t
     finally:
         move.close()
         await client.aclose()
+
+
+async def test_batched_audit_writes_a_window_of_records_at_once(r) -> None:
+    from shared import keys
+    from shared.audit import BatchedAudit, record
+
+    await r.delete(keys.audit_stream("p"))
+    writer = BatchedAudit(r, window_s=0.05)
+    for i in range(40):
+        writer.add(record(principal="p", action="proxy.call", item=str(i)))
+
+    async def all_written() -> bool:
+        return await r.xlen(keys.audit_stream("p")) >= 40
+
+    await wait_for(all_written, timeout_s=5, what="the window's records")
+    entries = await r.xrange(keys.audit_stream("p"))
+    assert [e[b"item"] for _, e in entries] == [str(i).encode() for i in range(40)]
+    assert writer._pipeline.batches == 1  # one write for the window, not one per record
+    writer.add(record(principal="p", action="proxy.call", item="last"))
+    await writer.close()  # what is still held is sent, not dropped
+    assert await r.xlen(keys.audit_stream("p")) == 41

@@ -159,6 +159,9 @@ class UpstreamClient:
     async def _take_slot(self, deadline: float) -> None:
         """One of the ``concurrency`` slots; waiting for one is not the upstream failing (no
         breaker count), but it comes out of the call's ``timeout_s``."""
+        if not self.gate.locked():
+            await self.gate.acquire()  # a free slot is taken without suspending: no timer needed
+            return
         try:
             async with asyncio.timeout_at(deadline):
                 await self.gate.acquire()

@@ -40,9 +40,8 @@ from gateway.proxy.exchange import CallHooks, forwardable_capabilities, upstream
 from gateway.proxy.resources import ResourceFollowers
 from gateway.proxy.wire import Hooks, Message, StdioWire
 from shared import keys, metrics
-from shared.audit import record, xadd_command
+from shared.audit import BatchedAudit, record
 from shared.config import ProxyAllow, UpstreamConfig
-from shared.redis_batch import AutoPipeline, pack_command
 
 if TYPE_CHECKING:
     from gateway.state import Gateway
@@ -56,6 +55,7 @@ MAX_INPUT_ROUNDS = 8
 WATCH_RETRY_MIN_S, WATCH_RETRY_MAX_S = 1.0, 60.0
 TASK_KEY_TTL_S = 86_400  # how long a task's upstream is remembered when the task names no ttlMs
 TASK_KEY_SLACK_S = 60
+ALLOW_CACHE_MAX = 65_536
 
 
 @dataclass
@@ -79,6 +79,7 @@ class Upstream:
     watcher: asyncio.Task[None] | None = None
     latency: Any = None  # its /metrics children, looked up once
     breaker_gauge: Any = None
+    breaker_state: str | None = None  # what breaker_gauge shows
     calls: int = 0  # on this replica, for the dashboard (/metrics has the rest)
     errors: int = 0
 
@@ -101,8 +102,9 @@ class Proxy:
         self._background: set[asyncio.Task[Any]] = set()
         self._apply_lock = asyncio.Lock()
         self.resources = ResourceFollowers(self)
-        self._audit = AutoPipeline(gateway.redis)
+        self._audit = BatchedAudit(gateway.redis)
         self._counters: dict[tuple[str, str, str], Any] = {}
+        self._decisions: dict[tuple[str, str, str | None], bool] = {}  # see allowed()
 
     @property
     def active(self) -> bool:
@@ -180,13 +182,21 @@ class Proxy:
         self.upstreams.clear()
         for task in list(self._background):
             task.cancel()
+        await self._audit.close()
 
     # ------------------------------------------------------------------ who may use what
     def allowed(self, principal: str, upstream: str, item: str | None = None) -> bool:
         """Whether ``principal`` may use ``item`` (a tool or prompt) of ``upstream``, or the whole
-        upstream when ``item`` is None."""
-        return any(g in ("*", upstream) or (item is not None and g == f"{upstream}.{item}")
-                   for g in self._grants(principal))
+        upstream when ``item`` is None. Allow-lists and roles come from the static config, so a
+        decision is kept (bounded: the cache starts over past ``ALLOW_CACHE_MAX`` entries)."""
+        key = (principal, upstream, item)
+        decision = self._decisions.get(key)
+        if decision is None:
+            if len(self._decisions) >= ALLOW_CACHE_MAX:
+                self._decisions.clear()
+            decision = self._decisions[key] = any(
+                g in ("*", upstream) or (item is not None and g == f"{upstream}.{item}") for g in self._grants(principal))
+        return decision
 
     def _grants(self, principal: str) -> list[str]:
         allow: ProxyAllow | None = self.config.allow
@@ -425,11 +435,13 @@ class Proxy:
             counter = self._counters[(up.name, method, outcome)] = metrics.PROXY_CALLS.labels(up.name, method, outcome)
         counter.inc()
         up.latency.observe(latency_s)
-        up.breaker_gauge.set(STATE_VALUE[up.client.breaker.state])
+        state = up.client.breaker.state
+        if state != up.breaker_state:  # the gauge's lock is taken when the state moves, not per call
+            up.breaker_state = state
+            up.breaker_gauge.set(STATE_VALUE[state])
         entry = record(principal=principal, action="proxy.call", upstream=up.name, method=method, item=item,
                        outcome=outcome, latency_ms=f"{latency_s * 1000:.2f}")
-        # Pipelined with the other calls' records (no task, no round trip of its own on the call's path).
-        self._audit.submit(pack_command(xadd_command(entry))).add_done_callback(_audit_written)
+        self._audit.add(entry)  # written with the other calls' records of the next few ms
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -500,11 +512,6 @@ class Proxy:
                 "lists_age_s": round(time.monotonic() - up.catalog.fetched_at, 1) if up.catalog.fetched_at else None,
                 "tools": len(up.catalog.tools), "transport": "http" if up.cfg.url else "stdio",
                 "calls": up.calls, "errors": up.errors}
-
-
-def _audit_written(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled() and future.exception() is not None:
-        log.warning("an audit record of a proxied call was not written (%s)", type(future.exception()).__name__)
 
 
 def _param_headers(spec: tuple[tuple[str, str], ...], args: dict[str, Any]) -> dict[str, str] | None:
