@@ -100,7 +100,9 @@ class ContextScript:
         n = 7 + NUM_KEYS + len(args)  # FCALL, name, numkeys, keys, op, principal, config, now, then args
         try:
             if self.use_functions is not False:
-                out = await self._send(op, principal, self._head(op, principal, n) + tail)
+                packed = self._head(op, principal, n) + tail
+                out = await (self._confirmed(packed, principal) if self._wait and op in WRITE_OPS
+                             else self.batch.submit(packed, self.route(principal)))
             else:
                 out = await self._evalsha(op, principal, args)
         except ResponseError as exc:
