@@ -171,7 +171,7 @@ async def open_gateway(cfg: Config, registry: Registry) -> AsyncIterator[Gateway
         zmq_ctx = zmq.asyncio.Context()
         stack.callback(zmq_ctx.destroy, 0)  # runs after the pool and the ingest closed their sockets
         audit.configure(cfg.context.audit_maxlen)
-        store = ContextStore(redis, cfg.context)
+        store = ContextStore(redis, cfg.context, redis_cfg=cfg.redis)
         workers = WorkerPool(cfg, zmq_ctx=zmq_ctx, redis=redis)
         stack.push_async_callback(_bounded, "the worker pool", workers.close)
         samples = learning.SampleIngest(redis, cfg, store, zmq.Context.shadow(zmq_ctx))

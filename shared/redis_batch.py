@@ -139,22 +139,77 @@ class _RedisPyConnection:
         finally:
             await self.release()
 
-    async def asking(self, packed: bytes) -> Any:
-        """One command sent after ``ASKING`` on a connection of its own (a key of a slot being
-        migrated, answered by the node importing it): its reply, or its error reply raised."""
+    async def asking(self, packed: bytes, replies: int = 1) -> Any:
+        """``replies`` commands sent after ``ASKING`` on a connection of its own (a key of a
+        slot being migrated, answered by the node importing it): their outcome as
+        ``AutoPipeline.submit`` gives it."""
         ok = False
         try:
-            await self.conn.send_packed_command(_ASKING + packed, check_health=False)
-            await self.conn.read_response()  # +OK
-            try:
-                reply = await self.conn.read_response()
-            except ResponseError:
-                ok = True
-                raise
+            got = (await self.round_trip(_ASKING + packed, replies + 1))[1:]  # after ASKING's +OK
             ok = True
-            return reply
         finally:
             await (self.release() if ok else self.close())
+        return _outcome(got, replies)
+
+
+class _Replies(asyncio.Future[list[Any]]):
+    """The future of several commands submitted together (``AutoPipeline.submit`` with
+    ``replies``): it gets the list of their replies, or the first error among them."""
+
+    def __init__(self, n: int, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop=loop)
+        self.got: list[Any] = []
+        self.parts = [_Part(self) for _ in range(n)]  # where a connection puts each reply, in order
+
+    def add(self, reply: Any) -> None:
+        if self.done():
+            return
+        if isinstance(reply, Exception):
+            self.set_exception(reply)
+            return
+        self.got.append(reply)
+        if len(self.got) == len(self.parts):
+            self.set_result(self.got)
+
+
+class _Part:
+    """One reply's place in a ``_Replies``: a connection hands it a reply as it would a future."""
+
+    __slots__ = ("whole",)
+
+    def __init__(self, whole: _Replies) -> None:
+        self.whole = whole
+
+    def done(self) -> bool:
+        return self.whole.done()
+
+    def set_result(self, reply: Any) -> None:
+        self.whole.add(reply)
+
+    set_exception = set_result
+
+
+# Where a connection puts one reply: a caller's future, or its part of several (_Part).
+_Sink = asyncio.Future[Any] | _Part
+
+
+def _sinks(batch: list[tuple[bytes, asyncio.Future[Any]]]) -> list[_Sink]:
+    """Where the replies of ``batch`` go, in order (a submission of several has one place each)."""
+    out: list[_Sink] = []
+    for _, fut in batch:
+        if type(fut) is _Replies:
+            out.extend(fut.parts)
+        else:
+            out.append(fut)
+    return out
+
+
+def _outcome(replies: list[Any], n: int) -> Any:
+    """What ``AutoPipeline.submit`` gives for ``replies`` of a submission of ``n`` commands."""
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    return replies[0] if n == 1 else replies
 
 
 class _Link(asyncio.Protocol):
@@ -171,7 +226,7 @@ class _Link(asyncio.Protocol):
         self.transport = transport
         self.stream_protocol = stream_protocol  # redis-py's: told when the connection closes
         self.parser = hiredis.Reader(replyError=reply_error)
-        self.waiting: deque[asyncio.Future[Any]] = deque()
+        self.waiting: deque[_Sink] = deque()
         self.busy = False  # a batch is on the wire
         self.sent_at = 0.0  # loop time its batch was written (see AutoPipeline._watch)
         self.closed = False
@@ -256,17 +311,22 @@ class AutoPipeline:
         reply raises ``ResponseError`` for this caller only."""
         return await self.submit(pack_command(args))
 
-    def submit(self, packed: bytes, key: str | bytes | None = None) -> asyncio.Future[Any]:
+    def submit(self, packed: bytes, key: str | bytes | None = None, replies: int = 1) -> asyncio.Future[Any]:
         """Queue one packed command (``pack_command``) with the next batch; the future gets
         its reply, or ``ResponseError`` for an error reply. For hot callers: one coroutine
         layer less than ``execute`` (each costs ~1 µs). Needs a running event loop. ``key``
         (the command's first key) routes on a cluster (shared.redis_cluster_batch); one
-        server needs none."""
+        server needs none.
+
+        ``replies`` > 1: ``packed`` holds that many commands, which go in the same batch on
+        the same connection, in order — a write and the ``WAIT`` that confirms it (WAIT counts
+        only the writes of its own connection); the future gets the list of their replies, or
+        the first error reply among them raised."""
         loop = asyncio.get_running_loop()
         if loop is not self._loop:  # first use, or the old loop went away with batches unfinished
             self._loop, self._pending, self._inflight, self._scheduled = loop, [], 0, False
             self._idle, self._links, self._watching = [], set(), False  # they belong to the old loop
-        fut: asyncio.Future[Any] = loop.create_future()
+        fut: asyncio.Future[Any] = loop.create_future() if replies == 1 else _Replies(replies, loop)
         self._pending.append((packed, fut))
         if len(self._pending) >= self.max_batch and self._inflight < self.max_inflight:
             self._flush()  # a full batch goes now: Redis works on it while we gather the next
@@ -306,9 +366,9 @@ class AutoPipeline:
                 kept = None
             self._spawn(self._send(batch, kept))
 
-    async def asking(self, packed: bytes) -> Any:
+    async def asking(self, packed: bytes, replies: int = 1) -> Any:
         """``packed`` after ``ASKING``, outside the batches (see _RedisPyConnection.asking)."""
-        return await (await _RedisPyConnection.open(self.source)).asking(packed)
+        return await (await _RedisPyConnection.open(self.source)).asking(packed, replies)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -324,7 +384,7 @@ class AutoPipeline:
     def _write(self, link: _Link, batch: _Batch) -> None:
         loop = self._running_loop()
         link.busy = True
-        link.waiting.extend([f for _, f in batch])
+        link.waiting.extend(_sinks(batch))
         link.sent_at = loop.time()
         link.transport.write(b"".join([packed for packed, _ in batch]))
         if not self._watching and link.timeout_s:
@@ -369,7 +429,8 @@ class AutoPipeline:
             if isinstance(conn, _Link):
                 self._write(conn, batch)
                 return
-            replies = await self._round_trip_slow(conn, b"".join([packed for packed, _ in batch]), len(batch))
+            sinks = _sinks(batch)
+            replies = await self._round_trip_slow(conn, b"".join([packed for packed, _ in batch]), len(sinks))
         except BaseException as exc:  # connection lost, timeout, cancelled: every caller hears it
             err = exc if isinstance(exc, Exception) else RedisConnectionError("redis batch cancelled")
             for _, fut in batch:
@@ -379,13 +440,13 @@ class AutoPipeline:
             if not isinstance(exc, Exception):
                 raise
         else:
-            for (_, fut), reply in zip(batch, replies, strict=True):
-                if fut.done():
+            for sink, reply in zip(sinks, replies, strict=True):
+                if sink.done():
                     continue
                 if isinstance(reply, Exception):
-                    fut.set_exception(reply)
+                    sink.set_exception(reply)
                 else:
-                    fut.set_result(reply)
+                    sink.set_result(reply)
             self._slot_free()
 
     def _slot_free(self) -> None:

@@ -58,8 +58,10 @@ class ClusterAutoPipeline:
     async def execute(self, *args: Any, key: str | bytes) -> Any:
         return await self.submit(pack_command(args), key)
 
-    async def submit(self, packed: bytes, key: str | bytes | None = None) -> Any:
-        """One packed command whose first key is ``key``: its reply, after any redirection."""
+    async def submit(self, packed: bytes, key: str | bytes | None = None, replies: int = 1) -> Any:
+        """One packed command whose first key is ``key``: its reply, after any redirection.
+        ``replies`` > 1: as ``AutoPipeline.submit`` — the commands of ``packed`` go together
+        to the node of ``key``'s slot, and together again wherever it is redirected."""
         if key is None:
             raise ValueError("a cluster pipeline routes by key: give the command's key")
         if not self._ready_now():
@@ -69,9 +71,9 @@ class ClusterAutoPipeline:
         if pipe is None:
             pipe = self._at_slot(slot)
         try:
-            return await pipe.submit(packed)
+            return await pipe.submit(packed, None, replies)
         except (MovedError, AskError, TryAgainError) as exc:
-            return await self._redirected(packed, slot, exc)
+            return await self._redirected(packed, slot, exc, replies)
         except (RedisConnectionError, RedisTimeoutError):
             self._reread_map()
             raise
@@ -123,7 +125,7 @@ class ClusterAutoPipeline:
             self._ready = asyncio.ensure_future(self.cluster.initialize() if first else self._read_map())
         await asyncio.shield(self._ready)
 
-    async def _redirected(self, packed: bytes, slot: int, exc: Exception) -> Any:
+    async def _redirected(self, packed: bytes, slot: int, exc: Exception, replies: int = 1) -> Any:
         """Follow MOVED / ASK / TRYAGAIN until a node answers (bounded)."""
         hops = tries = 0
         call: Awaitable[Any]
@@ -133,15 +135,15 @@ class ClusterAutoPipeline:
                 self.redirects += 1
                 pipe = self._slots[slot] = self._at(exc.host, exc.port)
                 self._reread_map()
-                call = pipe.submit(packed)
+                call = pipe.submit(packed, None, replies)
             elif isinstance(exc, AskError):
                 hops += 1
                 self.redirects += 1
-                call = self._at(exc.host, exc.port).asking(packed)
+                call = self._at(exc.host, exc.port).asking(packed, replies)
             else:  # the slot's keys are split between two masters for now: wait, then from the start
                 tries, hops = tries + 1, 0
                 await asyncio.sleep(TRYAGAIN_PAUSE_S)
-                call = (self._slots.get(slot) or self._at_slot(slot)).submit(packed)
+                call = (self._slots.get(slot) or self._at_slot(slot)).submit(packed, None, replies)
             try:
                 return await call
             except (MovedError, AskError, TryAgainError) as again:

@@ -97,6 +97,11 @@ class LocalCluster:
         node.proc.send_signal(signal.SIGKILL)
         node.proc.wait(10)
 
+    def restart(self, node: Node) -> None:
+        """Start a killed ``node`` again, same port and directory (what a host brought back
+        looks like): it rejoins from its cluster config, as a replica of whoever took its slots."""
+        node.proc = self._spawn(node.port).proc
+
     def flush(self) -> None:
         """Empty every master (replicas follow)."""
         for node in self.primaries():
@@ -117,10 +122,10 @@ class LocalCluster:
         self.nodes = []
         shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def _spawn(self) -> Node:
-        port = free_port_pair(BUS_OFFSET)
+    def _spawn(self, port: int | None = None) -> Node:
+        port = port or free_port_pair(BUS_OFFSET)
         nodedir = self.workdir / str(port)
-        nodedir.mkdir(parents=True)
+        nodedir.mkdir(parents=True, exist_ok=True)
         binary = shutil.which("redis-server") or "redis-server"
         # S603: redis-server from PATH, arguments built here, no shell.
         proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(nodedir),  # noqa: S603

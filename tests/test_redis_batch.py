@@ -111,6 +111,22 @@ async def test_error_reply_reaches_only_its_caller(r) -> None:
     assert await ap.execute("INCR", "ab:n") == 2  # the connection stayed in step
 
 
+async def test_commands_submitted_together_share_one_connection(r) -> None:
+    """A submission of several commands is never split: with batches of one command and
+    many callers, both CLIENT IDs of each pair come from the same connection; an error
+    reply among them is raised, and the connection stays in step."""
+    ap = AutoPipeline(r, max_inflight=3, max_batch=1)
+    pair = pack_command(("CLIENT", "ID")) * 2
+    got = await asyncio.gather(*(ap.submit(pair, None, 2) for _ in range(30)),
+                               *(ap.execute("INCR", "ab:pairs") for _ in range(30)))
+    assert all(len(ids) == 2 and ids[0] == ids[1] for ids in got[:30])
+    assert sorted(got[30:]) == list(range(1, 31))
+    await r.set("ab:str", "x")
+    with pytest.raises(ResponseError):
+        await ap.submit(pack_command(("INCR", "ab:str")) + pack_command(("GET", "ab:str")), None, 2)
+    assert await ap.submit(pack_command(("GET", "ab:str")) + pack_command(("INCR", "ab:pairs")), None, 2) == [b"x", 31]
+
+
 async def test_dropped_connection_fails_the_batch_then_recovers(r) -> None:
     ap = AutoPipeline(r, max_inflight=1)
     admin = aioredis.Redis.from_pool(r.connection_pool.__class__(**r.connection_pool.connection_kwargs))
@@ -261,6 +277,9 @@ class SlotMove:
             node.close()
 
 
+_WAIT_ONE = pack_command(("WAIT", 1, 2000))  # every master of the test cluster has one replica
+
+
 async def test_a_slot_moving_to_another_master_is_followed_without_errors(redis_target) -> None:
     """During a live migration of a slot: a key not yet on the source gets ASK (sent again
     after ASKING to the target), a key still there is served by the source; after the move,
@@ -288,10 +307,13 @@ async def test_a_slot_moving_to_another_master_is_followed_without_errors(redis_
         assert move.move_keys() == 10
         got = await asyncio.gather(*(ap.execute("GET", k, key=k) for k in names))  # all ASK now
         assert got == [str(i).encode() for i in range(20)]
+        # a write and its WAIT go together, after ASKING too
+        assert await ap.submit(pack_command(("SET", "{mv}:pair", "a")) + _WAIT_ONE, "{mv}:pair", 2) == [b"OK", 1]
         move.finish()
         before = ap.redirects
-        got = await asyncio.gather(*(ap.execute("INCR", k, key=k) for k in names))  # MOVED, then the new map
-        assert got == list(range(1, 21))
+        pair = ap.submit(pack_command(("INCR", "{mv}:n")) + _WAIT_ONE, "{mv}:n", 2)
+        got = await asyncio.gather(pair, *(ap.execute("INCR", k, key=k) for k in names))  # MOVED, then the new map
+        assert got[0] == [1, 1] and got[1:] == list(range(1, 21))
         assert ap.redirects > before
         await wait_for(lambda: ap._slots.get(move.slot) is ap._nodes.get(f"{move.dst_addr[0]}:{move.dst_addr[1]}"))
         settled = ap.redirects

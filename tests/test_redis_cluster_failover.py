@@ -4,7 +4,9 @@ killed with SIGKILL while a real gateway serves context appends and legacy-sessi
 What must hold: the cluster fails over by itself (its replica takes the slots), the gateway keeps
 serving without a restart, no append it acknowledged is lost, and while the slots have no master
 clients see 503 with a Retry-After, never a redirect (MOVED/ASK) or a 500. The gateway runs with
-``redis.wait_replicas: 1``, so every write that waits for a replica does.
+``redis.wait_replicas: 1``: every context append is acknowledged only once a replica holds it, so
+the promoted master (which has no replica) refuses its principals' appends with 503 until the
+killed node is back, as its replica.
 """
 
 from __future__ import annotations
@@ -194,6 +196,14 @@ async def test_a_killed_master_fails_over_under_load_and_loses_no_acknowledged_a
                 cluster.kill(victim)
                 await asyncio.to_thread(cluster.wait_ok, 60)  # the replica was promoted by the cluster itself
                 failed_over_s = time.monotonic() - tally.killed_at
+                # The promoted master has no replica: its principals' writes are refused (503), not
+                # acknowledged, until the killed node is back — as a replica of the new master.
+                refused, acked = tally.unavailable, {p: len(tally.acked[p]) for p in doomed}
+                await wait_for(lambda: tally.unavailable >= refused + 3, timeout_s=30,
+                               what="writes refused while the new master has no replica")
+                assert {p: len(tally.acked[p]) for p in doomed} == acked
+                cluster.restart(victim)
+                await asyncio.to_thread(cluster.wait_ok, 60)
                 await wait_for(lambda: all(n >= AFTER_FAILOVER for n in tally.acked_after_kill.values()),
                                timeout_s=60, what=lambda: f"appends after the failover: {tally.acked_after_kill}, "
                                                           f"wrong: {tally.wrong[:3]}")
@@ -209,7 +219,7 @@ async def test_a_killed_master_fails_over_under_load_and_loses_no_acknowledged_a
     assert doomed, "the killed master served at least one principal under load"
     assert tally.wrong == [], tally.wrong[:10]
     assert all(not v for v in lost.values()), f"acknowledged appends lost: {lost}"
-    assert victim not in cluster.running() and victim.port not in {n.port for n in cluster.primaries()}
+    assert victim in cluster.running() and victim.port not in {n.port for n in cluster.primaries()}
     gateway_log = log_path.read_text(errors="replace")
     assert "Traceback" not in gateway_log, gateway_log[-3000:]
     print(f"failover drill: cluster ok again {failed_over_s:.1f}s after the kill; {tally.unavailable} answer(s) "

@@ -13,6 +13,8 @@ from trainer_support import trainer_config
 from gateway.errors import SERVICE_UNAVAILABLE, wire_error
 from gateway.tools.learning import SampleIngest
 from shared import keys
+from shared.config import Config, ContextConfig
+from shared.context import ContextStore
 from shared.redis_client import ReplicasBehind
 from shared.samples import Example, partition_of
 from tests.conftest import RedisTarget, free_port
@@ -61,3 +63,59 @@ def _on_replica(redis_target: RedisTarget, key: str) -> int:
             except redis_sync.exceptions.MovedError:  # a replica of another master
                 continue
     raise AssertionError(f"no replica serves {key}")
+
+
+async def _waits(redis, node_of: str | None = None) -> int:
+    """WAIT calls answered so far: by the master of key ``node_of``'s slot (cluster), or by all."""
+    from shared.redis_client import for_each_primary, node_client
+
+    if node_of is not None:
+        node = node_client(redis, redis.get_node_from_key(node_of))
+        try:
+            return int((await node.info("commandstats")).get("cmdstat_wait", {}).get("calls", 0))
+        finally:
+            await node.aclose()
+    stats = await for_each_primary(redis, lambda node: node.info("commandstats"))
+    return sum(int(s.get("cmdstat_wait", {}).get("calls", 0)) for s in stats)
+
+
+@pytest.mark.parametrize("functions", [True, False], ids=["fcall", "evalsha"])
+async def test_a_context_write_waits_for_its_replica(redis_target: RedisTarget, functions: bool) -> None:
+    """Appends, clears, forks and evictions are acknowledged once a replica holds them (WAIT
+    right after the script call, on its connection); a lone server has none: refused (503)."""
+    redis = redis_target.async_client()
+    rcfg = dataclasses.replace(redis_target.config, wait_replicas=1, wait_timeout_ms=300)
+    store = ContextStore(redis, ContextConfig(), redis_cfg=rcfg)
+    store._script.use_functions = None if functions else False
+    try:
+        if not redis_target.is_cluster:  # no replica to wait for
+            with pytest.raises(ReplicasBehind) as err:
+                await store.append("alice", "c", "text", "user", b"one")
+            assert wire_error(err.value, dataclasses.replace(Config(), redis=rcfg)).http_status == 503
+            return
+        await redis.cluster_nodes()  # the slot map, for _waits
+        meta = keys.ctx_meta("alice")
+        before = await _waits(redis, meta)
+        assert (await store.append("alice", "c", "text", "user", b"one")).version == 1
+        assert await store.fork("alice", "c", "d") == "d"
+        assert await store.clear("alice", "d") == 2
+        assert await store.evict("alice", "d") is True
+        assert await _waits(redis, meta) >= before + 4  # one WAIT per write, on the principal's master
+        waits = await _waits(redis)
+        assert [e.content for e in (await store.get_window("alice", "c")).channels["text"]] == [b"one"]
+        assert await _waits(redis) == waits  # reads wait for nothing
+    finally:
+        await redis.aclose()
+
+
+async def test_context_writes_send_no_wait_by_default(redis_target: RedisTarget) -> None:
+    redis = redis_target.async_client()
+    store = ContextStore(redis, ContextConfig(), redis_cfg=redis_target.config)  # wait_replicas: 0
+    try:
+        before = await _waits(redis)
+        await store.append("bob", "c", "text", "user", b"one")
+        await store.evict("bob", "c")
+        assert await _waits(redis) == before
+    finally:
+        await redis.aclose()
+

@@ -11,24 +11,28 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from importlib import resources
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 
 from shared import keys, metrics
-from shared.config import ContextConfig
+from shared.config import ContextConfig, RedisConfig
 from shared.context.errors import SCRIPT_ERRORS
-from shared.redis_batch import pack_bulk
-from shared.redis_client import AsyncRedis, for_each_primary
+from shared.redis_batch import pack_bulk, pack_command
+from shared.redis_client import AsyncRedis, check_replicas, for_each_primary
 from shared.redis_cluster_batch import auto_pipeline
 
 log = logging.getLogger(__name__)
 
 NUM_KEYS = len(keys.ctx_keys("p"))
 _HEADS_MAX = 32768  # cached command heads (see ContextScript._head): ~250 bytes each, 8 MiB at most
+# Operations that change what a principal holds: with ``redis.wait_replicas`` they are
+# acknowledged only once that many replicas have them (reads also refresh the LRU and
+# expire idle contexts, but acknowledge no change).
+WRITE_OPS = frozenset({"append", "clear", "fork", "evict", "evict_principal"})
 
 
 def script_source() -> str:
@@ -59,7 +63,8 @@ def script_keys(principal: str) -> list[str]:
 class ContextScript:
     """The context script as one store calls it: ARGV ``op, principal, config, now, *args``."""
 
-    def __init__(self, redis: AsyncRedis, cfg: ContextConfig, clock_ms: Callable[[], int]) -> None:
+    def __init__(self, redis: AsyncRedis, cfg: ContextConfig, clock_ms: Callable[[], int],
+                 redis_cfg: RedisConfig | None = None) -> None:
         self.redis = redis
         # Concurrent operations share pipelined round trips (each is still one script call).
         self.batch = auto_pipeline(redis)
@@ -79,6 +84,10 @@ class ContextScript:
         self._op_metrics: dict[str, tuple[Any, Any]] = {}  # op -> its latency and count children
         self.round_trips = 0  # script calls made (the bench divides by operations)
         self.stamp: Callable[[str], None] | None = None  # told of each call's principal (global LRU)
+        # WAIT after each write (see _confirmed); empty: writes are acknowledged by their master alone.
+        self._confirm = redis_cfg if redis_cfg is not None and redis_cfg.wait_replicas else None
+        self._wait = b"" if self._confirm is None else pack_command(
+            ("WAIT", self._confirm.wait_replicas, self._confirm.wait_timeout_ms))
 
     async def call(self, op: str, principal: str, *args: str | bytes | int, packed: bytes | None = None) -> Any:
         """One script call: ARGV ``op, principal, config, now, *args`` (``packed``: ``args``
@@ -91,7 +100,9 @@ class ContextScript:
         n = 7 + NUM_KEYS + len(args)  # FCALL, name, numkeys, keys, op, principal, config, now, then args
         try:
             if self.use_functions is not False:
-                out = await self.batch.submit(self._head(op, principal, n) + tail, self.route(principal))
+                packed = self._head(op, principal, n) + tail
+                out = await (self._confirmed(packed, principal) if self._wait and op in WRITE_OPS
+                             else self.batch.submit(packed, self.route(principal)))
             else:
                 out = await self._evalsha(op, principal, args)
         except ResponseError as exc:
@@ -102,6 +113,23 @@ class ContextScript:
         m[0].observe(time.perf_counter() - t0)
         m[1].inc()
         return out
+
+    def _send(self, op: str, principal: str, packed: bytes) -> Awaitable[Any]:
+        """``packed`` (one script call) through the pipeline: a write confirmed by replicas
+        where ``redis.wait_replicas`` asks for it."""
+        if self._wait and op in WRITE_OPS:
+            return self._confirmed(packed, principal)
+        return self.batch.submit(packed, self.route(principal))
+
+    async def _confirmed(self, packed: bytes, principal: str) -> Any:
+        """The call and WAIT as one submission: same batch, same connection, WAIT right after
+        the call (it counts only its own connection's writes), redirected together. Too few
+        replicas in time raises ReplicasBehind: the write is not acknowledged, yet may stay
+        on its master (and reach replicas later); an acknowledged one is on that many replicas."""
+        reply, acked = await self.batch.submit(packed + self._wait, self.route(principal), 2)
+        if self._confirm is not None:  # always, with _wait
+            check_replicas(self._confirm, int(acked))
+        return reply
 
     def route(self, principal: str) -> str | None:
         """What a cluster pipeline routes a call of ``principal`` by (its hash tag, the slot of
@@ -164,9 +192,16 @@ class ContextScript:
         log.info("context store: function library %s loaded on every master", self.fn)
 
     async def _evalsha(self, op: str, principal: str, args: tuple[str | bytes | int, ...]) -> Any:
-        """The script as EVALSHA (Redis < 7: no Functions)."""
-        return await self._evalsha_script(keys=script_keys(principal),
-                                          args=[op, principal, self.cfg_arg, self._clock_ms(), *args])
+        """The script as EVALSHA (Redis < 7: no Functions); a write confirmed as by _send."""
+        argv = [op, principal, self.cfg_arg, self._clock_ms(), *args]
+        if not (self._wait and op in WRITE_OPS):
+            return await self._evalsha_script(keys=script_keys(principal), args=argv)
+        packed = pack_command(("EVALSHA", self._evalsha_script.sha, NUM_KEYS, *script_keys(principal), *argv))
+        try:
+            return await self._confirmed(packed, principal)
+        except NoScriptError:  # first use, or a master that never had it
+            await for_each_primary(self.redis, lambda node: node.script_load(self._evalsha_script.script))
+            return await self._confirmed(packed, principal)
 
     async def _retry(self, op: str, principal: str, args: tuple[str | bytes | int, ...], n: int, tail: bytes,
                      exc: ResponseError) -> Any:
@@ -178,7 +213,7 @@ class ContextScript:
             if "function not found" in text:
                 await self.load_library()
                 self.use_functions = True
-                return await self.batch.submit(self._head(op, principal, n) + tail, self.route(principal))
+                return await self._send(op, principal, self._head(op, principal, n) + tail)
             if "unknown command" in text and self.use_functions is None:
                 log.info("context store: Redis without Functions, using EVALSHA")
                 self.use_functions = False

@@ -15,7 +15,7 @@ import orjson
 import redis.asyncio as aioredis
 
 from shared import keys, metrics
-from shared.config import ContextConfig
+from shared.config import ContextConfig, RedisConfig
 from shared.context.budget import GlobalAccounts, GlobalEvictor
 from shared.context.entries import pack_entry
 from shared.context.errors import ContextExists, ContextNotFound
@@ -62,10 +62,14 @@ class ContextInfo:
 
 
 class ContextStore:
-    """Per-principal, per-modality conversation context in Redis (see shared/context/)."""
+    """Per-principal, per-modality conversation context in Redis (see shared/context/).
+
+    ``redis_cfg``: its ``wait_replicas`` / ``wait_timeout_ms`` apply to every write (append,
+    clear, fork, evict, global-budget eviction): an acknowledged write is on that many
+    replicas; one refused with ``ReplicasBehind`` reached its master and may or may not stay."""
 
     def __init__(self, redis: AsyncRedis, cfg: ContextConfig, *,
-                 clock_ms: Callable[[], int] | None = None) -> None:
+                 clock_ms: Callable[[], int] | None = None, redis_cfg: RedisConfig | None = None) -> None:
         if isinstance(redis, aioredis.RedisCluster):
             if redis.get_connection_kwargs().get("decode_responses"):
                 raise ValueError("the context store's cluster client must not decode responses (content is bytes)")
@@ -80,7 +84,7 @@ class ContextStore:
         self.redis = redis
         self.cfg = cfg
         self._clock_ms = clock_ms or (lambda: int(time.time() * 1000))
-        self._script = ContextScript(redis, cfg, self._clock_ms)
+        self._script = ContextScript(redis, cfg, self._clock_ms, redis_cfg)
         self._global = GlobalAccounts(redis, self._script, cfg, self._clock_ms)
         self._script.stamp = self._global.stamp
         self._replies = ScriptReplies(cfg.modalities)
