@@ -66,7 +66,8 @@ def test_every_proxied_call_is_audited(redis_url: str, upstream: str) -> None:
         client.result("tools/call", {"name": "up.t_fail", "arguments": {}})
         with redis_sync.Redis.from_url(redis_url, decode_responses=True) as r:
             def records() -> list[dict[str, str]]:
-                return [f for _, f in r.xrange(keys.AUDIT_STREAM) if f.get("action") == "proxy.call"]
+                return [f for stream in keys.audit_streams() for _, f in r.xrange(stream)
+                        if f.get("action") == "proxy.call"]
             wait_for_sync(lambda: len(records()) >= 2, timeout_s=10, what="two audit records")
             calls = {rec["item"]: rec for rec in records() if rec["method"] == "tools/call"}
         assert calls["t_echo"]["principal"] == "alice" and calls["t_echo"]["upstream"] == "up"
