@@ -290,7 +290,7 @@ class WorkerConfig:
                                 "(replicas sharing one config: worker-{host})")
     advertise: str = Field(default="", description="the endpoint gateways connect to; '': the bound endpoint, or "
                                                    "tcp://{ip}:{port} when it binds a wildcard; {host} (hostname), "
-                                                   "{ip} (this host's address toward Redis), {port} (bound port)")
+                                                   "{ip} (the worker's address on its route to Redis), {port} (bound port)")
     register: StrictBool = Field(default=True, description="announce this worker in Redis (needs redis)")
     discovery: StrictBool = Field(default=True, description="gateways connect to every worker announced in Redis, "
                                                             "and drop one when its announcement expires")

@@ -85,7 +85,7 @@ def local_ip(toward: str) -> str:
 def advertised_endpoint(bound: str, template: str, redis_host: str) -> str:
     """The endpoint to announce for a socket bound at ``bound`` (its actual address, port
     filled in): ``template`` with ``{host}``, ``{ip}`` and ``{port}`` filled in, or when it is
-    empty, ``bound`` itself, with this host's address in place of a wildcard host."""
+    empty, ``bound`` itself, with the worker's own address in place of a wildcard host."""
     parts = urlsplit(bound)
     if parts.scheme != "tcp" or parts.port is None:
         raise RegistrationError(f"worker endpoint {bound!r}: only tcp:// endpoints can be announced")

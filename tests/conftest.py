@@ -177,24 +177,24 @@ def _modes() -> list[str]:
     return [m for m in ("single", "cluster") if m in wanted.split(",")]
 
 
-@pytest.fixture(params=_modes())
-def redis_target(request: pytest.FixtureRequest) -> Iterator[RedisTarget]:
-    """The test runs once per Redis kind (single server, cluster), each flushed first."""
+def _flushed_target(request: pytest.FixtureRequest) -> RedisTarget:
+    """The Redis of ``request.param`` (``single`` or ``cluster``), every master flushed."""
     if request.param == "single":
         target = RedisTarget("single", request.getfixturevalue("redis_server"))
     else:
         target = request.getfixturevalue("redis_cluster")
     target.flush()
-    yield target
+    return target
+
+
+@pytest.fixture(params=_modes())
+def redis_target(request: pytest.FixtureRequest) -> Iterator[RedisTarget]:
+    """The test runs once per Redis kind (single server, cluster), each flushed first."""
+    yield _flushed_target(request)
 
 
 @pytest.fixture(scope="module", params=_modes())
 def redis_target_module(request: pytest.FixtureRequest) -> Iterator[RedisTarget]:
     """``redis_target`` for a module that starts long-lived processes (gateway replicas) once per
     Redis kind: flushed when the module's run on that kind begins; flush it per test yourself."""
-    if request.param == "single":
-        target = RedisTarget("single", request.getfixturevalue("redis_server"))
-    else:
-        target = request.getfixturevalue("redis_cluster")
-    target.flush()
-    yield target
+    yield _flushed_target(request)
