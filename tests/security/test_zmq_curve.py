@@ -123,11 +123,17 @@ async def test_the_trainer_takes_sample_wakeups_from_gateways_only(redis_url: st
                                               "log": "x"}, [orjson.dumps({"input": "q", "target": "evil"})])
         send_all(outsiders, forged)
         assert await handshakes(outsiders) == ["refused", "failed", "refused"]
-        second = await ingest.submit("alice", [Example(input="q2", target="a2")])
-        assert second["queued"], "the gateway's wake-up still reaches the trainer"
-        acked += second["ids"]
-        await wait_for(lambda: committed(redis_url).get("seq") == "2", timeout_s=60,
-                       what=lambda: f"the second sample trained\n{trainer.output()}")
+        async def wake_up_queued() -> bool:
+            # the gateway's link may be re-handshaking right after the outsiders were refused:
+            # a wake-up that found no ready peer is not queued (its sample stays durable)
+            reply = await ingest.submit("alice", [Example(input="q2", target="a2")])
+            acked.extend(reply["ids"])
+            return bool(reply["queued"])
+
+        await wait_for(wake_up_queued, timeout_s=30, interval_s=0.2,
+                       what="the gateway's wake-up to still reach the trainer")
+        await wait_for(lambda: int(committed(redis_url).get("seq") or 0) >= len(acked), timeout_s=60,
+                       what=lambda: f"the later samples trained\n{trainer.output()}")
         assert trainer.term() == 0, trainer.output()
         assert trainer.output().count("refused a CURVE client on the samples link") == 2, trainer.output()
     finally:
