@@ -44,6 +44,7 @@ from redis.exceptions import NoScriptError, RedisError
 
 from gateway.errors import OUTAGE, Forbidden, InvalidParams, LimitExceeded
 from shared import keys, metrics
+from shared.aio import pause
 from shared.config import Config, PrincipalLimits
 from shared.redis_batch import pack_command
 from shared.redis_client import for_each_primary
@@ -323,7 +324,7 @@ class Limits:
 
     async def _renew(self, key: str, lease: str, cap: int, lease_ms: int) -> None:
         while True:
-            await asyncio.sleep(LISTEN_LEASE_S / 3)
+            await pause(LISTEN_LEASE_S / 3)
             try:
                 await self._lease(keys=[key], args=[lease, cap, lease_ms])
             except (RedisError, OSError):

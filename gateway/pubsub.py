@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.client import PubSub
 from redis.exceptions import RedisClusterException, RedisError
 
+from shared.aio import pause, stop_if_cancelled
 from shared.redis_client import AsyncRedis, node_client
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ async def follow(redis: AsyncRedis, channel: str, on_message: Callable[[bytes], 
             await on_subscribed()
             backoff_s = FIRST_BACKOFF_S
             while True:
+                stop_if_cancelled()
                 msg = await pubsub.get_message(timeout=POLL_S)
                 if msg is not None and msg.get("type") == "message":
                     on_message(msg["data"])
@@ -58,7 +60,7 @@ async def follow(redis: AsyncRedis, channel: str, on_message: Callable[[bytes], 
                     await pubsub.aclose()
                 if node is not None:
                     await node.aclose()
-        await asyncio.sleep(backoff_s)
+        await pause(backoff_s)
         backoff_s = min(backoff_s * 2, MAX_BACKOFF_S)
 
 

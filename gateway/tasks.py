@@ -40,6 +40,7 @@ from gateway.mcp.dispatcher import Call, InputRequired
 from gateway.mcp.types import CLIENT_CAPABILITIES_META_KEY, encode
 from gateway.registry import Tool, ToolContext
 from shared import keys
+from shared.aio import pause
 from shared.text import as_str
 
 log = logging.getLogger(__name__)
@@ -230,7 +231,7 @@ class TaskManager:
 
     async def _heartbeat(self) -> None:
         while True:
-            await asyncio.sleep(self.heartbeat_s)
+            await pause(self.heartbeat_s)
             try:
                 await self._beat()
             except (RedisError, OSError) as exc:

@@ -39,6 +39,7 @@ import zmq.asyncio
 from redis.exceptions import RedisError
 
 from shared import keys, metrics, wire, worker_registry
+from shared.aio import pause
 from shared.config import Config
 from shared.curve import CurveKeys, HandshakeWatch
 from shared.text import as_str
@@ -272,7 +273,7 @@ class WorkerPool:
                     await link.sock.send_multipart(hello, flags=zmq.NOBLOCK)
                 if link.alive and now - link.last_seen_s > timeout_s:
                     self._declare_dead(link)
-            await asyncio.sleep(interval_s)
+            await pause(interval_s)
 
     async def _follow_registry(self, redis: aioredis.Redis) -> None:
         """Connect to every announced worker and drop the ones whose announcement is gone."""
@@ -284,7 +285,7 @@ class WorkerPool:
                 log.debug("could not read the worker announcements: %s", type(exc).__name__)
             else:
                 await self.follow_announcements(announced)
-            await asyncio.sleep(interval_s)
+            await pause(interval_s)
 
     async def follow_announcements(self, announced: list[worker_registry.Registration]) -> None:
         """Make the discovered part of the pool match ``announced`` (endpoints already among the
@@ -321,7 +322,7 @@ class WorkerPool:
                 self.set_drained({as_str(m) for m in await redis.smembers(keys.WORKERS_DRAINED)})
             except (RedisError, OSError) as exc:  # Redis away: keep the last known set
                 log.debug("could not read the drained workers: %s", type(exc).__name__)
-            await asyncio.sleep(DRAINED_REFRESH_S)
+            await pause(DRAINED_REFRESH_S)
 
     def _declare_dead(self, link: WorkerLink) -> None:
         log.warning("worker %s (%s) missed heartbeats; retrying its %d requests elsewhere",

@@ -42,6 +42,7 @@ from zmq.auth import load_certificate
 from zmq.auth.thread import ThreadAuthenticator
 
 from shared import metrics
+from shared.aio import stop_if_cancelled
 from shared.config import ConfigError, ZmqConfig
 from shared.secret_files import InsecureFileError, check_private, write_private
 
@@ -448,6 +449,7 @@ class HandshakeWatch:
         from zmq.utils.monitor import parse_monitor_message
 
         while True:
+            stop_if_cancelled()
             timeout_ms = None if self._retry_at is None else max(0, int((self._retry_at - time.monotonic()) * 1000))
             if await self.mon.poll(timeout_ms):
                 self._handle(int(parse_monitor_message(await self.mon.recv_multipart())["event"]))

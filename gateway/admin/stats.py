@@ -12,7 +12,6 @@ context store's byte count.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -27,6 +26,7 @@ from redis.exceptions import RedisError
 
 from gateway.admin.workers import mesh_workers
 from shared import control, keys, metrics
+from shared.aio import pause
 
 if TYPE_CHECKING:  # gateway.state names LocalStats as the type of one of its fields
     from gateway.state import Gateway
@@ -158,4 +158,4 @@ async def run_stats_publisher(gateway: Gateway, interval_s: float) -> None:
             await _refresh_gauges(gateway, labelled)
         except Exception as exc:  # noqa: BLE001 - Redis down: the gateway reports 503 elsewhere; keep sampling
             log.debug("admin stats publish failed: %s", exc)
-        await asyncio.sleep(interval_s)
+        await pause(interval_s)

@@ -40,6 +40,7 @@ from gateway.proxy.exchange import CallHooks, forwardable_capabilities, upstream
 from gateway.proxy.resources import ResourceFollowers
 from gateway.proxy.wire import Hooks, Message, StdioWire
 from shared import keys, metrics
+from shared.aio import pause
 from shared.audit import BatchedAudit, record
 from shared.config import ProxyAllow, UpstreamConfig
 
@@ -153,7 +154,7 @@ class Proxy:
             except Exception as exc:  # noqa: BLE001 - the upstream is away; calls report that themselves
                 log.debug("proxy upstream %s: standing stream ended (%s)", up.name, type(exc).__name__)
                 delay_s = min(delay_s * 2, WATCH_RETRY_MAX_S)
-            await asyncio.sleep(delay_s)
+            await pause(delay_s)
 
     async def _standing_note(self, up: Upstream, msg: Message) -> None:
         method = msg.get("method", "")

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from gateway.mcp.types import MODERN_VERSION
 from gateway.proxy.wire import Hooks, Message
+from shared.aio import pause
 
 if TYPE_CHECKING:
     from gateway.mcp.dispatcher import Call
@@ -91,7 +92,7 @@ class ResourceFollowers:
                 raise
             except Exception as exc:  # noqa: BLE001 - the upstream is away: follow again when it is back
                 log.debug("proxy upstream %s: resource stream ended (%s)", up.name, type(exc).__name__)
-            await asyncio.sleep(RETRY_S)
+            await pause(RETRY_S)
 
     async def _updated(self, principal: str, up: Upstream, msg: Message) -> None:
         params = msg.get("params")

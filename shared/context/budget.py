@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from redis.exceptions import RedisError
 
 from shared import keys, metrics
+from shared.aio import pause
 from shared.config import ContextConfig
 from shared.redis_batch import pack_command
 from shared.redis_client import AsyncRedis
@@ -257,7 +258,7 @@ class GlobalEvictor:
                 await self.sweep_once()
             except (RedisError, OSError) as exc:
                 log.warning("context: global budget sweep failed: %s", exc)
-            await asyncio.sleep(self.interval_s)
+            await pause(self.interval_s)
 
     async def _lease(self) -> bool:
         redis: Any = self.accounts.redis

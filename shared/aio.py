@@ -1,0 +1,27 @@
+"""What the mesh's long-running asyncio loops share.
+
+A background loop catches the errors of what it polls (Redis away, an upstream gone) and
+tries again. On Python 3.11 a cancel can reach such a loop disguised or not at all:
+``asyncio.wait_for`` returns the result of an await that completed in the same loop turn
+as the cancel, and ``asyncio.timeout`` raises ``TimeoutError`` for a cancel that lands as it
+expires. The loop would then go on for ever, and closing the event loop (which cancels
+each task once) would wait for it for ever. ``Task.cancelling()`` still counts the request,
+so each loop asks it once per round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+
+def stop_if_cancelled() -> None:
+    """Raise ``CancelledError`` in a task that was asked to stop and is still running."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
+async def pause(seconds: float) -> None:
+    """``asyncio.sleep`` for a background loop's next round, unless it was asked to stop."""
+    stop_if_cancelled()
+    await asyncio.sleep(seconds)
