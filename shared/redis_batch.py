@@ -77,16 +77,21 @@ class _RedisPyConnection:
     @classmethod
     async def open(cls, source: _Source) -> _RedisPyConnection:
         """A connection from ``source``, connected: redis-py's auth, database, TLS and handshake done."""
-        if isinstance(source, aioredis.ConnectionPool):
-            return cls(source, await source.get_connection())
-        conn = source.acquire_connection()
         try:
-            await conn.connect()
-        except BaseException:
-            await conn.disconnect()
-            source.release(conn)
-            raise
-        return cls(source, conn)
+            if isinstance(source, aioredis.ConnectionPool):
+                return cls(source, await source.get_connection())
+            conn = source.acquire_connection()
+            try:
+                await conn.connect()
+            except BaseException:
+                await conn.disconnect()
+                source.release(conn)
+                raise
+            return cls(source, conn)
+        except RuntimeError as exc:
+            # uvloop's transport refuses a write once the server closed the socket mid-handshake
+            # (a node restarting); redis-py lets that through as RuntimeError, not ConnectionError.
+            raise RedisConnectionError(f"redis closed the connection while connecting: {exc}") from None
 
     @property
     def socket_timeout_s(self) -> float | None:

@@ -374,3 +374,20 @@ async def test_batched_audit_writes_a_window_of_records_at_once(r) -> None:
     writer.add(record(principal="p", action="proxy.call", item="last"))
     await writer.close()  # what is still held is sent, not dropped
     assert await r.xlen(keys.audit_stream("p")) == 41
+
+
+class _ClosedMidHandshake(aioredis.Connection):
+    """A connection whose server closes the socket during the handshake, as uvloop reports it."""
+
+    async def connect(self) -> None:
+        raise RuntimeError("unable to perform operation on <TCPTransport closed=True>; the handler is closed")
+
+
+async def test_a_socket_closed_while_connecting_is_a_connection_error(redis_url) -> None:
+    pool = aioredis.ConnectionPool.from_url(redis_url, connection_class=_ClosedMidHandshake)
+    client = aioredis.Redis(connection_pool=pool)
+    try:
+        with pytest.raises(RedisConnectionError, match="closed the connection while connecting"):
+            await AutoPipeline(client).execute("PING")
+    finally:
+        await client.aclose()
