@@ -30,6 +30,7 @@ from redis.exceptions import (
     RedisError,
     TryAgainError,
 )
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from shared.config import DEFAULT_REDIS_URL, ConfigError, RedisConfig
 from shared.secret_files import check_private, read_private_text
@@ -96,8 +97,44 @@ def sync_client(cfg: RedisConfig, **options: Any) -> SyncRedis:
 def async_client(cfg: RedisConfig, **options: Any) -> AsyncRedis:
     """An asyncio client (gateway, the trainer's context reader)."""
     if is_cluster(cfg):
-        return aioredis.RedisCluster.from_url(server_url(cfg), **client_kwargs(cfg), **options)
-    return aioredis.Redis.from_url(server_url(cfg), **client_kwargs(cfg), **options)
+        cluster = aioredis.RedisCluster.from_url(server_url(cfg), **client_kwargs(cfg), **options)
+        # RedisCluster picks its connection class itself; the nodes it makes later copy these
+        # kwargs, the seed nodes it made already are told directly.
+        kinds = cluster.nodes_manager.connection_kwargs
+        kinds["connection_class"] = _reporting(kinds.get("connection_class", aioredis.Connection))
+        for node in cluster.nodes_manager.startup_nodes.values():
+            node.connection_class = _reporting(node.connection_class)
+        return cluster
+    client = aioredis.Redis.from_url(server_url(cfg), **client_kwargs(cfg), **options)
+    client.connection_pool.connection_class = _reporting(client.connection_pool.connection_class)
+    return client
+
+
+class _ClosedTransportIsConnectionError:
+    """uvloop's transport raises ``RuntimeError`` for a write once the peer closed the socket
+    (a Redis node restarting, a connection killed), where asyncio's raises ``OSError`` and
+    redis-py makes that a ``ConnectionError``: retried, and answered 503 where it is not. This
+    gives uvloop's case the same path."""
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        try:
+            await super().send_packed_command(command, check_health)  # type: ignore[misc]
+        except RuntimeError as exc:
+            await self.disconnect(nowait=True)  # type: ignore[attr-defined]
+            raise RedisConnectionError(f"redis closed the connection: {exc}") from None
+
+
+_REPORTING: dict[type, type] = {}
+
+
+def _reporting(cls: type) -> type:
+    """``cls`` (a redis-py asyncio connection class) with closed transports reported as
+    connection errors (one subclass per class, made once)."""
+    if issubclass(cls, _ClosedTransportIsConnectionError):
+        return cls
+    if cls not in _REPORTING:
+        _REPORTING[cls] = type(cls.__name__, (_ClosedTransportIsConnectionError, cls), {})
+    return _REPORTING[cls]
 
 
 def node_client(client: aioredis.RedisCluster, node: Any) -> aioredis.Redis:

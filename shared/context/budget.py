@@ -258,6 +258,8 @@ class GlobalEvictor:
                 await self.sweep_once()
             except (RedisError, OSError) as exc:
                 log.warning("context: global budget sweep failed: %s", exc)
+            except Exception:  # a sweep that breaks must not end the budget's enforcement
+                log.exception("context: global budget sweep failed")
             await pause(self.interval_s)
 
     async def _lease(self) -> bool:
