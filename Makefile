@@ -49,7 +49,7 @@ typecheck: $(STAMP)
 check: lint typecheck test
 
 bench-gateway: $(STAMP)
-	$(BIN)/python bench/bench_gateway.py
+	$(BIN)/python bench/bench_gateway.py $(ARGS)
 
 ## The store's target setting: 10,000 principals, 4 and 64 callers (ARGS=... for more, e.g. --ops 30000;
 ## bench/bench_context.py alone is the short run on 300 principals).

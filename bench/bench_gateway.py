@@ -19,7 +19,12 @@ less sensitive to other load on a shared machine than req/s. ``--pin`` puts the 
 on CPU 0 and wrk on the others (off by default: on a busy 2-core machine a pinned server
 cannot escape other work on its core).
 
-    .venv/bin/python bench/bench_gateway.py [--duration-s 5] [--connections 16 64] [--repeat 2] [--pin]
+    .venv/bin/python bench/bench_gateway.py [--duration-s 5] [--connections 16 64] [--repeat 2] [--pin] [--cluster]
+
+``--cluster`` also runs a third server: the same gateway on a 3-master Redis Cluster of this
+benchmark's own (``shared.redis_local_cluster``, no replicas), interleaved with the other two,
+and prints it next to the gateway on one redis-server (the table's headline rows stay the
+shipped single-server default).
 """
 
 from __future__ import annotations
@@ -39,10 +44,15 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from shared.redis_local_cluster import LocalCluster  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = "test_simple_text"
 TOOL_TEXT = "This is a simple text response for testing."
 LEGACY, MODERN = "2025-11-25", "2026-07-28"
+CLUSTER = "cluster"  # the learnmesh gateway on a Redis Cluster (--cluster)
 ACCEPT = "application/json, text/event-stream"
 
 # Every request carries its own JSON-RPC id ("<thread>-<n>"): ids must be unique within a
@@ -311,6 +321,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--pin", action="store_true",
                     help="pin the servers to CPU 0 and wrk to the other CPUs (on a busy 2-core machine this "
                          "hurts more than it helps: the pinned server cannot escape other load on CPU 0)")
+    ap.add_argument("--cluster", action="store_true",
+                    help="also run the gateway on a 3-master Redis Cluster and print it next to the single server")
     ap.add_argument("--serve-sdk", type=int, help=argparse.SUPPRESS)
     return ap.parse_args()
 
@@ -325,16 +337,19 @@ class Server:
 Best = dict[tuple[str, str, int], tuple[Point, float]]  # (server, revision, connections) -> (point, load1)
 
 
-def start_servers(procs: dict[str, subprocess.Popen], redis_url: str, cpus: set[int] | None) -> list[Server]:
-    """Start both servers, each recorded in ``procs`` as soon as it runs (the caller stops them)."""
-    ours_port, sdk_port = free_port(), free_port()
-    procs["learnmesh"] = start_ours(ours_port, redis_url)
-    procs["sdk"] = start_sdk(sdk_port)
+def start_servers(procs: dict[str, subprocess.Popen], redis_url: str, cpus: set[int] | None,
+                  cluster_url: str | None = None) -> list[Server]:
+    """Start the servers, each recorded in ``procs`` as soon as it runs (the caller stops them)."""
+    ports = {"learnmesh": free_port(), "sdk": free_port()}
+    procs["learnmesh"] = start_ours(ports["learnmesh"], redis_url)
+    procs["sdk"] = start_sdk(ports["sdk"])
+    if cluster_url:
+        ports[CLUSTER] = free_port()
+        procs[CLUSTER] = start_ours(ports[CLUSTER], cluster_url)
     if cpus:
         for proc in procs.values():
             os.sched_setaffinity(proc.pid, cpus)
-    return [Server("learnmesh", f"http://127.0.0.1:{ours_port}/mcp", procs["learnmesh"].pid),
-            Server("sdk", f"http://127.0.0.1:{sdk_port}/mcp", procs["sdk"].pid)]
+    return [Server(name, f"http://127.0.0.1:{ports[name]}/mcp", procs[name].pid) for name in ports]
 
 
 def prepare_requests(servers: list[Server], revision: str, threads: int,
@@ -393,8 +408,22 @@ def print_table(best: Best, args: argparse.Namespace, server_cpus: set[int] | No
             print(f"{revision:11} {conns:>5} | {ours.rps:15.0f} {ours.p50_ms:7.2f} {ours.p99_ms:7.2f} "
                   f"{ours.cpu_us:6.0f} | {sdk.rps:9.0f} {sdk.p50_ms:7.2f} {sdk.p99_ms:7.2f} {sdk.cpu_us:6.0f} | "
                   f"{ratio:5.1f}x {sdk.cpu_us / ours.cpu_us:8.1f}x | {la_o:.1f}/{la_s:.1f}")
+    if any(name == CLUSTER for name, _, _ in best):
+        print_cluster_rows(best, args)
     if any(p.errors for p, _ in best.values()):
         print("\nWARNING: some reported runs had bad answers or socket errors (see the per-run lines)")
+
+
+def print_cluster_rows(best: Best, args: argparse.Namespace) -> None:
+    print("\nthe learnmesh gateway on a 3-master Redis Cluster next to it on one redis-server, same run:\n")
+    print(f"{'revision':11} {'conns':>5} | {'single req/s':>12} {'p50 ms':>7} {'p99 ms':>7} {'cpu us':>6} | "
+          f"{'cluster req/s':>13} {'p50 ms':>7} {'p99 ms':>7} {'cpu us':>6} | {'cluster/single':>14}")
+    for revision in (LEGACY, MODERN):
+        for conns in args.connections:
+            one, many = best[("learnmesh", revision, conns)][0], best[(CLUSTER, revision, conns)][0]
+            print(f"{revision:11} {conns:>5} | {one.rps:12.0f} {one.p50_ms:7.2f} {one.p99_ms:7.2f} {one.cpu_us:6.0f} | "
+                  f"{many.rps:13.0f} {many.p50_ms:7.2f} {many.p99_ms:7.2f} {many.cpu_us:6.0f} | "
+                  f"{many.rps / one.rps if one.rps else float('inf'):13.2f}x")
 
 
 def main() -> int:
@@ -407,12 +436,16 @@ def main() -> int:
     server_cpus, wrk_cpus = split_cpus(args.pin)
     redis_url, redis_proc, redis_dir = start_redis()
     procs: dict[str, subprocess.Popen] = {}
+    cluster = LocalCluster(masters=3, replicas=0).start() if args.cluster else None
     load_start = loadavg()
     try:
-        best = run_points(start_servers(procs, redis_url, server_cpus), args, wrk_cpus)
+        best = run_points(start_servers(procs, redis_url, server_cpus, cluster.url if cluster else None),
+                          args, wrk_cpus)
     finally:
         for proc in procs.values():
             stop(proc)
+        if cluster is not None:
+            cluster.stop()
         stop(redis_proc)
         if redis_dir:
             shutil.rmtree(redis_dir, ignore_errors=True)
