@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run compose-secrets test test-fast conformance check lint typecheck bench-gateway bench-context bench-inference \
+.PHONY: run compose-secrets test test-fast conformance check lint typecheck bench-gateway bench-context bench-wait bench-inference \
         bench-trainer bench-delta bench-learning bench-mesh bench-drills clean deploy-tools check-deploy \
         conformance-proxy bench-proxy
 
@@ -55,6 +55,9 @@ bench-gateway: $(STAMP)
 ## bench/bench_context.py alone is the short run on 300 principals).
 bench-context: $(STAMP)
 	$(BIN)/python bench/bench_context.py --full $(ARGS)
+
+bench-wait: $(STAMP)
+	$(BIN)/python bench/bench_wait.py $(ARGS)
 
 bench-inference: $(STAMP)
 	$(BIN)/python bench/bench_inference.py
