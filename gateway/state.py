@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -84,6 +84,8 @@ class Gateway:
     kernel: Kernel = field(init=False)  # what both transports hand their messages to
     proxy: Proxy = field(init=False)  # upstream MCP servers (gateway/proxy/)
     listeners: dict[str, set[Listener]] = field(default_factory=dict)
+    session_streams: dict[str, dict[str, int]] = field(default_factory=dict)  # principal -> sid -> open streams here
+    _notes: set[asyncio.Task[Any]] = field(default_factory=set)  # event-log appends under way
     inflight: dict[InflightKey, tuple[asyncio.Task[Any], Call]] = field(default_factory=dict)
     shutting_down: asyncio.Event = field(default_factory=asyncio.Event)
     control_connected: asyncio.Event = field(default_factory=asyncio.Event)
@@ -111,14 +113,31 @@ class Gateway:
             await self.sessions.append_event(principal, sid, note)
         await self.publish_control({"t": "res", "p": principal, "u": uri})
 
-    async def notify_list_changed(self, principal: str | None, kind: str) -> None:
-        """``kind``: tools | resources | prompts. ``principal=None`` means everyone (listen streams)."""
-        await self.publish_control({"t": "lc", "p": principal, "k": kind})
+    async def notify_list_changed(self, principal: str | None, kind: str, upstream: str | None = None) -> None:
+        """``kind``: tools | resources | prompts, on every replica. ``principal=None`` means everyone
+        who may see the list: with ``upstream`` (a proxied server's list changed) only principals
+        allowed to use it, and every replica drops its copy of that upstream's lists."""
+        await self.publish_control({"t": "lc", "p": principal, "k": kind, "u": upstream})
 
-    def list_changed_here(self, kind: str) -> None:
-        """``notify_list_changed`` for the listen streams of this replica only (each replica
-        learns of an upstream's change on its own)."""
-        self._on_control({"t": "lc", "p": None, "k": kind})
+    def list_changed_here(self, kind: str, upstream: str | None = None) -> None:
+        """``notify_list_changed(None, kind, upstream)`` for the clients of this replica only
+        (each replica learns of an upstream's change on its own)."""
+        self._on_control({"t": "lc", "p": None, "k": kind, "u": upstream})
+
+    @contextlib.contextmanager
+    def session_stream(self, principal: str, sid: str) -> Iterator[None]:
+        """Mark a legacy session's event stream (GET or WebSocket) open on this replica while the
+        block runs: broadcast notifications (``list_changed``) go into the logs of those sessions."""
+        group = self.session_streams.setdefault(principal, {})
+        group[sid] = group.get(sid, 0) + 1
+        try:
+            yield
+        finally:
+            group[sid] -= 1
+            if not group[sid]:
+                del group[sid]
+            if not group:
+                self.session_streams.pop(principal, None)
 
     def add_listener(self, principal: str, uris: set[str], flags: dict[str, Any],
                      queue: asyncio.Queue[dict[str, Any]]) -> Listener:
@@ -191,11 +210,32 @@ class Gateway:
         elif t == "proxy":
             self._reload_proxy()
         elif t == "lc":
-            flag = f"{m['k']}ListChanged"
-            note = {"method": f"notifications/{m['k']}/list_changed", "params": {}}
-            targets = [m["p"]] if m.get("p") else list(self.listeners)
-            for principal in targets:
-                self._deliver(principal, lambda lis: lis.flags.get(flag) is True, note)
+            self._on_list_changed(m)
+
+    def _on_list_changed(self, m: dict[str, Any]) -> None:
+        kind, upstream = m["k"], m.get("u")
+        if upstream is not None:
+            self.proxy.catalog_changed(upstream)
+        flag = f"{kind}ListChanged"
+        method = f"notifications/{kind}/list_changed"
+        note: dict[str, Any] = {"method": method, "params": {}}
+        targets = [m["p"]] if m.get("p") else {*self.listeners, *self.session_streams}
+        for principal in targets:
+            if upstream is not None and not self.proxy.may_see(principal, upstream, kind):
+                continue
+            self._deliver(principal, lambda lis: lis.flags.get(flag) is True, note)
+            for sid in self.session_streams.get(principal, ()):
+                self._append_note(principal, sid, Notification(method=method))
+
+    def _append_note(self, principal: str, sid: str, note: Notification) -> None:
+        task = asyncio.ensure_future(self.sessions.append_event(principal, sid, note))
+        self._notes.add(task)
+        task.add_done_callback(self._note_written)
+
+    def _note_written(self, task: asyncio.Task[Any]) -> None:
+        self._notes.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("could not log a notification for a session stream: %s", type(task.exception()).__name__)
 
     async def run_control_listener(self) -> None:
         """Follow the control channel for the life of the replica. After a reconnect the session

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 INPUT_GATHER_S = 0.05  # how long a 2025-11-25 upstream's further questions are awaited before refusing
 CLIENT_CAPABILITY_OF = {"sampling/createMessage": "sampling", "elicitation/create": "elicitation",
                         "roots/list": "roots"}
+LIST_KINDS = frozenset({"tools", "resources", "prompts"})  # the lists whose changes an upstream announces
 
 
 def upstream_meta(call: Call) -> dict[str, Any]:
@@ -82,8 +83,7 @@ class CallHooks:
             level = params.get("level")
             await self.call.log(level if isinstance(level, str) else "info", params.get("data"),
                                 params.get("logger") if isinstance(params.get("logger"), str) else None)
-        elif method.endswith("/list_changed"):
-            kind = method.split("/")[1]
+        elif (kind := changed_list(msg)) is not None:
             self.proxy.list_changed(self.up, kind)
 
     async def ask(self, msg: Message) -> Message:
@@ -148,3 +148,11 @@ def _params(msg: dict[str, Any]) -> dict[str, Any]:
 
 def _error_reply(msg: Message, code: int, message: str) -> Message:
     return {"jsonrpc": "2.0", "id": msg.get("id"), "error": {"code": code, "message": message}}
+
+
+def changed_list(msg: Message) -> str | None:
+    """The list (tools | resources | prompts) a ``notifications/<list>/list_changed`` is about;
+    None for any other message."""
+    method = msg.get("method", "")
+    kind = method[len("notifications/"):-len("/list_changed")] if method.endswith("/list_changed") else ""
+    return kind if kind in LIST_KINDS else None

@@ -36,7 +36,7 @@ from gateway.proxy.breaker import STATE_VALUE
 from gateway.proxy.capture import capture
 from gateway.proxy.client import UpstreamClient, header_value
 from gateway.proxy.errors import UpstreamFailed
-from gateway.proxy.exchange import CallHooks, forwardable_capabilities, upstream_meta
+from gateway.proxy.exchange import CallHooks, changed_list, forwardable_capabilities, upstream_meta
 from gateway.proxy.resources import ResourceFollowers
 from gateway.proxy.wire import Hooks, Message, StdioWire
 from shared import keys, metrics
@@ -76,6 +76,7 @@ class Upstream:
     cfg: UpstreamConfig
     client: UpstreamClient
     catalog: Catalog = field(default_factory=Catalog)
+    changes: int = 0  # list changes announced so far: a fetch begun before the last one is stale on arrival
     refresh: asyncio.Task[None] | None = None
     watcher: asyncio.Task[None] | None = None
     latency: Any = None  # its /metrics children, looked up once
@@ -157,10 +158,9 @@ class Proxy:
             await pause(delay_s)
 
     async def _standing_note(self, up: Upstream, msg: Message) -> None:
-        method = msg.get("method", "")
-        if method.endswith("/list_changed"):
-            up.catalog.fetched_at = 0.0
-            self.gateway.list_changed_here(method.split("/")[1])  # every replica follows the upstream itself
+        kind = changed_list(msg)
+        if kind is not None:
+            self.gateway.list_changed_here(kind, up.name)  # every replica follows the upstream itself
 
     def _client(self, cfg: UpstreamConfig) -> UpstreamClient:
         gw = self.gateway
@@ -212,6 +212,16 @@ class Proxy:
         return [u for u in self.upstreams.values() if u.cfg.enabled
                 and any(g in ("*", u.name) or g.startswith(u.name + ".") for g in grants)]
 
+    def may_see(self, principal: str, upstream: str, kind: str) -> bool:
+        """Whether list ``kind`` (tools | resources | prompts) of ``upstream`` shows the principal
+        anything, as :meth:`listing` filters it: who may not is not told the list changed."""
+        up = self.upstreams.get(upstream)
+        if up is None or not up.cfg.enabled:
+            return False
+        if kind == "resources":  # resources need the whole upstream
+            return self.allowed(principal, upstream)
+        return up in self._usable(principal)
+
     @property
     def per_principal_lists(self) -> bool:
         """Lists differ by principal when allow-lists exist (2026-07-28 ``cacheScope: private``)."""
@@ -255,6 +265,7 @@ class Proxy:
 
     async def _refresh(self, principal: str, up: Upstream) -> None:
         catalog = Catalog()
+        changes = up.changes
         own = self.gateway.registry
         for kind, method in LISTS.items():
             try:
@@ -267,7 +278,7 @@ class Proxy:
                 raw = []
             catalog.lists[kind] = [self._rewrite(up, kind, e, catalog, own.tools, own.prompts) for e in raw]
             catalog.lists[kind] = [e for e in catalog.lists[kind] if e]
-        catalog.fetched_at = time.monotonic()
+        catalog.fetched_at = time.monotonic() if up.changes == changes else 0.0
         up.catalog = catalog
 
     async def _fetch_all(self, principal: str, up: Upstream, method: str, kind: str) -> list[dict[str, Any]]:
@@ -309,9 +320,17 @@ class Proxy:
         return out
 
     def list_changed(self, up: Upstream, kind: str) -> None:
-        """The upstream's list changed: drop the copy and tell subscribed clients on every replica."""
-        up.catalog.fetched_at = 0.0
-        self._spawn(self.gateway.notify_list_changed(None, kind))
+        """The upstream's list changed (it said so during a call on this replica): every replica
+        drops its copy and tells its clients that may see the upstream."""
+        self.catalog_changed(up.name)
+        self._spawn(self.gateway.notify_list_changed(None, kind, up.name))
+
+    def catalog_changed(self, upstream: str) -> None:
+        """Drop the replica's copy of ``upstream``'s lists: the next listing fetches them again."""
+        up = self.upstreams.get(upstream)
+        if up is not None:
+            up.changes += 1
+            up.catalog.fetched_at = 0.0
 
     # ------------------------------------------------------------------ routing
     def _resolve(self, name: str, kind: str) -> tuple[Upstream, str] | None:

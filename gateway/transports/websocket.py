@@ -129,15 +129,16 @@ class _Connection:
     async def _pump(self, sid: str) -> None:
         sessions = self.gateway.sessions
         cursor = await sessions.last_event_id(self.principal, sid)
-        while True:
-            try:
-                events = await sessions.read_events(self.principal, sid, cursor, EVENT_POLL_MS)
-            except (RedisError, OSError):
-                await asyncio.sleep(1.0)
-                continue
-            for eid, data in events:
-                await self.send_bytes(data)
-                cursor = eid
+        with self.gateway.session_stream(self.principal, sid):
+            while True:
+                try:
+                    events = await sessions.read_events(self.principal, sid, cursor, EVENT_POLL_MS)
+                except (RedisError, OSError):
+                    await asyncio.sleep(1.0)
+                    continue
+                for eid, data in events:
+                    await self.send_bytes(data)
+                    cursor = eid
 
     async def close(self) -> None:
         for t in [*self.tasks, *([self.pump] if self.pump else [])]:

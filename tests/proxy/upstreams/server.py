@@ -18,7 +18,7 @@ from typing import Annotated
 import anyio
 from mcp.server.mcpserver import Context, Elicit, Image, MCPServer, Resolve, Sample
 from mcp.server.mcpserver.exceptions import ToolError
-from mcp.types import CreateMessageResult, SamplingMessage, TextContent
+from mcp.types import CreateMessageResult, SamplingMessage, TextContent, ToolListChangedNotification
 from pydantic import BaseModel, Field
 
 PNG_1PX = base64.b64decode(
@@ -28,6 +28,7 @@ STATIC_TEXT = "static resource of the upstream"
 ITEM_TEMPLATE = "upstream://items/{item_id}"
 FAIL_MESSAGE = "the upstream tool failed on purpose"
 MARK_DIR_ENV = "UPSTREAM_MARK_DIR"
+LEGACY_REVISION = "2025-11-25"
 
 
 def _mark_started(tool: str) -> None:
@@ -101,6 +102,15 @@ def _add_tools(server: MCPServer) -> None:
     @server.tool(description="The protocol revision this request arrived in")
     def revision(ctx: Context) -> str:
         return ctx.protocol_version or "unknown"
+
+    @server.tool(description="Add a tool called `name` and announce that the tool list changed")
+    async def grow(name: str, ctx: Context) -> str:
+        server.add_tool(lambda: f"{name} was added at run time", name=name, description="Added by grow")
+        if ctx.protocol_version == LEGACY_REVISION:
+            await ctx.session.send_notification(ToolListChangedNotification(), related_request_id=ctx.request_id)
+        else:
+            await ctx.notify_tools_changed()
+        return f"added {name}"
 
 
 def _add_asking_tools(server: MCPServer) -> None:
