@@ -196,7 +196,7 @@ end
             await pipe.execute()
 
     async def get_window(self, principal: str, cid: str) -> list[Entry]:
-        ks = script_keys(principal)
+        ks = script_keys(principal, False)  # the floor keeps no global accounting
         reply = await self.batch.submit(pack_command(("FCALL", self.fn, NUM_KEYS, *ks, "bench_one_value",
                                                       principal, self.cfg_arg, int(time.time() * 1000), cid)), ks[0])
         return self.decode(reply[1])
