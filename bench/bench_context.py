@@ -196,7 +196,7 @@ end
             await pipe.execute()
 
     async def get_window(self, principal: str, cid: str) -> list[Entry]:
-        ks = script_keys(principal)
+        ks = script_keys(principal, False)  # the floor keeps no global accounting
         reply = await self.batch.submit(pack_command(("FCALL", self.fn, NUM_KEYS, *ks, "bench_one_value",
                                                       principal, self.cfg_arg, int(time.time() * 1000), cid)), ks[0])
         return self.decode(reply[1])
@@ -250,12 +250,14 @@ async def measure(r, name: str, op, n_ops: int, concurrency: int, principals: in
 WARM_PRINCIPALS, WARM_OPS = 100, 500  # the warm-up before the measurements (see main)
 
 
-def bulk_load(pipe, cfg: ContextConfig, principal: str, cid: str, packed: list[bytes], now_ms: int) -> int:
+def bulk_load(pipe, cfg: ContextConfig, principal: str, cid: str, packed: list[bytes], now_ms: int,
+              single: bool) -> int:
     """Queue on `pipe` the state the script leaves after appending `packed` (entry bodies
     of text entries, no links; see pack_entry) to a new context `cid` of a new principal at
     time `now_ms` — the store's own layout (docs/context.md), written without Lua. Audit
     records are not written.
-    Returns the stored bytes."""
+    ``single``: on one server, where the script keeps the time of the principal's global stamp
+    with its state. Returns the stored bytes."""
     n, w, nver = len(packed), cfg.channel_max_entries, cfg.versions_retained
     lo = max(1, n - w + 1)
     vf = max(1, n - nver + 1)
@@ -270,7 +272,8 @@ def bulk_load(pipe, cfg: ContextConfig, principal: str, cid: str, packed: list[b
     score = now_ms * 1000
     pipe.hset(m, mapping={cid: orjson.dumps(meta), f"\x00v{cid}": f"{n};{meta['e']};text:{lo}:{n}", f"\x00u{cid}": score,
                           "\x00bytes": stored, "\x00clock": score,
-                          "\x00exp": now_ms, "\x00due": now_ms + cfg.idle_ttl_s * 1000})
+                          "\x00exp": now_ms, "\x00due": now_ms + cfg.idle_ttl_s * 1000,
+                          **({"\x00gs": now_ms} if single else {})})
     pipe.zadd(lru, {cid: score})
     pipe.hset(ver, mapping={f"{cid}|{v}": f"text:{max(1, v - w + 1)}:{v}" for v in range(vf, n + 1)})
     ttl = cfg.idle_ttl_s * 1000 + cfg.idle_ttl_s * 1000 // 16
@@ -302,7 +305,7 @@ async def check_bulk_load(r: aioredis.Redis, store: ContextStore, entries: int, 
     for _ in packed:
         await fixed.append("chk-script", "c", "text", "user", payload)
     pipe = r.pipeline(transaction=False)
-    bulk_load(pipe, cfg, "chk-bulk", "c", packed, now)
+    bulk_load(pipe, cfg, "chk-bulk", "c", packed, now, not isinstance(r, aioredis.RedisCluster))
     await pipe.execute()
     a, b = await snapshot(r, "chk-script"), await snapshot(r, "chk-bulk")
     assert a == b, f"bulk load differs from the script's layout:\n{a['m']} {a['state']}\n{b['m']} {b['state']}"
@@ -324,7 +327,7 @@ async def preload(r: aioredis.Redis, cfg: ContextConfig, naive: Naive, principal
     for start in range(0, principals, 200):
         pipe = r.pipeline(transaction=False)
         for i in range(start, min(principals, start + 200)):
-            bulk_load(pipe, cfg, f"u{i}", "c", packed, now)
+            bulk_load(pipe, cfg, f"u{i}", "c", packed, now, not isinstance(r, aioredis.RedisCluster))
             pipe.set(Naive.key(f"u{i}", "c"), naive_doc)
         await pipe.execute()
 

@@ -220,7 +220,8 @@ class ContextConfig:
                                             "(1: every read)")
     global_lru_resolution_ms: StrictInt = Field(
         default=1000, ge=0, le=3_600_000, description="a principal's global LRU stamp is renewed at most "
-                                                      "this often per gateway; 0: every use")
+                                                      "this often (per principal on one server, per "
+                                                      "principal and gateway on a cluster); 0: every use")
     global_evict_interval_s: PositiveFloat = Field(
         default=1.0, le=3600, description="how often a gateway's evictor checks the global budget (one replica "
                                           "at a time holds the lease)")

@@ -161,8 +161,9 @@ def ctx_keys(principal: str) -> list[str]:
 
 # Global accounting over all principals (the global byte budget, the LRU over principals) is
 # sharded: a principal's bytes and last-use stamp live in shard crc32(principal) % N, each
-# shard its own hash tag (so its own slot, spread over the masters). The store writes them in
-# the same pipelined round trips as its script calls; the evictor sums the shards
+# shard its own hash tag (so its own slot, spread over the masters). On one server the context
+# script writes them (they are among its KEYS); on a cluster the store writes them in the same
+# pipelined round trips as its script calls. The evictor sums the shards
 # (shared/context/budget.py, docs/context.md).
 CTX_GLOBAL_SHARDS = 16
 

@@ -5,10 +5,11 @@ set of contexts, their LRU order, byte totals and the LRU order over principals 
 Rules modelled: exact LRU over a principal's contexts under its byte budget (the context
 just written goes last; alone over budget it drops its oldest entries, never the newest),
 per slot; the global budget as the evictor enforces it — a sweep evicts the least recently
-stamped principals whole until their reports cover the excess, clearing their reports (reads
-that expire idle contexts report nothing, so a report can run high until then) — where every call
-stamps its principal if its last stamp is global_lru_resolution_ms old (run with 0: every
-use, and 1000), failed calls included; reads and writes count as use of a context, failed
+stamped principals whole until their reports cover the excess, clearing their reports (on a
+cluster, reads and failed calls that expire idle contexts report nothing, so a report can run
+high until then; on one server the script reports every call's change: reports are exact) —
+where every call stamps its principal if its last stamp is global_lru_resolution_ms old (run
+with 0: every use, and 1000), failed calls included; reads and writes count as use of a context, failed
 operations do not; and the idle TTL on a fake clock: a context unused for idle_ttl is gone
 at the next operation of its principal (whatever it is, even a failing one), and until
 then it still counts."""
@@ -22,6 +23,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+from redis.asyncio import RedisCluster
 
 from shared.config import ContextConfig
 from shared.context import ContextNotFound, ContextStore, pack_entry
@@ -50,13 +52,14 @@ def config(global_res_ms: int) -> ContextConfig:
 class Model:
     """Reference: principal -> OrderedDict(context -> [entry sizes]) in LRU order (oldest first)."""
 
-    def __init__(self, global_res_ms: int) -> None:
+    def __init__(self, global_res_ms: int, exact_reports: bool) -> None:
         self.ctx: dict[str, OrderedDict[str, list[int]]] = {p: OrderedDict() for p in PRINCIPALS}
         self.now = 1_000_000_000
         self.used: dict[tuple[str, str], int] = {}  # last use (ms) of each context
         self.global_res = global_res_ms
         self.stamped: dict[str, int] = {}  # principal -> its stamp in the global LRU (absent: not in it)
         self.reported = dict.fromkeys(PRINCIPALS, 0)  # bytes as the global accounting has them
+        self.exact_reports = exact_reports  # one server: every call reports (see module docstring)
 
     def principal_lru(self) -> list[str]:
         """The global LRU, oldest first (stamp, then name: the evictor's order)."""
@@ -68,8 +71,13 @@ class Model:
             self.stamped[p] = self.now
 
     def report(self, p: str, before: int) -> None:
-        """A call that reports its byte change (all but reads)."""
+        """A call that reports its byte change (all but reads and failed calls on a cluster)."""
         self.reported[p] += self.total(p) - before
+
+    def report_if_exact(self, p: str, before: int) -> None:
+        """A read or a failed call: it reports only where reports are exact."""
+        if self.exact_reports:
+            self.report(p, before)
 
     def sweep(self) -> list[str]:
         """What one evictor sweep does (shared/context/budget.py): the least recently stamped
@@ -122,7 +130,7 @@ class StoreMachine(RuleBasedStateMachine):
         assert self.target is not None
         self.target.flush()
         self.r = self.target.async_client()
-        self.model = Model(self.global_res_ms)
+        self.model = Model(self.global_res_ms, exact_reports=not isinstance(self.r, RedisCluster))
         self.store = ContextStore(self.r, config(self.global_res_ms), clock_ms=lambda: self.model.now)
 
     def run(self, coro):
@@ -145,8 +153,10 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(p=st.sampled_from(PRINCIPALS), c=st.sampled_from(CONTEXTS))
     def read(self, p, c):
+        before = self.model.total(p)
         self.model.stamp(p)
-        self.model.expire(p)  # not reported: reads tell the global accounting nothing
+        self.model.expire(p)
+        self.model.report_if_exact(p, before)  # on a cluster reads tell the global accounting nothing
         exists = c in self.model.ctx[p]
         try:
             win = self.run(self.store.get_window(p, c))
@@ -166,7 +176,8 @@ class StoreMachine(RuleBasedStateMachine):
             self.run(self.store.clear(p, c))
         except ContextNotFound:
             assert c not in self.model.ctx[p]
-            return  # the failed call reported nothing (its idle expiry stays unreported too)
+            self.model.report_if_exact(p, before)  # on a cluster its idle expiry stays unreported
+            return
         self.model.ctx[p][c] = []
         self.model.touch(p, c)
         self.model.report(p, before)
@@ -183,6 +194,7 @@ class StoreMachine(RuleBasedStateMachine):
             self.run(self.store.fork(p, src, dst))
         except ValueError:
             assert not ok
+            self.model.report_if_exact(p, before)
             return
         assert ok
         ctxs[dst] = list(ctxs[src])

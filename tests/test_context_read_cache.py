@@ -72,7 +72,8 @@ async def commandstats(r, principal: str = "erin") -> dict[str, int]:
 async def script_commands(r, principal: str = "erin") -> tuple[int, dict[str, int]]:
     """Since the last CONFIG RESETSTAT (INFO commandstats) on the principal's master: the
     script calls made (FCALL, or EVALSHA on Redis < 7) and the Redis commands run, by name,
-    inside them (the global accounting's HINCRBY, posted beside the calls, left out)."""
+    inside them (the global accounting's HINCRBY left out: inside the calls on one server,
+    posted beside them on a cluster)."""
     calls = await commandstats(r, principal)
     outer = calls.pop("fcall", 0) + calls.pop("evalsha", 0)
     return outer, {k: n for k, n in calls.items() if k not in ("config|resetstat", "config", "info", "hincrby")}
@@ -125,8 +126,8 @@ async def test_an_append_to_a_full_window_is_ten_redis_commands_inside_one_call(
     HSET, the HDEL of the version no longer retained and the HGET of the oldest one kept;
     the HSTRLEN and HDEL of the entry no version sees any more; one HSET of the meta with the
     principal's state (save() stages the meta for finish()); the audit XADD (counted with
-    INFO commandstats). The global byte count is not among them: its two HINCRBY ride along
-    in the pipelined batch, outside the call."""
+    INFO commandstats). The global byte count is not among them: its two HINCRBY (inside the
+    call on one server, riding along in the pipelined batch on a cluster) are left out."""
     s = make(r, channel_max_entries=20, versions_retained=4, global_lru_resolution_ms=3_600_000)
     await fill(s, "erin", "c", 40)
     await resetstat(r)

@@ -114,6 +114,14 @@ async def history(r: aioredis.Redis) -> list:
     seen.append(("list", [(i.id, i.version, i.entries) for i in await s.list_contexts("p")]))
     await do("evict", s.evict("p", "c3"))
     await do("gone", s.version("p", "c3"))
+    # the global accounting, kept by the script on one server (nothing posted beside it)
+    await s.append("p", "c1", "text", "user", b"p" * 100)
+    await s.append("q", "c", "text", "user", b"q" * 100)
+    seen.append(("global", await s.global_bytes(), await s.principal_bytes("p") + await s.principal_bytes("q"),
+                 await s.principals(), s.posted))
+    s.cfg.global_budget_bytes = await s.principal_bytes("q")
+    seen.append(("global-evicted", await s.enforce_global_budget(), await s.global_bytes(),
+                 s.cfg.global_budget_bytes, await s.principals()))
     return seen
 
 
@@ -125,5 +133,9 @@ async def test_redis6_runs_the_evalsha_fallback_and_agrees_with_redis7(both):
     assert names["old"] == VersionUnavailable.__name__ and names["missing"] == ContextNotFound.__name__
     assert names["fork-exists"] == ContextExists.__name__ and names["gone"] == ContextNotFound.__name__
     assert any(evicted for x in on6 if x[0] == "big" for evicted in [x[2]])  # the budget did evict
+    (_, total, held, principals, posted), = [x for x in on6 if x[0] == "global"]
+    assert total == held > 0 and principals == ["q", "p"] and posted == 0
+    (_, evicted, after, q_bytes, left), = [x for x in on6 if x[0] == "global-evicted"]
+    assert evicted == ["p"] and after == q_bytes and left == ["q"]
     stats = await r6.info("commandstats")
     assert "cmdstat_fcall" not in stats and int(stats["cmdstat_evalsha"]["calls"]) >= 30

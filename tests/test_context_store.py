@@ -25,6 +25,7 @@ from shared.context import (
     stored_entry,
 )
 from shared.context.entries import array_header
+from shared.context.scripts import script_keys
 from shared.redis_batch import pack_bulk
 from shared.types import Entry
 
@@ -148,10 +149,10 @@ async def test_the_call_header_is_the_packed_command(r):
     s = make(r)
     script = s._script
     for p in ("alice", "Ünïcode-π", "a%b%%c%d", "x" * 200):
-        ks = keys.ctx_keys(p)
+        ks = script_keys(p, script.inline)  # on one server with its shard of the global accounting
         tail = (123, "x", b"y", 4, "", "z")  # now, then five arguments
-        want = hiredis.pack_command(("FCALL", script.fn, 6, *ks, "some-op", p, script.cfg_arg, *tail))  # type: ignore[arg-type]  # its stub types a 1-tuple
-        assert script._head("some-op", p, 18) + pack_bulk(tail) == want
+        want = hiredis.pack_command(("FCALL", script.fn, len(ks), *ks, "some-op", p, script.cfg_arg, *tail))  # type: ignore[arg-type]  # its stub types a 1-tuple
+        assert script._head("some-op", p, 6 + len(ks) + len(tail)) + pack_bulk(tail) == want
         await s.append(p, "c", "text", "user", b"hi")
         assert [e.text for e in (await s.get_window(p, "c")).channels["text"]] == ["hi"]
 
@@ -307,6 +308,55 @@ async def test_global_budget_lru_over_principals(r):
     assert (await s.append("p2", "c", "text", "user", b"again")).version == 2
 
 
+async def test_one_server_keeps_the_global_accounting_inside_the_script(r):
+    """On one server every call's byte change and use stamp are written by the context script
+    itself: the store posts no bookkeeping command beside its calls, yet the shard's report,
+    total and LRU are exact (a read's idle expiry included) and the evictor evicts whole
+    principals through them. On a cluster the store posts them, as before."""
+    clock = Clock()
+    one = size(b"x" * 100)
+    s = make(r, clock, principal_budget_bytes=3 * one, global_budget_bytes=3 * one, max_entry_bytes=100,
+             channel_max_bytes=1000, versions_retained=1, idle_ttl_s=60, global_lru_resolution_ms=1000)
+    single = not isinstance(r, aioredis.RedisCluster)
+
+    async def accounted(p: str) -> tuple[int, int | None]:
+        """(the principal's report, its global LRU stamp) as the evictor reads them."""
+        shard = keys.ctx_global_shard(p)
+        await s._global.settled()
+        reported = await r.hget(keys.ctx_global_bytes(shard), p)
+        stamp = await r.zscore(keys.ctx_global_lru(shard), p)
+        return int(reported or 0), None if stamp is None else int(stamp)
+
+    await s.append("p1", "old", "text", "user", b"o" * 100)
+    clock.now_ms += 30_000
+    await s.append("p1", "new", "text", "user", b"n" * 100)
+    assert await accounted("p1") == (2 * one, 1_030_000)
+    clock.now_ms += 40_000  # "old" idle
+    await s.get_window("p1", "new")
+    assert await s.principal_bytes("p1") == one
+    assert await accounted("p1") == ((one if single else 2 * one), 1_070_000)  # exact on one server
+    clock.now_ms += 500  # within the resolution: no new stamp
+    await s.append("p2", "c", "text", "user", b"x" * 100)
+    await s.get_window("p1", "new")
+    assert (await accounted("p1"))[1] == 1_070_000
+    clock.now_ms += 500
+    await s.append("p3", "c", "text", "user", b"x" * 100)
+    await s.append("p3", "d", "text", "user", b"x" * 100)
+    assert await s.principals() == ["p3", "p2", "p1"]
+    assert await s.global_bytes() == (4 if single else 5) * one
+    assert (s.posted == 0) is single  # nothing beside the script calls on one server
+    assert s.round_trips == 7
+    assert await s.enforce_global_budget() == ["p1"]
+    assert await accounted("p1") == (0, None)
+    assert await r.zscore(keys.ctx_global_seen(keys.ctx_global_shard("p1")), "p1") == 1_071_000
+    assert await s.global_bytes() == 3 * one
+    assert (s.posted == 0) is single
+    clock.now_ms += 1
+    assert await s.list_contexts("p1") == []  # used again: stamped again
+    await s.append("p1", "c", "text", "user", b"x" * 10)
+    assert await accounted("p1") == (size(b"x" * 10), 1_071_001) and (await s.principals())[0] == "p1"
+
+
 async def test_the_evictor_skips_a_principal_used_after_its_stamp(r):
     """A principal used after the stamp the evictor saw is no longer the LRU: its script says
     so and keeps everything; the evictor's lease lets one replica sweep at a time."""
@@ -319,7 +369,7 @@ async def test_the_evictor_skips_a_principal_used_after_its_stamp(r):
     await s.append("p2", "c", "text", "user", b"x" * 100)
     clock.now_ms += 2000
     await s.get_window("p1", "c")  # used, and re-stamped
-    n, _ = await s._script.call("evict_principal", "p1", 1_000_000 + 1000, "global_budget")
+    n = (await s._script.call("evict_principal", "p1", 1_000_000 + 1000, "global_budget"))[0]
     assert n == -1  # used after that stamp: kept
     assert [i.id for i in await s.list_contexts("p1")] == ["c"]
     first, second = s.evictor(owner="a"), s.evictor(owner="b")
@@ -591,7 +641,7 @@ async def test_sequence_numbers_on_both_sides_of_the_scripts_table_of_names(r):
     n = 65_533
     packed = [pack_entry("user", b"e%d" % i, tokens=1, ts_ms=now) for i in range(1, n + 1)]
     pipe = r.pipeline(transaction=False)
-    bulk_load(pipe, cfg, "alice", "c", packed, now)
+    bulk_load(pipe, cfg, "alice", "c", packed, now, not isinstance(r, aioredis.RedisCluster))
     await pipe.execute()
     s = ContextStore(r, cfg, clock_ms=lambda: now)
     uncached = ContextStore(r, ContextConfig(channel_max_entries=8, versions_retained=4, read_cache_bytes=0),

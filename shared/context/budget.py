@@ -1,21 +1,30 @@
 """The global byte budget over all principals (``context.global_budget_bytes``), with LRU over
-principals — kept outside the context script, because a script touches one principal's slot.
+principals, in sharded accounting keys: every principal belongs to one of
+``keys.CTX_GLOBAL_SHARDS`` shards (each its own hash tag, so the shards spread over a
+cluster's masters), with the bytes each principal holds and their sum (``\\0total``) in the
+shard's hash, its last use (ms) in the shard's LRU.
 
-- Accounting: every principal belongs to one of ``keys.CTX_GLOBAL_SHARDS`` shards (each its
-  own hash tag, so the shards spread over a cluster's masters). A script call that changes
-  the principal's bytes returns the change; the store adds it to the principal's field and to
-  the shard's ``\\0total`` (HINCRBY, summed over what one event-loop turn reported, riding
-  along with the next pipelined batch: no caller waits for them). Increments commute, so
-  replicas reporting in any order agree.
-- Recency: the store stamps a principal's last use (ms) in its shard's LRU (one ZADD per shard
-  for what one event-loop turn stamped, in the next pipelined batch), at most once per
-  ``global_lru_resolution_ms`` per principal and store.
+- One server: the context script keeps them, in the same call (the store passes the
+  principal's shard keys along with its own: shared/context/scripts.py). A call adds its byte
+  change to the principal's field and to the total, and stamps the principal's use when its
+  last stamp is ``global_lru_resolution_ms`` old (that stamp's time is kept with the
+  principal's state). The store sends nothing beside its script calls.
+- Cluster: a script touches one principal's slot, so the store keeps them beside the calls.
+  A script call that changes the principal's bytes returns the change; the store adds it to
+  the principal's field and to the shard's total (HINCRBY, summed over what one event-loop
+  turn reported, riding along with the next pipelined batch: no caller waits for them).
+  Increments commute, so replicas reporting in any order agree. The store stamps a
+  principal's use in its shard's LRU (one ZADD per shard for what one event-loop turn
+  stamped, in the next pipelined batch), at most once per ``global_lru_resolution_ms`` per
+  principal and store.
 - Enforcement: :class:`GlobalEvictor` (one per gateway; one at a time holds the lease) sums
   the shard totals every ``global_evict_interval_s``; while over budget it takes the least
   recently stamped principals whose reported bytes cover the excess and evicts them, at once,
   each whole through its own script (``evict_principal``: all of its contexts or none),
   skipping one stamped again since the evictor read the LRU; an evicted principal's report
-  goes with it (so a report left high by a read's idle expiry is cleared then).
+  goes with it (so a report left high by a read's idle expiry, or by Redis expiring the
+  principal's keys, is cleared then), and it moves from the LRU to ``ctx_global_seen`` — in
+  its script call on one server, in the evictor's writes after it on a cluster.
 
 So the total can exceed the budget between sweeps: by at most what every gateway appends in
 one interval (docs/context.md has the measured figure), never by a half-evicted context.
@@ -59,6 +68,7 @@ class GlobalAccounts:
                  clock_ms: Callable[[], int]) -> None:
         self.redis = redis
         self._script = script
+        self.inline = script.inline  # the script keeps the accounting (one server): nothing to send
         self._batch = script.batch
         self._resolution_ms = cfg.global_lru_resolution_ms
         self._clock_ms = clock_ms
@@ -71,6 +81,8 @@ class GlobalAccounts:
 
     def stamp(self, principal: str) -> None:
         """The principal was used now: its place in the global LRU (see module docstring)."""
+        if self.inline:
+            return
         now = self._clock_ms()
         last = self._stamped.get(principal)
         if last is not None and 0 <= now - last < self._resolution_ms:
@@ -83,7 +95,7 @@ class GlobalAccounts:
 
     def report(self, principal: str, delta: int) -> None:
         """The principal's bytes changed by ``delta`` (a script call's reply)."""
-        if delta:
+        if delta and not self.inline:
             shard = self._bytes_due.setdefault(keys.ctx_global_shard(principal), {})
             shard[principal] = shard.get(principal, 0) + delta
             self._due()
@@ -191,8 +203,8 @@ class GlobalAccounts:
         pipelined round trips), unless stamped again since the evictor read the LRU: per
         principal (the reported bytes that left the total, whether it held contexts). A
         principal's report is cleared whatever it was (a report left high by an unreported idle
-        expiry, or keys Redis expired, goes with it); the shards' bookkeeping is a few commands
-        per shard."""
+        expiry, or keys Redis expired, goes with it): by its script on one server (which
+        answers the report it cleared), else by a few commands per shard after the calls."""
         by_shard: dict[int, list[tuple[int, str, int]]] = {}
         for stamp, who, shard, reported in chosen:
             by_shard.setdefault(shard, []).append((stamp, who, reported))
@@ -208,11 +220,14 @@ class GlobalAccounts:
                                          for _, who, shard, _ in chosen])
         out: list[tuple[int, bool]] = []
         gone: dict[int, list[tuple[str, int]]] = {}
-        for (_, who, shard, reported), (n, freed) in zip(chosen, replies, strict=True):
+        for (_, who, shard, reported), (n, freed, *cleared) in zip(chosen, replies, strict=True):
             if n < 0:  # stamped again, or used in the last moment
                 out.append((0, False))
                 continue
-            gone.setdefault(shard, []).append((who, reported))
+            if cleared:  # settled by the script
+                reported = int(cleared[0])
+            else:
+                gone.setdefault(shard, []).append((who, reported))
             out.append((reported, n > 0))
             if n:
                 metrics.CONTEXT_EVICTIONS.labels("global_budget").inc(n)

@@ -21,12 +21,20 @@
 --   4 V  hash  "<cid>|<version>" -> "mod:lo:hi;..."              (tag {principal})
 --   5 S  hash  cid -> last version of an evicted context           (tag {principal})
 --   6 AU stream the principal's audit log (capped; shared/audit.py merges it with the others)
--- The global budget over all principals is not kept here (a script touches one slot): the
--- store reports each call's byte change (the `delta` of replies) to sharded accounting keys,
--- and the gateway's evictor evicts least recently used principals through evict_principal
--- (shared/context/budget.py, docs/context.md).
+-- The global budget over all principals (shared/context/budget.py, docs/context.md) lives in
+-- sharded accounting keys, and the gateway's evictor evicts least recently used principals
+-- through evict_principal. On a cluster a script touches one slot: the store reports each
+-- call's byte change (the `delta` of replies) and stamps the principal's use itself. On one
+-- server the store passes the principal's shard of those keys, and the script keeps them:
+--   7 GB hash  principal -> bytes it holds, "\0total" -> the shard's sum  (keys.ctx_global_bytes)
+--   8 GL zset  principal -> ms of its last stamped use                   (keys.ctx_global_lru)
+--   9 GS zset  principal -> ms it was evicted for the global budget     (keys.ctx_global_seen)
+-- finish() adds the call's byte change to GB and stamps GL at most once per resolution (the
+-- last stamp is kept in M, "\0gs"); evict_principal clears the principal's report, takes it
+-- out of GL and into GS, in the same call.
 -- ARGV: 1 op, 2 principal, 3 config "channel_max_entries:channel_max_bytes:
---       principal_budget_bytes:idle_ttl_ms:versions_retained:audit_maxlen"
+--       principal_budget_bytes:idle_ttl_ms:versions_retained:audit_maxlen:
+--       global_lru_resolution_ms"
 --       (one pre-encoded argument: fewer arguments to pack per call; with 1 and 2 it is packed
 --       once per principal and operation by the client), 4 now_ms, 5.. op arguments.
 -- Errors are error replies whose first word is the error kind (LM_NOTFOUND, ...).
@@ -40,10 +48,13 @@
 -- reset at the start of every call by lm_main (Redis runs one call at a time).
 local KEYV, ARGS
 local E, M, R, V, S, AU
+local GB, GL, GS                   -- the global accounting keys (one server only), else nil
 local op, P, NOW_S, now
-local CH_N, CH_B, P_BUD, IDLE, NVER, AMAX, SLACK
+local CH_N, CH_B, P_BUD, IDLE, NVER, AMAX, SLACK, GRES
 local CFG                          -- the configuration argument CH_N.. were parsed from
 local BYTES, CLOCK, EXP, DUE = '\0bytes', '\0clock', '\0exp', '\0due'
+local GSTAMP = '\0gs'                  -- M field: ms of the principal's last stamp in GL
+local TOTAL = '\0total'                -- GB field: the shard's sum
 local LU = '\0u'                       -- M field LU .. cid: last use of cid (R is lazy)
 local VER = '\0v'                      -- M field VER .. cid: "<version>;<epoch>;<ranges>" (see save)
 local K = 1000                         -- R score = last-use ms * K (+ tiebreak)
@@ -51,6 +62,7 @@ local K = 1000                         -- R score = last-use ms * K (+ tiebreak)
 local evicted              -- {cid, reason} pairs evicted during this call
 -- Principal state, read once per call (begin) and written once (finish).
 local pbytes, pexp, pclock
+local pstamp               -- ms of the principal's last stamp in GL (one server only)
 local pdue, due_dirty      -- see expire_idle
 local used                 -- cid -> last use given by this call, written by finish()
 local pdelta               -- byte change not yet written to M
@@ -236,18 +248,38 @@ local function principal_bytes() return pbytes end
 -- Read the principal's state (and the meta of `cid`, the context the call is about, if
 -- any — or only its VER field for a window read (`ver_only`): one HMGET).
 local function begin(cid, ver_only)
+  local field = cid and (ver_only and VER .. cid or cid)
   local st
-  if ver_only then
-    st = redis.call('HMGET', M, BYTES, EXP, CLOCK, DUE, VER .. cid)
-    pre_vcid, pre_ver = cid, st[5]
-  elseif cid then
-    st = redis.call('HMGET', M, BYTES, EXP, CLOCK, DUE, cid)
-    pre_cid, pre_raw = cid, st[5]
+  if GB then  -- with the last global stamp, after the context's field
+    if field then st = redis.call('HMGET', M, BYTES, EXP, CLOCK, DUE, field, GSTAMP)
+    else st = redis.call('HMGET', M, BYTES, EXP, CLOCK, DUE, GSTAMP) end
+    pstamp = tonumber(st[field and 6 or 5])
+  elseif field then
+    st = redis.call('HMGET', M, BYTES, EXP, CLOCK, DUE, field)
   else
     st = redis.call('HMGET', M, BYTES, EXP, CLOCK, DUE)
   end
+  if ver_only then pre_vcid, pre_ver = cid, st[5] elseif cid then pre_cid, pre_raw = cid, st[5] end
   pexp, pclock, pdue = tonumber(st[2]), tonumber(st[3] or '0'), tonumber(st[4])
   pbytes = tonumber(st[1] or '0')
+end
+
+-- One server: the call's byte change into the global accounting, and the principal's use
+-- into the global LRU when its last stamp is global_lru_resolution_ms old. The stamp's time
+-- goes into M with the state (`sargs`), read back by begin(): no read of GL per call. Where
+-- M does not have it, GL is asked; where M does not exist (nothing else to write, no TTL
+-- yet) it is not written, so M is never created without a TTL.
+local function account(sargs)
+  if pdelta ~= 0 then
+    local d = num(pdelta)
+    redis.call('HINCRBY', GB, P, d)
+    redis.call('HINCRBY', GB, TOTAL, d)
+  end
+  if not pstamp then pstamp = tonumber(redis.call('ZSCORE', GL, P)) end
+  if pstamp and now >= pstamp and now - pstamp < GRES then return end
+  redis.call('ZADD', GL, NOW_S, P)
+  if pexp or #sargs > 0 then sargs[#sargs + 1] = GSTAMP; sargs[#sargs + 1] = NOW_S end
+  pstamp = now
 end
 
 -- Write what this call changed in the state (M: with the metas save() staged, once), and
@@ -264,6 +296,7 @@ local function finish(keep)
   used = {}
   local refresh = keep and (created or not pexp or now < pexp or now - pexp >= SLACK)
   if refresh then sargs[#sargs + 1] = EXP; sargs[#sargs + 1] = NOW_S; pexp = now; created = false end
+  if GB then account(sargs) end
   if #sargs > 0 then redis.call('HSET', M, unpack(sargs)) end
   if refresh then
     local ttl = num(IDLE + SLACK)
@@ -360,8 +393,8 @@ end
 
 -- Use of a context: it becomes the principal's MRU (last use = now * K, strictly
 -- increasing), written to M by finish(); R gets it only for a context new to R (`new`) —
--- elsewhere R catches up lazily (lru_head). (The store stamps the principal's place in the
--- global LRU, outside the script: shared/context/budget.py.)
+-- elsewhere R catches up lazily (lru_head). (The principal's place in the global LRU is
+-- stamped by finish() on one server, by the store on a cluster: shared/context/budget.py.)
 local function touch(cid, new)
   local s = now * K
   if s <= pclock then s = pclock + 1 end
@@ -784,7 +817,9 @@ end
 
 -- Global budget (shared/context/budget.py): drop every context of principal P unless it was
 -- used after ARGV 5 (ms: the last use the evictor saw) -> {contexts dropped (-1: skipped),
--- bytes freed}. One call: the principal's contexts go together or not at all.
+-- bytes freed}. One call: the principal's contexts go together or not at all. On one server
+-- the principal's report goes too (whatever it was), it leaves GL for GS, and the reply
+-- has a third element: the report cleared.
 function ops.evict_principal()
   local st = redis.call('HMGET', M, BYTES, CLOCK)
   if tonumber(st[2] or '0') > tonumber(ARGS[5]) * K + K - 1 then return {-1, 0} end
@@ -795,7 +830,13 @@ function ops.evict_principal()
     audit('evict', raw[i], m.v, {'reason', ARGS[6], 'bytes', m.b})
   end
   redis.call('DEL', E, M, R, V)  -- the state in M goes too: as for a new principal
-  return {#raw / 2, tonumber(st[1] or '0')}
+  if not GB then return {#raw / 2, tonumber(st[1] or '0')} end
+  local reported = tonumber(redis.call('HGET', GB, P) or '0')
+  redis.call('HDEL', GB, P)
+  if reported ~= 0 then redis.call('HINCRBY', GB, TOTAL, num(-reported)) end
+  redis.call('ZREM', GL, P)
+  redis.call('ZADD', GS, ARGS[5], P)
+  return {#raw / 2, tonumber(st[1] or '0'), reported}
 end
 
 local function run_op(fn)
@@ -806,23 +847,24 @@ local function run_op(fn)
   return fn()
 end
 
--- The entry point: FCALL <fn> 8 KEYS... ARGV... (or, on Redis < 7, EVALSHA of this body
+-- The entry point: FCALL <fn> <6 or 9> KEYS... ARGV... (or, on Redis < 7, EVALSHA of this body
 -- followed by `return lm_main(KEYS, ARGV)`; see shared/context/scripts.py).
 local function lm_main(keys, args)
   KEYV, ARGS = keys, args
   E, M, R, V, S, AU = keys[1], keys[2], keys[3], keys[4], keys[5], keys[6]
+  GB, GL, GS = keys[7], keys[8], keys[9]
   op, P, NOW_S = args[1], args[2], args[4]
   now = tonumber(NOW_S)
   if args[3] ~= CFG then             -- parsed once per configuration (the library stays loaded)
-    local a, b, c, e, f, g = string.match(args[3], '^(%d+):(%d+):(%d+):(%d+):(%d+):(%d+)$')
+    local a, b, c, e, f, g, h = string.match(args[3], '^(%d+):(%d+):(%d+):(%d+):(%d+):(%d+):(%d+)$')
     if not a then return redis.error_reply('LM_BADCONFIG ' .. tostring(args[3])) end
     CH_N, CH_B, P_BUD = tonumber(a), tonumber(b), tonumber(c)
-    IDLE, NVER, AMAX = tonumber(e), tonumber(f), g
+    IDLE, NVER, AMAX, GRES = tonumber(e), tonumber(f), g, tonumber(h)
     SLACK = math.floor(IDLE / 16)  -- TTL refresh granularity (see header)
     CFG = args[3]
   end
   evicted = {}
-  pbytes, pexp, pclock, pdelta, pdue, due_dirty = 0, nil, 0, 0, nil, false
+  pbytes, pexp, pclock, pdelta, pdue, due_dirty, pstamp = 0, nil, 0, 0, nil, false, nil
   used, cdelta = {}, 0
   pre_cid, pre_raw, pre_vcid, pre_ver = nil, nil, nil, nil
   clock_dirty, created, staged = false, false, {}

@@ -52,16 +52,29 @@ def library(source: str) -> tuple[str, str]:
 def script_config(cfg: ContextConfig) -> bytes:
     """The script's configuration argument (ARGV[3] of context.lua), encoded once per store."""
     return (f"{cfg.channel_max_entries}:{cfg.channel_max_bytes}:{cfg.principal_budget_bytes}:"
-            f"{cfg.idle_ttl_s * 1000}:{cfg.versions_retained}:{cfg.audit_maxlen}").encode()
+            f"{cfg.idle_ttl_s * 1000}:{cfg.versions_retained}:{cfg.audit_maxlen}:"
+            f"{cfg.global_lru_resolution_ms}").encode()
 
 
-def script_keys(principal: str) -> list[str]:
-    """KEYS of every call: the principal's keys (one slot)."""
-    return keys.ctx_keys(principal)
+def global_keys(principal: str) -> list[str]:
+    """The principal's shard of the global accounting, as the script keeps it on one server
+    (KEYS 7-9 of context.lua)."""
+    shard = keys.ctx_global_shard(principal)
+    return [keys.ctx_global_bytes(shard), keys.ctx_global_lru(shard), keys.ctx_global_seen(shard)]
+
+
+def script_keys(principal: str, inline: bool) -> list[str]:
+    """KEYS of every call: the principal's keys (one slot), and with ``inline`` (one server)
+    its shard of the global accounting."""
+    return keys.ctx_keys(principal) + (global_keys(principal) if inline else [])
 
 
 class ContextScript:
-    """The context script as one store calls it: ARGV ``op, principal, config, now, *args``."""
+    """The context script as one store calls it: ARGV ``op, principal, config, now, *args``.
+
+    On one server (``inline``) the script also keeps the global budget's accounting (the
+    principal's byte report and its global LRU stamp: shared/context/budget.py); a cluster
+    script touches one slot, so there the store keeps it beside the calls."""
 
     def __init__(self, redis: AsyncRedis, cfg: ContextConfig, clock_ms: Callable[[], int],
                  redis_cfg: RedisConfig | None = None) -> None:
@@ -69,6 +82,9 @@ class ContextScript:
         # Concurrent operations share pipelined round trips (each is still one script call).
         self.batch = auto_pipeline(redis)
         self._routed = isinstance(redis, aioredis.RedisCluster)  # submit with the principal's slot
+        self.inline = not self._routed  # one server: any key in a script (see class docstring)
+        self.num_keys = NUM_KEYS + (len(global_keys("p")) if self.inline else 0)
+        self._global_parts: dict[int, bytes] = {}  # shard -> its keys, packed (see _head)
         self._loading: asyncio.Future[None] | None = None  # a library load under way (see _load)
         self._clock_ms = clock_ms
         source = script_source()
@@ -97,7 +113,7 @@ class ContextScript:
         if self.stamp is not None and op != "evict_principal":
             self.stamp(principal)
         tail = self._now_arg() + (packed if packed is not None else pack_bulk(args))
-        n = 7 + NUM_KEYS + len(args)  # FCALL, name, numkeys, keys, op, principal, config, now, then args
+        n = 7 + self.num_keys + len(args)  # FCALL, name, numkeys, keys, op, principal, config, now, then args
         try:
             if self.use_functions is not False:
                 packed = self._head(op, principal, n) + tail
@@ -137,9 +153,9 @@ class ContextScript:
         return "{" + principal + "}" if self._routed else None
 
     def _head(self, op: str, principal: str, n: int) -> bytes:
-        """The RESP command header of ``n`` arguments and its first ones: ``FCALL <fn> 6
-        <keys of principal> <op> <principal> <config>``, cached per principal
-        and operation (an operation always has the same number of arguments).
+        """The RESP command header of ``n`` arguments and its first ones: ``FCALL <fn> <numkeys>
+        <keys of principal> [<its global shard keys>] <op> <principal> <config>``, cached per
+        principal and operation (an operation always has the same number of arguments).
 
         Hand-built rather than packed by hiredis, because it is the hot path: packing all ~19
         arguments of an append with ``hiredis.pack_command`` takes 1.8 µs, a cached head plus
@@ -154,6 +170,8 @@ class ContextScript:
             lens = self._key_lens
             keys_part = self._keys_template % (lens[0] + len(pb), pb, lens[1] + len(pb), pb, lens[2] + len(pb), pb,
                                                lens[3] + len(pb), pb, lens[4] + len(pb), pb, lens[5] + len(pb), pb)
+            if self.inline:
+                keys_part += self._global_part(keys.ctx_global_shard(principal))
             head = self._heads[(op, principal)] = b"*%d\r\n%b%b%b%b" % (
                 n, self._fcall_part, keys_part, pack_bulk((op, principal)), self._cfg_part)
         return head
@@ -170,8 +188,16 @@ class ContextScript:
         self._key_lens = [len(a) + len(b) for a, b in parts]
         self._keys_template = b"".join(b"$%%d\r\n%b%%b%b\r\n" % (a.replace(b"%", b"%%"), b.replace(b"%", b"%%"))
                                        for a, b in parts)
-        self._fcall_part = pack_bulk(("FCALL", self.fn, len(ks)))
+        self._fcall_part = pack_bulk(("FCALL", self.fn, self.num_keys))
         self._cfg_part = pack_bulk((self.cfg_arg,))
+
+    def _global_part(self, shard: int) -> bytes:
+        """The keys of one shard of the global accounting, packed (KEYS 7-9 on one server)."""
+        part = self._global_parts.get(shard)
+        if part is None:
+            part = self._global_parts[shard] = pack_bulk(
+                (keys.ctx_global_bytes(shard), keys.ctx_global_lru(shard), keys.ctx_global_seen(shard)))
+        return part
 
     def _now_arg(self) -> bytes:
         """ARGV 4 (now, ms) packed; the same for every call within a millisecond."""
@@ -194,9 +220,10 @@ class ContextScript:
     async def _evalsha(self, op: str, principal: str, args: tuple[str | bytes | int, ...]) -> Any:
         """The script as EVALSHA (Redis < 7: no Functions); a write confirmed as by _send."""
         argv = [op, principal, self.cfg_arg, self._clock_ms(), *args]
+        ks = script_keys(principal, self.inline)
         if not (self._wait and op in WRITE_OPS):
-            return await self._evalsha_script(keys=script_keys(principal), args=argv)
-        packed = pack_command(("EVALSHA", self._evalsha_script.sha, NUM_KEYS, *script_keys(principal), *argv))
+            return await self._evalsha_script(keys=ks, args=argv)
+        packed = pack_command(("EVALSHA", self._evalsha_script.sha, len(ks), *ks, *argv))
         try:
             return await self._confirmed(packed, principal)
         except NoScriptError:  # first use, or a master that never had it

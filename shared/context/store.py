@@ -86,7 +86,8 @@ class ContextStore:
         self._clock_ms = clock_ms or (lambda: int(time.time() * 1000))
         self._script = ContextScript(redis, cfg, self._clock_ms, redis_cfg)
         self._global = GlobalAccounts(redis, self._script, cfg, self._clock_ms)
-        self._script.stamp = self._global.stamp
+        if not self._script.inline:  # on one server the script stamps (see budget.py)
+            self._script.stamp = self._global.stamp
         self._replies = ScriptReplies(cfg.modalities)
         self._cache = ReadCache(cfg, self._replies)
         self._read_metrics = (metrics.CONTEXT_READ_ENTRIES.labels("redis"), metrics.CONTEXT_READ_ENTRIES.labels("cache"))
@@ -98,7 +99,8 @@ class ContextStore:
 
     @property
     def posted(self) -> int:
-        """Global accounting commands sent beside script calls, in the same batches."""
+        """Global accounting commands sent beside script calls, in the same batches (on a
+        cluster; on one server the script keeps the accounting: none)."""
         return self._global.posted
 
     @property
