@@ -18,8 +18,8 @@ from shared import keys
 from shared.config import Config, load_config
 from shared.curve import CurveClient, CurveKeys, CurveServer
 from shared.delta.codec import flatten
-from shared.zmq_util import make_socket
 from shared.redis_client import close_sync
+from shared.zmq_util import make_socket
 from tests.conftest import RedisTarget, free_port, wait_for_sync
 
 

@@ -4,8 +4,7 @@ in Redis so any replica continues them (and renews one the upstream forgot)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from typing import Any
 
 import httpx
@@ -13,7 +12,6 @@ import pytest
 import redis as redis_sync
 
 from shared import keys
-from shared.redis_client import SyncRedis, close_sync
 from tests.admin_support import MCP_KEY, VIEWER_KEY
 from tests.conftest import RedisTarget, wait_for_sync
 from tests.proxy_front import (
@@ -22,6 +20,7 @@ from tests.proxy_front import (
     UPSTREAM_SECRET,
     Client,
     front_gateway,
+    front_store,
     upstream_db,
     upstream_entry,
 )
@@ -33,15 +32,6 @@ pytest_plugins = ("tests.proxy_front_fixtures",)
 def redis_url(redis_target: RedisTarget) -> str:
     """The front gateways' Redis: a single server, then a cluster."""
     return redis_target.url
-
-
-@contextmanager
-def front_store(target: RedisTarget, **options: Any) -> Iterator[SyncRedis]:
-    client = target.sync_client(**options)
-    try:
-        yield client
-    finally:
-        close_sync(client)
 
 
 def _tools(base: str) -> set[str]:

@@ -27,8 +27,8 @@ from shared import keys, wire
 from shared.config import Config, load_config
 from shared.crypto import STREAM_DELTA, EnvelopeSealer, KeyRing, SigningKey
 from shared.model import build_model
-from shared.text import as_str
 from shared.redis_client import close_sync
+from shared.text import as_str
 from tests.conftest import RedisTarget, free_port, wait_for
 from tests.worker_support import ROOT, spawn_worker, stop, write_config
 
