@@ -32,7 +32,9 @@ import orjson
 import redis as redis_sync
 import yaml
 
+from shared.config import RedisConfig
 from shared.net import free_port
+from shared.redis_client import SyncRedis, close_sync, sync_client
 
 ROOT = Path(__file__).resolve().parents[1]
 MODERN = "2026-07-28"
@@ -275,8 +277,10 @@ class Mesh:
         return proc
 
     # ------------------------------------------------------------------ state
-    def redis(self) -> redis_sync.Redis:
-        return redis_sync.Redis.from_url(self.redis_url, decode_responses=True)
+    def redis(self) -> SyncRedis:
+        """A client of the mesh's Redis (a ``RedisCluster`` for a ``redis+cluster://`` URL);
+        close it with shared.redis_client.close_sync."""
+        return sync_client(RedisConfig(url=self.redis_url), decode_responses=True)
 
     def trainer_version(self) -> int:
         from shared import keys
@@ -285,7 +289,7 @@ class Mesh:
         try:
             return int(r.get(keys.MODEL_VERSION) or 0)
         finally:
-            r.close()
+            close_sync(r)
 
     def worker_versions(self) -> list[int]:
         return [int(w.get("version") or 0) for w in self.workers_status().get("workers", [])]

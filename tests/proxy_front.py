@@ -15,8 +15,9 @@ import httpx
 import orjson
 
 from gateway.app import create_app
+from shared.redis_client import SyncRedis, close_sync
 from tests.admin_support import ADMIN_KEY, MCP_KEY, LiveServer, admin_config
-from tests.conftest import free_port, wait_for_sync
+from tests.conftest import RedisTarget, free_port, wait_for_sync
 from tests.gateway_support import start_gateway, stop
 
 MODERN = "2026-07-28"
@@ -34,6 +35,16 @@ _UPSTREAM_REDIS: dict[str, str] = {}
 def upstream_db(upstream_url: str) -> str:
     """The URL of the upstream gateway's own Redis."""
     return _UPSTREAM_REDIS[upstream_url]
+
+
+@contextmanager
+def front_store(target: RedisTarget, **options: Any) -> Iterator[SyncRedis]:
+    """A client of the front gateways' Redis (single server or cluster)."""
+    client = target.sync_client(**options)
+    try:
+        yield client
+    finally:
+        close_sync(client)
 
 
 @contextmanager

@@ -1,7 +1,7 @@
 """Schemathesis against /admin/openapi.json with an admin key, on a live gateway and real
-Redis: no 5xx, only documented status codes, documented content types and response
-schemas, and a correct ``Allow`` header on 405. Covers every router mounted under /admin
-(contexts and samples included). More examples: LEARNMESH_FUZZ_EXAMPLES=50."""
+Redis (a single server, then a cluster): no 5xx, only documented status codes, documented
+content types and response schemas, and a correct ``Allow`` header on 405. Covers every router
+mounted under /admin (contexts and samples included). More examples: LEARNMESH_FUZZ_EXAMPLES=50."""
 
 from __future__ import annotations
 
@@ -12,16 +12,17 @@ import sys
 from pathlib import Path
 
 from tests.admin_support import ADMIN_KEY, live_gateway
+from tests.conftest import RedisTarget
 
 CHECKS = "not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance," \
          "unsupported_method"
 
 
-def test_schemathesis_admin_api(redis_url, tmp_path):
+def test_schemathesis_admin_api(redis_target: RedisTarget, tmp_path: Path) -> None:
     cli = Path(sys.executable).with_name("schemathesis")
     assert cli.exists(), "pip install schemathesis (the [test] extra)"
     examples = os.environ.get("LEARNMESH_FUZZ_EXAMPLES", "5")
-    with live_gateway(redis_url) as srv:
+    with live_gateway(redis_target.url) as srv:
         proc = subprocess.run(
             [str(cli), "run", f"{srv.url}/admin/openapi.json", "-H", f"Authorization: Bearer {ADMIN_KEY}",
              "--checks", CHECKS, "--max-examples", examples, "--seed", "1", "--request-timeout", "10",

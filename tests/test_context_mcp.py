@@ -1,6 +1,6 @@
 """The context store through the gateway: tools, resources, admin REST, and isolation of two
 API keys through both MCP revisions and the WebSocket transport (one in-process gateway
-built with create_app, real Redis)."""
+built with create_app), on a single Redis server and on a Redis Cluster."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 
 from gateway.app import create_app
 from shared.config import load_config
+from tests.conftest import RedisTarget
 
 MODERN = "2026-07-28"
 ACCEPT = "application/json, text/event-stream"
@@ -21,9 +22,9 @@ ADMIN = "admin-key-123456"
 
 
 @pytest.fixture
-def client(redis_url: str) -> Iterator[TestClient]:
+def client(redis_target: RedisTarget) -> Iterator[TestClient]:
     cfg = load_config(env={}, overrides={
-        "redis": {"url": redis_url},
+        "redis": {"url": redis_target.url},
         "gateway": {"api_keys": KEYS, "admin_keys": {"root": {"key": ADMIN, "role": "admin"}},
                     "request_state_keys": ["00" * 32]},
         "context": {"max_entry_bytes": 4096, "channel_max_bytes": 65536}})

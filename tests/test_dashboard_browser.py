@@ -1,6 +1,7 @@
 """The dashboard in a real headless Chromium (Debian's ``chromium``), driven over the
 DevTools protocol: the page asks for a key, loads with an admin key, and its numbers
-move while MCP load and trainer reports run. A screenshot is written to bench/out/."""
+move while MCP load and trainer reports run, on a single Redis and on a Redis Cluster. A
+screenshot is written to bench/out/."""
 
 from __future__ import annotations
 
@@ -18,12 +19,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-import redis as redis_sync
 from websockets.sync.client import connect
 
 from shared import control, keys
+from shared.redis_client import close_sync
 from tests.admin_support import ADMIN_KEY, MCP_KEY, bearer, live_gateway
-from tests.conftest import wait_for_sync
+from tests.conftest import RedisTarget, wait_for_sync
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None and not os.environ.get("LEARNMESH_REQUIRE_BROWSER"),
@@ -102,20 +103,18 @@ def _mcp_load(url: str, stop: threading.Event) -> None:
             stop.wait(0.01)
 
 
-async def _legacy_session(redis_url: str, principal: str) -> None:
-    import redis.asyncio as aioredis
-
+async def _legacy_session(target: RedisTarget, principal: str) -> None:
     from gateway.mcp.sessions import SessionRegistry
     from shared.config import GatewayConfig
-    r = aioredis.from_url(redis_url)
+    r = target.async_client()
     try:
         await SessionRegistry(r, r, GatewayConfig()).create(principal, "2025-11-25", {})
     finally:
         await r.aclose()
 
 
-def _trainer_reports(redis_url: str, stop: threading.Event) -> None:
-    r = redis_sync.Redis.from_url(redis_url)
+def _trainer_reports(target: RedisTarget, stop: threading.Event) -> None:
+    r = target.sync_client()
     step = 0
     try:
         while not stop.is_set():
@@ -127,7 +126,7 @@ def _trainer_reports(redis_url: str, stop: threading.Event) -> None:
             r.set(keys.MODEL_VERSION, step + 1)
             stop.wait(0.2)
     finally:
-        r.close()
+        close_sync(r)
 
 
 def _polls(b: Browser) -> int:
@@ -141,12 +140,12 @@ def _text(b: Browser, element_id: str) -> str:
     return b.js(f"document.getElementById({element_id!r}).textContent")
 
 
-def test_dashboard_live_in_headless_chromium(redis_url):
+def test_dashboard_live_in_headless_chromium(redis_target: RedisTarget) -> None:
     stop = threading.Event()
-    with live_gateway(redis_url) as srv:
+    with live_gateway(redis_target.url) as srv:
         browser = Browser()
         threads = [threading.Thread(target=_mcp_load, args=(srv.url, stop), daemon=True),
-                   threading.Thread(target=_trainer_reports, args=(redis_url, stop), daemon=True)]
+                   threading.Thread(target=_trainer_reports, args=(redis_target, stop), daemon=True)]
         try:
             browser.call("Page.enable")
             browser.call("Page.navigate", url=f"{srv.url}/admin/ui?poll=250")
@@ -165,7 +164,7 @@ def test_dashboard_live_in_headless_chromium(redis_url):
 
             for t in threads:
                 t.start()
-            asyncio.run(_legacy_session(redis_url, "alice"))
+            asyncio.run(_legacy_session(redis_target, "alice"))
             first = {k: _text(browser, k) for k in ("requests-total", "loss", "step", "version")}
             wait_for_sync(lambda: all(_text(browser, k) != v for k, v in first.items()), timeout_s=30,
                           what="live numbers to change under load")

@@ -9,7 +9,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis
 import torch
 import zmq
 
@@ -19,8 +18,9 @@ from shared import keys
 from shared.config import Config, load_config
 from shared.curve import CurveClient, CurveKeys, CurveServer
 from shared.delta.codec import flatten
+from shared.redis_client import close_sync
 from shared.zmq_util import make_socket
-from tests.conftest import free_port, wait_for_sync
+from tests.conftest import RedisTarget, free_port, wait_for_sync
 
 
 def make_cfg(tmp_path: Path, **compression) -> Config:
@@ -140,10 +140,11 @@ def converge(sub: DeltaSubscriber, version: int, timeout_s: float = 15.0) -> Non
                   timeout_s=timeout_s, what=f"worker to reach version {version}")
 
 
-def test_join_by_snapshot_then_follow_deltas_and_ack(tmp_path: Path, ctx: zmq.Context, redis_url: str) -> None:
+def test_join_by_snapshot_then_follow_deltas_and_ack(tmp_path: Path, ctx: zmq.Context,
+                                                     redis_target: RedisTarget) -> None:
     cfg = make_cfg(tmp_path)
     trainer = model(1)
-    r = redis.Redis.from_url(redis_url)
+    r = redis_target.sync_client()
     pub = DeltaPublisher(cfg, ctx, trainer, 10, "m", redis_client=r)
     g = torch.Generator().manual_seed(2)
     train_step(trainer, g)
@@ -166,7 +167,7 @@ def test_join_by_snapshot_then_follow_deltas_and_ack(tmp_path: Path, ctx: zmq.Co
     finally:
         sub.close()
         pub.close()
-        r.close()
+        close_sync(r)
 
 
 @pytest.mark.parametrize("algorithm", ["lossless", "topk"])

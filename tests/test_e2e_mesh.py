@@ -1,6 +1,6 @@
 """The whole loop as a user sees it, against real ``learnmesh up`` processes.
 
-One mesh (tiny model, 2 workers, a trainer with 2 gloo ranks, private Redis, every port
+One mesh (tiny model, 2 workers, a trainer with 2 gloo ranks, its Redis a single server, then a cluster; every port
 free) serves many concurrent MCP clients with distinct principals over the 2025-11-25
 session revision, the 2026-07-28 stateless revision and WebSocket. They write contexts,
 generate with them, teach facts with ``learn`` and read their contexts back. Afterwards:
@@ -25,6 +25,10 @@ import pytest
 from bench.mesh_support import McpError, McpHttp, McpWs, Mesh, wait_until
 from services.trainer import ledger
 from shared import keys
+from shared.config import load_config
+from shared.redis_client import close_sync
+from shared.samples import sample_partitions
+from tests.conftest import RedisTarget
 
 FACTS = [("The capital of Zorbland is", " Quixville."), ("The moon of Plimptar is called", " Oodle."),
          ("Professor Wimble's favourite colour is", " teal.")]
@@ -44,8 +48,8 @@ TRAINABLE = os.environ.get("LEARNMESH_E2E_TRAINABLE", "all")
 
 
 @pytest.fixture
-def mesh(tmp_path: Path, redis_url: str) -> Any:
-    m = Mesh(tmp_path, redis_url, PRINCIPALS, workers=2, ranks=2,
+def mesh(tmp_path: Path, redis_target: RedisTarget) -> Any:
+    m = Mesh(tmp_path, redis_target.url, PRINCIPALS, workers=2, ranks=2,
              model={"trainable": TRAINABLE})
     with m.running():
         yield m
@@ -118,9 +122,11 @@ async def _run(mesh: Mesh) -> None:
             counts = collections.Counter(ledger.trained_ids(r))
             assert {i: c for i, c in counts.items() if c != 1} == {}, "a sample was trained more than once"
             assert set(counts) == set(acked), "the ledger holds ids nobody acknowledged"
-            assert int(r.get(keys.SAMPLE_SEQ) or 0) == len(acked), "the log handed out seqs nobody holds"
+            partitions = sample_partitions(load_config(env={}, overrides={"redis": {"url": mesh.redis_url}}))
+            handed_out = sum(int(r.get(keys.sample_seq(p)) or 0) for p in range(partitions))
+            assert handed_out == len(acked), "the log handed out seqs nobody holds"
         finally:
-            r.close()
+            close_sync(r)
 
         # every context holds exactly what its owner wrote, in order; nobody else can name it
         for res in results:
@@ -162,7 +168,7 @@ def _bit_exact(mesh: Mesh) -> bool:
         served = [r.hget(keys.component_status(f"worker:{w['id']}"), "weights_digest")
                   for w in mesh.workers_status().get("workers", [])]
     finally:
-        r.close()
+        close_sync(r)
     return bool(digest) and len(served) >= mesh.workers and all(d == digest for d in served)
 
 

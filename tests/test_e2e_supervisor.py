@@ -15,7 +15,7 @@ import pytest
 
 from services.supervisor import Child, Supervisor, child_configs, load_or_create_keys, wait_ready
 from shared.config import load_config
-from tests.conftest import free_port, wait_for_sync
+from tests.conftest import RedisTarget, free_port, wait_for_sync
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,13 +59,15 @@ def test_wait_ready_gives_up_on_a_gateway_that_never_answers() -> None:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_gateway_told_to_stop_drains_and_exits_0(redis_url: str, tmp_path: Path, sig: signal.Signals) -> None:
+def test_a_gateway_told_to_stop_drains_and_exits_0(redis_target: RedisTarget, tmp_path: Path,
+                                                   sig: signal.Signals) -> None:
     """`learnmesh gateway` on SIGTERM (what the supervisor sends) or Ctrl-C: uvicorn drains,
     then raises the signal again; the replica must end in its own code (which stops an
-    embedded Redis it started), exit code 0 — not die of the signal (-15)."""
+    embedded Redis it started, and closes its cluster client), exit code 0 — not die of the
+    signal (-15)."""
     port = free_port()
     log = (tmp_path / "gateway.log").open("wb")
-    env = dict(os.environ, REDIS_URL=redis_url)
+    env = dict(os.environ, REDIS_URL=redis_target.url)
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "gateway", "--host", "127.0.0.1", "--port",
                              str(port)], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     try:

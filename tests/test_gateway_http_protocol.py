@@ -19,7 +19,7 @@ from gateway.app import create_app
 from gateway.server import uvicorn_settings
 from gateway.transports.http_protocol import FLUSH_AT_BYTES, CoalescingTransport, GatewayHttpProtocol
 from shared.config import load_config
-from tests.conftest import free_port, wait_for
+from tests.conftest import RedisTarget, free_port, wait_for
 from tests.gateway_support import start_gateway, stop
 
 MODERN = "2026-07-28"
@@ -153,9 +153,9 @@ async def test_the_installed_uvicorn_sends_each_response_in_one_write(redis_url:
 
 
 @pytest.fixture
-def gateway(redis_url: str) -> Iterator[str]:
+def gateway(redis_target: RedisTarget) -> Iterator[str]:
     port = free_port()
-    proc = start_gateway(port, redis_url)
+    proc = start_gateway(port, redis_target.url)
     try:
         yield f"127.0.0.1:{port}"
     finally:

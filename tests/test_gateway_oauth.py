@@ -17,12 +17,12 @@ import httpx
 import jwt
 import orjson
 import pytest
-import redis as redis_sync
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import ClientConnection
 from websockets.sync.client import connect as ws_connect
 
-from tests.conftest import free_port, wait_for_sync
+from shared.redis_client import close_sync, for_each_primary_sync
+from tests.conftest import RedisTarget, free_port, wait_for_sync
 from tests.gateway_support import start_gateway, stop
 from tests.test_gateway_http import ACCEPT, modern, rpc
 
@@ -60,22 +60,22 @@ def _oauth(port: int, **extra: Any) -> dict[str, dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def oauth_gw(redis_server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+def oauth_gw(redis_target_module: RedisTarget, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     """OAuth on (principal = ``sub``) with an API key alongside; output captured at DEBUG."""
     port = free_port()
-    log = tmp_path_factory.mktemp("oauth-gw") / "gateway.log"
+    log = tmp_path_factory.mktemp(f"oauth-gw-{redis_target_module.kind}") / "gateway.log"
     with log.open("wb") as out:
-        proc = start_gateway(port, redis_server, api_keys=f"ops:{API_KEY}", overrides=_oauth(port),
+        proc = start_gateway(port, redis_target_module.url, api_keys=f"ops:{API_KEY}", overrides=_oauth(port),
                              output=out, log_level="debug")
     yield Gateway(f"http://127.0.0.1:{port}", log)
     stop(proc)
 
 
 @pytest.fixture(scope="module")
-def email_gw(redis_server: str) -> Iterator[Gateway]:
+def email_gw(redis_target_module: RedisTarget) -> Iterator[Gateway]:
     """OAuth on with ``principal_claim: email`` and no API keys."""
     port = free_port()
-    proc = start_gateway(port, redis_server, overrides=_oauth(port, principal_claim="email"))
+    proc = start_gateway(port, redis_target_module.url, overrides=_oauth(port, principal_claim="email"))
     yield Gateway(f"http://127.0.0.1:{port}")
     stop(proc)
 
@@ -183,17 +183,26 @@ def assert_ws_refused(gw: Gateway, auth: dict[str, str], challenge: str) -> None
     assert b"Traceback" not in response.body
 
 
-def principal_keys(redis_url: str) -> list[bytes]:
-    """Every key that belongs to some principal (sessions, contexts, tasks carry ``{principal}``)."""
-    client = redis_sync.Redis.from_url(redis_url)
+@pytest.fixture
+def store(redis_target_module: RedisTarget) -> RedisTarget:
+    """The module's Redis, flushed for this test."""
+    redis_target_module.flush()
+    return redis_target_module
+
+
+def principal_keys(store: RedisTarget) -> list[bytes]:
+    """Every key that belongs to some principal (sessions, contexts, tasks carry ``{principal}``),
+    on every master."""
+    client = store.sync_client()
     try:
-        return [k for k in client.scan_iter(count=1000) if b"{" in k]
+        return [k for keys in for_each_primary_sync(client, lambda node: list(node.scan_iter(count=1000)))
+                for k in keys if b"{" in k]
     finally:
-        client.close()
+        close_sync(client)
 
 
 # ------------------------------------------------------------------ RFC 9728 document
-def test_protected_resource_metadata(oauth_gw: Gateway, redis_server: str) -> None:
+def test_protected_resource_metadata(oauth_gw: Gateway, redis_target_module: RedisTarget) -> None:
     for path in (WELL_KNOWN, WELL_KNOWN + "/mcp"):
         r = httpx.get(oauth_gw.base + path)
         assert r.status_code == 200 and r.headers["content-type"].startswith("application/json")
@@ -201,7 +210,7 @@ def test_protected_resource_metadata(oauth_gw: Gateway, redis_server: str) -> No
                             "bearer_methods_supported": ["header"]}
         assert SECRET not in r.text
     port = free_port()
-    proc = start_gateway(port, redis_server, api_keys=f"ops:{API_KEY}")
+    proc = start_gateway(port, redis_target_module.url, api_keys=f"ops:{API_KEY}")
     try:
         plain = Gateway(f"http://127.0.0.1:{port}")
         for path in (WELL_KNOWN, WELL_KNOWN + "/mcp"):
@@ -216,12 +225,12 @@ def test_protected_resource_metadata(oauth_gw: Gateway, redis_server: str) -> No
 
 
 # ------------------------------------------------------------------ accepted tokens
-def test_valid_jwt_is_the_sub_principal_on_both_revisions(oauth_gw: Gateway, redis_url: str) -> None:
+def test_valid_jwt_is_the_sub_principal_on_both_revisions(oauth_gw: Gateway, store: RedisTarget) -> None:
     token = bearer(mint(sub="alice"))
     assert echo_text(tool(oauth_gw, token, "t_echo", text="hi")) == "alice:hi"
     session = Legacy(oauth_gw, token)
     assert echo_text(session.tool("t_echo", text="old")) == "alice:old"
-    assert any(k.startswith(b"lm:{alice}:sess:") for k in principal_keys(redis_url))
+    assert any(k.startswith(b"lm:{alice}:sess:") for k in principal_keys(store))
     # an API key works alongside OAuth, as its own principal
     assert echo_text(tool(oauth_gw, bearer(API_KEY), "t_echo", text="k")) == "ops:k"
     assert echo_text(Legacy(oauth_gw, bearer(API_KEY)).tool("t_echo", text="k")) == "ops:k"
@@ -230,7 +239,7 @@ def test_valid_jwt_is_the_sub_principal_on_both_revisions(oauth_gw: Gateway, red
     assert echo_text(tool(oauth_gw, listed, "t_echo", text="l")) == "dave:l"
 
 
-def test_principal_claim_is_configurable(email_gw: Gateway, redis_url: str) -> None:
+def test_principal_claim_is_configurable(email_gw: Gateway, store: RedisTarget) -> None:
     token = bearer(mint(sub="mallory", email="carol@example.com"))
     assert echo_text(tool(email_gw, token, "t_echo", text="hi")) == "carol@example.com:hi"
     assert echo_text(Legacy(email_gw, token).tool("t_echo", text="x")) == "carol@example.com:x"
@@ -272,7 +281,7 @@ REFUSED: dict[str, Any] = {
 
 
 @pytest.mark.parametrize("case", sorted(REFUSED))
-def test_bad_token_refused_without_state(oauth_gw: Gateway, redis_url: str, case: str) -> None:
+def test_bad_token_refused_without_state(oauth_gw: Gateway, store: RedisTarget, case: str) -> None:
     token = REFUSED[case]()
     auth = bearer(token)
     challenge = oauth_gw.challenge + ', error="invalid_token"'
@@ -281,18 +290,18 @@ def test_bad_token_refused_without_state(oauth_gw: Gateway, redis_url: str, case
         "context_id": "c", "modality": "text", "text": "must not land"}}), challenge)
     assert_refused(httpx.get(oauth_gw.mcp, headers={"accept": "text/event-stream", "mcp-session-id": "x", **auth}),
                    challenge)
-    assert principal_keys(redis_url) == []
+    assert principal_keys(store) == []
 
 
 @pytest.mark.parametrize("authorization", [None, "Bearer", "Basic b3BzOnNlY3JldA==", f"Token {API_KEY}"])
-def test_missing_bearer_token_refused(oauth_gw: Gateway, redis_url: str, authorization: str | None) -> None:
+def test_missing_bearer_token_refused(oauth_gw: Gateway, store: RedisTarget, authorization: str | None) -> None:
     auth = {} if authorization is None else {"authorization": authorization}
     assert_refused(initialize(oauth_gw, auth), oauth_gw.challenge)
     assert_refused(call_modern(oauth_gw, auth, "tools/list"), oauth_gw.challenge)
-    assert principal_keys(redis_url) == []
+    assert principal_keys(store) == []
 
 
-def test_session_needs_a_valid_token_on_every_request(oauth_gw: Gateway, redis_url: str) -> None:
+def test_session_needs_a_valid_token_on_every_request(oauth_gw: Gateway, store: RedisTarget) -> None:
     session = Legacy(oauth_gw, bearer(mint(sub="alice")))
     invalid = oauth_gw.challenge + ', error="invalid_token"'
     assert_refused(session.post("ping", auth={}), oauth_gw.challenge)
@@ -301,7 +310,7 @@ def test_session_needs_a_valid_token_on_every_request(oauth_gw: Gateway, redis_u
 
 
 # ------------------------------------------------------------------ isolation by sub
-def test_two_subs_are_isolated(oauth_gw: Gateway, redis_url: str) -> None:
+def test_two_subs_are_isolated(oauth_gw: Gateway, store: RedisTarget) -> None:
     alice, bob = bearer(mint(sub="alice")), bearer(mint(sub="bob"))
     appended = tool(oauth_gw, alice, "context_append", context_id="diary", modality="text", text="alice only")
     assert appended["result"]["structuredContent"]["version"] == 1, appended
@@ -331,17 +340,17 @@ def test_two_subs_are_isolated(oauth_gw: Gateway, redis_url: str) -> None:
 
 
 # ------------------------------------------------------------------ WebSocket transport (/mcp/ws)
-def test_websocket_valid_jwt_is_the_sub_principal(oauth_gw: Gateway, redis_url: str) -> None:
+def test_websocket_valid_jwt_is_the_sub_principal(oauth_gw: Gateway, store: RedisTarget) -> None:
     with ws_open(oauth_gw, bearer(mint(sub="alice"))) as ws:
         assert ws.subprotocol == "mcp"
         ws_initialize(ws)
-        assert any(k.startswith(b"lm:{alice}:sess:") for k in principal_keys(redis_url))
+        assert any(k.startswith(b"lm:{alice}:sess:") for k in principal_keys(store))
         assert echo_text(ws_ask(ws, rpc("tools/call", {"name": "t_echo", "arguments": {"text": "ws"}},
                                         rid=2))) == "alice:ws"
         stateless, _ = modern("tools/call", {"name": "t_echo", "arguments": {"text": "new"}}, rid=3)
         assert echo_text(ws_ask(ws, stateless)) == "alice:new"
     # the connection's session goes with it
-    wait_for_sync(lambda: not any(k.startswith(b"lm:{alice}:sess:") for k in principal_keys(redis_url)),
+    wait_for_sync(lambda: not any(k.startswith(b"lm:{alice}:sess:") for k in principal_keys(store)),
                   timeout_s=10, what="alice's WebSocket session to be deleted on close")
     # an API key works alongside OAuth on this transport too, as its own principal
     with ws_open(oauth_gw, bearer(API_KEY)) as ws:
@@ -350,7 +359,7 @@ def test_websocket_valid_jwt_is_the_sub_principal(oauth_gw: Gateway, redis_url: 
                                         rid=2))) == "ops:k"
 
 
-def test_websocket_principal_claim_is_configurable(email_gw: Gateway, redis_url: str) -> None:
+def test_websocket_principal_claim_is_configurable(email_gw: Gateway, store: RedisTarget) -> None:
     with ws_open(email_gw, bearer(mint(sub="mallory", email="carol@example.com"))) as ws:
         ws_initialize(ws)
         assert echo_text(ws_ask(ws, rpc("tools/call", {"name": "t_echo", "arguments": {"text": "e"}},
@@ -362,20 +371,20 @@ WS_REFUSED = ("expired", "wrong-audience", "other-secret", "tampered-payload", "
 
 
 @pytest.mark.parametrize("case", WS_REFUSED)
-def test_websocket_bad_token_refused_at_handshake(oauth_gw: Gateway, redis_url: str, case: str) -> None:
+def test_websocket_bad_token_refused_at_handshake(oauth_gw: Gateway, store: RedisTarget, case: str) -> None:
     assert_ws_refused(oauth_gw, bearer(REFUSED[case]()), oauth_gw.challenge + ', error="invalid_token"')
-    assert principal_keys(redis_url) == []
+    assert principal_keys(store) == []
 
 
 @pytest.mark.parametrize("authorization", [None, "Bearer", f"Token {API_KEY}"])
-def test_websocket_missing_bearer_token_refused_at_handshake(oauth_gw: Gateway, redis_url: str,
+def test_websocket_missing_bearer_token_refused_at_handshake(oauth_gw: Gateway, store: RedisTarget,
                                                              authorization: str | None) -> None:
     auth = {} if authorization is None else {"authorization": authorization}
     assert_ws_refused(oauth_gw, auth, oauth_gw.challenge)
-    assert principal_keys(redis_url) == []
+    assert principal_keys(store) == []
 
 
-def test_websocket_two_subs_are_isolated(oauth_gw: Gateway, redis_url: str) -> None:
+def test_websocket_two_subs_are_isolated(oauth_gw: Gateway, store: RedisTarget) -> None:
     with ws_open(oauth_gw, bearer(mint(sub="alice"))) as alice, ws_open(oauth_gw, bearer(mint(sub="bob"))) as bob:
         ws_initialize(alice)
         ws_initialize(bob)
@@ -410,7 +419,7 @@ def test_websocket_two_subs_are_isolated(oauth_gw: Gateway, redis_url: str) -> N
 
 
 # ------------------------------------------------------------------ logs
-def test_secret_and_tokens_never_logged(oauth_gw: Gateway, redis_url: str) -> None:
+def test_secret_and_tokens_never_logged(oauth_gw: Gateway, store: RedisTarget) -> None:
     assert oauth_gw.log is not None
     good = mint(sub="alice")
     refused = [mint(exp=int(time.time()) - 120), mint(secret=OTHER_SECRET), mint(secret=None, algorithm="none"),

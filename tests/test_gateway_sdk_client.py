@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from mcp import Client
 
-from tests.conftest import free_port, wait_for_sync
+from tests.conftest import RedisTarget, free_port, wait_for_sync
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ["legacy", "2026-07-28"]
@@ -33,10 +33,10 @@ def _healthy(url: str) -> bool:
 
 
 @pytest.fixture
-def gateway_url(redis_url: str, tmp_path: Path) -> Iterator[str]:
+def gateway_url(redis_target: RedisTarget, tmp_path: Path) -> Iterator[str]:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("LEARNMESH_")}
-    env["REDIS_URL"] = redis_url
+    env["REDIS_URL"] = redis_target.url
     log = (tmp_path / "gateway.log").open("wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "gateway", "--host", "127.0.0.1", "--port", str(port),

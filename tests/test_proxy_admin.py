@@ -13,18 +13,25 @@ import redis as redis_sync
 
 from shared import keys
 from tests.admin_support import MCP_KEY, VIEWER_KEY
-from tests.conftest import wait_for_sync
+from tests.conftest import RedisTarget, wait_for_sync
 from tests.proxy_front import (
     ADMIN,
     LEGACY,
     UPSTREAM_SECRET,
     Client,
     front_gateway,
+    front_store,
     upstream_db,
     upstream_entry,
 )
 
 pytest_plugins = ("tests.proxy_front_fixtures",)
+
+
+@pytest.fixture
+def redis_url(redis_target: RedisTarget) -> str:
+    """The front gateways' Redis: a single server, then a cluster."""
+    return redis_target.url
 
 
 def _tools(base: str) -> set[str]:
@@ -95,10 +102,11 @@ def test_config_upstream_removed_at_runtime_stays_removed(redis_url: str, upstre
         in caplog.text
 
 
-def test_upstream_session_is_shared_by_replicas_and_renewed(redis_url: str, upstream: str) -> None:
+def test_upstream_session_is_shared_by_replicas_and_renewed(redis_url: str, redis_target: RedisTarget,
+                                                            upstream: str) -> None:
     proxy = {"upstreams": [upstream_entry(upstream, revision="2025-11-25")]}
     echo = {"name": "up.t_echo", "arguments": {"text": "s"}}
-    with ExitStack() as stack, redis_sync.Redis.from_url(redis_url, decode_responses=True) as r, \
+    with ExitStack() as stack, front_store(redis_target, decode_responses=True) as r, \
             redis_sync.Redis.from_url(upstream_db(upstream)) as up_redis:
         a = stack.enter_context(front_gateway(redis_url, proxy))
         b = stack.enter_context(front_gateway(redis_url, proxy))
@@ -116,11 +124,12 @@ def test_upstream_session_is_shared_by_replicas_and_renewed(redis_url: str, upst
         assert renewed and renewed != sid
 
 
-def test_upstream_session_in_redis_is_renewed_while_in_use(redis_url: str, upstream: str) -> None:
+def test_upstream_session_in_redis_is_renewed_while_in_use(redis_url: str, redis_target: RedisTarget,
+                                                          upstream: str) -> None:
     proxy = {"upstreams": [upstream_entry(upstream, revision="2025-11-25")]}
     echo = {"name": "up.t_echo", "arguments": {"text": "r"}}
     with front_gateway(redis_url, proxy, gateway={"session_idle_ttl_s": 6}) as base, \
-            redis_sync.Redis.from_url(redis_url) as r:
+            front_store(redis_target) as r:
         client = Client(base, MCP_KEY, LEGACY).open()
         client.result("tools/call", echo)
         key = keys.proxy_session("alice", "up/sampling")

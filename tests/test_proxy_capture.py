@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import httpx
 import orjson
+import pytest
 
 from tests.admin_support import MCP_KEY
+from tests.conftest import RedisTarget
 from tests.proxy_front import (
     MODERN,
     Client,
@@ -16,6 +18,12 @@ from tests.proxy_front import (
 )
 
 pytest_plugins = ("tests.proxy_front_fixtures",)
+
+
+@pytest.fixture
+def redis_url(redis_target: RedisTarget) -> str:
+    """The front gateways' Redis: a single server, then a cluster."""
+    return redis_target.url
 
 
 def test_captured_calls_become_context_entries_and_samples(redis_url: str, upstream: str) -> None:

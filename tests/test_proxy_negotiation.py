@@ -15,6 +15,7 @@ import pytest
 from gateway.app import create_app
 from shared.config import load_config
 from tests.admin_support import MCP_KEY, LiveServer
+from tests.conftest import RedisTarget
 from tests.gateway_support import register_test_tools
 from tests.proxy_front import (
     ADMIN,
@@ -28,6 +29,12 @@ from tests.proxy_front import (
 )
 
 pytest_plugins = ("tests.proxy_front_fixtures",)
+
+
+@pytest.fixture
+def redis_url(redis_target: RedisTarget) -> str:
+    """The front gateways' Redis: a single server, then a cluster."""
+    return redis_target.url
 
 
 def legacy_only(app: Any) -> Any:

@@ -7,11 +7,10 @@ import logging
 
 import httpx
 import pytest
-import redis as redis_sync
 
 from shared import keys
 from tests.admin_support import MCP_KEY
-from tests.conftest import wait_for_sync
+from tests.conftest import RedisTarget, wait_for_sync
 from tests.proxy_front import (
     ADMIN,
     BOB_KEY,
@@ -21,10 +20,17 @@ from tests.proxy_front import (
     UPSTREAM_SECRET,
     Client,
     front_gateway,
+    front_store,
     upstream_entry,
 )
 
 pytest_plugins = ("tests.proxy_front_fixtures",)
+
+
+@pytest.fixture
+def redis_url(redis_target: RedisTarget) -> str:
+    """The front gateways' Redis: a single server, then a cluster."""
+    return redis_target.url
 
 FORBIDDEN = -32003
 
@@ -59,12 +65,12 @@ def test_unlisted_principal_sees_no_upstream(redis_url: str, upstream: str) -> N
         assert "up.t_echo" in alice.names()
 
 
-def test_every_proxied_call_is_audited(redis_url: str, upstream: str) -> None:
+def test_every_proxied_call_is_audited(redis_url: str, redis_target: RedisTarget, upstream: str) -> None:
     with front_gateway(redis_url, {"upstreams": [upstream_entry(upstream)]}) as base:
         client = Client(base, MCP_KEY, MODERN).open()
         client.result("tools/call", {"name": "up.t_echo", "arguments": {"text": "audited"}})
         client.result("tools/call", {"name": "up.t_fail", "arguments": {}})
-        with redis_sync.Redis.from_url(redis_url, decode_responses=True) as r:
+        with front_store(redis_target, decode_responses=True) as r:
             def records() -> list[dict[str, str]]:
                 return [f for stream in keys.audit_streams() for _, f in r.xrange(stream)
                         if f.get("action") == "proxy.call"]
@@ -76,7 +82,8 @@ def test_every_proxied_call_is_audited(redis_url: str, upstream: str) -> None:
         assert not any("audited" in v for rec in calls.values() for v in rec.values())  # no arguments
 
 
-def test_credentials_appear_nowhere(redis_url: str, upstream: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_credentials_appear_nowhere(redis_url: str, redis_target: RedisTarget, upstream: str,
+                                    caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG)
     with front_gateway(redis_url, {"upstreams": [upstream_entry(upstream)]}) as base:
         seen: list[str] = []
@@ -95,7 +102,7 @@ def test_credentials_appear_nowhere(redis_url: str, upstream: str, caplog: pytes
         admin_read = httpx.get(base + "/admin/upstreams/up", headers=ADMIN).json()
         assert admin_read["credentials"] == {"Authorization": "env"} and TOKEN_ENV not in str(admin_read)
         seen.append(httpx.get(base + "/metrics").text)
-        with redis_sync.Redis.from_url(redis_url) as r:
+        with front_store(redis_target) as r:
             seen.extend(str(r.dump(k)) for k in r.scan_iter("*"))
     assert any("proxy:a" in s for s in seen)  # the calls did reach the upstream
     for text in [*seen, caplog.text]:

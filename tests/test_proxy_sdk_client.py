@@ -9,9 +9,16 @@ from typing import Any
 import pytest
 from mcp import Client
 
+from tests.conftest import RedisTarget
 from tests.proxy_front import LEGACY, MODERN, front_gateway, upstream_entry
 
 pytest_plugins = ("tests.proxy_front_fixtures",)
+
+
+@pytest.fixture
+def redis_url(redis_target: RedisTarget) -> str:
+    """The front gateways' Redis: a single server, then a cluster."""
+    return redis_target.url
 
 PAIRS = [("legacy", LEGACY), ("legacy", MODERN), (MODERN, LEGACY), (MODERN, MODERN)]  # (SDK mode, upstream)
 

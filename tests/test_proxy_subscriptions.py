@@ -10,10 +10,16 @@ from typing import Any
 import pytest
 
 from tests.admin_support import MCP_KEY
-from tests.conftest import wait_for_sync
+from tests.conftest import RedisTarget, wait_for_sync
 from tests.proxy_front import LEGACY, MODERN, Client, front_gateway, read_stream, upstream_entry
 
 pytest_plugins = ("tests.proxy_front_fixtures",)
+
+
+@pytest.fixture
+def redis_url(redis_target: RedisTarget) -> str:
+    """The front gateways' Redis: a single server, then a cluster."""
+    return redis_target.url
 
 URI = "upstream://up/test%3A%2F%2Fr"
 UPDATED = "notifications/resources/updated"

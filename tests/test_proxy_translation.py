@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from tests.admin_support import MCP_KEY
-from tests.conftest import wait_for_sync
+from tests.conftest import RedisTarget, wait_for_sync
 from tests.proxy_front import (
     ACCEPT,
     LEGACY,
@@ -24,6 +24,12 @@ from tests.proxy_front import (
 )
 
 pytest_plugins = ("tests.proxy_front_fixtures",)
+
+
+@pytest.fixture
+def redis_url(redis_target: RedisTarget) -> str:
+    """The front gateways' Redis: a single server, then a cluster."""
+    return redis_target.url
 
 PAIRS = [(LEGACY, LEGACY), (LEGACY, MODERN), (MODERN, LEGACY), (MODERN, MODERN)]  # (client, upstream)
 SAMPLED = {"role": "assistant", "content": {"type": "text", "text": "42"}, "model": "m"}

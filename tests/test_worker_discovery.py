@@ -1,6 +1,6 @@
 """Workers that join and leave by themselves: real `learnmesh worker` processes announce
-themselves in a real Redis, and a gateway's WorkerPool with no configured endpoint follows
-the announcements under traffic."""
+themselves in a real Redis (a single server, then a cluster), and a gateway's WorkerPool with
+no configured endpoint follows the announcements under traffic."""
 
 from __future__ import annotations
 
@@ -11,8 +11,6 @@ from argparse import Namespace
 from pathlib import Path
 
 import pytest
-import redis as redis_sync
-import redis.asyncio as aioredis
 import yaml
 from redis.cluster import key_slot
 
@@ -23,9 +21,10 @@ from shared import keys, worker_registry
 from shared.config import ConfigError, load_config
 from shared.control import now_ms
 from shared.model import build_model
+from shared.redis_client import close_sync
 from shared.worker_registry import Registration, RegistrationError, advertised_endpoint
 from shared.zmq_util import bind_address
-from tests.conftest import free_port, wait_for, wait_for_sync
+from tests.conftest import RedisTarget, free_port, wait_for, wait_for_sync
 from tests.worker_support import spawn_worker, stop, write_config
 
 DISCOVERY = {"endpoints": [], "register_interval_ms": 200, "registration_ttl_ms": 1000,
@@ -65,12 +64,12 @@ def _endpoints(pool: WorkerPool) -> set[str]:
     return {link.endpoint for link in pool.links}
 
 
-async def test_a_worker_started_under_traffic_joins_and_a_killed_one_leaves(tmp_path, redis_url):
-    path, cfg = write_config(tmp_path, 0, worker=DISCOVERY, redis_url=redis_url)
+async def test_a_worker_started_under_traffic_joins_and_a_killed_one_leaves(tmp_path, redis_target: RedisTarget):
+    path, cfg = write_config(tmp_path, 0, worker=DISCOVERY, redis_url=redis_target.url)
     build_model(cfg.model)  # warm the shared weight cache before the workers start
     endpoints = [f"tcp://127.0.0.1:{free_port()}" for _ in range(3)]
     procs = [spawn_worker(path, i, endpoints[i]) for i in range(2)]
-    redis = aioredis.Redis.from_url(redis_url)
+    redis = redis_target.async_client()
     pool = WorkerPool(cfg, redis=redis)
     assert pool.links == []  # nothing configured: every worker comes from its announcement
     await pool.start()
@@ -110,14 +109,14 @@ async def test_a_worker_started_under_traffic_joins_and_a_killed_one_leaves(tmp_
             stop(p, signal.SIGKILL)
 
 
-async def test_announcements_follow_redis_and_static_endpoints_stay(tmp_path, redis_url):
+async def test_announcements_follow_redis_and_static_endpoints_stay(tmp_path, redis_target: RedisTarget):
     """The pool's discovered part is exactly the live announcements: an expired or malformed
     one gives no connection, an announced static endpoint is not connected twice, and a
     static worker stays in the pool though nothing announces it."""
     static = f"tcp://127.0.0.1:{free_port()}"
-    _, cfg = write_config(tmp_path, 0, worker={**DISCOVERY, "endpoints": [static]}, redis_url=redis_url)
-    sync = redis_sync.Redis.from_url(redis_url)
-    redis = aioredis.Redis.from_url(redis_url)
+    _, cfg = write_config(tmp_path, 0, worker={**DISCOVERY, "endpoints": [static]}, redis_url=redis_target.url)
+    sync = redis_target.sync_client()
+    redis = redis_target.async_client()
     pool = WorkerPool(cfg, redis=redis)
     await pool.start()
     try:
@@ -145,15 +144,15 @@ async def test_announcements_follow_redis_and_static_endpoints_stay(tmp_path, re
     finally:
         await pool.close()
         await redis.aclose()
-        sync.close()
+        close_sync(sync)
 
 
-async def test_discovery_off_ignores_announcements(tmp_path, redis_url):
-    _, cfg = write_config(tmp_path, 0, worker={**DISCOVERY, "discovery": False}, redis_url=redis_url)
-    sync = redis_sync.Redis.from_url(redis_url)
+async def test_discovery_off_ignores_announcements(tmp_path, redis_target: RedisTarget):
+    _, cfg = write_config(tmp_path, 0, worker={**DISCOVERY, "discovery": False}, redis_url=redis_target.url)
+    sync = redis_target.sync_client()
     worker_registry.register(sync, Registration("a", f"tcp://127.0.0.1:{free_port()}", heartbeat_ms=now_ms()),
                              ttl_ms=60_000)
-    redis = aioredis.Redis.from_url(redis_url)
+    redis = redis_target.async_client()
     pool = WorkerPool(cfg, redis=redis)
     await pool.start()
     try:
@@ -163,13 +162,13 @@ async def test_discovery_off_ignores_announcements(tmp_path, redis_url):
     finally:
         await pool.close()
         await redis.aclose()
-        sync.close()
+        close_sync(sync)
 
 
-def test_a_worker_binding_any_port_announces_the_port_it_got(tmp_path, redis_url):
-    _, cfg = write_config(tmp_path, 0, worker={**DISCOVERY, "id": "w-{host}-{index}"}, redis_url=redis_url)
+def test_a_worker_binding_any_port_announces_the_port_it_got(tmp_path, redis_target: RedisTarget):
+    _, cfg = write_config(tmp_path, 0, worker={**DISCOVERY, "id": "w-{host}-{index}"}, redis_url=redis_target.url)
     worker = Worker(cfg, "tcp://127.0.0.1:*", worker_id_of(cfg.worker.id, 3), updates=False)
-    sync = redis_sync.Redis.from_url(redis_url)
+    sync = redis_target.sync_client()
     try:
         port = int(worker.endpoint.rsplit(":", 1)[1])
         assert worker.advertised == f"tcp://127.0.0.1:{port}" and port > 0
@@ -184,7 +183,7 @@ def test_a_worker_binding_any_port_announces_the_port_it_got(tmp_path, redis_url
         assert sync.zscore(keys.WORKERS_INDEX, worker.worker_id) is None
     finally:
         worker.sock.close(linger=0)
-        sync.close()
+        close_sync(sync)
 
 
 def test_advertised_endpoints():

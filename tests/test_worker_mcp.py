@@ -1,4 +1,5 @@
-"""`generate` and `score` over MCP: a real gateway process, a real worker process, real Redis."""
+"""`generate` and `score` over MCP: a real gateway process, a real worker process, real Redis
+(a single server, then a cluster)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 
 from gateway.tools.inference import GENERATE_OUTPUT
 from shared.model import build_model
-from tests.conftest import free_port, wait_for_sync
+from tests.conftest import RedisTarget, free_port, wait_for_sync
 from tests.worker_support import ROOT, spawn_worker, stop, write_config
 
 MODERN = "2026-07-28"
@@ -37,10 +38,10 @@ def call(url: str, name: str, arguments: dict, progress: str | None = None) -> t
 
 
 @pytest.fixture(scope="module")
-def mesh(tmp_path_factory, redis_server):
+def mesh(tmp_path_factory, redis_target_module: RedisTarget):
     port = free_port()
     tmp_path = tmp_path_factory.mktemp("mesh")
-    path, cfg = write_config(tmp_path, 1, redis_url=redis_server, extra={"gateway": {"port": port}})
+    path, cfg = write_config(tmp_path, 1, redis_url=redis_target_module.url, extra={"gateway": {"port": port}})
     build_model(cfg.model)
     worker = spawn_worker(path, 0)
     env = {k: v for k, v in os.environ.items() if not k.startswith("LEARNMESH_") and k != "REDIS_URL"}

@@ -13,7 +13,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect as ws_connect
 
 from gateway.admin.auth import admin_key_required
-from tests.conftest import free_port
+from tests.conftest import RedisTarget, free_port
 from tests.gateway_support import start_gateway, stop
 
 LIMIT = 64 * 1024
@@ -22,9 +22,9 @@ HUGE = 64 * 1024 * 1024
 
 
 @pytest.fixture(scope="module")
-def port(redis_server: str) -> Iterator[int]:
+def port(redis_target_module: RedisTarget) -> Iterator[int]:
     p = free_port()
-    proc = start_gateway(p, redis_server, overrides={"gateway": {
+    proc = start_gateway(p, redis_target_module.url, overrides={"gateway": {
         "max_body_bytes": LIMIT, "admin_keys": {"root": {"key": ADMIN_KEY, "role": "admin"}}}})
     yield p
     stop(proc)
@@ -75,7 +75,8 @@ def test_chunked_body_is_cut_off_at_the_limit(port: int, path: str, auth: str) -
         assert read_until_closed(s) == b""
 
 
-def test_a_body_within_the_limit_is_served(port: int, redis_url: str) -> None:
+def test_a_body_within_the_limit_is_served(port: int, redis_target_module: RedisTarget) -> None:
+    redis_target_module.flush()
     payload = orjson.dumps({"name": "ops-1", "role": "viewer"})
     with connection(port) as s:
         s.sendall(_head("POST", "/admin/keys", f"Authorization: Bearer {ADMIN_KEY}",

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import httpx
 import orjson
-import redis as redis_sync
 import torch
 import zmq
 
@@ -28,8 +27,9 @@ from shared import keys, wire
 from shared.config import Config, load_config
 from shared.crypto import STREAM_DELTA, EnvelopeSealer, KeyRing, SigningKey
 from shared.model import build_model
+from shared.redis_client import close_sync
 from shared.text import as_str
-from tests.conftest import free_port, wait_for
+from tests.conftest import RedisTarget, free_port, wait_for
 from tests.worker_support import ROOT, spawn_worker, stop, write_config
 
 PROMPT = {"op": "generate", "prompt": "The gateway", "max_tokens": 6, "temperature": 0.0, "entries": []}
@@ -150,17 +150,17 @@ async def test_a_delta_signed_by_another_key_is_refused(tmp_path: Path) -> None:
         stop(proc)
 
 
-async def test_keys_rotate_under_a_running_worker_and_a_retired_key_is_refused(redis_url: str,
+async def test_keys_rotate_under_a_running_worker_and_a_retired_key_is_refused(redis_target: RedisTarget,
                                                                               tmp_path: Path) -> None:
     metrics_port = free_port()
-    path, cfg = write_config(tmp_path, 1, redis_url=redis_url, extra={
+    path, cfg = write_config(tmp_path, 1, redis_url=redis_target.url, extra={
         "compression": {"algorithm": "lossless"}, "metrics": {"worker_port": metrics_port},
         "security": {"delta_key_grace_s": 2}})
     metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     params, model_id, model = _model_params(cfg)
     ring_path = Path(cfg.security.delta_key_file)
     ctx = zmq.Context()
-    r = redis_sync.Redis.from_url(redis_url)
+    r = redis_target.sync_client()
     pub = DeltaPublisher(cfg, ctx, params, 0, model_id, redis_client=r)
     ops = TrainerOps(cfg, r, pub)
     proc = spawn_worker(path, 0)
@@ -218,7 +218,7 @@ async def test_keys_rotate_under_a_running_worker_and_a_retired_key_is_refused(r
         pub.close()
         ctx.term()
         stop(proc)
-        r.close()
+        close_sync(r)
 
 
 def test_learnmesh_up_splits_an_old_combined_key_file_before_anything_starts(tmp_path: Path) -> None:

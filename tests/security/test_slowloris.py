@@ -15,7 +15,7 @@ import orjson
 import pytest
 from raw_http import WAIT_S, connection, read_response, read_until_closed
 
-from tests.conftest import free_port, wait_for_sync
+from tests.conftest import RedisTarget, free_port, wait_for_sync
 from tests.gateway_support import start_gateway, stop
 
 DEADLINE_S = 0.5  # small, so the test waits little; the waits below allow far longer
@@ -31,11 +31,11 @@ class Gateway:
 
 
 @pytest.fixture(scope="module")
-def gw(redis_server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+def gw(redis_target_module: RedisTarget, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     port = free_port()
-    log = tmp_path_factory.mktemp("slowloris") / "gateway.log"
+    log = tmp_path_factory.mktemp(f"slowloris-{redis_target_module.kind}") / "gateway.log"
     with log.open("wb") as out:
-        proc = start_gateway(port, redis_server, output=out, overrides={
+        proc = start_gateway(port, redis_target_module.url, output=out, overrides={
             "gateway": {"header_timeout_s": DEADLINE_S, "body_timeout_s": DEADLINE_S}})
         yield Gateway(port, log)
         stop(proc)
