@@ -357,6 +357,20 @@ async def test_one_server_keeps_the_global_accounting_inside_the_script(r):
     assert await accounted("p1") == (size(b"x" * 10), 1_071_001) and (await s.principals())[0] == "p1"
 
 
+async def test_a_posted_stamp_never_moves_the_global_lru_back(r):
+    """On a cluster the stamps ride beside the script calls and two of them can reach Redis out
+    of order (the first waited for the slot map, the next did not): the newer one stays."""
+    if not isinstance(r, aioredis.RedisCluster):
+        pytest.skip("one server: the script stamps inside the call, in order")
+    clock = Clock()
+    s = make(r, clock, global_lru_resolution_ms=1000)
+    lru = keys.ctx_global_lru(keys.ctx_global_shard("p1"))
+    await r.zadd(lru, {"p1": 2_000_000})  # a newer use, already stamped
+    await s.append("p1", "c", "text", "user", b"x" * 10)  # stamps 1_000_000 afterwards
+    await s._global.settled()
+    assert await r.zscore(lru, "p1") == 2_000_000
+
+
 async def test_the_evictor_skips_a_principal_used_after_its_stamp(r):
     """A principal used after the stamp the evictor saw is no longer the LRU: its script says
     so and keeps everything; the evictor's lease lets one replica sweep at a time."""

@@ -114,7 +114,9 @@ class GlobalAccounts:
         changes, self._bytes_due = self._bytes_due, {}
         for shard, members in stamps.items():
             lru = keys.ctx_global_lru(shard)
-            self._post(pack_command(("ZADD", lru, *[x for p, ms in members.items() for x in (ms, p)])), lru)
+            # GT: a stamp only moves forward, so two posted stamps that reach Redis out of
+            # order (one waited for the cluster's slot map, the next did not) keep the newer.
+            self._post(pack_command(("ZADD", lru, "GT", *[x for p, ms in members.items() for x in (ms, p)])), lru)
         for shard, deltas in changes.items():
             gb = keys.ctx_global_bytes(shard)
             for who, delta in deltas.items():
