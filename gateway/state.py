@@ -33,6 +33,7 @@ from gateway.proxy import store as proxy_store
 from gateway.proxy.proxy import Proxy
 from gateway.registry import Registry
 from shared import keys
+from shared.aio import spawn
 from shared.config import Config
 
 if TYPE_CHECKING:  # the components import this module for the type, so only the type checker follows back
@@ -228,14 +229,7 @@ class Gateway:
                 self._append_note(principal, sid, Notification(method=method))
 
     def _append_note(self, principal: str, sid: str, note: Notification) -> None:
-        task = asyncio.ensure_future(self.sessions.append_event(principal, sid, note))
-        self._notes.add(task)
-        task.add_done_callback(self._note_written)
-
-    def _note_written(self, task: asyncio.Task[Any]) -> None:
-        self._notes.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("could not log a notification for a session stream: %s", type(task.exception()).__name__)
+        spawn(self.sessions.append_event(principal, sid, note), self._notes, "logging a notification for a session stream")
 
     async def run_control_listener(self) -> None:
         """Follow the control channel for the life of the replica. After a reconnect the session

@@ -12,6 +12,11 @@ so each loop asks it once per round.
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 def stop_if_cancelled() -> None:
@@ -25,3 +30,18 @@ async def pause(seconds: float) -> None:
     """``asyncio.sleep`` for a background loop's next round, unless it was asked to stop."""
     stop_if_cancelled()
     await asyncio.sleep(seconds)
+
+
+def spawn(coro: Coroutine[Any, Any, Any], tasks: set[asyncio.Task[Any]], what: str) -> asyncio.Task[Any]:
+    """Run ``coro`` in the background, held in ``tasks`` (the owner cancels them when it
+    stops) until it ends; a failure is logged as ``what`` failing, never raised to anyone."""
+    task = asyncio.ensure_future(coro)
+    tasks.add(task)
+
+    def done(t: asyncio.Task[Any]) -> None:
+        tasks.discard(t)
+        if not t.cancelled() and t.exception() is not None:
+            log.warning("%s failed: %s", what, type(t.exception()).__name__)
+
+    task.add_done_callback(done)
+    return task

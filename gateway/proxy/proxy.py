@@ -40,7 +40,7 @@ from gateway.proxy.exchange import CallHooks, changed_list, forwardable_capabili
 from gateway.proxy.resources import ResourceFollowers
 from gateway.proxy.wire import Hooks, Message, StdioWire
 from shared import keys, metrics
-from shared.aio import pause
+from shared.aio import pause, spawn
 from shared.audit import BatchedAudit, record
 from shared.config import ProxyAllow, UpstreamConfig
 
@@ -464,14 +464,7 @@ class Proxy:
         self._audit.add(entry)  # written with the other calls' records of the next few ms
 
     def _spawn(self, coro: Any) -> None:
-        task = asyncio.ensure_future(coro)
-        self._background.add(task)
-        task.add_done_callback(self._finished)
-
-    def _finished(self, task: asyncio.Task[Any]) -> None:
-        self._background.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("proxy background write failed: %s", type(task.exception()).__name__)
+        spawn(coro, self._background, "a proxy background write")
 
     async def _forward(self, call: Call, up: Upstream, method: str, params: dict[str, Any],
                        headers: dict[str, str] | None) -> dict[str, Any]:
