@@ -168,6 +168,8 @@ def _train_rank(rank: int, case: TrainCase, port: int, steps: int, peak_s: float
     import torch
     import torch.distributed as dist
 
+    from services.trainer.dist import leave
+
     world = case.world
     r = _build_rank(case, rank, world)
     allreduce = dist.all_reduce
@@ -196,8 +198,7 @@ def _train_rank(rank: int, case: TrainCase, port: int, steps: int, peak_s: float
             "tokens_per_sample": float(totals[1]) / float(totals[0]), "lr": t.lr, "optimizer": t.optimizer,
             "batch_size": t.batch_size, "powersgd_rank": t.powersgd_rank}))
     dist.destroy_process_group()
-    # as a trainer rank does (services/trainer/main.py): gloo's threads can abort the process in static destructors
-    os._exit(0)
+    leave(0)
 
 
 def _run_steps(r: _Rank, rank: int, world: int, steps: int, counted: list[int],

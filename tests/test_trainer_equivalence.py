@@ -75,7 +75,7 @@ def _config(redis_url: str, tmp_path: Path, name: str, **trainer: Any) -> tuple[
 
 
 def _rank_main(rank: int, world: int, master_port: int, cfg_path: str, scenario: str, out: str) -> None:
-    from services.trainer.dist import RankEnv, init_distributed, teardown
+    from services.trainer.dist import RankEnv, init_distributed, leave, teardown
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port))
     cfg = load_config(cfg_path, env={})
@@ -86,6 +86,7 @@ def _rank_main(rank: int, world: int, master_port: int, cfg_path: str, scenario:
     finally:
         trainer.close()
         teardown()
+    leave(0)  # as a trainer rank leaves: past gloo's static destructors
 
 
 def _train(trainer: Trainer) -> dict[str, Any]:

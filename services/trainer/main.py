@@ -24,7 +24,7 @@ from redis import Redis
 
 from services.trainer import checkpoint
 from services.trainer.data import ContextReader, SampleSource
-from services.trainer.dist import RankEnv, RankGroup, init_distributed, teardown
+from services.trainer.dist import RankEnv, RankGroup, init_distributed, leave, teardown
 from services.trainer.leader import Leader
 from services.trainer.ledger import Ledger, Offset, Position
 from services.trainer.loop import StepObserver, Trainer
@@ -66,15 +66,7 @@ def preflight(cfg: Config) -> None:
 def rank_main(cfg: Config, observers: Sequence[StepObserver] = ()) -> NoReturn:
     """Run this process as one rank and exit with its status."""
     configure_logging(os.environ.get("RANK", "?"))
-    code = run_rank(cfg, observers)
-    # Everything is checkpointed, committed and torn down by now. Leave without running
-    # interpreter/C++ static destructors: gloo's transport threads can otherwise abort
-    # the process at exit ("terminate called without an active exception"), turning a
-    # clean stop into exit code 1 (seen on torch 2.13).
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    leave(run_rank(cfg, observers))  # checkpointed, committed and torn down by now
 
 
 def configure_logging(who: str) -> None:
