@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,13 +84,20 @@ def sdk_upstream(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     return up
 
 
-def _front(redis_url: str, up: Upstream) -> Any:
+def _front(redis_url: str, up: Upstream, list_ttl_s: float = 3600.0) -> Any:
     """A front gateway on ``up`` that only alice may use; its lists are kept long enough that only
     a change announced can make it fetch them again within a test."""
     entry = {"name": "up", "url": up.url, "headers_from_env": {"Authorization": TOKEN_ENV}, "timeout_s": 10.0,
              "revision": up.revision}
     return front_gateway(redis_url, {"upstreams": [entry], "allow": {"principals": {"alice": ["up"]}},
-                                     "list_ttl_s": 3600.0})
+                                     "list_ttl_s": list_ttl_s})
+
+
+def test_the_first_list_is_fetched_on_a_clock_younger_than_the_list_ttl(redis_url: str, sdk_upstream: Upstream) -> None:
+    """The monotonic clock counts from boot: a list TTL longer than the host's uptime must not make
+    the never-fetched lists look fresh (and empty)."""
+    with _front(redis_url, sdk_upstream, list_ttl_s=2 * time.monotonic() + 3600) as base:
+        assert "up.echo" in Client(base, MCP_KEY, MODERN).names()
 
 
 def _publish(redis_url: str, message: dict[str, Any]) -> None:

@@ -63,7 +63,7 @@ ALLOW_CACHE_MAX = 65_536
 class Catalog:
     """One upstream's lists as the gateway's clients see them (names and URIs rewritten)."""
 
-    fetched_at: float = 0.0  # monotonic; 0: never
+    fetched_at: float | None = None  # monotonic; None: never (a monotonic clock may start near 0 at boot)
     lists: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     tools: dict[str, str] = field(default_factory=dict)    # exposed name -> upstream's name
     prompts: dict[str, str] = field(default_factory=dict)
@@ -249,12 +249,12 @@ class Proxy:
         return out
 
     async def _catalog(self, principal: str, up: Upstream) -> Catalog | None:
-        fresh = time.monotonic() - up.catalog.fetched_at < self.config.list_ttl_s
-        if fresh:
+        fetched_at = up.catalog.fetched_at
+        if fetched_at is not None and time.monotonic() - fetched_at < self.config.list_ttl_s:
             return up.catalog
         if up.refresh is None or up.refresh.done():
             up.refresh = asyncio.create_task(self._refresh(principal, up), name=f"proxy-lists-{up.name}")
-        if up.catalog.fetched_at:
+        if fetched_at is not None:
             return up.catalog  # stale but usable while the fresh one comes
         try:
             await asyncio.shield(up.refresh)
@@ -278,7 +278,7 @@ class Proxy:
                 raw = []
             catalog.lists[kind] = [self._rewrite(up, kind, e, catalog, own.tools, own.prompts) for e in raw]
             catalog.lists[kind] = [e for e in catalog.lists[kind] if e]
-        catalog.fetched_at = time.monotonic() if up.changes == changes else 0.0
+        catalog.fetched_at = time.monotonic() if up.changes == changes else None
         up.catalog = catalog
 
     async def _fetch_all(self, principal: str, up: Upstream, method: str, kind: str) -> list[dict[str, Any]]:
@@ -330,7 +330,7 @@ class Proxy:
         up = self.upstreams.get(upstream)
         if up is not None:
             up.changes += 1
-            up.catalog.fetched_at = 0.0
+            up.catalog.fetched_at = None
 
     # ------------------------------------------------------------------ routing
     def _resolve(self, name: str, kind: str) -> tuple[Upstream, str] | None:
@@ -522,7 +522,7 @@ class Proxy:
         breaker = up.client.breaker
         return {"name": name, "enabled": up.cfg.enabled, "revision": up.client.revision or "unknown",
                 "breaker": breaker.state, "consecutive_failures": breaker.failures,
-                "lists_age_s": round(time.monotonic() - up.catalog.fetched_at, 1) if up.catalog.fetched_at else None,
+                "lists_age_s": None if up.catalog.fetched_at is None else round(time.monotonic() - up.catalog.fetched_at, 1),
                 "tools": len(up.catalog.tools), "transport": "http" if up.cfg.url else "stdio",
                 "calls": up.calls, "errors": up.errors}
 
