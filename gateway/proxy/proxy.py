@@ -37,6 +37,7 @@ from gateway.proxy.capture import capture
 from gateway.proxy.client import UpstreamClient, header_value
 from gateway.proxy.errors import UpstreamFailed
 from gateway.proxy.exchange import CallHooks, changed_list, forwardable_capabilities, upstream_meta
+from gateway.proxy.health import BreakerBoard
 from gateway.proxy.resources import ResourceFollowers
 from gateway.proxy.wire import Hooks, Message, StdioWire
 from shared import keys, metrics
@@ -107,6 +108,8 @@ class Proxy:
         self._audit = BatchedAudit(gateway.redis)
         self._counters: dict[tuple[str, str, str], Any] = {}
         self._decisions: dict[tuple[str, str, str | None], bool] = {}  # see allowed()
+        self.breakers = BreakerBoard(gateway.redis, gateway.replica_id, self.config.health_ttl_s,
+                                     lambda: self.upstreams)
 
     @property
     def active(self) -> bool:
@@ -119,6 +122,7 @@ class Proxy:
         async with self._apply_lock:
             await self._apply(configs)
         self.gateway.dispatcher.invalidate_lists()
+        self.breakers.changed()  # the mesh-wide view shows the new set without waiting a round
 
     async def _apply(self, configs: list[UpstreamConfig]) -> None:
         wanted = {c.name: c for c in configs}
@@ -164,7 +168,8 @@ class Proxy:
 
     def _client(self, cfg: UpstreamConfig) -> UpstreamClient:
         gw = self.gateway
-        return UpstreamClient(cfg, gw.redis, self.config.breaker, gw.config.gateway.session_idle_ttl_s)
+        return UpstreamClient(cfg, gw.redis, self.config.breaker, gw.config.gateway.session_idle_ttl_s,
+                              self.breakers.changed)
 
     async def _close(self, up: Upstream) -> None:
         self.resources.forget(up.name)
@@ -177,6 +182,7 @@ class Proxy:
             log.warning("proxy upstream %s did not close cleanly", up.name)
 
     async def close(self) -> None:
+        await self.breakers.close()
         self.resources.close()
         for up in list(self.upstreams.values()):
             await self._close(up)
@@ -518,6 +524,7 @@ class Proxy:
 
     # ------------------------------------------------------------------ admin reads
     def health(self, name: str) -> dict[str, Any]:
+        """The upstream on this replica (the mesh's breakers: ``self.breakers``)."""
         up = self.upstreams[name]
         breaker = up.client.breaker
         return {"name": name, "enabled": up.cfg.enabled, "revision": up.client.revision or "unknown",
