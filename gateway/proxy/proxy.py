@@ -32,7 +32,7 @@ from gateway.errors import (
 from gateway.mcp.dispatcher import Call, InputRequired
 from gateway.mcp.kernel import header_form, param_header_spec
 from gateway.proxy import names
-from gateway.proxy.breaker import STATE_VALUE
+from gateway.proxy.breaker import CLOSED, STATE_VALUE
 from gateway.proxy.capture import capture
 from gateway.proxy.client import UpstreamClient, header_value
 from gateway.proxy.errors import UpstreamFailed
@@ -82,13 +82,14 @@ class Upstream:
     watcher: asyncio.Task[None] | None = None
     latency: Any = None  # its /metrics children, looked up once
     breaker_gauge: Any = None
-    breaker_state: str | None = None  # what breaker_gauge shows
+    breaker_state: str = CLOSED  # what breaker_gauge shows
     calls: int = 0  # on this replica, for the dashboard (/metrics has the rest)
     errors: int = 0
 
     def __post_init__(self) -> None:
         self.latency = metrics.PROXY_LATENCY.labels(self.cfg.name)
         self.breaker_gauge = metrics.PROXY_BREAKER.labels(self.cfg.name)
+        self.breaker_gauge.set(STATE_VALUE[CLOSED])  # a reopened upstream's new breaker, not the old one's state
 
     @property
     def name(self) -> str:
