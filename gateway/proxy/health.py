@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, Field, ValidationError
 from redis.exceptions import RedisError
 
-from gateway.proxy.breaker import OPEN
+from gateway.proxy.breaker import CLOSED, OPEN
 from shared import keys
 from shared.aio import spawn
 from shared.control import now_ms
@@ -81,6 +81,7 @@ class BreakerBoard:
         self._pending: asyncio.Task[Any] | None = None
         self._again = False
         self._published = False
+        self._closed = False  # withdrawn: calls failing while the replica stops must not write it back
 
     # ------------------------------------------------------------------ this replica
     def local(self) -> dict[str, dict[str, Any]]:
@@ -90,7 +91,7 @@ class BreakerBoard:
         for name, up in self._upstreams().items():
             breaker = up.client.breaker
             state = breaker.state
-            opened = None if state == "closed" else now_wall - round((now_mono - breaker.opened_at) * 1000)
+            opened = None if state == CLOSED else now_wall - round((now_mono - breaker.opened_at) * 1000)
             retry_at = opened + round(breaker.reset_s * 1000) if opened is not None and state == OPEN else None
             out[name] = {"state": state, "consecutive_failures": breaker.failures, "opened_ms": opened,
                          "retry_at_ms": retry_at, "calls": up.calls, "errors": up.errors}
@@ -99,6 +100,8 @@ class BreakerBoard:
     def changed(self) -> None:
         """A breaker moved (or the set of upstreams did): publish soon, coalescing a burst of
         changes into one write while a write is under way."""
+        if self._closed:
+            return
         if self._pending is None or self._pending.done():
             self._pending = spawn(self._publish_changes(), self._tasks, "publishing the upstreams' breakers")
         else:
@@ -115,7 +118,7 @@ class BreakerBoard:
         """Write this replica's report and renew the hash's TTL (the stats publisher's round)."""
         async with self._lock:
             upstreams = self.local()
-            if not upstreams and not self._published:
+            if self._closed or (not upstreams and not self._published):
                 return
             ttl_ms = max(1, round(self.ttl_s * 1000))
             pipe = self.redis.pipeline(transaction=True)
@@ -126,12 +129,14 @@ class BreakerBoard:
 
     async def close(self) -> None:
         """Stop publishing and take this replica's report out (with Redis away it ages out)."""
+        self._closed = True
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=1.0)
         try:
-            await self.redis.hdel(keys.PROXY_BREAKERS, self.replica_id)
+            async with self._lock:  # after a write under way, never before it
+                await self.redis.hdel(keys.PROXY_BREAKERS, self.replica_id)
         except (RedisError, OSError) as exc:
             log.debug("could not withdraw the breakers' report: %s", type(exc).__name__)
 
