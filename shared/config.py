@@ -624,6 +624,9 @@ class ProxyConfig:
     list_ttl_s: PositiveFloat = Field(default=30.0, description="how long an upstream's lists are reused "
                                                                 "(list_changed refreshes them sooner)")
     page_size: PositiveInt = Field(default=500, description="entries per page of a merged list (nextCursor)")
+    health_ttl_s: PositiveFloat = Field(default=10.0, description="how long a replica's published breaker states "
+                                                                  "count; a replica that stops publishing drops out "
+                                                                  "of the mesh-wide health view after it")
 
     def __post_init__(self) -> None:
         names = [u.name for u in self.upstreams]
@@ -654,6 +657,9 @@ class Config:
         backlog = self.limits.max_sample_backlog
         _check(backlog == 0 or backlog >= self.trainer.max_learn_batch,
                "limits.max_sample_backlog must be 0 or >= trainer.max_learn_batch")
+        _check(self.proxy.health_ttl_s >= 2 * self.metrics.status_interval_s,
+               "proxy.health_ttl_s must be at least twice metrics.status_interval_s (how often a live "
+               "replica refreshes its breakers' report)")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -347,3 +347,9 @@ def proxy_task(principal: str, task_id: str) -> str:
 PROXY_UPSTREAMS = f"{PREFIX}proxy:upstreams"
 """Hash: upstream name -> its configuration as JSON (names of credential sources only, never their
 values), or a removal marker for a config-file upstream deleted at runtime. No principal data."""
+PROXY_BREAKERS = f"{PREFIX}proxy:breakers"
+"""Hash with a TTL: gateway replica id -> JSON ``{ts_ms, upstreams: {name: {state,
+consecutive_failures, opened_ms, retry_at_ms, calls, errors}}}``, each replica's view of the
+upstreams' circuit breakers (gateway/proxy/health.py). A field older than ``proxy.health_ttl_s``
+belongs to a replica that stopped publishing (readers delete it); the key expires when none
+publishes. No principal data."""

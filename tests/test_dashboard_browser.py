@@ -22,6 +22,7 @@ import pytest
 from websockets.sync.client import connect
 
 from shared import control, keys
+from shared.net import free_port
 from shared.redis_client import close_sync
 from tests.admin_support import ADMIN_KEY, MCP_KEY, bearer, live_gateway
 from tests.conftest import RedisTarget, wait_for_sync
@@ -198,4 +199,32 @@ def test_dashboard_live_in_headless_chromium(redis_target: RedisTarget) -> None:
             for t in threads:
                 if t.is_alive() or t.ident is not None:
                     t.join(10)
+            browser.close()
+
+
+def test_dashboard_shows_each_upstreams_breakers_over_the_replicas(redis_target: RedisTarget) -> None:
+    proxy = {"upstreams": [{"name": "weather", "url": f"http://127.0.0.1:{free_port()}/mcp"}]}
+    cell = "document.querySelector('#upstreams tbody tr')?.cells[2]?.textContent"
+    with live_gateway(redis_target.url, proxy=proxy) as srv:
+        browser, r = Browser(), redis_target.sync_client()
+        try:
+            browser.call("Page.enable")
+            browser.call("Page.navigate", url=f"{srv.url}/admin/ui?poll=250")
+            wait_for_sync(lambda: browser.js("!!document.getElementById('login')?.open"), what="the key dialog")
+            browser.js(f"document.getElementById('key').value = {ADMIN_KEY!r};"
+                       "document.getElementById('login-form').requestSubmit()")
+            wait_for_sync(lambda: browser.js(cell) == "closed on 1 replica", what="this replica's closed breaker")
+
+            def another_replica_reports_it_open() -> bool:  # as a replica that could not reach it publishes
+                now = control.now_ms()
+                r.hset(keys.PROXY_BREAKERS, "replica-b", json.dumps({"ts_ms": now, "upstreams": {"weather": {
+                    "state": "open", "consecutive_failures": 5, "opened_ms": now, "retry_at_ms": now + 30_000,
+                    "calls": 7, "errors": 5}}}))
+                return browser.js(cell) == "open on 1 of 2 replicas"
+
+            wait_for_sync(another_replica_reports_it_open, interval_s=0.2, what="the mesh-wide breaker on the page")
+            row = browser.js("[...document.querySelector('#upstreams tbody tr').cells].map(c => c.textContent)")
+            assert row == ["weather", "unknown", "open on 1 of 2 replicas", "7", "5"]
+        finally:
+            close_sync(r)
             browser.close()

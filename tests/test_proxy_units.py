@@ -1,5 +1,6 @@
-"""The proxy's pure parts: the breaker's states, name and URI mapping, and SSE line splitting
-across chunk boundaries (no network: these are the rules the integration tests rely on)."""
+"""The proxy's pure parts: the breaker's states and the changes it tells of, name and URI
+mapping, and SSE line splitting across chunk boundaries (no network: these are the rules the
+integration tests rely on)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,24 @@ def test_breaker_opens_probes_once_and_closes_or_reopens() -> None:
     assert probing.admit()
     probing.succeeded()
     assert probing.state == CLOSED and probing.failures == 0 and probing.admit() and probing.admit()
+
+
+def test_breaker_tells_of_state_changes_only() -> None:
+    moves: list[str] = []
+    breaker = Breaker(failures=2, reset_s=3600.0, on_change=lambda: moves.append(breaker.state))
+    for _ in range(3):
+        breaker.succeeded()  # calls that pass move nothing
+    breaker.failed()
+    assert moves == []
+    breaker.failed()
+    breaker.failed()  # a call in flight when it opened fails too: still open, nothing to tell
+    assert moves == [OPEN]
+    breaker.succeeded()
+    assert moves == [OPEN, CLOSED]
+    probing = Breaker(failures=1, reset_s=0.0, on_change=lambda: moves.append("moved"))
+    moves.clear()
+    probing.failed()  # open, then half-open once read
+    assert probing.state == HALF_OPEN and moves == ["moved", "moved"]
 
 
 @pytest.mark.parametrize("uri", ["test://r", "file:///a b/c?x=1#f", "https://h/p?q=%2F", "urn:x:y"])

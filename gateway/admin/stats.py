@@ -7,7 +7,8 @@ samples this process's registry once per interval, keeps a short ring of samples
 derives windowed rates and histogram quantiles from differences, then publishes the
 snapshot to Redis (``keys.GATEWAY_STATS``) so any replica's /admin/summary shows all
 replicas. The same task refreshes the per-worker version and lag gauges and the
-context store's byte count.
+context store's byte count, and republishes the proxy's breaker states
+(gateway/proxy/health.py), whose TTL it keeps alive.
 """
 
 from __future__ import annotations
@@ -150,11 +151,13 @@ async def _refresh_gauges(gateway: Gateway, labelled: set[str]) -> None:
 
 
 async def run_stats_publisher(gateway: Gateway, interval_s: float) -> None:
-    """Publish the snapshot and refresh the gauges every ``interval_s`` until cancelled."""
+    """Publish the snapshot and the breakers' states and refresh the gauges every ``interval_s``
+    until cancelled."""
     labelled: set[str] = set()
     while True:
         try:
             await publish_stats(gateway)
+            await gateway.proxy.breakers.publish()
             await _refresh_gauges(gateway, labelled)
         except Exception as exc:  # noqa: BLE001 - Redis down: the gateway reports 503 elsewhere; keep sampling
             log.debug("admin stats publish failed: %s", exc)

@@ -13,6 +13,7 @@ from gateway.admin.common import admin_router, current_version, redis_hash, view
 from gateway.admin.sessions import session_info, session_refs
 from gateway.admin.stats import publish_stats
 from gateway.admin.trainer import trainer_report
+from gateway.admin.upstreams import mesh_health
 from gateway.admin.workers import mesh_workers
 from gateway.state import Gateway, gateway_of
 from shared import control, keys
@@ -88,6 +89,6 @@ async def summary(request: Request, who: AdminPrincipal = viewer) -> dict[str, A
         "samples": await _samples(gateway),
         "sessions": {"shown": sessions},
         "contexts": await _contexts(gateway),
-        "upstreams": [gateway.proxy.health(name) for name in sorted(gateway.proxy.upstreams)],
+        "upstreams": [u.model_dump() for u in await mesh_health(gateway)],
         "who": {"name": who.name, "role": who.role},
     }

@@ -1,5 +1,7 @@
 """The proxy's upstream MCP servers at runtime: list, add, change, enable/disable, remove and
-health, for every replica at once (the set lives in Redis: gateway/proxy/store.py).
+health, for every replica at once (the set lives in Redis: gateway/proxy/store.py). Health shows
+the answering replica's view of the upstream and every live replica's breaker
+(gateway/proxy/health.py), so an operator behind a load balancer sees the whole mesh.
 
 Reads show where a credential comes from (``env`` or ``file``) for each header, never its
 value, the variable's name or the file's path; a URL is shown without user info or query.
@@ -8,16 +10,18 @@ value, the variable's name or the file's path; a URL is shown without user info 
 from __future__ import annotations
 
 import dataclasses
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 from fastapi import Body, HTTPException, Request
 from fastapi import Path as PathParam
+from pydantic import BaseModel, Field
 
 from gateway.admin.auth import AdminPrincipal
 from gateway.admin.common import E404, E409, E422, admin, admin_router, audit_action, viewer
 from gateway.proxy import store
 from gateway.proxy.client import credential_headers, describe_sources
+from gateway.proxy.health import BreakerReport, BreakerState, MeshBreakers, mesh_summary
 from gateway.state import Gateway, gateway_of
 from shared.config import ConfigError, UpstreamConfig
 
@@ -43,11 +47,46 @@ def public_view(cfg: UpstreamConfig) -> dict[str, Any]:
     return out
 
 
-def _view(gateway: Gateway, cfg: UpstreamConfig) -> dict[str, Any]:
+class UpstreamHealth(BaseModel):
+    """An upstream as the answering replica sees it, and its breaker on every live replica."""
+
+    name: str
+    enabled: bool
+    revision: str = Field(description="the revision spoken with it (unknown: not negotiated yet)")
+    transport: Literal["http", "stdio"]
+    lists_age_s: float | None = Field(description="age of the replica's copy of its lists; null: none")
+    tools: int = Field(ge=0)
+    replica: str = Field(description="the replica answering; breaker to errors are its own")
+    breaker: BreakerState
+    consecutive_failures: int = Field(ge=0)
+    calls: int = Field(ge=0)
+    errors: int = Field(ge=0)
+    mesh: MeshBreakers
+    per_replica: list[BreakerReport] = Field(description="the answering replica first, then the others by id")
+
+
+def health(gateway: Gateway, name: str, breakers: dict[str, list[BreakerReport]]) -> UpstreamHealth:
+    """``name``'s health (open on this replica); ``breakers``: ``gateway.proxy.breakers.read()``."""
+    reports = breakers.get(name, [])
+    return UpstreamHealth(**gateway.proxy.health(name), replica=gateway.replica_id, mesh=mesh_summary(reports),
+                          per_replica=reports)
+
+
+async def mesh_health(gateway: Gateway) -> list[UpstreamHealth]:
+    """Every upstream open on this replica, by name (the dashboard's panel)."""
+    breakers = await gateway.proxy.breakers.read()
+    return [health(gateway, name, breakers) for name in sorted(gateway.proxy.upstreams)]
+
+
+def _view(gateway: Gateway, cfg: UpstreamConfig, breakers: dict[str, list[BreakerReport]]) -> dict[str, Any]:
     out = public_view(cfg)
     if cfg.name in gateway.proxy.upstreams:
-        out["health"] = gateway.proxy.health(cfg.name)
+        out["health"] = health(gateway, cfg.name, breakers).model_dump()
     return out
+
+
+async def _viewed(gateway: Gateway, cfg: UpstreamConfig) -> dict[str, Any]:
+    return _view(gateway, cfg, await gateway.proxy.breakers.read())
 
 
 def _validated(body: dict[str, Any]) -> UpstreamConfig:
@@ -72,10 +111,12 @@ async def _existing(gateway: Gateway, name: str) -> UpstreamConfig:
     return cfg
 
 
-@router.get("/upstreams", summary="Upstream MCP servers the proxy serves, with their health")
+@router.get("/upstreams", summary="Upstream MCP servers the proxy serves, with their health on every replica")
 async def list_upstreams(request: Request, who: AdminPrincipal = viewer) -> dict[str, Any]:
     gateway = gateway_of(request)
-    return {"upstreams": [_view(gateway, c) for c in await store.load(gateway.redis)]}
+    configs = await store.load(gateway.redis)
+    breakers = await gateway.proxy.breakers.read()
+    return {"upstreams": [_view(gateway, c, breakers) for c in configs]}
 
 
 @router.post("/upstreams", status_code=201, summary="Add an upstream (every replica)",
@@ -92,13 +133,13 @@ async def add_upstream(request: Request, body: Annotated[dict[str, Any], Body()]
     await store.put(gateway.redis, cfg)
     await audit_action(gateway, who, "upstream.add", upstream=cfg.name)
     await _changed(gateway)
-    return _view(gateway, cfg)
+    return await _viewed(gateway, cfg)
 
 
 @router.get("/upstreams/{name}", summary="One upstream", responses={404: E404})
 async def get_upstream(request: Request, name: Name, who: AdminPrincipal = viewer) -> dict[str, Any]:
     gateway = gateway_of(request)
-    return _view(gateway, await _existing(gateway, name))
+    return await _viewed(gateway, await _existing(gateway, name))
 
 
 @router.patch("/upstreams/{name}", summary="Enable, disable or tune an upstream (every replica)",
@@ -113,7 +154,7 @@ async def patch_upstream(request: Request, name: Name, body: Annotated[dict[str,
     await store.put(gateway.redis, cfg)
     await audit_action(gateway, who, "upstream.change", upstream=name, fields=",".join(sorted(body)))
     await _changed(gateway)
-    return _view(gateway, cfg)
+    return await _viewed(gateway, cfg)
 
 
 @router.delete("/upstreams/{name}", summary="Remove an upstream (every replica; stays removed after a restart)",
@@ -127,11 +168,11 @@ async def delete_upstream(request: Request, name: Name, who: AdminPrincipal = ad
     return {"removed": name}
 
 
-@router.get("/upstreams/{name}/health", summary="An upstream's breaker, revision and lists on this replica",
-            responses={404: E404})
-async def upstream_health(request: Request, name: Name, who: AdminPrincipal = viewer) -> dict[str, Any]:
+@router.get("/upstreams/{name}/health", responses={404: E404},
+            summary="An upstream's revision, lists and breaker on this replica, and its breaker on every live replica")
+async def upstream_health(request: Request, name: Name, who: AdminPrincipal = viewer) -> UpstreamHealth:
     gateway = gateway_of(request)
     await _existing(gateway, name)
     if name not in gateway.proxy.upstreams:
         raise HTTPException(404, f"upstream {name!r} is not open on this replica (its credentials cannot be read)")
-    return gateway.proxy.health(name)
+    return health(gateway, name, await gateway.proxy.breakers.read())

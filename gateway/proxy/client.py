@@ -23,7 +23,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,7 +101,7 @@ class UpstreamClient:
     """Speaks MCP to one upstream for every principal of this replica."""
 
     def __init__(self, cfg: UpstreamConfig, redis: aioredis.Redis, breaker: BreakerConfig,
-                 session_ttl_s: int) -> None:
+                 session_ttl_s: int, on_breaker_change: Callable[[], None] | None = None) -> None:
         self.cfg = cfg
         self.name = cfg.name
         self.redis = redis
@@ -111,7 +111,7 @@ class UpstreamClient:
                            else StdioWire(cfg.command or [], stdio_env(cfg)))
         self.revision: str | None = None if cfg.revision == "auto" else cfg.revision
         self.legacy_version = LEGACY_VERSION  # what initialize agreed on
-        self.breaker = Breaker(breaker.failures, breaker.reset_s)
+        self.breaker = Breaker(breaker.failures, breaker.reset_s, on_breaker_change)
         self.gate = asyncio.Semaphore(cfg.concurrency)
         self._ids = itertools.count(1)
         self._sessions: dict[Seat, str] = {}  # upstream session ids (this replica's copy of Redis)

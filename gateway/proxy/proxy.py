@@ -32,11 +32,12 @@ from gateway.errors import (
 from gateway.mcp.dispatcher import Call, InputRequired
 from gateway.mcp.kernel import header_form, param_header_spec
 from gateway.proxy import names
-from gateway.proxy.breaker import STATE_VALUE
+from gateway.proxy.breaker import CLOSED, STATE_VALUE
 from gateway.proxy.capture import capture
 from gateway.proxy.client import UpstreamClient, header_value
 from gateway.proxy.errors import UpstreamFailed
 from gateway.proxy.exchange import CallHooks, changed_list, forwardable_capabilities, upstream_meta
+from gateway.proxy.health import BreakerBoard
 from gateway.proxy.resources import ResourceFollowers
 from gateway.proxy.wire import Hooks, Message, StdioWire
 from shared import keys, metrics
@@ -81,13 +82,14 @@ class Upstream:
     watcher: asyncio.Task[None] | None = None
     latency: Any = None  # its /metrics children, looked up once
     breaker_gauge: Any = None
-    breaker_state: str | None = None  # what breaker_gauge shows
+    breaker_state: str = CLOSED  # what breaker_gauge shows
     calls: int = 0  # on this replica, for the dashboard (/metrics has the rest)
     errors: int = 0
 
     def __post_init__(self) -> None:
         self.latency = metrics.PROXY_LATENCY.labels(self.cfg.name)
         self.breaker_gauge = metrics.PROXY_BREAKER.labels(self.cfg.name)
+        self.breaker_gauge.set(STATE_VALUE[CLOSED])  # a reopened upstream's new breaker, not the old one's state
 
     @property
     def name(self) -> str:
@@ -107,6 +109,8 @@ class Proxy:
         self._audit = BatchedAudit(gateway.redis)
         self._counters: dict[tuple[str, str, str], Any] = {}
         self._decisions: dict[tuple[str, str, str | None], bool] = {}  # see allowed()
+        self.breakers = BreakerBoard(gateway.redis, gateway.replica_id, self.config.health_ttl_s,
+                                     lambda: self.upstreams)
 
     @property
     def active(self) -> bool:
@@ -119,6 +123,7 @@ class Proxy:
         async with self._apply_lock:
             await self._apply(configs)
         self.gateway.dispatcher.invalidate_lists()
+        self.breakers.changed()  # the mesh-wide view shows the new set without waiting a round
 
     async def _apply(self, configs: list[UpstreamConfig]) -> None:
         wanted = {c.name: c for c in configs}
@@ -164,7 +169,8 @@ class Proxy:
 
     def _client(self, cfg: UpstreamConfig) -> UpstreamClient:
         gw = self.gateway
-        return UpstreamClient(cfg, gw.redis, self.config.breaker, gw.config.gateway.session_idle_ttl_s)
+        return UpstreamClient(cfg, gw.redis, self.config.breaker, gw.config.gateway.session_idle_ttl_s,
+                              self.breakers.changed)
 
     async def _close(self, up: Upstream) -> None:
         self.resources.forget(up.name)
@@ -177,6 +183,7 @@ class Proxy:
             log.warning("proxy upstream %s did not close cleanly", up.name)
 
     async def close(self) -> None:
+        await self.breakers.close()
         self.resources.close()
         for up in list(self.upstreams.values()):
             await self._close(up)
@@ -518,6 +525,7 @@ class Proxy:
 
     # ------------------------------------------------------------------ admin reads
     def health(self, name: str) -> dict[str, Any]:
+        """The upstream on this replica (the mesh's breakers: ``self.breakers``)."""
         up = self.upstreams[name]
         breaker = up.client.breaker
         return {"name": name, "enabled": up.cfg.enabled, "revision": up.client.revision or "unknown",

@@ -138,6 +138,14 @@ function fillTable(id, rows, cells, empty) {
   body.replaceChildren(frag);
 }
 
+// An upstream's breakers over the live replicas: each replica keeps its own (gateway/proxy/health.py).
+function breakers(m) {
+  const n = `${m.replicas} replica${m.replicas === 1 ? "" : "s"}`;
+  if (m.open > 0) return `open on ${m.open} of ${n}` + (m.half_open > 0 ? `, half-open on ${m.half_open}` : "");
+  if (m.half_open > 0) return `half-open on ${m.half_open} of ${n}`;
+  return `closed on ${n}`;
+}
+
 function render(s) {
   const t = Date.now();
   const gw = s.gateway || {}, tr = s.trainer || {}, sync = s.sync || {};
@@ -166,10 +174,13 @@ function render(s) {
     x.id.slice(0, 8) + "…", x.principal, x.protocol_version || "–", fmt(x.events),
     x.ttl_s === null ? "–" : `${fmt(x.ttl_s, 0)} s`,
   ], "no legacy sessions");
-  fillTable("upstreams", s.upstreams || [], (u) => [
-    u.enabled ? u.name : u.name + " (disabled)", u.revision,
-    { text: u.breaker, cls: u.breaker === "closed" ? "" : "lag-bad" }, fmt(u.calls, 0), fmt(u.errors, 0),
-  ], "no upstream MCP servers");
+  fillTable("upstreams", s.upstreams || [], (u) => {
+    const m = u.mesh;
+    return [
+      u.enabled ? u.name : u.name + " (disabled)", u.revision,
+      { text: breakers(m), cls: m.open + m.half_open > 0 ? "lag-bad" : "" }, fmt(m.calls, 0), fmt(m.errors, 0),
+    ];
+  }, "no upstream MCP servers");
   const ctx = s.contexts || {};
   $("ctx-bytes").textContent = ctx.global_bytes !== undefined
     ? `${bytes(ctx.global_bytes)} of ${bytes(ctx.global_budget_bytes)} · ${fmt(ctx.principals)} principals` : "";
