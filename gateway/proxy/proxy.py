@@ -35,7 +35,7 @@ from gateway.proxy import names
 from gateway.proxy.breaker import STATE_VALUE
 from gateway.proxy.capture import capture
 from gateway.proxy.client import UpstreamClient, header_value
-from gateway.proxy.errors import UpstreamFailed
+from gateway.proxy.errors import StdioCapReached, UpstreamFailed
 from gateway.proxy.exchange import CallHooks, changed_list, forwardable_capabilities, upstream_meta
 from gateway.proxy.resources import ResourceFollowers
 from gateway.proxy.stdio_pool import CATALOG
@@ -445,6 +445,9 @@ class Proxy:
             raise
         except UpstreamFailed as exc:
             outcome = exc.reason
+            raise
+        except StdioCapReached:
+            outcome = "busy"
             raise
         except McpError:
             outcome = "rpc_error"
