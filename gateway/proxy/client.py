@@ -46,7 +46,7 @@ from gateway.mcp.types import (
 from gateway.proxy.breaker import Breaker
 from gateway.proxy.errors import StdioCapReached, UpstreamFailed, WireClosed
 from gateway.proxy.stdio_pool import CATALOG, StdioPool
-from gateway.proxy.wire import NO_HOOKS, Answer, Hooks, HttpWire, StdioWire
+from gateway.proxy.wire import NO_HOOKS, Answer, Hooks, HttpWire, StdioWire, Wire
 from shared import keys
 from shared.config import BreakerConfig, ConfigError, UpstreamConfig
 from shared.secret_files import read_private_text
@@ -59,8 +59,6 @@ FORWARDED_CAPABILITIES: dict[str, Any] = {"elicitation": {}, "roots": {"listChan
 ALL_FORWARDED = tuple(FORWARDED_CAPABILITIES)
 # Asked of a stdio upstream's lists process rather than the principal's (the answers are everyone's).
 CATALOG_METHODS = frozenset({"tools/list", "resources/list", "resources/templates/list", "prompts/list"})
-
-Wire = HttpWire | StdioWire
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,7 +231,7 @@ class UpstreamClient:
             note_headers["mcp-method"] = "notifications/cancelled"
         try:
             await wire.send(_encode(Notification(method="notifications/cancelled", params=params)),
-                                 note_headers, None, NO_HOOKS)
+                            note_headers, None, NO_HOOKS)
         except (OSError, WireClosed):
             pass  # the upstream is gone: nothing left to cancel
 
@@ -312,7 +310,7 @@ class UpstreamClient:
         caps = {c: FORWARDED_CAPABILITIES[c] for c in seat.capabilities}
         params = {"protocolVersion": LEGACY_VERSION, "capabilities": caps, "clientInfo": CLIENT_INFO}
         answer = await wire.send(_encode(Request(jsonrpc="2.0", id=rid, method="initialize", params=params)),
-                                      {"mcp-protocol-version": LEGACY_VERSION}, rid, NO_HOOKS)
+                                 {"mcp-protocol-version": LEGACY_VERSION}, rid, NO_HOOKS)
         result = self._result("initialize", answer)
         version = result.get("protocolVersion")
         self.legacy_version = version if isinstance(version, str) else LEGACY_VERSION

@@ -7,8 +7,9 @@ listen streams may name one URI) and one follower holding the upstream's stream 
 2026-07-28 a ``subscriptions/listen`` with those ``resourceSubscriptions`` (restarted when the set
 changes); on 2025-11-25 ``resources/subscribe`` on the principal's upstream session and that
 session's GET stream. A stdio upstream's stream is the principal's own process
-(gateway/proxy/stdio_pool.py), held while the follower runs. An update becomes ``Gateway.notify_resource_updated`` for the client's form
-of the URI, which reaches the principal's subscribed sessions and listen streams on every replica.
+(gateway/proxy/stdio_pool.py), held while the follower runs. An update becomes
+``Gateway.notify_resource_updated`` for the client's form of the URI, which reaches the
+principal's subscribed sessions and listen streams on every replica.
 A subscription lives as long as the client's (until unsubscribe, or the listen stream ends) on
 the replica that took it.
 """

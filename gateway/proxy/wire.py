@@ -303,8 +303,9 @@ class StdioWire:
     async def close(self) -> None:
         """Stop the process as the MCP stdio transport asks: its input closed, then SIGTERM, then
         SIGKILL, each after ``STDIO_STOP_GRACE_S``; it is reaped before this returns."""
-        self.closed = True
-        proc = self.proc
+        async with self._start_lock:  # a start under way ends first; none begins after
+            self.closed = True
+            proc = self.proc
         if proc is not None and proc.returncode is None:
             if proc.stdin is not None:
                 proc.stdin.close()
