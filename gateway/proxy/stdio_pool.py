@@ -55,8 +55,9 @@ class StdioPool:
             raise WireClosed(f"upstream {self.upstream!r} was closed")
         wire = self._wires.get(key)
         evicted = None
+        if key != CATALOG and (wire is None or not (wire.leases or wire.running)):  # a process to start
+            evicted = self._make_room()
         if wire is None:
-            evicted = self._make_room() if key != CATALOG else None
             wire = self._wires[key] = StdioWire(self.command, self.env,
                                                 Hooks(notify=functools.partial(self._note, key)))
         self._wires.move_to_end(key)
