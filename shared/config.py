@@ -577,6 +577,11 @@ class UpstreamConfig:
     headers_from_file: dict[str, str] = Field(default_factory=dict, description="header -> 0600 file")
     timeout_s: PositiveFloat = 30.0
     concurrency: PositiveInt = Field(default=16, description="calls in flight to this upstream per gateway replica")
+    stdio_max_processes: StrictInt = Field(
+        default=32, ge=1, le=4096, description="stdio: principals' processes alive at once per replica (one each; "
+                                               "the lists' own process comes on top)")
+    stdio_idle_s: StrictFloat = Field(default=300.0, gt=0, le=86_400,
+                                      description="stdio: a process unused this long is stopped")
     capture: StrictBool | CaptureTools = Field(
         default=False, description="true, or {tools: [...]}: calls become entries in the caller's context")
     enabled: StrictBool = True

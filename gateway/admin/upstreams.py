@@ -28,7 +28,8 @@ from shared.config import ConfigError, UpstreamConfig
 router = admin_router()
 
 Name = Annotated[str, PathParam(pattern=r"^[a-z0-9_-]{1,32}$", description="an upstream's name")]
-PATCHABLE = frozenset({"enabled", "timeout_s", "concurrency", "capture", "revision"})
+PATCHABLE = frozenset({"enabled", "timeout_s", "concurrency", "capture", "revision", "stdio_max_processes",
+                       "stdio_idle_s"})
 
 
 def public_view(cfg: UpstreamConfig) -> dict[str, Any]:
@@ -44,6 +45,7 @@ def public_view(cfg: UpstreamConfig) -> dict[str, Any]:
         out["transport"], out["url"] = "http", urlunsplit((parts.scheme, netloc, parts.path, "", ""))
     else:
         out["transport"], out["program"] = "stdio", (cfg.command or [""])[0]
+        out["stdio_max_processes"], out["stdio_idle_s"] = cfg.stdio_max_processes, cfg.stdio_idle_s
     return out
 
 

@@ -10,6 +10,9 @@ Revisions:
   that no longer knows the session (HTTP 404) gets a new one and the request is sent again.
 - ``auto``: ``server/discover`` decides once per upstream (2026-07-28 when offered, else 2025-11-25).
 
+A stdio upstream runs one process per principal on each replica (gateway/proxy/stdio_pool.py),
+each with its own session; its lists are fetched through one more process of its own.
+
 Every call passes the breaker and the concurrency bound, and runs under ``timeout_s``; what
 fails becomes :class:`~gateway.proxy.errors.UpstreamFailed`, naming the upstream and never a
 credential. The upstream's own JSON-RPC errors keep their code and message.
@@ -41,7 +44,8 @@ from gateway.mcp.types import (
     Request,
 )
 from gateway.proxy.breaker import Breaker
-from gateway.proxy.errors import UpstreamFailed, WireClosed
+from gateway.proxy.errors import StdioCapReached, UpstreamFailed, WireClosed
+from gateway.proxy.stdio_pool import CATALOG, StdioPool
 from gateway.proxy.wire import NO_HOOKS, Answer, Hooks, HttpWire, StdioWire, Wire
 from shared import keys
 from shared.config import BreakerConfig, ConfigError, UpstreamConfig
@@ -53,6 +57,8 @@ CLIENT_INFO = {"name": "learnmesh-proxy", "version": "0.1.0"}
 # What the gateway can carry back to its own clients (gateway/proxy/proxy.py forwards them).
 FORWARDED_CAPABILITIES: dict[str, Any] = {"elicitation": {}, "roots": {"listChanged": True}, "sampling": {}}
 ALL_FORWARDED = tuple(FORWARDED_CAPABILITIES)
+# Asked of a stdio upstream's lists process rather than the principal's (the answers are everyone's).
+CATALOG_METHODS = frozenset({"tools/list", "resources/list", "resources/templates/list", "prompts/list"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,9 +112,9 @@ class UpstreamClient:
         self.name = cfg.name
         self.redis = redis
         self.session_ttl_s = session_ttl_s
-        creds = credential_headers(cfg)
-        self.wire: Wire = (HttpWire(cfg.url, creds, cfg.timeout_s) if cfg.url is not None
-                           else StdioWire(cfg.command or [], stdio_env(cfg)))
+        self.http = HttpWire(cfg.url, credential_headers(cfg), cfg.timeout_s) if cfg.url is not None else None
+        self.stdio = None if cfg.url is not None else StdioPool(
+            cfg.name, cfg.command or [], stdio_env(cfg), cfg.stdio_max_processes, cfg.stdio_idle_s)
         self.revision: str | None = None if cfg.revision == "auto" else cfg.revision
         self.legacy_version = LEGACY_VERSION  # what initialize agreed on
         self.breaker = Breaker(breaker.failures, breaker.reset_s, on_breaker_change)
@@ -116,7 +122,6 @@ class UpstreamClient:
         self._ids = itertools.count(1)
         self._sessions: dict[Seat, str] = {}  # upstream session ids (this replica's copy of Redis)
         self._locks: dict[str, asyncio.Lock] = {}
-        self._stdio_session = 0  # generation of the stdio process the session was opened on
         self._cancels: set[asyncio.Future[Any]] = set()  # background writes: cancellations, session renewals
         self._renewed: dict[Seat, float] = {}  # when each session's Redis TTL was last renewed
 
@@ -148,6 +153,9 @@ class UpstreamClient:
         except UpstreamFailed:
             self.breaker.failed()
             raise
+        except StdioCapReached:
+            self.breaker.abandoned()  # the gateway's own capacity, not the upstream failing
+            raise
         except McpError:
             self.breaker.succeeded()  # the upstream answered: it is alive
             raise
@@ -172,15 +180,23 @@ class UpstreamClient:
 
     async def _request(self, principal: str, method: str, params: dict[str, Any], hooks: Hooks,
                        headers: Mapping[str, str], capabilities: tuple[str, ...]) -> dict[str, Any]:
+        if self.stdio is None:
+            return await self._over(self._http(), Seat(principal, capabilities), method, params, hooks, headers)
+        # A stdio session is opened with every capability: the process serves this principal only,
+        # and a question its client cannot answer is refused by gateway/proxy/exchange.py.
+        async with self.stdio.lease(CATALOG if method in CATALOG_METHODS else principal) as wire:
+            return await self._over(wire, Seat(principal, ALL_FORWARDED), method, params, hooks, headers)
+
+    async def _over(self, wire: Wire, seat: Seat, method: str, params: dict[str, Any], hooks: Hooks,
+                    headers: Mapping[str, str]) -> dict[str, Any]:
         if self.revision is None:
-            await self._negotiate(principal)
+            await self._negotiate(wire)
         if self.revision == MODERN_VERSION:
-            return self._result(method, await self._modern(method, params, hooks, headers))
-        seat = Seat(principal, capabilities if isinstance(self.wire, HttpWire) else ALL_FORWARDED)
-        return self._result(method, await self._legacy(seat, method, _legacy_params(params), hooks))
+            return self._result(method, await self._modern(wire, method, params, hooks, headers))
+        return self._result(method, await self._legacy(wire, seat, method, _legacy_params(params), hooks))
 
     # ------------------------------------------------------------------ 2026-07-28
-    async def _modern(self, method: str, params: dict[str, Any], hooks: Hooks,
+    async def _modern(self, wire: Wire, method: str, params: dict[str, Any], hooks: Hooks,
                       extra_headers: Mapping[str, str] | None = None) -> Answer:
         meta = params.get("_meta")
         meta = dict(meta) if isinstance(meta, dict) else {}
@@ -192,37 +208,39 @@ class UpstreamClient:
         name_key = NAME_BEARING.get(method)
         if name_key is not None and isinstance(params.get(name_key), str):
             headers["mcp-name"] = header_value(params[name_key])
-        return await self._exchange(body, headers, rid, hooks)
+        return await self._exchange(wire, body, headers, rid, hooks)
 
-    async def _exchange(self, body: bytes, headers: dict[str, str], rid: int, hooks: Hooks) -> Answer:
+    async def _exchange(self, wire: Wire, body: bytes, headers: dict[str, str], rid: int, hooks: Hooks) -> Answer:
         """One request and its answer; a request abandoned here (the client cancelled, or the
         timeout struck) is cancelled at the upstream too, so it stops working on it."""
         try:
-            return await self.wire.send(body, headers, rid, hooks)
+            return await wire.send(body, headers, rid, hooks)
         except asyncio.CancelledError:
-            task = asyncio.ensure_future(self._cancel_upstream(headers, rid))
+            task = asyncio.ensure_future(self._cancel_upstream(wire, headers, rid))
             self._cancels.add(task)
             task.add_done_callback(self._cancels.discard)
             raise
 
-    async def _cancel_upstream(self, headers: dict[str, str], rid: int) -> None:
+    async def _cancel_upstream(self, wire: Wire, headers: dict[str, str], rid: int) -> None:
+        if isinstance(wire, StdioWire) and not wire.running:
+            return  # the process that had the request is gone (and a new one must not start for this)
         params: dict[str, Any] = {"requestId": rid, "reason": "the gateway's client cancelled or timed out"}
         note_headers = {k: v for k, v in headers.items() if k in ("mcp-session-id", "mcp-protocol-version")}
         if headers.get("mcp-protocol-version") == MODERN_VERSION:
             params["_meta"] = {PROTOCOL_VERSION_META_KEY: MODERN_VERSION}
             note_headers["mcp-method"] = "notifications/cancelled"
         try:
-            await self.wire.send(_encode(Notification(method="notifications/cancelled", params=params)),
-                                 note_headers, None, NO_HOOKS)
+            await wire.send(_encode(Notification(method="notifications/cancelled", params=params)),
+                            note_headers, None, NO_HOOKS)
         except (OSError, WireClosed):
             pass  # the upstream is gone: nothing left to cancel
 
-    async def _negotiate(self, principal: str) -> None:
+    async def _negotiate(self, wire: Wire) -> None:
         lock = self._locks.setdefault("", asyncio.Lock())
         async with lock:
             if self.revision is not None:
                 return
-            answer = await self._modern("server/discover", {}, NO_HOOKS)
+            answer = await self._modern(wire, "server/discover", {}, NO_HOOKS)
             result = (answer.message or {}).get("result") if answer.status == 200 else None
             offered = result.get("supportedVersions") if isinstance(result, dict) else None
             self.revision = MODERN_VERSION if isinstance(offered, list) and MODERN_VERSION in offered \
@@ -230,12 +248,12 @@ class UpstreamClient:
             log.info("upstream %s speaks %s", self.name, self.revision)
 
     # ------------------------------------------------------------------ 2025-11-25
-    async def _legacy(self, seat: Seat, method: str, params: dict[str, Any], hooks: Hooks) -> Answer:
+    async def _legacy(self, wire: Wire, seat: Seat, method: str, params: dict[str, Any], hooks: Hooks) -> Answer:
         for attempt in (1, 2):
-            sid = await self._session(seat)
+            sid = await (self._session(wire, seat) if isinstance(wire, HttpWire) else self._stdio_session(wire))
             rid = next(self._ids)
             body = _encode(Request(jsonrpc="2.0", id=rid, method=method, params=params))
-            answer = await self._exchange(body, self._session_headers(sid), rid, hooks)
+            answer = await self._exchange(wire, body, self._session_headers(sid), rid, hooks)
             if answer.status != 404 or sid is None or attempt == 2:
                 return answer
             await self._forget_session(seat)  # the upstream lost it (restart, expiry): open a new one
@@ -247,23 +265,21 @@ class UpstreamClient:
             headers["mcp-session-id"] = sid
         return headers
 
-    def _stdio_ready(self) -> bool:
-        wire = self.wire
-        return isinstance(wire, StdioWire) and self._stdio_session == wire.generation \
-            and wire.proc is not None and wire.proc.returncode is None
+    async def _stdio_session(self, wire: StdioWire) -> None:
+        """A stdio process has one session (its principal's), opened again after each restart."""
+        if wire.session_open:
+            return
+        async with wire.session_lock:
+            if not wire.session_open:
+                await self._initialize(wire, Seat("", ALL_FORWARDED))
 
-    async def _session(self, seat: Seat) -> str | None:
-        """The upstream session of ``seat``: this replica's copy, else the one in Redis, else a new one.
-        A stdio server has one session, opened again after each restart."""
-        if self._stdio_ready():
-            return None
+    async def _session(self, wire: HttpWire, seat: Seat) -> str | None:
+        """The upstream session of ``seat``: this replica's copy, else the one in Redis, else a new one."""
         sid = self._sessions.get(seat)
         if sid is not None:
             self._keep_alive(seat)
             return sid
         async with self._locks.setdefault(seat.slot, asyncio.Lock()):
-            if isinstance(self.wire, StdioWire):
-                return None if self._stdio_ready() else await self._initialize(seat)
             if seat in self._sessions:
                 return self._sessions[seat]
             stored = await self.redis.get(self._key(seat)) if seat.principal else None
@@ -271,7 +287,7 @@ class UpstreamClient:
                 sid = stored.decode() if isinstance(stored, bytes) else str(stored)
                 self._sessions[seat] = sid
                 return sid
-            return await self._initialize(seat)
+            return await self._initialize(wire, seat)
 
     def _keep_alive(self, seat: Seat) -> None:
         """Renew the Redis copy of a session in use (at most every third of its TTL), so other
@@ -289,20 +305,20 @@ class UpstreamClient:
     def _key(self, seat: Seat) -> str:
         return keys.proxy_session(seat.principal, f"{self.name}/{seat.slot}")
 
-    async def _initialize(self, seat: Seat) -> str | None:
+    async def _initialize(self, wire: Wire, seat: Seat) -> str | None:
         rid = next(self._ids)
         caps = {c: FORWARDED_CAPABILITIES[c] for c in seat.capabilities}
         params = {"protocolVersion": LEGACY_VERSION, "capabilities": caps, "clientInfo": CLIENT_INFO}
-        answer = await self.wire.send(_encode(Request(jsonrpc="2.0", id=rid, method="initialize", params=params)),
-                                      {"mcp-protocol-version": LEGACY_VERSION}, rid, NO_HOOKS)
+        answer = await wire.send(_encode(Request(jsonrpc="2.0", id=rid, method="initialize", params=params)),
+                                 {"mcp-protocol-version": LEGACY_VERSION}, rid, NO_HOOKS)
         result = self._result("initialize", answer)
         version = result.get("protocolVersion")
         self.legacy_version = version if isinstance(version, str) else LEGACY_VERSION
         sid = answer.headers.get("mcp-session-id")
-        await self.wire.send(_encode(Notification(method="notifications/initialized")), self._session_headers(sid),
-                             None, NO_HOOKS)
-        if isinstance(self.wire, StdioWire):
-            self._stdio_session = self.wire.generation
+        await wire.send(_encode(Notification(method="notifications/initialized")), self._session_headers(sid),
+                        None, NO_HOOKS)
+        if isinstance(wire, StdioWire):
+            wire.session_generation = wire.generation
             return None
         if sid is not None:
             self._sessions[seat] = sid
@@ -313,51 +329,87 @@ class UpstreamClient:
     async def _forget_session(self, seat: Seat) -> None:
         self._sessions.pop(seat, None)
         self._renewed.pop(seat, None)
-        if isinstance(self.wire, HttpWire) and seat.principal:
+        if seat.principal:
             await self.redis.delete(self._key(seat))
 
     # ------------------------------------------------------------------ the standing stream
+    def _http(self) -> HttpWire:
+        if self.http is None:
+            raise TypeError("a stdio upstream speaks over its processes' pipes")
+        return self.http
+
     async def follow(self, hooks: Hooks) -> int:
         """Hold the upstream's notification stream open until it ends (HTTP status returned):
         ``subscriptions/listen`` for list changes on 2026-07-28, the session's GET stream on
-        2025-11-25 (a session of the gateway's own, not of a principal)."""
-        if not isinstance(self.wire, HttpWire):
-            raise TypeError("a stdio upstream's notifications arrive on its pipe")
+        2025-11-25 (a session of the gateway's own, not of a principal). HTTP upstreams only."""
+        http = self._http()
         if self.revision is None:
-            await self._negotiate("")
+            await self._negotiate(http)
         if self.revision == MODERN_VERSION:
-            meta = {PROTOCOL_VERSION_META_KEY: MODERN_VERSION, CLIENT_CAPABILITIES_META_KEY: {}}
-            wanted = {"toolsListChanged": True, "resourcesListChanged": True, "promptsListChanged": True}
-            body = _encode(Request(jsonrpc="2.0", id=next(self._ids), method="subscriptions/listen",
-                                   params={"notifications": wanted, "_meta": meta}))
-            headers = {"mcp-protocol-version": MODERN_VERSION, "mcp-method": "subscriptions/listen"}
-            return await self.wire.follow(b"POST", headers, body, hooks)
+            body, headers, _ = self._listen({"toolsListChanged": True, "resourcesListChanged": True,
+                                             "promptsListChanged": True})
+            return await http.follow(b"POST", headers, body, hooks)
         seat = Seat("", ALL_FORWARDED)
-        status = await self.wire.follow(b"GET", self._session_headers(await self._session(seat)), None, hooks)
+        status = await http.follow(b"GET", self._session_headers(await self._session(http, seat)), None, hooks)
         if status == 404:
             await self._forget_session(seat)
         return status
 
-    async def negotiated(self, principal: str) -> str:
-        """The revision spoken with the upstream (asked once when ``auto``)."""
+    def _listen(self, notifications: dict[str, Any]) -> tuple[bytes, dict[str, str], int]:
+        """A 2026-07-28 ``subscriptions/listen`` request: body, headers, request id."""
+        meta = {PROTOCOL_VERSION_META_KEY: MODERN_VERSION, CLIENT_CAPABILITIES_META_KEY: {}}
+        rid = next(self._ids)
+        body = _encode(Request(jsonrpc="2.0", id=rid, method="subscriptions/listen",
+                               params={"notifications": notifications, "_meta": meta}))
+        return body, {"mcp-protocol-version": MODERN_VERSION, "mcp-method": "subscriptions/listen"}, rid
+
+    async def negotiated(self) -> str:
+        """The revision spoken with the upstream (asked once when ``auto``, within ``timeout_s``;
+        a stdio upstream is asked through its lists' process)."""
         if self.revision is None:
-            await self._negotiate(principal)
+            async with asyncio.timeout(self.cfg.timeout_s):
+                if self.stdio is None:
+                    await self._negotiate(self._http())
+                else:
+                    async with self.stdio.lease(CATALOG) as wire:
+                        await self._negotiate(wire)
         return self.revision or LEGACY_VERSION
 
     async def follow_resources(self, principal: str, uris: list[str], hooks: Hooks) -> int:
         """Hold the stream that carries ``principal``'s resource updates open until it ends: a
         ``subscriptions/listen`` naming ``uris`` on 2026-07-28; on 2025-11-25 the GET stream of
         the principal's session (subscribed with ``resources/subscribe`` beforehand)."""
-        if not isinstance(self.wire, HttpWire):
-            raise TypeError("a stdio upstream's updates arrive on its pipe")
-        if await self.negotiated(principal) == MODERN_VERSION:
-            meta = {PROTOCOL_VERSION_META_KEY: MODERN_VERSION, CLIENT_CAPABILITIES_META_KEY: {}}
-            body = _encode(Request(jsonrpc="2.0", id=next(self._ids), method="subscriptions/listen",
-                                   params={"notifications": {"resourceSubscriptions": uris}, "_meta": meta}))
-            headers = {"mcp-protocol-version": MODERN_VERSION, "mcp-method": "subscriptions/listen"}
-            return await self.wire.follow(b"POST", headers, body, hooks)
-        sid = await self._session(Seat(principal, ALL_FORWARDED))
-        return await self.wire.follow(b"GET", self._session_headers(sid), None, hooks)
+        if self.stdio is not None:
+            return await self._follow_stdio_resources(self.stdio, principal, uris, hooks)
+        http = self._http()
+        if await self.negotiated() == MODERN_VERSION:
+            body, headers, _ = self._listen({"resourceSubscriptions": uris})
+            return await http.follow(b"POST", headers, body, hooks)
+        sid = await self._session(http, Seat(principal, ALL_FORWARDED))
+        return await http.follow(b"GET", self._session_headers(sid), None, hooks)
+
+    async def _follow_stdio_resources(self, pool: StdioPool, principal: str, uris: list[str], hooks: Hooks) -> int:
+        """The principal's own process, held (so it is not stopped as idle) while it runs: on
+        2026-07-28 a ``subscriptions/listen`` request on it; on 2025-11-25 ``resources/subscribe``
+        for each URI on its session, again after each restart. Its updates reach ``hooks`` or the
+        pool's notes, both the principal's."""
+        modern = await self.negotiated() == MODERN_VERSION
+        async with pool.lease(principal) as wire:
+            if modern:
+                body, headers, rid = self._listen({"resourceSubscriptions": uris})
+                wire.streams.add(rid)
+                try:
+                    self._result("subscriptions/listen", await self._exchange(wire, body, headers, rid, hooks))
+                finally:
+                    wire.streams.discard(rid)
+                return 200
+            seat = Seat(principal, ALL_FORWARDED)
+            async with asyncio.timeout(self.cfg.timeout_s):
+                for uri in uris:
+                    self._result("resources/subscribe",
+                                 await self._legacy(wire, seat, "resources/subscribe", {"uri": uri}, NO_HOOKS))
+            await wire.exited()
+            return 200
 
     # ------------------------------------------------------------------ answers
     def _result(self, method: str, answer: Answer) -> dict[str, Any]:
@@ -382,7 +434,10 @@ class UpstreamClient:
     async def close(self) -> None:
         for task in self._cancels:
             task.cancel()
-        await self.wire.close()
+        if self.http is not None:
+            await self.http.close()
+        if self.stdio is not None:
+            await self.stdio.close()
 
 
 def _renewed(future: asyncio.Future[Any]) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.errors import UPSTREAM_FAILED, McpError
+from gateway.errors import UPSTREAM_FAILED, McpError, Unavailable
 
 
 class UpstreamFailed(McpError):
@@ -14,6 +14,17 @@ class UpstreamFailed(McpError):
         super().__init__(UPSTREAM_FAILED, message, {"upstream": upstream, "reason": reason})
         self.upstream = upstream
         self.reason = reason
+
+
+class StdioCapReached(Unavailable):
+    """Every one of a stdio upstream's ``stdio_max_processes`` processes on this replica serves
+    a call (none idle to stop for a new principal): the overload answer, HTTP 503 with a
+    Retry-After (gateway/errors.py). Not a failure of the upstream."""
+
+    def __init__(self, upstream: str, cap: int) -> None:
+        super().__init__(f"upstream {upstream!r} runs its {cap} stdio processes on this replica, all in use; "
+                         "retry later")
+        self.upstream = upstream
 
 
 class WireClosed(Exception):

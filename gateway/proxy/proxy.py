@@ -35,11 +35,12 @@ from gateway.proxy import names
 from gateway.proxy.breaker import CLOSED, STATE_VALUE
 from gateway.proxy.capture import capture
 from gateway.proxy.client import UpstreamClient, header_value
-from gateway.proxy.errors import UpstreamFailed
+from gateway.proxy.errors import StdioCapReached, UpstreamFailed
 from gateway.proxy.exchange import CallHooks, changed_list, forwardable_capabilities, upstream_meta
 from gateway.proxy.health import BreakerBoard
 from gateway.proxy.resources import ResourceFollowers
-from gateway.proxy.wire import Hooks, Message, StdioWire
+from gateway.proxy.stdio_pool import CATALOG
+from gateway.proxy.wire import Hooks, Message
 from shared import keys, metrics
 from shared.aio import pause, spawn
 from shared.audit import BatchedAudit, record
@@ -141,11 +142,12 @@ class Proxy:
                     self._watch(up)
 
     def _watch(self, up: Upstream) -> None:
-        """Follow what the upstream announces outside calls (list changes), on this replica."""
-        hooks = Hooks(notify=lambda msg: self._standing_note(up, msg))
-        if isinstance(up.client.wire, StdioWire):
-            up.client.wire.idle_hooks = hooks
+        """Follow what the upstream announces outside calls (list changes; a stdio process's
+        resource updates, which are its principal's), on this replica."""
+        if up.client.stdio is not None:
+            up.client.stdio.notes = lambda key, msg: self._stdio_note(up, key, msg)
         else:
+            hooks = Hooks(notify=lambda msg: self._standing_note(up, msg))
             up.watcher = asyncio.create_task(self._follow(up, hooks), name=f"proxy-watch-{up.name}")
 
     async def _follow(self, up: Upstream, hooks: Hooks) -> None:
@@ -166,6 +168,12 @@ class Proxy:
         kind = changed_list(msg)
         if kind is not None:
             self.gateway.list_changed_here(kind, up.name)  # every replica follows the upstream itself
+
+    async def _stdio_note(self, up: Upstream, key: str, msg: Message) -> None:
+        if key != CATALOG and msg.get("method") == "notifications/resources/updated":
+            await self.resources.updated(key, up, msg)
+        else:
+            await self._standing_note(up, msg)
 
     def _client(self, cfg: UpstreamConfig) -> UpstreamClient:
         gw = self.gateway
@@ -445,6 +453,9 @@ class Proxy:
         except UpstreamFailed as exc:
             outcome = exc.reason
             raise
+        except StdioCapReached:
+            outcome = "busy"
+            raise
         except McpError:
             outcome = "rpc_error"
             raise
@@ -532,7 +543,8 @@ class Proxy:
                 "breaker": breaker.state, "consecutive_failures": breaker.failures,
                 "lists_age_s": None if up.catalog.fetched_at is None else round(time.monotonic() - up.catalog.fetched_at, 1),
                 "tools": len(up.catalog.tools), "transport": "http" if up.cfg.url else "stdio",
-                "calls": up.calls, "errors": up.errors}
+                "calls": up.calls, "errors": up.errors,
+                **({"processes": up.client.stdio.running} if up.client.stdio is not None else {})}
 
 
 def _param_headers(spec: tuple[tuple[str, str], ...], args: dict[str, Any]) -> dict[str, str] | None:

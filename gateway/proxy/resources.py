@@ -6,8 +6,10 @@ Per (principal, upstream) this replica keeps the upstream URIs its clients watch
 listen streams may name one URI) and one follower holding the upstream's stream for them: on
 2026-07-28 a ``subscriptions/listen`` with those ``resourceSubscriptions`` (restarted when the set
 changes); on 2025-11-25 ``resources/subscribe`` on the principal's upstream session and that
-session's GET stream. An update becomes ``Gateway.notify_resource_updated`` for the client's form
-of the URI, which reaches the principal's subscribed sessions and listen streams on every replica.
+session's GET stream. A stdio upstream's stream is the principal's own process
+(gateway/proxy/stdio_pool.py), held while the follower runs. An update becomes
+``Gateway.notify_resource_updated`` for the client's form of the URI, which reaches the
+principal's subscribed sessions and listen streams on every replica.
 A subscription lives as long as the client's (until unsubscribe, or the listen stream ends) on
 the replica that took it.
 """
@@ -47,10 +49,9 @@ class ResourceFollowers:
         watched[uri] += 1
         if watched[uri] > 1:
             return
-        if await up.client.negotiated(call.principal) != MODERN_VERSION:  # 2025-11-25: the upstream keeps the set
+        if await up.client.negotiated() != MODERN_VERSION:  # 2025-11-25: the upstream keeps the set
             await up.client.request(call.principal, "resources/subscribe", {"uri": uri})
-        if up.cfg.url is not None:  # a stdio server's one session is every principal's: updates not routed
-            self._restart(key, up)
+        self._restart(key, up)
 
     async def unsubscribe(self, call: Call, client_uri: str) -> None:
         try:
@@ -84,7 +85,7 @@ class ResourceFollowers:
                                                    name=f"proxy-resources-{up.name}")
 
     async def _follow(self, principal: str, up: Upstream, uris: list[str]) -> None:
-        hooks = Hooks(notify=lambda msg: self._updated(principal, up, msg))
+        hooks = Hooks(notify=lambda msg: self.updated(principal, up, msg))
         while True:
             try:
                 await up.client.follow_resources(principal, uris, hooks)
@@ -94,7 +95,9 @@ class ResourceFollowers:
                 log.debug("proxy upstream %s: resource stream ended (%s)", up.name, type(exc).__name__)
             await pause(RETRY_S)
 
-    async def _updated(self, principal: str, up: Upstream, msg: Message) -> None:
+    async def updated(self, principal: str, up: Upstream, msg: Message) -> None:
+        """An update from the principal's stream (or a stdio upstream's process of the principal)
+        reaches the principal's subscribers, with the URI in the client's form."""
         params = msg.get("params")
         uri = params.get("uri") if isinstance(params, dict) else None
         if msg.get("method") == "notifications/resources/updated" and isinstance(uri, str):

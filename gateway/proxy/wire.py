@@ -1,5 +1,5 @@
 """How bytes reach one upstream: Streamable HTTP (pooled keep-alive connections, gateway/proxy/http1.py)
-or stdio (one subprocess, newline-delimited JSON-RPC).
+or stdio (a subprocess, newline-delimited JSON-RPC; gateway/proxy/stdio_pool.py keeps one per principal).
 
 Both offer :meth:`send`: one JSON-RPC message out, and, for a request, the upstream's answer
 back. What arrives before the answer on the same exchange (an SSE response stream, or the
@@ -20,6 +20,7 @@ from typing import Any
 
 import orjson
 
+from gateway.mcp.types import SUBSCRIPTION_ID_META_KEY
 from gateway.proxy.errors import WireClosed
 from gateway.proxy.http1 import Origin, Response
 
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 
 Message = dict[str, Any]
 STDIO_LINE_LIMIT_BYTES = 64 * 1024 * 1024
+STDIO_STOP_GRACE_S = 2.0
 STDIO_INHERITED_ENV = frozenset({"PATH", "HOME", "USER", "LOGNAME", "SHELL", "TERM", "LANG", "LC_ALL", "TMPDIR",
                                  "PYTHONPATH", "VIRTUAL_ENV", "SYSTEMROOT"})
 
@@ -176,27 +178,46 @@ def _json_object(data: bytes) -> Message | None:
 
 
 class StdioWire:
-    """A stdio server: started on first use, restarted on the next use after it exits.
+    """One process of a stdio server: started on first use, restarted on the next use after it
+    exits, never again once closed.
 
-    A stdio server has one connection, so every principal shares it (and its one session).
-    Answers are matched to requests by id; a server->client request or a notification goes to
-    the hooks of the oldest request still waiting (a stdio exchange carries no other link)."""
+    Answers are matched to requests by id. What else the server sends goes to hooks: a message
+    stamped with a waiting request's subscription id (a ``subscriptions/listen`` stream) to that
+    request's; a resource update to ``standing`` (the process serves one principal, so the update
+    is that principal's whichever call is in flight); anything else to the oldest request still
+    waiting that is not a stream (a stdio exchange carries no other link), else to ``standing``."""
 
-    def __init__(self, command: list[str], env: Mapping[str, str]) -> None:
+    def __init__(self, command: list[str], env: Mapping[str, str], standing: Hooks = NO_HOOKS) -> None:
         self.command = command
         # Not the gateway's environment (it holds the gateway's own secrets): the basics a program
         # needs, plus what the upstream's configuration names.
         self.env = {k: v for k, v in os.environ.items() if k in STDIO_INHERITED_ENV} | dict(env)
+        self.standing = standing
         self.proc: asyncio.subprocess.Process | None = None
         self.generation = 0  # bumps on every (re)start: the session must be initialized again
+        self.session_generation = 0  # the generation a 2025-11-25 session was opened on (0: none)
+        self.session_lock = asyncio.Lock()
+        self.leases = 0  # holders right now (gateway/proxy/stdio_pool.py): a process without is idle
+        self.closed = False
         self._waiting: dict[Any, tuple[asyncio.Future[Message], Hooks]] = {}
+        self.streams: set[Any] = set()  # waiting requests answered by a stream (subscriptions/listen)
         self._reader: asyncio.Task[None] | None = None
         self._start_lock = asyncio.Lock()
         self._side: set[asyncio.Task[None]] = set()  # server requests being answered (held until done)
-        self.idle_hooks = NO_HOOKS  # for what the server sends while no request waits (list_changed)
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+    @property
+    def session_open(self) -> bool:
+        """Whether the running process has its 2025-11-25 session."""
+        return self.running and self.session_generation == self.generation
 
     async def _ensure(self) -> asyncio.subprocess.Process:
         async with self._start_lock:
+            if self.closed:
+                raise WireClosed("the stdio server was stopped")
             if self.proc is None or self.proc.returncode is not None:
                 self.proc = await asyncio.create_subprocess_exec(
                     *self.command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
@@ -216,6 +237,11 @@ class StdioWire:
             return Answer(200, await future if future is not None else None, {})
         finally:
             self._waiting.pop(request_id, None)
+
+    async def exited(self) -> None:
+        """Return when the running process has ended (at once when none runs)."""
+        if self.proc is not None:
+            await self.proc.wait()
 
     async def _write(self, proc: asyncio.subprocess.Process, body: bytes) -> None:
         if proc.stdin is None or proc.returncode is not None:
@@ -250,10 +276,21 @@ class StdioWire:
             if waiting is not None and not waiting[0].done():
                 waiting[0].set_result(msg)
             return
-        hooks = next(iter(self._waiting.values()))[1] if self._waiting else self.idle_hooks
-        task = asyncio.create_task(self._serve_side(proc, msg, hooks))
+        task = asyncio.create_task(self._serve_side(proc, msg, self._hooks_of(msg)))
         self._side.add(task)
         task.add_done_callback(self._side.discard)
+
+    def _hooks_of(self, msg: Message) -> Hooks:
+        params = msg.get("params")
+        meta = params.get("_meta") if isinstance(params, dict) else None
+        stream = meta.get(SUBSCRIPTION_ID_META_KEY) if isinstance(meta, dict) else None
+        if stream is not None and stream in self._waiting:
+            return self._waiting[stream][1]
+        if msg.get("method") != "notifications/resources/updated":
+            for rid, (_, hooks) in self._waiting.items():
+                if rid not in self.streams:
+                    return hooks
+        return self.standing
 
     async def _serve_side(self, proc: asyncio.subprocess.Process, msg: Message, hooks: Hooks) -> None:
         try:
@@ -264,15 +301,28 @@ class StdioWire:
             log.warning("stdio upstream %s: could not serve a %s message", self.command[0], msg.get("method"))
 
     async def close(self) -> None:
-        proc = self.proc
+        """Stop the process as the MCP stdio transport asks: its input closed, then SIGTERM, then
+        SIGKILL, each after ``STDIO_STOP_GRACE_S``; it is reaped before this returns."""
+        async with self._start_lock:  # a start under way ends first; none begins after
+            self.closed = True
+            proc = self.proc
         if proc is not None and proc.returncode is None:
-            proc.kill()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(proc.wait(), 5)
+            if proc.stdin is not None:
+                proc.stdin.close()
+            for stop in (proc.terminate, proc.kill):
+                try:
+                    await asyncio.wait_for(proc.wait(), STDIO_STOP_GRACE_S)
+                    break
+                except TimeoutError:
+                    with contextlib.suppress(ProcessLookupError):
+                        stop()
+            await proc.wait()
         if self._reader is not None:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._reader
+        for task in list(self._side):
+            task.cancel()
 
 
 Wire = HttpWire | StdioWire
