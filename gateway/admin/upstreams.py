@@ -63,6 +63,8 @@ class UpstreamHealth(BaseModel):
     consecutive_failures: int = Field(ge=0)
     calls: int = Field(ge=0)
     errors: int = Field(ge=0)
+    processes: int | None = Field(default=None, ge=0,
+                                  description="a stdio upstream's processes running on the replica; null: not stdio")
     mesh: MeshBreakers
     per_replica: list[BreakerReport] = Field(description="the answering replica first, then the others by id")
 
