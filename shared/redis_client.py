@@ -249,6 +249,8 @@ def _refused(cfg: RedisConfig, exc: BaseException, has_password: bool) -> bool:
     problem = access_problem(exc, has_password)
     if problem is None:
         return False
+    if problem.startswith("its TLS certificate") and not cfg.tls_ca_file:
+        problem += " and no redis.tls_ca_file is set (the system's CAs were tried)"
     raise RedisAccessError(
         f"Redis at {redact_url(url_of(cfg))} refused this process: {problem}; check redis.url, "
         "redis.username, redis.password / redis.password_file and redis.tls_* (REDIS_URL, "
