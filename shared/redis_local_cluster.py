@@ -122,17 +122,52 @@ class LocalCluster:
                 self.nodes.append(self._spawn())
             for node in self.nodes:
                 _wait(lambda n=node: _answers(n), timeout_s, f"redis-server on port {node.port}")
-            binary = shutil.which("redis-cli") or "redis-cli"
-            tls = self.security.cli_args() if self.security else []
-            subprocess.run([binary, *tls, "--cluster", "create", *[n.address for n in self.nodes],  # noqa: S603
-                            "--cluster-replicas", str(self.replicas), "--cluster-yes"],
-                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=timeout_s,
-                           env=self.security.cli_env() if self.security else None)
+            self._cli("--cluster", "create", *[n.address for n in self.nodes], "--cluster-replicas",
+                      str(self.replicas), "--cluster-yes", timeout_s=timeout_s)
             self.wait_ok(timeout_s)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def add_master(self, timeout_s: float = 60.0) -> Node:
+        """Start one more node and join it as a master without slots (``redis-cli --cluster
+        add-node``); :meth:`move_slot` gives it some. Clients learn of it only from the cluster."""
+        node = self._spawn()
+        self.nodes.append(node)
+        _wait(lambda: _answers(node), timeout_s, f"redis-server on port {node.port}")
+        self._cli("--cluster", "add-node", node.address, self.nodes[0].address, timeout_s=timeout_s)
+        _wait(lambda: all(_knows(n, node) for n in self.running()), timeout_s, f"every node to know {node.address}")
+        self.wait_ok(timeout_s)
+        return node
+
+    def move_slot(self, slot: int, target: Node, timeout_s: float = 30.0) -> None:
+        """Move ``slot`` and its keys to the master ``target`` as a resharding does: IMPORTING on
+        the target, MIGRATING on the source, MIGRATE of the keys, then SETSLOT NODE on every master."""
+        with target.client(socket_timeout=timeout_s) as dst:
+            owner = next(int(master[1]) for first, last, master, *_ in dst.execute_command("CLUSTER SLOTS")
+                         if first <= slot <= last)
+            source = next(n for n in self.nodes if n.port == owner)
+            with source.client(socket_timeout=timeout_s) as src:
+                src_id, dst_id = src.execute_command("CLUSTER MYID"), dst.execute_command("CLUSTER MYID")
+                dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+                src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+                auth = [] if self.security is None else ["AUTH2", self.security.admin_user,
+                                                         self.security.admin_password]
+                while names := src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000):
+                    src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, int(timeout_s * 1000),
+                                        *auth, "KEYS", *names)
+        for node in [target, source, *self.primaries()]:
+            with node.client(socket_timeout=timeout_s) as c:
+                c.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+        self.wait_ok(timeout_s)
+
+    def _cli(self, *args: str, timeout_s: float) -> None:
+        binary = shutil.which("redis-cli") or "redis-cli"
+        tls = self.security.cli_args() if self.security else []
+        subprocess.run([binary, *tls, *args], check=True, stdout=subprocess.DEVNULL,  # noqa: S603
+                       stderr=subprocess.PIPE, timeout=timeout_s,
+                       env=self.security.cli_env() if self.security else None)
 
     def wait_ok(self, timeout_s: float = 60.0) -> None:
         """Until every running node says the cluster is ok and knows every slot's master, every
@@ -226,6 +261,16 @@ def _cluster_ok(node: Node) -> bool:
             return repl.get("master_link_status") == "up"
     except redis_sync.RedisError:
         return False
+
+
+def _knows(node: Node, other: Node) -> bool:
+    """Whether ``node`` lists ``other`` as a connected member of its cluster."""
+    try:
+        with node.client(socket_timeout=1, socket_connect_timeout=1) as c:
+            members = c.execute_command("CLUSTER NODES")  # redis-py: {address: {"connected": ...}}
+    except redis_sync.RedisError:
+        return False
+    return bool(members.get(other.address, {}).get("connected"))
 
 
 def _wait(cond: object, timeout_s: float, what: str) -> None:

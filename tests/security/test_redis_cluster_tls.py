@@ -350,3 +350,37 @@ def _worker_listed(port: int, endpoint: str) -> bool:
     workers = _admin(port, "GET", "/admin/workers")
     return any(w.get("endpoint") == endpoint and w.get("source") == "discovered"
                for w in workers.get("workers", workers if isinstance(workers, list) else []))
+
+
+async def test_a_master_that_joins_later_is_reached_with_the_same_credentials(tmp_path: Path) -> None:
+    """After a slot moves to a master the clients have never heard of, MOVED leads every client
+    there (the gateway's automatic pipeline, the store's script and library loading, a blocking
+    client of the worker or trainer) with learnmesh's user and TLS, not redis-py's defaults.
+    A cluster of its own (3 masters, no replicas: the move is the point, not the failover)."""
+    secured = start_tls_cluster(tmp_path, replicas=0)
+    try:
+        cfg = _config(secured.settings)
+        principal = _one_principal_per_master(secured)[0]
+        redis, blocking = async_client(cfg.redis), sync_client(cfg.redis, socket_timeout=5)
+        try:
+            store = ContextStore(redis, cfg.context, redis_cfg=cfg.redis)
+            await store.append(principal, "notes", "text", "user", b"before the move")
+            blocking.set(keys.teacher_grant(principal), "1")
+
+            newcomer = secured.cluster.add_master()
+            secured.cluster.move_slot(key_slot(f"{{{principal}}}".encode()), newcomer)
+
+            await store.append(principal, "notes", "text", "user", b"after the move")
+            window = await store.get_window(principal, "notes")
+            assert [e.content for e in window.channels["text"]] == [b"before the move", b"after the move"]
+            assert blocking.get(keys.teacher_grant(principal)) == b"1"
+            with newcomer.client(socket_timeout=5) as admin:
+                users = {c["user"] for c in admin.client_list() if c["user"] != "root"}
+                assert users == {"learnmesh"}, users  # the clients that followed MOVED, as learnmesh
+                assert _has_library(admin.function_list())  # loaded there on "function not found"
+        finally:
+            await redis.aclose()
+            close_sync(blocking)
+        assert _denied(secured) == []
+    finally:
+        secured.stop()
