@@ -45,6 +45,7 @@ from shared.redis_client import (
     sync_client,
     without_password,
 )
+from shared.samples import sample_partitions
 from tests.conftest import free_port, wait_for, wait_for_sync
 from tests.gateway_support import start_gateway, stop
 from tests.worker_support import TINY_MODEL, spawn_worker
@@ -337,11 +338,9 @@ def test_gateway_worker_and_trainer_through_the_secured_cluster(flushed: Secured
     cfg = _config(flushed.settings, trainer={"samples_endpoint": samples_endpoint})
     ctx = zmq.Context()
     trainer_redis = sync_client(cfg.redis, socket_timeout=5)
-    source = SampleSource(cfg, trainer_redis, ctx, {})  # type: ignore[arg-type]
+    source = SampleSource(cfg, trainer_redis, ctx, {}, partitions=sample_partitions(cfg))
     try:
-        got: list[Any] = []  # the trainer's loop: a batch, or nothing new yet and ask again
-        wait_for_sync(lambda: got.extend(source.next_batch(8, 100, lambda: False)) or got, timeout_s=30,
-                      what="the trainer's sample source to read the learned sample")
+        got = source.next_batch(8, 100, lambda: False)
         assert [(s.seq, s.principal, s.sample.input) for s in got] == [(1, principals[0], "what guards the cluster?")]
     finally:
         source.close()
