@@ -8,7 +8,8 @@ connection to them must carry the same credentials and TLS settings. Through it:
 store and the trainer's reader, a live gateway (context append/read for principals whose keys
 sit on different masters, ``learn`` into the sample log, admin listings across masters, the
 function library on every master, the control and tasks channels), a worker announcing itself,
-and the clear start-up errors of a wrong password or a missing CA. No secret reaches a log."""
+the trainer's sample source; a master added later and a slot moved onto it; and the clear
+start-up errors of a wrong password or a missing CA. No secret reaches a log."""
 
 from __future__ import annotations
 
@@ -49,7 +50,6 @@ from shared.samples import sample_partitions
 from tests.conftest import free_port, wait_for, wait_for_sync
 from tests.gateway_support import start_gateway, stop
 from tests.worker_support import TINY_MODEL, spawn_worker
-from tests.worker_support import stop as stop_worker
 
 ROOT = Path(__file__).resolve().parents[2]
 MODERN = "2026-07-28"
@@ -68,9 +68,9 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecuredCluster
 
 @pytest.fixture
 def flushed(secured: SecuredCluster) -> SecuredCluster:
-    for node in secured.cluster.primaries():
+    secured.cluster.flush()
+    for node in secured.cluster.running():
         with node.client(socket_timeout=5) as c:
-            c.flushall()
             c.acl_log_reset()
     return secured
 
@@ -322,11 +322,10 @@ def test_gateway_worker_and_trainer_through_the_secured_cluster(flushed: Secured
             assert _admin(port, "GET", f"/admin/teachers/{principals[0]}")["may_teach"] is False
         finally:
             stop(gw)
-            stop_worker(worker)
+            worker_err = _stop_reading(worker)
     gateway_log = log_path.read_text(errors="replace")
     assert flushed.secret not in gateway_log and "Traceback" not in gateway_log, gateway_log[-3000:]
     assert " lost (" not in gateway_log, gateway_log[-3000:]  # pub/sub never dropped its subscription
-    worker_err = worker.stderr.read().decode(errors="replace") if worker.stderr and not worker.stderr.closed else ""
     assert flushed.secret not in worker_err
 
     # the function library: on every master
@@ -349,6 +348,17 @@ def test_gateway_worker_and_trainer_through_the_secured_cluster(flushed: Secured
     denied = _denied(flushed)
     assert set(denied) == {"config|get (command)"}, denied  # CONFIG is @dangerous: the policy check is skipped
     assert "-@dangerous" in LEARNMESH_ACL
+
+
+def _stop_reading(proc: subprocess.Popen) -> str:
+    """Stop ``proc`` (SIGTERM, then SIGKILL) and return what it wrote to stderr."""
+    proc.terminate()
+    try:
+        _, err = proc.communicate(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate(timeout=5)
+    return (err or b"").decode(errors="replace")
 
 
 def _worker_listed(port: int, endpoint: str) -> bool:
