@@ -204,18 +204,26 @@ def without_password(url: str) -> tuple[str, str | None]:
 
 def access_problem(exc: BaseException, has_password: bool) -> str | None:
     """What is wrong when ``exc`` means Redis refused who we are (credentials, ACL, TLS
-    identity) rather than being away; None for an outage."""
+    identity) rather than being away; None for an outage. The refusal may sit in ``exc``'s
+    causes: a cluster client wraps what its seed nodes answered in a ``RedisClusterException``."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        problem = _refusal(cause, has_password)
+        if problem is not None:
+            return problem
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
+def _refusal(exc: BaseException, has_password: bool) -> str | None:
     if isinstance(exc, AuthenticationError):
         return "wrong user name or password" if has_password else "it requires a password and none is configured"
     if isinstance(exc, NoPermissionError):
         return f"the ACL user lacks a permission learnmesh needs ({exc})"
-    cause: BaseException | None = exc
-    while cause is not None:
-        if isinstance(cause, ssl.SSLCertVerificationError):
-            return f"its TLS certificate did not verify ({cause.verify_message})"
-        if isinstance(cause, ssl.SSLError):
-            return f"the TLS handshake failed ({cause.reason or cause})"
-        cause = cause.__cause__ or cause.__context__
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"its TLS certificate did not verify ({exc.verify_message})"
+    if isinstance(exc, ssl.SSLError):
+        return f"the TLS handshake failed ({exc.reason or exc})"
     return None
 
 
@@ -241,6 +249,8 @@ def _refused(cfg: RedisConfig, exc: BaseException, has_password: bool) -> bool:
     problem = access_problem(exc, has_password)
     if problem is None:
         return False
+    if problem.startswith("its TLS certificate") and not cfg.tls_ca_file:
+        problem += " and no redis.tls_ca_file is set (the system's CAs were tried)"
     raise RedisAccessError(
         f"Redis at {redact_url(url_of(cfg))} refused this process: {problem}; check redis.url, "
         "redis.username, redis.password / redis.password_file and redis.tls_* (REDIS_URL, "

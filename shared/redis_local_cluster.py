@@ -4,10 +4,15 @@ drills run against when no cluster is given. Never a fake: each node is a proces
 so a drill can kill one with SIGKILL and watch the cluster fail over.
 
 Each node needs two free ports: its client port and its cluster bus port (client port +
-10000); both are picked below the kernel's ephemeral range (see shared.net.free_port)."""
+10000); both are picked below the kernel's ephemeral range (see shared.net.free_port).
+
+With a :class:`NodeSecurity` the cluster is one as production runs it: TLS on every port a
+node opens (clients, cluster bus, replication; no plain port) and ACL users instead of the
+open default user. The harness then speaks to the nodes as the security's admin user."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -15,6 +20,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import redis as redis_sync
 
@@ -23,16 +29,65 @@ from shared.net import free_port_pair
 BUS_OFFSET = 10000  # Redis's cluster bus listens on the client port + 10000
 
 
+@dataclass(frozen=True)
+class NodeSecurity:
+    """TLS files and ACL users of every node of a cluster. ``cert_file`` / ``key_file``: what a
+    node shows to whoever connects to it; ``client_cert_file`` / ``client_key_file``: what it
+    shows when it connects to another node (cluster bus, replication) and what the harness
+    shows, since clients must present a certificate the CA signed. ``acl``: redis.conf
+    ``user`` lines, handed to each node on stdin so no password is on a command line;
+    ``admin_user`` / ``admin_password``: one of them with every permission (joining the nodes,
+    health checks, flushing), also the user replicas authenticate to their master as."""
+
+    ca_file: str
+    cert_file: str
+    key_file: str
+    client_cert_file: str
+    client_key_file: str
+    acl: tuple[str, ...]
+    admin_user: str
+    admin_password: str
+
+    def args(self, port: int) -> list[str]:
+        """redis-server arguments: TLS only, on ``port``, for clients, the bus and replication."""
+        return ["--port", "0", "--tls-port", str(port), "--tls-cluster", "yes", "--tls-replication", "yes",
+                "--tls-cert-file", self.cert_file, "--tls-key-file", self.key_file,
+                "--tls-client-cert-file", self.client_cert_file, "--tls-client-key-file", self.client_key_file,
+                "--tls-ca-cert-file", self.ca_file, "--tls-auth-clients", "yes"]
+
+    def config(self) -> str:
+        """redis.conf text with the secrets: the ACL users and the replicas' credentials."""
+        return "".join(f"{line}\n" for line in (*self.acl, f"masteruser {self.admin_user}",
+                                                 f"masterauth {self.admin_password}"))
+
+    def client_options(self) -> dict[str, Any]:
+        """redis-py keyword arguments of the admin user over TLS."""
+        return {"ssl": True, "ssl_ca_certs": self.ca_file, "ssl_certfile": self.client_cert_file,
+                "ssl_keyfile": self.client_key_file, "username": self.admin_user, "password": self.admin_password}
+
+    def cli_args(self) -> list[str]:
+        """redis-cli arguments (the password goes in REDISCLI_AUTH, see :meth:`cli_env`)."""
+        return ["--tls", "--cacert", self.ca_file, "--cert", self.client_cert_file, "--key", self.client_key_file,
+                "--user", self.admin_user]
+
+    def cli_env(self) -> dict[str, str]:
+        return {**os.environ, "REDISCLI_AUTH": self.admin_password}
+
+
 @dataclass
 class Node:
     port: int
     proc: subprocess.Popen
+    security: NodeSecurity | None = None
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
     def client(self, **options: object) -> redis_sync.Redis:
+        """A client of this node (as the admin user over TLS on a secured cluster)."""
+        if self.security is not None:
+            options = {**self.security.client_options(), **options}
         return redis_sync.Redis(host="127.0.0.1", port=self.port, **options)  # type: ignore[arg-type]
 
 
@@ -42,18 +97,22 @@ class LocalCluster:
 
     masters: int = 3
     replicas: int = 1
+    security: NodeSecurity | None = None
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="lm-redis-cluster-")))
     nodes: list[Node] = field(default_factory=list)
 
     @property
     def url(self) -> str:
-        """A seed URL (any node) in learnmesh's cluster scheme."""
-        return f"redis+cluster://{self.nodes[0].address}/0"
+        """A seed URL (any node) in learnmesh's cluster scheme (``rediss+cluster://`` over TLS)."""
+        return f"{self._scheme()}+cluster://{self.nodes[0].address}/0"
 
     @property
     def seed_url(self) -> str:
-        """The same seed as a plain ``redis://`` URL (redis-py's RedisCluster.from_url)."""
-        return f"redis://{self.nodes[0].address}/0"
+        """The same seed as a plain ``redis://`` (``rediss://``) URL (redis-py's RedisCluster.from_url)."""
+        return f"{self._scheme()}://{self.nodes[0].address}/0"
+
+    def _scheme(self) -> str:
+        return "redis" if self.security is None else "rediss"
 
     def start(self, timeout_s: float = 60.0) -> LocalCluster:
         """Start every node, join them, and wait until every node reports ``cluster_state:ok``
@@ -63,15 +122,52 @@ class LocalCluster:
                 self.nodes.append(self._spawn())
             for node in self.nodes:
                 _wait(lambda n=node: _answers(n), timeout_s, f"redis-server on port {node.port}")
-            binary = shutil.which("redis-cli") or "redis-cli"
-            subprocess.run([binary, "--cluster", "create", *[n.address for n in self.nodes],  # noqa: S603
-                            "--cluster-replicas", str(self.replicas), "--cluster-yes"],
-                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=timeout_s)
+            self._cli("--cluster", "create", *[n.address for n in self.nodes], "--cluster-replicas",
+                      str(self.replicas), "--cluster-yes", timeout_s=timeout_s)
             self.wait_ok(timeout_s)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def add_master(self, timeout_s: float = 60.0) -> Node:
+        """Start one more node and join it as a master without slots (``redis-cli --cluster
+        add-node``); :meth:`move_slot` gives it some. Clients learn of it only from the cluster."""
+        node = self._spawn()
+        self.nodes.append(node)
+        _wait(lambda: _answers(node), timeout_s, f"redis-server on port {node.port}")
+        self._cli("--cluster", "add-node", node.address, self.nodes[0].address, timeout_s=timeout_s)
+        _wait(lambda: all(_knows(n, node) for n in self.running()), timeout_s, f"every node to know {node.address}")
+        self.wait_ok(timeout_s)
+        return node
+
+    def move_slot(self, slot: int, target: Node, timeout_s: float = 30.0) -> None:
+        """Move ``slot`` and its keys to the master ``target`` as a resharding does: IMPORTING on
+        the target, MIGRATING on the source, MIGRATE of the keys, then SETSLOT NODE on every master."""
+        with target.client(socket_timeout=timeout_s) as dst:
+            owner = next(int(master[1]) for first, last, master, *_ in dst.execute_command("CLUSTER SLOTS")
+                         if first <= slot <= last)
+            source = next(n for n in self.nodes if n.port == owner)
+            with source.client(socket_timeout=timeout_s) as src:
+                src_id, dst_id = src.execute_command("CLUSTER MYID"), dst.execute_command("CLUSTER MYID")
+                dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+                src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+                auth = [] if self.security is None else ["AUTH2", self.security.admin_user,
+                                                         self.security.admin_password]
+                while names := src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000):
+                    src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, int(timeout_s * 1000),
+                                        *auth, "KEYS", *names)
+        for node in [target, source, *self.primaries()]:
+            with node.client(socket_timeout=timeout_s) as c:
+                c.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+        self.wait_ok(timeout_s)
+
+    def _cli(self, *args: str, timeout_s: float) -> None:
+        binary = shutil.which("redis-cli") or "redis-cli"
+        tls = self.security.cli_args() if self.security else []
+        subprocess.run([binary, *tls, *args], check=True, stdout=subprocess.DEVNULL,  # noqa: S603
+                       stderr=subprocess.PIPE, timeout=timeout_s,
+                       env=self.security.cli_env() if self.security else None)
 
     def wait_ok(self, timeout_s: float = 60.0) -> None:
         """Until every running node says the cluster is ok and knows every slot's master, every
@@ -127,13 +223,18 @@ class LocalCluster:
         nodedir = self.workdir / str(port)
         nodedir.mkdir(parents=True, exist_ok=True)
         binary = shutil.which("redis-server") or "redis-server"
+        ports = ["--port", str(port)] if self.security is None else ["-", *self.security.args(port)]
         # S603: redis-server from PATH, arguments built here, no shell.
-        proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(nodedir),  # noqa: S603
+        proc = subprocess.Popen([binary, *ports, "--bind", "127.0.0.1", "--dir", str(nodedir),  # noqa: S603
                                  "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                                  "--cluster-node-timeout", "2000", "--save", "", "--appendonly", "no",
                                  "--maxmemory-policy", "noeviction", "--notify-keyspace-events", ""],
+                                stdin=subprocess.PIPE if self.security else subprocess.DEVNULL,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        return Node(port, proc)
+        if self.security is not None and proc.stdin is not None:  # "-" above: the secrets come from stdin
+            with proc.stdin:
+                proc.stdin.write(self.security.config().encode())
+        return Node(port, proc, self.security)
 
 
 def _answers(node: Node) -> bool:
@@ -160,6 +261,16 @@ def _cluster_ok(node: Node) -> bool:
             return repl.get("master_link_status") == "up"
     except redis_sync.RedisError:
         return False
+
+
+def _knows(node: Node, other: Node) -> bool:
+    """Whether ``node`` lists ``other`` as a connected member of its cluster."""
+    try:
+        with node.client(socket_timeout=1, socket_connect_timeout=1) as c:
+            members = c.execute_command("CLUSTER NODES")  # redis-py: {address: {"connected": ...}}
+    except redis_sync.RedisError:
+        return False
+    return bool(members.get(other.address, {}).get("connected"))
 
 
 def _wait(cond: object, timeout_s: float, what: str) -> None:

@@ -20,6 +20,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from shared.redis_local_cluster import LocalCluster, NodeSecurity
 from shared.secret_files import write_private
 from tests.conftest import free_port, wait_for_sync
 
@@ -184,6 +185,42 @@ def start_tls(workdir: Path) -> SecuredRedis:
     return SecuredRedis("tls", proc, url, settings, {"password": password, **tls}, password,
                         {"password": pw_file, "ca": pki.ca, "client_cert": pki.client_cert,
                          "client_key": pki.client_key})
+
+
+@dataclass
+class SecuredCluster:
+    """A Redis Cluster as production runs one: TLS on every port of every node (clients, the
+    cluster bus, replication; no plain port, client certificates required), the default user
+    off, ``learnmesh`` confined by :data:`LEARNMESH_ACL`, ``root`` for the checks."""
+
+    cluster: LocalCluster
+    settings: dict[str, Any]          # the redis.* config a learnmesh process uses
+    secret: str                       # learnmesh's password: must never show up in a log
+    pki: Pki
+
+    def admin_client(self, node: int = 0) -> redis_sync.Redis:
+        return self.cluster.nodes[node].client(socket_timeout=5)
+
+    def stop(self) -> None:
+        self.cluster.stop()
+
+
+def start_tls_cluster(workdir: Path, replicas: int = 1) -> SecuredCluster:
+    """3 masters (+ ``replicas`` each) with TLS and ACL users; learnmesh's settings carry the
+    user and password in a ``rediss+cluster://`` URL, as a user would write them."""
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        pytest.skip("needs redis-server and redis-cli")
+    pki = make_pki(workdir / "pki")
+    password, root = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
+    security = NodeSecurity(str(pki.ca), str(pki.server_cert), str(pki.server_key), str(pki.client_cert),
+                            str(pki.client_key), ("user default off", f"user root on >{root} ~* &* +@all",
+                                                  f"user learnmesh on >{password} {' '.join(LEARNMESH_ACL)}"),
+                            "root", root)
+    cluster = LocalCluster(masters=3, replicas=replicas, security=security, workdir=workdir / "nodes").start()
+    seed = cluster.nodes[0].address
+    settings = {"url": f"rediss+cluster://learnmesh:{password}@{seed}/0", "tls_ca_file": str(pki.ca),
+                "tls_cert_file": str(pki.client_cert), "tls_key_file": str(pki.client_key)}
+    return SecuredCluster(cluster, settings, password, pki)
 
 
 STARTERS = {"password": start_password, "acl": start_acl, "tls": start_tls}
