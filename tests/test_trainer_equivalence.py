@@ -173,7 +173,8 @@ def _moved(params: dict[str, torch.Tensor]) -> float:
 
 
 @pytest.mark.parametrize("grad_accum_steps", [1, 2], ids=["plain", "accumulation"])
-def test_two_ranks_match_one_process(redis_url, tmp_path, grad_accum_steps):
+def test_two_ranks_match_one_process(redis_target, tmp_path, grad_accum_steps):
+    redis_url = redis_target.url
     _, two_path = _config(redis_url, tmp_path, "two", ranks=2, grad_accum_steps=grad_accum_steps)
     ranks = _spawn(2, two_path, "train", tmp_path / "two")
     one_cfg, _ = _config(redis_url, tmp_path, "one", ranks=1)
@@ -204,7 +205,8 @@ def _local_sgd_reference(cfg: Config, world: int) -> dict[str, torch.Tensor]:
     return {n: torch.stack([p[n].detach() for p in named]).sum(0) / world for n in named[0]}
 
 
-def test_local_sgd_averages_publishes_the_average_and_rolls_back(redis_url, tmp_path):
+def test_local_sgd_averages_publishes_the_average_and_rolls_back(redis_target, tmp_path):
+    redis_url = redis_target.url
     cfg, path = _config(redis_url, tmp_path, "local", ranks=2, local_sgd_period=H)
     ranks = _spawn(2, path, "local_sgd", tmp_path / "local")
     r0, r1 = ranks

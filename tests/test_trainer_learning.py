@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import redis.asyncio as aioredis
 import torch
-from trainer_support import TrainerProc, committed, trainer_config
+from trainer_support import TrainerProc, async_redis, trained, trainer_config
 
 from gateway.tools.learning import SampleIngest
 from shared.model import build_model
@@ -36,19 +35,20 @@ def _scores(model, pairs) -> list[float]:
     return model.score([model.encode(None, p, t) for p, t in pairs])
 
 
-async def test_taught_facts_are_learnt_and_held_out_loss_stays_bounded(redis_url, tmp_path):
+async def test_taught_facts_are_learnt_and_held_out_loss_stays_bounded(redis_target, tmp_path):
+    redis_url = redis_target.url
     cfg = trainer_config(redis_url, tmp_path, free_port(), ranks=1, batch_size=4, lr=1e-3, checkpoint_every=100,
                          model_factory="", model=MODEL)
     before = build_model(cfg.model)
     base_facts, base_held = _scores(before, FACTS), _scores(before, HELD_OUT)
-    redis = aioredis.Redis.from_url(redis_url)
+    redis = async_redis(redis_url)
     ingest = SampleIngest(redis, cfg)
     proc = TrainerProc(cfg, tmp_path)
     rounds = 20
     try:
         for _ in range(rounds):
             await ingest.submit("teacher", [Example(input=p, target=t) for p, t in FACTS])
-        await wait_for(lambda: int(committed(redis_url).get("seq", 0)) == rounds * len(FACTS), timeout_s=120,
+        await wait_for(lambda: trained(redis_url) == rounds * len(FACTS), timeout_s=120,
                        what="the facts to be trained")
         assert proc.term() == 0, proc.output()
     finally:
