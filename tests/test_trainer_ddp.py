@@ -1,6 +1,9 @@
-"""Two real gloo ranks: identical parameters after steps, with each comm hook and local SGD,
-on one Redis server and on a Redis Cluster (whose sample log is split into partitions);
-and how NCCL ranks are placed on a machine's GPUs (pure logic: no GPU here)."""
+"""Two real gloo ranks: identical parameters after steps, with each comm hook and local SGD;
+and how NCCL ranks are placed on a machine's GPUs (pure logic: no GPU here).
+
+On a Redis Cluster (a sample log in partitions, the ledger in one slot) the gloo ranks run with
+local SGD only: rank 0's Redis calls are the same whatever the hook, and local SGD is the case
+where they diverge most from the steps (a commit every step, a publish only every H steps)."""
 
 from __future__ import annotations
 
@@ -15,18 +18,24 @@ from services.trainer.launcher import local_ranks
 from services.trainer.tiny import build_tiny_model
 from shared.config import load_config
 from shared.samples import Example
-from tests.conftest import free_port, wait_for
+from tests.conftest import free_port, redis_modes, wait_for
 
 N = 48
 PRINCIPALS = ["alice", "bob", "carol"]
 
 
+MODES = {"fp16+accumulation": {"comm_hook": "fp16", "grad_accum_steps": 2},
+         "powersgd": {"comm_hook": "powersgd", "powersgd_rank": 1},
+         "local-sgd": {"local_sgd_period": 2}}
+CLUSTER_MODES = {"local-sgd"}
+
+
 # Plain all-reduce (no hook) with 2 ranks is covered by the dying-rank test in
 # test_trainer_exactly_once.py; each run here costs two torch start-ups.
-@pytest.mark.parametrize("mode", [{"comm_hook": "fp16", "grad_accum_steps": 2},
-                                  {"comm_hook": "powersgd", "powersgd_rank": 1},
-                                  {"local_sgd_period": 2}],
-                         ids=["fp16+accumulation", "powersgd", "local-sgd"])
+@pytest.mark.parametrize(("redis_target", "mode"),
+                         [pytest.param(kind, mode, id=f"{kind}-{name}") for kind in redis_modes()
+                          for name, mode in MODES.items() if kind == "single" or name in CLUSTER_MODES],
+                         indirect=["redis_target"])
 async def test_two_gloo_ranks_hold_identical_parameters(redis_target, tmp_path, mode):
     redis_url = redis_target.url
     cfg = trainer_config(redis_url, tmp_path, free_port(), ranks=2, checkpoint_every=4, **mode)

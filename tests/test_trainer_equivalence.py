@@ -9,7 +9,12 @@ with Redis, its sample source and the delta publisher); batches are handed to
 
 Every target has the same length: the tiny model's loss is a mean over target tokens, so a
 batch's loss is then the mean of its samples' losses, and train_step's weighting of each
-shard (its loss times len(shard) / total * world) adds up to exactly the one-process loss."""
+shard (its loss times len(shard) / total * world) adds up to exactly the one-process loss.
+
+One Redis server only: what is under test is arithmetic, and Redis only holds what rank 0's
+leader records of each step (commit record, ledger, published versions); those same leader calls
+run on a Redis Cluster, behind a partitioned sample log, in test_trainer_ddp.py (two gloo ranks,
+each comm hook and local SGD) and test_trainer_served_learned.py."""
 
 from __future__ import annotations
 
@@ -173,8 +178,7 @@ def _moved(params: dict[str, torch.Tensor]) -> float:
 
 
 @pytest.mark.parametrize("grad_accum_steps", [1, 2], ids=["plain", "accumulation"])
-def test_two_ranks_match_one_process(redis_target, tmp_path, grad_accum_steps):
-    redis_url = redis_target.url
+def test_two_ranks_match_one_process(redis_url, tmp_path, grad_accum_steps):
     _, two_path = _config(redis_url, tmp_path, "two", ranks=2, grad_accum_steps=grad_accum_steps)
     ranks = _spawn(2, two_path, "train", tmp_path / "two")
     one_cfg, _ = _config(redis_url, tmp_path, "one", ranks=1)
@@ -205,8 +209,7 @@ def _local_sgd_reference(cfg: Config, world: int) -> dict[str, torch.Tensor]:
     return {n: torch.stack([p[n].detach() for p in named]).sum(0) / world for n in named[0]}
 
 
-def test_local_sgd_averages_publishes_the_average_and_rolls_back(redis_target, tmp_path):
-    redis_url = redis_target.url
+def test_local_sgd_averages_publishes_the_average_and_rolls_back(redis_url, tmp_path):
     cfg, path = _config(redis_url, tmp_path, "local", ranks=2, local_sgd_period=H)
     ranks = _spawn(2, path, "local_sgd", tmp_path / "local")
     r0, r1 = ranks
