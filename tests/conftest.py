@@ -172,7 +172,9 @@ def redis_cluster() -> Iterator[RedisTarget]:
         cluster.stop()
 
 
-def _modes() -> list[str]:
+def redis_modes() -> list[str]:
+    """The Redis kinds two-mode tests run on (``LEARNMESH_TEST_REDIS_MODES``): for a test that
+    parametrizes ``redis_target`` itself (indirectly) to pair kinds with its own cases."""
     wanted = os.environ.get("LEARNMESH_TEST_REDIS_MODES", "single,cluster")
     return [m for m in ("single", "cluster") if m in wanted.split(",")]
 
@@ -187,13 +189,13 @@ def _flushed_target(request: pytest.FixtureRequest) -> RedisTarget:
     return target
 
 
-@pytest.fixture(params=_modes())
+@pytest.fixture(params=redis_modes())
 def redis_target(request: pytest.FixtureRequest) -> Iterator[RedisTarget]:
     """The test runs once per Redis kind (single server, cluster), each flushed first."""
     yield _flushed_target(request)
 
 
-@pytest.fixture(scope="module", params=_modes())
+@pytest.fixture(scope="module", params=redis_modes())
 def redis_target_module(request: pytest.FixtureRequest) -> Iterator[RedisTarget]:
     """``redis_target`` for a module that starts long-lived processes (gateway replicas) once per
     Redis kind: flushed when the module's run on that kind begins; flush it per test yourself."""

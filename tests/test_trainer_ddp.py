@@ -1,12 +1,15 @@
 """Two real gloo ranks: identical parameters after steps, with each comm hook and local SGD;
-and how NCCL ranks are placed on a machine's GPUs (pure logic: no GPU here)."""
+and how NCCL ranks are placed on a machine's GPUs (pure logic: no GPU here).
+
+On a Redis Cluster (a sample log in partitions, the ledger in one slot) the gloo ranks run with
+local SGD only: rank 0's Redis calls are the same whatever the hook, and local SGD is the case
+where they diverge most from the steps (a commit every step, a publish only every H steps)."""
 
 from __future__ import annotations
 
 import pytest
-import redis.asyncio as aioredis
 import torch
-from trainer_support import TrainerProc, committed, trainer_config
+from trainer_support import TrainerProc, async_redis, committed, trained, trainer_config
 
 from gateway.tools.learning import SampleIngest
 from services.trainer import dist as trainer_dist
@@ -15,29 +18,37 @@ from services.trainer.launcher import local_ranks
 from services.trainer.tiny import build_tiny_model
 from shared.config import load_config
 from shared.samples import Example
-from tests.conftest import free_port, wait_for
+from tests.conftest import free_port, redis_modes, wait_for
 
 N = 48
+PRINCIPALS = ["alice", "bob", "carol"]
+
+
+MODES = {"fp16+accumulation": {"comm_hook": "fp16", "grad_accum_steps": 2},
+         "powersgd": {"comm_hook": "powersgd", "powersgd_rank": 1},
+         "local-sgd": {"local_sgd_period": 2}}
+CLUSTER_MODES = {"local-sgd"}
 
 
 # Plain all-reduce (no hook) with 2 ranks is covered by the dying-rank test in
 # test_trainer_exactly_once.py; each run here costs two torch start-ups.
-@pytest.mark.parametrize("mode", [{"comm_hook": "fp16", "grad_accum_steps": 2},
-                                  {"comm_hook": "powersgd", "powersgd_rank": 1},
-                                  {"local_sgd_period": 2}],
-                         ids=["fp16+accumulation", "powersgd", "local-sgd"])
-async def test_two_gloo_ranks_hold_identical_parameters(redis_url, tmp_path, mode):
+@pytest.mark.parametrize(("redis_target", "mode"),
+                         [pytest.param(kind, mode, id=f"{kind}-{name}") for kind in redis_modes()
+                          for name, mode in MODES.items() if kind == "single" or name in CLUSTER_MODES],
+                         indirect=["redis_target"])
+async def test_two_gloo_ranks_hold_identical_parameters(redis_target, tmp_path, mode):
+    redis_url = redis_target.url
     cfg = trainer_config(redis_url, tmp_path, free_port(), ranks=2, checkpoint_every=4, **mode)
-    redis = aioredis.Redis.from_url(redis_url)
+    redis = async_redis(redis_url)
     ingest = SampleIngest(redis, cfg)
     dump = tmp_path / "dump"
     dump.mkdir()
     proc = TrainerProc(cfg, tmp_path, dump_dir=dump)
     try:
         samples = [Example(input=f"q{i}?", target=f"answer {i % 7}") for i in range(N)]
-        for i in range(0, N, 8):
-            await ingest.submit("alice", samples[i:i + 8])
-        await wait_for(lambda: int(committed(redis_url).get("seq", 0)) == N, timeout_s=120,
+        for i in range(0, N, 8):  # several principals: on a cluster, several log partitions
+            await ingest.submit(PRINCIPALS[i // 8 % len(PRINCIPALS)], samples[i:i + 8])
+        await wait_for(lambda: trained(redis_url) == N, timeout_s=120,
                        what=lambda: f"trainer to commit all samples\n{proc.output()}")
         assert proc.term() == 0, proc.output()
     finally:

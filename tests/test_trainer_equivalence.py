@@ -9,7 +9,12 @@ with Redis, its sample source and the delta publisher); batches are handed to
 
 Every target has the same length: the tiny model's loss is a mean over target tokens, so a
 batch's loss is then the mean of its samples' losses, and train_step's weighting of each
-shard (its loss times len(shard) / total * world) adds up to exactly the one-process loss."""
+shard (its loss times len(shard) / total * world) adds up to exactly the one-process loss.
+
+One Redis server only: what is under test is arithmetic, and Redis only holds what rank 0's
+leader records of each step (commit record, ledger, published versions); those same leader calls
+run on a Redis Cluster, behind a partitioned sample log, in test_trainer_ddp.py (two gloo ranks,
+each comm hook and local SGD) and test_trainer_served_learned.py."""
 
 from __future__ import annotations
 

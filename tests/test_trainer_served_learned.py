@@ -1,12 +1,19 @@
 """What the trainer records is what it trained: replay passes, skipped samples kept out of the
-ledger with their reason, and offsets bound to the identity of the sample log they count in."""
+ledger with their reason, and offsets bound to the identity of the sample log they count in
+(on one server and on a Redis Cluster, whose sample log is split into partitions)."""
 
 from __future__ import annotations
 
 import pytest
-import redis as redis_sync
-import redis.asyncio as aioredis
-from trainer_support import TrainerProc, committed, trainer_config
+from trainer_support import (
+    TrainerProc,
+    async_redis,
+    committed,
+    position,
+    sync_redis_open,
+    trained,
+    trainer_config,
+)
 
 from gateway.tools.learning import SampleIngest
 from services.trainer import ledger
@@ -15,7 +22,16 @@ from services.trainer.leader import outcomes
 from services.trainer.replay import ReplayBuffer
 from shared import keys
 from shared.context import ContextStore
-from shared.samples import Example, Feedback, LoggedSample, Sample, learned_token, parse_learned_token
+from shared.samples import (
+    Example,
+    Feedback,
+    LoggedSample,
+    Sample,
+    learned_token,
+    parse_learned_token,
+    partition_of,
+    sample_partitions,
+)
 from tests.conftest import free_port, wait_for
 
 
@@ -77,11 +93,12 @@ def test_learned_tokens_round_trip_and_refuse_anything_else() -> None:
             parse_learned_token(bad)
 
 
-async def test_a_copied_context_trains_however_old_its_version_gets_and_a_lost_one_is_skipped(redis_url, tmp_path):
+async def test_a_copied_context_trains_however_old_its_version_gets_and_a_lost_one_is_skipped(redis_target, tmp_path):
+    redis_url = redis_target.url
     # windows up to 64 content bytes are copied into the log with their samples; larger ones are
     # read from the store when trained, and can age out first
     cfg = trainer_config(redis_url, tmp_path, free_port(), max_context_copy_bytes=64)
-    redis = aioredis.Redis.from_url(redis_url)
+    redis = async_redis(redis_url)
     store = ContextStore(redis, cfg.context)
     ingest = SampleIngest(redis, cfg, store)
     proc = None
@@ -100,7 +117,7 @@ async def test_a_copied_context_trains_however_old_its_version_gets_and_a_lost_o
             await store.append("alice", "small", "text", "user", f"turn {i}".encode())
             await store.append("alice", "big", "text", "user", f"turn {i}".encode())
         proc = TrainerProc(cfg, tmp_path)
-        await wait_for(lambda: int(committed(redis_url).get("seq", 0)) == 4, timeout_s=90,
+        await wait_for(lambda: trained(redis_url) == 4, timeout_s=90,
                        what=lambda: f"the trainer to consume all four samples\n{proc.output()}")
         assert proc.term() == 0, proc.output()
         stats = await ingest.stats()
@@ -109,12 +126,9 @@ async def test_a_copied_context_trains_however_old_its_version_gets_and_a_lost_o
             proc.close()
         ingest.close()
         await redis.aclose()
-    r = redis_sync.Redis.from_url(redis_url)
-    try:
-        trained, skipped = ledger.trained_ids(r), ledger.skipped_ids(r)
-    finally:
-        r.close()
-    assert sorted(trained) == sorted(ok["ids"] + copied["ids"]), "a copied context trains after its version aged out"
+    with sync_redis_open(redis_url) as r:
+        trained_ids, skipped = ledger.trained_ids(r), ledger.skipped_ids(r)
+    assert sorted(trained_ids) == sorted(ok["ids"] + copied["ids"]), "a copied context trains after its version aged out"
     assert skipped == {aged["ids"][0]: "context_gone", down["ids"][0]: "no_gradient"}
     assert stats["skipped"] == {"context_gone": 1, "no_gradient": 1}
     assert stats["trained_seq"] == 4
@@ -135,9 +149,10 @@ def test_copied_windows_round_trip_through_a_log_entry() -> None:
     assert got[1].window is None
 
 
-async def test_a_trainer_against_a_log_that_lost_its_data_trains_the_new_log_from_its_start(redis_url, tmp_path):
+async def test_a_trainer_against_a_log_that_lost_its_data_trains_the_new_log_from_its_start(redis_target, tmp_path):
+    redis_url = redis_target.url
     cfg = trainer_config(redis_url, tmp_path, free_port(), checkpoint_every=2)
-    redis = aioredis.Redis.from_url(redis_url)
+    redis = async_redis(redis_url)
     ingest = SampleIngest(redis, cfg)
     first = second = None
 
@@ -145,8 +160,7 @@ async def test_a_trainer_against_a_log_that_lost_its_data_trains_the_new_log_fro
         return await ingest.submit("alice", [Example(input=f"{tag}{i}", target=f" {i}") for i in range(n)])
 
     def trained_with(seq: int, log: str) -> bool:
-        c = committed(redis_url)
-        return int(c.get("seq", 0)) == seq and c.get("log") == log
+        return position(committed(redis_url), cfg, "alice") == (seq, log)
 
     try:
         old = await teach(8, "old")
@@ -155,15 +169,14 @@ async def test_a_trainer_against_a_log_that_lost_its_data_trains_the_new_log_fro
                        what=lambda: f"the first log trained\n{first.output()}")
         assert first.term() == 0, first.output()  # checkpoint at seq 8 of the old log
 
-        await redis.flushdb()  # a Redis that lost its data: an empty log numbers from 1 again
+        await redis.flushdb()  # a Redis that lost its data (every master): an empty log numbers from 1 again
         new = await teach(5, "new")
         new_log = new["learned"].partition(".")[0]
         assert new_log != old["learned"].partition(".")[0] and new["seqs"] == [1, 2, 3, 4, 5]
         second = TrainerProc(cfg, tmp_path)
         await wait_for(lambda: trained_with(5, new_log), timeout_s=90,
                        what=lambda: f"the new log trained from its start\n{second.output()}")
-        r = redis_sync.Redis.from_url(redis_url)
-        try:
+        with sync_redis_open(redis_url) as r:
             assert set(new["ids"]) <= set(ledger.trained_ids(r))
             assert int(committed(redis_url)["step"]) > 1, "the weights (and steps) of the checkpoint were kept"
 
@@ -173,13 +186,12 @@ async def test_a_trainer_against_a_log_that_lost_its_data_trains_the_new_log_fro
                            what=lambda: f"the log recreated under a running trainer\n{second.output()}")
             assert set(again["ids"]) <= set(ledger.trained_ids(r))
             # the step is committed before it is published, and only the publish marks its version
-            await wait_for(lambda: r.zcard(keys.MODEL_VERSION_SEQ) >= 1, timeout_s=10,
+            part = partition_of("alice", sample_partitions(cfg))
+            await wait_for(lambda: r.zcard(keys.model_version_seq(part)) >= 1, timeout_s=10,
                            what="a version marked with the new log's seq")
-        finally:
-            r.close()
         assert second.term() == 0, second.output()
         out = second.output()
-        assert "is gone" in out and "sample log partition 0 changed" in out, out
+        assert "is gone" in out and f"sample log partition {part} changed" in out, out
     finally:
         for p in (first, second):
             if p is not None:

@@ -1,12 +1,17 @@
-"""Helpers shared by the trainer tests: a config for a tiny, fast trainer, a sample writer
-that goes through the gateway's SampleIngest, and a trainer process handle."""
+"""Helpers shared by the trainer tests: a config for a tiny, fast trainer, a trainer process
+handle, and Redis clients and readings of the commit record that work alike on one server and
+on a Redis Cluster (give them ``redis_target.url``: a ``redis+cluster://`` url makes cluster
+clients through shared.redis_client, and the trainer then splits its sample log into
+partitions, so a test counts what was trained over all of them)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +19,8 @@ import yaml
 
 from shared import keys
 from shared.config import Config, RedisConfig, load_config
-from shared.redis_client import async_client, close_sync, sync_client
+from shared.redis_client import SyncRedis, async_client, close_sync, sync_client
+from shared.samples import partition_of, position_field, sample_partitions
 from shared.text import as_str
 from tests.conftest import free_port
 
@@ -84,6 +90,16 @@ def sync_redis(redis_url: str) -> Any:
     return sync_client(RedisConfig(url=redis_url))
 
 
+@contextlib.contextmanager
+def sync_redis_open(redis_url: str) -> Iterator[SyncRedis]:
+    """:func:`sync_redis`, closed (every node's connections too) when the block ends."""
+    r = sync_redis(redis_url)
+    try:
+        yield r
+    finally:
+        close_sync(r)
+
+
 def async_redis(redis_url: str) -> Any:
     """An asyncio client of ``redis_url`` (a redis+cluster:// url gives a cluster client)."""
     return async_client(RedisConfig(url=redis_url))
@@ -94,14 +110,22 @@ def trained_total(record: dict[str, str]) -> int:
     return sum(int(v) for k, v in record.items() if k == "seq" or k.startswith("seq."))
 
 
+def trained(redis_url: str) -> int:
+    """Samples the trainer has committed, over every log partition."""
+    return trained_total(committed(redis_url))
+
+
+def position(record: dict[str, str], cfg: Config, principal: str) -> tuple[int, str]:
+    """(seq, log identity) the commit record holds for the log partition of ``principal``'s samples."""
+    part = partition_of(principal, sample_partitions(cfg))
+    return int(record.get(position_field("seq", part), 0)), record.get(position_field("log", part), "")
+
+
 def log_entries(redis: Any, partitions: int) -> int:
     """Entries left in every partition of the sample log."""
     return sum(redis.xlen(keys.sample_log(p)) for p in range(partitions))
 
 
 def committed(redis_url: str) -> dict[str, str]:
-    r = sync_redis(redis_url)
-    try:
+    with sync_redis_open(redis_url) as r:
         return {as_str(k): as_str(v) for k, v in r.hgetall(keys.TRAINER_OFFSET).items()}
-    finally:
-        close_sync(r)

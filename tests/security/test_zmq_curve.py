@@ -2,7 +2,8 @@
 (no allow-listed key, or no CURVE at all) gets nothing from a worker, the trainer's samples
 PULL or its delta sockets, and the real peers keep working beside it; a process that takes a
 worker's port (or another mesh's worker) gets no request, and the gateway says so in its log
-and metrics. Real worker, trainer and gateway processes, real sockets, real Redis."""
+and metrics. Real worker, trainer and gateway processes, real sockets, real Redis (the
+trainer's samples link also on a Redis Cluster, whose sample log is partitioned)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,6 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
-import redis as redis_sync
-import redis.asyncio as aioredis
 import torch
 import zmq
 from prometheus_client import REGISTRY
@@ -36,9 +35,9 @@ from shared.model import build_model
 from shared.samples import Example
 from shared.wire import MsgType
 from shared.zmq_util import make_socket
-from tests.conftest import free_port, wait_for, wait_for_sync
+from tests.conftest import RedisTarget, free_port, wait_for, wait_for_sync
 from tests.security.zmq_support import FAILED, Outsider, bind_when_free, metric, send_all
-from tests.trainer_support import TrainerProc, committed, trainer_config
+from tests.trainer_support import TrainerProc, async_redis, sync_redis_open, trained, trainer_config
 from tests.worker_support import ROOT, spawn_worker, stop, write_config
 
 
@@ -102,9 +101,10 @@ async def test_a_worker_answers_allow_listed_gateways_only(tmp_path: Path) -> No
         stop(proc)
 
 
-async def test_the_trainer_takes_sample_wakeups_from_gateways_only(redis_url: str, tmp_path: Path) -> None:
+async def test_the_trainer_takes_sample_wakeups_from_gateways_only(redis_target: RedisTarget, tmp_path: Path) -> None:
+    redis_url = redis_target.url
     cfg = trainer_config(redis_url, tmp_path, free_port())
-    redis = aioredis.Redis.from_url(redis_url)
+    redis = async_redis(redis_url)
     ingest = SampleIngest(redis, cfg)
     trainer = TrainerProc(cfg, tmp_path)
     ctx = zmq.Context()
@@ -117,7 +117,7 @@ async def test_the_trainer_takes_sample_wakeups_from_gateways_only(redis_url: st
     acked: list[str] = []
     try:
         acked += (await ingest.submit("alice", [Example(input="q1", target="a1")]))["ids"]
-        await wait_for(lambda: committed(redis_url).get("seq") == "1", timeout_s=120,
+        await wait_for(lambda: trained(redis_url) == 1, timeout_s=120,
                        what=lambda: f"the first sample trained\n{trainer.output()}")
         forged = wire.encode(MsgType.SAMPLE, {"p": "mallory", "entry": "9-0", "ids": ["9-0:0"], "seqs": [2],
                                               "log": "x"}, [orjson.dumps({"input": "q", "target": "evil"})])
@@ -132,7 +132,7 @@ async def test_the_trainer_takes_sample_wakeups_from_gateways_only(redis_url: st
 
         await wait_for(wake_up_queued, timeout_s=30, interval_s=0.2,
                        what="the gateway's wake-up to still reach the trainer")
-        await wait_for(lambda: int(committed(redis_url).get("seq") or 0) >= len(acked), timeout_s=60,
+        await wait_for(lambda: trained(redis_url) >= len(acked), timeout_s=60,
                        what=lambda: f"the later samples trained\n{trainer.output()}")
         assert trainer.term() == 0, trainer.output()
         assert trainer.output().count("refused a CURVE client on the samples link") == 2, trainer.output()
@@ -143,11 +143,8 @@ async def test_the_trainer_takes_sample_wakeups_from_gateways_only(redis_url: st
         trainer.close()
         ingest.close()
         await redis.aclose()
-    r = redis_sync.Redis.from_url(redis_url)
-    try:
+    with sync_redis_open(redis_url) as r:
         assert sorted(ledger.trained_ids(r)) == sorted(acked)
-    finally:
-        r.close()
 
 
 def _refused(domain: str) -> float:
