@@ -33,7 +33,7 @@ ITEM_TEMPLATE = "upstream://items/{item_id}"
 FAIL_MESSAGE = "the upstream tool failed on purpose"
 MARK_DIR_ENV = "UPSTREAM_MARK_DIR"
 LEGACY_REVISION = "2025-11-25"
-TASK_TOOLS = {"long_job": "optional"}  # tool -> the execution.taskSupport it declares
+TASK_TOOLS = {"long_job": "optional", "greet_user": "optional"}  # tool -> the execution.taskSupport it declares
 CANCELLED_MARK = "cancelled"
 
 
