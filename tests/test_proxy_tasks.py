@@ -21,7 +21,15 @@ import redis as redis_sync
 from conformance.http_guards import LEGACY
 from tests.conftest import wait_for_sync
 from tests.gateway_support import stop
-from tests.proxy.harness import ALICE_KEY, PROXY_AUTH_ENV, Proxy, Upstream, start_http_upstream, start_proxy, stop_upstream
+from tests.proxy.harness import (
+    ALICE_KEY,
+    PROXY_AUTH_ENV,
+    Proxy,
+    Upstream,
+    start_http_upstream,
+    start_proxy,
+    stop_upstream,
+)
 from tests.proxy.upstreams.server import CANCELLED_MARK
 from tests.proxy_front import MODERN, Client
 

@@ -15,7 +15,7 @@ import base64
 import os
 import uuid
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import anyio
 from mcp.server.mcpserver import Context, Elicit, Image, MCPServer, Resolve, Sample
@@ -33,7 +33,7 @@ ITEM_TEMPLATE = "upstream://items/{item_id}"
 FAIL_MESSAGE = "the upstream tool failed on purpose"
 MARK_DIR_ENV = "UPSTREAM_MARK_DIR"
 LEGACY_REVISION = "2025-11-25"
-TASK_TOOLS = {"long_job": "optional", "greet_user": "optional"}  # tool -> the execution.taskSupport it declares
+TASK_TOOLS: dict[str, Literal["optional", "required"]] = {"long_job": "optional", "greet_user": "optional"}  # declared taskSupport
 CANCELLED_MARK = "cancelled"
 
 
@@ -71,7 +71,7 @@ class TaskDeclaringServer(MCPServer):
     """An ``MCPServer`` whose tools in ``TASK_TOOLS`` declare ``execution.taskSupport``."""
 
     async def list_tools(self) -> list[MCPTool]:
-        return [t.model_copy(update={"execution": ToolExecution(task_support=TASK_TOOLS[t.name])})  # type: ignore[arg-type]
+        return [t.model_copy(update={"execution": ToolExecution(task_support=TASK_TOOLS[t.name])})
                 if t.name in TASK_TOOLS else t for t in await super().list_tools()]
 
 
