@@ -43,7 +43,7 @@ from gateway.proxy.resources import ResourceFollowers
 from gateway.proxy.stdio_pool import CATALOG
 from gateway.proxy.wire import Hooks, Message
 from gateway.registry import TASK_SUPPORT
-from gateway.tasks import escalate
+from gateway.tasks import TaskCall
 from shared import keys, metrics
 from shared.aio import pause, spawn
 from shared.audit import BatchedAudit, record
@@ -419,9 +419,8 @@ class Proxy:
         support = self._hosted_task_support(up, name)
         if support is None:
             return await self._call_tool(call, up, tool, name, args, headers)
-        tasks = self.gateway.tasks
-        return await tasks.run(call, name, support,
-                               lambda c: self._call_tool(c, up, tool, name, args, headers, tasks.ttl_ms / 1000))
+        return await self.gateway.tasks.run(call, name, support,
+                                            lambda c: self._call_tool(c, up, tool, name, args, headers))
 
     def _hosted_task_support(self, up: Upstream, name: str) -> str | None:
         """A 2025-11-25 upstream has no tasks (SEP-2663 is of 2026-07-28): a tool it declares
@@ -432,14 +431,16 @@ class Proxy:
         return up.catalog.task_support.get(name)
 
     async def _call_tool(self, call: Call, up: Upstream, tool: str, name: str, args: dict[str, Any],
-                         headers: dict[str, str] | None, task_ttl_s: float | None = None) -> dict[str, Any]:
-        """Forward one ``tools/call``; ``task_ttl_s``: hosted as a task, which it becomes before
-        the upstream is asked (what the upstream asks then parks the task as ``input_required``;
-        tasks/cancel cancels the upstream request) and may take as long as the task lives."""
-        if task_ttl_s is not None:
-            await escalate(call)
+                         headers: dict[str, str] | None) -> dict[str, Any]:
+        """Forward one ``tools/call``. A call hosted as a task becomes one before the upstream is
+        asked (what the upstream asks then parks the task as ``input_required``; tasks/cancel
+        cancels the upstream request) and may take as long as the task lives."""
+        timeout_s = None
+        if isinstance(call, TaskCall):
+            await call.escalate()
+            timeout_s = call.manager.ttl_ms / 1000
         result = await self._observed(call, up, "tools/call", tool, {"name": tool, "arguments": args}, headers,
-                                      task_ttl_s)
+                                      timeout_s)
         if up.cfg.captures(tool):
             await capture(self.gateway.store, call, up.name, name, args, result)
         return result
