@@ -16,6 +16,8 @@ tag, so ``tasks/get``, ``tasks/update`` and ``tasks/cancel`` work on any replica
   reported ``failed`` on the next ``tasks/get`` instead of staying ``working`` forever.
 
 Requests that touch no task-supporting tool never reach this module (no extra round trip).
+The proxy hosts the tasks of a 2025-11-25 upstream's task-capable tools here too
+(:meth:`TaskManager.run` with the forwarded call as the body).
 """
 
 from __future__ import annotations

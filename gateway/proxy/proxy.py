@@ -11,7 +11,9 @@ back by :mod:`gateway.proxy.exchange`, and so are a 2026-07-28 upstream's ``inpu
 rounds. A 2026-07-28 client answers on its next request: the call is then sent to the upstream
 again with the answers at hand, so an upstream tool that asks is run once per round trip. Every
 call is measured, audited (batched) and, when the upstream opts in, captured
-(:mod:`gateway.proxy.capture`).
+(:mod:`gateway.proxy.capture`). A 2026-07-28 upstream's tasks pass through; a 2025-11-25
+upstream has none, so a tool it declares task-capable runs as the gateway's own task
+(:meth:`gateway.tasks.TaskManager.run`).
 """
 
 from __future__ import annotations
