@@ -115,6 +115,8 @@ class Tool:
             out["outputSchema"] = self.output_schema
         if self.annotations:
             out["annotations"] = self.annotations
+        if self.task_support is not None:  # Tool.execution of both revisions: a proxy in front reads it
+            out["execution"] = {"taskSupport": self.task_support}
         return out
 
 

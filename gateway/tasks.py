@@ -16,6 +16,8 @@ tag, so ``tasks/get``, ``tasks/update`` and ``tasks/cancel`` work on any replica
   reported ``failed`` on the next ``tasks/get`` instead of staying ``working`` forever.
 
 Requests that touch no task-supporting tool never reach this module (no extra round trip).
+The proxy hosts the tasks of a 2025-11-25 upstream's task-capable tools here too
+(:meth:`TaskManager.run` with the forwarded call as the body).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ INPUT_POLL_S = 2.0  # fallback re-check of delivered inputs when a pub/sub wake-
 _TASK_ID = re.compile(r"[A-Za-z0-9_-]{22}")  # what create() makes: 16 random bytes, base64url
 
 Invoke = Callable[[Call, Tool, dict[str, Any]], Awaitable[dict[str, Any]]]
+Body = Callable[[Call], Awaitable[dict[str, Any]]]  # the call's work, given the call it runs as
 
 # KEYS: task, pending, inputs. ARGV: status, field ("" for none), value, now, ttl_ms.
 # Returns -1 unknown task, 0 already terminal (nothing changes), 1 settled.
@@ -146,7 +149,7 @@ class TaskCall(Call):
     def __init__(self, call: Call, manager: TaskManager) -> None:
         super().__init__(principal=call.principal, request_id=call.request_id,
                          protocol_version=call.protocol_version, state=call.state, meta=call.meta,
-                         session=call.session, emit=call.emit)
+                         envelope=call.envelope, session=call.session, emit=call.emit)
         self.responses = dict(call.responses)
         self.manager = manager
         self.task_id: str | None = None
@@ -277,14 +280,20 @@ class TaskManager:
     async def tools_call(self, call: Call, tool: Tool, args: dict[str, Any], invoke: Invoke) -> dict[str, Any]:
         """Run a task-supporting tool: inline for clients without the extension (or -32021 when
         the tool requires it), else until the handler escalates into a task."""
+        return await self.run(call, tool.name, tool.task_support, lambda c: invoke(c, tool, args))
+
+    async def run(self, call: Call, name: str, task_support: str | None, body: Body) -> dict[str, Any]:
+        """Run ``body`` for tool ``name`` as a task-supporting call: with the call itself for a
+        client without the extension (or -32021 when ``task_support`` is "required"), else
+        with a :class:`TaskCall` that answers the request once ``body`` escalates."""
         if not call.modern:  # 2025-11-25 has no per-request extension opt-in: run inline
-            return await invoke(call, tool, args)
+            return await body(call)
         if not negotiated(call):
-            if tool.task_support == "required":
-                raise _missing_extension(f"tool {tool.name!r}")
-            return await invoke(call, tool, args)
+            if task_support == "required":
+                raise _missing_extension(f"tool {name!r}")
+            return await body(call)
         tcall = TaskCall(call, self)
-        runner = asyncio.create_task(self._run(tcall, tool, args, invoke), name=f"mcp-task-{tool.name}")
+        runner = asyncio.create_task(self._run(tcall, body), name=f"mcp-task-{name}")
         tcall.runner = runner
         runner.add_done_callback(_retrieve)
         try:
@@ -297,9 +306,9 @@ class TaskManager:
             return tcall.escalated.result()
         return runner.result()
 
-    async def _run(self, tcall: TaskCall, tool: Tool, args: dict[str, Any], invoke: Invoke) -> Any:
+    async def _run(self, tcall: TaskCall, body: Body) -> Any:
         try:
-            result = await invoke(tcall, tool, args)
+            result = await body(tcall)
         except asyncio.CancelledError:
             if tcall.task_id is None:
                 raise

@@ -128,24 +128,27 @@ class UpstreamClient:
     # ------------------------------------------------------------------ the one entry point
     async def request(self, principal: str, method: str, params: dict[str, Any], hooks: Hooks = NO_HOOKS,
                       headers: Mapping[str, str] | None = None,
-                      capabilities: tuple[str, ...] = ALL_FORWARDED) -> dict[str, Any]:
+                      capabilities: tuple[str, ...] = ALL_FORWARDED, timeout_s: float | None = None) -> dict[str, Any]:
         """The upstream's result for ``method``; raises McpError (its error) or UpstreamFailed.
         ``headers``: extra request headers for a 2026-07-28 upstream (SEP-2243 ``Mcp-Param-*``);
         ``capabilities``: which of sampling, elicitation, roots the client declared (a 2025-11-25
-        upstream session is opened with exactly those, so the upstream sees what the client can do)."""
+        upstream session is opened with exactly those, so the upstream sees what the client can do);
+        ``timeout_s``: how long the call may take once a slot is taken (default: the upstream's
+        ``timeout_s``; a call the gateway hosts as a task may take as long as the task lives)."""
         if not self.breaker.admit():
             raise UpstreamFailed(self.name, "breaker_open",
                                  f"upstream {self.name!r} is failing; calls resume in "
                                  f"{self.breaker.retry_in_s():.0f} s (circuit breaker open)")
-        deadline = asyncio.get_running_loop().time() + self.cfg.timeout_s
-        await self._take_slot(deadline)
+        now = asyncio.get_running_loop().time()
+        await self._take_slot(now + self.cfg.timeout_s)
+        limit_s = self.cfg.timeout_s if timeout_s is None else timeout_s
         try:
-            async with asyncio.timeout_at(deadline):
+            async with asyncio.timeout_at(now + limit_s):
                 result = await self._request(principal, method, params, hooks, headers or {}, capabilities)
         except TimeoutError:
             self.breaker.failed()
             raise UpstreamFailed(self.name, "timeout", f"upstream {self.name!r} did not answer {method} "
-                                 f"within {self.cfg.timeout_s:g} s") from None
+                                 f"within {limit_s:g} s") from None
         except (OSError, WireClosed) as exc:
             self.breaker.failed()
             raise UpstreamFailed(self.name, "unreachable",

@@ -11,7 +11,9 @@ back by :mod:`gateway.proxy.exchange`, and so are a 2026-07-28 upstream's ``inpu
 rounds. A 2026-07-28 client answers on its next request: the call is then sent to the upstream
 again with the answers at hand, so an upstream tool that asks is run once per round trip. Every
 call is measured, audited (batched) and, when the upstream opts in, captured
-(:mod:`gateway.proxy.capture`).
+(:mod:`gateway.proxy.capture`). A 2026-07-28 upstream's tasks pass through; a 2025-11-25
+upstream has none, so a tool it declares task-capable runs as the gateway's own task
+(:meth:`gateway.tasks.TaskManager.run`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from gateway.errors import (
 )
 from gateway.mcp.dispatcher import Call, InputRequired
 from gateway.mcp.kernel import header_form, param_header_spec
+from gateway.mcp.types import LEGACY_VERSION
 from gateway.proxy import names
 from gateway.proxy.breaker import CLOSED, STATE_VALUE
 from gateway.proxy.capture import capture
@@ -41,6 +44,8 @@ from gateway.proxy.health import BreakerBoard
 from gateway.proxy.resources import ResourceFollowers
 from gateway.proxy.stdio_pool import CATALOG
 from gateway.proxy.wire import Hooks, Message
+from gateway.registry import TASK_SUPPORT
+from gateway.tasks import TaskCall
 from shared import keys, metrics
 from shared.aio import pause, spawn
 from shared.audit import BatchedAudit, record
@@ -71,6 +76,7 @@ class Catalog:
     prompts: dict[str, str] = field(default_factory=dict)
     schemas: dict[str, dict[str, Any]] = field(default_factory=dict)  # exposed tool name -> inputSchema
     param_specs: dict[str, tuple[tuple[str, str], ...]] = field(default_factory=dict)  # tools with x-mcp-header
+    task_support: dict[str, str] = field(default_factory=dict)  # exposed tool name -> optional | required
 
 
 @dataclass(eq=False)
@@ -327,6 +333,10 @@ class Proxy:
                 spec = param_header_spec(entry["inputSchema"])
                 if spec:
                     catalog.param_specs[exposed] = spec
+            execution = entry.get("execution") if kind == "tools" else None
+            support = execution.get("taskSupport") if isinstance(execution, dict) else None
+            if isinstance(support, str) and support in TASK_SUPPORT:  # "forbidden" and None: a plain call
+                catalog.task_support[exposed] = support
             out["name"] = exposed
         elif kind == "resources" and isinstance(entry.get("uri"), str):
             out["uri"] = self.uri_for_client(up, entry["uri"])
@@ -408,7 +418,31 @@ class Proxy:
         args = args if isinstance(args, dict) else {}
         spec = up.catalog.param_specs.get(name)
         headers = _param_headers(spec, args) if spec is not None else None
-        result = await self._observed(call, up, "tools/call", tool, {"name": tool, "arguments": args}, headers)
+        support = self._hosted_task_support(up, name)
+        if support is None:
+            return await self._call_tool(call, up, tool, name, args, headers)
+        return await self.gateway.tasks.run(call, name, support,
+                                            lambda c: self._call_tool(c, up, tool, name, args, headers))
+
+    def _hosted_task_support(self, up: Upstream, name: str) -> str | None:
+        """A 2025-11-25 upstream has no tasks (SEP-2663 is of 2026-07-28): a tool it declares
+        task-capable (``execution.taskSupport``) runs as the gateway's own task. A 2026-07-28
+        upstream's tasks are its own and pass through (see :meth:`task_request`)."""
+        if up.client.revision != LEGACY_VERSION:
+            return None
+        return up.catalog.task_support.get(name)
+
+    async def _call_tool(self, call: Call, up: Upstream, tool: str, name: str, args: dict[str, Any],
+                         headers: dict[str, str] | None) -> dict[str, Any]:
+        """Forward one ``tools/call``. A call hosted as a task becomes one before the upstream is
+        asked (what the upstream asks then parks the task as ``input_required``; tasks/cancel
+        cancels the upstream request) and may take as long as the task lives."""
+        timeout_s = None
+        if isinstance(call, TaskCall):
+            await call.escalate()
+            timeout_s = call.manager.ttl_ms / 1000
+        result = await self._observed(call, up, "tools/call", tool, {"name": tool, "arguments": args}, headers,
+                                      timeout_s)
         if up.cfg.captures(tool):
             await capture(self.gateway.store, call, up.name, name, args, result)
         return result
@@ -438,12 +472,12 @@ class Proxy:
                                     {**forwarded, "ref": ref})
 
     async def _observed(self, call: Call, up: Upstream, method: str, item: str, params: dict[str, Any],
-                        headers: dict[str, str] | None = None) -> dict[str, Any]:
+                        headers: dict[str, str] | None = None, timeout_s: float | None = None) -> dict[str, Any]:
         """Forward with metrics, breaker gauge and one audit record, whatever the outcome."""
         t0 = time.perf_counter()
         outcome = "ok"
         try:
-            result = await self._forward(call, up, method, params, headers)
+            result = await self._forward(call, up, method, params, headers, timeout_s)
             if result.get("isError") is True:
                 outcome = "tool_error"
             return result
@@ -485,13 +519,13 @@ class Proxy:
         spawn(coro, self._background, "a proxy background write")
 
     async def _forward(self, call: Call, up: Upstream, method: str, params: dict[str, Any],
-                       headers: dict[str, str] | None) -> dict[str, Any]:
+                       headers: dict[str, str] | None, timeout_s: float | None = None) -> dict[str, Any]:
         params["_meta"] = upstream_meta(call)
         side = CallHooks(self, call, up)
         for _ in range(MAX_INPUT_ROUNDS):
             try:
                 result = await up.client.request(call.principal, method, params, side.hooks, headers,
-                                                 forwardable_capabilities(call))
+                                                 forwardable_capabilities(call), timeout_s)
             except McpError:
                 if side.stopped is None:
                     raise

@@ -58,6 +58,10 @@ class Upstream:
         """How many marked calls (``slow``) have begun on this upstream."""
         return sum(1 for _ in self.mark_dir.iterdir())
 
+    def marks(self, what: str) -> int:
+        """How many marks ``what`` (a tool that started, or ``cancelled``) this upstream left."""
+        return sum(1 for f in self.mark_dir.iterdir() if f.name.startswith(what + "-"))
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
 

@@ -4,7 +4,9 @@ One :class:`mcp.server.mcpserver.MCPServer` carries everything a proxy must carr
 a text tool, structured output, an image, a slow tool, a failing tool, progress, a tool that
 asks the client (elicitation) and one that samples the client's model, plus a resource, a
 resource template and a prompt. ``revision`` reports the protocol revision the request
-arrived in, so a test can prove which revision the proxy spoke upstream.
+arrived in, so a test can prove which revision the proxy spoke upstream. ``long_job`` is
+declared task-capable (``execution.taskSupport``, which ``MCPServer.tool`` has no argument for)
+and leaves a mark when it starts and another when it is cancelled.
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ import base64
 import os
 import uuid
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import anyio
 from mcp.server.mcpserver import Context, Elicit, Image, MCPServer, Resolve, Sample
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import CreateMessageResult, SamplingMessage, TextContent, ToolListChangedNotification
+from mcp_types import Tool as MCPTool
+from mcp_types import ToolExecution
 from pydantic import BaseModel, Field
 
 PNG_1PX = base64.b64decode(
@@ -29,6 +33,8 @@ ITEM_TEMPLATE = "upstream://items/{item_id}"
 FAIL_MESSAGE = "the upstream tool failed on purpose"
 MARK_DIR_ENV = "UPSTREAM_MARK_DIR"
 LEGACY_REVISION = "2025-11-25"
+TASK_TOOLS: dict[str, Literal["optional", "required"]] = {"long_job": "optional", "greet_user": "optional"}  # declared taskSupport
+CANCELLED_MARK = "cancelled"
 
 
 def _mark_started(tool: str) -> None:
@@ -61,9 +67,17 @@ def _sample_reply(prompt: str) -> Sample:
     return Sample([SamplingMessage(role="user", content=TextContent(type="text", text=prompt))], max_tokens=50)
 
 
+class TaskDeclaringServer(MCPServer):
+    """An ``MCPServer`` whose tools in ``TASK_TOOLS`` declare ``execution.taskSupport``."""
+
+    async def list_tools(self) -> list[MCPTool]:
+        return [t.model_copy(update={"execution": ToolExecution(task_support=TASK_TOOLS[t.name])})
+                if t.name in TASK_TOOLS else t for t in await super().list_tools()]
+
+
 def build_server(name: str) -> MCPServer:
     """An SDK server named ``name`` with the proxy tests' tools, resources and prompt."""
-    server = MCPServer(name, instructions=f"upstream {name} for the proxy tests", log_level="WARNING")
+    server = TaskDeclaringServer(name, instructions=f"upstream {name} for the proxy tests", log_level="WARNING")
     _add_tools(server)
     _add_asking_tools(server)
     _add_resources_and_prompt(server, name)
@@ -88,6 +102,16 @@ def _add_tools(server: MCPServer) -> None:
         _mark_started("slow")
         await anyio.sleep(seconds)
         return f"slept {seconds}"
+
+    @server.tool(description="Sleep for `seconds`, then answer; task-capable")
+    async def long_job(seconds: float) -> str:
+        _mark_started("long_job")
+        try:
+            await anyio.sleep(seconds)
+        except anyio.get_cancelled_exc_class():
+            _mark_started(CANCELLED_MARK)  # notifications/cancelled reached the handler
+            raise
+        return f"worked {seconds}"
 
     @server.tool(description="Always fails")
     def fail() -> str:
