@@ -2,7 +2,8 @@
 ``python tests/proxy_stdio_server.py``. ``exit_now`` ends the process in the middle of its call;
 ``pid`` tells which process (one per principal) serves the caller; ``touch`` announces that a
 resource changed (to a 2025-11-25 session that subscribed to it, or to 2026-07-28 listen streams);
-``hold`` stays in flight until the test lets it go."""
+``hold`` stays in flight until the test lets it go; ``steps`` does too, between two progress
+reports."""
 
 from __future__ import annotations
 
@@ -68,6 +69,14 @@ async def hold(mark: str, release: str) -> str:
     while not Path(release).exists() and time.monotonic() < deadline:
         await anyio.sleep(0.02)
     return "released"
+
+
+@server.tool(description="Report progress `label` 1/2, leave file `mark`, then once file `release` exists 2/2")
+async def steps(label: str, mark: str, release: str, ctx: Context) -> str:
+    await ctx.report_progress(1, 2, label)
+    await hold(mark, release)
+    await ctx.report_progress(2, 2, label)
+    return label
 
 
 @server.resource("note://{name}", name="note", mime_type="text/plain")

@@ -116,6 +116,36 @@ def _hold(client: Client, mark: Path, release: Path) -> tuple[threading.Thread, 
     return thread, out
 
 
+@pytest.mark.parametrize("revision", [LEGACY, MODERN])
+def test_concurrent_calls_of_one_principal_each_get_their_own_progress(
+        redis_url: str, tmp_path: Path, revision: str) -> None:
+    """One principal, one process, two calls in flight: each call's progress comes back on its own
+    answer, matched by the progress token it sent (not to whichever call is oldest)."""
+    release = tmp_path / "release"
+    with front_gateway(redis_url, {"upstreams": [_local(revision=revision)]}, api_keys=KEYS) as base:
+        alice = Client(base, MCP_KEY, MODERN)
+        answers: dict[str, list[dict[str, Any]]] = {}
+
+        def call(label: str) -> None:
+            params = {"name": "local.steps", "_meta": {"progressToken": f"token-{label}"},
+                      "arguments": {"label": label, "mark": str(tmp_path / label), "release": str(release)}}
+            answers[label] = alice.messages("tools/call", params)
+
+        threads = [threading.Thread(target=call, args=(label,)) for label in ("first", "second")]
+        threads[0].start()
+        wait_for_sync((tmp_path / "first").exists, timeout_s=20, what="the first call in flight")
+        threads[1].start()
+        wait_for_sync((tmp_path / "second").exists, timeout_s=20, what="the second call in flight")
+        release.touch()
+        for thread in threads:
+            thread.join(timeout=30)
+        for label in ("first", "second"):
+            progress = [m["params"] for m in answers[label] if m.get("method") == "notifications/progress"]
+            assert [(p["progressToken"], p["progress"], p.get("message")) for p in progress] == \
+                [(f"token-{label}", 1, label), (f"token-{label}", 2, label)], answers[label]
+            assert answers[label][-1]["result"]["content"][0]["text"] == label
+
+
 def test_the_cap_stops_the_least_recently_used_idle_process_and_refuses_when_all_are_busy(
         redis_url: str, tmp_path: Path) -> None:
     with front_gateway(redis_url, {"upstreams": [_local(stdio_max_processes=2)]}, api_keys=KEYS) as base:

@@ -72,7 +72,7 @@ class CallHooks:
         self.up = up
         self.asked: dict[str, int] = {}  # questions of a 2025-11-25 upstream so far, by key
         self.stopped: InputRequired | McpError | None = None  # why the call cannot finish on this round
-        self.hooks = Hooks(notify=self.notify, ask=self.ask)
+        self.hooks = Hooks(notify=self.notify, ask=self.ask, progress_token=call.meta.get("progressToken"))
 
     async def notify(self, msg: Message) -> None:
         method = msg.get("method", "")

@@ -39,6 +39,7 @@ class Hooks:
 
     notify: Callable[[Message], Awaitable[None]] | None = None
     ask: Callable[[Message], Awaitable[Message]] | None = None
+    progress_token: Any = None  # the request's own (its _meta.progressToken): its progress is routed by it
 
 
 NO_HOOKS = Hooks()
@@ -183,9 +184,11 @@ class StdioWire:
 
     Answers are matched to requests by id. What else the server sends goes to hooks: a message
     stamped with a waiting request's subscription id (a ``subscriptions/listen`` stream) to that
-    request's; a resource update to ``standing`` (the process serves one principal, so the update
-    is that principal's whichever call is in flight); anything else to the oldest request still
-    waiting that is not a stream (a stdio exchange carries no other link), else to ``standing``."""
+    request's; progress to the waiting request that sent its ``progressToken`` (tokens are unique
+    among a client's requests in flight, so concurrent calls of one principal each get their own);
+    a resource update to ``standing`` (the process serves one principal, so the update is that
+    principal's whichever call is in flight); anything else to the oldest request still waiting
+    that is not a stream (a stdio exchange carries no other link), else to ``standing``."""
 
     def __init__(self, command: list[str], env: Mapping[str, str], standing: Hooks = NO_HOOKS) -> None:
         self.command = command
@@ -286,6 +289,11 @@ class StdioWire:
         stream = meta.get(SUBSCRIPTION_ID_META_KEY) if isinstance(meta, dict) else None
         if stream is not None and stream in self._waiting:
             return self._waiting[stream][1]
+        token = params.get("progressToken") if isinstance(params, dict) else None
+        if token is not None and msg.get("method") == "notifications/progress":
+            for _, hooks in self._waiting.values():
+                if hooks.progress_token == token:
+                    return hooks
         if msg.get("method") != "notifications/resources/updated":
             for rid, (_, hooks) in self._waiting.items():
                 if rid not in self.streams:
