@@ -37,7 +37,9 @@ class NodeSecurity:
     shows, since clients must present a certificate the CA signed. ``acl``: redis.conf
     ``user`` lines, handed to each node on stdin so no password is on a command line;
     ``admin_user`` / ``admin_password``: one of them with every permission (joining the nodes,
-    health checks, flushing), also the user replicas authenticate to their master as."""
+    health checks, flushing). ``replication_user`` / ``replication_password``: the user replicas
+    authenticate to their master as; one of the ``acl`` lines should give it only what
+    replication needs (``+psync +replconf +ping``); empty: the admin user."""
 
     ca_file: str
     cert_file: str
@@ -47,6 +49,8 @@ class NodeSecurity:
     acl: tuple[str, ...]
     admin_user: str
     admin_password: str
+    replication_user: str = ""
+    replication_password: str = ""
 
     def args(self, port: int) -> list[str]:
         """redis-server arguments: TLS only, on ``port``, for clients, the bus and replication."""
@@ -57,8 +61,9 @@ class NodeSecurity:
 
     def config(self) -> str:
         """redis.conf text with the secrets: the ACL users and the replicas' credentials."""
-        return "".join(f"{line}\n" for line in (*self.acl, f"masteruser {self.admin_user}",
-                                                 f"masterauth {self.admin_password}"))
+        user = self.replication_user or self.admin_user
+        password = self.replication_password if self.replication_user else self.admin_password
+        return "".join(f"{line}\n" for line in (*self.acl, f"masteruser {user}", f"masterauth {password}"))
 
     def client_options(self) -> dict[str, Any]:
         """redis-py keyword arguments of the admin user over TLS."""

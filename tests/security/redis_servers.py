@@ -27,6 +27,8 @@ from tests.conftest import free_port, wait_for_sync
 # What learnmesh's own ACL user may do: every command but the dangerous ones (FLUSHALL,
 # CONFIG, KEYS, DEBUG, ...) on its own keys and channels only (shared/keys.py: "lm:").
 LEARNMESH_ACL = ["~lm:*", "&lm:*", "+@all", "-@dangerous"]
+# What a replica may do on its master (Redis's ACL docs): sync and acknowledge, nothing more.
+REPLICATION_ACL = "-@all +psync +replconf +ping"
 
 
 @dataclass
@@ -211,11 +213,13 @@ def start_tls_cluster(workdir: Path, replicas: int = 1) -> SecuredCluster:
     if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
         pytest.skip("needs redis-server and redis-cli")
     pki = make_pki(workdir / "pki")
-    password, root = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
+    password, root, replication = (secrets.token_urlsafe(24) for _ in range(3))
+    # replicas log in to their master as "replicator", which may do what replication needs and nothing else
     security = NodeSecurity(str(pki.ca), str(pki.server_cert), str(pki.server_key), str(pki.client_cert),
                             str(pki.client_key), ("user default off", f"user root on >{root} ~* &* +@all",
-                                                  f"user learnmesh on >{password} {' '.join(LEARNMESH_ACL)}"),
-                            "root", root)
+                                                  f"user learnmesh on >{password} {' '.join(LEARNMESH_ACL)}",
+                                                  f"user replicator on >{replication} {REPLICATION_ACL}"),
+                            "root", root, "replicator", replication)
     cluster = LocalCluster(masters=3, replicas=replicas, security=security, workdir=workdir / "nodes").start()
     seed = cluster.nodes[0].address
     settings = {"url": f"rediss+cluster://learnmesh:{password}@{seed}/0", "tls_ca_file": str(pki.ca),

@@ -48,6 +48,7 @@ from shared.redis_client import (
 )
 from shared.samples import sample_partitions
 from tests.conftest import free_port, wait_for, wait_for_sync
+from tests.failover_drill import failover_drill
 from tests.gateway_support import start_gateway, stop
 from tests.worker_support import TINY_MODEL, spawn_worker
 
@@ -399,3 +400,20 @@ async def test_a_master_that_joins_later_is_reached_with_the_same_credentials(tm
         assert _denied(secured) == []
     finally:
         secured.stop()
+
+
+async def test_a_killed_master_fails_over_with_tls_and_acl_users(flushed: SecuredCluster, tmp_path: Path) -> None:
+    """The failover drill (tests/failover_drill.py) on the secured cluster: the replica that
+    replicates over TLS as its replication user is promoted by the cluster itself, the gateway
+    (learnmesh's ACL user over TLS) keeps serving, no acknowledged append is lost. Last in this
+    module: it leaves the module's cluster healthy (the killed node is back, as a replica) but
+    with its roles swapped."""
+    # as in the gateway test above: TLS handshakes can outlast the 1 s of the plain drill
+    print(await failover_drill(flushed.cluster, without_password(flushed.settings["url"])[0], tmp_path,
+                               redis_settings={**flushed.settings, "socket_timeout_s": 5.0}))
+    assert set(_denied(flushed)) <= {"config|get (command)"}  # as in the gateway test: @dangerous, skipped
+    replicas_as = set()
+    for node in flushed.cluster.primaries():  # the promoted master's replica is the node brought back
+        with node.client(socket_timeout=5) as c:
+            replicas_as |= {conn["user"] for conn in c.client_list(_type="replica")}
+    assert replicas_as == {"replicator"}, replicas_as
