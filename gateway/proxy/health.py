@@ -26,6 +26,7 @@ from gateway.proxy.breaker import CLOSED, OPEN
 from shared import keys
 from shared.aio import spawn
 from shared.control import now_ms
+from shared.text import as_str
 
 if TYPE_CHECKING:
     from gateway.proxy.proxy import Upstream
@@ -149,7 +150,7 @@ class BreakerBoard:
         out: dict[str, list[BreakerReport]] = {}
         stale: list[str] = []
         for field, body in (raw or {}).items():
-            replica = field.decode() if isinstance(field, bytes) else str(field)
+            replica = as_str(field)
             if replica == self.replica_id:
                 continue
             report = _parsed(body)
