@@ -26,6 +26,7 @@ from bench.mesh_support import ROOT, McpError, McpHttp, McpWs, Mesh, RedisServer
 from services.trainer import ledger
 from shared.config import ZmqConfig
 from shared.curve import CurveKeys
+from shared.redis_client import close_sync
 from shared.zmq_util import make_socket
 
 
@@ -156,7 +157,7 @@ def settle(mesh: Mesh, acked: list[str], timeout_s: float = 180) -> tuple[int, i
         dup = sum(1 for i in want if trained[i] > 1)
         return lost, dup
     finally:
-        r.close()
+        close_sync(r)
 
 
 async def _timed_load(mesh: Mesh, load_s: float, fault: Any, recovered: Any, name: str,
@@ -293,6 +294,9 @@ def _learn_ok(mesh: Mesh) -> bool:
 
 async def drill_gateway_replica(mesh: Mesh, load_s: float = 10) -> DrillReport:
     """A legacy session lives across two replicas; replica B stops and comes back."""
+    steps = int(load_s * 5)
+    if steps <= _B_RESTART_STEP:
+        raise ValueError(f"load_s={load_s}: replica B comes back after {_B_RESTART_STEP / 5}s of load")
     port_b = free_port()
     proc_b = mesh.start_gateway(port_b)
     principal = next(iter(mesh.api_keys))
@@ -301,7 +305,7 @@ async def drill_gateway_replica(mesh: Mesh, load_s: float = 10) -> DrillReport:
     load.start()
     writes = _SessionWrites(session, principal, mesh.base, f"http://127.0.0.1:{port_b}")
     try:
-        await _stop_and_resume_b(mesh, port_b, proc_b, writes, steps=int(load_s * 5))
+        await _stop_and_resume_b(mesh, port_b, proc_b, writes, steps=steps)
         got = await session.call("context_get", {"context_id": "shared-session"}, base=writes.base_b)
     finally:
         await load.finish()

@@ -34,7 +34,7 @@ import yaml
 
 from shared.config import RedisConfig
 from shared.net import free_port
-from shared.redis_client import SyncRedis, close_sync, sync_client
+from shared.redis_client import SyncRedis, close_sync, is_cluster, sync_client
 
 ROOT = Path(__file__).resolve().parents[1]
 MODERN = "2026-07-28"
@@ -281,6 +281,11 @@ class Mesh:
         """A client of the mesh's Redis (a ``RedisCluster`` for a ``redis+cluster://`` URL);
         close it with shared.redis_client.close_sync."""
         return sync_client(RedisConfig(url=self.redis_url), decode_responses=True)
+
+    @property
+    def on_cluster(self) -> bool:
+        """Whether the mesh's Redis is a Redis Cluster."""
+        return is_cluster(RedisConfig(url=self.redis_url))
 
     def trainer_version(self) -> int:
         from shared import keys

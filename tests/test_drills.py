@@ -1,11 +1,18 @@
 """Fault drills against one real ``learnmesh up`` mesh, short versions for CI.
 
-The mesh runs on a private redis-server with AOF persistence (appendfsync always) so the
-Redis drill can stop and restart it on the same port. Each drill runs mixed MCP load
-(legacy + 2026-07-28 + WebSocket clients: context_append, generate, learn), injects its
-fault, waits for recovery and asserts that no acknowledged sample is lost or trained twice;
-it prints one report line (requests failed, samples lost, time to recover).
-``bench/drills.py`` runs the same drills longer and prints a table.
+Each drill runs mixed MCP load (legacy + 2026-07-28 + WebSocket clients: context_append,
+generate, learn), injects its fault, waits for recovery and asserts that no acknowledged sample
+is lost or trained twice; it prints one report line (requests failed, samples lost, time to
+recover). ``bench/drills.py`` runs the same drills longer and prints a table.
+
+The mesh runs once per Redis kind (``redis_modes()``): on a private redis-server with AOF
+persistence (appendfsync always), and on the test session's Redis Cluster (3 masters + 3
+replicas, where the sample log has 8 partitions). The tampered-deltas, kill -9 worker, kill -9
+trainer and gateway-replica drills run on both; on the cluster the first three run with half the
+load (six more redis-servers share the cores; the assertions are the same). The Redis-restart drill stops and
+restarts the one server on the same port, so it runs on the single server only; its cluster
+counterpart, a master killed under load while the cluster fails over by itself, is
+tests/test_redis_cluster_failover.py.
 
 The trainer trains the head only here (fast on 2 CPU cores); tests/test_e2e_mesh.py covers
 the full model.
@@ -21,6 +28,10 @@ import pytest
 
 from bench import mesh_drills as drills
 from bench.mesh_support import Mesh, RedisServer
+from tests.conftest import RedisTarget, redis_modes
+
+# Seconds of load a drill runs on the cluster for each second it runs on the single server.
+CLUSTER_LOAD_SCALE = 0.5
 
 
 @pytest.fixture(scope="module")
@@ -31,12 +42,23 @@ def redis_persistent() -> Iterator[RedisServer]:
     server.close()
 
 
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory, redis_persistent: RedisServer) -> Iterator[Mesh]:
-    m = Mesh(Path(tmp_path_factory.mktemp("drills")), redis_persistent.url, ["ann", "ben", "cat"],
+@pytest.fixture(scope="module", params=redis_modes())
+def mesh(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    """The mesh on the persistent single server, or on the session's Redis Cluster (flushed)."""
+    if request.param == "single":
+        url = request.getfixturevalue("redis_persistent").url
+    else:
+        cluster: RedisTarget = request.getfixturevalue("redis_cluster")
+        cluster.flush()
+        url = cluster.url
+    m = Mesh(Path(tmp_path_factory.mktemp(f"drills-{request.param}")), url, ["ann", "ben", "cat"],
              model={"trainable": "head"}, trainer={"checkpoint_every": 3})
     with m.running():
         yield m
+
+
+def _load_s(mesh: Mesh, single_s: float) -> float:
+    return single_s * CLUSTER_LOAD_SCALE if mesh.on_cluster else single_s
 
 
 def _check(rep: drills.DrillReport, mesh: Mesh) -> None:
@@ -48,27 +70,29 @@ def _check(rep: drills.DrillReport, mesh: Mesh) -> None:
 
 
 def test_tampered_deltas_are_rejected_and_counted(mesh: Mesh) -> None:
-    rep = asyncio.run(drills.drill_tampered_deltas(mesh, load_s=6))
+    rep = asyncio.run(drills.drill_tampered_deltas(mesh, load_s=_load_s(mesh, 6)))
     _check(rep, mesh)
     assert rep.rejected > 0 and rep.failed == 0  # type: ignore[attr-defined]
 
 
 def test_kill9_worker_under_load(mesh: Mesh) -> None:
-    rep = asyncio.run(drills.drill_worker_kill(mesh, load_s=8))
+    rep = asyncio.run(drills.drill_worker_kill(mesh, load_s=_load_s(mesh, 8)))
     _check(rep, mesh)
 
 
 def test_kill9_trainer_under_sample_load(mesh: Mesh) -> None:
-    rep = asyncio.run(drills.drill_trainer_kill(mesh, load_s=10))
+    rep = asyncio.run(drills.drill_trainer_kill(mesh, load_s=_load_s(mesh, 10)))
     _check(rep, mesh)
     assert rep.failed == 0, "a learn/generate failed while only the trainer was down"
 
 
 def test_gateway_replica_stop_and_resume(mesh: Mesh) -> None:
-    rep = asyncio.run(drills.drill_gateway_replica(mesh, load_s=5))
+    rep = asyncio.run(drills.drill_gateway_replica(mesh, load_s=5))  # not shortened: B is down from 1 s to 3 s
     _check(rep, mesh)
+    assert rep.recover_s > 0, "replica B never served the session again after it came back"
 
 
+@pytest.mark.parametrize("mesh", [m for m in redis_modes() if m == "single"], indirect=True)
 def test_redis_restart_under_load(mesh: Mesh, redis_persistent: RedisServer) -> None:
     rep = asyncio.run(drills.drill_redis_restart(mesh, redis_persistent, load_s=8))
     _check(rep, mesh)

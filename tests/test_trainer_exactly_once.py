@@ -1,4 +1,5 @@
-"""Exactly-once training per sample id across kill -9, and a dying rank under torchrun."""
+"""Exactly-once training per sample id across kill -9, and a dying rank under torchrun, each on a
+single Redis and on a Redis Cluster (where the sample log has 8 partitions)."""
 
 from __future__ import annotations
 
@@ -96,18 +97,23 @@ async def test_kill9_mid_stream_trains_every_acknowledged_id_exactly_once(redis_
 
 
 async def _preload(redis_url: str, cfg, n: int) -> list[str]:
+    """``n`` samples from every teacher in turn (on a cluster, spread over several log partitions)."""
     redis = async_redis(redis_url)
     ingest = SampleIngest(redis, cfg)
+    ids: list[str] = []
     try:
-        out = await ingest.submit("bob", [Example(input=f"x{i}", target=f"y{i % 3}") for i in range(n)])
+        for start in range(0, n, 4):
+            out = await ingest.submit(TEACHERS[start // 4 % len(TEACHERS)],
+                                      [Example(input=f"x{i}", target=f"y{i % 3}") for i in range(start, min(n, start + 4))])
+            ids.extend(out["ids"])
     finally:
         ingest.close()
         await redis.aclose()
-    return out["ids"]
+    return ids
 
 
-async def test_a_dying_rank_restarts_the_group_from_the_checkpoint(redis_url, tmp_path):
-    # torchrun's restart, not Redis, is under test: one server is enough
+async def test_a_dying_rank_restarts_the_group_from_the_checkpoint(redis_target, tmp_path):
+    redis_url = redis_target.url
     cfg = trainer_config(redis_url, tmp_path, free_port(), ranks=2, checkpoint_every=2, batch_size=2,
                          max_restarts=1)
     acked = await _preload(redis_url, cfg, 40)
@@ -125,7 +131,8 @@ async def test_a_dying_rank_restarts_the_group_from_the_checkpoint(redis_url, tm
     _assert_exactly_once(redis_url, acked)
 
 
-async def test_a_rank_that_keeps_dying_fails_the_job_instead_of_hanging(redis_url, tmp_path):
+async def test_a_rank_that_keeps_dying_fails_the_job_instead_of_hanging(redis_target, tmp_path):
+    redis_url = redis_target.url
     cfg = trainer_config(redis_url, tmp_path, free_port(), ranks=2, checkpoint_every=50, batch_size=2,
                          max_restarts=0, step_timeout_s=10)
     await _preload(redis_url, cfg, 20)
