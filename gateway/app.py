@@ -26,7 +26,7 @@ import zmq.asyncio
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from gateway.admin.auth import AdminKeyring
 from gateway.admin.routes import ROUTERS
@@ -126,13 +126,31 @@ async def _eviction_policy(node: aioredis.Redis) -> str:
 
 
 async def _adopt_renamed_keys(redis: aioredis.Redis) -> None:
-    """Keys that gained a hash tag keep their data on a single server (keys.RENAMED); a cluster
-    has never held the old names, and RENAME cannot cross slots there anyway."""
-    if isinstance(redis, aioredis.RedisCluster):
-        return
+    """Keys that gained a hash tag keep their data (keys.RENAMED); what is already under the
+    new name is kept, and so is the old key then."""
+    cluster = isinstance(redis, aioredis.RedisCluster)
     for old, new in keys.RENAMED.items():
-        if await redis.exists(old):
+        if cluster:
+            await _move_across_slots(redis, old, new)
+        elif await redis.exists(old):
             await redis.renamenx(old, new)
+
+
+async def _move_across_slots(redis: aioredis.Redis, old: str, new: str) -> None:
+    """RENAMENX on a cluster (a single server's data imported into it), where the two names are
+    in different slots and RENAME is refused: DUMP, RESTORE (refused when the new name exists),
+    then DEL. Replicas starting together are safe: one RESTORE wins, the others find the new
+    name taken or the old one gone. The renamed keys never carry a TTL."""
+    payload = await redis.dump(old)
+    if payload is None:
+        return
+    try:
+        await redis.restore(new, 0, payload)
+    except ResponseError as exc:
+        if not str(exc).startswith("BUSYKEY"):
+            raise
+        return
+    await redis.delete(old)
 
 
 async def _bounded(what: str, stop: Callable[[], Awaitable[Any]], timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:

@@ -301,8 +301,9 @@ GATEWAY_STATS = f"{PREFIX}status:gateways"
 
 RENAMED = {f"{PREFIX}admin:keys": ADMIN_KEYS, f"{PREFIX}admin:keys:names": ADMIN_KEY_NAMES,
            f"{PREFIX}config:runtime": RUNTIME_CONFIG, f"{PREFIX}config:runtime:rev": RUNTIME_CONFIG_REV}
-"""Old name -> name now, for keys that gained a hash tag: a single server's gateway renames what it
-finds at start (gateway/app.py), so admin keys created through the API and runtime config survive."""
+"""Old name -> name now, for keys that gained a hash tag: a gateway renames what it finds at start
+(gateway/app.py; on a cluster it moves them across slots), so admin keys created through the API
+and runtime config survive."""
 
 
 STATUS_INDEX = f"{PREFIX}status:index"

@@ -98,11 +98,13 @@ class Node:
 
 @dataclass
 class LocalCluster:
-    """``masters`` masters with ``replicas`` replicas each, under a temporary directory."""
+    """``masters`` masters with ``replicas`` replicas each, under a temporary directory.
+    ``server``: the redis-server binary to run (another version than the one on PATH)."""
 
     masters: int = 3
     replicas: int = 1
     security: NodeSecurity | None = None
+    server: str | None = None
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="lm-redis-cluster-")))
     nodes: list[Node] = field(default_factory=list)
 
@@ -227,9 +229,9 @@ class LocalCluster:
         port = port or free_port_pair(BUS_OFFSET)
         nodedir = self.workdir / str(port)
         nodedir.mkdir(parents=True, exist_ok=True)
-        binary = shutil.which("redis-server") or "redis-server"
+        binary = self.server or shutil.which("redis-server") or "redis-server"
         ports = ["--port", str(port)] if self.security is None else ["-", *self.security.args(port)]
-        # S603: redis-server from PATH, arguments built here, no shell.
+        # S603: redis-server from PATH (or the caller's), arguments built here, no shell.
         proc = subprocess.Popen([binary, *ports, "--bind", "127.0.0.1", "--dir", str(nodedir),  # noqa: S603
                                  "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                                  "--cluster-node-timeout", "2000", "--save", "", "--appendonly", "no",

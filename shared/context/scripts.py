@@ -241,8 +241,10 @@ class ContextScript:
                 await self.load_library()
                 self.use_functions = True
                 return await self._send(op, principal, self._head(op, principal, n) + tail)
-            if "unknown command" in text and self.use_functions is None:
-                log.info("context store: Redis without Functions, using EVALSHA")
+            if "unknown command" in text and not self.use_functions:
+                # Calls sent together before the first answer all come back here: each falls back.
+                if self.use_functions is None:
+                    log.info("context store: Redis without Functions, using EVALSHA")
                 self.use_functions = False
                 return await self._evalsha(op, principal, args)
             raise exc
