@@ -147,11 +147,13 @@ def test_a_wrong_password_or_missing_ca_is_a_clear_error_without_secrets(secured
         assert "rediss+cluster://learnmesh:***@" in message
 
 
+@pytest.mark.parametrize("component", ["gateway", "trainer"])
 @pytest.mark.parametrize("broken", ["password", "ca"])
-def test_the_gateway_stops_at_start_with_one_clear_line(secured: SecuredCluster, tmp_path: Path,
-                                                        broken: str) -> None:
-    """`learnmesh gateway` as a user starts it (REDIS_URL and LEARNMESH_REDIS__* in the
-    environment): exit status 2 and one line naming the problem, no traceback, no hang."""
+def test_the_gateway_and_trainer_stop_at_start_with_one_clear_line(secured: SecuredCluster, tmp_path: Path,
+                                                                   broken: str, component: str) -> None:
+    """`learnmesh gateway` and `learnmesh trainer` as a user starts them (REDIS_URL and
+    LEARNMESH_REDIS__* in the environment): exit status 2 and one line naming the problem, no
+    traceback, no hang (the trainer's launcher stops before it starts any rank)."""
     url = secured.settings["url"]
     env = {"REDIS_URL": url.replace(secured.secret, "not-the-password-123") if broken == "password" else url,
            "LEARNMESH_REDIS__TLS_CERT_FILE": secured.settings["tls_cert_file"],
@@ -161,7 +163,8 @@ def test_the_gateway_stops_at_start_with_one_clear_line(secured: SecuredCluster,
     if broken == "password":
         env["LEARNMESH_REDIS__TLS_CA_FILE"] = secured.settings["tls_ca_file"]
     clean = {k: v for k, v in os.environ.items() if not k.startswith("LEARNMESH_") and k != "REDIS_URL"}
-    done = subprocess.run([sys.executable, "-m", "services.cli", "gateway", "--port", str(free_port())],
+    command = ["gateway", "--port", str(free_port())] if component == "gateway" else ["trainer"]
+    done = subprocess.run([sys.executable, "-m", "services.cli", *command],
                           cwd=ROOT, env={**clean, **env}, capture_output=True, text=True, timeout=120)
     out = done.stdout + done.stderr
     assert done.returncode == 2, out
