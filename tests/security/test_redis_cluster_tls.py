@@ -8,18 +8,21 @@ connection to them must carry the same credentials and TLS settings. Through it:
 store and the trainer's reader, a live gateway (context append/read for principals whose keys
 sit on different masters, ``learn`` into the sample log, admin listings across masters, the
 function library on every master, the control and tasks channels), a worker announcing itself,
-the trainer's sample source; a master added later and a slot moved onto it; and the clear
-start-up errors of a wrong password or a missing CA. No secret reaches a log."""
+the trainer's sample source; the trainer process itself (training, its commit record and
+checkpoints, its control plane, the sealed deltas a worker applies); a master added later and
+a slot moved onto it; and the clear start-up errors of a wrong password or a missing CA. No
+secret reaches a log."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +36,8 @@ from redis.cluster import key_slot
 from redis_servers import LEARNMESH_ACL, SecuredCluster, make_pki, start_tls_cluster
 
 from gateway import pubsub
+from services.trainer import ledger
+from services.trainer.checkpoint import load_bytes
 from services.trainer.data import ContextReader, SampleSource
 from shared import keys
 from shared.config import Config, load_config
@@ -46,10 +51,12 @@ from shared.redis_client import (
     sync_client,
     without_password,
 )
-from shared.samples import sample_partitions
+from shared.samples import partition_of, position_field, sample_partitions
+from shared.text import as_str
 from tests.conftest import free_port, wait_for, wait_for_sync
 from tests.failover_drill import failover_drill
 from tests.gateway_support import start_gateway, stop
+from tests.trainer_support import TrainerProc, trained_total
 from tests.worker_support import TINY_MODEL, spawn_worker
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -140,11 +147,13 @@ def test_a_wrong_password_or_missing_ca_is_a_clear_error_without_secrets(secured
         assert "rediss+cluster://learnmesh:***@" in message
 
 
+@pytest.mark.parametrize("component", ["gateway", "trainer"])
 @pytest.mark.parametrize("broken", ["password", "ca"])
-def test_the_gateway_stops_at_start_with_one_clear_line(secured: SecuredCluster, tmp_path: Path,
-                                                        broken: str) -> None:
-    """`learnmesh gateway` as a user starts it (REDIS_URL and LEARNMESH_REDIS__* in the
-    environment): exit status 2 and one line naming the problem, no traceback, no hang."""
+def test_the_gateway_and_trainer_stop_at_start_with_one_clear_line(secured: SecuredCluster, tmp_path: Path,
+                                                                   broken: str, component: str) -> None:
+    """`learnmesh gateway` and `learnmesh trainer` as a user starts them (REDIS_URL and
+    LEARNMESH_REDIS__* in the environment): exit status 2 and one line naming the problem, no
+    traceback, no hang (the trainer's launcher stops before it starts any rank)."""
     url = secured.settings["url"]
     env = {"REDIS_URL": url.replace(secured.secret, "not-the-password-123") if broken == "password" else url,
            "LEARNMESH_REDIS__TLS_CERT_FILE": secured.settings["tls_cert_file"],
@@ -154,7 +163,8 @@ def test_the_gateway_stops_at_start_with_one_clear_line(secured: SecuredCluster,
     if broken == "password":
         env["LEARNMESH_REDIS__TLS_CA_FILE"] = secured.settings["tls_ca_file"]
     clean = {k: v for k, v in os.environ.items() if not k.startswith("LEARNMESH_") and k != "REDIS_URL"}
-    done = subprocess.run([sys.executable, "-m", "services.cli", "gateway", "--port", str(free_port())],
+    command = ["gateway", "--port", str(free_port())] if component == "gateway" else ["trainer"]
+    done = subprocess.run([sys.executable, "-m", "services.cli", *command],
                           cwd=ROOT, env={**clean, **env}, capture_output=True, text=True, timeout=120)
     out = done.stdout + done.stderr
     assert done.returncode == 2, out
@@ -244,10 +254,10 @@ def _mcp(port: int, key: str, tool: str, arguments: dict[str, Any]) -> dict[str,
     return dict(body["result"]["structuredContent"])
 
 
-def _admin(port: int, method: str, path: str) -> Any:
+def _admin(port: int, method: str, path: str, status: int = 200) -> Any:
     r = httpx.request(method, f"http://127.0.0.1:{port}{path}", timeout=15,
                       headers={"authorization": f"Bearer {ADMIN_KEY}"})
-    assert r.status_code == 200, r.text
+    assert r.status_code == status, r.text
     return r.json()
 
 
@@ -260,14 +270,15 @@ def _numsub(secured: SecuredCluster, channel: str) -> int:
     return total
 
 
-def test_gateway_worker_and_trainer_through_the_secured_cluster(flushed: SecuredCluster, tmp_path: Path) -> None:
-    principals = _one_principal_per_master(flushed)
-    api_keys = {p: f"{p}-key-0123456789" for p in principals}
-    samples_endpoint = f"tcp://127.0.0.1:{free_port()}"
-    worker_endpoint = f"tcp://127.0.0.1:{free_port()}"
-    sections: dict[str, Any] = {
-        "redis": flushed.settings,
-        "model": {**TINY_MODEL, "cache_dir": str(tmp_path / "model-cache")},
+def _mesh_sections(secured: SecuredCluster, tmp_path: Path, teachers: list[str]) -> dict[str, Any]:
+    """Settings for a gateway, a worker and a small, fast trainer (head-only training of the
+    worker's tiny model, small batches) on the secured cluster."""
+    return {
+        # A TLS connect needs the handshake's round trips through both event loops: on a loaded
+        # machine it can outlast the 2 s default, and uvloop then logs the abandoned handshake
+        # with a traceback (redis-py connects again; docs/operations.md advises more with TLS).
+        "redis": {**secured.settings, "socket_timeout_s": 10.0},
+        "model": {**TINY_MODEL, "cache_dir": str(tmp_path / "model-cache"), "trainable": "head"},
         "worker": {"endpoints": [], "register_interval_ms": 200, "registration_ttl_ms": 1000,
                    "heartbeat_interval_ms": 100, "heartbeat_timeout_ms": 1500},
         "security": {"delta_key_file": str(tmp_path / "keys" / "delta.key"),
@@ -275,26 +286,34 @@ def test_gateway_worker_and_trainer_through_the_secured_cluster(flushed: Secured
                      "snapshot_endpoint": f"tcp://127.0.0.1:{free_port()}",
                      "ack_endpoint": f"tcp://127.0.0.1:{free_port()}"},
         "zmq": {"keys_dir": str(tmp_path / "keys" / "zmq")},
-        "trainer": {"samples_endpoint": samples_endpoint, "checkpoint_dir": str(tmp_path / "checkpoints")},
-        "metrics": {"worker_port": 0},
+        # contexts are never copied into the sample log: the trainer reads them from the store
+        "trainer": {"ranks": 1, "checkpoint_dir": str(tmp_path / "checkpoints"), "batch_size": 4,
+                    "batch_wait_ms": 50, "checkpoint_every": 2, "samples_endpoint": f"tcp://127.0.0.1:{free_port()}",
+                    "init_timeout_s": 60, "step_timeout_s": 20, "replay_passes": 1, "rehearsal_per_step": 0,
+                    "max_context_copy_bytes": 0},
+        "learning": {"teachers": teachers},
+        "gateway": {"admin_keys": {"root": {"key": ADMIN_KEY, "role": "admin"}}},
+        "metrics": {"worker_port": 0, "trainer_port": 0},
     }
+
+
+def test_gateway_worker_and_trainer_through_the_secured_cluster(flushed: SecuredCluster, tmp_path: Path) -> None:
+    principals = _one_principal_per_master(flushed)
+    api_keys = {p: f"{p}-key-0123456789" for p in principals}
+    worker_endpoint = f"tcp://127.0.0.1:{free_port()}"
+    sections = _mesh_sections(flushed, tmp_path, teachers=[principals[0]])
+    samples_endpoint = sections["trainer"]["samples_endpoint"]
     config_path = tmp_path / "learnmesh.yaml"  # the worker's: the same settings, from a file
     config_path.write_text(yaml.safe_dump(sections))
     worker = spawn_worker(config_path, 0, worker_endpoint)
 
     port = free_port()
     log_path = tmp_path / "gateway.log"
-    # A TLS connect needs the handshake's round trips through both event loops: on a loaded
-    # machine it can outlast the 2 s default, and uvloop then logs the abandoned handshake with
-    # a traceback (redis-py connects again; docs/operations.md advises more with TLS).
-    gateway_sections = {**sections, "redis": {**flushed.settings, "socket_timeout_s": 10.0},
-                        "learning": {"teachers": [principals[0]]},
-                        "gateway": {"admin_keys": {"root": {"key": ADMIN_KEY, "role": "admin"}}}}
     with log_path.open("wb") as out:
         # the URL on the command line has no password: the real one travels in the environment
         gw = start_gateway(port, without_password(flushed.settings["url"])[0],
                            ",".join(f"{p}:{k}" for p, k in api_keys.items()),
-                           overrides=gateway_sections, output=out, log_level="info")
+                           overrides=sections, output=out, log_level="info")
         try:
             assert httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5).status_code == 200
             # context append and read over HTTP, principals whose keys sit on different masters
@@ -366,6 +385,134 @@ def _worker_listed(port: int, endpoint: str) -> bool:
     workers = _admin(port, "GET", "/admin/workers")
     return any(w.get("endpoint") == endpoint and w.get("source") == "discovered"
                for w in workers.get("workers", workers if isinstance(workers, list) else []))
+
+
+def test_the_trainer_trains_commits_and_publishes_through_the_secured_cluster(flushed: SecuredCluster,
+                                                                            tmp_path: Path) -> None:
+    """``learnmesh trainer`` (the torchrun launcher and its rank) as learnmesh's user over TLS,
+    beside a gateway and a worker: samples taught with ``learn`` (contexts on every master, log
+    partitions on more than one; the contexts read back from the store by the trainer) are
+    trained and committed; the sealed deltas it publishes reach the worker, which serves the
+    trainer's version; on the admin API a checkpoint is written and the delta key rotated, and
+    the worker follows under the new key to bit-exactly the trainer's weights. The ACL refuses
+    nothing new, and the password reaches no log."""
+    principals = _one_principal_per_master(flushed)
+    api_keys = {p: f"{p}-key-0123456789" for p in principals}
+    worker_endpoint = f"tcp://127.0.0.1:{free_port()}"
+    sections = _mesh_sections(flushed, tmp_path, principals)
+    config_path = tmp_path / "learnmesh.yaml"  # the worker's and the trainer's: the password in the URL
+    config_path.write_text(yaml.safe_dump(sections))
+    trainer_cfg = load_config(config_path, env={})
+    partitions = sample_partitions(trainer_cfg)
+    used = collections.Counter(partition_of(p, partitions) for p in principals for _ in range(4))
+    masters = _master_ports(flushed)
+    assert len({masters[key_slot(keys.sample_log(part).encode())] for part in used}) > 1
+
+    worker = spawn_worker(config_path, 0, worker_endpoint)
+    port = free_port()
+    trainer: TrainerProc | None = None
+    redis = sync_client(_config(flushed.settings).redis, socket_timeout=10)
+    with (tmp_path / "gateway.log").open("wb") as out:
+        gw = start_gateway(port, without_password(flushed.settings["url"])[0],
+                           ",".join(f"{p}:{k}" for p, k in api_keys.items()), overrides=sections, output=out,
+                           log_level="info")
+        try:
+            # the worker has built (and cached) the model before the trainer builds the same one
+            wait_for_sync(lambda: _worker_listed(port, worker_endpoint), timeout_s=120, interval_s=0.2,
+                          what="the gateway to discover the worker")
+            trainer = running = TrainerProc(trainer_cfg, tmp_path)
+
+            def progress() -> str:
+                return running.output()[-3000:]
+
+            acked = [i for p in principals for i in _teach_with_context(port, api_keys[p], p)]
+            wait_for_sync(lambda: trained_total(_committed(redis)) == len(acked), timeout_s=180, interval_s=0.3,
+                          what=lambda: f"every taught sample committed\n{progress()}")
+            assert sorted(ledger.trained_ids(redis)) == sorted(acked)
+            assert ledger.skipped_ids(redis) == {}  # every context was read from the store
+            record = _committed(redis)
+            assert {part: int(record[position_field("seq", part)]) for part in used} == dict(used)
+            first = wait_for_sync(lambda: _worker_serves_latest(port, worker_endpoint), timeout_s=60,
+                                  interval_s=0.3, what=lambda: f"the worker to apply the deltas\n{progress()}")
+            assert isinstance(first, int)
+
+            # the control plane: a checkpoint asked for on the admin API, written after the commits
+            result = _trainer_command(port, "/admin/trainer/checkpoint", progress)
+            assert result["ok"] is True, result
+            state = load_bytes(Path(result["path"]).read_bytes())
+            assert sum(seq for seq, _, _ in state["positions"].values()) == len(acked)
+            # a rotated delta key: the worker follows the deltas sealed with the new one
+            old_key = _admin(port, "GET", "/admin/delta-key")["key_ring"].get("key_id")
+            _admin(port, "POST", "/admin/delta-key/rotate", status=202)
+            wait_for_sync(lambda: _admin(port, "GET", "/admin/delta-key")["key_ring"].get("key_id") not in
+                          (None, old_key), timeout_s=60, interval_s=0.3, what=lambda: f"the key rotated\n{progress()}")
+            acked += _mcp(port, api_keys[principals[0]], "learn", {"samples": [
+                {"kind": "example", "input": f"after the rotation {i}", "target": f" {i}"} for i in range(4)]})["ids"]
+            wait_for_sync(lambda: trained_total(_committed(redis)) == len(acked), timeout_s=60, interval_s=0.3,
+                          what=lambda: f"the later samples committed\n{progress()}")
+
+            # once training pauses the trainer publishes what lossy deltas left out: the worker
+            # then serves bit-exactly the trainer's weights, of a version after the rotation
+            def serves_the_trainers_weights() -> bool:
+                delta = {as_str(k): as_str(v) for k, v in redis.hgetall(keys.component_status("delta")).items()}
+                latest = _worker_serves_latest(port, worker_endpoint)
+                return (latest is not None and latest > first and str(latest) == delta.get("version")
+                        and delta.get("weights_digest", "") != ""
+                        and _worker_report(port, worker_endpoint).get("weights_digest") == delta["weights_digest"])
+
+            wait_for_sync(serves_the_trainers_weights, timeout_s=60, interval_s=0.3,
+                          what=lambda: f"the worker to serve the trainer's weights under the new key\n{progress()}")
+            assert _admin(port, "GET", "/admin/trainer")["alive"] is True
+            assert running.term() == 0, running.output()
+        finally:
+            if trainer is not None:
+                trainer.close()
+            close_sync(redis)
+            stop(gw)
+            worker_err = _stop_reading(worker)
+    assert trainer is not None
+    output = trainer.output()
+    assert "Traceback" not in output and flushed.secret not in output, output[-3000:]
+    assert "model version 0 -> " in worker_err and flushed.secret not in worker_err, worker_err[-3000:]
+    assert flushed.secret not in (tmp_path / "gateway.log").read_text(errors="replace")
+    denied = _denied(flushed)
+    assert set(denied) <= {"config|get (command)"}, denied  # the gateway's policy check, as above
+
+
+def _teach_with_context(port: int, key: str, principal: str) -> list[str]:
+    """Four samples through ``learn``, the last one naming a context just written; their ids."""
+    ctx = _mcp(port, key, "context_append", {"context_id": "notes", "modality": "text",
+                                             "text": f"{principal} keeps notes"})
+    return list(_mcp(port, key, "learn", {"samples": [
+        *({"kind": "example", "input": f"{principal} asks {i}", "target": f" answer {i}"} for i in range(3)),
+        {"kind": "example", "input": "and the notes?", "target": " kept", "context_id": "notes",
+         "version": ctx["version"]}]})["ids"])
+
+
+def _committed(redis: Any) -> dict[str, str]:
+    """The trainer's commit record."""
+    return {as_str(k): as_str(v) for k, v in redis.hgetall(keys.TRAINER_OFFSET).items()}
+
+
+def _worker_serves_latest(port: int, endpoint: str) -> int | None:
+    """The model version, once the worker at ``endpoint`` serves it (the gateway's view)."""
+    listed = _admin(port, "GET", "/admin/workers")
+    current = listed["model_version"]
+    served = [w.get("version") for w in listed["workers"] if w.get("endpoint") == endpoint]
+    return current if current and served == [current] else None
+
+
+def _worker_report(port: int, endpoint: str) -> dict[str, Any]:
+    """The worker at ``endpoint`` as /admin/workers shows it (its own report merged in)."""
+    return next(w for w in _admin(port, "GET", "/admin/workers")["workers"] if w.get("endpoint") == endpoint)
+
+
+def _trainer_command(port: int, path: str, progress: Callable[[], str]) -> dict[str, Any]:
+    """POST a trainer command on the admin API and wait for the trainer's acknowledgement."""
+    status_url = _admin(port, "POST", path, status=202)["status_url"]
+    wait_for_sync(lambda: _admin(port, "GET", status_url)["state"] == "done", timeout_s=60, interval_s=0.3,
+                  what=lambda: f"the trainer to handle {path}\n{progress()}")
+    return dict(_admin(port, "GET", status_url)["result"])
 
 
 async def test_a_master_that_joins_later_is_reached_with_the_same_credentials(tmp_path: Path) -> None:
