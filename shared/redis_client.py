@@ -111,10 +111,15 @@ def async_client(cfg: RedisConfig, **options: Any) -> AsyncRedis:
 
 
 class _ClosedTransportIsConnectionError:
-    """uvloop's transport raises ``RuntimeError`` for a write once the peer closed the socket
-    (a Redis node restarting, a connection killed), where asyncio's raises ``OSError`` and
-    redis-py makes that a ``ConnectionError``: retried, and answered 503 where it is not. This
-    gives uvloop's case the same path."""
+    """Two ways a write on a lost connection escapes redis-py as something other than its
+    ``ConnectionError`` (retried, and answered 503 where it is not), given that path here:
+
+    - uvloop's transport raises ``RuntimeError`` for a write once the peer closed the socket
+      (a Redis node restarting, a connection killed), where asyncio's raises ``OSError``;
+    - a connection disconnected by another task while this one writes (a cluster client
+      drops every connection of a node it finds failing, also one still in its handshake):
+      redis-py checks the connection, then writes on a later loop turn through a stream
+      writer that is gone by then, an ``AttributeError``."""
 
     async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
         try:
@@ -122,6 +127,10 @@ class _ClosedTransportIsConnectionError:
         except RuntimeError as exc:
             await self.disconnect(nowait=True)  # type: ignore[attr-defined]
             raise RedisConnectionError(f"redis closed the connection: {exc}") from None
+        except AttributeError:
+            if getattr(self, "_writer", None) is not None:
+                raise
+            raise RedisConnectionError("redis connection closed by another task while writing") from None
 
 
 _REPORTING: dict[type, type] = {}
