@@ -4,7 +4,9 @@ event stream was closed when a list changed is told as soon as it opens one agai
 - Every announced change bumps a counter in Redis before it is delivered, and the delivery
   carries the new value: ``keys.LIST_REVISIONS`` holds the lists everyone may see (the gateway's
   own ``<kind>``, an upstream's ``<kind>@<upstream>``), ``keys.principal_list_revisions`` those
-  announced to one principal alone (``~`` in front of the name in a session's record).
+  announced to one principal alone (``~`` in front of the name in a session's record). A new
+  revision is never below the Redis server's clock in ms, so a hash that expired or was lost
+  starts above every revision a session recorded.
 - A session keeps the revisions it was told about in its hash (field ``lists``): read at
   initialize; when an event stream opens, after each list whose revision differs has been
   logged for it; when the stream closes, with what the stream delivered meanwhile.
@@ -31,6 +33,18 @@ log = logging.getLogger(__name__)
 
 Revisions = dict[str, int]  # list name -> revision counter
 MINE = "~"  # a list announced to the session's principal alone
+
+# KEYS: a revision hash. ARGV: list name, TTL s (0: none). The new revision: above the last one and
+# no lower than the server's clock in ms, so a counter that expired (or was lost) and starts again
+# never comes back to a value a session recorded before.
+_BUMP_LUA = """
+local cur = tonumber(redis.call('HGET', KEYS[1], ARGV[1])) or 0
+local t = redis.call('TIME')
+local ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local v = redis.call('HINCRBY', KEYS[1], ARGV[1], math.max(1, ms - cur))
+if tonumber(ARGV[2]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[2]) end
+return v
+"""
 
 # KEYS: the session's hash. ARGV: the revisions as JSON. A session that has ended stays ended.
 _RECORD_LUA = """
@@ -75,22 +89,20 @@ class ListRevisions:
 
     def __init__(self, redis: aioredis.Redis, ttl_s: int) -> None:
         self._redis = redis
-        self.ttl_s = ttl_s  # a principal's counters outlive none of its sessions by much
+        self.ttl_s = ttl_s  # a principal's counters expire like an idle session
+        self._bump = redis.register_script(_BUMP_LUA)
         self._record = redis.register_script(_RECORD_LUA)
 
     async def bump(self, principal: str | None, kind: str, upstream: str | None) -> int | None:
         """Count a change of a list (``principal``: announced to that principal alone); its new
         revision, or None when Redis could not be reached (the change is still delivered)."""
         name = list_name(kind, upstream)
+        if principal is None:
+            key, ttl_s = keys.LIST_REVISIONS, 0
+        else:
+            key, ttl_s = keys.principal_list_revisions(principal), self.ttl_s
         try:
-            if principal is None:
-                return int(await self._redis.hincrby(keys.LIST_REVISIONS, name, 1))
-            key = keys.principal_list_revisions(principal)
-            pipe = self._redis.pipeline(transaction=False)
-            pipe.hincrby(key, name, 1)
-            pipe.expire(key, self.ttl_s)
-            revision, _ = await pipe.execute()
-            return int(revision)
+            return int(await self._bump(keys=[key], args=[name, ttl_s]))
         except (RedisError, OSError):
             log.warning("could not count a change of the %s list; sessions without an open stream may miss it", name)
             return None
