@@ -6,7 +6,7 @@ stayed open is told once, as before. Two gateway replicas, on a single Redis and
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -14,9 +14,12 @@ import httpx
 import pytest
 
 from gateway.app import create_app
+from gateway.mcp.list_revisions import ListRevisions
 from gateway.state import Gateway
+from shared import keys
+from shared.redis_client import AsyncRedis
 from tests.admin_support import MCP_KEY, LiveServer, admin_config
-from tests.conftest import RedisTarget, wait_for_sync
+from tests.conftest import RedisTarget, wait_for, wait_for_sync
 from tests.proxy.harness import Upstream
 from tests.proxy_front import BOB_KEY, LEGACY, Client, Stream, get_stream, publish_control
 
@@ -31,6 +34,13 @@ PROMPTS_CHANGED = "notifications/prompts/list_changed"
 @pytest.fixture
 def redis_url(redis_target: RedisTarget) -> str:
     return redis_target.url
+
+
+@pytest.fixture
+async def r(redis_target: RedisTarget) -> AsyncIterator[AsyncRedis]:
+    client = redis_target.async_client()
+    yield client
+    await client.aclose()
 
 
 @contextmanager
@@ -55,8 +65,8 @@ def visit(client: Client, principal: str, gateway: Gateway) -> str:
 
 def moved(client: Client, base: str) -> Client:
     """The same session, reached through another replica."""
-    other = Client(base, MCP_KEY if client.auth["authorization"].endswith(MCP_KEY) else BOB_KEY, LEGACY)
-    other.sid = client.sid
+    other = Client(base, "", LEGACY)
+    other.auth, other.sid = dict(client.auth), client.sid
     return other
 
 
@@ -124,3 +134,21 @@ def test_upstream_change_reaches_reopened_streams_that_may_see_it(redis_url: str
         bob_stream = get_stream(moved(bob, b), bob_last)
         settle(redis_url, {"bob": [bob_stream]})
         assert TOOLS_CHANGED not in bob_stream.methods()  # the allow-list keeps bob from the upstream
+
+
+async def test_a_revision_hash_that_expired_starts_above_what_sessions_recorded(r: AsyncRedis) -> None:
+    """A principal's revisions expire like an idle session; a session that outlived them must still
+    see a later change as a change, so the hash must not count from the start again."""
+    revisions = ListRevisions(r, ttl_s=60)
+    first = await revisions.bump("alice", "resources", None)
+    assert first is not None and await r.ttl(keys.principal_list_revisions("alice")) > 0
+
+    async def clock_passed_it() -> bool:
+        seconds, micros = await r.time()
+        return int(seconds) * 1000 + int(micros) // 1000 > first
+
+    await wait_for(clock_passed_it, timeout_s=5, what="the Redis clock to pass the first revision")
+    await r.delete(keys.principal_list_revisions("alice"))  # as if it expired
+    again = await revisions.bump("alice", "resources", None)
+    assert again is not None and again > first
+    assert await revisions.bump(None, "tools", "up") != await revisions.bump(None, "tools", "up")
