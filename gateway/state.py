@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +26,7 @@ from gateway.auth import Authenticator, OriginGuard, WsTickets
 from gateway.limits import Limits
 from gateway.mcp.dispatcher import Call, Dispatcher
 from gateway.mcp.kernel import Kernel
+from gateway.mcp.list_revisions import ListRevisions, OpenStream, list_name, parse_name
 from gateway.mcp.request_state import RequestStateSealer
 from gateway.mcp.sessions import SessionRegistry
 from gateway.mcp.types import Notification
@@ -85,7 +86,8 @@ class Gateway:
     kernel: Kernel = field(init=False)  # what both transports hand their messages to
     proxy: Proxy = field(init=False)  # upstream MCP servers (gateway/proxy/)
     listeners: dict[str, set[Listener]] = field(default_factory=dict)
-    session_streams: dict[str, dict[str, int]] = field(default_factory=dict)  # principal -> sid -> open streams here
+    list_revisions: ListRevisions = field(init=False)
+    session_streams: dict[str, dict[str, set[OpenStream]]] = field(default_factory=dict)  # principal -> sid -> here
     _notes: set[asyncio.Task[Any]] = field(default_factory=set)  # event-log appends under way
     inflight: dict[InflightKey, tuple[asyncio.Task[Any], Call]] = field(default_factory=dict)
     shutting_down: asyncio.Event = field(default_factory=asyncio.Event)
@@ -96,6 +98,7 @@ class Gateway:
         gw = self.config.gateway
         self.sessions = SessionRegistry(self.redis, self.blocking_redis, gw)
         self.sessions.publish_control = self.publish_control
+        self.list_revisions = ListRevisions(self.redis, gw.session_idle_ttl_s)
         self.sealer = RequestStateSealer(gw.request_state_keys, gw.request_state_ttl_s)
         self.auth = Authenticator(gw)
         self.origin_guard = OriginGuard(gw)
@@ -117,28 +120,55 @@ class Gateway:
     async def notify_list_changed(self, principal: str | None, kind: str, upstream: str | None = None) -> None:
         """``kind``: tools | resources | prompts, on every replica. ``principal=None`` means everyone
         who may see the list: with ``upstream`` (a proxied server's list changed) only principals
-        allowed to use it, and every replica drops its copy of that upstream's lists."""
-        await self.publish_control({"t": "lc", "p": principal, "k": kind, "u": upstream})
+        allowed to use it, and every replica drops its copy of that upstream's lists. The change is
+        counted first, so a session with no stream open now is told when it opens one."""
+        revision = await self.list_revisions.bump(principal, kind, upstream)
+        await self.publish_control({"t": "lc", "p": principal, "k": kind, "u": upstream, "r": revision})
 
-    def list_changed_here(self, kind: str, upstream: str | None = None) -> None:
+    async def list_changed_here(self, kind: str, upstream: str | None = None) -> None:
         """``notify_list_changed(None, kind, upstream)`` for the clients of this replica only
-        (each replica learns of an upstream's change on its own)."""
-        self._on_control({"t": "lc", "p": None, "k": kind, "u": upstream})
+        (each replica learns of an upstream's change on its own, and counts it)."""
+        revision = await self.list_revisions.bump(None, kind, upstream)
+        self._on_control({"t": "lc", "p": None, "k": kind, "u": upstream, "r": revision})
 
-    @contextlib.contextmanager
-    def session_stream(self, principal: str, sid: str) -> Iterator[None]:
+    @contextlib.asynccontextmanager
+    async def session_stream(self, principal: str, sid: str) -> AsyncIterator[None]:
         """Mark a legacy session's event stream (GET or WebSocket) open on this replica while the
-        block runs: broadcast notifications (``list_changed``) go into the logs of those sessions."""
+        block runs: broadcast notifications (``list_changed``) go into the logs of those sessions.
+        On entry the session's log first gets each list change it was not told about while no
+        stream of it was open; on exit the session records what this stream told it."""
+        stream = OpenStream(principal, sid)
         group = self.session_streams.setdefault(principal, {})
-        group[sid] = group.get(sid, 0) + 1
+        group.setdefault(sid, set()).add(stream)  # before the revisions are read: no change falls between
         try:
+            await self._tell_missed(stream)
             yield
         finally:
-            group[sid] -= 1
+            group[sid].discard(stream)
             if not group[sid]:
                 del group[sid]
             if not group:
                 self.session_streams.pop(principal, None)
+            try:
+                await self.list_revisions.record(stream)
+            except (RedisError, OSError):  # the next stream tells the client again: twice, not never
+                log.warning("could not record the list changes a session stream told about")
+
+    async def _tell_missed(self, stream: OpenStream) -> None:
+        try:
+            changed = await self.list_revisions.open(stream)
+            kinds: list[str] = []
+            for name in changed:
+                kind, upstream = parse_name(name)
+                if kind not in kinds and (upstream is None or self.proxy.may_see(stream.principal, upstream, kind)):
+                    kinds.append(kind)
+            for kind in kinds:
+                await self.sessions.append_event(stream.principal, stream.sid,
+                                                 Notification(method=f"notifications/{kind}/list_changed"))
+            await self.list_revisions.record(stream)
+        except (RedisError, OSError):
+            stream.recorded = None  # told nothing: the session's record stays as it was
+            log.warning("could not compare a session's list revisions; it is told of changes from now on")
 
     def add_listener(self, principal: str, uris: set[str], flags: dict[str, Any],
                      queue: asyncio.Queue[dict[str, Any]]) -> Listener:
@@ -214,7 +244,8 @@ class Gateway:
             self._on_list_changed(m)
 
     def _on_list_changed(self, m: dict[str, Any]) -> None:
-        kind, upstream = m["k"], m.get("u")
+        kind, upstream, revision = m["k"], m.get("u"), m.get("r")
+        name = list_name(kind, upstream, mine=bool(m.get("p")))
         if upstream is not None:
             self.proxy.catalog_changed(upstream)
         flag = f"{kind}ListChanged"
@@ -225,8 +256,10 @@ class Gateway:
             if upstream is not None and not self.proxy.may_see(principal, upstream, kind):
                 continue
             self._deliver(principal, lambda lis: lis.flags.get(flag) is True, note)
-            for sid in self.session_streams.get(principal, ()):
+            for sid, streams in self.session_streams.get(principal, {}).items():
                 self._append_note(principal, sid, Notification(method=method))
+                for stream in streams:
+                    stream.tell(name, revision)
 
     def _append_note(self, principal: str, sid: str, note: Notification) -> None:
         spawn(self.sessions.append_event(principal, sid, note), self._notes, "logging a notification for a session stream")

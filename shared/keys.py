@@ -20,7 +20,8 @@ def _tag(principal: str) -> str:
 # A legacy session's keys carry its principal's hash tag: an id presented by another
 # principal names a different key and is simply not found (404).
 def session(principal: str, session_id: str) -> str:
-    """Hash: protocol version, client capabilities, log level of a legacy (2025-11-25) session."""
+    """Hash: protocol version, client capabilities, log level of a legacy (2025-11-25) session, and
+    the list revisions it has been told about (gateway/mcp/list_revisions.py)."""
     return f"{PREFIX}{_tag(principal)}:sess:{session_id}"
 
 
@@ -52,6 +53,13 @@ def principal_sessions(principal: str) -> str:
 def resource_subscribers(principal: str, uri: str) -> str:
     """Set: legacy session ids of a principal subscribed to one resource URI."""
     return f"{PREFIX}{_tag(principal)}:ressubs:{uri}"
+
+
+def principal_list_revisions(principal: str) -> str:
+    """Hash with the idle-session TTL: revision counter of each of the principal's own lists
+    (``<kind>`` or ``<kind>@<upstream>``), bumped when a change is announced to that principal
+    alone (gateway/mcp/list_revisions.py)."""
+    return f"{PREFIX}{_tag(principal)}:listrevs"
 
 
 def ws_ticket(principal: str, secret_digest: str) -> str:
@@ -86,6 +94,12 @@ operators; the per-principal ``teacher_grant`` key is what requests read)."""
 
 GATEWAY_CONTROL_CHANNEL = f"{PREFIX}gateway:control"
 """Pub/sub: session invalidation, cancellation and resource-updated fan-out to every replica."""
+LIST_REVISIONS = f"{PREFIX}gateway:listrevs"
+"""Hash: revision counter of each list every principal may see — ``<kind>`` (tools | resources |
+prompts, the gateway's own) and ``<kind>@<upstream>`` (a proxied server's) — bumped once per
+announced change by each replica that learns of it; a legacy session compares it with the
+revisions it was told about when its event stream opens (gateway/mcp/list_revisions.py). Never in
+one command with a principal's keys. No principal data."""
 
 
 # ---------------------------------------------------------------- gateway / MCP tasks extension (SEP-2663)

@@ -7,15 +7,19 @@ from __future__ import annotations
 import shutil
 import subprocess
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import orjson
 
 from gateway.app import create_app
-from shared.redis_client import SyncRedis, close_sync
+from shared import keys
+from shared.config import RedisConfig
+from shared.redis_client import SyncRedis, close_sync, sync_client
 from tests.admin_support import ADMIN_KEY, MCP_KEY, LiveServer, admin_config
 from tests.conftest import RedisTarget, free_port, wait_for_sync
 from tests.gateway_support import start_gateway, stop
@@ -187,3 +191,47 @@ def read_stream(method: str, url: str, headers: dict[str, str], body: Any, seen:
                         return
     except httpx.HTTPError:
         return
+
+
+@dataclass
+class Stream:
+    """An SSE stream read in a thread: ``opened`` once the gateway answered with its headers."""
+
+    seen: list[dict[str, Any]] = field(default_factory=list)
+    opened: threading.Event = field(default_factory=threading.Event)
+
+    def methods(self) -> list[str]:
+        return [m.get("method", "") for m in list(self.seen)]
+
+    def read(self, method: str, url: str, headers: dict[str, str], body: Any) -> None:
+        try:
+            with httpx.stream(method, url, json=body, headers=headers, timeout=60) as resp:
+                self.opened.set()
+                for line in resp.iter_lines():
+                    if line.startswith("data:") and line[5:].strip():
+                        self.seen.append(orjson.loads(line[5:]))
+        except httpx.HTTPError:
+            return
+
+
+def open_stream(stream: Stream, method: str, url: str, headers: dict[str, str], body: Any = None) -> Stream:
+    threading.Thread(target=stream.read, args=(method, url, headers, body), daemon=True).start()
+    wait_for_sync(stream.opened.is_set, timeout_s=10, what="the stream to open")
+    return stream
+
+
+def get_stream(client: Client, last_event_id: str | None = None) -> Stream:
+    """The legacy session's GET stream (resuming after ``last_event_id``)."""
+    headers = {**client.auth, "mcp-session-id": client.sid or "", "mcp-protocol-version": LEGACY}
+    if last_event_id is not None:
+        headers["last-event-id"] = last_event_id
+    return open_stream(Stream(), "GET", client.url, headers)
+
+
+def publish_control(redis_url: str, message: dict[str, Any]) -> None:
+    """A control message as another replica publishes it (single server or cluster)."""
+    client = sync_client(RedisConfig(url=redis_url))
+    try:
+        client.publish(keys.GATEWAY_CONTROL_CHANNEL, orjson.dumps(message))
+    finally:
+        close_sync(client)

@@ -7,21 +7,25 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-import orjson
 import pytest
-import redis as redis_sync
 
-from shared import keys
 from tests.admin_support import MCP_KEY
 from tests.conftest import wait_for_sync
 from tests.proxy.harness import Upstream, sdk_client
-from tests.proxy_front import BOB_KEY, LEGACY, MODERN, Client, front_gateway
+from tests.proxy_front import (
+    BOB_KEY,
+    LEGACY,
+    MODERN,
+    Client,
+    Stream,
+    front_gateway,
+    get_stream,
+    open_stream,
+    publish_control,
+)
 
 pytest_plugins = ("tests.proxy_support",)  # its fixtures: the SDK upstream processes
 
@@ -31,39 +35,6 @@ PROMPTS_CHANGED = "notifications/prompts/list_changed"
 SENTINEL = {"t": "lc", "p": "bob", "k": "prompts", "o": "another-replica"}  # the gateway's own change, for bob
 
 
-@dataclass
-class Stream:
-    """An SSE stream read in a thread: ``opened`` once the gateway answered with its headers."""
-
-    seen: list[dict[str, Any]] = field(default_factory=list)
-    opened: threading.Event = field(default_factory=threading.Event)
-
-    def methods(self) -> list[str]:
-        return [m.get("method", "") for m in list(self.seen)]
-
-    def read(self, method: str, url: str, headers: dict[str, str], body: Any) -> None:
-        try:
-            with httpx.stream(method, url, json=body, headers=headers, timeout=60) as resp:
-                self.opened.set()
-                for line in resp.iter_lines():
-                    if line.startswith("data:") and line[5:].strip():
-                        self.seen.append(orjson.loads(line[5:]))
-        except httpx.HTTPError:
-            return
-
-
-def _open(stream: Stream, method: str, url: str, headers: dict[str, str], body: Any = None) -> Stream:
-    threading.Thread(target=stream.read, args=(method, url, headers, body), daemon=True).start()
-    wait_for_sync(stream.opened.is_set, timeout_s=10, what="the stream to open")
-    return stream
-
-
-def get_stream(client: Client) -> Stream:
-    """The legacy session's GET stream."""
-    headers = {**client.auth, "mcp-session-id": client.sid or "", "mcp-protocol-version": LEGACY}
-    return _open(Stream(), "GET", client.url, headers)
-
-
 def listen_stream(client: Client) -> Stream:
     """A 2026-07-28 listen stream asking for tool and prompt list changes."""
     body = {"jsonrpc": "2.0", "id": 9, "method": "subscriptions/listen",
@@ -71,7 +42,7 @@ def listen_stream(client: Client) -> Stream:
                        "_meta": {"io.modelcontextprotocol/protocolVersion": MODERN,
                                  "io.modelcontextprotocol/clientCapabilities": {}}}}
     headers = {**client.auth, "mcp-protocol-version": MODERN, "mcp-method": "subscriptions/listen"}
-    stream = _open(Stream(), "POST", client.url, headers, body)
+    stream = open_stream(Stream(), "POST", client.url, headers, body)
     wait_for_sync(lambda: stream.seen, timeout_s=10, what="the listen stream's acknowledgement")
     return stream
 
@@ -100,16 +71,10 @@ def test_the_first_list_is_fetched_on_a_clock_younger_than_the_list_ttl(redis_ur
         assert "up.echo" in Client(base, MCP_KEY, MODERN).names()
 
 
-def _publish(redis_url: str, message: dict[str, Any]) -> None:
-    """A control message as another replica publishes it."""
-    with redis_sync.Redis.from_url(redis_url) as r:
-        r.publish(keys.GATEWAY_CONTROL_CHANNEL, orjson.dumps(message))
-
-
 def _assert_bob_told_nothing(redis_url: str, streams: list[Stream]) -> None:
     """The gateway's own change for bob comes after the upstream's: once each of bob's streams
     has it, the upstream's would have come before it."""
-    _publish(redis_url, SENTINEL)
+    publish_control(redis_url, SENTINEL)
     for stream in streams:
         wait_for_sync(lambda s=stream: PROMPTS_CHANGED in s.methods(), timeout_s=10,
                       what="the gateway's own prompts/list_changed on bob's stream")
@@ -155,7 +120,7 @@ def test_change_learned_by_another_replica_reaches_this_replicas_sessions(redis_
 
         asyncio.run(grow_directly())
         assert "up.elsewhere" not in alice.names()  # the front still has the lists it fetched
-        _publish(redis_url, {"t": "lc", "p": None, "k": "tools", "u": "up", "o": "another-replica"})
+        publish_control(redis_url, {"t": "lc", "p": None, "k": "tools", "u": "up", "o": "another-replica"})
         wait_for_sync(lambda: TOOLS_CHANGED in alice_stream.methods(), timeout_s=10,
                       what="tools/list_changed from another replica on alice's GET stream")
         assert "up.elsewhere" in alice.names()

@@ -272,8 +272,9 @@ class Kernel:
         if not isinstance(reply.message, Response):
             return reply
         caps = request.params.get("capabilities")
+        lists = await self.gateway.list_revisions.current(principal)  # what a new session needs no news of
         session = await self.sessions.create(principal, reply.message.result["protocolVersion"],
-                                             caps if isinstance(caps, dict) else {})
+                                             caps if isinstance(caps, dict) else {}, lists)
         reply.session_id = session.id
         return reply
 

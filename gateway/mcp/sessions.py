@@ -43,7 +43,7 @@ _replies = msgspec.json.Decoder(ClientReply)
 _CREATE_LUA = """
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', tonumber(ARGV[1]) - tonumber(ARGV[2]))
 if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[3]) then return 0 end
-redis.call('HSET', KEYS[2], 'v', ARGV[5], 'caps', ARGV[6], 'lvl', '')
+redis.call('HSET', KEYS[2], 'v', ARGV[5], 'caps', ARGV[6], 'lvl', '', 'lists', ARGV[7])
 redis.call('EXPIRE', KEYS[2], ARGV[2])
 redis.call('ZADD', KEYS[1], ARGV[1], ARGV[4])
 redis.call('EXPIRE', KEYS[1], ARGV[2])
@@ -114,11 +114,13 @@ class SessionRegistry:
         self.publish_control: Callable[[dict[str, Any]], Awaitable[None]] | None = None  # set by the Gateway
 
     # ------------------------------------------------------------------ lifecycle
-    async def create(self, principal: str, protocol_version: str, capabilities: dict[str, Any]) -> Session:
+    async def create(self, principal: str, protocol_version: str, capabilities: dict[str, Any],
+                     lists: dict[str, int] | None = None) -> Session:
+        """A new session; ``lists``: the list revisions it starts from (gateway/mcp/list_revisions.py)."""
         sid = new_session_id()
         ok = await self._create(keys=[keys.principal_sessions(principal), keys.session(principal, sid)],
                                 args=[int(time.time()), self.ttl_s, self.cap, sid, protocol_version,
-                                      orjson.dumps(capabilities)])
+                                      orjson.dumps(capabilities), orjson.dumps(lists or {})])
         if not ok:
             raise SessionLimit(principal)
         s = Session(sid, principal, protocol_version, capabilities, None, time.monotonic())

@@ -173,7 +173,7 @@ class Proxy:
     async def _standing_note(self, up: Upstream, msg: Message) -> None:
         kind = changed_list(msg)
         if kind is not None:
-            self.gateway.list_changed_here(kind, up.name)  # every replica follows the upstream itself
+            await self.gateway.list_changed_here(kind, up.name)  # every replica follows the upstream itself
 
     async def _stdio_note(self, up: Upstream, key: str, msg: Message) -> None:
         if key != CATALOG and msg.get("method") == "notifications/resources/updated":

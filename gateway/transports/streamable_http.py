@@ -289,7 +289,7 @@ class McpHttpTransport:
         sessions = self.gateway.sessions
         cursor = last if last and _EVENT_ID.fullmatch(last) else await sessions.last_event_id(principal, sid)
         sent.started = True
-        with self.gateway.session_stream(principal, sid):
+        async with self.gateway.session_stream(principal, sid):
             await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
             await send({"type": "http.response.body", "body": f"id: {cursor}\ndata: \n\n".encode(), "more_body": True})
             pump = asyncio.ensure_future(self._pump(send, principal, sid, cursor))

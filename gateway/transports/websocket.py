@@ -129,7 +129,7 @@ class _Connection:
     async def _pump(self, sid: str) -> None:
         sessions = self.gateway.sessions
         cursor = await sessions.last_event_id(self.principal, sid)
-        with self.gateway.session_stream(self.principal, sid):
+        async with self.gateway.session_stream(self.principal, sid):
             while True:
                 try:
                     events = await sessions.read_events(self.principal, sid, cursor, EVENT_POLL_MS)
