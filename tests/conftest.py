@@ -3,7 +3,8 @@
 Tests run against a real Redis server: a private ``redis-server`` started for the test
 session on a free port (so parallel runs never share state), or — when no binary is on
 PATH — the one answering on 127.0.0.1:6379 (database 15). Each test gets a flushed
-database. ``wait_for`` replaces sleeps: poll a condition until it holds or time runs out.
+database. ``wait_for`` replaces sleeps: poll a condition until it holds or time runs out
+(tests/waiting.py, re-exported here).
 
 Redis Cluster: a test that takes the ``redis_target`` fixture runs twice, ``[single]`` against
 the private server and ``[cluster]`` against a real cluster of 3 masters + 3 replicas started
@@ -19,13 +20,11 @@ stays the single-server fixture for files that have not opted in.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 import subprocess
 import tempfile
-import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,38 +42,8 @@ from shared.redis_client import (
     sync_client,
 )
 from shared.redis_local_cluster import LocalCluster
-
-
-def _describe(what: str | Callable[[], str]) -> str:
-    """``what`` of a wait: a string, or a callable asked only on timeout (so a message can
-    carry a process's output as it was when the wait gave up)."""
-    return what() if callable(what) else what
-
-
-def wait_for_sync(cond: Callable[[], object], timeout_s: float = 10.0, interval_s: float = 0.02,
-                  what: str | Callable[[], str] = "condition") -> object:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {_describe(what)}")
-        time.sleep(interval_s)
-
-
-async def wait_for(cond: Callable[[], Awaitable[object] | object], timeout_s: float = 10.0,
-                   interval_s: float = 0.02, what: str | Callable[[], str] = "condition") -> object:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = cond()
-        if asyncio.iscoroutine(value) or isinstance(value, asyncio.Future):
-            value = await value
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {_describe(what)}")
-        await asyncio.sleep(interval_s)
+from tests.waiting import wait_for as wait_for
+from tests.waiting import wait_for_sync as wait_for_sync
 
 
 @pytest.fixture(scope="session")

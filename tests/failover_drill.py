@@ -6,8 +6,9 @@ serving without a restart, no append it acknowledged is lost, and while the slot
 clients see 503 with a Retry-After, never a redirect (MOVED/ASK), a TLS error or a 500. The gateway
 runs with ``redis.wait_replicas: 1``: every context append is acknowledged only once a replica holds
 it, so the promoted master (which has no replica) refuses its principals' appends with 503 until the
-killed node is back, as its replica. Run on a plain cluster (tests/test_redis_cluster_failover.py)
-and on one with TLS and ACL users (tests/security/test_redis_cluster_tls.py).
+killed node is back, as its replica. Run on a plain cluster (tests/test_redis_cluster_failover.py),
+on one with TLS and ACL users (tests/security/test_redis_cluster_tls.py), and in the long drills
+(``bench/drills.py --cluster``), so nothing here imports pytest.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ import orjson
 from shared import keys
 from shared.net import free_port
 from shared.redis_local_cluster import LocalCluster, Node
-from tests.conftest import wait_for
 from tests.gateway_support import start_gateway, stop
+from tests.waiting import wait_for
 
 MODERN = "2026-07-28"
 LEGACY = "2025-11-25"
@@ -45,6 +46,23 @@ class Tally:
     session_ok_after_kill: int = 0
     wrong: list[str] = dataclasses.field(default_factory=list)  # anything else: must stay empty
     killed_at: float | None = None
+    answers: int = 0  # every answer the clients got (appends and session calls)
+
+
+@dataclasses.dataclass
+class FailoverReport:
+    """What a drill that held saw: answers, of which ``unavailable`` were 503 (with Retry-After)
+    while the killed master's slots had no master or its successor no replica; ``acked``
+    appends, all still stored; seconds from the kill until the cluster was ok again."""
+
+    answers: int
+    unavailable: int
+    acked: int
+    failed_over_s: float
+
+    def line(self) -> str:
+        return (f"failover drill: cluster ok again {self.failed_over_s:.1f}s after the kill; {self.unavailable} "
+                f"answer(s) 503 meanwhile; {self.acked} appends acknowledged, 0 lost")
 
 
 def _headers(principal: str, method: str, name: str | None = None) -> dict[str, str]:
@@ -73,6 +91,7 @@ async def _tool(client: httpx.AsyncClient, principal: str, name: str, args: dict
 def _judge(tally: Tally, resp: httpx.Response, what: str) -> dict[str, Any] | None:
     """The JSON-RPC result of a 200 answer; a 503 is counted (it must carry Retry-After);
     anything else is recorded as wrong."""
+    tally.answers += 1
     if "MOVED" in resp.text or "ASK " in resp.text:
         tally.wrong.append(f"{what}: a redirect reached the client: {resp.text[:200]}")
         return None
@@ -168,10 +187,11 @@ def _stored_texts(principal: str, port: int) -> set[str]:
 
 
 async def failover_drill(cluster: LocalCluster, redis_url: str, tmp_path: Path,
-                         redis_settings: dict[str, Any] | None = None) -> str:
+                         redis_settings: dict[str, Any] | None = None) -> FailoverReport:
     """Kill -9 the master of a principal's slot under load, check what must hold (see the module's
-    docstring) and return a one-line summary. ``redis_settings``: more ``redis.*`` of the gateway
-    (TLS files, a longer socket timeout), on top of the drill's own."""
+    docstring; AssertionError where it does not) and report what the clients saw.
+    ``redis_settings``: more ``redis.*`` of the gateway (TLS files, a longer socket timeout), on
+    top of the drill's own."""
     port = free_port()
     log_path = tmp_path / "gateway.log"
     with log_path.open("wb") as out:
@@ -222,5 +242,4 @@ async def failover_drill(cluster: LocalCluster, redis_url: str, tmp_path: Path,
     assert all(not v for v in lost.values()), f"acknowledged appends lost: {lost}"
     assert victim in cluster.running() and victim.port not in {n.port for n in cluster.primaries()}
     assert "Traceback" not in gateway_log, gateway_log[-3000:]
-    return (f"failover drill: cluster ok again {failed_over_s:.1f}s after the kill; {tally.unavailable} answer(s) "
-          f"503 meanwhile; {sum(map(len, tally.acked.values()))} appends acknowledged, 0 lost")
+    return FailoverReport(tally.answers, tally.unavailable, sum(map(len, tally.acked.values())), failed_over_s)

@@ -114,7 +114,7 @@ def main() -> None:
 def start_gateway(port: int, redis_url: str, api_keys: str = "", ttl_s: int = 1800,
                   cap: int = 1000, overrides: dict[str, dict[str, Any]] | None = None,
                   output: IO[bytes] | None = None, log_level: str | None = None) -> subprocess.Popen:
-    from tests.conftest import wait_for_sync
+    from tests.waiting import wait_for_sync
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("REDIS_URL", None)

@@ -25,7 +25,7 @@ def cluster() -> Iterator[LocalCluster]:
 
 
 async def test_a_killed_master_fails_over_under_load_and_loses_no_acknowledged_append(cluster, tmp_path) -> None:
-    print(await failover_drill(cluster, cluster.url, tmp_path))
+    print((await failover_drill(cluster, cluster.url, tmp_path)).line())
 
 
 def _subscribed_node(cluster: LocalCluster, channel: str) -> Node | None:

@@ -556,8 +556,9 @@ async def test_a_killed_master_fails_over_with_tls_and_acl_users(flushed: Secure
     module: it leaves the module's cluster healthy (the killed node is back, as a replica) but
     with its roles swapped."""
     # as in the gateway test above: TLS handshakes can outlast the 1 s of the plain drill
-    print(await failover_drill(flushed.cluster, without_password(flushed.settings["url"])[0], tmp_path,
-                               redis_settings={**flushed.settings, "socket_timeout_s": 5.0}))
+    report = await failover_drill(flushed.cluster, without_password(flushed.settings["url"])[0], tmp_path,
+                                  redis_settings={**flushed.settings, "socket_timeout_s": 5.0})
+    print(report.line())
     assert set(_denied(flushed)) <= {"config|get (command)"}  # as in the gateway test: @dangerous, skipped
     replicas_as = set()
     for node in flushed.cluster.primaries():  # the promoted master's replica is the node brought back
