@@ -88,6 +88,8 @@ bench-proxy: $(STAMP) $(BENCH_PROXY_VENV)/.installed
 	$(BIN)/python bench/bench_proxy.py --fastmcp-python $(BENCH_PROXY_VENV)/bin/python $(ARGS)
 
 ## Fault drills (kill -9 worker/trainer, Redis restart, gateway replica, tampered deltas), long form.
+## `make bench-drills ARGS=--cluster`: on a local Redis Cluster (3 masters + 3 replicas), where the
+## Redis drill kills a master under load (failover, no acknowledged append lost).
 bench-drills: $(STAMP)
 	$(BIN)/python bench/drills.py $(ARGS)
 
