@@ -22,7 +22,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ import yaml
 from shared.config import RedisConfig
 from shared.net import free_port
 from shared.redis_client import SyncRedis, close_sync, is_cluster, sync_client
+from tests.waiting import wait_for_sync
 
 ROOT = Path(__file__).resolve().parents[1]
 MODERN = "2026-07-28"
@@ -43,14 +43,7 @@ LEGACY = "2025-11-25"
 
 def wait_until(cond: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.1) -> Any:
     """Poll ``cond`` until it returns something true (returned) or ``timeout_s`` passes."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(interval_s)
+    return wait_for_sync(cond, timeout_s, interval_s, what)
 
 
 # --------------------------------------------------------------------------- redis

@@ -107,20 +107,23 @@ class ListRevisions:
             log.warning("could not count a change of the %s list; sessions without an open stream may miss it", name)
             return None
 
-    async def current(self, principal: str) -> Revisions:
-        """The revisions of every list ``principal`` could be told about."""
+    def _read_current(self, principal: str) -> Any:
+        """A pipeline that starts with the two reads of :meth:`current` (everyone's, then the
+        principal's own counters)."""
         pipe = self._redis.pipeline(transaction=False)
         pipe.hgetall(keys.LIST_REVISIONS)
         pipe.hgetall(keys.principal_list_revisions(principal))
-        everyone, mine = await pipe.execute()
+        return pipe
+
+    async def current(self, principal: str) -> Revisions:
+        """The revisions of every list ``principal`` could be told about."""
+        everyone, mine = await self._read_current(principal).execute()
         return _merge(everyone, mine)
 
     async def open(self, stream: OpenStream) -> list[str]:
         """Start ``stream`` at the current revisions; the names of the lists that changed since
         the session's record (a session without one is told of every list ever changed)."""
-        pipe = self._redis.pipeline(transaction=False)
-        pipe.hgetall(keys.LIST_REVISIONS)
-        pipe.hgetall(keys.principal_list_revisions(stream.principal))
+        pipe = self._read_current(stream.principal)
         pipe.hget(keys.session(stream.principal, stream.sid), "lists")
         everyone, mine, raw = await pipe.execute()
         now = _merge(everyone, mine)
