@@ -176,6 +176,8 @@ def test_workers_list_and_drain(gw, r):
     workers = gw.get("/admin/workers", headers=bearer(VIEWER_KEY)).json()["workers"]
     by_id = {w["id"]: w for w in workers}
     assert by_id["w1"]["lag"] == 2 and by_id["w2"]["lag"] == 0 and by_id["w1"]["load"] == 2
+    # reported in Redis but not in this replica's pool (gone, or its report not yet expired): not serving
+    assert by_id["w1"]["alive"] is False and by_id["w2"]["alive"] is False
     assert gw.post("/admin/workers/w1/drain", headers=bearer(VIEWER_KEY)).status_code == 403
     assert gw.post("/admin/workers/nope/drain", headers=bearer(OPERATOR_KEY)).status_code == 404
     assert gw.post("/admin/workers/w1/drain", headers=bearer(OPERATOR_KEY)).json()["drained"] is True
