@@ -186,6 +186,18 @@ def test_a_worker_binding_any_port_announces_the_port_it_got(tmp_path, redis_tar
         close_sync(sync)
 
 
+def test_a_worker_beyond_the_configured_endpoints_is_told_how_to_start(tmp_path):
+    """A worker added by hand (`learnmesh worker --index 2` beside two configured ones): one line
+    that says which option starts it, no traceback."""
+    path, _ = write_config(tmp_path, 0, worker={"endpoints": ["tcp://127.0.0.1:5601", "tcp://127.0.0.1:5602"]})
+    proc = spawn_worker(path, 2)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    assert stderr.decode().strip().splitlines() == [
+        "learnmesh: configuration error: worker --index 2 is outside worker.endpoints (2 configured): pass "
+        "--endpoint (tcp://127.0.0.1:* binds a free port and announces it) or list one more endpoint"]
+
+
 def test_advertised_endpoints():
     assert advertised_endpoint("tcp://10.1.2.3:5601", "", "redis") == "tcp://10.1.2.3:5601"
     wildcard = advertised_endpoint("tcp://0.0.0.0:5601", "", "127.0.0.1")
