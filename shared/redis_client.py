@@ -246,11 +246,25 @@ def check_access(cfg: RedisConfig, timeout_s: float = 5.0) -> bool:
     except (RedisError, RedisClusterException, OSError) as exc:  # a cluster client connects as it is made
         return _refused(cfg, exc, has_password)
     try:
-        return bool(for_each_primary_sync(client, lambda node: node.ping()))
+        answered = bool(for_each_primary_sync(client, lambda node: node.ping()))
+        if not is_cluster(cfg) and _is_cluster_node(client):
+            raise ConfigError(f"Redis at {redact_url(url_of(cfg))} is a node of a Redis Cluster: set "
+                              "redis.cluster: true or a redis+cluster:// URL (LEARNMESH_REDIS__CLUSTER, REDIS_URL)")
+        return answered
     except (RedisError, RedisClusterException, OSError) as exc:
         return _refused(cfg, exc, has_password)
     finally:
         close_sync(client)
+
+
+def _is_cluster_node(client: SyncRedis) -> bool:
+    """Whether a server reached as a single one belongs to a cluster: its first command on a slot
+    of another node would fail with MOVED. A server that refuses to say counts as a single one."""
+    try:
+        client.execute_command("CLUSTER", "SLOTS")
+    except (RedisError, OSError):
+        return False
+    return True
 
 
 def _refused(cfg: RedisConfig, exc: BaseException, has_password: bool) -> bool:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import redis as redis_sync
 import redis.asyncio as aioredis
 
-from shared.config import RedisConfig
+from shared.config import ConfigError, RedisConfig
 from shared.net import free_port
 from shared.redis_client import check_access, close_sync, for_each_primary, is_cluster, server_url
 from tests.conftest import RedisTarget
@@ -48,3 +49,16 @@ def test_check_access(redis_target: RedisTarget) -> None:
     assert check_access(redis_target.config) is True
     gone = RedisConfig(url=f"redis://127.0.0.1:{free_port()}/0", cluster=redis_target.is_cluster)
     assert check_access(gone, timeout_s=0.5) is False
+
+
+def test_a_cluster_node_named_as_one_server_stops_the_process_with_one_line(redis_target: RedisTarget) -> None:
+    """`redis://node:port` without `redis.cluster`: the first command on another node's slot would
+    fail with MOVED deep inside a process's start; the check at start names the setting instead."""
+    plain = redis_target.url.replace("+cluster://", "://", 1)
+    if not redis_target.is_cluster:
+        assert check_access(RedisConfig(url=plain)) is True
+        return
+    with pytest.raises(ConfigError, match=r"is a node of a Redis Cluster: set redis.cluster: true or a "
+                                          r"redis\+cluster:// URL"):
+        check_access(RedisConfig(url=plain))
+    assert check_access(RedisConfig(url=plain, cluster=True)) is True
