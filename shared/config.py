@@ -93,6 +93,9 @@ def _section(cls: type[_T]) -> type[_T]:
     return typing.cast(type[_T], built)
 
 
+_HOST_PORT = re.compile(r"[A-Za-z0-9_.-]+:[0-9]{1,5}")
+
+
 def _check(cond: bool, message: str) -> None:
     """A rule that ties fields together; ``message`` names the keys relative to the section."""
     if not cond:
@@ -122,6 +125,8 @@ class RedisConfig:
     tls_key_file: str | None = Field(default=None, description="rediss://: its private key (mode 0600)")
     cluster: StrictBool = Field(default=False, description="the url names a node of a Redis Cluster (same as a "
                                                            "redis+cluster:// or rediss+cluster:// url)")
+    cluster_nodes: list[str] = Field(default_factory=list, description="more nodes of the cluster (host:port), "
+                                     "tried when the url's node does not answer as a process starts")
     wait_replicas: NonNegativeInt = Field(default=0, description="acknowledged context and sample writes wait until "
                                           "this many replicas hold them (Redis WAIT); 0: off")
     wait_timeout_ms: PositiveInt = Field(default=200, description="the longest such a write waits for its replicas; "
@@ -135,6 +140,9 @@ class RedisConfig:
         _check(not (tls and self.url and not self.url.startswith(("rediss://", "rediss+cluster://"))),
                "tls_* files need a rediss:// url")
         _check(bool(self.tls_cert_file) == bool(self.tls_key_file), "tls_cert_file and tls_key_file go together")
+        _check(all(_HOST_PORT.fullmatch(n) for n in self.cluster_nodes), "cluster_nodes: each is host:port")
+        _check(not self.cluster_nodes or self.cluster or "+cluster://" in (self.url or ""),
+               "cluster_nodes need a cluster: cluster: true or a redis+cluster:// url")
 
 
 @_section
