@@ -202,6 +202,12 @@ class GatewayConfig:
     read_ttl_ms: NonNegativeInt = Field(
         default=0, description="2026-07-28 ttlMs on resources/read (context changes under the client)")
 
+    def __post_init__(self) -> None:
+        mcp = set(self.api_keys.values())
+        clash = sorted(name for name, admin in self.admin_keys.items() if admin.key in mcp)
+        _check(not clash, f"admin key(s) {', '.join(clash)} equal an MCP client key; admin and MCP keys must be "
+                          "different")
+
 
 Modality = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_-]{0,31}$")]
 

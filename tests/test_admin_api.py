@@ -224,13 +224,6 @@ def _sessions_checks(redis_url, sid_a, sid_b):
         assert audit["entries"][0]["session"] == sid_a and audit["entries"][0]["client"] == "alice"
 
 
-def test_admin_key_equal_to_mcp_key_refused():
-    from gateway.admin.auth import AdminKeyring
-    from shared.config import AdminKey, ConfigError
-    with pytest.raises(ConfigError):
-        AdminKeyring.from_config({"x": AdminKey(MCP_KEY, "admin")}, None, {"alice": MCP_KEY})
-
-
 def test_openapi_published_with_security(gw):
     doc = gw.get("/admin/openapi.json").json()
     paths = doc["paths"]
