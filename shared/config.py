@@ -163,6 +163,12 @@ class OAuthConfig:
     hs256_secret: str = ""
     principal_claim: str = "sub"
 
+    def __post_init__(self) -> None:
+        # RFC 7518 3.2: an HS256 key has at least the hash's 256 bits; an empty one (that some
+        # PyJWT versions accept) would let anyone sign a token for any principal.
+        _check(not self.enabled or len(self.hs256_secret.encode()) >= 32,
+               "enabled needs hs256_secret: at least 32 bytes (the issuer's HS256 key)")
+
 
 Principal = Annotated[str, Field(pattern=r"^[^:]+$", description="a principal name (no ':')")]
 HexSecret = Annotated[str, Field(pattern=r"^(?:[0-9a-fA-F]{2}){16,}$",
