@@ -198,6 +198,19 @@ def test_a_worker_beyond_the_configured_endpoints_is_told_how_to_start(tmp_path)
         "--endpoint (tcp://127.0.0.1:* binds a free port and announces it) or list one more endpoint"]
 
 
+def test_a_worker_that_reaches_no_node_of_its_cluster_says_so_in_one_line(tmp_path):
+    """No node of the configured cluster answers as the worker starts (the one the url names is
+    down, none other listed): one line naming what to check, no traceback; `learnmesh up`
+    restarts it (exit status 1) until the cluster answers."""
+    path, _ = write_config(tmp_path, 0, redis_url=f"redis+cluster://127.0.0.1:{free_port()}/0")
+    proc = spawn_worker(path, 0, "tcp://127.0.0.1:*")
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in stderr.decode()
+    last = stderr.decode().strip().splitlines()[-1]
+    assert last.startswith("learnmesh: Redis Cluster cannot be connected") and \
+        last.endswith("; check redis.url and redis.cluster_nodes")
+
+
 def test_advertised_endpoints():
     assert advertised_endpoint("tcp://10.1.2.3:5601", "", "redis") == "tcp://10.1.2.3:5601"
     wildcard = advertised_endpoint("tcp://0.0.0.0:5601", "", "127.0.0.1")
