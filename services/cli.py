@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from redis.exceptions import RedisClusterException
+
 from shared.config import ConfigError, load_config
 
 
@@ -68,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"learnmesh: configuration error: {exc}", file=sys.stderr)
         return 2
+    except RedisClusterException as exc:  # as a cluster client is made: no node of the cluster answered
+        print(f"learnmesh: {str(exc).rstrip('.')}; check redis.url and redis.cluster_nodes", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -105,6 +105,7 @@ def main(cfg: Config, args: argparse.Namespace) -> int:
         return 1
     write_private(out, text)
     print(f"wrote {out} (0600): the API keys (LEARNMESH_API_KEYS), the admin key (LEARNMESH_ADMIN_KEY) and the "
-          f"Grafana admin password (GRAFANA_ADMIN_PASSWORD) are in it\n"
-          f"start: cd {out.parent} && docker compose --env-file .env --env-file {out.name} up --build")
+          f"Grafana admin password (GRAFANA_ADMIN_PASSWORD) are in it")
+    if (out.parent / "docker-compose.yml").exists():  # elsewhere (Kubernetes' make-secrets.sh) compose is not next
+        print(f"start: cd {out.parent} && docker compose --env-file .env --env-file {out.name} up --build")
     return 0

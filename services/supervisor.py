@@ -34,10 +34,12 @@ from typing import Any
 
 import yaml
 
-from shared.config import CONFIG_ENV, ENV_PREFIX, Config, load_config
+from shared.config import CONFIG_ENV, ENV_PREFIX, Config, ConfigError, load_config
 from shared.config import var_dir as config_var_dir
+from shared.net import listened_on
 from shared.redis_client import check_access, redact_url
 from shared.secret_files import read_private, write_private
+from shared.zmq_util import bind_address
 
 log = logging.getLogger("learnmesh.up")
 
@@ -271,6 +273,26 @@ def prepare_keys(cfg: Config, var_dir: Path) -> None:
     crypto.ensure_keys(ring, cfg.security.delta_sign_key_file or str(Path(ring).with_name("delta-sign.key")))
 
 
+def ports_taken(cfg: Config, args: Any) -> list[str]:
+    """The setting and address of each port the mesh would listen on that another process holds
+    (another mesh, an old one still running): its child would fail to bind and be restarted for
+    ever, and the other process could even answer the gateway's readiness probe."""
+    zmq = [*((f"worker.endpoints[{i}]", ep) for i, ep in enumerate(_worker_endpoints(cfg, _n_workers(cfg, args)))),
+           ("trainer.samples_endpoint", cfg.trainer.samples_endpoint),
+           ("security.delta_pub_endpoint", cfg.security.delta_pub_endpoint),
+           ("security.snapshot_endpoint", cfg.security.snapshot_endpoint),
+           ("security.ack_endpoint", cfg.security.ack_endpoint)]
+    wanted = [("gateway.port (--port)", f"tcp://{cfg.gateway.host}:{cfg.gateway.port}"),
+              *((setting, bind_address(endpoint, cfg.zmq.bind_host)) for setting, endpoint in zmq),
+              ("trainer.master_port", f"tcp://{cfg.trainer.master_addr}:{cfg.trainer.master_port}")]
+    taken = []
+    for setting, address in wanted:
+        host, _, port = address.removeprefix("tcp://").rpartition(":")
+        if port.isdigit() and listened_on(host.strip("[]"), int(port)):
+            taken.append(f"{setting} ({host}:{port})")
+    return taken
+
+
 def wait_ready(base: str, timeout_s: float, sup: Supervisor) -> bool:
     """Poll the gateway's /readyz until it answers 200 (Redis reachable) or time runs out."""
     import urllib.error
@@ -296,6 +318,10 @@ def main(cfg: Config, args: Any) -> int:
         cfg.gateway.host = args.host
     if getattr(args, "port", None):
         cfg.gateway.port = args.port
+    taken = ports_taken(cfg, args)
+    if taken:
+        raise ConfigError("another process listens where this mesh would: " + ", ".join(taken)
+                          + "; stop it, or give this mesh other ports (--port, --config)")
     var_dir = config_var_dir().resolve()
     redis_configured = bool(cfg.redis.url)
     redis_proc = resolve_redis(cfg.redis, var_dir)

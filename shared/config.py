@@ -93,6 +93,9 @@ def _section(cls: type[_T]) -> type[_T]:
     return typing.cast(type[_T], built)
 
 
+_HOST_PORT = re.compile(r"[A-Za-z0-9_.-]+:[0-9]{1,5}")
+
+
 def _check(cond: bool, message: str) -> None:
     """A rule that ties fields together; ``message`` names the keys relative to the section."""
     if not cond:
@@ -122,6 +125,8 @@ class RedisConfig:
     tls_key_file: str | None = Field(default=None, description="rediss://: its private key (mode 0600)")
     cluster: StrictBool = Field(default=False, description="the url names a node of a Redis Cluster (same as a "
                                                            "redis+cluster:// or rediss+cluster:// url)")
+    cluster_nodes: list[str] = Field(default_factory=list, description="more nodes of the cluster (host:port), "
+                                     "tried when the url's node does not answer as a process starts")
     wait_replicas: NonNegativeInt = Field(default=0, description="acknowledged context and sample writes wait until "
                                           "this many replicas hold them (Redis WAIT); 0: off")
     wait_timeout_ms: PositiveInt = Field(default=200, description="the longest such a write waits for its replicas; "
@@ -135,6 +140,9 @@ class RedisConfig:
         _check(not (tls and self.url and not self.url.startswith(("rediss://", "rediss+cluster://"))),
                "tls_* files need a rediss:// url")
         _check(bool(self.tls_cert_file) == bool(self.tls_key_file), "tls_cert_file and tls_key_file go together")
+        _check(all(_HOST_PORT.fullmatch(n) for n in self.cluster_nodes), "cluster_nodes: each is host:port")
+        _check(not self.cluster_nodes or self.cluster or "+cluster://" in (self.url or ""),
+               "cluster_nodes need a cluster: cluster: true or a redis+cluster:// url")
 
 
 @_section
@@ -154,6 +162,12 @@ class OAuthConfig:
     audience: str = ""
     hs256_secret: str = ""
     principal_claim: str = "sub"
+
+    def __post_init__(self) -> None:
+        # RFC 7518 3.2: an HS256 key has at least the hash's 256 bits; an empty one (that some
+        # PyJWT versions accept) would let anyone sign a token for any principal.
+        _check(not self.enabled or len(self.hs256_secret.encode()) >= 32,
+               "enabled needs hs256_secret: at least 32 bytes (the issuer's HS256 key)")
 
 
 Principal = Annotated[str, Field(pattern=r"^[^:]+$", description="a principal name (no ':')")]
@@ -193,6 +207,12 @@ class GatewayConfig:
         default=5000, description="2026-07-28 ttlMs on tools/resources/prompts lists and server/discover")
     read_ttl_ms: NonNegativeInt = Field(
         default=0, description="2026-07-28 ttlMs on resources/read (context changes under the client)")
+
+    def __post_init__(self) -> None:
+        mcp = set(self.api_keys.values())
+        clash = sorted(name for name, admin in self.admin_keys.items() if admin.key in mcp)
+        _check(not clash, f"admin key(s) {', '.join(clash)} equal an MCP client key; admin and MCP keys must be "
+                          "different")
 
 
 Modality = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_-]{0,31}$")]

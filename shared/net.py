@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import random
 import socket
 from pathlib import Path
@@ -38,6 +39,18 @@ def _bindable(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def listened_on(host: str, port: int) -> bool:
+    """Whether another socket listens on ``host:port`` now. SO_REUSEADDR as servers bind, so the
+    closing connections a process that just stopped left behind do not count."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
 
 
 def free_port(host: str = "127.0.0.1") -> int:

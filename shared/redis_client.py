@@ -23,6 +23,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis as redis_sync
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
+from redis.cluster import ClusterNode as SyncClusterNode
 from redis.exceptions import (
     AuthenticationError,
     NoPermissionError,
@@ -44,6 +46,7 @@ class RedisAccessError(ConfigError):
 SyncRedis = redis_sync.Redis | redis_sync.RedisCluster
 AsyncRedis = aioredis.Redis | aioredis.RedisCluster
 T = TypeVar("T")
+N = TypeVar("N")
 _CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 
 
@@ -86,18 +89,26 @@ def client_kwargs(cfg: RedisConfig) -> dict[str, Any]:
     return kwargs
 
 
+def _seeds(cfg: RedisConfig, node: Callable[[str, int], N]) -> list[N]:
+    """``redis.cluster_nodes`` as redis-py cluster nodes, beside the url's node: a process
+    starting while that one node is down (a failed-over master) reaches the cluster through them."""
+    return [node(host, int(port)) for host, _, port in (n.rpartition(":") for n in cfg.cluster_nodes)]
+
+
 def sync_client(cfg: RedisConfig, **options: Any) -> SyncRedis:
     """A blocking client (trainer, workers, supervisor); ``options``: timeouts, pool size, ...
     A cluster client reaches the seed node as it is made (redis-py reads the slot map then)."""
     if is_cluster(cfg):
-        return redis_sync.RedisCluster.from_url(server_url(cfg), **client_kwargs(cfg), **options)
+        return redis_sync.RedisCluster.from_url(server_url(cfg), startup_nodes=_seeds(cfg, SyncClusterNode),
+                                                **client_kwargs(cfg), **options)
     return redis_sync.Redis.from_url(server_url(cfg), **client_kwargs(cfg), **options)
 
 
 def async_client(cfg: RedisConfig, **options: Any) -> AsyncRedis:
     """An asyncio client (gateway, the trainer's context reader)."""
     if is_cluster(cfg):
-        cluster = aioredis.RedisCluster.from_url(server_url(cfg), **client_kwargs(cfg), **options)
+        cluster = aioredis.RedisCluster.from_url(server_url(cfg), startup_nodes=_seeds(cfg, AsyncClusterNode),
+                                                 **client_kwargs(cfg), **options)
         # RedisCluster picks its connection class itself; the nodes it makes later copy these
         # kwargs, the seed nodes it made already are told directly.
         kinds = cluster.nodes_manager.connection_kwargs
@@ -246,11 +257,25 @@ def check_access(cfg: RedisConfig, timeout_s: float = 5.0) -> bool:
     except (RedisError, RedisClusterException, OSError) as exc:  # a cluster client connects as it is made
         return _refused(cfg, exc, has_password)
     try:
-        return bool(for_each_primary_sync(client, lambda node: node.ping()))
+        answered = bool(for_each_primary_sync(client, lambda node: node.ping()))
+        if not is_cluster(cfg) and _is_cluster_node(client):
+            raise ConfigError(f"Redis at {redact_url(url_of(cfg))} is a node of a Redis Cluster: set "
+                              "redis.cluster: true or a redis+cluster:// URL (LEARNMESH_REDIS__CLUSTER, REDIS_URL)")
+        return answered
     except (RedisError, RedisClusterException, OSError) as exc:
         return _refused(cfg, exc, has_password)
     finally:
         close_sync(client)
+
+
+def _is_cluster_node(client: SyncRedis) -> bool:
+    """Whether a server reached as a single one belongs to a cluster: its first command on a slot
+    of another node would fail with MOVED. A server that refuses to say counts as a single one."""
+    try:
+        client.execute_command("CLUSTER", "SLOTS")
+    except (RedisError, OSError):
+        return False
+    return True
 
 
 def _refused(cfg: RedisConfig, exc: BaseException, has_password: bool) -> bool:

@@ -92,6 +92,7 @@ def test_ui_files_and_unmatched_methods(redis_url):
         page = c.get("/admin/ui")
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
         assert "/admin/ui/app.js" in page.text and "https://" not in page.text  # no CDN
+        assert c.get("/admin/ui/").text == page.text
         assert c.get("/admin/ui/app.js").headers["content-type"].startswith("text/javascript")
         assert c.get("/admin/ui/style.css").status_code == 200
         assert c.get("/admin/ui/__init__.py").status_code == 404

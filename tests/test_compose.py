@@ -421,8 +421,17 @@ def test_compose_secrets_writes_a_private_file_once(tmp_path, capsys):
     assert os.stat(out).st_mode & 0o777 == 0o600
     first = out.read_text()
     assert "LEARNMESH_API_KEYS='alice:alice-key-0123456789'" in first
+    assert "docker compose" not in capsys.readouterr().out  # not beside a compose file: no compose hint
     assert compose_secrets.main(load_config(env={}), args) == 1 and out.read_text() == first  # kept
     assert "--force" in capsys.readouterr().err
+
+
+def test_compose_secrets_names_the_compose_start_only_beside_the_compose_file(tmp_path, capsys):
+    (tmp_path / "docker-compose.yml").write_text("services: {}\n")
+    args = argparse.Namespace(out=str(tmp_path / "secrets.env"), api_keys=None, force=False)
+    assert compose_secrets.main(load_config(env={}), args) == 0
+    assert f"start: cd {tmp_path} && docker compose --env-file .env --env-file secrets.env up --build" \
+        in capsys.readouterr().out
 
 
 def test_each_learnmesh_service_holds_its_curve_keys_and_its_peers_public_keys(compose, dotenv, mounts, generated,

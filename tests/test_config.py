@@ -130,3 +130,21 @@ def test_the_admin_config_patch_publishes_the_runtime_sections_bounds() -> None:
                 {"consistency": {"sync_interval": None}}):
         with pytest.raises(pydantic.ValidationError):
             ConfigPatch.model_validate(bad)
+
+
+def test_an_admin_key_equal_to_an_mcp_key_is_refused_as_the_configuration_loads() -> None:
+    """Refused while the configuration loads (one line at start, exit 2), not later inside the
+    gateway's startup, where it surfaced as a server traceback."""
+    env = {"LEARNMESH_API_KEYS": "alice:shared-key-123", "LEARNMESH_ADMIN_KEY": "shared-key-123"}
+    with pytest.raises(ConfigError, match=r"^gateway: admin key\(s\) env equal an MCP client key"):
+        load_config(env=env)
+    assert load_config(env={**env, "LEARNMESH_ADMIN_KEY": "other-key-123"}).gateway.admin_keys["env"].role == "admin"
+
+
+@pytest.mark.parametrize("secret", ["", "short-secret"])
+def test_oauth_refuses_a_missing_or_short_hs256_key(secret: str) -> None:
+    """An empty key would let anyone sign a token for any principal where the JWT library takes
+    one; a short one is guessable."""
+    with pytest.raises(ConfigError, match="gateway.oauth: enabled needs hs256_secret: at least 32 bytes"):
+        load_config(env={}, overrides={"gateway": {"oauth": {"enabled": True, "hs256_secret": secret}}})
+    assert load_config(env={}, overrides={"gateway": {"oauth": {"enabled": True, "hs256_secret": "k" * 32}}})

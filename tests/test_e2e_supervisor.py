@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from services.supervisor import Child, Supervisor, child_configs, load_or_create_keys, wait_ready
 from shared.config import load_config
@@ -51,6 +53,38 @@ def test_a_child_that_exits_on_a_configuration_error_stops_the_mesh_instead_of_r
     sup.run(poll_s=0.05)  # returns: it stops everything by itself
     assert sup.exit_code == 2 and bad.restarts == 0
     assert not other.alive()
+
+
+@pytest.mark.parametrize("taken", ["gateway", "worker"])
+def test_up_refuses_ports_another_process_listens_on(redis_url: str, tmp_path: Path, taken: str) -> None:
+    """A second mesh (or an old one still running) on the same ports: one line naming the setting,
+    before anything starts, instead of children failing to bind in a restart loop while the
+    other process answers the readiness probe and the banner says "learnmesh is up"."""
+    ports = {"gateway": free_port(), "worker": free_port()}
+    cfg = {"gateway": {"port": ports["gateway"]},
+           "worker": {"endpoints": [f"tcp://127.0.0.1:{ports['worker']}"]},
+           "trainer": {"samples_endpoint": f"tcp://127.0.0.1:{free_port()}", "master_port": free_port()},
+           "security": {name: f"tcp://127.0.0.1:{free_port()}"
+                        for name in ("delta_pub_endpoint", "snapshot_endpoint", "ack_endpoint")}}
+    path = tmp_path / "learnmesh.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LEARNMESH_")}
+    with socket.create_server(("127.0.0.1", ports[taken])):
+        up = subprocess.Popen([sys.executable, "-m", "services.cli", "--config", str(path), "up"], cwd=ROOT,
+                              env={**env, "REDIS_URL": redis_url, "LEARNMESH_VAR": str(tmp_path / "var")},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            _, stderr = up.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            up.terminate()  # it started a mesh: SIGTERM stops its children too
+            up.communicate(timeout=60)
+            pytest.fail("learnmesh up started a mesh on ports another process listens on")
+    setting = "gateway.port (--port)" if taken == "gateway" else "worker.endpoints[0]"
+    assert up.returncode == 2
+    assert stderr.strip().splitlines() == [
+        f"learnmesh: configuration error: another process listens where this mesh would: {setting} "
+        f"(127.0.0.1:{ports[taken]}); stop it, or give this mesh other ports (--port, --config)"]
+    assert not (tmp_path / "var").exists()  # nothing started, nothing written
 
 
 def test_wait_ready_gives_up_on_a_gateway_that_never_answers() -> None:

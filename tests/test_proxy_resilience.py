@@ -10,14 +10,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import redis as redis_sync
 
 from tests.admin_support import MCP_KEY
 from tests.conftest import wait_for_sync
+from tests.proxy.harness import start_http_upstream, stop_upstream
 from tests.proxy_front import (
+    ADMIN,
     LEGACY,
     MODERN,
+    TOKEN_ENV,
+    UPSTREAM_SECRET,
     Client,
     front_gateway,
     upstream_db,
@@ -78,8 +83,6 @@ def test_upstream_killed_mid_call_fails_clearly_and_opens_the_breaker(redis_url:
 
 
 def client_get(url: str) -> str:
-    import httpx
-
     return httpx.get(url, timeout=10).text
 
 
@@ -156,3 +159,36 @@ def test_stdio_upstream_gets_only_the_environment_it_is_given(redis_url: str, mo
 
         assert has("LM_TEST_STDIO_TOKEN") == "yes" and has("PATH") == "yes"
         assert has("LM_TEST_GATEWAY_ONLY_SECRET") == "no"
+
+
+
+@pytest.fixture(params=["learnmesh", "sdk"])
+def guarded_upstream(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """An upstream that demands a bearer token: a learnmesh gateway (its 401 carries an OAuth
+    error body) or an official-SDK server (its 401 carries a JSON-RPC error)."""
+    if request.param == "learnmesh":
+        yield request.getfixturevalue("upstream")
+        return
+    up = start_http_upstream("sdk", "both", tmp_path, token=UPSTREAM_SECRET)
+    try:
+        assert up.url is not None
+        yield up.url
+    finally:
+        stop_upstream(up)
+
+
+@pytest.mark.parametrize("revision", [LEGACY, MODERN, "auto"])
+def test_upstream_refusing_the_gateways_credential_is_an_upstream_failure(
+        redis_url: str, guarded_upstream: str, revision: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An upstream that answers 401 refuses the gateway's own credential, not the client's: the
+    client must not take the upstream's "bad token" for a verdict on its key, and the gateway must
+    not settle on a revision from an answer that refused it."""
+    monkeypatch.setenv(TOKEN_ENV, "Bearer not-the-upstream-secret")
+    with front_gateway(redis_url, {"upstreams": [upstream_entry(guarded_upstream, revision=revision)]}) as base:
+        client = Client(base, MCP_KEY, MODERN).open()
+        error = client.call("tools/call", {"name": "up.t_echo", "arguments": {"text": "x"}})["error"]
+        assert error["code"] == UPSTREAM_FAILED and error["data"] == {"upstream": "up", "reason": "unreachable"}
+        assert "upstream 'up' refused the gateway's credential" in error["message"]
+        assert "HTTP 401" in error["message"] and "headers_from_env" in error["message"]
+        health = httpx.get(base + "/admin/upstreams/up/health", headers=ADMIN, timeout=10).json()
+        assert health["revision"] == ("unknown" if revision == "auto" else revision)

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import pytest
 import redis as redis_sync
 import redis.asyncio as aioredis
 
-from shared.config import RedisConfig
+from shared.config import ConfigError, RedisConfig
 from shared.net import free_port
-from shared.redis_client import check_access, close_sync, for_each_primary, is_cluster, server_url
+from shared.redis_client import (
+    async_client,
+    check_access,
+    close_sync,
+    for_each_primary,
+    is_cluster,
+    server_url,
+    sync_client,
+)
 from tests.conftest import RedisTarget
 
 
@@ -48,3 +57,41 @@ def test_check_access(redis_target: RedisTarget) -> None:
     assert check_access(redis_target.config) is True
     gone = RedisConfig(url=f"redis://127.0.0.1:{free_port()}/0", cluster=redis_target.is_cluster)
     assert check_access(gone, timeout_s=0.5) is False
+
+
+def test_a_cluster_node_named_as_one_server_stops_the_process_with_one_line(redis_target: RedisTarget) -> None:
+    """`redis://node:port` without `redis.cluster`: the first command on another node's slot would
+    fail with MOVED deep inside a process's start; the check at start names the setting instead."""
+    plain = redis_target.url.replace("+cluster://", "://", 1)
+    if not redis_target.is_cluster:
+        assert check_access(RedisConfig(url=plain)) is True
+        return
+    with pytest.raises(ConfigError, match=r"is a node of a Redis Cluster: set redis.cluster: true or a "
+                                          r"redis\+cluster:// URL"):
+        check_access(RedisConfig(url=plain))
+    assert check_access(RedisConfig(url=plain, cluster=True)) is True
+
+
+async def test_a_process_reaches_the_cluster_through_cluster_nodes_while_the_url_node_is_down(
+        redis_target: RedisTarget) -> None:
+    """The node `redis.url` names may be the master that just failed: a process (re)starting then
+    reaches the cluster through `redis.cluster_nodes` (here the url names a port nothing answers)."""
+    if not redis_target.is_cluster:
+        with pytest.raises(ConfigError, match="cluster_nodes need a cluster"):
+            RedisConfig(url=redis_target.url, cluster_nodes=["127.0.0.1:7000"])
+        return
+    live = redis_target.url.split("://", 1)[1].split("/", 1)[0]
+    down = f"redis+cluster://127.0.0.1:{free_port()}/0"
+    assert check_access(RedisConfig(url=down), timeout_s=0.5) is False
+    cfg = RedisConfig(url=down, cluster_nodes=[live])
+    assert check_access(cfg, timeout_s=0.5) is True
+    sync = sync_client(cfg)
+    try:
+        sync.set("lm:{seed}:k", "v")
+    finally:
+        close_sync(sync)
+    r = async_client(cfg)
+    try:
+        assert await r.get("lm:{seed}:k") == b"v"
+    finally:
+        await r.aclose()

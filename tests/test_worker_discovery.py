@@ -186,6 +186,31 @@ def test_a_worker_binding_any_port_announces_the_port_it_got(tmp_path, redis_tar
         close_sync(sync)
 
 
+def test_a_worker_beyond_the_configured_endpoints_is_told_how_to_start(tmp_path):
+    """A worker added by hand (`learnmesh worker --index 2` beside two configured ones): one line
+    that says which option starts it, no traceback."""
+    path, _ = write_config(tmp_path, 0, worker={"endpoints": ["tcp://127.0.0.1:5601", "tcp://127.0.0.1:5602"]})
+    proc = spawn_worker(path, 2)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    assert stderr.decode().strip().splitlines() == [
+        "learnmesh: configuration error: worker --index 2 is outside worker.endpoints (2 configured): pass "
+        "--endpoint (tcp://127.0.0.1:* binds a free port and announces it) or list one more endpoint"]
+
+
+def test_a_worker_that_reaches_no_node_of_its_cluster_says_so_in_one_line(tmp_path):
+    """No node of the configured cluster answers as the worker starts (the one the url names is
+    down, none other listed): one line naming what to check, no traceback; `learnmesh up`
+    restarts it (exit status 1) until the cluster answers."""
+    path, _ = write_config(tmp_path, 0, redis_url=f"redis+cluster://127.0.0.1:{free_port()}/0")
+    proc = spawn_worker(path, 0, "tcp://127.0.0.1:*")
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in stderr.decode()
+    last = stderr.decode().strip().splitlines()[-1]
+    assert last.startswith("learnmesh: Redis Cluster cannot be connected") and \
+        last.endswith("; check redis.url and redis.cluster_nodes")
+
+
 def test_advertised_endpoints():
     assert advertised_endpoint("tcp://10.1.2.3:5601", "", "redis") == "tcp://10.1.2.3:5601"
     wildcard = advertised_endpoint("tcp://0.0.0.0:5601", "", "127.0.0.1")

@@ -30,7 +30,7 @@ from fastapi import HTTPException, Request
 
 from gateway.state import gateway_of
 from shared import keys, metrics
-from shared.config import AdminKey, ConfigError
+from shared.config import AdminKey
 
 ROLES = ("viewer", "operator", "admin")
 KEY_PREFIX = "lmadm_"
@@ -78,12 +78,9 @@ class AdminKeyring:
     @classmethod
     def from_config(cls, admin_keys: dict[str, AdminKey], redis: aioredis.Redis | None = None,
                     api_keys: dict[str, str] | None = None) -> AdminKeyring:
+        """No admin key equals an MCP key: the configuration refuses that (shared/config.py)."""
         mcp = frozenset(digest(k) for k in (api_keys or {}).values())
         own: dict[str, tuple[bytes, str]] = {name: (digest(k.key), k.role) for name, k in admin_keys.items()}
-        clash = sorted(name for name, (d, _) in own.items() if d in mcp)
-        if clash:
-            raise ConfigError(f"admin key(s) {', '.join(clash)} equal an MCP client key; admin and "
-                              "MCP keys must be different")
         return cls(own, redis, mcp)
 
     def config_names(self) -> dict[str, str]:

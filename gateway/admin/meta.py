@@ -64,6 +64,7 @@ async def admin_openapi(request: Request) -> JSONResponse:
 
 
 @router.get("/ui", include_in_schema=False)
+@router.get("/ui/", include_in_schema=False)  # the address as browsers and people often write it
 async def ui_index() -> HTMLResponse:
     return HTMLResponse((UI_DIR / "index.html").read_text(), headers={"Cache-Control": "no-store"})
 

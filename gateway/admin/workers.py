@@ -52,7 +52,8 @@ async def mesh_workers(gateway: Gateway) -> list[dict[str, Any]]:
     by_id: dict[str, dict[str, Any]] = {w["id"]: w for w in gateway.workers.status()}
     for comp, st in (await _statuses(gateway, "worker:")).items():
         wid = comp.split(":", 1)[1]
-        by_id[wid] = {**st, **by_id.get(wid, {}), "id": wid, "reported_ms": st.get("ts_ms")}
+        # A report outlives its worker by its TTL: one this replica does not reach is not serving here.
+        by_id[wid] = {"alive": False, **st, **by_id.get(wid, {}), "id": wid, "reported_ms": st.get("ts_ms")}
     out = []
     for wid, w in sorted(by_id.items()):
         version = w.get("version")

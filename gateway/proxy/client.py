@@ -244,6 +244,7 @@ class UpstreamClient:
             if self.revision is not None:
                 return
             answer = await self._modern(wire, "server/discover", {}, NO_HOOKS)
+            self._check_admitted("server/discover", answer)  # a refusal says nothing of the revision
             result = (answer.message or {}).get("result") if answer.status == 200 else None
             offered = result.get("supportedVersions") if isinstance(result, dict) else None
             self.revision = MODERN_VERSION if isinstance(offered, list) and MODERN_VERSION in offered \
@@ -415,10 +416,19 @@ class UpstreamClient:
             return 200
 
     # ------------------------------------------------------------------ answers
+    def _check_admitted(self, method: str, answer: Answer) -> None:
+        """HTTP 401 refuses the gateway's own credential for this upstream, whatever JSON-RPC
+        error comes with it: passed on as such, the client would take it for a verdict on its key."""
+        if answer.status == 401:
+            raise UpstreamFailed(self.name, "unreachable",
+                                 f"upstream {self.name!r} refused the gateway's credential for {method} (HTTP 401); "
+                                 "check the upstream's headers_from_env / headers_from_file")
+
     def _result(self, method: str, answer: Answer) -> dict[str, Any]:
+        self._check_admitted(method, answer)
         msg = answer.message
         if msg is None:
-            if answer.status >= 500 or answer.status in (401, 403, 404):
+            if answer.status >= 500 or answer.status in (403, 404):
                 raise UpstreamFailed(self.name, "unreachable",
                                      f"upstream {self.name!r} answered {method} with HTTP {answer.status}")
             raise UpstreamFailed(self.name, "protocol",

@@ -418,8 +418,9 @@ def main(cfg: Config, args: Any) -> int:
     endpoint = getattr(args, "endpoint", None)
     if endpoint is None:
         if not 0 <= index < len(cfg.worker.endpoints):
-            log.error("--index %d is outside worker.endpoints (%d configured)", index, len(cfg.worker.endpoints))
-            return 2
+            raise ConfigError(f"worker --index {index} is outside worker.endpoints ({len(cfg.worker.endpoints)} "
+                              "configured): pass --endpoint (tcp://127.0.0.1:* binds a free port and announces it) "
+                              "or list one more endpoint")
         endpoint = cfg.worker.endpoints[index]
     from shared.redis_client import check_access
     from shared.secret_files import check_private
