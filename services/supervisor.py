@@ -37,7 +37,7 @@ import yaml
 from shared.config import CONFIG_ENV, ENV_PREFIX, Config, ConfigError, load_config
 from shared.config import var_dir as config_var_dir
 from shared.net import listened_on
-from shared.redis_client import check_access, redact_url
+from shared.redis_client import check_access, is_cluster, redact_url
 from shared.secret_files import read_private, write_private
 from shared.zmq_util import bind_address
 
@@ -344,7 +344,7 @@ def main(cfg: Config, args: Any) -> int:
             log.warning("the gateway is not ready after %.0fs; see %s", READY_TIMEOUT_S,
                         var_dir / "logs" / "gateway.log")
         redis_note = (f"private, started here; password in {cfg.redis.password_file}" if redis_proc is not None
-                      else "existing server")
+                      else "existing cluster" if is_cluster(cfg.redis) else "existing server")
         print(_banner(cfg, f"{redis_url}   ({redis_note})", var_dir, api_keys, admin_key), flush=True)
         sup.run()
     finally:
