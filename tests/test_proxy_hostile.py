@@ -1,0 +1,124 @@
+"""Upstreams that misbehave on purpose (tests/proxy/hostile.py over HTTP, tests/proxy/hostile_stdio.py
+over stdio) get a clear error naming them, never hold the gateway's memory or a client beyond
+their bounds, and leave the other upstreams and the gateway's own tools serving."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.proxy.wire import MAX_MESSAGE_BYTES, MAX_OPEN_QUESTIONS
+from tests.admin_support import MCP_KEY
+from tests.conftest import wait_for_sync
+from tests.proxy.hostile import HostileUpstream, hostile_upstream
+from tests.proxy_front import LEGACY, MODERN, Client, front_gateway
+
+HOSTILE_STDIO = str(Path(__file__).resolve().parent / "proxy" / "hostile_stdio.py")
+UPSTREAM_FAILED = -32052
+
+
+@pytest.fixture
+def bad() -> Iterator[HostileUpstream]:
+    with hostile_upstream() as up:
+        yield up
+
+
+def _entry(up: HostileUpstream, name: str = "bad", **fields: Any) -> dict[str, Any]:
+    return {"name": name, "url": up.url, "revision": LEGACY, "timeout_s": 10.0, **fields}
+
+
+def _calls(up: HostileUpstream, tool: str) -> int:
+    return sum(1 for r in list(up.requests) if r.get("method") == "tools/call" and r["params"]["name"] == tool)
+
+
+def _still_serving(client: Client, echo: str) -> None:
+    assert client.result("tools/call", {"name": echo, "arguments": {}})["content"][0]["text"] == "echo"
+    own = client.result("tools/call", {"name": "context_append", "arguments": {
+        "context_id": "c1", "modality": "text", "text": "still here"}})
+    assert own["structuredContent"]["version"] >= 1
+
+
+@pytest.mark.parametrize("tool", ["huge_json", "huge_sse_line", "huge_sse_event"])
+def test_an_answer_over_the_size_bound_fails_clearly_and_is_not_read_on(redis_url: str, bad: HostileUpstream,
+                                                                        tool: str) -> None:
+    bad.endless_bytes = 4 * MAX_MESSAGE_BYTES
+    with front_gateway(redis_url, {"upstreams": [_entry(bad)]}) as base:
+        client = Client(base, MCP_KEY, LEGACY).open()
+        error = client.call("tools/call", {"name": f"bad.{tool}", "arguments": {}})["error"]
+        assert error["code"] == UPSTREAM_FAILED and error["data"] == {"upstream": "bad", "reason": "protocol"}
+        assert error["message"] == f"upstream 'bad' sent a message over {MAX_MESSAGE_BYTES} bytes in answer to tools/call"
+        wait_for_sync(bad.hung_up.is_set, timeout_s=15, what="the gateway to drop the connection")
+        assert bad.sent < bad.endless_bytes
+        _still_serving(client, "bad.echo")
+
+
+def test_an_answer_on_a_stream_the_upstream_holds_open_is_delivered(redis_url: str, bad: HostileUpstream) -> None:
+    with front_gateway(redis_url, {"upstreams": [_entry(bad)]}) as base:
+        client = Client(base, MCP_KEY, LEGACY).open()
+        answer = client.result("tools/call", {"name": "bad.answer_then_linger", "arguments": {}})
+        assert answer["content"][0]["text"] == "answered"
+        wait_for_sync(bad.hung_up.is_set, timeout_s=15, what="the gateway to drop the stream held open")
+        _still_serving(client, "bad.echo")
+
+
+def test_a_tool_call_is_never_sent_twice(redis_url: str, bad: HostileUpstream) -> None:
+    """The upstream closes the kept-alive connection under the call: it may have acted already."""
+    with front_gateway(redis_url, {"upstreams": [_entry(bad)]}) as base:
+        client = Client(base, MCP_KEY, LEGACY).open()
+        _still_serving(client, "bad.echo")  # a connection to reuse
+        error = client.call("tools/call", {"name": "bad.hang_up", "arguments": {}})["error"]
+        assert error["code"] == UPSTREAM_FAILED and error["data"] == {"upstream": "bad", "reason": "unreachable"}
+        assert _calls(bad, "hang_up") == 1
+        _still_serving(client, "bad.echo")
+
+
+def test_a_modern_client_is_asked_a_bounded_number_of_an_upstreams_questions(redis_url: str,
+                                                                             bad: HostileUpstream) -> None:
+    bad.flood = 1000
+    with front_gateway(redis_url, {"upstreams": [_entry(bad)]}) as base:
+        client = Client(base, MCP_KEY, MODERN)
+        asked = client.result("tools/call", {"name": "bad.ask_flood", "arguments": {}}, caps={"roots": {}})
+        assert asked["resultType"] == "input_required" and len(asked["inputRequests"]) == MAX_OPEN_QUESTIONS
+        _still_serving(client, "bad.echo")
+
+
+def test_a_legacy_client_is_asked_a_bounded_number_of_an_upstreams_questions(redis_url: str,
+                                                                             bad: HostileUpstream) -> None:
+    bad.flood, bad.flood_hold_s = 1000, 1.0
+    with front_gateway(redis_url, {"upstreams": [_entry(bad)]}) as base:
+        client = Client(base, MCP_KEY, LEGACY)
+        opened = httpx.post(client.url, headers=client.auth, json={
+            "jsonrpc": "2.0", "id": 0, "method": "initialize",
+            "params": {"protocolVersion": LEGACY, "capabilities": {"roots": {}},
+                       "clientInfo": {"name": "t", "version": "1"}}})
+        client.sid = opened.headers["mcp-session-id"]
+        seen = client.messages("tools/call", {"name": "bad.ask_flood", "arguments": {}})
+        assert seen[-1]["result"]["content"][0]["text"] == "flooded"
+        asked = [m for m in seen if m.get("method") == "roots/list"]
+        assert 0 < len(asked) <= MAX_OPEN_QUESTIONS
+        replies = [r for r in list(bad.requests) if "method" not in r]  # answers POSTed back to the upstream
+        assert len(replies) <= MAX_OPEN_QUESTIONS
+
+
+def test_a_stdio_upstream_writing_an_endless_line_or_garbage(redis_url: str, caplog: pytest.LogCaptureFixture,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    caplog.set_level(logging.DEBUG)
+    secret = "hostile-secret-6c1f0e"
+    monkeypatch.setenv("HOSTILE_SECRET", secret)
+    proxy = {"upstreams": [{"name": "hs", "command": [sys.executable, HOSTILE_STDIO], "revision": LEGACY,
+                            "timeout_s": 20.0, "headers_from_env": {"X-Secret": "HOSTILE_SECRET"}}]}
+    with front_gateway(redis_url, proxy) as base:
+        client = Client(base, MCP_KEY, LEGACY).open()
+        error = client.call("tools/call", {"name": "hs.endless_line", "arguments": {}})["error"]
+        assert error["code"] == UPSTREAM_FAILED and error["data"] == {"upstream": "hs", "reason": "protocol"}
+        assert f"over {MAX_MESSAGE_BYTES} bytes" in error["message"]
+        garbage = client.result("tools/call", {"name": "hs.garbage", "arguments": {}})
+        assert garbage["content"][0]["text"] == "garbage"
+        _still_serving(client, "hs.echo")
+    assert secret not in caplog.text
