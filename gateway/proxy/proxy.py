@@ -129,6 +129,9 @@ class Proxy:
         removed ones closed. An upstream whose credentials cannot be read is left out, logged."""
         async with self._apply_lock:
             await self._apply(configs)
+            bare = self._bare()
+            if bare is not None:  # which of its names another upstream's namespace holds may have changed
+                self.catalog_changed(bare.name)
         self.gateway.dispatcher.invalidate_lists()
         self.breakers.changed()  # the mesh-wide view shows the new set without waiting a round
 
@@ -188,9 +191,10 @@ class Proxy:
 
     async def _close(self, up: Upstream) -> None:
         self.resources.forget(up.name)
-        for task in (up.refresh, up.watcher):
-            if task is not None:
-                task.cancel()
+        tasks = [t for t in (up.refresh, up.watcher) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # their connections closed before the pool's
         try:
             await up.client.close()
         except Exception:  # noqa: BLE001 - closing is best effort
@@ -278,7 +282,11 @@ class Proxy:
         if fetched_at is not None:
             return up.catalog  # stale but usable while the fresh one comes
         try:
-            await asyncio.shield(up.refresh)
+            async with asyncio.timeout(up.cfg.timeout_s):  # however many pages it has: they come in the background
+                await asyncio.shield(up.refresh)
+        except TimeoutError:
+            log.warning("proxy upstream %s: lists not fetched within %g s", up.name, up.cfg.timeout_s)
+            return None
         except Exception as exc:  # noqa: BLE001 - reported, the upstream is left out of this list
             log.warning("proxy upstream %s: lists unavailable (%s)", up.name, getattr(exc, "message", type(exc).__name__))
             return None
@@ -321,13 +329,16 @@ class Proxy:
         out = dict(entry)
         if kind in ("tools", "prompts"):
             name = entry.get("name")
-            exposed = names.exposed(up.cfg.prefix, name) if isinstance(name, str) else None
+            exposed = names.exposed(up.cfg.prefix, name) if isinstance(name, str) and name else None
             taken = own_tools if kind == "tools" else own_prompts
-            if exposed is None or exposed in taken:
-                log.error("proxy upstream %s: %s %r clashes with the gateway's own and is not mounted",
-                          up.name, kind[:-1], name)
+            mounted = catalog.tools if kind == "tools" else catalog.prompts
+            if exposed in mounted:
+                return {}  # listed twice (on two pages): once is enough
+            if exposed is None or exposed in taken or self._namespace_of_another(up, exposed):
+                log.error("proxy upstream %s: %s %r is not mounted (no name, or one the gateway or another "
+                          "upstream's namespace holds)", up.name, kind[:-1], name)
                 return {}
-            (catalog.tools if kind == "tools" else catalog.prompts)[exposed] = str(name)
+            mounted[exposed] = str(name)
             if kind == "tools" and isinstance(entry.get("inputSchema"), dict):
                 catalog.schemas[exposed] = entry["inputSchema"]
                 spec = param_header_spec(entry["inputSchema"])
@@ -358,19 +369,26 @@ class Proxy:
             up.catalog.fetched_at = None
 
     # ------------------------------------------------------------------ routing
-    def _resolve(self, name: str, kind: str) -> tuple[Upstream, str] | None:
-        for up in self.upstreams.values():
-            lookup = up.catalog.tools if kind == "tools" else up.catalog.prompts
-            if name in lookup:
-                return up, lookup[name]
-            prefix = up.cfg.prefix
-            if prefix and name.startswith(prefix + "."):
-                return up, name[len(prefix) + 1:]
-        bare = [u for u in self.upstreams.values() if u.cfg.prefix == ""]
-        return (bare[0], name) if bare else None
+    def _resolve(self, name: str) -> tuple[Upstream, str] | None:
+        """The upstream a tool or prompt name routes to, and its name there: the upstream whose
+        namespace the name starts with, else the one mounted with the empty namespace."""
+        namespace, dot, rest = name.partition(".")
+        if dot and namespace:
+            for up in self.upstreams.values():
+                if up.cfg.prefix == namespace:
+                    return up, rest
+        bare = self._bare()
+        return (bare, name) if bare is not None else None
 
-    def _target(self, call: Call, name: str, kind: str, what: str) -> tuple[Upstream, str]:
-        found = self._resolve(name, kind)
+    def _namespace_of_another(self, up: Upstream, name: str) -> bool:
+        """Whether a name of the upstream mounted with the empty namespace lies in another
+        upstream's namespace (calls of it go to that one, see :meth:`_resolve`)."""
+        namespace, dot, _ = name.partition(".")
+        return up.cfg.prefix == "" and bool(dot and namespace) and any(
+            u.cfg.prefix == namespace for u in self.upstreams.values())
+
+    def _target(self, call: Call, name: str, what: str) -> tuple[Upstream, str]:
+        found = self._resolve(name)
         if found is None or not found[0].cfg.enabled:
             raise InvalidParams(f"{what} not found: {name}")
         up, original = found
@@ -413,7 +431,7 @@ class Proxy:
         return up, found[1] if found is not None else uri
 
     async def call_tool(self, call: Call, name: str, params: dict[str, Any]) -> dict[str, Any]:
-        up, tool = self._target(call, name, "tools", "Tool")
+        up, tool = self._target(call, name, "Tool")
         args = params.get("arguments")
         args = args if isinstance(args, dict) else {}
         spec = up.catalog.param_specs.get(name)
@@ -448,7 +466,7 @@ class Proxy:
         return result
 
     async def get_prompt(self, call: Call, name: str, params: dict[str, Any]) -> dict[str, Any]:
-        up, prompt = self._target(call, name, "prompts", "Prompt")
+        up, prompt = self._target(call, name, "Prompt")
         forwarded = {"name": prompt, "arguments": params.get("arguments") or {}}
         return await self._observed(call, up, "prompts/get", prompt, forwarded)
 
@@ -464,7 +482,7 @@ class Proxy:
         """completion/complete for an upstream's prompt or resource template."""
         ref = dict(params["ref"])
         if ref.get("type") == "ref/prompt":
-            up, ref["name"] = self._target(call, str(ref.get("name")), "prompts", "Prompt")
+            up, ref["name"] = self._target(call, str(ref.get("name")), "Prompt")
         else:
             up, ref["uri"] = self.resource_target(call, str(ref.get("uri")))
         forwarded = {k: v for k, v in params.items() if k not in ("_meta", "ref")}
