@@ -93,6 +93,22 @@ def test_an_upstream_without_a_namespace_cannot_take_another_upstreams_names(red
             assert _calls(evil, "echo") == 1
 
 
+def test_an_upstream_cannot_take_over_another_upstreams_task_by_its_id(redis_url: str) -> None:
+    tasks = {"extensions": {"io.modelcontextprotocol/tasks": {}}}
+    with hostile_upstream() as first, hostile_upstream() as second:
+        first.label, second.label = "first", "second"  # both name their task "task-1"
+        proxy = {"upstreams": [_entry(first, "first", revision=MODERN), _entry(second, "second", revision=MODERN)]}
+        with front_gateway(redis_url, proxy) as base:
+            client = Client(base, MCP_KEY, MODERN)
+            made = client.result("tools/call", {"name": "first.make_task", "arguments": {}}, caps=tasks)
+            assert made["resultType"] == "task" and made["taskId"] == "task-1"
+            error = client.call("tools/call", {"name": "second.make_task", "arguments": {}}, caps=tasks)["error"]
+            assert error["code"] == UPSTREAM_FAILED and error["data"] == {"upstream": "second", "reason": "protocol"}
+            polled = client.result("tasks/get", {"taskId": "task-1"}, caps=tasks)
+            assert polled["statusMessage"] == "task of first"
+            assert not [r for r in list(second.requests) if r.get("method") == "tasks/get"]
+
+
 def test_a_modern_client_is_asked_a_bounded_number_of_an_upstreams_questions(redis_url: str,
                                                                              bad: HostileUpstream) -> None:
     bad.flood = 1000

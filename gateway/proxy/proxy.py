@@ -50,6 +50,7 @@ from shared import keys, metrics
 from shared.aio import pause, spawn
 from shared.audit import BatchedAudit, record
 from shared.config import ProxyAllow, UpstreamConfig
+from shared.text import as_str
 
 if TYPE_CHECKING:
     from gateway.state import Gateway
@@ -567,11 +568,22 @@ class Proxy:
 
     # ------------------------------------------------------------------ tasks extension
     async def _remember_task(self, call: Call, up: Upstream, result: dict[str, Any]) -> None:
+        """Which upstream answers for the task. A task id is the upstream's own: one the principal
+        already holds a task of another upstream under fails the call, so that neither upstream
+        is sent the other's tasks/get, update or cancel."""
         task_id = result.get("taskId")
-        if result.get("resultType") == "task" and isinstance(task_id, str):
-            ttl_ms = result.get("ttlMs")
-            ttl_s = int(ttl_ms) // 1000 + TASK_KEY_SLACK_S if isinstance(ttl_ms, int) and ttl_ms > 0 else TASK_KEY_TTL_S
-            await self.gateway.redis.set(keys.proxy_task(call.principal, task_id), up.name, ex=ttl_s)
+        if result.get("resultType") != "task" or not isinstance(task_id, str):
+            return
+        ttl_ms = result.get("ttlMs")
+        ttl_s = int(ttl_ms) // 1000 + TASK_KEY_SLACK_S if isinstance(ttl_ms, int) and ttl_ms > 0 else TASK_KEY_TTL_S
+        key, redis = keys.proxy_task(call.principal, task_id), self.gateway.redis
+        if await redis.set(key, up.name, ex=ttl_s, nx=True):
+            return
+        owner = await redis.get(key)
+        if owner is not None and as_str(owner) != up.name:
+            raise UpstreamFailed(up.name, "protocol", f"upstream {up.name!r} named a task {task_id!r}, the id of a "
+                                 "task of another upstream this principal holds")
+        await redis.set(key, up.name, ex=ttl_s)
 
     async def task_request(self, call: Call, method: str, params: dict[str, Any]) -> dict[str, Any] | None:
         """tasks/get|update|cancel of a task an upstream created, answered by that upstream;
@@ -580,7 +592,7 @@ class Proxy:
         if not isinstance(task_id, str) or not task_id:
             return None
         name = await self.gateway.redis.get(keys.proxy_task(call.principal, task_id))
-        up = self.upstreams.get(name.decode() if isinstance(name, bytes) else str(name)) if name else None
+        up = self.upstreams.get(as_str(name)) if name else None
         if up is None:
             return None
         forwarded = {k: v for k, v in params.items() if k != "_meta"}

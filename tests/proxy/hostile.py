@@ -110,12 +110,18 @@ async def hang_up(up: HostileUpstream, writer: asyncio.StreamWriter, request: di
     writer.close()
 
 
+async def make_task(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[str, Any]) -> None:
+    """A 2026-07-28 CreateTaskResult for task ``up.task_id`` (lived ``up.task_ttl_ms``)."""
+    _json(writer, _result(request, {"resultType": "task", "taskId": up.task_id, "status": "working",
+                                    "ttlMs": up.task_ttl_ms, "createdAt": "2026-01-01T00:00:00Z"}))
+
+
 async def echo(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[str, Any]) -> None:
     _json(writer, _text(request, "echo"))
 
 
 BEHAVIOURS: dict[str, Behaviour] = {f.__name__: f for f in (
-    huge_json, huge_sse_line, huge_sse_event, answer_then_linger, ask_flood, hang_up, echo)}
+    huge_json, huge_sse_line, huge_sse_event, answer_then_linger, ask_flood, hang_up, make_task, echo)}
 
 
 class HostileUpstream:
@@ -128,6 +134,8 @@ class HostileUpstream:
         self.requests: list[dict[str, Any]] = []
         self.endless_bytes = 1 << 30
         self.flood = 0
+        self.label = "hostile"  # what its tasks/get answers carry
+        self.task_id, self.task_ttl_ms = "task-1", 60_000
         self.page_delay_s = 0.0  # how long each tools/list page takes
         self.endless_pages = False  # every tools/list page names a next one
         self.flood_hold_s = 0.0  # how long the flood stays unanswered before the call's answer
@@ -179,6 +187,9 @@ class HostileUpstream:
             await asyncio.sleep(self.page_delay_s)
             page = {"tools": self.tools, **({"nextCursor": "more"} if self.endless_pages else {})}
             _json(writer, _result(message, page))
+        elif method == "tasks/get":
+            _json(writer, _result(message, {"taskId": message["params"]["taskId"], "status": "working",
+                                            "statusMessage": f"task of {self.label}"}))
         elif method == "tools/call":
             await BEHAVIOURS[message["params"]["name"]](self, writer, message)
         else:
