@@ -5,6 +5,7 @@ gateway's own tools serving."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from collections.abc import Iterator
@@ -12,9 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
+import redis as redis_sync
 
+from gateway.proxy.proxy import LIST_CHANGED_GAP_S
 from gateway.proxy.wire import MAX_MESSAGE_BYTES, MAX_OPEN_QUESTIONS
+from shared import keys
 from tests.admin_support import MCP_KEY
 from tests.conftest import wait_for_sync
 from tests.proxy.hostile import HostileUpstream, hostile_upstream
@@ -135,6 +140,28 @@ def test_a_legacy_client_is_asked_a_bounded_number_of_an_upstreams_questions(red
         assert 0 < len(asked) <= MAX_OPEN_QUESTIONS
         replies = [r for r in list(bad.requests) if "method" not in r]  # answers POSTed back to the upstream
         assert len(replies) <= MAX_OPEN_QUESTIONS
+
+
+def test_a_flood_of_list_changes_is_told_to_the_clients_once_per_gap(redis_url: str, bad: HostileUpstream) -> None:
+    """Each change told is a Redis write and a note to every session that may see the list."""
+    bad.flood = 2000
+    told: list[int] = []  # the revisions of the upstream's tools list announced to the replicas
+
+    def announced(sub: Any) -> None:
+        while (note := sub.get_message(timeout=0.01)) is not None:
+            if note["type"] == "message" and (msg := orjson.loads(note["data"]))["t"] == "lc" and msg["u"] == "bad":
+                told.append(msg["r"])
+
+    with redis_sync.Redis.from_url(redis_url) as r, contextlib.closing(r.pubsub()) as sub:
+        sub.subscribe(keys.GATEWAY_CONTROL_CHANNEL)
+        with front_gateway(redis_url, {"upstreams": [_entry(bad)]}) as base:
+            client = Client(base, MCP_KEY, LEGACY).open()
+            answer = client.result("tools/call", {"name": "bad.churn", "arguments": {}})
+            assert answer["content"][0]["text"] == "churned"
+            wait_for_sync(lambda: announced(sub) or len(told) >= 2, timeout_s=15,
+                          what="the first change and the one closing the gap")
+            announced(sub)
+    assert len(told) == 2 and told[1] - told[0] >= LIST_CHANGED_GAP_S * 1000 / 2
 
 
 def test_listing_waits_at_most_the_upstreams_timeout_however_many_pages_it_has(redis_url: str) -> None:

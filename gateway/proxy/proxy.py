@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +62,7 @@ LISTS = {"tools": "tools/list", "resources": "resources/list", "resourceTemplate
          "prompts": "prompts/list"}
 MAX_LIST_PAGES = 50
 MAX_INPUT_ROUNDS = 8
+LIST_CHANGED_GAP_S = 1.0
 WATCH_RETRY_MIN_S, WATCH_RETRY_MAX_S = 1.0, 60.0
 TASK_KEY_TTL_S = 86_400  # how long a task's upstream is remembered when the task names no ttlMs
 TASK_KEY_SLACK_S = 60
@@ -117,6 +119,8 @@ class Proxy:
         self._audit = BatchedAudit(gateway.redis)
         self._counters: dict[tuple[str, str, str], Any] = {}
         self._decisions: dict[tuple[str, str, str | None], bool] = {}  # see allowed()
+        self._announced: dict[tuple[str, str, bool], float] = {}  # see _announce()
+        self._held: set[tuple[str, str, bool]] = set()
         self.breakers = BreakerBoard(gateway.redis, gateway.replica_id, self.config.health_ttl_s,
                                      lambda: self.upstreams)
 
@@ -177,7 +181,9 @@ class Proxy:
     async def _standing_note(self, up: Upstream, msg: Message) -> None:
         kind = changed_list(msg)
         if kind is not None:
-            await self.gateway.list_changed_here(kind, up.name)  # every replica follows the upstream itself
+            self.catalog_changed(up.name)
+            # Every replica follows the upstream itself: this one tells its own clients only.
+            self._announce((up.name, kind, False), lambda: self.gateway.list_changed_here(kind, up.name))
 
     async def _stdio_note(self, up: Upstream, key: str, msg: Message) -> None:
         if key != CATALOG and msg.get("method") == "notifications/resources/updated":
@@ -360,7 +366,30 @@ class Proxy:
         """The upstream's list changed (it said so during a call on this replica): every replica
         drops its copy and tells its clients that may see the upstream."""
         self.catalog_changed(up.name)
-        self._spawn(self.gateway.notify_list_changed(None, kind, up.name))
+        self._announce((up.name, kind, True), lambda: self.gateway.notify_list_changed(None, kind, up.name))
+
+    def _announce(self, key: tuple[str, str, bool], tell: Callable[[], Awaitable[None]]) -> None:
+        """Pass an upstream's list change on to the clients at most once per LIST_CHANGED_GAP_S:
+        the changes it announces meanwhile are told once, at the end of the gap (each one told
+        writes to Redis and to every session that may see the list, and an upstream may send
+        thousands)."""
+        if key in self._held:
+            return  # the announcement already waiting covers this change too
+        now = asyncio.get_running_loop().time()
+        wait_s = self._announced.get(key, -LIST_CHANGED_GAP_S) + LIST_CHANGED_GAP_S - now
+        if wait_s <= 0:
+            self._announced[key] = now
+            self._spawn(tell())
+            return
+        self._held.add(key)
+
+        async def later() -> None:
+            await pause(wait_s)
+            self._held.discard(key)
+            self._announced[key] = asyncio.get_running_loop().time()
+            await tell()
+
+        self._spawn(later())
 
     def catalog_changed(self, upstream: str) -> None:
         """Drop the replica's copy of ``upstream``'s lists: the next listing fetches them again."""

@@ -110,6 +110,14 @@ async def hang_up(up: HostileUpstream, writer: asyncio.StreamWriter, request: di
     writer.close()
 
 
+async def churn(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[str, Any]) -> None:
+    """``up.flood`` announcements that its tools list changed, then the answer."""
+    changed = b"data: " + orjson.dumps({"jsonrpc": "2.0", "method": "notifications/tools/list_changed"}) + b"\n\n"
+    writer.write(_head(200, "text/event-stream") + changed * up.flood)
+    writer.write(b"data: " + orjson.dumps(_text(request, "churned")) + b"\n\n")
+    writer.close()
+
+
 async def make_task(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[str, Any]) -> None:
     """A 2026-07-28 CreateTaskResult for task ``up.task_id`` (lived ``up.task_ttl_ms``)."""
     _json(writer, _result(request, {"resultType": "task", "taskId": up.task_id, "status": "working",
@@ -121,7 +129,7 @@ async def echo(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[
 
 
 BEHAVIOURS: dict[str, Behaviour] = {f.__name__: f for f in (
-    huge_json, huge_sse_line, huge_sse_event, answer_then_linger, ask_flood, hang_up, make_task, echo)}
+    huge_json, huge_sse_line, huge_sse_event, answer_then_linger, ask_flood, churn, hang_up, make_task, echo)}
 
 
 class HostileUpstream:
