@@ -18,7 +18,7 @@ import orjson
 
 from gateway.errors import INTERNAL_ERROR, MISSING_REQUIRED_CLIENT_CAPABILITY, McpError
 from gateway.mcp.dispatcher import Call, InputRequired
-from gateway.mcp.types import CLIENT_CAPABILITIES_META_KEY, LOG_LEVEL_META_KEY
+from gateway.mcp.types import CLIENT_CAPABILITIES_META_KEY, LOG_LEVEL_META_KEY, LOG_LEVELS
 from gateway.proxy.capture import CAPTURE_CONTEXT_META_KEY
 from gateway.proxy.client import ALL_FORWARDED
 from gateway.proxy.errors import UpstreamFailed
@@ -77,13 +77,18 @@ class CallHooks:
         self.hooks = Hooks(notify=self.notify, ask=self.ask, progress_token=call.meta.get("progressToken"))
 
     async def notify(self, msg: Message) -> None:
+        """Progress for this call's own token (an upstream's progress for any other would reach
+        the client as that request's) and log messages (a level MCP does not have read as
+        ``info``) to the client; list changes to the proxy."""
         method = msg.get("method", "")
         params = _params(msg)
         if method == "notifications/progress":
-            await self.call.notify(method, params)
+            token = params.get("progressToken")
+            if token is not None and token == self.hooks.progress_token:
+                await self.call.notify(method, params)
         elif method == "notifications/message":
             level = params.get("level")
-            await self.call.log(level if isinstance(level, str) else "info", params.get("data"),
+            await self.call.log(level if level in LOG_LEVELS else "info", params.get("data"),
                                 params.get("logger") if isinstance(params.get("logger"), str) else None)
         elif (kind := changed_list(msg)) is not None:
             self.proxy.list_changed(self.up, kind)

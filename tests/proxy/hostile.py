@@ -118,6 +118,19 @@ async def churn(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict
     writer.close()
 
 
+async def side_notes(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[str, Any]) -> None:
+    """A log message at a level MCP does not have, progress for a token the call did not send and
+    for the one it did, then the answer."""
+    token = request["params"].get("_meta", {}).get("progressToken")
+    notes = [{"method": "notifications/message", "params": {"level": "verbose", "data": "odd level"}},
+             {"method": "notifications/progress", "params": {"progressToken": "not-this-call", "progress": 1}},
+             {"method": "notifications/progress", "params": {"progressToken": token, "progress": 2}}]
+    writer.write(_head(200, "text/event-stream") + b"".join(
+        b"data: " + orjson.dumps({"jsonrpc": "2.0", **note}) + b"\n\n" for note in notes))
+    writer.write(b"data: " + orjson.dumps(_text(request, "noted")) + b"\n\n")
+    writer.close()
+
+
 async def make_task(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[str, Any]) -> None:
     """A 2026-07-28 CreateTaskResult for task ``up.task_id`` (lived ``up.task_ttl_ms``)."""
     _json(writer, _result(request, {"resultType": "task", "taskId": up.task_id, "status": "working",
@@ -129,7 +142,7 @@ async def echo(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[
 
 
 BEHAVIOURS: dict[str, Behaviour] = {f.__name__: f for f in (
-    huge_json, huge_sse_line, huge_sse_event, answer_then_linger, ask_flood, churn, hang_up, make_task, echo)}
+    huge_json, huge_sse_line, huge_sse_event, answer_then_linger, ask_flood, churn, hang_up, make_task, side_notes, echo)}
 
 
 class HostileUpstream:
