@@ -17,6 +17,7 @@ import orjson
 import pytest
 import redis as redis_sync
 
+from gateway.proxy.http1 import MAX_HEAD_BYTES
 from gateway.proxy.proxy import LIST_CHANGED_GAP_S
 from gateway.proxy.wire import MAX_MESSAGE_BYTES, MAX_OPEN_QUESTIONS
 from shared import keys
@@ -50,15 +51,18 @@ def _still_serving(client: Client, echo: str) -> None:
     assert own["structuredContent"]["version"] >= 1
 
 
-@pytest.mark.parametrize("tool", ["huge_json", "huge_sse_line", "huge_sse_event"])
+@pytest.mark.parametrize(("tool", "limit_bytes"), [
+    ("huge_json", MAX_MESSAGE_BYTES), ("huge_sse_line", MAX_MESSAGE_BYTES), ("huge_sse_event", MAX_MESSAGE_BYTES),
+    ("huge_head", MAX_HEAD_BYTES), ("many_headers", MAX_HEAD_BYTES),
+])
 def test_an_answer_over_the_size_bound_fails_clearly_and_is_not_read_on(redis_url: str, bad: HostileUpstream,
-                                                                        tool: str) -> None:
+                                                                        tool: str, limit_bytes: int) -> None:
     bad.endless_bytes = 4 * MAX_MESSAGE_BYTES
     with front_gateway(redis_url, {"upstreams": [_entry(bad)]}) as base:
         client = Client(base, MCP_KEY, LEGACY).open()
         error = client.call("tools/call", {"name": f"bad.{tool}", "arguments": {}})["error"]
         assert error["code"] == UPSTREAM_FAILED and error["data"] == {"upstream": "bad", "reason": "protocol"}
-        assert error["message"] == f"upstream 'bad' sent a message over {MAX_MESSAGE_BYTES} bytes in answer to tools/call"
+        assert error["message"] == f"upstream 'bad' sent a message over {limit_bytes} bytes in answer to tools/call"
         wait_for_sync(bad.hung_up.is_set, timeout_s=15, what="the gateway to drop the connection")
         assert bad.sent < bad.endless_bytes
         _still_serving(client, "bad.echo")

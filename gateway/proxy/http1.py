@@ -23,6 +23,7 @@ from gateway.proxy.errors import MessageTooLarge, WireClosed
 from shared.aio import spawn
 
 MAX_IDLE_CONNECTIONS = 64
+MAX_HEAD_BYTES = 64 * 1024  # a response's status line and headers
 FINISH_GRACE_S = 5.0  # how long a response read to its answer may take to end before its connection is dropped
 
 
@@ -33,7 +34,8 @@ class HttpProtocolError(WireClosed):
 class Response:
     """One response as it arrives: status and headers first, then the body in chunks."""
 
-    __slots__ = ("status", "headers", "_chunks", "_more", "complete", "keep_alive", "error", "_head", "finishing")
+    __slots__ = ("status", "headers", "_chunks", "_more", "complete", "keep_alive", "error", "_head", "finishing",
+                 "head_bytes")
 
     def __init__(self) -> None:
         self.status = 0
@@ -45,6 +47,7 @@ class Response:
         self.keep_alive = False
         self.error: BaseException | None = None
         self.finishing = False
+        self.head_bytes = 0  # received while the head was incomplete
 
     def finish_later(self) -> None:
         """The reader has what it needed: the rest need not hold it up (see :class:`Exchange`)."""
@@ -109,6 +112,12 @@ class _Connection(asyncio.Protocol):
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._abort(HttpProtocolError(f"unreadable HTTP answer ({type(exc).__name__})"))
+            return
+        response = self.response
+        if response is not None and not response.status:  # all of it was head: the parser holds it
+            response.head_bytes += len(data)
+            if response.head_bytes > MAX_HEAD_BYTES:
+                self._abort(MessageTooLarge(MAX_HEAD_BYTES))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True

@@ -280,7 +280,7 @@ class StdioWire:
         stdout = proc.stdout
         if stdout is None:
             return
-        ended: WireClosed = WireClosed("the stdio server exited")
+        ended: Exception = WireClosed("the stdio server exited")
         try:
             while line := await stdout.readline():
                 msg = _json_object(line)

@@ -81,6 +81,27 @@ async def huge_sse_event(up: HostileUpstream, writer: asyncio.StreamWriter, requ
         up.hung_up.set()
 
 
+async def huge_head(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[str, Any]) -> None:
+    """A response head that never ends: one header value without end."""
+    await _endless(up, writer, b"HTTP/1.1 200 X\r\nx-junk: ")
+
+
+async def many_headers(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[str, Any]) -> None:
+    """A response head of headers without end, each of its own name."""
+    writer.write(b"HTTP/1.1 200 X\r\n")
+    try:
+        n = 0
+        while up.sent < up.endless_bytes:
+            line = b"x-junk-%d: %s\r\n" % (n, b"a" * 1000)
+            writer.write(line)
+            up.sent += len(line)
+            n += 1
+            if n % 64 == 0:
+                await writer.drain()
+    except (ConnectionError, OSError):
+        up.hung_up.set()
+
+
 async def answer_then_linger(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[str, Any]) -> None:
     """The answer on the SSE stream, then the stream held open (comments now and then) instead of ended."""
     writer.write(_head(200, "text/event-stream") + b"data: " + orjson.dumps(_text(request, "answered")) + b"\n\n")
@@ -142,7 +163,8 @@ async def echo(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[
 
 
 BEHAVIOURS: dict[str, Behaviour] = {f.__name__: f for f in (
-    huge_json, huge_sse_line, huge_sse_event, answer_then_linger, ask_flood, churn, hang_up, make_task, side_notes, echo)}
+    huge_json, huge_head, many_headers, huge_sse_line, huge_sse_event, answer_then_linger, ask_flood, churn, hang_up,
+    make_task, side_notes, echo)}
 
 
 class HostileUpstream:
