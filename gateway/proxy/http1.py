@@ -222,7 +222,8 @@ class Origin:
         return Exchange(self, conn, response)
 
     def release(self, conn: _Connection, response: Response) -> None:
-        if response.finishing and not response.complete and not conn.closed:
+        if (response.finishing and not response.complete and not conn.closed
+                and len(self._finishing) < MAX_IDLE_CONNECTIONS):  # more are closed: the upstream lingers
             response.finishing = False
             spawn(self._finish(conn, response), self._finishing, "reading the rest of an upstream's response")
             return
