@@ -609,6 +609,8 @@ class UpstreamConfig:
     def __post_init__(self) -> None:
         _check((self.url is None) != (self.command is None), "set exactly one of url or command")
         _check(self.url is None or urlsplit(self.url).scheme in ("http", "https"), "url must be http(s)://")
+        _check(self.url is None or "@" not in urlsplit(self.url).netloc,
+               "url must not carry credentials (user:password@): name them in headers_from_env or headers_from_file")
         _check(self.command is None or len(self.command) > 0, "command must name a program")
         _check(not set(self.headers_from_env) & set(self.headers_from_file),
                "a header comes from the environment or from a file, not both")

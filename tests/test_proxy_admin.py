@@ -72,11 +72,12 @@ def test_admin_api_manages_upstreams(redis_url: str, upstream: str) -> None:
      "LM_TEST_UNSET_VAR"),
     ({"name": "Bad Name", "url": "http://a/mcp"}, "name"),
     ({"name": "x", "url": "ftp://a/mcp"}, "http"),
+    ({"name": "x", "url": "http://proxy:pw-in-url-5d2e@a/mcp"}, "must not carry credentials"),
 ])
 def test_admin_api_refuses_bad_upstreams(redis_url: str, body: dict[str, Any], needle: str) -> None:
     with front_gateway(redis_url, {}) as base:
         r = httpx.post(base + "/admin/upstreams", json=body, headers=ADMIN)
-        assert r.status_code == 422 and needle in r.text
+        assert r.status_code == 422 and needle in r.text and "pw-in-url-5d2e" not in r.text
 
 
 def test_replicas_follow_the_set_in_redis(redis_url: str, upstream: str) -> None:

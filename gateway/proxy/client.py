@@ -44,7 +44,7 @@ from gateway.mcp.types import (
     Request,
 )
 from gateway.proxy.breaker import Breaker
-from gateway.proxy.errors import StdioCapReached, UpstreamFailed, WireClosed
+from gateway.proxy.errors import MessageTooLarge, StdioCapReached, UpstreamFailed, WireClosed
 from gateway.proxy.stdio_pool import CATALOG, StdioPool
 from gateway.proxy.wire import NO_HOOKS, Answer, Hooks, HttpWire, StdioWire, Wire
 from shared import keys
@@ -59,6 +59,11 @@ FORWARDED_CAPABILITIES: dict[str, Any] = {"elicitation": {}, "roots": {"listChan
 ALL_FORWARDED = tuple(FORWARDED_CAPABILITIES)
 # Asked of a stdio upstream's lists process rather than the principal's (the answers are everyone's).
 CATALOG_METHODS = frozenset({"tools/list", "resources/list", "resources/templates/list", "prompts/list"})
+# Requests that change nothing at the upstream, so one may be sent again on a new connection when
+# a kept-alive one closes before its answer. Any other (a tool call above all) may have acted
+# already: it is never sent twice (RFC 9110, 9.2.2).
+REPEATABLE = CATALOG_METHODS | {"server/discover", "ping", "resources/read", "resources/subscribe",
+                                "resources/unsubscribe", "prompts/get", "completion/complete", "tasks/get"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +154,10 @@ class UpstreamClient:
             self.breaker.failed()
             raise UpstreamFailed(self.name, "timeout", f"upstream {self.name!r} did not answer {method} "
                                  f"within {limit_s:g} s") from None
+        except MessageTooLarge as exc:
+            self.breaker.failed()
+            raise UpstreamFailed(self.name, "protocol", f"upstream {self.name!r} sent a message over "
+                                 f"{exc.limit_bytes} bytes in answer to {method}") from None
         except (OSError, WireClosed) as exc:
             self.breaker.failed()
             raise UpstreamFailed(self.name, "unreachable",
@@ -211,13 +220,14 @@ class UpstreamClient:
         name_key = NAME_BEARING.get(method)
         if name_key is not None and isinstance(params.get(name_key), str):
             headers["mcp-name"] = header_value(params[name_key])
-        return await self._exchange(wire, body, headers, rid, hooks)
+        return await self._exchange(wire, body, headers, rid, hooks, method in REPEATABLE)
 
-    async def _exchange(self, wire: Wire, body: bytes, headers: dict[str, str], rid: int, hooks: Hooks) -> Answer:
+    async def _exchange(self, wire: Wire, body: bytes, headers: dict[str, str], rid: int, hooks: Hooks,
+                        repeatable: bool = True) -> Answer:
         """One request and its answer; a request abandoned here (the client cancelled, or the
         timeout struck) is cancelled at the upstream too, so it stops working on it."""
         try:
-            return await wire.send(body, headers, rid, hooks)
+            return await wire.send(body, headers, rid, hooks, repeatable)
         except asyncio.CancelledError:
             task = asyncio.ensure_future(self._cancel_upstream(wire, headers, rid))
             self._cancels.add(task)
@@ -257,7 +267,7 @@ class UpstreamClient:
             sid = await (self._session(wire, seat) if isinstance(wire, HttpWire) else self._stdio_session(wire))
             rid = next(self._ids)
             body = _encode(Request(jsonrpc="2.0", id=rid, method=method, params=params))
-            answer = await self._exchange(wire, body, self._session_headers(sid), rid, hooks)
+            answer = await self._exchange(wire, body, self._session_headers(sid), rid, hooks, method in REPEATABLE)
             if answer.status != 404 or sid is None or attempt == 2:
                 return answer
             await self._forget_session(seat)  # the upstream lost it (restart, expiry): open a new one

@@ -29,3 +29,13 @@ class StdioCapReached(Unavailable):
 
 class WireClosed(Exception):
     """The connection to the upstream ended before its answer (a stdio process exited)."""
+
+
+class MessageTooLarge(Exception):
+    """The upstream sent one message (a JSON body, an SSE event or line, a stdio line; an HTTP
+    response head) over ``limit_bytes``: it was not read further, and its connection or process
+    is dropped. Not a :class:`WireClosed`: sending the request again would only meet it again."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        super().__init__(f"a message over {limit_bytes} bytes")
+        self.limit_bytes = limit_bytes

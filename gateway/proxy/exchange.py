@@ -18,10 +18,11 @@ import orjson
 
 from gateway.errors import INTERNAL_ERROR, MISSING_REQUIRED_CLIENT_CAPABILITY, McpError
 from gateway.mcp.dispatcher import Call, InputRequired
-from gateway.mcp.types import CLIENT_CAPABILITIES_META_KEY, LOG_LEVEL_META_KEY
+from gateway.mcp.types import CLIENT_CAPABILITIES_META_KEY, LOG_LEVEL_META_KEY, LOG_LEVELS
 from gateway.proxy.capture import CAPTURE_CONTEXT_META_KEY
 from gateway.proxy.client import ALL_FORWARDED
-from gateway.proxy.wire import Hooks, Message
+from gateway.proxy.errors import UpstreamFailed
+from gateway.proxy.wire import MAX_OPEN_QUESTIONS, Hooks, Message
 
 if TYPE_CHECKING:
     from gateway.proxy.proxy import Proxy, Upstream
@@ -70,36 +71,54 @@ class CallHooks:
         self.proxy = proxy
         self.call = call
         self.up = up
-        self.asked: dict[str, int] = {}  # questions of a 2025-11-25 upstream so far, by key
+        self.asked: dict[str, int] = {}
+        self._open = 0  # questions being asked of a 2025-11-25 client now  # questions of a 2025-11-25 upstream so far, by key
         self.stopped: InputRequired | McpError | None = None  # why the call cannot finish on this round
         self.hooks = Hooks(notify=self.notify, ask=self.ask, progress_token=call.meta.get("progressToken"))
 
     async def notify(self, msg: Message) -> None:
+        """Progress for this call's own token (an upstream's progress for any other would reach
+        the client as that request's) and log messages (a level MCP does not have read as
+        ``info``) to the client; list changes to the proxy."""
         method = msg.get("method", "")
         params = _params(msg)
         if method == "notifications/progress":
-            await self.call.notify(method, params)
+            token = params.get("progressToken")
+            if token is not None and token == self.hooks.progress_token:
+                await self.call.notify(method, params)
         elif method == "notifications/message":
             level = params.get("level")
-            await self.call.log(level if isinstance(level, str) else "info", params.get("data"),
+            await self.call.log(level if level in LOG_LEVELS else "info", params.get("data"),
                                 params.get("logger") if isinstance(params.get("logger"), str) else None)
         elif (kind := changed_list(msg)) is not None:
             self.proxy.list_changed(self.up, kind)
 
     async def ask(self, msg: Message) -> Message:
-        """A server->client request: the client's answer (or why there is none yet)."""
+        """A server->client request: the client's answer (or why there is none yet). At most
+        MAX_OPEN_QUESTIONS are open at once (asked of the client, or gathered for its next
+        request); what an upstream asks beyond them is refused, never relayed."""
         method, params = str(msg.get("method")), _params(msg)
+        if self._open + len(self._gathered()) >= MAX_OPEN_QUESTIONS:
+            return _error_reply(msg, INTERNAL_ERROR, f"more than {MAX_OPEN_QUESTIONS} requests to the client "
+                                                     "at once")
+        self._open += 1
         try:
             result = await self._ask_client(method, params, self._key(method, params))
         except InputRequired as ir:
             self._defer(ir)
-            # The upstream may be asking more at once: let those arrive before this refusal makes
-            # it give up, so the client gets every question in one input_required.
-            await asyncio.sleep(INPUT_GATHER_S)
-            return _error_reply(msg, INTERNAL_ERROR, "the client answers on its next request")
         except McpError as exc:
             return _error_reply(msg, exc.code, exc.message)
-        return {"jsonrpc": "2.0", "id": msg.get("id"), "result": result}
+        else:
+            return {"jsonrpc": "2.0", "id": msg.get("id"), "result": result}
+        finally:
+            self._open -= 1
+        # The upstream may be asking more at once: let those arrive before this refusal makes it
+        # give up, so the client gets every question in one input_required.
+        await asyncio.sleep(INPUT_GATHER_S)
+        return _error_reply(msg, INTERNAL_ERROR, "the client answers on its next request")
+
+    def _gathered(self) -> dict[str, Any]:
+        return self.stopped.requests if isinstance(self.stopped, InputRequired) else {}
 
     def _key(self, method: str, params: dict[str, Any]) -> str:
         """A 2025-11-25 upstream's question has no key of its own: it is named by what it asks, so
@@ -123,6 +142,9 @@ class CallHooks:
         2026-07-28 client is asked for every missing one at once."""
         if not isinstance(requests, dict):
             raise McpError(INTERNAL_ERROR, f"upstream {self.up.name!r} sent input_required without inputRequests")
+        if len(requests) > MAX_OPEN_QUESTIONS:
+            raise UpstreamFailed(self.up.name, "protocol", f"upstream {self.up.name!r} asked {len(requests)} "
+                                 f"questions at once (at most {MAX_OPEN_QUESTIONS})")
         out: dict[str, Any] = {}
         for key, req in requests.items():
             req = req if isinstance(req, dict) else {}

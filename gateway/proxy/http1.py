@@ -19,9 +19,12 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from gateway.proxy.errors import WireClosed
+from gateway.proxy.errors import MessageTooLarge, WireClosed
+from shared.aio import spawn
 
 MAX_IDLE_CONNECTIONS = 64
+MAX_HEAD_BYTES = 64 * 1024  # a response's status line and headers
+FINISH_GRACE_S = 5.0  # how long a response read to its answer may take to end before its connection is dropped
 
 
 class HttpProtocolError(WireClosed):
@@ -31,7 +34,8 @@ class HttpProtocolError(WireClosed):
 class Response:
     """One response as it arrives: status and headers first, then the body in chunks."""
 
-    __slots__ = ("status", "headers", "_chunks", "_more", "complete", "keep_alive", "error", "_head")
+    __slots__ = ("status", "headers", "_chunks", "_more", "complete", "keep_alive", "error", "_head", "finishing",
+                 "head_bytes")
 
     def __init__(self) -> None:
         self.status = 0
@@ -42,6 +46,12 @@ class Response:
         self.complete = False
         self.keep_alive = False
         self.error: BaseException | None = None
+        self.finishing = False
+        self.head_bytes = 0  # received while the head was incomplete
+
+    def finish_later(self) -> None:
+        """The reader has what it needed: the rest need not hold it up (see :class:`Exchange`)."""
+        self.finishing = True
 
     async def head(self) -> None:
         await self._head.wait()
@@ -59,8 +69,19 @@ class Response:
             self._more.clear()
             await self._more.wait()
 
-    async def read(self) -> bytes:
-        return b"".join([c async for c in self.chunks()])
+    async def read(self, limit_bytes: int) -> bytes:
+        """The whole body; MessageTooLarge once it passes ``limit_bytes`` (announced or sent)."""
+        announced = self.headers.get("content-length", "")
+        if announced.isdigit() and int(announced) > limit_bytes:
+            raise MessageTooLarge(limit_bytes)
+        parts: list[bytes] = []
+        size = 0
+        async for chunk in self.chunks():
+            size += len(chunk)
+            if size > limit_bytes:
+                raise MessageTooLarge(limit_bytes)
+            parts.append(chunk)
+        return b"".join(parts)
 
     # parser side
     def _push(self, data: bytes) -> None:
@@ -91,6 +112,12 @@ class _Connection(asyncio.Protocol):
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._abort(HttpProtocolError(f"unreadable HTTP answer ({type(exc).__name__})"))
+            return
+        response = self.response
+        if response is not None and not response.status:  # all of it was head: the parser holds it
+            response.head_bytes += len(data)
+            if response.head_bytes > MAX_HEAD_BYTES:
+                self._abort(MessageTooLarge(MAX_HEAD_BYTES))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -145,6 +172,7 @@ class Origin:
         self.fixed = b"".join(_line(k, v) for k, v in {"host": host, **headers}.items())
         self.connect_timeout_s = connect_timeout_s
         self._idle: list[_Connection] = []
+        self._finishing: set[asyncio.Task[None]] = set()
 
     async def _connect(self) -> _Connection:
         loop = asyncio.get_running_loop()
@@ -163,9 +191,12 @@ class Origin:
             parts.append(body)
         return b"".join(parts)
 
-    async def open(self, method: bytes, headers: Mapping[str, str], body: bytes | None) -> Exchange:
+    async def open(self, method: bytes, headers: Mapping[str, str], body: bytes | None,
+                   repeatable: bool = True) -> Exchange:
         """Send a request; the :class:`Exchange` has the response once its head has arrived. A
-        reused connection that turns out closed before any answer is replaced once."""
+        reused connection that turns out closed before any answer is replaced, the request sent
+        again, only when it is ``repeatable``: the upstream may have dropped the idle connection
+        just then, or it may have received the request and failed on it."""
         data = self._request_bytes(method, headers, body)
         while self._idle:
             conn = self._idle.pop()
@@ -174,7 +205,8 @@ class Origin:
             try:
                 return await self._send(conn, data)
             except WireClosed:
-                continue  # the upstream dropped the idle connection: take another or a new one
+                if not repeatable:
+                    raise
         return await self._send(await self._connect(), data)
 
     async def _send(self, conn: _Connection, data: bytes) -> Exchange:
@@ -190,13 +222,33 @@ class Origin:
         return Exchange(self, conn, response)
 
     def release(self, conn: _Connection, response: Response) -> None:
+        if (response.finishing and not response.complete and not conn.closed
+                and len(self._finishing) < MAX_IDLE_CONNECTIONS):  # more are closed: the upstream lingers
+            response.finishing = False
+            spawn(self._finish(conn, response), self._finishing, "reading the rest of an upstream's response")
+            return
         conn.response = None
         if response.complete and response.keep_alive and not conn.closed and len(self._idle) < MAX_IDLE_CONNECTIONS:
             self._idle.append(conn)
         else:
             conn.close()
 
+    async def _finish(self, conn: _Connection, response: Response) -> None:
+        """Read the rest of a response whose answer was taken, dropping it, so that its connection
+        can be reused; an upstream that holds the stream open past ``FINISH_GRACE_S`` (MCP asks
+        a server to end it after the answer) loses the connection instead."""
+        try:
+            async with asyncio.timeout(FINISH_GRACE_S):
+                async for _ in response.chunks():
+                    pass
+        except (TimeoutError, WireClosed):
+            pass
+        finally:
+            self.release(conn, response)
+
     def close(self) -> None:
+        for task in self._finishing:
+            task.cancel()
         for conn in self._idle:
             conn.close()
         self._idle.clear()
@@ -204,7 +256,8 @@ class Origin:
 
 class Exchange:
     """A response being read; leaving the ``async with`` returns the connection to the pool when
-    the response was read to its end, and closes it otherwise."""
+    the response was read to its end, and closes it otherwise, unless the reader called
+    :meth:`Response.finish_later`: then the rest is read in the background."""
 
     __slots__ = ("origin", "conn", "response")
 
@@ -216,7 +269,9 @@ class Exchange:
     async def __aenter__(self) -> Response:
         return self.response
 
-    async def __aexit__(self, *exc: object) -> None:
+    async def __aexit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is not None:
+            self.response.finishing = False
         self.origin.release(self.conn, self.response)
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +51,7 @@ from shared import keys, metrics
 from shared.aio import pause, spawn
 from shared.audit import BatchedAudit, record
 from shared.config import ProxyAllow, UpstreamConfig
+from shared.text import as_str
 
 if TYPE_CHECKING:
     from gateway.state import Gateway
@@ -60,6 +62,7 @@ LISTS = {"tools": "tools/list", "resources": "resources/list", "resourceTemplate
          "prompts": "prompts/list"}
 MAX_LIST_PAGES = 50
 MAX_INPUT_ROUNDS = 8
+LIST_CHANGED_GAP_S = 1.0
 WATCH_RETRY_MIN_S, WATCH_RETRY_MAX_S = 1.0, 60.0
 TASK_KEY_TTL_S = 86_400  # how long a task's upstream is remembered when the task names no ttlMs
 TASK_KEY_SLACK_S = 60
@@ -116,6 +119,8 @@ class Proxy:
         self._audit = BatchedAudit(gateway.redis)
         self._counters: dict[tuple[str, str, str], Any] = {}
         self._decisions: dict[tuple[str, str, str | None], bool] = {}  # see allowed()
+        self._announced: dict[tuple[str, str, bool], float] = {}  # see _announce()
+        self._held: set[tuple[str, str, bool]] = set()
         self.breakers = BreakerBoard(gateway.redis, gateway.replica_id, self.config.health_ttl_s,
                                      lambda: self.upstreams)
 
@@ -129,6 +134,9 @@ class Proxy:
         removed ones closed. An upstream whose credentials cannot be read is left out, logged."""
         async with self._apply_lock:
             await self._apply(configs)
+            bare = self._bare()
+            if bare is not None:  # which of its names another upstream's namespace holds may have changed
+                self.catalog_changed(bare.name)
         self.gateway.dispatcher.invalidate_lists()
         self.breakers.changed()  # the mesh-wide view shows the new set without waiting a round
 
@@ -173,7 +181,9 @@ class Proxy:
     async def _standing_note(self, up: Upstream, msg: Message) -> None:
         kind = changed_list(msg)
         if kind is not None:
-            await self.gateway.list_changed_here(kind, up.name)  # every replica follows the upstream itself
+            self.catalog_changed(up.name)
+            # Every replica follows the upstream itself: this one tells its own clients only.
+            self._announce((up.name, kind, False), lambda: self.gateway.list_changed_here(kind, up.name))
 
     async def _stdio_note(self, up: Upstream, key: str, msg: Message) -> None:
         if key != CATALOG and msg.get("method") == "notifications/resources/updated":
@@ -188,9 +198,10 @@ class Proxy:
 
     async def _close(self, up: Upstream) -> None:
         self.resources.forget(up.name)
-        for task in (up.refresh, up.watcher):
-            if task is not None:
-                task.cancel()
+        tasks = [t for t in (up.refresh, up.watcher) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # their connections closed before the pool's
         try:
             await up.client.close()
         except Exception:  # noqa: BLE001 - closing is best effort
@@ -278,7 +289,11 @@ class Proxy:
         if fetched_at is not None:
             return up.catalog  # stale but usable while the fresh one comes
         try:
-            await asyncio.shield(up.refresh)
+            async with asyncio.timeout(up.cfg.timeout_s):  # however many pages it has: they come in the background
+                await asyncio.shield(up.refresh)
+        except TimeoutError:
+            log.warning("proxy upstream %s: lists not fetched within %g s", up.name, up.cfg.timeout_s)
+            return None
         except Exception as exc:  # noqa: BLE001 - reported, the upstream is left out of this list
             log.warning("proxy upstream %s: lists unavailable (%s)", up.name, getattr(exc, "message", type(exc).__name__))
             return None
@@ -321,13 +336,16 @@ class Proxy:
         out = dict(entry)
         if kind in ("tools", "prompts"):
             name = entry.get("name")
-            exposed = names.exposed(up.cfg.prefix, name) if isinstance(name, str) else None
+            exposed = names.exposed(up.cfg.prefix, name) if isinstance(name, str) and name else None
             taken = own_tools if kind == "tools" else own_prompts
-            if exposed is None or exposed in taken:
-                log.error("proxy upstream %s: %s %r clashes with the gateway's own and is not mounted",
-                          up.name, kind[:-1], name)
+            mounted = catalog.tools if kind == "tools" else catalog.prompts
+            if exposed in mounted:
+                return {}  # listed twice (on two pages): once is enough
+            if exposed is None or exposed in taken or self._namespace_of_another(up, exposed):
+                log.error("proxy upstream %s: %s %r is not mounted (no name, or one the gateway or another "
+                          "upstream's namespace holds)", up.name, kind[:-1], name)
                 return {}
-            (catalog.tools if kind == "tools" else catalog.prompts)[exposed] = str(name)
+            mounted[exposed] = str(name)
             if kind == "tools" and isinstance(entry.get("inputSchema"), dict):
                 catalog.schemas[exposed] = entry["inputSchema"]
                 spec = param_header_spec(entry["inputSchema"])
@@ -348,7 +366,30 @@ class Proxy:
         """The upstream's list changed (it said so during a call on this replica): every replica
         drops its copy and tells its clients that may see the upstream."""
         self.catalog_changed(up.name)
-        self._spawn(self.gateway.notify_list_changed(None, kind, up.name))
+        self._announce((up.name, kind, True), lambda: self.gateway.notify_list_changed(None, kind, up.name))
+
+    def _announce(self, key: tuple[str, str, bool], tell: Callable[[], Awaitable[None]]) -> None:
+        """Pass an upstream's list change on to the clients at most once per LIST_CHANGED_GAP_S:
+        the changes it announces meanwhile are told once, at the end of the gap (each one told
+        writes to Redis and to every session that may see the list, and an upstream may send
+        thousands)."""
+        if key in self._held:
+            return  # the announcement already waiting covers this change too
+        now = asyncio.get_running_loop().time()
+        wait_s = self._announced.get(key, -LIST_CHANGED_GAP_S) + LIST_CHANGED_GAP_S - now
+        if wait_s <= 0:
+            self._announced[key] = now
+            self._spawn(tell())
+            return
+        self._held.add(key)
+
+        async def later() -> None:
+            await pause(wait_s)
+            self._held.discard(key)
+            self._announced[key] = asyncio.get_running_loop().time()
+            await tell()
+
+        self._spawn(later())
 
     def catalog_changed(self, upstream: str) -> None:
         """Drop the replica's copy of ``upstream``'s lists: the next listing fetches them again."""
@@ -358,19 +399,26 @@ class Proxy:
             up.catalog.fetched_at = None
 
     # ------------------------------------------------------------------ routing
-    def _resolve(self, name: str, kind: str) -> tuple[Upstream, str] | None:
-        for up in self.upstreams.values():
-            lookup = up.catalog.tools if kind == "tools" else up.catalog.prompts
-            if name in lookup:
-                return up, lookup[name]
-            prefix = up.cfg.prefix
-            if prefix and name.startswith(prefix + "."):
-                return up, name[len(prefix) + 1:]
-        bare = [u for u in self.upstreams.values() if u.cfg.prefix == ""]
-        return (bare[0], name) if bare else None
+    def _resolve(self, name: str) -> tuple[Upstream, str] | None:
+        """The upstream a tool or prompt name routes to, and its name there: the upstream whose
+        namespace the name starts with, else the one mounted with the empty namespace."""
+        namespace, dot, rest = name.partition(".")
+        if dot and namespace:
+            for up in self.upstreams.values():
+                if up.cfg.prefix == namespace:
+                    return up, rest
+        bare = self._bare()
+        return (bare, name) if bare is not None else None
 
-    def _target(self, call: Call, name: str, kind: str, what: str) -> tuple[Upstream, str]:
-        found = self._resolve(name, kind)
+    def _namespace_of_another(self, up: Upstream, name: str) -> bool:
+        """Whether a name of the upstream mounted with the empty namespace lies in another
+        upstream's namespace (calls of it go to that one, see :meth:`_resolve`)."""
+        namespace, dot, _ = name.partition(".")
+        return up.cfg.prefix == "" and bool(dot and namespace) and any(
+            u.cfg.prefix == namespace for u in self.upstreams.values())
+
+    def _target(self, call: Call, name: str, what: str) -> tuple[Upstream, str]:
+        found = self._resolve(name)
         if found is None or not found[0].cfg.enabled:
             raise InvalidParams(f"{what} not found: {name}")
         up, original = found
@@ -413,7 +461,7 @@ class Proxy:
         return up, found[1] if found is not None else uri
 
     async def call_tool(self, call: Call, name: str, params: dict[str, Any]) -> dict[str, Any]:
-        up, tool = self._target(call, name, "tools", "Tool")
+        up, tool = self._target(call, name, "Tool")
         args = params.get("arguments")
         args = args if isinstance(args, dict) else {}
         spec = up.catalog.param_specs.get(name)
@@ -448,7 +496,7 @@ class Proxy:
         return result
 
     async def get_prompt(self, call: Call, name: str, params: dict[str, Any]) -> dict[str, Any]:
-        up, prompt = self._target(call, name, "prompts", "Prompt")
+        up, prompt = self._target(call, name, "Prompt")
         forwarded = {"name": prompt, "arguments": params.get("arguments") or {}}
         return await self._observed(call, up, "prompts/get", prompt, forwarded)
 
@@ -464,7 +512,7 @@ class Proxy:
         """completion/complete for an upstream's prompt or resource template."""
         ref = dict(params["ref"])
         if ref.get("type") == "ref/prompt":
-            up, ref["name"] = self._target(call, str(ref.get("name")), "prompts", "Prompt")
+            up, ref["name"] = self._target(call, str(ref.get("name")), "Prompt")
         else:
             up, ref["uri"] = self.resource_target(call, str(ref.get("uri")))
         forwarded = {k: v for k, v in params.items() if k not in ("_meta", "ref")}
@@ -549,11 +597,22 @@ class Proxy:
 
     # ------------------------------------------------------------------ tasks extension
     async def _remember_task(self, call: Call, up: Upstream, result: dict[str, Any]) -> None:
+        """Which upstream answers for the task. A task id is the upstream's own: one the principal
+        already holds a task of another upstream under fails the call, so that neither upstream
+        is sent the other's tasks/get, update or cancel."""
         task_id = result.get("taskId")
-        if result.get("resultType") == "task" and isinstance(task_id, str):
-            ttl_ms = result.get("ttlMs")
-            ttl_s = int(ttl_ms) // 1000 + TASK_KEY_SLACK_S if isinstance(ttl_ms, int) and ttl_ms > 0 else TASK_KEY_TTL_S
-            await self.gateway.redis.set(keys.proxy_task(call.principal, task_id), up.name, ex=ttl_s)
+        if result.get("resultType") != "task" or not isinstance(task_id, str):
+            return
+        ttl_ms = result.get("ttlMs")
+        ttl_s = int(ttl_ms) // 1000 + TASK_KEY_SLACK_S if isinstance(ttl_ms, int) and ttl_ms > 0 else TASK_KEY_TTL_S
+        key, redis = keys.proxy_task(call.principal, task_id), self.gateway.redis
+        if await redis.set(key, up.name, ex=ttl_s, nx=True):
+            return
+        owner = await redis.get(key)
+        if owner is not None and as_str(owner) != up.name:
+            raise UpstreamFailed(up.name, "protocol", f"upstream {up.name!r} named a task {task_id!r}, the id of a "
+                                 "task of another upstream this principal holds")
+        await redis.set(key, up.name, ex=ttl_s)
 
     async def task_request(self, call: Call, method: str, params: dict[str, Any]) -> dict[str, Any] | None:
         """tasks/get|update|cancel of a task an upstream created, answered by that upstream;
@@ -562,7 +621,7 @@ class Proxy:
         if not isinstance(task_id, str) or not task_id:
             return None
         name = await self.gateway.redis.get(keys.proxy_task(call.principal, task_id))
-        up = self.upstreams.get(name.decode() if isinstance(name, bytes) else str(name)) if name else None
+        up = self.upstreams.get(as_str(name)) if name else None
         if up is None:
             return None
         forwarded = {k: v for k, v in params.items() if k != "_meta"}

@@ -21,13 +21,16 @@ from typing import Any
 import orjson
 
 from gateway.mcp.types import SUBSCRIPTION_ID_META_KEY
-from gateway.proxy.errors import WireClosed
+from gateway.proxy.errors import MessageTooLarge, WireClosed
 from gateway.proxy.http1 import Origin, Response
 
 log = logging.getLogger(__name__)
 
 Message = dict[str, Any]
-STDIO_LINE_LIMIT_BYTES = 64 * 1024 * 1024
+# The most one message from an upstream may take (a JSON body, an SSE event, a stdio line): what
+# is longer is a broken or hostile upstream, and is not held in memory to find out how long it is.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+MAX_OPEN_QUESTIONS = 16  # an upstream's requests to the client open at once during one call
 STDIO_STOP_GRACE_S = 2.0
 STDIO_INHERITED_ENV = frozenset({"PATH", "HOME", "USER", "LOGNAME", "SHELL", "TERM", "LANG", "LC_ALL", "TMPDIR",
                                  "PYTHONPATH", "VIRTUAL_ENV", "SYSTEMROOT"})
@@ -79,13 +82,16 @@ class HttpWire:
         base = {"accept": "application/json, text/event-stream", "content-type": "application/json", **headers}
         self.origin = Origin(url, base, connect_timeout_s=min(timeout_s, 10.0))
 
-    async def send(self, body: bytes, headers: Mapping[str, str], request_id: Any, hooks: Hooks) -> Answer:
-        async with await self.origin.open(b"POST", headers, body) as resp:
+    async def send(self, body: bytes, headers: Mapping[str, str], request_id: Any, hooks: Hooks,
+                   repeatable: bool = True) -> Answer:
+        """``repeatable``: whether the message may be sent again when a kept-alive connection closes
+        before the answer (see gateway/proxy/http1.py)."""
+        async with await self.origin.open(b"POST", headers, body, repeatable) as resp:
             kind = resp.headers.get("content-type", "")
             if kind.startswith("text/event-stream"):
                 found = await self._stream(resp, headers, request_id, hooks)
                 return Answer(resp.status, found, resp.headers)
-            data = await resp.read()
+            data = await resp.read(MAX_MESSAGE_BYTES)
             message = _json_object(data) if kind.startswith("application/json") else None
             return Answer(resp.status, message, resp.headers)
 
@@ -93,14 +99,17 @@ class HttpWire:
                       hooks: Hooks) -> Message | None:
         """Read the answer's SSE stream. Notifications are handed over in order; server requests
         are answered concurrently (an upstream may ask several things at once, and the reading
-        goes on meanwhile); those still unanswered when the answer arrives are dropped."""
+        goes on meanwhile), at most MAX_OPEN_QUESTIONS at a time (more are left unanswered);
+        those still unanswered when the answer arrives are dropped."""
         asking: set[asyncio.Task[None]] = set()
         try:
             async for msg in _sse_messages(_lines(resp.chunks())):
                 if "method" not in msg and msg.get("id") == request_id:
-                    await resp.read()  # the rest of the stream, so the connection can be reused
+                    resp.finish_later()  # an upstream slow to end the stream does not hold the answer up
                     return msg
                 if "id" in msg and "method" in msg:
+                    if len(asking) >= MAX_OPEN_QUESTIONS:
+                        continue  # a flood: left unanswered (each answer would be a POST of its own)
                     task = asyncio.create_task(self._answer(msg, hooks, headers))
                     asking.add(task)
                     task.add_done_callback(asking.discard)
@@ -121,7 +130,7 @@ class HttpWire:
         ends, handing each message to ``hooks``; returns the HTTP status."""
         async with await self.origin.open(method, headers, body) as resp:
             if not resp.headers.get("content-type", "").startswith("text/event-stream"):
-                await resp.read()
+                await resp.read(MAX_MESSAGE_BYTES)
                 return resp.status
             async for msg in _sse_messages(_lines(resp.chunks())):
                 reply = await side_traffic(msg, hooks)
@@ -133,7 +142,7 @@ class HttpWire:
         """The answer to a server->client request travels as its own POST on the same session."""
         keep = {k: v for k, v in headers.items() if k in ("mcp-session-id", "mcp-protocol-version")}
         async with await self.origin.open(b"POST", keep, orjson.dumps(reply)) as resp:
-            await resp.read()
+            await resp.read(MAX_MESSAGE_BYTES)
             if resp.status >= 400:
                 log.warning("upstream %s refused a reply to its request (HTTP %d)", self.url, resp.status)
 
@@ -142,32 +151,42 @@ class HttpWire:
 
 
 async def _lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
-    """Text lines of a byte stream (``\n``, ``\r\n`` or ``\r`` ends a line, as SSE allows)."""
-    pending = b""
+    """Text lines of a byte stream (``\n``, ``\r\n`` or ``\r`` ends a line, as SSE allows). A
+    line is split out only when a chunk brings a line end, so an endless line costs its length
+    once, and it ends the stream at MAX_MESSAGE_BYTES."""
+    pending = bytearray()
     async for chunk in chunks:
         pending += chunk
-        held = b"\r" if pending.endswith(b"\r") else b""  # may be the first half of a \r\n
-        text = pending[:-1] if held else pending
-        *whole, rest = text.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
-        pending = rest + held
-        for line in whole:
-            yield line.decode("utf-8", "replace")
+        if b"\n" in chunk or b"\r" in chunk:
+            held = pending.endswith(b"\r")  # may be the first half of a \r\n
+            text = bytes(pending[:-1] if held else pending)
+            *whole, rest = text.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
+            pending = bytearray(rest + b"\r" if held else rest)
+            for line in whole:
+                yield line.decode("utf-8", "replace")
+        if len(pending) > MAX_MESSAGE_BYTES:
+            raise MessageTooLarge(MAX_MESSAGE_BYTES)
     if pending:
         yield pending.rstrip(b"\r").decode("utf-8", "replace")
 
 
 async def _sse_messages(lines: AsyncIterator[str]) -> AsyncIterator[Message]:
-    """JSON-RPC messages of an SSE stream (``data:`` lines up to a blank line form one event)."""
+    """JSON-RPC messages of an SSE stream (``data:`` lines up to a blank line form one event,
+    of at most MAX_MESSAGE_BYTES)."""
     data: list[str] = []
+    size = 0
     async for line in lines:
         if line == "":
             if data:
                 msg = _json_object("\n".join(data).encode())
-                data = []
+                data, size = [], 0
                 if msg is not None:
                     yield msg
         elif line.startswith("data:"):
             data.append(line[6:] if line.startswith("data: ") else line[5:])
+            size += len(data[-1]) + 1
+            if size > MAX_MESSAGE_BYTES:
+                raise MessageTooLarge(MAX_MESSAGE_BYTES)
 
 
 def _json_object(data: bytes) -> Message | None:
@@ -224,12 +243,14 @@ class StdioWire:
             if self.proc is None or self.proc.returncode is not None:
                 self.proc = await asyncio.create_subprocess_exec(
                     *self.command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.DEVNULL, env=self.env, limit=STDIO_LINE_LIMIT_BYTES)
+                    stderr=asyncio.subprocess.DEVNULL, env=self.env, limit=MAX_MESSAGE_BYTES)
                 self.generation += 1
                 self._reader = asyncio.create_task(self._read(self.proc), name="proxy-stdio-reader")
             return self.proc
 
-    async def send(self, body: bytes, headers: Mapping[str, str], request_id: Any, hooks: Hooks) -> Answer:
+    async def send(self, body: bytes, headers: Mapping[str, str], request_id: Any, hooks: Hooks,
+                   repeatable: bool = True) -> Answer:
+        """(A pipe has no connection to replace: ``repeatable`` does not apply.)"""
         proc = await self._ensure()
         future: asyncio.Future[Message] | None = None
         if request_id is not None:
@@ -259,19 +280,24 @@ class StdioWire:
         stdout = proc.stdout
         if stdout is None:
             return
+        ended: Exception = WireClosed("the stdio server exited")
         try:
             while line := await stdout.readline():
                 msg = _json_object(line)
                 if msg is not None:
                     await self._route(proc, msg)
-        except (ValueError, OSError) as exc:  # a line over the limit, or the pipe broke
+        except ValueError:  # asyncio's answer to a line over the limit
+            ended = MessageTooLarge(MAX_MESSAGE_BYTES)
+            log.warning("stdio upstream %s: a line over %d bytes; the process is stopped", self.command[0],
+                        MAX_MESSAGE_BYTES)
+        except OSError as exc:
             log.warning("stdio upstream %s: %s", self.command[0], type(exc).__name__)
         finally:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             for future, _ in list(self._waiting.values()):
                 if not future.done():
-                    future.set_exception(WireClosed("the stdio server exited"))
+                    future.set_exception(ended)
 
     async def _route(self, proc: asyncio.subprocess.Process, msg: Message) -> None:
         if "method" not in msg:

@@ -1,0 +1,251 @@
+"""A hostile (or merely broken) Streamable-HTTP upstream for the proxy's attack tests: raw HTTP/1.1
+on asyncio, in a thread of the test process, so it can send what no SDK server would and the test
+can see what reached it.
+
+It speaks 2025-11-25 (``initialize`` opens a session; a GET stream is not offered). ``tools/list``
+lists :attr:`HostileUpstream.tools`; ``tools/call`` of tool ``<behaviour>`` runs the coroutine of
+that name below, which writes whatever bytes it likes to the socket. What it received is kept in
+``requests`` (the JSON bodies, with the request headers under ``"_headers"``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import orjson
+
+from shared.net import free_port
+from tests.conftest import wait_for_sync
+
+SESSION_ID = "hostile-session"
+CHUNK = b"a" * (64 * 1024)
+
+Behaviour = Callable[["HostileUpstream", asyncio.StreamWriter, dict[str, Any]], Awaitable[None]]
+
+
+def _head(status: int, kind: str, length: int | None = None, extra: str = "") -> bytes:
+    size = f"content-length: {length}\r\n" if length is not None else ""
+    return (f"HTTP/1.1 {status} X\r\ncontent-type: {kind}\r\n{size}mcp-session-id: {SESSION_ID}\r\n{extra}"
+            "\r\n").encode()
+
+
+def _json(writer: asyncio.StreamWriter, message: dict[str, Any], status: int = 200) -> None:
+    body = orjson.dumps(message)
+    writer.write(_head(status, "application/json", len(body)) + body)
+
+
+def _result(request: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
+    return {"jsonrpc": "2.0", "id": request["id"], "result": result}
+
+
+def _text(request: dict[str, Any], text: str) -> dict[str, Any]:
+    return _result(request, {"content": [{"type": "text", "text": text}]})
+
+
+async def _endless(up: HostileUpstream, writer: asyncio.StreamWriter, prefix: bytes) -> None:
+    """``prefix``, then bytes without end (until ``up.endless_bytes``) or until the gateway hangs up."""
+    writer.write(prefix)
+    try:
+        while up.sent < up.endless_bytes:
+            writer.write(CHUNK)
+            up.sent += len(CHUNK)
+            await writer.drain()
+    except (ConnectionError, OSError):
+        up.hung_up.set()
+
+
+async def huge_json(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[str, Any]) -> None:
+    """A JSON answer far larger than any sane limit (its length announced up front)."""
+    opening = b'{"jsonrpc":"2.0","id":%d,"result":{"content":[{"type":"text","text":"' % request["id"]
+    await _endless(up, writer, _head(200, "application/json", up.endless_bytes + 1024) + opening)
+
+
+async def huge_sse_line(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[str, Any]) -> None:
+    """An SSE answer whose one ``data:`` line never ends."""
+    await _endless(up, writer, _head(200, "text/event-stream") + b"data: ")
+
+
+async def huge_sse_event(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[str, Any]) -> None:
+    """An SSE event of short ``data:`` lines that never ends (no blank line)."""
+    writer.write(_head(200, "text/event-stream"))
+    try:
+        while up.sent < up.endless_bytes:
+            writer.write(b"data: " + CHUNK[:1000] + b"\n")
+            up.sent += 1007
+            await writer.drain()
+    except (ConnectionError, OSError):
+        up.hung_up.set()
+
+
+async def huge_head(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[str, Any]) -> None:
+    """A response head that never ends: one header value without end."""
+    await _endless(up, writer, b"HTTP/1.1 200 X\r\nx-junk: ")
+
+
+async def many_headers(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[str, Any]) -> None:
+    """A response head of headers without end, each of its own name."""
+    writer.write(b"HTTP/1.1 200 X\r\n")
+    try:
+        n = 0
+        while up.sent < up.endless_bytes:
+            line = b"x-junk-%d: %s\r\n" % (n, b"a" * 1000)
+            writer.write(line)
+            up.sent += len(line)
+            n += 1
+            if n % 64 == 0:
+                await writer.drain()
+    except (ConnectionError, OSError):
+        up.hung_up.set()
+
+
+async def answer_then_linger(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[str, Any]) -> None:
+    """The answer on the SSE stream, then the stream held open (comments now and then) instead of ended."""
+    writer.write(_head(200, "text/event-stream") + b"data: " + orjson.dumps(_text(request, "answered")) + b"\n\n")
+    try:
+        while not up.stopping.is_set():
+            writer.write(b": still here\n\n")
+            await writer.drain()
+            await asyncio.sleep(0.2)
+    except (ConnectionError, OSError):
+        up.hung_up.set()
+
+
+async def ask_flood(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[str, Any]) -> None:
+    """Server->client requests by the thousand during the call, then the answer."""
+    writer.write(_head(200, "text/event-stream"))
+    for n in range(up.flood):
+        ask = {"jsonrpc": "2.0", "id": f"ask-{n}", "method": "roots/list", "params": {"n": n}}
+        writer.write(b"data: " + orjson.dumps(ask) + b"\n\n")
+    await writer.drain()
+    await asyncio.sleep(up.flood_hold_s)
+    writer.write(b"data: " + orjson.dumps(_text(request, "flooded")) + b"\n\n")
+    writer.close()
+
+
+async def hang_up(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[str, Any]) -> None:
+    """The connection closed under the call, no answer (a crash, a proxy in between giving up)."""
+    writer.close()
+
+
+async def churn(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[str, Any]) -> None:
+    """``up.flood`` announcements that its tools list changed, then the answer."""
+    changed = b"data: " + orjson.dumps({"jsonrpc": "2.0", "method": "notifications/tools/list_changed"}) + b"\n\n"
+    writer.write(_head(200, "text/event-stream") + changed * up.flood)
+    writer.write(b"data: " + orjson.dumps(_text(request, "churned")) + b"\n\n")
+    writer.close()
+
+
+async def side_notes(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[str, Any]) -> None:
+    """A log message at a level MCP does not have, progress for a token the call did not send and
+    for the one it did, then the answer."""
+    token = request["params"].get("_meta", {}).get("progressToken")
+    notes = [{"method": "notifications/message", "params": {"level": "verbose", "data": "odd level"}},
+             {"method": "notifications/progress", "params": {"progressToken": "not-this-call", "progress": 1}},
+             {"method": "notifications/progress", "params": {"progressToken": token, "progress": 2}}]
+    writer.write(_head(200, "text/event-stream") + b"".join(
+        b"data: " + orjson.dumps({"jsonrpc": "2.0", **note}) + b"\n\n" for note in notes))
+    writer.write(b"data: " + orjson.dumps(_text(request, "noted")) + b"\n\n")
+    writer.close()
+
+
+async def make_task(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[str, Any]) -> None:
+    """A 2026-07-28 CreateTaskResult for task ``up.task_id`` (lived ``up.task_ttl_ms``)."""
+    _json(writer, _result(request, {"resultType": "task", "taskId": up.task_id, "status": "working",
+                                    "ttlMs": up.task_ttl_ms, "createdAt": "2026-01-01T00:00:00Z"}))
+
+
+async def echo(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[str, Any]) -> None:
+    _json(writer, _text(request, "echo"))
+
+
+BEHAVIOURS: dict[str, Behaviour] = {f.__name__: f for f in (
+    huge_json, huge_head, many_headers, huge_sse_line, huge_sse_event, answer_then_linger, ask_flood, churn, hang_up,
+    make_task, side_notes, echo)}
+
+
+class HostileUpstream:
+    """The server; ``tools`` is what ``tools/list`` answers (default: one tool per behaviour)."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/mcp"
+        self.tools: list[dict[str, Any]] = [{"name": n, "inputSchema": {"type": "object"}} for n in BEHAVIOURS]
+        self.requests: list[dict[str, Any]] = []
+        self.endless_bytes = 1 << 30
+        self.flood = 0
+        self.label = "hostile"  # what its tasks/get answers carry
+        self.task_id, self.task_ttl_ms = "task-1", 60_000
+        self.page_delay_s = 0.0  # how long each tools/list page takes
+        self.endless_pages = False  # every tools/list page names a next one
+        self.flood_hold_s = 0.0  # how long the flood stays unanswered before the call's answer
+        self.sent = 0
+        self.hung_up = threading.Event()  # the gateway closed a connection under an answer being sent
+        self.stopping = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._serve()), daemon=True)
+
+    def methods(self) -> list[str]:
+        return [r.get("method", "") for r in list(self.requests)]
+
+    async def _serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        server = await asyncio.start_server(self._connection, "127.0.0.1", self.port)
+        self._ready.set()
+        async with server:
+            while not self.stopping.is_set():
+                await asyncio.sleep(0.05)
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                lines = head.decode("latin-1").split("\r\n")
+                headers = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in lines[1:] if h)}
+                body = await reader.readexactly(int(headers.get("content-length", "0")))
+                if lines[0].startswith("GET"):
+                    writer.write(b"HTTP/1.1 405 X\r\ncontent-length: 0\r\n\r\n")
+                    continue
+                message = orjson.loads(body)
+                self.requests.append({**message, "_headers": headers})
+                await self._answer(writer, message)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            pass
+        finally:
+            writer.close()
+
+    async def _answer(self, writer: asyncio.StreamWriter, message: dict[str, Any]) -> None:
+        method = message.get("method", "")
+        if "id" not in message:
+            writer.write(b"HTTP/1.1 202 X\r\ncontent-length: 0\r\n\r\n")
+        elif method == "initialize":
+            _json(writer, _result(message, {"protocolVersion": "2025-11-25", "capabilities": {"tools": {}},
+                                            "serverInfo": {"name": "hostile", "version": "1"}}))
+        elif method == "tools/list":
+            await asyncio.sleep(self.page_delay_s)
+            page = {"tools": self.tools, **({"nextCursor": "more"} if self.endless_pages else {})}
+            _json(writer, _result(message, page))
+        elif method == "tasks/get":
+            _json(writer, _result(message, {"taskId": message["params"]["taskId"], "status": "working",
+                                            "statusMessage": f"task of {self.label}"}))
+        elif method == "tools/call":
+            await BEHAVIOURS[message["params"]["name"]](self, writer, message)
+        else:
+            _json(writer, {"jsonrpc": "2.0", "id": message["id"], "error": {"code": -32601, "message": "no"}})
+
+
+@contextmanager
+def hostile_upstream() -> Iterator[HostileUpstream]:
+    up = HostileUpstream()
+    up._thread.start()
+    wait_for_sync(up._ready.is_set, timeout_s=10, what="the hostile upstream to listen")
+    try:
+        yield up
+    finally:
+        up.stopping.set()
+        up._thread.join(10)

@@ -1,0 +1,64 @@
+"""A hostile (or broken) stdio MCP server for the proxy's attack tests, in plain Python (no SDK,
+so it can write what no SDK server would): ``python tests/proxy/hostile_stdio.py``.
+
+It speaks 2025-11-25. ``tools/call`` of ``endless_line`` writes one line that never ends;
+``garbage`` writes lines that are not JSON-RPC before its answer; ``chatter`` sends
+``notifications/message`` by the hundred thousand before its answer; ``echo`` answers at once.
+Whatever it writes to stderr is noise, and it carries the value of ``$HOSTILE_SECRET`` there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+TOOLS = ["endless_line", "garbage", "chatter", "echo"]
+CHATTER = 200_000
+
+
+def send(message: dict) -> None:
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+def text(rid: object, value: str) -> dict:
+    return {"jsonrpc": "2.0", "id": rid, "result": {"content": [{"type": "text", "text": value}]}}
+
+
+def call(rid: object, name: str) -> None:
+    if name == "endless_line":
+        sys.stdout.write(f'{{"jsonrpc": "2.0", "id": {json.dumps(rid)}, "result": {{"x": "')
+        while True:
+            sys.stdout.write("a" * 65536)
+    if name == "garbage":
+        sys.stdout.write("not json\n\x00\xff{]\n[1, 2]\n\"a string\"\n")
+    if name == "chatter":
+        note = json.dumps({"jsonrpc": "2.0", "method": "notifications/message",
+                           "params": {"level": "info", "data": "x" * 200}}) + "\n"
+        sys.stdout.write(note * CHATTER)
+    send(text(rid, name))
+
+
+def main() -> None:
+    sys.stderr.write(f"hostile stdio server starting with {os.environ.get('HOSTILE_SECRET')}\n" * 1000)
+    for line in sys.stdin:
+        msg = json.loads(line)
+        rid, method = msg.get("id"), msg.get("method")
+        if rid is None:
+            continue
+        if method == "initialize":
+            send({"jsonrpc": "2.0", "id": rid, "result": {
+                "protocolVersion": "2025-11-25", "capabilities": {"tools": {}},
+                "serverInfo": {"name": "hostile-stdio", "version": "1"}}})
+        elif method == "tools/list":
+            send({"jsonrpc": "2.0", "id": rid, "result": {
+                "tools": [{"name": n, "inputSchema": {"type": "object"}} for n in TOOLS]}})
+        elif method == "tools/call":
+            call(rid, msg["params"]["name"])
+        else:
+            send({"jsonrpc": "2.0", "id": rid, "error": {"code": -32601, "message": "no"}})
+
+
+if __name__ == "__main__":
+    main()

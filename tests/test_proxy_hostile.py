@@ -1,0 +1,212 @@
+"""Upstreams that misbehave on purpose (tests/proxy/hostile.py over HTTP, tests/proxy/hostile_stdio.py
+over stdio) get a clear error naming them, never hold the gateway's memory or a client beyond
+their bounds, cannot take another upstream's names, and leave the other upstreams and the
+gateway's own tools serving."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import redis as redis_sync
+
+from gateway.proxy.http1 import MAX_HEAD_BYTES
+from gateway.proxy.proxy import LIST_CHANGED_GAP_S
+from gateway.proxy.wire import MAX_MESSAGE_BYTES, MAX_OPEN_QUESTIONS
+from shared import keys
+from tests.admin_support import MCP_KEY
+from tests.conftest import wait_for_sync
+from tests.proxy.hostile import HostileUpstream, hostile_upstream
+from tests.proxy_front import LEGACY, MODERN, Client, front_gateway
+
+HOSTILE_STDIO = str(Path(__file__).resolve().parent / "proxy" / "hostile_stdio.py")
+UPSTREAM_FAILED = -32052
+
+
+@pytest.fixture
+def bad() -> Iterator[HostileUpstream]:
+    with hostile_upstream() as up:
+        yield up
+
+
+def _entry(up: HostileUpstream, name: str = "bad", **fields: Any) -> dict[str, Any]:
+    return {"name": name, "url": up.url, "revision": LEGACY, "timeout_s": 10.0, **fields}
+
+
+def _calls(up: HostileUpstream, tool: str) -> int:
+    return sum(1 for r in list(up.requests) if r.get("method") == "tools/call" and r["params"]["name"] == tool)
+
+
+def _still_serving(client: Client, echo: str) -> None:
+    assert client.result("tools/call", {"name": echo, "arguments": {}})["content"][0]["text"] == "echo"
+    own = client.result("tools/call", {"name": "context_append", "arguments": {
+        "context_id": "c1", "modality": "text", "text": "still here"}})
+    assert own["structuredContent"]["version"] >= 1
+
+
+@pytest.mark.parametrize(("tool", "limit_bytes"), [
+    ("huge_json", MAX_MESSAGE_BYTES), ("huge_sse_line", MAX_MESSAGE_BYTES), ("huge_sse_event", MAX_MESSAGE_BYTES),
+    ("huge_head", MAX_HEAD_BYTES), ("many_headers", MAX_HEAD_BYTES),
+])
+def test_an_answer_over_the_size_bound_fails_clearly_and_is_not_read_on(redis_url: str, bad: HostileUpstream,
+                                                                        tool: str, limit_bytes: int) -> None:
+    bad.endless_bytes = 4 * MAX_MESSAGE_BYTES
+    with front_gateway(redis_url, {"upstreams": [_entry(bad)]}) as base:
+        client = Client(base, MCP_KEY, LEGACY).open()
+        error = client.call("tools/call", {"name": f"bad.{tool}", "arguments": {}})["error"]
+        assert error["code"] == UPSTREAM_FAILED and error["data"] == {"upstream": "bad", "reason": "protocol"}
+        assert error["message"] == f"upstream 'bad' sent a message over {limit_bytes} bytes in answer to tools/call"
+        wait_for_sync(bad.hung_up.is_set, timeout_s=15, what="the gateway to drop the connection")
+        assert bad.sent < bad.endless_bytes
+        _still_serving(client, "bad.echo")
+
+
+def test_an_answer_on_a_stream_the_upstream_holds_open_is_delivered(redis_url: str, bad: HostileUpstream) -> None:
+    with front_gateway(redis_url, {"upstreams": [_entry(bad)]}) as base:
+        client = Client(base, MCP_KEY, LEGACY).open()
+        answer = client.result("tools/call", {"name": "bad.answer_then_linger", "arguments": {}})
+        assert answer["content"][0]["text"] == "answered"
+        wait_for_sync(bad.hung_up.is_set, timeout_s=15, what="the gateway to drop the stream held open")
+        _still_serving(client, "bad.echo")
+
+
+def test_a_tool_call_is_never_sent_twice(redis_url: str, bad: HostileUpstream) -> None:
+    """The upstream closes the kept-alive connection under the call: it may have acted already."""
+    with front_gateway(redis_url, {"upstreams": [_entry(bad)]}) as base:
+        client = Client(base, MCP_KEY, LEGACY).open()
+        _still_serving(client, "bad.echo")  # a connection to reuse
+        error = client.call("tools/call", {"name": "bad.hang_up", "arguments": {}})["error"]
+        assert error["code"] == UPSTREAM_FAILED and error["data"] == {"upstream": "bad", "reason": "unreachable"}
+        assert _calls(bad, "hang_up") == 1
+        _still_serving(client, "bad.echo")
+
+
+@pytest.mark.parametrize("revision", [LEGACY, MODERN])
+def test_an_odd_log_level_or_another_calls_progress_does_not_break_or_reach_the_call(
+        redis_url: str, bad: HostileUpstream, revision: str) -> None:
+    with front_gateway(redis_url, {"upstreams": [_entry(bad)]}) as base:
+        client = Client(base, MCP_KEY, revision).open()
+        seen = client.messages("tools/call", {"name": "bad.side_notes", "arguments": {},
+                                              "_meta": {"progressToken": "mine", "io.modelcontextprotocol/logLevel": "debug"}})
+        assert seen[-1]["result"]["content"][0]["text"] == "noted"
+        progress = [m["params"]["progressToken"] for m in seen if m.get("method") == "notifications/progress"]
+        assert progress == ["mine"]
+        logged = [m["params"] for m in seen if m.get("method") == "notifications/message"]
+        assert logged == [{"level": "info", "data": "odd level"}]
+
+
+def test_an_upstream_without_a_namespace_cannot_take_another_upstreams_names(redis_url: str) -> None:
+    with hostile_upstream() as evil, hostile_upstream() as good:
+        evil.tools = [{"name": n, "inputSchema": {"type": "object"}} for n in ("good.echo", "", "echo", "echo")]
+        proxy = {"upstreams": [_entry(evil, "evil", namespace=""), _entry(good, "good")]}
+        with front_gateway(redis_url, proxy) as base:
+            client = Client(base, MCP_KEY, LEGACY).open()
+            names = client.names()
+            assert names.count("good.echo") == 1 and names.count("echo") == 1 and "" not in names
+            _still_serving(client, "good.echo")
+            assert _calls(good, "echo") == 1 and _calls(evil, "good.echo") == 0
+            _still_serving(client, "echo")
+            assert _calls(evil, "echo") == 1
+
+
+def test_an_upstream_cannot_take_over_another_upstreams_task_by_its_id(redis_url: str) -> None:
+    tasks = {"extensions": {"io.modelcontextprotocol/tasks": {}}}
+    with hostile_upstream() as first, hostile_upstream() as second:
+        first.label, second.label = "first", "second"  # both name their task "task-1"
+        proxy = {"upstreams": [_entry(first, "first", revision=MODERN), _entry(second, "second", revision=MODERN)]}
+        with front_gateway(redis_url, proxy) as base:
+            client = Client(base, MCP_KEY, MODERN)
+            made = client.result("tools/call", {"name": "first.make_task", "arguments": {}}, caps=tasks)
+            assert made["resultType"] == "task" and made["taskId"] == "task-1"
+            error = client.call("tools/call", {"name": "second.make_task", "arguments": {}}, caps=tasks)["error"]
+            assert error["code"] == UPSTREAM_FAILED and error["data"] == {"upstream": "second", "reason": "protocol"}
+            polled = client.result("tasks/get", {"taskId": "task-1"}, caps=tasks)
+            assert polled["statusMessage"] == "task of first"
+            assert not [r for r in list(second.requests) if r.get("method") == "tasks/get"]
+
+
+def test_a_modern_client_is_asked_a_bounded_number_of_an_upstreams_questions(redis_url: str,
+                                                                             bad: HostileUpstream) -> None:
+    bad.flood = 1000
+    with front_gateway(redis_url, {"upstreams": [_entry(bad)]}) as base:
+        client = Client(base, MCP_KEY, MODERN)
+        asked = client.result("tools/call", {"name": "bad.ask_flood", "arguments": {}}, caps={"roots": {}})
+        assert asked["resultType"] == "input_required" and len(asked["inputRequests"]) == MAX_OPEN_QUESTIONS
+        _still_serving(client, "bad.echo")
+
+
+def test_a_legacy_client_is_asked_a_bounded_number_of_an_upstreams_questions(redis_url: str,
+                                                                             bad: HostileUpstream) -> None:
+    bad.flood, bad.flood_hold_s = 1000, 1.0
+    with front_gateway(redis_url, {"upstreams": [_entry(bad)]}) as base:
+        client = Client(base, MCP_KEY, LEGACY)
+        opened = httpx.post(client.url, headers=client.auth, json={
+            "jsonrpc": "2.0", "id": 0, "method": "initialize",
+            "params": {"protocolVersion": LEGACY, "capabilities": {"roots": {}},
+                       "clientInfo": {"name": "t", "version": "1"}}})
+        client.sid = opened.headers["mcp-session-id"]
+        seen = client.messages("tools/call", {"name": "bad.ask_flood", "arguments": {}})
+        assert seen[-1]["result"]["content"][0]["text"] == "flooded"
+        asked = [m for m in seen if m.get("method") == "roots/list"]
+        assert 0 < len(asked) <= MAX_OPEN_QUESTIONS
+        replies = [r for r in list(bad.requests) if "method" not in r]  # answers POSTed back to the upstream
+        assert len(replies) <= MAX_OPEN_QUESTIONS
+
+
+def test_a_flood_of_list_changes_is_told_to_the_clients_once_per_gap(redis_url: str, bad: HostileUpstream) -> None:
+    """Each change told is a Redis write and a note to every session that may see the list."""
+    bad.flood = 2000
+    told: list[int] = []  # the revisions of the upstream's tools list announced to the replicas
+
+    def announced(sub: Any) -> None:
+        while (note := sub.get_message(timeout=0.01)) is not None:
+            if note["type"] == "message" and (msg := orjson.loads(note["data"]))["t"] == "lc" and msg["u"] == "bad":
+                told.append(msg["r"])
+
+    with redis_sync.Redis.from_url(redis_url) as r, contextlib.closing(r.pubsub()) as sub:
+        sub.subscribe(keys.GATEWAY_CONTROL_CHANNEL)
+        with front_gateway(redis_url, {"upstreams": [_entry(bad)]}) as base:
+            client = Client(base, MCP_KEY, LEGACY).open()
+            answer = client.result("tools/call", {"name": "bad.churn", "arguments": {}})
+            assert answer["content"][0]["text"] == "churned"
+            wait_for_sync(lambda: announced(sub) or len(told) >= 2, timeout_s=15,
+                          what="the first change and the one closing the gap")
+            announced(sub)
+    assert len(told) == 2 and told[1] - told[0] >= LIST_CHANGED_GAP_S * 1000 / 2
+
+
+def test_listing_waits_at_most_the_upstreams_timeout_however_many_pages_it_has(redis_url: str) -> None:
+    with hostile_upstream() as slow, hostile_upstream() as good:
+        slow.page_delay_s, slow.endless_pages = 0.5, True
+        proxy = {"upstreams": [_entry(slow, "slow", timeout_s=2.0), _entry(good, "good")]}
+        with front_gateway(redis_url, proxy) as base:
+            names = Client(base, MCP_KEY, LEGACY).open().names()
+            pages = sum(1 for r in list(slow.requests) if r.get("method") == "tools/list")
+            assert "good.echo" in names and "context_append" in names
+            assert not [n for n in names if n.startswith("slow.")]
+            assert pages < 10, "the listing was answered while the slow upstream's pages were still coming"
+
+
+def test_a_stdio_upstream_writing_an_endless_line_or_garbage(redis_url: str, caplog: pytest.LogCaptureFixture,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    caplog.set_level(logging.DEBUG)
+    secret = "hostile-secret-6c1f0e"
+    monkeypatch.setenv("HOSTILE_SECRET", secret)
+    proxy = {"upstreams": [{"name": "hs", "command": [sys.executable, HOSTILE_STDIO], "revision": LEGACY,
+                            "timeout_s": 20.0, "headers_from_env": {"X-Secret": "HOSTILE_SECRET"}}]}
+    with front_gateway(redis_url, proxy) as base:
+        client = Client(base, MCP_KEY, LEGACY).open()
+        error = client.call("tools/call", {"name": "hs.endless_line", "arguments": {}})["error"]
+        assert error["code"] == UPSTREAM_FAILED and error["data"] == {"upstream": "hs", "reason": "protocol"}
+        assert f"over {MAX_MESSAGE_BYTES} bytes" in error["message"]
+        garbage = client.result("tools/call", {"name": "hs.garbage", "arguments": {}})
+        assert garbage["content"][0]["text"] == "garbage"
+        _still_serving(client, "hs.echo")
+    assert secret not in caplog.text
