@@ -1,15 +1,18 @@
-"""The proxy's pure parts: the breaker's states and the changes it tells of, name and URI
-mapping, and SSE line splitting across chunk boundaries (no network: these are the rules the
-integration tests rely on)."""
+"""The proxy's parts that need no upstream: the breaker's states and the changes it tells of, name
+and URI mapping, SSE line splitting across chunk boundaries (the rules the integration tests rely
+on), and the HTTP pool's reuse of idle connections (against a local socket server)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import pytest
 
-from gateway.proxy import names
+from gateway.proxy import http1, names
 from gateway.proxy.breaker import CLOSED, HALF_OPEN, OPEN, Breaker
+from gateway.proxy.http1 import Origin
 from gateway.proxy.wire import _lines, _sse_messages
 
 
@@ -77,3 +80,45 @@ async def _chunks(parts: list[bytes]) -> AsyncIterator[bytes]:
 async def test_sse_messages_survive_any_chunking(parts: list[bytes]) -> None:
     got = [m async for m in _sse_messages(_lines(_chunks(parts)))]
     assert got == [{"a": 1}, {"b": 2}]
+
+
+async def _peers_of_two_requests(origin: Origin, server_peers: list[int]) -> list[int]:
+    for _ in range(2):
+        async with await origin.open(b"GET", {}, None) as resp:
+            assert resp.status == 200 and await resp.read(1024) == b"ok"
+    return server_peers
+
+
+@pytest.mark.parametrize("idle_limit_s, connections", [(http1.MAX_IDLE_S, 1), (-1.0, 2)])
+async def test_an_idle_connection_is_reused_only_while_young(monkeypatch: pytest.MonkeyPatch,
+                                                             idle_limit_s: float, connections: int) -> None:
+    """A kept-alive connection idle past MAX_IDLE_S is closed, not written to (-1: every idle
+    connection is past it): a server may be closing it just then."""
+    monkeypatch.setattr(http1, "MAX_IDLE_S", idle_limit_s)
+    peers: list[int] = []
+    ended: list[int] = []  # connections whose client hung up
+    all_ended = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while await reader.readuntil(b"\r\n\r\n"):
+                peers.append(writer.get_extra_info("peername")[1])
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                await writer.drain()
+        writer.close()
+        await writer.wait_closed()
+        ended.append(1)
+        if len(ended) == len(set(peers)):
+            all_ended.set()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    origin = Origin(f"http://127.0.0.1:{port}/mcp", {}, connect_timeout_s=5)
+    try:
+        seen = await _peers_of_two_requests(origin, peers)
+        assert len(seen) == 2 and len(set(seen)) == connections
+    finally:
+        origin.close()
+        await asyncio.wait_for(all_ended.wait(), 10)  # the server saw every connection closed
+        server.close()
+        await server.wait_closed()

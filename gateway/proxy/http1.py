@@ -23,6 +23,11 @@ from gateway.proxy.errors import MessageTooLarge, WireClosed
 from shared.aio import spawn
 
 MAX_IDLE_CONNECTIONS = 64
+# A kept-alive connection idle this long is closed rather than reused. Servers drop idle
+# connections on their own clock (uvicorn and Node after 5 s), and a request written just as the
+# close crosses it fails; a tool call is then not sent again (see Origin.open), so the pool lets
+# a connection go before the shortest common server timeout instead.
+MAX_IDLE_S = 4.0
 MAX_HEAD_BYTES = 64 * 1024  # a response's status line and headers
 FINISH_GRACE_S = 5.0  # how long a response read to its answer may take to end before its connection is dropped
 
@@ -102,6 +107,7 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.response: Response | None = None
         self.closed = False
+        self.idle_since = 0.0  # loop time it went back to the pool
         self._header: bytes = b""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -198,6 +204,8 @@ class Origin:
         again, only when it is ``repeatable``: the upstream may have dropped the idle connection
         just then, or it may have received the request and failed on it."""
         data = self._request_bytes(method, headers, body)
+        if self._idle:
+            self._drop_stale(asyncio.get_running_loop().time() - MAX_IDLE_S)
         while self._idle:
             conn = self._idle.pop()
             if conn.closed:
@@ -229,9 +237,21 @@ class Origin:
             return
         conn.response = None
         if response.complete and response.keep_alive and not conn.closed and len(self._idle) < MAX_IDLE_CONNECTIONS:
+            conn.idle_since = asyncio.get_running_loop().time()
             self._idle.append(conn)
         else:
             conn.close()
+
+    def _drop_stale(self, cutoff: float) -> None:
+        """Close the idle connections that went idle before ``cutoff`` (the oldest come first)."""
+        stale = 0
+        for conn in self._idle:
+            if conn.idle_since >= cutoff:
+                break
+            conn.close()
+            stale += 1
+        if stale:
+            del self._idle[:stale]
 
     async def _finish(self, conn: _Connection, response: Response) -> None:
         """Read the rest of a response whose answer was taken, dropping it, so that its connection
