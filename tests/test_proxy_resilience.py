@@ -4,6 +4,7 @@ never takes the gateway's own tools or another upstream down with it; a stdio up
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 from collections.abc import Iterator
@@ -192,3 +193,19 @@ def test_upstream_refusing_the_gateways_credential_is_an_upstream_failure(
         assert "HTTP 401" in error["message"] and "headers_from_env" in error["message"]
         health = httpx.get(base + "/admin/upstreams/up/health", headers=ADMIN, timeout=10).json()
         assert health["revision"] == ("unknown" if revision == "auto" else revision)
+
+
+def test_a_stdio_upstream_that_cannot_start_is_named_in_the_log_not_to_the_client(
+        redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The operator reads which command failed and why; the client learns only that the
+    upstream is unreachable (a command line may carry what clients must not see)."""
+    missing = "/nonexistent/mcp-server"
+    proxy = {"upstreams": [{"name": "gone", "command": [missing, "--token", "s3cret"], "timeout_s": 5.0}]}
+    with caplog.at_level(logging.WARNING, logger="gateway.proxy"), front_gateway(redis_url, proxy) as base:
+        client = Client(base, MCP_KEY, LEGACY).open()
+        assert "context_append" in client.names()
+        error = client.call("tools/call", {"name": "gone.echo", "arguments": {}})["error"]
+    assert error == {"code": UPSTREAM_FAILED, "data": {"upstream": "gone", "reason": "unreachable"},
+                     "message": "upstream 'gone' is unreachable (its process could not be started)"}
+    assert f"stdio upstream {missing} cannot be started: No such file or directory" in caplog.text
+    assert "s3cret" not in caplog.text

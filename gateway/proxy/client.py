@@ -160,8 +160,10 @@ class UpstreamClient:
                                  f"{exc.limit_bytes} bytes in answer to {method}") from None
         except (OSError, WireClosed) as exc:
             self.breaker.failed()
-            raise UpstreamFailed(self.name, "unreachable",
-                                 f"upstream {self.name!r} is unreachable ({type(exc).__name__})") from None
+            # WireClosed says what happened in words meant for the client; an OSError by its
+            # system message (connection refused, no route to host), never its address.
+            why = str(exc) if isinstance(exc, WireClosed) else os.strerror(exc.errno) if exc.errno else type(exc).__name__
+            raise UpstreamFailed(self.name, "unreachable", f"upstream {self.name!r} is unreachable ({why})") from None
         except UpstreamFailed:
             self.breaker.failed()
             raise

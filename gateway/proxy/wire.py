@@ -241,9 +241,15 @@ class StdioWire:
             if self.closed:
                 raise WireClosed("the stdio server was stopped")
             if self.proc is None or self.proc.returncode is not None:
-                self.proc = await asyncio.create_subprocess_exec(
-                    *self.command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.DEVNULL, env=self.env, limit=MAX_MESSAGE_BYTES)
+                try:
+                    self.proc = await asyncio.create_subprocess_exec(
+                        *self.command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                        stderr=asyncio.subprocess.DEVNULL, env=self.env, limit=MAX_MESSAGE_BYTES)
+                except OSError as exc:  # not found, not executable: the operator's to fix, so logged
+                    log.warning("stdio upstream %s cannot be started: %s", self.command[0],
+                                exc.strerror or type(exc).__name__)
+                    # The client is told no more than that: the command is the operator's business.
+                    raise WireClosed("its process could not be started") from None
                 self.generation += 1
                 self._reader = asyncio.create_task(self._read(self.proc), name="proxy-stdio-reader")
             return self.proc
