@@ -18,7 +18,7 @@ import pytest
 import redis as redis_sync
 
 from gateway.proxy.http1 import MAX_HEAD_BYTES
-from gateway.proxy.proxy import LIST_CHANGED_GAP_S
+from gateway.proxy.proxy import LIST_CHANGED_GAP_S, TASK_KEY_MAX_S
 from gateway.proxy.wire import MAX_MESSAGE_BYTES, MAX_OPEN_QUESTIONS
 from shared import keys
 from tests.admin_support import MCP_KEY
@@ -130,6 +130,19 @@ def test_an_upstream_cannot_take_over_another_upstreams_task_by_its_id(redis_url
             polled = client.result("tasks/get", {"taskId": "task-1"}, caps=tasks)
             assert polled["statusMessage"] == "task of first"
             assert not [r for r in list(second.requests) if r.get("method") == "tasks/get"]
+
+
+def test_an_upstreams_task_lifetime_claim_is_bounded(redis_url: str, bad: HostileUpstream) -> None:
+    """A ttlMs far past any real task (here ~285,000 years) is the upstream's claim: the gateway
+    remembers the task's upstream for at most TASK_KEY_MAX_S, and the call is served."""
+    bad.task_ttl_ms = 9 * 10**18
+    with front_gateway(redis_url, {"upstreams": [_entry(bad, revision=MODERN)]}) as base:
+        client = Client(base, MCP_KEY, MODERN)
+        made = client.result("tools/call", {"name": "bad.make_task", "arguments": {}},
+                             caps={"extensions": {"io.modelcontextprotocol/tasks": {}}})
+        assert made["resultType"] == "task" and made["taskId"] == bad.task_id
+        with redis_sync.Redis.from_url(redis_url) as r:
+            assert 0 < r.ttl(keys.proxy_task("alice", bad.task_id)) <= TASK_KEY_MAX_S
 
 
 def test_a_modern_client_is_asked_a_bounded_number_of_an_upstreams_questions(redis_url: str,

@@ -66,6 +66,7 @@ LIST_CHANGED_GAP_S = 1.0
 WATCH_RETRY_MIN_S, WATCH_RETRY_MAX_S = 1.0, 60.0
 TASK_KEY_TTL_S = 86_400  # how long a task's upstream is remembered when the task names no ttlMs
 TASK_KEY_SLACK_S = 60
+TASK_KEY_MAX_S = 7 * 86_400  # an upstream's ttlMs is its own claim: a task's upstream is remembered this long at most
 ALLOW_CACHE_MAX = 65_536
 
 
@@ -605,6 +606,7 @@ class Proxy:
             return
         ttl_ms = result.get("ttlMs")
         ttl_s = int(ttl_ms) // 1000 + TASK_KEY_SLACK_S if isinstance(ttl_ms, int) and ttl_ms > 0 else TASK_KEY_TTL_S
+        ttl_s = min(ttl_s, TASK_KEY_MAX_S)
         key, redis = keys.proxy_task(call.principal, task_id), self.gateway.redis
         if await redis.set(key, up.name, ex=ttl_s, nx=True):
             return
