@@ -18,6 +18,7 @@ from typing import Any
 
 from gateway.auth import is_loopback
 from shared.config import Config, ConfigError, var_dir
+from shared.net import listened_on
 
 log = logging.getLogger("learnmesh.gateway")
 
@@ -28,6 +29,9 @@ def check_bind(cfg: Config) -> None:
     if not is_loopback(gw.host) and not secured:
         raise ConfigError(f"refusing to bind {gw.host} without API keys: set LEARNMESH_API_KEYS=principal:key,... "
                           "(or gateway.api_keys / gateway.oauth), or bind 127.0.0.1")
+    if listened_on(gw.host, gw.port):  # before Redis and workers are reached: uvicorn would find it only then
+        raise ConfigError(f"gateway.port: another process listens on {gw.host}:{gw.port}; stop it, or give this "
+                          "gateway another port (--port, LEARNMESH_GATEWAY__PORT)")
     if not secured:
         log.warning("gateway on %s:%d is OPEN (no API keys): anyone on this machine is principal 'local'",
                     gw.host, gw.port)

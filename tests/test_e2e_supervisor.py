@@ -120,3 +120,19 @@ def test_a_gateway_told_to_stop_drains_and_exits_0(redis_target: RedisTarget, tm
             proc.wait()
         log.close()
     assert f"gateway stopped ({sig.name})" in (tmp_path / "gateway.log").read_text()
+
+
+def test_a_gateway_on_a_port_another_process_listens_on_stops_before_it_reaches_redis(tmp_path: Path) -> None:
+    """One line naming the setting, before Redis or workers are reached: the Redis URL here
+    answers nothing, and that is not what the gateway reports."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LEARNMESH_") and k != "REDIS_URL"}
+    with socket.create_server(("127.0.0.1", port)):
+        done = subprocess.run([sys.executable, "-m", "services.cli", "gateway", "--port", str(port)], cwd=ROOT,
+                              env={**env, "REDIS_URL": f"redis://127.0.0.1:{free_port()}/0",
+                                   "LEARNMESH_VAR": str(tmp_path / "var")},
+                              capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"learnmesh: configuration error: gateway.port: another process listens on 127.0.0.1:{port}; stop it, "
+        "or give this gateway another port (--port, LEARNMESH_GATEWAY__PORT)"]
