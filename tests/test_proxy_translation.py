@@ -69,6 +69,18 @@ def test_upstream_errors_keep_their_code(redis_url: str, upstream: str, upstream
         assert missing["error"]["code"] == -32602 and "Tool not found" in missing["error"]["message"]
 
 
+@pytest.mark.parametrize(("client_rev", "upstream_rev"), PAIRS)
+def test_an_unknown_upstream_resource_is_not_found_in_the_clients_revision(redis_url: str, upstream: str,
+                                                                          client_rev: str, upstream_rev: str) -> None:
+    """-32002 on 2025-11-25, -32602 on 2026-07-28 (SEP-2164), whichever the upstream speaks; the
+    URI named is the one the client asked for."""
+    uri = "upstream://up/test%3A%2F%2Fnothere"
+    with front(redis_url, upstream, upstream_rev) as base:
+        error = Client(base, MCP_KEY, client_rev).open().call("resources/read", {"uri": uri})["error"]
+    assert error["code"] == (-32602 if client_rev == MODERN else -32002)
+    assert error["data"] == {"uri": uri} and error["message"] == f"Resource not found: {uri}"
+
+
 @pytest.mark.parametrize("upstream_rev", [LEGACY, MODERN])
 def test_progress_and_log_messages_reach_the_client(redis_url: str, upstream: str, upstream_rev: str) -> None:
     with front(redis_url, upstream, upstream_rev) as base:

@@ -27,10 +27,13 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.errors import (
     INTERNAL_ERROR,
+    INVALID_PARAMS,
     METHOD_NOT_FOUND,
+    RESOURCE_NOT_FOUND,
     Forbidden,
     InvalidParams,
     McpError,
+    NotFound,
 )
 from gateway.mcp.dispatcher import Call, InputRequired
 from gateway.mcp.kernel import header_form, param_header_spec
@@ -503,7 +506,10 @@ class Proxy:
 
     async def read_resource(self, call: Call, uri: str) -> dict[str, Any]:
         up, original = self.resource_target(call, uri)
-        result = await self._observed(call, up, "resources/read", original, {"uri": original})
+        try:
+            result = await self._observed(call, up, "resources/read", original, {"uri": original})
+        except McpError as exc:
+            raise _resource_error(call, exc, uri, original) from None
         for item in result.get("contents") or ():
             if isinstance(item, dict) and isinstance(item.get("uri"), str):
                 item["uri"] = self.uri_for_client(up, item["uri"])
@@ -660,3 +666,12 @@ def _for_client(result: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def _resource_error(call: Call, exc: McpError, uri: str, original: str) -> McpError:
+    """An upstream's "no such resource" as the client's revision says it — -32002 on 2025-11-25,
+    -32602 on 2026-07-28 (SEP-2164), recognised there by its ``data.uri`` — naming the URI the
+    client asked for, not the upstream's own; any other error as it came."""
+    data = exc.data if isinstance(exc.data, dict) else {}
+    if not (exc.code == RESOURCE_NOT_FOUND or (exc.code == INVALID_PARAMS and data.get("uri") == original)):
+        return exc
+    message, data = exc.message.replace(original, uri), {**data, "uri": uri}
+    return InvalidParams(message, data) if call.modern else NotFound(message, data)
