@@ -113,7 +113,17 @@ class Kernel:
 
     # ------------------------------------------------------------------ decoding
     def decode(self, data: bytes | str) -> Message | Reply:
-        """The message, or the error answer when ``data`` is not one JSON-RPC 2.0 message."""
+        """The message, or the error answer when ``data`` is not one JSON-RPC 2.0 message
+        (or nests deeper than ``MAX_JSON_DEPTH``)."""
+        try:
+            message = self._decode(data)
+        except RecursionError:  # the decoder recurses per level: far deeper than any message
+            return self.fail(_too_deep())
+        if not isinstance(message, Reply) and _nests_too_deep(data, message):
+            return self.fail(_too_deep(), None if isinstance(message, Notification) else message.id)
+        return message
+
+    def _decode(self, data: bytes | str) -> Message | Reply:
         try:  # most messages are plain requests: typed in one step
             request = _requests.decode(data)
             if isinstance(request.id, str) or _ID_MIN <= request.id < _ID_MAX:
@@ -288,6 +298,37 @@ class Kernel:
 
 
 # ---------------------------------------------------------------------- decoding helpers
+MAX_JSON_DEPTH = 128
+"""Levels of nesting a message may have (the message object is the first). What the gateway keeps
+of a message is encoded again (a session's capabilities, a sealed requestState, a task's answers)
+by an encoder that stops at 254 levels, and decoding recurses per level: deeper input is refused
+here, once, as bad input."""
+
+
+def _too_deep() -> McpError:
+    return McpError(INVALID_REQUEST, f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+
+
+def _nests_too_deep(data: bytes | str, message: Message) -> bool:
+    """Whether ``message`` nests deeper than ``MAX_JSON_DEPTH``. The brackets of ``data`` are counted
+    first, at C speed: a message with fewer than the limit cannot be that deep, and most have few."""
+    opened = data.count("{") + data.count("[") if isinstance(data, str) else data.count(b"{") + data.count(b"[")
+    if opened <= MAX_JSON_DEPTH:
+        return False
+    if isinstance(message, ClientReply):
+        roots: list[Any] = [message.result, None if message.error is None else message.error.data]
+    else:
+        roots = [message.params]
+    stack = [(root, 2) for root in roots if isinstance(root, (dict, list))]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            return True
+        children = value.values() if isinstance(value, dict) else value
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
+
+
 class _Invalid(Exception):
     def __init__(self, error: McpError, request_id: RequestId | None = None) -> None:
         super().__init__(error.message)
