@@ -495,6 +495,8 @@ class PrincipalLimits:
     subscriptions_per_session: NonNegativeInt = Field(
         default=1000, description="resources/subscribe URIs per legacy session (and URIs per listen stream)")
     listen_streams: NonNegativeInt = Field(default=64, description="open subscriptions/listen streams, all replicas")
+    event_streams: NonNegativeInt = Field(
+        default=64, description="open GET /mcp streams and WebSocket connections, all replicas")
     ws_concurrent_requests: NonNegativeInt = Field(default=256, description="requests in flight per WebSocket")
 
 

@@ -5,7 +5,9 @@ Credentials travel in the ``Authorization`` header, or — for clients that cann
 (browsers, the TypeScript SDK's ``WebSocketClientTransport``) — as a subprotocol
 ``bearer.<token>`` offered next to ``mcp`` (the answer names ``mcp`` only), or as a single-use
 ticket from ``POST /mcp/ws-ticket`` in the query string (``/mcp/ws?ticket=...``). A handshake
-without valid credentials is refused with HTTP 401, as HTTP refuses a request.
+without valid credentials is refused with HTTP 401, as HTTP refuses a request. A handshake and a
+ticket count against the principal's request rate like any request, and a connection holds one of
+the principal's ``event_streams`` for its life (gateway/limits.py): beyond either, 429 + Retry-After.
 
 This module moves frames: the handshake guards (subprotocol, Origin/Host, credentials),
 the frame size limit, and the socket writes. Every message goes through the same kernel
@@ -32,7 +34,7 @@ from redis.exceptions import RedisError
 from starlette.responses import JSONResponse, Response
 
 from gateway.auth import AuthError
-from gateway.errors import INVALID_REQUEST, McpError, wire_error
+from gateway.errors import INVALID_REQUEST, LimitExceeded, McpError, wire_error
 from gateway.limits import exceeded
 from gateway.mcp.kernel import Kernel, Link, Message
 from gateway.mcp.types import ErrorResponse, Reply, Request, ServerMessage, encode
@@ -163,6 +165,15 @@ async def _refuse(ws: WebSocket, status: int, body: dict[str, str], headers: dic
                                            media_type="application/json"))
 
 
+def _retry_later(exc: Exception, gateway: Gateway) -> tuple[int, dict[str, str], dict[str, str] | None]:
+    """Status, body and headers refusing a handshake or a ticket for now: 429 over a limit of the
+    principal's, 503 when Redis cannot be reached; with the Retry-After to wait."""
+    wire = wire_error(exc, gateway.config, crashed_status=500)
+    retry = {"retry-after": str(wire.retry_after_s)} if wire.retry_after_s is not None else None
+    error = "limit_exceeded" if isinstance(exc, LimitExceeded) else "unavailable"
+    return wire.http_status, {"error": error, "error_description": wire.message}, retry
+
+
 async def _principal(gateway: Gateway, ws: WebSocket) -> str:
     """Who opens the connection: the ``Authorization`` header, else a ``bearer.<token>``
     subprotocol, else a ticket; raises :class:`AuthError` (401) when none is valid."""
@@ -188,20 +199,25 @@ async def websocket_endpoint(ws: WebSocket) -> None:
     if gateway.origin_guard.check(ws.headers.get("origin"), ws.headers.get("host")) is not None:
         await ws.close(code=1008, reason="origin not allowed")
         return
-    try:
-        principal = await _principal(gateway, ws)
-    except AuthError as exc:
-        challenge = {"www-authenticate": exc.www_authenticate} if exc.www_authenticate else None
-        await _refuse(ws, exc.status, {"error": "unauthorized", "error_description": exc.message}, challenge)
-        return
-    except (RedisError, OSError) as exc:  # a ticket could not be checked now: 503, the client may retry
-        wire = wire_error(exc, gateway.config, crashed_status=500)
-        retry = {"retry-after": str(wire.retry_after_s)} if wire.retry_after_s is not None else None
-        await _refuse(ws, wire.http_status, {"error": "unavailable", "error_description": wire.message}, retry)
-        return
-    await ws.accept(subprotocol=SUBPROTOCOL)
-    conn = _Connection(ws, gateway, gateway.kernel, principal)
-    limit = gateway.config.gateway.max_body_bytes
+    async with contextlib.AsyncExitStack() as held:
+        try:
+            principal = await _principal(gateway, ws)
+            await gateway.limits.admit_request(principal)  # a handshake is a request, as on HTTP
+            await held.enter_async_context(gateway.limits.stream_slot(principal))  # for the connection's life
+        except AuthError as exc:
+            challenge = {"www-authenticate": exc.www_authenticate} if exc.www_authenticate else None
+            await _refuse(ws, exc.status, {"error": "unauthorized", "error_description": exc.message}, challenge)
+            return
+        except (LimitExceeded, RedisError, OSError) as exc:
+            await _refuse(ws, *_retry_later(exc, gateway))
+            return
+        await ws.accept(subprotocol=SUBPROTOCOL)
+        await _serve(ws, _Connection(ws, gateway, gateway.kernel, principal))
+
+
+async def _serve(ws: WebSocket, conn: _Connection) -> None:
+    """Hand every text frame to the kernel until the client goes; then end what the connection started."""
+    limit = conn.gateway.config.gateway.max_body_bytes
     try:
         while True:
             frame = await ws.receive()
@@ -236,6 +252,11 @@ async def ws_ticket_endpoint(request: HttpRequest) -> Response:
         headers = {"www-authenticate": exc.www_authenticate} if exc.www_authenticate else None
         return JSONResponse({"error": "unauthorized", "error_description": exc.message}, status_code=exc.status,
                             headers=headers)
+    try:
+        await gateway.limits.admit_request(principal)  # a ticket is a request, as on /mcp
+    except LimitExceeded as exc:
+        status, body, retry = _retry_later(exc, gateway)
+        return JSONResponse(body, status_code=status, headers=retry)
     ticket = await gateway.ws_tickets.issue(principal)
     return JSONResponse({"ticket": ticket, "expires_in_s": gateway.ws_tickets.ttl_s},
                         headers={"cache-control": "no-store"})
