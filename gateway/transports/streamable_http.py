@@ -54,6 +54,12 @@ STREAM_POLL_MS = 5000
 KEEPALIVE_EVERY = 3  # polls
 
 
+def _is_event_id(value: str) -> bool:
+    """Whether ``value`` can be an event id of ours (a Redis Stream entry id: two 64-bit numbers);
+    anything else in ``Last-Event-ID`` is ignored as if absent, never handed to Redis."""
+    return _EVENT_ID.fullmatch(value) is not None and all(int(part) < 2**64 for part in value.split("-"))
+
+
 class _Sent:
     __slots__ = ("started",)
 
@@ -291,7 +297,7 @@ class McpHttpTransport:
     async def _stream(self, receive: Receive, send: Send, sent: _Sent, principal: str, sid: str,
                       last: str | None) -> None:
         sessions = self.gateway.sessions
-        cursor = last if last and _EVENT_ID.fullmatch(last) else await sessions.last_event_id(principal, sid)
+        cursor = last if last and _is_event_id(last) else await sessions.last_event_id(principal, sid)
         sent.started = True
         async with self.gateway.session_stream(principal, sid):
             await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
