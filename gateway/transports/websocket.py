@@ -14,7 +14,8 @@ the frame size limit, and the socket writes. Every message goes through the same
 as HTTP (:mod:`gateway.mcp.kernel`), so a frame gets exactly the checks an HTTP body gets
 (frames carry no headers, so the routing-header checks are the one part that does not
 apply). A 2025-11-25 ``initialize`` opens a session bound to the connection; its event
-stream is pumped onto the socket and the session ends with the connection. Requests run
+stream is pumped onto the socket and the session ends with the connection. A connection has
+one session: a second ``initialize`` is refused (-32600). Requests run
 concurrently so a tool waiting for the client's answer (sampling, elicitation) does not
 block the frame that carries that answer; beyond ``ws_concurrent_requests`` of them (a
 per-principal limit) a request is answered at once with the limit error. Notifications and
@@ -80,6 +81,7 @@ class _Connection:
         self.kernel = kernel
         self.principal = principal
         self.session_id: str | None = None
+        self.opening = False  # an initialize is being served or has opened the connection's session
         self.lock = asyncio.Lock()
         self.tasks: set[asyncio.Task[None]] = set()
         self.pump: asyncio.Task[None] | None = None
@@ -102,24 +104,35 @@ class _Connection:
         if not isinstance(message, Request):
             await self._serve(message)  # notifications and client replies are quick: in frame order
             return
+        opening = message.method == "initialize" and not self.kernel.is_stateless(message, self._link())
+        if opening and self.opening:
+            # The stream pumped onto this socket is the first session's: a second one's notes would be lost.
+            again = self.kernel.fail(McpError(INVALID_REQUEST, "This connection has opened its session already "
+                                              "(one initialize per connection)"), message.id)
+            if again.message is not None:
+                await self.send(again.message)
+            return
         if self.max_inflight and len(self.tasks) >= self.max_inflight:
             busy = self.kernel.fail(exceeded("ws_concurrent_requests", f"at most {self.max_inflight} requests may "
                                              "run at once on one connection", self.retry_after_s), message.id)
             if busy.message is not None:
                 await self.send(busy.message)
             return
-        task = asyncio.create_task(self._serve(message))
+        self.opening = self.opening or opening
+        task = asyncio.create_task(self._serve(message, opening))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
     def _link(self) -> Link:
         return Link("ws", session_id=self.session_id, emit=self.send)
 
-    async def _serve(self, message: Message) -> None:
+    async def _serve(self, message: Message, opening: bool = False) -> None:
         reply = await self.kernel.receive(self.principal, message, self._link())
         if reply.session_id is not None:
             self.session_id = reply.session_id
             self._start_pump()
+        elif opening:
+            self.opening = False  # refused (a limit, an outage): the client may initialize again
         if isinstance(message, Request) and reply.message is not None:
             with contextlib.suppress(Exception):
                 await self.send(reply.message)

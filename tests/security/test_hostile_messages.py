@@ -122,3 +122,29 @@ def test_deep_nesting_on_a_websocket_leaves_the_connection_serving(gw: Gateway) 
     asyncio.run(scenario())
     assert_no_crash_logged(gw, since)
 
+
+def test_a_second_initialize_on_a_websocket_is_refused_and_loses_nothing(gw: Gateway, store: redis_sync.Redis) -> None:
+    init = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
+            "params": {"protocolVersion": "2025-11-25", "capabilities": {}}}
+
+    async def scenario() -> None:
+        async with ws_connect(gw.ws, subprotocols=["mcp"], additional_headers=AUTH) as ws:
+            async def answer(message: dict) -> dict:
+                await ws.send(orjson.dumps(message).decode())
+                return orjson.loads(await asyncio.wait_for(ws.recv(), 10))
+
+            assert (await answer(init))["result"]["protocolVersion"] == "2025-11-25"
+            again = await answer({**init, "id": 2})
+            assert again["error"]["code"] == -32600 and "one initialize per connection" in again["error"]["message"]
+            assert len(store.keys(keys.session("mallory", "*"))) == 1  # no second session behind it
+            # what the session subscribes to reaches this socket
+            assert (await answer({"jsonrpc": "2.0", "id": 3, "method": "resources/subscribe",
+                                  "params": {"uri": "test://r"}}))["result"] == {}
+            await ws.send(orjson.dumps({"jsonrpc": "2.0", "id": 4, "method": "tools/call",
+                                        "params": {"name": "t_touch", "arguments": {}}}).decode())
+            got = [orjson.loads(await asyncio.wait_for(ws.recv(), 10)) for _ in range(2)]
+            assert {"jsonrpc": "2.0", "method": "notifications/resources/updated",
+                    "params": {"uri": "test://r"}} in got, got
+            assert any(m.get("id") == 4 and "result" in m for m in got), got
+
+    asyncio.run(scenario())
