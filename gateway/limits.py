@@ -11,7 +11,7 @@ One principal must not be able to starve the others, or fill a Redis that runs
   the request's way in (:meth:`Limits.admit_request`, from the kernel); a replica takes
   request tokens a few at a time, so most requests cost no round trip;
 - **open listen streams** and **open event streams** (GET /mcp streams, WebSocket
-  connections) are leases in a sorted set per kind that their replica renews, so the streams
+  connections, server->client requests awaiting a legacy client's answer) are leases in a sorted set per kind that their replica renews, so the streams
   of a replica that died stop counting once their lease runs out;
 - **subscriptions per legacy session** are capped by the subscribe script itself
   (gateway/mcp/sessions.py), **requests in flight per WebSocket** by the connection that
@@ -309,12 +309,14 @@ class Limits:
 
     @contextlib.asynccontextmanager
     async def stream_slot(self, principal: str) -> AsyncIterator[None]:
-        """Hold one of the principal's ``event_streams`` for the life of a GET /mcp stream or a
-        WebSocket connection. A session's event stream holds a connection of its replica's Redis
-        pool (blocking reads) all the while: without a cap, one principal could take the pool
-        and stop every other principal's streams and server->client requests."""
+        """Hold one of the principal's ``event_streams`` for the life of a GET /mcp stream, a
+        WebSocket connection or a wait for a 2025-11-25 client's answer to a server->client
+        request. Each holds a connection of its replica's Redis pool (blocking reads) all the
+        while: without a cap, one principal could take the pool and stop every other principal's
+        streams and server->client requests."""
         async with self._slot(keys.stream_leases(principal), self.of(principal).event_streams, "event_streams",
-                              "event streams (GET /mcp streams and WebSocket connections)"):
+                              "event streams (GET /mcp streams, WebSocket connections, server requests "
+                              "awaiting an answer)"):
             yield
 
     @contextlib.asynccontextmanager

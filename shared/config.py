@@ -496,7 +496,8 @@ class PrincipalLimits:
         default=1000, description="resources/subscribe URIs per legacy session (and URIs per listen stream)")
     listen_streams: NonNegativeInt = Field(default=64, description="open subscriptions/listen streams, all replicas")
     event_streams: NonNegativeInt = Field(
-        default=64, description="open GET /mcp streams and WebSocket connections, all replicas")
+        default=64, description="open GET /mcp streams, WebSocket connections and server->client requests awaiting "
+                                "a 2025-11-25 client's answer, all replicas")
     ws_concurrent_requests: NonNegativeInt = Field(default=256, description="requests in flight per WebSocket")
 
 

@@ -360,6 +360,55 @@ def test_event_streams_per_principal_over_every_replica(replicas: tuple[str, str
     asyncio.run(scenario())
 
 
+def test_server_requests_awaiting_answers_are_event_streams(replicas: tuple[str, str], store: Any) -> None:
+    """A 2025-11-25 tool call that asks the client (sampling) waits on Redis for the answer, as a
+    stream does: those waits count among the principal's event streams."""
+    a, b = replicas
+    url = a + "/mcp"
+    sid = init(url, auth("streamer"))
+    headers = {"accept": ACCEPT, "mcp-session-id": sid, "mcp-protocol-version": "2025-11-25", **auth("streamer")}
+
+    async def ask(client: httpx.AsyncClient, rid: int, out: asyncio.Queue[tuple[int, dict]]) -> None:
+        body = rpc("tools/call", {"name": "t_ask", "arguments": {}}, rid=rid)
+        async with client.stream("POST", url, json=body, headers=headers) as r:
+            if r.status_code != 200 or r.headers["content-type"].startswith("application/json"):
+                await out.put((r.status_code, orjson.loads(await r.aread())))
+                return
+            async for line in r.aiter_lines():
+                if line.startswith("data:") and line[5:].strip():
+                    await out.put((r.status_code, orjson.loads(line[5:])))
+
+    async def answer(client: httpx.AsyncClient, request: dict) -> None:
+        reply = {"jsonrpc": "2.0", "id": request["id"],
+                 "result": {"role": "assistant", "content": {"type": "text", "text": "A"}, "model": "m"}}
+        assert (await client.post(b + "/mcp", json=reply, headers=headers)).status_code == 202
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(timeout=30) as client:
+            queues = [asyncio.Queue[tuple[int, dict]]() for _ in range(4)]
+            calls = [asyncio.create_task(ask(client, rid, queues[rid - 1])) for rid in (1, 2)]
+            asked = [(await asyncio.wait_for(q.get(), 10))[1] for q in queues[:2]]
+            assert [m["method"] for m in asked] == ["sampling/createMessage"] * 2
+            assert store.zcard(keys.stream_leases("streamer")) == 2
+            # a third question would hold a third connection: the call is refused at once
+            calls.append(asyncio.create_task(ask(client, 3, queues[2])))
+            status, refused = await asyncio.wait_for(queues[2].get(), 10)
+            assert status == 429 and refused["error"]["code"] == -32029, refused
+            assert refused["error"]["data"]["limit"] == "event_streams"
+            # an answer ends a wait and gives its place back
+            await answer(client, asked[0])
+            assert (await asyncio.wait_for(queues[0].get(), 10))[1]["result"]["content"][0]["text"] == "got A"
+            calls.append(asyncio.create_task(ask(client, 4, queues[3])))
+            fourth = (await asyncio.wait_for(queues[3].get(), 10))[1]
+            assert fourth["method"] == "sampling/createMessage"
+            for request, queue in ((asked[1], queues[1]), (fourth, queues[3])):
+                await answer(client, request)
+                assert "result" in (await asyncio.wait_for(queue.get(), 10))[1]
+            await asyncio.gather(*calls)
+
+    asyncio.run(scenario())
+
+
 def test_one_principals_streams_leave_the_redis_pool_to_the_others(redis_server: str, redis_url: str) -> None:
     """Every open event stream holds a connection of its replica's pool of blocking Redis
     connections: a principal opening streams without end must not take the pool from the others."""
