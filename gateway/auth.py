@@ -27,7 +27,9 @@ from shared import keys
 from shared.config import GatewayConfig
 
 OPEN_PRINCIPAL = "local"
-_PRINCIPAL_OK = re.compile(r"^[A-Za-z0-9_.@:\-]{1,128}$")
+# ``admin:<key name>`` is how the audit log names admin keys (gateway/admin/auth.py): no token's
+# principal may pass for one. (Configured API key principals have no ':' at all.)
+_PRINCIPAL_OK = re.compile(r"^(?!admin:)[A-Za-z0-9_.@:\-]{1,128}$")
 PROTECTED_RESOURCE_PATH = "/.well-known/oauth-protected-resource"
 
 
