@@ -182,6 +182,9 @@ class GatewayConfig:
     max_body_bytes: StrictInt = Field(
         default=4 * 1024 * 1024, ge=1024, description="largest request body on any route and largest WebSocket "
                                                       "message (413 / close 1009), checked before it is read")
+    max_header_bytes: StrictInt = Field(
+        default=64 * 1024, ge=4096, description="largest request line and headers of any request (431 and the "
+                                                "connection closed, before more of them is read)")
     header_timeout_s: PositiveFloat = Field(
         default=10.0, description="a connection whose request headers are not complete this long after their "
                                   "first byte (or after it opened) is closed")
