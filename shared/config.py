@@ -170,7 +170,11 @@ class OAuthConfig:
                "enabled needs hs256_secret: at least 32 bytes (the issuer's HS256 key)")
 
 
-Principal = Annotated[str, Field(pattern=r"^[^:]+$", description="a principal name (no ':')")]
+# The characters a token's principal may have (gateway/auth.py) but ':', which LEARNMESH_API_KEYS
+# uses: every principal is then a name the context store and the Redis keys' hash tags take, and no
+# two look alike.
+Principal = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.@\-]{1,128}$",
+                                 description="a principal name: 1-128 of A-Z a-z 0-9 _ . @ -")]
 HexSecret = Annotated[str, Field(pattern=r"^(?:[0-9a-fA-F]{2}){16,}$",
                                  description="a hex secret of at least 16 bytes")]
 
