@@ -33,6 +33,11 @@ _PRINCIPAL_OK = re.compile(r"^(?!admin:)[A-Za-z0-9_.@:\-]{1,128}$")
 PROTECTED_RESOURCE_PATH = "/.well-known/oauth-protected-resource"
 
 
+def is_principal(name: object) -> bool:
+    """Whether ``name`` may be a principal: what an API key's or a token's principal can be."""
+    return isinstance(name, str) and _PRINCIPAL_OK.fullmatch(name) is not None
+
+
 class AuthError(Exception):
     def __init__(self, status: int, message: str, www_authenticate: str | None = None) -> None:
         super().__init__(message)
@@ -107,7 +112,7 @@ class Authenticator:
         except jwt.PyJWTError:
             return None
         who = claims.get(self._oauth.principal_claim)
-        return who if isinstance(who, str) and _PRINCIPAL_OK.fullmatch(who) else None
+        return who if is_principal(who) else None
 
     def protected_resource_metadata(self) -> dict | None:
         """RFC 9728 document, or None when OAuth mode is off."""
