@@ -105,6 +105,25 @@ def test_deep_nesting_is_bad_input_on_both_revisions(gw: Gateway, store: redis_s
     assert_no_crash_logged(gw, since)
 
 
+def test_integers_beyond_64_bits_are_bad_input(gw: Gateway, store: redis_sync.Redis) -> None:
+    since = log_size(gw)
+    expected = {"code": -32600, "message": "a number is an integer outside the 64-bit range"}
+    for number in (str(2**64), str(-(2**63) - 1), "1" + "0" * 300):
+        r = post(gw, '{"jsonrpc":"2.0","id":5,"method":"initialize","params":{"protocolVersion":"2025-11-25",'
+                     f'"capabilities":{{"experimental":{{"n":{number}}}}}}}}}')
+        assert r.status_code == 400 and r.json() == {"jsonrpc": "2.0", "id": 5, "error": expected}, (number, r.text)
+    assert not store.keys(keys.session("mallory", "*"))
+    body, headers = modern("tools/call", {"name": "t_echo", "arguments": {"text": "x"}}, rid=6)
+    text = orjson.dumps(body).decode().replace('"_meta"', f'"inputResponses":{{"q":{{"n":{2**70}}}}},"_meta"')
+    r = post(gw, text, headers)
+    assert r.status_code == 400 and r.json()["error"] == expected, r.text
+    # the edges of the 64-bit ranges are numbers like any
+    r = post(gw, '{"jsonrpc":"2.0","id":7,"method":"initialize","params":{"protocolVersion":"2025-11-25",'
+                 f'"capabilities":{{"experimental":{{"n":[{2**64 - 1},{-(2**63)}]}}}}}}}}')
+    assert r.status_code == 200 and r.headers["mcp-session-id"], r.text
+    assert_no_crash_logged(gw, since)
+
+
 def test_deep_nesting_on_a_websocket_leaves_the_connection_serving(gw: Gateway) -> None:
     since = log_size(gw)
 
