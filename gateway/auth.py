@@ -27,8 +27,15 @@ from shared import keys
 from shared.config import GatewayConfig
 
 OPEN_PRINCIPAL = "local"
-_PRINCIPAL_OK = re.compile(r"^[A-Za-z0-9_.@:\-]{1,128}$")
+# ``admin:<key name>`` is how the audit log names admin keys (gateway/admin/auth.py): no token's
+# principal may pass for one. (Configured API key principals have no ':' at all.)
+_PRINCIPAL_OK = re.compile(r"^(?!admin:)[A-Za-z0-9_.@:\-]{1,128}$")
 PROTECTED_RESOURCE_PATH = "/.well-known/oauth-protected-resource"
+
+
+def is_principal(name: object) -> bool:
+    """Whether ``name`` may be a principal: what an API key's or a token's principal can be."""
+    return isinstance(name, str) and _PRINCIPAL_OK.fullmatch(name) is not None
 
 
 class AuthError(Exception):
@@ -105,7 +112,7 @@ class Authenticator:
         except jwt.PyJWTError:
             return None
         who = claims.get(self._oauth.principal_claim)
-        return who if isinstance(who, str) and _PRINCIPAL_OK.fullmatch(who) else None
+        return who if is_principal(who) else None
 
     def protected_resource_metadata(self) -> dict | None:
         """RFC 9728 document, or None when OAuth mode is off."""

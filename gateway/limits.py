@@ -10,8 +10,9 @@ One principal must not be able to starve the others, or fill a Redis that runs
   from none: one round trip, every key in the principal's slot. A request's check runs on
   the request's way in (:meth:`Limits.admit_request`, from the kernel); a replica takes
   request tokens a few at a time, so most requests cost no round trip;
-- **open listen streams** are leases in a sorted set that their replica renews, so the
-  streams of a replica that died stop counting once their lease runs out;
+- **open listen streams** and **open event streams** (GET /mcp streams, WebSocket
+  connections, server->client requests awaiting a legacy client's answer) are leases in a sorted set per kind that their replica renews, so the streams
+  of a replica that died stop counting once their lease runs out;
 - **subscriptions per legacy session** are capped by the subscribe script itself
   (gateway/mcp/sessions.py), **requests in flight per WebSocket** by the connection that
   holds them (it lives on one replica), and **the sample log's backlog** by its append
@@ -90,7 +91,7 @@ return {1}
 """
 
 LEASE_LUA = """
--- KEYS[1]: a principal's listen leases. ARGV: lease id, cap, lease ms.
+-- KEYS[1]: a principal's leases of one kind (listen streams, event streams). ARGV: lease id, cap, lease ms.
 -- Takes a lease (or renews one already held); 0 when the cap is reached.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -103,7 +104,7 @@ redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return 1
 """
 
-LISTEN_LEASE_S = 30.0  # a dead replica's listen streams stop counting after this long
+LEASE_S = 30.0  # a dead replica's open streams stop counting after this long
 _OUTAGE_PAUSE_S = 1.0  # see admit_request
 _STOCKS_MAX = 65536  # principals whose request tokens a replica keeps (dropping them only costs round trips)
 _CHUNK_S = 0.01  # a replica takes 10 ms of a principal's request rate at a time (at most a quarter burst)
@@ -298,18 +299,35 @@ class Limits:
         if not await self.may_teach(principal):
             raise self.forbidden(principal)
 
-    # ------------------------------------------------------------------ listen streams
+    # ------------------------------------------------------------------ open streams
     @contextlib.asynccontextmanager
     async def listen_slot(self, principal: str) -> AsyncIterator[None]:
         """Hold one of the principal's ``listen_streams`` for the life of a listen stream."""
-        cap = self.of(principal).listen_streams
+        async with self._slot(keys.listen_leases(principal), self.of(principal).listen_streams, "listen_streams",
+                              "subscriptions/listen streams"):
+            yield
+
+    @contextlib.asynccontextmanager
+    async def stream_slot(self, principal: str) -> AsyncIterator[None]:
+        """Hold one of the principal's ``event_streams`` for the life of a GET /mcp stream, a
+        WebSocket connection or a wait for a 2025-11-25 client's answer to a server->client
+        request. Each holds a connection of its replica's Redis pool (blocking reads) all the
+        while: without a cap, one principal could take the pool and stop every other principal's
+        streams and server->client requests."""
+        async with self._slot(keys.stream_leases(principal), self.of(principal).event_streams, "event_streams",
+                              "event streams (GET /mcp streams, WebSocket connections, server requests "
+                              "awaiting an answer)"):
+            yield
+
+    @contextlib.asynccontextmanager
+    async def _slot(self, key: str, cap: int, limit: str, what: str) -> AsyncIterator[None]:
+        """Hold a lease in ``key`` (at most ``cap`` at once, over every replica; 0: no cap)."""
         if not cap:
             yield
             return
-        key, lease, lease_ms = keys.listen_leases(principal), uuid.uuid4().hex, int(LISTEN_LEASE_S * 1000)
+        lease, lease_ms = uuid.uuid4().hex, int(LEASE_S * 1000)
         if not await self._lease(keys=[key], args=[lease, cap, lease_ms]):
-            raise exceeded("listen_streams", f"at most {cap} subscriptions/listen streams may be open at once",
-                           self.cfg.cap_retry_after_s)
+            raise exceeded(limit, f"at most {cap} {what} may be open at once", self.cfg.cap_retry_after_s)
         renewal = asyncio.create_task(self._renew(key, lease, cap, lease_ms))
         try:
             yield
@@ -324,11 +342,11 @@ class Limits:
 
     async def _renew(self, key: str, lease: str, cap: int, lease_ms: int) -> None:
         while True:
-            await pause(LISTEN_LEASE_S / 3)
+            await pause(LEASE_S / 3)
             try:
                 await self._lease(keys=[key], args=[lease, cap, lease_ms])
             except (RedisError, OSError):
-                log.warning("could not renew a listen stream's lease; retrying")
+                log.warning("could not renew an open stream's lease; retrying")
 
 
 async def set_teacher(redis: aioredis.Redis, principal: str, teach: bool, by: str) -> None:

@@ -170,7 +170,11 @@ class OAuthConfig:
                "enabled needs hs256_secret: at least 32 bytes (the issuer's HS256 key)")
 
 
-Principal = Annotated[str, Field(pattern=r"^[^:]+$", description="a principal name (no ':')")]
+# The characters a token's principal may have (gateway/auth.py) but ':', which LEARNMESH_API_KEYS
+# uses: every principal is then a name the context store and the Redis keys' hash tags take, and no
+# two look alike.
+Principal = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.@\-]{1,128}$",
+                                 description="a principal name: 1-128 of A-Z a-z 0-9 _ . @ -")]
 HexSecret = Annotated[str, Field(pattern=r"^(?:[0-9a-fA-F]{2}){16,}$",
                                  description="a hex secret of at least 16 bytes")]
 
@@ -182,6 +186,9 @@ class GatewayConfig:
     max_body_bytes: StrictInt = Field(
         default=4 * 1024 * 1024, ge=1024, description="largest request body on any route and largest WebSocket "
                                                       "message (413 / close 1009), checked before it is read")
+    max_header_bytes: StrictInt = Field(
+        default=64 * 1024, ge=4096, description="largest request line and headers of any request (431 and the "
+                                                "connection closed, before more of them is read)")
     header_timeout_s: PositiveFloat = Field(
         default=10.0, description="a connection whose request headers are not complete this long after their "
                                   "first byte (or after it opened) is closed")
@@ -495,6 +502,9 @@ class PrincipalLimits:
     subscriptions_per_session: NonNegativeInt = Field(
         default=1000, description="resources/subscribe URIs per legacy session (and URIs per listen stream)")
     listen_streams: NonNegativeInt = Field(default=64, description="open subscriptions/listen streams, all replicas")
+    event_streams: NonNegativeInt = Field(
+        default=64, description="open GET /mcp streams, WebSocket connections and server->client requests awaiting "
+                                "a 2025-11-25 client's answer, all replicas")
     ws_concurrent_requests: NonNegativeInt = Field(default=256, description="requests in flight per WebSocket")
 
 

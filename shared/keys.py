@@ -80,6 +80,12 @@ def listen_leases(principal: str) -> str:
     return f"{PREFIX}{_tag(principal)}:listens"
 
 
+def stream_leases(principal: str) -> str:
+    """Sorted set: the principal's open event streams (GET /mcp streams, WebSocket connections) on
+    every replica, lease id scored by its expiry in ms, like ``listen_leases``."""
+    return f"{PREFIX}{_tag(principal)}:streams"
+
+
 def teacher_grant(principal: str) -> str:
     """String: ``1`` the admin API granted the principal the teach permission, ``0`` revoked it;
     absent: ``learning.teachers`` decides. In the principal's slot, next to its learn buckets,

@@ -10,11 +10,13 @@ captures the replica's stdout/stderr and ``log_level`` sets the root logger's le
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -138,6 +140,29 @@ def start_gateway(port: int, redis_url: str, api_keys: str = "", ttl_s: int = 18
 
     wait_for_sync(up, timeout_s=60, interval_s=0.1, what="gateway /healthz")
     return proc
+
+
+class LoggedGateway:
+    """A gateway started by :func:`logged_gateway`: its addresses and the file its output goes to."""
+
+    def __init__(self, port: int, log: Path) -> None:
+        self.base = f"http://127.0.0.1:{port}"
+        self.ws = f"ws://127.0.0.1:{port}/mcp/ws"
+        self.log = log
+
+
+@contextlib.contextmanager
+def logged_gateway(redis_url: str, log: Path, **options: Any) -> Iterator[LoggedGateway]:
+    """:func:`start_gateway` on a free port with its stdout and stderr in ``log``; stopped on exit."""
+    from shared.net import free_port
+
+    port = free_port()
+    with log.open("wb") as out:
+        proc = start_gateway(port, redis_url, output=out, **options)
+        try:
+            yield LoggedGateway(port, log)
+        finally:
+            stop(proc)
 
 
 def stop(proc: subprocess.Popen) -> None:

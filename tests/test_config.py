@@ -83,6 +83,21 @@ def test_errors_name_every_bad_key_and_never_echo_a_value() -> None:
     assert "secret" not in text
 
 
+@pytest.mark.parametrize("name", ["bob smith", "ali{ce}", "line\nbreak", "\u0430lice", "x:y", "a" * 129, ""])
+def test_principal_names_that_keys_or_people_would_misread_fail_at_start(name: str) -> None:
+    """A principal whose name the context store refuses (space, braces: every context call would
+    fail) or that looks like another (a Cyrillic 'а' for 'a') is refused by name at start, in
+    every place a principal is named."""
+    for overrides in ({"gateway": {"api_keys": {name: "key-0123456789"}}},
+                      {"limits": {"principals": {name: {"requests_per_s": 5.0}}}},
+                      {"proxy": {"allow": {"principals": {name: ["weather"]}}}}):
+        with pytest.raises(ConfigError, match="String should match pattern"):
+            load_config(env={}, overrides=overrides)
+    cfg = load_config(env={}, overrides={"gateway": {"api_keys": {"carol@example.com": "key-0123456789",
+                                                                  "svc-1_a.b": "key-9876543210"}}})
+    assert set(cfg.gateway.api_keys) == {"carol@example.com", "svc-1_a.b"}
+
+
 @pytest.mark.parametrize("build, key", [
     (lambda: ContextConfig(read_cache_bytes=-1), "read_cache_bytes"),
     (lambda: ContextConfig(max_entry_bytes=10, channel_max_bytes=5), "max_entry_bytes must be <= channel_max_bytes"),

@@ -270,6 +270,15 @@ def test_last_event_id_replay_on_other_replica(replicas: tuple[str, str], redis_
                                          "last-event-id": ids[0]}, timeout=10) as resp:
         _read_stream(resp, 1, replay, [])
     assert replay == got[1:]
+    # an id that no stream entry can have (past 64 bits) is ignored as if absent: the stream stays
+    # open and carries what comes next
+    later: list[dict] = []
+    with httpx.stream("GET", b, headers={"accept": "text/event-stream", "mcp-session-id": sid,
+                                         "last-event-id": "99999999999999999999-0"}, timeout=10) as resp:
+        assert resp.status_code == 200
+        legacy(a, sid, rpc("tools/call", {"name": "t_touch", "arguments": {}}))
+        _read_stream(resp, 1, later, [])
+    assert later == got[:1]
 
 
 def test_server_request_answered_via_other_replica(replicas: tuple[str, str], redis_url: str) -> None:

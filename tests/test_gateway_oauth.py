@@ -274,6 +274,7 @@ REFUSED: dict[str, Any] = {
     "sub-with-newline": lambda: mint(sub="alice\n"),
     "sub-empty": lambda: mint(sub=""),
     "sub-too-long": lambda: mint(sub="a" * 129),
+    "sub-in-the-admin-keys-audit-namespace": lambda: mint(sub="admin:root"),
     "sub-not-a-string": lambda: mint(sub=12345),
     "not-a-jwt": lambda: "not.a.jwt",
     "api-key-lookalike": lambda: API_KEY + "x",

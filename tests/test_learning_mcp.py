@@ -97,6 +97,11 @@ def test_admin_bulk_import_needs_operator_and_stats_show_the_lag(client, redis_u
     bad = {"principal": "bob", "samples": [{"input": "q", "target": ""}]}
     r = client.post("/admin/samples", json=bad, headers={"authorization": f"Bearer {OPERATOR}"})
     assert r.status_code == 400 and "target" in r.text
+    # no principal could be named so (a line break forges log lines; admin: is the admin keys' audit name)
+    for principal in ("ali\nce", "admin:root", "a{b}", "", 7):
+        r = client.post("/admin/samples", json={"principal": principal, "samples": body["samples"][:1]},
+                        headers={"authorization": f"Bearer {OPERATOR}"})
+        assert r.status_code == 400 and "principal" in r.text, principal
     stats = client.get("/admin/samples/stats", headers={"authorization": f"Bearer {VIEWER}"}).json()
     assert stats["log_entries"] == 1 and stats["last_seq"] == 50 and stats["lag"] == 50
 

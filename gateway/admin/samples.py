@@ -12,6 +12,7 @@ from fastapi import APIRouter, Body, HTTPException, Request
 
 from gateway.admin.auth import AdminPrincipal
 from gateway.admin.common import operator, viewer
+from gateway.auth import is_principal
 from gateway.state import gateway_of
 
 log = logging.getLogger(__name__)
@@ -29,9 +30,9 @@ async def import_samples(request: Request, body: Any = _JSON_BODY, who: AdminPri
     its learn quota does not apply, the bound on the sample log does (429)."""
     gateway = gateway_of(request)
     ingest = gateway.samples
-    if not isinstance(body, dict) or not isinstance(body.get("principal"), str) or not body["principal"] \
-            or any(c in body["principal"] for c in "{}:"):
-        raise HTTPException(400, "body must be {\"principal\": str, \"samples\": [...]}")
+    if not isinstance(body, dict) or not is_principal(body.get("principal")):
+        raise HTTPException(400, "body must be {\"principal\": str, \"samples\": [...]} with a principal's name "
+                                 "(1-128 of A-Z a-z 0-9 _ . @ : -, not starting with admin:)")
     samples = ingest.parse({"samples": body.get("samples")})
     await gateway.limits.check_teacher(body["principal"])
     result = await ingest.submit(body["principal"], samples, admin=who.name)

@@ -136,14 +136,15 @@ class Call:
             raise McpError(INVALID_REQUEST, "server-to-client requests need a session")
         sessions = self.state.sessions
         rid = "srv-" + uuid.uuid4().hex
-        await sessions.add_pending(self.principal, self.session.id, rid)
-        msg = Request(jsonrpc="2.0", id=rid, method=method, params=params)
-        if self.emit is not None:
-            await self.emit(msg)
-        else:
-            await sessions.append_event(self.principal, self.session.id, msg)
-        answer = await sessions.await_response(self.principal, self.session.id, rid,
-                                               self.state.config.gateway.client_request_timeout_s)
+        async with self.state.limits.stream_slot(self.principal):  # the wait holds a Redis connection
+            await sessions.add_pending(self.principal, self.session.id, rid)
+            msg = Request(jsonrpc="2.0", id=rid, method=method, params=params)
+            if self.emit is not None:
+                await self.emit(msg)
+            else:
+                await sessions.append_event(self.principal, self.session.id, msg)
+            answer = await sessions.await_response(self.principal, self.session.id, rid,
+                                                   self.state.config.gateway.client_request_timeout_s)
         if answer is None:
             raise McpError(INTERNAL_ERROR, f"the client did not answer {method} in time")
         if answer.error is not None:

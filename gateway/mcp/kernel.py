@@ -113,7 +113,20 @@ class Kernel:
 
     # ------------------------------------------------------------------ decoding
     def decode(self, data: bytes | str) -> Message | Reply:
-        """The message, or the error answer when ``data`` is not one JSON-RPC 2.0 message."""
+        """The message, or the error answer when ``data`` is not one JSON-RPC 2.0 message
+        (or nests deeper than ``MAX_JSON_DEPTH``)."""
+        try:
+            message = self._decode(data)
+        except RecursionError:  # the decoder recurses per level: far deeper than any message
+            return self.fail(_too_deep())
+        if not isinstance(message, Reply):
+            problem = _kept_values_problem(data, message)
+            if problem is not None:
+                return self.fail(McpError(INVALID_REQUEST, problem), None if isinstance(message, Notification)
+                                 else message.id)
+        return message
+
+    def _decode(self, data: bytes | str) -> Message | Reply:
         try:  # most messages are plain requests: typed in one step
             request = _requests.decode(data)
             if isinstance(request.id, str) or _ID_MIN <= request.id < _ID_MAX:
@@ -288,6 +301,41 @@ class Kernel:
 
 
 # ---------------------------------------------------------------------- decoding helpers
+MAX_JSON_DEPTH = 128
+"""Levels of nesting a message may have (the message object is the first)."""
+_ENCODER_DEPTH = 254  # the deepest nesting orjson encodes
+_PROBLEMS = {"Recursion limit reached": f"JSON nested deeper than {MAX_JSON_DEPTH} levels",
+             "Integer exceeds 64-bit range": "a number is an integer outside the 64-bit range"}
+
+
+def _too_deep() -> McpError:
+    return McpError(INVALID_REQUEST, _PROBLEMS["Recursion limit reached"])
+
+
+def _kept_values_problem(data: bytes | str, message: Message) -> str | None:
+    """Why values of ``message`` could not be encoded again, or None. What the gateway keeps of a
+    message is encoded again (a session's capabilities, a sealed requestState, a task's answers)
+    by orjson, which refuses integers outside 64 bits and nesting deeper than 254 levels; decoding
+    recursed into a crash far deeper. So such input is refused here, once, as bad input: the values
+    are encoded once at C speed, inside enough lists that they fail past ``MAX_JSON_DEPTH`` (a
+    message with fewer brackets than that, counted first, cannot be that deep)."""
+    if isinstance(message, ClientReply):
+        values: Any = [message.result, None if message.error is None or message.error.data is msgspec.UNSET
+                       else message.error.data]
+    else:
+        values = [message.params]
+    # ``values`` is one level, like the message object: padded, the encoder's limit is ours
+    opened = data.count("{") + data.count("[") if isinstance(data, str) else data.count(b"{") + data.count(b"[")
+    if opened > MAX_JSON_DEPTH:
+        for _ in range(_ENCODER_DEPTH - MAX_JSON_DEPTH):
+            values = [values]
+    try:
+        orjson.dumps(values)
+    except orjson.JSONEncodeError as exc:
+        return _PROBLEMS.get(str(exc), "a value cannot be encoded as JSON")
+    return None
+
+
 class _Invalid(Exception):
     def __init__(self, error: McpError, request_id: RequestId | None = None) -> None:
         super().__init__(error.message)

@@ -16,7 +16,10 @@ so a few hundred connections that trickle out a header each (slowloris) hold the
 :class:`GatewayHttpProtocol` closes a connection whose headers are not complete within
 ``gateway.header_timeout_s``, and cuts off a body not received within ``gateway.body_timeout_s``
 (408). Timers are armed only when a read leaves a message unfinished, so a request that
-arrives in one segment costs none. :func:`http_protocol` binds the configured deadlines.
+arrives in one segment costs none. Nor does httptools bound the size of the headers it
+gathers: within the deadline a client that streams one endless header makes the server buffer
+all of it (twice over), so a request whose headers pass ``gateway.max_header_bytes`` is
+answered 431 and its connection closed. :func:`http_protocol` binds the configured limits.
 
 :class:`GatewayHttpProtocol` leans on uvicorn internals (``HttpToolsProtocol``, its ``loop``
 and ``transport``): pyproject.toml pins the uvicorn versions known to have them, and
@@ -36,6 +39,7 @@ from shared.config import GatewayConfig
 
 FLUSH_AT_BYTES = 64 * 1024
 _TIMEOUT_408 = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+_TOO_LARGE_431 = b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
 
 class CoalescingTransport:
@@ -103,11 +107,13 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
     header_timeout_s = GatewayConfig.header_timeout_s
     body_timeout_s = GatewayConfig.body_timeout_s
+    max_header_bytes = GatewayConfig.max_header_bytes
 
     _deadline: asyncio.TimerHandle | None = None
     _in_headers = False  # a request's first byte arrived, its headers are not complete yet
     _in_body = False  # headers complete, the body is not
     _upgraded = False
+    _header_bytes = 0  # bytes of reads that ended inside the current request's headers
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
         super().connection_made(CoalescingTransport(transport, self.loop))  # type: ignore[arg-type]
@@ -119,6 +125,13 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
+        if self._in_headers and not self.transport.is_closing():
+            self._header_bytes += len(data)
+            if self._header_bytes > self.max_header_bytes:
+                self._disarm()
+                self.transport.write(_TOO_LARGE_431)
+                self.transport.close()
+                return
         if self._deadline is not None or self._upgraded or self.transport.is_closing():
             return
         if self._in_body:
@@ -131,6 +144,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._in_headers = True
+        self._header_bytes = 0
 
     def on_headers_complete(self) -> None:
         self._disarm()
@@ -171,6 +185,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
 
 def http_protocol(cfg: GatewayConfig) -> type[GatewayHttpProtocol]:
-    """The protocol class with ``cfg``'s read deadlines (uvicorn builds one per connection)."""
+    """The protocol class with ``cfg``'s read deadlines and header limit (uvicorn builds one per connection)."""
     return type("GatewayHttpProtocol", (GatewayHttpProtocol,),
-                {"header_timeout_s": cfg.header_timeout_s, "body_timeout_s": cfg.body_timeout_s})
+                {"header_timeout_s": cfg.header_timeout_s, "body_timeout_s": cfg.body_timeout_s,
+                 "max_header_bytes": cfg.max_header_bytes})

@@ -5,7 +5,9 @@ limit 413 first, then Origin/Host 403, credentials 401, ``Accept`` 406); the bod
 (:mod:`gateway.mcp.kernel`: revisions, envelope, sessions) and its
 :class:`~gateway.mcp.types.Reply` goes back as JSON — or as an SSE stream once the handler
 emits a notification or a server->client request before its answer. GET opens a legacy
-session's standalone SSE stream (``Last-Event-ID`` replay), DELETE ends the session.
+session's standalone SSE stream (``Last-Event-ID`` replay), DELETE ends the session; both count
+against the principal's request rate as a POST does (the kernel admits those), and a GET stream
+holds one of the principal's ``event_streams`` while it is open (gateway/limits.py).
 """
 
 from __future__ import annotations
@@ -50,6 +52,12 @@ _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no
                 (b"x-accel-buffering", b"no")]
 STREAM_POLL_MS = 5000
 KEEPALIVE_EVERY = 3  # polls
+
+
+def _is_event_id(value: str) -> bool:
+    """Whether ``value`` can be an event id of ours (a Redis Stream entry id: two 64-bit numbers);
+    anything else in ``Last-Event-ID`` is ignored as if absent, never handed to Redis."""
+    return _EVENT_ID.fullmatch(value) is not None and all(int(part) < 2**64 for part in value.split("-"))
 
 
 class _Sent:
@@ -258,6 +266,7 @@ class McpHttpTransport:
     # ------------------------------------------------------------------ GET stream and DELETE (legacy)
     async def _get_or_delete(self, method: str, receive: Receive, send: Send, sent: _Sent, headers: dict[str, str],
                              principal: str) -> None:
+        await self.gateway.limits.admit_request(principal)  # counted like a POST; over the rate: 429
         sid = headers.get("mcp-session-id")
         if sid is None:
             if headers.get("mcp-protocol-version") in HANDSHAKE_VERSIONS:
@@ -282,12 +291,13 @@ class McpHttpTransport:
         except SessionNotFound as exc:
             await _write(send, sent, self.kernel.fail(exc))
             return
-        await self._stream(receive, send, sent, principal, sid, headers.get("last-event-id"))
+        async with self.gateway.limits.stream_slot(principal):  # over the principal's cap: 429
+            await self._stream(receive, send, sent, principal, sid, headers.get("last-event-id"))
 
     async def _stream(self, receive: Receive, send: Send, sent: _Sent, principal: str, sid: str,
                       last: str | None) -> None:
         sessions = self.gateway.sessions
-        cursor = last if last and _EVENT_ID.fullmatch(last) else await sessions.last_event_id(principal, sid)
+        cursor = last if last and _is_event_id(last) else await sessions.last_event_id(principal, sid)
         sent.started = True
         async with self.gateway.session_stream(principal, sid):
             await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})

@@ -5,14 +5,17 @@ Credentials travel in the ``Authorization`` header, or — for clients that cann
 (browsers, the TypeScript SDK's ``WebSocketClientTransport``) — as a subprotocol
 ``bearer.<token>`` offered next to ``mcp`` (the answer names ``mcp`` only), or as a single-use
 ticket from ``POST /mcp/ws-ticket`` in the query string (``/mcp/ws?ticket=...``). A handshake
-without valid credentials is refused with HTTP 401, as HTTP refuses a request.
+without valid credentials is refused with HTTP 401, as HTTP refuses a request. A handshake and a
+ticket count against the principal's request rate like any request, and a connection holds one of
+the principal's ``event_streams`` for its life (gateway/limits.py): beyond either, 429 + Retry-After.
 
 This module moves frames: the handshake guards (subprotocol, Origin/Host, credentials),
 the frame size limit, and the socket writes. Every message goes through the same kernel
 as HTTP (:mod:`gateway.mcp.kernel`), so a frame gets exactly the checks an HTTP body gets
 (frames carry no headers, so the routing-header checks are the one part that does not
 apply). A 2025-11-25 ``initialize`` opens a session bound to the connection; its event
-stream is pumped onto the socket and the session ends with the connection. Requests run
+stream is pumped onto the socket and the session ends with the connection. A connection has
+one session: a second ``initialize`` is refused (-32600). Requests run
 concurrently so a tool waiting for the client's answer (sampling, elicitation) does not
 block the frame that carries that answer; beyond ``ws_concurrent_requests`` of them (a
 per-principal limit) a request is answered at once with the limit error. Notifications and
@@ -32,7 +35,7 @@ from redis.exceptions import RedisError
 from starlette.responses import JSONResponse, Response
 
 from gateway.auth import AuthError
-from gateway.errors import INVALID_REQUEST, McpError, wire_error
+from gateway.errors import INVALID_REQUEST, LimitExceeded, McpError, wire_error
 from gateway.limits import exceeded
 from gateway.mcp.kernel import Kernel, Link, Message
 from gateway.mcp.types import ErrorResponse, Reply, Request, ServerMessage, encode
@@ -78,6 +81,7 @@ class _Connection:
         self.kernel = kernel
         self.principal = principal
         self.session_id: str | None = None
+        self.opening = False  # an initialize is being served or has opened the connection's session
         self.lock = asyncio.Lock()
         self.tasks: set[asyncio.Task[None]] = set()
         self.pump: asyncio.Task[None] | None = None
@@ -100,24 +104,35 @@ class _Connection:
         if not isinstance(message, Request):
             await self._serve(message)  # notifications and client replies are quick: in frame order
             return
+        opening = message.method == "initialize" and not self.kernel.is_stateless(message, self._link())
+        if opening and self.opening:
+            # The stream pumped onto this socket is the first session's: a second one's notes would be lost.
+            again = self.kernel.fail(McpError(INVALID_REQUEST, "This connection has opened its session already "
+                                              "(one initialize per connection)"), message.id)
+            if again.message is not None:
+                await self.send(again.message)
+            return
         if self.max_inflight and len(self.tasks) >= self.max_inflight:
             busy = self.kernel.fail(exceeded("ws_concurrent_requests", f"at most {self.max_inflight} requests may "
                                              "run at once on one connection", self.retry_after_s), message.id)
             if busy.message is not None:
                 await self.send(busy.message)
             return
-        task = asyncio.create_task(self._serve(message))
+        self.opening = self.opening or opening
+        task = asyncio.create_task(self._serve(message, opening))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
     def _link(self) -> Link:
         return Link("ws", session_id=self.session_id, emit=self.send)
 
-    async def _serve(self, message: Message) -> None:
+    async def _serve(self, message: Message, opening: bool = False) -> None:
         reply = await self.kernel.receive(self.principal, message, self._link())
         if reply.session_id is not None:
             self.session_id = reply.session_id
             self._start_pump()
+        elif opening:
+            self.opening = False  # refused (a limit, an outage): the client may initialize again
         if isinstance(message, Request) and reply.message is not None:
             with contextlib.suppress(Exception):
                 await self.send(reply.message)
@@ -163,6 +178,15 @@ async def _refuse(ws: WebSocket, status: int, body: dict[str, str], headers: dic
                                            media_type="application/json"))
 
 
+def _retry_later(exc: Exception, gateway: Gateway) -> tuple[int, dict[str, str], dict[str, str] | None]:
+    """Status, body and headers refusing a handshake or a ticket for now: 429 over a limit of the
+    principal's, 503 when Redis cannot be reached; with the Retry-After to wait."""
+    wire = wire_error(exc, gateway.config, crashed_status=500)
+    retry = {"retry-after": str(wire.retry_after_s)} if wire.retry_after_s is not None else None
+    error = "limit_exceeded" if isinstance(exc, LimitExceeded) else "unavailable"
+    return wire.http_status, {"error": error, "error_description": wire.message}, retry
+
+
 async def _principal(gateway: Gateway, ws: WebSocket) -> str:
     """Who opens the connection: the ``Authorization`` header, else a ``bearer.<token>``
     subprotocol, else a ticket; raises :class:`AuthError` (401) when none is valid."""
@@ -188,20 +212,25 @@ async def websocket_endpoint(ws: WebSocket) -> None:
     if gateway.origin_guard.check(ws.headers.get("origin"), ws.headers.get("host")) is not None:
         await ws.close(code=1008, reason="origin not allowed")
         return
-    try:
-        principal = await _principal(gateway, ws)
-    except AuthError as exc:
-        challenge = {"www-authenticate": exc.www_authenticate} if exc.www_authenticate else None
-        await _refuse(ws, exc.status, {"error": "unauthorized", "error_description": exc.message}, challenge)
-        return
-    except (RedisError, OSError) as exc:  # a ticket could not be checked now: 503, the client may retry
-        wire = wire_error(exc, gateway.config, crashed_status=500)
-        retry = {"retry-after": str(wire.retry_after_s)} if wire.retry_after_s is not None else None
-        await _refuse(ws, wire.http_status, {"error": "unavailable", "error_description": wire.message}, retry)
-        return
-    await ws.accept(subprotocol=SUBPROTOCOL)
-    conn = _Connection(ws, gateway, gateway.kernel, principal)
-    limit = gateway.config.gateway.max_body_bytes
+    async with contextlib.AsyncExitStack() as held:
+        try:
+            principal = await _principal(gateway, ws)
+            await gateway.limits.admit_request(principal)  # a handshake is a request, as on HTTP
+            await held.enter_async_context(gateway.limits.stream_slot(principal))  # for the connection's life
+        except AuthError as exc:
+            challenge = {"www-authenticate": exc.www_authenticate} if exc.www_authenticate else None
+            await _refuse(ws, exc.status, {"error": "unauthorized", "error_description": exc.message}, challenge)
+            return
+        except (LimitExceeded, RedisError, OSError) as exc:
+            await _refuse(ws, *_retry_later(exc, gateway))
+            return
+        await ws.accept(subprotocol=SUBPROTOCOL)
+        await _serve(ws, _Connection(ws, gateway, gateway.kernel, principal))
+
+
+async def _serve(ws: WebSocket, conn: _Connection) -> None:
+    """Hand every text frame to the kernel until the client goes; then end what the connection started."""
+    limit = conn.gateway.config.gateway.max_body_bytes
     try:
         while True:
             frame = await ws.receive()
@@ -236,6 +265,11 @@ async def ws_ticket_endpoint(request: HttpRequest) -> Response:
         headers = {"www-authenticate": exc.www_authenticate} if exc.www_authenticate else None
         return JSONResponse({"error": "unauthorized", "error_description": exc.message}, status_code=exc.status,
                             headers=headers)
+    try:
+        await gateway.limits.admit_request(principal)  # a ticket is a request, as on /mcp
+    except LimitExceeded as exc:
+        status, body, retry = _retry_later(exc, gateway)
+        return JSONResponse(body, status_code=status, headers=retry)
     ticket = await gateway.ws_tickets.issue(principal)
     return JSONResponse({"ticket": ticket, "expires_in_s": gateway.ws_tickets.ttl_s},
                         headers={"cache-control": "no-store"})

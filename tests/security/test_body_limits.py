@@ -17,6 +17,7 @@ from tests.conftest import RedisTarget, free_port
 from tests.gateway_support import start_gateway, stop
 
 LIMIT = 64 * 1024
+HEADER_LIMIT = 16 * 1024
 ADMIN_KEY = "admin-key-0123456789"
 HUGE = 64 * 1024 * 1024
 
@@ -25,7 +26,8 @@ HUGE = 64 * 1024 * 1024
 def port(redis_target_module: RedisTarget) -> Iterator[int]:
     p = free_port()
     proc = start_gateway(p, redis_target_module.url, overrides={"gateway": {
-        "max_body_bytes": LIMIT, "admin_keys": {"root": {"key": ADMIN_KEY, "role": "admin"}}}})
+        "max_body_bytes": LIMIT, "max_header_bytes": HEADER_LIMIT,
+        "admin_keys": {"root": {"key": ADMIN_KEY, "role": "admin"}}}})
     yield p
     stop(proc)
 
@@ -73,6 +75,25 @@ def test_chunked_body_is_cut_off_at_the_limit(port: int, path: str, auth: str) -
         status, headers, answer = read_response(s)
         assert status == 413 and headers["connection"] == "close", answer
         assert read_until_closed(s) == b""
+
+
+@pytest.mark.parametrize("path", ["/healthz", "/mcp", "/mcp/ws"])
+def test_headers_past_their_limit_are_refused_while_they_are_sent(port: int, path: str) -> None:
+    """A header that does not end: 431 once the request's headers pass ``max_header_bytes``,
+    without waiting for the header deadline, and the connection ends (nothing more is buffered)."""
+    with connection(port) as s:
+        s.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Endless: ".encode() + b"a" * (HEADER_LIMIT + 1024))
+        status, headers, _ = read_response(s, timeout_s=5)  # the header deadline is 10 s
+        assert status == 431 and headers["connection"] == "close"
+        assert read_until_closed(s) == b""
+    # headers within the limit, the request split over many segments, are served
+    with connection(port) as s:
+        head = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"".join(
+            b"X-Big-%d: %s\r\n" % (i, b"b" * 1000) for i in range(HEADER_LIMIT // 1100)) + b"\r\n"
+        for i in range(0, len(head), 1000):
+            s.sendall(head[i:i + 1000])
+        status, _, body = read_response(s)
+        assert status == 200 and orjson.loads(body) == {"status": "ok"}
 
 
 def test_a_body_within_the_limit_is_served(port: int, redis_target_module: RedisTarget) -> None:

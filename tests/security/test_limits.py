@@ -20,17 +20,19 @@ import orjson
 import pytest
 import redis as redis_sync
 from websockets.asyncio.client import connect as ws_connect
+from websockets.exceptions import InvalidStatus
 
 from shared import keys
 from shared.config import ConfigError, load_config
 from shared.redis_client import close_sync
 from shared.samples import CLUSTER_SAMPLE_PARTITIONS
-from tests.conftest import RedisTarget, free_port, wait_for
+from tests.conftest import RedisTarget, free_port, wait_for, wait_for_sync
 from tests.gateway_support import start_gateway, stop
 from tests.test_gateway_http import ACCEPT, init, legacy, modern, rpc
 
 SLOW = 0.001  # tokens per second: none come back while a test runs
-KEYS = {p: f"key-{p}-0123456789" for p in ("flood", "learner", "heavy", "subber", "wsuser", "listener", "calm")}
+KEYS = {p: f"key-{p}-0123456789" for p in ("flood", "learner", "heavy", "subber", "wsuser", "listener", "sneak",
+                                             "streamer", "calm")}
 LIMITS = {
     "flood": {"requests_per_s": SLOW, "requests_burst": 3},
     "learner": {"learn_samples_per_s": SLOW, "learn_samples_burst": 5},
@@ -38,6 +40,8 @@ LIMITS = {
     "subber": {"subscriptions_per_session": 2},
     "wsuser": {"ws_concurrent_requests": 2},
     "listener": {"listen_streams": 2},
+    "sneak": {"requests_per_s": SLOW, "requests_burst": 4},
+    "streamer": {"event_streams": 2},
 }
 
 
@@ -259,6 +263,188 @@ def test_listen_streams_per_principal_over_every_replica(replicas: tuple[str, st
             await asyncio.gather(*streams, mine, again, return_exceptions=True)
 
     asyncio.run(scenario())
+
+
+async def _refused_handshake(ws_url: str, principal: str) -> tuple[int, dict[str, str], dict]:
+    """Status, headers and JSON body of a WebSocket handshake the gateway refuses."""
+    with pytest.raises(InvalidStatus) as refused:
+        async with ws_connect(ws_url, subprotocols=["mcp"], additional_headers=auth(principal), open_timeout=10):
+            pass
+    response = refused.value.response
+    return response.status_code, {k.lower(): v for k, v in response.headers.raw_items()}, orjson.loads(response.body)
+
+
+def test_streams_tickets_and_handshakes_count_against_the_request_rate(replicas: tuple[str, str],
+                                                                        store: Any) -> None:
+    a, b = replicas
+    url, ws_url = a + "/mcp", b.replace("http://", "ws://") + "/mcp/ws"
+    headers = {"accept": ACCEPT, "mcp-protocol-version": "2025-11-25", **auth("sneak")}
+
+    async def handshake() -> None:
+        async with ws_connect(ws_url, subprotocols=["mcp"], additional_headers=auth("sneak"), open_timeout=10):
+            pass
+
+    # four requests of every kind but a POST to /mcp use up the burst of 4
+    sid = init(url, auth("sneak"))
+    assert httpx.post(b + "/mcp/ws-ticket", headers=auth("sneak"), timeout=10).status_code == 200
+    assert httpx.delete(url, headers={**headers, "mcp-session-id": "A" * 43}, timeout=10).status_code == 404
+    asyncio.run(handshake())
+    # now each of them is refused before it does anything, on either replica
+    with httpx.stream("GET", url, headers={**headers, "accept": "text/event-stream", "mcp-session-id": sid},
+                      timeout=10) as stream:
+        assert stream.status_code == 429  # else an open stream, which never ends
+        stream.read()
+    assert_limited(stream, "requests")
+    assert_limited(httpx.delete(url, headers={**headers, "mcp-session-id": sid}, timeout=10), "requests")
+    assert store.exists(keys.session("sneak", sid))  # the refused DELETE ended nothing
+    ticket = httpx.post(b + "/mcp/ws-ticket", headers=auth("sneak"), timeout=10)
+    assert ticket.status_code == 429 and int(ticket.headers["retry-after"]) > 60, ticket.text
+    assert ticket.json()["error"] == "limit_exceeded" and "ticket" not in ticket.json()
+    status, got, body = asyncio.run(_refused_handshake(ws_url, "sneak"))
+    assert status == 429 and int(got["retry-after"]) > 60 and body["error"] == "limit_exceeded", (status, body)
+    wait_for_sync(lambda: store.zcard(keys.stream_leases("sneak")) == 0, timeout_s=10,
+                  what="no stream held: the first connection closed, the refused one never opened")
+    # another principal does all of it
+    assert httpx.post(a + "/mcp/ws-ticket", headers=auth("calm"), timeout=10).status_code == 200
+
+
+async def _event_stream(client: httpx.AsyncClient, url: str, principal: str, sid: str,
+                        opened: asyncio.Queue[int], events: asyncio.Queue[dict] | None = None) -> None:
+    """Hold a session's GET stream open; put its status on ``opened``, its messages on ``events``."""
+    headers = {"accept": "text/event-stream", "mcp-session-id": sid, "mcp-protocol-version": "2025-11-25",
+               **auth(principal)}
+    async with client.stream("GET", url, headers=headers) as r:
+        if r.status_code != 200:
+            await r.aread()
+        await opened.put(r.status_code)
+        async for line in r.aiter_lines():
+            if events is not None and line.startswith("data:") and line[5:].strip():
+                await events.put(orjson.loads(line[5:]))
+
+
+def test_event_streams_per_principal_over_every_replica(replicas: tuple[str, str], store: Any) -> None:
+    a, b = replicas
+    leases = keys.stream_leases("streamer")
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(timeout=30) as client:
+            sid = init(a + "/mcp", auth("streamer"))
+            opened: asyncio.Queue[int] = asyncio.Queue()
+            stream = asyncio.create_task(_event_stream(client, a + "/mcp", "streamer", sid, opened))
+            assert await asyncio.wait_for(opened.get(), 10) == 200
+            async with ws_connect(b.replace("http://", "ws://") + "/mcp/ws", subprotocols=["mcp"],
+                                  additional_headers=auth("streamer"), open_timeout=10):
+                assert store.zcard(leases) == 2
+                # a third stream is refused on either replica, as a GET or as a handshake
+                async with client.stream("GET", b + "/mcp", headers={
+                        "accept": "text/event-stream", "mcp-session-id": sid, **auth("streamer")}) as third:
+                    assert third.status_code == 429  # else an open stream, which never ends
+                    await third.aread()
+                assert_limited(third, "event_streams")
+                status, got, body = await _refused_handshake(a.replace("http://", "ws://") + "/mcp/ws", "streamer")
+                assert status == 429 and got["retry-after"] == "1" and "event streams" in body["error_description"]
+                assert store.zcard(leases) == 2
+                # another principal's streams are not held back
+                mine = init(b + "/mcp", auth("calm"))
+                others = [asyncio.create_task(_event_stream(client, base + "/mcp", "calm", mine, opened))
+                          for base in (a, b, b)]
+                assert [await asyncio.wait_for(opened.get(), 10) for _ in others] == [200, 200, 200]
+            # a connection that ends gives its place back
+            await wait_for(lambda: store.zcard(leases) == 1, timeout_s=10, what="the closed connection's lease to go")
+            again = asyncio.create_task(_event_stream(client, b + "/mcp", "streamer", sid, opened))
+            assert await asyncio.wait_for(opened.get(), 10) == 200
+            for t in (stream, again, *others):
+                t.cancel()
+            await asyncio.gather(stream, again, *others, return_exceptions=True)
+
+    asyncio.run(scenario())
+
+
+def test_server_requests_awaiting_answers_are_event_streams(replicas: tuple[str, str], store: Any) -> None:
+    """A 2025-11-25 tool call that asks the client (sampling) waits on Redis for the answer, as a
+    stream does: those waits count among the principal's event streams."""
+    a, b = replicas
+    url = a + "/mcp"
+    sid = init(url, auth("streamer"))
+    headers = {"accept": ACCEPT, "mcp-session-id": sid, "mcp-protocol-version": "2025-11-25", **auth("streamer")}
+
+    async def ask(client: httpx.AsyncClient, rid: int, out: asyncio.Queue[tuple[int, dict]]) -> None:
+        body = rpc("tools/call", {"name": "t_ask", "arguments": {}}, rid=rid)
+        async with client.stream("POST", url, json=body, headers=headers) as r:
+            if r.status_code != 200 or r.headers["content-type"].startswith("application/json"):
+                await out.put((r.status_code, orjson.loads(await r.aread())))
+                return
+            async for line in r.aiter_lines():
+                if line.startswith("data:") and line[5:].strip():
+                    await out.put((r.status_code, orjson.loads(line[5:])))
+
+    async def answer(client: httpx.AsyncClient, request: dict) -> None:
+        reply = {"jsonrpc": "2.0", "id": request["id"],
+                 "result": {"role": "assistant", "content": {"type": "text", "text": "A"}, "model": "m"}}
+        assert (await client.post(b + "/mcp", json=reply, headers=headers)).status_code == 202
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(timeout=30) as client:
+            queues = [asyncio.Queue[tuple[int, dict]]() for _ in range(4)]
+            calls = [asyncio.create_task(ask(client, rid, queues[rid - 1])) for rid in (1, 2)]
+            asked = [(await asyncio.wait_for(q.get(), 10))[1] for q in queues[:2]]
+            assert [m["method"] for m in asked] == ["sampling/createMessage"] * 2
+            assert store.zcard(keys.stream_leases("streamer")) == 2
+            # a third question would hold a third connection: the call is refused at once
+            calls.append(asyncio.create_task(ask(client, 3, queues[2])))
+            status, refused = await asyncio.wait_for(queues[2].get(), 10)
+            assert status == 429 and refused["error"]["code"] == -32029, refused
+            assert refused["error"]["data"]["limit"] == "event_streams"
+            # an answer ends a wait and gives its place back
+            await answer(client, asked[0])
+            assert (await asyncio.wait_for(queues[0].get(), 10))[1]["result"]["content"][0]["text"] == "got A"
+            calls.append(asyncio.create_task(ask(client, 4, queues[3])))
+            fourth = (await asyncio.wait_for(queues[3].get(), 10))[1]
+            assert fourth["method"] == "sampling/createMessage"
+            for request, queue in ((asked[1], queues[1]), (fourth, queues[3])):
+                await answer(client, request)
+                assert "result" in (await asyncio.wait_for(queue.get(), 10))[1]
+            await asyncio.gather(*calls)
+
+    asyncio.run(scenario())
+
+
+def test_one_principals_streams_leave_the_redis_pool_to_the_others(redis_server: str, redis_url: str) -> None:
+    """Every open event stream holds a connection of its replica's pool of blocking Redis
+    connections: a principal opening streams without end must not take the pool from the others."""
+    port = free_port()
+    proc = start_gateway(port, redis_server, api_keys=f"streamer:{KEYS['streamer']},calm:{KEYS['calm']}",
+                         overrides={"redis": {"max_connections": 6}, "limits": {"principals": LIMITS}})
+    url = f"http://127.0.0.1:{port}/mcp"
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(timeout=30) as client:
+            theirs = init(url, auth("streamer"))
+            opened: asyncio.Queue[int] = asyncio.Queue()
+            flood, statuses = [], []
+            for _ in range(6):  # one after the other: the pool's other users are not crowded out meanwhile
+                flood.append(asyncio.create_task(_event_stream(client, url, "streamer", theirs, opened)))
+                statuses.append(await asyncio.wait_for(opened.get(), 10))
+            assert statuses == [200, 200, 429, 429, 429, 429], statuses
+            # the other principal's stream gets what its session logs (notes of a call answered as JSON)
+            mine = init(url, auth("calm"))
+            events: asyncio.Queue[dict] = asyncio.Queue()
+            stream = asyncio.create_task(_event_stream(client, url, "calm", mine, opened, events))
+            assert await asyncio.wait_for(opened.get(), 10) == 200
+            r = await client.post(url, json=rpc("tools/call", {"name": "t_chatty", "arguments": {}}),
+                                  headers={"accept": "application/json", "mcp-session-id": mine,
+                                           "mcp-protocol-version": "2025-11-25", **auth("calm")})
+            assert r.json()["result"]["content"][0]["text"] == "done"
+            note = await asyncio.wait_for(events.get(), 10)
+            assert note["method"] == "notifications/message" and note["params"]["data"] == "working", note
+            for t in (*flood, stream):
+                t.cancel()
+            await asyncio.gather(*flood, stream, return_exceptions=True)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        stop(proc)
 
 
 def test_the_sample_log_is_bounded_by_what_the_trainer_has_not_trained(redis_server: str, redis_url: str) -> None:

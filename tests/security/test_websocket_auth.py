@@ -7,7 +7,6 @@ single-use ticket (gateway/transports/websocket.py, gateway/auth.py), tested her
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,31 +17,22 @@ from websockets.sync.client import ClientConnection
 from websockets.sync.client import connect as ws_connect
 
 from shared.redis_client import close_sync, for_each_primary_sync
-from tests.conftest import RedisTarget, free_port, wait_for_sync
-from tests.gateway_support import start_gateway, stop
+from tests.conftest import RedisTarget, wait_for_sync
+from tests.gateway_support import LoggedGateway as Gateway
+from tests.gateway_support import logged_gateway
 
 KEY = "alice-key-0123456789"
 TICKET_TTL_S = 45
 META = {"io.modelcontextprotocol/protocolVersion": "2026-07-28", "io.modelcontextprotocol/clientCapabilities": {}}
 
 
-class Gateway:
-    def __init__(self, port: int, log: Path) -> None:
-        self.base = f"http://127.0.0.1:{port}"
-        self.ws = f"ws://127.0.0.1:{port}/mcp/ws"
-        self.log = log
-
-
 @pytest.fixture(scope="module")
 def gw(redis_target_module: RedisTarget, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     """One gateway per Redis kind (single server, cluster)."""
-    port = free_port()
-    log = tmp_path_factory.mktemp("wsauth") / "gateway.log"
-    with log.open("wb") as out:
-        proc = start_gateway(port, redis_target_module.url, api_keys=f"alice:{KEY}", output=out, log_level="debug",
-                             overrides={"gateway": {"ws_ticket_ttl_s": TICKET_TTL_S}})
-        yield Gateway(port, log)
-        stop(proc)
+    with logged_gateway(redis_target_module.url, tmp_path_factory.mktemp("wsauth") / "gateway.log",
+                        api_keys=f"alice:{KEY}", log_level="debug",
+                        overrides={"gateway": {"ws_ticket_ttl_s": TICKET_TTL_S}}) as gateway:
+        yield gateway
 
 
 def open_ws(gw: Gateway, subprotocols: list[str], query: str = "") -> ClientConnection:

@@ -1,0 +1,169 @@
+"""Messages an authenticated client crafts to break the gateway rather than to use it, sent to a
+real gateway process over real sockets (HTTP and WebSocket): each is answered with the JSON-RPC
+error and HTTP status that say what is wrong, nothing of it is kept, nothing is logged as a
+crash, and the connection it came on keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import httpx
+import orjson
+import pytest
+import redis as redis_sync
+from websockets.asyncio.client import connect as ws_connect
+
+from gateway.mcp.kernel import MAX_JSON_DEPTH
+from shared import keys
+from tests.conftest import wait_for_sync
+from tests.gateway_support import LoggedGateway as Gateway
+from tests.gateway_support import logged_gateway
+from tests.test_gateway_http import ACCEPT, modern
+
+KEY = "mallory-key-0123456789"
+AUTH = {"authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def gw(redis_server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    with logged_gateway(redis_server, tmp_path_factory.mktemp("hostile") / "gateway.log",
+                        api_keys=f"mallory:{KEY}", log_level="info") as gateway:
+        yield gateway
+
+
+@pytest.fixture
+def store(redis_server: str, redis_url: str) -> Iterator[redis_sync.Redis]:
+    """The gateway's Redis, emptied for this test (``redis_url`` flushes it)."""
+    client = redis_sync.Redis.from_url(redis_server)
+    yield client
+    client.close()
+
+
+def nested(depth: int) -> str:
+    """A JSON value ``depth`` levels deep (lists and objects in turn)."""
+    return "".join("[" if i % 2 else '{"k":' for i in range(depth)) + "1" + \
+        "".join("]" if i % 2 else "}" for i in reversed(range(depth)))
+
+
+def post(gw: Gateway, body: str, headers: dict[str, str] | None = None) -> httpx.Response:
+    return httpx.post(gw.base + "/mcp", content=body.encode(), timeout=10,
+                      headers={"content-type": "application/json", "accept": ACCEPT, **AUTH, **(headers or {})})
+
+
+def assert_too_deep(r: httpx.Response, rid: int | str | None) -> None:
+    assert r.status_code == 400, r.text
+    assert r.json() == {"jsonrpc": "2.0", "id": rid,
+                        "error": {"code": -32600, "message": f"JSON nested deeper than {MAX_JSON_DEPTH} levels"}}
+
+
+def log_size(gw: Gateway) -> int:
+    return gw.log.stat().st_size
+
+
+def assert_no_crash_logged(gw: Gateway, since: int) -> None:
+    """Nothing the replica logged after byte ``since`` is an error or a traceback (``t_crash``'s
+    error, logged last, is the marker that shows the log is the live one)."""
+    body, headers = modern("tools/call", {"name": "t_crash", "arguments": {}})
+    assert post(gw, orjson.dumps(body).decode(), headers).json()["error"] == {"code": -32603,
+                                                                               "message": "Internal error"}
+
+    def logged() -> str:
+        return gw.log.read_bytes()[since:].decode(errors="replace")
+
+    wait_for_sync(lambda: "secret internal detail" in logged(), timeout_s=10,
+                  what="the crash marker to reach the gateway's log")
+    lines = logged().splitlines()
+    marker = next(i for i, line in enumerate(lines) if "internal error while serving tools/call" in line)
+    before = "\n".join(lines[:marker])
+    assert "Traceback" not in before and "ERROR" not in before, before[-3000:]
+
+
+def test_deep_nesting_is_bad_input_on_both_revisions(gw: Gateway, store: redis_sync.Redis) -> None:
+    since = log_size(gw)
+    # far deeper than the decoder recurses, and deeper than what is kept can be encoded again
+    for depth in (100_000, 300):
+        legacy = '{"jsonrpc":"2.0","id":7,"method":"initialize","params":{"protocolVersion":"2025-11-25",' \
+                 f'"capabilities":{nested(depth)}}}}}'
+        r = post(gw, legacy)
+        assert_too_deep(r, 7 if depth == 300 else None)
+        assert "mcp-session-id" not in r.headers
+    assert not store.keys(keys.session("mallory", "*"))  # no session was opened
+    # 2026-07-28: answers to an input request, which a requestState would carry on
+    body, headers = modern("tools/call", {"name": "t_echo", "arguments": {"text": "x"}}, rid=8)
+    text = orjson.dumps(body).decode().replace('"_meta"', f'"inputResponses":{{"q":{nested(300)}}},"_meta"')
+    assert_too_deep(post(gw, text, headers), 8)
+    # a notification has no id to answer with; a client's answer to a server request is named by its own
+    assert_too_deep(post(gw, '{"jsonrpc":"2.0","method":"notifications/x","params":' + nested(200) + "}"), None)
+    assert_too_deep(post(gw, '{"jsonrpc":"2.0","id":"srv-1","result":' + nested(200) + "}"), "srv-1")
+    # as deep as allowed is served
+    ok = '{"jsonrpc":"2.0","id":9,"method":"initialize","params":{"protocolVersion":"2025-11-25",' \
+         f'"capabilities":{{"x":{nested(MAX_JSON_DEPTH - 3)}}}}}}}'
+    r = post(gw, ok)
+    assert r.status_code == 200 and r.headers["mcp-session-id"], r.text
+    assert_too_deep(post(gw, ok.replace(nested(MAX_JSON_DEPTH - 3), nested(MAX_JSON_DEPTH - 2))), 9)
+    assert_no_crash_logged(gw, since)
+
+
+def test_integers_beyond_64_bits_are_bad_input(gw: Gateway, store: redis_sync.Redis) -> None:
+    since = log_size(gw)
+    expected = {"code": -32600, "message": "a number is an integer outside the 64-bit range"}
+    for number in (str(2**64), str(-(2**63) - 1), "1" + "0" * 300):
+        r = post(gw, '{"jsonrpc":"2.0","id":5,"method":"initialize","params":{"protocolVersion":"2025-11-25",'
+                     f'"capabilities":{{"experimental":{{"n":{number}}}}}}}}}')
+        assert r.status_code == 400 and r.json() == {"jsonrpc": "2.0", "id": 5, "error": expected}, (number, r.text)
+    assert not store.keys(keys.session("mallory", "*"))
+    body, headers = modern("tools/call", {"name": "t_echo", "arguments": {"text": "x"}}, rid=6)
+    text = orjson.dumps(body).decode().replace('"_meta"', f'"inputResponses":{{"q":{{"n":{2**70}}}}},"_meta"')
+    r = post(gw, text, headers)
+    assert r.status_code == 400 and r.json()["error"] == expected, r.text
+    # the edges of the 64-bit ranges are numbers like any
+    r = post(gw, '{"jsonrpc":"2.0","id":7,"method":"initialize","params":{"protocolVersion":"2025-11-25",'
+                 f'"capabilities":{{"experimental":{{"n":[{2**64 - 1},{-(2**63)}]}}}}}}}}')
+    assert r.status_code == 200 and r.headers["mcp-session-id"], r.text
+    assert_no_crash_logged(gw, since)
+
+
+def test_deep_nesting_on_a_websocket_leaves_the_connection_serving(gw: Gateway) -> None:
+    since = log_size(gw)
+
+    async def scenario() -> None:
+        async with ws_connect(gw.ws, subprotocols=["mcp"], additional_headers=AUTH) as ws:
+            for depth in (100_000, 300):
+                await ws.send('{"jsonrpc":"2.0","id":3,"method":"ping","params":{"x":' + nested(depth) + "}}")
+                error = orjson.loads(await asyncio.wait_for(ws.recv(), 10))["error"]
+                assert error == {"code": -32600, "message": f"JSON nested deeper than {MAX_JSON_DEPTH} levels"}
+            body, _ = modern("tools/call", {"name": "t_echo", "arguments": {"text": "still here"}}, rid=4)
+            await ws.send(orjson.dumps(body).decode())
+            reply = orjson.loads(await asyncio.wait_for(ws.recv(), 10))
+            assert reply["result"]["content"][0]["text"] == "mallory:still here"
+
+    asyncio.run(scenario())
+    assert_no_crash_logged(gw, since)
+
+
+def test_a_second_initialize_on_a_websocket_is_refused_and_loses_nothing(gw: Gateway, store: redis_sync.Redis) -> None:
+    init = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
+            "params": {"protocolVersion": "2025-11-25", "capabilities": {}}}
+
+    async def scenario() -> None:
+        async with ws_connect(gw.ws, subprotocols=["mcp"], additional_headers=AUTH) as ws:
+            async def answer(message: dict) -> dict:
+                await ws.send(orjson.dumps(message).decode())
+                return orjson.loads(await asyncio.wait_for(ws.recv(), 10))
+
+            assert (await answer(init))["result"]["protocolVersion"] == "2025-11-25"
+            again = await answer({**init, "id": 2})
+            assert again["error"]["code"] == -32600 and "one initialize per connection" in again["error"]["message"]
+            assert len(store.keys(keys.session("mallory", "*"))) == 1  # no second session behind it
+            # what the session subscribes to reaches this socket
+            assert (await answer({"jsonrpc": "2.0", "id": 3, "method": "resources/subscribe",
+                                  "params": {"uri": "test://r"}}))["result"] == {}
+            await ws.send(orjson.dumps({"jsonrpc": "2.0", "id": 4, "method": "tools/call",
+                                        "params": {"name": "t_touch", "arguments": {}}}).decode())
+            got = [orjson.loads(await asyncio.wait_for(ws.recv(), 10)) for _ in range(2)]
+            assert {"jsonrpc": "2.0", "method": "notifications/resources/updated",
+                    "params": {"uri": "test://r"}} in got, got
+            assert any(m.get("id") == 4 and "result" in m for m in got), got
+
+    asyncio.run(scenario())
