@@ -80,6 +80,10 @@ async def test_a_worker_that_cannot_open_deltas_leaves_routing_once_another_serv
         prompt = {"op": "score", "prompt": "The gateway", "target": " serves", "entries": []}
         served = [(await pool.request(prompt))["version"] for _ in range(6)]
         assert served == [3] * 6, "a worker serving weights three versions old answered"
+        stale = procs.pop(0)
+        stale.terminate()
+        _, err = stale.communicate(timeout=30)
+        assert "refuses delta packets (wrong_key" in err.decode(), "the stale worker's log does not say why"
     finally:
         await pool.close()
         for proc in procs:
