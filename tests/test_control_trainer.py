@@ -123,6 +123,11 @@ async def test_control_plane_steers_a_running_trainer(redis_target, tmp_path):
             return bool(delta.get("weights_digest")) and delta.get("version") == r.get(keys.MODEL_VERSION).decode() \
                 == _h(r, keys.TRAINER_STATUS).get("version")
         await wait_for(idle_synced, timeout_s=20, what="the trainer's status to name the version of its idle sync")
+        # and that report (the digest showing workers serve exactly the trainer's weights) stays
+        # while the trainer idles, not only for its TTL after the last publish
+        ttl_ms = r.pttl(keys.component_status("delta"))
+        await wait_for(lambda: r.pttl(keys.component_status("delta")) > ttl_ms, timeout_s=15,
+                       what="the idle trainer to keep its delta report alive")
 
         # ---- rollback: an unretained version is refused; a retained one is served as a new version
         bad = _command(r, "rollback", to_version=10_000)
