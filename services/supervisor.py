@@ -180,7 +180,7 @@ def _learnmesh_argv(*args: str) -> list[str]:
 def build_children(cfg: Config, args: Any, envs: dict[str, dict[str, str]], var_dir: Path) -> list[Child]:
     """The trainer, the workers and the gateway; ``envs``: each role's environment."""
     workers = _n_workers(cfg, args)
-    ranks = args.ranks if getattr(args, "ranks", None) is not None else cfg.trainer.ranks
+    ranks = _n_ranks(cfg, args)
     logs = var_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     gw = ["gateway", "--host", cfg.gateway.host, "--port", str(cfg.gateway.port)]
@@ -197,6 +197,10 @@ def build_children(cfg: Config, args: Any, envs: dict[str, dict[str, str]], var_
 
 def _n_workers(cfg: Config, args: Any) -> int:
     return args.workers if getattr(args, "workers", None) is not None else len(cfg.worker.endpoints)
+
+
+def _n_ranks(cfg: Config, args: Any) -> int:
+    return args.ranks if getattr(args, "ranks", None) is not None else cfg.trainer.ranks
 
 
 def _worker_endpoints(cfg: Config, n: int) -> list[str]:
@@ -288,9 +292,16 @@ def ports_taken(cfg: Config, args: Any) -> list[str]:
            ("security.delta_pub_endpoint", cfg.security.delta_pub_endpoint),
            ("security.snapshot_endpoint", cfg.security.snapshot_endpoint),
            ("security.ack_endpoint", cfg.security.ack_endpoint)]
+    # a child whose exporter cannot bind runs without it, and the other process answers its scrapes
+    met = cfg.metrics
+    exporters = [*((f"metrics.worker_port (worker-{i})", met.worker_port + i)
+                   for i in range(_n_workers(cfg, args)) if met.worker_port),
+                 *((f"metrics.trainer_port (rank {r})", met.trainer_port + r)
+                   for r in range(_n_ranks(cfg, args)) if met.trainer_port)]
     wanted = [("gateway.port (--port)", f"tcp://{cfg.gateway.host}:{cfg.gateway.port}"),
               *((setting, bind_address(endpoint, cfg.zmq.bind_host)) for setting, endpoint in zmq),
-              ("trainer.master_port", f"tcp://{cfg.trainer.master_addr}:{cfg.trainer.master_port}")]
+              ("trainer.master_port", f"tcp://{cfg.trainer.master_addr}:{cfg.trainer.master_port}"),
+              *((setting, f"tcp://{met.bind_host}:{port}") for setting, port in exporters)]
     taken = []
     for setting, address in wanted:
         host, _, port = address.removeprefix("tcp://").rpartition(":")

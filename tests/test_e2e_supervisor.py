@@ -55,14 +55,15 @@ def test_a_child_that_exits_on_a_configuration_error_stops_the_mesh_instead_of_r
     assert not other.alive()
 
 
-@pytest.mark.parametrize("taken", ["gateway", "worker"])
+@pytest.mark.parametrize("taken", ["gateway", "worker", "metrics"])
 def test_up_refuses_ports_another_process_listens_on(redis_url: str, tmp_path: Path, taken: str) -> None:
     """A second mesh (or an old one still running) on the same ports: one line naming the setting,
     before anything starts, instead of children failing to bind in a restart loop while the
     other process answers the readiness probe and the banner says "learnmesh is up"."""
-    ports = {"gateway": free_port(), "worker": free_port()}
+    ports = {"gateway": free_port(), "worker": free_port(), "metrics": free_port()}
     cfg = {"gateway": {"port": ports["gateway"]},
            "worker": {"endpoints": [f"tcp://127.0.0.1:{ports['worker']}"]},
+           "metrics": {"worker_port": ports["metrics"], "trainer_port": 0},
            "trainer": {"samples_endpoint": f"tcp://127.0.0.1:{free_port()}", "master_port": free_port()},
            "security": {name: f"tcp://127.0.0.1:{free_port()}"
                         for name in ("delta_pub_endpoint", "snapshot_endpoint", "ack_endpoint")}}
@@ -79,7 +80,8 @@ def test_up_refuses_ports_another_process_listens_on(redis_url: str, tmp_path: P
             up.terminate()  # it started a mesh: SIGTERM stops its children too
             up.communicate(timeout=60)
             pytest.fail("learnmesh up started a mesh on ports another process listens on")
-    setting = "gateway.port (--port)" if taken == "gateway" else "worker.endpoints[0]"
+    setting = {"gateway": "gateway.port (--port)", "worker": "worker.endpoints[0]",
+               "metrics": "metrics.worker_port (worker-0)"}[taken]
     assert up.returncode == 2
     assert stderr.strip().splitlines() == [
         f"learnmesh: configuration error: another process listens where this mesh would: {setting} "
