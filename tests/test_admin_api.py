@@ -157,6 +157,10 @@ def test_runtime_config_validated_redacted_and_picked_up(gw, r, redis_url):
 def test_delta_key_rotation_signal(gw, r):
     watcher = control.KeyRotationWatcher(r)
     assert watcher.pending() == []
+    # before any rotation: the keys the trainer's last publish used
+    control.report_status(r, "delta", version=3, key_id="k1", signing_key_id="s1")
+    status = gw.get("/admin/delta-key", headers=bearer(VIEWER_KEY)).json()
+    assert status["key_ring"] == {"key_id": "k1", "signing_key_id": "s1"}
     rid = gw.post("/admin/delta-key/rotate", headers=bearer(ADMIN_KEY)).json()["request_id"]
     signing = gw.post("/admin/delta-key/rotate", params={"kind": "signing"}, headers=bearer(ADMIN_KEY))
     assert signing.status_code == 202
@@ -167,6 +171,7 @@ def test_delta_key_rotation_signal(gw, r):
     assert [kind for _, kind in control.KeyRotationWatcher(r).pending()] == ["signing"]
     status = gw.get("/admin/delta-key", headers=bearer(VIEWER_KEY)).json()
     assert status["key_ring"]["key_id"] == "k2" and status["key_ring"]["last_request"] == rid
+    assert status["key_ring"]["signing_key_id"] == "s1", "not rotated yet: the one in use"
 
 
 def test_workers_list_and_drain(gw, r):
