@@ -15,8 +15,8 @@ comes back (same endpoint) answers the next HELLO and rejoins — nothing to res
 Routing: the least-loaded live worker at or past the request's ``min_model_version``;
 if only older workers are live, wait up to ``consistency.timeout_s`` for one to catch up,
 then fail with a clear error. No live worker at all: fail with a retry hint. A worker whose
-heartbeat reports it more than ``consistency.max_lag`` versions behind the trainer's latest
-leaves the routing pool until it catches up — unless every live worker lags that far, in
+heartbeat reports it more than ``consistency.max_lag`` versions behind the trainer's latest, or
+that trails another live worker by more, leaves the routing pool until it catches up — unless every live worker lags that far, in
 which case the least-loaded of them still serves (stale answers beat none; requests that
 need a version say so with ``min_model_version``).
 """
@@ -95,6 +95,12 @@ class WorkerLink:
     @property
     def load(self) -> int:
         return max(len(self.inflight), self.reported_load)
+
+    def behind(self, newest: int) -> int:
+        """Versions behind: what its heartbeat reports, or how far it trails ``newest`` (a version
+        another worker serves), whichever is more. A worker counts only the versions it could open,
+        so one whose key ring is wrong or outdated reports no lag while it serves old weights."""
+        return max(self.lag, newest - self.version)
 
     def set_handshake_failing(self, failing: bool) -> None:
         self.handshake_failing = failing
@@ -337,7 +343,8 @@ class WorkerPool:
     def _pick(self, min_version: int, exclude: set[int]) -> WorkerLink | None:
         live = [w for w in self.live() if w.index not in exclude] or self.live()
         max_lag = self.cfg.consistency.max_lag
-        live = [w for w in live if w.lag <= max_lag] or live  # laggards only when nothing else is live
+        newest = max((w.version for w in live), default=0)
+        live = [w for w in live if w.behind(newest) <= max_lag] or live  # laggards only when nothing else is live
         ok = [w for w in live if w.version >= min_version]
         if not ok:
             return None

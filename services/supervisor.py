@@ -4,7 +4,8 @@ Starts (or finds) Redis, then one gateway, ``--workers`` inference workers and a
 with ``--ranks`` ranks as child processes of this one. A child that exits unexpectedly is
 logged and restarted with backoff; Ctrl-C / SIGTERM stops them in reverse order with
 SIGTERM (the gateway drains, the trainer checkpoints) and SIGKILLs what does not stop
-within ``stop_timeout_s``. A child that exits with a configuration error (exit code 2) is
+within ``stop_timeout_s``; a kill -9 of this process has the kernel send each child SIGTERM
+(shared/lifetime.py). A child that exits with a configuration error (exit code 2) is
 not restarted: the mesh stops with it. Keys are generated on first start and kept in
 ``var/keys``: API and admin keys, each role's CURVE keypair (``keys/zmq``), the delta key
 ring and the trainer's signing key.
@@ -36,6 +37,7 @@ import yaml
 
 from shared.config import CONFIG_ENV, ENV_PREFIX, Config, ConfigError, load_config
 from shared.config import var_dir as config_var_dir
+from shared.lifetime import die_with_parent
 from shared.net import listened_on
 from shared.redis_client import check_access, is_cluster, redact_url
 from shared.secret_files import read_private, write_private
@@ -67,8 +69,12 @@ class Child:
             self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         out = self._log_file if self._log_file is not None else None
         # S603: the argv is learnmesh's own executable with arguments built here, no shell.
+        # SIGTERM when the supervisor dies (kill -9): the child stops as on Ctrl-C (the gateway
+        # drains, the trainer checkpoints) instead of holding the mesh's ports as an orphan. (A
+        # preexec_fn is safe here: `up` runs no threads.)
         self.proc = subprocess.Popen(self.argv, env=self.env, stdout=out,  # noqa: S603
-                                     stderr=subprocess.STDOUT if out else None, start_new_session=True)
+                                     stderr=subprocess.STDOUT if out else None, start_new_session=True,
+                                     preexec_fn=die_with_parent)
         self.started_at = time.monotonic()
         log.info("started %s (pid %d)", self.name, self.proc.pid)
 
@@ -174,7 +180,7 @@ def _learnmesh_argv(*args: str) -> list[str]:
 def build_children(cfg: Config, args: Any, envs: dict[str, dict[str, str]], var_dir: Path) -> list[Child]:
     """The trainer, the workers and the gateway; ``envs``: each role's environment."""
     workers = _n_workers(cfg, args)
-    ranks = args.ranks if getattr(args, "ranks", None) is not None else cfg.trainer.ranks
+    ranks = _n_ranks(cfg, args)
     logs = var_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     gw = ["gateway", "--host", cfg.gateway.host, "--port", str(cfg.gateway.port)]
@@ -191,6 +197,10 @@ def build_children(cfg: Config, args: Any, envs: dict[str, dict[str, str]], var_
 
 def _n_workers(cfg: Config, args: Any) -> int:
     return args.workers if getattr(args, "workers", None) is not None else len(cfg.worker.endpoints)
+
+
+def _n_ranks(cfg: Config, args: Any) -> int:
+    return args.ranks if getattr(args, "ranks", None) is not None else cfg.trainer.ranks
 
 
 def _worker_endpoints(cfg: Config, n: int) -> list[str]:
@@ -282,9 +292,16 @@ def ports_taken(cfg: Config, args: Any) -> list[str]:
            ("security.delta_pub_endpoint", cfg.security.delta_pub_endpoint),
            ("security.snapshot_endpoint", cfg.security.snapshot_endpoint),
            ("security.ack_endpoint", cfg.security.ack_endpoint)]
+    # a child whose exporter cannot bind runs without it, and the other process answers its scrapes
+    met = cfg.metrics
+    exporters = [*((f"metrics.worker_port (worker-{i})", met.worker_port + i)
+                   for i in range(_n_workers(cfg, args)) if met.worker_port),
+                 *((f"metrics.trainer_port (rank {r})", met.trainer_port + r)
+                   for r in range(_n_ranks(cfg, args)) if met.trainer_port)]
     wanted = [("gateway.port (--port)", f"tcp://{cfg.gateway.host}:{cfg.gateway.port}"),
               *((setting, bind_address(endpoint, cfg.zmq.bind_host)) for setting, endpoint in zmq),
-              ("trainer.master_port", f"tcp://{cfg.trainer.master_addr}:{cfg.trainer.master_port}")]
+              ("trainer.master_port", f"tcp://{cfg.trainer.master_addr}:{cfg.trainer.master_port}"),
+              *((setting, f"tcp://{met.bind_host}:{port}") for setting, port in exporters)]
     taken = []
     for setting, address in wanted:
         host, _, port = address.removeprefix("tcp://").rpartition(":")

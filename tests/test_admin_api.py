@@ -157,6 +157,10 @@ def test_runtime_config_validated_redacted_and_picked_up(gw, r, redis_url):
 def test_delta_key_rotation_signal(gw, r):
     watcher = control.KeyRotationWatcher(r)
     assert watcher.pending() == []
+    # before any rotation: the keys the trainer's last publish used
+    control.report_status(r, "delta", version=3, key_id="k1", signing_key_id="s1")
+    status = gw.get("/admin/delta-key", headers=bearer(VIEWER_KEY)).json()
+    assert status["key_ring"] == {"key_id": "k1", "signing_key_id": "s1"}
     rid = gw.post("/admin/delta-key/rotate", headers=bearer(ADMIN_KEY)).json()["request_id"]
     signing = gw.post("/admin/delta-key/rotate", params={"kind": "signing"}, headers=bearer(ADMIN_KEY))
     assert signing.status_code == 202
@@ -167,15 +171,19 @@ def test_delta_key_rotation_signal(gw, r):
     assert [kind for _, kind in control.KeyRotationWatcher(r).pending()] == ["signing"]
     status = gw.get("/admin/delta-key", headers=bearer(VIEWER_KEY)).json()
     assert status["key_ring"]["key_id"] == "k2" and status["key_ring"]["last_request"] == rid
+    assert status["key_ring"]["signing_key_id"] == "s1", "not rotated yet: the one in use"
 
 
 def test_workers_list_and_drain(gw, r):
     r.set(keys.MODEL_VERSION, 7)
     control.report_status(r, "worker:w1", version=5, load=2)
     control.report_status(r, "worker:w2", version=7, load=0)
+    # w3 opens no delta (a key ring of before a rotation): it sees no newer version, so reports no lag
+    control.report_status(r, "worker:w3", version=1, load=0, lag=0)
     workers = gw.get("/admin/workers", headers=bearer(VIEWER_KEY)).json()["workers"]
     by_id = {w["id"]: w for w in workers}
     assert by_id["w1"]["lag"] == 2 and by_id["w2"]["lag"] == 0 and by_id["w1"]["load"] == 2
+    assert by_id["w3"]["lag"] == 6, "the trainer's latest version tells how far a worker is behind"
     # reported in Redis but not in this replica's pool (gone, or its report not yet expired): not serving
     assert by_id["w1"]["alive"] is False and by_id["w2"]["alive"] is False
     assert gw.post("/admin/workers/w1/drain", headers=bearer(VIEWER_KEY)).status_code == 403
@@ -183,7 +191,7 @@ def test_workers_list_and_drain(gw, r):
     assert gw.post("/admin/workers/w1/drain", headers=bearer(OPERATOR_KEY)).json()["drained"] is True
     assert control.drained_workers(r) == {"w1"}
     assert {w["id"]: w["drained"] for w in gw.get("/admin/workers", headers=bearer(VIEWER_KEY)).json()["workers"]} \
-        == {"w1": True, "w2": False}
+        == {"w1": True, "w2": False, "w3": False}
     gw.delete("/admin/workers/w1/drain", headers=bearer(OPERATOR_KEY))
     assert control.drained_workers(r) == set()
 

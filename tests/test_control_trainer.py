@@ -116,6 +116,18 @@ async def test_control_plane_steers_a_running_trainer(redis_target, tmp_path):
                        timeout_s=30, what="the subscriber to follow deltas under the new key")
         assert sub.stats["applied"] > applied
         assert "wrong_key" not in sub.stats["rejected"]
+        # once idle, the residual goes out losslessly as one more version (the publish that reports
+        # the weights' digest): /admin/trainer names that version too, not the last step's
+        def idle_synced() -> bool:
+            delta = _h(r, keys.component_status("delta"))
+            return bool(delta.get("weights_digest")) and delta.get("version") == r.get(keys.MODEL_VERSION).decode() \
+                == _h(r, keys.TRAINER_STATUS).get("version")
+        await wait_for(idle_synced, timeout_s=20, what="the trainer's status to name the version of its idle sync")
+        # and that report (the digest showing workers serve exactly the trainer's weights) stays
+        # while the trainer idles, not only for its TTL after the last publish
+        ttl_ms = r.pttl(keys.component_status("delta"))
+        await wait_for(lambda: r.pttl(keys.component_status("delta")) > ttl_ms, timeout_s=15,
+                       what="the idle trainer to keep its delta report alive")
 
         # ---- rollback: an unretained version is refused; a retained one is served as a new version
         bad = _command(r, "rollback", to_version=10_000)
@@ -128,6 +140,7 @@ async def test_control_plane_steers_a_running_trainer(redis_target, tmp_path):
         await wait_for(lambda: _ack(r, cid), timeout_s=20, what="rollback ack")
         ack = _ack(r, cid)
         assert ack["ok"] is True and ack["new_version"] > current
+        assert _h(r, keys.TRAINER_STATUS)["version"] == str(ack["new_version"])
         await wait_for(lambda: (sub.poll(), sub.version == ack["new_version"])[1], timeout_s=30,
                        what="the subscriber to reach the rolled-back version")
         for name, tensor in sub.params.items():

@@ -55,14 +55,15 @@ def test_a_child_that_exits_on_a_configuration_error_stops_the_mesh_instead_of_r
     assert not other.alive()
 
 
-@pytest.mark.parametrize("taken", ["gateway", "worker"])
+@pytest.mark.parametrize("taken", ["gateway", "worker", "metrics"])
 def test_up_refuses_ports_another_process_listens_on(redis_url: str, tmp_path: Path, taken: str) -> None:
     """A second mesh (or an old one still running) on the same ports: one line naming the setting,
     before anything starts, instead of children failing to bind in a restart loop while the
     other process answers the readiness probe and the banner says "learnmesh is up"."""
-    ports = {"gateway": free_port(), "worker": free_port()}
+    ports = {"gateway": free_port(), "worker": free_port(), "metrics": free_port()}
     cfg = {"gateway": {"port": ports["gateway"]},
            "worker": {"endpoints": [f"tcp://127.0.0.1:{ports['worker']}"]},
+           "metrics": {"worker_port": ports["metrics"], "trainer_port": 0},
            "trainer": {"samples_endpoint": f"tcp://127.0.0.1:{free_port()}", "master_port": free_port()},
            "security": {name: f"tcp://127.0.0.1:{free_port()}"
                         for name in ("delta_pub_endpoint", "snapshot_endpoint", "ack_endpoint")}}
@@ -79,7 +80,8 @@ def test_up_refuses_ports_another_process_listens_on(redis_url: str, tmp_path: P
             up.terminate()  # it started a mesh: SIGTERM stops its children too
             up.communicate(timeout=60)
             pytest.fail("learnmesh up started a mesh on ports another process listens on")
-    setting = "gateway.port (--port)" if taken == "gateway" else "worker.endpoints[0]"
+    setting = {"gateway": "gateway.port (--port)", "worker": "worker.endpoints[0]",
+               "metrics": "metrics.worker_port (worker-0)"}[taken]
     assert up.returncode == 2
     assert stderr.strip().splitlines() == [
         f"learnmesh: configuration error: another process listens where this mesh would: {setting} "
@@ -136,3 +138,52 @@ def test_a_gateway_on_a_port_another_process_listens_on_stops_before_it_reaches_
     assert done.stderr.strip().splitlines() == [
         f"learnmesh: configuration error: gateway.port: another process listens on 127.0.0.1:{port}; stop it, "
         "or give this gateway another port (--port, LEARNMESH_GATEWAY__PORT)"]
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie waiting for its new parent to reap it counts)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel's parent-death signal is Linux's")
+def test_children_and_a_private_redis_stop_when_the_supervisor_is_killed(tmp_path: Path) -> None:
+    """kill -9 of `learnmesh up`: its children (each in a session of its own) must not stay behind
+    holding the mesh's ports, nor its private redis-server beside the next start's. A child is
+    told with SIGTERM, so it stops as on Ctrl-C (the gateway drains, the trainer checkpoints)."""
+    child = ("import pathlib, signal, sys, time\n"
+             f"out = pathlib.Path({str(tmp_path / 'child')!r})\n"
+             "signal.signal(signal.SIGTERM, lambda *_: (out.write_text('SIGTERM'), sys.exit(0)))\n"
+             "out.write_text('running')\n"
+             "time.sleep(120)\n")
+    up = ("import os, sys\n"
+          "from services.supervisor import Child, Supervisor\n"
+          "from shared.redis_embed import start_redis\n"
+          f"_, redis = start_redis({str(tmp_path / 'redis')!r})\n"
+          f"sup = Supervisor([Child('worker-0', [sys.executable, '-c', {child!r}], dict(os.environ))])\n"
+          "sup.start()\n"
+          "print(sup.children[0].proc.pid, redis.pid, flush=True)\n"
+          "sup.run()\n")
+    proc = subprocess.Popen([sys.executable, "-c", up], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    pids: list[int] = []
+    try:
+        assert proc.stdout is not None
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        wait_for_sync(lambda: (tmp_path / "child").is_file(), timeout_s=30, what="the child to run")
+        proc.kill()
+        proc.wait(10)
+        for pid in pids:
+            wait_for_sync(lambda pid=pid: _gone(pid), timeout_s=15, what=f"process {pid} to stop with its supervisor")
+        assert (tmp_path / "child").read_text() == "SIGTERM"
+    finally:
+        for pid in pids:
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()

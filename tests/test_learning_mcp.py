@@ -128,6 +128,10 @@ def test_learn_answers_a_token_that_generate_and_score_wait_on(client, redis_url
         for bad in ("2", "abc", f"{log_id}.x", "../etc.1"):
             err = call_tool(client, "score", {"prompt": "q", "target": "a", "after_learn": bad})
             assert err["error"]["code"] == -32602, (bad, err)
+        # the right log, but a seq no learn call was answered with: refused at once, not after
+        # consistency.learn_wait_s (a typo or a token made up by hand would hold the call that long)
+        err = call_tool(client, "score", {"prompt": "q", "target": "a", "after_learn": learned_token(log_id, 3, part)})
+        assert err["error"]["code"] == -32602 and "does not hold" in err["error"]["message"], err
         # a token of a log that was recreated since (a Redis that lost its data)
         r.set(keys.sample_log_id(part), "0123456789abcdef")
         err = call_tool(client, "generate", {"prompt": "q", "after_learn": token})

@@ -18,7 +18,7 @@ from trainer_support import (
 )
 
 from gateway.tools.learning import SampleIngest
-from services.trainer import ledger
+from services.trainer import checkpoint, ledger
 from shared.redis_client import close_sync
 from shared.samples import Example, partition_of, sample_partitions
 from tests.conftest import free_port, wait_for
@@ -143,3 +143,14 @@ async def test_a_rank_that_keeps_dying_fails_the_job_instead_of_hanging(redis_ta
         proc.close()
     assert code != 0
     assert "trainer failed" in proc.output()
+
+
+def test_a_checkpoint_write_cut_short_leaves_no_file_behind_the_next_save(tmp_path):
+    """A kill -9 while rank 0 writes a checkpoint leaves its temp file (never loaded: only
+    ``ckpt-<step>.pt`` names are); the next save removes it, so crashes do not fill the disk."""
+    partial = tmp_path / ".ckpt-0000000007.pt.tmp"
+    partial.write_bytes(b"half a checkpoint")
+    assert checkpoint.latest_bytes(tmp_path) is None
+    checkpoint.save(tmp_path, 9, {"step": 9}, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-0000000009.pt"]
+    assert checkpoint.load_bytes(checkpoint.latest_bytes(tmp_path) or b"")["step"] == 9

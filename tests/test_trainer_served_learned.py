@@ -76,6 +76,18 @@ def test_replay_capacity_drops_the_oldest_and_one_pass_means_no_replay() -> None
     assert len(single) == 0 and single.take(5) == []
 
 
+def test_replay_buffer_overflow_is_logged_however_many_samples_a_step_adds(caplog) -> None:
+    """Samples that lose their remaining passes are said in the log: at the first loss, then
+    every 1000, also when steps add several samples at once (the count skips over 1 and 1000)."""
+    buf = ReplayBuffer(passes=2, capacity=4)
+    with caplog.at_level("WARNING", logger="learnmesh.trainer"):
+        for start in range(0, 4 + 3 * 400, 3):
+            buf.add([_record(i) for i in range(start, start + 3)])
+    lost = [r.getMessage() for r in caplog.records if "lost remaining passes" in r.getMessage()]
+    assert buf.dropped == 3 * 401 + 3 - 4 and len(lost) == 2, lost
+    assert lost[0].endswith(": 2 sample(s) lost remaining passes") and ": 1001 sample(s)" in lost[1]
+
+
 def test_outcomes_never_count_a_sample_without_gradient_as_trained() -> None:
     down = Feedback(input="q", generation_id="g", output="a", preference="down")
     trained, skipped = outcomes([_record(1), _record(2, skip=True), _record(3, down)])

@@ -20,7 +20,13 @@ router = admin_router()
 async def delta_key_status(request: Request, who: AdminPrincipal = viewer) -> dict[str, Any]:
     r = gateway_of(request).redis
     pending = await r.xlen(keys.DELTA_KEY_ROTATE)
-    return {"key_ring": redis_hash(await r.hgetall(keys.DELTA_KEY_STATUS)), "rotation_requests": pending}
+    ring = redis_hash(await r.hgetall(keys.DELTA_KEY_STATUS))
+    # the keys the trainer's last publish used: what is in force before any rotation too
+    in_use = redis_hash(await r.hgetall(keys.component_status("delta")))
+    for name in ("key_id", "signing_key_id"):
+        if name not in ring and in_use.get(name):
+            ring[name] = in_use[name]
+    return {"key_ring": ring, "rotation_requests": pending}
 
 
 @router.post("/delta-key/rotate", status_code=202, summary="Rotate a delta key: encryption, signing or both "

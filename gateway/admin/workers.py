@@ -57,8 +57,11 @@ async def mesh_workers(gateway: Gateway) -> list[dict[str, Any]]:
     out = []
     for wid, w in sorted(by_id.items()):
         version = w.get("version")
-        lag = (current - int(version)) if current is not None and isinstance(version, (int, float)) else None
-        out.append({**w, "version": version, "lag": w.get("lag", lag), "load": w.get("load"),
+        lag = max(0, current - int(version)) if current is not None and isinstance(version, (int, float)) else None
+        reported = w.get("lag")
+        if isinstance(reported, (int, float)):  # a worker counts only versions it could open (wrong key ring)
+            lag = int(reported) if lag is None else max(lag, int(reported))
+        out.append({**w, "version": version, "lag": lag, "load": w.get("load"),
                     "drained": wid in drained or bool(w.get("drained"))})
     return out
 

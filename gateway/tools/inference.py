@@ -117,11 +117,15 @@ async def _min_version(ctx: ToolContext, args: dict[str, Any]) -> int:
     while True:
         pipe = ctx.state.redis.pipeline(transaction=False)
         pipe.get(keys.sample_log_id(part))
+        pipe.get(keys.sample_seq(part))
         pipe.zrangebyscore(keys.model_version_seq(part), seq, "+inf", start=0, num=1)
-        current, found = await pipe.execute()
+        current, handed_out, found = await pipe.execute()
         if (current.decode() if isinstance(current, bytes) else current) != log_id:
             raise InvalidParams("after_learn names samples of a sample log that no longer exists (it was "
                                 "recreated); learn them again", {"after_learn": token})
+        if seq > int(handed_out or 0):  # no learn call answered it: it would wait learn_wait_s for nothing
+            raise InvalidParams("after_learn names samples the sample log does not hold; pass the 'learned' token "
+                                "a learn call returned", {"after_learn": token})
         if found:
             return max(wanted, int(found[0]))
         if time.monotonic() >= deadline:

@@ -1,4 +1,5 @@
-"""Checkpoints: ``ckpt-<step>.pt`` written atomically (temp file + rename + fsync), newest N kept.
+"""Checkpoints: ``ckpt-<step>.pt`` written atomically (temp file + rename + fsync), newest N kept;
+the temp file of a write a kill -9 cut short goes with the next save.
 
 A checkpoint holds the model state, optimizer and schedule state, and the commit record it
 corresponds to (step, seq, id, version) — see services/trainer/ledger.py for why it is only
@@ -42,6 +43,8 @@ def save(directory: str | os.PathLike[str], step: int, state: dict[str, Any], ke
         os.close(dfd)
     for _, old in _list(d)[:-keep]:
         old.unlink(missing_ok=True)
+    for partial in d.glob(".ckpt-*.pt.tmp"):  # a write a kill -9 cut short (rank 0 is the only writer)
+        partial.unlink(missing_ok=True)
     return final
 
 

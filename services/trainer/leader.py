@@ -206,6 +206,7 @@ class Leader:
         serve bit-exactly the weights the trainer holds (with local SGD: the last average)."""
         self._next_version()
         self.publish(step, lossless=True)
+        self._status_version()
         self._residual = False
         m.TRAINER_IDLE_SYNCS.inc()
         log.info("training paused: published the residual losslessly as version %d (served == trainer)",
@@ -218,6 +219,12 @@ class Leader:
         self._next_version()
         self.replay.clear()  # the learning of the discarded steps is not to be repeated
         self.publish(step, anchor=True, rollback_of=target)
+        self._status_version()
+
+    def _status_version(self) -> None:
+        """A publish without a step (whose report names its version): the trainer's status
+        (/admin/trainer) names the version workers are sent, not the last step's."""
+        self.redis.hset(keys.TRAINER_STATUS, "version", self.version)
 
     def _next_version(self) -> None:
         self.offset = dataclasses.replace(self.offset, version=max(self.version, self.offset.version) + 1)

@@ -9,11 +9,9 @@ publisher and control plane, all positioned at the latest checkpoint.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import signal
-import sys
 import threading
 from collections.abc import Callable, Sequence
 from types import FrameType
@@ -35,6 +33,7 @@ from services.trainer.stepper import Stepper, build_model
 from shared import metrics as m
 from shared.config import Config, log_level
 from shared.control import start_metrics_server
+from shared.lifetime import die_with_parent
 from shared.redis_client import check_access, sync_client
 from shared.samples import sample_partitions
 from shared.secret_files import check_private
@@ -109,12 +108,10 @@ def run_rank(cfg: Config, observers: Sequence[StepObserver] = ()) -> int:
 def _die_with_launcher() -> None:
     """torchrun starts each rank in a session of its own, so a kill -9 of the launcher (or of
     its process group) would leave the ranks running, holding the sample endpoint and the
-    publisher's ports. On Linux the kernel kills a rank when the process that started it dies.
-    (A rank whose launcher died before this call cannot join its group and fails at
+    publisher's ports: the kernel kills a rank when the process that started it dies. (A rank
+    whose launcher died before this call cannot join its group and fails at
     ``trainer.init_timeout_s``.)"""
-    if sys.platform.startswith("linux"):
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    die_with_parent(signal.SIGKILL)
 
 
 # ---------------------------------------------------------------- assembling a rank

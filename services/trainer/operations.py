@@ -132,8 +132,12 @@ class TrainerOps:
             return
         self._next_report = now + self.cfg.metrics.status_interval_s
         try:
-            self.redis.hset(keys.TRAINER_STATUS, mapping={"paused": int(self.paused),
-                                                          "updated_ms": control.now_ms()})
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.hset(keys.TRAINER_STATUS, mapping={"paused": int(self.paused), "updated_ms": control.now_ms()})
+            # the last publish's report (digest, served gap) holds while no step runs: without
+            # it an idle mesh could not show that workers serve the trainer's exact weights
+            pipe.pexpire(keys.component_status("delta"), int(control.status_ttl_s(self.cfg) * 1000))
+            pipe.execute()
         except Exception as exc:
             log.debug("status report failed: %s", exc)
 
@@ -222,7 +226,7 @@ class TrainerOps:
     def _report_delta(self, stats: PublishStats, ratio: float | None) -> None:
         comp = self.cfg.compression
         pub = self.publisher
-        control.report_status(self.redis, "delta", compression_ratio=ratio,
+        control.report_status(self.redis, "delta", ttl_s=control.status_ttl_s(self.cfg), compression_ratio=ratio,
                               sync_latency_ms=self._sync_latency_ms, version=stats.version, kind=stats.kind,
                               bytes=stats.bytes, density=round(stats.density, 6), density_target=pub.encoder.density,
                               algorithm=comp.algorithm, encode_ms=round(stats.encode_s * 1000, 3),

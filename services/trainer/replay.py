@@ -46,8 +46,8 @@ class ReplayBuffer:
         if len(self._queue) > self.capacity:  # the oldest have had the most passes already
             over = len(self._queue) - self.capacity
             del self._queue[:over]
-            self.dropped += over
-            if self.dropped == 1 or self.dropped % 1000 == 0:
+            before, self.dropped = self.dropped, self.dropped + over
+            if before == 0 or before // 1000 != self.dropped // 1000:  # the first drop, then every 1000
                 log.warning("replay buffer full (trainer.replay_buffer=%d): %d sample(s) lost remaining passes",
                             self.capacity, self.dropped)
 

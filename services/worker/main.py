@@ -193,7 +193,7 @@ class Worker:
                 self.drained = drained
             lag = self.subscriber.lag if self.subscriber is not None else None
             control.report_status(self._redis, f"worker:{self.worker_id}",
-                                  ttl_s=max(10.0, 5 * self.cfg.metrics.status_interval_s), version=self.version,
+                                  ttl_s=control.status_ttl_s(self.cfg), version=self.version,
                                   load=self.load(), lag=lag, drained=int(drained),
                                   idle=int(drained and not self.queue and not self.running),
                                   weights_digest=self._weights_digest())

@@ -36,6 +36,15 @@ log = logging.getLogger(__name__)
 
 _MAX_BUFFERED = 4096
 _MAX_BUFFERED_BYTES = 256 * 1024 * 1024
+_KEY_WARN_INTERVAL_S = 60.0
+# rejections that a key ring other than the trainer's explains (docs/delta.md, "Keys and rotation")
+_KEY_REJECTS = {
+    "wrong_key": "they are sealed with a key this worker's ring (security.delta_key_file) does not hold; "
+                 "give it the trainer's ring",
+    "retired_key": "they are sealed with a key this worker's ring retired; give it the trainer's ring",
+    "bad_signature": "they are not signed by a signing key of this worker's ring (a ring from before a "
+                     "signing-key rotation, or forged packets)",
+}
 
 
 @dataclass
@@ -90,6 +99,7 @@ class DeltaSubscriber:
         self._pending_req: str | None = None
         self._req_sent_at = 0.0
         self._snap_parts: dict[int, tuple[Opened, bytes]] = {}
+        self._key_warned: dict[str, float] = {}  # reason -> when its next warning may be logged
         self._request_snapshot("join")
 
     @property
@@ -136,6 +146,13 @@ class DeltaSubscriber:
         rej = self.stats["rejected"]
         rej[reason] = rej.get(reason, 0) + 1
         metrics.DELTA_REJECTED.labels(reason).inc()
+        why = _KEY_REJECTS.get(reason)
+        now = time.monotonic()
+        if why is not None and now >= self._key_warned.get(reason, 0.0):
+            # a worker that opens no packet serves old weights: say why, where operators look
+            self._key_warned[reason] = now + _KEY_WARN_INTERVAL_S
+            log.warning("worker %s refuses delta packets (%s, %d so far): %s; it serves version %d",
+                        self.worker_id, reason, rej[reason], why, self.version)
 
     def _on_packet(self, frames: list[bytes]) -> None:
         try:
