@@ -125,9 +125,16 @@ async def test_control_plane_steers_a_running_trainer(redis_target, tmp_path):
         await wait_for(idle_synced, timeout_s=20, what="the trainer's status to name the version of its idle sync")
         # and that report (the digest showing workers serve exactly the trainer's weights) stays
         # while the trainer idles, not only for its TTL after the last publish
-        ttl_ms = r.pttl(keys.component_status("delta"))
-        await wait_for(lambda: r.pttl(keys.component_status("delta")) > ttl_ms, timeout_s=15,
-                       what="the idle trainer to keep its delta report alive")
+        # (refreshed: its TTL rises above the lowest seen since, which it decays to between
+        # refreshes; the first reading may itself be a full TTL, read the moment it was set)
+        lowest = [r.pttl(keys.component_status("delta"))]
+
+        def refreshed() -> bool:
+            ttl_ms = r.pttl(keys.component_status("delta"))
+            rose = 0 < lowest[0] < ttl_ms
+            lowest[0] = min(lowest[0], ttl_ms)
+            return rose
+        await wait_for(refreshed, timeout_s=15, what="the idle trainer to keep its delta report alive")
 
         # ---- rollback: an unretained version is refused; a retained one is served as a new version
         bad = _command(r, "rollback", to_version=10_000)
