@@ -71,8 +71,8 @@ class CallHooks:
         self.proxy = proxy
         self.call = call
         self.up = up
-        self.asked: dict[str, int] = {}
-        self._open = 0  # questions being asked of a 2025-11-25 client now  # questions of a 2025-11-25 upstream so far, by key
+        self.asked: dict[str, int] = {}  # questions of a 2025-11-25 upstream so far, by key
+        self._open = 0  # questions being asked of a 2025-11-25 client now
         self.stopped: InputRequired | McpError | None = None  # why the call cannot finish on this round
         self.hooks = Hooks(notify=self.notify, ask=self.ask, progress_token=call.meta.get("progressToken"))
 
