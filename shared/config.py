@@ -386,6 +386,17 @@ class TrainerConfig:
     # round-robin), and every step also trains rehearsal_per_step windows of the shipped corpus,
     # so the model learns the new facts without forgetting what it knew.
     replay_passes: PositiveInt = Field(default=8, description="steps each sample is trained in (1: once)")
+    # After its last pass a sample with a short target is checked against the model (does it give
+    # that target greedily?); one that is not answered yet gets another pass, up to answer_passes
+    # more (services/trainer/replay.py). 0: off.
+    answer_passes: NonNegativeInt = Field(
+        default=8, description="passes beyond replay_passes for a short target the model does not answer yet")
+    answer_max_bytes: PositiveInt = Field(
+        default=64, description="targets up to this many bytes are answers to give back (answer_passes)")
+    # An answer only just given is lost again by the next steps on other facts; a lead of 1 nat
+    # (the target e times likelier than the runner-up) keeps it through them.
+    answer_margin: NonNegativeFloat = Field(
+        default=1.0, description="logit lead each target token needs over the next likeliest to count as answered")
     torch_threads: NonNegativeInt = Field(
         default=0, description="CPU ranks: intra-op threads each; 0: the machine's cores / ranks on it")
     replay_buffer: PositiveInt = Field(

@@ -160,6 +160,9 @@ TRAINER_SAMPLES_SKIPPED = Counter("learnmesh_trainer_samples_skipped_total",
                                   "Samples consumed without a gradient, by reason", ["reason"])
 TRAINER_REPLAYED = Counter("learnmesh_trainer_replayed_samples_total",
                            "Extra passes over recent samples (trainer.replay_passes)")
+TRAINER_ANSWER_PASSES = Counter("learnmesh_trainer_answer_passes_total",
+                                "Passes given to samples whose short target the model did not answer yet "
+                                "(trainer.answer_passes)")
 TRAINER_LOG_RESETS = Counter("learnmesh_trainer_log_resets_total",
                              "Times the trainer found a sample log other than the one its offsets came from")
 TRAINER_IDLE_SYNCS = Counter("learnmesh_trainer_idle_syncs_total",

@@ -180,3 +180,30 @@ def test_hf_adapter_tiny_random(tmp_path):
     assert 0 < len(head.trainable_named_parameters()) < len(list(head.parameters()))
     with pytest.raises(ConfigError):
         build_model(replace(cfg, trainable="lora"))
+
+
+def test_answers_is_greedy_decodings_verdict_on_the_target(tmp_path):
+    """``answers`` (what the trainer asks before letting a taught fact go) says True exactly when
+    greedy decoding gives the target and stops: checked at every step of learning two facts
+    (prompts of other lengths, so left padding is exercised); with a margin it is stricter."""
+    m = build_model(tiny(tmp_path), pretrained=False)
+    facts = [("The capital of Zorblat is", " Quennix."), ("Flim", " copper rain.")]
+    taught = [m.encode(None, p, t) for p, t in facts]
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    said: list[list[bool]] = []
+    for _ in range(150):
+        loss = m.loss(m.collate(taught))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        verdict = m.answers(taught)
+        chunks = m.generate([m.encode(None, p, None) for p, _ in facts], max_tokens=20, temperature=0.0)
+        given = [b"".join(row).decode(errors="replace") for row in zip(*chunks, strict=True)]
+        assert verdict == [g == t for g, (_, t) in zip(given, facts, strict=True)], (verdict, given)
+        strict = m.answers(taught, margin=1.0)
+        assert all(v or not s for v, s in zip(verdict, strict, strict=True)), "a margin only takes answers away"
+        said.append(verdict)
+        if all(strict):
+            break
+    assert said[0] == [False, False] and all(said[-1]), "the facts went from not answered to answered"
+    assert m.answers([m.encode(None, "no target", None)]) == [False]

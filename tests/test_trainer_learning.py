@@ -19,6 +19,7 @@ import torch
 from trainer_support import TrainerProc, async_redis, trained, trainer_config
 
 from gateway.tools.learning import SampleIngest
+from shared import keys
 from shared.model import build_model
 from shared.samples import Example
 from tests.conftest import free_port, wait_for
@@ -31,8 +32,17 @@ HELD_OUT = [("Q: What is the capital of France?\nA:", " The capital of France is
             ("When the garden carries the garden,", " the garden is fast.")]
 ROOT = Path(__file__).resolve().parents[1]
 # A small real model (pre-trained once on the shipped corpus, cached under var/model).
+ANSWER_PASSES = 60
 MODEL = {"d_model": 64, "n_layers": 2, "n_heads": 2, "max_seq": 96, "pretrain_steps": 200,
          "cache_dir": str(ROOT / "var" / "model")}
+
+
+def _trained_model(cfg):
+    """The model of the trainer's last checkpoint."""
+    model = build_model(cfg.model)
+    ckpt = sorted(Path(cfg.trainer.checkpoint_dir).glob("ckpt-*.pt"))[-1]
+    model.load_state_dict(torch.load(ckpt, weights_only=True)["model"])
+    return model
 
 
 def _scores(model, pairs) -> list[float]:
@@ -58,10 +68,39 @@ async def test_taught_facts_are_learnt_and_held_out_loss_stays_bounded(redis_url
         proc.close()
         ingest.close()
         await redis.aclose()
-    ckpt = sorted(Path(cfg.trainer.checkpoint_dir).glob("ckpt-*.pt"))[-1]
-    after = build_model(cfg.model)
-    after.load_state_dict(torch.load(ckpt, weights_only=True)["model"])
+    after = _trained_model(cfg)
     facts, held = _scores(after, FACTS), _scores(after, HELD_OUT)
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     assert mean(facts) < 0.5 * mean(base_facts), (base_facts, facts)
     assert mean(held) < 1.5 * mean(base_held), (base_held, held)
+
+
+async def test_a_fact_taught_once_is_replayed_until_the_model_gives_its_answer(redis_url, tmp_path):
+    """``trainer.answer_passes``: with two fixed passes per sample this small model answers none of
+    the facts taught once each; a fact whose answer the model does not give after its last pass
+    gets more passes, until greedy decoding gives it (end included) or the passes run out."""
+    cfg = trainer_config(redis_url, tmp_path, free_port(), ranks=1, batch_size=4, lr=3e-3, checkpoint_every=1000,
+                         model_factory="", model=MODEL, replay_passes=2, answer_passes=ANSWER_PASSES)
+    redis = async_redis(redis_url)
+    ingest = SampleIngest(redis, cfg)
+    proc = TrainerProc(cfg, tmp_path)
+    try:
+        await ingest.submit("teacher", [Example(input=p, target=t) for p, t in FACTS])
+
+        async def settled() -> bool:
+            status = await redis.hgetall(keys.TRAINER_STATUS)
+            return trained(redis_url) == len(FACTS) and status.get(b"replay_pending") == b"0"
+        await wait_for(settled, timeout_s=180, what="every pass over the facts")
+        given = int((await redis.hget(keys.TRAINER_STATUS, "answer_passes")) or 0)
+        assert proc.term() == 0, proc.output()
+    finally:
+        proc.close()
+        ingest.close()
+        await redis.aclose()
+    model = _trained_model(cfg)
+    examples = [model.encode(None, p) for p, _ in FACTS]
+    out = [b"".join(chunks) for chunks in zip(*model.generate(examples, max_tokens=24, temperature=0.0),
+                                              strict=True)]
+    answered = [o.decode(errors="replace") == t for o, (_, t) in zip(out, FACTS, strict=True)]
+    assert all(answered), (out, given)
+    assert given > 0, "answer passes were given"

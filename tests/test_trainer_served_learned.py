@@ -67,6 +67,39 @@ def test_replay_settled_seq_is_below_the_oldest_sample_still_owed_a_pass() -> No
     assert buf.settled_seqs({0: 3, 1: 5}) == {0: min(owed) - 1, 1: 5}, "per partition of the log"
 
 
+def test_a_short_answer_not_given_yet_gets_more_passes_up_to_the_limit() -> None:
+    """After its last pass a sample with a short target is judged; one not answered goes back
+    for one more pass at a time, up to ``answer_passes``, and counts as unsettled meanwhile. Long
+    targets and samples already answered keep their fixed passes."""
+    buf = ReplayBuffer(passes=2, capacity=100, seed=3, answer_passes=2, answer_max_bytes=8)
+    short, long_ = _record(1, Example(input="q", target="short")), _record(2, Example(input="q", target="x" * 9))
+    buf.add([short, long_])
+    assert {r.logged.seq for r in buf.take(5)} == {1, 2} and len(buf) == 0
+    assert [item[0] for item in buf.due] == [short], "only the short target is judged"
+    assert buf.settled_seqs({0: 2}) == {0: 0}, "a sample waiting for its verdict is not settled"
+    asked: list[list[int]] = []
+
+    def never(records: list[TrainRecord]) -> list[bool]:
+        asked.append([r.logged.seq for r in records])
+        return [False] * len(records)
+    assert buf.judge(never) == 1 and len(buf) == 1 and buf.settled_seqs({0: 2}) == {0: 0}
+    for _ in range(3):
+        taken = buf.take(5)
+        buf.judge(never)
+        assert [r.logged.seq for r in taken] in ([1], []), taken
+    assert asked == [[1], [1]], "judged while a pass can follow: two more passes at most"
+    assert buf.answer_passes_given == 2 and len(buf) == 0 and buf.settled_seqs({0: 2}) == {0: 2}
+
+    answered = ReplayBuffer(passes=2, capacity=100, answer_passes=5, answer_max_bytes=8)
+    answered.add([_record(3, Example(input="q", target="yes"))])
+    answered.take(5)
+    assert answered.judge(lambda rs: [True] * len(rs)) == 0 and len(answered) == 0
+    assert answered.judge(never) == 0 and asked == [[1], [1]], "nothing due: the model is not asked"
+    once = ReplayBuffer(passes=1, capacity=10, answer_passes=5, answer_max_bytes=8)
+    once.add([_record(4, Example(input="q", target="yes"))])
+    assert len(once) == 0 and once.take(5) == [] and once.due == [], "one pass: no replay, no verdict"
+
+
 def test_replay_capacity_drops_the_oldest_and_one_pass_means_no_replay() -> None:
     buf = ReplayBuffer(passes=2, capacity=2)
     buf.add([_record(i) for i in range(1, 5)])

@@ -167,7 +167,8 @@ class Leader:
         m.TRAINER_STEP_SECONDS.observe(seconds)
         self.redis.hset(keys.TRAINER_STATUS, mapping={
             "step": step, "loss": loss, "paused": 0, "samples_per_s": round(self._rate, 2), "seq": seq,
-            "replay_pending": len(self.replay), "log": self.offset.at(0).log,
+            "replay_pending": len(self.replay), "answer_passes": self.replay.answer_passes_given,
+            "log": self.offset.at(0).log,
             "version": self.version, "epoch": self.offset.epoch, "world": self.world,
             "updated_ms": int(time.time() * 1000)})
         if step == 1 or step % 10 == 0 or seconds > 1.0:

@@ -22,6 +22,7 @@ from services.trainer.data import TrainRecord, decode_batch
 from services.trainer.dist import RankGroup
 from services.trainer.leader import Leader
 from services.trainer.stepper import Stepper
+from shared import metrics as m
 from shared.config import Config
 
 log = logging.getLogger("learnmesh.trainer")
@@ -97,6 +98,7 @@ class Trainer:
         for observer in self.observers:
             observer.on_step(self)
         if self.leader is not None:
+            m.TRAINER_ANSWER_PASSES.inc(self.leader.replay.judge(self._answered))
             self.leader.after_step(records, loss, time.perf_counter() - t0, self.step)
         if self.step % self.t.checkpoint_every == 0:
             self.save_checkpoint()
@@ -128,6 +130,18 @@ class Trainer:
         model = self.stepper.model
         return [model.encode(None, a.decode(errors="replace"), b.decode(errors="replace"))
                 for a, b in corpus_windows(n, rng, max(8, self.cfg.model.pretrain_seq - 3))]
+
+    def _answered(self, records: list[TrainRecord]) -> list[bool]:
+        """Whether the model (rank 0's, the same weights as every rank's) gives each record's
+        target greedily, each token ahead of the next likeliest by ``trainer.answer_margin``; a
+        model that cannot say counts every target as given."""
+        model = self.stepper.model
+        pairs = [r.logged.sample.training_pair() for r in records]
+        if not hasattr(model, "answers"):
+            return [True] * len(records)
+        examples = [self._encode(r, p) for r, p in zip(records, pairs, strict=True) if p is not None]
+        said = iter(model.answers(examples, self.t.answer_margin) if examples else [])
+        return [next(said) if p is not None else True for p in pairs]
 
     def _encode(self, record: TrainRecord, pair: tuple[str, str]) -> Any:
         model = self.stepper.model

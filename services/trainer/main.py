@@ -158,7 +158,9 @@ def _build_leader(cfg: Config, group: RankGroup, stepper: Stepper, checkpointed:
                                getattr(stepper.model, "model_id", "model"), redis_client=redis)
     leader = Leader(cfg, weights=stepper, world=group.world, offset=offset, redis=redis, ledger=ledger,
                     source=source, contexts=contexts,
-                    replay=ReplayBuffer(cfg.trainer.replay_passes, cfg.trainer.replay_buffer, seed=cfg.model.seed),
+                    replay=ReplayBuffer(cfg.trainer.replay_passes, cfg.trainer.replay_buffer, seed=cfg.model.seed,
+                                        answer_passes=cfg.trainer.answer_passes,
+                                        answer_max_bytes=cfg.trainer.answer_max_bytes),
                     publisher=publisher, ops=TrainerOps(cfg, redis, publisher), zmq_ctx=zmq_ctx)
     source.check_log()  # the checkpoint's offsets count in its log; is that the log found now?
     m.TRAINER_VERSION.set(offset.version)

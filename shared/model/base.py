@@ -272,6 +272,19 @@ class LearnModel(nn.Module):
         sums = (nll * mask).sum(dim=1)
         return [float(s / c) if c else float("nan") for s, c in zip(sums.tolist(), counts.tolist(), strict=True)]
 
+    @torch.no_grad()
+    def answers(self, examples: Sequence[Example], margin: float = 0.0) -> list[bool]:
+        """Whether greedy decoding gives each example's target: every target token (its end
+        included) is the most likely one after what precedes it, its logit ahead of the next
+        likeliest token's by at least ``margin``. False for an example without a target."""
+        batch = self.collate(list(examples)).to(self.device)
+        logits, _ = self.forward_logits(batch)
+        mask = batch.labels != -100
+        top2 = logits.topk(2, dim=-1)
+        target = logits.gather(-1, batch.labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        right = ((top2.indices[..., 0] == batch.labels) & (target - top2.values[..., 1] >= margin)) | ~mask
+        return [bool(ok and n) for ok, n in zip(right.all(dim=1).tolist(), mask.sum(dim=1).tolist(), strict=True)]
+
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
     def generate(self, batch_or_examples: Batch | Sequence[Example], *, max_tokens: int,
