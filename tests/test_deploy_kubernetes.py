@@ -29,6 +29,7 @@ import yaml
 from gateway.tools.learning import SampleIngest
 from services import compose_secrets
 from services.cli import _parser
+from services.trainer.dist import cpu_threads
 from shared import keys
 from shared.config import load_config
 from shared.crypto import KeyFileError, KeyRing, SigningKey, trainer_keys
@@ -115,6 +116,19 @@ def test_both_overlays_render_the_whole_mesh(rendered):
         for name in ("trainer", "redis"):  # stable per-pod names through a headless Service
             assert _find(docs, "Service", name)["spec"]["clusterIP"] == "None"
             assert _find(docs, "StatefulSet", name)["spec"]["serviceName"] == name
+
+
+def test_the_autoscaler_alone_sets_the_gateway_count(rendered):
+    """A Deployment an HPA scales names no replicas (each `kubectl apply` would reset the count
+    the HPA chose, stopping the replicas above it); its disruption budget leaves one to evict."""
+    for overlay, docs in rendered.items():
+        for hpa in (d for d in docs if d["kind"] == "HorizontalPodAutoscaler"):
+            target = _find(docs, hpa["spec"]["scaleTargetRef"]["kind"], hpa["spec"]["scaleTargetRef"]["name"])
+            assert "replicas" not in target["spec"], (overlay, target["metadata"]["name"])
+            labels = target["spec"]["template"]["metadata"]["labels"]
+            [pdb] = [d for d in docs if d["kind"] == "PodDisruptionBudget"
+                     and d["spec"]["selector"]["matchLabels"].items() <= labels.items()]
+            assert pdb["spec"]["minAvailable"] < hpa["spec"]["minReplicas"], overlay
 
 
 def test_every_workload_has_probes_resources_and_a_locked_down_security_context(rendered):
@@ -278,6 +292,21 @@ def test_the_trainer_is_a_torchrun_group_with_rank_0_on_trainer_0(rendered):
         assert _find(docs, "Service", "trainer")["spec"]["publishNotReadyAddresses"] is True
 
 
+def test_cpu_ranks_use_no_more_threads_than_the_pod_has_cpus(rendered, secrets, tmp_path, monkeypatch):
+    """A gloo rank's intra-op threads (services/trainer/dist.py), on a node with many more cores
+    than the pod's CPU limit: together the pod's ranks stay within that limit."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 96)
+    for overlay, docs in rendered.items():
+        cfg = _pod_config(docs, "trainer", "StatefulSet", secrets, tmp_path / overlay / "keys")
+        if cfg.trainer.backend == "nccl":
+            continue
+        [c] = _pod(_find(docs, "StatefulSet", "trainer"))["containers"]
+        procs = int(_env(c)["TRAINER_PROCS_PER_NODE"])
+        limit = c["resources"]["limits"]["cpu"]
+        cpus = int(limit[:-1]) / 1000 if limit.endswith("m") else float(limit)
+        assert procs * cpu_threads(cfg.trainer.torch_threads, procs) <= cpus, (overlay, cfg.trainer.torch_threads)
+
+
 def test_only_the_gpu_overlay_asks_for_gpus_and_nccl(rendered):
     gpu = _find(rendered["gpu"], "StatefulSet", "trainer")
     [c] = _pod(gpu)["containers"]
@@ -289,9 +318,13 @@ def test_only_the_gpu_overlay_asks_for_gpus_and_nccl(rendered):
     cpu = _find(rendered["cpu"], "StatefulSet", "trainer")
     assert "nvidia.com/gpu" not in json.dumps(rendered["cpu"])
     assert _env(_pod(cpu)["containers"][0])["LEARNMESH_TRAINER__BACKEND"] == "gloo"
-    for doc in rendered["gpu"]:  # the workers and gateways stay on CPUs
+    for doc in rendered["gpu"]:  # the workers and gateways stay on CPUs, with the CPU image
         if doc["kind"] == "Deployment":
             assert "nvidia.com/gpu" not in json.dumps(doc)
+            cpu_twin = _find(rendered["cpu"], "Deployment", doc["metadata"]["name"])
+            assert [c["image"] for c in _containers(doc)] == [c["image"] for c in _containers(cpu_twin)]
+            assert not any(c["image"].startswith("learnmesh-gpu") for c in _containers(doc)), doc["metadata"]
+    assert {c["image"].split(":")[0] for c in _containers(gpu)} == {"learnmesh-gpu"}  # its init container too
 
 
 
