@@ -199,6 +199,31 @@ def secrets(tmp_path_factory) -> dict[str, dict[str, bytes]]:
     return {d["metadata"]["name"]: {k: base64.b64decode(v) for k, v in d["data"].items()} for d in docs}
 
 
+def test_the_files_the_instructions_write_keys_to_stay_private():
+    """Every file docs/operations.md, the Makefile or make-secrets.sh has `learnmesh
+    compose-secrets` write every key to is git-ignored, and a shell redirect writing one runs
+    under umask 077 (the file is never readable by others, not even until a chmod)."""
+    git = shutil.which("git")
+    if git is None or not (ROOT / ".git").exists():
+        pytest.skip("needs git and a checkout")
+    texts = {name: (ROOT / name).read_text() for name in ("docs/operations.md", "Makefile",
+                                                            "deploy/kubernetes/make-secrets.sh")}
+    written = set()
+    for name, text in texts.items():
+        text = " ".join(text.replace("\\\n", " ").split())  # wrapped lines and continuations joined
+        for m in re.finditer(r"compose-secrets --out (\S+)(?: > (\S+))?", text):
+            path = (m.group(2) or m.group(1)).strip("`)")
+            if path != "-":
+                written.add(path)
+            if m.group(2):  # the command, from the quote (or line) it starts in
+                command = text[text.rfind("`", 0, m.start()) + 1:m.start()]
+                assert "umask 077" in command, (name, command)
+    assert {"k8s-secrets.env", "compose/secrets.env"} <= written
+    for path in written:
+        run = subprocess.run([git, "check-ignore", "-q", "--no-index", path], cwd=ROOT)
+        assert run.returncode == 0, f"{path} (every key of the mesh) is not git-ignored"
+
+
 def _pod_root(docs: list[dict], workload: dict, secrets: dict[str, dict[str, bytes]], root: Path) -> Path:
     """``root`` standing for the pod's /run/keys as its init container leaves it: each mounted
     Secret item at its path, 0400; nothing else."""
