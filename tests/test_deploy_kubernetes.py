@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import re
@@ -18,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,7 @@ from services import compose_secrets
 from services.cli import _parser
 from services.trainer.dist import cpu_threads
 from shared import keys
-from shared.config import load_config
+from shared.config import Config, load_config
 from shared.crypto import KeyFileError, KeyRing, SigningKey, trainer_keys
 from shared.curve import CurveKeys
 from shared.samples import Example
@@ -444,13 +446,14 @@ def test_checkov_finds_no_misconfiguration(rendered, tmp_path):
     assert "CKV_K8S_16" in caught  # "Container should not be privileged"
 
 
-async def test_the_trainer_pods_torchrun_command_trains_a_real_gloo_group(rendered, redis_url, tmp_path):
-    """The trainer container's command line as the StatefulSet renders it (one node, two
-    ranks, static rendezvous at the master address; the pod's names swapped for loopback)
-    forms a gloo group that trains what the gateway logs, and stops cleanly on SIGTERM."""
-    [c] = _pod(_find(rendered["cpu"], "StatefulSet", "trainer"))["containers"]
+@contextlib.asynccontextmanager
+async def _pod_trainer(c: dict, cfg: Config, tmp_path: Path,
+                       module: list[str] | None = None) -> AsyncIterator[tuple[subprocess.Popen, SampleIngest]]:
+    """The trainer container's command line as the StatefulSet renders it, on this machine: one
+    node, its ranks; the pod's names swapped for loopback, a free rendezvous port, ``cfg`` as
+    the configuration, and the ranks' module and arguments (after ``-m``) ``module`` if given.
+    Yields the process (its own session, killed at the end) and an ingest into ``cfg``'s Redis."""
     env = _env(c)
-    cfg = trainer_config(redis_url, tmp_path, free_port(), backend=env["LEARNMESH_TRAINER__BACKEND"])
     path = tmp_path / "learnmesh.yaml"
     path.write_text(yaml.safe_dump(cfg.to_dict()))
     port = free_port()
@@ -458,15 +461,34 @@ async def test_the_trainer_pods_torchrun_command_trains_a_real_gloo_group(render
               "POD_INDEX": "0"}
     args = [re.sub(r"\$\((\w+)\)", lambda m: values[m.group(1)], a) for a in c["args"]]
     args = [a.replace("trainer-0.trainer", "127.0.0.1").replace("=29511", f"={port}") for a in args]
+    if module is not None:
+        args = [*args[:args.index("-m") + 1], *module]
     assert c["command"][0] == "python"
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("LEARNMESH_") and k != "REDIS_URL"}
     child_env.update({"LEARNMESH_CONFIG": str(path), "OMP_NUM_THREADS": "1"})
-    log = open(tmp_path / "trainer.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([sys.executable, *c["command"][1:], *args], cwd=ROOT, env=child_env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    redis = aioredis.Redis.from_url(redis_url)
+    redis = aioredis.Redis.from_url(cfg.redis.url)
     ingest = SampleIngest(redis, cfg)
-    try:
+    with open(tmp_path / "trainer.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, *c["command"][1:], *args], cwd=ROOT, env=child_env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            yield proc, ingest
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(30)
+            ingest.close()
+            await redis.aclose()
+
+
+async def test_the_trainer_pods_torchrun_command_trains_a_real_gloo_group(rendered, redis_url, tmp_path):
+    """The trainer container's command line as the StatefulSet renders it (one node, two
+    ranks, static rendezvous at the master address; the pod's names swapped for loopback)
+    forms a gloo group that trains what the gateway logs, and stops cleanly on SIGTERM."""
+    [c] = _pod(_find(rendered["cpu"], "StatefulSet", "trainer"))["containers"]
+    env = _env(c)
+    cfg = trainer_config(redis_url, tmp_path, free_port(), backend=env["LEARNMESH_TRAINER__BACKEND"])
+    async with _pod_trainer(c, cfg, tmp_path) as (proc, ingest):
         out = await ingest.submit("alice", [Example(input=f"k{i}", target=f"v{i}") for i in range(8)])
         await wait_for(lambda: int(committed(redis_url).get("seq", 0)) == 8 or proc.poll() is not None,
                        timeout_s=240, what="the torchrun group to train the samples")
@@ -485,10 +507,23 @@ async def test_the_trainer_pods_torchrun_command_trains_a_real_gloo_group(render
         output = (tmp_path / "trainer.log").read_text()
         assert "rank 0 stopped cleanly" in output and "rank 1 stopped cleanly" in output, output[-3000:]
         assert list(Path(cfg.trainer.checkpoint_dir).glob("ckpt-*.pt"))
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
-        log.close()
-        ingest.close()
-        await redis.aclose()
+
+
+async def test_the_trainer_pods_torchrun_group_restarts_after_a_rank_dies(rendered, redis_url, tmp_path):
+    """The pod's torchrun command line (--max-restarts) when a rank is killed (-9) after a step:
+    torchrun starts the group again, from the checkpoint, and it trains what comes next."""
+    [c] = _pod(_find(rendered["cpu"], "StatefulSet", "trainer"))["containers"]
+    cfg = trainer_config(redis_url, tmp_path, free_port(), backend=_env(c)["LEARNMESH_TRAINER__BACKEND"],
+                         checkpoint_every=1, init_timeout_s=30, step_timeout_s=10)
+    marker = tmp_path / "killed"  # the ranks run through tests/trainer_entry.py, which kills rank 1 once
+    entry = ["tests.trainer_entry", "--config", str(tmp_path / "learnmesh.yaml"), "--as-rank", "--kill", f"1:1:{marker}"]
+    async with _pod_trainer(c, cfg, tmp_path, entry) as (proc, ingest):
+        await ingest.submit("alice", [Example(input=f"k{i}", target=f"v{i}") for i in range(8)])
+        await wait_for(lambda: marker.exists() or proc.poll() is not None, timeout_s=240, what="rank 1 to be killed")
+        await ingest.submit("alice", [Example(input=f"n{i}", target=f"w{i}") for i in range(8)])
+        await wait_for(lambda: int(committed(redis_url).get("seq", 0)) == 16 or proc.poll() is not None,
+                       timeout_s=240, what="the restarted group to train the samples")
+        output = (tmp_path / "trainer.log").read_text()
+        assert proc.poll() is None, output[-4000:]
+        # one restart: the restarted ranks met at once (none took a dead rank's address)
+        assert "restart 1 of 3" in output and "restart 2 of" not in output, output[-4000:]
