@@ -28,6 +28,7 @@ import redis as redis_sync
 import redis.asyncio as aioredis
 import yaml
 
+from gateway.server import uvicorn_settings
 from gateway.tools.learning import SampleIngest
 from services import compose_secrets
 from services.cli import _parser
@@ -131,6 +132,17 @@ def test_the_autoscaler_alone_sets_the_gateway_count(rendered):
             [pdb] = [d for d in docs if d["kind"] == "PodDisruptionBudget"
                      and d["spec"]["selector"]["matchLabels"].items() <= labels.items()]
             assert pdb["spec"]["minAvailable"] < hpa["spec"]["minReplicas"], overlay
+
+
+def test_a_stopping_gateway_serves_until_its_endpoint_is_gone_then_drains_in_its_grace_period(rendered):
+    """SIGTERM and the endpoint's removal from the Service race: the gateway pod waits (preStop)
+    before its SIGTERM, and that wait plus uvicorn's drain fit in the grace period."""
+    drain_s = uvicorn_settings(load_config(env={}))["timeout_graceful_shutdown"]
+    for overlay, docs in rendered.items():
+        pod = _pod(_find(docs, "Deployment", "gateway"))
+        [c] = pod["containers"]
+        wait_s = c["lifecycle"]["preStop"]["sleep"]["seconds"]
+        assert 1 <= wait_s and wait_s + drain_s < pod["terminationGracePeriodSeconds"], overlay
 
 
 def test_every_workload_has_probes_resources_and_a_locked_down_security_context(rendered):
