@@ -309,6 +309,22 @@ def test_the_repository_holds_no_working_key(compose, dotenv):
     assert "compose/secrets.env" in (ROOT / ".gitignore").read_text().splitlines()
 
 
+def test_every_compose_command_the_instructions_give_reads_the_generated_secrets():
+    """A `docker compose ... up` or `build` in the instructions (README, docs, the compose
+    files' comments, what `learnmesh compose-secrets` prints) names compose/.env and the
+    generated secrets file: without the latter compose stops on the first secret variable."""
+    sources = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), COMPOSE / "docker-compose.yml",
+               COMPOSE / ".env", ROOT / "services" / "compose_secrets.py"]
+    found = 0
+    for source in sources:
+        text = " ".join(source.read_text().split())  # wrapped lines joined
+        for m in re.finditer(r"docker compose((?: -{1,2}[\w-]+(?: [^\s`-][^\s`]*)?)*) (up|build)\b", text):
+            found += 1
+            assert re.search(r"--env-file \.env --env-file (secrets\.env|\{out\.name\})", m.group(1)), \
+                f"{source.relative_to(ROOT)}: {m.group(0)}"
+    assert found >= 6
+
+
 def test_the_stack_refuses_to_start_without_generated_secrets(compose, dotenv, generated):
     """Interpolating the file with compose/.env alone fails on the Redis ACL hashes, naming
     the command that makes them; with the generated file it goes through. Compose itself

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import re
@@ -18,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +28,13 @@ import redis as redis_sync
 import redis.asyncio as aioredis
 import yaml
 
+from gateway.server import uvicorn_settings
 from gateway.tools.learning import SampleIngest
 from services import compose_secrets
 from services.cli import _parser
+from services.trainer.dist import cpu_threads
 from shared import keys
-from shared.config import load_config
+from shared.config import Config, load_config
 from shared.crypto import KeyFileError, KeyRing, SigningKey, trainer_keys
 from shared.curve import CurveKeys
 from shared.samples import Example
@@ -117,6 +121,30 @@ def test_both_overlays_render_the_whole_mesh(rendered):
             assert _find(docs, "StatefulSet", name)["spec"]["serviceName"] == name
 
 
+def test_the_autoscaler_alone_sets_the_gateway_count(rendered):
+    """A Deployment an HPA scales names no replicas (each `kubectl apply` would reset the count
+    the HPA chose, stopping the replicas above it); its disruption budget leaves one to evict."""
+    for overlay, docs in rendered.items():
+        for hpa in (d for d in docs if d["kind"] == "HorizontalPodAutoscaler"):
+            target = _find(docs, hpa["spec"]["scaleTargetRef"]["kind"], hpa["spec"]["scaleTargetRef"]["name"])
+            assert "replicas" not in target["spec"], (overlay, target["metadata"]["name"])
+            labels = target["spec"]["template"]["metadata"]["labels"]
+            [pdb] = [d for d in docs if d["kind"] == "PodDisruptionBudget"
+                     and d["spec"]["selector"]["matchLabels"].items() <= labels.items()]
+            assert pdb["spec"]["minAvailable"] < hpa["spec"]["minReplicas"], overlay
+
+
+def test_a_stopping_gateway_serves_until_its_endpoint_is_gone_then_drains_in_its_grace_period(rendered):
+    """SIGTERM and the endpoint's removal from the Service race: the gateway pod waits (preStop)
+    before its SIGTERM, and that wait plus uvicorn's drain fit in the grace period."""
+    drain_s = uvicorn_settings(load_config(env={}))["timeout_graceful_shutdown"]
+    for overlay, docs in rendered.items():
+        pod = _pod(_find(docs, "Deployment", "gateway"))
+        [c] = pod["containers"]
+        wait_s = c["lifecycle"]["preStop"]["sleep"]["seconds"]
+        assert 1 <= wait_s and wait_s + drain_s < pod["terminationGracePeriodSeconds"], overlay
+
+
 def test_every_workload_has_probes_resources_and_a_locked_down_security_context(rendered):
     for overlay, docs in rendered.items():
         for workload in (d for d in docs if d["kind"] in WORKLOADS):
@@ -183,6 +211,31 @@ def secrets(tmp_path_factory) -> dict[str, dict[str, bytes]]:
     docs = [d for d in yaml.safe_load_all(run.stdout) if d]
     assert {d["kind"] for d in docs} == {"Secret"}
     return {d["metadata"]["name"]: {k: base64.b64decode(v) for k, v in d["data"].items()} for d in docs}
+
+
+def test_the_files_the_instructions_write_keys_to_stay_private():
+    """Every file docs/operations.md, the Makefile or make-secrets.sh has `learnmesh
+    compose-secrets` write every key to is git-ignored, and a shell redirect writing one runs
+    under umask 077 (the file is never readable by others, not even until a chmod)."""
+    git = shutil.which("git")
+    if git is None or not (ROOT / ".git").exists():
+        pytest.skip("needs git and a checkout")
+    texts = {name: (ROOT / name).read_text() for name in ("docs/operations.md", "Makefile",
+                                                            "deploy/kubernetes/make-secrets.sh")}
+    written = set()
+    for name, text in texts.items():
+        text = " ".join(text.replace("\\\n", " ").split())  # wrapped lines and continuations joined
+        for m in re.finditer(r"compose-secrets --out (\S+)(?: > (\S+))?", text):
+            path = (m.group(2) or m.group(1)).strip("`)")
+            if path != "-":
+                written.add(path)
+            if m.group(2):  # the command, from the quote (or line) it starts in
+                command = text[text.rfind("`", 0, m.start()) + 1:m.start()]
+                assert "umask 077" in command, (name, command)
+    assert {"k8s-secrets.env", "compose/secrets.env"} <= written
+    for path in written:
+        run = subprocess.run([git, "check-ignore", "-q", "--no-index", path], cwd=ROOT)
+        assert run.returncode == 0, f"{path} (every key of the mesh) is not git-ignored"
 
 
 def _pod_root(docs: list[dict], workload: dict, secrets: dict[str, dict[str, bytes]], root: Path) -> Path:
@@ -278,6 +331,21 @@ def test_the_trainer_is_a_torchrun_group_with_rank_0_on_trainer_0(rendered):
         assert _find(docs, "Service", "trainer")["spec"]["publishNotReadyAddresses"] is True
 
 
+def test_cpu_ranks_use_no_more_threads_than_the_pod_has_cpus(rendered, secrets, tmp_path, monkeypatch):
+    """A gloo rank's intra-op threads (services/trainer/dist.py), on a node with many more cores
+    than the pod's CPU limit: together the pod's ranks stay within that limit."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 96)
+    for overlay, docs in rendered.items():
+        cfg = _pod_config(docs, "trainer", "StatefulSet", secrets, tmp_path / overlay / "keys")
+        if cfg.trainer.backend == "nccl":
+            continue
+        [c] = _pod(_find(docs, "StatefulSet", "trainer"))["containers"]
+        procs = int(_env(c)["TRAINER_PROCS_PER_NODE"])
+        limit = c["resources"]["limits"]["cpu"]
+        cpus = int(limit[:-1]) / 1000 if limit.endswith("m") else float(limit)
+        assert procs * cpu_threads(cfg.trainer.torch_threads, procs) <= cpus, (overlay, cfg.trainer.torch_threads)
+
+
 def test_only_the_gpu_overlay_asks_for_gpus_and_nccl(rendered):
     gpu = _find(rendered["gpu"], "StatefulSet", "trainer")
     [c] = _pod(gpu)["containers"]
@@ -289,9 +357,13 @@ def test_only_the_gpu_overlay_asks_for_gpus_and_nccl(rendered):
     cpu = _find(rendered["cpu"], "StatefulSet", "trainer")
     assert "nvidia.com/gpu" not in json.dumps(rendered["cpu"])
     assert _env(_pod(cpu)["containers"][0])["LEARNMESH_TRAINER__BACKEND"] == "gloo"
-    for doc in rendered["gpu"]:  # the workers and gateways stay on CPUs
+    for doc in rendered["gpu"]:  # the workers and gateways stay on CPUs, with the CPU image
         if doc["kind"] == "Deployment":
             assert "nvidia.com/gpu" not in json.dumps(doc)
+            cpu_twin = _find(rendered["cpu"], "Deployment", doc["metadata"]["name"])
+            assert [c["image"] for c in _containers(doc)] == [c["image"] for c in _containers(cpu_twin)]
+            assert not any(c["image"].startswith("learnmesh-gpu") for c in _containers(doc)), doc["metadata"]
+    assert {c["image"].split(":")[0] for c in _containers(gpu)} == {"learnmesh-gpu"}  # its init container too
 
 
 
@@ -386,13 +458,14 @@ def test_checkov_finds_no_misconfiguration(rendered, tmp_path):
     assert "CKV_K8S_16" in caught  # "Container should not be privileged"
 
 
-async def test_the_trainer_pods_torchrun_command_trains_a_real_gloo_group(rendered, redis_url, tmp_path):
-    """The trainer container's command line as the StatefulSet renders it (one node, two
-    ranks, static rendezvous at the master address; the pod's names swapped for loopback)
-    forms a gloo group that trains what the gateway logs, and stops cleanly on SIGTERM."""
-    [c] = _pod(_find(rendered["cpu"], "StatefulSet", "trainer"))["containers"]
+@contextlib.asynccontextmanager
+async def _pod_trainer(c: dict, cfg: Config, tmp_path: Path,
+                       module: list[str] | None = None) -> AsyncIterator[tuple[subprocess.Popen, SampleIngest]]:
+    """The trainer container's command line as the StatefulSet renders it, on this machine: one
+    node, its ranks; the pod's names swapped for loopback, a free rendezvous port, ``cfg`` as
+    the configuration, and the ranks' module and arguments (after ``-m``) ``module`` if given.
+    Yields the process (its own session, killed at the end) and an ingest into ``cfg``'s Redis."""
     env = _env(c)
-    cfg = trainer_config(redis_url, tmp_path, free_port(), backend=env["LEARNMESH_TRAINER__BACKEND"])
     path = tmp_path / "learnmesh.yaml"
     path.write_text(yaml.safe_dump(cfg.to_dict()))
     port = free_port()
@@ -400,15 +473,34 @@ async def test_the_trainer_pods_torchrun_command_trains_a_real_gloo_group(render
               "POD_INDEX": "0"}
     args = [re.sub(r"\$\((\w+)\)", lambda m: values[m.group(1)], a) for a in c["args"]]
     args = [a.replace("trainer-0.trainer", "127.0.0.1").replace("=29511", f"={port}") for a in args]
+    if module is not None:
+        args = [*args[:args.index("-m") + 1], *module]
     assert c["command"][0] == "python"
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("LEARNMESH_") and k != "REDIS_URL"}
     child_env.update({"LEARNMESH_CONFIG": str(path), "OMP_NUM_THREADS": "1"})
-    log = open(tmp_path / "trainer.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([sys.executable, *c["command"][1:], *args], cwd=ROOT, env=child_env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    redis = aioredis.Redis.from_url(redis_url)
+    redis = aioredis.Redis.from_url(cfg.redis.url)
     ingest = SampleIngest(redis, cfg)
-    try:
+    with open(tmp_path / "trainer.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, *c["command"][1:], *args], cwd=ROOT, env=child_env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            yield proc, ingest
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(30)
+            ingest.close()
+            await redis.aclose()
+
+
+async def test_the_trainer_pods_torchrun_command_trains_a_real_gloo_group(rendered, redis_url, tmp_path):
+    """The trainer container's command line as the StatefulSet renders it (one node, two
+    ranks, static rendezvous at the master address; the pod's names swapped for loopback)
+    forms a gloo group that trains what the gateway logs, and stops cleanly on SIGTERM."""
+    [c] = _pod(_find(rendered["cpu"], "StatefulSet", "trainer"))["containers"]
+    env = _env(c)
+    cfg = trainer_config(redis_url, tmp_path, free_port(), backend=env["LEARNMESH_TRAINER__BACKEND"])
+    async with _pod_trainer(c, cfg, tmp_path) as (proc, ingest):
         out = await ingest.submit("alice", [Example(input=f"k{i}", target=f"v{i}") for i in range(8)])
         await wait_for(lambda: int(committed(redis_url).get("seq", 0)) == 8 or proc.poll() is not None,
                        timeout_s=240, what="the torchrun group to train the samples")
@@ -427,10 +519,23 @@ async def test_the_trainer_pods_torchrun_command_trains_a_real_gloo_group(render
         output = (tmp_path / "trainer.log").read_text()
         assert "rank 0 stopped cleanly" in output and "rank 1 stopped cleanly" in output, output[-3000:]
         assert list(Path(cfg.trainer.checkpoint_dir).glob("ckpt-*.pt"))
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
-        log.close()
-        ingest.close()
-        await redis.aclose()
+
+
+async def test_the_trainer_pods_torchrun_group_restarts_after_a_rank_dies(rendered, redis_url, tmp_path):
+    """The pod's torchrun command line (--max-restarts) when a rank is killed (-9) after a step:
+    torchrun starts the group again, from the checkpoint, and it trains what comes next."""
+    [c] = _pod(_find(rendered["cpu"], "StatefulSet", "trainer"))["containers"]
+    cfg = trainer_config(redis_url, tmp_path, free_port(), backend=_env(c)["LEARNMESH_TRAINER__BACKEND"],
+                         checkpoint_every=1, init_timeout_s=30, step_timeout_s=10)
+    marker = tmp_path / "killed"  # the ranks run through tests/trainer_entry.py, which kills rank 1 once
+    entry = ["tests.trainer_entry", "--config", str(tmp_path / "learnmesh.yaml"), "--as-rank", "--kill", f"1:1:{marker}"]
+    async with _pod_trainer(c, cfg, tmp_path, entry) as (proc, ingest):
+        await ingest.submit("alice", [Example(input=f"k{i}", target=f"v{i}") for i in range(8)])
+        await wait_for(lambda: marker.exists() or proc.poll() is not None, timeout_s=240, what="rank 1 to be killed")
+        await ingest.submit("alice", [Example(input=f"n{i}", target=f"w{i}") for i in range(8)])
+        await wait_for(lambda: int(committed(redis_url).get("seq", 0)) == 16 or proc.poll() is not None,
+                       timeout_s=240, what="the restarted group to train the samples")
+        output = (tmp_path / "trainer.log").read_text()
+        assert proc.poll() is None, output[-4000:]
+        # one restart: the restarted ranks met at once (none took a dead rank's address)
+        assert "restart 1 of 3" in output and "restart 2 of" not in output, output[-4000:]

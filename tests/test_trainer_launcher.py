@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
 import pytest
+import torch.distributed as dist
 
 from services.trainer.dist import RankEnv
 from services.trainer.launcher import launch_config
 from shared.config import load_config
+from shared.net import free_port
+from tests.waiting import wait_for_sync
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_torchrun_gets_the_rendezvous_address_restarts_and_grace_period_from_the_config():
@@ -25,3 +36,48 @@ def test_a_rank_knows_how_often_its_group_was_restarted(monkeypatch: pytest.Monk
     assert RankEnv.from_environ().restarts == 0
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
     assert RankEnv.from_environ().restarts == 2
+
+
+_RANK = """
+import torch
+from services.trainer.dist import RankEnv, init_distributed, teardown
+from shared.config import load_config
+cfg = load_config(env={}, overrides={"trainer": {"backend": "gloo", "init_timeout_s": 15, "torch_threads": 1}})
+group = init_distributed(cfg, RankEnv.from_environ())
+total = torch.ones(1)
+group.sum(total)
+print("sum", int(total.item()), flush=True)
+teardown()
+"""
+
+
+def test_a_restarted_group_meets_in_fresh_keys_of_the_torchrun_agents_store():
+    """torchrun --rdzv-backend=static (the Kubernetes trainer) hands its ranks the agent's own
+    store (TORCHELASTIC_USE_AGENT_STORE), which outlives a restart of the group. The restarted
+    ranks must not take the dead ranks' addresses from it: here rank 1 of the second start
+    comes up first, its peer only once rank 1 has written to the store, and both still meet."""
+    port = free_port()
+    agent = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=60), wait_for_workers=False)
+
+    def rank(r: int, restarts: int) -> subprocess.Popen:
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(r),
+               "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1",
+               "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": str(restarts)}
+        return subprocess.Popen([sys.executable, "-c", _RANK], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+
+    def finish(procs: list[subprocess.Popen]) -> None:
+        outputs = [p.communicate(timeout=120)[0] for p in procs]
+        for p, out in zip(procs, outputs, strict=True):
+            assert p.returncode == 0 and "sum 2" in out, out[-2000:]
+
+    finish([rank(0, 0), rank(1, 0)])  # the first start; its ranks are gone now
+    keys = agent.num_keys()
+    first = rank(1, 1)
+    try:
+        wait_for_sync(lambda: agent.num_keys() > keys or first.poll() is not None, timeout_s=60,
+                      what="rank 1 of the restarted group to write to the store")
+    except BaseException:
+        first.kill()
+        raise
+    finish([first, rank(0, 1)])

@@ -130,6 +130,20 @@ def cpu_threads(configured: int, local_world: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, local_world))
 
 
+def start_store(env: RankEnv, timeout: timedelta) -> dist.Store | None:
+    """The store this start of the group meets in: None (torchrun's env:// contract) unless the
+    ranks share the torchrun agent's store (TORCHELASTIC_USE_AGENT_STORE; always so with
+    ``--rdzv-backend=static``, the Kubernetes trainer's). That store lives as long as torchrun,
+    so after a restart it still holds the dead group's keys, and a new rank reading a peer's
+    address there before the peer rewrote it connects to a process that is gone (gloo:
+    "connectFullMesh failed ... Connect timeout"). Each start gets keys of its own."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.world, is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"learnmesh/start-{env.restarts}", agent)
+
+
 def init_distributed(cfg: Config, env: RankEnv) -> RankGroup:
     """Initialise the process group."""
     backend = choose_backend(cfg)
@@ -139,9 +153,9 @@ def init_distributed(cfg: Config, env: RankEnv) -> RankGroup:
     else:
         device = torch.device("cpu")
         torch.set_num_threads(cpu_threads(cfg.trainer.torch_threads, env.local_world))
-    dist.init_process_group(backend, rank=env.rank, world_size=env.world,
-                            timeout=timedelta(seconds=cfg.trainer.init_timeout_s),
-                            device_id=device if backend == "nccl" else None)
+    timeout = timedelta(seconds=cfg.trainer.init_timeout_s)
+    dist.init_process_group(backend, store=start_store(env, timeout), rank=env.rank, world_size=env.world,
+                            timeout=timeout, device_id=device if backend == "nccl" else None)
     ctrl = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.trainer.init_timeout_s)) \
         if backend == "nccl" else None
     log.info("rank %d/%d up: backend %s, device %s", env.rank, env.world, backend, device)
