@@ -539,3 +539,49 @@ async def test_the_trainer_pods_torchrun_group_restarts_after_a_rank_dies(render
         assert proc.poll() is None, output[-4000:]
         # one restart: the restarted ranks met at once (none took a dead rank's address)
         assert "restart 1 of 3" in output and "restart 2 of" not in output, output[-4000:]
+
+
+def test_the_cluster_create_job_leaves_a_formed_cluster_alone_even_when_it_is_degraded(tmp_path):
+    """The Job that forms the Redis Cluster, re-run (a re-apply, a Job deleted and created again)
+    while the cluster is formed but not ``ok`` (here: a slot without an owner), says so and
+    exits 0 instead of trying ``--cluster create`` on nodes that already hold a cluster. Run
+    as written in the manifest, against a real local cluster: ``redis-cli`` and ``getent`` are
+    shims that turn the pods' names into that cluster's ports."""
+    from shared.redis_local_cluster import LocalCluster
+
+    job = next(d for d in yaml.safe_load_all((K8S / "base" / "redis.yaml").read_text())
+               if d and d["kind"] == "Job" and d["metadata"]["name"] == "redis-cluster-create")
+    secret = tmp_path / "redis_password"
+    secret.write_text("unused-here")
+    script = _pod(job)["containers"][0]["args"][0].replace("/run/secrets/redis/redis_password", str(secret))
+    cluster = LocalCluster(masters=3, replicas=0).start()
+    try:
+        ports = [str(n.port) for n in cluster.nodes]
+        owner = next(n for n in cluster.nodes if 0 in n.client().cluster("SLOTS")[0][:2])
+        owner.client().execute_command("CLUSTER", "DELSLOTS", "0")
+        bindir, calls = tmp_path / "bin", tmp_path / "calls"
+        bindir.mkdir()
+        (bindir / "getent").write_text('#!/bin/sh\necho "127.0.0.1 $2"\n')
+        (bindir / "redis-cli").write_text(f"""#!/bin/bash
+echo "$*" >> {calls}
+ports=({' '.join(ports)})
+args=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -h) i="${{2#redis-}}"; i="${{i%%.*}}"; args+=(-h 127.0.0.1 -p "${{ports[$((i % 3))]}}"); shift 2 ;;
+    --cluster) echo "not in this test: redis-cli $*" >&2; exit 1 ;;
+    *) args+=("$1"); shift ;;
+  esac
+done
+exec {shutil.which("redis-cli")} "${{args[@]}}"
+""")
+        for f in ("getent", "redis-cli"):
+            (bindir / f).chmod(0o755)
+        env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"}
+        done = subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True, timeout=60)
+        assert "cluster_state:fail" in owner.client().execute_command("CLUSTER", "INFO").decode()
+    finally:
+        cluster.stop()
+    assert done.returncode == 0, done.stderr
+    assert "already formed" in done.stdout
+    assert not any("--cluster" in line for line in calls.read_text().splitlines())
