@@ -379,6 +379,9 @@ def test_redis_cluster_nodes_have_headroom_above_the_context_budget(rendered):
     limit = redis["resources"]["limits"]["memory"]
     assert limit.endswith("Gi") and int(limit[:-2]) * 1024**3 > maxmemory
     assert _find(docs, "StatefulSet", "redis")["spec"]["replicas"] == 6
+    [spread] = _pod(_find(docs, "StatefulSet", "redis"))["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname"
+    assert spread["labelSelector"]["matchLabels"] == _find(docs, "StatefulSet", "redis")["spec"]["selector"]["matchLabels"]
     script = _pod(_find(docs, "Job", "redis-cluster-create"))["containers"][0]["args"][0]
     assert "redis-cli --cluster create" in script and "--cluster-replicas 1" in script
     assert "for i in 0 1 2 3 4 5" in script
