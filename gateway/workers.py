@@ -132,6 +132,8 @@ class WorkerPool:
         self.links = [self._link(next(self._indices), ep)
                       for ep in (endpoints if endpoints is not None else self.wcfg.endpoints)]
         self._discovered: dict[str, WorkerLink] = {}  # advertised endpoint -> its link
+        self._skipped: dict[str, str] = {}  # worker id -> why its announcement is unusable (logged once)
+        self._unreachable: dict[str, str] = {}  # announced endpoint ZeroMQ refuses -> why (logged once)
         self._changed = asyncio.Condition()
         self._tasks: list[asyncio.Task] = []
         self._ids = itertools.count(1)
@@ -143,9 +145,14 @@ class WorkerPool:
         never completes the handshake, so nothing is queued for it (immediate) or sent to it;
         its watch reports that, and connects again once the real worker can be back."""
         watch = HandshakeWatch(self.ctx, "worker", endpoint) if self.curve is not None else None
-        sock = make_socket(self.ctx, zmq.DEALER, connect=endpoint, hwm=self.wcfg.hwm, immediate=True,
-                           curve=self.curve.client("worker") if self.curve is not None else None,
-                           monitor=watch.address if watch is not None else None)
+        try:
+            sock = make_socket(self.ctx, zmq.DEALER, connect=endpoint, hwm=self.wcfg.hwm, immediate=True,
+                               curve=self.curve.client("worker") if self.curve is not None else None,
+                               monitor=watch.address if watch is not None else None)
+        except zmq.ZMQError:
+            if watch is not None:
+                watch.close()
+            raise
         link = WorkerLink(index, endpoint, cast(zmq.asyncio.Socket, sock), static=static,
                           watch=watch)  # asyncio context
         if watch is not None:
@@ -285,13 +292,25 @@ class WorkerPool:
         """Connect to every announced worker and drop the ones whose announcement is gone."""
         interval_s = self.wcfg.register_interval_ms / 1000
         while True:
+            skipped: dict[str, str] = {}
             try:
-                announced = await worker_registry.registered(redis)
+                announced = await worker_registry.registered(redis, skipped.__setitem__)
             except (RedisError, OSError) as exc:  # Redis away: keep the workers known so far
                 log.debug("could not read the worker announcements: %s", type(exc).__name__)
             else:
-                await self.follow_announcements(announced)
+                self._report_skipped(skipped)
+                try:
+                    await self.follow_announcements(announced)
+                except Exception:  # a bug here must not stop discovery for the life of the gateway
+                    log.exception("following the worker announcements failed; trying again")
             await pause(interval_s)
+
+    def _report_skipped(self, skipped: dict[str, str]) -> None:
+        """Log each unusable announcement once (until it changes or goes)."""
+        for worker_id, why in skipped.items():
+            if self._skipped.get(worker_id) != why:
+                log.warning("ignoring the announcement of worker %s: %s", worker_id, why)
+        self._skipped = skipped
 
     async def follow_announcements(self, announced: list[worker_registry.Registration]) -> None:
         """Make the discovered part of the pool match ``announced`` (endpoints already among the
@@ -301,14 +320,21 @@ class WorkerPool:
         for endpoint, link in list(self._discovered.items()):
             if endpoint not in wanted:
                 await self._forget(link)
+        self._unreachable = {ep: why for ep, why in self._unreachable.items() if ep in wanted}
         for endpoint, reg in wanted.items():
-            if endpoint not in self._discovered:
+            if endpoint not in self._discovered and endpoint not in self._unreachable:
                 self._join(reg)
-            self._discovered[endpoint].capacity = reg.capacity
 
     def _join(self, reg: worker_registry.Registration) -> None:
-        link = self._discovered[reg.endpoint] = self._link(next(self._indices), reg.endpoint, static=False)
-        link.worker_id = reg.worker_id
+        try:
+            link = self._link(next(self._indices), reg.endpoint, static=False)
+        except zmq.ZMQError as exc:  # a name ZeroMQ refuses (written straight into Redis): not retried
+            log.warning("ignoring the announcement of worker %s: cannot connect to %s (%s)",  # until it changes
+                        reg.worker_id, reg.endpoint, exc)
+            self._unreachable[reg.endpoint] = str(exc)
+            return
+        self._discovered[reg.endpoint] = link
+        link.worker_id, link.capacity = reg.worker_id, reg.capacity  # until its heartbeat says
         self.links.append(link)
         self._start_link(link)
         log.info("worker %s announced at %s joins the pool", reg.worker_id, reg.endpoint)

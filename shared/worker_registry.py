@@ -6,8 +6,8 @@ largest batch), model id, model version and the time of the renewal, expiring af
 ``worker.registration_ttl_ms``; and its id in :data:`shared.keys.WORKERS_INDEX` scored by
 that time. A worker that stops cleanly deletes its hash; one that dies stops renewing it and
 Redis expires it. Readers take the index as the list of candidates and a hash as the proof
-of life, so no clock but Redis's decides who is gone; index members whose hash is long gone
-are trimmed by whoever reads.
+of life, so no clock but Redis's decides who is gone; index members whose hash is gone are
+trimmed by whoever reads.
 
 An announcement only names an address: with CurveZMQ on, a gateway completes a connection
 only with a process holding the workers' secret key, so a forged announcement cannot draw
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 import socket
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -27,8 +27,10 @@ from shared import keys
 from shared.text import as_str
 
 WILDCARD_HOSTS = ("0.0.0.0", "*", "::", "[::]", "")  # noqa: S104 - names of wildcard binds, bound nowhere here
-INDEX_TRIM_AFTER_MS = 600_000
-"""Index members not renewed for this long (the worker's clock) are dropped from the index."""
+MAX_CAPACITY = 65_536
+"""The largest capacity (batch) an announcement may claim: more is taken for a hostile value that
+would draw every request to one endpoint."""
+_WORKER_ID = re.compile(r"^[A-Za-z0-9_.-]{1,255}$")
 _ENDPOINT = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]{1,253}):[0-9]{1,5}$")
 
 
@@ -52,17 +54,24 @@ class Registration:
                 "version": str(self.version), "heartbeat_ms": str(self.heartbeat_ms)}
 
     @classmethod
-    def from_fields(cls, worker_id: str, raw: dict[Any, Any]) -> Registration | None:
-        """The registration a hash holds, or None when it is incomplete or names no usable endpoint."""
-        f = {as_str(k): as_str(v) for k, v in raw.items()}
+    def from_fields(cls, worker_id: str, raw: dict[Any, Any]) -> Registration:
+        """The registration a hash holds. Raises :class:`RegistrationError` saying what is wrong
+        when it is incomplete, not text, or names no usable endpoint or capacity."""
+        try:
+            f = {as_str(k): as_str(v) for k, v in raw.items()}
+        except UnicodeDecodeError:
+            raise RegistrationError("a field is not UTF-8 text") from None
         endpoint = f.get("endpoint", "")
         if not announceable(endpoint):
-            return None
+            raise RegistrationError(f"endpoint {endpoint[:80]!r} is not tcp://<host>:<port> with a concrete host")
         try:
-            return cls(worker_id, endpoint, max(1, int(f.get("capacity") or 1)), f.get("model_id", ""),
-                       int(f.get("version") or 0), int(f.get("heartbeat_ms") or 0))
+            capacity, version, heartbeat = (int(f.get(name) or default) for name, default in
+                                            (("capacity", 1), ("version", 0), ("heartbeat_ms", 0)))
         except ValueError:
-            return None
+            raise RegistrationError("capacity, version and heartbeat_ms must be integers") from None
+        if not 1 <= capacity <= MAX_CAPACITY:
+            raise RegistrationError(f"capacity {capacity} is outside 1..{MAX_CAPACITY}")
+        return cls(worker_id, endpoint, capacity, f.get("model_id", "")[:256], version, heartbeat)
 
 
 def announceable(endpoint: str) -> bool:
@@ -119,21 +128,42 @@ def withdraw(redis: Any, worker_id: str) -> None:
     pipe.execute()
 
 
-async def registered(redis: Any, now_ms: int | None = None) -> list[Registration]:
-    """Every live announcement (asyncio redis-py client; two round trips). Raises what redis-py
-    raises when Redis is away: the caller keeps what it knew."""
-    now_ms = int(time.time() * 1000) if now_ms is None else now_ms
-    ids = [as_str(m) for m in await redis.zrange(keys.WORKERS_INDEX, 0, -1)]
-    if not ids:
-        return []
-    pipe = redis.pipeline(transaction=False)
-    for worker_id in ids:
-        pipe.hgetall(keys.worker_registration(worker_id))
+async def registered(redis: Any, skipped: Callable[[str, str], None] | None = None) -> list[Registration]:
+    """Every live announcement (asyncio redis-py client; two round trips, a third to trim the
+    index). An announcement that cannot be used (an id or field that is not text, a malformed
+    endpoint or capacity: written by hand or by something other than a worker) is left out and
+    passed to ``skipped(worker id, why)``. Index members whose registration is gone (expired,
+    withdrawn) are dropped from the index, whatever their scores say: the clocks of the workers
+    that wrote them decide nothing. Raises what redis-py raises when Redis is away: the caller
+    keeps what it knew."""
+    members = await redis.zrange(keys.WORKERS_INDEX, 0, -1)
+    ids: list[str] = []
+    gone: list[Any] = []
+    for member in members:
+        try:
+            worker_id = member.decode() if isinstance(member, bytes) else str(member)
+        except UnicodeDecodeError:
+            worker_id = ""
+        if _WORKER_ID.match(worker_id):
+            ids.append(worker_id)
+        else:  # no worker announces such an id (shared.config.WorkerConfig.id)
+            gone.append(member)
+            if skipped is not None:
+                skipped(repr(member)[:80], "not a worker id")
     found = []
-    for worker_id, raw in zip(ids, await pipe.execute(), strict=True):
-        reg = Registration.from_fields(worker_id, raw) if raw else None
-        if reg is not None:
-            found.append(reg)
-    if len(found) < len(ids):
-        await redis.zremrangebyscore(keys.WORKERS_INDEX, "-inf", f"({now_ms - INDEX_TRIM_AFTER_MS}")
+    if ids:
+        pipe = redis.pipeline(transaction=False)
+        for worker_id in ids:
+            pipe.hgetall(keys.worker_registration(worker_id))
+        for worker_id, raw in zip(ids, await pipe.execute(), strict=True):
+            if not raw:
+                gone.append(worker_id)
+                continue
+            try:
+                found.append(Registration.from_fields(worker_id, raw))
+            except RegistrationError as exc:
+                if skipped is not None:
+                    skipped(worker_id, str(exc))
+    if gone:  # a worker registering meanwhile is back in the index at its next renewal
+        await redis.zrem(keys.WORKERS_INDEX, *gone)
     return found

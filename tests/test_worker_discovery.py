@@ -136,13 +136,64 @@ async def test_announcements_follow_redis_and_static_endpoints_stay(tmp_path, re
         indices = [link.index for link in pool.links]
         worker_registry.register(sync, Registration("a", a, heartbeat_ms=now_ms()), ttl_ms=60_000)
         await wait_for(lambda: _endpoints(pool) == {static, a}, what="the worker to join again")
-        sync.zadd(keys.WORKERS_INDEX, {"long-gone": now_ms() - worker_registry.INDEX_TRIM_AFTER_MS - 1000})
+        sync.zadd(keys.WORKERS_INDEX, {"long-gone": now_ms() - 1000})
         await wait_for(lambda: sync.zscore(keys.WORKERS_INDEX, "long-gone") is None,
                        what="a reader to trim the index")
         assert sync.zscore(keys.WORKERS_INDEX, "a") is not None
         assert pool.links[-1].index not in indices  # a new connection, never a reused index
     finally:
         await pool.close()
+        await redis.aclose()
+        close_sync(sync)
+
+
+async def test_hostile_announcements_are_skipped_once_each_and_discovery_goes_on(tmp_path, redis_target: RedisTarget,
+                                                                              caplog):
+    """Announcements written straight into Redis by something other than a worker (bytes that are
+    not text, a host ZeroMQ refuses, a capacity that would draw every request): each is ignored
+    with one log line naming the worker id and why, and workers announced later still join."""
+    _, cfg = write_config(tmp_path, 0, worker=DISCOVERY, redis_url=redis_target.url)
+    sync = redis_target.sync_client()
+    redis = redis_target.async_client()
+    ok, later, taken = (f"tcp://127.0.0.1:{free_port()}" for _ in range(3))
+    hostile = {"not-text": {"endpoint": b"tcp://\xff:5000"}, "dash-host": {"endpoint": "tcp://-:5000"},
+               "huge": {"endpoint": taken, "capacity": str(10**30)}, "words": {"endpoint": taken, "capacity": "many"}}
+    for worker_id, fields in hostile.items():
+        sync.hset(keys.worker_registration(worker_id), mapping=fields)  # type: ignore[arg-type]
+        sync.zadd(keys.WORKERS_INDEX, {worker_id: now_ms()})
+    sync.zadd(keys.WORKERS_INDEX, {b"\xff\xfe": now_ms(), "a}b{c": now_ms()})
+    pool = WorkerPool(cfg, redis=redis)
+    caplog.set_level("INFO", logger="learnmesh.workers")
+    await pool.start()
+    try:
+        worker_registry.register(sync, Registration("ok", ok, heartbeat_ms=now_ms()), ttl_ms=60_000)
+        await wait_for(lambda: _endpoints(pool) == {ok}, what="the good announcement to join")
+        worker_registry.register(sync, Registration("later", later, heartbeat_ms=now_ms()), ttl_ms=60_000)
+        await wait_for(lambda: _endpoints(pool) == {ok, later}, what="an announcement made later to join")
+        ignored = [r.getMessage() for r in caplog.records if "ignoring the announcement" in r.getMessage()]
+        for worker_id in ("not-text", "dash-host", "huge", "words", "b'\\xff\\xfe'", "b'a}b{c'"):
+            assert len([m for m in ignored if f"worker {worker_id}:" in m]) == 1, (worker_id, ignored)
+        assert sync.zscore(keys.WORKERS_INDEX, b"\xff\xfe") is None  # no worker has such an id
+        assert {link.capacity for link in pool.links} == {1}
+    finally:
+        await pool.close()
+        await redis.aclose()
+        close_sync(sync)
+
+
+async def test_the_index_forgets_expired_workers_whatever_their_clocks_say(redis_target: RedisTarget):
+    """A live worker whose clock is decades slow stays announced, and entries left by workers
+    gone for good leave the index at the first read, whether their clocks ran slow or fast."""
+    sync = redis_target.sync_client()
+    redis = redis_target.async_client()
+    try:
+        worker_registry.register(sync, Registration("slow", f"tcp://127.0.0.1:{free_port()}", heartbeat_ms=1),
+                                 ttl_ms=60_000)
+        sync.zadd(keys.WORKERS_INDEX, {"gone-ahead": now_ms() + 10**9, "gone-behind": 1})  # their hashes expired
+        for _ in range(3):
+            assert [reg.worker_id for reg in await worker_registry.registered(redis)] == ["slow"]
+        assert sync.zrange(keys.WORKERS_INDEX, 0, -1) == [b"slow"]
+    finally:
         await redis.aclose()
         close_sync(sync)
 
