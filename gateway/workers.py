@@ -3,7 +3,9 @@
 Which endpoints: the static ``worker.endpoints``, plus (``worker.discovery``) every worker
 announced in Redis (shared/worker_registry.py), read every ``worker.register_interval_ms``.
 A worker whose announcement appears gets a connection; one whose announcement is withdrawn
-or expires loses it, and its requests in flight are retried on another worker. Static
+or expires loses it (once it stops answering, or after ``worker.registration_ttl_ms`` when it
+still answers: Redis losing its keys does not empty the pool), and its requests in flight are
+retried on another worker. Static
 workers stay in the pool while silent (they rejoin on their next answer).
 
 Liveness is ping/pong: every ``worker.heartbeat_interval_ms`` the pool sends HELLO to each
@@ -86,6 +88,7 @@ class WorkerLink:
     model_id: str | None = None
     last_seen_s: float = 0.0       # monotonic; 0 = never heard from
     last_heartbeat_wall_s: float = 0.0
+    unannounced_since: float | None = None  # monotonic: when a discovered worker's announcement went
     alive: bool = False
     handshake_failing: bool = False  # the process at the endpoint does not hold the pinned worker key
     watch: HandshakeWatch | None = None
@@ -314,11 +317,23 @@ class WorkerPool:
 
     async def follow_announcements(self, announced: list[worker_registry.Registration]) -> None:
         """Make the discovered part of the pool match ``announced`` (endpoints already among the
-        static ones are not connected twice)."""
+        static ones are not connected twice). A worker whose announcement is gone leaves at once
+        when it no longer answers; one that still answers stays for ``worker.registration_ttl_ms``,
+        time enough for a live worker to announce itself again after Redis lost its keys
+        (restarted without persistence, flushed), so the pool does not empty meanwhile."""
         static = {link.endpoint for link in self.links if link.static}
         wanted = {reg.endpoint: reg for reg in announced if reg.endpoint not in static}
+        now = time.monotonic()
         for endpoint, link in list(self._discovered.items()):
-            if endpoint not in wanted:
+            if endpoint in wanted:
+                link.unannounced_since = None
+            elif link.alive and now - (link.unannounced_since or now) < self.wcfg.registration_ttl_ms / 1000:
+                if link.unannounced_since is None:  # Redis restarted or flushed, or the key deleted
+                    log.warning("worker %s (%s) is no longer announced but still answers; it stays in the pool "
+                                "for up to %gs while it announces itself again", link.worker_id, link.endpoint,
+                                self.wcfg.registration_ttl_ms / 1000)
+                    link.unannounced_since = now
+            else:
                 await self._forget(link)
         self._unreachable = {ep: why for ep, why in self._unreachable.items() if ep in wanted}
         for endpoint, reg in wanted.items():

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+import zmq.asyncio
 from redis.cluster import key_slot
 
 from gateway.workers import WorkerPool
@@ -25,7 +26,7 @@ from shared.redis_client import close_sync
 from shared.worker_registry import Registration, RegistrationError, advertised_endpoint
 from shared.zmq_util import bind_address
 from tests.conftest import RedisTarget, free_port, wait_for, wait_for_sync
-from tests.worker_support import spawn_worker, stop, write_config
+from tests.worker_support import FakeWorker, spawn_worker, stop, write_config
 
 DISCOVERY = {"endpoints": [], "register_interval_ms": 200, "registration_ttl_ms": 1000,
              "max_batch_size": 4, "request_timeout_s": 60.0}
@@ -198,6 +199,36 @@ async def test_the_index_forgets_expired_workers_whatever_their_clocks_say(redis
         close_sync(sync)
 
 
+async def test_a_worker_that_still_answers_outlives_a_redis_that_lost_its_announcement(tmp_path,
+                                                                                     redis_target: RedisTarget):
+    """Redis restarted without persistence (or flushed): the announcements are gone until the
+    workers renew them. A worker that still answers keeps serving meanwhile; one that is never
+    announced again leaves once ``registration_ttl_ms`` has passed."""
+    _, cfg = write_config(tmp_path, 0, worker=DISCOVERY, redis_url=redis_target.url)
+    ctx = zmq.asyncio.Context()
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    worker = FakeWorker(ctx, cfg, endpoint, "w")
+    sync = redis_target.sync_client()
+    redis = redis_target.async_client()
+    pool = WorkerPool(cfg, redis=redis)
+    await pool.start()
+    try:
+        worker_registry.register(sync, Registration("w", endpoint, heartbeat_ms=now_ms()), ttl_ms=60_000)
+        await pool.wait_live(1, timeout_s=30)
+        sync.delete(keys.worker_registration("w"))
+        sync.delete(keys.WORKERS_INDEX)
+        await pool.follow_announcements(await worker_registry.registered(redis))  # what every read finds now
+        assert _endpoints(pool) == {endpoint}
+        assert (await pool.request(gen(0), timeout_s=10))["worker"] == "w"
+        await wait_for(lambda: endpoint not in _endpoints(pool), what="the worker never announced again to leave")
+    finally:
+        await pool.close()
+        await worker.close()
+        ctx.term()
+        await redis.aclose()
+        close_sync(sync)
+
+
 async def test_discovery_off_ignores_announcements(tmp_path, redis_target: RedisTarget):
     _, cfg = write_config(tmp_path, 0, worker={**DISCOVERY, "discovery": False}, redis_url=redis_target.url)
     sync = redis_target.sync_client()
@@ -229,6 +260,11 @@ def test_a_worker_binding_any_port_announces_the_port_it_got(tmp_path, redis_tar
         assert raw[b"endpoint"] == worker.advertised.encode() and raw[b"capacity"] == b"4"
         assert 0 < sync.pttl(keys.worker_registration(worker.worker_id)) <= 1000
         wait_for_sync(lambda: worker.registrar.renewals >= 3, what="the registration to be renewed")
+        sync.delete(keys.worker_registration(worker.worker_id))  # Redis restarted empty, or flushed
+        sync.delete(keys.WORKERS_INDEX)
+        wait_for_sync(lambda: sync.zscore(keys.WORKERS_INDEX, worker.worker_id) is not None
+                      and sync.hget(keys.worker_registration(worker.worker_id), "endpoint") == raw[b"endpoint"],
+                      what="the worker to announce itself again")
         worker.registrar.close()
         assert not sync.exists(keys.worker_registration(worker.worker_id))
         assert sync.zscore(keys.WORKERS_INDEX, worker.worker_id) is None
