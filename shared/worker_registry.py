@@ -38,6 +38,16 @@ class RegistrationError(ValueError):
     """A worker's advertised endpoint cannot be announced (wildcard, malformed)."""
 
 
+class DuplicateWorker(RuntimeError):
+    """Another live process holds the announcement of this worker id."""
+
+    def __init__(self, worker_id: str, endpoint: str) -> None:
+        super().__init__(f"worker id {worker_id!r} is announced by another process at {endpoint or '?'}: "
+                         "give each worker its own worker.id (this one is announced once that announcement "
+                         "expires or is withdrawn)")
+        self.endpoint = endpoint
+
+
 @dataclass(frozen=True)
 class Registration:
     """One worker's announcement."""
@@ -48,10 +58,11 @@ class Registration:
     model_id: str = ""
     version: int = 0
     heartbeat_ms: int = 0
+    instance: str = ""  # the announcing process (random per start): tells two holders of one id apart
 
     def fields(self) -> dict[str, str]:
         return {"endpoint": self.endpoint, "capacity": str(self.capacity), "model_id": self.model_id,
-                "version": str(self.version), "heartbeat_ms": str(self.heartbeat_ms)}
+                "version": str(self.version), "heartbeat_ms": str(self.heartbeat_ms), "instance": self.instance}
 
     @classmethod
     def from_fields(cls, worker_id: str, raw: dict[Any, Any]) -> Registration:
@@ -71,7 +82,8 @@ class Registration:
             raise RegistrationError("capacity, version and heartbeat_ms must be integers") from None
         if not 1 <= capacity <= MAX_CAPACITY:
             raise RegistrationError(f"capacity {capacity} is outside 1..{MAX_CAPACITY}")
-        return cls(worker_id, endpoint, capacity, f.get("model_id", "")[:256], version, heartbeat)
+        return cls(worker_id, endpoint, capacity, f.get("model_id", "")[:256], version, heartbeat,
+                   f.get("instance", "")[:64])
 
 
 def announceable(endpoint: str) -> bool:
@@ -110,22 +122,45 @@ def advertised_endpoint(bound: str, template: str, redis_host: str) -> str:
     return endpoint
 
 
+_REGISTER = """
+local holder = redis.call('HGET', KEYS[1], 'instance')
+if holder and holder ~= ARGV[1] then
+  return redis.call('HGET', KEYS[1], 'endpoint') or ''
+end
+redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return false
+"""
+_WITHDRAW = """
+if redis.call('HGET', KEYS[1], 'instance') == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+
 def register(redis: Any, reg: Registration, ttl_ms: int) -> None:
-    """Write or renew ``reg`` (synchronous redis-py client; two keys, one round trip)."""
+    """Write or renew ``reg`` (synchronous redis-py client; two round trips). Raises
+    :class:`DuplicateWorker` while another process (``reg.instance``) holds a live
+    announcement under the same worker id: the first one keeps it until it expires or is
+    withdrawn, so two workers given one id never take turns at it."""
     key = keys.worker_registration(reg.worker_id)
-    pipe = redis.pipeline(transaction=False)
-    pipe.hset(key, mapping=reg.fields())
-    pipe.pexpire(key, ttl_ms)
-    pipe.zadd(keys.WORKERS_INDEX, {reg.worker_id: reg.heartbeat_ms})
-    pipe.execute()
+    fields = [part for pair in reg.fields().items() for part in pair]
+    holder = redis.register_script(_REGISTER)(keys=[key], args=[reg.instance, ttl_ms, *fields])
+    if holder is not None:
+        raise DuplicateWorker(reg.worker_id, as_str(holder))
+    redis.zadd(keys.WORKERS_INDEX, {reg.worker_id: reg.heartbeat_ms})
 
 
-def withdraw(redis: Any, worker_id: str) -> None:
-    """Remove a worker's announcement (it stops serving): gateways drop it at their next read."""
-    pipe = redis.pipeline(transaction=False)
-    pipe.delete(keys.worker_registration(worker_id))
-    pipe.zrem(keys.WORKERS_INDEX, worker_id)
-    pipe.execute()
+def withdraw(redis: Any, worker_id: str, instance: str | None = None) -> None:
+    """Remove a worker's announcement (it stops serving): gateways drop it at their next read.
+    With ``instance``, only when that process holds it (not another one given the same id)."""
+    key = keys.worker_registration(worker_id)
+    if instance is None:
+        redis.delete(key)
+    elif not redis.register_script(_WITHDRAW)(keys=[key], args=[instance]):
+        return
+    redis.zrem(keys.WORKERS_INDEX, worker_id)
 
 
 async def registered(redis: Any, skipped: Callable[[str, str], None] | None = None) -> list[Registration]:

@@ -273,6 +273,45 @@ def test_a_worker_binding_any_port_announces_the_port_it_got(tmp_path, redis_tar
         close_sync(sync)
 
 
+def test_two_workers_given_one_id_do_not_take_turns_at_its_announcement(tmp_path, redis_target: RedisTarget, caplog):
+    """A second worker started with an id a live one already announces (a copied config) is not
+    announced and says why; gateways keep one endpoint for the id instead of switching between
+    the two at every renewal. Once the first stops, or dies and its announcement expires (a
+    worker restarted at once on a new port), the other is announced."""
+    _, cfg = write_config(tmp_path, 0, worker=DISCOVERY, redis_url=redis_target.url)
+    first, second, third = (Worker(cfg, "tcp://127.0.0.1:*", "twin", updates=False) for _ in range(3))
+    sync = redis_target.sync_client()
+    key = keys.worker_registration("twin")
+    caplog.set_level("INFO", logger="learnmesh.worker")
+    try:
+        first._start_registrar()
+        second._start_registrar()
+        wait_for_sync(lambda: first.registrar.renewals >= 5, what="the first worker to renew")
+        assert second.registrar.renewals == 0 and sync.hget(key, "endpoint") == first.advertised.encode()
+        errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+        assert errors == [f"worker twin at {second.advertised} is not announced: worker id 'twin' is announced by "
+                          f"another process at {first.advertised}: give each worker its own worker.id (this one "
+                          "is announced once that announcement expires or is withdrawn)"]
+        first.registrar.close()  # a clean stop hands the id over
+        wait_for_sync(lambda: sync.hget(key, "endpoint") == second.advertised.encode(),
+                      what="the second worker to be announced")
+        second.registrar._stop.set()  # dies without withdrawing: its announcement expires
+        second.registrar._thread.join()
+        third._start_registrar()
+        wait_for_sync(lambda: sync.hget(key, "endpoint") == third.advertised.encode(),
+                      what="the worker started in its place to be announced")
+        second.registrar.close()  # withdraws only what it holds
+        assert sync.hget(key, "endpoint") == third.advertised.encode()
+        third.registrar.close()
+        assert not sync.exists(key) and sync.zscore(keys.WORKERS_INDEX, "twin") is None
+    finally:
+        for w in (first, second, third):
+            if w.registrar is not None:
+                w.registrar.close()
+            w.sock.close(linger=0)
+        close_sync(sync)
+
+
 def test_a_worker_beyond_the_configured_endpoints_is_told_how_to_start(tmp_path):
     """A worker added by hand (`learnmesh worker --index 2` beside two configured ones): one line
     that says which option starts it, no traceback."""

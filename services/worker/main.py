@@ -20,6 +20,7 @@ import os
 import signal
 import socket
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,6 +62,7 @@ class Worker:
         self.cfg = cfg
         self.wcfg = cfg.worker
         self.worker_id = worker_id
+        self.instance = uuid.uuid4().hex  # this process: tells a restart, or another process given the same id, apart
         self.model = model if model is not None else build_model(cfg.model)
         self.ctx = zmq_ctx or zmq.Context.instance()
         keys = CurveKeys.load(cfg.zmq, "worker")
@@ -105,7 +107,7 @@ class Worker:
         from shared.control import now_ms
 
         return Registration(self.worker_id, self.advertised or self.endpoint, self.wcfg.max_batch_size,
-                            self.model.model_id, self.version, now_ms())
+                            self.model.model_id, self.version, now_ms(), self.instance)
 
     def _start_registrar(self) -> None:
         if self.advertised is None:
