@@ -12,7 +12,9 @@ Liveness is ping/pong: every ``worker.heartbeat_interval_ms`` the pool sends HEL
 worker and the worker answers with a HEARTBEAT (version, load). Any message from a worker
 counts as a sign of life; a worker silent for ``worker.heartbeat_timeout_ms`` is declared
 dead, and the requests in flight on it are retried on another live worker. A worker that
-comes back (same endpoint) answers the next HELLO and rejoins — nothing to restart here.
+comes back (same endpoint) answers the next HELLO and rejoins — nothing to restart here; when
+its heartbeat names another process than before (restarted faster than the heartbeat timeout),
+the requests the old process had are retried at once rather than waited for.
 
 Routing: the least-loaded live worker at or past the request's ``min_model_version``;
 if only older workers are live, wait up to ``consistency.timeout_s`` for one to catch up,
@@ -80,6 +82,7 @@ class WorkerLink:
     endpoint: str
     sock: zmq.asyncio.Socket
     worker_id: str | None = None
+    instance: str | None = None  # the process answering there (heartbeat): a new one lost what the old one had
     version: int = 0
     lag: int = 0  # versions behind the trainer's latest, as the worker's heartbeat reports
     reported_load: int = 0
@@ -191,9 +194,7 @@ class WorkerPool:
     async def _close_link(self, link: WorkerLink) -> None:
         """Stop ``link``'s tasks and close its socket; its requests in flight go elsewhere."""
         await _cancel_all(link.tasks)
-        for q in link.inflight.values():
-            q.put_nowait(_DEAD)
-        link.inflight.clear()
+        self._retry_inflight(link)
         if link.watch is not None:
             link.watch.close()
         link.sock.close(linger=0)
@@ -258,6 +259,13 @@ class WorkerPool:
             link.model_id = header.get("model_id")
             link.capacity = max(1, int(header.get("max_batch_size") or link.capacity))
             link.last_heartbeat_wall_s = time.time()
+            instance = header.get("instance")
+            if isinstance(instance, str):
+                if link.instance not in (None, instance) and link.inflight:
+                    log.warning("worker %s (%s) restarted; retrying its %d requests elsewhere", worker_id,
+                                link.endpoint, len(link.inflight))
+                    self._retry_inflight(link)
+                link.instance = instance
         elif msg_type in (MsgType.TOKEN, MsgType.RESULT, MsgType.ERROR):
             q = link.inflight.get(str(header.get("id")))
             if q is not None:
@@ -376,6 +384,11 @@ class WorkerPool:
                     link.worker_id, link.endpoint, len(link.inflight))
         link.alive = False
         metrics.WORKERS_LIVE.set(len(self.live()))
+        self._retry_inflight(link)
+
+    @staticmethod
+    def _retry_inflight(link: WorkerLink) -> None:
+        """Hand every request in flight on ``link`` back to its caller, which retries it elsewhere."""
         for q in link.inflight.values():
             q.put_nowait(_DEAD)
         link.inflight.clear()

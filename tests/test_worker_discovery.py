@@ -229,6 +229,35 @@ async def test_a_worker_that_still_answers_outlives_a_redis_that_lost_its_announ
         close_sync(sync)
 
 
+async def test_a_worker_restarted_on_its_endpoint_within_the_heartbeat_timeout_gets_its_requests_again(tmp_path):
+    """A worker process replaced on the same endpoint faster than ``heartbeat_timeout_ms`` (a
+    supervisor or pod restarting it): what the old process had in flight is lost with it, and
+    the gateway retries it as soon as the new process's first heartbeat names another process."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    _, cfg = write_config(tmp_path, 0, worker={"endpoints": [endpoint], "heartbeat_timeout_ms": 600_000,
+                                               "request_timeout_s": 600.0})
+    ctx = zmq.asyncio.Context()
+    old = FakeWorker(ctx, cfg, endpoint, "w", instance="old")
+    old.answers = lambda header: False  # accepts requests, dies before answering
+    pool = WorkerPool(cfg)
+    await pool.start()
+    new = None
+    try:
+        await pool.wait_live(1, timeout_s=30)
+        request = asyncio.create_task(pool.request(gen(0)))
+        await wait_for(lambda: old.unanswered, what="the old process to take the request")
+        await old.close()
+        new = FakeWorker(ctx, cfg, endpoint, "w", instance="new")
+        assert (await asyncio.wait_for(request, 120))["worker"] == "w"
+        assert len(new.unanswered) == 0 and pool.links[0].alive
+    finally:
+        await pool.close()
+        for w in (old, new):
+            if w is not None:
+                await w.close()
+        ctx.term()
+
+
 async def test_discovery_off_ignores_announcements(tmp_path, redis_target: RedisTarget):
     _, cfg = write_config(tmp_path, 0, worker={**DISCOVERY, "discovery": False}, redis_url=redis_target.url)
     sync = redis_target.sync_client()

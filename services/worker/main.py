@@ -256,7 +256,8 @@ class Worker:
             return
         if msg_type == MsgType.HELLO:
             lag = self.subscriber.lag if self.subscriber is not None else 0
-            self._send(peer, MsgType.HEARTBEAT, {"worker": self.worker_id, "version": self.version, "lag": lag,
+            self._send(peer, MsgType.HEARTBEAT, {"worker": self.worker_id, "instance": self.instance,
+                                                 "version": self.version, "lag": lag,
                                                  "load": self.load(), "model_id": self.model.model_id,
                                                  "max_batch_size": self.wcfg.max_batch_size})
         elif msg_type == MsgType.CANCEL:
