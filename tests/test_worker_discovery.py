@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 import signal
 import socket
+import time
 from argparse import Namespace
 from pathlib import Path
 
 import pytest
+import redis as redis_sync
 import yaml
 import zmq.asyncio
 from redis.cluster import key_slot
@@ -19,10 +21,11 @@ from gateway.workers import WorkerPool
 from services import supervisor
 from services.worker.main import Worker, worker_id_of
 from shared import keys, worker_registry
-from shared.config import ConfigError, load_config
+from shared.config import ConfigError, RedisConfig, load_config
 from shared.control import now_ms
 from shared.model import build_model
-from shared.redis_client import close_sync
+from shared.redis_client import async_client, close_sync
+from shared.redis_embed import start_redis
 from shared.worker_registry import Registration, RegistrationError, advertised_endpoint
 from shared.zmq_util import bind_address
 from tests.conftest import RedisTarget, free_port, wait_for, wait_for_sync
@@ -108,6 +111,54 @@ async def test_a_worker_started_under_traffic_joins_and_a_killed_one_leaves(tmp_
         await redis.aclose()
         for p in procs:
             stop(p, signal.SIGKILL)
+
+
+async def test_a_worker_serves_on_while_redis_is_paused_then_restarted_empty(tmp_path, caplog):
+    """Redis stops answering (paused, its host unreachable), then comes back empty (restarted
+    without persistence): the worker answers heartbeats and requests all along, announces
+    itself again by itself, and the gateway's pool keeps it throughout: no request fails."""
+    port = free_port()
+    url, server = start_redis(tmp_path / "redis-a", port)
+    path, cfg = write_config(tmp_path, 0, worker=DISCOVERY, redis_url=url)
+    build_model(cfg.model)
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    proc = spawn_worker(path, 0, endpoint)
+    redis = async_client(RedisConfig(url=url), socket_timeout=2.0)
+    pool = WorkerPool(cfg, redis=redis)
+    caplog.set_level("INFO", logger="learnmesh.workers")
+    await pool.start()
+    traffic = None
+    try:
+        await pool.wait_live(1, timeout_s=90)
+        traffic = Traffic(pool, n=2)
+        await wait_for(lambda: len(traffic.served) >= 4, timeout_s=60, what="traffic")
+        server.send_signal(signal.SIGSTOP)  # every Redis command of the worker now waits for its timeout
+        paused_at, paused_s = len(traffic.served), time.monotonic()
+        await wait_for(lambda: len(traffic.served) >= paused_at + 20 and time.monotonic() > paused_s + 8,
+                       timeout_s=120, what="requests served while Redis does not answer (a few of its timeouts)")
+        server.kill()
+        server.send_signal(signal.SIGCONT)
+        server.wait(10)
+        url_b, server = start_redis(tmp_path / "redis-b", port)  # the same address, nothing in it
+        sync = redis_sync.Redis.from_url(url_b)
+        wait_for_sync(lambda: sync.hget(keys.worker_registration("worker-0"), "endpoint") == endpoint.encode(),
+                      timeout_s=30, what="the worker to announce itself again")
+        sync.close()
+        again = len(traffic.served)
+        await wait_for(lambda: len(traffic.served) >= again + 20, timeout_s=60, what="traffic after the restart")
+        await traffic.stop()
+        assert traffic.failures == [], traffic.failures
+        assert _endpoints(pool) == {endpoint}
+        assert not [r for r in caplog.records if "missed heartbeats" in r.getMessage()]
+    finally:
+        if traffic is not None and not traffic._stop.is_set():
+            await traffic.stop()
+        await pool.close()
+        await redis.aclose()
+        stop(proc, signal.SIGKILL)
+        server.send_signal(signal.SIGCONT)
+        server.kill()
+        server.wait(10)
 
 
 async def test_announcements_follow_redis_and_static_endpoints_stay(tmp_path, redis_target: RedisTarget):

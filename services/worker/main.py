@@ -19,6 +19,7 @@ import math
 import os
 import signal
 import socket
+import threading
 import time
 import uuid
 from collections import deque
@@ -80,7 +81,8 @@ class Worker:
         self._stop = False
         self.drained = False
         self._redis: Any = None
-        self._next_report = 0.0
+        self._reports: threading.Thread | None = None
+        self._reports_stop = threading.Event()
         self._digest: tuple[int, str] = (-1, "")
         self.registrar: Any = None
 
@@ -146,10 +148,11 @@ class Worker:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         log.info("worker %s ready (model %s, version %d)", self.worker_id, self.model.model_id, self.version)
+        self._weights_digest(self.version)
         self._start_registrar()
+        self._start_reports()
         try:
             while not self._stop:
-                self._report_status()
                 wait_ms = 50.0
                 if self.queue:
                     age_ms = (time.monotonic() - self.queue[0].received_s) * 1000
@@ -171,21 +174,34 @@ class Worker:
             self.queue.clear()
             if self.subscriber is not None:
                 self.subscriber.close()
+            self._reports_stop.set()
+            if self._reports is not None:
+                self._reports.join(timeout=5)
             if self._redis is not None:
                 close_sync(self._redis)
             self.sock.close(linger=0)
 
-    def _report_status(self) -> None:
-        """Every ``metrics.status_interval_s``: self-report to Redis for /admin/workers and the
-        dashboard (version, load, lag), and learn whether an operator drained this worker.
-        Gateways stop routing to a drained worker; it finishes what it has and reports
-        ``drained`` so operators can see when it is safe to stop."""
+    def _start_reports(self) -> None:
+        """Status reports run on a thread of their own: a Redis that does not answer (paused,
+        its host unreachable) delays them by its timeouts, never the serving loop that answers
+        heartbeats and requests."""
         if not self.cfg.redis.url:
             return
-        now = time.monotonic()
-        if now < self._next_report:
-            return
-        self._next_report = now + self.cfg.metrics.status_interval_s
+        self._client()  # made once, before two threads use it
+        self._reports = threading.Thread(target=self._report_loop, name="worker-status", daemon=True)
+        self._reports.start()
+
+    def _report_loop(self) -> None:
+        while True:
+            self._report_status()
+            if self._reports_stop.wait(self.cfg.metrics.status_interval_s):
+                return
+
+    def _report_status(self) -> None:
+        """Self-report to Redis for /admin/workers and the dashboard (version, load, lag), and
+        learn whether an operator drained this worker. Gateways stop routing to a drained
+        worker; it finishes what it has and reports ``drained`` so operators can see when it is
+        safe to stop."""
         from shared import control, keys
 
         try:
@@ -194,22 +210,23 @@ class Worker:
                 log.info("worker %s %s by an operator", self.worker_id, "drained" if drained else "undrained")
                 self.drained = drained
             lag = self.subscriber.lag if self.subscriber is not None else None
+            version, (digest_version, digest) = self.version, self._digest  # the serving loop computes it
             control.report_status(self._redis, f"worker:{self.worker_id}",
-                                  ttl_s=control.status_ttl_s(self.cfg), version=self.version,
+                                  ttl_s=control.status_ttl_s(self.cfg), version=version,
                                   load=self.load(), lag=lag, drained=int(drained),
                                   idle=int(drained and not self.queue and not self.running),
-                                  weights_digest=self._weights_digest())
+                                  weights_digest=digest if digest_version == version else None)
         except Exception as exc:  # Redis away: serving goes on, the report is advisory
             log.debug("worker status report failed: %s", exc)
 
-    def _weights_digest(self) -> str:
-        """Digest of the served weights (once per version): equal to the trainer's reported digest
-        exactly when this worker serves bit-identical weights."""
-        if self._digest[0] != self.version:
+    def _weights_digest(self, version: int) -> None:
+        """Digest of the served weights, now at ``version`` (once per version, in the serving loop
+        between batches): equal to the trainer's reported digest exactly when this worker serves
+        bit-identical weights."""
+        if self._digest[0] != version:
             from shared.delta.codec import weights_digest
 
-            self._digest = (self.version, weights_digest(dict(self.model.trainable_named_parameters())))
-        return self._digest[1]
+            self._digest = (version, weights_digest(dict(self.model.trainable_named_parameters())))
 
     def _apply_updates(self) -> None:
         if self.subscriber is None:
@@ -223,6 +240,7 @@ class Worker:
             return
         if new is not None and new != self.version:
             log.info("model version %d -> %d", self.version, new)
+            self._weights_digest(new)  # before the version: a report never pairs one with the other's digest
             self.version = new
             metrics.WORKER_VERSION.labels(self.worker_id).set(new)
 
