@@ -16,6 +16,7 @@ requests to someone else's process.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import socket
 from collections.abc import Callable
@@ -90,6 +91,18 @@ def announceable(endpoint: str) -> bool:
     """A TCP endpoint another host can connect to: a concrete host and port, no wildcard."""
     m = _ENDPOINT.match(endpoint)
     return m is not None and m.group(1) not in WILDCARD_HOSTS and 0 < int(endpoint.rsplit(":", 1)[1]) < 65536
+
+
+def is_loopback(host: str | None) -> bool:
+    """``host`` names this machine only (127.0.0.0/8, ::1, localhost)."""
+    if host is None:
+        return False
+    if host.strip("[]").lower() in ("localhost", "localhost.localdomain"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def local_ip(toward: str) -> str:

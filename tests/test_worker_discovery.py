@@ -471,6 +471,27 @@ def test_every_zeromq_endpoint_binds_loopback_unless_configured_otherwise():
     assert bind_address("ipc:///run/x", "0.0.0.0") == "ipc:///run/x"
 
 
+@pytest.mark.parametrize(("bind_host", "endpoint", "warned"), [
+    ("", "tcp://0.0.0.0:*", True),  # Redis on loopback: its address toward Redis is 127.0.0.1
+    ("0.0.0.0", "tcp://127.0.0.1:*", True),  # every interface bound, the loopback name announced
+    ("", "tcp://127.0.0.1:*", False),  # loopback bound and announced: a one-host mesh
+])
+def test_a_worker_listening_beyond_loopback_but_announcing_loopback_says_so(tmp_path, redis_url, caplog,
+                                                                          bind_host, endpoint, warned):
+    _, cfg = write_config(tmp_path, 0, worker=DISCOVERY, redis_url=redis_url, extra={"zmq": {"bind_host": bind_host}})
+    caplog.set_level("WARNING", logger="learnmesh.worker")
+    worker = Worker(cfg, endpoint, "w", updates=False)
+    try:
+        port = worker.endpoint.rsplit(":", 1)[1]
+        assert worker.advertised == f"tcp://127.0.0.1:{port}"
+        lines = [r.getMessage() for r in caplog.records]
+        assert lines == ([f"worker w listens on tcp://0.0.0.0:{port} but announces tcp://127.0.0.1:{port}, which "
+                          "only gateways on this host can reach: set worker.advertise (e.g. tcp://{host}:{port}) "
+                          "to an address other hosts reach"] if warned else [])
+    finally:
+        worker.sock.close(linger=0)
+
+
 def test_a_worker_binding_every_interface_announces_the_name_it_is_configured_with(tmp_path, redis_url):
     _, cfg = write_config(tmp_path, 0, worker=DISCOVERY, redis_url=redis_url,
                           extra={"zmq": {"bind_host": "0.0.0.0"}})

@@ -35,7 +35,7 @@ from shared.inference import unpack_entries
 from shared.model import Example, LearnModel, MediaError, ModelInputError, build_model
 from shared.redis_client import close_sync
 from shared.wire import MsgType
-from shared.worker_registry import Registration, RegistrationError, advertised_endpoint
+from shared.worker_registry import Registration, RegistrationError, advertised_endpoint, is_loopback
 from shared.zmq_util import bind_address, bound_endpoint, make_socket
 
 log = logging.getLogger("learnmesh.worker")
@@ -99,10 +99,15 @@ class Worker:
         redis_host = urlsplit(url_of(self.cfg.redis)).hostname or "127.0.0.1"
         named = configured.rsplit(":", 1)[0] + ":" + self.endpoint.rsplit(":", 1)[1]
         try:
-            return advertised_endpoint(named, self.wcfg.advertise, redis_host)
+            advertised = advertised_endpoint(named, self.wcfg.advertise, redis_host)
         except (RegistrationError, KeyError, IndexError, ValueError) as exc:
             self.sock.close(linger=0)
             raise ConfigError(f"worker.advertise: {exc}") from None
+        if is_loopback(urlsplit(advertised).hostname) and not is_loopback(urlsplit(self.endpoint).hostname):
+            log.warning("worker %s listens on %s but announces %s, which only gateways on this host can reach: "
+                        "set worker.advertise (e.g. tcp://{host}:{port}) to an address other hosts reach",
+                        self.worker_id, self.endpoint, advertised)
+        return advertised
 
     def registration(self) -> Registration:
         """What this worker announces now (called by the registrar's thread)."""
