@@ -93,6 +93,7 @@ class WorkerLink:
     last_heartbeat_wall_s: float = 0.0
     unannounced_since: float | None = None  # monotonic: when a discovered worker's announcement went
     alive: bool = False
+    leaving: bool = False  # its heartbeat says it is stopping: no new requests
     handshake_failing: bool = False  # the process at the endpoint does not hold the pinned worker key
     watch: HandshakeWatch | None = None
     inflight: dict[str, asyncio.Queue[Any]] = field(default_factory=dict)  # reply parts, or _DEAD
@@ -116,7 +117,7 @@ class WorkerLink:
                 "alive": self.alive,
                 "version": self.version, "lag": self.lag, "load": self.load, "inflight": len(self.inflight),
                 "model_id": self.model_id, "last_heartbeat": self.last_heartbeat_wall_s or None,
-                "handshake_failing": self.handshake_failing, "capacity": self.capacity,
+                "handshake_failing": self.handshake_failing, "capacity": self.capacity, "leaving": self.leaving,
                 "source": "static" if self.static else "discovered"}
 
 
@@ -204,7 +205,8 @@ class WorkerPool:
         return [link.status() for link in self.links]
 
     def live(self) -> list[WorkerLink]:
-        return [link for link in self.links if link.alive and link.worker_id not in self.drained]
+        return [link for link in self.links
+                if link.alive and not link.leaving and link.worker_id not in self.drained]
 
     def drain(self, worker_id: str) -> None:
         """Route no new requests to ``worker_id`` (requests in flight finish)."""
@@ -259,6 +261,10 @@ class WorkerPool:
             link.model_id = header.get("model_id")
             link.capacity = max(1, int(header.get("max_batch_size") or link.capacity))
             link.last_heartbeat_wall_s = time.time()
+            leaving = header.get("leaving") is True
+            if leaving and not link.leaving:
+                log.info("worker %s (%s) is stopping; no new requests go there", worker_id, link.endpoint)
+            link.leaving = leaving
             instance = header.get("instance")
             if isinstance(instance, str):
                 if link.instance not in (None, instance) and link.inflight:
@@ -335,7 +341,8 @@ class WorkerPool:
         for endpoint, link in list(self._discovered.items()):
             if endpoint in wanted:
                 link.unannounced_since = None
-            elif link.alive and now - (link.unannounced_since or now) < self.wcfg.registration_ttl_ms / 1000:
+            elif link.alive and not link.leaving and \
+                    now - (link.unannounced_since or now) < self.wcfg.registration_ttl_ms / 1000:
                 if link.unannounced_since is None:  # Redis restarted or flushed, or the key deleted
                     log.warning("worker %s (%s) is no longer announced but still answers; it stays in the pool "
                                 "for up to %gs while it announces itself again", link.worker_id, link.endpoint,

@@ -10,6 +10,7 @@ import socket
 import time
 from argparse import Namespace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis as redis_sync
@@ -64,6 +65,30 @@ class Traffic:
         await asyncio.wait_for(asyncio.gather(*self._tasks), 120)
 
 
+async def _started_pool(cfg: Any, redis: Any, caplog: Any) -> WorkerPool:
+    caplog.set_level("INFO", logger="learnmesh.workers")
+    pool = WorkerPool(cfg, redis=redis)
+    await pool.start()
+    return pool
+
+
+async def _traffic_on(pool: WorkerPool, *, workers: int, callers: int, served: int) -> Traffic:
+    """Once ``workers`` workers are live, ``callers`` callers sending until ``served`` answers came."""
+    await pool.wait_live(workers, timeout_s=90)
+    traffic = Traffic(pool, n=callers)
+    await wait_for(lambda: len(traffic.served) >= served, timeout_s=60, what=f"{served} requests served")
+    return traffic
+
+
+async def _wind_down(pool: WorkerPool, redis: Any, procs: list[Any], traffic: Traffic | None) -> None:
+    if traffic is not None and not traffic._stop.is_set():
+        await traffic.stop()
+    await pool.close()
+    await redis.aclose()
+    for p in procs:
+        stop(p, signal.SIGKILL)
+
+
 def _endpoints(pool: WorkerPool) -> set[str]:
     return {link.endpoint for link in pool.links}
 
@@ -105,12 +130,35 @@ async def test_a_worker_started_under_traffic_joins_and_a_killed_one_leaves(tmp_
         assert _endpoints(pool) == {endpoints[2]}
         assert (await pool.request(gen(0)))["worker"] == "worker-2"
     finally:
-        if traffic is not None and not traffic._stop.is_set():
-            await traffic.stop()
-        await pool.close()
-        await redis.aclose()
-        for p in procs:
-            stop(p, signal.SIGKILL)
+        await _wind_down(pool, redis, procs, traffic)
+
+
+async def test_a_worker_stopped_under_traffic_loses_no_request(tmp_path, redis_target: RedisTarget, caplog):
+    """SIGTERM under traffic: the worker tells the gateways it is leaving and refuses what still
+    arrives, so every request is answered or retried at once, none waits for the heartbeat
+    timeout to find it lost, and the pool does not mistake the stop for Redis losing keys."""
+    path, cfg = write_config(tmp_path, 0, worker={**DISCOVERY, "heartbeat_timeout_ms": 600_000},
+                             redis_url=redis_target.url)
+    build_model(cfg.model)
+    endpoints = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    procs = [spawn_worker(path, i, endpoints[i]) for i in range(2)]
+    redis = redis_target.async_client()
+    pool = await _started_pool(cfg, redis, caplog)
+    traffic = None
+    try:
+        traffic = await _traffic_on(pool, workers=2, callers=6, served=30)
+        procs[0].send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(procs[0].wait, 30) == 0
+        await wait_for(lambda: endpoints[0] not in _endpoints(pool), timeout_s=30, what="the stopped worker to leave")
+        after = len(traffic.served)
+        await wait_for(lambda: len(traffic.served) >= after + 30, timeout_s=60, what="traffic after the stop")
+        await traffic.stop()
+        assert traffic.failures == [], traffic.failures
+        logged = [r.getMessage() for r in caplog.records]
+        assert f"worker worker-0 ({endpoints[0]}) is stopping; no new requests go there" in logged
+        assert not [m for m in logged if "missed heartbeats" in m or "still answers" in m], logged
+    finally:
+        await _wind_down(pool, redis, procs, traffic)
 
 
 async def test_a_worker_serves_on_while_redis_is_paused_then_restarted_empty(tmp_path, caplog):
@@ -124,14 +172,10 @@ async def test_a_worker_serves_on_while_redis_is_paused_then_restarted_empty(tmp
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     proc = spawn_worker(path, 0, endpoint)
     redis = async_client(RedisConfig(url=url), socket_timeout=2.0)
-    pool = WorkerPool(cfg, redis=redis)
-    caplog.set_level("INFO", logger="learnmesh.workers")
-    await pool.start()
+    pool = await _started_pool(cfg, redis, caplog)
     traffic = None
     try:
-        await pool.wait_live(1, timeout_s=90)
-        traffic = Traffic(pool, n=2)
-        await wait_for(lambda: len(traffic.served) >= 4, timeout_s=60, what="traffic")
+        traffic = await _traffic_on(pool, workers=1, callers=2, served=4)
         server.send_signal(signal.SIGSTOP)  # every Redis command of the worker now waits for its timeout
         paused_at, paused_s = len(traffic.served), time.monotonic()
         await wait_for(lambda: len(traffic.served) >= paused_at + 20 and time.monotonic() > paused_s + 8,
@@ -151,11 +195,7 @@ async def test_a_worker_serves_on_while_redis_is_paused_then_restarted_empty(tmp
         assert _endpoints(pool) == {endpoint}
         assert not [r for r in caplog.records if "missed heartbeats" in r.getMessage()]
     finally:
-        if traffic is not None and not traffic._stop.is_set():
-            await traffic.stop()
-        await pool.close()
-        await redis.aclose()
-        stop(proc, signal.SIGKILL)
+        await _wind_down(pool, redis, [proc], traffic)
         server.send_signal(signal.SIGCONT)
         server.kill()
         server.wait(10)

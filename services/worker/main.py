@@ -79,6 +79,7 @@ class Worker:
         self.batches = 0
         self.subscriber = self._subscriber(updates)
         self._stop = False
+        self.leaving = False  # stopping: heartbeats say so, requests are refused
         self.drained = False
         self._redis: Any = None
         self._reports: threading.Thread | None = None
@@ -172,11 +173,9 @@ class Worker:
                     self._apply_updates()
                     self._run_batch()
         finally:
-            if self.registrar is not None:  # gateways stop routing here before the queue is refused
+            self._leave()
+            if self.registrar is not None:  # gateways know it is leaving: withdrawn, it is not taken for lost keys
                 self.registrar.close()
-            for req in list(self.queue):
-                self._error(req.peer, req.id, "shutting_down", "worker is shutting down; retry elsewhere")
-            self.queue.clear()
             if self.subscriber is not None:
                 self.subscriber.close()
             self._reports_stop.set()
@@ -185,6 +184,23 @@ class Worker:
             if self._redis is not None:
                 close_sync(self._redis)
             self.sock.close(linger=0)
+
+    def _leave(self) -> None:
+        """Refuse what is queued, then tell the gateways this worker is stopping: for two of their
+        heartbeat intervals every HELLO gets a HEARTBEAT marked ``leaving`` (they route nothing new
+        here) and every request still arriving is refused with ``shutting_down`` (they retry it
+        elsewhere at once), so no request sent here is lost unanswered when the socket closes."""
+        self.leaving = True
+        deadline = time.monotonic() + min(2.0, 2 * self.wcfg.heartbeat_interval_ms / 1000)
+        while True:
+            for req in self.queue:
+                self._error(req.peer, req.id, "shutting_down", "worker is shutting down; retry elsewhere")
+            self.queue.clear()
+            left_ms = (deadline - time.monotonic()) * 1000
+            if left_ms <= 0:
+                return
+            if self.sock.poll(math.ceil(left_ms)):
+                self._drain()
 
     def _start_reports(self) -> None:
         """Status reports run on a thread of their own: a Redis that does not answer (paused,
@@ -280,6 +296,7 @@ class Worker:
         if msg_type == MsgType.HELLO:
             lag = self.subscriber.lag if self.subscriber is not None else 0
             self._send(peer, MsgType.HEARTBEAT, {"worker": self.worker_id, "instance": self.instance,
+                                                 "leaving": self.leaving,
                                                  "version": self.version, "lag": lag,
                                                  "load": self.load(), "model_id": self.model.model_id,
                                                  "max_batch_size": self.wcfg.max_batch_size})
