@@ -308,13 +308,20 @@ class WorkerPool:
     async def _follow_registry(self, redis: aioredis.Redis) -> None:
         """Connect to every announced worker and drop the ones whose announcement is gone."""
         interval_s = self.wcfg.register_interval_ms / 1000
+        failing = False
         while True:
             skipped: dict[str, str] = {}
             try:
                 announced = await worker_registry.registered(redis, skipped.__setitem__)
             except (RedisError, OSError) as exc:  # Redis away: keep the workers known so far
-                log.debug("could not read the worker announcements: %s", type(exc).__name__)
+                if not failing:
+                    log.warning("cannot read the worker announcements (%s); routing to the %d workers known "
+                                "until Redis answers", type(exc).__name__, len(self.links))
+                failing = True
             else:
+                if failing:
+                    log.info("worker announcements readable again: %d announced", len(announced))
+                failing = False
                 self._report_skipped(skipped)
                 try:
                     await self.follow_announcements(announced)

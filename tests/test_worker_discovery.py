@@ -351,6 +351,39 @@ async def test_a_worker_restarted_on_its_endpoint_within_the_heartbeat_timeout_g
         ctx.term()
 
 
+async def test_a_gateway_whose_redis_is_away_says_so_once_and_follows_it_when_it_comes(tmp_path, caplog):
+    """Redis not there yet (or gone) as the gateway follows the announcements: one warning that
+    says the pool stays as it is, and the workers announced once Redis answers join."""
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    _, cfg = write_config(tmp_path, 0, worker=DISCOVERY, redis_url=url)
+    redis = async_client(RedisConfig(url=url), socket_timeout=2.0)
+    pool = await _started_pool(cfg, redis, caplog)
+    ctx = zmq.asyncio.Context()
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    worker = FakeWorker(ctx, cfg, endpoint, "w")
+    server = None
+    try:
+        def warned() -> list[str]:
+            return [r.getMessage() for r in caplog.records if "cannot read the worker announcements" in r.getMessage()]
+        await wait_for(warned, what="the gateway to say it cannot read the announcements")
+        _, server = start_redis(tmp_path / "redis", port)
+        sync = redis_sync.Redis.from_url(url)
+        worker_registry.register(sync, Registration("w", endpoint, heartbeat_ms=now_ms()), ttl_ms=60_000)
+        sync.close()
+        await pool.wait_live(1, timeout_s=30)
+        assert warned() == ["cannot read the worker announcements (ConnectionError); routing to the 0 workers known "
+                            "until Redis answers"]
+        assert "worker announcements readable again: 1 announced" in [r.getMessage() for r in caplog.records]
+    finally:
+        await _wind_down(pool, redis, [], None)
+        await worker.close()
+        ctx.term()
+        if server is not None:
+            server.kill()
+            server.wait(10)
+
+
 async def test_discovery_off_ignores_announcements(tmp_path, redis_target: RedisTarget):
     _, cfg = write_config(tmp_path, 0, worker={**DISCOVERY, "discovery": False}, redis_url=redis_target.url)
     sync = redis_target.sync_client()
