@@ -137,10 +137,11 @@ def advertised_endpoint(bound: str, template: str, redis_host: str) -> str:
 
 _REGISTER = """
 local holder = redis.call('HGET', KEYS[1], 'instance')
-if holder and holder ~= ARGV[1] then
-  return redis.call('HGET', KEYS[1], 'endpoint') or ''
+local endpoint = redis.call('HGET', KEYS[1], 'endpoint')
+if holder and holder ~= ARGV[1] and endpoint ~= ARGV[3] then
+  return endpoint or ''
 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+redis.call('HSET', KEYS[1], unpack(ARGV, 4))
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return false
 """
@@ -155,11 +156,12 @@ return 0
 def register(redis: Any, reg: Registration, ttl_ms: int) -> None:
     """Write or renew ``reg`` (synchronous redis-py client; two round trips). Raises
     :class:`DuplicateWorker` while another process (``reg.instance``) holds a live
-    announcement under the same worker id: the first one keeps it until it expires or is
-    withdrawn, so two workers given one id never take turns at it."""
+    announcement of the same worker id at another endpoint: the first one keeps it until it
+    expires or is withdrawn, so two workers given one id never take turns at it. A process at
+    the same endpoint takes it over at once: it is that worker restarted (the port is its)."""
     key = keys.worker_registration(reg.worker_id)
     fields = [part for pair in reg.fields().items() for part in pair]
-    holder = redis.register_script(_REGISTER)(keys=[key], args=[reg.instance, ttl_ms, *fields])
+    holder = redis.register_script(_REGISTER)(keys=[key], args=[reg.instance, ttl_ms, reg.endpoint, *fields])
     if holder is not None:
         raise DuplicateWorker(reg.worker_id, as_str(holder))
     redis.zadd(keys.WORKERS_INDEX, {reg.worker_id: reg.heartbeat_ms})

@@ -467,6 +467,34 @@ def test_two_workers_given_one_id_do_not_take_turns_at_its_announcement(tmp_path
         close_sync(sync)
 
 
+def test_a_worker_restarted_on_its_own_endpoint_is_announced_at_once(tmp_path, redis_target: RedisTarget, caplog):
+    """`learnmesh up` or a pod restarts a crashed worker on the endpoint it had: its id is free
+    at once (the port is its own), not only once the dead process's announcement expires, and no
+    error is logged about another process."""
+    _, cfg = write_config(tmp_path, 0, worker=DISCOVERY, redis_url=redis_target.url)
+    dead = Worker(cfg, "tcp://127.0.0.1:*", "w", updates=False)
+    sync = redis_target.sync_client()
+    caplog.set_level("INFO", logger="learnmesh.worker")
+    restarted = None
+    try:
+        dead._start_registrar()
+        dead.registrar._stop.set()  # killed: it renews no more and withdraws nothing
+        dead.registrar._thread.join()
+        dead.sock.close(linger=0)
+        restarted = Worker(cfg, dead.endpoint, "w", updates=False)
+        restarted._start_registrar()  # the first renewal happens here
+        assert restarted.registrar.renewals == 1
+        assert sync.hget(keys.worker_registration("w"), "instance") == restarted.instance.encode()
+        assert not [r for r in caplog.records if r.levelname == "ERROR"]
+    finally:
+        for w in (dead, restarted):
+            if w is not None:
+                if w.registrar is not None:
+                    w.registrar.close()
+                w.sock.close(linger=0)
+        close_sync(sync)
+
+
 def test_a_worker_beyond_the_configured_endpoints_is_told_how_to_start(tmp_path):
     """A worker added by hand (`learnmesh worker --index 2` beside two configured ones): one line
     that says which option starts it, no traceback."""
