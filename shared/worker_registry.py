@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from redis.exceptions import ResponseError
+
 from shared import keys
 from shared.text import as_str
 
@@ -205,11 +207,15 @@ async def registered(redis: Any, skipped: Callable[[str, str], None] | None = No
         pipe = redis.pipeline(transaction=False)
         for worker_id in ids:
             pipe.hgetall(keys.worker_registration(worker_id))
-        for worker_id, raw in zip(ids, await pipe.execute(), strict=True):
+        for worker_id, raw in zip(ids, await pipe.execute(raise_on_error=False), strict=True):
             if not raw:
                 gone.append(worker_id)
                 continue
             try:
+                if isinstance(raw, ResponseError):  # WRONGTYPE: its key holds something else than a hash
+                    raise RegistrationError(f"its key cannot be read as a registration ({raw})")
+                if isinstance(raw, Exception):  # Redis away or moving: the whole read fails
+                    raise raw
                 found.append(Registration.from_fields(worker_id, raw))
             except RegistrationError as exc:
                 if skipped is not None:

@@ -242,7 +242,8 @@ async def test_announcements_follow_redis_and_static_endpoints_stay(tmp_path, re
 async def test_hostile_announcements_are_skipped_once_each_and_discovery_goes_on(tmp_path, redis_target: RedisTarget,
                                                                               caplog):
     """Announcements written straight into Redis by something other than a worker (bytes that are
-    not text, a host ZeroMQ refuses, a capacity that would draw every request): each is ignored
+    not text, a host ZeroMQ refuses, a capacity that would draw every request, a key that is not
+    a hash): each is ignored
     with one log line naming the worker id and why, and workers announced later still join."""
     _, cfg = write_config(tmp_path, 0, worker=DISCOVERY, redis_url=redis_target.url)
     sync = redis_target.sync_client()
@@ -253,7 +254,8 @@ async def test_hostile_announcements_are_skipped_once_each_and_discovery_goes_on
     for worker_id, fields in hostile.items():
         sync.hset(keys.worker_registration(worker_id), mapping=fields)  # type: ignore[arg-type]
         sync.zadd(keys.WORKERS_INDEX, {worker_id: now_ms()})
-    sync.zadd(keys.WORKERS_INDEX, {b"\xff\xfe": now_ms(), "a}b{c": now_ms()})
+    sync.set(keys.worker_registration("a-string"), "tcp://127.0.0.1:1")
+    sync.zadd(keys.WORKERS_INDEX, {b"\xff\xfe": now_ms(), "a}b{c": now_ms(), "a-string": now_ms()})
     pool = WorkerPool(cfg, redis=redis)
     caplog.set_level("INFO", logger="learnmesh.workers")
     await pool.start()
@@ -263,7 +265,7 @@ async def test_hostile_announcements_are_skipped_once_each_and_discovery_goes_on
         worker_registry.register(sync, Registration("later", later, heartbeat_ms=now_ms()), ttl_ms=60_000)
         await wait_for(lambda: _endpoints(pool) == {ok, later}, what="an announcement made later to join")
         ignored = [r.getMessage() for r in caplog.records if "ignoring the announcement" in r.getMessage()]
-        for worker_id in ("not-text", "dash-host", "huge", "words", "b'\\xff\\xfe'", "b'a}b{c'"):
+        for worker_id in ("not-text", "dash-host", "huge", "words", "b'\\xff\\xfe'", "b'a}b{c'", "a-string"):
             assert len([m for m in ignored if f"worker {worker_id}:" in m]) == 1, (worker_id, ignored)
         assert sync.zscore(keys.WORKERS_INDEX, b"\xff\xfe") is None  # no worker has such an id
         assert {link.capacity for link in pool.links} == {1}
