@@ -40,7 +40,7 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 import zmq
 import zmq.asyncio
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from shared import keys, metrics, wire, worker_registry
 from shared.aio import pause
@@ -314,9 +314,10 @@ class WorkerPool:
             try:
                 announced = await worker_registry.registered(redis, skipped.__setitem__)
             except (RedisError, OSError) as exc:  # Redis away: keep the workers known so far
-                if not failing:
+                if not failing:  # a reply (WRONGTYPE: the index holds something else) says what to fix
+                    why = f"{type(exc).__name__}: {exc}" if isinstance(exc, ResponseError) else type(exc).__name__
                     log.warning("cannot read the worker announcements (%s); routing to the %d workers known "
-                                "until Redis answers", type(exc).__name__, len(self.links))
+                                "until Redis answers", why, len(self.links))
                 failing = True
             else:
                 if failing:

@@ -269,6 +269,12 @@ async def test_hostile_announcements_are_skipped_once_each_and_discovery_goes_on
             assert len([m for m in ignored if f"worker {worker_id}:" in m]) == 1, (worker_id, ignored)
         assert sync.zscore(keys.WORKERS_INDEX, b"\xff\xfe") is None  # no worker has such an id
         assert {link.capacity for link in pool.links} == {1}
+        sync.delete(keys.WORKERS_INDEX)
+        sync.set(keys.WORKERS_INDEX, "not a sorted set")  # the whole index unreadable: the pool stays
+        why = "cannot read the worker announcements (ResponseError: WRONGTYPE"
+        await wait_for(lambda: any(why in r.getMessage() for r in caplog.records),
+                       what="the gateway to say why it cannot read the announcements")
+        assert _endpoints(pool) == {ok, later}
     finally:
         await pool.close()
         await redis.aclose()
