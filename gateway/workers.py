@@ -90,6 +90,8 @@ class WorkerLink:
     static: bool = True  # from worker.endpoints; False: discovered through its announcement
     model_id: str | None = None
     last_seen_s: float = 0.0       # monotonic; 0 = never heard from
+    joined_s: float = field(default_factory=time.monotonic)
+    silence_reported: bool = False  # "never answered" logged once
     last_heartbeat_wall_s: float = 0.0
     unannounced_since: float | None = None  # monotonic: when a discovered worker's announcement went
     alive: bool = False
@@ -303,7 +305,20 @@ class WorkerPool:
                     await link.sock.send_multipart(hello, flags=zmq.NOBLOCK)
                 if link.alive and now - link.last_seen_s > timeout_s:
                     self._declare_dead(link)
+                elif not link.last_seen_s and now - link.joined_s > timeout_s:
+                    self._report_silence(link)
             await pause(interval_s)
+
+    @staticmethod
+    def _report_silence(link: WorkerLink) -> None:
+        """Say once that ``link``'s worker never answered (port closed, an address this gateway
+        cannot reach, something that accepts and never speaks): nothing is routed there."""
+        if link.silence_reported or link.handshake_failing:  # a failing handshake is reported by its watch
+            return
+        link.silence_reported = True
+        log.warning("worker %s at %s has not answered a heartbeat since it %s; nothing is routed there until it "
+                    "does (is that address reachable from this gateway?)", link.worker_id or "?", link.endpoint,
+                    "was announced" if not link.static else "was configured")
 
     async def _follow_registry(self, redis: aioredis.Redis) -> None:
         """Connect to every announced worker and drop the ones whose announcement is gone."""

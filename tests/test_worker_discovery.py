@@ -18,7 +18,7 @@ import yaml
 import zmq.asyncio
 from redis.cluster import key_slot
 
-from gateway.workers import WorkerPool
+from gateway.workers import NoWorker, WorkerPool
 from services import supervisor
 from services.worker.main import Worker, worker_id_of
 from shared import keys, worker_registry
@@ -278,6 +278,47 @@ async def test_hostile_announcements_are_skipped_once_each_and_discovery_goes_on
     finally:
         await pool.close()
         await redis.aclose()
+        close_sync(sync)
+
+
+async def test_announced_workers_that_never_answer_are_reported_once_and_get_nothing(tmp_path,
+                                                                                   redis_target: RedisTarget, caplog):
+    """One announcement names a closed port, another a process that accepts connections and never
+    says a word: each gets one warning, no request goes there (no worker: a clear answer), and a
+    worker announced later serves without a restart of the gateway."""
+    _, cfg = write_config(tmp_path, 0, worker=DISCOVERY, redis_url=redis_target.url)
+    sync = redis_target.sync_client()
+    redis = redis_target.async_client()
+    closed = f"tcp://127.0.0.1:{free_port()}"
+    mute = socket.create_server(("127.0.0.1", 0))  # accepts (the kernel does), never answers
+    mute_endpoint = f"tcp://127.0.0.1:{mute.getsockname()[1]}"
+    ctx = zmq.asyncio.Context()
+    good = f"tcp://127.0.0.1:{free_port()}"
+    worker = None
+    pool = await _started_pool(cfg, redis, caplog)
+    try:
+        for worker_id, endpoint in (("closed", closed), ("mute", mute_endpoint)):
+            worker_registry.register(sync, Registration(worker_id, endpoint, heartbeat_ms=now_ms()), ttl_ms=60_000)
+
+        def silent() -> list[str]:
+            return [r.getMessage() for r in caplog.records if "has not answered a heartbeat" in r.getMessage()]
+        await wait_for(lambda: len(silent()) == 2, what="both silent workers to be reported")
+        assert sorted(silent()) == [
+            f"worker {worker_id} at {endpoint} has not answered a heartbeat since it was announced; nothing is routed "
+            "there until it does (is that address reachable from this gateway?)"
+            for worker_id, endpoint in sorted((("closed", closed), ("mute", mute_endpoint)))]
+        with pytest.raises(NoWorker, match="no inference worker is available"):
+            await pool.request(gen(0))
+        worker = FakeWorker(ctx, cfg, good, "good")
+        worker_registry.register(sync, Registration("good", good, heartbeat_ms=now_ms()), ttl_ms=60_000)
+        assert (await pool.request(gen(1), timeout_s=30))["worker"] == "good"
+        assert len(silent()) == 2
+    finally:
+        await _wind_down(pool, redis, [], None)
+        if worker is not None:
+            await worker.close()
+        ctx.term()
+        mute.close()
         close_sync(sync)
 
 
