@@ -5,8 +5,8 @@ announced in Redis (shared/worker_registry.py), read every ``worker.register_int
 A worker whose announcement appears gets a connection; one whose announcement is withdrawn
 or expires loses it (once it stops answering, or after ``worker.registration_ttl_ms`` when it
 still answers: Redis losing its keys does not empty the pool), and its requests in flight are
-retried on another worker. Static
-workers stay in the pool while silent (they rejoin on their next answer).
+retried on another worker. Static workers stay in the pool while silent (they rejoin on their
+next answer). A worker whose heartbeat says it is leaving (stopping) gets no new requests.
 
 Liveness is ping/pong: every ``worker.heartbeat_interval_ms`` the pool sends HELLO to each
 worker and the worker answers with a HEARTBEAT (version, load). Any message from a worker
@@ -266,7 +266,9 @@ class WorkerPool:
             leaving = header.get("leaving") is True
             if leaving and not link.leaving:
                 log.info("worker %s (%s) is stopping; no new requests go there", worker_id, link.endpoint)
-            link.leaving = leaving
+            if leaving != link.leaving:
+                link.leaving = leaving
+                metrics.WORKERS_LIVE.set(len(self.live()))
             instance = header.get("instance")
             if isinstance(instance, str):
                 if link.instance not in (None, instance) and link.inflight:
@@ -381,9 +383,9 @@ class WorkerPool:
     def _join(self, reg: worker_registry.Registration) -> None:
         try:
             link = self._link(next(self._indices), reg.endpoint, static=False)
-        except zmq.ZMQError as exc:  # a name ZeroMQ refuses (written straight into Redis): not retried
-            log.warning("ignoring the announcement of worker %s: cannot connect to %s (%s)",  # until it changes
-                        reg.worker_id, reg.endpoint, exc)
+        except zmq.ZMQError as exc:  # a name ZeroMQ refuses (written straight into Redis): not tried
+            log.warning("ignoring the announcement of worker %s: cannot connect to %s (%s)",  # again while
+                        reg.worker_id, reg.endpoint, exc)  # it is announced
             self._unreachable[reg.endpoint] = str(exc)
             return
         self._discovered[reg.endpoint] = link

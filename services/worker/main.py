@@ -243,8 +243,8 @@ class Worker:
     def _weights_digest(self, version: int) -> None:
         """Digest of the served weights, now at ``version`` (once per version, in the serving loop
         between batches): equal to the trainer's reported digest exactly when this worker serves
-        bit-identical weights."""
-        if self._digest[0] != version:
+        bit-identical weights. Only reported in Redis: not computed without it."""
+        if self.cfg.redis.url and self._digest[0] != version:
             from shared.delta.codec import weights_digest
 
             self._digest = (version, weights_digest(dict(self.model.trainable_named_parameters())))
