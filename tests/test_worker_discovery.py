@@ -508,6 +508,11 @@ def test_two_workers_given_one_id_do_not_take_turns_at_its_announcement(tmp_path
         assert sync.hget(key, "endpoint") == third.advertised.encode()
         third.registrar.close()
         assert not sync.exists(key) and sync.zscore(keys.WORKERS_INDEX, "twin") is None
+        sync.set(keys.WORKERS_INDEX, "not a sorted set")  # written by hand: the worker says what is wrong
+        third.registrar._renew()
+        assert caplog.records[-1].getMessage() == "worker twin could not renew its registration: ResponseError: " \
+                                                  "WRONGTYPE Operation against a key holding the wrong kind of value"
+        sync.delete(keys.WORKERS_INDEX)
     finally:
         for w in (first, second, third):
             if w.registrar is not None:

@@ -9,6 +9,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from redis.exceptions import ResponseError
+
 from shared import worker_registry
 from shared.config import Config
 from shared.worker_registry import Registration
@@ -50,8 +52,9 @@ class Registrar:
             self._duplicate_of = exc.endpoint
             return
         except Exception as exc:  # Redis away: keep serving, retry at the next interval
-            if not self._failing:
-                log.warning("worker %s could not renew its registration: %s", reg.worker_id, type(exc).__name__)
+            if not self._failing:  # a reply (WRONGTYPE: a key holds something else) says what to fix
+                why = f"{type(exc).__name__}: {exc}" if isinstance(exc, ResponseError) else type(exc).__name__
+                log.warning("worker %s could not renew its registration: %s", reg.worker_id, why)
             self._failing = True
             return
         if self._failing or self._duplicate_of is not None or not self.renewals:
