@@ -3,14 +3,18 @@
 Which endpoints: the static ``worker.endpoints``, plus (``worker.discovery``) every worker
 announced in Redis (shared/worker_registry.py), read every ``worker.register_interval_ms``.
 A worker whose announcement appears gets a connection; one whose announcement is withdrawn
-or expires loses it, and its requests in flight are retried on another worker. Static
-workers stay in the pool while silent (they rejoin on their next answer).
+or expires loses it (once it stops answering, or after ``worker.registration_ttl_ms`` when it
+still answers: Redis losing its keys does not empty the pool), and its requests in flight are
+retried on another worker. Static workers stay in the pool while silent (they rejoin on their
+next answer). A worker whose heartbeat says it is leaving (stopping) gets no new requests.
 
 Liveness is ping/pong: every ``worker.heartbeat_interval_ms`` the pool sends HELLO to each
 worker and the worker answers with a HEARTBEAT (version, load). Any message from a worker
 counts as a sign of life; a worker silent for ``worker.heartbeat_timeout_ms`` is declared
 dead, and the requests in flight on it are retried on another live worker. A worker that
-comes back (same endpoint) answers the next HELLO and rejoins — nothing to restart here.
+comes back (same endpoint) answers the next HELLO and rejoins — nothing to restart here; when
+its heartbeat names another process than before (restarted faster than the heartbeat timeout),
+the requests the old process had are retried at once rather than waited for.
 
 Routing: the least-loaded live worker at or past the request's ``min_model_version``;
 if only older workers are live, wait up to ``consistency.timeout_s`` for one to catch up,
@@ -36,7 +40,7 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 import zmq
 import zmq.asyncio
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from shared import keys, metrics, wire, worker_registry
 from shared.aio import pause
@@ -78,6 +82,7 @@ class WorkerLink:
     endpoint: str
     sock: zmq.asyncio.Socket
     worker_id: str | None = None
+    instance: str | None = None  # the process answering there (heartbeat): a new one lost what the old one had
     version: int = 0
     lag: int = 0  # versions behind the trainer's latest, as the worker's heartbeat reports
     reported_load: int = 0
@@ -85,8 +90,12 @@ class WorkerLink:
     static: bool = True  # from worker.endpoints; False: discovered through its announcement
     model_id: str | None = None
     last_seen_s: float = 0.0       # monotonic; 0 = never heard from
+    joined_s: float = field(default_factory=time.monotonic)
+    silence_reported: bool = False  # "never answered" logged once
     last_heartbeat_wall_s: float = 0.0
+    unannounced_since: float | None = None  # monotonic: when a discovered worker's announcement went
     alive: bool = False
+    leaving: bool = False  # its heartbeat says it is stopping: no new requests
     handshake_failing: bool = False  # the process at the endpoint does not hold the pinned worker key
     watch: HandshakeWatch | None = None
     inflight: dict[str, asyncio.Queue[Any]] = field(default_factory=dict)  # reply parts, or _DEAD
@@ -110,7 +119,7 @@ class WorkerLink:
                 "alive": self.alive,
                 "version": self.version, "lag": self.lag, "load": self.load, "inflight": len(self.inflight),
                 "model_id": self.model_id, "last_heartbeat": self.last_heartbeat_wall_s or None,
-                "handshake_failing": self.handshake_failing, "capacity": self.capacity,
+                "handshake_failing": self.handshake_failing, "capacity": self.capacity, "leaving": self.leaving,
                 "source": "static" if self.static else "discovered"}
 
 
@@ -132,6 +141,8 @@ class WorkerPool:
         self.links = [self._link(next(self._indices), ep)
                       for ep in (endpoints if endpoints is not None else self.wcfg.endpoints)]
         self._discovered: dict[str, WorkerLink] = {}  # advertised endpoint -> its link
+        self._skipped: dict[str, str] = {}  # worker id -> why its announcement is unusable (logged once)
+        self._unreachable: dict[str, str] = {}  # announced endpoint ZeroMQ refuses -> why (logged once)
         self._changed = asyncio.Condition()
         self._tasks: list[asyncio.Task] = []
         self._ids = itertools.count(1)
@@ -143,9 +154,14 @@ class WorkerPool:
         never completes the handshake, so nothing is queued for it (immediate) or sent to it;
         its watch reports that, and connects again once the real worker can be back."""
         watch = HandshakeWatch(self.ctx, "worker", endpoint) if self.curve is not None else None
-        sock = make_socket(self.ctx, zmq.DEALER, connect=endpoint, hwm=self.wcfg.hwm, immediate=True,
-                           curve=self.curve.client("worker") if self.curve is not None else None,
-                           monitor=watch.address if watch is not None else None)
+        try:
+            sock = make_socket(self.ctx, zmq.DEALER, connect=endpoint, hwm=self.wcfg.hwm, immediate=True,
+                               curve=self.curve.client("worker") if self.curve is not None else None,
+                               monitor=watch.address if watch is not None else None)
+        except zmq.ZMQError:
+            if watch is not None:
+                watch.close()
+            raise
         link = WorkerLink(index, endpoint, cast(zmq.asyncio.Socket, sock), static=static,
                           watch=watch)  # asyncio context
         if watch is not None:
@@ -181,9 +197,7 @@ class WorkerPool:
     async def _close_link(self, link: WorkerLink) -> None:
         """Stop ``link``'s tasks and close its socket; its requests in flight go elsewhere."""
         await _cancel_all(link.tasks)
-        for q in link.inflight.values():
-            q.put_nowait(_DEAD)
-        link.inflight.clear()
+        self._retry_inflight(link)
         if link.watch is not None:
             link.watch.close()
         link.sock.close(linger=0)
@@ -193,7 +207,8 @@ class WorkerPool:
         return [link.status() for link in self.links]
 
     def live(self) -> list[WorkerLink]:
-        return [link for link in self.links if link.alive and link.worker_id not in self.drained]
+        return [link for link in self.links
+                if link.alive and not link.leaving and link.worker_id not in self.drained]
 
     def drain(self, worker_id: str) -> None:
         """Route no new requests to ``worker_id`` (requests in flight finish)."""
@@ -248,6 +263,19 @@ class WorkerPool:
             link.model_id = header.get("model_id")
             link.capacity = max(1, int(header.get("max_batch_size") or link.capacity))
             link.last_heartbeat_wall_s = time.time()
+            leaving = header.get("leaving") is True
+            if leaving and not link.leaving:
+                log.info("worker %s (%s) is stopping; no new requests go there", worker_id, link.endpoint)
+            if leaving != link.leaving:
+                link.leaving = leaving
+                metrics.WORKERS_LIVE.set(len(self.live()))
+            instance = header.get("instance")
+            if isinstance(instance, str):
+                if link.instance not in (None, instance) and link.inflight:
+                    log.warning("worker %s (%s) restarted; retrying its %d requests elsewhere", worker_id,
+                                link.endpoint, len(link.inflight))
+                    self._retry_inflight(link)
+                link.instance = instance
         elif msg_type in (MsgType.TOKEN, MsgType.RESULT, MsgType.ERROR):
             q = link.inflight.get(str(header.get("id")))
             if q is not None:
@@ -279,36 +307,89 @@ class WorkerPool:
                     await link.sock.send_multipart(hello, flags=zmq.NOBLOCK)
                 if link.alive and now - link.last_seen_s > timeout_s:
                     self._declare_dead(link)
+                elif not link.last_seen_s and now - link.joined_s > timeout_s:
+                    self._report_silence(link)
             await pause(interval_s)
+
+    @staticmethod
+    def _report_silence(link: WorkerLink) -> None:
+        """Say once that ``link``'s worker never answered (port closed, an address this gateway
+        cannot reach, something that accepts and never speaks): nothing is routed there."""
+        if link.silence_reported or link.handshake_failing:  # a failing handshake is reported by its watch
+            return
+        link.silence_reported = True
+        log.warning("worker %s at %s has not answered a heartbeat since it %s; nothing is routed there until it "
+                    "does (is that address reachable from this gateway?)", link.worker_id or "?", link.endpoint,
+                    "was announced" if not link.static else "was configured")
 
     async def _follow_registry(self, redis: aioredis.Redis) -> None:
         """Connect to every announced worker and drop the ones whose announcement is gone."""
         interval_s = self.wcfg.register_interval_ms / 1000
+        failing = False
         while True:
+            skipped: dict[str, str] = {}
             try:
-                announced = await worker_registry.registered(redis)
+                announced = await worker_registry.registered(redis, skipped.__setitem__)
             except (RedisError, OSError) as exc:  # Redis away: keep the workers known so far
-                log.debug("could not read the worker announcements: %s", type(exc).__name__)
+                if not failing:  # a reply (WRONGTYPE: the index holds something else) says what to fix
+                    why = f"{type(exc).__name__}: {exc}" if isinstance(exc, ResponseError) else type(exc).__name__
+                    log.warning("cannot read the worker announcements (%s); routing to the %d workers known "
+                                "until Redis answers", why, len(self.links))
+                failing = True
             else:
-                await self.follow_announcements(announced)
+                if failing:
+                    log.info("worker announcements readable again: %d announced", len(announced))
+                failing = False
+                self._report_skipped(skipped)
+                try:
+                    await self.follow_announcements(announced)
+                except Exception:  # a bug here must not stop discovery for the life of the gateway
+                    log.exception("following the worker announcements failed; trying again")
             await pause(interval_s)
+
+    def _report_skipped(self, skipped: dict[str, str]) -> None:
+        """Log each unusable announcement once (until it changes or goes)."""
+        for worker_id, why in skipped.items():
+            if self._skipped.get(worker_id) != why:
+                log.warning("ignoring the announcement of worker %s: %s", worker_id, why)
+        self._skipped = skipped
 
     async def follow_announcements(self, announced: list[worker_registry.Registration]) -> None:
         """Make the discovered part of the pool match ``announced`` (endpoints already among the
-        static ones are not connected twice)."""
+        static ones are not connected twice). A worker whose announcement is gone leaves at once
+        when it no longer answers; one that still answers stays for ``worker.registration_ttl_ms``,
+        time enough for a live worker to announce itself again after Redis lost its keys
+        (restarted without persistence, flushed), so the pool does not empty meanwhile."""
         static = {link.endpoint for link in self.links if link.static}
         wanted = {reg.endpoint: reg for reg in announced if reg.endpoint not in static}
+        now = time.monotonic()
         for endpoint, link in list(self._discovered.items()):
-            if endpoint not in wanted:
+            if endpoint in wanted:
+                link.unannounced_since = None
+            elif link.alive and not link.leaving and \
+                    now - (link.unannounced_since or now) < self.wcfg.registration_ttl_ms / 1000:
+                if link.unannounced_since is None:  # Redis restarted or flushed, or the key deleted
+                    log.warning("worker %s (%s) is no longer announced but still answers; it stays in the pool "
+                                "for up to %gs while it announces itself again", link.worker_id, link.endpoint,
+                                self.wcfg.registration_ttl_ms / 1000)
+                    link.unannounced_since = now
+            else:
                 await self._forget(link)
+        self._unreachable = {ep: why for ep, why in self._unreachable.items() if ep in wanted}
         for endpoint, reg in wanted.items():
-            if endpoint not in self._discovered:
+            if endpoint not in self._discovered and endpoint not in self._unreachable:
                 self._join(reg)
-            self._discovered[endpoint].capacity = reg.capacity
 
     def _join(self, reg: worker_registry.Registration) -> None:
-        link = self._discovered[reg.endpoint] = self._link(next(self._indices), reg.endpoint, static=False)
-        link.worker_id = reg.worker_id
+        try:
+            link = self._link(next(self._indices), reg.endpoint, static=False)
+        except zmq.ZMQError as exc:  # a name ZeroMQ refuses (written straight into Redis): not tried
+            log.warning("ignoring the announcement of worker %s: cannot connect to %s (%s)",  # again while
+                        reg.worker_id, reg.endpoint, exc)  # it is announced
+            self._unreachable[reg.endpoint] = str(exc)
+            return
+        self._discovered[reg.endpoint] = link
+        link.worker_id, link.capacity = reg.worker_id, reg.capacity  # until its heartbeat says
         self.links.append(link)
         self._start_link(link)
         log.info("worker %s announced at %s joins the pool", reg.worker_id, reg.endpoint)
@@ -335,6 +416,11 @@ class WorkerPool:
                     link.worker_id, link.endpoint, len(link.inflight))
         link.alive = False
         metrics.WORKERS_LIVE.set(len(self.live()))
+        self._retry_inflight(link)
+
+    @staticmethod
+    def _retry_inflight(link: WorkerLink) -> None:
+        """Hand every request in flight on ``link`` back to its caller, which retries it elsewhere."""
         for q in link.inflight.values():
             q.put_nowait(_DEAD)
         link.inflight.clear()

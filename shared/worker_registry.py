@@ -6,8 +6,8 @@ largest batch), model id, model version and the time of the renewal, expiring af
 ``worker.registration_ttl_ms``; and its id in :data:`shared.keys.WORKERS_INDEX` scored by
 that time. A worker that stops cleanly deletes its hash; one that dies stops renewing it and
 Redis expires it. Readers take the index as the list of candidates and a hash as the proof
-of life, so no clock but Redis's decides who is gone; index members whose hash is long gone
-are trimmed by whoever reads.
+of life, so no clock but Redis's decides who is gone; index members whose hash is gone are
+trimmed by whoever reads.
 
 An announcement only names an address: with CurveZMQ on, a gateway completes a connection
 only with a process holding the workers' secret key, so a forged announcement cannot draw
@@ -16,24 +16,39 @@ requests to someone else's process.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import socket
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
+
+from redis.exceptions import ResponseError
 
 from shared import keys
 from shared.text import as_str
 
 WILDCARD_HOSTS = ("0.0.0.0", "*", "::", "[::]", "")  # noqa: S104 - names of wildcard binds, bound nowhere here
-INDEX_TRIM_AFTER_MS = 600_000
-"""Index members not renewed for this long (the worker's clock) are dropped from the index."""
+MAX_CAPACITY = 65_536
+"""The largest capacity (batch) an announcement may claim: more is taken for a hostile value that
+would draw every request to one endpoint."""
+_WORKER_ID = re.compile(r"^[A-Za-z0-9_.-]{1,255}$")
 _ENDPOINT = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]{1,253}):[0-9]{1,5}$")
 
 
 class RegistrationError(ValueError):
     """A worker's advertised endpoint cannot be announced (wildcard, malformed)."""
+
+
+class DuplicateWorker(RuntimeError):
+    """Another live process holds the announcement of this worker id."""
+
+    def __init__(self, worker_id: str, endpoint: str) -> None:
+        super().__init__(f"worker id {worker_id!r} is announced by another process at {endpoint or '?'}: "
+                         "give each worker its own worker.id (this one is announced once that announcement "
+                         "expires or is withdrawn)")
+        self.endpoint = endpoint
 
 
 @dataclass(frozen=True)
@@ -46,29 +61,50 @@ class Registration:
     model_id: str = ""
     version: int = 0
     heartbeat_ms: int = 0
+    instance: str = ""  # the announcing process (random per start): tells two holders of one id apart
 
     def fields(self) -> dict[str, str]:
         return {"endpoint": self.endpoint, "capacity": str(self.capacity), "model_id": self.model_id,
-                "version": str(self.version), "heartbeat_ms": str(self.heartbeat_ms)}
+                "version": str(self.version), "heartbeat_ms": str(self.heartbeat_ms), "instance": self.instance}
 
     @classmethod
-    def from_fields(cls, worker_id: str, raw: dict[Any, Any]) -> Registration | None:
-        """The registration a hash holds, or None when it is incomplete or names no usable endpoint."""
-        f = {as_str(k): as_str(v) for k, v in raw.items()}
+    def from_fields(cls, worker_id: str, raw: dict[Any, Any]) -> Registration:
+        """The registration a hash holds. Raises :class:`RegistrationError` saying what is wrong
+        when it is incomplete, not text, or names no usable endpoint or capacity."""
+        try:
+            f = {as_str(k): as_str(v) for k, v in raw.items()}
+        except UnicodeDecodeError:
+            raise RegistrationError("a field is not UTF-8 text") from None
         endpoint = f.get("endpoint", "")
         if not announceable(endpoint):
-            return None
+            raise RegistrationError(f"endpoint {endpoint[:80]!r} is not tcp://<host>:<port> with a concrete host")
         try:
-            return cls(worker_id, endpoint, max(1, int(f.get("capacity") or 1)), f.get("model_id", ""),
-                       int(f.get("version") or 0), int(f.get("heartbeat_ms") or 0))
+            capacity, version, heartbeat = (int(f.get(name) or default) for name, default in
+                                            (("capacity", 1), ("version", 0), ("heartbeat_ms", 0)))
         except ValueError:
-            return None
+            raise RegistrationError("capacity, version and heartbeat_ms must be integers") from None
+        if not 1 <= capacity <= MAX_CAPACITY:
+            raise RegistrationError(f"capacity {capacity} is outside 1..{MAX_CAPACITY}")
+        return cls(worker_id, endpoint, capacity, f.get("model_id", "")[:256], version, heartbeat,
+                   f.get("instance", "")[:64])
 
 
 def announceable(endpoint: str) -> bool:
     """A TCP endpoint another host can connect to: a concrete host and port, no wildcard."""
     m = _ENDPOINT.match(endpoint)
     return m is not None and m.group(1) not in WILDCARD_HOSTS and 0 < int(endpoint.rsplit(":", 1)[1]) < 65536
+
+
+def is_loopback(host: str | None) -> bool:
+    """``host`` names this machine only (127.0.0.0/8, ::1, localhost)."""
+    if host is None:
+        return False
+    if host.strip("[]").lower() in ("localhost", "localhost.localdomain"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def local_ip(toward: str) -> str:
@@ -101,39 +137,89 @@ def advertised_endpoint(bound: str, template: str, redis_host: str) -> str:
     return endpoint
 
 
+_REGISTER = """
+local holder = redis.call('HGET', KEYS[1], 'instance')
+local endpoint = redis.call('HGET', KEYS[1], 'endpoint')
+if holder and holder ~= ARGV[1] and endpoint ~= ARGV[3] then
+  return endpoint or ''
+end
+redis.call('HSET', KEYS[1], unpack(ARGV, 4))
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return false
+"""
+_WITHDRAW = """
+if redis.call('HGET', KEYS[1], 'instance') == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+
 def register(redis: Any, reg: Registration, ttl_ms: int) -> None:
-    """Write or renew ``reg`` (synchronous redis-py client; two keys, one round trip)."""
+    """Write or renew ``reg`` (synchronous redis-py client; two round trips). Raises
+    :class:`DuplicateWorker` while another process (``reg.instance``) holds a live
+    announcement of the same worker id at another endpoint: the first one keeps it until it
+    expires or is withdrawn, so two workers given one id never take turns at it. A process at
+    the same endpoint takes it over at once: it is that worker restarted (the port is its)."""
     key = keys.worker_registration(reg.worker_id)
-    pipe = redis.pipeline(transaction=False)
-    pipe.hset(key, mapping=reg.fields())
-    pipe.pexpire(key, ttl_ms)
-    pipe.zadd(keys.WORKERS_INDEX, {reg.worker_id: reg.heartbeat_ms})
-    pipe.execute()
+    fields = [part for pair in reg.fields().items() for part in pair]
+    holder = redis.register_script(_REGISTER)(keys=[key], args=[reg.instance, ttl_ms, reg.endpoint, *fields])
+    if holder is not None:
+        raise DuplicateWorker(reg.worker_id, as_str(holder))
+    redis.zadd(keys.WORKERS_INDEX, {reg.worker_id: reg.heartbeat_ms})
 
 
-def withdraw(redis: Any, worker_id: str) -> None:
-    """Remove a worker's announcement (it stops serving): gateways drop it at their next read."""
-    pipe = redis.pipeline(transaction=False)
-    pipe.delete(keys.worker_registration(worker_id))
-    pipe.zrem(keys.WORKERS_INDEX, worker_id)
-    pipe.execute()
+def withdraw(redis: Any, worker_id: str, instance: str | None = None) -> None:
+    """Remove a worker's announcement (it stops serving): gateways drop it at their next read.
+    With ``instance``, only when that process holds it (not another one given the same id)."""
+    key = keys.worker_registration(worker_id)
+    if instance is None:
+        redis.delete(key)
+    elif not redis.register_script(_WITHDRAW)(keys=[key], args=[instance]):
+        return
+    redis.zrem(keys.WORKERS_INDEX, worker_id)
 
 
-async def registered(redis: Any, now_ms: int | None = None) -> list[Registration]:
-    """Every live announcement (asyncio redis-py client; two round trips). Raises what redis-py
-    raises when Redis is away: the caller keeps what it knew."""
-    now_ms = int(time.time() * 1000) if now_ms is None else now_ms
-    ids = [as_str(m) for m in await redis.zrange(keys.WORKERS_INDEX, 0, -1)]
-    if not ids:
-        return []
-    pipe = redis.pipeline(transaction=False)
-    for worker_id in ids:
-        pipe.hgetall(keys.worker_registration(worker_id))
+async def registered(redis: Any, skipped: Callable[[str, str], None] | None = None) -> list[Registration]:
+    """Every live announcement (asyncio redis-py client; two round trips, a third to trim the
+    index). An announcement that cannot be used (an id or field that is not text, a malformed
+    endpoint or capacity: written by hand or by something other than a worker) is left out and
+    passed to ``skipped(worker id, why)``. Index members whose registration is gone (expired,
+    withdrawn) are dropped from the index, whatever their scores say: the clocks of the workers
+    that wrote them decide nothing. Raises what redis-py raises when Redis is away: the caller
+    keeps what it knew."""
+    members = await redis.zrange(keys.WORKERS_INDEX, 0, -1)
+    ids: list[str] = []
+    gone: list[Any] = []
+    for member in members:
+        try:
+            worker_id = member.decode() if isinstance(member, bytes) else str(member)
+        except UnicodeDecodeError:
+            worker_id = ""
+        if _WORKER_ID.match(worker_id):
+            ids.append(worker_id)
+        else:  # no worker announces such an id (shared.config.WorkerConfig.id)
+            gone.append(member)
+            if skipped is not None:
+                skipped(repr(member)[:80], "not a worker id")
     found = []
-    for worker_id, raw in zip(ids, await pipe.execute(), strict=True):
-        reg = Registration.from_fields(worker_id, raw) if raw else None
-        if reg is not None:
-            found.append(reg)
-    if len(found) < len(ids):
-        await redis.zremrangebyscore(keys.WORKERS_INDEX, "-inf", f"({now_ms - INDEX_TRIM_AFTER_MS}")
+    if ids:
+        pipe = redis.pipeline(transaction=False)
+        for worker_id in ids:
+            pipe.hgetall(keys.worker_registration(worker_id))
+        for worker_id, raw in zip(ids, await pipe.execute(raise_on_error=False), strict=True):
+            if not raw:
+                gone.append(worker_id)
+                continue
+            try:
+                if isinstance(raw, ResponseError):  # WRONGTYPE: its key holds something else than a hash
+                    raise RegistrationError(f"its key cannot be read as a registration ({raw})")
+                if isinstance(raw, Exception):  # Redis away or moving: the whole read fails
+                    raise raw
+                found.append(Registration.from_fields(worker_id, raw))
+            except RegistrationError as exc:
+                if skipped is not None:
+                    skipped(worker_id, str(exc))
+    if gone:  # a worker registering meanwhile is back in the index at its next renewal
+        await redis.zrem(keys.WORKERS_INDEX, *gone)
     return found

@@ -64,3 +64,52 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
             proc.wait(5)
     if proc.stderr is not None:
         proc.stderr.close()
+
+
+class FakeWorker:
+    """A real ZeroMQ ROUTER playing a worker with the workers' CURVE keys of ``cfg``: it answers
+    HELLO with a HEARTBEAT as ``worker_id`` (``instance``: the process it claims to be), and
+    INFER with a RESULT naming it when ``answers(header)``, else keeps the request unanswered."""
+
+    def __init__(self, ctx: Any, cfg: Config, endpoint: str, worker_id: str, instance: str = "first") -> None:
+        import asyncio
+
+        import zmq
+
+        from shared.curve import CurveKeys
+        from shared.zmq_util import make_socket
+
+        keys = CurveKeys.load(cfg.zmq, "worker")
+        self.sock = make_socket(ctx, zmq.ROUTER, bind=endpoint, curve=keys.server("infer") if keys else None)
+        self.worker_id, self.instance = worker_id, instance
+        self.answers: Any = lambda header: True
+        self.unanswered: list[str] = []
+        self.task = asyncio.create_task(self._serve())
+
+    async def _serve(self) -> None:
+        from shared import wire
+        from shared.wire import MsgType
+
+        while True:
+            peer, *frames = await self.sock.recv_multipart()
+            msg_type, header, _ = wire.decode(frames)
+            if msg_type == MsgType.HELLO:
+                reply = wire.encode(MsgType.HEARTBEAT, {"worker": self.worker_id, "instance": self.instance,
+                                                         "version": 0, "load": 0, "lag": 0})
+            elif msg_type == MsgType.INFER and self.answers(header):
+                reply = wire.encode(MsgType.RESULT, {"id": header["id"], "version": 0, "worker": self.worker_id,
+                                                      "text": "ok"})
+            else:
+                if msg_type == MsgType.INFER:
+                    self.unanswered.append(str(header["id"]))
+                continue
+            await self.sock.send_multipart([peer, *reply])
+
+    async def close(self) -> None:
+        import asyncio
+        import contextlib
+
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+        self.sock.close(linger=0)

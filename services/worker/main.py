@@ -19,7 +19,9 @@ import math
 import os
 import signal
 import socket
+import threading
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +35,7 @@ from shared.inference import unpack_entries
 from shared.model import Example, LearnModel, MediaError, ModelInputError, build_model
 from shared.redis_client import close_sync
 from shared.wire import MsgType
-from shared.worker_registry import Registration, RegistrationError, advertised_endpoint
+from shared.worker_registry import Registration, RegistrationError, advertised_endpoint, is_loopback
 from shared.zmq_util import bind_address, bound_endpoint, make_socket
 
 log = logging.getLogger("learnmesh.worker")
@@ -61,6 +63,7 @@ class Worker:
         self.cfg = cfg
         self.wcfg = cfg.worker
         self.worker_id = worker_id
+        self.instance = uuid.uuid4().hex  # this process: tells a restart, or another process given the same id, apart
         self.model = model if model is not None else build_model(cfg.model)
         self.ctx = zmq_ctx or zmq.Context.instance()
         keys = CurveKeys.load(cfg.zmq, "worker")
@@ -76,9 +79,11 @@ class Worker:
         self.batches = 0
         self.subscriber = self._subscriber(updates)
         self._stop = False
+        self.leaving = False  # stopping: heartbeats say so, requests are refused
         self.drained = False
         self._redis: Any = None
-        self._next_report = 0.0
+        self._reports: threading.Thread | None = None
+        self._reports_stop = threading.Event()
         self._digest: tuple[int, str] = (-1, "")
         self.registrar: Any = None
 
@@ -95,17 +100,22 @@ class Worker:
         redis_host = urlsplit(url_of(self.cfg.redis)).hostname or "127.0.0.1"
         named = configured.rsplit(":", 1)[0] + ":" + self.endpoint.rsplit(":", 1)[1]
         try:
-            return advertised_endpoint(named, self.wcfg.advertise, redis_host)
+            advertised = advertised_endpoint(named, self.wcfg.advertise, redis_host)
         except (RegistrationError, KeyError, IndexError, ValueError) as exc:
             self.sock.close(linger=0)
             raise ConfigError(f"worker.advertise: {exc}") from None
+        if is_loopback(urlsplit(advertised).hostname) and not is_loopback(urlsplit(self.endpoint).hostname):
+            log.warning("worker %s listens on %s but announces %s, which only gateways on this host can reach: "
+                        "set worker.advertise (e.g. tcp://{host}:{port}) to an address other hosts reach",
+                        self.worker_id, self.endpoint, advertised)
+        return advertised
 
     def registration(self) -> Registration:
         """What this worker announces now (called by the registrar's thread)."""
         from shared.control import now_ms
 
         return Registration(self.worker_id, self.advertised or self.endpoint, self.wcfg.max_batch_size,
-                            self.model.model_id, self.version, now_ms())
+                            self.model.model_id, self.version, now_ms(), self.instance)
 
     def _start_registrar(self) -> None:
         if self.advertised is None:
@@ -144,10 +154,11 @@ class Worker:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         log.info("worker %s ready (model %s, version %d)", self.worker_id, self.model.model_id, self.version)
+        self._weights_digest(self.version)
         self._start_registrar()
+        self._start_reports()
         try:
             while not self._stop:
-                self._report_status()
                 wait_ms = 50.0
                 if self.queue:
                     age_ms = (time.monotonic() - self.queue[0].received_s) * 1000
@@ -162,28 +173,56 @@ class Worker:
                     self._apply_updates()
                     self._run_batch()
         finally:
-            if self.registrar is not None:  # gateways stop routing here before the queue is refused
+            self._leave()
+            if self.registrar is not None:  # gateways know it is leaving: withdrawn, it is not taken for lost keys
                 self.registrar.close()
-            for req in list(self.queue):
-                self._error(req.peer, req.id, "shutting_down", "worker is shutting down; retry elsewhere")
-            self.queue.clear()
             if self.subscriber is not None:
                 self.subscriber.close()
+            self._reports_stop.set()
+            if self._reports is not None:
+                self._reports.join(timeout=5)
             if self._redis is not None:
                 close_sync(self._redis)
             self.sock.close(linger=0)
 
-    def _report_status(self) -> None:
-        """Every ``metrics.status_interval_s``: self-report to Redis for /admin/workers and the
-        dashboard (version, load, lag), and learn whether an operator drained this worker.
-        Gateways stop routing to a drained worker; it finishes what it has and reports
-        ``drained`` so operators can see when it is safe to stop."""
+    def _leave(self) -> None:
+        """Refuse what is queued, then tell the gateways this worker is stopping: for two of their
+        heartbeat intervals every HELLO gets a HEARTBEAT marked ``leaving`` (they route nothing new
+        here) and every request still arriving is refused with ``shutting_down`` (they retry it
+        elsewhere at once), so no request sent here is lost unanswered when the socket closes."""
+        self.leaving = True
+        deadline = time.monotonic() + min(2.0, 2 * self.wcfg.heartbeat_interval_ms / 1000)
+        while True:
+            for req in self.queue:
+                self._error(req.peer, req.id, "shutting_down", "worker is shutting down; retry elsewhere")
+            self.queue.clear()
+            left_ms = (deadline - time.monotonic()) * 1000
+            if left_ms <= 0:
+                return
+            if self.sock.poll(math.ceil(left_ms)):
+                self._drain()
+
+    def _start_reports(self) -> None:
+        """Status reports run on a thread of their own: a Redis that does not answer (paused,
+        its host unreachable) delays them by its timeouts, never the serving loop that answers
+        heartbeats and requests."""
         if not self.cfg.redis.url:
             return
-        now = time.monotonic()
-        if now < self._next_report:
-            return
-        self._next_report = now + self.cfg.metrics.status_interval_s
+        self._client()  # made once, before two threads use it
+        self._reports = threading.Thread(target=self._report_loop, name="worker-status", daemon=True)
+        self._reports.start()
+
+    def _report_loop(self) -> None:
+        while True:
+            self._report_status()
+            if self._reports_stop.wait(self.cfg.metrics.status_interval_s):
+                return
+
+    def _report_status(self) -> None:
+        """Self-report to Redis for /admin/workers and the dashboard (version, load, lag), and
+        learn whether an operator drained this worker. Gateways stop routing to a drained
+        worker; it finishes what it has and reports ``drained`` so operators can see when it is
+        safe to stop."""
         from shared import control, keys
 
         try:
@@ -192,22 +231,23 @@ class Worker:
                 log.info("worker %s %s by an operator", self.worker_id, "drained" if drained else "undrained")
                 self.drained = drained
             lag = self.subscriber.lag if self.subscriber is not None else None
+            version, (digest_version, digest) = self.version, self._digest  # the serving loop computes it
             control.report_status(self._redis, f"worker:{self.worker_id}",
-                                  ttl_s=control.status_ttl_s(self.cfg), version=self.version,
+                                  ttl_s=control.status_ttl_s(self.cfg), version=version,
                                   load=self.load(), lag=lag, drained=int(drained),
                                   idle=int(drained and not self.queue and not self.running),
-                                  weights_digest=self._weights_digest())
+                                  weights_digest=digest if digest_version == version else None)
         except Exception as exc:  # Redis away: serving goes on, the report is advisory
             log.debug("worker status report failed: %s", exc)
 
-    def _weights_digest(self) -> str:
-        """Digest of the served weights (once per version): equal to the trainer's reported digest
-        exactly when this worker serves bit-identical weights."""
-        if self._digest[0] != self.version:
+    def _weights_digest(self, version: int) -> None:
+        """Digest of the served weights, now at ``version`` (once per version, in the serving loop
+        between batches): equal to the trainer's reported digest exactly when this worker serves
+        bit-identical weights. Only reported in Redis: not computed without it."""
+        if self.cfg.redis.url and self._digest[0] != version:
             from shared.delta.codec import weights_digest
 
-            self._digest = (self.version, weights_digest(dict(self.model.trainable_named_parameters())))
-        return self._digest[1]
+            self._digest = (version, weights_digest(dict(self.model.trainable_named_parameters())))
 
     def _apply_updates(self) -> None:
         if self.subscriber is None:
@@ -221,6 +261,7 @@ class Worker:
             return
         if new is not None and new != self.version:
             log.info("model version %d -> %d", self.version, new)
+            self._weights_digest(new)  # before the version: a report never pairs one with the other's digest
             self.version = new
             metrics.WORKER_VERSION.labels(self.worker_id).set(new)
 
@@ -254,7 +295,9 @@ class Worker:
             return
         if msg_type == MsgType.HELLO:
             lag = self.subscriber.lag if self.subscriber is not None else 0
-            self._send(peer, MsgType.HEARTBEAT, {"worker": self.worker_id, "version": self.version, "lag": lag,
+            self._send(peer, MsgType.HEARTBEAT, {"worker": self.worker_id, "instance": self.instance,
+                                                 "leaving": self.leaving,
+                                                 "version": self.version, "lag": lag,
                                                  "load": self.load(), "model_id": self.model.model_id,
                                                  "max_batch_size": self.wcfg.max_batch_size})
         elif msg_type == MsgType.CANCEL:

@@ -9,6 +9,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from redis.exceptions import ResponseError
+
 from shared import worker_registry
 from shared.config import Config
 from shared.worker_registry import Registration
@@ -29,6 +31,7 @@ class Registrar:
         self.renewals = 0
         self._stop = threading.Event()
         self._failing = False
+        self._duplicate_of: str | None = None  # endpoint of another process announced under this id
         self._thread = threading.Thread(target=self._run, name="worker-registration", daemon=True)
 
     def start(self) -> None:
@@ -43,14 +46,20 @@ class Registrar:
         reg = self.describe()
         try:
             worker_registry.register(self.redis, reg, self.ttl_ms)
+        except worker_registry.DuplicateWorker as exc:  # serve on; announced once the other one's expires
+            if exc.endpoint != self._duplicate_of:
+                log.error("worker %s at %s is not announced: %s", reg.worker_id, reg.endpoint, exc)
+            self._duplicate_of = exc.endpoint
+            return
         except Exception as exc:  # Redis away: keep serving, retry at the next interval
-            if not self._failing:
-                log.warning("worker %s could not renew its registration: %s", reg.worker_id, type(exc).__name__)
+            if not self._failing:  # a reply (WRONGTYPE: a key holds something else) says what to fix
+                why = f"{type(exc).__name__}: {exc}" if isinstance(exc, ResponseError) else type(exc).__name__
+                log.warning("worker %s could not renew its registration: %s", reg.worker_id, why)
             self._failing = True
             return
-        if self._failing or not self.renewals:
+        if self._failing or self._duplicate_of is not None or not self.renewals:
             log.info("worker %s announced at %s", reg.worker_id, reg.endpoint)
-        self._failing = False
+        self._failing, self._duplicate_of = False, None
         self.renewals += 1
 
     def close(self) -> None:
@@ -59,6 +68,6 @@ class Registrar:
             self._thread.join(timeout=5)
         reg = self.describe()
         try:
-            worker_registry.withdraw(self.redis, reg.worker_id)
+            worker_registry.withdraw(self.redis, reg.worker_id, reg.instance)
         except Exception as exc:  # gone with Redis: the announcement expires by itself
             log.debug("worker %s could not withdraw its registration: %s", reg.worker_id, exc)
