@@ -114,8 +114,14 @@ def local_ip(toward: str) -> str:
         try:
             s.connect((toward, 9))
             return str(s.getsockname()[0])
-        except OSError:
-            return socket.gethostbyname(socket.gethostname())
+        except OSError as route:
+            try:
+                return socket.gethostbyname(socket.gethostname())
+            except OSError as own:
+                raise RegistrationError(
+                    f"cannot tell this host's address (no route toward {toward!r}: {route.strerror or route}; "
+                    f"its own name {socket.gethostname()!r} does not resolve: {own.strerror or own}); "
+                    "set worker.advertise to the address gateways reach it at") from None
 
 
 def advertised_endpoint(bound: str, template: str, redis_host: str) -> str:

@@ -588,6 +588,15 @@ def test_advertised_endpoints():
         advertised_endpoint("ipc:///tmp/w", "", "x")
 
 
+def test_a_wildcard_worker_on_a_host_without_a_resolvable_name_is_told_to_set_advertise(monkeypatch):
+    """Neither a route toward Redis nor the host's own name gives an address: one clear error
+    naming the setting, not a resolver traceback."""
+    monkeypatch.setattr(socket, "gethostname", lambda: "no-such-host.invalid")
+    with pytest.raises(RegistrationError, match="set worker.advertise") as err:
+        advertised_endpoint("tcp://0.0.0.0:5601", "", "redis.invalid")
+    assert "no-such-host.invalid" in str(err.value) and "redis.invalid" in str(err.value)
+
+
 def test_a_worker_advertising_a_wildcard_is_a_configuration_error(tmp_path, redis_url):
     _, cfg = write_config(tmp_path, 0, worker={**DISCOVERY, "advertise": "tcp://*:{port}"}, redis_url=redis_url)
     with pytest.raises(ConfigError, match="worker.advertise"):
