@@ -11,7 +11,9 @@ next answer). A worker whose heartbeat says it is leaving (stopping) gets no new
 Liveness is ping/pong: every ``worker.heartbeat_interval_ms`` the pool sends HELLO to each
 worker and the worker answers with a HEARTBEAT (version, load). Any message from a worker
 counts as a sign of life; a worker silent for ``worker.heartbeat_timeout_ms`` is declared
-dead, and the requests in flight on it are retried on another live worker. A worker that
+dead, and the requests in flight on it are retried on another live worker — up to
+``worker.max_request_losses`` workers lost under one request, which then fails rather than
+go on to the next (it may be what kills them). A worker that
 comes back (same endpoint) answers the next HELLO and rejoins — nothing to restart here; when
 its heartbeat names another process than before (restarted faster than the heartbeat timeout),
 the requests the old process had are retried at once rather than waited for.
@@ -53,6 +55,7 @@ from shared.zmq_util import make_socket
 log = logging.getLogger("learnmesh.workers")
 
 _DEAD = object()  # put into a request's queue when its worker is declared dead
+_LOST, _DRAINING = object(), object()  # why a request came back without a result (see _await_result)
 DRAINED_REFRESH_S = 2.0
 
 
@@ -494,6 +497,7 @@ class WorkerPool:
         timeout_s = self.wcfg.request_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         tried: set[int] = set()
+        lost = 0
         base_id = header.get("id") or uuid.uuid4().hex
         for attempt in itertools.count():
             link = await self._choose(min_version, tried, deadline)
@@ -513,15 +517,25 @@ class WorkerPool:
                 result = await self._await_result(link, rid, queue, deadline, on_token)
             finally:
                 link.inflight.pop(rid, None)
-            if result is not None:
+            if isinstance(result, dict):
                 return result
+            if result is _LOST:
+                lost += 1
+                if lost >= self.wcfg.max_request_losses:
+                    log.warning("request %s was in flight on %d workers that were lost; not sent to another",
+                                base_id, lost)
+                    raise WorkerRequestError("worker_lost", f"the request was in flight on {lost} inference workers "
+                                             "that stopped answering; it is not sent to another")
             metrics.INFER_RETRIES.inc()
             if on_retry is not None:
                 await on_retry()
         raise AssertionError("unreachable")
 
     async def _await_result(self, link: WorkerLink, rid: str, queue: asyncio.Queue, deadline: float,
-                            on_token: Callable[[str, dict[str, Any]], Awaitable[None]] | None) -> dict[str, Any] | None:
+                            on_token: Callable[[str, dict[str, Any]], Awaitable[None]] | None
+                            ) -> dict[str, Any] | object:
+        """The RESULT header; ``_LOST`` when the worker died under the request, ``_DRAINING`` when it
+        is stopping and refused it (both: try another)."""
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -540,7 +554,7 @@ class WorkerPool:
                 raise
             if item is _DEAD:
                 await self._cancel(link, rid)  # in case it was only slow, not dead
-                return None
+                return _LOST
             msg_type, h = item
             if msg_type == MsgType.TOKEN:
                 if on_token is not None:
@@ -548,7 +562,7 @@ class WorkerPool:
             elif msg_type == MsgType.RESULT:
                 return h
             elif h.get("code") == "shutting_down":
-                return None  # the worker is draining: retry elsewhere
+                return _DRAINING  # the worker is stopping: retry elsewhere
             else:
                 raise WorkerRequestError(str(h.get("code") or "internal"), str(h.get("message") or "worker error"))
 

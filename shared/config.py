@@ -303,6 +303,10 @@ class WorkerConfig:
     heartbeat_interval_ms: PositiveInt = 500
     heartbeat_timeout_ms: PositiveInt = 2500
     request_timeout_s: StrictFloat = 30.0
+    # A request in flight on a worker that dies goes to another; one that was on this many when
+    # they died fails instead (it may be what kills them: it must not take the pool down).
+    max_request_losses: PositiveInt = Field(
+        default=2, description="workers a request may lose (dead under it) before it fails rather than move on")
     max_tokens_limit: PositiveInt = 512
     max_prompt_bytes: PositiveInt = 64 * 1024
     append_exchange: StrictBool = True

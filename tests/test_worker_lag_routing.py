@@ -1,17 +1,21 @@
 """A worker whose heartbeat says it is more than ``consistency.max_lag`` versions behind the
-trainer leaves the gateway's routing pool until it catches up (real WorkerPool, real ZeroMQ
-sockets; the two workers are small ROUTER loops that speak the worker wire protocol)."""
+trainer leaves the gateway's routing pool until it catches up, and a request that kills the
+workers it is sent to stops moving on after ``worker.max_request_losses`` of them (real
+WorkerPool, real ZeroMQ sockets; the workers are small ROUTER loops that speak the worker wire
+protocol)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Sequence
 from pathlib import Path
 
+import pytest
 import zmq
 import zmq.asyncio
 
-from gateway.workers import WorkerPool
+from gateway.workers import WorkerPool, WorkerRequestError
 from shared import wire
 from shared.config import ZmqConfig, load_config
 from shared.curve import CurveKeys
@@ -39,6 +43,9 @@ class ScriptedWorker:
             if msg_type == MsgType.HELLO:
                 reply = wire.encode(MsgType.HEARTBEAT, {"worker": self.name, "version": 7, "lag": self.lag,
                                                         "load": 0})
+            elif msg_type == MsgType.INFER and header.get("prompt") == "poison":
+                self.sock.close(linger=0)  # the request kills this worker: no answer, no heartbeat
+                return
             elif msg_type == MsgType.INFER:
                 self.served += 1
                 reply = wire.encode(MsgType.RESULT, {"id": header["id"], "version": 7, "worker": self.name})
@@ -82,11 +89,39 @@ async def test_lagging_worker_leaves_the_pool_until_it_catches_up(tmp_path: Path
         assert set(await served_by()) == {"a"}
         assert a.served + b.served == 24
     finally:
-        await pool.close()
-        for w in (a, b):
-            assert w.task is not None
-            w.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await w.task
-            w.sock.close(linger=0)
-        ctx.term()
+        await _close(pool, (a, b), ctx)
+
+
+async def test_a_request_that_kills_its_workers_fails_instead_of_taking_the_pool_down(tmp_path: Path) -> None:
+    ctx = zmq.asyncio.Context()
+    keys = CurveKeys.load(ZmqConfig(keys_dir=str(tmp_path / "zmq")), "worker")
+    assert keys is not None
+    workers = [ScriptedWorker(ctx, name, keys) for name in ("a", "b", "c")]
+    cfg = load_config(env={}, overrides={"worker": {"endpoints": [w.endpoint for w in workers],
+                                                    "heartbeat_interval_ms": 50, "heartbeat_timeout_ms": 400},
+                                         "zmq": {"keys_dir": str(tmp_path / "zmq")}})
+    assert cfg.worker.max_request_losses == 2
+    for w in workers:
+        w.task = asyncio.create_task(w.run())
+    pool = WorkerPool(cfg, zmq_ctx=ctx)
+    await pool.start()
+    try:
+        await pool.wait_live(3, timeout_s=10)
+        with pytest.raises(WorkerRequestError, match="in flight on 2 inference workers") as err:
+            await pool.request({"op": "generate", "prompt": "poison"}, timeout_s=20)
+        assert err.value.code == "worker_lost"
+        assert [link.alive for link in pool.links] == [False, False, True], "the third never got it"
+        assert (await pool.request({"op": "generate", "prompt": "hello"}))["worker"] == "c"
+    finally:
+        await _close(pool, workers, ctx)
+
+
+async def _close(pool: WorkerPool, workers: Sequence[ScriptedWorker], ctx: zmq.asyncio.Context) -> None:
+    await pool.close()
+    for w in workers:
+        assert w.task is not None
+        w.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await w.task
+        w.sock.close(linger=0)
+    ctx.term()
