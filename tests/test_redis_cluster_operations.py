@@ -12,14 +12,17 @@ import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import orjson
 import pytest
 
+from shared import keys
 from shared.net import free_port
-from shared.redis_local_cluster import LocalCluster
+from shared.redis_local_cluster import LocalCluster, Node
 from tests.conftest import wait_for_sync
+from tests.failover_drill import _master_of
 from tests.gateway_support import start_gateway, stop
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None or shutil.which("redis-cli") is None,
@@ -84,23 +87,30 @@ def outage(request: pytest.FixtureRequest) -> Iterator[Outage]:
         o.close()
 
 
-def _append(base: str, text: str) -> httpx.Response:
-    params = {"name": "context_append", "arguments": {"context_id": "ops", "modality": "text", "text": text},
+def _tool(base: str, name: str, arguments: dict[str, Any]) -> httpx.Response:
+    params = {"name": name, "arguments": arguments,
               "_meta": {"io.modelcontextprotocol/protocolVersion": MODERN,
                         "io.modelcontextprotocol/clientCapabilities": {}}}
     return httpx.post(f"{base}/mcp", json={"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": params},
                       headers={"accept": "application/json, text/event-stream", "mcp-protocol-version": MODERN,
-                               "mcp-method": "tools/call", "mcp-name": "context_append",
-                               "authorization": f"Bearer {KEY}"}, timeout=15)
+                               "mcp-method": "tools/call", "mcp-name": name, "authorization": f"Bearer {KEY}"},
+                      timeout=15)
 
 
-def _appended(base: str, text: str) -> bool:
-    resp = _append(base, text)
+def _answered(base: str, name: str, arguments: dict[str, Any]) -> bool:
+    """True for a result, False for 503 with Retry-After (the client retries); anything else fails."""
+    resp = _tool(base, name, arguments)
     if resp.status_code == 503:
         assert resp.headers.get("retry-after") == "1", resp.text
         return False
     assert resp.status_code == 200, resp.text
-    return not orjson.loads(resp.text)["result"].get("isError")
+    body = orjson.loads(resp.text)
+    assert "result" in body and not body["result"].get("isError"), body
+    return True
+
+
+def _appended(base: str, text: str) -> bool:
+    return _answered(base, "context_append", {"context_id": "ops", "modality": "text", "text": text})
 
 
 def test_a_gateway_started_while_redis_is_down_serves_503_then_recovers(outage: Outage, tmp_path: Path) -> None:
@@ -127,3 +137,51 @@ def test_a_gateway_started_while_redis_is_down_serves_503_then_recovers(outage: 
     text = log.read_text(errors="replace")
     assert "Traceback" not in text, text[-3000:]
     assert "redis unreachable at start" in text
+
+
+def _replica_of(cluster: LocalCluster, master: Node) -> Node:
+    for node in cluster.running():
+        with node.client(socket_timeout=2) as c:
+            info = c.info("replication")
+            if info.get("role") == "slave" and int(info["master_port"]) == master.port:
+                return node
+    raise AssertionError(f"no replica of the master on port {master.port}")
+
+
+@pytest.mark.parametrize("wait_replicas", [0, 1])
+def test_a_graceful_failover_answers_every_call(wait_replicas: int, tmp_path: Path) -> None:
+    """`CLUSTER FAILOVER` on a replica (maintenance of a master's host): the old master answers
+    MOVED and the promoted one lacks the scripts the gateway loaded (a script cache is not
+    replicated). Every call after it is answered, none with an internal error: the request and
+    learn limits, learn and the context store load what the new master lacks, also where writes
+    wait for a replica (the old master is the new one's replica at once)."""
+    cluster = LocalCluster(masters=3, replicas=1).start()
+    port, log = free_port(), tmp_path / "gateway.log"
+    base = f"http://127.0.0.1:{port}"
+    try:
+        with log.open("wb") as out:
+            gw = start_gateway(port, cluster.url, api_keys=f"ops:{KEY}", output=out,
+                               overrides={"redis": {"retry_after_s": 1, "wait_replicas": wait_replicas},
+                                          "learning": {"teachers": ["ops"]}})
+        try:
+            calls = [("learn", {"input": "q", "target": "a"}),
+                     ("context_append", {"context_id": "ops", "modality": "text", "text": "t"})]
+            for name, args in calls:
+                assert _answered(base, name, args)
+            for key in (keys.ctx_meta("ops"), keys.sample_log(0)):  # the principal's master, the log's
+                master = _master_of(cluster, key)
+                with _replica_of(cluster, master).client(socket_timeout=5) as replica:
+                    replica.execute_command("CLUSTER", "FAILOVER")
+                wait_for_sync(lambda m=master: m.port not in {n.port for n in cluster.primaries()}, timeout_s=30,
+                              what="the replica to take over")
+                cluster.wait_ok(30)
+                for name, args in calls:
+                    wait_for_sync(lambda n=name, a=args: _answered(base, n, a), timeout_s=30,
+                                  what=f"{name} after the failover")
+            assert gw.poll() is None
+        finally:
+            stop(gw)
+    finally:
+        cluster.stop()
+    text = log.read_text(errors="replace")
+    assert "Traceback" not in text and "internal error" not in text, text[-3000:]
