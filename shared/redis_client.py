@@ -99,15 +99,21 @@ def _seeds(cfg: RedisConfig, node: Callable[[str, int], N]) -> list[N]:
 
 class ClusterUnreachable(RedisClusterException, RedisConnectionError):
     """No node of a cluster answered while its slot map was read (the whole cluster stopped, a
-    network cut): redis-py's ``RedisClusterException`` for it, made a ``ConnectionError`` as well,
-    so that whatever waits out a lost connection waits this out too."""
+    network cut), or the nodes that answered leave slots without a master (nodes started but not
+    joined yet, a master lost with its replicas): redis-py's ``RedisClusterException`` for it, made
+    a ``ConnectionError`` as well, so that whatever waits out a lost connection waits this out too."""
+
+
+_NOT_COVERED = "All slots are not covered"  # how redis-py's map reading says the nodes left slots out
 
 
 def _unreachable(exc: RedisClusterException) -> ClusterUnreachable | None:
-    """``exc`` as :class:`ClusterUnreachable` when it says no node could be reached, else None."""
-    if isinstance(exc, ClusterUnreachable) or not isinstance(exc.__cause__, (RedisConnectionError, OSError)):
+    """``exc`` as :class:`ClusterUnreachable` when it is one of the outages above, else None."""
+    if isinstance(exc, ClusterUnreachable):
         return None
-    return ClusterUnreachable(str(exc))
+    if isinstance(exc.__cause__, (RedisConnectionError, OSError)) or str(exc).startswith(_NOT_COVERED):
+        return ClusterUnreachable(str(exc))
+    return None
 
 
 class _SyncNodes(SyncNodesManager):

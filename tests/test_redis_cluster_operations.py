@@ -40,15 +40,18 @@ class Outage:
         self.cluster: LocalCluster | None = None
         self.proc: subprocess.Popen | None = None
         self.workdir = tempfile.mkdtemp(prefix="lm-ops-")
-        if kind == "cluster":
-            self.cluster = LocalCluster(masters=3, replicas=1).start()
+        if kind != "single":  # "unjoined": nodes started, the cluster not created yet
+            self.cluster = LocalCluster(masters=3, replicas=1).start(join=kind == "cluster")
             self.url = self.cluster.url
         else:
             self.port = free_port()
             self.url = f"redis://127.0.0.1:{self.port}/0"
 
     def down(self) -> None:
-        """Every node stopped (SIGTERM), as for a maintenance or a power cut."""
+        """Every node stopped (SIGTERM), as for a maintenance or a power cut; nodes not joined yet
+        stay as they are."""
+        if self.kind == "unjoined":
+            return
         if self.cluster is not None:
             for node in self.cluster.running():
                 node.proc.terminate()
@@ -59,7 +62,11 @@ class Outage:
             self.proc.wait(10)
 
     def up(self) -> None:
-        """Every node started again (a cluster re-forms from its nodes.conf files)."""
+        """Every node started again (a cluster re-forms from its nodes.conf files), or the nodes
+        joined (``redis-cli --cluster create``)."""
+        if self.kind == "unjoined" and self.cluster is not None:
+            self.cluster.join()
+            return
         if self.cluster is not None:
             for node in self.cluster.nodes:
                 self.cluster.restart(node)
@@ -78,7 +85,7 @@ class Outage:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-@pytest.fixture(params=["single", "cluster"])
+@pytest.fixture(params=["single", "cluster", "unjoined"])
 def outage(request: pytest.FixtureRequest) -> Iterator[Outage]:
     o = Outage(request.param)
     try:
@@ -114,9 +121,10 @@ def _appended(base: str, text: str) -> bool:
 
 
 def test_a_gateway_started_while_redis_is_down_serves_503_then_recovers(outage: Outage, tmp_path: Path) -> None:
-    """A gateway (re)started during an outage (a pod rescheduled while the cluster is stopped)
-    comes up, answers 503 with Retry-After and is not ready; once Redis is back it finishes
-    its start and serves, with no restart and no traceback in its log."""
+    """A gateway (re)started during an outage (a pod rescheduled while the cluster is stopped, or
+    started beside cluster nodes that the operator has not joined yet) comes up, answers 503 with
+    Retry-After and is not ready; once Redis is back it finishes its start and serves, with no
+    restart and no traceback in its log."""
     outage.down()
     port, log = free_port(), tmp_path / "gateway.log"
     base = f"http://127.0.0.1:{port}"
