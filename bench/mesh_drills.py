@@ -267,12 +267,7 @@ async def drill_redis_restart(mesh: Mesh, redis: RedisServer, load_s: float = 12
         redis.start()
         return ""
 
-    def recovered() -> bool:
-        try:
-            return httpx.get(mesh.base + "/readyz", timeout=2).status_code == 200 and _learn_ok(mesh)
-        except httpx.HTTPError:
-            return False
-    rep = await _timed_load(mesh, load_s, fault, recovered, "restart redis")
+    rep = await _timed_load(mesh, load_s, fault, lambda: _serving(mesh), "restart redis")
     assert 503 in seen_503, f"gateway did not answer 503 during the Redis outage: {set(seen_503)}"
     rep.notes = (f"readyz during outage: {collections.Counter(seen_503)}; gateway restarted: "
                  f"{mesh.child_pid('gateway') != gateway_pid}")
@@ -299,12 +294,7 @@ async def drill_rolling_failover(mesh: Mesh, cluster: LocalCluster, load_s: floa
             handed += 1
         return f"{handed} masters handed over"
 
-    def recovered() -> bool:
-        try:
-            return httpx.get(mesh.base + "/readyz", timeout=2).status_code == 200 and _learn_ok(mesh)
-        except httpx.HTTPError:
-            return False
-    rep = await _timed_load(mesh, load_s, fault, recovered, "rolling failover")
+    rep = await _timed_load(mesh, load_s, fault, lambda: _serving(mesh), "rolling failover")
     restarted = [name for name, pid in (("gateway", gateway_pid), ("trainer", trainer_pid))
                  if mesh.child_pid(name) != pid]
     rep.notes += f"; restarted: {', '.join(restarted) or 'none'}"
@@ -317,6 +307,14 @@ def _replica_port(node: Node) -> int | None:
     with node.client(socket_timeout=2) as c:
         info = c.info("replication")
     return int(info["master_port"]) if info.get("role") == "slave" else None
+
+
+def _serving(mesh: Mesh) -> bool:
+    """The gateway is ready and stores a context append."""
+    try:
+        return httpx.get(mesh.base + "/readyz", timeout=2).status_code == 200 and _learn_ok(mesh)
+    except httpx.HTTPError:
+        return False
 
 
 def _learn_ok(mesh: Mesh) -> bool:
