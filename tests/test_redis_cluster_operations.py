@@ -8,6 +8,7 @@ it applies there as well.
 from __future__ import annotations
 
 import shutil
+import signal
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+import zmq
 
 from shared import keys
 from shared.net import free_port
@@ -195,3 +197,85 @@ def test_a_graceful_failover_answers_every_call(wait_replicas: int, tmp_path: Pa
         cluster.stop()
     text = log.read_text(errors="replace")
     assert "Traceback" not in text and "internal error" not in text, text[-3000:]
+
+
+def _learned_seqs(base: str, text: str) -> list[int] | None:
+    """The seqs a `learn` was logged under; None for 503 (the client retries)."""
+    resp = _tool(base, "learn", {"input": text, "target": text})
+    if resp.status_code == 503:
+        return None
+    assert resp.status_code == 200, resp.text
+    return list(orjson.loads(resp.text)["result"]["structuredContent"]["seqs"])
+
+
+def test_a_failover_that_loses_trained_samples_never_reuses_their_seqs(tmp_path: Path) -> None:
+    """A master killed before its replica got its newest sample-log entry (a lagging replica;
+    `redis.wait_replicas: 0`, the default, acknowledges on the master alone): the trainer had
+    read and committed that entry, the promoted replica never had it, and its seq counter is
+    one behind. The next `learn` must not be given the trained seq again: the trainer skips
+    seqs at or below its position, so that sample (acknowledged after the failover) would
+    never be trained, and its `learned` token would count as trained at once."""
+    from services.trainer.data import SampleSource
+    from services.trainer.ledger import Ledger, Offset, read_offset
+    from shared.config import load_config
+    from shared.redis_client import close_sync, sync_client
+    from shared.samples import CLUSTER_SAMPLE_PARTITIONS, partition_of
+
+    cluster = LocalCluster(masters=3, replicas=1).start()
+    port, log = free_port(), tmp_path / "gateway.log"
+    base = f"http://127.0.0.1:{port}"
+    cfg = load_config(env={}, overrides={"redis": {"url": cluster.url},
+                                         "trainer": {"samples_endpoint": f"tcp://127.0.0.1:{free_port()}"}})
+    redis = sync_client(cfg.redis, socket_timeout=2)
+    zmq_ctx = zmq.Context()
+    source: SampleSource | None = None
+    try:
+        part = partition_of("ops", CLUSTER_SAMPLE_PARTITIONS)
+        victim = _master_of(cluster, keys.sample_log(part))
+        assert victim is not _master_of(cluster, keys.TRAINER_OFFSET), "the commit record must survive the kill"
+        lagging = _replica_of(cluster, victim)
+        with log.open("wb") as out:
+            gw = start_gateway(port, cluster.url, api_keys=f"ops:{KEY}", output=out,
+                               overrides={"redis": {"retry_after_s": 1, "socket_timeout_s": 1.0},
+                                          "learning": {"teachers": ["ops"]}})
+        try:
+            source = SampleSource(cfg, redis, zmq_ctx, {}, partitions=CLUSTER_SAMPLE_PARTITIONS)
+            ledger = Ledger(redis, CLUSTER_SAMPLE_PARTITIONS)
+
+            def train(expected: int) -> list[int]:
+                """Take the samples the log holds, as the trainer's rank 0 does, and commit them."""
+                batch = source.next_batch(10, 0, lambda: True)
+                assert len(batch) == expected, [(s.seq, s.id) for s in batch]
+                off = read_offset(redis)
+                ledger.commit(Offset(off.step + 1, off.version + 1, off.epoch, source.positions()), [s.id for s in batch])
+                return [s.seq for s in batch]
+
+            assert _learned_seqs(base, "replicated") == [1]
+            with victim.client() as master:
+                assert master.wait(1, 5000) == 1
+            assert train(1) == [1]
+            # the replica falls behind: stopped, its link cut (it cannot reconnect while stopped)
+            lagging.proc.send_signal(signal.SIGSTOP)
+            try:
+                with victim.client() as master:
+                    master.client_kill_filter(_type="replica")
+                assert _learned_seqs(base, "lost in the failover") == [2]
+                assert train(1) == [2]  # trained and committed: the commit record is on another master
+                cluster.kill(victim)
+            finally:
+                lagging.proc.send_signal(signal.SIGCONT)
+            wait_for_sync(lambda: lagging.port in {n.port for n in cluster.primaries()}, timeout_s=60,
+                          what="the lagging replica to take over")
+            cluster.wait_ok(60)
+            seqs = wait_for_sync(lambda: _learned_seqs(base, "after the failover"), timeout_s=30,
+                                 what="a learn after the failover")
+            assert seqs == [3], seqs
+            assert train(1) == [3]
+        finally:
+            stop(gw)
+    finally:
+        if source is not None:
+            source.close()
+        zmq_ctx.term()
+        close_sync(redis)
+        cluster.stop()
