@@ -27,7 +27,7 @@ from services.trainer import ledger
 from shared.config import ZmqConfig
 from shared.curve import CurveKeys
 from shared.redis_client import close_sync
-from shared.redis_local_cluster import LocalCluster, Node
+from shared.redis_local_cluster import LocalCluster
 from shared.zmq_util import make_socket
 
 
@@ -285,8 +285,7 @@ async def drill_rolling_failover(mesh: Mesh, cluster: LocalCluster, load_s: floa
     def fault() -> str:
         handed = 0
         for master in cluster.primaries():
-            replica = next(n for n in cluster.running() if _replica_port(n) == master.port)
-            with replica.client(socket_timeout=10) as c:
+            with cluster.replica_of(master).client(socket_timeout=10) as c:
                 c.execute_command("CLUSTER", "FAILOVER")
             wait_until(lambda m=master: m.port not in {n.port for n in cluster.primaries()}, 30,
                        f"the replica of {master.address} to take over", 0.05)
@@ -300,13 +299,6 @@ async def drill_rolling_failover(mesh: Mesh, cluster: LocalCluster, load_s: floa
     rep.notes += f"; restarted: {', '.join(restarted) or 'none'}"
     rep.restarted = restarted  # type: ignore[attr-defined]
     return rep
-
-
-def _replica_port(node: Node) -> int | None:
-    """The port of ``node``'s master (None for a master)."""
-    with node.client(socket_timeout=2) as c:
-        info = c.info("replication")
-    return int(info["master_port"]) if info.get("role") == "slave" else None
 
 
 def _serving(mesh: Mesh) -> bool:

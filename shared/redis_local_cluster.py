@@ -202,6 +202,15 @@ class LocalCluster:
                     out.append(node)
         return out
 
+    def replica_of(self, master: Node) -> Node:
+        """A running replica of ``master`` (what ``CLUSTER FAILOVER`` is sent to)."""
+        for node in self.running():
+            with node.client(socket_timeout=2) as c:
+                info = c.info("replication")
+            if info.get("role") == "slave" and int(info["master_port"]) == master.port:
+                return node
+        raise RuntimeError(f"no running replica of the master on port {master.port}")
+
     def kill(self, node: Node) -> None:
         """SIGKILL ``node``: what a crashed host looks like to the rest of the cluster."""
         node.proc.send_signal(signal.SIGKILL)

@@ -22,7 +22,7 @@ import zmq
 
 from shared import keys
 from shared.net import free_port
-from shared.redis_local_cluster import LocalCluster, Node
+from shared.redis_local_cluster import LocalCluster
 from tests.conftest import wait_for_sync
 from tests.failover_drill import _master_of
 from tests.gateway_support import start_gateway, stop
@@ -151,15 +151,6 @@ def test_a_gateway_started_while_redis_is_down_serves_503_then_recovers(outage: 
     assert text.count("redis unavailable while serving") <= 3, text[-3000:]
 
 
-def _replica_of(cluster: LocalCluster, master: Node) -> Node:
-    for node in cluster.running():
-        with node.client(socket_timeout=2) as c:
-            info = c.info("replication")
-            if info.get("role") == "slave" and int(info["master_port"]) == master.port:
-                return node
-    raise AssertionError(f"no replica of the master on port {master.port}")
-
-
 @pytest.mark.parametrize("wait_replicas", [0, 1])
 def test_a_graceful_failover_answers_every_call(wait_replicas: int, tmp_path: Path) -> None:
     """`CLUSTER FAILOVER` on a replica (maintenance of a master's host): the old master answers
@@ -182,7 +173,7 @@ def test_a_graceful_failover_answers_every_call(wait_replicas: int, tmp_path: Pa
                 assert _answered(base, name, args)
             for key in (keys.ctx_meta("ops"), keys.sample_log(0)):  # the principal's master, the log's
                 master = _master_of(cluster, key)
-                with _replica_of(cluster, master).client(socket_timeout=5) as replica:
+                with cluster.replica_of(master).client(socket_timeout=5) as replica:
                     replica.execute_command("CLUSTER", "FAILOVER")
                 wait_for_sync(lambda m=master: m.port not in {n.port for n in cluster.primaries()}, timeout_s=30,
                               what="the replica to take over")
@@ -233,7 +224,7 @@ def test_a_failover_that_loses_trained_samples_never_reuses_their_seqs(tmp_path:
         part = partition_of("ops", CLUSTER_SAMPLE_PARTITIONS)
         victim = _master_of(cluster, keys.sample_log(part))
         assert victim is not _master_of(cluster, keys.TRAINER_OFFSET), "the commit record must survive the kill"
-        lagging = _replica_of(cluster, victim)
+        lagging = cluster.replica_of(victim)
         with log.open("wb") as out:
             gw = start_gateway(port, cluster.url, api_keys=f"ops:{KEY}", output=out,
                                overrides={"redis": {"retry_after_s": 1, "socket_timeout_s": 1.0},
