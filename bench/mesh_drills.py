@@ -27,6 +27,7 @@ from services.trainer import ledger
 from shared.config import ZmqConfig
 from shared.curve import CurveKeys
 from shared.redis_client import close_sync
+from shared.redis_local_cluster import LocalCluster
 from shared.zmq_util import make_socket
 
 
@@ -266,17 +267,46 @@ async def drill_redis_restart(mesh: Mesh, redis: RedisServer, load_s: float = 12
         redis.start()
         return ""
 
-    def recovered() -> bool:
-        try:
-            return httpx.get(mesh.base + "/readyz", timeout=2).status_code == 200 and _learn_ok(mesh)
-        except httpx.HTTPError:
-            return False
-    rep = await _timed_load(mesh, load_s, fault, recovered, "restart redis")
+    rep = await _timed_load(mesh, load_s, fault, lambda: _serving(mesh), "restart redis")
     assert 503 in seen_503, f"gateway did not answer 503 during the Redis outage: {set(seen_503)}"
     rep.notes = (f"readyz during outage: {collections.Counter(seen_503)}; gateway restarted: "
                  f"{mesh.child_pid('gateway') != gateway_pid}")
     rep.gateway_restarted = mesh.child_pid("gateway") != gateway_pid  # type: ignore[attr-defined]
     return rep
+
+
+async def drill_rolling_failover(mesh: Mesh, cluster: LocalCluster, load_s: float = 12) -> DrillReport:
+    """Rolling maintenance of a Redis Cluster: every master in turn handed to its replica with
+    ``CLUSTER FAILOVER`` (graceful: no write lost) under load, the sample log's partitions, the
+    trainer's commit record and ledger among them. Every acknowledged sample is still trained
+    exactly once; the gateway and the trainer go on without a restart."""
+    gateway_pid, trainer_pid = mesh.child_pid("gateway"), mesh.child_pid("trainer")
+
+    def fault() -> str:
+        handed = 0
+        for master in cluster.primaries():
+            with cluster.replica_of(master).client(socket_timeout=10) as c:
+                c.execute_command("CLUSTER", "FAILOVER")
+            wait_until(lambda m=master: m.port not in {n.port for n in cluster.primaries()}, 30,
+                       f"the replica of {master.address} to take over", 0.05)
+            cluster.wait_ok(30)
+            handed += 1
+        return f"{handed} masters handed over"
+
+    rep = await _timed_load(mesh, load_s, fault, lambda: _serving(mesh), "rolling failover")
+    restarted = [name for name, pid in (("gateway", gateway_pid), ("trainer", trainer_pid))
+                 if mesh.child_pid(name) != pid]
+    rep.notes += f"; restarted: {', '.join(restarted) or 'none'}"
+    rep.restarted = restarted  # type: ignore[attr-defined]
+    return rep
+
+
+def _serving(mesh: Mesh) -> bool:
+    """The gateway is ready and stores a context append."""
+    try:
+        return httpx.get(mesh.base + "/readyz", timeout=2).status_code == 200 and _learn_ok(mesh)
+    except httpx.HTTPError:
+        return False
 
 
 def _learn_ok(mesh: Mesh) -> bool:

@@ -26,13 +26,13 @@ import zmq.asyncio
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
 from gateway.admin.auth import AdminKeyring
 from gateway.admin.routes import ROUTERS
 from gateway.admin.stats import LocalStats, run_stats_publisher, withdraw_stats
 from gateway.auth import PROTECTED_RESOURCE_PATH
-from gateway.errors import install_http_errors
+from gateway.errors import install_http_errors, is_outage
 from gateway.proxy import store as proxy_store
 from gateway.registry import Registry
 from gateway.state import Gateway, gateway_of
@@ -43,6 +43,7 @@ from gateway.transports.streamable_http import McpHttpTransport
 from gateway.transports.websocket import websocket_endpoint, ws_ticket_endpoint
 from gateway.workers import WorkerPool
 from shared import audit, keys
+from shared.aio import pause
 from shared.config import Config, ConfigError
 from shared.context import ContextStore
 from shared.redis_client import async_client, for_each_primary
@@ -57,6 +58,8 @@ SHUTDOWN_TIMEOUT_S = 10.0  # per component
 # cancelled again; shorter would interrupt the cleanup of one that is ending (closing a TLS link).
 CANCEL_RETRY_S = 2.0
 CONTROL_CONNECT_TIMEOUT_S = 2.0
+PREPARE_FIRST_BACKOFF_S = 0.1  # a gateway started while Redis is away tries its start steps again
+PREPARE_MAX_BACKOFF_S = 2.0
 
 
 class GatewayApp(FastAPI):
@@ -204,11 +207,17 @@ async def open_gateway(cfg: Config, registry: Registry) -> AsyncIterator[Gateway
         stack.push_async_callback(_cancel, control)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(gateway.control_connected.wait(), CONTROL_CONNECT_TIMEOUT_S)
-        await _warn_unless_noeviction(redis)
-        await _adopt_renamed_keys(redis)
-        await workers.start()
-        await open_proxy(gateway)
         stack.push_async_callback(_bounded, "the proxy's upstreams", gateway.proxy.close)
+        try:
+            await _prepare_redis(gateway)
+        except Exception as exc:
+            if not is_outage(exc):
+                raise
+            log.warning("redis unreachable at start (%s): requests are answered 503 until it answers, and the "
+                        "start finishes then", type(exc).__name__)
+            prepare = asyncio.create_task(_prepare_when_redis_answers(gateway), name="gateway-prepare-redis")
+            stack.push_async_callback(_cancel, prepare)
+        await workers.start()
         await gateway.tasks.start()
         stack.push_async_callback(_bounded, "the task manager", gateway.tasks.stop)
         stats = asyncio.create_task(run_stats_publisher(gateway, cfg.metrics.status_interval_s), name="admin-stats")
@@ -218,6 +227,32 @@ async def open_gateway(cfg: Config, registry: Registry) -> AsyncIterator[Gateway
         stack.push_async_callback(_cancel, evictor)
         stack.callback(_signal_shutdown, gateway)
         yield gateway
+
+
+async def _prepare_redis(gateway: Gateway) -> None:
+    """The start's one-time steps on Redis: renamed keys adopted, the config file's upstreams
+    seeded and the served set loaded, the eviction policy checked; ``gateway.prepared`` then."""
+    await _adopt_renamed_keys(gateway.redis)
+    await open_proxy(gateway)
+    await _warn_unless_noeviction(gateway.redis)
+    gateway.prepared.set()
+
+
+async def _prepare_when_redis_answers(gateway: Gateway) -> None:
+    """:func:`_prepare_redis` again, with backoff, until Redis answers (it was away at start)."""
+    backoff_s = PREPARE_FIRST_BACKOFF_S
+    while True:
+        await pause(backoff_s)
+        backoff_s = min(backoff_s * 2, PREPARE_MAX_BACKOFF_S)
+        try:
+            await _prepare_redis(gateway)
+        except Exception as exc:
+            if is_outage(exc):
+                continue
+            log.exception("the gateway's start steps on redis failed; /readyz stays 503")
+            return
+        log.info("redis answers: the gateway's start is complete")
+        return
 
 
 async def open_proxy(gateway: Gateway) -> None:
@@ -270,9 +305,12 @@ def _add_probes(app: GatewayApp, cfg: Config) -> None:
 
     @app.get("/readyz")
     async def readyz(request: Request) -> Response:
+        gateway = gateway_of(request)
         try:
-            await gateway_of(request).redis.ping()
-        except (RedisError, OSError):
+            await gateway.redis.ping()
+            if not gateway.prepared.is_set():
+                raise RedisError("the start's steps on redis are not done yet")
+        except (RedisError, RedisClusterException, OSError):
             return JSONResponse({"status": "unavailable", "redis": "unreachable"}, status_code=503,
                                 headers={"Retry-After": str(cfg.redis.retry_after_s)})
         return JSONResponse({"status": "ready"})

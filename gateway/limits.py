@@ -48,7 +48,6 @@ from shared import keys, metrics
 from shared.aio import pause
 from shared.config import Config, PrincipalLimits
 from shared.redis_batch import pack_command
-from shared.redis_client import for_each_primary
 from shared.redis_cluster_batch import auto_pipeline
 from shared.samples import Sample
 
@@ -175,15 +174,18 @@ class Limits:
                 or self.cfg.principal_roles.get(principal) in self.teacher_roles)
 
     # ------------------------------------------------------------------ token buckets
-    async def _throttle(self, command: bytes, key: str) -> Any:
-        """``command`` (EVALSHA of the throttle script, first key ``key``) on the master of its slot."""
+    async def _throttle(self, names: list[str], args: list[str | int]) -> Any:
+        """The throttle script on the master of ``names``' slot (EVALSHA). A master without it (a
+        replica promoted by a failover: script caches are not replicated; a master restarted or
+        added) gets the script itself once (EVAL, which also caches it there), sent wherever the
+        EVALSHA went, so a slot map that has not caught up with the failover yet cannot send
+        it to another node."""
         try:
-            return await self._batch.submit(command, key)
+            return await self._batch.submit(pack_command(("EVALSHA", _THROTTLE_SHA, len(names), *names, *args)),
+                                            names[0])
         except NoScriptError:
-            pass
-        # first use, or a master restarted (or took over) without it
-        await for_each_primary(self.redis, lambda node: node.script_load(THROTTLE_LUA))
-        return await self._batch.submit(command, key)
+            return await self._batch.submit(pack_command(("EVAL", THROTTLE_LUA, len(names), *names, *args)),
+                                            names[0])
 
     async def admit_request(self, principal: str) -> None:
         """Take one token of the principal's request rate, or raise :class:`LimitExceeded`.
@@ -228,8 +230,7 @@ class Limits:
         chunk = _chunk(lim)
         try:
             for cost in (chunk, 1) if chunk > 1 else (1,):
-                reply = await self._throttle(pack_command(("EVALSHA", _THROTTLE_SHA, 1, key, "", interval,
-                                                           lim.requests_burst, cost)), key)
+                reply = await self._throttle([key], ["", interval, lim.requests_burst, cost])
                 if reply[0] == 1:
                     stock.tokens += cost
                     return
@@ -280,7 +281,7 @@ class Limits:
         for name, rate, burst, cost in buckets:
             names.append(keys.limit_bucket(principal, name))
             args += [_interval_us(rate), burst, cost]
-        return await self._throttle(pack_command(("EVALSHA", _THROTTLE_SHA, len(names), *names, *args)), names[0])
+        return await self._throttle(names, args)
 
     # ------------------------------------------------------------------ the teach permission
     def forbidden(self, principal: str) -> Forbidden:

@@ -92,6 +92,7 @@ class Gateway:
     inflight: dict[InflightKey, tuple[asyncio.Task[Any], Call]] = field(default_factory=dict)
     shutting_down: asyncio.Event = field(default_factory=asyncio.Event)
     control_connected: asyncio.Event = field(default_factory=asyncio.Event)
+    prepared: asyncio.Event = field(default_factory=asyncio.Event)  # the start's steps on Redis are done
     proxy_reload: asyncio.Future[None] | None = None
 
     def __post_init__(self) -> None:

@@ -24,7 +24,9 @@ from urllib.parse import urlsplit, urlunsplit
 import redis as redis_sync
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
+from redis.asyncio.cluster import NodesManager as AsyncNodesManager
 from redis.cluster import ClusterNode as SyncClusterNode
+from redis.cluster import NodesManager as SyncNodesManager
 from redis.exceptions import (
     AuthenticationError,
     NoPermissionError,
@@ -95,12 +97,60 @@ def _seeds(cfg: RedisConfig, node: Callable[[str, int], N]) -> list[N]:
     return [node(host, int(port)) for host, _, port in (n.rpartition(":") for n in cfg.cluster_nodes)]
 
 
+class ClusterUnreachable(RedisClusterException, RedisConnectionError):
+    """No node of a cluster answered while its slot map was read (the whole cluster stopped, a
+    network cut), or the nodes that answered leave slots without a master (nodes started but not
+    joined yet, a master lost with its replicas): redis-py's ``RedisClusterException`` for it, made
+    a ``ConnectionError`` as well, so that whatever waits out a lost connection waits this out too."""
+
+
+_NOT_COVERED = "All slots are not covered"  # how redis-py's map reading says the nodes left slots out
+
+
+def _unreachable(exc: RedisClusterException) -> ClusterUnreachable | None:
+    """``exc`` as :class:`ClusterUnreachable` when it is one of the outages above, else None."""
+    if isinstance(exc, ClusterUnreachable):
+        return None
+    if isinstance(exc.__cause__, (RedisConnectionError, OSError)) or str(exc).startswith(_NOT_COVERED):
+        return ClusterUnreachable(str(exc))
+    return None
+
+
+class _SyncNodes(SyncNodesManager):
+    """A blocking cluster client's slot map, reporting :class:`ClusterUnreachable`."""
+
+    __slots__ = ()
+
+    def initialize(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().initialize(*args, **kwargs)
+        except RedisClusterException as exc:
+            raise (_unreachable(exc) or exc) from exc.__cause__
+
+
+class _AsyncNodes(AsyncNodesManager):
+    """An asyncio cluster client's slot map, reporting :class:`ClusterUnreachable`."""
+
+    __slots__ = ()
+
+    async def initialize(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().initialize(*args, **kwargs)
+        except RedisClusterException as exc:
+            raise (_unreachable(exc) or exc) from exc.__cause__
+
+
 def sync_client(cfg: RedisConfig, **options: Any) -> SyncRedis:
     """A blocking client (trainer, workers, supervisor); ``options``: timeouts, pool size, ...
     A cluster client reaches the seed node as it is made (redis-py reads the slot map then)."""
     if is_cluster(cfg):
-        return redis_sync.RedisCluster.from_url(server_url(cfg), startup_nodes=_seeds(cfg, SyncClusterNode),
-                                                **client_kwargs(cfg), **options)
+        try:
+            cluster = redis_sync.RedisCluster.from_url(server_url(cfg), startup_nodes=_seeds(cfg, SyncClusterNode),
+                                                       **client_kwargs(cfg), **options)
+        except RedisClusterException as exc:
+            raise (_unreachable(exc) or exc) from exc.__cause__
+        cluster.nodes_manager.__class__ = _SyncNodes
+        return cluster
     return redis_sync.Redis.from_url(server_url(cfg), **client_kwargs(cfg), **options)
 
 
@@ -115,6 +165,7 @@ def async_client(cfg: RedisConfig, **options: Any) -> AsyncRedis:
         kinds["connection_class"] = _reporting(kinds.get("connection_class", aioredis.Connection))
         for node in cluster.nodes_manager.startup_nodes.values():
             node.connection_class = _reporting(node.connection_class)
+        cluster.nodes_manager.__class__ = _AsyncNodes
         return cluster
     client = aioredis.Redis.from_url(server_url(cfg), **client_kwargs(cfg), **options)
     client.connection_pool.connection_class = _reporting(client.connection_pool.connection_class)
@@ -255,7 +306,12 @@ def check_access(cfg: RedisConfig, timeout_s: float = 5.0) -> bool:
     try:
         client = sync_client(cfg, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
     except (RedisError, RedisClusterException, OSError) as exc:  # a cluster client connects as it is made
-        return _refused(cfg, exc, has_password)
+        answered = _refused(cfg, exc, has_password)
+        if _is_single_server(cfg, timeout_s):
+            raise ConfigError(f"Redis at {redact_url(url_of(cfg))} is a single server, not a node of a Redis "
+                              "Cluster: drop redis.cluster or the +cluster URL scheme (LEARNMESH_REDIS__CLUSTER, "
+                              "REDIS_URL)") from None
+        return answered
     try:
         answered = bool(for_each_primary_sync(client, lambda node: node.ping()))
         if not is_cluster(cfg) and _is_cluster_node(client):
@@ -266,6 +322,17 @@ def check_access(cfg: RedisConfig, timeout_s: float = 5.0) -> bool:
         return _refused(cfg, exc, has_password)
     finally:
         close_sync(client)
+
+
+def _is_single_server(cfg: RedisConfig, timeout_s: float) -> bool:
+    """Whether the node ``redis.url`` names answers as a server without cluster mode (a cluster
+    client made for it fails as if the cluster were away)."""
+    try:
+        with redis_sync.Redis.from_url(server_url(cfg), socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
+                                       **client_kwargs(cfg)) as node:
+            return int(node.info("cluster").get("cluster_enabled", 1)) == 0
+    except (RedisError, OSError):
+        return False
 
 
 def _is_cluster_node(client: SyncRedis) -> bool:

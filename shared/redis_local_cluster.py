@@ -121,21 +121,28 @@ class LocalCluster:
     def _scheme(self) -> str:
         return "redis" if self.security is None else "rediss"
 
-    def start(self, timeout_s: float = 60.0) -> LocalCluster:
+    def start(self, timeout_s: float = 60.0, join: bool = True) -> LocalCluster:
         """Start every node, join them, and wait until every node reports ``cluster_state:ok``
-        and every replica is in sync; stops what it started if that fails."""
+        and every replica is in sync; stops what it started if that fails. ``join=False``: the
+        nodes only, each alone and without slots, as before an operator's ``--cluster create``
+        (:meth:`join` then)."""
         try:
             for _ in range(self.masters * (1 + self.replicas)):
                 self.nodes.append(self._spawn())
             for node in self.nodes:
                 _wait(lambda n=node: _answers(n), timeout_s, f"redis-server on port {node.port}")
-            self._cli("--cluster", "create", *[n.address for n in self.nodes], "--cluster-replicas",
-                      str(self.replicas), "--cluster-yes", timeout_s=timeout_s)
-            self.wait_ok(timeout_s)
+            if join:
+                self.join(timeout_s)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def join(self, timeout_s: float = 60.0) -> None:
+        """``redis-cli --cluster create`` over the started nodes; waits until the cluster is ok."""
+        self._cli("--cluster", "create", *[n.address for n in self.nodes], "--cluster-replicas",
+                  str(self.replicas), "--cluster-yes", timeout_s=timeout_s)
+        self.wait_ok(timeout_s)
 
     def add_master(self, timeout_s: float = 60.0) -> Node:
         """Start one more node and join it as a master without slots (``redis-cli --cluster
@@ -194,6 +201,15 @@ class LocalCluster:
                 if c.info("replication").get("role") == "master":
                     out.append(node)
         return out
+
+    def replica_of(self, master: Node) -> Node:
+        """A running replica of ``master`` (what ``CLUSTER FAILOVER`` is sent to)."""
+        for node in self.running():
+            with node.client(socket_timeout=2) as c:
+                info = c.info("replication")
+            if info.get("role") == "slave" and int(info["master_port"]) == master.port:
+                return node
+        raise RuntimeError(f"no running replica of the master on port {master.port}")
 
     def kill(self, node: Node) -> None:
         """SIGKILL ``node``: what a crashed host looks like to the rest of the cluster."""

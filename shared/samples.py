@@ -218,13 +218,19 @@ def load_stored(raw: bytes | str | memoryview) -> Sample:
 APPEND_LUA = """
 local n = tonumber(ARGV[2])
 local cap = tonumber(ARGV[8])
+local trained = 0
+if redis.call('GET', KEYS[3]) == ARGV[7] then trained = tonumber(ARGV[6]) end
+local seq = tonumber(redis.call('GET', KEYS[2]) or '0')
 if cap > 0 then
-  local trained = 0
-  if redis.call('GET', KEYS[3]) == ARGV[7] then trained = tonumber(ARGV[6]) end
-  local backlog = math.max(0, tonumber(redis.call('GET', KEYS[2]) or '0') - trained)
+  local backlog = math.max(0, seq - trained)
   if backlog + n > cap then return {-1, backlog, ''} end
 end
 redis.call('SET', KEYS[3], ARGV[4], 'NX')
+-- A failover can lose the newest entries (written after the master's last replication) once
+-- the trainer has trained them: the counter then stands below the trainer's position, and
+-- the seqs it would hand out again are skipped by the trainer. Counting on from the trainer's
+-- position keeps every seq new.
+if seq < trained then redis.call('SET', KEYS[2], trained) end
 local last = redis.call('INCRBY', KEYS[2], n)
 local id
 if ARGV[5] == '' then

@@ -332,3 +332,30 @@ async def test_confirmed_writes_reload_a_flushed_script(redis6_with_replica: tup
         await client.aclose()
         master.close()
         replica.close()
+
+
+async def test_confirmed_writes_after_a_graceful_failover_on_a_redis6_cluster() -> None:
+    """``redis.wait_replicas: 1`` on a Redis 6 cluster with a replica per master: `CLUSTER
+    FAILOVER` hands a principal's master to its replica, which lacks the script (a script cache
+    is not replicated) while the client's slot map still names the old master. The next write
+    gets the script where it is served, and is written and confirmed once."""
+    if shutil.which("redis-cli") is None:
+        pytest.skip("no redis-cli to create a Redis Cluster")
+    cluster = LocalCluster(masters=3, replicas=1, server=str(REDIS6)).start()
+    target = RedisTarget("cluster", cluster.url, cluster)
+    client = target.async_client()
+    try:
+        store = ContextStore(client, ContextConfig(),
+                             redis_cfg=RedisConfig(url=cluster.url, wait_replicas=1, wait_timeout_ms=5000))
+        assert (await store.append("p", "c", "text", "user", b"before")).version == 1
+        replica = cluster.replica_of(master_of(cluster, "p"))
+        with replica.client() as c:
+            c.execute_command("CLUSTER", "FAILOVER")
+        wait_for_sync(lambda: replica.port in {n.port for n in cluster.primaries()}, timeout_s=30,
+                      what="the replica to take over")
+        cluster.wait_ok(30)
+        assert (await store.append("p", "c", "text", "user", b"after")).version == 2
+        assert [e.content for e in (await store.get_window("p", "c")).channels["text"]] == [b"before", b"after"]
+    finally:
+        await client.aclose()
+        cluster.stop()

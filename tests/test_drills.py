@@ -12,7 +12,9 @@ trainer and gateway-replica drills run on both; on the cluster the first three r
 load (six more redis-servers share the cores; the assertions are the same). The Redis-restart drill stops and
 restarts the one server on the same port, so it runs on the single server only; its cluster
 counterpart, a master killed under load while the cluster fails over by itself, is
-tests/test_redis_cluster_failover.py.
+tests/test_redis_cluster_failover.py; a rolling maintenance (every master handed to its replica with
+CLUSTER FAILOVER under load: the sample log's partitions, the trainer's commit record and ledger
+move with them) runs on the cluster only.
 
 The trainer trains the head only here (fast on 2 CPU cores); tests/test_e2e_mesh.py covers
 the full model.
@@ -97,3 +99,12 @@ def test_redis_restart_under_load(mesh: Mesh, redis_persistent: RedisServer) -> 
     rep = asyncio.run(drills.drill_redis_restart(mesh, redis_persistent, load_s=8))
     _check(rep, mesh)
     assert not rep.gateway_restarted, "the gateway had to be restarted to recover"  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("mesh", [m for m in redis_modes() if m == "cluster"], indirect=True)
+def test_rolling_failover_of_every_master(mesh: Mesh, redis_cluster: RedisTarget) -> None:
+    if redis_cluster.cluster is None:
+        pytest.skip("an external cluster: its nodes are not this session's to fail over")
+    rep = asyncio.run(drills.drill_rolling_failover(mesh, redis_cluster.cluster, load_s=_load_s(mesh, 12)))
+    _check(rep, mesh)
+    assert not rep.restarted, rep.notes  # type: ignore[attr-defined]

@@ -95,3 +95,17 @@ async def test_a_process_reaches_the_cluster_through_cluster_nodes_while_the_url
         assert await r.get("lm:{seed}:k") == b"v"
     finally:
         await r.aclose()
+
+
+def test_a_cluster_url_naming_a_single_server_stops_the_process_with_one_line(redis_target: RedisTarget) -> None:
+    """`redis+cluster://` (or `redis.cluster: true`) pointed at a server without cluster mode: the
+    cluster client cannot read a slot map there, which looks like an outage, and the process would
+    wait for a cluster that never comes; the check at start names the setting instead."""
+    if redis_target.is_cluster:
+        return
+    plain = RedisConfig(url=redis_target.url)
+    for cfg in (RedisConfig(url=plain.url.replace("://", "+cluster://", 1)), RedisConfig(url=plain.url, cluster=True)):
+        with pytest.raises(ConfigError, match=r"is a single server, not a node of a Redis Cluster: drop "
+                                              r"redis.cluster or the \+cluster URL scheme"):
+            check_access(cfg)
+    assert check_access(plain) is True

@@ -216,9 +216,7 @@ class SampleIngest:
 
     async def _trained(self, part: int) -> tuple[int, str]:
         """The trainer's committed seq in partition ``part`` and the log it belongs to (what the
-        backlog is counted from)."""
-        if not self.cfg.limits.max_sample_backlog:
-            return 0, ""
+        backlog is counted from, and what the log's seqs continue after)."""
         seq, log_id = await self.redis.hmget(keys.TRAINER_OFFSET, [position_field("seq", part),
                                                                       position_field("log", part)])
         return int(seq or 0), as_str(log_id or b"")
