@@ -27,7 +27,6 @@ same decision for code that needs an :class:`HTTPException` in hand.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +53,7 @@ from gateway.mcp.types import ErrorObject, ErrorResponse, RequestId
 from gateway.workers import NoWorker, WorkerRequestError, WorkerTimeout
 from shared.config import Config
 from shared.context import ContextError, ContextNotFound
+from shared.log_throttle import ThrottledWarning
 from shared.metrics import MCP_ERRORS
 from shared.samples import SampleError
 
@@ -176,29 +176,8 @@ class WireError:
         return ErrorResponse(id=request_id, error=self.object())
 
 
-OUTAGE_LOG_INTERVAL_S = 10.0
-
-
-class _OutageLog:
-    """The warning for requests answered 503 because Redis is away: one line per
-    ``OUTAGE_LOG_INTERVAL_S`` saying how many answers it stands for, not a line per request
-    (thousands a second while a cluster fails over)."""
-
-    def __init__(self) -> None:
-        self.quiet_until = 0.0
-        self.unlogged = 0
-
-    def note(self, method: str, exc: BaseException) -> None:
-        now = time.monotonic()
-        if now < self.quiet_until:
-            self.unlogged += 1
-            return
-        more = f" (and {self.unlogged} more answered 503 since the last such line)" if self.unlogged else ""
-        log.warning("redis unavailable while serving %s: %s%s", method or "a request", type(exc).__name__, more)
-        self.quiet_until, self.unlogged = now + OUTAGE_LOG_INTERVAL_S, 0
-
-
-_OUTAGE_LOG = _OutageLog()
+# Requests answered 503 because Redis is away: thousands a second while a cluster fails over.
+_OUTAGE_LOG = ThrottledWarning(log)
 
 
 def _unavailable(message: str, retry_after_s: int) -> WireError:
@@ -241,7 +220,7 @@ def wire_error(exc: BaseException, config: Config, *, method: str = "",
     if isinstance(exc, WorkerTimeout):
         return _unavailable(str(exc), retry_after_s)
     if is_outage(exc):
-        _OUTAGE_LOG.note(method, exc)
+        _OUTAGE_LOG.warning("redis unavailable while serving %s: %s", method or "a request", type(exc).__name__)
         return _unavailable("Service unavailable: store unreachable", retry_after_s)
     log.error("internal error while serving %s", method or "a request", exc_info=exc)
     return WireError(INTERNAL_ERROR, "Internal error", None, crashed_status)

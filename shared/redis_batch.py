@@ -51,7 +51,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from shared.log_throttle import ThrottledWarning
+
 log = logging.getLogger(__name__)
+_POSTED_FAILED = ThrottledWarning(log)  # every posted command fails while Redis is away
 
 # What taking a connection over needs: its transport, the protocol redis-py reads it with
 # (told when the connection closes), and redis-py's error-reply class for hiredis.
@@ -500,7 +503,7 @@ class AutoPipeline:
 
 def _log_failure(fut: asyncio.Future[Any]) -> None:
     if not fut.cancelled() and fut.exception() is not None:
-        log.warning("redis: a posted command failed: %s", fut.exception())
+        _POSTED_FAILED.warning("redis: a posted command failed: %s", fut.exception())
 
 
 _EXACT = (str, bytes, int)

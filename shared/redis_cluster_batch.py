@@ -24,9 +24,11 @@ from redis.exceptions import AskError, MovedError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from shared.log_throttle import ThrottledWarning
 from shared.redis_batch import AutoPipeline, pack_command
 
 log = logging.getLogger(__name__)
+_POSTED_FAILED = ThrottledWarning(log)  # every posted command fails while a master is away
 
 MAX_REDIRECTS = 8  # MOVED / ASK hops of one command before its error reaches the caller
 TRYAGAIN_PAUSE_S = 0.02
@@ -107,14 +109,14 @@ class ClusterAutoPipeline:
             task.add_done_callback(self._posted_done)
         elif isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
             self._reread_map()
-            log.warning("redis cluster: a posted command failed: %s", exc)
+            _POSTED_FAILED.warning("redis cluster: a posted command failed: %s", exc)
         elif exc is not None:
-            log.warning("redis cluster: a posted command failed: %s", exc)
+            _POSTED_FAILED.warning("redis cluster: a posted command failed: %s", exc)
 
     def _posted_done(self, task: asyncio.Task[Any]) -> None:
         self._posted.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            log.warning("redis cluster: a posted command failed: %s", task.exception())
+            _POSTED_FAILED.warning("redis cluster: a posted command failed: %s", task.exception())
 
     async def _map_read(self) -> None:
         """A reading of the slot map (the first, or again after a redirection or a lost node),

@@ -391,3 +391,35 @@ async def test_a_socket_closed_while_connecting_is_a_connection_error(redis_url)
             await AutoPipeline(client).execute("PING")
     finally:
         await client.aclose()
+
+
+async def test_posted_commands_failing_while_redis_is_away_are_one_warning_line_not_one_each(caplog) -> None:
+    """Bookkeeping posted beside the calls fails command by command while Redis is away (here:
+    nothing listens on its port); the log gets one line saying so, and a later one counts the
+    rest, rather than a line per command."""
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+
+    from shared.net import free_port
+
+    throttle = redis_batch._POSTED_FAILED
+    interval = throttle.interval_s
+    # whatever an earlier test left; an interval no slow machine outlasts here
+    throttle.quiet_until, throttle.unlogged, throttle.interval_s = 0.0, 0, 3600.0
+    client = aioredis.Redis(host="127.0.0.1", port=free_port(), socket_connect_timeout=1, retry=Retry(NoBackoff(), 0))
+    batch = AutoPipeline(client)
+
+    def lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "posted command failed" in r.getMessage()]
+    try:
+        with caplog.at_level("WARNING", logger="shared.redis_batch"):
+            posted = [batch.post(pack_command(("INCR", f"k{i}"))) for i in range(200)]
+            await asyncio.gather(*posted, return_exceptions=True)
+            assert all(isinstance(f.exception(), RedisConnectionError) for f in posted)
+            assert len(lines()) == 1 and throttle.unlogged == 199, lines()
+            throttle.quiet_until = 0.0  # as once the interval is over
+            await asyncio.gather(batch.post(pack_command(("INCR", "k"))), return_exceptions=True)
+            assert len(lines()) == 2 and "(and 199 more like it since the last such line)" in lines()[1], lines()
+    finally:
+        throttle.interval_s = interval
+        await client.aclose()
