@@ -108,7 +108,7 @@ def is_loopback(host: str | None) -> bool:
 
 
 def local_ip(toward: str) -> str:
-    """This host's address on the route to ``toward`` (a host name or address): the one a peer
+    """The machine's address on the route to ``toward`` (a host name or address): the one a peer
     that reaches the same network can use. No packet is sent (a UDP socket only picks a route)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
@@ -119,7 +119,7 @@ def local_ip(toward: str) -> str:
                 return socket.gethostbyname(socket.gethostname())
             except OSError as own:
                 raise RegistrationError(
-                    f"cannot tell this host's address (no route toward {toward!r}: {route.strerror or route}; "
+                    f"cannot tell the worker's address (no route toward {toward!r}: {route.strerror or route}; "
                     f"its own name {socket.gethostname()!r} does not resolve: {own.strerror or own}); "
                     "set worker.advertise to the address gateways reach it at") from None
 

@@ -577,7 +577,7 @@ def test_a_worker_that_reaches_no_node_of_its_cluster_says_so_in_one_line(tmp_pa
 def test_advertised_endpoints():
     assert advertised_endpoint("tcp://10.1.2.3:5601", "", "redis") == "tcp://10.1.2.3:5601"
     wildcard = advertised_endpoint("tcp://0.0.0.0:5601", "", "127.0.0.1")
-    assert wildcard == "tcp://127.0.0.1:5601"  # this host's address toward Redis
+    assert wildcard == "tcp://127.0.0.1:5601"  # the machine's address toward Redis
     assert advertised_endpoint("tcp://0.0.0.0:5601", "tcp://{host}:{port}", "x") == \
         f"tcp://{socket.gethostname()}:5601"
     assert advertised_endpoint("tcp://0.0.0.0:5601", "tcp://worker-7.svc:7000", "x") == "tcp://worker-7.svc:7000"
@@ -652,7 +652,7 @@ def test_a_worker_listening_beyond_loopback_but_announcing_loopback_says_so(tmp_
         assert worker.advertised == f"tcp://127.0.0.1:{port}"
         lines = [r.getMessage() for r in caplog.records]
         assert lines == ([f"worker w listens on tcp://0.0.0.0:{port} but announces tcp://127.0.0.1:{port}, which "
-                          "only gateways on this host can reach: set worker.advertise (e.g. tcp://{host}:{port}) "
+                          "only gateways on the worker's own machine can reach: set worker.advertise (e.g. tcp://{host}:{port}) "
                           "to an address other hosts reach"] if warned else [])
     finally:
         worker.sock.close(linger=0)

@@ -106,7 +106,7 @@ class _Connection:
             return
         opening = message.method == "initialize" and not self.kernel.is_stateless(message, self._link())
         if opening and self.opening:
-            # One session per socket: only its stream is pumped here, so a second session's notes would reach no one.
+            # One session per socket: the socket pumps that session's stream alone, so notes of another would reach no one.
             again = self.kernel.fail(McpError(INVALID_REQUEST, "This connection has opened its session already "
                                               "(one initialize per connection)"), message.id)
             if again.message is not None:

@@ -105,7 +105,7 @@ class Worker:
             self.sock.close(linger=0)
             raise ConfigError(f"worker.advertise: {exc}") from None
         if is_loopback(urlsplit(advertised).hostname) and not is_loopback(urlsplit(self.endpoint).hostname):
-            log.warning("worker %s listens on %s but announces %s, which only gateways on this host can reach: "
+            log.warning("worker %s listens on %s but announces %s, which only gateways on the worker's own machine can reach: "
                         "set worker.advertise (e.g. tcp://{host}:{port}) to an address other hosts reach",
                         self.worker_id, self.endpoint, advertised)
         return advertised
