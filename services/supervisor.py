@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -39,7 +40,7 @@ from shared.config import CONFIG_ENV, ENV_PREFIX, Config, ConfigError, load_conf
 from shared.config import var_dir as config_var_dir
 from shared.lifetime import die_with_parent
 from shared.net import listened_on
-from shared.redis_client import check_access, is_cluster, redact_url
+from shared.redis_client import check_access, cluster_addresses, is_cluster, redact_url, url_of
 from shared.secret_files import read_private, write_private
 from shared.zmq_util import bind_address
 
@@ -347,7 +348,8 @@ def main(cfg: Config, args: Any) -> int:
         log.warning("using the Redis already answering at %s: its sample log, trainer offsets and model version "
                     "are shared with whatever else uses that database; set REDIS_URL for a mesh of its own", redis_url)
     try:
-        check_access(cfg.redis)  # wrong credentials stop the mesh here, with one message
+        if check_access(cfg.redis) and is_cluster(cfg.redis):  # wrong credentials stop the mesh here, with one message
+            seed_more_nodes(cfg)
         api_keys, admin_key = load_or_create_keys(var_dir, cfg)
         prepare_keys(cfg, var_dir)
         envs = {role: child_env(path) for role, path in child_configs(cfg, args, var_dir, api_keys, admin_key).items()}
@@ -372,6 +374,17 @@ def main(cfg: Config, args: Any) -> int:
             except subprocess.TimeoutExpired:
                 redis_proc.kill()
     return sup.exit_code
+
+
+def seed_more_nodes(cfg: Config) -> None:
+    """Hand every process the cluster's nodes as they are at start (``redis.cluster_nodes``), not
+    only the URL's: a child restarted while that one node is down (a master killed and failed
+    over) finds the cluster through the others instead of failing until the node returns."""
+    known = {*cfg.redis.cluster_nodes, urlsplit(url_of(cfg.redis)).netloc.rpartition("@")[2]}
+    more = [a for a in cluster_addresses(cfg.redis) if a not in known]
+    if more:
+        cfg.redis.cluster_nodes = [*cfg.redis.cluster_nodes, *more]
+        log.info("the cluster's other %d node(s) are seeds of every process too: %s", len(more), ", ".join(more))
 
 
 def _is_config_variable(name: str) -> bool:

@@ -324,6 +324,20 @@ def check_access(cfg: RedisConfig, timeout_s: float = 5.0) -> bool:
         close_sync(client)
 
 
+def cluster_addresses(cfg: RedisConfig, timeout_s: float = 5.0) -> list[str]:
+    """Every node of the cluster ``cfg`` names, masters and replicas, as ``host:port`` (its slot
+    map as read now); empty when no node answers."""
+    try:
+        client = sync_client(cfg, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+    except (RedisError, RedisClusterException, OSError):
+        return []
+    try:
+        nodes = client.get_nodes() if isinstance(client, redis_sync.RedisCluster) else []
+        return sorted({f"{node.host}:{node.port}" for node in nodes})
+    finally:
+        close_sync(client)
+
+
 def _is_single_server(cfg: RedisConfig, timeout_s: float) -> bool:
     """Whether the node ``redis.url`` names answers as a server without cluster mode (a cluster
     client made for it fails as if the cluster were away)."""

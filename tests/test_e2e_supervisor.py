@@ -187,3 +187,34 @@ def test_children_and_a_private_redis_stop_when_the_supervisor_is_killed(tmp_pat
             proc.wait()
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+def test_children_reach_the_cluster_while_the_url_node_is_down(tmp_path: Path) -> None:
+    """`learnmesh up` on a cluster named by one node: a child restarted after that node died
+    (a master killed and failed over; the trainer's rank group restarts then) must reach the
+    cluster through the nodes the supervisor saw at start, not fail until the node returns."""
+    from services.supervisor import seed_more_nodes
+    from shared.redis_client import ClusterUnreachable, close_sync, sync_client
+    from shared.redis_local_cluster import LocalCluster
+
+    cluster = LocalCluster(masters=3, replicas=1).start()
+    try:
+        cfg = load_config(env={}, overrides={"redis": {"url": cluster.url}})
+        seed_more_nodes(cfg)
+        assert sorted(cfg.redis.cluster_nodes) == sorted(n.address for n in cluster.nodes[1:])
+        paths = child_configs(cfg, argparse.Namespace(workers=None), tmp_path, {"demo": "demo-key-123"}, "admin-key")
+        child = load_config(paths["trainer"], env={})  # what a restarted child loads
+        cluster.kill(cluster.nodes[0])  # the URL's node, a master
+        cluster.wait_ok()
+        alone = load_config(env={}, overrides={"redis": {"url": cluster.url}})
+        with pytest.raises(ClusterUnreachable):
+            sync_client(alone.redis, socket_connect_timeout=2, socket_timeout=2)
+        client = sync_client(child.redis, socket_connect_timeout=2, socket_timeout=2)
+        try:
+            for i in range(30):  # keys on every master's slots, the failed-over ones included
+                client.set(f"k{i}", i)
+                assert client.get(f"k{i}") == str(i).encode()
+        finally:
+            close_sync(client)
+    finally:
+        cluster.stop()
