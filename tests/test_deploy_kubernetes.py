@@ -37,10 +37,12 @@ from shared import keys
 from shared.config import Config, load_config
 from shared.crypto import KeyFileError, KeyRing, SigningKey, trainer_keys
 from shared.curve import CurveKeys
+from shared.net import free_port_pair
+from shared.redis_local_cluster import BUS_OFFSET, LocalCluster
 from shared.samples import Example
 from shared.worker_registry import advertised_endpoint
 from shared.zmq_util import bind_address
-from tests.conftest import free_port, wait_for
+from tests.conftest import free_port, wait_for, wait_for_sync
 from tests.deploy_support import headroom_bytes, redis_bytes
 from tests.trainer_support import committed, trainer_config
 
@@ -385,6 +387,14 @@ def test_redis_cluster_nodes_have_headroom_above_the_context_budget(rendered):
     script = _pod(_find(docs, "Job", "redis-cluster-create"))["containers"][0]["args"][0]
     assert "redis-cli --cluster create" in script and "--cluster-replicas 1" in script
     assert "for i in 0 1 2 3 4 5" in script
+    # the nodes announce their pod names, and each pod's init container puts the IPs those names
+    # have now in nodes.conf before Redis reads it (run in
+    # test_redis_pods_that_all_come_back_on_new_ips_find_each_other_again)
+    assert conf["cluster-preferred-endpoint-type"] == "hostname"
+    assert '--cluster-announce-hostname "$(POD_NAME).redis.' in redis["args"][0]
+    for overlay in OVERLAYS:
+        statefulset = _find(rendered[overlay], "StatefulSet", "redis")
+        assert _peer_addresses(statefulset) == _peer_addresses(_redis_manifest("StatefulSet", "redis")), overlay
 
 
 def _redis_config_name(docs: list[dict]) -> str:
@@ -550,10 +560,7 @@ def test_the_cluster_create_job_leaves_a_formed_cluster_alone_even_when_it_is_de
     exits 0 instead of trying ``--cluster create`` on nodes that already hold a cluster. Run
     as written in the manifest, against a real local cluster: ``redis-cli`` and ``getent`` are
     shims that turn the pods' names into that cluster's ports."""
-    from shared.redis_local_cluster import LocalCluster
-
-    job = next(d for d in yaml.safe_load_all((K8S / "base" / "redis.yaml").read_text())
-               if d and d["kind"] == "Job" and d["metadata"]["name"] == "redis-cluster-create")
+    job = _redis_manifest("Job", "redis-cluster-create")
     secret = tmp_path / "redis_password"
     secret.write_text("unused-here")
     script = _pod(job)["containers"][0]["args"][0].replace("/run/secrets/redis/redis_password", str(secret))
@@ -588,3 +595,178 @@ exec {shutil.which("redis-cli")} "${{args[@]}}"
     assert done.returncode == 0, done.stderr
     assert "already formed" in done.stdout
     assert not any("--cluster" in line for line in calls.read_text().splitlines())
+
+
+def _redis_manifest(kind: str, name: str) -> dict:
+    """A workload of deploy/kubernetes/base/redis.yaml as written (what kustomize renders from it)."""
+    return next(d for d in yaml.safe_load_all((K8S / "base" / "redis.yaml").read_text())
+                if d and d["kind"] == kind and d["metadata"]["name"] == name)
+
+
+def _peer_addresses(statefulset: dict) -> dict:
+    """The Redis pods' init container that puts the peers' new IPs in nodes.conf."""
+    [init] = [c for c in _pod(statefulset)["initContainers"] if c["name"] == "peer-addresses"]
+    return init
+
+
+def _peer_addresses_script(conf: Path) -> str:
+    """The script of the ``peer-addresses`` init container, on ``conf`` for /data/nodes.conf."""
+    init = _peer_addresses(_redis_manifest("StatefulSet", "redis"))
+    assert init["command"] == ["sh", "-c"] and {"name": "data", "mountPath": "/data"} in init["volumeMounts"]
+    return init["args"][0].replace("/data/nodes.conf", str(conf))
+
+
+def _resolver(bindir: Path, hosts: dict[str, str]) -> dict[str, str]:
+    """An environment whose ``getent hosts NAME`` answers from ``hosts`` (name -> IP) alone, as
+    the cluster's DNS answers the pods' names through the headless Service."""
+    bindir.mkdir(parents=True, exist_ok=True)
+    table = bindir / "hosts"
+    table.write_text("".join(f"{ip} {name}\n" for name, ip in hosts.items()))
+    (bindir / "getent").write_text(f'#!/bin/sh\n[ "$1" = hosts ] && awk -v h="$2" \'$2 == h\' {table} | grep .\n')
+    (bindir / "getent").chmod(0o755)
+    return {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"}
+
+
+class _RedisPods:
+    """Redis Cluster nodes started as the StatefulSet starts its pods, on loopback: the ConfigMap's
+    redis.conf, pod ``i`` announcing the hostname the container's command line gives it, its
+    nodes.conf on its own volume (a directory), and one address per pod (``--bind`` and
+    ``--bind-source-addr``: the peers see it at that address alone, as they see a pod's IP)."""
+
+    def __init__(self, root: Path, count: int) -> None:
+        [main] = _pod(_redis_manifest("StatefulSet", "redis"))["containers"]
+        announce = re.search(r'--cluster-announce-hostname "([^"]+)"', main["args"][0])
+        assert announce is not None, main["args"]
+        self.names = [announce.group(1).replace("$(POD_NAME)", f"redis-{i}").replace("$(POD_NAMESPACE)", "learnmesh")
+                      for i in range(count)]
+        self.data = [root / f"redis-{i}" for i in range(count)]
+        for d in self.data:
+            d.mkdir(parents=True)
+        self.port = free_port_pair(BUS_OFFSET)
+        self.ips: list[str] = []
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, ips: list[str]) -> None:
+        self.ips = ips
+        for ip, name, data in zip(ips, self.names, self.data, strict=True):
+            conf = data / "redis.conf"  # the pod's volume at /data
+            conf.write_text((K8S / "base" / "redis.conf").read_text().replace("/data", str(data)))
+            with open(data / "redis.log", "ab") as log:
+                self.procs.append(subprocess.Popen(
+                    ["redis-server", str(conf), "--port", str(self.port), "--bind", ip, "--bind-source-addr", ip,
+                     "--cluster-announce-hostname", name], stdout=log, stderr=subprocess.STDOUT))
+        for ip in ips:
+            wait_for_sync(lambda ip=ip: self._answers(ip), timeout_s=30, what=f"redis-server on {ip}")
+
+    def _answers(self, ip: str) -> bool:
+        for proc in self.procs:
+            assert proc.poll() is None, [(d / "redis.log").read_text()[-2000:] for d in self.data]
+        try:
+            with redis_sync.Redis(host=ip, port=self.port, socket_timeout=2) as c:
+                return bool(c.ping())
+        except redis_sync.RedisError:
+            return False
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            proc.wait(30)
+        self.procs = []
+
+    def met(self) -> bool:
+        """Whether every node is in an ``ok`` cluster with every slot served and lists every
+        other node, connected, at the address it has now (right after a restart a node still
+        says ``ok`` about peers it cannot reach, until its node timeout marks them failing)."""
+        for ip in self.ips:
+            try:
+                with redis_sync.Redis(host=ip, port=self.port, socket_timeout=2) as c:
+                    info = c.execute_command("CLUSTER", "INFO").decode()
+                    nodes = c.execute_command("CLUSTER", "NODES").decode()
+            except redis_sync.RedisError:
+                return False
+            if "cluster_state:ok" not in info or "cluster_slots_ok:16384" not in info:
+                return False
+            peers = {f"{other}:{self.port}" for other in self.ips if other != ip}
+            connected = {line.split()[1].split("@")[0] for line in nodes.splitlines()
+                         if "myself" not in line.split()[2] and line.split()[7] == "connected"}
+            if connected != peers:
+                return False
+        return True
+
+    def client(self) -> redis_sync.RedisCluster:
+        """A cluster client that starts at the first node and reaches each node by the name the
+        cluster gives out (``cluster-preferred-endpoint-type hostname``), as a pod resolves it."""
+        where = dict(zip(self.names, self.ips, strict=True))
+        return redis_sync.RedisCluster(host=self.ips[0], port=self.port,
+                                       address_remap=lambda a: (where.get(a[0], a[0]), a[1]))
+
+
+def test_redis_pods_that_all_come_back_on_new_ips_find_each_other_again(tmp_path):
+    """Every Redis pod rescheduled at once (new pod IPs, the same volumes): each pod's
+    ``peer-addresses`` init container, run as the manifest writes it, puts the IP each peer's
+    name resolves to now in nodes.conf, and the nodes form the cluster again with their data.
+    The DNS of the first pod does not know the last pod yet (it is still being scheduled):
+    that line keeps its old IP and the last pod, which finds the first by name, corrects it."""
+    pods = _RedisPods(tmp_path, 3)
+    old, new = [f"127.0.0.{11 + i}" for i in range(3)], [f"127.0.0.{21 + i}" for i in range(3)]
+    try:
+        pods.start(old)
+        subprocess.run(["redis-cli", "--cluster", "create", *[f"{ip}:{pods.port}" for ip in old], "--cluster-yes"],
+                       check=True, capture_output=True, timeout=60)
+        wait_for_sync(pods.met, timeout_s=60, interval_s=0.2, what="the cluster to form")
+        with pods.client() as cluster:
+            for i in range(30):
+                cluster.set(f"k{i}", f"v{i}")
+        pods.stop()
+        moved = dict(zip(pods.names, new, strict=True))
+        for i, data in enumerate(pods.data):
+            hosts = {name: ip for name, ip in moved.items() if not (i == 0 and name == pods.names[2])}
+            run = subprocess.run(["sh", "-c", _peer_addresses_script(data / "nodes.conf")], capture_output=True,
+                                 text=True, timeout=30, env={**_resolver(tmp_path / f"dns-{i}", hosts),
+                                                             "PEER_DNS_WAIT_S": "0"})
+            assert run.returncode == 0, run.stderr
+            conf = (data / "nodes.conf").read_text()
+            assert not (data / "nodes.conf.peer-addresses.tmp").exists()
+            for name, ip in hosts.items():
+                assert f"{ip}:{pods.port}@{pods.port + BUS_OFFSET},{name} " in conf, (name, conf)
+                assert f"{name}: {old[pods.names.index(name)]} -> {ip}" in run.stderr
+        assert f"127.0.0.13:{pods.port}@" in (pods.data[0] / "nodes.conf").read_text()
+        pods.start(new)
+        wait_for_sync(pods.met, timeout_s=60, interval_s=0.2, what="the cluster to form again on the new addresses")
+        with pods.client() as cluster:
+            assert [cluster.get(f"k{i}") for i in range(30)] == [f"v{i}".encode() for i in range(30)]
+    finally:
+        pods.stop()
+
+
+def test_the_peer_addresses_init_container_changes_only_the_ip_of_peers_it_resolves(tmp_path):
+    """Only the IP before a resolved hostname changes: the ports, Redis 7.2+'s aux fields after
+    the hostname, IPv6 addresses, lines without a hostname and the vars line stay as they were.
+    No nodes.conf (a new pod): nothing written. Nothing to change: the file is not rewritten."""
+    conf = tmp_path / "nodes.conf"
+    dns = {"redis-0.redis": "10.0.0.7", "redis-1.redis": "10.0.0.8", "redis-2.redis": "fd00::9"}
+    env = {**_resolver(tmp_path / "dns", dns), "PEER_DNS_WAIT_S": "0"}
+
+    def run_script() -> subprocess.CompletedProcess:
+        run = subprocess.run(["sh", "-c", _peer_addresses_script(conf)], capture_output=True, text=True, env=env)
+        assert run.returncode == 0, run.stderr
+        return run
+
+    assert "nothing to update" in run_script().stdout
+    assert list(tmp_path.iterdir()) == [tmp_path / "dns"]
+    lines = ["a" * 40 + " {}:6379@16379,redis-0.redis myself,master - 0 0 1 connected 0-5460",
+             "b" * 40 + " {}:6379@16379,redis-1.redis,tls-port=0,shard-id=" + "c" * 40
+             + " master - 0 1700000000000 2 connected 5461-10922",
+             "d" * 40 + " {}:6379@16379,redis-2.redis slave " + "b" * 40 + " 0 1700000000000 2 connected",
+             "e" * 40 + " 10.0.0.99:6379@16379,,tls-port=0 master - 0 1700000000000 3 connected 10923-16383",
+             "f" * 40 + " 10.0.0.98:6379@16379,redis-5.redis master,fail - 0 1700000000000 4 disconnected",
+             "vars currentEpoch 4 lastVoteEpoch 0"]
+    conf.write_text("\n".join(lines).format("10.0.0.5", "10.0.0.6", "fd00::3") + "\n")
+    run = run_script()
+    assert conf.read_text() == "\n".join(lines).format("10.0.0.7", "10.0.0.8", "fd00::9") + "\n"
+    assert "redis-2.redis: fd00::3 -> fd00::9" in run.stderr
+    assert "redis-5.redis does not resolve: its old address stays" in run.stdout
+    before = conf.stat().st_ino
+    assert "every peer is where" in run_script().stdout
+    assert conf.stat().st_ino == before and not (tmp_path / "nodes.conf.peer-addresses.tmp").exists()
