@@ -25,6 +25,14 @@ heartbeat reports it more than ``consistency.max_lag`` versions behind the train
 that trails another live worker by more, leaves the routing pool until it catches up — unless every live worker lags that far, in
 which case the least-loaded of them still serves (stale answers beat none; requests that
 need a version say so with ``min_model_version``).
+
+Benching: a worker that answers heartbeats but lets ``worker.max_consecutive_timeouts``
+requests in a row time out, with no answer of any kind from it between (a wedged serving loop),
+is benched for ``worker.bench_cooloff_s``: one warning, no new requests, and the requests in
+flight on it are retried elsewhere at once (counted as lost, so ``worker.max_request_losses``
+holds). After the cool-off it gets one trial request at a time: any answer brings it back, a
+timeout benches it again. Benched workers still serve when every other candidate is benched
+too: a bench may be mistaken, and a request that may time out beats one refused outright.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ from shared import keys, metrics, wire, worker_registry
 from shared.aio import pause
 from shared.config import Config
 from shared.curve import CurveKeys, HandshakeWatch
+from shared.log_throttle import ThrottledWarning
 from shared.text import as_str
 from shared.wire import MsgType
 from shared.zmq_util import make_socket
@@ -100,6 +109,8 @@ class WorkerLink:
     alive: bool = False
     leaving: bool = False  # its heartbeat says it is stopping: no new requests
     handshake_failing: bool = False  # the process at the endpoint does not hold the pinned worker key
+    timeouts: int = 0  # requests in a row that timed out here with no answer from the worker between
+    benched_until: float | None = None  # monotonic: no requests until then, then one trial at a time
     watch: HandshakeWatch | None = None
     inflight: dict[str, asyncio.Queue[Any]] = field(default_factory=dict)  # reply parts, or _DEAD
     tasks: list[asyncio.Task] = field(default_factory=list)  # its reader and handshake watch
@@ -117,12 +128,17 @@ class WorkerLink:
     def set_handshake_failing(self, failing: bool) -> None:
         self.handshake_failing = failing
 
+    def routable(self, now: float) -> bool:
+        """Not benched; or its cool-off is over and no trial request is out on it."""
+        return self.benched_until is None or (now >= self.benched_until and not self.inflight)
+
     def status(self) -> dict[str, Any]:
         return {"index": self.index, "endpoint": self.endpoint, "id": self.worker_id or f"worker-{self.index}",
                 "alive": self.alive,
                 "version": self.version, "lag": self.lag, "load": self.load, "inflight": len(self.inflight),
                 "model_id": self.model_id, "last_heartbeat": self.last_heartbeat_wall_s or None,
                 "handshake_failing": self.handshake_failing, "capacity": self.capacity, "leaving": self.leaving,
+                "benched": self.benched_until is not None, "request_timeouts": self.timeouts,
                 "source": "static" if self.static else "discovered"}
 
 
@@ -146,6 +162,7 @@ class WorkerPool:
         self._discovered: dict[str, WorkerLink] = {}  # advertised endpoint -> its link
         self._skipped: dict[str, str] = {}  # worker id -> why its announcement is unusable (logged once)
         self._unreachable: dict[str, str] = {}  # announced endpoint ZeroMQ refuses -> why (logged once)
+        self._beyond_cap = ThrottledWarning(log)  # announcements past worker.max_discovered
         self._changed = asyncio.Condition()
         self._tasks: list[asyncio.Task] = []
         self._ids = itertools.count(1)
@@ -278,11 +295,14 @@ class WorkerPool:
                     log.warning("worker %s (%s) restarted; retrying its %d requests elsewhere", worker_id,
                                 link.endpoint, len(link.inflight))
                     self._retry_inflight(link)
+                if link.instance not in (None, instance):  # a new process: what benched the old one is gone
+                    self._unbench(link)
                 link.instance = instance
         elif msg_type in (MsgType.TOKEN, MsgType.RESULT, MsgType.ERROR):
             q = link.inflight.get(str(header.get("id")))
             if q is not None:
                 q.put_nowait((msg_type, header))
+            self._unbench(link)  # it answers requests (a late answer too): not wedged
         was_alive = link.alive
         link.last_seen_s = time.monotonic()
         link.alive = True
@@ -364,7 +384,7 @@ class WorkerPool:
         time enough for a live worker to announce itself again after Redis lost its keys
         (restarted without persistence, flushed), so the pool does not empty meanwhile."""
         static = {link.endpoint for link in self.links if link.static}
-        wanted = {reg.endpoint: reg for reg in announced if reg.endpoint not in static}
+        wanted = self._capped({reg.endpoint: reg for reg in announced if reg.endpoint not in static})
         now = time.monotonic()
         for endpoint, link in list(self._discovered.items()):
             if endpoint in wanted:
@@ -382,6 +402,23 @@ class WorkerPool:
         for endpoint, reg in wanted.items():
             if endpoint not in self._discovered and endpoint not in self._unreachable:
                 self._join(reg)
+
+    def _capped(self, wanted: dict[str, worker_registry.Registration]) -> dict[str, worker_registry.Registration]:
+        """``wanted`` cut to ``worker.max_discovered`` workers: anyone with write access to Redis
+        could announce thousands, and each costs a socket, a task and heartbeats. Workers already
+        in the pool keep their place; newcomers are taken in worker id order, so every gateway
+        makes the same choice."""
+        cap = self.wcfg.max_discovered
+        if len(wanted) <= cap:
+            return wanted
+        kept = {ep: reg for ep, reg in wanted.items() if ep in self._discovered}
+        for reg in sorted((r for ep, r in wanted.items() if ep not in kept), key=lambda r: (r.worker_id, r.endpoint)):
+            if len(kept) >= cap:
+                break
+            kept[reg.endpoint] = reg
+        self._beyond_cap.warning("ignoring %d worker announcements beyond worker.max_discovered (%d of %d announced "
+                                 "are in the pool)", len(wanted) - len(kept), len(kept), len(wanted))
+        return kept
 
     def _join(self, reg: worker_registry.Registration) -> None:
         try:
@@ -404,6 +441,7 @@ class WorkerPool:
         self.links.remove(link)
         await self._close_link(link)
         metrics.WORKERS_LIVE.set(len(self.live()))
+        metrics.WORKERS_BENCHED.set(sum(w.benched_until is not None for w in self.links))
         self._notify_soon()
 
     async def _follow_drained(self, redis: aioredis.Redis) -> None:
@@ -421,6 +459,30 @@ class WorkerPool:
         metrics.WORKERS_LIVE.set(len(self.live()))
         self._retry_inflight(link)
 
+    def _timed_out(self, link: WorkerLink) -> None:
+        """One more request that timed out on ``link`` with nothing answered there since the last
+        answer; at ``worker.max_consecutive_timeouts`` the worker is benched."""
+        link.timeouts += 1
+        limit = self.wcfg.max_consecutive_timeouts
+        if not limit or link.timeouts < limit:
+            return
+        cooloff_s = self.wcfg.bench_cooloff_s
+        if link.benched_until is None:  # a failed trial benches it again without another warning
+            log.warning("worker %s (%s) let %d requests in a row time out while it answers heartbeats; no requests "
+                        "go there for %gs, then one trial request (retrying its %d requests in flight elsewhere)",
+                        link.worker_id, link.endpoint, link.timeouts, cooloff_s, len(link.inflight))
+        link.benched_until = time.monotonic() + cooloff_s
+        metrics.WORKERS_BENCHED.set(sum(w.benched_until is not None for w in self.links))
+        self._retry_inflight(link)
+
+    def _unbench(self, link: WorkerLink) -> None:
+        link.timeouts = 0
+        if link.benched_until is None:
+            return
+        link.benched_until = None
+        metrics.WORKERS_BENCHED.set(sum(w.benched_until is not None for w in self.links))
+        log.info("worker %s (%s) answers requests again; back in the routing pool", link.worker_id, link.endpoint)
+
     @staticmethod
     def _retry_inflight(link: WorkerLink) -> None:
         """Hand every request in flight on ``link`` back to its caller, which retries it elsewhere."""
@@ -437,6 +499,8 @@ class WorkerPool:
         ok = [w for w in live if w.version >= min_version]
         if not ok:
             return None
+        now = time.monotonic()
+        ok = [w for w in ok if w.routable(now)] or ok  # benched ones only when nothing else can take it
         return min(ok, key=lambda w: (w.load / w.capacity, w.load, w.index))
 
     async def _choose(self, min_version: int, exclude: set[int], deadline: float) -> WorkerLink:
@@ -539,6 +603,8 @@ class WorkerPool:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                link.inflight.pop(rid, None)  # not among the requests a bench hands back: its time is spent
+                self._timed_out(link)
                 await self._cancel(link, rid)
                 raise WorkerTimeout("the request did not complete within its timeout")
             try:

@@ -307,6 +307,15 @@ class WorkerConfig:
     # they died fails instead (it may be what kills them: it must not take the pool down).
     max_request_losses: PositiveInt = Field(
         default=2, description="workers a request may lose (dead under it) before it fails rather than move on")
+    # A worker that answers heartbeats but lets requests time out (a wedged serving loop, a model
+    # stuck in one forward pass) is benched: three in a row, because two can be one over-long
+    # request and its caller's retry, while each one costs its caller request_timeout_s.
+    max_consecutive_timeouts: NonNegativeInt = Field(
+        default=3, description="requests in a row that time out on one worker, with no answer from it between, "
+                               "before it is benched (0: never)")
+    bench_cooloff_s: PositiveFloat = Field(
+        default=30.0, description="how long a benched worker gets no request; then one trial request: an answer "
+                                  "brings it back, another timeout benches it again")
     max_tokens_limit: PositiveInt = 512
     max_prompt_bytes: PositiveInt = 64 * 1024
     append_exchange: StrictBool = True
@@ -330,6 +339,8 @@ class WorkerConfig:
                                                                         "(and a gateway reads them)")
     registration_ttl_ms: PositiveInt = Field(default=5000, description="an announcement not renewed this long expires: "
                                                                        "gateways drop that worker")
+    max_discovered: PositiveInt = Field(default=256, description="announced workers a gateway connects to at most; "
+                                                                "further announcements are ignored (with a warning)")
 
     def __post_init__(self) -> None:
         _check(self.heartbeat_timeout_ms > self.heartbeat_interval_ms,

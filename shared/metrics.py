@@ -229,6 +229,8 @@ INFER_SECONDS = Histogram("learnmesh_inference_request_seconds", "Gateway-side i
                           buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
 INFER_RETRIES = Counter("learnmesh_inference_retries_total", "Requests retried on another worker (worker died)")
 WORKERS_LIVE = Gauge("learnmesh_workers_live", "Inference workers answering heartbeats")
+WORKERS_BENCHED = Gauge("learnmesh_workers_benched",
+                        "Inference workers benched for letting requests time out (worker.max_consecutive_timeouts)")
 WORKER_BAD_MESSAGES = Counter("learnmesh_worker_bad_messages_total",
                               "Messages from workers the gateway could not read and dropped")
 

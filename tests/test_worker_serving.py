@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 
 import pytest
+import zmq.asyncio
+from prometheus_client import REGISTRY
 
-from gateway.workers import NoWorker, WorkerPool, WorkerRequestError
+from gateway.workers import NoWorker, WorkerPool, WorkerRequestError, WorkerTimeout
 from shared.model import build_model
 from tests.conftest import free_port, wait_for
-from tests.worker_support import spawn_worker, stop, write_config
+from tests.worker_support import FakeWorker, spawn_worker, stop, write_config
 
 
 def gen(prompt: str = "hello", **kw) -> dict:
@@ -120,3 +123,91 @@ async def test_kill_one_of_two_workers_under_load(tmp_path):
         await pool.close()
         for p in procs:
             stop(p, signal.SIGKILL)
+
+
+async def test_a_worker_that_answers_heartbeats_but_drops_requests_is_benched_then_tried_again(tmp_path, caplog):
+    """A worker whose serving loop is wedged still answers HELLO. After
+    worker.max_consecutive_timeouts requests in a row time out there with no answer between, it
+    gets no request for worker.bench_cooloff_s (one warning), the request still in flight there is
+    retried at once on the other worker, and the admin listing says benched. After the cool-off
+    one trial request goes there: a timeout benches it again without another warning; an answer
+    brings it back. Real ZeroMQ sockets play both workers; the wedged one reports itself the
+    less loaded, so routing alone would keep choosing it."""
+    _, cfg = write_config(tmp_path, 2, worker={"max_consecutive_timeouts": 2, "bench_cooloff_s": 1.0})
+    ctx = zmq.asyncio.Context()
+    wedged = FakeWorker(ctx, cfg, cfg.worker.endpoints[0], "wedged")
+    wedged.answers = lambda header: False
+    other = FakeWorker(ctx, cfg, cfg.worker.endpoints[1], "other")
+    other.load = 50
+    pool = WorkerPool(cfg)
+    caplog.set_level("INFO", logger="learnmesh.workers")
+    await pool.start()
+    link = pool.links[0]
+
+    def benched_warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "requests in a row time out" in r.getMessage()]
+    try:
+        await pool.wait_live(2, timeout_s=30)
+        await wait_for(lambda: pool.links[1].reported_load == 50, what="the other worker's load")
+        with pytest.raises(WorkerTimeout):
+            await pool.request(gen("first"), timeout_s=0.5)
+        held = asyncio.create_task(pool.request(gen("held"), timeout_s=20))
+        await wait_for(lambda: len(wedged.unanswered) == 2, what="a request held by the wedged worker")
+        with pytest.raises(WorkerTimeout):
+            await pool.request(gen("second"), timeout_s=0.5)
+        assert (await asyncio.wait_for(held, 30))["worker"] == "other"
+        for i in range(3):
+            assert (await pool.request(gen(f"benched {i}"), timeout_s=5))["worker"] == "other"
+        assert len(wedged.unanswered) == 3
+        assert {w["id"]: w["benched"] for w in pool.status()} == {"wedged": True, "other": False}
+        assert REGISTRY.get_sample_value("learnmesh_workers_benched") == 1.0
+        assert benched_warnings() == [
+            f"worker wedged ({link.endpoint}) let 2 requests in a row time out while it answers heartbeats; no "
+            "requests go there for 1s, then one trial request (retrying its 1 requests in flight elsewhere)"]
+
+        benched_until = link.benched_until
+        assert benched_until is not None
+        await wait_for(lambda: time.monotonic() >= benched_until, what="the cool-off to end")
+        with pytest.raises(WorkerTimeout):
+            await pool.request(gen("trial"), timeout_s=0.5)
+        assert len(wedged.unanswered) == 4 and link.benched_until is not None
+        assert (await pool.request(gen("after the trial"), timeout_s=5))["worker"] == "other"
+        assert len(benched_warnings()) == 1
+
+        wedged.answers = lambda header: True  # unwedged
+        benched_until = link.benched_until
+        await wait_for(lambda: time.monotonic() >= benched_until, what="the second cool-off to end")
+        assert (await pool.request(gen("trial again"), timeout_s=5))["worker"] == "wedged"
+        assert {w["id"]: w["benched"] for w in pool.status()} == {"wedged": False, "other": False}
+        assert REGISTRY.get_sample_value("learnmesh_workers_benched") == 0.0
+        assert (await pool.request(gen("back"), timeout_s=5))["worker"] == "wedged"
+        assert f"worker wedged ({link.endpoint}) answers requests again; back in the routing pool" in \
+            [r.getMessage() for r in caplog.records]
+    finally:
+        await pool.close()
+        await wedged.close()
+        await other.close()
+        ctx.term()
+
+
+async def test_when_every_worker_is_benched_requests_still_go_to_one(tmp_path):
+    """A bench may be mistaken (one long batch): with nothing else to route to, a benched worker
+    still gets requests, and its first answer brings it back."""
+    _, cfg = write_config(tmp_path, 1, worker={"max_consecutive_timeouts": 1, "bench_cooloff_s": 600.0})
+    ctx = zmq.asyncio.Context()
+    only = FakeWorker(ctx, cfg, cfg.worker.endpoints[0], "only")
+    only.answers = lambda header: False
+    pool = WorkerPool(cfg)
+    await pool.start()
+    try:
+        await pool.wait_live(1, timeout_s=30)
+        with pytest.raises(WorkerTimeout):
+            await pool.request(gen("stuck"), timeout_s=0.5)
+        assert pool.status()[0]["benched"] is True
+        only.answers = lambda header: True
+        assert (await pool.request(gen("served"), timeout_s=5))["worker"] == "only"
+        assert pool.status()[0]["benched"] is False
+    finally:
+        await pool.close()
+        await only.close()
+        ctx.term()

@@ -82,6 +82,7 @@ class FakeWorker:
         keys = CurveKeys.load(cfg.zmq, "worker")
         self.sock = make_socket(ctx, zmq.ROUTER, bind=endpoint, curve=keys.server("infer") if keys else None)
         self.worker_id, self.instance = worker_id, instance
+        self.load = 0  # what its heartbeats report
         self.answers: Any = lambda header: True
         self.unanswered: list[str] = []
         self.task = asyncio.create_task(self._serve())
@@ -95,7 +96,7 @@ class FakeWorker:
             msg_type, header, _ = wire.decode(frames)
             if msg_type == MsgType.HELLO:
                 reply = wire.encode(MsgType.HEARTBEAT, {"worker": self.worker_id, "instance": self.instance,
-                                                         "version": 0, "load": 0, "lag": 0})
+                                                         "version": 0, "load": self.load, "lag": 0})
             elif msg_type == MsgType.INFER and self.answers(header):
                 reply = wire.encode(MsgType.RESULT, {"id": header["id"], "version": 0, "worker": self.worker_id,
                                                       "text": "ok"})

@@ -82,6 +82,7 @@ class Worker:
         self.leaving = False  # stopping: heartbeats say so, requests are refused
         self.drained = False
         self._redis: Any = None
+        self._redis_lock = threading.Lock()
         self._reports: threading.Thread | None = None
         self._reports_stop = threading.Event()
         self._digest: tuple[int, str] = (-1, "")
@@ -122,15 +123,19 @@ class Worker:
             return
         from services.worker.registration import Registrar
 
-        self.registrar = Registrar(self.cfg, self._client(), self.registration)
+        self.registrar = Registrar(self.cfg, self._client, self.registration)
         self.registrar.start()
 
     def _client(self) -> Any:
-        if self._redis is None:
-            from shared.redis_client import sync_client
+        """The Redis client, made on first use by whichever thread needs it first. Raises while it
+        cannot be made (a cluster client reads the slot map as it is made): the registrar and the
+        status reports retry, the serving loop never waits for it."""
+        with self._redis_lock:
+            if self._redis is None:
+                from shared.redis_client import sync_client
 
-            self._redis = sync_client(self.cfg.redis, socket_timeout=2.0)
-        return self._redis
+                self._redis = sync_client(self.cfg.redis, socket_timeout=2.0)
+            return self._redis
 
     def _subscriber(self, enabled: bool) -> Any:
         if not enabled:
@@ -208,7 +213,6 @@ class Worker:
         heartbeats and requests."""
         if not self.cfg.redis.url:
             return
-        self._client()  # made once, before two threads use it
         self._reports = threading.Thread(target=self._report_loop, name="worker-status", daemon=True)
         self._reports.start()
 
@@ -232,7 +236,7 @@ class Worker:
                 self.drained = drained
             lag = self.subscriber.lag if self.subscriber is not None else None
             version, (digest_version, digest) = self.version, self._digest  # the serving loop computes it
-            control.report_status(self._redis, f"worker:{self.worker_id}",
+            control.report_status(self._client(), f"worker:{self.worker_id}",
                                   ttl_s=control.status_ttl_s(self.cfg), version=version,
                                   load=self.load(), lag=lag, drained=int(drained),
                                   idle=int(drained and not self.queue and not self.running),
