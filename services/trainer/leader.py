@@ -174,12 +174,13 @@ class Leader:
 
     def _confirm(self, held: tuple[Offset, list[str], dict[str, str]], stop: Callable[[], bool]) -> bool:
         """Commit the held step again (the same values); True once replicas confirm it, then its
-        owed publish goes out. Each try waits up to ``redis.wait_timeout_ms`` in WAIT."""
+        owed publish goes out. One try per ``redis.wait_timeout_ms`` at most."""
         off, trained, skipped = held
+        started = time.monotonic()
         try:
             self.ledger.commit(off, trained, skipped)
-        except ReplicasBehind:
-            self.ops.report(force=False)
+        except ReplicasBehind:  # WAIT answers at once where no replica is connected: keep the pace
+            self.ops.wait_paused(stop, self.cfg.redis.wait_timeout_ms / 1000 - (time.monotonic() - started))
             return False
         except (RedisConnectionError, RedisTimeoutError):  # a failover under way: try again shortly
             self.ops.wait_paused(stop, self.t.batch_wait_ms / 1000)
