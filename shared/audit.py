@@ -22,11 +22,12 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from shared import keys
 from shared.redis_batch import pack_command
-from shared.redis_client import AsyncRedis
+from shared.redis_client import AsyncRedis, Reach, read_within
 from shared.redis_cluster_batch import auto_pipeline
 from shared.text import as_str
 
@@ -141,13 +142,18 @@ class _Reader:
     key: str
     hi: str
     lo: str
+    reach: Reach | None = None
     page: list[tuple[str, dict[str, str]]] = field(default_factory=list)
     done: bool = False
 
     async def fill(self) -> None:
         if self.page or self.done:
             return
-        batch = await self.redis.xrevrange(self.key, max=self.hi, min=self.lo, count=_PAGE)
+        batch = await read_within(self.reach, self.key, partial(self.redis.xrevrange, self.key, max=self.hi,
+                                                                min=self.lo, count=_PAGE), None)
+        if batch is None:  # its master is down (the reach names it)
+            self.done = True
+            return
         self.page = [(as_str(i), {as_str(k): as_str(v) for k, v in (raw or {}).items()}) for i, raw in batch]
         self.page.reverse()  # pop() from the end: newest first
         if len(batch) < _PAGE:
@@ -173,14 +179,14 @@ def matcher(principal: str | None, action: str | None, context: str | None) -> C
     return match
 
 
-async def _principal_streams(redis: Any, principal: str | None) -> list[tuple[int, str]]:
+async def _principal_streams(redis: Any, principal: str | None, reach: Reach | None) -> list[tuple[int, str]]:
     """(bound ms, stream) of the context-store streams a query for ``principal`` visits, the
     newest bound first: no record of the stream is newer than its bound."""
     if principal is not None and not principal.startswith("admin:"):
         return [(2**62, keys.ctx_audit(principal))]
     if principal is not None:
         return []  # admin keys' records are never in a principal's context stream
-    shards = await asyncio.gather(*[redis.zrange(key(k), 0, -1, withscores=True)
+    shards: list[Any] = await asyncio.gather(*[read_within(reach, key(k), partial(redis.zrange, key(k), 0, -1, withscores=True), [])
                                     for key in (keys.ctx_global_lru, keys.ctx_global_seen)
                                     for k in range(keys.CTX_GLOBAL_SHARDS)])
     last: dict[str, int] = {}
@@ -192,19 +198,20 @@ async def _principal_streams(redis: Any, principal: str | None) -> list[tuple[in
 
 async def query(redis: AsyncRedis, *, principal: str | None = None, action: str | None = None,
                 context: str | None = None, since_ms: int | None = None, until_ms: int | None = None,
-                limit: int = 100, scan_max: int = 10_000) -> list[dict[str, str]]:
+                limit: int = 100, scan_max: int = 10_000, reach: Reach | None = None) -> list[dict[str, str]]:
     """Newest-first records matching every given filter (see :func:`matcher`), from every
-    stream that can hold them; reads at most ``scan_max`` records."""
+    stream that can hold them; reads at most ``scan_max`` records. ``reach``: streams whose
+    master is down are left out and named there (without it their failure is raised)."""
     if limit < 1 or scan_max < 1:
         raise ValueError("limit and scan_max must be >= 1")
     hi = f"{until_ms}-{_MAX_SEQ}" if until_ms is not None else "+"
     lo = f"{since_ms}-0" if since_ms is not None else "-"
     shard_keys = ([keys.audit_stream(principal)] if principal is not None and not principal.startswith("admin:")
                   else keys.audit_streams())
-    waiting = await _principal_streams(redis, principal)
+    waiting = await _principal_streams(redis, principal, reach)
     waiting.reverse()  # pop() from the end: the newest bound first
     heap: list[tuple[tuple[int, int], int, _Reader]] = []
-    readers = [_Reader(redis, k, hi, lo) for k in shard_keys]
+    readers = [_Reader(redis, k, hi, lo, reach) for k in shard_keys]
 
     async def add(new: list[_Reader]) -> None:
         await asyncio.gather(*[r.fill() for r in new])
@@ -222,7 +229,7 @@ async def query(redis: AsyncRedis, *, principal: str | None = None, action: str 
         if waiting and waiting[-1][0] >= newest:  # that stream may hold newer records: read it too
             batch: list[_Reader] = []
             while waiting and waiting[-1][0] >= newest and len(batch) < 64:
-                batch.append(_Reader(redis, waiting.pop()[1], hi, lo))
+                batch.append(_Reader(redis, waiting.pop()[1], hi, lo, reach))
             await add(batch)
             continue
         if not heap:

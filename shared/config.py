@@ -127,8 +127,9 @@ class RedisConfig:
                                                            "redis+cluster:// or rediss+cluster:// url)")
     cluster_nodes: list[str] = Field(default_factory=list, description="more nodes of the cluster (host:port), "
                                      "tried when the url's node does not answer as a process starts")
-    wait_replicas: NonNegativeInt = Field(default=0, description="acknowledged context and sample writes wait until "
-                                          "this many replicas hold them (Redis WAIT); 0: off")
+    wait_replicas: NonNegativeInt = Field(default=0, description="acknowledged context and sample writes, and the "
+                                          "trainer's commit record, wait until this many replicas hold them "
+                                          "(Redis WAIT); 0: off")
     wait_timeout_ms: PositiveInt = Field(default=200, description="the longest such a write waits for its replicas; "
                                          "fewer by then: the write is reported as failed (503)")
 

@@ -11,13 +11,16 @@ workers, trainer and supervisor connect alike. Passwords never reach a log line:
 Redis Cluster (``redis.cluster: true`` or a ``redis+cluster://`` / ``rediss+cluster://`` URL
 naming any node): the same functions return redis-py's ``RedisCluster`` (blocking or asyncio)
 with the same credentials and TLS; :func:`for_each_primary` runs something on every master
-(loading the function library, listing keys), on a single server on that one server.
+(loading the function library, listing keys), on a single server on that one server;
+:class:`Reach` lets a listing over every master answer with what the masters that answer hold.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ssl
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
@@ -29,12 +32,14 @@ from redis.cluster import ClusterNode as SyncClusterNode
 from redis.cluster import NodesManager as SyncNodesManager
 from redis.exceptions import (
     AuthenticationError,
+    ClusterDownError,
     NoPermissionError,
     RedisClusterException,
     RedisError,
     TryAgainError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.config import DEFAULT_REDIS_URL, ConfigError, RedisConfig
 from shared.secret_files import check_private, read_private_text
@@ -229,6 +234,111 @@ async def for_each_primary(client: AsyncRedis, fn: Callable[[aioredis.Redis], Aw
         finally:
             await node_redis.aclose()
     return out
+
+
+# What a master that is down looks like to a reader: refused or silent (within the client's
+# socket timeouts), a cluster that stopped serving, a slot whose master the map lost.
+_MASTER_DOWN = (RedisConnectionError, RedisTimeoutError, ClusterDownError, RedisClusterException, OSError)
+
+
+@dataclass
+class Reach:
+    """What a listing over every master could read: the masters that did not answer (down, in
+    a failover) and the slots they serve. A listing answers with what the other masters hold
+    and says it is partial; when no master answered, :meth:`check` raises what the first
+    failure raised (the one error map answers 503). On one server nothing is partial: a
+    failure is raised where it happens."""
+
+    client: AsyncRedis
+    unreachable: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # node address -> slot ranges
+    answered: int = 0
+    _first: BaseException | None = None
+
+    @property
+    def partial(self) -> bool:
+        return bool(self.unreachable)
+
+    def as_json(self) -> dict[str, Any]:
+        """``partial`` and ``unreachable`` (each master that did not answer and its slot ranges),
+        as every listing over the masters carries them."""
+        return {"partial": self.partial,
+                "unreachable": [{"node": node, "slots": [list(r) for r in ranges]}
+                                for node, ranges in sorted(self.unreachable.items())]}
+
+    async def read(self, key: str, fn: Callable[[], Awaitable[T]], default: T) -> T:
+        """``fn()`` (a read of ``key``), or ``default`` when the master of ``key``'s slot is down."""
+        node = _node_of_key(self.client, key)  # before the client's map drops a node it found down
+        try:
+            got = await fn()
+        except _MASTER_DOWN as exc:
+            self._lost(exc, node or _node_of_key(self.client, key))
+            return default
+        self.answered += 1
+        return got
+
+    async def each_primary(self, fn: Callable[[aioredis.Redis], Awaitable[T]]) -> list[T]:
+        """:func:`for_each_primary`, every master at once, with the answers of those that answered."""
+        if not isinstance(self.client, aioredis.RedisCluster):
+            out = [await fn(self.client)]
+            self.answered += 1
+            return out
+        await self.client.initialize()
+
+        async def one(node: Any) -> tuple[bool, Any]:
+            node_redis = node_client(self.client, node)  # type: ignore[arg-type]
+            try:
+                return True, await fn(node_redis)
+            except _MASTER_DOWN as exc:
+                self._lost(exc, node.name)
+                return False, None
+            finally:
+                await node_redis.aclose()
+
+        got = await asyncio.gather(*[one(node) for node in self.client.get_primaries()])
+        self.answered += sum(ok for ok, _ in got)
+        return [value for ok, value in got if ok]
+
+    def check(self) -> None:
+        """Raise the first failure when nothing answered (no master to list from)."""
+        if self._first is not None and not self.answered:
+            raise self._first
+
+    def require_all(self) -> None:
+        """Raise the first failure when any master did not answer (an answer that needs them all)."""
+        if self._first is not None:
+            raise self._first
+
+    def _lost(self, exc: BaseException, node: str | None) -> None:
+        if not isinstance(self.client, aioredis.RedisCluster):
+            raise exc
+        self._first = self._first or exc
+        name = node or "unknown"
+        if name not in self.unreachable:
+            self.unreachable[name] = _slot_ranges(self.client, name)
+
+
+async def read_within(reach: Reach | None, key: str, fn: Callable[[], Awaitable[T]], default: T) -> T:
+    """``fn()``, through ``reach`` where a listing gives one (:meth:`Reach.read`)."""
+    return await fn() if reach is None else await reach.read(key, fn, default)
+
+
+def _node_of_key(client: AsyncRedis, key: str) -> str | None:
+    if not isinstance(client, aioredis.RedisCluster):
+        return None
+    nodes = client.nodes_manager.slots_cache.get(client.keyslot(key)) or []
+    return nodes[0].name if nodes else None
+
+
+def _slot_ranges(client: aioredis.RedisCluster, node: str) -> list[tuple[int, int]]:
+    """The slot ranges ``node`` serves as master in ``client``'s slot map."""
+    slots = sorted(s for s, nodes in client.nodes_manager.slots_cache.items() if nodes and nodes[0].name == node)
+    ranges: list[tuple[int, int]] = []
+    for s in slots:
+        if ranges and ranges[-1][1] == s - 1:
+            ranges[-1] = (ranges[-1][0], s)
+        else:
+            ranges.append((s, s))
+    return ranges
 
 
 def close_sync(client: SyncRedis) -> None:

@@ -99,12 +99,14 @@ class Node:
 @dataclass
 class LocalCluster:
     """``masters`` masters with ``replicas`` replicas each, under a temporary directory.
-    ``server``: the redis-server binary to run (another version than the one on PATH)."""
+    ``server``: the redis-server binary to run (another version than the one on PATH);
+    ``options``: more redis-server arguments for every node (``--cluster-allow-reads-when-down yes``)."""
 
     masters: int = 3
     replicas: int = 1
     security: NodeSecurity | None = None
     server: str | None = None
+    options: tuple[str, ...] = ()
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="lm-redis-cluster-")))
     nodes: list[Node] = field(default_factory=list)
 
@@ -251,7 +253,8 @@ class LocalCluster:
         proc = subprocess.Popen([binary, *ports, "--bind", "127.0.0.1", "--dir", str(nodedir),  # noqa: S603
                                  "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                                  "--cluster-node-timeout", "2000", "--save", "", "--appendonly", "no",
-                                 "--maxmemory-policy", "noeviction", "--notify-keyspace-events", ""],
+                                 "--maxmemory-policy", "noeviction", "--notify-keyspace-events", "",
+                                 *self.options],
                                 stdin=subprocess.PIPE if self.security else subprocess.DEVNULL,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         if self.security is not None and proc.stdin is not None:  # "-" above: the secrets come from stdin

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from typing import Any
 
+import httpx
 import pytest
 
 from shared.redis_local_cluster import LocalCluster, Node
 from tests.conftest import wait_for
-from tests.failover_drill import failover_drill
+from tests.failover_drill import _master_of, failover_drill
 
 
 @pytest.fixture(scope="module")
@@ -77,4 +79,102 @@ async def test_a_subscriber_whose_node_dies_follows_the_channel_on_another_node(
         await asyncio.gather(task, return_exceptions=True)
         await client.aclose()
         await publisher.aclose()
+        cluster.stop()
+
+
+PRINCIPALS = [f"p{i}" for i in range(12)]
+
+
+async def _populate(url: str) -> dict[str, str]:
+    """A legacy session, a context and an audit record for every principal (spread over the
+    masters by their hash tags); returns each principal's session id."""
+    from gateway.mcp.sessions import SessionRegistry
+    from shared import audit
+    from shared.config import ContextConfig, GatewayConfig, RedisConfig
+    from shared.context import ContextStore
+    from shared.redis_client import async_client
+
+    redis = async_client(RedisConfig(url=url))
+    try:
+        registry, store = SessionRegistry(redis, redis, GatewayConfig()), ContextStore(redis, ContextConfig())
+        sids = {}
+        for p in PRINCIPALS:
+            sids[p] = (await registry.create(p, "2025-11-25", {})).id
+            await store.append(p, "c", "text", "user", b"hello")
+            await audit.audit(redis, principal=p, action="drill.mark")
+        assert set(await store.principals()) == set(PRINCIPALS)  # the stamps are written
+        return sids
+    finally:
+        await redis.aclose()
+
+
+def _admin_get(srv: Any, path: str, **params: Any) -> httpx.Response:
+    from tests.admin_support import VIEWER_KEY, bearer
+
+    return httpx.get(srv.url + path, params=params, headers=bearer(VIEWER_KEY), timeout=30)
+
+
+def _cluster_state(node: Node) -> str:
+    with node.client(socket_timeout=1) as c:
+        return str(c.cluster("info")["cluster_state"])
+
+
+def _partial(body: dict[str, Any], victim: Node) -> None:
+    assert body["partial"] is True, body
+    [lost] = body["unreachable"]
+    assert lost["node"] == victim.address and lost["slots"], body
+
+
+async def test_admin_listings_answer_with_the_masters_left_while_one_is_down() -> None:
+    """A master killed with no replica to take over (the cluster allows reads while down): the
+    listings over every master answer 200 with what the other masters hold, marked partial and
+    naming the lost master and its slots; with every master down they answer 503."""
+    from shared import keys
+    from tests.admin_support import live_gateway
+
+    cluster = LocalCluster(masters=3, replicas=0, options=("--cluster-allow-reads-when-down", "yes")).start()
+    try:
+        sids = await _populate(cluster.url)
+        victim = _master_of(cluster, keys.ctx_meta("p0"))
+        lost = lambda key: _master_of(cluster, key).port == victim.port  # noqa: E731
+        on_lost_session = {p for p in PRINCIPALS if lost(keys.session(p, sids[p]))}
+        on_lost_shard = {p for p in PRINCIPALS if lost(keys.ctx_global_lru(keys.ctx_global_shard(p)))}
+        on_lost_meta = {p for p in PRINCIPALS if lost(keys.ctx_meta(p))}
+        on_lost_audit = {p for p in PRINCIPALS if lost(keys.audit_stream(p))}
+        with live_gateway(cluster.url, redis={"socket_timeout_s": 1.0}) as srv:
+            full = (await asyncio.to_thread(_admin_get, srv, "/admin/sessions")).json()
+            assert full["partial"] is False and full["unreachable"] == [] and full["count"] == len(PRINCIPALS)
+            cluster.kill(victim)
+            survivors = cluster.running()
+            await wait_for(lambda: all(_cluster_state(n) == "fail" for n in survivors), timeout_s=30,
+                           what="the cluster to mark the master lost")
+
+            sessions = await asyncio.to_thread(_admin_get, srv, "/admin/sessions")
+            assert sessions.status_code == 200, sessions.text
+            _partial(sessions.json(), victim)
+            assert {s["principal"] for s in sessions.json()["sessions"]} == set(PRINCIPALS) - on_lost_session
+
+            contexts = await asyncio.to_thread(_admin_get, srv, "/admin/contexts")
+            assert contexts.status_code == 200, contexts.text
+            _partial(contexts.json(), victim)
+            rows = {r["principal"]: r["bytes"] for r in contexts.json()["principals"]}
+            assert set(rows) == set(PRINCIPALS) - on_lost_shard
+            assert {p for p, b in rows.items() if b is None} == on_lost_meta & set(rows)
+
+            audit = await asyncio.to_thread(_admin_get, srv, "/admin/audit", action="drill.mark")
+            assert audit.status_code == 200, audit.text
+            _partial(audit.json(), victim)
+            assert {e["principal"] for e in audit.json()["entries"]} == set(PRINCIPALS) - on_lost_audit
+
+            summary = await asyncio.to_thread(_admin_get, srv, "/admin/summary")
+            if summary.status_code == 200:  # keys of the lost master beside the listings may make it 503
+                _partial(summary.json()["sessions"], victim)
+                _partial(summary.json()["contexts"], victim)
+
+            for node in survivors:
+                cluster.kill(node)
+            for path in ("/admin/sessions", "/admin/contexts", "/admin/audit"):
+                gone = await asyncio.to_thread(_admin_get, srv, path)
+                assert gone.status_code == 503, (path, gone.text)
+    finally:
         cluster.stop()

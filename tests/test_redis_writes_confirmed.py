@@ -5,19 +5,23 @@ silently. Runs on one server (no replica: refused) and on the cluster (one repli
 from __future__ import annotations
 
 import dataclasses
+import shutil
+import signal
+import subprocess
+from collections.abc import Iterator
 
 import pytest
 import redis as redis_sync
-from trainer_support import trainer_config
+from trainer_support import TrainerProc, committed, trained_total, trainer_config
 
 from gateway.errors import SERVICE_UNAVAILABLE, wire_error
 from gateway.tools.learning import SampleIngest
 from shared import keys
 from shared.config import Config, ContextConfig
 from shared.context import ContextStore
-from shared.redis_client import ReplicasBehind
+from shared.redis_client import ReplicasBehind, async_client
 from shared.samples import Example, partition_of
-from tests.conftest import RedisTarget, free_port
+from tests.conftest import RedisTarget, free_port, wait_for, wait_for_sync
 
 
 def _ingest(redis_target: RedisTarget, tmp_path, wait_replicas: int):
@@ -119,3 +123,103 @@ async def test_context_writes_send_no_wait_by_default(redis_target: RedisTarget)
     finally:
         await redis.aclose()
 
+
+
+@pytest.fixture
+def master_and_replica(tmp_path) -> Iterator[tuple[str, subprocess.Popen]]:
+    """A redis-server and its replica, the replica in sync: (the master's URL, the replica's process)."""
+    server = shutil.which("redis-server") or "redis-server"
+    ports, procs = [free_port(), free_port()], []
+    for i, port in enumerate(ports):
+        (tmp_path / f"redis-{i}").mkdir()
+        extra = ["--replicaof", "127.0.0.1", str(ports[0])] if i else []
+        procs.append(subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",  # noqa: S603
+                                       "--appendonly", "no", "--dir", str(tmp_path / f"redis-{i}"), *extra],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    try:
+        with redis_sync.Redis(port=ports[0], socket_timeout=5) as master:
+            wait_for_sync(lambda: _answers(master) and master.set("lm:test:linked", 1) and master.wait(1, 100) == 1,
+                          timeout_s=30, what="the replica in sync")
+        yield f"redis://127.0.0.1:{ports[0]}/0", procs[1]
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGCONT)
+            proc.terminate()
+            proc.wait(10)
+
+
+def _answers(client: redis_sync.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis_sync.RedisError:
+        return False
+
+
+def _wait_calls(url: str) -> int:
+    with redis_sync.Redis.from_url(url, socket_timeout=5) as r:
+        return int(r.info("commandstats").get("cmdstat_wait", {}).get("calls", 0))
+
+
+async def test_the_trainer_holds_a_commit_until_its_replica_confirms_it(master_and_replica, tmp_path) -> None:
+    """`redis.wait_replicas: 1` with the replica stopped: the trainer's first commit reaches the
+    master only; the trainer takes no further step (and publishes nothing past it) while it
+    commits that step again, logs it once, and goes on once the replica confirms it; every
+    sample is trained exactly once."""
+    from services.trainer import ledger
+
+    url, replica = master_and_replica
+    cfg = trainer_config(url, tmp_path, free_port(), batch_size=4, checkpoint_every=100, batch_wait_ms=20)
+    held = dataclasses.replace(cfg, redis=dataclasses.replace(cfg.redis, wait_replicas=1, wait_timeout_ms=200))
+    ingest = SampleIngest(async_client(cfg.redis), cfg)  # the samples themselves wait for nothing
+    replica.send_signal(signal.SIGSTOP)
+    acked: list[str] = []
+    trainer = None
+    try:
+        for i in range(0, 8, 4):  # two steps' worth, logged before the trainer starts
+            acked += (await ingest.submit("alice", [Example(input=f"q{j}", target="a") for j in range(i, i + 4)]))["ids"]
+        before = _wait_calls(url)
+        trainer = TrainerProc(held, tmp_path)
+        await wait_for(lambda: _wait_calls(url) >= before + 3, timeout_s=60, what="the commit tried again")
+        record = committed(url)
+        assert record["step"] == "1" and trained_total(record) == 4, record  # no step past the held one
+        assert "commit is not confirmed" in trainer.output()
+        replica.send_signal(signal.SIGCONT)
+        await wait_for(lambda: trained_total(committed(url)) == 8, timeout_s=60, what="training to go on")
+        assert trainer.term() == 0, trainer.output()
+    finally:
+        replica.send_signal(signal.SIGCONT)
+        if trainer is not None:
+            trainer.close()
+        ingest.close()
+        await ingest.redis.aclose()
+    out = trainer.output()
+    assert out.count("commit is not confirmed") == 1 and "commit confirmed after" in out, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    with redis_sync.Redis.from_url(url) as r:
+        assert sorted(ledger.trained_ids(r)) == sorted(acked)
+
+
+def test_a_trainer_commit_waits_for_its_replica(redis_target: RedisTarget) -> None:
+    """The commit record with `redis.wait_replicas: 1`: WAIT on the connection that wrote it, on
+    the master of the {trainer} slot; a lone server has no replica: refused with ReplicasBehind."""
+    from services.trainer.ledger import Ledger, Offset, Position, read_offset, skipped_ids, trained_ids
+    from shared.redis_client import close_sync
+
+    rcfg = dataclasses.replace(redis_target.config, wait_replicas=1, wait_timeout_ms=300)
+    redis = redis_target.sync_client()
+    try:
+        ledger = Ledger(redis, 1, rcfg)
+        off = Offset(1, 2, 0, {0: Position(4, "1-3", "log")})
+        if not redis_target.is_cluster:
+            with pytest.raises(ReplicasBehind):
+                ledger.commit(off, ["a", "b"], {"c": "empty"})
+        else:
+            node = redis.get_redis_connection(redis.get_node_from_key(keys.TRAINER_OFFSET))
+            waits = lambda: int(node.info("commandstats").get("cmdstat_wait", {}).get("calls", 0))  # noqa: E731
+            before = waits()
+            ledger.commit(off, ["a", "b"], {"c": "empty"})
+            assert waits() == before + 1
+        assert read_offset(redis) == off  # written either way; confirmed only on the cluster
+        assert trained_ids(redis) == ["a", "b"] and skipped_ids(redis) == {"c": "empty"}
+    finally:
+        close_sync(redis)

@@ -11,6 +11,7 @@ from gateway.admin.auth import AdminPrincipal
 from gateway.admin.common import MAX_LIST, admin_router, viewer
 from gateway.state import gateway_of
 from shared import audit as audit_log
+from shared.redis_client import Reach
 
 router = admin_router()
 
@@ -29,7 +30,12 @@ async def query_audit(request: Request,
                       until_ms: Annotated[int | None, Query(ge=0, le=2**53)] = None,
                       limit: Annotated[int, Query(ge=1, le=MAX_LIST)] = 100,
                       who: AdminPrincipal = viewer) -> dict[str, Any]:
-    found = await audit_log.query(gateway_of(request).redis, principal=principal, action=action, since_ms=since_ms,
-                                  until_ms=until_ms, limit=limit, scan_max=_MAX_SCANNED)
+    """The audit shards live on every master: while a master is down the answer holds the
+    records of the others, with ``partial: true`` and the masters missed."""
+    redis = gateway_of(request).redis
+    reach = Reach(redis)
+    found = await audit_log.query(redis, principal=principal, action=action, since_ms=since_ms,
+                                  until_ms=until_ms, limit=limit, scan_max=_MAX_SCANNED, reach=reach)
+    reach.check()
     out: list[dict[str, Any]] = [{**e, "ts_ms": _entry_ms(e["id"])} for e in found]
-    return {"entries": out, "count": len(out)}
+    return {"entries": out, "count": len(out), **reach.as_json()}

@@ -5,6 +5,7 @@ client through the one error map (gateway/errors.py: 400 bad input, 404 unknown 
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, Query, Request
@@ -14,6 +15,8 @@ from gateway.admin.common import admin, operator, viewer
 from gateway.state import gateway_of
 from gateway.tools.context import entry_json, window_json
 from shared import audit as audit_log
+from shared import keys
+from shared.redis_client import Reach
 
 router = APIRouter()
 
@@ -23,13 +26,20 @@ _PRINCIPAL_Q = Query(None, max_length=256)
 @router.get("/admin/contexts")
 async def admin_list(request: Request, principal: str | None = _PRINCIPAL_Q,
                      who: AdminPrincipal = viewer) -> dict[str, Any]:
-    """Without ``principal``: principals with their bytes; with it: that principal's contexts."""
+    """Without ``principal``: principals with their bytes, read from every master: while a master
+    is down the answer holds what the others hold (a principal whose own master is down with
+    ``bytes: null``), with ``partial: true`` and the masters missed. With it: that principal's
+    contexts."""
     store = gateway_of(request).store
     if principal is None:
-        names = await store.principals()
-        return {"principals": [{"principal": p, "bytes": await store.principal_bytes(p)} for p in names],
-                "global_bytes": await store.global_bytes(),
-                "global_budget_bytes": store.cfg.global_budget_bytes}
+        reach = Reach(store.redis)
+        names = await store.principals(reach)
+        rows = [{"principal": p, "bytes": await reach.read(keys.ctx_meta(p), partial(store.principal_bytes, p), None)}
+                for p in names]
+        total = await store.global_bytes(reach)
+        reach.check()
+        return {"principals": rows, "global_bytes": total,
+                "global_budget_bytes": store.cfg.global_budget_bytes, **reach.as_json()}
     infos = await store.list_contexts(principal)
     return {"principal": principal, "bytes": sum(i.bytes for i in infos),
             "budget_bytes": store.cfg.principal_budget_bytes,

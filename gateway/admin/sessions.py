@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from functools import partial
 from typing import Annotated, Any
 
 import redis.asyncio as aioredis
@@ -15,7 +16,7 @@ from gateway.admin.common import E404, MAX_LIST, admin_router, audit_action, ope
 from gateway.mcp.sessions import is_session_id
 from gateway.state import gateway_of
 from shared import keys
-from shared.redis_client import for_each_primary
+from shared.redis_client import Reach
 from shared.text import as_str
 
 router = admin_router()
@@ -24,10 +25,11 @@ _SESS_RE = re.compile(r"^" + re.escape(keys.PREFIX) + r"\{([^{}]+)\}:sess:([^:]+
 
 
 async def session_refs(redis: aioredis.Redis, principal: str | None, limit: int, session_id: str | None = None,
-                       max_scan_calls: int | None = None) -> list[tuple[str, str]]:
+                       max_scan_calls: int | None = None, reach: Reach | None = None) -> list[tuple[str, str]]:
     """(principal, session id) pairs: from the principal's index, or by scanning session hashes
     on every master (``max_scan_calls`` bounds the cost where completeness does not matter:
-    the dashboard)."""
+    the dashboard). ``reach``: the masters that do not answer are left out and named there."""
+    reach = reach or Reach(redis)
     if principal and session_id is None:
         newest = await redis.zrevrange(keys.principal_sessions(principal), 0, limit - 1)
         return [(principal, as_str(x)) for x in newest]
@@ -45,7 +47,8 @@ async def session_refs(redis: aioredis.Redis, principal: str | None, limit: int,
             if cursor == 0:
                 return
 
-    await for_each_primary(redis, scan_node)
+    await reach.each_primary(scan_node)
+    reach.check()
     return out[:limit]
 
 
@@ -77,10 +80,12 @@ async def session_info(redis: aioredis.Redis, principal: str, sid: str) -> dict[
 async def _find_session(redis: aioredis.Redis, session_id: str) -> dict[str, Any]:
     if not is_session_id(session_id):
         raise HTTPException(404, "no such session")
-    for principal, sid in await session_refs(redis, None, 2, session_id=session_id):
+    reach = Reach(redis)
+    for principal, sid in await session_refs(redis, None, 2, session_id=session_id, reach=reach):
         info = await session_info(redis, principal, sid)
         if info is not None:
             return info
+    reach.require_all()  # the session may be on the master that did not answer: not a 404
     raise HTTPException(404, "no such session")
 
 
@@ -89,13 +94,22 @@ async def list_sessions(request: Request,
                         principal: Annotated[str | None, Query(max_length=128, pattern=r"^[A-Za-z0-9_.@:\-]+$")] = None,
                         limit: Annotated[int, Query(ge=1, le=MAX_LIST)] = 100,
                         who: AdminPrincipal = viewer) -> dict[str, Any]:
+    """Without ``principal`` the session hashes of every master are scanned: while a master is
+    down the answer holds the others' sessions, with ``partial: true`` and the masters missed."""
     redis = gateway_of(request).redis
+    reach = Reach(redis)
+    infos = await session_infos(redis, await session_refs(redis, principal, limit, reach=reach), reach)
+    return {"sessions": infos, "count": len(infos), **reach.as_json()}
+
+
+async def session_infos(redis: aioredis.Redis, refs: list[tuple[str, str]], reach: Reach) -> list[dict[str, Any]]:
+    """:func:`session_info` of each ref; one whose master went down since it was found is left out."""
     infos = []
-    for p, sid in await session_refs(redis, principal, limit):
-        info = await session_info(redis, p, sid)
+    for p, sid in refs:
+        info = await reach.read(keys.session(p, sid), partial(session_info, redis, p, sid), None)
         if info is not None:
             infos.append(info)
-    return {"sessions": infos, "count": len(infos)}
+    return infos
 
 
 @router.get("/sessions/{session_id}", summary="Inspect one session", responses={404: E404})

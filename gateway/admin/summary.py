@@ -4,19 +4,22 @@ trainer, delta sync, the sample log, recent sessions and contexts."""
 from __future__ import annotations
 
 import json
+from functools import partial
 from typing import Any
 
 from fastapi import Request
 
 from gateway.admin.auth import AdminPrincipal
 from gateway.admin.common import admin_router, current_version, redis_hash, viewer
-from gateway.admin.sessions import session_info, session_refs
+from gateway.admin.sessions import session_infos, session_refs
 from gateway.admin.stats import publish_stats
 from gateway.admin.trainer import trainer_report
 from gateway.admin.upstreams import mesh_health
 from gateway.admin.workers import mesh_workers
 from gateway.state import Gateway, gateway_of
 from shared import control, keys
+from shared.context.store import ContextInfo
+from shared.redis_client import Reach
 from shared.text import as_str
 
 router = admin_router()
@@ -55,26 +58,28 @@ async def _gateways(gateway: Gateway) -> dict[str, Any]:
 async def _contexts(gateway: Gateway, principals_shown: int = 5, contexts_shown: int = 20) -> dict[str, Any]:
     """Global bytes and budget, principals by recency, the most recently used contexts."""
     store = gateway.store
-    principals = await store.principals()
+    reach = Reach(store.redis)
+    principals = await store.principals(reach)
     rows: list[dict[str, Any]] = []
     for p in principals[:principals_shown]:
-        for info in await store.list_contexts(p):
+        infos: list[ContextInfo] = await reach.read(keys.ctx_meta(p), partial(store.list_contexts, p), [])
+        for info in infos:
             rows.append({"principal": p, "id": info.id, "version": info.version, "bytes": info.bytes,
                          "entries": sum(info.entries.values()), "last_used_ms": info.last_used_ms})
     rows.sort(key=lambda c: c["last_used_ms"], reverse=True)
-    return {"principals": len(principals), "global_bytes": await store.global_bytes(),
-            "global_budget_bytes": store.cfg.global_budget_bytes, "recent": rows[:contexts_shown]}
+    total = await store.global_bytes(reach)
+    reach.check()
+    return {"principals": len(principals), "global_bytes": total,
+            "global_budget_bytes": store.cfg.global_budget_bytes, "recent": rows[:contexts_shown], **reach.as_json()}
 
 
 @router.get("/summary", summary="Everything the dashboard shows, in one call")
 async def summary(request: Request, who: AdminPrincipal = viewer) -> dict[str, Any]:
     gateway = gateway_of(request)
     await publish_stats(gateway)
-    sessions = []
-    for p, sid in await session_refs(gateway.redis, None, 20, max_scan_calls=3):
-        info = await session_info(gateway.redis, p, sid)
-        if info is not None:
-            sessions.append(info)
+    reach = Reach(gateway.redis)
+    sessions = await session_infos(gateway.redis, await session_refs(gateway.redis, None, 20, max_scan_calls=3,
+                                                                     reach=reach), reach)
     delta = redis_hash(await gateway.redis.hgetall(keys.component_status("delta")))
     trainer = await trainer_report(gateway)
     return {
@@ -87,7 +92,7 @@ async def summary(request: Request, who: AdminPrincipal = viewer) -> dict[str, A
         "sync": {"compression_ratio": delta.get("compression_ratio", trainer.get("compression_ratio")),
                  "sync_latency_ms": delta.get("sync_latency_ms", trainer.get("sync_latency_ms"))},
         "samples": await _samples(gateway),
-        "sessions": {"shown": sessions},
+        "sessions": {"shown": sessions, **reach.as_json()},
         "contexts": await _contexts(gateway),
         "upstreams": [u.model_dump() for u in await mesh_health(gateway)],
         "who": {"name": who.name, "role": who.role},

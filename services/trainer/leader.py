@@ -6,7 +6,9 @@ Rank 0 alone reads the sample stream (:class:`SampleSource`), keeps the commit r
 :class:`Leader` is composed of them. Per iteration it decides one op — ``train`` (with the
 batch), ``control`` (operator commands every rank runs), ``idle``, ``sync`` (publish what
 lossy deltas left behind, losslessly) or ``stop`` — which the loop broadcasts; after each
-step it commits, publishes every ``consistency.sync_interval`` steps and reports.
+step it commits, publishes every ``consistency.sync_interval`` steps and reports. A commit
+that ``redis.wait_replicas`` replicas have not confirmed holds the next steps and the step's
+publish: the leader answers ``idle`` and commits the same step again until it is confirmed.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from typing import Any
 import torch
 import zmq
 from redis import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.trainer.data import ContextReader, SampleSource, TrainRecord, encode_batch
 from services.trainer.ledger import Ledger, Offset
@@ -33,7 +37,7 @@ from services.trainer.stepper import Stepper
 from shared import keys
 from shared import metrics as m
 from shared.config import Config
-from shared.redis_client import close_sync
+from shared.redis_client import ReplicasBehind, close_sync
 
 log = logging.getLogger("learnmesh.trainer")
 
@@ -76,6 +80,9 @@ class Leader:
         # local SGD: settled seq per partition when the ranks last agreed
         self._agreed = {part: offset.at(part).seq for part in range(len(source.parts))}
         source.on_reset = self._log_reset
+        self._unconfirmed: tuple[Offset, list[str], dict[str, str]] | None = None  # a commit replicas lack
+        self._unconfirmed_since = 0.0
+        self._publish_owed: int | None = None  # the step whose publish waits for its commit
 
     @property
     def cfg(self) -> Config:
@@ -93,6 +100,8 @@ class Leader:
         if self.ops.paused:  # no steps; the publisher thread still answers snapshot requests
             self.ops.wait_paused(stop, self.t.batch_wait_ms / 1000)
             return self._idle()
+        if self._unconfirmed is not None and not self._confirm(self._unconfirmed, stop):
+            return encode_batch("idle", [])  # not even a sync: nothing goes out past that commit
         records = self._next_records(stop)
         if not records:
             self.ops.report(force=False)
@@ -138,7 +147,9 @@ class Leader:
         self._last_step_s = time.monotonic()
         # a lossless publish of this step leaves nothing behind; anything else may
         self._residual = not (publish_now and self.cfg.compression.algorithm == "lossless")
-        if publish_now:
+        if publish_now and self._unconfirmed is not None:
+            self._publish_owed = step
+        elif publish_now:
             self.publish(step)
         m.TRAINER_SAMPLES.inc(len(trained))
         for reason in skipped.values():
@@ -152,9 +163,35 @@ class Leader:
         # what was handed out, all of it trained now
         self.offset = Offset(step, next_version, self.offset.epoch, self.source.positions())
         trained, skipped = outcomes(fresh)
-        self.ledger.commit(self.offset, trained, skipped)
+        try:
+            self.ledger.commit(self.offset, trained, skipped)
+        except ReplicasBehind as exc:
+            self._unconfirmed, self._unconfirmed_since = (self.offset, trained, skipped), time.monotonic()
+            log.warning("step %d's commit is not confirmed (%s): no further step and no publish until it is; "
+                        "committing it again", step, exc)
         self.replay.add([r for r in fresh if r.logged.id not in skipped])
         return trained, skipped
+
+    def _confirm(self, held: tuple[Offset, list[str], dict[str, str]], stop: Callable[[], bool]) -> bool:
+        """Commit the held step again (the same values); True once replicas confirm it, then its
+        owed publish goes out. One try per ``redis.wait_timeout_ms`` at most."""
+        off, trained, skipped = held
+        started = time.monotonic()
+        try:
+            self.ledger.commit(off, trained, skipped)
+        except ReplicasBehind:  # WAIT answers at once where no replica is connected: keep the pace
+            self.ops.wait_paused(stop, self.cfg.redis.wait_timeout_ms / 1000 - (time.monotonic() - started))
+            return False
+        except (RedisConnectionError, RedisTimeoutError):  # a failover under way: try again shortly
+            self.ops.wait_paused(stop, self.t.batch_wait_ms / 1000)
+            return False
+        log.info("step %d's commit confirmed after %.1f s; training goes on", off.step,
+                 time.monotonic() - self._unconfirmed_since)
+        self._unconfirmed = None
+        if self._publish_owed is not None:
+            step, self._publish_owed = self._publish_owed, None
+            self.publish(step)
+        return True
 
     def _report(self, step: int, loss: float, rate: float, seconds: float) -> None:
         self._rate = rate if self._rate == 0 else 0.8 * self._rate + 0.2 * rate

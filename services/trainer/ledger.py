@@ -8,6 +8,11 @@ ids trained in that step). Order per optimizer step on rank 0:
     optimizer.step()  ->  commit(offset + ledger, one MULTI)  ->  publish(version+1)
                       ->  checkpoint (every K steps; written after its commit)
 
+With ``redis.wait_replicas`` a commit counts only once that many replicas confirm it (WAIT on
+the connection that wrote it): a failover right after an unconfirmed commit could roll the
+record back, and the samples it names would be handed out and trained again. The leader holds
+further steps and the step's publish until the commit is confirmed (services/trainer/leader.py).
+
 Invariant: *the ledger lists exactly the samples whose gradient is in the weights of the
 current lineage*, and the checkpoint is never ahead of the commit record. A kill -9 loses
 the in-memory weights of steps after the last checkpoint; those steps' effect is gone, so on
@@ -24,15 +29,27 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from redis import Redis
-from redis.exceptions import WatchError
+from redis import Redis, RedisCluster
+from redis.exceptions import RedisError, WatchError
 from redis.typing import EncodableT, FieldT
 
 from shared import keys
+from shared.config import RedisConfig
+from shared.redis_client import check_replicas
 from shared.samples import position_field
 from shared.text import as_str
 
 VERSION_SEQS_KEPT = 4096
+
+# The commit as one script (atomic like the MULTI it stands for), so that WAIT can follow it on
+# the same connection: WAIT counts the replicas that hold that connection's writes.
+# KEYS: offset, trained, skipped; ARGV: step, trained ids, skipped ids ("" for none), offset fields.
+_COMMIT_LUA = """
+redis.call('HSET', KEYS[1], unpack(ARGV, 4))
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+if ARGV[3] ~= '' then redis.call('HSET', KEYS[3], ARGV[1], ARGV[3]) end
+return 1
+"""
 
 
 @dataclass
@@ -85,9 +102,10 @@ def read_offset(redis: Any) -> Offset:
 class Ledger:
     """Rank 0's writes to the commit record, the ledger and the read-your-writes marks."""
 
-    def __init__(self, redis: Redis, partitions: int = 1) -> None:
+    def __init__(self, redis: Redis, partitions: int = 1, redis_cfg: RedisConfig | None = None) -> None:
         self.redis = redis
         self.partitions = partitions
+        self._confirm = redis_cfg if redis_cfg is not None and redis_cfg.wait_replicas else None
 
     def resume(self, checkpointed: Offset) -> tuple[Offset, int]:
         """Make Redis agree with the checkpoint: drop ledger steps after it, reset the offset,
@@ -102,13 +120,36 @@ class Ledger:
 
     def commit(self, off: Offset, ids: list[str], skipped: dict[str, str] | None = None) -> None:
         """Record one optimizer step atomically: the offset, the ids whose gradient the step holds,
-        and the ids it consumed without one (``skipped``: id -> reason), kept apart."""
+        and the ids it consumed without one (``skipped``: id -> reason), kept apart. With
+        ``redis.wait_replicas`` raises :class:`~shared.redis_client.ReplicasBehind` when fewer
+        replicas confirm it in time: the record is then on the master but not safe; committing
+        the same step again (it writes the same values) is how to confirm it later."""
+        if self._confirm is not None:
+            self._commit_confirmed(self._confirm, off, ids, skipped or {})
+            return
         pipe = self.redis.pipeline(transaction=True)
         pipe.hset(keys.TRAINER_OFFSET, mapping=off.fields())
         pipe.hset(keys.TRAINER_TRAINED, str(off.step), " ".join(ids))
         if skipped:
             pipe.hset(keys.TRAINER_SKIPPED, str(off.step), " ".join(f"{i}={r}" for i, r in skipped.items()))
         pipe.execute()
+
+    def _commit_confirmed(self, cfg: RedisConfig, off: Offset, ids: list[str], skipped: dict[str, str]) -> None:
+        node: Redis = self.redis
+        if isinstance(self.redis, RedisCluster):  # the {trainer} slot's master, one connection
+            node = self.redis.get_redis_connection(self.redis.get_node_from_key(keys.TRAINER_OFFSET))
+        fields = [x for pair in off.fields().items() for x in pair]
+        pipe = node.pipeline(transaction=False)
+        pipe.eval(_COMMIT_LUA, 3, keys.TRAINER_OFFSET, keys.TRAINER_TRAINED, keys.TRAINER_SKIPPED, str(off.step),
+                  " ".join(ids), " ".join(f"{i}={r}" for i, r in skipped.items()), *fields)
+        pipe.execute_command("WAIT", cfg.wait_replicas, cfg.wait_timeout_ms)
+        try:
+            _, acked = pipe.execute()
+        except RedisError:
+            if isinstance(self.redis, RedisCluster):  # a failover moved the slot: read the map again
+                self.redis.nodes_manager.initialize()
+            raise
+        check_replicas(cfg, int(acked))
 
     def record_offset(self, off: Offset) -> None:
         """The commit record alone (a position moved without a step: a new sample log)."""

@@ -145,7 +145,7 @@ def _checkpointed_offset(state: dict[str, Any] | None) -> Offset:
 def _build_leader(cfg: Config, group: RankGroup, stepper: Stepper, checkpointed: Offset) -> Leader:
     redis = cast(Redis, sync_client(cfg.redis, socket_timeout=30))  # see gateway.app._redis_clients
     partitions = sample_partitions(cfg)
-    ledger = Ledger(redis, partitions)
+    ledger = Ledger(redis, partitions, cfg.redis)
     offset, rolled = ledger.resume(checkpointed)
     log.info("trainer resumed at step %d (seq %d, epoch %d); %d uncheckpointed step(s) rolled back and "
              "will be replayed from the log", checkpointed.step, offset.seq, offset.epoch, rolled)

@@ -36,6 +36,7 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import RedisError
@@ -44,7 +45,7 @@ from shared import keys, metrics
 from shared.aio import pause
 from shared.config import ContextConfig
 from shared.redis_batch import pack_command
-from shared.redis_client import AsyncRedis
+from shared.redis_client import AsyncRedis, Reach, read_within
 from shared.text import as_str
 
 if TYPE_CHECKING:
@@ -139,25 +140,30 @@ class GlobalAccounts:
         if self._unsettled:
             await asyncio.gather(*list(self._unsettled), return_exceptions=True)
 
-    async def total(self) -> int:
-        """Bytes held by all principals, as reported."""
+    async def total(self, reach: Reach | None = None) -> int:
+        """Bytes held by all principals, as reported (``reach``: of the shards whose master answers)."""
         await self.settled()
-        got = await asyncio.gather(*[self.redis.hget(keys.ctx_global_bytes(k), TOTAL)
+        got = await asyncio.gather(*[read_within(reach, keys.ctx_global_bytes(k),
+                                                 partial(self.redis.hget, keys.ctx_global_bytes(k), TOTAL), None)
                                      for k in range(keys.CTX_GLOBAL_SHARDS)])
         return sum(int(v or 0) for v in got)
 
-    async def _stamps(self, key: Callable[[int], str], count: int = -1) -> list[tuple[int, str, int]]:
+    async def _stamps(self, key: Callable[[int], str], count: int = -1,
+                      reach: Reach | None = None) -> list[tuple[int, str, int]]:
         """(stamp ms, principal, shard) from every shard's sorted set ``key(shard)``: the
         ``count`` oldest of each (-1: all)."""
         await self.settled()
         redis: Any = self.redis
-        shards = await asyncio.gather(*[redis.zrange(key(k), 0, count if count < 0 else count - 1, withscores=True)
-                                        for k in range(keys.CTX_GLOBAL_SHARDS)])
+        shards: list[Any] = await asyncio.gather(*[read_within(reach, key(k), partial(
+            redis.zrange, key(k), 0, count if count < 0 else count - 1, withscores=True), [])
+            for k in range(keys.CTX_GLOBAL_SHARDS)])
         return [(int(score), as_str(p), k) for k, shard in enumerate(shards) for p, score in shard]
 
-    async def principals(self) -> list[str]:
-        """Principals that hold contexts, most recently used first."""
-        return [p for _, p, _ in sorted(await self._stamps(keys.ctx_global_lru), reverse=True)]  # the evictor's order, reversed
+    async def principals(self, reach: Reach | None = None) -> list[str]:
+        """Principals that hold contexts, most recently used first (``reach``: of the shards
+        whose master answers)."""
+        stamps = await self._stamps(keys.ctx_global_lru, reach=reach)
+        return [p for _, p, _ in sorted(stamps, reverse=True)]  # the evictor's order, reversed
 
     async def seen(self) -> list[tuple[str, int]]:
         """(principal, ms of its last stamp) of every principal ever stamped, newest first."""

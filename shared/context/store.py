@@ -34,7 +34,7 @@ from shared.context.validation import (
     modalities_arg,
 )
 from shared.redis_batch import pack_bulk
-from shared.redis_client import AsyncRedis
+from shared.redis_client import AsyncRedis, Reach
 from shared.text import as_str
 from shared.types import ContextWindow
 
@@ -269,9 +269,10 @@ class ContextStore:
         raw = await self.redis.hget(keys.ctx_meta(principal), "\x00bytes")
         return int(raw or 0)
 
-    async def global_bytes(self) -> int:
-        """Bytes held by all principals, as reported (see shared/context/budget.py)."""
-        return await self._global.total()
+    async def global_bytes(self, reach: Reach | None = None) -> int:
+        """Bytes held by all principals, as reported (see shared/context/budget.py); ``reach``:
+        of the shards whose master answers."""
+        return await self._global.total(reach)
 
     def evictor(self, *, owner: str | None = None) -> GlobalEvictor:
         """The task that enforces ``global_budget_bytes`` (the gateway runs one: ``run()``)."""
@@ -300,6 +301,7 @@ class ContextStore:
             return max(score, float(meta.get(_LU + cid, 0)))
         return [as_str(c) for c, _ in sorted(lru, key=lambda cs: (last(*cs), cs[0]))]
 
-    async def principals(self) -> list[str]:
-        """Principals known to the global LRU, most recently used first (for admin)."""
-        return await self._global.principals()
+    async def principals(self, reach: Reach | None = None) -> list[str]:
+        """Principals known to the global LRU, most recently used first (for admin); ``reach``:
+        those of the shards whose master answers."""
+        return await self._global.principals(reach)

@@ -138,6 +138,12 @@ function fillTable(id, rows, cells, empty) {
   body.replaceChildren(frag);
 }
 
+// A listing read from every Redis master says which did not answer (shared/redis_client.py Reach).
+function partialNote(listing) {
+  const lost = (listing || {}).unreachable || [];
+  return listing && listing.partial ? `partial: ${lost.length} Redis master${lost.length === 1 ? "" : "s"} not answering (${lost.map((u) => u.node).join(", ")})` : "";
+}
+
 // An upstream's breakers over the live replicas: each replica keeps its own (gateway/proxy/health.py).
 function breakers(m) {
   const n = `${m.replicas} replica${m.replicas === 1 ? "" : "s"}`;
@@ -174,6 +180,7 @@ function render(s) {
     x.id.slice(0, 8) + "…", x.principal, x.protocol_version || "–", fmt(x.events),
     x.ttl_s === null ? "–" : `${fmt(x.ttl_s, 0)} s`,
   ], "no legacy sessions");
+  $("sessions-partial").textContent = partialNote(s.sessions);
   fillTable("upstreams", s.upstreams || [], (u) => {
     const m = u.mesh;
     return [
@@ -186,6 +193,7 @@ function render(s) {
     ? `${bytes(ctx.global_bytes)} of ${bytes(ctx.global_budget_bytes)} · ${fmt(ctx.principals)} principals` : "";
   fillTable("contexts", ctx.recent || [], (c) => [c.principal, c.id, fmt(c.version), fmt(c.entries), bytes(c.bytes)],
             "no contexts");
+  $("contexts-partial").textContent = partialNote(ctx);
   drawAll();
   polls += 1;
   document.body.dataset.polls = String(polls);
