@@ -374,6 +374,8 @@ def test_redis_cluster_nodes_have_headroom_above_the_context_budget(rendered):
     conf = dict(line.split(None, 1) for line in _find(docs, "ConfigMap", _redis_config_name(docs))["data"]
                 ["redis.conf"].splitlines() if line.strip() and not line.startswith("#"))
     assert conf["cluster-enabled"] == "yes" and conf["maxmemory-policy"] == "noeviction"
+    # what tests/test_redis_cluster_failover.py runs a cluster with when it loses a master for good
+    assert conf["cluster-require-full-coverage"] == "no"
     maxmemory = redis_bytes(conf["maxmemory"])
     budget = load_config(env={}).context.global_budget_bytes
     assert maxmemory >= headroom_bytes(budget)  # even with every slot on one master

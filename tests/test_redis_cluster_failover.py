@@ -178,3 +178,54 @@ async def test_admin_listings_answer_with_the_masters_left_while_one_is_down() -
                 assert gone.status_code == 503, (path, gone.text)
     finally:
         cluster.stop()
+
+
+async def test_with_full_coverage_off_a_master_lost_for_good_leaves_the_others_served() -> None:
+    """The Kubernetes redis.conf (`cluster-require-full-coverage no`): a master killed with no
+    replica to take over. The principals on the other masters are still read and written, the
+    gateway stays ready, and its listings show their share, marked partial."""
+    from redis.exceptions import RedisClusterException, RedisError
+
+    from shared import keys
+    from shared.config import ContextConfig, RedisConfig
+    from shared.context import ContextStore
+    from shared.redis_client import async_client
+    from tests.admin_support import live_gateway
+
+    cluster = LocalCluster(masters=3, replicas=0, options=("--cluster-require-full-coverage", "no")).start()
+    redis = async_client(RedisConfig(url=cluster.url, socket_timeout_s=1.0))
+    try:
+        await _populate(cluster.url)
+        victim = _master_of(cluster, keys.ctx_meta("p0"))
+        lost = {p for p in PRINCIPALS if _master_of(cluster, keys.ctx_meta(p)).port == victim.port}
+        assert lost != set(PRINCIPALS)
+        with live_gateway(cluster.url, redis={"socket_timeout_s": 1.0}) as srv:
+            cluster.kill(victim)
+            survivors = cluster.running()
+            await wait_for(lambda: all(_flagged_failed(n, victim) for n in survivors), timeout_s=30,
+                           what="the cluster to mark the master failed")
+            store = ContextStore(redis, ContextConfig())
+            for p in PRINCIPALS:
+                if p in lost:
+                    with pytest.raises((RedisError, RedisClusterException, OSError)):
+                        await store.append(p, "c", "text", "user", b"after")
+                    continue
+                await store.append(p, "c", "text", "user", b"after")
+                window = await store.get_window(p, "c")
+                assert [e.content for e in window.channels["text"]] == [b"hello", b"after"], p
+            ready = await asyncio.to_thread(httpx.get, srv.url + "/readyz", timeout=10)
+            assert ready.status_code == 200, ready.text
+            contexts = await asyncio.to_thread(_admin_get, srv, "/admin/contexts")
+            assert contexts.status_code == 200, contexts.text
+            _partial(contexts.json(), victim)
+    finally:
+        await redis.aclose()
+        cluster.stop()
+
+
+def _flagged_failed(node: Node, victim: Node) -> bool:
+    """Whether ``node`` holds ``victim`` as failed (not only suspected: ``fail?``)."""
+    with node.client(socket_timeout=1) as c:
+        lines = c.execute_command("CLUSTER", "NODES")
+    text = lines.decode() if isinstance(lines, bytes) else str(lines)
+    return any(f":{victim.port}@" in line and "fail" in line.split()[2].split(",") for line in text.splitlines())

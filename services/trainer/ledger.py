@@ -5,7 +5,7 @@ checkpoint on disk every K steps), the commit record ``keys.TRAINER_OFFSET`` (st
 epoch, and per sample-log partition the seq/id of its last trained sample) and the ledger ``keys.TRAINER_TRAINED`` (step ->
 ids trained in that step). Order per optimizer step on rank 0:
 
-    optimizer.step()  ->  commit(offset + ledger, one MULTI)  ->  publish(version+1)
+    optimizer.step()  ->  commit(offset + ledger, one atomic write)  ->  publish(version+1)
                       ->  checkpoint (every K steps; written after its commit)
 
 With ``redis.wait_replicas`` a commit counts only once that many replicas confirm it (WAIT on
