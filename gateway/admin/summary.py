@@ -4,9 +4,11 @@ trainer, delta sync, the sample log, recent sessions and contexts."""
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
+import redis.asyncio as aioredis
 from fastapi import Request
 
 from gateway.admin.auth import AdminPrincipal
@@ -16,6 +18,7 @@ from gateway.admin.stats import publish_stats
 from gateway.admin.trainer import trainer_report
 from gateway.admin.upstreams import mesh_health
 from gateway.admin.workers import mesh_workers
+from gateway.errors import is_outage
 from gateway.state import Gateway, gateway_of
 from shared import control, keys
 from shared.context.store import ContextInfo
@@ -23,6 +26,7 @@ from shared.redis_client import Reach
 from shared.text import as_str
 
 router = admin_router()
+T = TypeVar("T")
 
 STATS_TTL_S = 10.0  # a replica snapshot older than this belongs to a replica that stopped
 
@@ -75,25 +79,77 @@ async def _contexts(gateway: Gateway, principals_shown: int = 5, contexts_shown:
 
 @router.get("/summary", summary="Everything the dashboard shows, in one call")
 async def summary(request: Request, who: AdminPrincipal = viewer) -> dict[str, Any]:
+    """On a Redis Cluster with a master down, each part read from it is ``null`` and named in
+    ``unavailable`` (the rest still shows; the listings say what they miss with ``partial``);
+    503 only when no part could be read. On one server an outage answers 503."""
     gateway = gateway_of(request)
-    await publish_stats(gateway)
-    reach = Reach(gateway.redis)
-    sessions = await session_infos(gateway.redis, await session_refs(gateway.redis, None, 20, max_scan_calls=3,
-                                                                     reach=reach), reach)
-    delta = redis_hash(await gateway.redis.hgetall(keys.component_status("delta")))
-    trainer = await trainer_report(gateway)
-    return {
+    parts = _Parts(isinstance(gateway.redis, aioredis.RedisCluster))
+
+    async def sessions() -> dict[str, Any]:
+        reach = Reach(gateway.redis)
+        shown = await session_infos(gateway.redis, await session_refs(gateway.redis, None, 20, max_scan_calls=3,
+                                                                      reach=reach), reach)
+        return {"shown": shown, **reach.as_json()}
+
+    async def gateways() -> dict[str, Any]:
+        await publish_stats(gateway)
+        return await _gateways(gateway)
+
+    got_gateways = await parts.read("gateway", gateways)
+    delta = await parts.read("delta", lambda: _delta(gateway))
+    trainer = await parts.read("trainer", lambda: trainer_report(gateway))
+    sync_from = [d for d in (delta, trainer) if d is not None]
+    out: dict[str, Any] = {
         "ts_ms": control.now_ms(),
-        "gateway": await _gateways(gateway),
-        "model_version": await current_version(gateway),
-        "workers": await mesh_workers(gateway),
+        "gateway": got_gateways,
+        "model_version": await parts.read("model_version", lambda: current_version(gateway)),
+        "workers": await parts.read("workers", lambda: mesh_workers(gateway)),
         "trainer": trainer,
         "delta": delta,
-        "sync": {"compression_ratio": delta.get("compression_ratio", trainer.get("compression_ratio")),
-                 "sync_latency_ms": delta.get("sync_latency_ms", trainer.get("sync_latency_ms"))},
-        "samples": await _samples(gateway),
-        "sessions": {"shown": sessions, **reach.as_json()},
-        "contexts": await _contexts(gateway),
-        "upstreams": [u.model_dump() for u in await mesh_health(gateway)],
+        "sync": {name: next((d[name] for d in sync_from if d.get(name) is not None), None)
+                 for name in ("compression_ratio", "sync_latency_ms")},
+        "samples": await parts.read("samples", lambda: _samples(gateway)),
+        "sessions": await parts.read("sessions", sessions),
+        "contexts": await parts.read("contexts", lambda: _contexts(gateway)),
+        "upstreams": await parts.read("upstreams", lambda: _upstreams(gateway)),
         "who": {"name": who.name, "role": who.role},
     }
+    parts.check()
+    out["unavailable"] = parts.missing
+    return out
+
+
+async def _delta(gateway: Gateway) -> dict[str, Any]:
+    return redis_hash(await gateway.redis.hgetall(keys.component_status("delta")))
+
+
+async def _upstreams(gateway: Gateway) -> list[dict[str, Any]]:
+    return [u.model_dump() for u in await mesh_health(gateway)]
+
+
+class _Parts:
+    """The summary's parts, each read on its own: on a cluster a part whose keys sit on a master
+    that is down is left out (``missing``) instead of failing the whole answer."""
+
+    def __init__(self, cluster: bool) -> None:
+        self.cluster = cluster
+        self.missing: list[str] = []
+        self.read_any = False
+        self._first: BaseException | None = None
+
+    async def read(self, name: str, make: Callable[[], Awaitable[T]]) -> T | None:
+        try:
+            got = await make()
+        except Exception as exc:
+            if not (self.cluster and is_outage(exc)):
+                raise
+            self.missing.append(name)
+            self._first = self._first or exc
+            return None
+        self.read_any = True
+        return got
+
+    def check(self) -> None:
+        """Raise the first failure when no part could be read (no master answers: 503)."""
+        if self._first is not None and not self.read_any:
+            raise self._first

@@ -194,6 +194,9 @@ function render(s) {
   fillTable("contexts", ctx.recent || [], (c) => [c.principal, c.id, fmt(c.version), fmt(c.entries), bytes(c.bytes)],
             "no contexts");
   $("contexts-partial").textContent = partialNote(ctx);
+  // parts whose Redis master did not answer (a cluster with a master down): shown as unknown
+  const missing = s.unavailable || [];
+  $("unavailable").textContent = missing.length ? `not read (a Redis master is down): ${missing.join(", ")}` : "";
   drawAll();
   polls += 1;
   document.body.dataset.polls = String(polls);
