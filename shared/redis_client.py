@@ -266,15 +266,39 @@ class Reach:
                                 for node, ranges in sorted(self.unreachable.items())]}
 
     async def read(self, key: str, fn: Callable[[], Awaitable[T]], default: T) -> T:
-        """``fn()`` (a read of ``key``), or ``default`` when the master of ``key``'s slot is down."""
+        """``fn()`` (a read of ``key``), or ``default`` when the master of ``key``'s slot is down:
+        found so by this read, or by an earlier one of the listing (not asked again: a master that
+        is silent rather than refusing costs the listing one socket timeout, not one per key)."""
         node = _node_of_key(self.client, key)  # before the client's map drops a node it found down
+        if node is not None and node in self.unreachable:
+            return default
         try:
-            got = await fn()
+            try:
+                got = await self._bounded(fn())
+            except _MASTER_DOWN as exc:
+                # Once more unless it timed out: a command the cluster refuses while down makes
+                # redis-py close every connection, and a read of a master that answers, in flight
+                # on one of them then, fails without a word from that master.
+                if isinstance(exc, (RedisTimeoutError, TimeoutError)) or not isinstance(self.client, aioredis.RedisCluster):
+                    raise
+                got = await self._bounded(fn())
         except _MASTER_DOWN as exc:
             self._lost(exc, node or _node_of_key(self.client, key))
             return default
         self.answered += 1
         return got
+
+    async def _bounded(self, call: Awaitable[T]) -> T:
+        """``call`` within two socket timeouts on a cluster: redis-py retries a command that timed
+        out, re-reading the slot map between tries, so a silent master would cost a listing
+        several timeouts per read; the second leaves a read of a master that answers time for
+        the retry it may need after redis-py closed its connection. ``asyncio.timeout`` raises
+        TimeoutError, an OSError."""
+        limit = _socket_timeout(self.client)
+        if limit is None:
+            return await call
+        async with asyncio.timeout(2 * limit):
+            return await call
 
     async def each_primary(self, fn: Callable[[aioredis.Redis], Awaitable[T]]) -> list[T]:
         """:func:`for_each_primary`, every master at once, with the answers of those that answered."""
@@ -320,6 +344,14 @@ class Reach:
 async def read_within(reach: Reach | None, key: str, fn: Callable[[], Awaitable[T]], default: T) -> T:
     """``fn()``, through ``reach`` where a listing gives one (:meth:`Reach.read`)."""
     return await fn() if reach is None else await reach.read(key, fn, default)
+
+
+def _socket_timeout(client: AsyncRedis) -> float | None:
+    """A cluster client's socket timeout (None on one server, or where it has none)."""
+    if not isinstance(client, aioredis.RedisCluster):
+        return None
+    limit = client.nodes_manager.connection_kwargs.get("socket_timeout")
+    return float(limit) if limit else None
 
 
 def _node_of_key(client: AsyncRedis, key: str) -> str | None:

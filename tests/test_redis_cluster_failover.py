@@ -6,11 +6,13 @@ a pub/sub subscriber whose node dies.
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
+from redis.exceptions import RedisError
 
 from shared.redis_local_cluster import LocalCluster, Node
 from tests.conftest import wait_for
@@ -114,11 +116,6 @@ def _admin_get(srv: Any, path: str, **params: Any) -> httpx.Response:
     return httpx.get(srv.url + path, params=params, headers=bearer(VIEWER_KEY), timeout=30)
 
 
-def _cluster_state(node: Node) -> str:
-    with node.client(socket_timeout=1) as c:
-        return str(c.cluster("info")["cluster_state"])
-
-
 def _partial(body: dict[str, Any], victim: Node) -> None:
     assert body["partial"] is True, body
     [lost] = body["unreachable"]
@@ -126,13 +123,13 @@ def _partial(body: dict[str, Any], victim: Node) -> None:
 
 
 async def test_admin_listings_answer_with_the_masters_left_while_one_is_down() -> None:
-    """A master killed with no replica to take over (the cluster allows reads while down): the
+    """A master killed with no replica to take over (`cluster-require-full-coverage no`): the
     listings over every master answer 200 with what the other masters hold, marked partial and
     naming the lost master and its slots; with every master down they answer 503."""
     from shared import keys
     from tests.admin_support import live_gateway
 
-    cluster = LocalCluster(masters=3, replicas=0, options=("--cluster-allow-reads-when-down", "yes")).start()
+    cluster = LocalCluster(masters=3, replicas=0, options=("--cluster-require-full-coverage", "no")).start()
     try:
         sids = await _populate(cluster.url)
         victim = _master_of(cluster, keys.ctx_meta("p0"))
@@ -146,8 +143,8 @@ async def test_admin_listings_answer_with_the_masters_left_while_one_is_down() -
             assert full["partial"] is False and full["unreachable"] == [] and full["count"] == len(PRINCIPALS)
             cluster.kill(victim)
             survivors = cluster.running()
-            await wait_for(lambda: all(_cluster_state(n) == "fail" for n in survivors), timeout_s=30,
-                           what="the cluster to mark the master lost")
+            await wait_for(lambda: all(_flagged_failed(n, victim) for n in survivors), timeout_s=30,
+                           what="the cluster to mark the master failed")
 
             sessions = await asyncio.to_thread(_admin_get, srv, "/admin/sessions")
             assert sessions.status_code == 200, sessions.text
@@ -188,7 +185,7 @@ async def test_with_full_coverage_off_a_master_lost_for_good_leaves_the_others_s
     """The Kubernetes redis.conf (`cluster-require-full-coverage no`): a master killed with no
     replica to take over. The principals on the other masters are still read and written, the
     gateway stays ready, and its listings show their share, marked partial."""
-    from redis.exceptions import RedisClusterException, RedisError
+    from redis.exceptions import RedisClusterException
 
     from shared import keys
     from shared.config import ContextConfig, RedisConfig
@@ -235,3 +232,52 @@ def _flagged_failed(node: Node, victim: Node) -> bool:
         lines = c.execute_command("CLUSTER", "NODES")
     text = lines.decode() if isinstance(lines, bytes) else str(lines)
     return any(f":{victim.port}@" in line and "fail" in line.split()[2].split(",") for line in text.splitlines())
+
+
+async def test_a_silent_master_costs_one_timeout_and_leaves_the_others_served() -> None:
+    """A master that is frozen rather than dead (SIGSTOP: connections open, nothing answered —
+    a frozen host, a cut network) and no replica to take over: the other masters' keys are still
+    served (the frozen one was the client's default node), and listings over every master
+    answer, partial, after one socket timeout instead of redis-py's retries of every key on the
+    frozen master in turn (over a minute for the audit)."""
+    from shared import audit, keys
+    from shared.config import RedisConfig
+    from shared.redis_client import Reach, async_client
+    from tests.admin_support import live_gateway
+
+    cluster = LocalCluster(masters=3, replicas=0, options=("--cluster-require-full-coverage", "no")).start()
+    redis = async_client(RedisConfig(url=cluster.url), socket_timeout=1.0, socket_connect_timeout=1.0)
+    victim: Node | None = None
+    try:
+        await _populate(cluster.url)
+        await redis.initialize()
+        default = redis.get_default_node()
+        victim = next(n for n in cluster.nodes if n.port == default.port)
+        names = [f"k{i}" for i in range(40)]
+        elsewhere = [k for k in names if _master_of(cluster, k).port != victim.port]
+        there = next(k for k in names if _master_of(cluster, k).port == victim.port)
+        audited = {p for p in PRINCIPALS if _master_of(cluster, keys.audit_stream(p)).port != victim.port}
+        with live_gateway(cluster.url, redis={"socket_timeout_s": 1.0}) as srv:
+            victim.proc.send_signal(signal.SIGSTOP)
+            with pytest.raises((RedisError, OSError)):
+                await redis.get(there)
+            for k in elsewhere:  # after the map was read again with the default node frozen
+                await redis.set(k, "v")
+                assert await redis.get(k) == b"v"
+            reach = Reach(redis)
+            entries = await asyncio.wait_for(audit.query(redis, action="drill.mark", reach=reach), 30)
+            assert [u["node"] for u in reach.as_json()["unreachable"]] == [victim.address]
+            assert {e["principal"] for e in entries} == audited
+            for path in ("/admin/audit", "/admin/sessions", "/admin/contexts", "/admin/summary"):
+                resp = await asyncio.to_thread(_admin_get, srv, path)  # its 30 s timeout: a hang fails here
+                assert resp.status_code == 200, (path, resp.text)
+                body = resp.json()
+                if path == "/admin/summary":
+                    assert body["unavailable"] or body["sessions"]["partial"] or body["contexts"]["partial"], body
+                else:
+                    _partial(body, victim)
+    finally:
+        if victim is not None:
+            victim.proc.send_signal(signal.SIGCONT)
+        await redis.aclose()
+        cluster.stop()

@@ -3,6 +3,7 @@ trainer, delta sync, the sample log, recent sessions and contexts."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -83,7 +84,8 @@ async def summary(request: Request, who: AdminPrincipal = viewer) -> dict[str, A
     ``unavailable`` (the rest still shows; the listings say what they miss with ``partial``);
     503 only when no part could be read. On one server an outage answers 503."""
     gateway = gateway_of(request)
-    parts = _Parts(isinstance(gateway.redis, aioredis.RedisCluster))
+    cluster = isinstance(gateway.redis, aioredis.RedisCluster)
+    parts = _Parts(2 * gateway.config.redis.socket_timeout_s if cluster else None)
 
     async def sessions() -> dict[str, Any]:
         reach = Reach(gateway.redis)
@@ -95,28 +97,22 @@ async def summary(request: Request, who: AdminPrincipal = viewer) -> dict[str, A
         await publish_stats(gateway)
         return await _gateways(gateway)
 
-    got_gateways = await parts.read("gateway", gateways)
-    delta = await parts.read("delta", lambda: _delta(gateway))
-    trainer = await parts.read("trainer", lambda: trainer_report(gateway))
-    sync_from = [d for d in (delta, trainer) if d is not None]
-    out: dict[str, Any] = {
-        "ts_ms": control.now_ms(),
-        "gateway": got_gateways,
-        "model_version": await parts.read("model_version", lambda: current_version(gateway)),
-        "workers": await parts.read("workers", lambda: mesh_workers(gateway)),
-        "trainer": trainer,
-        "delta": delta,
-        "sync": {name: next((d[name] for d in sync_from if d.get(name) is not None), None)
-                 for name in ("compression_ratio", "sync_latency_ms")},
-        "samples": await parts.read("samples", lambda: _samples(gateway)),
-        "sessions": await parts.read("sessions", sessions),
-        "contexts": await parts.read("contexts", lambda: _contexts(gateway)),
-        "upstreams": await parts.read("upstreams", lambda: _upstreams(gateway)),
-        "who": {"name": who.name, "role": who.role},
-    }
+    readers: dict[str, Callable[[], Awaitable[Any]]] = {
+        "model_version": lambda: current_version(gateway), "workers": lambda: mesh_workers(gateway),
+        "trainer": lambda: trainer_report(gateway), "delta": lambda: _delta(gateway), "samples": lambda: _samples(gateway),
+        "sessions": sessions, "contexts": lambda: _contexts(gateway), "upstreams": lambda: _upstreams(gateway)}
+    # The one part that writes goes first, alone: a write refused by a cluster that is down makes
+    # redis-py close every connection, reads of the other masters in flight included. The reads
+    # then go at once: each that waits on a master that is down waits at the same time as the others.
+    got = {"gateway": await parts.read("gateway", gateways)}
+    got.update(zip(readers, await asyncio.gather(*[parts.read(name, fn) for name, fn in readers.items()]),
+                   strict=True))
     parts.check()
-    out["unavailable"] = parts.missing
-    return out
+    sync_from = [d for d in (got["delta"], got["trainer"]) if d is not None]
+    return {"ts_ms": control.now_ms(), **got,
+            "sync": {name: next((d[name] for d in sync_from if d.get(name) is not None), None)
+                     for name in ("compression_ratio", "sync_latency_ms")},
+            "who": {"name": who.name, "role": who.role}, "unavailable": sorted(parts.missing)}
 
 
 async def _delta(gateway: Gateway) -> dict[str, Any]:
@@ -128,20 +124,22 @@ async def _upstreams(gateway: Gateway) -> list[dict[str, Any]]:
 
 
 class _Parts:
-    """The summary's parts, each read on its own: on a cluster a part whose keys sit on a master
-    that is down is left out (``missing``) instead of failing the whole answer."""
+    """The summary's parts, each read on its own: on a cluster (``limit_s`` set) a part whose keys
+    sit on a master that is down, or that takes longer than ``limit_s`` (a master that is silent
+    rather than refusing), is left out (``missing``) instead of failing the whole answer."""
 
-    def __init__(self, cluster: bool) -> None:
-        self.cluster = cluster
+    def __init__(self, limit_s: float | None) -> None:
+        self.limit_s = limit_s
         self.missing: list[str] = []
         self.read_any = False
         self._first: BaseException | None = None
 
     async def read(self, name: str, make: Callable[[], Awaitable[T]]) -> T | None:
         try:
-            got = await make()
+            async with asyncio.timeout(self.limit_s):
+                got = await make()
         except Exception as exc:
-            if not (self.cluster and is_outage(exc)):
+            if self.limit_s is None or not (is_outage(exc) or isinstance(exc, TimeoutError)):
                 raise
             self.missing.append(name)
             self._first = self._first or exc
