@@ -30,9 +30,11 @@ Benching: a worker that answers heartbeats but lets ``worker.max_consecutive_tim
 requests in a row time out, with no answer of any kind from it between (a wedged serving loop),
 is benched for ``worker.bench_cooloff_s``: one warning, no new requests, and the requests in
 flight on it are retried elsewhere at once (counted as lost, so ``worker.max_request_losses``
-holds). After the cool-off it gets one trial request at a time: any answer brings it back, a
-timeout benches it again. Benched workers still serve when every other candidate is benched
-too: a bench may be mistaken, and a request that may time out beats one refused outright.
+holds). After the cool-off the gateway sends it a probe of its own (a one-token generation, so
+no caller's request is the one to find it still wedged): any answer brings it back, a probe
+unanswered within ``worker.request_timeout_s`` benches it again. Benched workers still serve when
+every other candidate is benched too: a bench may be mistaken, and a request that may time out
+beats one refused outright.
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ log = logging.getLogger("learnmesh.workers")
 
 _DEAD = object()  # put into a request's queue when its worker is declared dead
 _LOST, _DRAINING = object(), object()  # why a request came back without a result (see _await_result)
+# What a benched worker is asked after its cool-off: the smallest request its serving loop runs.
+_PROBE = {"op": "generate", "prompt": "probe", "max_tokens": 1, "temperature": 0.0, "entries": []}
 DRAINED_REFRESH_S = 2.0
 
 
@@ -110,7 +114,8 @@ class WorkerLink:
     leaving: bool = False  # its heartbeat says it is stopping: no new requests
     handshake_failing: bool = False  # the process at the endpoint does not hold the pinned worker key
     timeouts: int = 0  # requests in a row that timed out here with no answer from the worker between
-    benched_until: float | None = None  # monotonic: no requests until then, then one trial at a time
+    benched_until: float | None = None  # monotonic: no requests; from then on, probed (see _probe_benched)
+    probe: tuple[str, float] | None = None  # the probe out on a benched worker: its id and deadline (monotonic)
     watch: HandshakeWatch | None = None
     inflight: dict[str, asyncio.Queue[Any]] = field(default_factory=dict)  # reply parts, or _DEAD
     tasks: list[asyncio.Task] = field(default_factory=list)  # its reader and handshake watch
@@ -128,9 +133,10 @@ class WorkerLink:
     def set_handshake_failing(self, failing: bool) -> None:
         self.handshake_failing = failing
 
-    def routable(self, now: float) -> bool:
-        """Not benched; or its cool-off is over and no trial request is out on it."""
-        return self.benched_until is None or (now >= self.benched_until and not self.inflight)
+    @property
+    def routable(self) -> bool:
+        """Not benched (a benched worker comes back by answering a probe, not a caller's request)."""
+        return self.benched_until is None
 
     def status(self) -> dict[str, Any]:
         return {"index": self.index, "endpoint": self.endpoint, "id": self.worker_id or f"worker-{self.index}",
@@ -332,7 +338,31 @@ class WorkerPool:
                     self._declare_dead(link)
                 elif not link.last_seen_s and now - link.joined_s > timeout_s:
                     self._report_silence(link)
+                await self._probe_benched(link, now)
             await pause(interval_s)
+
+    async def _probe_benched(self, link: WorkerLink, now: float) -> None:
+        """Once ``link``'s cool-off is over, send it a probe through its serving loop (a one-token
+        generation, as a caller's request goes); any answer unbenches it (:meth:`_on_message`).
+        A probe unanswered within ``worker.request_timeout_s`` is cancelled and the worker stays
+        benched for another cool-off, with no other warning."""
+        if link.benched_until is None or not link.alive:  # not benched; or dead: the heartbeats handle it
+            return
+        if link.probe is not None:
+            rid, deadline = link.probe
+            if now < deadline:
+                return
+            link.probe = None
+            link.benched_until = now + self.wcfg.bench_cooloff_s
+            await self._cancel(link, rid)
+            return
+        if now < link.benched_until:
+            return
+        rid = f"probe-{uuid.uuid4().hex}"
+        msg = wire.encode(MsgType.INFER, {**_PROBE, "id": rid, "stream": False})
+        with contextlib.suppress(zmq.Again):  # not connected: the heartbeats find out
+            await link.sock.send_multipart(msg, flags=zmq.NOBLOCK)
+            link.probe = (rid, now + self.wcfg.request_timeout_s)
 
     @staticmethod
     def _report_silence(link: WorkerLink) -> None:
@@ -467,9 +497,9 @@ class WorkerPool:
         if not limit or link.timeouts < limit:
             return
         cooloff_s = self.wcfg.bench_cooloff_s
-        if link.benched_until is None:  # a failed trial benches it again without another warning
+        if link.benched_until is None:  # benched already (every worker was): no other warning
             log.warning("worker %s (%s) let %d requests in a row time out while it answers heartbeats; no requests "
-                        "go there for %gs, then one trial request (retrying its %d requests in flight elsewhere)",
+                        "go there for %gs, then a probe (retrying its %d requests in flight elsewhere)",
                         link.worker_id, link.endpoint, link.timeouts, cooloff_s, len(link.inflight))
         link.benched_until = time.monotonic() + cooloff_s
         metrics.WORKERS_BENCHED.set(sum(w.benched_until is not None for w in self.links))
@@ -479,7 +509,7 @@ class WorkerPool:
         link.timeouts = 0
         if link.benched_until is None:
             return
-        link.benched_until = None
+        link.benched_until = link.probe = None
         metrics.WORKERS_BENCHED.set(sum(w.benched_until is not None for w in self.links))
         log.info("worker %s (%s) answers requests again; back in the routing pool", link.worker_id, link.endpoint)
 
@@ -499,8 +529,7 @@ class WorkerPool:
         ok = [w for w in live if w.version >= min_version]
         if not ok:
             return None
-        now = time.monotonic()
-        ok = [w for w in ok if w.routable(now)] or ok  # benched ones only when nothing else can take it
+        ok = [w for w in ok if w.routable] or ok  # benched ones only when nothing else can take it
         return min(ok, key=lambda w: (w.load / w.capacity, w.load, w.index))
 
     async def _choose(self, min_version: int, exclude: set[int], deadline: float) -> WorkerLink:

@@ -315,8 +315,8 @@ class WorkerConfig:
         default=3, description="requests in a row that time out on one worker, with no answer from it between, "
                                "before it is benched (0: never)")
     bench_cooloff_s: PositiveFloat = Field(
-        default=30.0, description="how long a benched worker gets no request; then one trial request: an answer "
-                                  "brings it back, another timeout benches it again")
+        default=30.0, description="how long a benched worker gets no request; then the gateway probes it: an "
+                                  "answer brings it back, none within request_timeout_s benches it again")
     max_tokens_limit: PositiveInt = 512
     max_prompt_bytes: PositiveInt = 64 * 1024
     append_exchange: StrictBool = True

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import time
 
 import pytest
 import zmq.asyncio
 from prometheus_client import REGISTRY
 
+from gateway.workers import _PROBE as PROBE
 from gateway.workers import NoWorker, WorkerPool, WorkerRequestError, WorkerTimeout
 from shared.model import build_model
 from tests.conftest import free_port, wait_for
@@ -55,6 +55,8 @@ async def test_generate_stream_score_and_batching(one_worker):
 
         score = await pool.request({"op": "score", "prompt": "The gateway", "target": " is calm.", "entries": []})
         assert score["nll"] > 0 and score["tokens"] == len(" is calm.") + 1
+        # what the pool asks a benched worker after its cool-off is a request a worker serves
+        assert (await pool.request(dict(PROBE)))["tokens"] == 1
 
         for bad, match in ((gen(""), "prompt"), (gen(max_tokens=10_000), "max_tokens"),
                            ({"op": "score", "prompt": "x", "entries": []}, "target")):
@@ -125,15 +127,17 @@ async def test_kill_one_of_two_workers_under_load(tmp_path):
             stop(p, signal.SIGKILL)
 
 
-async def test_a_worker_that_answers_heartbeats_but_drops_requests_is_benched_then_tried_again(tmp_path, caplog):
+async def test_a_worker_that_answers_heartbeats_but_drops_requests_is_benched_then_probed(tmp_path, caplog):
     """A worker whose serving loop is wedged still answers HELLO. After
     worker.max_consecutive_timeouts requests in a row time out there with no answer between, it
     gets no request for worker.bench_cooloff_s (one warning), the request still in flight there is
     retried at once on the other worker, and the admin listing says benched. After the cool-off
-    one trial request goes there: a timeout benches it again without another warning; an answer
-    brings it back. Real ZeroMQ sockets play both workers; the wedged one reports itself the
-    less loaded, so routing alone would keep choosing it."""
-    _, cfg = write_config(tmp_path, 2, worker={"max_consecutive_timeouts": 2, "bench_cooloff_s": 1.0})
+    the gateway probes it, and no caller's request goes there meanwhile: a probe unanswered within
+    worker.request_timeout_s benches it again without another warning; an answered one brings it
+    back. Real ZeroMQ sockets play both workers; the wedged one reports itself the less loaded, so
+    routing alone would keep choosing it."""
+    _, cfg = write_config(tmp_path, 2, worker={"max_consecutive_timeouts": 2, "bench_cooloff_s": 1.0,
+                                               "request_timeout_s": 1.0})
     ctx = zmq.asyncio.Context()
     wedged = FakeWorker(ctx, cfg, cfg.worker.endpoints[0], "wedged")
     wedged.answers = lambda header: False
@@ -146,6 +150,9 @@ async def test_a_worker_that_answers_heartbeats_but_drops_requests_is_benched_th
 
     def benched_warnings() -> list[str]:
         return [r.getMessage() for r in caplog.records if "requests in a row time out" in r.getMessage()]
+
+    def probes() -> list[str]:
+        return [rid for rid in wedged.unanswered if rid.startswith("probe-")]
     try:
         await pool.wait_live(2, timeout_s=30)
         await wait_for(lambda: pool.links[1].reported_load == 50, what="the other worker's load")
@@ -163,21 +170,21 @@ async def test_a_worker_that_answers_heartbeats_but_drops_requests_is_benched_th
         assert REGISTRY.get_sample_value("learnmesh_workers_benched") == 1.0
         assert benched_warnings() == [
             f"worker wedged ({link.endpoint}) let 2 requests in a row time out while it answers heartbeats; no "
-            "requests go there for 1s, then one trial request (retrying its 1 requests in flight elsewhere)"]
+            "requests go there for 1s, then a probe (retrying its 1 requests in flight elsewhere)"]
 
-        benched_until = link.benched_until
-        assert benched_until is not None
-        await wait_for(lambda: time.monotonic() >= benched_until, what="the cool-off to end")
-        with pytest.raises(WorkerTimeout):
-            await pool.request(gen("trial"), timeout_s=0.5)
-        assert len(wedged.unanswered) == 4 and link.benched_until is not None
-        assert (await pool.request(gen("after the trial"), timeout_s=5))["worker"] == "other"
+        first_bench = link.benched_until
+        assert first_bench is not None
+        await wait_for(lambda: len(probes()) == 1, timeout_s=10, what="a probe after the cool-off")
+        for i in range(3):  # while the probe is out, callers are still served elsewhere
+            assert (await pool.request(gen(f"probed {i}"), timeout_s=5))["worker"] == "other"
+        await wait_for(lambda: (link.benched_until or 0) > first_bench + 1.0, timeout_s=10,
+                       what="the unanswered probe to bench it again")
+        assert link.probe is None or link.probe[0] != probes()[0]
+        assert [rid for rid in wedged.unanswered if not rid.startswith("probe-")] == wedged.unanswered[:3]
         assert len(benched_warnings()) == 1
 
         wedged.answers = lambda header: True  # unwedged
-        benched_until = link.benched_until
-        await wait_for(lambda: time.monotonic() >= benched_until, what="the second cool-off to end")
-        assert (await pool.request(gen("trial again"), timeout_s=5))["worker"] == "wedged"
+        await wait_for(lambda: link.benched_until is None, timeout_s=10, what="an answered probe to bring it back")
         assert {w["id"]: w["benched"] for w in pool.status()} == {"wedged": False, "other": False}
         assert REGISTRY.get_sample_value("learnmesh_workers_benched") == 0.0
         assert (await pool.request(gen("back"), timeout_s=5))["worker"] == "wedged"
