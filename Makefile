@@ -22,10 +22,15 @@ run: $(STAMP)
 compose-secrets: $(STAMP)
 	$(BIN)/learnmesh compose-secrets --out compose/secrets.env
 
+## Test processes: 2 when each can start its own Redis (a private server and cluster per process);
+## 1 against a shared one (LEARNMESH_TEST_REDIS_URL / _CLUSTER_URL, or no redis-server on PATH),
+## which every test flushes. `make test TEST_JOBS=1` runs them one at a time.
+TEST_JOBS ?= $(if $(shell command -v redis-server),$(if $(LEARNMESH_TEST_REDIS_URL)$(LEARNMESH_TEST_REDIS_CLUSTER_URL),1,2),1)
+
 ## All tests, then the official MCP conformance suite on both revisions (directly, and through
 ## the proxy to an upstream that speaks only 2025-11-25, then only 2026-07-28).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(if $(filter 1,$(TEST_JOBS)),0,$(TEST_JOBS))
 	bash scripts/conformance.sh
 	THROUGH_PROXY=2025-11-25 bash scripts/conformance.sh
 	THROUGH_PROXY=2026-07-28 bash scripts/conformance.sh

@@ -1,8 +1,9 @@
 """Test fixtures shared by every test module.
 
 Tests run against a real Redis server: a private ``redis-server`` started for the test
-session on a free port (so parallel runs never share state), or — when no binary is on
-PATH — the one answering on 127.0.0.1:6379 (database 15). Each test gets a flushed
+session on a free port (so parallel runs never share state: ``make test`` runs two test
+processes, each with its own), or — when no binary is on PATH — the one answering on
+127.0.0.1:6379 (database 15), which only one test process may use. Each test gets a flushed
 database. ``wait_for`` replaces sleeps: poll a condition until it holds or time runs out
 (tests/waiting.py, re-exported here).
 
@@ -44,6 +45,20 @@ from shared.redis_client import (
 from shared.redis_local_cluster import LocalCluster
 from tests.waiting import wait_for as wait_for
 from tests.waiting import wait_for_sync as wait_for_sync
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Several test processes (pytest-xdist ``-n``) each start their own Redis; a shared one, which
+    every test flushes, would have them empty each other's data mid-test."""
+    jobs = getattr(config.option, "numprocesses", None)
+    if not jobs or jobs == 1:
+        return
+    shared = [name for name in ("LEARNMESH_TEST_REDIS_URL", "LEARNMESH_TEST_REDIS_CLUSTER_URL") if os.environ.get(name)]
+    if shutil.which("redis-server") is None:
+        shared.append("no redis-server on PATH (127.0.0.1:6379 is used)")
+    if shared:
+        raise pytest.UsageError(f"tests flush a shared Redis ({', '.join(shared)}): run them in one process "
+                                "(make test TEST_JOBS=1, or pytest without -n)")
 
 
 @pytest.fixture(scope="session")
