@@ -194,12 +194,15 @@ def test_children_reach_the_cluster_while_the_url_node_is_down(tmp_path: Path) -
     (a master killed and failed over; the trainer's rank group restarts then) must reach the
     cluster through the nodes the supervisor saw at start, not fail until the node returns."""
     from services.supervisor import seed_more_nodes
-    from shared.redis_client import ClusterUnreachable, close_sync, sync_client
+    from shared.redis_client import ClusterUnreachable, close_sync, cluster_addresses, sync_client
     from shared.redis_local_cluster import LocalCluster
 
     cluster = LocalCluster(masters=3, replicas=1).start()
     try:
         cfg = load_config(env={}, overrides={"redis": {"url": cluster.url}})
+        # a replica is in the slot map once its master's node has heard it is one (gossip, soon after start)
+        wait_for_sync(lambda: len(cluster_addresses(cfg.redis)) == 6, timeout_s=30,
+                      what="every replica in the URL node's slot map")
         seed_more_nodes(cfg)
         assert sorted(cfg.redis.cluster_nodes) == sorted(n.address for n in cluster.nodes[1:])
         paths = child_configs(cfg, argparse.Namespace(workers=None), tmp_path, {"demo": "demo-key-123"}, "admin-key")

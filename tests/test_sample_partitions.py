@@ -75,3 +75,39 @@ async def test_every_partition_is_read_in_order_and_positions_resume_exactly(red
 
 def _ms(entry_id: str) -> int:
     return int(entry_id.partition("-")[0])
+
+
+async def test_entries_are_counted_in_the_log_they_were_read_from(redis_target: RedisTarget, tmp_path) -> None:
+    """A log made (or made again: a Redis that lost its data) between the trainer's look at the
+    logs' identities and its read of their entries: the entries are counted in the log they came
+    from, never in the one the trainer knew before nor in none, so a restarted trainer resumes
+    in the right log."""
+    cfg = _config(redis_target, tmp_path, 1)
+    redis = redis_target.async_client()
+    ingest = SampleIngest(redis, cfg)  # type: ignore[arg-type]
+    sync = redis_target.sync_client()
+    ctx = zmq.Context()
+    source = SampleSource(cfg, sync, ctx, {}, partitions=1)
+    try:
+        assert not source.check_log()  # no log yet
+        first = await ingest.submit("alice", [Example(input=f"a{i}", target="a") for i in range(3)])
+        first_log = first["learned"].partition(".")[0]
+        got = source.next_batch(2, 100, lambda: False)  # read without another look at the identities
+        assert [s.seq for s in got] == [1, 2]
+        assert source.positions()[0].log == first_log
+
+        redis_target.flush()  # the log is lost, and made again, before the trainer looks again
+        again = await ingest.submit("alice", [Example(input=f"b{i}", target="b") for i in range(5)])
+        again_log = again["learned"].partition(".")[0]
+        assert again_log != first_log
+        source._backlog = True  # the next call reads at once, as after a wake-up
+        got = source.next_batch(10, 100, lambda: False)
+        assert [s.seq for s in got] == [1, 2, 3, 4, 5], "the new log from its start, not after seq 2 of the old"
+        assert {s.id for s in got} == set(again["ids"])
+        assert source.positions()[0].log == again_log
+    finally:
+        source.close()
+        ctx.term()
+        ingest.close()
+        close_sync(sync)
+        await redis.aclose()

@@ -165,15 +165,27 @@ class _Partition:
     def position(self) -> Position:
         return Position(self.seq, self.last_id, self.log_id)
 
-    def fill(self, redis: Any, limit: int) -> int:
+    def fill(self, redis: Any, limit: int) -> tuple[int, bool]:
         """Read log entries after the last one read until ``limit`` samples are ahead or the
-        partition ends; returns the reads made."""
+        partition ends; returns the reads made, and whether the log is no longer ``log_id`` (the
+        caller restarts the partition: see SampleSource.check_log). Each read takes the log's
+        identity with its entries (one pipeline, one slot), so entries are never counted in a log
+        they are not of: a log recreated since the identity was last looked at is found here, and a
+        partition that knew no log yet adopts the one its entries come from."""
         start = "(" + self.read_id if self.read_id else (self.last_id or "-")
         after = self.ahead[-1].seq if self.ahead else self.seq
         first, reads = len(self.ahead), 0
         while len(self.ahead) < limit:
             reads += 1
-            entries = redis.xrange(self.log_key, min=start, max="+", count=8)
+            pipe = redis.pipeline(transaction=False)
+            pipe.get(self.id_key)
+            pipe.xrange(self.log_key, min=start, max="+", count=8)
+            raw_id, entries = pipe.execute()
+            current = as_str(raw_id) if raw_id is not None else ""
+            if current != self.log_id:
+                if self.log_id or self.seq:  # not the log the position counts in
+                    return reads, True
+                self.log_id = current  # the first log seen (or none yet: nothing to read)
             for eid, fields in entries:
                 self.ahead.extend(s for s in parse_entry(eid, fields, self.index) if s.seq > after)
                 self.read_id = as_str(eid)
@@ -183,7 +195,7 @@ class _Partition:
         if len(self.ahead) > first and self.ahead[first].seq != after + 1:
             log.error("sample log partition %d does not continue at seq %d (found %d): entries were trimmed "
                       "before being trained; continuing from the log", self.index, after + 1, self.ahead[first].seq)
-        return reads
+        return reads, False
 
     def restart(self, log_id: str) -> None:
         """Count from the start of the partition's log ``log_id``."""
@@ -260,7 +272,10 @@ class SampleSource:
 
     def _fill(self, limit: int) -> None:
         for part in self.parts:
-            self.log_reads += part.fill(self.redis, limit)
+            reads, changed = part.fill(self.redis, limit)
+            self.log_reads += reads
+            if changed and self.check_log():  # restarted on the log Redis holds now: read it from its start
+                self.log_reads += part.fill(self.redis, limit)[0]
 
     def check_log(self) -> bool:
         """Follow each partition's log identity: adopt it when first seen; when it changes (the
