@@ -81,3 +81,39 @@ def test_a_restarted_group_meets_in_fresh_keys_of_the_torchrun_agents_store():
         first.kill()
         raise
     finish([first, rank(0, 1)])
+
+
+def test_a_stop_signal_that_torchrun_turns_into_another_error_is_still_a_clean_stop(monkeypatch: pytest.MonkeyPatch):
+    """SIGTERM raises where torchrun's agent happens to be. Inside its metrics wrapper before the
+    wrapper's start time is set, the wrapper's ``finally`` turns the stop into an UnboundLocalError;
+    the agent still stopped the ranks, so ``learnmesh trainer`` exits 0, not 1 with a traceback. A
+    stand-in agent does what that wrapper does, with a real signal."""
+    import signal
+    import time
+
+    from services.trainer import launcher
+
+    def agent(config: object, entrypoint: str):
+        def run(*argv: str) -> None:
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)  # the handler raises on the next bytecode
+                start = time.time()
+            finally:
+                _ = time.time() - start  # unbound when the signal came first, as in torch
+
+        return run
+
+    def failing_agent(config: object, entrypoint: str):
+        def run(*argv: str) -> None:
+            raise UnboundLocalError("not a stop")
+
+        return run
+
+    cfg = load_config(env={}, overrides={"trainer": {"ranks": 1, "backend": "gloo"}})
+    previous = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(launcher, "elastic_launch", agent)
+    assert launcher._run(cfg, ["-c", "pass"]) == 0
+    assert signal.getsignal(signal.SIGTERM) is previous  # the stop handler is removed again
+    monkeypatch.setattr(launcher, "elastic_launch", failing_agent)
+    with pytest.raises(UnboundLocalError, match="not a stop"):  # without a stop signal it is an error
+        launcher._run(cfg, ["-c", "pass"])

@@ -88,6 +88,14 @@ def _run(cfg: Config, argv: Sequence[str]) -> int:
         return 1
     except SignalException:
         return stop.outcome(cfg.trainer.step_timeout_s)
+    except Exception:
+        if stop.at is None:
+            raise
+        # The stop signal raises wherever the agent is: inside torchrun's metrics wrapper before it
+        # set its start time, SignalException becomes an UnboundLocalError of that wrapper. The
+        # agent shut the ranks down all the same (its run()'s finally), so this is still the stop.
+        log.debug("torchrun's agent ended with %r after the stop signal", sys.exc_info()[1])
+        return stop.outcome(cfg.trainer.step_timeout_s)
     finally:
         stop.restore()
 
