@@ -167,11 +167,10 @@ class _Partition:
 
     def fill(self, redis: Any, limit: int) -> tuple[int, bool]:
         """Read log entries after the last one read until ``limit`` samples are ahead or the
-        partition ends; returns the reads made, and whether the log is no longer ``log_id`` (the
-        caller restarts the partition: see SampleSource.check_log). Each read takes the log's
-        identity with its entries (one pipeline, one slot), so entries are never counted in a log
-        they are not of: a log recreated since the identity was last looked at is found here, and a
-        partition that knew no log yet adopts the one its entries come from."""
+        partition ends; returns the reads made, and whether the log is not ``log_id`` (the caller
+        adopts or restarts on it: SampleSource.check_log). Each read takes the log's identity with
+        its entries (one pipeline, one slot), so entries are never counted in a log they are not
+        of, however the log changed since its identity was last looked at."""
         start = "(" + self.read_id if self.read_id else (self.last_id or "-")
         after = self.ahead[-1].seq if self.ahead else self.seq
         first, reads = len(self.ahead), 0
@@ -181,11 +180,8 @@ class _Partition:
             pipe.get(self.id_key)
             pipe.xrange(self.log_key, min=start, max="+", count=8)
             raw_id, entries = pipe.execute()
-            current = as_str(raw_id) if raw_id is not None else ""
-            if current != self.log_id:
-                if self.log_id or self.seq:  # not the log the position counts in
-                    return reads, True
-                self.log_id = current  # the first log seen (or none yet: nothing to read)
+            if (as_str(raw_id) if raw_id is not None else "") != self.log_id:
+                return reads, True
             for eid, fields in entries:
                 self.ahead.extend(s for s in parse_entry(eid, fields, self.index) if s.seq > after)
                 self.read_id = as_str(eid)
@@ -274,7 +270,8 @@ class SampleSource:
         for part in self.parts:
             reads, changed = part.fill(self.redis, limit)
             self.log_reads += reads
-            if changed and self.check_log():  # restarted on the log Redis holds now: read it from its start
+            if changed:  # adopt, or restart on, the log Redis holds now, then read it
+                self.check_log()
                 self.log_reads += part.fill(self.redis, limit)[0]
 
     def check_log(self) -> bool:

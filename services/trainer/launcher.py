@@ -88,13 +88,13 @@ def _run(cfg: Config, argv: Sequence[str]) -> int:
         return 1
     except SignalException:
         return stop.outcome(cfg.trainer.step_timeout_s)
-    except Exception:
+    except Exception as exc:
         if stop.at is None:
             raise
         # The stop signal raises wherever the agent is: inside torchrun's metrics wrapper before it
         # set its start time, SignalException becomes an UnboundLocalError of that wrapper. The
         # agent shut the ranks down all the same (its run()'s finally), so this is still the stop.
-        log.debug("torchrun's agent ended with %r after the stop signal", sys.exc_info()[1])
+        log.debug("torchrun's agent ended with %r after the stop signal", exc)
         return stop.outcome(cfg.trainer.step_timeout_s)
     finally:
         stop.restore()
