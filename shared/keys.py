@@ -262,7 +262,7 @@ TRAINER_TRAINED = f"{PREFIX}{{trainer}}:trained"
 TRAINER_SKIPPED = f"{PREFIX}{{trainer}}:skipped"
 """Hash: optimizer step -> space-separated ``<sample id>=<reason>`` consumed in that step without
 a gradient (``no_gradient``: a down-vote; ``context_gone``: its context snapshot could not be
-read). Never in the ledger of trained ids."""
+read; ``bad_input``: the model could not encode it). Never in the ledger of trained ids."""
 TRAINER_STATUS = f"{PREFIX}trainer:status"
 """Hash: progress of the running trainer (step, loss, samples/s, updated_ms) for admin/stats."""
 

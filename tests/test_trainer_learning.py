@@ -16,10 +16,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from trainer_support import TrainerProc, async_redis, trained, trainer_config
+from trainer_support import TrainerProc, async_redis, sync_redis_open, trained, trainer_config
 
 from gateway.tools.learning import SampleIngest
+from services.trainer import ledger
 from shared import keys
+from shared.context import ContextStore
 from shared.model import build_model
 from shared.samples import Example
 from tests.conftest import free_port, wait_for
@@ -104,3 +106,38 @@ async def test_a_fact_taught_once_is_replayed_until_the_model_gives_its_answer(r
     answered = [o.decode(errors="replace") == t for o, (_, t) in zip(out, FACTS, strict=True)]
     assert all(answered), (out, given)
     assert given > 0, "answer passes were given"
+
+
+async def test_a_sample_the_model_cannot_encode_is_skipped_and_training_goes_on(redis_url, tmp_path):
+    """The store keeps any bytes under the image modality; the model cannot decode these. The
+    sample naming that context is consumed without training (``bad_input``), decided once by
+    rank 0, and the samples after it are trained: the trainer does not fail its ranks on it
+    (and again at every restart, the sample being durable in the log)."""
+    cfg = trainer_config(redis_url, tmp_path, free_port(), ranks=2, batch_size=4, checkpoint_every=1000,
+                         model_factory="", model=MODEL)
+    redis = async_redis(redis_url)
+    store = ContextStore(redis, cfg.context)
+    ingest = SampleIngest(redis, cfg, store)
+    proc = None
+    try:
+        await store.append("alice", "pic", "text", "user", b"look at this")
+        pic = await store.append("alice", "pic", "image", "user", b"AAAA", mime="image/png")
+        bad = await ingest.submit("alice", [Example(input="What is it?", target=" A cat.", context_id="pic",
+                                                    version=pic.version)])
+        good = await ingest.submit("alice", [Example(input=p, target=t) for p, t in FACTS])
+        proc = TrainerProc(cfg, tmp_path)
+        await wait_for(lambda: trained(redis_url) == 1 + len(FACTS), timeout_s=120,
+                       what=lambda: f"the trainer to consume every sample\n{proc.output()}")
+        stats = await ingest.stats()
+        assert proc.term() == 0, proc.output()
+    finally:
+        if proc is not None:
+            proc.close()
+        ingest.close()
+        await redis.aclose()
+    with sync_redis_open(redis_url) as r:
+        trained_ids, skipped = ledger.trained_ids(r), ledger.skipped_ids(r)
+    assert skipped == {bad["ids"][0]: "bad_input"}
+    assert sorted(trained_ids) == sorted(good["ids"])
+    assert stats["skipped"] == {"bad_input": 1}
+    assert "image could not be decoded" in proc.output()

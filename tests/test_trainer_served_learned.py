@@ -35,7 +35,7 @@ from shared.samples import (
 from tests.conftest import free_port, wait_for
 
 
-def _record(seq: int, sample: Sample | None = None, skip: bool = False) -> TrainRecord:
+def _record(seq: int, sample: Sample | None = None, skip: str = "") -> TrainRecord:
     s = sample or Example(input=f"q{seq}", target=f"a{seq}")
     return TrainRecord(LoggedSample(f"e-{seq}:0", seq, "alice", s, f"e-{seq}"), None, skip=skip)
 
@@ -123,7 +123,7 @@ def test_replay_buffer_overflow_is_logged_however_many_samples_a_step_adds(caplo
 
 def test_outcomes_never_count_a_sample_without_gradient_as_trained() -> None:
     down = Feedback(input="q", generation_id="g", output="a", preference="down")
-    trained, skipped = outcomes([_record(1), _record(2, skip=True), _record(3, down)])
+    trained, skipped = outcomes([_record(1), _record(2, skip="context_gone"), _record(3, down)])
     assert trained == ["e-1:0"]
     assert skipped == {"e-2:0": "context_gone", "e-3:0": "no_gradient"}
 

@@ -42,12 +42,25 @@ class TrainRecord:
 
     __slots__ = ("logged", "context", "skip", "replay")
 
-    def __init__(self, logged: LoggedSample, context: ContextWindow | None, skip: bool = False,
+    def __init__(self, logged: LoggedSample, context: ContextWindow | None, skip: str = "",
                  replay: bool = False) -> None:
         self.logged = logged
         self.context = context
-        self.skip = skip  # consumed without gradient (its context snapshot is gone)
+        self.skip = skip  # why it is consumed without a gradient ("": it is not; see leader.outcomes)
         self.replay = replay  # a further pass over a sample already trained (services/trainer/replay.py)
+
+
+def encode_record(model: Any, record: TrainRecord, pair: tuple[str, str]) -> Any:
+    """The model's example of ``record``: its context, prompt and target ``pair``, with the
+    sample's modalities where the model takes them. Raises ``ValueError`` (MediaError,
+    ModelInputError) for an input the model cannot encode."""
+    mods = record.logged.sample.modalities
+    if mods:
+        try:
+            return model.encode(record.context, pair[0], pair[1], modalities=mods)
+        except TypeError:
+            pass
+    return model.encode(record.context, pair[0], pair[1])
 
 
 # ---------------------------------------------------------------- batch bytes
@@ -94,7 +107,7 @@ def decode_batch(data: bytes | memoryview) -> tuple[str, list[TrainRecord], dict
                           size_bytes=e["n"], ts_ms=e["t"], links=tuple(e["links"])))
             ctx = ContextWindow(item["p"], c["cid"], c["v"], channels)
         records.append(TrainRecord(LoggedSample(item["id"], item["seq"], item["p"], sample, item["e"]), ctx,
-                                   bool(item.get("skip")), bool(item.get("rp"))))
+                                   str(item.get("skip") or ""), bool(item.get("rp"))))
     op = header.pop("op")
     return op, records, header
 
@@ -361,7 +374,7 @@ class SampleSource:
                 except Exception as exc:  # snapshot evicted since the gateway checked it
                     log.warning("sample %s: context %s@%s unreadable (%s); consumed without training",
                                 s.id, s.sample.context_id, s.sample.version, type(exc).__name__)
-                    out.append(TrainRecord(s, None, skip=True))
+                    out.append(TrainRecord(s, None, skip="context_gone"))
                     continue
             out.append(TrainRecord(s, ctx))
         return out

@@ -28,7 +28,7 @@ from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from services.trainer.data import ContextReader, SampleSource, TrainRecord, encode_batch
+from services.trainer.data import ContextReader, SampleSource, TrainRecord, encode_batch, encode_record
 from services.trainer.ledger import Ledger, Offset
 from services.trainer.operations import TrainerOps
 from services.trainer.publisher import DeltaPublisher
@@ -117,7 +117,25 @@ class Leader:
         fresh_limit = limit - limit // 2 if self.replay else limit
         samples = self.source.next_batch(fresh_limit, 0 if self.replay else self.t.batch_wait_ms, stop)
         records = self.source.records(samples)
+        self._skip_unencodable(records)
         return records + self.replay.take(limit - len(records))
+
+    def _skip_unencodable(self, records: list[TrainRecord]) -> None:
+        """Fresh samples the model cannot encode (a context entry that is not a decodable image
+        or audio clip, ...) are consumed without training, as ``bad_input``. Decided here, once
+        for every rank: a rank meeting the error in its share would stop the group, and the
+        sample, durable in the log, would stop it again after every restart. Their replays are
+        never owed (see _commit)."""
+        model = self.weights.model
+        for r in records:
+            pair = None if r.skip else r.logged.sample.training_pair()
+            if pair is None:
+                continue
+            try:
+                encode_record(model, r, pair)
+            except ValueError as exc:  # MediaError, ModelInputError: the input, not the trainer
+                log.warning("sample %s: the model cannot encode it (%s); consumed without training", r.logged.id, exc)
+                r.skip = "bad_input"
 
     def _idle(self) -> bytes:
         """``sync`` once training has paused for ``consistency.idle_sync_ms`` and workers may hold
@@ -313,7 +331,7 @@ def outcomes(records: list[TrainRecord]) -> tuple[list[str], dict[str, str]]:
     skipped: dict[str, str] = {}
     for r in records:
         if r.skip:
-            skipped[r.logged.id] = "context_gone"
+            skipped[r.logged.id] = r.skip
         elif r.logged.sample.training_pair() is None:
             skipped[r.logged.id] = "no_gradient"
         else:

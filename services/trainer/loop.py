@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from services.trainer import checkpoint
-from services.trainer.data import TrainRecord, decode_batch
+from services.trainer.data import TrainRecord, decode_batch, encode_record
 from services.trainer.dist import RankGroup
 from services.trainer.leader import Leader
 from services.trainer.stepper import Stepper
@@ -144,14 +144,7 @@ class Trainer:
         return [next(said) if p is not None else True for p in pairs]
 
     def _encode(self, record: TrainRecord, pair: tuple[str, str]) -> Any:
-        model = self.stepper.model
-        mods = record.logged.sample.modalities
-        if mods:
-            try:
-                return model.encode(record.context, pair[0], pair[1], modalities=mods)
-            except TypeError:
-                pass
-        return model.encode(record.context, pair[0], pair[1])
+        return encode_record(self.stepper.model, record, pair)
 
     # ---------------------------------------------------------------- checkpoints
     def save_checkpoint(self) -> str | None:
