@@ -16,10 +16,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from trainer_support import TrainerProc, async_redis, sync_redis_open, trained, trainer_config
+from trainer_support import TrainerProc, async_redis, ledger_outcomes, trained, trainer_config
 
 from gateway.tools.learning import SampleIngest
-from services.trainer import ledger
 from shared import keys
 from shared.context import ContextStore
 from shared.model import build_model
@@ -135,8 +134,7 @@ async def test_a_sample_the_model_cannot_encode_is_skipped_and_training_goes_on(
             proc.close()
         ingest.close()
         await redis.aclose()
-    with sync_redis_open(redis_url) as r:
-        trained_ids, skipped = ledger.trained_ids(r), ledger.skipped_ids(r)
+    trained_ids, skipped = ledger_outcomes(redis_url)
     assert skipped == {bad["ids"][0]: "bad_input"}
     assert sorted(trained_ids) == sorted(good["ids"])
     assert stats["skipped"] == {"bad_input": 1}

@@ -9,6 +9,7 @@ from trainer_support import (
     TrainerProc,
     async_redis,
     committed,
+    ledger_outcomes,
     position,
     sync_redis_open,
     trained,
@@ -171,8 +172,7 @@ async def test_a_copied_context_trains_however_old_its_version_gets_and_a_lost_o
             proc.close()
         ingest.close()
         await redis.aclose()
-    with sync_redis_open(redis_url) as r:
-        trained_ids, skipped = ledger.trained_ids(r), ledger.skipped_ids(r)
+    trained_ids, skipped = ledger_outcomes(redis_url)
     assert sorted(trained_ids) == sorted(ok["ids"] + copied["ids"]), "a copied context trains after its version aged out"
     assert skipped == {aged["ids"][0]: "context_gone", down["ids"][0]: "no_gradient"}
     assert stats["skipped"] == {"context_gone": 1, "no_gradient": 1}

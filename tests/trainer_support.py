@@ -105,6 +105,14 @@ def async_redis(redis_url: str) -> Any:
     return async_client(RedisConfig(url=redis_url))
 
 
+def ledger_outcomes(redis_url: str) -> tuple[list[str], dict[str, str]]:
+    """(ids in the ledger of trained samples, {id: reason} of those consumed without training)."""
+    from services.trainer import ledger
+
+    with sync_redis_open(redis_url) as r:
+        return ledger.trained_ids(r), ledger.skipped_ids(r)
+
+
 def trained_total(record: dict[str, str]) -> int:
     """Samples a commit record (``committed``) says were trained, over every log partition."""
     return sum(int(v) for k, v in record.items() if k == "seq" or k.startswith("seq."))
