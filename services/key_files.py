@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from services.supervisor import under_var
 from shared import crypto, curve
-from shared.config import Config
+from shared.config import Config, var_dir
 
 
 def main(cfg: Config, args: argparse.Namespace) -> int:
+    cfg = under_var(cfg, var_dir().resolve())  # where `up` reads them ($LEARNMESH_VAR)
     keys_dir = Path(cfg.zmq.keys_dir)
     if args.rotate_zmq:
         public = curve.write_keypair(keys_dir, args.rotate_zmq, keep_previous=True)

@@ -36,7 +36,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from shared.config import CONFIG_ENV, ENV_PREFIX, Config, ConfigError, load_config
+from shared.config import CONFIG_ENV, ENV_PREFIX, Config, ConfigError, apply_overrides, load_config
 from shared.config import var_dir as config_var_dir
 from shared.lifetime import die_with_parent
 from shared.net import listened_on
@@ -106,18 +106,23 @@ class Child:
 
 def load_or_create_keys(var_dir: Path, cfg: Config) -> tuple[dict[str, str], str]:
     """API keys (principal -> key) and an admin key: from config/env when given, else
-    generated once and kept in ``var/keys/generated.yaml`` (mode 0600)."""
+    generated once and kept in ``var/keys/generated.yaml`` (mode 0600). Only generated keys
+    go into that file: keys an operator chose stay where they were given. Written there, they
+    would outlive their variables, and a later start without them would take their principals
+    for the demo's, who may teach (see child_configs)."""
     path = var_dir / "keys" / "generated.yaml"
     stored: dict[str, Any] = {}
     if path.is_file():
         stored = yaml.safe_load(read_private(path, "generated keys file")) or {}
-    api_keys = dict(cfg.gateway.api_keys) or dict(stored.get("api_keys") or {})
+    keep = dict(stored)
+    api_keys = dict(cfg.gateway.api_keys)
     if not api_keys:
-        api_keys = {"demo": secrets.token_urlsafe(24)}
+        api_keys = keep["api_keys"] = dict(stored.get("api_keys") or {}) or {"demo": secrets.token_urlsafe(24)}
     admin = next((k.key for k in cfg.gateway.admin_keys.values() if k.role == "admin"), None)
-    admin = admin or stored.get("admin_key") or secrets.token_urlsafe(24)
-    if stored != {"api_keys": api_keys, "admin_key": admin}:
-        write_private(path, yaml.safe_dump({"api_keys": api_keys, "admin_key": admin}))
+    if not admin:
+        admin = keep["admin_key"] = stored.get("admin_key") or secrets.token_urlsafe(24)
+    if keep != stored:
+        write_private(path, yaml.safe_dump(keep))
     return api_keys, admin
 
 
@@ -268,20 +273,22 @@ def child_configs(cfg: Config, args: Any, var_dir: Path, api_keys: dict[str, str
     return paths
 
 
+def under_var(cfg: Config, var_dir: Path) -> Config:
+    """``cfg`` with the defaults of :data:`_VAR_PATHS` under ``var_dir``: the places `up`'s
+    children use, and so the ones ``learnmesh keys`` must write."""
+    return apply_overrides(cfg, _var_overrides(cfg, var_dir))
+
+
 def prepare_keys(cfg: Config, var_dir: Path) -> None:
     """Make the mesh's ZeroMQ keypairs and delta keys before any child starts (children then
     only read them), and split a delta key file of an earlier version that still holds the
     signing key, so no worker is ever handed the trainer's private key."""
     from shared import crypto, curve
 
-    def path(section: str, name: str) -> str:
-        value = str(getattr(getattr(cfg, section), name))
-        return str(var_dir / _VAR_PATHS[(section, name)]) if value == f"var/{_VAR_PATHS[(section, name)]}" else value
-
+    cfg = under_var(cfg, var_dir)
     if cfg.zmq.curve:
-        curve.ensure_keys(path("zmq", "keys_dir"))
-    ring = path("security", "delta_key_file")
-    crypto.ensure_keys(ring, cfg.security.delta_sign_key_file or str(Path(ring).with_name("delta-sign.key")))
+        curve.ensure_keys(cfg.zmq.keys_dir)
+    crypto.ensure_keys(cfg.security.delta_key_file, cfg.security.signing_key_path)
 
 
 def ports_taken(cfg: Config, args: Any) -> list[str]:

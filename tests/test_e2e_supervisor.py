@@ -30,6 +30,12 @@ def test_keys_are_generated_once_private_and_config_keys_win(tmp_path: Path) -> 
     assert load_or_create_keys(tmp_path, cfg) == (keys1, admin1)
     mine = load_config(env={"LEARNMESH_API_KEYS": "alice:alice-key-123", "LEARNMESH_ADMIN_KEY": "admin-key-123"})
     assert load_or_create_keys(tmp_path, mine) == ({"alice": "alice-key-123"}, "admin-key-123")
+    assert "alice" not in path.read_text() and "admin-key-123" not in path.read_text(), \
+        "keys an operator chose are never written to the generated keys file"
+    assert load_or_create_keys(tmp_path, cfg) == (keys1, admin1), "the next start without them: the generated ones"
+    teachers = load_config(child_configs(cfg, argparse.Namespace(workers=None), tmp_path, keys1, admin1)["gateway"],
+                           env={}).learning.teachers
+    assert set(teachers) == {*cfg.learning.teachers, *keys1}, "only the generated keys' principals may teach"
 
 
 def test_default_var_paths_move_under_learnmesh_var(tmp_path: Path) -> None:
@@ -43,6 +49,20 @@ def test_default_var_paths_move_under_learnmesh_var(tmp_path: Path) -> None:
     explicit = load_config(env={}, overrides={"trainer": {"checkpoint_dir": "/elsewhere"}})
     paths = child_configs(explicit, args, tmp_path, {"demo": "demo-key-123"}, "admin-key-123")
     assert load_config(paths["trainer"], env={}).trainer.checkpoint_dir == "/elsewhere"
+
+
+def test_learnmesh_keys_writes_where_up_reads_them(tmp_path: Path) -> None:
+    """`learnmesh keys` (and --rotate-zmq) with $LEARNMESH_VAR, run from any directory: the keys
+    land under $LEARNMESH_VAR, where `up` reads them, not under ./var."""
+    elsewhere, var = tmp_path / "elsewhere", tmp_path / "mesh-var"
+    elsewhere.mkdir()
+    env = {**os.environ, "LEARNMESH_VAR": str(var), "PYTHONPATH": str(ROOT)}
+    for extra in ([], ["--rotate-zmq", "gateway"]):
+        done = subprocess.run([sys.executable, "-m", "services.cli", "keys", *extra], cwd=elsewhere, env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+    assert (var / "keys" / "delta.key").is_file() and (var / "keys" / "zmq" / "gateway.previous.key").is_file()
+    assert not (elsewhere / "var").exists()
 
 
 def test_a_child_that_exits_on_a_configuration_error_stops_the_mesh_instead_of_restarting(tmp_path: Path) -> None:
