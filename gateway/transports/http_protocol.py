@@ -102,6 +102,10 @@ class CoalescingTransport:
         return getattr(self._transport, name)
 
 
+class _HeadersTooLarge(Exception):
+    """Raised from a parser callback: the request's headers passed ``max_header_bytes``."""
+
+
 class GatewayHttpProtocol(HttpToolsProtocol):
     """``uvicorn.run(..., http=http_protocol(cfg.gateway))``: coalesced writes and read deadlines."""
 
@@ -114,6 +118,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     _in_body = False  # headers complete, the body is not
     _upgraded = False
     _header_bytes = 0  # bytes of reads that ended inside the current request's headers
+    _parsed_header_bytes = 0  # the current request's target and headers as the parser gave them
+    _too_large = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
         super().connection_made(CoalescingTransport(transport, self.loop))  # type: ignore[arg-type]
@@ -144,7 +150,32 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._in_headers = True
-        self._header_bytes = 0
+        self._header_bytes = self._parsed_header_bytes = 0
+
+    # Reads that end inside the headers bound what an unfinished header buffers; the parser's
+    # callbacks count the headers exactly, also those that arrive complete in one read.
+    def on_url(self, url: bytes) -> None:
+        self._count_header(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_header(len(name) + len(value) + 4)  # ": " and CRLF
+        super().on_header(name, value)
+
+    def _count_header(self, n: int) -> None:
+        self._parsed_header_bytes += n
+        if self._parsed_header_bytes > self.max_header_bytes:
+            self._too_large = True
+            raise _HeadersTooLarge  # stops the parser: the request never reaches the app
+
+    def send_400_response(self, msg: str) -> None:
+        """What uvicorn answers when the parser stops; 431 where the headers' size stopped it."""
+        if not self._too_large:
+            super().send_400_response(msg)
+            return
+        self._disarm()
+        self.transport.write(_TOO_LARGE_431)
+        self.transport.close()
 
     def on_headers_complete(self) -> None:
         self._disarm()

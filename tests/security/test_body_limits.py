@@ -86,6 +86,12 @@ def test_headers_past_their_limit_are_refused_while_they_are_sent(port: int, pat
         status, headers, _ = read_response(s, timeout_s=5)  # the header deadline is 10 s
         assert status == 431 and headers["connection"] == "close"
         assert read_until_closed(s) == b""
+    # headers past the limit that arrive complete, in one segment: 431 all the same
+    with connection(port) as s:
+        s.sendall(_head("GET", path, "X-Big: " + "a" * (HEADER_LIMIT + 1024)))
+        status, headers, _ = read_response(s, timeout_s=5)
+        assert status == 431 and headers["connection"] == "close"
+        assert read_until_closed(s) == b""
     # headers within the limit, the request split over many segments, are served
     with connection(port) as s:
         head = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"".join(
