@@ -46,6 +46,7 @@ from bench.mesh_support import McpHttp, Mesh, RedisServer  # noqa: E402
 from shared import keys  # noqa: E402
 from shared.config import ModelConfig  # noqa: E402
 from shared.model.pretrain import corpus_windows  # noqa: E402
+from shared.samples import parse_learned_token  # noqa: E402
 from shared.text import as_str  # noqa: E402
 
 HELD_OUT = 48
@@ -130,10 +131,10 @@ async def probe_sync(client: McpHttp, mesh: Mesh, n: int) -> list[float]:
         for i in range(n):
             ack = await client.call("learn", {"input": f"probe {i} says", "target": f" ok {i}."})
             t0 = time.monotonic()
-            seq = int(ack["learned"].rpartition(".")[2])
+            log_id, seq, part = parse_learned_token(ack["learned"])
             deadline = t0 + 120
             while time.monotonic() < deadline:
-                found = r.zrangebyscore(keys.MODEL_VERSION_SEQ, seq, "+inf", start=0, num=1)
+                found = r.zrangebyscore(keys.model_version_seq(part, log_id), seq, "+inf", start=0, num=1)
                 versions = mesh.worker_versions()
                 if found and len(versions) >= mesh.workers and min(versions) >= int(as_str(found[0])):
                     out.append(time.monotonic() - t0)

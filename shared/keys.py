@@ -243,11 +243,14 @@ def sample_log_id(partition: int) -> str:
     return f"{PREFIX}{_samples_tag(partition)}:logid"
 
 
-def model_version_seq(partition: int) -> str:
-    """Sorted set: published model version (member) scored by the last seq of the partition its
-    weights hold. ``learn`` answers with its partition and last seq; the first version scored at
-    or above it contains the samples (read-your-writes without guessing a version)."""
-    return MODEL_VERSION_SEQ if partition == 0 else f"{PREFIX}model:versionseq:{partition}"
+def model_version_seq(partition: int, log_id: str) -> str:
+    """Sorted set: published model version (member) scored by the last seq of the partition's log
+    ``log_id`` its weights hold. ``learn`` answers with its partition, log and last seq; the first
+    version scored at or above it contains the samples (read-your-writes without guessing a
+    version). Bound to the log: seqs of a log that was lost and made again count from 1 anew,
+    and a trainer still stepping on samples of the lost one must not answer for the new one's.
+    In the partition's slot, with its log id and seq counter (one node to ask)."""
+    return f"{PREFIX}{_samples_tag(partition)}:versionseq:{log_id}"
 
 
 SAMPLE_LOG = sample_log(0)
@@ -268,8 +271,6 @@ TRAINER_STATUS = f"{PREFIX}trainer:status"
 
 # ---------------------------------------------------------------- model versions / workers
 MODEL_VERSION = f"{PREFIX}model:version"
-MODEL_VERSION_SEQ = f"{PREFIX}model:versionseq"
-"""model_version_seq(0): the sorted set of sample-log partition 0."""
 
 # ---------------------------------------------------------------- audit
 # Records of the context store are in each principal's ``ctx_audit`` stream; everything else

@@ -42,6 +42,7 @@ def client(redis_url: str) -> Iterator[TestClient]:
                                    "watch": {"key": VIEWER, "role": "viewer"}}},
         "worker": {"endpoints": []},
         "learning": {"teachers": ["alice", "bob"]},
+        "consistency": {"learn_wait_s": 1.0},  # no trainer here: a token nothing trained waits this long
         "trainer": {"samples_endpoint": f"tcp://127.0.0.1:{free_port()}", "max_sample_bytes": 1024}})
     with TestClient(create_app(cfg), base_url="http://127.0.0.1:8000") as c:
         yield c
@@ -139,7 +140,10 @@ def test_learn_answers_a_token_that_generate_and_score_wait_on(client, redis_url
         # the right log, and a version that holds the samples: the wait ends at once and the
         # request goes on to the worker pool (none here: -32050, retry later)
         r.set(keys.sample_log_id(part), log_id)
-        r.zadd(keys.model_version_seq(part), {"7": 2})
+        r.zadd(keys.model_version_seq(part, "0123456789abcdef"), {"7": 2})  # another log's: not this token's
+        err = call_tool(client, "score", {"prompt": "q", "target": "a", "after_learn": token})
+        assert err["error"]["code"] == -32050 and "not trained yet" in err["error"]["message"], err
+        r.zadd(keys.model_version_seq(part, log_id), {"7": 2})
         err = call_tool(client, "score", {"prompt": "q", "target": "a", "after_learn": token})
         assert err["error"]["code"] == -32050 and "trained" not in err["error"]["message"], err
     finally:

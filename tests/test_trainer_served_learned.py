@@ -232,7 +232,8 @@ async def test_a_trainer_against_a_log_that_lost_its_data_trains_the_new_log_fro
             assert set(again["ids"]) <= set(ledger.trained_ids(r))
             # the step is committed before it is published, and only the publish marks its version
             part = partition_of("alice", sample_partitions(cfg))
-            await wait_for(lambda: r.zcard(keys.model_version_seq(part)) >= 1, timeout_s=10,
+            new_log = again["learned"].partition(".")[0]
+            await wait_for(lambda: r.zcard(keys.model_version_seq(part, new_log)) >= 1, timeout_s=10,
                            what="a version marked with the new log's seq")
         assert second.term() == 0, second.output()
         out = second.output()

@@ -118,7 +118,7 @@ async def _min_version(ctx: ToolContext, args: dict[str, Any]) -> int:
         pipe = ctx.state.redis.pipeline(transaction=False)
         pipe.get(keys.sample_log_id(part))
         pipe.get(keys.sample_seq(part))
-        pipe.zrangebyscore(keys.model_version_seq(part), seq, "+inf", start=0, num=1)
+        pipe.zrangebyscore(keys.model_version_seq(part, log_id), seq, "+inf", start=0, num=1)
         current, handed_out, found = await pipe.execute()
         if (current.decode() if isinstance(current, bytes) else current) != log_id:
             raise InvalidParams("after_learn names samples of a sample log that no longer exists (it was "

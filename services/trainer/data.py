@@ -313,9 +313,10 @@ class SampleSource:
                     "current log from its start, keeping the weights", part.index, part.log_id, part.seq,
                     current or "no log yet")
         metrics.TRAINER_LOG_RESETS.inc()
+        if part.log_id:
+            self.redis.delete(keys.model_version_seq(part.index, part.log_id))
         part.restart(current)
         self._backlog = True
-        self.redis.delete(keys.model_version_seq(part.index))
         if self.on_reset is not None:
             self.on_reset(part.index)
 

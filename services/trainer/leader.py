@@ -255,7 +255,7 @@ class Leader:
             self._agreed = dict(seqs)
         else:  # local SGD between averages: what went out is the last average, holding less
             seqs = {part: min(seq, self._agreed[part]) for part, seq in seqs.items()}
-        self.ledger.record_version_seq(self.version, seqs)
+        self.ledger.record_version_seq(self.version, seqs, self.offset)
 
     def idle_sync(self, step: int) -> None:
         """Publish what lossy deltas left behind, losslessly, as a new version: workers then

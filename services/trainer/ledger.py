@@ -114,7 +114,8 @@ class Ledger:
         # versions of the lost steps no longer hold the samples after the checkpoint's position
         pipe = self.redis.pipeline(transaction=False)
         for part in range(self.partitions):
-            pipe.zremrangebyscore(keys.model_version_seq(part), f"({new.at(part).seq}", "+inf")
+            if new.at(part).log:
+                pipe.zremrangebyscore(keys.model_version_seq(part, new.at(part).log), f"({new.at(part).seq}", "+inf")
         pipe.execute()
         return new, rolled
 
@@ -155,13 +156,15 @@ class Ledger:
         """The commit record alone (a position moved without a step: a new sample log)."""
         self.redis.hset(keys.TRAINER_OFFSET, mapping=off.fields())
 
-    def record_version_seq(self, version: int, seqs: dict[int, int]) -> None:
+    def record_version_seq(self, version: int, seqs: dict[int, int], off: Offset) -> None:
         """keys.model_version_seq: ``version`` holds every pass over the samples of each partition
-        up to its seq in ``seqs`` (read-your-writes for ``learn``)."""
+        up to its seq in ``seqs``, in the log ``off`` names for it (read-your-writes for ``learn``)."""
         pipe = self.redis.pipeline(transaction=False)
         for part, seq in seqs.items():
-            pipe.zadd(keys.model_version_seq(part), {str(version): seq})
-            pipe.zremrangebyrank(keys.model_version_seq(part), 0, -VERSION_SEQS_KEPT - 1)
+            log_id = off.at(part).log
+            if log_id:
+                pipe.zadd(keys.model_version_seq(part, log_id), {str(version): seq})
+                pipe.zremrangebyrank(keys.model_version_seq(part, log_id), 0, -VERSION_SEQS_KEPT - 1)
         pipe.execute()
 
     def trim_log(self, off: Offset) -> None:
