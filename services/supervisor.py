@@ -21,6 +21,7 @@ admin keys.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import secrets
@@ -31,7 +32,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 from urllib.parse import urlsplit
 
 import yaml
@@ -348,6 +349,7 @@ def main(cfg: Config, args: Any) -> int:
         raise ConfigError("another process listens where this mesh would: " + ", ".join(taken)
                           + "; stop it, or give this mesh other ports (--port, --config)")
     var_dir = config_var_dir().resolve()
+    held = hold_var(var_dir)  # noqa: F841 - held until this process ends
     redis_configured = bool(cfg.redis.url)
     redis_proc = resolve_redis(cfg.redis, var_dir)
     redis_url = redact_url(cfg.redis.url or "")
@@ -381,6 +383,26 @@ def main(cfg: Config, args: Any) -> int:
             except subprocess.TimeoutExpired:
                 redis_proc.kill()
     return sup.exit_code
+
+
+def hold_var(var_dir: Path) -> IO[str]:
+    """Lock ``var_dir`` for this mesh (``var_dir/up.lock``, released when the process ends, by
+    kill -9 too). A second mesh on the same directory would roll back the first one's commit
+    record from its own checkpoints and write into its keys and logs, whatever its ports."""
+    var_dir.mkdir(parents=True, exist_ok=True)
+    f = open(var_dir / "up.lock", "a+")  # noqa: SIM115 - open for the life of the process
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "?"
+        f.close()
+        raise ConfigError(f"another learnmesh up (pid {holder}) uses {var_dir}; stop it, or give this mesh a "
+                          f"directory of its own (LEARNMESH_VAR)") from None
+    f.truncate(0)
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
 
 
 def seed_more_nodes(cfg: Config) -> None:

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import yaml
 
-from services.supervisor import Child, Supervisor, child_configs, load_or_create_keys, wait_ready
+from services.supervisor import Child, Supervisor, child_configs, hold_var, load_or_create_keys, wait_ready
 from shared.config import load_config
 from tests.conftest import RedisTarget, free_port, wait_for_sync
 
@@ -75,11 +75,9 @@ def test_a_child_that_exits_on_a_configuration_error_stops_the_mesh_instead_of_r
     assert not other.alive()
 
 
-@pytest.mark.parametrize("taken", ["gateway", "worker", "metrics"])
-def test_up_refuses_ports_another_process_listens_on(redis_url: str, tmp_path: Path, taken: str) -> None:
-    """A second mesh (or an old one still running) on the same ports: one line naming the setting,
-    before anything starts, instead of children failing to bind in a restart loop while the
-    other process answers the readiness probe and the banner says "learnmesh is up"."""
+def _own_ports_config(tmp_path: Path) -> tuple[Path, dict[str, int]]:
+    """A configuration file giving every port of a mesh a free one; and the gateway's, the
+    worker's and its metrics'."""
     ports = {"gateway": free_port(), "worker": free_port(), "metrics": free_port()}
     cfg = {"gateway": {"port": ports["gateway"]},
            "worker": {"endpoints": [f"tcp://127.0.0.1:{ports['worker']}"]},
@@ -89,6 +87,15 @@ def test_up_refuses_ports_another_process_listens_on(redis_url: str, tmp_path: P
                         for name in ("delta_pub_endpoint", "snapshot_endpoint", "ack_endpoint")}}
     path = tmp_path / "learnmesh.yaml"
     path.write_text(yaml.safe_dump(cfg))
+    return path, ports
+
+
+@pytest.mark.parametrize("taken", ["gateway", "worker", "metrics"])
+def test_up_refuses_ports_another_process_listens_on(redis_url: str, tmp_path: Path, taken: str) -> None:
+    """A second mesh (or an old one still running) on the same ports: one line naming the setting,
+    before anything starts, instead of children failing to bind in a restart loop while the
+    other process answers the readiness probe and the banner says "learnmesh is up"."""
+    path, ports = _own_ports_config(tmp_path)
     env = {k: v for k, v in os.environ.items() if not k.startswith("LEARNMESH_")}
     with socket.create_server(("127.0.0.1", ports[taken])):
         up = subprocess.Popen([sys.executable, "-m", "services.cli", "--config", str(path), "up"], cwd=ROOT,
@@ -107,6 +114,26 @@ def test_up_refuses_ports_another_process_listens_on(redis_url: str, tmp_path: P
         f"learnmesh: configuration error: another process listens where this mesh would: {setting} "
         f"(127.0.0.1:{ports[taken]}); stop it, or give this mesh other ports (--port, --config)"]
     assert not (tmp_path / "var").exists()  # nothing started, nothing written
+
+
+def test_up_refuses_a_var_directory_another_mesh_holds(redis_url: str, tmp_path: Path) -> None:
+    """Another `learnmesh up` on the same $LEARNMESH_VAR, on ports of its own: refused in one line
+    before anything starts (it would roll the first mesh's commit record back to its own
+    checkpoints); once the holder is gone, the directory is free again."""
+    var = tmp_path / "var"
+    holder = hold_var(var)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LEARNMESH_")}
+    path, _ = _own_ports_config(tmp_path)
+    up = subprocess.run([sys.executable, "-m", "services.cli", "--config", str(path), "up"], cwd=ROOT,
+                        env={**env, "REDIS_URL": redis_url, "LEARNMESH_VAR": str(var)},
+                        capture_output=True, text=True, timeout=60)
+    assert up.returncode == 2, up.stderr
+    assert up.stderr.strip().splitlines() == [
+        f"learnmesh: configuration error: another learnmesh up (pid {os.getpid()}) uses {var.resolve()}; stop it, "
+        f"or give this mesh a directory of its own (LEARNMESH_VAR)"]
+    assert sorted(p.name for p in var.iterdir()) == ["up.lock"], "nothing else started or written"
+    holder.close()
+    hold_var(var).close()
 
 
 def test_wait_ready_gives_up_on_a_gateway_that_never_answers() -> None:
