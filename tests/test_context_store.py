@@ -176,9 +176,17 @@ async def test_bad_input_is_rejected_before_any_write(r):
         await s.append("a", "c", "text", "user", b"x", links=["image:7"])  # no such entry
     with pytest.raises(ContextError):
         await s.append("a", "c", "text", "user", b"x", links=["text:1"])  # same channel
+    # digits that are not ASCII ('²' and '٣' pass str.isdigit), or too many for the script's numbers
+    for link in ("image:²", "image:٣", "image:1٣", "image:99999999999999999999999", "image:", "image:1,text:1"):
+        with pytest.raises(ContextError, match="must name an entry"):
+            await s.append("a", "c", "text", "user", b"x", links=[link])
     # nothing written, not even audit (only the principal's global LRU stamp)
     assert [k for k in await r.keys("*") if not k.startswith(b"lm:ctx:{ctxglobal-")] == []
     await s.append("a", "c", "text", "user", b"ok")
+    img = await s.append("a", "c", "image", "user", b"\x00img", links=["text:01"])  # read back as one spelling
+    assert (await s.get_window("a", "c", modalities=["image"])).channels["image"][0].links == ("text:1",)
+    await s.append("a", "c", "text", "user", b"see", links=[img.entry_id])
+    assert len((await s.get_window("a", "c", resolve_links=True)).entries()) == 3
     bad: dict[str, Any]
     for bad in ({"last_n": 0}, {"last_n": -3}, {"max_tokens": 0}, {"modalities": []},
                 {"modalities": ["video"]}, {"last_n": 10**9}):

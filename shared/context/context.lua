@@ -191,11 +191,11 @@ local function links_of(val)
   _, p = mp_uint(val, p)  -- ts_ms
   local b, n = string.byte(val, p), 0
   if b >= 0x90 and b <= 0x9f then n, p = b - 0x90, p + 1 else n, p = struct.unpack('>H', val, p + 1), p + 3 end
-  for i = 1, n do
+  for _ = 1, n do
     local link
     link, p = mp_str_at(val, p)
     local mod, seq = string.match(link, '^(.+):(%d+)$')
-    out[i] = {mod, tonumber(seq)}
+    if mod then out[#out + 1] = {mod, tonumber(seq)} end  -- (appends check their links)
   end
   return out
 end
@@ -601,10 +601,11 @@ function ops.append()
   local m = load(cid)
   local new = not m
   if new then m = new_meta(cid); created = true end
-  for l, seq in string.gmatch(links, '([^:,]+):(%d+)') do
-    local c = m.ch[l]
+  for link in string.gmatch(links, '[^,]+') do
+    local l, seq = string.match(link, '^([^:]+):(%d+)$')
+    local c = l and m.ch[l]
     seq = tonumber(seq)
-    if not c or seq < c.lo or seq > c.hi then fail('LM_BADLINK no entry ' .. l .. ':' .. seq) end
+    if not c or seq < c.lo or seq > c.hi then fail('LM_BADLINK no entry ' .. link) end
   end
   if pbytes == 0 then created = true end  -- the entries hash is (re)created
   local c = m.ch[mod]

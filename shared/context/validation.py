@@ -20,6 +20,7 @@ _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 # NUL marks the principal in the scripts' command template (see scripts.py).
 _PRINCIPAL_BAD = re.compile(r"[{}|\x00\s]")
 _REASON_RE = re.compile(r"[a-z_]{1,32}")
+_SEQ = re.compile(r"[0-9]{1,15}")  # a sequence number (exact as a Lua number, as the script reads it)
 
 
 def check_principal(principal: str) -> None:
@@ -91,9 +92,11 @@ def check_entry(cfg: ContextConfig, modality: str, role: str, content: Any, *, m
     links = list(links)
     if len(links) > MAX_LINKS:
         raise ContextError(f"at most {MAX_LINKS} links per entry")
-    for link in links:
+    for i, link in enumerate(links):
         mod, _, seq = str(link).partition(":")
         check_modality(cfg, mod)
-        if mod == modality or not seq.isdigit() or int(seq) < 1:
+        # ASCII digits only: str.isdigit() takes '²' and '٣', which int() or the script then read otherwise
+        if mod == modality or not _SEQ.fullmatch(seq) or int(seq) < 1:
             raise ContextError(f"link {link!r} must name an entry of another channel, like 'image:3'")
+        links[i] = f"{mod}:{int(seq)}"  # one spelling per entry ('image:03' is 'image:3')
     return content, tokens, links
