@@ -19,6 +19,7 @@ stores and what the size limit (``trainer.max_sample_bytes``) is measured agains
 from __future__ import annotations
 
 import logging
+import re
 import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -282,18 +283,15 @@ def learned_token(log_id: str, last_seq: int, partition: int = 0) -> str:
     return f"{log_id}.{last_seq}" if partition == 0 else f"{log_id}.{last_seq}.{partition}"
 
 
+_LEARNED = re.compile(r"([0-9A-Za-z]{1,64})\.([0-9]{1,18})(?:\.([0-9]{1,4}))?")  # ASCII: str.isdigit takes '٣'
+
+
 def parse_learned_token(token: Any) -> tuple[str, int, int]:
     """(log id, seq, partition) of an ``after_learn`` token; ValueError when it is not one."""
-    parts = token.split(".") if isinstance(token, str) else []
-    if len(parts) == 2:
-        parts.append("0")
-    if len(parts) != 3:
+    m = _LEARNED.fullmatch(token) if isinstance(token, str) else None
+    if m is None:
         raise ValueError("after_learn must be the 'learned' token a learn call returned")
-    log_id, seq, partition = parts
-    if (not log_id or not log_id.isalnum() or len(log_id) > 64 or not seq.isdigit() or len(seq) > 18
-            or not partition.isdigit() or len(partition) > 4):
-        raise ValueError("after_learn must be the 'learned' token a learn call returned")
-    return log_id, int(seq), int(partition)
+    return m[1], int(m[2]), int(m[3] or 0)
 
 
 def log_entry(entry_id: str, partition: int = 0) -> str:

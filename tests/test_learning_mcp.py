@@ -126,9 +126,11 @@ def test_learn_answers_a_token_that_generate_and_score_wait_on(client, redis_url
         log_id = r.get(keys.sample_log_id(part)).decode()
         assert token == learned_token(log_id, 2, part), "the token names this log partition and the call's last seq"
         # not a token: refused before any wait or worker (-32602, nothing else touched)
-        for bad in ("2", "abc", f"{log_id}.x", "../etc.1"):
+        # ('٣' and '²' pass str.isdigit; a partition this mesh does not have was never answered)
+        for bad in ("2", "abc", f"{log_id}.x", "../etc.1", f"{log_id}.٣", f"{log_id}.²", f"{log_id}.1.999",
+                    f"{log_id}.1.", f"{log_id}.1.2.3"):
             err = call_tool(client, "score", {"prompt": "q", "target": "a", "after_learn": bad})
-            assert err["error"]["code"] == -32602, (bad, err)
+            assert err["error"]["code"] == -32602 and "'learned' token" in err["error"]["message"], (bad, err)
         # the right log, but a seq no learn call was answered with: refused at once, not after
         # consistency.learn_wait_s (a typo or a token made up by hand would hold the call that long)
         err = call_tool(client, "score", {"prompt": "q", "target": "a", "after_learn": learned_token(log_id, 3, part)})

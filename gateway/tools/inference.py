@@ -27,7 +27,7 @@ from gateway.registry import Registry, ToolContext
 from shared import keys
 from shared.context import ContextError
 from shared.inference import pack_entries
-from shared.samples import parse_learned_token
+from shared.samples import parse_learned_token, sample_partitions
 
 log = logging.getLogger("learnmesh.inference")
 
@@ -108,11 +108,13 @@ async def _min_version(ctx: ToolContext, args: dict[str, Any]) -> int:
     token = args.get("after_learn")
     if token is None:
         return wanted
+    cfg = ctx.state.config
     try:
         log_id, seq, part = parse_learned_token(token)
+        if part >= sample_partitions(cfg):  # no learn call of this mesh answers with it
+            raise ValueError("after_learn must be the 'learned' token a learn call returned")
     except ValueError as exc:
         raise InvalidParams(str(exc)) from None
-    cfg = ctx.state.config
     deadline = time.monotonic() + cfg.consistency.learn_wait_s
     while True:
         pipe = ctx.state.redis.pipeline(transaction=False)
