@@ -72,6 +72,14 @@ class GatewayApp(FastAPI):
     mcp: McpHttpTransport | None = None
     edge: HttpEdge | None = None
 
+    def stopping(self) -> None:
+        """The server began to drain (gateway/server.py): waits that poll end now with an
+        answer (503, retry) and listen streams close, within the drain, rather than being
+        cancelled when it runs out (a 500 without a JSON-RPC error)."""
+        gateway = getattr(self.state, "gateway", None)
+        if gateway is not None:
+            _signal_shutdown(gateway)
+
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and self.edge is not None:
             admitted = await self.edge.admit(scope, receive, send)

@@ -8,6 +8,8 @@ Binds 127.0.0.1 unless told otherwise; refuses a non-loopback bind without API k
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import gc
 import logging
 import signal
@@ -93,8 +95,18 @@ def main(cfg: Config, args: argparse.Namespace) -> int:
     # end the replica here instead, exit code 0.
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     freeze_startup_heap()
+
+    class Server(uvicorn.Server):
+        """Tells the app when the drain begins (``GatewayApp.stopping``), not when it ends."""
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            if not self.should_exit:
+                with contextlib.suppress(RuntimeError):  # a signal before the loop runs: nothing waits yet
+                    asyncio.get_running_loop().call_soon_threadsafe(app.stopping)
+            super().handle_exit(sig, frame)
+
     try:
-        uvicorn.run(app, **uvicorn_settings(cfg))
+        Server(uvicorn.Config(app, **uvicorn_settings(cfg))).run()
     except _Stopped as stop:
         log.info("gateway stopped (%s)", signal.Signals(stop.args[0]).name)
     finally:

@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from gateway.app import create_app
 from shared import keys
-from shared.config import load_config
+from shared.config import Config, load_config
 from shared.redis_client import close_sync
 from shared.samples import learned_token, partition_of, sample_partitions
 from tests.conftest import free_port
@@ -35,17 +35,21 @@ def _part(redis_url: str, principal: str = "alice") -> int:
 
 @pytest.fixture
 def client(redis_url: str) -> Iterator[TestClient]:
-    cfg = load_config(env={}, overrides={
+    with TestClient(create_app(_config(redis_url, learn_wait_s=1.0)), base_url="http://127.0.0.1:8000") as c:
+        yield c
+
+
+def _config(redis_url: str, learn_wait_s: float) -> Config:
+    """A gateway without workers or trainer; a token nothing trained waits ``learn_wait_s``."""
+    return load_config(env={}, overrides={
         "redis": {"url": redis_url},
         "gateway": {"api_keys": {"alice": KEY}, "request_state_keys": ["00" * 32],
                     "admin_keys": {"ops": {"key": OPERATOR, "role": "operator"},
                                    "watch": {"key": VIEWER, "role": "viewer"}}},
         "worker": {"endpoints": []},
         "learning": {"teachers": ["alice", "bob"]},
-        "consistency": {"learn_wait_s": 1.0},  # no trainer here: a token nothing trained waits this long
+        "consistency": {"learn_wait_s": learn_wait_s},
         "trainer": {"samples_endpoint": f"tcp://127.0.0.1:{free_port()}", "max_sample_bytes": 1024}})
-    with TestClient(create_app(cfg), base_url="http://127.0.0.1:8000") as c:
-        yield c
 
 
 def learn(c: TestClient, args: dict) -> dict:
@@ -150,3 +154,14 @@ def test_learn_answers_a_token_that_generate_and_score_wait_on(client, redis_url
         assert err["error"]["code"] == -32050 and "trained" not in err["error"]["message"], err
     finally:
         close_sync(r)
+
+
+def test_an_after_learn_wait_ends_with_a_retry_when_the_replica_stops(redis_url):
+    """The server's drain begins (``GatewayApp.stopping``, what SIGTERM calls): a call waiting for
+    its samples to be trained is answered -32050 (503, retry elsewhere) at once, instead of
+    holding the drain until it is cancelled (a plain 500) or ``learn_wait_s`` runs out."""
+    with TestClient(create_app(_config(redis_url, learn_wait_s=60)), base_url="http://127.0.0.1:8000") as c:
+        token = learn(c, {"input": "q", "target": "a"})["result"]["structuredContent"]["learned"]
+        c.portal.call(c.app.stopping)
+        err = call_tool(c, "score", {"prompt": "q", "target": "a", "after_learn": token})
+    assert err["error"]["code"] == -32050 and "stopping" in err["error"]["message"], err

@@ -130,6 +130,8 @@ async def _min_version(ctx: ToolContext, args: dict[str, Any]) -> int:
                                 "a learn call returned", {"after_learn": token})
         if found:
             return max(wanted, int(found[0]))
+        if ctx.state.shutting_down.is_set():
+            raise Unavailable("this gateway replica is stopping; retry (another replica answers)")
         if time.monotonic() >= deadline:
             raise Unavailable(f"the samples of after_learn are not trained yet (waited "
                               f"{cfg.consistency.learn_wait_s:g}s); retry later")
