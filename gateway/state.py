@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -33,9 +34,10 @@ from gateway.mcp.types import Notification
 from gateway.proxy import store as proxy_store
 from gateway.proxy.proxy import Proxy
 from gateway.registry import Registry
-from shared import keys
+from shared import control, keys
 from shared.aio import spawn
-from shared.config import Config
+from shared.config import Config, ConfigError
+from shared.text import as_str
 
 if TYPE_CHECKING:  # the components import this module for the type, so only the type checker follows back
     from gateway.admin.auth import AdminKeyring
@@ -94,8 +96,11 @@ class Gateway:
     control_connected: asyncio.Event = field(default_factory=asyncio.Event)
     prepared: asyncio.Event = field(default_factory=asyncio.Event)  # the start's steps on Redis are done
     proxy_reload: asyncio.Future[None] | None = None
+    config_reload: asyncio.Future[None] | None = None
+    file_config: Config = field(init=False)  # ``config`` before runtime overrides (PATCH /admin/config)
 
     def __post_init__(self) -> None:
+        self.file_config = copy.deepcopy(self.config)
         gw = self.config.gateway
         self.sessions = SessionRegistry(self.redis, self.blocking_redis, gw)
         self.sessions.publish_control = self.publish_control
@@ -241,6 +246,8 @@ class Gateway:
             self._deliver(m["p"], lambda lis: m["u"] in lis.uris, note)
         elif t == "proxy":
             self._reload_proxy()
+        elif t == "cfg":
+            self._reload_config()
         elif t == "lc":
             self._on_list_changed(m)
 
@@ -275,7 +282,28 @@ class Gateway:
     async def _control_subscribed(self) -> None:
         self.sessions.forget_all()
         self._reload_proxy()
+        self._reload_config()
         self.control_connected.set()
+
+    def _reload_config(self) -> None:
+        if self.config_reload is None or self.config_reload.done():
+            self.config_reload = asyncio.ensure_future(self.reload_runtime_config())
+
+    async def reload_runtime_config(self) -> None:
+        """Follow the runtime overrides of the sections a gateway reads (``consistency``: the
+        waits of min_model_version and after_learn, the lag a worker may have). Applied to
+        ``config`` in place: the worker pool and the tools hold that object."""
+        try:
+            raw = await self.redis.hgetall(keys.RUNTIME_CONFIG)
+        except RedisError:
+            log.warning("could not read the runtime configuration; the next control message retries")
+            return
+        try:
+            new = control.effective_config(self.file_config, {as_str(k): orjson.loads(v) for k, v in raw.items()})
+        except (ConfigError, ValueError) as exc:  # written by a validating API; defensive
+            log.error("ignoring an invalid runtime configuration: %s", exc)
+            return
+        self.config.consistency = new.consistency
 
     def _reload_proxy(self) -> None:
         """Follow the set of upstreams in Redis (an admin change on any replica)."""

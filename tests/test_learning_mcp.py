@@ -20,6 +20,7 @@ MODERN = "2026-07-28"
 KEY = "alice-key-123456"
 OPERATOR = "operator-key-123456"
 VIEWER = "viewer-key-1234567"
+ADMIN = "admin-key-12345678"
 
 
 @pytest.fixture
@@ -45,6 +46,7 @@ def _config(redis_url: str, learn_wait_s: float) -> Config:
         "redis": {"url": redis_url},
         "gateway": {"api_keys": {"alice": KEY}, "request_state_keys": ["00" * 32],
                     "admin_keys": {"ops": {"key": OPERATOR, "role": "operator"},
+                                   "root": {"key": ADMIN, "role": "admin"},
                                    "watch": {"key": VIEWER, "role": "viewer"}}},
         "worker": {"endpoints": []},
         "learning": {"teachers": ["alice", "bob"]},
@@ -165,3 +167,25 @@ def test_an_after_learn_wait_ends_with_a_retry_when_the_replica_stops(redis_url)
         c.portal.call(c.app.stopping)
         err = call_tool(c, "score", {"prompt": "q", "target": "a", "after_learn": token})
     assert err["error"]["code"] == -32050 and "stopping" in err["error"]["message"], err
+
+
+def test_consistency_changed_at_runtime_is_what_the_gateway_waits(client, redis_url):
+    """``PATCH /admin/config {"consistency": ...}`` is the gateway's too, not only the trainer's:
+    the after_learn wait follows it, and ``DELETE /admin/config/runtime`` goes back to the file."""
+    token = learn(client, {"input": "q", "target": "a"})["result"]["structuredContent"]["learned"]
+    admin = {"authorization": f"Bearer {ADMIN}"}
+
+    def waited() -> str:
+        err = call_tool(client, "score", {"prompt": "q", "target": "a", "after_learn": token})
+        assert err["error"]["code"] == -32050, err
+        return err["error"]["message"]
+
+    try:
+        r = client.patch("/admin/config", json={"consistency": {"learn_wait_s": 0.25}}, headers=admin)
+        assert r.status_code == 200 and r.json()["config"]["consistency"]["learn_wait_s"] == 0.25
+        assert "waited 0.25s" in waited()
+        r = client.delete("/admin/config/runtime", headers=admin)
+        assert r.status_code == 200 and r.json()["config"]["consistency"]["learn_wait_s"] == 1.0
+        assert "waited 1s" in waited()
+    finally:
+        client.delete("/admin/config/runtime", headers=admin)

@@ -60,7 +60,7 @@ class _SyncView:
 async def _config_view(gateway: Gateway) -> dict[str, Any]:
     overrides = control.read_overrides(_SyncView(await gateway.redis.hgetall(keys.RUNTIME_CONFIG)))
     rev = int(await gateway.redis.get(keys.RUNTIME_CONFIG_REV) or 0)
-    effective = control.effective_config(gateway.config, overrides)
+    effective = control.effective_config(gateway.file_config, overrides)
     return {"config": redact(effective.to_dict()), "runtime_overrides": overrides, "revision": rev,
             "runtime_sections": list(control.RUNTIME_SECTIONS)}
 
@@ -85,7 +85,7 @@ async def patch_config(request: Request, patch: ConfigPatch, who: AdminPrincipal
     body = patch.model_dump(exclude_unset=True, exclude_none=True)
     current = control.read_overrides(_SyncView(await r.hgetall(keys.RUNTIME_CONFIG)))
     try:
-        merged = control.validate_runtime_patch(gateway.config, current, body)
+        merged = control.validate_runtime_patch(gateway.file_config, current, body)
     except ConfigError as exc:
         raise HTTPException(422, str(exc)) from None
     pipe = r.pipeline(transaction=True)
@@ -93,6 +93,7 @@ async def patch_config(request: Request, patch: ConfigPatch, who: AdminPrincipal
     pipe.incr(keys.RUNTIME_CONFIG_REV)
     _, rev = await pipe.execute()
     await r.publish(keys.RUNTIME_CONFIG_CHANNEL, str(rev))
+    await gateway.publish_control({"t": "cfg"})  # every gateway replica, this one first
     await audit_action(gateway, who, "config.change", change=json.dumps(body, sort_keys=True), revision=rev)
     return await _config_view(gateway)
 
@@ -105,5 +106,6 @@ async def reset_config(request: Request, who: AdminPrincipal = admin) -> dict[st
     pipe.incr(keys.RUNTIME_CONFIG_REV)
     _, rev = await pipe.execute()
     await gateway.redis.publish(keys.RUNTIME_CONFIG_CHANNEL, str(rev))
+    await gateway.publish_control({"t": "cfg"})
     await audit_action(gateway, who, "config.reset", revision=rev)
     return await _config_view(gateway)
