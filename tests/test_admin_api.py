@@ -141,6 +141,13 @@ def test_model_versions_and_rollback(gw, r):
     assert listed["current"] == 3 and [v["version"] for v in listed["versions"]] == [3, 2, 1]
     assert gw.post("/admin/models/rollback", json={"version": 1}, headers=bearer(OPERATOR_KEY)).status_code == 403
     assert gw.post("/admin/models/rollback", json={}, headers=bearer(ADMIN_KEY)).status_code == 422
+    for not_an_int in (True, False, 1.0, "1", None):  # never read as version 1 (or 0)
+        resp = gw.post("/admin/models/rollback", json={"version": not_an_int, "anchor": False},
+                       headers=bearer(ADMIN_KEY))
+        assert resp.status_code == 422, (not_an_int, resp.text)
+    for not_a_bool in (1, "true"):
+        resp = gw.post("/admin/models/rollback", json={"anchor": not_a_bool}, headers=bearer(ADMIN_KEY))
+        assert resp.status_code == 422, (not_a_bool, resp.text)
     assert gw.post("/admin/models/rollback", json={"version": 9}, headers=bearer(ADMIN_KEY)).status_code == 404
     resp = gw.post("/admin/models/rollback", json={"anchor": True}, headers=bearer(ADMIN_KEY))
     assert resp.status_code == 202 and resp.json()["to_version"] == 2
