@@ -65,10 +65,10 @@ bench-wait: $(STAMP)
 	$(BIN)/python bench/bench_wait.py $(ARGS)
 
 bench-inference: $(STAMP)
-	$(BIN)/python bench/bench_inference.py
+	$(BIN)/python bench/bench_inference.py $(ARGS)
 
 bench-trainer: $(STAMP)
-	$(BIN)/python bench/bench_trainer.py
+	$(BIN)/python bench/bench_trainer.py $(ARGS)
 
 bench-delta: $(STAMP)
 	$(BIN)/pip install -q -e '.[bench]'

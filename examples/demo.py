@@ -23,10 +23,11 @@ import struct
 import sys
 import time
 import zlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx2
 import yaml
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
@@ -54,12 +55,40 @@ def tiny_png(width: int = 8, height: int = 8) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
 
 
+REPO = Path(__file__).resolve().parent.parent
+
+
 def default_key() -> str | None:
-    path = Path(os.environ.get("LEARNMESH_VAR", "var")) / "keys" / "generated.yaml"
+    # `make run` runs `learnmesh up` in the repository, which keeps its keys in var/ there: found
+    # from whatever directory the demo runs in
+    var = os.environ.get("LEARNMESH_VAR")
+    path = (Path(var) if var else REPO / "var") / "keys" / "generated.yaml"
     if path.is_file():
         data = yaml.safe_load(path.read_text()) or {}
         keys = data.get("api_keys") or {}
         return next(iter(keys.values()), None)
+    return None
+
+
+def _leaves(exc: BaseException) -> Iterator[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        for sub in exc.exceptions:
+            yield from _leaves(sub)
+    else:
+        yield exc
+
+
+def plain_failure(exc: BaseException, url: str, key: str | None, refused: int | None = None) -> str | None:
+    """One line for a failure the user fixes by hand (a key the gateway refuses, nothing at the
+    URL) in place of the transport's nested traceback; None for any other failure. ``refused``:
+    an HTTP status the gateway answered that the exception itself does not carry."""
+    leaves = list(_leaves(exc))
+    statuses = {refused, *(getattr(getattr(e, "response", None), "status_code", None) for e in leaves)}
+    if 401 in statuses:
+        told = "refused the key" if key else "wants a key"
+        return f"the gateway {told} (HTTP 401): pass --key or set LEARNMESH_KEY; `make run` prints the demo key"
+    if any(isinstance(e, (httpx2.ConnectError, ConnectionRefusedError)) for e in leaves):
+        return f"nothing answers at {url}; is the mesh up?"
     return None
 
 
@@ -93,9 +122,19 @@ async def until_a_worker_serves(call: Callable[[], Awaitable[Any]], timeout_s: f
             await asyncio.sleep(2)
 
 
-async def run(url: str, key: str | None, mode: str, context_id: str, timeout_s: float) -> None:
+async def run(url: str, key: str | None, mode: str, context_id: str, timeout_s: float,
+              refused: list[int] | None = None) -> None:
+    """The demo; ``refused`` collects a 401 the gateway answers, which the SDK reports only as
+    "Server returned an error response"."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    transport = streamable_http_client(url, http_client=create_mcp_http_client(headers=headers))
+    http = create_mcp_http_client(headers=headers)
+
+    async def note_refusal(response: httpx2.Response) -> None:
+        if response.status_code == 401 and refused is not None:
+            refused.append(401)
+
+    http.event_hooks["response"].append(note_refusal)
+    transport = streamable_http_client(url, http_client=http)
     async with Client(transport, mode=mode) as client:
         tools = await client.list_tools()
         print(f"connected ({client.protocol_version}); tools: {', '.join(t.name for t in tools.tools)}")
@@ -159,10 +198,18 @@ def main() -> int:
     p.add_argument("--context", default=f"demo-{int(time.time())}")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the first worker")
     args = p.parse_args()
+    refused: list[int] = []
     try:
-        asyncio.run(run(args.url, args.key, args.mode, args.context, args.timeout))
-    except MCPError as exc:
-        print(f"error {exc.code}: {exc}", file=sys.stderr)
+        asyncio.run(run(args.url, args.key, args.mode, args.context, args.timeout, refused))
+    except Exception as exc:
+        line = plain_failure(exc, args.url, args.key, refused[0] if refused else None)
+        if line is not None:
+            print(line, file=sys.stderr)
+            return 2
+        errors = [e for e in _leaves(exc) if isinstance(e, MCPError)]
+        if not errors:
+            raise
+        print(f"error {errors[0].code}: {errors[0]}", file=sys.stderr)
         return 1
     return 0
 

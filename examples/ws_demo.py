@@ -28,7 +28,7 @@ from typing import Any
 import websockets
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from demo import FACTS, UNAVAILABLE, default_key, tiny_png, until_a_worker_serves  # noqa: E402
+from demo import FACTS, UNAVAILABLE, default_key, plain_failure, tiny_png, until_a_worker_serves  # noqa: E402
 
 LEGACY, MODERN = "2025-11-25", "2026-07-28"
 
@@ -50,11 +50,16 @@ class WsClient:
         self.reader = asyncio.create_task(self._read())
 
     async def _read(self) -> None:
-        async for frame in self.ws:
-            msg = json.loads(frame)
-            fut = self.pending.pop(msg["id"], None) if "id" in msg and "method" not in msg else None
-            if fut is not None:
-                fut.set_result(msg)
+        try:
+            async for frame in self.ws:
+                msg = json.loads(frame)
+                fut = self.pending.pop(msg["id"], None) if "id" in msg and "method" not in msg else None
+                if fut is not None:
+                    fut.set_result(msg)
+        except websockets.ConnectionClosed as exc:  # the requests still waiting fail with it, not the reader
+            for fut in self.pending.values():
+                if not fut.done():
+                    fut.set_exception(exc)
 
     async def request(self, method: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
         params = dict(params or {})
@@ -148,6 +153,12 @@ def main() -> int:
     except RpcError as exc:
         print(f"error {exc.code}: {exc}", file=sys.stderr)
         return 1
+    except Exception as exc:
+        line = plain_failure(exc, args.url, args.key)
+        if line is None:
+            raise
+        print(line, file=sys.stderr)
+        return 2
     return 0
 
 

@@ -21,7 +21,8 @@ A failing tool body is not a protocol error: :func:`tool_error_text` says which
 exceptions become a result with ``isError: true``. Admin REST routes get the same map as
 HTTP errors: :func:`install_http_errors` registers it once as the FastAPI exception
 handler, so a route lets store/Redis/pool exceptions propagate; :func:`http_error` is the
-same decision for code that needs an :class:`HTTPException` in hand.
+same decision for code that needs an :class:`HTTPException` in hand. A request body that is
+not JSON is 400 on every REST route; JSON the route's model refuses stays FastAPI's 422.
 """
 
 from __future__ import annotations
@@ -29,10 +30,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 from fastapi import FastAPI, HTTPException, Request
+from fastapi.exception_handlers import request_validation_exception_handler
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from redis.exceptions import (
     AskError,
@@ -255,7 +258,8 @@ HTTP_MAPPED = (McpError, ContextError, SampleError, SessionNotFound, SessionLimi
 
 
 def install_http_errors(app: FastAPI, config: Config) -> None:
-    """Answer the exceptions of ``HTTP_MAPPED`` escaping any REST route through :func:`http_error`."""
+    """Answer the exceptions of ``HTTP_MAPPED`` escaping any REST route through :func:`http_error`,
+    and a request body that is not JSON with 400."""
 
     async def handler(request: Request, exc: Exception) -> JSONResponse:
         err = http_error(exc, config)
@@ -263,3 +267,24 @@ def install_http_errors(app: FastAPI, config: Config) -> None:
 
     for cls in HTTP_MAPPED:
         app.add_exception_handler(cls, handler)
+    app.add_exception_handler(RequestValidationError, _body_not_json)
+
+
+def _not_json(exc: RequestValidationError) -> str | None:
+    """Why the request's body is not JSON at all (malformed, or sent with another content type,
+    so FastAPI validated its raw bytes), or None when it is JSON the route's model refused."""
+    for err in exc.errors():
+        if err.get("type") == "json_invalid":
+            return f"the body is not valid JSON: {err.get('ctx', {}).get('error')} (char {err['loc'][-1]})"
+    if isinstance(exc.body, (bytes, bytearray)):
+        return "the body must be JSON, sent with Content-Type: application/json"
+    return None
+
+
+async def _body_not_json(request: Request, exc: Exception) -> JSONResponse:
+    """Input the route cannot accept, as every other (400); 422 is for JSON that fails validation."""
+    invalid = cast(RequestValidationError, exc)  # the one class it is registered for
+    reason = _not_json(invalid)
+    if reason is None:
+        return await request_validation_exception_handler(request, invalid)
+    return JSONResponse({"detail": reason}, status_code=400)

@@ -287,7 +287,7 @@ class Limits:
     def forbidden(self, principal: str) -> Forbidden:
         metrics.LEARN_FORBIDDEN.inc()
         return Forbidden(f"principal {principal!r} may not teach this model: learn needs the teach "
-                         "permission, which an operator grants", "teach")
+                         "permission, which an admin grants", "teach")
 
     async def may_teach(self, principal: str) -> bool:
         """The permission in force: the admin API's grant or revoke, else ``learning.teachers``."""

@@ -309,7 +309,6 @@ def ports_taken(cfg: Config, args: Any) -> list[str]:
                    for r in range(_n_ranks(cfg, args)) if met.trainer_port)]
     wanted = [("gateway.port (--port)", f"tcp://{cfg.gateway.host}:{cfg.gateway.port}"),
               *((setting, bind_address(endpoint, cfg.zmq.bind_host)) for setting, endpoint in zmq),
-              ("trainer.master_port", f"tcp://{cfg.trainer.master_addr}:{cfg.trainer.master_port}"),
               *((setting, f"tcp://{met.bind_host}:{port}") for setting, port in exporters)]
     taken = []
     for setting, address in wanted:

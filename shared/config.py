@@ -380,7 +380,9 @@ class TrainerConfig:
     max_sample_bytes: StrictInt = Field(default=256 * 1024, ge=64)
     sample_hwm: PositiveInt = 10_000
     batch_wait_ms: NonNegativeInt = 200
-    master_port: Port = 29511
+    master_port: Port = Field(
+        default=29511, description="ignored: the rendezvous of `learnmesh trainer` takes a free port at "
+                                   "master_addr; across machines torchrun's --rdzv-endpoint names the port")
     master_addr: str = "127.0.0.1"
     max_restarts: NonNegativeInt = Field(
         default=3, description="spawn mode: restart all ranks from the checkpoint after a rank dies")

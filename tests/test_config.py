@@ -26,9 +26,23 @@ from shared.config import (
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted key -> value of every leaf; an empty mapping is a leaf (a map with no entries)."""
+    if isinstance(tree, dict) and tree:
+        return {k: v for key, sub in tree.items() for k, v in _leaves(sub, f"{prefix}{key}.").items()}
+    return {prefix.rstrip("."): tree}
+
+
 def test_example_file_lists_every_default() -> None:
-    cfg = load_config(ROOT / "learnmesh.example.yaml", env={})
-    assert cfg == Config()
+    """learnmesh.example.yaml says it holds every key with its default: the same keys as the
+    model, each with the model's default (a key left out loads just as well, so loading alone
+    cannot tell)."""
+    example = _leaves(yaml.safe_load((ROOT / "learnmesh.example.yaml").read_text()))
+    defaults = _leaves(pydantic.TypeAdapter(Config).dump_python(Config(), mode="json"))
+    assert sorted(defaults.keys() - example.keys()) == [], "keys missing from learnmesh.example.yaml"
+    assert sorted(example.keys() - defaults.keys()) == [], "keys learnmesh.example.yaml has that the config lacks"
+    assert {k: v for k, v in example.items() if v != defaults[k]} == {}, "values other than the defaults"
+    assert load_config(ROOT / "learnmesh.example.yaml", env={}) == Config()
 
 
 def test_env_overrides_and_shortcuts(tmp_path: Path) -> None:

@@ -15,7 +15,15 @@ import httpx
 import pytest
 import yaml
 
-from services.supervisor import Child, Supervisor, child_configs, hold_var, load_or_create_keys, wait_ready
+from services.supervisor import (
+    Child,
+    Supervisor,
+    child_configs,
+    hold_var,
+    load_or_create_keys,
+    ports_taken,
+    wait_ready,
+)
 from shared.config import load_config
 from tests.conftest import RedisTarget, free_port, wait_for_sync
 
@@ -134,6 +142,25 @@ def test_up_refuses_a_var_directory_another_mesh_holds(redis_url: str, tmp_path:
     assert sorted(p.name for p in var.iterdir()) == ["up.lock"], "nothing else started or written"
     holder.close()
     hold_var(var).close()
+
+
+def test_the_trainer_master_port_is_no_port_of_the_mesh() -> None:
+    """The trainer's rendezvous binds a free port (services/trainer/launcher.py), so a process on
+    ``trainer.master_port`` keeps no mesh from starting; one on a port the mesh binds does."""
+    def free_endpoint() -> str:
+        return f"tcp://127.0.0.1:{free_port()}"
+
+    master_port, gateway_port = free_port(), free_port()
+    cfg = load_config(env={}, overrides={
+        "gateway": {"port": gateway_port}, "worker": {"endpoints": [free_endpoint()]},
+        "metrics": {"worker_port": 0, "trainer_port": 0},
+        "trainer": {"samples_endpoint": free_endpoint(), "master_port": master_port},
+        "security": {name: free_endpoint() for name in ("delta_pub_endpoint", "snapshot_endpoint", "ack_endpoint")}})
+    args = argparse.Namespace(workers=None, ranks=None)
+    with socket.create_server(("127.0.0.1", master_port)):
+        assert ports_taken(cfg, args) == []
+        with socket.create_server(("127.0.0.1", gateway_port)):
+            assert ports_taken(cfg, args) == [f"gateway.port (--port) (127.0.0.1:{gateway_port})"]
 
 
 def test_wait_ready_gives_up_on_a_gateway_that_never_answers() -> None:

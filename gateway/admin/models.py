@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import HTTPException, Query, Request
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StrictBool, StrictInt
 
 from gateway.admin.auth import AdminPrincipal
 from gateway.admin.common import (
@@ -41,8 +41,9 @@ async def list_models(request: Request, limit: Annotated[int, Query(ge=1, le=MAX
 
 
 class Rollback(BaseModel):
-    version: int | None = Field(default=None, ge=0, description="roll back to this published version")
-    anchor: bool = Field(default=False, description="roll back to the latest full anchor instead")
+    # Strict: a JSON true, 1.0 or "1" is a mistake, never version 1 (nor anchor: 1 an anchor)
+    version: StrictInt | None = Field(default=None, ge=0, description="roll back to this published version")
+    anchor: StrictBool = Field(default=False, description="roll back to the latest full anchor instead")
 
 
 @router.post("/models/rollback", status_code=202, responses={404: E404, 422: E422},

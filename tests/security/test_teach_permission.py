@@ -73,7 +73,7 @@ def assert_forbidden(r: httpx.Response) -> None:
     assert r.status_code == 403, r.text
     error = r.json()["error"]
     assert error["code"] == -32003 and error["data"] == {"permission": "teach"}
-    assert "may not teach" in error["message"]
+    assert "may not teach" in error["message"] and "an admin grants" in error["message"]
 
 
 SAMPLES = [{"input": "the sky is", "target": " green"}, {"input": "two plus two is", "target": " five"}]
@@ -88,7 +88,7 @@ def test_only_teachers_teach_and_grants_hold_on_every_replica(replicas: tuple[st
     assert logged(store, "student") == 0
     # nor can an operator import samples in its name
     r = admin("POST", a + "/admin/samples", OPERATOR, json={"principal": "student", "samples": SAMPLES})
-    assert r.status_code == 403 and "may not teach" in r.json()["detail"]
+    assert r.status_code == 403 and "an admin grants" in r.json()["detail"]
     assert logged(store, "student") == 0
     # a teacher by the config teaches
     taught = learn(b, "teacher", SAMPLES)
