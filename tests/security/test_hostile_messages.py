@@ -16,6 +16,7 @@ from websockets.asyncio.client import connect as ws_connect
 
 from gateway.mcp.kernel import MAX_JSON_DEPTH
 from shared import keys
+from shared.config import load_config
 from tests.conftest import wait_for_sync
 from tests.gateway_support import LoggedGateway as Gateway
 from tests.gateway_support import logged_gateway
@@ -167,3 +168,55 @@ def test_a_second_initialize_on_a_websocket_is_refused_and_loses_nothing(gw: Gat
             assert any(m.get("id") == 4 and "result" in m for m in got), got
 
     asyncio.run(scenario())
+
+
+def test_oversized_client_capabilities_are_refused_and_not_kept(gw: Gateway, store: redis_sync.Redis) -> None:
+    """What a client declares about itself lives as long as its session (Redis and every replica's
+    cache) or its listen stream and tasks: beyond ``gateway.max_client_capabilities_bytes`` it is
+    refused, on both revisions and both transports, before anything is kept."""
+    since = log_size(gw)
+    limit = load_config(env={}).gateway.max_client_capabilities_bytes
+    huge = {"experimental": {"x": "a" * 3_500_000}}
+
+    def initialize(rid: int, capabilities: dict, info: dict | None = None) -> dict:
+        return {"jsonrpc": "2.0", "id": rid, "method": "initialize",
+                "params": {"protocolVersion": "2025-11-25", "capabilities": capabilities,
+                           "clientInfo": info or {"name": "mallory", "version": "1"}}}
+
+    for message, what in ((initialize(1, huge), "capabilities"),
+                          (initialize(2, {}, {"name": "mallory", "version": "1", "x": "a" * 3_500_000}), "clientInfo"),
+                          (initialize(3, {"experimental": {"x": "a" * limit}}), "capabilities")):
+        r = post(gw, orjson.dumps(message).decode())
+        assert r.status_code == 400 and "mcp-session-id" not in r.headers, r.text[:300]
+        error = r.json()["error"]
+        assert error["code"] == -32602 and what in error["message"] and str(limit) in error["message"], error
+    assert not store.keys(keys.session("mallory", "*"))
+    # under the bound is served as before
+    r = post(gw, orjson.dumps(initialize(4, {"experimental": {"x": "a" * (limit // 2)}})).decode())
+    assert r.status_code == 200 and r.headers["mcp-session-id"], r.text[:300]
+    # 2026-07-28: a request's own capabilities, which a listen stream or a task holds while it lives
+    for caps in (huge, {"sampling": {}, "experimental": {"x": "a" * limit}}):
+        for method, params in (("tools/call", {"name": "t_echo", "arguments": {"text": "x"}}),
+                               ("subscriptions/listen", {"notifications": {"toolsListChanged": True}})):
+            body, headers = modern(method, params, rid=5, caps=caps)
+            r = post(gw, orjson.dumps(body).decode(), headers)
+            assert r.status_code == 400 and r.json()["error"]["code"] == -32602, r.text[:300]
+    body, headers = modern("tools/call", {"name": "t_echo", "arguments": {"text": "x"}}, rid=6)
+    body["params"]["_meta"]["io.modelcontextprotocol/clientInfo"] = {"name": "m", "version": "1", "x": "a" * limit}
+    r = post(gw, orjson.dumps(body).decode(), headers)
+    assert r.status_code == 400 and r.json()["error"]["code"] == -32602, r.text[:300]
+
+    async def over_websocket() -> None:
+        async with ws_connect(gw.ws, subprotocols=["mcp"], additional_headers=AUTH) as ws:
+            async def answer(message: dict) -> dict:
+                await ws.send(orjson.dumps(message).decode())
+                return orjson.loads(await asyncio.wait_for(ws.recv(), 10))
+
+            assert (await answer(initialize(7, huge)))["error"]["code"] == -32602
+            assert store.zcard(keys.principal_sessions("mallory")) == 1
+            # the refused initialize opened nothing: the connection may still open its session
+            assert (await answer(initialize(8, {})))["result"]["protocolVersion"] == "2025-11-25"
+
+    asyncio.run(over_websocket())
+    assert store.zcard(keys.principal_sessions("mallory")) == 2
+    assert_no_crash_logged(gw, since)
