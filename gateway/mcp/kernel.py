@@ -77,6 +77,7 @@ _ID_MIN, _ID_MAX = -(2**63), 2**64  # integer ids JSON-RPC peers can be expected
 
 _requests = msgspec.json.Decoder(Request)
 _incoming = msgspec.json.Decoder(Incoming)
+_any_json = msgspec.json.Decoder()
 
 
 @dataclass(slots=True)
@@ -136,9 +137,8 @@ class Kernel:
             pass
         try:
             return _classify(_incoming.decode(data))
-        except msgspec.ValidationError:  # valid JSON, but not an object
-            return self.fail(McpError(INVALID_REQUEST, "Body must be a single JSON-RPC 2.0 request, "
-                                      "notification or response"))
+        except msgspec.ValidationError:  # not an object: refused at its first token, before the rest was read
+            return self.fail(_not_an_object(data))
         except msgspec.DecodeError:
             return self.fail(McpError(PARSE_ERROR, "Parse error"))
         except _Invalid as exc:
@@ -327,6 +327,16 @@ _PROBLEMS = {"Recursion limit reached": f"JSON nested deeper than {MAX_JSON_DEPT
 
 def _too_deep() -> McpError:
     return McpError(INVALID_REQUEST, _PROBLEMS["Recursion limit reached"])
+
+
+def _not_an_object(data: bytes | str) -> McpError:
+    """The error for a body whose top-level value is not an object: a parse error unless the whole body
+    is JSON (a batch, a scalar). Only this error path reads such a body a second time."""
+    try:
+        _any_json.decode(data)  # RecursionError (too deep to tell) is decode()'s to answer
+    except msgspec.DecodeError:
+        return McpError(PARSE_ERROR, "Parse error")
+    return McpError(INVALID_REQUEST, "Body must be a single JSON-RPC 2.0 request, notification or response")
 
 
 def _kept_values_problem(data: bytes | str, message: Message) -> str | None:

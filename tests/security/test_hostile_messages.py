@@ -12,6 +12,7 @@ import httpx
 import orjson
 import pytest
 import redis as redis_sync
+from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 
 from gateway.mcp.kernel import MAX_JSON_DEPTH
@@ -80,6 +81,14 @@ def assert_no_crash_logged(gw: Gateway, since: int) -> None:
     assert "Traceback" not in before and "ERROR" not in before, before[-3000:]
 
 
+async def assert_still_serving(ws: ClientConnection) -> None:
+    """The WebSocket that carried something hostile still serves a tool call."""
+    body, _ = modern("tools/call", {"name": "t_echo", "arguments": {"text": "still here"}}, rid=4)
+    await ws.send(orjson.dumps(body).decode())
+    reply = orjson.loads(await asyncio.wait_for(ws.recv(), 10))
+    assert reply["result"]["content"][0]["text"] == "mallory:still here"
+
+
 def test_deep_nesting_is_bad_input_on_both_revisions(gw: Gateway, store: redis_sync.Redis) -> None:
     since = log_size(gw)
     # far deeper than the decoder recurses, and deeper than what is kept can be encoded again
@@ -134,10 +143,7 @@ def test_deep_nesting_on_a_websocket_leaves_the_connection_serving(gw: Gateway) 
                 await ws.send('{"jsonrpc":"2.0","id":3,"method":"ping","params":{"x":' + nested(depth) + "}}")
                 error = orjson.loads(await asyncio.wait_for(ws.recv(), 10))["error"]
                 assert error == {"code": -32600, "message": f"JSON nested deeper than {MAX_JSON_DEPTH} levels"}
-            body, _ = modern("tools/call", {"name": "t_echo", "arguments": {"text": "still here"}}, rid=4)
-            await ws.send(orjson.dumps(body).decode())
-            reply = orjson.loads(await asyncio.wait_for(ws.recv(), 10))
-            assert reply["result"]["content"][0]["text"] == "mallory:still here"
+            await assert_still_serving(ws)
 
     asyncio.run(scenario())
     assert_no_crash_logged(gw, since)
@@ -219,4 +225,39 @@ def test_oversized_client_capabilities_are_refused_and_not_kept(gw: Gateway, sto
 
     asyncio.run(over_websocket())
     assert store.zcard(keys.principal_sessions("mallory")) == 2
+    assert_no_crash_logged(gw, since)
+
+
+# Bodies that are not JSON at all, whatever their first character; then well-formed JSON that is
+# not one JSON-RPC object.
+NOT_JSON = ("[", "[1,", '[{"jsonrpc":"2.0"', "[" * 100, '[{"jsonrpc":"2.0","id":1,"method":"ping"}] x', "[1]]",
+            '{"a":[', '"open', "nul", "1 2", '{"jsonrpc":"2.0","id":1,"method":"ping"}}')
+WRONG_SHAPE = ('[{"jsonrpc":"2.0","id":1,"method":"ping"}]', "[]", "[1,2]", "1", '"x"', "null",
+               "[" * 200 + "]" * 200)
+
+
+def test_malformed_json_is_a_parse_error_and_wrong_shapes_are_invalid_requests(gw: Gateway) -> None:
+    since = log_size(gw)
+    parse_error = {"jsonrpc": "2.0", "id": None, "error": {"code": -32700, "message": "Parse error"}}
+    for text in NOT_JSON:
+        r = post(gw, text)
+        assert (r.status_code, r.json()) == (400, parse_error), (text[:40], r.text)
+    for text in WRONG_SHAPE:
+        r = post(gw, text)
+        assert r.status_code == 400 and r.json()["error"]["code"] == -32600, (text[:40], r.text)
+        assert "single JSON-RPC 2.0" in r.json()["error"]["message"], (text[:40], r.text)
+    # deeper than the decoder goes: refused for its depth, as an object that deep is
+    assert_too_deep(post(gw, "[" * 100_000), None)
+
+    async def over_websocket() -> None:
+        async with ws_connect(gw.ws, subprotocols=["mcp"], additional_headers=AUTH) as ws:
+            for text in NOT_JSON:
+                await ws.send(text)
+                assert orjson.loads(await asyncio.wait_for(ws.recv(), 10)) == parse_error, text[:40]
+            for text in WRONG_SHAPE:
+                await ws.send(text)
+                assert orjson.loads(await asyncio.wait_for(ws.recv(), 10))["error"]["code"] == -32600, text[:40]
+            await assert_still_serving(ws)
+
+    asyncio.run(over_websocket())
     assert_no_crash_logged(gw, since)
