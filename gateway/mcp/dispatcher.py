@@ -254,7 +254,7 @@ class Dispatcher:
             # reach it as a response to an unknown id (the spec's SHOULD NOT; both TS SDKs report it).
             reply = Reply(http_status=202)
         except Exception as exc:  # noqa: BLE001 - handed to the one error map
-            wire = wire_error(exc, self.config, method=method, params=params)
+            wire = wire_error(exc, self.config, method=method, params=params, modern=call.modern)
             reply = Reply(wire.response(request.id))
             # A legacy session's answers are HTTP 200 whatever they carry, but for a limit:
             # 429 + Retry-After is what clients and proxies back off on.
@@ -467,8 +467,6 @@ class Dispatcher:
             if found is None and self._upstream_uri(uri):
                 return self._read_result(call, await self.state.proxy.read_resource(call, uri))
             if found is None:
-                if call.modern:  # SEP-2164: an unknown resource is a bad parameter
-                    raise InvalidParams(f"Resource not found: {uri}", {"uri": uri})
                 raise NotFound(f"Resource not found: {uri}", {"uri": uri})
             tpl, variables = found
             out = await tpl.handler(call, {"uri": uri, **variables})
