@@ -5,6 +5,7 @@ every property one type."""
 
 from __future__ import annotations
 
+import base64
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -165,6 +166,29 @@ def test_an_unknown_resource_is_invalid_params_on_2026_and_resource_not_found_on
             assert r.status_code == 200, (uri, r.text)
             assert r.json()["error"] == {"code": -32002, "message": f"Resource not found: {uri}",
                                          "data": {"uri": uri}}, uri
+
+
+LISTS = {"tools/list": "tools", "resources/list": "resources", "resources/templates/list": "resourceTemplates",
+         "prompts/list": "prompts"}
+# Cursors no list of this gateway issued: without upstreams every list is one page, so none is.
+FOREIGN_CURSORS = ("garbage", 5, "", {"offset": 3}, base64.urlsafe_b64encode(b"tools:3").decode())
+
+
+def test_a_cursor_the_gateway_did_not_issue_is_invalid_params(mcp: str, redis_url: str) -> None:
+    append(mcp, ALICE, "c1", "text")  # resources/list holds the caller's contexts too
+    headers = legacy_session(mcp, ALICE)
+    for method, key in LISTS.items():
+        first = ask_http(mcp, ALICE, method, {})
+        assert first.status_code == 200 and key in first.json()["result"], first.text
+        assert "nextCursor" not in first.json()["result"]
+        assert ask_http(mcp, ALICE, method, {"cursor": None}).json()["result"] == first.json()["result"]
+        for cursor in FOREIGN_CURSORS:
+            r = ask_http(mcp, ALICE, method, {"cursor": cursor})
+            assert r.status_code == 400 and r.json()["error"]["code"] == -32602, (method, cursor, r.text)
+            assert "cursor" in r.json()["error"]["message"]
+            r = httpx.post(mcp, headers=headers, json={"jsonrpc": "2.0", "id": 2, "method": method,
+                                                       "params": {"cursor": cursor}})
+            assert r.status_code == 200 and r.json()["error"]["code"] == -32602, (method, cursor, r.text)
 
 
 def _types(schema: Any) -> Iterator[Any]:
