@@ -9,6 +9,7 @@ sees, in the manner of the MCP SDK's kernel:
 - a body over ``gateway.max_body_bytes`` is INVALID_REQUEST with HTTP 413;
 - bad input (a store or sample validation error, a worker's ``bad_input``) is INVALID_PARAMS;
 - an unknown context is INVALID_PARAMS for a tool and RESOURCE_NOT_FOUND for ``resources/read``;
+  on 2026-07-28 every unknown resource is INVALID_PARAMS with ``data.uri`` and HTTP 400 (SEP-2164);
 - a principal over one of its limits (:class:`LimitExceeded`) is LIMIT_EXCEEDED with HTTP 429
   and a Retry-After that ``data.retryAfterS`` repeats; a principal without a permission
   (:class:`Forbidden`) is FORBIDDEN with HTTP 403;
@@ -188,10 +189,18 @@ def _unavailable(message: str, retry_after_s: int) -> WireError:
 
 
 def wire_error(exc: BaseException, config: Config, *, method: str = "",
-               params: Mapping[str, Any] | None = None, crashed_status: int = 200) -> WireError:
-    """THE map. ``method``/``params``: the request being served, when there is one.
-    ``crashed_status``: the HTTP status of an unexpected exception (200 inside a handler, where
-    JSON-RPC carries the error; 500 when the transport itself failed)."""
+               params: Mapping[str, Any] | None = None, crashed_status: int = 200, modern: bool = False) -> WireError:
+    """THE map. ``method``/``params``: the request being served, when there is one; ``modern``:
+    it is a 2026-07-28 request. ``crashed_status``: the HTTP status of an unexpected exception (200
+    inside a handler, where JSON-RPC carries the error; 500 when the transport itself failed)."""
+    wire = _wire_error(exc, config, method, params, crashed_status)
+    if modern and wire.code == RESOURCE_NOT_FOUND:  # SEP-2164: -32002 is the 2025-11-25 code alone
+        return WireError(INVALID_PARAMS, wire.message, wire.data, HTTP_STATUS[INVALID_PARAMS])
+    return wire
+
+
+def _wire_error(exc: BaseException, config: Config, method: str, params: Mapping[str, Any] | None,
+                crashed_status: int) -> WireError:
     retry_after_s = config.redis.retry_after_s
     if isinstance(exc, BodyTooLarge):
         return WireError(INVALID_REQUEST, exc.detail, None, 413)

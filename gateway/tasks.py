@@ -326,7 +326,7 @@ class TaskManager:
                 raise
             if isinstance(exc, InputRequired):  # a handler bypassed request_client inside a task
                 exc = McpError(INTERNAL_ERROR, "the tool asked for input in a way a task cannot deliver")
-            err = wire_error(exc, tcall.state.config, method="tools/call").object()
+            err = wire_error(exc, tcall.state.config, method="tools/call", modern=tcall.modern).object()
             await self._finish(tcall, "failed", "error", encode(err))
             return None
         if tcall.task_id is None:

@@ -199,6 +199,10 @@ class GatewayConfig:
         default=30, ge=1, le=600, description="lifetime of a single-use WebSocket ticket (POST /mcp/ws-ticket)")
     session_idle_ttl_s: PositiveInt = 1800
     max_sessions_per_principal: PositiveInt = 1000
+    max_client_capabilities_bytes: StrictInt = Field(
+        default=16 * 1024, ge=1024, description="largest client capabilities and client info a client may declare "
+                                                "(each, as JSON): a 2025-11-25 session keeps them, a 2026-07-28 "
+                                                "listen stream or task holds them while it lives (-32602 beyond)")
     allowed_origins: list[str] = Field(default_factory=list)
     api_keys: dict[Principal, Annotated[str, Field(min_length=8)]] = Field(
         default_factory=dict, description="principal -> MCP client key")

@@ -105,7 +105,7 @@ def test_tools_roundtrip_and_bad_input(client: TestClient) -> None:
         assert err["error"]["code"] == -32602, (bad, err)
     assert a("context_get", context_id="conv", last_n=0)["error"]["code"] == -32602
     assert a("context_get", context_id="missing")["error"]["code"] == -32602
-    assert modern(client, "alice", "resources/read", {"uri": "context://missing/text"})["error"]["code"] == -32002
+    assert modern(client, "alice", "resources/read", {"uri": "context://missing/text"})["error"]["code"] == -32602
     assert a("context_get", context_id="conv")["result"]["structuredContent"]["version"] == 2  # nothing written
 
 
@@ -115,11 +115,11 @@ def test_two_keys_are_isolated_modern_and_legacy(client: TestClient) -> None:
 
     a("context_append", context_id="secret", modality="text", text="alice only")
     bob = Legacy(client, "bob")
-    for rpc in (bob, lambda m, p: modern(client, "bob", m, p)):
+    for rpc, not_found in ((bob, -32002), (lambda m, p: modern(client, "bob", m, p), -32602)):
         assert call(rpc, "context_get", context_id="secret")["error"]["code"] == -32602
         assert call(rpc, "context_clear", context_id="secret")["error"]["code"] == -32602
         assert call(rpc, "context_fork", context_id="secret", new_context_id="stolen")["error"]["code"] == -32602
-        assert rpc("resources/read", {"uri": "context://secret/text"})["error"]["code"] == -32002
+        assert rpc("resources/read", {"uri": "context://secret/text"})["error"]["code"] == not_found
         listed = rpc("resources/list", {})["result"]["resources"]
         assert not any("secret" in x["uri"] for x in listed)
     # bob writing the same id creates bob's own context; alice's is untouched
@@ -154,7 +154,7 @@ def test_websocket_isolation_and_updates(client: TestClient) -> None:
         ws.send_text(frame(1, "tools/call", {"name": "context_get", "arguments": {"context_id": "ws-secret"}}))
         assert orjson.loads(ws.receive_text())["error"]["code"] == -32602
         ws.send_text(frame(2, "resources/read", {"uri": "context://ws-secret/text"}))
-        assert orjson.loads(ws.receive_text())["error"]["code"] == -32002
+        assert orjson.loads(ws.receive_text())["error"]["code"] == -32602
         # bob listens to alice's context name and to his own; only his own change may arrive
         ws.send_text(frame(3, "subscriptions/listen", {"notifications": {
             "resourceSubscriptions": ["context://ws-secret/text", "context://ws-mine/text"]}}))

@@ -5,6 +5,7 @@ every property one type."""
 
 from __future__ import annotations
 
+import base64
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -39,16 +40,28 @@ def redis_url(redis_target_module: RedisTarget) -> str:
     return redis_target_module.url
 
 
-def ask(mcp: str, key: str, method: str, params: dict[str, Any], name: str | None = None) -> dict[str, Any]:
-    """One 2026-07-28 request; its JSON-RPC answer."""
+def ask_http(mcp: str, key: str, method: str, params: dict[str, Any], name: str | None = None) -> httpx.Response:
+    """One 2026-07-28 request."""
     params = {**params, "_meta": {"io.modelcontextprotocol/protocolVersion": MODERN,
                                   "io.modelcontextprotocol/clientCapabilities": {}}}
     headers = {"accept": ACCEPT, "authorization": f"Bearer {key}", "mcp-protocol-version": MODERN,
                "mcp-method": method}
     if name is not None:
         headers["mcp-name"] = name
-    r = httpx.post(mcp, headers=headers, json={"jsonrpc": "2.0", "id": 1, "method": method, "params": params})
-    return orjson.loads(r.content)
+    return httpx.post(mcp, headers=headers, json={"jsonrpc": "2.0", "id": 1, "method": method, "params": params})
+
+
+def ask(mcp: str, key: str, method: str, params: dict[str, Any], name: str | None = None) -> dict[str, Any]:
+    """One 2026-07-28 request; its JSON-RPC answer."""
+    return orjson.loads(ask_http(mcp, key, method, params, name).content)
+
+
+def legacy_session(mcp: str, key: str) -> dict[str, str]:
+    """The headers of a new 2025-11-25 session of ``key``'s principal."""
+    headers = {"accept": ACCEPT, "authorization": f"Bearer {key}"}
+    init = httpx.post(mcp, headers=headers, json={"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": LEGACY, "capabilities": {"sampling": {}}, "clientInfo": {"name": "t", "version": "1"}}})
+    return headers | {"mcp-session-id": init.headers["mcp-session-id"], "mcp-protocol-version": LEGACY}
 
 
 def append(mcp: str, key: str, context_id: str, modality: str) -> None:
@@ -67,10 +80,7 @@ def complete(mcp: str, key: str, argument: str, value: str, resolved: dict[str, 
 
 
 def test_cancelled_request_gets_no_response(mcp: str) -> None:
-    headers = {"accept": ACCEPT, "authorization": f"Bearer {ALICE}"}
-    init = httpx.post(mcp, headers=headers, json={"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
-        "protocolVersion": LEGACY, "capabilities": {"sampling": {}}, "clientInfo": {"name": "t", "version": "1"}}})
-    headers |= {"mcp-session-id": init.headers["mcp-session-id"], "mcp-protocol-version": LEGACY}
+    headers = legacy_session(mcp, ALICE)
     events: list[dict[str, Any]] = []
     asked = threading.Event()
 
@@ -130,6 +140,55 @@ def test_not_found_errors_say_not_found(mcp: str, redis_url: str) -> None:
     ]
     for reply in errors:
         assert "not found" in reply["error"]["message"], reply
+
+
+# What matches no resource: a context that is not the caller's or does not exist, a modality that is
+# not configured (names are case-sensitive), anything after the modality, a URI nothing serves.
+UNKNOWN_RESOURCES = ("context://zz/text", "context://c1/Text", "context://c1/text?x=1", "context://c1/text/x",
+                     "context://c1/video", "test://nope")
+
+
+def test_an_unknown_resource_is_invalid_params_on_2026_and_resource_not_found_on_2025(mcp: str,
+                                                                                        redis_url: str) -> None:
+    append(mcp, ALICE, "c1", "text")
+    assert ask(mcp, ALICE, "resources/read", {"uri": "context://c1/text"}, "context://c1/text")["result"]
+    for key, uris in ((ALICE, UNKNOWN_RESOURCES), (BOB, ("context://c1/text",))):
+        for uri in uris:
+            r = ask_http(mcp, key, "resources/read", {"uri": uri}, uri)  # SEP-2164
+            assert r.status_code == 400, (uri, r.text)
+            assert r.json()["error"] == {"code": -32602, "message": f"Resource not found: {uri}",
+                                         "data": {"uri": uri}}, uri
+    for key, uris in ((ALICE, UNKNOWN_RESOURCES), (BOB, ("context://c1/text",))):
+        headers = legacy_session(mcp, key)
+        for uri in uris:
+            r = httpx.post(mcp, headers=headers, json={"jsonrpc": "2.0", "id": 2, "method": "resources/read",
+                                                       "params": {"uri": uri}})
+            assert r.status_code == 200, (uri, r.text)
+            assert r.json()["error"] == {"code": -32002, "message": f"Resource not found: {uri}",
+                                         "data": {"uri": uri}}, uri
+
+
+LISTS = {"tools/list": "tools", "resources/list": "resources", "resources/templates/list": "resourceTemplates",
+         "prompts/list": "prompts"}
+# Cursors no list of this gateway issued: without upstreams every list is one page, so none is.
+FOREIGN_CURSORS = ("garbage", 5, "", {"offset": 3}, base64.urlsafe_b64encode(b"tools:3").decode())
+
+
+def test_a_cursor_the_gateway_did_not_issue_is_invalid_params(mcp: str, redis_url: str) -> None:
+    append(mcp, ALICE, "c1", "text")  # resources/list holds the caller's contexts too
+    headers = legacy_session(mcp, ALICE)
+    for method, key in LISTS.items():
+        first = ask_http(mcp, ALICE, method, {})
+        assert first.status_code == 200 and key in first.json()["result"], first.text
+        assert "nextCursor" not in first.json()["result"]
+        assert ask_http(mcp, ALICE, method, {"cursor": None}).json()["result"] == first.json()["result"]
+        for cursor in FOREIGN_CURSORS:
+            r = ask_http(mcp, ALICE, method, {"cursor": cursor})
+            assert r.status_code == 400 and r.json()["error"]["code"] == -32602, (method, cursor, r.text)
+            assert "cursor" in r.json()["error"]["message"]
+            r = httpx.post(mcp, headers=headers, json={"jsonrpc": "2.0", "id": 2, "method": method,
+                                                       "params": {"cursor": cursor}})
+            assert r.status_code == 200 and r.json()["error"]["code"] == -32602, (method, cursor, r.text)
 
 
 def _types(schema: Any) -> Iterator[Any]:

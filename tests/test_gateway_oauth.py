@@ -320,11 +320,11 @@ def test_two_subs_are_isolated(oauth_gw: Gateway, store: RedisTarget) -> None:
     def bob_modern(method: str, params: dict) -> dict:
         return body(call_modern(oauth_gw, bob, method, params))
 
-    for ask in (lambda m, p: body(bob_session.post(m, p)), bob_modern):
+    for ask, not_found in ((lambda m, p: body(bob_session.post(m, p)), -32002), (bob_modern, -32602)):
         assert ask("tools/call", {"name": "context_get", "arguments": {"context_id": "diary"}})["error"]["code"] == -32602
         assert ask("tools/call", {"name": "context_fork", "arguments": {
             "context_id": "diary", "new_context_id": "stolen"}})["error"]["code"] == -32602
-        assert ask("resources/read", {"uri": "context://diary/text"})["error"]["code"] == -32002
+        assert ask("resources/read", {"uri": "context://diary/text"})["error"]["code"] == not_found
         assert not any("diary" in x["uri"] for x in ask("resources/list", {})["result"]["resources"])
     # the same id under bob is bob's own context; alice's is untouched
     assert bob_session.tool("context_append", context_id="diary", modality="text",
@@ -400,11 +400,11 @@ def test_websocket_two_subs_are_isolated(oauth_gw: Gateway, store: RedisTarget) 
         def bob_stateless(method: str, params: dict) -> dict:
             return ws_ask(bob, modern(method, params, rid=next(rid))[0])
 
-        for ask in (bob_session, bob_stateless):
+        for ask, not_found in ((bob_session, -32002), (bob_stateless, -32602)):
             assert ask("tools/call", {"name": "context_get", "arguments": {"context_id": "diary"}})["error"]["code"] == -32602
             assert ask("tools/call", {"name": "context_fork", "arguments": {
                 "context_id": "diary", "new_context_id": "stolen"}})["error"]["code"] == -32602
-            assert ask("resources/read", {"uri": "context://diary/text"})["error"]["code"] == -32002
+            assert ask("resources/read", {"uri": "context://diary/text"})["error"]["code"] == not_found
             assert not any("diary" in x["uri"] for x in ask("resources/list", {})["result"]["resources"])
         # the same id under bob is bob's own context; alice's is untouched
         assert bob_session("tools/call", {"name": "context_append", "arguments": {

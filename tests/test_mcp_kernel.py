@@ -163,6 +163,8 @@ def test_the_map(redis_url: str) -> None:
     assert wire_error(missing, cfg).code == INVALID_PARAMS
     read = wire_error(missing, cfg, method="resources/read", params={"uri": "context://c1/text"})
     assert (read.code, read.data) == (RESOURCE_NOT_FOUND, {"uri": "context://c1/text"})
+    read = wire_error(missing, cfg, method="resources/read", params={"uri": "context://c1/text"}, modern=True)
+    assert (read.code, read.data, read.http_status) == (INVALID_PARAMS, {"uri": "context://c1/text"}, 400)
     assert wire_error(ContextError("bad id"), cfg).http_status == 400
     assert wire_error(WorkerRequestError("bad_input", "image"), cfg).code == INVALID_PARAMS
     for down in (RedisConnectionError(), SessionLimit("alice"), NoWorker("none"), WorkerTimeout("slow")):

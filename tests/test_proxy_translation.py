@@ -5,6 +5,7 @@ carried across, and server->client requests reaching the client the way its revi
 
 from __future__ import annotations
 
+import base64
 import threading
 from typing import Any
 
@@ -157,3 +158,23 @@ def test_unprefixed_namespace_and_pagination(redis_url: str, upstream: str) -> N
         assert read["contents"][0]["uri"] == "test://r" and read["contents"][0]["text"] == "resource text"
         bad = client.call("tools/list", {"cursor": "bm90LWEtY3Vyc29y"})
         assert bad["error"]["code"] == -32602
+
+
+@pytest.mark.parametrize("client_rev", [LEGACY, MODERN])
+def test_a_cursor_the_proxy_did_not_issue_is_invalid_params(redis_url: str, upstream: str, client_rev: str) -> None:
+    """The merged lists issue a cursor at each page boundary of their own list; anything else,
+    including another list's cursor or an issued one spelt differently, is -32602."""
+    proxy = {"upstreams": [upstream_entry(upstream)], "page_size": 3}
+    with front_gateway(redis_url, proxy) as base:
+        client = Client(base, MCP_KEY, client_rev).open()
+        issued = client.result("tools/list")["nextCursor"]
+        assert client.result("tools/list", {"cursor": issued})["tools"]
+        offset = int(base64.urlsafe_b64decode(issued).decode().partition(":")[2])
+        forged = [base64.urlsafe_b64encode(f"tools:{n}".encode()).decode() for n in (0, offset - 1, offset + 1)]
+        respelt = [issued.rstrip("="), issued + "!", base64.urlsafe_b64encode(f"tools:0{offset}".encode()).decode()]
+        for method, cursor in [("tools/list", c) for c in (*forged, *respelt, "garbage", "", 5, [issued])] + \
+                              [(m, issued) for m in ("prompts/list", "resources/list", "resources/templates/list")]:
+            r = client.post(method, {"cursor": cursor})
+            error = r.json().get("error", {})
+            assert error.get("code") == -32602 and "cursor" in error["message"], (method, cursor, r.text)
+            assert r.status_code == (400 if client_rev == MODERN else 200)

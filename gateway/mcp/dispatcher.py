@@ -157,17 +157,24 @@ def _cursor(kind: str, offset: int) -> str:
     return base64.urlsafe_b64encode(f"{kind}:{offset}".encode()).decode()
 
 
-def _cursor_offset(cursor: Any, kind: str) -> int:
-    """Where a list page starts; a cursor that is not one of this list's is bad input."""
+def _cursor_offset(cursor: Any, kind: str, page_size: int) -> int:
+    """Where a list page starts. A cursor is only ever issued for a page boundary of its own list,
+    spelt as :func:`_cursor` spells it; anything else is bad input (MCP pagination)."""
     if cursor is None:
         return 0
-    try:
-        name, _, offset = base64.urlsafe_b64decode(str(cursor).encode()).decode().partition(":")
-        if name == kind and offset.isdigit():
-            return int(offset)
-    except (ValueError, UnicodeDecodeError):
-        pass
-    raise InvalidParams("params.cursor is not a cursor of this list")
+    if isinstance(cursor, str):
+        try:
+            name, _, digits = base64.urlsafe_b64decode(cursor.encode("ascii")).decode("ascii").partition(":")
+            offset = int(digits) if name == kind and digits.isdigit() else 0
+        except (ValueError, UnicodeError):
+            offset = 0
+        if offset > 0 and offset % page_size == 0 and _cursor(kind, offset) == cursor:
+            return offset
+    raise _not_issued()
+
+
+def _not_issued() -> InvalidParams:
+    return InvalidParams("params.cursor is not a cursor this server issued for this list")
 
 
 def _str_param(params: dict[str, Any], name: str) -> str:
@@ -254,7 +261,7 @@ class Dispatcher:
             # reach it as a response to an unknown id (the spec's SHOULD NOT; both TS SDKs report it).
             reply = Reply(http_status=202)
         except Exception as exc:  # noqa: BLE001 - handed to the one error map
-            wire = wire_error(exc, self.config, method=method, params=params)
+            wire = wire_error(exc, self.config, method=method, params=params, modern=call.modern)
             reply = Reply(wire.response(request.id))
             # A legacy session's answers are HTTP 200 whatever they carry, but for a limit:
             # 429 + Retry-After is what clients and proxies back off on.
@@ -322,15 +329,18 @@ class Dispatcher:
 
     async def _merged(self, call: Call, key: str, params: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
         """``out`` with the upstreams' entries after the gateway's own, one page of
-        ``proxy.page_size`` entries at a time (``nextCursor`` / ``cursor``)."""
+        ``proxy.page_size`` entries at a time (``nextCursor`` / ``cursor``); without upstreams,
+        ``out`` whole, and any cursor is one this server never issued."""
         proxy = self.state.proxy
         if not proxy.active:
+            if params.get("cursor") is not None:  # one page, so no cursor was ever issued
+                raise _not_issued()
             return out
+        size = self.config.proxy.page_size
+        start = _cursor_offset(params.get("cursor"), key, size)
         upstream = await proxy.listing(call, key)
         # An upstream mounted unprefixed fronts the gateway as if it were that server: its entries first.
         entries = [*upstream, *out[key]] if proxy.transparent else [*out[key], *upstream]
-        start = _cursor_offset(params.get("cursor"), key)
-        size = self.config.proxy.page_size
         out[key] = entries[start:start + size]
         if start + size < len(entries):
             out["nextCursor"] = _cursor(key, start + size)
@@ -467,8 +477,6 @@ class Dispatcher:
             if found is None and self._upstream_uri(uri):
                 return self._read_result(call, await self.state.proxy.read_resource(call, uri))
             if found is None:
-                if call.modern:  # SEP-2164: an unknown resource is a bad parameter
-                    raise InvalidParams(f"Resource not found: {uri}", {"uri": uri})
                 raise NotFound(f"Resource not found: {uri}", {"uri": uri})
             tpl, variables = found
             out = await tpl.handler(call, {"uri": uri, **variables})

@@ -13,9 +13,10 @@ for every transport:
   ``params._meta`` means the stateless revision; anything else is a legacy message;
 - **the 2026-07-28 envelope checks**, first failure wins: ``_meta`` with the protocol
   version and client capabilities, the routing headers when the transport has headers
-  (``Mcp-Method``, ``Mcp-Name``, ``Mcp-Param-*``, SEP-2243), a supported version;
-- **session resolution** for 2025-11-25: ``initialize`` creates the session, every
-  other message needs a live one;
+  (``Mcp-Method``, ``Mcp-Name``, ``Mcp-Param-*``, SEP-2243), a supported version, client
+  capabilities and client info within ``gateway.max_client_capabilities_bytes``;
+- **session resolution** for 2025-11-25: ``initialize`` creates the session (its
+  capabilities and client info within the same bound), every other message needs a live one;
 - cancellation tracking of legacy ``tools/call`` requests.
 
 Every exception on the way becomes an answer through :func:`gateway.errors.wire_error`.
@@ -76,6 +77,7 @@ _ID_MIN, _ID_MAX = -(2**63), 2**64  # integer ids JSON-RPC peers can be expected
 
 _requests = msgspec.json.Decoder(Request)
 _incoming = msgspec.json.Decoder(Incoming)
+_any_json = msgspec.json.Decoder()
 
 
 @dataclass(slots=True)
@@ -135,9 +137,8 @@ class Kernel:
             pass
         try:
             return _classify(_incoming.decode(data))
-        except msgspec.ValidationError:  # valid JSON, but not an object
-            return self.fail(McpError(INVALID_REQUEST, "Body must be a single JSON-RPC 2.0 request, "
-                                      "notification or response"))
+        except msgspec.ValidationError:  # not an object: refused at its first token, before the rest was read
+            return self.fail(_not_an_object(data))
         except msgspec.DecodeError:
             return self.fail(McpError(PARSE_ERROR, "Parse error"))
         except _Invalid as exc:
@@ -217,6 +218,8 @@ class Kernel:
         if not isinstance(capabilities, dict):
             raise InvalidParams("the client-capabilities envelope value must be an object")
         info, level = meta.get(CLIENT_INFO_META_KEY), meta.get(LOG_LEVEL_META_KEY)
+        self._check_declared_size(capabilities, "the client-capabilities envelope value")
+        self._check_declared_size(info, "the client-info envelope value")
         return Envelope(protocol_version=version, client_capabilities=capabilities,
                         client_info=info if isinstance(info, dict) else None,
                         log_level=level if level in LOG_LEVELS else None)
@@ -280,6 +283,8 @@ class Kernel:
             self.gateway.untrack(key)
 
     async def _initialize(self, principal: str, request: Request, transport: str) -> Reply:
+        self._check_declared_size(request.params.get("capabilities"), "params.capabilities")
+        self._check_declared_size(request.params.get("clientInfo"), "params.clientInfo")
         call = Call(principal=principal, request_id=request.id, protocol_version=LEGACY_VERSION, state=self.gateway)
         reply = await self.dispatcher.handle(call, request, transport)
         if not isinstance(reply.message, Response):
@@ -290,6 +295,18 @@ class Kernel:
                                              caps if isinstance(caps, dict) else {}, lists)
         reply.session_id = session.id
         return reply
+
+    def _check_declared_size(self, value: object, what: str) -> None:
+        """What a client declares about itself outlives the request: a session keeps it in Redis and
+        in every replica's cache, a listen stream or a task holds it while it lives. The body limit
+        alone would let each of them hold megabytes, far beyond anything a client has to declare."""
+        if value is None:
+            return
+        limit = self.config.gateway.max_client_capabilities_bytes
+        size = len(orjson.dumps(value))
+        if size > limit:
+            raise InvalidParams(f"{what} is {size} bytes as JSON; at most {limit} are accepted "
+                                "(gateway.max_client_capabilities_bytes)")
 
     async def resolve(self, principal: str, session_id: str) -> None:
         """Raise :class:`SessionNotFound` unless ``session_id`` is a live session of ``principal``."""
@@ -310,6 +327,16 @@ _PROBLEMS = {"Recursion limit reached": f"JSON nested deeper than {MAX_JSON_DEPT
 
 def _too_deep() -> McpError:
     return McpError(INVALID_REQUEST, _PROBLEMS["Recursion limit reached"])
+
+
+def _not_an_object(data: bytes | str) -> McpError:
+    """The error for a body whose top-level value is not an object: a parse error unless the whole body
+    is JSON (a batch, a scalar). Only this error path reads such a body a second time."""
+    try:
+        _any_json.decode(data)  # RecursionError (too deep to tell) is decode()'s to answer
+    except msgspec.DecodeError:
+        return McpError(PARSE_ERROR, "Parse error")
+    return McpError(INVALID_REQUEST, "Body must be a single JSON-RPC 2.0 request, notification or response")
 
 
 def _kept_values_problem(data: bytes | str, message: Message) -> str | None:

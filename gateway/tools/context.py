@@ -7,7 +7,8 @@ caller's contexts in resources/list. The admin routes over the same store are
 in gateway/admin/contexts.py. Every handler scopes the store by the authenticated principal (``ctx.principal``) — a client
 can only ever name its own contexts. Binary content arrives base64 and is decoded once here.
 Store and Redis exceptions propagate: gateway/errors.py decides what the client sees (an
-unknown context is -32602 for a tool and -32002 for the resource).
+unknown context is -32602 for a tool; for the resource, -32002 on 2025-11-25 and -32602 with
+``data.uri`` on 2026-07-28).
 """
 
 from __future__ import annotations

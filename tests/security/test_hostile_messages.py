@@ -12,10 +12,12 @@ import httpx
 import orjson
 import pytest
 import redis as redis_sync
+from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 
 from gateway.mcp.kernel import MAX_JSON_DEPTH
 from shared import keys
+from shared.config import load_config
 from tests.conftest import wait_for_sync
 from tests.gateway_support import LoggedGateway as Gateway
 from tests.gateway_support import logged_gateway
@@ -79,6 +81,14 @@ def assert_no_crash_logged(gw: Gateway, since: int) -> None:
     assert "Traceback" not in before and "ERROR" not in before, before[-3000:]
 
 
+async def assert_still_serving(ws: ClientConnection) -> None:
+    """The WebSocket that carried something hostile still serves a tool call."""
+    body, _ = modern("tools/call", {"name": "t_echo", "arguments": {"text": "still here"}}, rid=4)
+    await ws.send(orjson.dumps(body).decode())
+    reply = orjson.loads(await asyncio.wait_for(ws.recv(), 10))
+    assert reply["result"]["content"][0]["text"] == "mallory:still here"
+
+
 def test_deep_nesting_is_bad_input_on_both_revisions(gw: Gateway, store: redis_sync.Redis) -> None:
     since = log_size(gw)
     # far deeper than the decoder recurses, and deeper than what is kept can be encoded again
@@ -133,10 +143,7 @@ def test_deep_nesting_on_a_websocket_leaves_the_connection_serving(gw: Gateway) 
                 await ws.send('{"jsonrpc":"2.0","id":3,"method":"ping","params":{"x":' + nested(depth) + "}}")
                 error = orjson.loads(await asyncio.wait_for(ws.recv(), 10))["error"]
                 assert error == {"code": -32600, "message": f"JSON nested deeper than {MAX_JSON_DEPTH} levels"}
-            body, _ = modern("tools/call", {"name": "t_echo", "arguments": {"text": "still here"}}, rid=4)
-            await ws.send(orjson.dumps(body).decode())
-            reply = orjson.loads(await asyncio.wait_for(ws.recv(), 10))
-            assert reply["result"]["content"][0]["text"] == "mallory:still here"
+            await assert_still_serving(ws)
 
     asyncio.run(scenario())
     assert_no_crash_logged(gw, since)
@@ -167,3 +174,90 @@ def test_a_second_initialize_on_a_websocket_is_refused_and_loses_nothing(gw: Gat
             assert any(m.get("id") == 4 and "result" in m for m in got), got
 
     asyncio.run(scenario())
+
+
+def test_oversized_client_capabilities_are_refused_and_not_kept(gw: Gateway, store: redis_sync.Redis) -> None:
+    """What a client declares about itself lives as long as its session (Redis and every replica's
+    cache) or its listen stream and tasks: beyond ``gateway.max_client_capabilities_bytes`` it is
+    refused, on both revisions and both transports, before anything is kept."""
+    since = log_size(gw)
+    limit = load_config(env={}).gateway.max_client_capabilities_bytes
+    huge = {"experimental": {"x": "a" * 3_500_000}}
+
+    def initialize(rid: int, capabilities: dict, info: dict | None = None) -> dict:
+        return {"jsonrpc": "2.0", "id": rid, "method": "initialize",
+                "params": {"protocolVersion": "2025-11-25", "capabilities": capabilities,
+                           "clientInfo": info or {"name": "mallory", "version": "1"}}}
+
+    for message, what in ((initialize(1, huge), "capabilities"),
+                          (initialize(2, {}, {"name": "mallory", "version": "1", "x": "a" * 3_500_000}), "clientInfo"),
+                          (initialize(3, {"experimental": {"x": "a" * limit}}), "capabilities")):
+        r = post(gw, orjson.dumps(message).decode())
+        assert r.status_code == 400 and "mcp-session-id" not in r.headers, r.text[:300]
+        error = r.json()["error"]
+        assert error["code"] == -32602 and what in error["message"] and str(limit) in error["message"], error
+    assert not store.keys(keys.session("mallory", "*"))
+    # under the bound is served as before
+    r = post(gw, orjson.dumps(initialize(4, {"experimental": {"x": "a" * (limit // 2)}})).decode())
+    assert r.status_code == 200 and r.headers["mcp-session-id"], r.text[:300]
+    # 2026-07-28: a request's own capabilities, which a listen stream or a task holds while it lives
+    for caps in (huge, {"sampling": {}, "experimental": {"x": "a" * limit}}):
+        for method, params in (("tools/call", {"name": "t_echo", "arguments": {"text": "x"}}),
+                               ("subscriptions/listen", {"notifications": {"toolsListChanged": True}})):
+            body, headers = modern(method, params, rid=5, caps=caps)
+            r = post(gw, orjson.dumps(body).decode(), headers)
+            assert r.status_code == 400 and r.json()["error"]["code"] == -32602, r.text[:300]
+    body, headers = modern("tools/call", {"name": "t_echo", "arguments": {"text": "x"}}, rid=6)
+    body["params"]["_meta"]["io.modelcontextprotocol/clientInfo"] = {"name": "m", "version": "1", "x": "a" * limit}
+    r = post(gw, orjson.dumps(body).decode(), headers)
+    assert r.status_code == 400 and r.json()["error"]["code"] == -32602, r.text[:300]
+
+    async def over_websocket() -> None:
+        async with ws_connect(gw.ws, subprotocols=["mcp"], additional_headers=AUTH) as ws:
+            async def answer(message: dict) -> dict:
+                await ws.send(orjson.dumps(message).decode())
+                return orjson.loads(await asyncio.wait_for(ws.recv(), 10))
+
+            assert (await answer(initialize(7, huge)))["error"]["code"] == -32602
+            assert store.zcard(keys.principal_sessions("mallory")) == 1
+            # the refused initialize opened nothing: the connection may still open its session
+            assert (await answer(initialize(8, {})))["result"]["protocolVersion"] == "2025-11-25"
+
+    asyncio.run(over_websocket())
+    assert store.zcard(keys.principal_sessions("mallory")) == 2
+    assert_no_crash_logged(gw, since)
+
+
+# Bodies that are not JSON at all, whatever their first character; then well-formed JSON that is
+# not one JSON-RPC object.
+NOT_JSON = ("[", "[1,", '[{"jsonrpc":"2.0"', "[" * 100, '[{"jsonrpc":"2.0","id":1,"method":"ping"}] x', "[1]]",
+            '{"a":[', '"open', "nul", "1 2", '{"jsonrpc":"2.0","id":1,"method":"ping"}}')
+WRONG_SHAPE = ('[{"jsonrpc":"2.0","id":1,"method":"ping"}]', "[]", "[1,2]", "1", '"x"', "null",
+               "[" * 200 + "]" * 200)
+
+
+def test_malformed_json_is_a_parse_error_and_wrong_shapes_are_invalid_requests(gw: Gateway) -> None:
+    since = log_size(gw)
+    parse_error = {"jsonrpc": "2.0", "id": None, "error": {"code": -32700, "message": "Parse error"}}
+    for text in NOT_JSON:
+        r = post(gw, text)
+        assert (r.status_code, r.json()) == (400, parse_error), (text[:40], r.text)
+    for text in WRONG_SHAPE:
+        r = post(gw, text)
+        assert r.status_code == 400 and r.json()["error"]["code"] == -32600, (text[:40], r.text)
+        assert "single JSON-RPC 2.0" in r.json()["error"]["message"], (text[:40], r.text)
+    # deeper than the decoder goes: refused for its depth, as an object that deep is
+    assert_too_deep(post(gw, "[" * 100_000), None)
+
+    async def over_websocket() -> None:
+        async with ws_connect(gw.ws, subprotocols=["mcp"], additional_headers=AUTH) as ws:
+            for text in NOT_JSON:
+                await ws.send(text)
+                assert orjson.loads(await asyncio.wait_for(ws.recv(), 10)) == parse_error, text[:40]
+            for text in WRONG_SHAPE:
+                await ws.send(text)
+                assert orjson.loads(await asyncio.wait_for(ws.recv(), 10))["error"]["code"] == -32600, text[:40]
+            await assert_still_serving(ws)
+
+    asyncio.run(over_websocket())
+    assert_no_crash_logged(gw, since)
