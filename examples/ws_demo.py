@@ -7,9 +7,9 @@ Start the mesh first (``make run`` or ``learnmesh up``), then::
     .venv/bin/python examples/ws_demo.py --stateless    # 2026-07-28: _meta on every message
 
 It does what examples/demo.py does over HTTP: appends an image and a text turn to a context,
-generates with it, scores a few made-up facts, teaches them with ``learn``, waits for a model
-version that includes them (``min_model_version``) and prints the answers and losses before
-and after. The URL and API key default to what ``learnmesh up`` printed (kept in var/keys).
+generates with it, scores a few made-up facts, teaches them with ``learn``, asks again with
+the ``learned`` token (``after_learn``: answered by a model version that has finished training
+them) and prints the answers and losses before and after. The URL and API key default to what ``learnmesh up`` printed (kept in var/keys).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from typing import Any
 import websockets
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from demo import FACTS, UNAVAILABLE, default_key, plain_failure, tiny_png, until_a_worker_serves  # noqa: E402
+from demo import default_key, plain_failure, tiny_png, until_a_worker_serves  # noqa: E402
+from facts import COPIES, FACTS  # noqa: E402
 
 LEGACY, MODERN = "2025-11-25", "2026-07-28"
 
@@ -109,33 +110,32 @@ async def run(url: str, key: str | None, stateless: bool, context_id: str, timeo
             timeout_s)
         print(f"generate -> {reply['text']!r} (model version {reply['model_version']})")
 
-        async def losses(min_version: int) -> tuple[float, int]:
-            scores = [await client.tool("score", prompt=p, target=t, min_model_version=min_version) for p, t in FACTS]
+        async def losses(**wait: Any) -> tuple[float, int]:
+            scores = [await client.tool("score", prompt=p, target=t, **wait) for p, t in FACTS]
             return sum(s["nll"] for s in scores) / len(scores), max(s["model_version"] for s in scores)
 
-        before, v_before = await losses(0)
+        async def answers(**wait: Any) -> list[str]:
+            return [(await client.tool("generate", prompt=p, max_tokens=len(t.encode()) + 4, temperature=0.0,
+                                       append=False, **wait))["text"] for p, t in FACTS]
+
+        before, v_before = await losses()
         print(f"before learning (model v{v_before}): mean loss {before:.3f}")
         ack = await client.tool("learn", samples=[{"kind": "example", "input": p, "target": t}
-                                                  for p, t in FACTS for _ in range(8)])
-        print(f"learn -> {len(ack['ids'])} samples acknowledged")
-        deadline = time.monotonic() + timeout_s
-        after, v_after = before, v_before
-        while time.monotonic() < deadline:
-            try:
-                after, v_after = await losses(v_before + 1)
-            except RpcError as exc:  # no worker serves that version yet: the trainer is still on it
-                if exc.code != UNAVAILABLE:
-                    raise
-                print(f"  waiting: {exc}")
-                continue
-            if after < before * 0.9:
-                break
-            await asyncio.sleep(1.0)
-        print(f"after learning (model v{v_after}): mean loss {after:.3f} ({after - before:+.3f})")
-        for prompt, target in FACTS:
-            a = await client.tool("generate", prompt=prompt, max_tokens=12, temperature=0.0, append=False,
-                                  min_model_version=v_after)
-            print(f"  {prompt!r} -> {a['text']!r}   (taught {target!r})")
+                                                  for p, t in FACTS for _ in range(COPIES)])
+        acked = time.monotonic()
+        print(f"learn -> {len(ack['ids'])} samples acknowledged; waiting for a model that has learnt them "
+              f"(after_learn={ack['learned']!r})")
+        # after_learn: the gateway waits until a worker serves a version that finished training them
+        taught = await answers(after_learn=ack["learned"])
+        waited = time.monotonic() - acked
+        after, v_after = await losses(after_learn=ack["learned"])
+        print(f"after learning (model v{v_after}, {waited:.1f}s after the acknowledgement): mean loss {after:.3f} "
+              f"({after - before:+.3f})")
+        hits = 0
+        for (prompt, target), answer in zip(FACTS, taught, strict=True):
+            hits += answer.startswith(target)
+            print(f"  {prompt!r} -> {answer!r}   ({'==' if answer.startswith(target) else '!='} taught {target!r})")
+        print(f"{hits} of {len(FACTS)} taught answers reproduced")
         client.reader.cancel()
         await asyncio.gather(client.reader, return_exceptions=True)
 
@@ -146,7 +146,7 @@ def main() -> int:
     p.add_argument("--key", default=os.environ.get("LEARNMESH_KEY") or default_key())
     p.add_argument("--stateless", action="store_true", help="2026-07-28 messages instead of a legacy session")
     p.add_argument("--context", default=f"ws-demo-{int(time.time())}")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for learning to show")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the first worker")
     args = p.parse_args()
     try:
         asyncio.run(run(args.url, args.key, args.stateless, args.context, args.timeout))
