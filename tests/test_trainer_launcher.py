@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from services.trainer.dist import RankEnv
 from services.trainer.launcher import launch_config
-from shared.config import load_config
+from shared.config import Config, load_config
 from shared.net import free_port
 from tests.waiting import wait_for_sync
 
@@ -117,3 +117,29 @@ def test_a_stop_signal_that_torchrun_turns_into_another_error_is_still_a_clean_s
     monkeypatch.setattr(launcher, "elastic_launch", failing_agent)
     with pytest.raises(UnboundLocalError, match="not a stop"):  # without a stop signal it is an error
         launcher._run(cfg, ["-c", "pass"])
+
+
+def test_the_ranks_configuration_lives_beside_the_checkpoints_only_while_they_run(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """Not a temporary file of its own per start: a launcher killed with -9 would leave each one
+    behind, each a copy of the whole configuration. One private file in the checkpoint directory,
+    replaced by the next start, removed by a clean stop."""
+    import stat
+
+    from services.trainer import launcher
+
+    seen: list[tuple[Path, int, Config]] = []
+
+    def agent(config: object, entrypoint: str):
+        def run(*argv: str) -> None:
+            path = Path(argv[argv.index("--config") + 1])
+            seen.append((path, stat.S_IMODE(path.stat().st_mode), load_config(path, env={})))
+
+        return run
+
+    ckpt = tmp_path / "ckpt"
+    cfg = load_config(env={}, overrides={"trainer": {"ranks": 1, "backend": "gloo", "checkpoint_dir": str(ckpt)}})
+    monkeypatch.setattr(launcher, "elastic_launch", agent)
+    assert launcher.launch(cfg) == 0
+    assert seen == [(ckpt / "launch-config.yaml", 0o600, cfg)]
+    assert list(ckpt.iterdir()) == [], "removed once the ranks stopped"

@@ -19,10 +19,10 @@ import logging
 import os
 import signal
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from types import FrameType
 
 import yaml
@@ -31,6 +31,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from shared.config import Config
+from shared.secret_files import write_private
 
 log = logging.getLogger("learnmesh.trainer")
 
@@ -45,13 +46,15 @@ def cli_rank_argv(config_path: str) -> list[str]:
 def launch(cfg: Config, rank_argv: RankArgv = cli_rank_argv) -> int:
     """Run the rank group until it stops; the exit status of ``learnmesh trainer``."""
     cfg.trainer.ranks = local_ranks(cfg)
-    fd, path = tempfile.mkstemp(prefix="learnmesh-trainer-", suffix=".yaml")
-    with os.fdopen(fd, "w") as f:
-        yaml.safe_dump(cfg.to_dict(), f)
+    # The ranks' configuration, read again at each restart of the group. Beside the checkpoints,
+    # one name: the trainer's own private place, where a launcher killed with -9 leaves no copy
+    # of the configuration behind but this one, which the next start replaces.
+    path = Path(cfg.trainer.checkpoint_dir) / "launch-config.yaml"
+    write_private(path, yaml.safe_dump(cfg.to_dict()))
     try:
-        return _run(cfg, rank_argv(path))
+        return _run(cfg, rank_argv(str(path)))
     finally:
-        os.unlink(path)
+        path.unlink(missing_ok=True)
 
 
 def local_ranks(cfg: Config) -> int:
