@@ -3,8 +3,9 @@
 - **One body limit** (``gateway.max_body_bytes``) for every route, ``/mcp`` and ``/admin``
   alike: a declared ``Content-Length`` over it is answered 413 at once; a chunked body is
   counted as the route reads it and cut off with :class:`~gateway.errors.BodyTooLarge` (413
-  through the one error map) as soon as it passes the limit. A refused body is never drained:
-  the answer closes the connection.
+  through the one error map) as soon as it passes the limit. A refused body never reaches the
+  app: the answer closes the connection, after what the client still sends is dropped (a
+  bounded linger, gateway/transports/http_protocol.py, so the client reads the answer).
 - **Admin authentication before the body**: an ``/admin`` route needs a valid admin key
   (gateway/admin/auth.py says which do not), checked from the headers alone, so an
   unauthenticated upload costs the gateway nothing but its headers. The route still checks
@@ -106,7 +107,7 @@ class HttpEdge:
 
 
 async def _answer(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    """A JSON answer that closes the connection: the request's body, if any, is left unread."""
+    """A JSON answer that closes the connection: the request's body, if any, is never read."""
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close"), *(headers or ())]})

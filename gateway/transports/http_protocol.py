@@ -30,7 +30,7 @@ than one write.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -38,6 +38,14 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from shared.config import GatewayConfig
 
 FLUSH_AT_BYTES = 64 * 1024
+# Closing while the peer still sends a refused body would reset the connection, and a reset
+# discards the answer the peer has not read yet (413: a client sees a broken connection, not
+# the error). Such a close sends the answer and a FIN, then reads and drops what still
+# arrives: until the peer ends its side or pauses LINGER_IDLE_S, at most LINGER_MAX_S and
+# LINGER_MAX_BYTES.
+LINGER_IDLE_S = 1.0
+LINGER_MAX_S = 5.0
+LINGER_MAX_BYTES = 64 * 1024 * 1024
 _TIMEOUT_408 = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 _TOO_LARGE_431 = b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
@@ -45,13 +53,16 @@ _TOO_LARGE_431 = b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-lengt
 class CoalescingTransport:
     """Wraps an asyncio transport: writes within one loop iteration become one write."""
 
-    __slots__ = ("_transport", "_loop", "_pending", "_pending_bytes")
+    __slots__ = ("_transport", "_loop", "_pending", "_pending_bytes", "_linger", "_closing")
 
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop,
+                 linger: Callable[[], bool] | None = None) -> None:
         self._transport = transport
         self._loop = loop
         self._pending: list[bytes] = []
         self._pending_bytes = 0
+        self._linger = linger  # asked at close: whether the peer may still be sending (see LINGER_*)
+        self._closing = False
 
     def write(self, data: bytes) -> None:
         if not data:
@@ -88,6 +99,11 @@ class CoalescingTransport:
 
     def close(self) -> None:
         self._flush()
+        if not self._closing and self._linger is not None and self._transport.can_write_eof() and self._linger():
+            self._closing = True
+            self._transport.write_eof()  # the answer, then FIN; the protocol closes after the linger
+            return
+        self._closing = True
         self._transport.close()
 
     def abort(self) -> None:
@@ -96,7 +112,7 @@ class CoalescingTransport:
         self._transport.abort()
 
     def is_closing(self) -> bool:  # asked on every response: spared the __getattr__ detour
-        return self._transport.is_closing()
+        return self._closing or self._transport.is_closing()
 
     def __getattr__(self, name: str) -> Any:  # get_extra_info, pause_reading, set_protocol ...
         return getattr(self._transport, name)
@@ -120,16 +136,48 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     _header_bytes = 0  # bytes of reads that ended inside the current request's headers
     _parsed_header_bytes = 0  # the current request's target and headers as the parser gave them
     _too_large = False
+    _lingering = False  # answered and half-closed; dropping what the peer still sends
+    _linger_left = 0
+    _linger_until = 0.0
+    _raw: asyncio.Transport
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
-        super().connection_made(CoalescingTransport(transport, self.loop))  # type: ignore[arg-type]
+        self._raw = transport  # type: ignore[assignment]  # a TCP transport
+        super().connection_made(CoalescingTransport(transport, self.loop, self._start_linger))  # type: ignore[arg-type]
         self._arm(self.header_timeout_s)  # a connection that never sends a byte is a slowloris too
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         super().connection_lost(exc)
 
+    def _start_linger(self) -> bool:
+        """At close: linger (see LINGER_*) when a request's body is still coming."""
+        if not self._in_body:
+            return False
+        self._lingering = True
+        self._linger_left = LINGER_MAX_BYTES
+        self._linger_until = self.loop.time() + LINGER_MAX_S
+        self._disarm()
+        self._arm(LINGER_IDLE_S)
+        self._raw.resume_reading()  # uvicorn may have paused it while the app did not read the body
+        return True
+
+    def eof_received(self) -> None:
+        if self._lingering:  # the peer sent all it had: the linger is over
+            self._disarm()
+            self._raw.close()
+            return
+        super().eof_received()
+
     def data_received(self, data: bytes) -> None:
+        if self._lingering:  # dropped, not parsed: the request was answered
+            self._linger_left -= len(data)
+            self._disarm()
+            if self._linger_left < 0 or self.loop.time() >= self._linger_until:
+                self._raw.close()
+            else:
+                self._arm(min(LINGER_IDLE_S, self._linger_until - self.loop.time()))
+            return
         super().data_received(data)
         if self._in_headers and not self.transport.is_closing():
             self._header_bytes += len(data)
@@ -201,6 +249,9 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
     def _expired(self) -> None:
         self._deadline = None
+        if self._lingering:
+            self._raw.close()
+            return
         if self.transport.is_closing():
             return
         cycle = self.cycle

@@ -4,6 +4,7 @@ and before the body is read, and admin authentication before the body
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 
 import orjson
@@ -58,6 +59,25 @@ def test_declared_huge_body_is_refused_at_once(port: int, path: str, auth: str) 
         status, headers, body = read_response(s)
         assert status == 413 and headers["connection"] == "close", body
         if path == "/mcp":  # MCP clients read a JSON-RPC error
+            assert orjson.loads(body)["error"]["code"] == -32600
+        assert read_until_closed(s) == b""
+
+
+@pytest.mark.parametrize("path", ["/mcp", "/admin/keys"])
+def test_a_client_that_sends_its_whole_refused_body_still_reads_the_answer(port: int, path: str) -> None:
+    """A client that writes its whole body before it reads (as HTTP client libraries do): the
+    413 was sent while the body was still coming; a close then would reset the connection and
+    discard the answer. The gateway drops the rest of the body and closes once the client has
+    sent it, so the client reads the 413 and its JSON-RPC error."""
+    lines = [f"Content-Length: {32 * LIMIT}", f"Authorization: Bearer {ADMIN_KEY}" if path != "/mcp" else "X-A: b"]
+    with connection(port) as s:
+        s.sendall(_head("POST", path, *lines))
+        for _ in range(32 * LIMIT // 8192):
+            s.sendall(b"x" * 8192)
+        s.shutdown(socket.SHUT_WR)
+        status, headers, body = read_response(s)
+        assert status == 413 and headers["connection"] == "close", body
+        if path == "/mcp":
             assert orjson.loads(body)["error"]["code"] == -32600
         assert read_until_closed(s) == b""
 
