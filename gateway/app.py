@@ -25,7 +25,7 @@ import zmq
 import zmq.asyncio
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
 from gateway.admin.auth import AdminKeyring
@@ -43,6 +43,7 @@ from gateway.transports.streamable_http import McpHttpTransport
 from gateway.transports.websocket import websocket_endpoint, ws_ticket_endpoint
 from gateway.workers import WorkerPool
 from shared import audit, keys
+from shared import metrics as m
 from shared.aio import pause
 from shared.config import Config, ConfigError
 from shared.context import ContextStore
@@ -323,9 +324,11 @@ def _add_probes(app: GatewayApp, cfg: Config) -> None:
                                 headers={"Retry-After": str(cfg.redis.retry_after_s)})
         return JSONResponse({"status": "ready"})
 
+    exposed = m.Without(REGISTRY, ("learnmesh_trainer_",))  # the trainer's exporters count those
+
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(exposed), media_type=CONTENT_TYPE_LATEST)  # type: ignore[arg-type]
 
 
 def _add_mcp_routes(app: GatewayApp) -> None:

@@ -123,6 +123,19 @@ class HotCounter(_HotFamily[_HotChild]):
         family.add_metric(list(key), child.value)
 
 
+class Without(Collector):
+    """``registry``'s families except those whose name starts with one of ``prefixes``: what a
+    process exposes of the metrics of every process defined here (a gateway's trainer counters
+    would read 0 beside the trainer's own exporter, as if nothing had been trained)."""
+
+    def __init__(self, registry: CollectorRegistry, prefixes: tuple[str, ...]) -> None:
+        self.registry = registry
+        self.prefixes = prefixes
+
+    def collect(self) -> Iterator[Any]:
+        return (mf for mf in self.registry.collect() if not mf.name.startswith(self.prefixes))
+
+
 # ---------------------------------------------------------------- gateway / MCP
 MCP_REQUESTS = Counter("learnmesh_mcp_requests_total", "MCP requests", ["method", "revision", "transport"])
 MCP_LATENCY = Histogram("learnmesh_mcp_request_seconds", "MCP request latency", ["method", "revision"],

@@ -310,3 +310,5 @@ def test_health_and_metrics(replicas: tuple[str, str], redis_url: str) -> None:
     text = httpx.get(base + "/metrics").text
     assert 'learnmesh_mcp_requests_total{method="tools/call",revision="2025-11-25",transport="http"}' in text
     assert "learnmesh_mcp_errors_total" in text and "learnmesh_mcp_sessions_open" in text
+    # the trainer's exporters count its metrics; here they would read 0, as if nothing were trained
+    assert "learnmesh_trainer_" not in text and "learnmesh_samples_accepted_total" in text
