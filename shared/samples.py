@@ -65,6 +65,7 @@ def _check_context(context_id: str | None, version: int | None, modalities: list
     _check(context_id is not None or version is None, "'version' needs 'context_id'")
     _check(context_id is None or version is not None, "a sample taken from a context must name its 'version'")
     _check(context_id is not None or modalities is None, "'modalities' needs 'context_id'")
+    _check(modalities is None or len(modalities) > 0, "'modalities' must not be empty (leave it out for all)")
 
 
 class _Sample(msgspec.Struct, tag_field="kind", forbid_unknown_fields=True, omit_defaults=True):

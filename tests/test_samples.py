@@ -74,6 +74,8 @@ def test_a_batch_is_not_mixed_with_a_sample_and_is_never_empty(schema: jsonschem
     ({"generation_id": "g", "input": "q", "preference": "up"}, "an up-vote needs the generated 'output'"),
     ({"input": "q", "target": "a", "context_id": "c", "version": 1, "modalities": ["smell"]},
      "unknown modality: smell"),
+    ({"input": "q", "target": "a", "context_id": "c", "version": 1, "modalities": []},
+     "'modalities' must not be empty"),
 ])
 def test_refusals_name_the_field(obj: dict[str, Any], message: str) -> None:
     with pytest.raises(SampleError, match=message.replace("$", r"\$")):
