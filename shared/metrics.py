@@ -158,7 +158,9 @@ PROXY_BREAKER = Gauge("learnmesh_proxy_breaker_state", "An upstream's circuit br
 
 # ---------------------------------------------------------------- samples / trainer
 SAMPLES_ACCEPTED = Counter("learnmesh_samples_accepted_total", "Samples written to the durable log")
-SAMPLES_REJECTED = Counter("learnmesh_samples_rejected_total", "Samples refused at the gateway", ["reason"])
+SAMPLES_REJECTED = Counter("learnmesh_samples_rejected_total", "Samples refused at the gateway once the call "
+                           "passed the tool's input schema (a call the schema refuses: learnmesh_mcp_errors_total)",
+                           ["reason"])
 SAMPLES_BACKPRESSURE = Counter("learnmesh_samples_backpressure_total",
                                "Logged samples not pushed to the trainer because its queue was full "
                                "(they are replayed from the log)")
