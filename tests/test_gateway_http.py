@@ -305,6 +305,7 @@ def test_server_request_answered_via_other_replica(replicas: tuple[str, str], re
 
 def test_health_and_metrics(replicas: tuple[str, str], redis_url: str) -> None:
     base = replicas[0][: -len("/mcp")]
+    assert legacy(replicas[0], init(replicas[0]), rpc("tools/call", {"name": "t_struct", "arguments": {}})).is_success
     assert httpx.get(base + "/healthz").json() == {"status": "ok"}
     assert httpx.get(base + "/readyz").status_code == 200
     text = httpx.get(base + "/metrics").text
