@@ -26,6 +26,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis as redis_sync
 import redis.asyncio as aioredis
+from redis._parsers.commands import AsyncCommandsParser
 from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
 from redis.asyncio.cluster import NodesManager as AsyncNodesManager
 from redis.cluster import ClusterNode as SyncClusterNode
@@ -145,6 +146,21 @@ class _AsyncNodes(AsyncNodesManager):
             raise (_unreachable(exc) or exc) from exc.__cause__
 
 
+class _AsyncCommands(AsyncCommandsParser):
+    """An asyncio cluster client's command table, read once. redis-py reads it again at every
+    re-initialisation of the slot map (after any lost connection), from the default node: the
+    first master of the client's map, which may be the master that is down. That read failing
+    fails the re-initialisation, and then every command of the client, the live masters' slots
+    too, until that one master is back (a gateway unready, principals on live masters refused)."""
+
+    async def initialize(self, node: Any = None) -> None:
+        if node is not None:
+            self.node = node
+        if getattr(self, "commands", None):  # the table of the servers this client talks to
+            return
+        await super().initialize(node)
+
+
 def sync_client(cfg: RedisConfig, **options: Any) -> SyncRedis:
     """A blocking client (trainer, workers, supervisor); ``options``: timeouts, pool size, ...
     A cluster client reaches the seed node as it is made (redis-py reads the slot map then)."""
@@ -171,6 +187,7 @@ def async_client(cfg: RedisConfig, **options: Any) -> AsyncRedis:
         for node in cluster.nodes_manager.startup_nodes.values():
             node.connection_class = _reporting(node.connection_class)
         cluster.nodes_manager.__class__ = _AsyncNodes
+        cluster.commands_parser.__class__ = _AsyncCommands
         return cluster
     client = aioredis.Redis.from_url(server_url(cfg), **client_kwargs(cfg), **options)
     client.connection_pool.connection_class = _reporting(client.connection_pool.connection_class)

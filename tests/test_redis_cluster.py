@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import redis as redis_sync
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from shared.config import ConfigError, RedisConfig
 from shared.net import free_port
@@ -51,6 +53,29 @@ async def test_clients_and_every_primary(redis_target: RedisTarget) -> None:
         assert sync.get("k7") == b"7"
     finally:
         close_sync(sync)
+
+
+async def test_a_cluster_client_whose_default_node_cannot_answer_serves_the_other_slots(
+        redis_cluster: RedisTarget, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a lost connection the client reads the slot map again; the command table it read
+    once is not asked of the default node again (the first master of its map: it may be the one
+    that is down, and that read failing used to fail every later command, live slots' too)."""
+    r = redis_cluster.async_client()
+    try:
+        await r.set("k1", 1)
+        default = r.get_default_node()
+        real = AsyncClusterNode.execute_command
+
+        async def down_for_command(node: AsyncClusterNode, *args: object, **kw: object) -> object:
+            if node is default and args and args[0] == "COMMAND":
+                raise RedisConnectionError(f"Error 111 connecting to {node.name}")
+            return await real(node, *args, **kw)
+
+        monkeypatch.setattr(AsyncClusterNode, "execute_command", down_for_command)
+        r._initialize = True  # what a lost connection leaves
+        assert await r.get("k1") == b"1"
+    finally:
+        await r.aclose()
 
 
 def test_check_access(redis_target: RedisTarget) -> None:
