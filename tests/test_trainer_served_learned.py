@@ -244,3 +244,41 @@ async def test_a_trainer_against_a_log_that_lost_its_data_trains_the_new_log_fro
                 p.close()
         ingest.close()
         await redis.aclose()
+
+
+async def test_samples_whose_passes_were_owed_at_a_restart_are_answered_by_the_restored_version(
+        redis_target, tmp_path):
+    """Passes still owed when the trainer stops are not repeated after it restarts: the version
+    it resumes with holds those samples, and their after_learn token resolves to it at once,
+    with no further sample to make a step."""
+    redis_url = redis_target.url
+    # passes enough to be owed however slowly the test looks (the tiny model takes ~100 steps a second)
+    cfg = trainer_config(redis_url, tmp_path, free_port(), replay_passes=100_000, checkpoint_every=100_000)
+    redis = async_redis(redis_url)
+    ingest = SampleIngest(redis, cfg)
+    part = partition_of("alice", sample_partitions(cfg))
+    first = second = None
+    try:
+        taught = await ingest.submit("alice", [Example(input=f"q{i}", target=f" a{i}") for i in range(4)])
+        log_id, seq, _ = parse_learned_token(taught["learned"])
+        first = TrainerProc(cfg, tmp_path)
+        await wait_for(lambda: position(committed(redis_url), cfg, "alice")[0] == seq, timeout_s=90,
+                       what=lambda: f"the samples' first pass\n{first.output()}")
+        assert first.term() == 0, first.output()
+        status = await redis.hgetall(keys.TRAINER_STATUS)
+        assert int(status[b"replay_pending"]) > 0, "passes were still owed at the stop"
+
+        async def answered() -> list[bytes]:
+            return await redis.zrangebyscore(keys.model_version_seq(part, log_id), seq, "+inf", start=0, num=1)
+
+        assert await answered() == []
+        second = TrainerProc(cfg, tmp_path)
+        await wait_for(answered, timeout_s=90, what=lambda: f"a version holding the samples\n{second.output()}")
+        assert int((await redis.hgetall(keys.TRAINER_STATUS))[b"replay_pending"]) == 0
+        assert second.term() == 0, second.output()
+    finally:
+        for proc in (first, second):
+            if proc is not None:
+                proc.close()
+        ingest.close()
+        await redis.aclose()

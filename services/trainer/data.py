@@ -73,7 +73,7 @@ def encode_batch(op: str, records: list[TrainRecord], extra: dict[str, Any] | No
     for r in records:
         ls = r.logged
         item: dict[str, Any] = {"id": ls.id, "e": ls.entry, "seq": ls.seq, "p": ls.principal, "s": ls.sample.to_dict(),
-                                "skip": r.skip, "rp": r.replay}
+                                "pt": ls.partition, "skip": r.skip, "rp": r.replay}
         if r.context is not None:
             ents = []
             for mod, entries in r.context.channels.items():
@@ -106,7 +106,8 @@ def decode_batch(data: bytes | memoryview) -> tuple[str, list[TrainRecord], dict
                     Entry(id=e["id"], modality=e["m"], role=e["r"], content=content, mime=e["mime"],
                           size_bytes=e["n"], ts_ms=e["t"], links=tuple(e["links"])))
             ctx = ContextWindow(item["p"], c["cid"], c["v"], channels)
-        records.append(TrainRecord(LoggedSample(item["id"], item["seq"], item["p"], sample, item["e"]), ctx,
+        records.append(TrainRecord(LoggedSample(item["id"], item["seq"], item["p"], sample, item["e"],
+                                                partition=int(item.get("pt", 0))), ctx,
                                    str(item.get("skip") or ""), bool(item.get("rp"))))
     op = header.pop("op")
     return op, records, header

@@ -162,6 +162,7 @@ def _build_leader(cfg: Config, group: RankGroup, stepper: Stepper, checkpointed:
                                         answer_passes=cfg.trainer.answer_passes,
                                         answer_max_bytes=cfg.trainer.answer_max_bytes),
                     publisher=publisher, ops=TrainerOps(cfg, redis, publisher), zmq_ctx=zmq_ctx)
+    leader.resumed()
     source.check_log()  # the checkpoint's offsets count in its log; is that the log found now?
     m.TRAINER_VERSION.set(offset.version)
     return leader
