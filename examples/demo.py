@@ -108,16 +108,32 @@ UNAVAILABLE = -32050  # learnmesh: a backend is unreachable or no worker serves 
 async def until_a_worker_serves(call: Callable[[], Awaitable[Any]], timeout_s: float) -> Any:
     """``call()`` again while the mesh answers "no worker yet" (-32050): on its first start
     each worker pre-trains the base model (about a minute) before it serves."""
+    return await retrying(call, timeout_s, "waiting for an inference worker (a first start pre-trains the base "
+                                           "model, about a minute)")
+
+
+async def until_trained(call: Callable[[], Awaitable[Any]]) -> Any:
+    """``call()`` with ``after_learn`` again while the mesh answers "not trained yet" (-32050,
+    after ``consistency.learn_wait_s``): on a busy machine eighty samples' passes take longer."""
+    return await retrying(call, LEARN_TIMEOUT_S, "still training; asking again")
+
+
+LEARN_TIMEOUT_S = 900.0
+
+
+async def retrying(call: Callable[[], Awaitable[Any]], timeout_s: float, note: str) -> Any:
+    """``call()`` again while the mesh answers "retry later" (-32050), up to ``timeout_s``;
+    ``note`` is printed once."""
     deadline = time.monotonic() + timeout_s
     told = False
     while True:
         try:
             return await call()
-        except Exception as exc:  # noqa: BLE001 - re-raised unless it is "no worker yet"
+        except Exception as exc:  # noqa: BLE001 - re-raised unless it is "retry later"
             if getattr(exc, "code", None) != UNAVAILABLE or time.monotonic() > deadline:
                 raise
             if not told:
-                print("waiting for an inference worker (a first start pre-trains the base model, about a minute)")
+                print(note)
                 told = True
             await asyncio.sleep(2)
 
@@ -177,7 +193,7 @@ async def run(url: str, key: str | None, mode: str, context_id: str, timeout_s: 
         print(f"learn -> {len(ack['ids'])} samples acknowledged; waiting for a model that has learnt them "
               f"(after_learn={ack['learned']!r})")
         # after_learn: the gateway waits until a worker serves a version that finished training them
-        answers_after = await answers(after_learn=ack["learned"])
+        answers_after = await until_trained(lambda: answers(after_learn=ack["learned"]))
         waited = time.monotonic() - acked
         after, v_after = await losses(after_learn=ack["learned"])
         print(f"after learning (model v{v_after}, {waited:.1f}s after the acknowledgement): "

@@ -28,7 +28,7 @@ from typing import Any
 import websockets
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from demo import default_key, plain_failure, tiny_png, until_a_worker_serves  # noqa: E402
+from demo import default_key, plain_failure, tiny_png, until_a_worker_serves, until_trained  # noqa: E402
 from facts import COPIES, FACTS  # noqa: E402
 
 LEGACY, MODERN = "2025-11-25", "2026-07-28"
@@ -126,7 +126,7 @@ async def run(url: str, key: str | None, stateless: bool, context_id: str, timeo
         print(f"learn -> {len(ack['ids'])} samples acknowledged; waiting for a model that has learnt them "
               f"(after_learn={ack['learned']!r})")
         # after_learn: the gateway waits until a worker serves a version that finished training them
-        taught = await answers(after_learn=ack["learned"])
+        taught = await until_trained(lambda: answers(after_learn=ack["learned"]))
         waited = time.monotonic() - acked
         after, v_after = await losses(after_learn=ack["learned"])
         print(f"after learning (model v{v_after}, {waited:.1f}s after the acknowledgement): mean loss {after:.3f} "
