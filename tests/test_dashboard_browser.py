@@ -174,6 +174,8 @@ def test_dashboard_live_in_headless_chromium(redis_target: RedisTarget) -> None:
                           what="delta figures")
             rows = browser.js("[...document.querySelectorAll('#workers tbody tr')].map(r => r.cells[0].textContent)")
             assert rows == ["w1"]
+            # a report from a worker this replica does not reach: not serving here
+            assert browser.js("document.querySelector('#workers tbody tr').cells[4].textContent") == "down"
             ctx_row = "[...document.querySelectorAll('#contexts tbody tr')].map(r => r.cells[1].textContent)"
             wait_for_sync(lambda: browser.js(ctx_row) == ["chat-1"], what="the context table")
             wait_for_sync(lambda: browser.js("document.querySelector('#sessions tbody tr').cells[1].textContent")

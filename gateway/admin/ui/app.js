@@ -152,6 +152,17 @@ function breakers(m) {
   return `closed on ${n}`;
 }
 
+// What a worker does for callers now: the pool's own flags first (a worker that still reports
+// may be benched, refusing our key, or stopping), then whether it answers at all.
+function workerState(w) {
+  if (w.drained) return { text: "drained", cls: "drained" };
+  if (w.alive === false) return { text: "down", cls: "lag-bad" };
+  if (w.handshake_failing) return { text: "key refused", cls: "lag-bad" };
+  if (w.leaving) return { text: "stopping", cls: "drained" };
+  if (w.benched) return { text: "benched", cls: "lag-bad" };
+  return { text: "serving", cls: "" };
+}
+
 function render(s) {
   const t = Date.now();
   const gw = s.gateway || {}, tr = s.trainer || {}, sync = s.sync || {};
@@ -174,7 +185,7 @@ function render(s) {
   fillTable("workers", s.workers || [], (w) => [
     w.id, fmt(w.version),
     { text: fmt(w.lag), cls: (w.lag || 0) > 0 ? "lag-bad" : "" }, fmt(w.load),
-    { text: w.drained ? "drained" : (w.alive === false ? "down" : "serving"), cls: w.drained ? "drained" : "" },
+    workerState(w),
   ], "no workers reporting");
   fillTable("sessions", ((s.sessions || {}).shown) || [], (x) => [
     x.id.slice(0, 8) + "…", x.principal, x.protocol_version || "–", fmt(x.events),
