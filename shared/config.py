@@ -838,6 +838,21 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping: YAML keeps the last one, so a
+    second ``gateway:`` section would silently drop the first one's settings."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice in one mapping", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def var_dir(env: typing.Mapping[str, str] | None = None) -> Path:
     """Where ``learnmesh up`` and an embedded Redis keep their state: ``$LEARNMESH_VAR`` or ``var``."""
     return Path((os.environ if env is None else env).get("LEARNMESH_VAR", "var"))
@@ -860,7 +875,7 @@ def load_config(path: str | os.PathLike[str] | None = None,
         if not p.is_file():
             raise ConfigError(f"config file {p} not found")
         try:
-            loaded = yaml.safe_load(p.read_text()) or {}
+            loaded = yaml.load(p.read_text(), Loader=_UniqueKeyLoader) or {}  # noqa: S506 - a SafeLoader
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file {p} is not valid YAML: {exc}") from None
         if not isinstance(loaded, dict):

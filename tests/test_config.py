@@ -64,6 +64,9 @@ def test_env_overrides_and_shortcuts(tmp_path: Path) -> None:
     ("compression:\n  density: 2\n", "compression.density"),
     ("trainer:\n  comm_hook: magic\n", "trainer.comm_hook"),
     ("- a list\n", "mapping"),
+    # a second section of one name would drop the first one's settings
+    ("gateway:\n  port: 8405\nredis: {}\ngateway:\n  host: 127.0.0.1\n", "key 'gateway' is given twice"),
+    ("gateway:\n  port: 1\n  port: 2\n", "key 'port' is given twice"),
 ])
 def test_bad_files_fail_with_the_key_named(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "learnmesh.yaml"
