@@ -4,6 +4,8 @@ in Redis so any replica continues them (and renews one the upstream forgot)."""
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from typing import Any
 
@@ -142,3 +144,27 @@ def test_upstream_session_in_redis_is_renewed_while_in_use(redis_url: str, redis
             return seen[-1] > seen[-2]
 
         wait_for_sync(renewed, timeout_s=10, interval_s=0.2, what="the upstream session's TTL to be renewed")
+
+
+def _post_all(url: str, bodies: list[dict[str, Any]]) -> list[int]:
+    """``bodies`` POSTed to ``url`` at once (one thread each, released together)."""
+    gate = threading.Barrier(len(bodies))
+
+    def post(body: dict[str, Any]) -> int:
+        gate.wait()
+        return httpx.post(url, json=body, headers=ADMIN, timeout=30).status_code
+
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        return list(pool.map(post, bodies))
+
+
+@pytest.mark.parametrize("clash", ["namespace", "name"])
+def test_concurrent_adds_under_one_namespace_or_name_let_exactly_one_in(redis_url: str, upstream: str,
+                                                                        clash: str) -> None:
+    bodies = [upstream_entry(upstream, name=f"up{n}" if clash == "namespace" else "up", namespace="shared")
+              for n in range(20)]
+    with front_gateway(redis_url, {}) as base:
+        codes = _post_all(base + "/admin/upstreams", bodies)
+        assert sorted(codes) == [201] + [409] * 19
+        listed = httpx.get(base + "/admin/upstreams", headers=ADMIN).json()["upstreams"]
+        assert [u["namespace"] for u in listed] == ["shared"]

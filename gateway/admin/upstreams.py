@@ -28,6 +28,9 @@ from shared.config import ConfigError, UpstreamConfig
 router = admin_router()
 
 Name = Annotated[str, PathParam(pattern=r"^[a-z0-9_-]{1,32}$", description="an upstream's name")]
+# A change is made from the entry as read and written only if it is still that entry; a change that
+# loses to concurrent ones this often is answered 409 rather than tried on without end.
+CHANGE_TRIES = 8
 PATCHABLE = frozenset({"enabled", "timeout_s", "concurrency", "capture", "revision", "stdio_max_processes",
                        "stdio_idle_s"})
 
@@ -109,10 +112,24 @@ async def _changed(gateway: Gateway) -> None:
 
 
 async def _existing(gateway: Gateway, name: str) -> UpstreamConfig:
-    cfg = await store.get(gateway.redis, name)
+    return _readable(name, await store.get_raw(gateway.redis, name))
+
+
+def _readable(name: str, raw: bytes | None) -> UpstreamConfig:
+    cfg = store.from_json(raw) if raw is not None else None
     if cfg is None:
         raise HTTPException(404, f"no upstream named {name!r}")
     return cfg
+
+
+def _conflict(cfg: UpstreamConfig, exc: store.Conflict) -> HTTPException:
+    if exc.what == "name":
+        return HTTPException(409, f"an upstream named {cfg.name!r} exists")
+    if exc.what == "namespace":
+        return HTTPException(409, f"another upstream ({exc.other!r}) mounts under namespace {cfg.prefix!r}")
+    if exc.what == "gone":
+        return HTTPException(404, f"no upstream named {cfg.name!r}")
+    return HTTPException(409, f"upstream {cfg.name!r} changed meanwhile; send the change again")
 
 
 @router.get("/upstreams", summary="Upstream MCP servers the proxy serves, with their health on every replica")
@@ -129,12 +146,10 @@ async def add_upstream(request: Request, body: Annotated[dict[str, Any], Body()]
                        who: AdminPrincipal = admin) -> dict[str, Any]:
     gateway = gateway_of(request)
     cfg = _validated(body)
-    current = await store.load(gateway.redis)
-    if any(c.name == cfg.name for c in current):
-        raise HTTPException(409, f"an upstream named {cfg.name!r} exists")
-    if any(c.prefix == cfg.prefix for c in current):
-        raise HTTPException(409, f"another upstream mounts under namespace {cfg.prefix!r}")
-    await store.put(gateway.redis, cfg)
+    try:
+        await store.put(gateway.redis, cfg)
+    except store.Conflict as exc:
+        raise _conflict(cfg, exc) from None
     await audit_action(gateway, who, "upstream.add", upstream=cfg.name)
     await _changed(gateway)
     return await _viewed(gateway, cfg)
@@ -147,15 +162,24 @@ async def get_upstream(request: Request, name: Name, who: AdminPrincipal = viewe
 
 
 @router.patch("/upstreams/{name}", summary="Enable, disable or tune an upstream (every replica)",
-              responses={404: E404, 422: E422})
+              responses={404: E404, 409: E409, 422: E422})
 async def patch_upstream(request: Request, name: Name, body: Annotated[dict[str, Any], Body()],
                          who: AdminPrincipal = admin) -> dict[str, Any]:
     gateway = gateway_of(request)
     unknown = set(body) - PATCHABLE
     if unknown:
         raise HTTPException(422, f"cannot change {', '.join(sorted(unknown))} (changeable: {', '.join(sorted(PATCHABLE))})")
-    cfg = _validated({**dataclasses.asdict(await _existing(gateway, name)), **body})
-    await store.put(gateway.redis, cfg)
+    for _ in range(CHANGE_TRIES):
+        read = await store.get_raw(gateway.redis, name)
+        cfg = _validated({**dataclasses.asdict(_readable(name, read)), **body})
+        try:
+            await store.put(gateway.redis, cfg, read)
+            break
+        except store.Conflict as exc:
+            if exc.what != "changed":
+                raise _conflict(cfg, exc) from None
+    else:
+        raise HTTPException(409, f"upstream {name!r} kept changing under this change; send it again")
     await audit_action(gateway, who, "upstream.change", upstream=name, fields=",".join(sorted(body)))
     await _changed(gateway)
     return await _viewed(gateway, cfg)
