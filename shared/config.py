@@ -638,8 +638,10 @@ class UpstreamConfig:
                                               "'' mounts them unprefixed")
     headers_from_env: dict[str, str] = Field(default_factory=dict, description="header -> environment variable")
     headers_from_file: dict[str, str] = Field(default_factory=dict, description="header -> 0600 file")
-    timeout_s: PositiveFloat = 30.0
-    concurrency: PositiveInt = Field(default=16, description="calls in flight to this upstream per gateway replica")
+    timeout_s: StrictFloat = Field(default=30.0, gt=0, le=86_400, allow_inf_nan=False,
+                                   description="how long a call may take (at most a day)")
+    concurrency: StrictInt = Field(default=16, ge=1, le=65_536,
+                                   description="calls in flight to this upstream per gateway replica")
     stdio_max_processes: StrictInt = Field(
         default=32, ge=1, le=4096, description="stdio: principals' processes alive at once per replica (one each; "
                                                "the lists' own process comes on top)")

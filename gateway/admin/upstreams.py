@@ -111,15 +111,21 @@ async def _changed(gateway: Gateway) -> None:
     await gateway.reload_proxy()
 
 
-async def _existing(gateway: Gateway, name: str) -> UpstreamConfig:
-    return _readable(name, await store.get_raw(gateway.redis, name))
-
-
 def _readable(name: str, raw: bytes | None) -> UpstreamConfig:
-    cfg = store.from_json(raw) if raw is not None else None
-    if cfg is None:
+    """The upstream stored as ``raw``: 404 when there is none, 409 when its entry cannot be read."""
+    entry = store.read(name, raw) if raw is not None else None
+    if entry is None:
         raise HTTPException(404, f"no upstream named {name!r}")
-    return cfg
+    if isinstance(entry, store.Unreadable):
+        raise HTTPException(409, f"the stored entry of upstream {name!r} cannot be read ({entry.reason}); "
+                                 "remove it and add it again")
+    return entry
+
+
+def _unreadable_view(entry: store.Unreadable) -> dict[str, Any]:
+    """What a read shows of an entry no replica serves: its name and why (never its content,
+    which may name credential sources)."""
+    return {"name": entry.name, "unreadable": entry.reason}
 
 
 def _conflict(cfg: UpstreamConfig, exc: store.Conflict) -> HTTPException:
@@ -135,9 +141,10 @@ def _conflict(cfg: UpstreamConfig, exc: store.Conflict) -> HTTPException:
 @router.get("/upstreams", summary="Upstream MCP servers the proxy serves, with their health on every replica")
 async def list_upstreams(request: Request, who: AdminPrincipal = viewer) -> dict[str, Any]:
     gateway = gateway_of(request)
-    configs = await store.load(gateway.redis)
+    found = await store.entries(gateway.redis)
     breakers = await gateway.proxy.breakers.read()
-    return {"upstreams": [_view(gateway, c, breakers) for c in configs]}
+    return {"upstreams": [_unreadable_view(e) if isinstance(e, store.Unreadable) else _view(gateway, e, breakers)
+                          for e in found]}
 
 
 @router.post("/upstreams", status_code=201, summary="Add an upstream (every replica)",
@@ -158,7 +165,12 @@ async def add_upstream(request: Request, body: Annotated[dict[str, Any], Body()]
 @router.get("/upstreams/{name}", summary="One upstream", responses={404: E404})
 async def get_upstream(request: Request, name: Name, who: AdminPrincipal = viewer) -> dict[str, Any]:
     gateway = gateway_of(request)
-    return await _viewed(gateway, await _existing(gateway, name))
+    entry = await store.get(gateway.redis, name)
+    if entry is None:
+        raise HTTPException(404, f"no upstream named {name!r}")
+    if isinstance(entry, store.Unreadable):
+        return _unreadable_view(entry)
+    return await _viewed(gateway, entry)
 
 
 @router.patch("/upstreams/{name}", summary="Enable, disable or tune an upstream (every replica)",
@@ -200,7 +212,8 @@ async def delete_upstream(request: Request, name: Name, who: AdminPrincipal = ad
             summary="An upstream's revision, lists and breaker on this replica, and its breaker on every live replica")
 async def upstream_health(request: Request, name: Name, who: AdminPrincipal = viewer) -> UpstreamHealth:
     gateway = gateway_of(request)
-    await _existing(gateway, name)
+    if not isinstance(await store.get(gateway.redis, name), UpstreamConfig):
+        raise HTTPException(404, f"no upstream named {name!r} that can be read")
     if name not in gateway.proxy.upstreams:
         raise HTTPException(404, f"upstream {name!r} is not open on this replica (its credentials cannot be read)")
     return health(gateway, name, await gateway.proxy.breakers.read())

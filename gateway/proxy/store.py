@@ -77,12 +77,32 @@ def to_json(cfg: UpstreamConfig) -> bytes:
     return orjson.dumps(dataclasses.asdict(cfg))
 
 
-def from_json(raw: bytes | str) -> UpstreamConfig | None:
-    """The stored upstream; None for a removal marker."""
-    data = orjson.loads(raw)
+@dataclasses.dataclass(frozen=True, slots=True)
+class Unreadable:
+    """A stored entry that is no upstream configuration (written by hand, by another version, or
+    damaged): served by no replica, shown by the admin API with ``reason``, and removable."""
+
+    name: str
+    reason: str
+
+
+def read(name: str, raw: bytes | str) -> UpstreamConfig | Unreadable | None:
+    """The entry stored as ``name``: its configuration, None for a removal marker, or Unreadable."""
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return Unreadable(name, "not JSON")
+    if not isinstance(data, dict):
+        return Unreadable(name, "not a JSON object")
     if data.get("removed"):
         return None
-    return UpstreamConfig(**data)
+    try:
+        cfg = UpstreamConfig(**data)
+    except (ConfigError, TypeError) as exc:
+        return Unreadable(name, f"not a valid upstream: {exc}")
+    if cfg.name != name:
+        return Unreadable(name, f"holds the configuration of upstream {cfg.name!r}")
+    return cfg
 
 
 async def seed(redis: aioredis.Redis, initial: list[UpstreamConfig]) -> None:
@@ -96,26 +116,33 @@ async def seed(redis: aioredis.Redis, initial: list[UpstreamConfig]) -> None:
         if stored != cfg:
             log.warning("proxy upstream %s: the configuration file differs from the set in Redis (%s), which is "
                         "what is served; change it through /admin/upstreams", cfg.name,
-                        "removed at runtime" if stored is None else "changed at runtime or by an earlier config")
+                        "removed at runtime" if stored is None else
+                        f"unreadable: {stored.reason}" if isinstance(stored, Unreadable) else
+                        "changed at runtime or by an earlier config")
+
+
+async def entries(redis: aioredis.Redis) -> list[UpstreamConfig | Unreadable]:
+    """Every entry in the hash but removal markers, sorted by name."""
+    raw: dict[Any, Any] = await redis.hgetall(keys.PROXY_UPSTREAMS)
+    found = (read(as_str(name), raw[name]) for name in sorted(raw, key=as_str))
+    return [e for e in found if e is not None]
 
 
 async def load(redis: aioredis.Redis) -> list[UpstreamConfig]:
-    """Every upstream in the hash (sorted by name); an entry that no longer validates is skipped."""
-    raw: dict[Any, Any] = await redis.hgetall(keys.PROXY_UPSTREAMS)
+    """Every upstream in the hash (sorted by name); an entry that cannot be read is skipped."""
     out: list[UpstreamConfig] = []
-    for name in sorted(raw, key=as_str):
-        try:
-            cfg = from_json(raw[name])
-        except (ConfigError, orjson.JSONDecodeError, TypeError):
-            continue
-        if cfg is not None:
-            out.append(cfg)
+    for entry in await entries(redis):
+        if isinstance(entry, Unreadable):
+            log.warning("proxy upstream %s: the stored entry is not served (%s); remove it with DELETE "
+                        "/admin/upstreams/%s", entry.name, entry.reason, entry.name)
+        else:
+            out.append(entry)
     return out
 
 
-async def get(redis: aioredis.Redis, name: str) -> UpstreamConfig | None:
-    raw = await redis.hget(keys.PROXY_UPSTREAMS, name)
-    return from_json(raw) if raw is not None else None
+async def get(redis: aioredis.Redis, name: str) -> UpstreamConfig | Unreadable | None:
+    raw = await get_raw(redis, name)
+    return read(name, raw) if raw is not None else None
 
 
 async def get_raw(redis: aioredis.Redis, name: str) -> bytes | None:
@@ -138,7 +165,8 @@ async def put(redis: aioredis.Redis, cfg: UpstreamConfig, read: bytes | None = N
 
 async def remove(redis: aioredis.Redis, name: str) -> bool:
     """Mark ``name`` removed (a config-file upstream stays removed after a restart)."""
-    if await get(redis, name) is None:
+    raw = await get_raw(redis, name)
+    if raw is None or raw == REMOVED:
         return False
     await redis.hset(keys.PROXY_UPSTREAMS, name, REMOVED)
     return True
