@@ -76,11 +76,20 @@ def test_admin_api_manages_upstreams(redis_url: str, upstream: str) -> None:
     ({"name": "Bad Name", "url": "http://a/mcp"}, "name"),
     ({"name": "x", "url": "ftp://a/mcp"}, "http"),
     ({"name": "x", "url": "http://proxy:pw-in-url-5d2e@a/mcp"}, "must not carry credentials"),
+    ({"name": "x", "url": "http://127.0.0.1:99999/mcp"}, "port"),
+    ({"name": "x", "url": "http://127.0.0.1:0/mcp"}, "port"),
+    ({"name": "x", "url": "http://127.0.0.1:http/mcp"}, "port"),
+    ({"name": "x", "url": "http:///mcp"}, "host"),
+    ({"name": "x", "url": "https://:8080/mcp"}, "host"),
+    ({"name": "x", "url": "http://[::1/mcp"}, "url"),
+    ({"name": "x", "url": "127.0.0.1:9000/mcp"}, "http"),
 ])
 def test_admin_api_refuses_bad_upstreams(redis_url: str, body: dict[str, Any], needle: str) -> None:
     with front_gateway(redis_url, {}) as base:
         r = httpx.post(base + "/admin/upstreams", json=body, headers=ADMIN)
         assert r.status_code == 422 and needle in r.text and "pw-in-url-5d2e" not in r.text
+        listed = httpx.get(base + "/admin/upstreams", headers=ADMIN)
+        assert listed.status_code == 200 and listed.json() == {"upstreams": []}
 
 
 def test_replicas_follow_the_set_in_redis(redis_url: str, upstream: str) -> None:
@@ -193,21 +202,24 @@ def test_an_endless_or_absurd_number_is_refused_and_the_upstream_kept(redis_url:
 def test_a_stored_upstream_that_cannot_be_read_is_shown_as_such_and_can_be_removed(
         redis_url: str, redis_target: RedisTarget, upstream: str) -> None:
     nulled = {**upstream_entry(upstream, name="nulled"), "timeout_s": None}
+    no_port = upstream_entry("http://127.0.0.1:99999/mcp", name="no_port")
     with front_gateway(redis_url, {}) as base, front_store(redis_target) as r:
         admin_url = base + "/admin/upstreams"
         assert httpx.post(admin_url, json=upstream_entry(upstream), headers=ADMIN).status_code == 201
-        r.hset(keys.PROXY_UPSTREAMS, mapping={"nulled": orjson.dumps(nulled), "garbled": b"{not json"})
+        r.hset(keys.PROXY_UPSTREAMS, mapping={"nulled": orjson.dumps(nulled), "garbled": b"{not json",
+                                              "no_port": orjson.dumps(no_port)})
         listed = httpx.get(admin_url, headers=ADMIN)
         assert listed.status_code == 200, listed.text
         by_name = {u["name"]: u for u in listed.json()["upstreams"]}
-        assert sorted(by_name) == ["garbled", "nulled", "up"] and "unreadable" not in by_name["up"]
+        assert sorted(by_name) == ["garbled", "no_port", "nulled", "up"] and "unreadable" not in by_name["up"]
         assert "timeout_s" in by_name["nulled"]["unreadable"] and "JSON" in by_name["garbled"]["unreadable"]
+        assert "port" in by_name["no_port"]["unreadable"]
         one = httpx.get(admin_url + "/nulled", headers=ADMIN)
         assert one.status_code == 200 and one.json() == by_name["nulled"]
         assert httpx.get(admin_url + "/nulled/health", headers=ADMIN).status_code == 404
         changed = httpx.patch(admin_url + "/nulled", json={"timeout_s": 5.0}, headers=ADMIN)
         assert changed.status_code == 409 and "cannot be read" in changed.text
-        for name in ("nulled", "garbled"):
+        for name in ("nulled", "garbled", "no_port"):
             assert httpx.delete(admin_url + f"/{name}", headers=ADMIN).json() == {"removed": name}
             assert httpx.get(admin_url + f"/{name}", headers=ADMIN).status_code == 404
         assert [u["name"] for u in httpx.get(admin_url, headers=ADMIN).json()["upstreams"]] == ["up"]
