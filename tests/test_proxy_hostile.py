@@ -223,3 +223,22 @@ def test_a_stdio_upstream_writing_an_endless_line_or_garbage(redis_url: str, cap
         assert garbage["content"][0]["text"] == "garbage"
         _still_serving(client, "hs.echo")
     assert secret not in caplog.text
+
+
+RESOURCE = "upstream://bad/test%3A%2F%2Fr"
+
+
+def _session_holds(redis_url: str, client: Client) -> tuple[set[bytes], set[bytes]]:
+    """What Redis records of ``client``'s session's subscriptions: its URIs, and RESOURCE's subscribers."""
+    with redis_sync.Redis.from_url(redis_url) as r:
+        return (r.smembers(keys.session_subscriptions("alice", client.sid or "")),
+                r.smembers(keys.resource_subscribers("alice", RESOURCE)))
+
+
+def test_a_subscription_refused_to_the_principal_is_not_held(redis_url: str, bad: HostileUpstream) -> None:
+    proxy = {"upstreams": [_entry(bad)], "allow": {"principals": {"bob": ["*"]}}}
+    with front_gateway(redis_url, proxy) as base:
+        client = Client(base, MCP_KEY, LEGACY).open()
+        assert client.call("resources/subscribe", {"uri": RESOURCE})["error"]["code"] == -32003
+        assert _session_holds(redis_url, client) == (set(), set())
+        assert "resources/subscribe" not in bad.methods()

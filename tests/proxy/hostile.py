@@ -4,7 +4,8 @@ can see what reached it.
 
 It speaks 2025-11-25 (``initialize`` opens a session; a GET stream is not offered). ``tools/list``
 lists :attr:`HostileUpstream.tools`; ``tools/call`` of tool ``<behaviour>`` runs the coroutine of
-that name below, which writes whatever bytes it likes to the socket. What it received is kept in
+that name below, which writes whatever bytes it likes to the socket; ``resources/subscribe``
+fails (HTTP 503) :attr:`HostileUpstream.subscribe_failures` times, then succeeds. What it received is kept in
 ``requests`` (the JSON bodies, with the request headers under ``"_headers"``).
 """
 
@@ -182,6 +183,7 @@ class HostileUpstream:
         self.page_delay_s = 0.0  # how long each tools/list page takes
         self.endless_pages = False  # every tools/list page names a next one
         self.flood_hold_s = 0.0  # how long the flood stays unanswered before the call's answer
+        self.subscribe_failures = 0  # resources/subscribe requests answered HTTP 503 (as if down) before it accepts
         self.sent = 0
         self.hung_up = threading.Event()  # the gateway closed a connection under an answer being sent
         self.stopping = threading.Event()
@@ -235,6 +237,12 @@ class HostileUpstream:
                                             "statusMessage": f"task of {self.label}"}))
         elif method == "tools/call":
             await BEHAVIOURS[message["params"]["name"]](self, writer, message)
+        elif method == "resources/subscribe":
+            if self.subscribe_failures > 0:
+                self.subscribe_failures -= 1
+                writer.write(b"HTTP/1.1 503 X\r\ncontent-length: 0\r\n\r\n")
+            else:
+                _json(writer, _result(message, {}))
         else:
             _json(writer, {"jsonrpc": "2.0", "id": message["id"], "error": {"code": -32601, "message": "no"}})
 
