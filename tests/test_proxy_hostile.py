@@ -235,6 +235,20 @@ def _session_holds(redis_url: str, client: Client) -> tuple[set[bytes], set[byte
                 r.smembers(keys.resource_subscribers("alice", RESOURCE)))
 
 
+def test_a_subscription_the_upstream_failed_is_not_held_and_a_retry_reaches_the_upstream(
+        redis_url: str, bad: HostileUpstream) -> None:
+    bad.subscribe_failures = 1
+    with front_gateway(redis_url, {"upstreams": [_entry(bad)]}) as base:
+        client = Client(base, MCP_KEY, LEGACY).open()
+        error = client.call("resources/subscribe", {"uri": RESOURCE})["error"]
+        assert error["code"] == UPSTREAM_FAILED and error["data"] == {"upstream": "bad", "reason": "unreachable"}
+        assert _session_holds(redis_url, client) == (set(), set())
+        assert client.result("resources/subscribe", {"uri": RESOURCE}) == {}
+        assert bad.methods().count("resources/subscribe") == 2
+        assert _session_holds(redis_url, client) == ({RESOURCE.encode()},
+                                                     {(client.sid or "").encode()})
+
+
 def test_a_subscription_refused_to_the_principal_is_not_held(redis_url: str, bad: HostileUpstream) -> None:
     proxy = {"upstreams": [_entry(bad)], "allow": {"principals": {"bob": ["*"]}}}
     with front_gateway(redis_url, proxy) as base:
