@@ -24,7 +24,7 @@ from shared import keys
 from tests.admin_support import MCP_KEY
 from tests.conftest import wait_for_sync
 from tests.proxy.hostile import HostileUpstream, hostile_upstream
-from tests.proxy_front import LEGACY, MODERN, Client, front_gateway
+from tests.proxy_front import ADMIN, LEGACY, MODERN, Client, front_gateway
 
 HOSTILE_STDIO = str(Path(__file__).resolve().parent / "proxy" / "hostile_stdio.py")
 UPSTREAM_FAILED = -32052
@@ -256,3 +256,14 @@ def test_a_subscription_refused_to_the_principal_is_not_held(redis_url: str, bad
         assert client.call("resources/subscribe", {"uri": RESOURCE})["error"]["code"] == -32003
         assert _session_holds(redis_url, client) == (set(), set())
         assert "resources/subscribe" not in bad.methods()
+
+
+@pytest.mark.parametrize("tool", ["wrong_id", "no_id", "true_id", "sse_wrong_id"])
+def test_an_answer_to_another_request_is_a_broken_answer(redis_url: str, bad: HostileUpstream, tool: str) -> None:
+    with front_gateway(redis_url, {"upstreams": [_entry(bad)]}) as base:
+        client = Client(base, MCP_KEY, LEGACY).open()
+        error = client.call("tools/call", {"name": f"bad.{tool}", "arguments": {}})["error"]
+        assert error["code"] == UPSTREAM_FAILED and error["data"] == {"upstream": "bad", "reason": "protocol"}
+        health = httpx.get(base + "/admin/upstreams/bad/health", headers=ADMIN).json()
+        assert health["consecutive_failures"] == 1 and health["errors"] == 1
+        _still_serving(client, "bad.echo")

@@ -44,7 +44,7 @@ from gateway.mcp.types import (
     Request,
 )
 from gateway.proxy.breaker import Breaker
-from gateway.proxy.errors import MessageTooLarge, StdioCapReached, UpstreamFailed, WireClosed
+from gateway.proxy.errors import ForeignAnswer, MessageTooLarge, StdioCapReached, UpstreamFailed, WireClosed
 from gateway.proxy.stdio_pool import CATALOG, StdioPool
 from gateway.proxy.wire import NO_HOOKS, Answer, Hooks, HttpWire, StdioWire, Wire
 from shared import keys
@@ -158,6 +158,10 @@ class UpstreamClient:
             self.breaker.failed()
             raise UpstreamFailed(self.name, "protocol", f"upstream {self.name!r} sent a message over "
                                  f"{exc.limit_bytes} bytes in answer to {method}") from None
+        except ForeignAnswer:
+            self.breaker.failed()
+            raise UpstreamFailed(self.name, "protocol", f"upstream {self.name!r} answered {method} with a "
+                                 "response to another request (its id is not the request's)") from None
         except (OSError, WireClosed) as exc:
             self.breaker.failed()
             # WireClosed says what happened in words meant for the client; an OSError by its
