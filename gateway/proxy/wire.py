@@ -103,8 +103,10 @@ class HttpWire:
                 return Answer(resp.status, found, resp.headers)
             data = await resp.read(MAX_MESSAGE_BYTES)
             message = _json_object(data) if kind.startswith("application/json") else None
+            # An error status's error is the transport's (401, 404 of a lost session, ...), whatever
+            # id it carries: servers send one without knowing the request's.
             if message is not None and request_id is not None and "method" not in message \
-                    and not answers(message, request_id):
+                    and (resp.status < 400 or "error" not in message) and not answers(message, request_id):
                 raise ForeignAnswer
             return Answer(resp.status, message, resp.headers)
 
