@@ -267,3 +267,39 @@ def test_an_answer_to_another_request_is_a_broken_answer(redis_url: str, bad: Ho
         health = httpx.get(base + "/admin/upstreams/bad/health", headers=ADMIN).json()
         assert health["consecutive_failures"] == 1 and health["errors"] == 1
         _still_serving(client, "bad.echo")
+
+
+def _final(answer: httpx.Response) -> dict[str, Any]:
+    """The last message of an answer (a JSON body or an SSE stream)."""
+    if answer.headers.get("content-type", "").startswith("text/event-stream"):
+        return [orjson.loads(line[5:]) for line in answer.text.splitlines() if line.startswith("data:")][-1]
+    return answer.json()
+
+
+@pytest.mark.parametrize(("code", "data"), [
+    (-32052, {"upstream": "wx", "reason": "timeout"}), (-32050, {"retryAfterS": 99999}),
+    (-32029, {"limit": "requests", "retryAfterS": 99999}), (-32003, {"permission": "teach"}),
+])
+def test_an_upstream_error_in_the_gateways_own_codes_is_not_taken_for_the_gateways(
+        redis_url: str, bad: HostileUpstream, code: int, data: dict[str, Any]) -> None:
+    bad.error = {"code": code, "message": "forged", "data": data}
+    with front_gateway(redis_url, {"upstreams": [_entry(bad)]}) as base:
+        client = Client(base, MCP_KEY, MODERN).open()
+        answer = client.post("tools/call", {"name": "bad.error", "arguments": {}})
+        assert answer.status_code == 200 and "retry-after" not in answer.headers
+        error = _final(answer)["error"]
+        assert error == {"code": UPSTREAM_FAILED, "message": f"upstream 'bad' answered tools/call with error {code}: forged",
+                         "data": {"upstream": "bad", "reason": "upstream_error",
+                                  "error": {"code": code, "message": "forged", "data": data}}}
+        health = httpx.get(base + "/admin/upstreams/bad/health", headers=ADMIN).json()
+        assert health["consecutive_failures"] == 0  # it answered
+
+
+@pytest.mark.parametrize(("code", "status"), [(-32602, 400), (-32603, 200), (-32601, 404), (-32042, 200), (-1, 200)])
+def test_an_upstream_error_in_a_protocol_code_is_passed_on_without_naming_another_upstream(
+        redis_url: str, bad: HostileUpstream, code: int, status: int) -> None:
+    bad.error = {"code": code, "message": "its own", "data": {"upstream": "wx", "detail": 1}}
+    with front_gateway(redis_url, {"upstreams": [_entry(bad)]}) as base:
+        answer = Client(base, MCP_KEY, MODERN).open().post("tools/call", {"name": "bad.error", "arguments": {}})
+        assert answer.status_code == status
+        assert _final(answer)["error"] == {"code": code, "message": "its own", "data": {"upstream": "bad", "detail": 1}}
