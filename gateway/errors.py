@@ -77,6 +77,9 @@ SERVICE_UNAVAILABLE = -32050  # learnmesh: a backend (Redis, workers) is unreach
 FORBIDDEN = -32003  # learnmesh: the principal lacks the permission this needs (teach)
 LIMIT_EXCEEDED = -32029  # learnmesh: a quota or rate limit of the principal; retry after data.retryAfterS
 UPSTREAM_FAILED = -32052  # learnmesh: a proxied upstream failed, timed out or its breaker is open (data.upstream)
+# The codes the gateway raises itself: an upstream's error in one of them is not passed on as it
+# came (gateway/proxy/client.py), or a client would take it for the gateway's word.
+GATEWAY_CODES = frozenset({SERVICE_UNAVAILABLE, FORBIDDEN, LIMIT_EXCEEDED, UPSTREAM_FAILED})
 
 # HTTP status of a 2026-07-28 answer carrying one of these codes (the others ride on 200).
 HTTP_STATUS = {PARSE_ERROR: 400, INVALID_REQUEST: 400, INVALID_PARAMS: 400, HEADER_MISMATCH: 400,

@@ -621,6 +621,24 @@ class CaptureTools:
     tools: list[str] = Field(default_factory=list)
 
 
+def _check_upstream_url(url: str) -> None:
+    """An http(s) URL the gateway can connect to: a host, a port in 1-65535 when one is given, no
+    credentials. The messages never repeat the URL (it may carry a secret)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        raise ValueError("url is not a URL (a bracketed IPv6 host not closed?)") from None
+    _check(parts.scheme in ("http", "https"), "url must be http(s)://")
+    _check("@" not in parts.netloc,
+           "url must not carry credentials (user:password@): name them in headers_from_env or headers_from_file")
+    _check(bool(parts.hostname), "url must name a host")
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError("url's port must be a number in 1-65535") from None
+    _check(port is None or port >= 1, "url's port must be a number in 1-65535")
+
+
 @_section
 class UpstreamConfig:
     """One upstream MCP server the gateway fronts (gateway/proxy/). Exactly one of ``url``
@@ -638,8 +656,10 @@ class UpstreamConfig:
                                               "'' mounts them unprefixed")
     headers_from_env: dict[str, str] = Field(default_factory=dict, description="header -> environment variable")
     headers_from_file: dict[str, str] = Field(default_factory=dict, description="header -> 0600 file")
-    timeout_s: PositiveFloat = 30.0
-    concurrency: PositiveInt = Field(default=16, description="calls in flight to this upstream per gateway replica")
+    timeout_s: StrictFloat = Field(default=30.0, gt=0, le=86_400, allow_inf_nan=False,
+                                   description="how long a call may take (at most a day)")
+    concurrency: StrictInt = Field(default=16, ge=1, le=65_536,
+                                   description="calls in flight to this upstream per gateway replica")
     stdio_max_processes: StrictInt = Field(
         default=32, ge=1, le=4096, description="stdio: principals' processes alive at once per replica (one each; "
                                                "the lists' own process comes on top)")
@@ -651,9 +671,8 @@ class UpstreamConfig:
 
     def __post_init__(self) -> None:
         _check((self.url is None) != (self.command is None), "set exactly one of url or command")
-        _check(self.url is None or urlsplit(self.url).scheme in ("http", "https"), "url must be http(s)://")
-        _check(self.url is None or "@" not in urlsplit(self.url).netloc,
-               "url must not carry credentials (user:password@): name them in headers_from_env or headers_from_file")
+        if self.url is not None:
+            _check_upstream_url(self.url)
         _check(self.command is None or len(self.command) > 0, "command must name a program")
         _check(not set(self.headers_from_env) & set(self.headers_from_file),
                "a header comes from the environment or from a file, not both")

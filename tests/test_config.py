@@ -180,3 +180,13 @@ def test_oauth_refuses_a_missing_or_short_hs256_key(secret: str) -> None:
     with pytest.raises(ConfigError, match="gateway.oauth: enabled needs hs256_secret: at least 32 bytes"):
         load_config(env={}, overrides={"gateway": {"oauth": {"enabled": True, "hs256_secret": secret}}})
     assert load_config(env={}, overrides={"gateway": {"oauth": {"enabled": True, "hs256_secret": "k" * 32}}})
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("timeout_s", ".inf"), ("timeout_s", ".nan"), ("timeout_s", "1.0e+12"), ("concurrency", "100000000000000000000000000"),
+])
+def test_an_upstream_with_an_endless_or_absurd_number_fails_at_start(tmp_path: Path, field: str, value: str) -> None:
+    path = tmp_path / "learnmesh.yaml"
+    path.write_text(f"proxy:\n  upstreams:\n    - name: up\n      url: http://127.0.0.1:9000/mcp\n      {field}: {value}\n")
+    with pytest.raises(ConfigError, match=f"proxy.upstreams.0.{field}"):
+        load_config(path, env={})

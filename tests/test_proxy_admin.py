@@ -4,10 +4,13 @@ in Redis so any replica continues them (and renews one the upstream forgot)."""
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 import redis as redis_sync
 
@@ -73,11 +76,20 @@ def test_admin_api_manages_upstreams(redis_url: str, upstream: str) -> None:
     ({"name": "Bad Name", "url": "http://a/mcp"}, "name"),
     ({"name": "x", "url": "ftp://a/mcp"}, "http"),
     ({"name": "x", "url": "http://proxy:pw-in-url-5d2e@a/mcp"}, "must not carry credentials"),
+    ({"name": "x", "url": "http://127.0.0.1:99999/mcp"}, "port"),
+    ({"name": "x", "url": "http://127.0.0.1:0/mcp"}, "port"),
+    ({"name": "x", "url": "http://127.0.0.1:http/mcp"}, "port"),
+    ({"name": "x", "url": "http:///mcp"}, "host"),
+    ({"name": "x", "url": "https://:8080/mcp"}, "host"),
+    ({"name": "x", "url": "http://[::1/mcp"}, "url"),
+    ({"name": "x", "url": "127.0.0.1:9000/mcp"}, "http"),
 ])
 def test_admin_api_refuses_bad_upstreams(redis_url: str, body: dict[str, Any], needle: str) -> None:
     with front_gateway(redis_url, {}) as base:
         r = httpx.post(base + "/admin/upstreams", json=body, headers=ADMIN)
         assert r.status_code == 422 and needle in r.text and "pw-in-url-5d2e" not in r.text
+        listed = httpx.get(base + "/admin/upstreams", headers=ADMIN)
+        assert listed.status_code == 200 and listed.json() == {"upstreams": []}
 
 
 def test_replicas_follow_the_set_in_redis(redis_url: str, upstream: str) -> None:
@@ -142,3 +154,73 @@ def test_upstream_session_in_redis_is_renewed_while_in_use(redis_url: str, redis
             return seen[-1] > seen[-2]
 
         wait_for_sync(renewed, timeout_s=10, interval_s=0.2, what="the upstream session's TTL to be renewed")
+
+
+def _post_all(url: str, bodies: list[dict[str, Any]]) -> list[int]:
+    """``bodies`` POSTed to ``url`` at once (one thread each, released together)."""
+    gate = threading.Barrier(len(bodies))
+
+    def post(body: dict[str, Any]) -> int:
+        gate.wait()
+        return httpx.post(url, json=body, headers=ADMIN, timeout=30).status_code
+
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        return list(pool.map(post, bodies))
+
+
+@pytest.mark.parametrize("clash", ["namespace", "name"])
+def test_concurrent_adds_under_one_namespace_or_name_let_exactly_one_in(redis_url: str, upstream: str,
+                                                                        clash: str) -> None:
+    bodies = [upstream_entry(upstream, name=f"up{n}" if clash == "namespace" else "up", namespace="shared")
+              for n in range(20)]
+    with front_gateway(redis_url, {}) as base:
+        codes = _post_all(base + "/admin/upstreams", bodies)
+        assert sorted(codes) == [201] + [409] * 19
+        listed = httpx.get(base + "/admin/upstreams", headers=ADMIN).json()["upstreams"]
+        assert [u["namespace"] for u in listed] == ["shared"]
+
+
+@pytest.mark.parametrize("number", ["1e309", "-1e309", "1e12", "100000000000000000000000000"])
+def test_an_endless_or_absurd_number_is_refused_and_the_upstream_kept(redis_url: str, upstream: str,
+                                                                      number: str) -> None:
+    admin_url_json = {**ADMIN, "content-type": "application/json"}
+    with front_gateway(redis_url, {}) as base:
+        admin_url = base + "/admin/upstreams"
+        for field in ("timeout_s", "concurrency"):
+            body = f'{{"name": "x", "url": "http://127.0.0.1:9/mcp", "{field}": {number}}}'
+            assert httpx.post(admin_url, content=body, headers=admin_url_json).status_code == 422
+            assert httpx.get(admin_url + "/x", headers=ADMIN).status_code == 404
+        assert httpx.post(admin_url, json=upstream_entry(upstream), headers=ADMIN).status_code == 201
+        for field in ("timeout_s", "concurrency"):
+            r = httpx.patch(admin_url + "/up", content=f'{{"{field}": {number}}}', headers=admin_url_json)
+            assert r.status_code == 422, r.text
+        kept = httpx.get(admin_url + "/up", headers=ADMIN)
+        assert kept.status_code == 200 and kept.json()["timeout_s"] == 10.0 and kept.json()["concurrency"] == 16
+        Client(base, MCP_KEY, LEGACY).open().result("tools/call", {"name": "up.t_echo", "arguments": {"text": "k"}})
+
+
+def test_a_stored_upstream_that_cannot_be_read_is_shown_as_such_and_can_be_removed(
+        redis_url: str, redis_target: RedisTarget, upstream: str) -> None:
+    nulled = {**upstream_entry(upstream, name="nulled"), "timeout_s": None}
+    no_port = upstream_entry("http://127.0.0.1:99999/mcp", name="no_port")
+    with front_gateway(redis_url, {}) as base, front_store(redis_target) as r:
+        admin_url = base + "/admin/upstreams"
+        assert httpx.post(admin_url, json=upstream_entry(upstream), headers=ADMIN).status_code == 201
+        r.hset(keys.PROXY_UPSTREAMS, mapping={"nulled": orjson.dumps(nulled), "garbled": b"{not json",
+                                              "no_port": orjson.dumps(no_port)})
+        listed = httpx.get(admin_url, headers=ADMIN)
+        assert listed.status_code == 200, listed.text
+        by_name = {u["name"]: u for u in listed.json()["upstreams"]}
+        assert sorted(by_name) == ["garbled", "no_port", "nulled", "up"] and "unreadable" not in by_name["up"]
+        assert "timeout_s" in by_name["nulled"]["unreadable"] and "JSON" in by_name["garbled"]["unreadable"]
+        assert "port" in by_name["no_port"]["unreadable"]
+        one = httpx.get(admin_url + "/nulled", headers=ADMIN)
+        assert one.status_code == 200 and one.json() == by_name["nulled"]
+        assert httpx.get(admin_url + "/nulled/health", headers=ADMIN).status_code == 404
+        changed = httpx.patch(admin_url + "/nulled", json={"timeout_s": 5.0}, headers=ADMIN)
+        assert changed.status_code == 409 and "cannot be read" in changed.text
+        for name in ("nulled", "garbled", "no_port"):
+            assert httpx.delete(admin_url + f"/{name}", headers=ADMIN).json() == {"removed": name}
+            assert httpx.get(admin_url + f"/{name}", headers=ADMIN).status_code == 404
+        assert [u["name"] for u in httpx.get(admin_url, headers=ADMIN).json()["upstreams"]] == ["up"]
+        Client(base, MCP_KEY, LEGACY).open().result("tools/call", {"name": "up.t_echo", "arguments": {"text": "k"}})

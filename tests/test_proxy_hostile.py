@@ -24,7 +24,7 @@ from shared import keys
 from tests.admin_support import MCP_KEY
 from tests.conftest import wait_for_sync
 from tests.proxy.hostile import HostileUpstream, hostile_upstream
-from tests.proxy_front import LEGACY, MODERN, Client, front_gateway
+from tests.proxy_front import ADMIN, LEGACY, MODERN, Client, front_gateway
 
 HOSTILE_STDIO = str(Path(__file__).resolve().parent / "proxy" / "hostile_stdio.py")
 UPSTREAM_FAILED = -32052
@@ -223,3 +223,83 @@ def test_a_stdio_upstream_writing_an_endless_line_or_garbage(redis_url: str, cap
         assert garbage["content"][0]["text"] == "garbage"
         _still_serving(client, "hs.echo")
     assert secret not in caplog.text
+
+
+RESOURCE = "upstream://bad/test%3A%2F%2Fr"
+
+
+def _session_holds(redis_url: str, client: Client) -> tuple[set[bytes], set[bytes]]:
+    """What Redis records of ``client``'s session's subscriptions: its URIs, and RESOURCE's subscribers."""
+    with redis_sync.Redis.from_url(redis_url) as r:
+        return (r.smembers(keys.session_subscriptions("alice", client.sid or "")),
+                r.smembers(keys.resource_subscribers("alice", RESOURCE)))
+
+
+def test_a_subscription_the_upstream_failed_is_not_held_and_a_retry_reaches_the_upstream(
+        redis_url: str, bad: HostileUpstream) -> None:
+    bad.subscribe_failures = 1
+    with front_gateway(redis_url, {"upstreams": [_entry(bad)]}) as base:
+        client = Client(base, MCP_KEY, LEGACY).open()
+        error = client.call("resources/subscribe", {"uri": RESOURCE})["error"]
+        assert error["code"] == UPSTREAM_FAILED and error["data"] == {"upstream": "bad", "reason": "unreachable"}
+        assert _session_holds(redis_url, client) == (set(), set())
+        assert client.result("resources/subscribe", {"uri": RESOURCE}) == {}
+        assert bad.methods().count("resources/subscribe") == 2
+        assert _session_holds(redis_url, client) == ({RESOURCE.encode()},
+                                                     {(client.sid or "").encode()})
+
+
+def test_a_subscription_refused_to_the_principal_is_not_held(redis_url: str, bad: HostileUpstream) -> None:
+    proxy = {"upstreams": [_entry(bad)], "allow": {"principals": {"bob": ["*"]}}}
+    with front_gateway(redis_url, proxy) as base:
+        client = Client(base, MCP_KEY, LEGACY).open()
+        assert client.call("resources/subscribe", {"uri": RESOURCE})["error"]["code"] == -32003
+        assert _session_holds(redis_url, client) == (set(), set())
+        assert "resources/subscribe" not in bad.methods()
+
+
+@pytest.mark.parametrize("tool", ["wrong_id", "no_id", "true_id", "sse_wrong_id"])
+def test_an_answer_to_another_request_is_a_broken_answer(redis_url: str, bad: HostileUpstream, tool: str) -> None:
+    with front_gateway(redis_url, {"upstreams": [_entry(bad)]}) as base:
+        client = Client(base, MCP_KEY, LEGACY).open()
+        error = client.call("tools/call", {"name": f"bad.{tool}", "arguments": {}})["error"]
+        assert error["code"] == UPSTREAM_FAILED and error["data"] == {"upstream": "bad", "reason": "protocol"}
+        health = httpx.get(base + "/admin/upstreams/bad/health", headers=ADMIN).json()
+        assert health["consecutive_failures"] == 1 and health["errors"] == 1
+        _still_serving(client, "bad.echo")
+
+
+def _final(answer: httpx.Response) -> dict[str, Any]:
+    """The last message of an answer (a JSON body or an SSE stream)."""
+    if answer.headers.get("content-type", "").startswith("text/event-stream"):
+        return [orjson.loads(line[5:]) for line in answer.text.splitlines() if line.startswith("data:")][-1]
+    return answer.json()
+
+
+@pytest.mark.parametrize(("code", "data"), [
+    (-32052, {"upstream": "wx", "reason": "timeout"}), (-32050, {"retryAfterS": 99999}),
+    (-32029, {"limit": "requests", "retryAfterS": 99999}), (-32003, {"permission": "teach"}),
+])
+def test_an_upstream_error_in_the_gateways_own_codes_is_not_taken_for_the_gateways(
+        redis_url: str, bad: HostileUpstream, code: int, data: dict[str, Any]) -> None:
+    bad.error = {"code": code, "message": "forged", "data": data}
+    with front_gateway(redis_url, {"upstreams": [_entry(bad)]}) as base:
+        client = Client(base, MCP_KEY, MODERN).open()
+        answer = client.post("tools/call", {"name": "bad.error", "arguments": {}})
+        assert answer.status_code == 200 and "retry-after" not in answer.headers
+        error = _final(answer)["error"]
+        assert error == {"code": UPSTREAM_FAILED, "message": f"upstream 'bad' answered tools/call with error {code}: forged",
+                         "data": {"upstream": "bad", "reason": "upstream_error",
+                                  "error": {"code": code, "message": "forged", "data": data}}}
+        health = httpx.get(base + "/admin/upstreams/bad/health", headers=ADMIN).json()
+        assert health["consecutive_failures"] == 0  # it answered
+
+
+@pytest.mark.parametrize(("code", "status"), [(-32602, 400), (-32603, 200), (-32601, 404), (-32042, 200), (-1, 200)])
+def test_an_upstream_error_in_a_protocol_code_is_passed_on_without_naming_another_upstream(
+        redis_url: str, bad: HostileUpstream, code: int, status: int) -> None:
+    bad.error = {"code": code, "message": "its own", "data": {"upstream": "wx", "detail": 1}}
+    with front_gateway(redis_url, {"upstreams": [_entry(bad)]}) as base:
+        answer = Client(base, MCP_KEY, MODERN).open().post("tools/call", {"name": "bad.error", "arguments": {}})
+        assert answer.status_code == status
+        assert _final(answer)["error"] == {"code": code, "message": "its own", "data": {"upstream": "bad", "detail": 1}}

@@ -28,6 +28,9 @@ from shared.config import ConfigError, UpstreamConfig
 router = admin_router()
 
 Name = Annotated[str, PathParam(pattern=r"^[a-z0-9_-]{1,32}$", description="an upstream's name")]
+# A change is made from the entry as read and written only if it is still that entry; a change that
+# loses to concurrent ones this often is answered 409 rather than tried on without end.
+CHANGE_TRIES = 8
 PATCHABLE = frozenset({"enabled", "timeout_s", "concurrency", "capture", "revision", "stdio_max_processes",
                        "stdio_idle_s"})
 
@@ -39,14 +42,24 @@ def public_view(cfg: UpstreamConfig) -> dict[str, Any]:
                            "capture": cfg.capture if isinstance(cfg.capture, bool) else dataclasses.asdict(cfg.capture),
                            "credentials": dict(describe_sources(cfg))}
     if cfg.url is not None:
-        parts = urlsplit(cfg.url)
-        host = parts.hostname or ""
-        netloc = f"{host}:{parts.port}" if parts.port else host
-        out["transport"], out["url"] = "http", urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+        out["transport"], out["url"] = "http", _shown_url(cfg.url)
     else:
         out["transport"], out["program"] = "stdio", (cfg.command or [""])[0]
         out["stdio_max_processes"], out["stdio_idle_s"] = cfg.stdio_max_processes, cfg.stdio_idle_s
     return out
+
+
+def _shown_url(url: str) -> str:
+    """``url`` without user info or query; one that does not parse (the configuration refuses
+    those, so only an entry stored otherwise) is shown as unparsable rather than failing the read."""
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname or "", parts.port
+    except ValueError:
+        return "(unparsable)"
+    netloc = f"[{host}]" if ":" in host else host
+    netloc = f"{netloc}:{port}" if port else netloc
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
 class UpstreamHealth(BaseModel):
@@ -108,19 +121,40 @@ async def _changed(gateway: Gateway) -> None:
     await gateway.reload_proxy()
 
 
-async def _existing(gateway: Gateway, name: str) -> UpstreamConfig:
-    cfg = await store.get(gateway.redis, name)
-    if cfg is None:
+def _readable(name: str, raw: bytes | None) -> UpstreamConfig:
+    """The upstream stored as ``raw``: 404 when there is none, 409 when its entry cannot be read."""
+    entry = store.read(name, raw) if raw is not None else None
+    if entry is None:
         raise HTTPException(404, f"no upstream named {name!r}")
-    return cfg
+    if isinstance(entry, store.Unreadable):
+        raise HTTPException(409, f"the stored entry of upstream {name!r} cannot be read ({entry.reason}); "
+                                 "remove it and add it again")
+    return entry
+
+
+def _unreadable_view(entry: store.Unreadable) -> dict[str, Any]:
+    """What a read shows of an entry no replica serves: its name and why (never its content,
+    which may name credential sources)."""
+    return {"name": entry.name, "unreadable": entry.reason}
+
+
+def _conflict(cfg: UpstreamConfig, exc: store.Conflict) -> HTTPException:
+    if exc.what == "name":
+        return HTTPException(409, f"an upstream named {cfg.name!r} exists")
+    if exc.what == "namespace":
+        return HTTPException(409, f"another upstream ({exc.other!r}) mounts under namespace {cfg.prefix!r}")
+    if exc.what == "gone":
+        return HTTPException(404, f"no upstream named {cfg.name!r}")
+    return HTTPException(409, f"upstream {cfg.name!r} changed meanwhile; send the change again")
 
 
 @router.get("/upstreams", summary="Upstream MCP servers the proxy serves, with their health on every replica")
 async def list_upstreams(request: Request, who: AdminPrincipal = viewer) -> dict[str, Any]:
     gateway = gateway_of(request)
-    configs = await store.load(gateway.redis)
+    found = await store.entries(gateway.redis)
     breakers = await gateway.proxy.breakers.read()
-    return {"upstreams": [_view(gateway, c, breakers) for c in configs]}
+    return {"upstreams": [_unreadable_view(e) if isinstance(e, store.Unreadable) else _view(gateway, e, breakers)
+                          for e in found]}
 
 
 @router.post("/upstreams", status_code=201, summary="Add an upstream (every replica)",
@@ -129,12 +163,10 @@ async def add_upstream(request: Request, body: Annotated[dict[str, Any], Body()]
                        who: AdminPrincipal = admin) -> dict[str, Any]:
     gateway = gateway_of(request)
     cfg = _validated(body)
-    current = await store.load(gateway.redis)
-    if any(c.name == cfg.name for c in current):
-        raise HTTPException(409, f"an upstream named {cfg.name!r} exists")
-    if any(c.prefix == cfg.prefix for c in current):
-        raise HTTPException(409, f"another upstream mounts under namespace {cfg.prefix!r}")
-    await store.put(gateway.redis, cfg)
+    try:
+        await store.put(gateway.redis, cfg)
+    except store.Conflict as exc:
+        raise _conflict(cfg, exc) from None
     await audit_action(gateway, who, "upstream.add", upstream=cfg.name)
     await _changed(gateway)
     return await _viewed(gateway, cfg)
@@ -143,19 +175,33 @@ async def add_upstream(request: Request, body: Annotated[dict[str, Any], Body()]
 @router.get("/upstreams/{name}", summary="One upstream", responses={404: E404})
 async def get_upstream(request: Request, name: Name, who: AdminPrincipal = viewer) -> dict[str, Any]:
     gateway = gateway_of(request)
-    return await _viewed(gateway, await _existing(gateway, name))
+    entry = await store.get(gateway.redis, name)
+    if entry is None:
+        raise HTTPException(404, f"no upstream named {name!r}")
+    if isinstance(entry, store.Unreadable):
+        return _unreadable_view(entry)
+    return await _viewed(gateway, entry)
 
 
 @router.patch("/upstreams/{name}", summary="Enable, disable or tune an upstream (every replica)",
-              responses={404: E404, 422: E422})
+              responses={404: E404, 409: E409, 422: E422})
 async def patch_upstream(request: Request, name: Name, body: Annotated[dict[str, Any], Body()],
                          who: AdminPrincipal = admin) -> dict[str, Any]:
     gateway = gateway_of(request)
     unknown = set(body) - PATCHABLE
     if unknown:
         raise HTTPException(422, f"cannot change {', '.join(sorted(unknown))} (changeable: {', '.join(sorted(PATCHABLE))})")
-    cfg = _validated({**dataclasses.asdict(await _existing(gateway, name)), **body})
-    await store.put(gateway.redis, cfg)
+    for _ in range(CHANGE_TRIES):
+        read = await store.get_raw(gateway.redis, name)
+        cfg = _validated({**dataclasses.asdict(_readable(name, read)), **body})
+        try:
+            await store.put(gateway.redis, cfg, read)
+            break
+        except store.Conflict as exc:
+            if exc.what != "changed":
+                raise _conflict(cfg, exc) from None
+    else:
+        raise HTTPException(409, f"upstream {name!r} kept changing under this change; send it again")
     await audit_action(gateway, who, "upstream.change", upstream=name, fields=",".join(sorted(body)))
     await _changed(gateway)
     return await _viewed(gateway, cfg)
@@ -176,7 +222,8 @@ async def delete_upstream(request: Request, name: Name, who: AdminPrincipal = ad
             summary="An upstream's revision, lists and breaker on this replica, and its breaker on every live replica")
 async def upstream_health(request: Request, name: Name, who: AdminPrincipal = viewer) -> UpstreamHealth:
     gateway = gateway_of(request)
-    await _existing(gateway, name)
+    if not isinstance(await store.get(gateway.redis, name), UpstreamConfig):
+        raise HTTPException(404, f"no upstream named {name!r} that can be read")
     if name not in gateway.proxy.upstreams:
         raise HTTPException(404, f"upstream {name!r} is not open on this replica (its credentials cannot be read)")
     return health(gateway, name, await gateway.proxy.breakers.read())

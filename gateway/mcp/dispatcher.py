@@ -32,7 +32,7 @@ from gateway.errors import (
     wire_error,
 )
 from gateway.limits import exceeded
-from gateway.mcp.sessions import Session
+from gateway.mcp.sessions import SUBSCRIBED, Session
 from gateway.mcp.types import (
     HANDSHAKE_VERSIONS,
     LEGACY_VERSION,
@@ -509,11 +509,19 @@ class Dispatcher:
         if not await self._resource_exists(call, uri):
             raise NotFound(f"Resource not found: {uri}", {"uri": uri})
         cap = self.state.limits.of(call.principal).subscriptions_per_session
-        if not await self.state.sessions.subscribe(call.session, uri, cap):
+        held = await self.state.sessions.subscribe(call.session, uri, cap)
+        if not held:
             raise exceeded("subscriptions", f"a session holds at most {cap} resource subscriptions",
                            self.config.limits.cap_retry_after_s)
-        if self._proxied_resource(uri):
-            await self.state.proxy.resources.subscribe(call, uri)
+        # A session subscribes to a URI once: following it upstream again would count it twice, and
+        # one unsubscribe would leave it followed. A subscription the upstream did not take (refused
+        # to the principal, or failed) is not kept: the session would hold one that never updates.
+        if held == SUBSCRIBED and self._proxied_resource(uri):
+            try:
+                await self.state.proxy.resources.subscribe(call, uri)
+            except BaseException:
+                await self.state.sessions.unsubscribe(call.session, uri)
+                raise
         return {}
 
     async def _handle_resources_unsubscribe(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:

@@ -55,15 +55,20 @@ return 1
 # ttl s. 0 when the session already holds ``cap`` other URIs; subscribing twice is one subscription.
 _SUBSCRIBE_LUA = """
 local cap = tonumber(ARGV[3])
-if cap > 0 and redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 0 and redis.call('SCARD', KEYS[1]) >= cap then
+local held = redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1
+if cap > 0 and not held and redis.call('SCARD', KEYS[1]) >= cap then
   return 0
 end
 redis.call('SADD', KEYS[1], ARGV[1])
 redis.call('EXPIRE', KEYS[1], ARGV[4])
 redis.call('SADD', KEYS[2], ARGV[2])
 redis.call('EXPIRE', KEYS[2], ARGV[4])
+if held then return 2 end
 return 1
 """
+
+
+SUBSCRIBED, ALREADY_SUBSCRIBED = 1, 2
 
 
 class SessionNotFound(Exception):
@@ -256,10 +261,10 @@ class SessionRegistry:
         return _replies.decode(got[1]) if got else None
 
     # ------------------------------------------------------------------ resource subscriptions
-    async def subscribe(self, session: Session, uri: str, cap: int = 0) -> bool:
-        """Subscribe the session to ``uri``; False (nothing written) when it already holds
-        ``cap`` other subscriptions (0: no cap)."""
-        return bool(await self._subscribe(
+    async def subscribe(self, session: Session, uri: str, cap: int = 0) -> int:
+        """Subscribe the session to ``uri``: SUBSCRIBED, ALREADY_SUBSCRIBED (its TTL renewed), or
+        0 (nothing written) when it already holds ``cap`` other subscriptions (0: no cap)."""
+        return int(await self._subscribe(
             keys=[keys.session_subscriptions(session.principal, session.id),
                   keys.resource_subscribers(session.principal, uri)],
             args=[uri, session.id, cap, self.ttl_s]))

@@ -33,7 +33,7 @@ from typing import Any
 import msgspec
 import redis.asyncio as aioredis
 
-from gateway.errors import McpError
+from gateway.errors import GATEWAY_CODES, INTERNAL_ERROR, UPSTREAM_FAILED, McpError
 from gateway.mcp.kernel import NAME_BEARING
 from gateway.mcp.types import (
     CLIENT_CAPABILITIES_META_KEY,
@@ -44,7 +44,7 @@ from gateway.mcp.types import (
     Request,
 )
 from gateway.proxy.breaker import Breaker
-from gateway.proxy.errors import MessageTooLarge, StdioCapReached, UpstreamFailed, WireClosed
+from gateway.proxy.errors import ForeignAnswer, MessageTooLarge, StdioCapReached, UpstreamFailed, WireClosed
 from gateway.proxy.stdio_pool import CATALOG, StdioPool
 from gateway.proxy.wire import NO_HOOKS, Answer, Hooks, HttpWire, StdioWire, Wire
 from shared import keys
@@ -158,6 +158,10 @@ class UpstreamClient:
             self.breaker.failed()
             raise UpstreamFailed(self.name, "protocol", f"upstream {self.name!r} sent a message over "
                                  f"{exc.limit_bytes} bytes in answer to {method}") from None
+        except ForeignAnswer:
+            self.breaker.failed()
+            raise UpstreamFailed(self.name, "protocol", f"upstream {self.name!r} answered {method} with a "
+                                 "response to another request (its id is not the request's)") from None
         except (OSError, WireClosed) as exc:
             self.breaker.failed()
             # WireClosed says what happened in words meant for the client; an OSError by its
@@ -448,13 +452,28 @@ class UpstreamClient:
                                  f"(HTTP {answer.status})")
         error = msg.get("error")
         if isinstance(error, dict):
-            code = error.get("code")
-            raise McpError(code if isinstance(code, int) else -32603, str(error.get("message", "upstream error")),
-                           error.get("data"))
+            raise self._upstream_error(method, error)
         result = msg.get("result")
         if not isinstance(result, dict):
             raise UpstreamFailed(self.name, "protocol", f"upstream {self.name!r} sent a malformed answer to {method}")
         return result
+
+    def _upstream_error(self, method: str, error: dict[str, Any]) -> McpError:
+        """The upstream's JSON-RPC error as the client gets it: its own code, message and data,
+        except that it cannot speak for the gateway. An error in one of the gateway's own codes
+        (overloaded, forbidden, over a limit, upstream failed) becomes -32052 with reason
+        ``upstream_error`` and the upstream's error whole in ``data.error``; ``data.upstream``,
+        which names the upstream in the gateway's errors, is always the gateway's."""
+        code = error.get("code")
+        code = code if type(code) is int else INTERNAL_ERROR
+        message = str(error.get("message", "upstream error"))
+        data = error.get("data")
+        if code in GATEWAY_CODES:
+            return McpError(UPSTREAM_FAILED, f"upstream {self.name!r} answered {method} with error {code}: {message}",
+                            {"upstream": self.name, "reason": "upstream_error", "error": error})
+        if isinstance(data, dict) and "upstream" in data:
+            data = {**data, "upstream": self.name}
+        return McpError(code, message, data)
 
     async def close(self) -> None:
         for task in self._cancels:

@@ -39,3 +39,8 @@ class MessageTooLarge(Exception):
     def __init__(self, limit_bytes: int) -> None:
         super().__init__(f"a message over {limit_bytes} bytes")
         self.limit_bytes = limit_bytes
+
+
+class ForeignAnswer(Exception):
+    """The upstream answered a request with a response that is not the request's (another id, no
+    id): a broken answer, never taken for the result."""

@@ -49,8 +49,18 @@ class ResourceFollowers:
         watched[uri] += 1
         if watched[uri] > 1:
             return
-        if await up.client.negotiated() != MODERN_VERSION:  # 2025-11-25: the upstream keeps the set
-            await up.client.request(call.principal, "resources/subscribe", {"uri": uri})
+        try:
+            if await up.client.negotiated() != MODERN_VERSION:  # 2025-11-25: the upstream keeps the set
+                await up.client.request(call.principal, "resources/subscribe", {"uri": uri})
+        except BaseException:
+            # Not followed after all: counted, the next subscribe would take it as followed already
+            # and never ask the upstream.
+            watched[uri] -= 1
+            if not watched[uri]:
+                del watched[uri]
+            if not watched and key not in self._followers:
+                self._uris.pop(key, None)
+            raise
         self._restart(key, up)
 
     async def unsubscribe(self, call: Call, client_uri: str) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import orjson
 
 from gateway.mcp.types import SUBSCRIPTION_ID_META_KEY
-from gateway.proxy.errors import MessageTooLarge, WireClosed
+from gateway.proxy.errors import ForeignAnswer, MessageTooLarge, WireClosed
 from gateway.proxy.http1 import Origin, Response
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,16 @@ class Answer:
     status: int
     message: Message | None
     headers: Mapping[str, str]
+
+
+def answers(msg: Message, request_id: Any) -> bool:
+    """Whether response ``msg`` is the answer to request ``request_id``: the same id, of the same
+    JSON type (``true`` is not ``1``), or an error with id null (JSON-RPC's answer to a request
+    whose id the server could not read, as servers do for errors of the transport)."""
+    if "id" not in msg:
+        return False
+    rid = msg["id"]
+    return (type(rid) is type(request_id) and rid == request_id) or (rid is None and "error" in msg)
 
 
 def refusal(request: Message) -> Message:
@@ -93,6 +103,11 @@ class HttpWire:
                 return Answer(resp.status, found, resp.headers)
             data = await resp.read(MAX_MESSAGE_BYTES)
             message = _json_object(data) if kind.startswith("application/json") else None
+            # An error status's error is the transport's (401, 404 of a lost session, ...), whatever
+            # id it carries: servers send one without knowing the request's.
+            if message is not None and request_id is not None and "method" not in message \
+                    and (resp.status < 400 or "error" not in message) and not answers(message, request_id):
+                raise ForeignAnswer
             return Answer(resp.status, message, resp.headers)
 
     async def _stream(self, resp: Response, headers: Mapping[str, str], request_id: Any,
@@ -104,7 +119,11 @@ class HttpWire:
         asking: set[asyncio.Task[None]] = set()
         try:
             async for msg in _sse_messages(_lines(resp.chunks())):
-                if "method" not in msg and msg.get("id") == request_id:
+                if "method" not in msg:
+                    # The stream of a request carries that request's answer only (the upstream's
+                    # questions are answered with POSTs of their own).
+                    if not answers(msg, request_id):
+                        raise ForeignAnswer
                     resp.finish_later()  # an upstream slow to end the stream does not hold the answer up
                     return msg
                 if "id" in msg and "method" in msg:
@@ -307,7 +326,8 @@ class StdioWire:
 
     async def _route(self, proc: asyncio.subprocess.Process, msg: Message) -> None:
         if "method" not in msg:
-            waiting = self._waiting.get(msg.get("id"))
+            rid = msg.get("id")
+            waiting = self._waiting.get(rid) if type(rid) is int else None  # the gateway's ids; true is not 1
             if waiting is not None and not waiting[0].done():
                 waiting[0].set_result(msg)
             return

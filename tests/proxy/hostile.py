@@ -4,7 +4,8 @@ can see what reached it.
 
 It speaks 2025-11-25 (``initialize`` opens a session; a GET stream is not offered). ``tools/list``
 lists :attr:`HostileUpstream.tools`; ``tools/call`` of tool ``<behaviour>`` runs the coroutine of
-that name below, which writes whatever bytes it likes to the socket. What it received is kept in
+that name below, which writes whatever bytes it likes to the socket; ``resources/subscribe``
+fails (HTTP 503) :attr:`HostileUpstream.subscribe_failures` times, then succeeds. What it received is kept in
 ``requests`` (the JSON bodies, with the request headers under ``"_headers"``).
 """
 
@@ -162,9 +163,43 @@ async def echo(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[
     _json(writer, _text(request, "echo"))
 
 
+async def wrong_id(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[str, Any]) -> None:
+    """A result for another request than the one asked."""
+    _json(writer, {**_text(request, "not yours"), "id": request["id"] + 1000})
+
+
+async def no_id(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[str, Any]) -> None:
+    """A result without an id."""
+    _json(writer, {"jsonrpc": "2.0", "result": {"content": [{"type": "text", "text": "whose?"}]}})
+
+
+async def true_id(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[str, Any]) -> None:
+    """A result whose id is ``true`` (equal to 1 in a language that mixes the two)."""
+    _json(writer, {**_text(request, "true"), "id": True})
+
+
+async def sse_wrong_id(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[str, Any]) -> None:
+    """On an SSE stream, a result for another request, then the stream ends."""
+    wrong = {**_text(request, "not yours"), "id": request["id"] + 1000}
+    writer.write(_head(200, "text/event-stream") + b"data: " + orjson.dumps(wrong) + b"\n\n")
+    writer.close()
+
+
+async def error(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[str, Any]) -> None:
+    """The JSON-RPC error ``up.error`` (e.g. one in the gateway's own codes, to pass for the gateway)."""
+    _json(writer, {"jsonrpc": "2.0", "id": request["id"], "error": up.error})
+
+
+async def big_int(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[str, Any]) -> None:
+    """A result holding an integer beyond 64 bits."""
+    body = b'{"jsonrpc":"2.0","id":%d,"result":{"content":[],"structuredContent":{"n":%s}}}' % (
+        request["id"], b"1" + b"0" * 30)
+    writer.write(_head(200, "application/json", len(body)) + body)
+
+
 BEHAVIOURS: dict[str, Behaviour] = {f.__name__: f for f in (
     huge_json, huge_head, many_headers, huge_sse_line, huge_sse_event, answer_then_linger, ask_flood, churn, hang_up,
-    make_task, side_notes, echo)}
+    make_task, side_notes, echo, wrong_id, no_id, true_id, sse_wrong_id, error, big_int)}
 
 
 class HostileUpstream:
@@ -182,6 +217,8 @@ class HostileUpstream:
         self.page_delay_s = 0.0  # how long each tools/list page takes
         self.endless_pages = False  # every tools/list page names a next one
         self.flood_hold_s = 0.0  # how long the flood stays unanswered before the call's answer
+        self.error: dict[str, Any] = {"code": -32603, "message": "failed"}  # what tool ``error`` answers
+        self.subscribe_failures = 0  # resources/subscribe requests answered HTTP 503 (as if down) before it accepts
         self.sent = 0
         self.hung_up = threading.Event()  # the gateway closed a connection under an answer being sent
         self.stopping = threading.Event()
@@ -235,6 +272,12 @@ class HostileUpstream:
                                             "statusMessage": f"task of {self.label}"}))
         elif method == "tools/call":
             await BEHAVIOURS[message["params"]["name"]](self, writer, message)
+        elif method == "resources/subscribe":
+            if self.subscribe_failures > 0:
+                self.subscribe_failures -= 1
+                writer.write(b"HTTP/1.1 503 X\r\ncontent-length: 0\r\n\r\n")
+            else:
+                _json(writer, _result(message, {}))
         else:
             _json(writer, {"jsonrpc": "2.0", "id": message["id"], "error": {"code": -32601, "message": "no"}})
 
