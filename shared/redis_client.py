@@ -18,6 +18,7 @@ with the same credentials and TLS; :func:`for_each_primary` runs something on ev
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -323,7 +324,10 @@ class Reach:
             out = [await fn(self.client)]
             self.answered += 1
             return out
-        await self.client.initialize()
+        with contextlib.suppress(*_MASTER_DOWN):
+            # The map could not be read again now (a node asked timed out): the masters of the map
+            # held are asked below all the same, and one that is down is reported as missed.
+            await self.client.initialize()
 
         async def one(node: Any) -> tuple[bool, Any]:
             node_redis = node_client(self.client, node)  # type: ignore[arg-type]
