@@ -120,6 +120,15 @@ class Tool:
         return out
 
 
+def _described(out: dict[str, Any], mime_type: str | None, description: str | None) -> dict[str, Any]:
+    """A resource's or template's listing entry: the optional fields only where they are set."""
+    if mime_type:
+        out["mimeType"] = mime_type
+    if description:
+        out["description"] = description
+    return out
+
+
 @dataclass
 class Resource:
     uri: str
@@ -129,12 +138,7 @@ class Resource:
     description: str | None = None
 
     def describe(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"uri": self.uri, "name": self.name}
-        if self.mime_type:
-            out["mimeType"] = self.mime_type
-        if self.description:
-            out["description"] = self.description
-        return out
+        return _described({"uri": self.uri, "name": self.name}, self.mime_type, self.description)
 
 
 @dataclass
@@ -160,12 +164,7 @@ class ResourceTemplate:
         return m.groupdict() if m else None
 
     def describe(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"uriTemplate": self.uri_template, "name": self.name}
-        if self.mime_type:
-            out["mimeType"] = self.mime_type
-        if self.description:
-            out["description"] = self.description
-        return out
+        return _described({"uriTemplate": self.uri_template, "name": self.name}, self.mime_type, self.description)
 
 
 @dataclass

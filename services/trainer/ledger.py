@@ -153,7 +153,10 @@ class Ledger:
         check_replicas(cfg, int(acked))
 
     def record_offset(self, off: Offset) -> None:
-        """The commit record alone (a position moved without a step: a new sample log)."""
+        """The commit record alone (a position moved without a step: a new sample log). Not
+        confirmed with WAIT: a failover that loses it leaves the record naming the old log, which
+        the trainer tells from the new one again at its next read and records the same position;
+        the next step's commit, which is confirmed, carries it too."""
         self.redis.hset(keys.TRAINER_OFFSET, mapping=off.fields())
 
     def record_version_seq(self, version: int, seqs: dict[int, int], off: Offset) -> None:
