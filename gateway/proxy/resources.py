@@ -6,7 +6,8 @@ Per (principal, upstream) this replica keeps the upstream URIs its clients watch
 listen streams may name one URI) and one follower holding the upstream's stream for them: on
 2026-07-28 a ``subscriptions/listen`` with those ``resourceSubscriptions`` (restarted when the set
 changes); on 2025-11-25 ``resources/subscribe`` on the principal's upstream session and that
-session's GET stream. A stdio upstream's stream is the principal's own process
+session's GET stream (every URI subscribed again on a new session: an upstream that restarted
+forgets the old one with its subscriptions). A stdio upstream's stream is the principal's own process
 (gateway/proxy/stdio_pool.py), held while the follower runs. An update becomes
 ``Gateway.notify_resource_updated`` for the client's form of the URI, which reaches the
 principal's subscribed sessions and listen streams on every replica.
