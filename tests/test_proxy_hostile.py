@@ -225,6 +225,36 @@ def test_a_stdio_upstream_writing_an_endless_line_or_garbage(redis_url: str, cap
     assert secret not in caplog.text
 
 
+BIG_INT_ERROR = "sent an integer outside the 64-bit range in answer to tools/call; it is not passed on altered"
+
+
+@pytest.mark.parametrize("tool", ["big_int", "big_int_sse"])
+def test_an_integer_beyond_64_bits_is_refused_not_passed_on_altered(redis_url: str, bad: HostileUpstream,
+                                                                     tool: str) -> None:
+    """Read as JSON numbers usually are, such an integer would reach the client as another number."""
+    with front_gateway(redis_url, {"upstreams": [_entry(bad)]}) as base:
+        client = Client(base, MCP_KEY, LEGACY).open()
+        error = client.call("tools/call", {"name": f"bad.{tool}", "arguments": {}})["error"]
+        assert error == {"code": UPSTREAM_FAILED, "message": f"upstream 'bad' {BIG_INT_ERROR}",
+                         "data": {"upstream": "bad", "reason": "protocol"}}
+        edge = client.result("tools/call", {"name": "bad.edge_ints", "arguments": {}})
+        assert edge["structuredContent"] == {"n": [-(1 << 63), (1 << 64) - 1]}  # 64 bits pass exactly
+        _still_serving(client, "bad.echo")
+
+
+def test_a_stdio_upstream_sending_an_integer_beyond_64_bits(redis_url: str) -> None:
+    """Its answer fails the call; its notification is dropped; the process serves on."""
+    proxy = {"upstreams": [{"name": "hs", "command": [sys.executable, HOSTILE_STDIO], "revision": LEGACY,
+                            "timeout_s": 20.0}]}
+    with front_gateway(redis_url, proxy) as base:
+        client = Client(base, MCP_KEY, LEGACY).open()
+        seen = client.messages("tools/call", {"name": "hs.big_int", "arguments": {}})
+        assert seen[-1]["error"] == {"code": UPSTREAM_FAILED, "message": f"upstream 'hs' {BIG_INT_ERROR}",
+                                     "data": {"upstream": "hs", "reason": "protocol"}}
+        assert not [m for m in seen if m.get("method") == "notifications/message"]
+        _still_serving(client, "hs.echo")
+
+
 RESOURCE = "upstream://bad/test%3A%2F%2Fr"
 
 

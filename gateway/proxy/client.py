@@ -44,7 +44,14 @@ from gateway.mcp.types import (
     Request,
 )
 from gateway.proxy.breaker import Breaker
-from gateway.proxy.errors import ForeignAnswer, MessageTooLarge, StdioCapReached, UpstreamFailed, WireClosed
+from gateway.proxy.errors import (
+    ForeignAnswer,
+    MessageTooLarge,
+    OutOfRangeInteger,
+    StdioCapReached,
+    UpstreamFailed,
+    WireClosed,
+)
 from gateway.proxy.stdio_pool import CATALOG, StdioPool
 from gateway.proxy.wire import NO_HOOKS, Answer, Hooks, HttpWire, StdioWire, Wire
 from shared import keys
@@ -160,6 +167,10 @@ class UpstreamClient:
             self.breaker.failed()
             raise UpstreamFailed(self.name, "protocol", f"upstream {self.name!r} sent a message over "
                                  f"{exc.limit_bytes} bytes in answer to {method}") from None
+        except OutOfRangeInteger:
+            self.breaker.failed()
+            raise UpstreamFailed(self.name, "protocol", f"upstream {self.name!r} sent an integer outside the "
+                                 f"64-bit range in answer to {method}; it is not passed on altered") from None
         except ForeignAnswer:
             self.breaker.failed()
             raise UpstreamFailed(self.name, "protocol", f"upstream {self.name!r} answered {method} with a "

@@ -197,9 +197,22 @@ async def big_int(up: HostileUpstream, writer: asyncio.StreamWriter, request: di
     writer.write(_head(200, "application/json", len(body)) + body)
 
 
+async def big_int_sse(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[str, Any]) -> None:
+    """On an SSE stream, a result holding an integer below -2**63."""
+    body = b'{"jsonrpc":"2.0","id":%d,"result":{"content":[],"structuredContent":{"n":[-%s]}}}' % (
+        request["id"], b"9" * 25)
+    writer.write(_head(200, "text/event-stream") + b"data: " + body + b"\n\n")
+    writer.close()
+
+
+async def edge_ints(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[str, Any]) -> None:
+    """A result holding the integers at either end of what 64 bits hold (signed and unsigned)."""
+    _json(writer, _result(request, {"content": [], "structuredContent": {"n": [-(1 << 63), (1 << 64) - 1]}}))
+
+
 BEHAVIOURS: dict[str, Behaviour] = {f.__name__: f for f in (
     huge_json, huge_head, many_headers, huge_sse_line, huge_sse_event, answer_then_linger, ask_flood, churn, hang_up,
-    make_task, side_notes, echo, wrong_id, no_id, true_id, sse_wrong_id, error, big_int)}
+    make_task, side_notes, echo, wrong_id, no_id, true_id, sse_wrong_id, error, big_int, big_int_sse, edge_ints)}
 
 
 class HostileUpstream:
