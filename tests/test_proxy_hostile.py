@@ -9,6 +9,7 @@ import contextlib
 import logging
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -277,6 +278,26 @@ def test_a_subscription_the_upstream_failed_is_not_held_and_a_retry_reaches_the_
         assert bad.methods().count("resources/subscribe") == 2
         assert _session_holds(redis_url, client) == ({RESOURCE.encode()},
                                                      {(client.sid or "").encode()})
+
+
+def test_a_subscription_racing_a_failing_one_is_not_taken_for_held(redis_url: str, bad: HostileUpstream) -> None:
+    """A second session of the principal subscribes while the first's subscription is on its way
+    to the upstream, which then fails it: the second's must reach the upstream itself."""
+    bad.subscribe_failures = 1
+    bad.subscribe_gate.clear()
+    with front_gateway(redis_url, {"upstreams": [_entry(bad)]}) as base, ThreadPoolExecutor(2) as pool:
+        first, second = Client(base, MCP_KEY, LEGACY).open(), Client(base, MCP_KEY, LEGACY).open()
+        failing = pool.submit(first.call, "resources/subscribe", {"uri": RESOURCE})
+        wait_for_sync(lambda: "resources/subscribe" in bad.methods(), timeout_s=10,
+                      what="the first subscription at the upstream")
+        racing = pool.submit(second.call, "resources/subscribe", {"uri": RESOURCE})
+        wait_for_sync(lambda: _session_holds(redis_url, second)[0], timeout_s=10,
+                      what="the second subscription on its way to the proxy")
+        bad.subscribe_gate.set()
+        assert failing.result(20)["error"]["data"] == {"upstream": "bad", "reason": "unreachable"}
+        assert racing.result(20) == {"jsonrpc": "2.0", "id": 1, "result": {}}
+        assert bad.methods().count("resources/subscribe") == 2
+        assert _session_holds(redis_url, second) == ({RESOURCE.encode()}, {(second.sid or "").encode()})
 
 
 def test_a_subscription_refused_to_the_principal_is_not_held(redis_url: str, bad: HostileUpstream) -> None:

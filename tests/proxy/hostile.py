@@ -5,7 +5,8 @@ can see what reached it.
 It speaks 2025-11-25 (``initialize`` opens a session; a GET stream is not offered). ``tools/list``
 lists :attr:`HostileUpstream.tools`; ``tools/call`` of tool ``<behaviour>`` runs the coroutine of
 that name below, which writes whatever bytes it likes to the socket; ``resources/subscribe``
-fails (HTTP 503) :attr:`HostileUpstream.subscribe_failures` times, then succeeds. What it received is kept in
+is answered once :attr:`HostileUpstream.subscribe_gate` is set: it fails (HTTP 503)
+:attr:`HostileUpstream.subscribe_failures` times, then succeeds. What it received is kept in
 ``requests`` (the JSON bodies, with the request headers under ``"_headers"``).
 """
 
@@ -232,6 +233,8 @@ class HostileUpstream:
         self.flood_hold_s = 0.0  # how long the flood stays unanswered before the call's answer
         self.error: dict[str, Any] = {"code": -32603, "message": "failed"}  # what tool ``error`` answers
         self.subscribe_failures = 0  # resources/subscribe requests answered HTTP 503 (as if down) before it accepts
+        self.subscribe_gate = threading.Event()  # resources/subscribe is answered once this is set
+        self.subscribe_gate.set()
         self.sent = 0
         self.hung_up = threading.Event()  # the gateway closed a connection under an answer being sent
         self.stopping = threading.Event()
@@ -286,6 +289,7 @@ class HostileUpstream:
         elif method == "tools/call":
             await BEHAVIOURS[message["params"]["name"]](self, writer, message)
         elif method == "resources/subscribe":
+            await asyncio.get_running_loop().run_in_executor(None, self.subscribe_gate.wait)
             if self.subscribe_failures > 0:
                 self.subscribe_failures -= 1
                 writer.write(b"HTTP/1.1 503 X\r\ncontent-length: 0\r\n\r\n")
