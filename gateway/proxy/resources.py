@@ -48,7 +48,7 @@ class ResourceFollowers:
         """Follow ``client_uri`` for the principal; raises what the upstream made of it. While one
         subscription of a URI is on its way to the upstream, another waits for its outcome: it
         counts as followed once that one succeeded, and asks the upstream itself if it failed."""
-        up, uri = self.proxy.resource_target(call, client_uri)
+        up, uri = self.proxy.resource_target(call, client_uri, "resources/subscribe")
         key = (call.principal, up.name)
         await self._settled(key, uri)
         watched = self._uris.setdefault(key, collections.Counter())
@@ -80,7 +80,7 @@ class ResourceFollowers:
 
     async def unsubscribe(self, call: Call, client_uri: str) -> None:
         try:
-            up, uri = self.proxy.resource_target(call, client_uri)
+            up, uri = self.proxy.resource_target(call, client_uri, None)  # answered {} either way: no refusal to audit
         except Exception:  # noqa: BLE001 - an upstream gone since: nothing left to undo
             return
         key = (call.principal, up.name)
