@@ -83,6 +83,7 @@ def test_admin_api_manages_upstreams(redis_url: str, upstream: str) -> None:
     ({"name": "x", "url": "https://:8080/mcp"}, "host"),
     ({"name": "x", "url": "http://[::1/mcp"}, "url"),
     ({"name": "x", "url": "127.0.0.1:9000/mcp"}, "http"),
+    ({"name": "x", "url": "http://a/mcp", "stdio_idle_s": 5.0}, "stdio_idle_s apply to stdio upstreams only"),
 ])
 def test_admin_api_refuses_bad_upstreams(redis_url: str, body: dict[str, Any], needle: str) -> None:
     with front_gateway(redis_url, {}) as base:
@@ -197,6 +198,22 @@ def test_an_endless_or_absurd_number_is_refused_and_the_upstream_kept(redis_url:
         kept = httpx.get(admin_url + "/up", headers=ADMIN)
         assert kept.status_code == 200 and kept.json()["timeout_s"] == 10.0 and kept.json()["concurrency"] == 16
         Client(base, MCP_KEY, LEGACY).open().result("tools/call", {"name": "up.t_echo", "arguments": {"text": "k"}})
+
+
+@pytest.mark.parametrize("body", [{"stdio_max_processes": 4}, {"stdio_idle_s": 5.0, "timeout_s": 3.0}])
+def test_a_stdio_setting_is_refused_for_an_http_upstream_and_nothing_changes(redis_url: str, redis_target: RedisTarget,
+                                                                           upstream: str, body: dict[str, Any]) -> None:
+    with front_gateway(redis_url, {"upstreams": [upstream_entry(upstream)]}) as base:
+        admin_url = base + "/admin/upstreams/up"
+        with front_store(redis_target) as r:
+            stored = r.hget(keys.PROXY_UPSTREAMS, "up")
+            refused = httpx.patch(admin_url, json=body, headers=ADMIN)
+            assert refused.status_code == 422
+            assert refused.json()["detail"].startswith(", ".join(sorted(k for k in body if k.startswith("stdio_"))))
+            assert "apply to stdio upstreams only; this one speaks HTTP" in refused.json()["detail"]
+            assert r.hget(keys.PROXY_UPSTREAMS, "up") == stored
+        kept = httpx.get(admin_url, headers=ADMIN).json()
+        assert kept["timeout_s"] == 10.0 and "stdio_max_processes" not in kept and "stdio_idle_s" not in kept
 
 
 def test_a_stored_upstream_that_cannot_be_read_is_shown_as_such_and_can_be_removed(

@@ -9,6 +9,7 @@ import contextlib
 import logging
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -225,6 +226,36 @@ def test_a_stdio_upstream_writing_an_endless_line_or_garbage(redis_url: str, cap
     assert secret not in caplog.text
 
 
+BIG_INT_ERROR = "sent an integer outside the 64-bit range in answer to tools/call; it is not passed on altered"
+
+
+@pytest.mark.parametrize("tool", ["big_int", "big_int_sse"])
+def test_an_integer_beyond_64_bits_is_refused_not_passed_on_altered(redis_url: str, bad: HostileUpstream,
+                                                                     tool: str) -> None:
+    """Read as JSON numbers usually are, such an integer would reach the client as another number."""
+    with front_gateway(redis_url, {"upstreams": [_entry(bad)]}) as base:
+        client = Client(base, MCP_KEY, LEGACY).open()
+        error = client.call("tools/call", {"name": f"bad.{tool}", "arguments": {}})["error"]
+        assert error == {"code": UPSTREAM_FAILED, "message": f"upstream 'bad' {BIG_INT_ERROR}",
+                         "data": {"upstream": "bad", "reason": "protocol"}}
+        edge = client.result("tools/call", {"name": "bad.edge_ints", "arguments": {}})
+        assert edge["structuredContent"] == {"n": [-(1 << 63), (1 << 64) - 1]}  # 64 bits pass exactly
+        _still_serving(client, "bad.echo")
+
+
+def test_a_stdio_upstream_sending_an_integer_beyond_64_bits(redis_url: str) -> None:
+    """Its answer fails the call; its notification is dropped; the process serves on."""
+    proxy = {"upstreams": [{"name": "hs", "command": [sys.executable, HOSTILE_STDIO], "revision": LEGACY,
+                            "timeout_s": 20.0}]}
+    with front_gateway(redis_url, proxy) as base:
+        client = Client(base, MCP_KEY, LEGACY).open()
+        seen = client.messages("tools/call", {"name": "hs.big_int", "arguments": {}})
+        assert seen[-1]["error"] == {"code": UPSTREAM_FAILED, "message": f"upstream 'hs' {BIG_INT_ERROR}",
+                                     "data": {"upstream": "hs", "reason": "protocol"}}
+        assert not [m for m in seen if m.get("method") == "notifications/message"]
+        _still_serving(client, "hs.echo")
+
+
 RESOURCE = "upstream://bad/test%3A%2F%2Fr"
 
 
@@ -247,6 +278,26 @@ def test_a_subscription_the_upstream_failed_is_not_held_and_a_retry_reaches_the_
         assert bad.methods().count("resources/subscribe") == 2
         assert _session_holds(redis_url, client) == ({RESOURCE.encode()},
                                                      {(client.sid or "").encode()})
+
+
+def test_a_subscription_racing_a_failing_one_is_not_taken_for_held(redis_url: str, bad: HostileUpstream) -> None:
+    """A second session of the principal subscribes while the first's subscription is on its way
+    to the upstream, which then fails it: the second's must reach the upstream itself."""
+    bad.subscribe_failures = 1
+    bad.subscribe_gate.clear()
+    with front_gateway(redis_url, {"upstreams": [_entry(bad)]}) as base, ThreadPoolExecutor(2) as pool:
+        first, second = Client(base, MCP_KEY, LEGACY).open(), Client(base, MCP_KEY, LEGACY).open()
+        failing = pool.submit(first.call, "resources/subscribe", {"uri": RESOURCE})
+        wait_for_sync(lambda: "resources/subscribe" in bad.methods(), timeout_s=10,
+                      what="the first subscription at the upstream")
+        racing = pool.submit(second.call, "resources/subscribe", {"uri": RESOURCE})
+        wait_for_sync(lambda: _session_holds(redis_url, second)[0], timeout_s=10,
+                      what="the second subscription on its way to the proxy")
+        bad.subscribe_gate.set()
+        assert failing.result(20)["error"]["data"] == {"upstream": "bad", "reason": "unreachable"}
+        assert racing.result(20) == {"jsonrpc": "2.0", "id": 1, "result": {}}
+        assert bad.methods().count("resources/subscribe") == 2
+        assert _session_holds(redis_url, second) == ({RESOURCE.encode()}, {(second.sid or "").encode()})
 
 
 def test_a_subscription_refused_to_the_principal_is_not_held(redis_url: str, bad: HostileUpstream) -> None:

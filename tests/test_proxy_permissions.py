@@ -1,4 +1,4 @@
-"""Who may use what through the proxy, what the audit stream records, and that an upstream's
+"""Who may use what through the proxy, what the audit stream records (refusals included), and that an upstream's
 credential appears in no response, log line, admin read, metric, audit record or Redis value."""
 
 from __future__ import annotations
@@ -80,6 +80,28 @@ def test_every_proxied_call_is_audited(redis_url: str, redis_target: RedisTarget
         assert calls["t_echo"]["outcome"] == "ok" and float(calls["t_echo"]["latency_ms"]) > 0
         assert calls["t_fail"]["outcome"] == "tool_error"
         assert not any("audited" in v for rec in calls.values() for v in rec.values())  # no arguments
+
+
+def test_a_refused_proxied_call_is_audited_without_its_arguments(redis_url: str, redis_target: RedisTarget,
+                                                                  upstream: str) -> None:
+    proxy = {"upstreams": [upstream_entry(upstream)], "allow": {"roles": {"analyst": ["up.t_echo"]}}}
+    limits = {"roles": {"analyst": {}}, "principal_roles": {"bob": "analyst"}}
+    with front_gateway(redis_url, proxy, limits=limits) as base:
+        bob = Client(base, BOB_KEY, LEGACY).open()
+        refused = bob.call("tools/call", {"name": "up.t_fail", "arguments": {"token": "arg-secret-8e1d"}})
+        assert refused["error"]["code"] == FORBIDDEN
+        assert bob.call("resources/read", {"uri": "upstream://up/test%3A%2F%2Fr"})["error"]["code"] == FORBIDDEN
+        assert bob.call("resources/subscribe", {"uri": "upstream://up/test%3A%2F%2Fr"})["error"]["code"] == FORBIDDEN
+        with front_store(redis_target, decode_responses=True) as r:
+            def records() -> list[dict[str, str]]:
+                return [f for stream in keys.audit_streams() for _, f in r.xrange(stream)
+                        if f.get("action") == "proxy.call" and f.get("principal") == "bob"]
+            wait_for_sync(lambda: len(records()) >= 3, timeout_s=10, what="three audit records")
+            found = records()
+    assert {(rec["method"], rec["item"], rec["outcome"], rec["upstream"]) for rec in found} == {
+        ("tools/call", "t_fail", "forbidden", "up"), ("resources/read", "test://r", "forbidden", "up"),
+        ("resources/subscribe", "test://r", "forbidden", "up")}
+    assert not any("arg-secret-8e1d" in v or UPSTREAM_SECRET in v for rec in found for v in rec.values())
 
 
 def test_credentials_appear_nowhere(redis_url: str, redis_target: RedisTarget, upstream: str,

@@ -4,14 +4,29 @@ URI in the client's form, whatever revision the upstream speaks."""
 
 from __future__ import annotations
 
+import subprocess
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
+import redis as redis_sync
 
 from tests.admin_support import MCP_KEY
-from tests.conftest import RedisTarget, wait_for_sync
-from tests.proxy_front import LEGACY, MODERN, Client, front_gateway, read_stream, upstream_entry
+from tests.conftest import RedisTarget, free_port, wait_for_sync
+from tests.gateway_support import start_gateway, stop
+from tests.proxy_front import (
+    LEGACY,
+    MODERN,
+    UPSTREAM_SECRET,
+    Client,
+    front_gateway,
+    private_redis,
+    read_stream,
+    upstream_entry,
+)
 
 pytest_plugins = ("tests.proxy_front_fixtures",)
 
@@ -64,3 +79,50 @@ def test_listen_stream_gets_upstream_updates(redis_url: str, upstream: str, upst
         wait_for_sync(lambda: seen, timeout_s=10, what="the listen stream's acknowledgement")
         note = _until_updated(client, seen)
         assert note["params"]["uri"] == URI
+
+
+@dataclass
+class Restartable:
+    """A learnmesh upstream whose process can be restarted on its port, forgetting its sessions."""
+
+    url: str
+    port: int
+    db: str
+    proc: subprocess.Popen
+
+    def restart(self) -> None:
+        """A restart that loses the upstream's state (its sessions and their subscriptions)."""
+        self.proc.kill()
+        self.proc.wait(10)
+        with redis_sync.Redis.from_url(self.db) as r:
+            r.flushall()
+        self.proc = start_gateway(self.port, self.db, api_keys=f"proxy:{UPSTREAM_SECRET}")
+
+
+@contextmanager
+def restartable_upstream() -> Iterator[Restartable]:
+    with private_redis() as db:
+        port = free_port()
+        up = Restartable(f"http://127.0.0.1:{port}/mcp", port, db,
+                         start_gateway(port, db, api_keys=f"proxy:{UPSTREAM_SECRET}"))
+        try:
+            yield up
+        finally:
+            stop(up.proc)
+
+
+def test_subscriptions_are_renewed_on_a_legacy_upstreams_new_session(redis_url: str) -> None:
+    """A 2025-11-25 upstream keeps subscriptions per session: one that restarts and forgets its
+    sessions is subscribed again on the new session, and updates keep coming."""
+    with restartable_upstream() as upstream, \
+            front_gateway(redis_url, {"upstreams": [upstream_entry(upstream.url, revision=LEGACY)]}) as base:
+        client = Client(base, MCP_KEY, LEGACY).open()
+        assert client.result("resources/subscribe", {"uri": URI}) == {}
+        seen: list[dict[str, Any]] = []
+        headers = {**client.auth, "mcp-session-id": client.sid or "", "mcp-protocol-version": LEGACY}
+        threading.Thread(target=read_stream, args=("GET", client.url, headers, None, seen, "none"),
+                         daemon=True).start()
+        _until_updated(client, seen)
+        upstream.restart()
+        seen.clear()
+        assert _until_updated(client, seen)["params"]["uri"] == URI

@@ -33,6 +33,7 @@ Name = Annotated[str, PathParam(pattern=r"^[a-z0-9_-]{1,32}$", description="an u
 CHANGE_TRIES = 8
 PATCHABLE = frozenset({"enabled", "timeout_s", "concurrency", "capture", "revision", "stdio_max_processes",
                        "stdio_idle_s"})
+STDIO_ONLY = frozenset({"stdio_max_processes", "stdio_idle_s"})  # nothing an HTTP upstream has
 
 
 def public_view(cfg: UpstreamConfig) -> dict[str, Any]:
@@ -106,6 +107,14 @@ async def _viewed(gateway: Gateway, cfg: UpstreamConfig) -> dict[str, Any]:
     return _view(gateway, cfg, await gateway.proxy.breakers.read())
 
 
+def _check_transport(body: dict[str, Any], http: bool) -> None:
+    """Settings of the other transport would be stored and never used: refused (422), so that an
+    operator tuning them learns they do nothing here."""
+    misplaced = sorted(STDIO_ONLY & set(body)) if http else []
+    if misplaced:
+        raise HTTPException(422, f"{', '.join(misplaced)} apply to stdio upstreams only; this one speaks HTTP (url)")
+
+
 def _validated(body: dict[str, Any]) -> UpstreamConfig:
     try:
         cfg = UpstreamConfig(**body)
@@ -163,6 +172,7 @@ async def add_upstream(request: Request, body: Annotated[dict[str, Any], Body()]
                        who: AdminPrincipal = admin) -> dict[str, Any]:
     gateway = gateway_of(request)
     cfg = _validated(body)
+    _check_transport(body, cfg.url is not None)
     try:
         await store.put(gateway.redis, cfg)
     except store.Conflict as exc:
@@ -193,7 +203,9 @@ async def patch_upstream(request: Request, name: Name, body: Annotated[dict[str,
         raise HTTPException(422, f"cannot change {', '.join(sorted(unknown))} (changeable: {', '.join(sorted(PATCHABLE))})")
     for _ in range(CHANGE_TRIES):
         read = await store.get_raw(gateway.redis, name)
-        cfg = _validated({**dataclasses.asdict(_readable(name, read)), **body})
+        current = _readable(name, read)
+        _check_transport(body, current.url is not None)
+        cfg = _validated({**dataclasses.asdict(current), **body})
         try:
             await store.put(gateway.redis, cfg, read)
             break

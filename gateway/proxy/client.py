@@ -44,7 +44,14 @@ from gateway.mcp.types import (
     Request,
 )
 from gateway.proxy.breaker import Breaker
-from gateway.proxy.errors import ForeignAnswer, MessageTooLarge, StdioCapReached, UpstreamFailed, WireClosed
+from gateway.proxy.errors import (
+    ForeignAnswer,
+    MessageTooLarge,
+    OutOfRangeInteger,
+    StdioCapReached,
+    UpstreamFailed,
+    WireClosed,
+)
 from gateway.proxy.stdio_pool import CATALOG, StdioPool
 from gateway.proxy.wire import NO_HOOKS, Answer, Hooks, HttpWire, StdioWire, Wire
 from shared import keys
@@ -64,6 +71,7 @@ CATALOG_METHODS = frozenset({"tools/list", "resources/list", "resources/template
 # already: it is never sent twice (RFC 9110, 9.2.2).
 REPEATABLE = CATALOG_METHODS | {"server/discover", "ping", "resources/read", "resources/subscribe",
                                 "resources/unsubscribe", "prompts/get", "completion/complete", "tasks/get"}
+SUBSCRIPTION_METHODS = frozenset({"resources/subscribe", "resources/unsubscribe"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +137,7 @@ class UpstreamClient:
         self._locks: dict[str, asyncio.Lock] = {}
         self._cancels: set[asyncio.Future[Any]] = set()  # background writes: cancellations, session renewals
         self._renewed: dict[Seat, float] = {}  # when each session's Redis TTL was last renewed
+        self._subscribed: dict[Seat, tuple[str | None, set[str]]] = {}  # a session, and the URIs subscribed on it
 
     # ------------------------------------------------------------------ the one entry point
     async def request(self, principal: str, method: str, params: dict[str, Any], hooks: Hooks = NO_HOOKS,
@@ -158,6 +167,10 @@ class UpstreamClient:
             self.breaker.failed()
             raise UpstreamFailed(self.name, "protocol", f"upstream {self.name!r} sent a message over "
                                  f"{exc.limit_bytes} bytes in answer to {method}") from None
+        except OutOfRangeInteger:
+            self.breaker.failed()
+            raise UpstreamFailed(self.name, "protocol", f"upstream {self.name!r} sent an integer outside the "
+                                 f"64-bit range in answer to {method}; it is not passed on altered") from None
         except ForeignAnswer:
             self.breaker.failed()
             raise UpstreamFailed(self.name, "protocol", f"upstream {self.name!r} answered {method} with a "
@@ -275,6 +288,8 @@ class UpstreamClient:
             body = _encode(Request(jsonrpc="2.0", id=rid, method=method, params=params))
             answer = await self._exchange(wire, body, self._session_headers(sid), rid, hooks, method in REPEATABLE)
             if answer.status != 404 or sid is None or attempt == 2:
+                if method in SUBSCRIPTION_METHODS and isinstance(wire, HttpWire):
+                    self._note_subscription(seat, sid, method, params, answer)
                 return answer
             await self._forget_session(seat)  # the upstream lost it (restart, expiry): open a new one
         raise AssertionError("unreachable")
@@ -349,6 +364,7 @@ class UpstreamClient:
     async def _forget_session(self, seat: Seat) -> None:
         self._sessions.pop(seat, None)
         self._renewed.pop(seat, None)
+        self._subscribed.pop(seat, None)
         if seat.principal:
             await self.redis.delete(self._key(seat))
 
@@ -398,15 +414,48 @@ class UpstreamClient:
     async def follow_resources(self, principal: str, uris: list[str], hooks: Hooks) -> int:
         """Hold the stream that carries ``principal``'s resource updates open until it ends: a
         ``subscriptions/listen`` naming ``uris`` on 2026-07-28; on 2025-11-25 the GET stream of
-        the principal's session (subscribed with ``resources/subscribe`` beforehand)."""
+        the principal's session, on which ``uris`` are subscribed first unless they already are."""
         if self.stdio is not None:
             return await self._follow_stdio_resources(self.stdio, principal, uris, hooks)
         http = self._http()
         if await self.negotiated() == MODERN_VERSION:
             body, headers, _ = self._listen({"resourceSubscriptions": uris})
             return await http.follow(b"POST", headers, body, hooks)
-        sid = await self._session(http, Seat(principal, ALL_FORWARDED))
-        return await http.follow(b"GET", self._session_headers(sid), None, hooks)
+        seat = Seat(principal, ALL_FORWARDED)
+        sid = await self._session(http, seat)
+        # The upstream keeps subscriptions per session, and one that restarted forgot them with the
+        # session: what the session in use does not hold is subscribed again before following it.
+        async with asyncio.timeout(self.cfg.timeout_s):
+            while missing := self._not_subscribed(seat, sid, uris):
+                for uri in missing:
+                    self._result("resources/subscribe",
+                                 await self._legacy(http, seat, "resources/subscribe", {"uri": uri}, NO_HOOKS))
+                sid = await self._session(http, seat)
+        status = await http.follow(b"GET", self._session_headers(sid), None, hooks)
+        if status == 404:  # the upstream lost the session (a restart): the next round opens a new one
+            await self._forget_session(seat)
+        return status
+
+    def _not_subscribed(self, seat: Seat, sid: str | None, uris: list[str]) -> list[str]:
+        held_sid, held = self._subscribed.get(seat, (None, set()))
+        return [u for u in uris if u not in held or held_sid != sid]
+
+    def _note_subscription(self, seat: Seat, sid: str | None, method: str, params: dict[str, Any],
+                           answer: Answer) -> None:
+        """Which URIs an HTTP session holds, from the upstream's answers to ``resources/(un)subscribe``
+        on it (see :meth:`follow_resources`)."""
+        uri = params.get("uri")
+        msg = answer.message or {}
+        if answer.status != 200 or not isinstance(msg.get("result"), dict) or not isinstance(uri, str):
+            return
+        held_sid, held = self._subscribed.get(seat, (sid, set()))
+        if held_sid != sid:
+            held = set()
+        if method == "resources/subscribe":
+            held.add(uri)
+        else:
+            held.discard(uri)
+        self._subscribed[seat] = (sid, held)
 
     async def _follow_stdio_resources(self, pool: StdioPool, principal: str, uris: list[str], hooks: Hooks) -> int:
         """The principal's own process, held (so it is not stopped as idle) while it runs: on

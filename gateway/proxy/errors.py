@@ -44,3 +44,14 @@ class MessageTooLarge(Exception):
 class ForeignAnswer(Exception):
     """The upstream answered a request with a response that is not the request's (another id, no
     id): a broken answer, never taken for the result."""
+
+
+class OutOfRangeInteger(Exception):
+    """The upstream sent a message holding an integer outside the 64-bit range. JSON readers
+    (the gateway's among them) keep such a number as the nearest double, so the client would get
+    another number than the upstream sent: the message is refused, never passed on altered.
+    ``answer_to``: the id of the request it answers, when it is an answer (None otherwise)."""
+
+    def __init__(self, answer_to: object = None) -> None:
+        super().__init__("an integer outside the 64-bit range")
+        self.answer_to = answer_to

@@ -421,15 +421,22 @@ class Proxy:
         return up.cfg.prefix == "" and bool(dot and namespace) and any(
             u.cfg.prefix == namespace for u in self.upstreams.values())
 
-    def _target(self, call: Call, name: str, what: str) -> tuple[Upstream, str]:
+    def _target(self, call: Call, name: str, what: str, method: str) -> tuple[Upstream, str]:
         found = self._resolve(name)
         if found is None or not found[0].cfg.enabled:
             raise InvalidParams(f"{what} not found: {name}")
         up, original = found
         if not self.allowed(call.principal, up.name, original):
+            self._audit_refusal(call, up, method, original)
             raise Forbidden(f"principal {call.principal!r} may not use {what.lower()} {name} "
                             f"of upstream {up.name!r}", f"proxy:{up.name}.{original}")
         return up, original
+
+    def _audit_refusal(self, call: Call, up: Upstream, method: str, item: str) -> None:
+        """A call refused to the principal is audited like one forwarded (outcome ``forbidden``);
+        it reached no upstream, so it counts in none of the upstream's figures."""
+        self._audit.add(record(principal=call.principal, action="proxy.call", upstream=up.name, method=method,
+                               item=item, outcome="forbidden"))
 
     def input_schema(self, name: str) -> dict[str, Any] | None:
         """The inputSchema of the upstream tool clients call ``name`` (None: not known)."""
@@ -453,19 +460,21 @@ class Proxy:
         found = names.unwrap_uri(uri)
         return (found is not None and found[0] in self.upstreams) or self._bare() is not None
 
-    def resource_target(self, call: Call, uri: str) -> tuple[Upstream, str]:
+    def resource_target(self, call: Call, uri: str, method: str | None) -> tuple[Upstream, str]:
         """The upstream serving ``uri`` (as clients see it) and the URI it knows; the caller
-        must be allowed the upstream."""
+        must be allowed the upstream (a refusal is audited as one of ``method``, unless None)."""
         found = names.unwrap_uri(uri)
         up = self.upstreams.get(found[0]) if found is not None else self._bare()
         if up is None or not up.cfg.enabled:
             raise InvalidParams(f"Resource not found: {uri}", {"uri": uri})
         if not self.allowed(call.principal, up.name):
+            if method is not None:
+                self._audit_refusal(call, up, method, found[1] if found is not None else uri)
             raise Forbidden(f"principal {call.principal!r} may not use upstream {up.name!r}", f"proxy:{up.name}")
         return up, found[1] if found is not None else uri
 
     async def call_tool(self, call: Call, name: str, params: dict[str, Any]) -> dict[str, Any]:
-        up, tool = self._target(call, name, "Tool")
+        up, tool = self._target(call, name, "Tool", "tools/call")
         args = params.get("arguments")
         args = args if isinstance(args, dict) else {}
         spec = up.catalog.param_specs.get(name)
@@ -500,12 +509,12 @@ class Proxy:
         return result
 
     async def get_prompt(self, call: Call, name: str, params: dict[str, Any]) -> dict[str, Any]:
-        up, prompt = self._target(call, name, "Prompt")
+        up, prompt = self._target(call, name, "Prompt", "prompts/get")
         forwarded = {"name": prompt, "arguments": params.get("arguments") or {}}
         return await self._observed(call, up, "prompts/get", prompt, forwarded)
 
     async def read_resource(self, call: Call, uri: str) -> dict[str, Any]:
-        up, original = self.resource_target(call, uri)
+        up, original = self.resource_target(call, uri, "resources/read")
         try:
             result = await self._observed(call, up, "resources/read", original, {"uri": original})
         except McpError as exc:
@@ -519,9 +528,9 @@ class Proxy:
         """completion/complete for an upstream's prompt or resource template."""
         ref = dict(params["ref"])
         if ref.get("type") == "ref/prompt":
-            up, ref["name"] = self._target(call, str(ref.get("name")), "Prompt")
+            up, ref["name"] = self._target(call, str(ref.get("name")), "Prompt", "completion/complete")
         else:
-            up, ref["uri"] = self.resource_target(call, str(ref.get("uri")))
+            up, ref["uri"] = self.resource_target(call, str(ref.get("uri")), "completion/complete")
         forwarded = {k: v for k, v in params.items() if k not in ("_meta", "ref")}
         return await self._observed(call, up, "completion/complete", str(ref.get("name") or ref.get("uri")),
                                     {**forwarded, "ref": ref})

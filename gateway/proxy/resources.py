@@ -6,7 +6,8 @@ Per (principal, upstream) this replica keeps the upstream URIs its clients watch
 listen streams may name one URI) and one follower holding the upstream's stream for them: on
 2026-07-28 a ``subscriptions/listen`` with those ``resourceSubscriptions`` (restarted when the set
 changes); on 2025-11-25 ``resources/subscribe`` on the principal's upstream session and that
-session's GET stream. A stdio upstream's stream is the principal's own process
+session's GET stream (every URI subscribed again on a new session: an upstream that restarted
+forgets the old one with its subscriptions). A stdio upstream's stream is the principal's own process
 (gateway/proxy/stdio_pool.py), held while the follower runs. An update becomes
 ``Gateway.notify_resource_updated`` for the client's form of the URI, which reaches the
 principal's subscribed sessions and listen streams on every replica.
@@ -41,14 +42,20 @@ class ResourceFollowers:
         self.proxy = proxy
         self._uris: dict[Key, collections.Counter[str]] = {}
         self._followers: dict[Key, asyncio.Task[None]] = {}
+        self._pending: dict[tuple[Key, str], asyncio.Future[None]] = {}  # subscriptions on their way upstream
 
     async def subscribe(self, call: Call, client_uri: str) -> None:
-        up, uri = self.proxy.resource_target(call, client_uri)
+        """Follow ``client_uri`` for the principal; raises what the upstream made of it. While one
+        subscription of a URI is on its way to the upstream, another waits for its outcome: it
+        counts as followed once that one succeeded, and asks the upstream itself if it failed."""
+        up, uri = self.proxy.resource_target(call, client_uri, "resources/subscribe")
         key = (call.principal, up.name)
+        await self._settled(key, uri)
         watched = self._uris.setdefault(key, collections.Counter())
         watched[uri] += 1
         if watched[uri] > 1:
             return
+        self._pending[(key, uri)] = done = asyncio.get_running_loop().create_future()
         try:
             if await up.client.negotiated() != MODERN_VERSION:  # 2025-11-25: the upstream keeps the set
                 await up.client.request(call.principal, "resources/subscribe", {"uri": uri})
@@ -61,14 +68,23 @@ class ResourceFollowers:
             if not watched and key not in self._followers:
                 self._uris.pop(key, None)
             raise
+        finally:
+            del self._pending[(key, uri)]
+            done.set_result(None)
         self._restart(key, up)
+
+    async def _settled(self, key: Key, uri: str) -> None:
+        """Return once no subscription of ``uri`` is on its way to the upstream."""
+        while (pending := self._pending.get((key, uri))) is not None:
+            await asyncio.wait([pending])
 
     async def unsubscribe(self, call: Call, client_uri: str) -> None:
         try:
-            up, uri = self.proxy.resource_target(call, client_uri)
+            up, uri = self.proxy.resource_target(call, client_uri, None)  # answered {} either way: no refusal to audit
         except Exception:  # noqa: BLE001 - an upstream gone since: nothing left to undo
             return
         key = (call.principal, up.name)
+        await self._settled(key, uri)  # counted only once the upstream answered
         watched = self._uris.get(key)
         if watched is None or watched[uri] == 0:
             return

@@ -18,10 +18,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import orjson
 
 from gateway.mcp.types import SUBSCRIPTION_ID_META_KEY
-from gateway.proxy.errors import ForeignAnswer, MessageTooLarge, WireClosed
+from gateway.proxy.errors import ForeignAnswer, MessageTooLarge, OutOfRangeInteger, WireClosed
 from gateway.proxy.http1 import Origin, Response
 
 log = logging.getLogger(__name__)
@@ -208,12 +209,46 @@ async def _sse_messages(lines: AsyncIterator[str]) -> AsyncIterator[Message]:
                 raise MessageTooLarge(MAX_MESSAGE_BYTES)
 
 
+_decode = msgspec.json.Decoder().decode
+
+
 def _json_object(data: bytes) -> Message | None:
+    """The JSON object ``data`` holds (None: not JSON, or not an object); raises
+    :class:`OutOfRangeInteger` for one holding an integer outside the 64-bit range. Integers are
+    read exactly, so that such a number is found rather than read as the nearest double."""
     try:
-        value = orjson.loads(data)
-    except orjson.JSONDecodeError:
+        value = _decode(data)
+    except (msgspec.DecodeError, RecursionError):  # too deep to read: as broken as bad syntax
         return None
-    return value if isinstance(value, dict) else None
+    if not isinstance(value, dict):
+        return None
+    if not _integers_in_range(value):
+        answer_to = value.get("id") if "method" not in value else None
+        raise OutOfRangeInteger(answer_to)
+    return value
+
+
+def _integers_in_range(value: Message) -> bool:
+    """Whether every integer in ``value`` fits 64 bits (signed, or unsigned as orjson writes
+    them). Encoding with orjson, which refuses such integers, checks at C speed; a message nested
+    past its encoding depth is walked instead."""
+    try:
+        orjson.dumps(value)
+    except orjson.JSONEncodeError as exc:
+        if str(exc) == "Integer exceeds 64-bit range":
+            return False
+    else:
+        return True
+    pending: list[Any] = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, dict):
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+        elif type(item) is int and not -(1 << 63) <= item < 1 << 64:
+            return False
+    return True
 
 
 class StdioWire:
@@ -308,7 +343,11 @@ class StdioWire:
         ended: Exception = WireClosed("the stdio server exited")
         try:
             while line := await stdout.readline():
-                msg = _json_object(line)
+                try:
+                    msg = _json_object(line)
+                except OutOfRangeInteger as exc:
+                    self._refuse(exc)
+                    continue
                 if msg is not None:
                     await self._route(proc, msg)
         except ValueError:  # asyncio's answer to a line over the limit
@@ -334,6 +373,16 @@ class StdioWire:
         task = asyncio.create_task(self._serve_side(proc, msg, self._hooks_of(msg)))
         self._side.add(task)
         task.add_done_callback(self._side.discard)
+
+    def _refuse(self, exc: OutOfRangeInteger) -> None:
+        """A message that cannot be passed on as sent: the request it answers fails with it; any
+        other (a notification, a request of the server's) is dropped."""
+        rid = exc.answer_to
+        waiting = self._waiting.get(rid) if type(rid) is int else None
+        if waiting is not None and not waiting[0].done():
+            waiting[0].set_exception(exc)
+        else:
+            log.warning("stdio upstream %s: a message holding %s was dropped", self.command[0], exc)
 
     def _hooks_of(self, msg: Message) -> Hooks:
         params = msg.get("params")

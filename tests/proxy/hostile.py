@@ -5,7 +5,8 @@ can see what reached it.
 It speaks 2025-11-25 (``initialize`` opens a session; a GET stream is not offered). ``tools/list``
 lists :attr:`HostileUpstream.tools`; ``tools/call`` of tool ``<behaviour>`` runs the coroutine of
 that name below, which writes whatever bytes it likes to the socket; ``resources/subscribe``
-fails (HTTP 503) :attr:`HostileUpstream.subscribe_failures` times, then succeeds. What it received is kept in
+is answered once :attr:`HostileUpstream.subscribe_gate` is set: it fails (HTTP 503)
+:attr:`HostileUpstream.subscribe_failures` times, then succeeds. What it received is kept in
 ``requests`` (the JSON bodies, with the request headers under ``"_headers"``).
 """
 
@@ -197,9 +198,22 @@ async def big_int(up: HostileUpstream, writer: asyncio.StreamWriter, request: di
     writer.write(_head(200, "application/json", len(body)) + body)
 
 
+async def big_int_sse(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[str, Any]) -> None:
+    """On an SSE stream, a result holding an integer below -2**63."""
+    body = b'{"jsonrpc":"2.0","id":%d,"result":{"content":[],"structuredContent":{"n":[-%s]}}}' % (
+        request["id"], b"9" * 25)
+    writer.write(_head(200, "text/event-stream") + b"data: " + body + b"\n\n")
+    writer.close()
+
+
+async def edge_ints(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[str, Any]) -> None:
+    """A result holding the integers at either end of what 64 bits hold (signed and unsigned)."""
+    _json(writer, _result(request, {"content": [], "structuredContent": {"n": [-(1 << 63), (1 << 64) - 1]}}))
+
+
 BEHAVIOURS: dict[str, Behaviour] = {f.__name__: f for f in (
     huge_json, huge_head, many_headers, huge_sse_line, huge_sse_event, answer_then_linger, ask_flood, churn, hang_up,
-    make_task, side_notes, echo, wrong_id, no_id, true_id, sse_wrong_id, error, big_int)}
+    make_task, side_notes, echo, wrong_id, no_id, true_id, sse_wrong_id, error, big_int, big_int_sse, edge_ints)}
 
 
 class HostileUpstream:
@@ -219,6 +233,8 @@ class HostileUpstream:
         self.flood_hold_s = 0.0  # how long the flood stays unanswered before the call's answer
         self.error: dict[str, Any] = {"code": -32603, "message": "failed"}  # what tool ``error`` answers
         self.subscribe_failures = 0  # resources/subscribe requests answered HTTP 503 (as if down) before it accepts
+        self.subscribe_gate = threading.Event()  # resources/subscribe is answered once this is set
+        self.subscribe_gate.set()
         self.sent = 0
         self.hung_up = threading.Event()  # the gateway closed a connection under an answer being sent
         self.stopping = threading.Event()
@@ -273,6 +289,7 @@ class HostileUpstream:
         elif method == "tools/call":
             await BEHAVIOURS[message["params"]["name"]](self, writer, message)
         elif method == "resources/subscribe":
+            await asyncio.get_running_loop().run_in_executor(None, self.subscribe_gate.wait)
             if self.subscribe_failures > 0:
                 self.subscribe_failures -= 1
                 writer.write(b"HTTP/1.1 503 X\r\ncontent-length: 0\r\n\r\n")

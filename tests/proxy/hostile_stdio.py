@@ -3,7 +3,8 @@ so it can write what no SDK server would): ``python tests/proxy/hostile_stdio.py
 
 It speaks 2025-11-25. ``tools/call`` of ``endless_line`` writes one line that never ends;
 ``garbage`` writes lines that are not JSON-RPC before its answer; ``chatter`` sends
-``notifications/message`` by the hundred thousand before its answer; ``echo`` answers at once.
+``notifications/message`` by the hundred thousand before its answer; ``big_int`` sends a log message,
+then an answer, each holding an integer beyond 64 bits; ``echo`` answers at once.
 Whatever it writes to stderr is noise, and it carries the value of ``$HOSTILE_SECRET`` there.
 """
 
@@ -13,7 +14,7 @@ import json
 import os
 import sys
 
-TOOLS = ["endless_line", "garbage", "chatter", "echo"]
+TOOLS = ["endless_line", "garbage", "chatter", "big_int", "echo"]
 CHATTER = 200_000
 
 
@@ -37,6 +38,10 @@ def call(rid: object, name: str) -> None:
         note = json.dumps({"jsonrpc": "2.0", "method": "notifications/message",
                            "params": {"level": "info", "data": "x" * 200}}) + "\n"
         sys.stdout.write(note * CHATTER)
+    if name == "big_int":
+        send({"jsonrpc": "2.0", "method": "notifications/message", "params": {"level": "info", "data": 10**30}})
+        send({"jsonrpc": "2.0", "id": rid, "result": {"content": [], "structuredContent": {"n": 10**30}}})
+        return
     send(text(rid, name))
 
 
