@@ -134,6 +134,8 @@ class RedisConfig:
                                          "fewer by then: the write is reported as failed (503)")
 
     def __post_init__(self) -> None:
+        if self.url and urlsplit(self.url).scheme in ("redis+cluster", "rediss+cluster"):
+            self.cluster = True  # the mode in effect, as the configuration shows it (GET /admin/config)
         _check(not (self.password and self.password_file), "set password or password_file, not both")
         _check(not (self.url and urlsplit(self.url).password and (self.password or self.password_file)),
                "url already carries a password; drop password/password_file or the one in url")

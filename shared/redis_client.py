@@ -256,7 +256,7 @@ async def for_each_primary(client: AsyncRedis, fn: Callable[[aioredis.Redis], Aw
 
 # What a master that is down looks like to a reader: refused or silent (within the client's
 # socket timeouts), a cluster that stopped serving, a slot whose master the map lost.
-_MASTER_DOWN = (RedisConnectionError, RedisTimeoutError, ClusterDownError, RedisClusterException, OSError)
+MASTER_DOWN = (RedisConnectionError, RedisTimeoutError, ClusterDownError, RedisClusterException, OSError)
 
 
 @dataclass
@@ -293,14 +293,14 @@ class Reach:
         try:
             try:
                 got = await self._bounded(fn())
-            except _MASTER_DOWN as exc:
+            except MASTER_DOWN as exc:
                 # Once more unless it timed out: a command the cluster refuses while down makes
                 # redis-py close every connection, and a read of a master that answers, in flight
                 # on one of them then, fails without a word from that master.
                 if isinstance(exc, (RedisTimeoutError, TimeoutError)) or not isinstance(self.client, aioredis.RedisCluster):
                     raise
                 got = await self._bounded(fn())
-        except _MASTER_DOWN as exc:
+        except MASTER_DOWN as exc:
             self._lost(exc, node or _node_of_key(self.client, key))
             return default
         self.answered += 1
@@ -312,7 +312,7 @@ class Reach:
         several timeouts per read; the second leaves a read of a master that answers time for
         the retry it may need after redis-py closed its connection. ``asyncio.timeout`` raises
         TimeoutError, an OSError."""
-        limit = _socket_timeout(self.client)
+        limit = socket_timeout_s(self.client)
         if limit is None:
             return await call
         async with asyncio.timeout(2 * limit):
@@ -324,7 +324,7 @@ class Reach:
             out = [await fn(self.client)]
             self.answered += 1
             return out
-        with contextlib.suppress(*_MASTER_DOWN):
+        with contextlib.suppress(*MASTER_DOWN):
             # The map could not be read again now (a node asked timed out): the masters of the map
             # held are asked below all the same, and one that is down is reported as missed.
             await self.client.initialize()
@@ -333,7 +333,7 @@ class Reach:
             node_redis = node_client(self.client, node)  # type: ignore[arg-type]
             try:
                 return True, await fn(node_redis)
-            except _MASTER_DOWN as exc:
+            except MASTER_DOWN as exc:
                 self._lost(exc, node.name)
                 return False, None
             finally:
@@ -353,6 +353,11 @@ class Reach:
         if self._first is not None:
             raise self._first
 
+    def lost(self, exc: BaseException, key: str) -> None:
+        """A command on ``key`` outside this listing's reads found its master down: that master
+        is reported as missed with the others (raised on one server, as everywhere there)."""
+        self._lost(exc, _node_of_key(self.client, key))
+
     def _lost(self, exc: BaseException, node: str | None) -> None:
         if not isinstance(self.client, aioredis.RedisCluster):
             raise exc
@@ -367,7 +372,7 @@ async def read_within(reach: Reach | None, key: str, fn: Callable[[], Awaitable[
     return await fn() if reach is None else await reach.read(key, fn, default)
 
 
-def _socket_timeout(client: AsyncRedis) -> float | None:
+def socket_timeout_s(client: AsyncRedis) -> float | None:
     """A cluster client's socket timeout (None on one server, or where it has none)."""
     if not isinstance(client, aioredis.RedisCluster):
         return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import httpx
 import pytest
 import redis as redis_sync
 import redis.asyncio as aioredis
@@ -134,3 +135,16 @@ def test_a_cluster_url_naming_a_single_server_stops_the_process_with_one_line(re
                                               r"redis.cluster or the \+cluster URL scheme"):
             check_access(cfg)
     assert check_access(plain) is True
+
+
+def test_the_admin_config_shows_the_cluster_mode_a_cluster_url_selects(redis_cluster: RedisTarget) -> None:
+    """A `redis+cluster://` URL alone selects cluster mode: a gateway started with it shows
+    `redis.cluster: true` in its effective configuration, the mode it runs in."""
+    from tests.admin_support import VIEWER_KEY, bearer, live_gateway
+
+    assert redis_cluster.url.startswith("redis+cluster://")
+    with live_gateway(redis_cluster.url) as srv:
+        resp = httpx.get(srv.url + "/admin/config", headers=bearer(VIEWER_KEY), timeout=30)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["config"]["redis"]["cluster"] is True
+    assert resp.json()["config"]["redis"]["url"] == redis_cluster.url

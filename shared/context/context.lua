@@ -10,7 +10,9 @@
 --              "unchanged" by comparing it, without decoding the meta; see ops.window);
 --              "\0u<cid>" -> last use of cid (see R); and the principal's
 --              state: "\0bytes", "\0clock" (highest last use), "\0exp" (last TTL refresh,
---              ms), "\0due" (no context can be idle before this ms: see expire_idle) — one
+--              ms), "\0due" (no context can be idle before this ms: see expire_idle), on a
+--              cluster "\0ch" (ms of the last change of "\0bytes": the evictor sets the
+--              principal's global report right from "\0bytes" only once it is that old) — one
 --              HMGET reads the state
 --              together with the meta of the context the call is about  (tag {principal})
 --   3 R  zset  cid -> last use: ms * 1000 (+1 per tie), strictly increasing per principal,
@@ -54,6 +56,7 @@ local CH_N, CH_B, P_BUD, IDLE, NVER, AMAX, SLACK, GRES
 local CFG                          -- the configuration argument CH_N.. were parsed from
 local BYTES, CLOCK, EXP, DUE = '\0bytes', '\0clock', '\0exp', '\0due'
 local GSTAMP = '\0gs'                  -- M field: ms of the principal's last stamp in GL
+local CHANGED = '\0ch'                 -- M field (cluster): ms of the last change of BYTES
 local TOTAL = '\0total'                -- GB field: the shard's sum
 local LU = '\0u'                       -- M field LU .. cid: last use of cid (R is lazy)
 local VER = '\0v'                      -- M field VER .. cid: "<version>;<epoch>;<ranges>" (see save)
@@ -288,7 +291,10 @@ end
 local function finish(keep)
   local sargs = staged
   staged = {}
-  if pdelta ~= 0 then sargs[#sargs + 1] = BYTES; sargs[#sargs + 1] = num(pbytes) end
+  if pdelta ~= 0 then
+    sargs[#sargs + 1] = BYTES; sargs[#sargs + 1] = num(pbytes)
+    if not GB then sargs[#sargs + 1] = CHANGED; sargs[#sargs + 1] = NOW_S end
+  end
   if clock_dirty then sargs[#sargs + 1] = CLOCK; sargs[#sargs + 1] = num(pclock); clock_dirty = false end
   if due_dirty and pdue then sargs[#sargs + 1] = DUE; sargs[#sargs + 1] = num(pdue) end
   due_dirty = false

@@ -274,9 +274,10 @@ class ContextStore:
         of the shards whose master answers."""
         return await self._global.total(reach)
 
-    def evictor(self, *, owner: str | None = None) -> GlobalEvictor:
-        """The task that enforces ``global_budget_bytes`` (the gateway runs one: ``run()``)."""
-        return GlobalEvictor(self._global, self.cfg, owner=owner)
+    def evictor(self, *, owner: str | None = None, report_settle_s: float | None = None) -> GlobalEvictor:
+        """The task that enforces ``global_budget_bytes`` and sets the global reports right (the
+        gateway runs one: ``run()``; ``report_settle_s``: see ``GlobalEvictor``)."""
+        return GlobalEvictor(self._global, self.cfg, owner=owner, report_settle_s=report_settle_s)
 
     async def enforce_global_budget(self) -> list[str]:
         """One sweep of the global budget now, without the lease: the principals evicted."""
