@@ -64,3 +64,22 @@ def test_runtime_config_refuses_a_value_the_mesh_could_not_read_back(gw, r, body
     shown = gw.get("/admin/config", headers=bearer(ADMIN_KEY)).json()
     assert shown["runtime_overrides"] == {"compression": {"density": 0.5}}
     assert shown["config"]["compression"]["density"] == 0.5
+
+
+@pytest.mark.parametrize(("method", "path"), [
+    ("DELETE", "/admin/contexts/admin:root/notes"),
+    ("GET", "/admin/contexts/admin:root/notes/export"),
+    ("GET", "/admin/contexts/admin:root/notes"),
+    ("GET", "/admin/contexts?principal=admin:root"),
+    ("PUT", "/admin/teachers/admin:root"),
+    ("GET", "/admin/contexts/*/notes"),
+    ("GET", "/admin/contexts?principal=../../etc"),
+])
+def test_a_name_no_principal_can_have_is_422_and_leaves_no_audit_record(gw, method, path):
+    """``admin:<key name>`` is how the audit names admin keys: an operator's key evicting a
+    "context" of ``admin:root`` would put a record in the admin root's trail."""
+    resp = gw.request(method, path, headers=bearer(ADMIN_KEY))
+    assert resp.status_code == 422, resp.text
+    assert resp.json()["detail"][0]["loc"][-1] == "principal"
+    trail = gw.get("/admin/audit", params={"principal": "admin:root"}, headers=bearer(ADMIN_KEY)).json()
+    assert trail["entries"] == []
