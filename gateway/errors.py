@@ -29,13 +29,14 @@ not JSON is 400 on every REST route; JSON the route's model refuses stays FastAP
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
 import msgspec
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.exception_handlers import request_validation_exception_handler
+from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from redis.exceptions import (
@@ -298,5 +299,17 @@ async def _body_not_json(request: Request, exc: Exception) -> JSONResponse:
     invalid = cast(RequestValidationError, exc)  # the one class it is registered for
     reason = _not_json(invalid)
     if reason is None:
-        return await request_validation_exception_handler(request, invalid)
+        return JSONResponse({"detail": _json_safe(jsonable_encoder(invalid.errors()))}, status_code=422)
     return JSONResponse({"detail": reason}, status_code=400)
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` with every NaN or infinity as its name: a refused input echoed back may be one
+    (Python's JSON reader takes ``NaN``, ``Infinity`` and ``1e400``), which JSON cannot carry."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,9 +68,24 @@ def validate_runtime_patch(cfg: Config, current: dict[str, dict[str, Any]],
                               f"(allowed: {', '.join(RUNTIME_SECTIONS)})")
         if not isinstance(fields, dict) or not fields:
             raise ConfigError(f"{section}: expected a non-empty mapping of fields")
+        for name, value in fields.items():
+            _check_storable(f"{section}.{name}", value)
         merged.setdefault(section, {}).update(fields)
     apply_overrides(cfg, merged)
     return merged
+
+
+_INT64 = 2**63
+
+
+def _check_storable(where: str, value: Any) -> None:
+    """Refuse what every process could not read back as it was written: JSON has no NaN or
+    infinity, and the gateways' reader holds integers in 64 bits. Stored, such a value would make
+    them ignore every runtime override."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{where}: must be a finite number")
+    if isinstance(value, int) and not -_INT64 <= value < _INT64:
+        raise ConfigError(f"{where}: must fit in a signed 64-bit integer")
 
 
 def effective_config(cfg: Config, overrides: dict[str, dict[str, Any]]) -> Config:

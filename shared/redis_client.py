@@ -23,7 +23,7 @@ import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 import redis as redis_sync
 import redis.asyncio as aioredis
@@ -417,15 +417,20 @@ def for_each_primary_sync(client: SyncRedis, fn: Callable[[redis_sync.Redis], T]
 
 
 def redact_url(url: str) -> str:
-    """``url`` with its password replaced by ``***`` (the user name stays: it is not secret)."""
+    """``url`` with its password replaced by ``***`` (the user name stays: it is not secret),
+    in the user info and in the query (redis-py takes ``?password=`` too)."""
     parts = urlsplit(url)
+    query = parts.query
+    fields = parse_qsl(query, keep_blank_values=True)
+    if any("password" in name.lower() for name, _ in fields):
+        query = "&".join(f"{name}={'***' if 'password' in name.lower() else value}" for name, value in fields)
     if parts.password is None:
-        return url
+        return urlunsplit(parts._replace(query=query))
     host = parts.hostname or ""
     if ":" in host:
         host = f"[{host}]"
     netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 def without_password(url: str) -> tuple[str, str | None]:

@@ -281,7 +281,7 @@ def test_redaction_covers_every_secret():
     flat = str(out)
     for secret in ("s3cret-pass", "aa" * 32, "jwt-secret-123", MCP_KEY, ADMIN_KEY):
         assert secret not in flat
-    assert out["redis"]["url"] == "redis://***@redis:6379/0"
+    assert out["redis"]["url"] == "redis://user:***@redis:6379/0"
     assert out["security"]["delta_key_file"] == cfg.security.delta_key_file  # a path, not a secret
     assert out["compression"] == cfg.to_dict()["compression"]
 

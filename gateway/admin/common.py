@@ -3,11 +3,13 @@ responses, the audit helper and the decoding of Redis hashes into JSON values.""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends
+from pydantic import AfterValidator
 
 from gateway.admin.auth import AdminPrincipal, require_role
+from gateway.auth import is_principal
 from gateway.state import Gateway
 from shared import keys, metrics
 from shared.audit import audit
@@ -18,6 +20,16 @@ MAX_LIST = 1000  # the most items one listing route returns
 viewer = Depends(require_role("viewer"))
 operator = Depends(require_role("operator"))
 admin = Depends(require_role("admin"))
+
+def _mcp_principal(name: str) -> str:
+    if not is_principal(name):
+        raise ValueError("not a principal's name: 1-128 of A-Z a-z 0-9 _ . @ : -, not starting with admin:")
+    return name
+
+
+# A name an MCP principal can have (gateway/auth.py); ``admin:<key name>`` is how the audit log
+# names admin keys, so a record made for a principal can never pass for one of theirs.
+McpPrincipal = Annotated[str, AfterValidator(_mcp_principal)]
 
 E400 = {"description": "input the route cannot accept (malformed body, bad identifier)"}
 E401 = {"description": "no valid admin key"}

@@ -11,9 +11,11 @@ from pydantic import BaseModel
 
 from gateway.admin.auth import AdminPrincipal
 from gateway.admin.common import E422, admin, admin_router, audit_action, viewer
+from gateway.admin.upstreams import shown_url
 from gateway.state import Gateway, gateway_of
 from shared import control, keys
 from shared.config import ConfigError, patch_model
+from shared.redis_client import redact_url
 
 router = admin_router()
 
@@ -29,6 +31,8 @@ def redact(obj: Any, path: str = "") -> Any:
             if p in ("gateway.api_keys", "gateway.admin_keys"):
                 out[k] = {name: ({"role": val.get("role"), "key": "***"} if isinstance(val, dict) else "***")
                           for name, val in (v or {}).items()}
+            elif p == "proxy.upstreams":
+                out[k] = [_upstream(u) for u in v or []]
             elif isinstance(v, (dict, list)):
                 out[k] = redact(v, p)
             elif any(h in str(k).lower() for h in _SECRET_HINTS) and not str(k).endswith("_file") \
@@ -41,10 +45,20 @@ def redact(obj: Any, path: str = "") -> Any:
         if any(h in path.lower() for h in _SECRET_HINTS):
             return ["***" for _ in obj]
         return [redact(v, path) for v in obj]
-    if isinstance(obj, str) and path == "redis.url" and "@" in obj:
-        scheme, _, rest = obj.partition("://")
-        return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    if isinstance(obj, str) and path == "redis.url":
+        return redact_url(obj)
     return obj
+
+
+def _upstream(entry: dict[str, Any]) -> dict[str, Any]:
+    """A ``proxy.upstreams`` entry as the upstream routes show it (gateway/admin/upstreams.py): a
+    URL without query (a token may ride there), the program without its arguments, and where each
+    header comes from without the variable's name or the file's path."""
+    command = entry.get("command")
+    return {**entry, "url": entry.get("url") and shown_url(entry["url"]),
+            "command": command and [command[0], *("***" for _ in command[1:])],
+            "headers_from_env": dict.fromkeys(entry.get("headers_from_env") or {}, "***"),
+            "headers_from_file": dict.fromkeys(entry.get("headers_from_file") or {}, "***")}
 
 
 class _SyncView:

@@ -6,12 +6,12 @@ client through the one error map (gateway/errors.py: 400 bad input, 404 unknown 
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query, Request
 
 from gateway.admin.auth import AdminPrincipal
-from gateway.admin.common import admin, operator, viewer
+from gateway.admin.common import McpPrincipal, admin, operator, viewer
 from gateway.state import gateway_of
 from gateway.tools.context import entry_json, window_json
 from shared import audit as audit_log
@@ -20,11 +20,11 @@ from shared.redis_client import Reach
 
 router = APIRouter()
 
-_PRINCIPAL_Q = Query(None, max_length=256)
+Principal = Annotated[McpPrincipal, Query(description="an MCP principal (an API key's name, or a token's subject)")]
 
 
 @router.get("/admin/contexts")
-async def admin_list(request: Request, principal: str | None = _PRINCIPAL_Q,
+async def admin_list(request: Request, principal: Principal | None = None,
                      who: AdminPrincipal = viewer) -> dict[str, Any]:
     """Without ``principal``: principals with their bytes, read from every master: while a master
     is down the answer holds what the others hold (a principal whose own master is down with
@@ -48,7 +48,7 @@ async def admin_list(request: Request, principal: str | None = _PRINCIPAL_Q,
 
 
 @router.get("/admin/contexts/{principal}/{context_id}")
-async def admin_inspect(request: Request, principal: str, context_id: str,
+async def admin_inspect(request: Request, principal: McpPrincipal, context_id: str,
                         who: AdminPrincipal = viewer) -> dict[str, Any]:
     """Entry metadata (no content) of the current version."""
     win = await gateway_of(request).store.get_window(principal, context_id)
@@ -58,7 +58,7 @@ async def admin_inspect(request: Request, principal: str, context_id: str,
 
 
 @router.get("/admin/contexts/{principal}/{context_id}/export")
-async def admin_export(request: Request, principal: str, context_id: str,
+async def admin_export(request: Request, principal: McpPrincipal, context_id: str,
                        who: AdminPrincipal = admin) -> dict[str, Any]:
     """The whole current context as JSON; binary entries base64 (``data``)."""
     gateway = gateway_of(request)
@@ -69,7 +69,7 @@ async def admin_export(request: Request, principal: str, context_id: str,
 
 
 @router.delete("/admin/contexts/{principal}/{context_id}")
-async def admin_evict(request: Request, principal: str, context_id: str,
+async def admin_evict(request: Request, principal: McpPrincipal, context_id: str,
                       who: AdminPrincipal = operator) -> dict[str, Any]:
     gateway = gateway_of(request)
     done = await gateway.store.evict(principal, context_id, reason="admin")

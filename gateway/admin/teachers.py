@@ -10,14 +10,13 @@ from fastapi import Path as PathParam
 from fastapi import Request
 
 from gateway.admin.auth import AdminPrincipal
-from gateway.admin.common import admin, admin_router, audit_action, viewer
+from gateway.admin.common import McpPrincipal, admin, admin_router, audit_action, viewer
 from gateway.limits import set_teacher, teacher_grants
 from gateway.state import Gateway, gateway_of
 
 router = admin_router()
 
-PrincipalName = Annotated[str, PathParam(pattern=r"^[A-Za-z0-9_.@:\-]{1,128}$",
-                                         description="an MCP principal (an API key's name, or a token's subject)")]
+PrincipalName = Annotated[McpPrincipal, PathParam(description="an MCP principal (an API key's name, or a token's subject)")]
 
 
 async def _status(gateway: Gateway, principal: str) -> dict[str, Any]:

@@ -43,14 +43,14 @@ def public_view(cfg: UpstreamConfig) -> dict[str, Any]:
                            "capture": cfg.capture if isinstance(cfg.capture, bool) else dataclasses.asdict(cfg.capture),
                            "credentials": dict(describe_sources(cfg))}
     if cfg.url is not None:
-        out["transport"], out["url"] = "http", _shown_url(cfg.url)
+        out["transport"], out["url"] = "http", shown_url(cfg.url)
     else:
         out["transport"], out["program"] = "stdio", (cfg.command or [""])[0]
         out["stdio_max_processes"], out["stdio_idle_s"] = cfg.stdio_max_processes, cfg.stdio_idle_s
     return out
 
 
-def _shown_url(url: str) -> str:
+def shown_url(url: str) -> str:
     """``url`` without user info or query; one that does not parse (the configuration refuses
     those, so only an entry stored otherwise) is shown as unparsable rather than failing the read."""
     try:

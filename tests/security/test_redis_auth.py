@@ -186,6 +186,7 @@ def test_urls_print_without_their_password() -> None:
     assert redact_url("redis://learnmesh:s3cret@redis:6379/0") == "redis://learnmesh:***@redis:6379/0"
     assert redact_url("rediss://:s3cret@[::1]:6380/1") == "rediss://:***@[::1]:6380/1"
     assert redact_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+    assert redact_url("redis://127.0.0.1:6379/0?password=s3cret&db=2") == "redis://127.0.0.1:6379/0?password=***&db=2"
 
 
 @pytest.mark.parametrize(("redis", "problem"), [
