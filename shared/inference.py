@@ -19,9 +19,27 @@ frames (binary image/audio bytes travel as they are, never base64)::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shared.types import Entry
+
+if TYPE_CHECKING:
+    from shared.config import Config
+
+ENTRY_DESCRIPTION_BYTES = 1024
+"""Room for one entry's description in an INFER header (its id, modality, role, mime of at
+most 128 bytes JSON-escaped, time)."""
+FRAME_SLACK_BYTES = 64 * 1024
+
+
+def max_frame_bytes(cfg: Config) -> int:
+    """The longest frame a gateway sends a worker (the worker's ROUTER disconnects a peer that
+    sends a longer one): an entry's content, or the header, which holds what the client sent
+    (a body of at most ``gateway.max_body_bytes``) and one description per entry of the window."""
+    ctx = cfg.context
+    entries = ctx.channel_max_entries * len(ctx.modalities)
+    header = cfg.gateway.max_body_bytes + entries * ENTRY_DESCRIPTION_BYTES
+    return max(ctx.max_entry_bytes, header) + FRAME_SLACK_BYTES
 
 
 def pack_entries(entries: Sequence[Entry]) -> tuple[list[dict[str, Any]], list[bytes]]:

@@ -252,6 +252,9 @@ WORKER_BAD_MESSAGES = Counter("learnmesh_worker_bad_messages_total",
 # ---------------------------------------------------------------- ZeroMQ links (CurveZMQ)
 ZMQ_AUTH_REFUSED = Counter("learnmesh_zmq_auth_refused_total",
                            "CURVE clients refused by this process's ZAP allow-list", ["domain"])
+ZMQ_DROPPED = Counter("learnmesh_zmq_dropped_messages_total",
+                      "Messages a bound ZeroMQ socket could not read and dropped (link: infer, samples, "
+                      "snapshots, acks)", ["link"])
 ZMQ_HANDSHAKE_FAILED = Counter("learnmesh_zmq_handshake_failed_total",
                                "CURVE handshakes this process failed as a client (peer: the server's role)",
                                ["peer", "reason"])

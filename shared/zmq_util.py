@@ -1,22 +1,30 @@
-"""The one place ZeroMQ sockets are made: bind/connect, identity, linger and high-water
-marks are always explicit (never ZeroMQ's unbounded or infinite defaults), and so is CURVE
-(shared/curve.py: a server's keys and allow-list, or a client's keys and pinned server key)."""
+"""The one place ZeroMQ sockets are made: bind/connect, identity, linger, high-water marks and
+the largest frame a bound socket reads are always explicit (never ZeroMQ's unbounded or
+infinite defaults), and so is CURVE (shared/curve.py: a server's keys and allow-list, or a
+client's keys and pinned server key)."""
 
 from __future__ import annotations
 
+import logging
+
 import zmq
 
+from shared import metrics
 from shared.curve import HANDSHAKE_EVENTS, CurveClient, CurveServer, new_socket
+from shared.log_throttle import ThrottledWarning
 
 DEFAULT_HWM = 10_000
 DEFAULT_LINGER_MS = 0
+CONTROL_FRAME_BYTES = 64 * 1024
+"""Largest frame a bound socket reads unless told otherwise: room for the control messages
+(sample wake-ups, snapshot requests, acks, subscriptions) the trainer's sockets receive."""
 
 
 def make_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect: str | None = None,
                 identity: bytes | None = None, hwm: int = DEFAULT_HWM, linger_ms: int = DEFAULT_LINGER_MS,
                 subscribe: bytes | None = None, router_mandatory: bool = False,
                 immediate: bool = False, curve: CurveServer | CurveClient | None = None,
-                monitor: str | None = None) -> zmq.Socket:
+                monitor: str | None = None, max_frame_bytes: int = CONTROL_FRAME_BYTES) -> zmq.Socket:
     """Create a socket with explicit options, then bind or connect (exactly one of them).
 
     ``immediate=True`` (ZMQ_IMMEDIATE) queues messages only on completed connections, so a
@@ -24,13 +32,22 @@ def make_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect
     (with CURVE, a connection completes only after the handshake: nothing is queued for a
     peer that does not hold the pinned key). ``curve``: None only where ``zmq.curve`` is off.
     ``monitor``: an inproc address that gets the socket's handshake events from its first
-    connection on (shared.curve.HandshakeWatch)."""
+    connection on (shared.curve.HandshakeWatch).
+
+    ``max_frame_bytes`` (ZMQ_MAXMSGSIZE, a bound socket only): a peer that sends a longer
+    frame is disconnected before the frame is read. It holds from the first byte, before any
+    CURVE handshake: without it a client holding no key makes the server buffer whatever frame
+    length it announces, for every connection it opens. A connecting socket reads frames as
+    long as the server whose key it pins sends them (delta chunks and snapshots are sized by
+    the model)."""
     if (bind is None) == (connect is None):
         raise ValueError("give exactly one of bind= or connect=")
     sock = new_socket(ctx, kind, curve)
     sock.setsockopt(zmq.LINGER, linger_ms)
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
+    if bind is not None:
+        sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
     if router_mandatory and kind == zmq.ROUTER:
@@ -66,3 +83,20 @@ def bound_endpoint(sock: zmq.Socket) -> str:
     """The address a bound socket listens on, with the port ZeroMQ chose for ``:*``."""
     last = sock.getsockopt(zmq.LAST_ENDPOINT)
     return last.decode() if isinstance(last, bytes) else str(last)
+
+
+class DroppedMessages:
+    """What a bound socket does with a message it cannot read: count it
+    (``learnmesh_zmq_dropped_messages_total{link}``) and say why in the log, at most once per
+    interval whatever the rate (a peer sending nothing else must not flood the log)."""
+
+    def __init__(self, link: str, logger: logging.Logger) -> None:
+        self.link = link
+        self._counter = metrics.ZMQ_DROPPED.labels(link)
+        self._warning = ThrottledWarning(logger)
+        self.count = 0
+
+    def drop(self, why: object) -> None:
+        self.count += 1
+        self._counter.inc()
+        self._warning.warning("dropped a message on the %s link: %s", self.link, why)

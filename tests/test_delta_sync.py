@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -351,3 +352,37 @@ def test_streamed_chunks_are_decoded_on_arrival_and_applied_together(tmp_path: P
         pub.close()
         tap.close(0)
         out.close(0)
+
+
+def test_a_worker_asks_a_returning_trainer_for_one_snapshot(tmp_path: Path, ctx: zmq.Context,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """While the trainer is away the worker's snapshot request waits for a connection instead of
+    piling up in a queue, one per timeout, that a returning trainer would answer with a snapshot each;
+    the worker says once that it cannot reach the trainer."""
+    cfg = make_cfg(tmp_path)
+    cfg = load_config(env={}, overrides={**cfg.to_dict(), "consistency": {**cfg.to_dict()["consistency"],
+                                                                          "timeout_s": 0.1}})
+    worker = model(21)
+    sub = DeltaSubscriber(cfg, ctx, "w1", worker, 0)
+    caplog.set_level("INFO", logger="services.worker.updates")
+    away_until = time.monotonic() + 30 * cfg.consistency.timeout_s  # the trainer is away 30 timeouts long
+    while time.monotonic() < away_until:
+        sub.poll()
+        sub.wait(10)
+    timeouts_while_away = sub.stats["snapshot_timeouts"]
+    pub = DeltaPublisher(cfg, ctx, model(22), 7, "m", start_thread=False)
+    answered = []
+    answer = pub._answer_snapshot
+    pub._answer_snapshot = lambda frames: (answered.append(1), answer(frames))[1]  # type: ignore[method-assign]
+    pub.start()
+    try:
+        converge(sub, 7)
+        assert served_equals_reference(pub, worker)
+        # one request, and one more per request the returning trainer left unanswered a timeout long
+        assert len(answered) <= 1 + sub.stats["snapshot_timeouts"] - timeouts_while_away, \
+            (len(answered), timeouts_while_away)
+        unreachable = [r for r in caplog.records if "cannot reach the trainer" in r.getMessage()]
+        assert len(unreachable) == 1 and unreachable[0].levelname == "WARNING"
+    finally:
+        sub.close()
+        pub.close()

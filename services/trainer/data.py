@@ -32,7 +32,7 @@ from shared.curve import CurveKeys
 from shared.samples import LoggedSample, load_stored, parse_entry
 from shared.text import as_str
 from shared.types import ContextWindow, Entry
-from shared.zmq_util import bind_address, make_socket
+from shared.zmq_util import DroppedMessages, bind_address, make_socket
 
 log = logging.getLogger("learnmesh.trainer.data")
 
@@ -240,6 +240,7 @@ class SampleSource:
         keys = CurveKeys.load(cfg.zmq, "trainer")
         self.pull = make_socket(zmq_ctx, zmq.PULL, bind=bind_address(cfg.trainer.samples_endpoint, cfg.zmq.bind_host), hwm=cfg.trainer.sample_hwm,
                                 curve=keys.server("samples") if keys else None)
+        self.dropped = DroppedMessages("samples", log)
         self.poller = zmq.Poller()
         self.poller.register(self.pull, zmq.POLLIN)
         self.parts = [_Partition(p, positions.get(p, Position())) for p in range(partitions)]
@@ -269,9 +270,11 @@ class SampleSource:
                 break
             try:
                 kind, header, _ = wire.decode(frames)
-            except wire.WireError:
+            except wire.WireError as exc:
+                self.dropped.drop(exc)
                 continue
             if kind != wire.MsgType.SAMPLE:
+                self.dropped.drop(f"unexpected message type {kind.name}")
                 continue
             self.wakeups += 1
             self._woken = True

@@ -43,11 +43,12 @@ from shared.crypto import (
 )
 from shared.curve import CurveKeys, CurveServer
 from shared.delta.codec import DeltaEncoder, EncodedDelta
-from shared.zmq_util import bind_address, make_socket
+from shared.zmq_util import DroppedMessages, bind_address, make_socket
 
 log = logging.getLogger(__name__)
 
 _MAX_REQ_NONCE = 64
+_MAX_ACKED_WORKERS = 4096  # worker ids an ack may name: the ids are the sender's word, their count is bounded
 
 
 @dataclass
@@ -97,6 +98,8 @@ class DeltaPublisher:
             for sock in sockets:
                 sock.close(linger=0)
             raise
+        self._dropped_requests = DroppedMessages("snapshots", log)
+        self._dropped_acks = DroppedMessages("acks", log)
         self._acks: dict[str, int] = {}
         self._snap_cache: EncodedDelta | None = None
         self._last_publish = time.monotonic()
@@ -201,15 +204,16 @@ class DeltaPublisher:
                 self._record_ack(frames)
 
     def _answer_snapshot(self, frames: list[bytes]) -> None:
-        if len(frames) < 3:
-            return
         ident = frames[0]
         try:
             mtype, header, _ = wire.decode(frames[1:])
-        except wire.WireError:
+        except wire.WireError as exc:
+            self._dropped_requests.drop(exc)
             return
         req = header.get("req")
         if mtype != wire.MsgType.SNAPSHOT_REQ or not isinstance(req, str) or len(req) > _MAX_REQ_NONCE:
+            self._dropped_requests.drop(f"{mtype.name} is not a snapshot request with a nonce of at most "
+                                        f"{_MAX_REQ_NONCE} characters")
             return
         with self._lock:
             if self._snap_cache is None or self._snap_cache.header["version"] != self.encoder.version:
@@ -232,13 +236,19 @@ class DeltaPublisher:
     def _record_ack(self, frames: list[bytes]) -> None:
         try:
             mtype, header, _ = wire.decode(frames)
-        except wire.WireError:
+        except wire.WireError as exc:
+            self._dropped_acks.drop(exc)
             return
         worker, version = header.get("worker"), header.get("version")
-        if mtype == wire.MsgType.ACK and isinstance(worker, str) and isinstance(version, int) and len(worker) < 256:
-            self._acks[worker] = max(version, self._acks.get(worker, -1))
-            if self.ack_listener is not None:  # operations: step->serving latency (publisher thread)
-                self.ack_listener(worker, version)
+        if not (mtype == wire.MsgType.ACK and isinstance(worker, str) and isinstance(version, int) and len(worker) < 256):
+            self._dropped_acks.drop(f"{mtype.name} is not an ack naming a worker and a version")
+            return
+        if worker not in self._acks and len(self._acks) >= _MAX_ACKED_WORKERS:
+            self._dropped_acks.drop(f"an ack names more than {_MAX_ACKED_WORKERS} worker ids")
+            return
+        self._acks[worker] = max(version, self._acks.get(worker, -1))
+        if self.ack_listener is not None:  # operations: step->serving latency (publisher thread)
+            self.ack_listener(worker, version)
 
     def acks(self) -> dict[str, int]:
         """Worker id -> last applied version it acknowledged."""

@@ -31,12 +31,12 @@ import zmq
 from shared import metrics, wire
 from shared.config import Config, ConfigError
 from shared.curve import CurveKeys
-from shared.inference import unpack_entries
+from shared.inference import max_frame_bytes, unpack_entries
 from shared.model import Example, LearnModel, MediaError, ModelInputError, build_model
 from shared.redis_client import close_sync
 from shared.wire import MsgType
 from shared.worker_registry import Registration, RegistrationError, advertised_endpoint, is_loopback
-from shared.zmq_util import bind_address, bound_endpoint, make_socket
+from shared.zmq_util import DroppedMessages, bind_address, bound_endpoint, make_socket
 
 log = logging.getLogger("learnmesh.worker")
 
@@ -69,9 +69,10 @@ class Worker:
         keys = CurveKeys.load(cfg.zmq, "worker")
         # only gateways (their allow-listed keys) can connect, send requests and read answers
         self.sock = make_socket(self.ctx, zmq.ROUTER, bind=bind_address(endpoint, cfg.zmq.bind_host),
-                                hwm=self.wcfg.hwm, router_mandatory=True,
+                                hwm=self.wcfg.hwm, router_mandatory=True, max_frame_bytes=max_frame_bytes(cfg),
                                 curve=keys.server("infer") if keys else None)
         self.endpoint = bound_endpoint(self.sock)  # a ``:*`` bind names its port here
+        self.dropped = DroppedMessages("infer", log)
         self.advertised = self._advertised(endpoint)
         self.queue: deque[Request] = deque()
         self.running: dict[str, Request] = {}
@@ -295,6 +296,7 @@ class Worker:
         try:
             msg_type, header, payload = wire.decode(frames[1:])
         except wire.WireError as exc:
+            self.dropped.drop(exc)
             self._error(peer, None, "bad_input", f"malformed message: {exc}")
             return
         if msg_type == MsgType.HELLO:
@@ -306,17 +308,23 @@ class Worker:
                                                  "max_batch_size": self.wcfg.max_batch_size})
         elif msg_type == MsgType.CANCEL:
             rid = header.get("id")
+            if not isinstance(rid, str):
+                self.dropped.drop("CANCEL without a request id")
+                self._error(peer, rid, "bad_input", "request id missing")
+                return
             if rid in self.running:
                 self.running[rid].cancelled = True
             self.queue = deque(r for r in self.queue if r.id != rid)
         elif msg_type == MsgType.INFER:
             self._on_infer(peer, header, payload)
         else:
+            self.dropped.drop(f"unexpected message type {msg_type.name}")
             self._error(peer, header.get("id"), "bad_input", f"unexpected message type {msg_type.name}")
 
     def _on_infer(self, peer: bytes, h: dict[str, Any], payload: list[Any]) -> None:
         rid = h.get("id")
         if not isinstance(rid, str) or not rid:
+            self.dropped.drop("INFER without a request id")
             self._error(peer, rid, "bad_input", "request id missing")
             return
         try:

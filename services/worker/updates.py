@@ -30,6 +30,7 @@ from shared.config import Config
 from shared.crypto import STREAM_DELTA, STREAM_HEARTBEAT, EnvelopeOpener, EnvelopeReject, KeyRing, Opened
 from shared.curve import CurveKeys, HandshakeWatch
 from shared.delta.codec import BaseMismatch, CodecError, DecodedChunk, DeltaDecoder, LayoutMismatch
+from shared.log_throttle import ThrottledWarning
 from shared.zmq_util import make_socket
 
 log = logging.getLogger(__name__)
@@ -88,8 +89,11 @@ class DeltaSubscriber:
 
         sec = cfg.security
         self._sub = connect(zmq.SUB, sec.delta_pub_endpoint, hwm=100_000)
-        self._dealer = connect(zmq.DEALER, sec.snapshot_endpoint, identity=f"{worker_id}-{secrets.token_hex(4)}".encode())
-        self._push = connect(zmq.PUSH, sec.ack_endpoint, hwm=100)
+        # immediate: a request or ack is queued only on a live connection, so what a worker sends
+        # while the trainer is away is not delivered in a burst when it returns (a snapshot each)
+        self._dealer = connect(zmq.DEALER, sec.snapshot_endpoint, identity=f"{worker_id}-{secrets.token_hex(4)}".encode(),
+                               immediate=True)
+        self._push = connect(zmq.PUSH, sec.ack_endpoint, hwm=100, immediate=True)
         self._expected_seq: int | None = None
         self._session: tuple[int, str] | None = None
         self._assembly: _Assembly | None = None
@@ -97,7 +101,10 @@ class DeltaSubscriber:
         self._buffer: deque[Opened] = deque()
         self._buffer_bytes = 0
         self._pending_req: str | None = None
-        self._req_sent_at = 0.0
+        self._req_sent_at: float | None = None  # None: not sent yet (no connection to the trainer)
+        self._req_made_at = 0.0
+        self._unreachable_logged = False
+        self._unanswered = ThrottledWarning(log)
         self._snap_parts: dict[int, tuple[Opened, bytes]] = {}
         self._key_warned: dict[str, float] = {}  # reason -> when its next warning may be logged
         self._request_snapshot("join")
@@ -307,19 +314,39 @@ class DeltaSubscriber:
             log.info("worker %s resyncing by snapshot (%s) at version %s", self.worker_id, cause, self.version)
         self._assembly = None
         self._pending_req = secrets.token_hex(16)
-        self._req_sent_at = time.monotonic()
+        self._req_made_at = time.monotonic()
+        self._req_sent_at = None
         self._snap_parts = {}
+        self._send_request()
+
+    def _send_request(self) -> None:
+        """Send the pending snapshot request if the trainer is connected; else it is sent by a
+        later poll once it is (one request, however long the trainer is away)."""
         msg = wire.encode(wire.MsgType.SNAPSHOT_REQ, {"req": self._pending_req, "worker": self.worker_id})
         try:
             self._dealer.send_multipart(msg, zmq.NOBLOCK)
         except zmq.Again:
-            pass  # retried on timeout
+            away_s = time.monotonic() - self._req_made_at
+            if not self._unreachable_logged and away_s > self.cfg.consistency.timeout_s:
+                self._unreachable_logged = True
+                log.warning("worker %s cannot reach the trainer at %s for %.1fs; it serves version %d and asks "
+                            "for a snapshot once the trainer is back", self.worker_id,
+                            self.cfg.security.snapshot_endpoint, away_s, self.version)
+            return
+        self._req_sent_at = time.monotonic()
+        if self._unreachable_logged:
+            self._unreachable_logged = False
+            log.info("worker %s reached the trainer at %s again", self.worker_id, self.cfg.security.snapshot_endpoint)
 
     def _poll_snapshot(self) -> None:
         if self._pending_req is None:
             # a late reply to an earlier request: drain and ignore
             self._drain_dealer()
             return
+        if self._req_sent_at is None:
+            self._send_request()
+            if self._req_sent_at is None:
+                return
         while True:
             try:
                 frames = self._dealer.recv_multipart(zmq.NOBLOCK, copy=True)
@@ -328,10 +355,10 @@ class DeltaSubscriber:
             self._on_snapshot_part(frames)
             if self._pending_req is None:
                 return
-        if time.monotonic() - self._req_sent_at > self.cfg.consistency.timeout_s:
+        if self._req_sent_at is not None and time.monotonic() - self._req_sent_at > self.cfg.consistency.timeout_s:
             self.stats["snapshot_timeouts"] += 1
-            log.warning("worker %s: snapshot request unanswered for %.1fs; retrying",
-                        self.worker_id, self.cfg.consistency.timeout_s)
+            self._unanswered.warning("worker %s: snapshot request unanswered for %.1fs; retrying",
+                                     self.worker_id, self.cfg.consistency.timeout_s)
             self._request_snapshot("timeout")
 
     def _drain_dealer(self) -> None:
