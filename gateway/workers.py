@@ -58,6 +58,7 @@ from shared import keys, metrics, wire, worker_registry
 from shared.aio import pause
 from shared.config import Config
 from shared.curve import CurveKeys, HandshakeWatch
+from shared.inference import max_frame_bytes
 from shared.log_throttle import ThrottledWarning
 from shared.text import as_str
 from shared.wire import MsgType
@@ -158,6 +159,7 @@ class WorkerPool:
         self.cfg = cfg
         self.redis = redis
         self.wcfg = cfg.worker
+        self.max_frame = max_frame_bytes(cfg)  # what a worker reads of one frame (ZMQ_MAXMSGSIZE)
         self.ctx = zmq_ctx or zmq.asyncio.Context()
         self._own_ctx = zmq_ctx is None
         self.gateway_id = uuid.uuid4().hex[:12]
@@ -584,6 +586,14 @@ class WorkerPool:
             metrics.INFER_REQUESTS.labels(op, outcome).inc()
             metrics.INFER_SECONDS.labels(op).observe(time.monotonic() - t0)
 
+    def _check_frames(self, msg: list[Any]) -> None:
+        """A worker disconnects a peer that sends a frame over its limit, and with it every other
+        request on that connection: such a request is refused here, before it is sent."""
+        longest = max(len(f) for f in msg)
+        if longest > self.max_frame:
+            raise WorkerRequestError("bad_input", f"the request has a part of {longest} bytes; a worker reads "
+                                     f"at most {self.max_frame} (from the context and gateway body limits)")
+
     async def _request(self, header: dict[str, Any], frames: list[bytes] | None, min_version: int,
                        timeout_s: float | None, on_token: Callable[[str, dict[str, Any]], Awaitable[None]] | None,
                        on_retry: Callable[[], Awaitable[None]] | None) -> dict[str, Any]:
@@ -600,6 +610,7 @@ class WorkerPool:
             link.inflight[rid] = queue
             try:
                 msg = wire.encode(MsgType.INFER, {**header, "id": rid, "stream": on_token is not None}, frames or ())
+                self._check_frames(msg)
                 try:
                     await link.sock.send_multipart(msg, flags=zmq.NOBLOCK, copy=False)
                 except zmq.Again:  # not connected (worker down) or its queue is full

@@ -72,6 +72,27 @@ async def test_generate_stream_score_and_batching(one_worker):
         await pool.close()
 
 
+async def test_a_request_over_what_a_worker_reads_is_refused_before_it_is_sent(one_worker):
+    """A worker drops the connection of a peer that sends a frame over its limit, and every other
+    request in flight on it: the pool refuses such a request itself, and the others are served."""
+    cfg, _ = one_worker
+    pool = WorkerPool(cfg)
+    await pool.start()
+    try:
+        await pool.wait_live(1, timeout_s=60)
+        long_prompt = gen("x" * (pool.max_frame + 1))
+        img = {**gen(), "entries": [{"id": "image:1", "modality": "image", "role": "user", "ts_ms": 1}]}
+        for header, frames in ((long_prompt, None), (img, [b"\0" * (pool.max_frame + 1)])):
+            others = [asyncio.create_task(pool.request(gen(f"other {i}", max_tokens=4))) for i in range(4)]
+            with pytest.raises(WorkerRequestError, match=f"at most {pool.max_frame}") as err:
+                await pool.request(header, frames)
+            assert err.value.code == "bad_input"
+            assert all(r["tokens"] >= 1 for r in await asyncio.gather(*others))
+        assert pool.status()[0]["alive"]
+    finally:
+        await pool.close()
+
+
 async def test_min_model_version_waits_then_fails_clearly(one_worker, tmp_path):
     cfg, _ = one_worker
     cfg.consistency.timeout_s = 0.3
