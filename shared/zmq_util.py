@@ -18,13 +18,20 @@ DEFAULT_LINGER_MS = 0
 CONTROL_FRAME_BYTES = 64 * 1024
 """Largest frame a bound socket reads unless told otherwise: room for the control messages
 (sample wake-ups, snapshot requests, acks, subscriptions) the trainer's sockets receive."""
+HEARTBEAT_MS = (2_000, 10_000)
+"""ZMTP heartbeats on every connection: a PING every 2 s, and a connection that has carried
+nothing for 10 s is closed. A peer whose host vanished or whose process is frozen sends no FIN,
+so TCP alone would keep its connection for many minutes: messages would queue towards it and
+replies be awaited from it. A closed connection is what the sockets' users already notice
+(ZMQ_IMMEDIATE refuses to queue, a connecting socket reconnects and hands over again)."""
 
 
 def make_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect: str | None = None,
                 identity: bytes | None = None, hwm: int = DEFAULT_HWM, linger_ms: int = DEFAULT_LINGER_MS,
                 subscribe: bytes | None = None, router_mandatory: bool = False,
                 immediate: bool = False, curve: CurveServer | CurveClient | None = None,
-                monitor: str | None = None, max_frame_bytes: int = CONTROL_FRAME_BYTES) -> zmq.Socket:
+                monitor: str | None = None, max_frame_bytes: int = CONTROL_FRAME_BYTES,
+                heartbeat_ms: tuple[int, int] = HEARTBEAT_MS) -> zmq.Socket:
     """Create a socket with explicit options, then bind or connect (exactly one of them).
 
     ``immediate=True`` (ZMQ_IMMEDIATE) queues messages only on completed connections, so a
@@ -39,13 +46,19 @@ def make_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect
     CURVE handshake: without it a client holding no key makes the server buffer whatever frame
     length it announces, for every connection it opens. A connecting socket reads frames as
     long as the server whose key it pins sends them (delta chunks and snapshots are sized by
-    the model)."""
+    the model).
+
+    ``heartbeat_ms``: (PING interval, silence after which a connection is closed); see
+    :data:`HEARTBEAT_MS`."""
     if (bind is None) == (connect is None):
         raise ValueError("give exactly one of bind= or connect=")
     sock = new_socket(ctx, kind, curve)
     sock.setsockopt(zmq.LINGER, linger_ms)
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, heartbeat_ms[0])
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, heartbeat_ms[1])
+    sock.setsockopt(zmq.HEARTBEAT_TTL, heartbeat_ms[1])
     if bind is not None:
         sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
     if identity is not None:
