@@ -4,10 +4,35 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 from redis.exceptions import RedisClusterException
 
 from shared.config import ConfigError, load_config
+
+
+def _whole(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+
+
+def _count(least: int) -> Callable[[str], int]:
+    """An argparse type: a whole number of at least ``least``."""
+    def parse(text: str) -> int:
+        value = _whole(text)
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{value} is less than {least}")
+        return value
+    return parse
+
+
+def _port(text: str) -> int:
+    value = _whole(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a TCP port (1-65535)")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -17,23 +42,23 @@ def _parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("gateway", help="run one gateway replica (MCP + admin API)")
     g.add_argument("--host")
-    g.add_argument("--port", type=int)
+    g.add_argument("--port", type=_port)
     g.add_argument("--fixtures", choices=["conformance"],
                    help="register the MCP conformance suite's fixtures (test scaffolding, from a source checkout)")
 
     w = sub.add_parser("worker", help="run one inference worker")
     w.add_argument("--endpoint", help="ZeroMQ endpoint to bind (default: worker.endpoints[--index])")
-    w.add_argument("--index", type=int, default=0)
+    w.add_argument("--index", type=_count(0), default=0)
 
     t = sub.add_parser("trainer", help="run the trainer: --ranks ranks on this machine under torchrun")
-    t.add_argument("--ranks", type=int)
+    t.add_argument("--ranks", type=_count(1))
     t.add_argument("--as-rank", action="store_true", help="run as one rank of a torchrun group (env contract)")
 
     u = sub.add_parser("up", help="run everything on this machine: redis, gateway, workers, trainer")
     u.add_argument("--host")
-    u.add_argument("--port", type=int)
-    u.add_argument("--workers", type=int)
-    u.add_argument("--ranks", type=int)
+    u.add_argument("--port", type=_port)
+    u.add_argument("--workers", type=_count(1))
+    u.add_argument("--ranks", type=_count(1))
     u.add_argument("--fixtures", choices=["conformance"], help="passed on to the gateway (see gateway --help)")
 
     c = sub.add_parser("compose-secrets", help="generate every secret of the compose stack into a 0600 env file")
@@ -72,6 +97,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except RedisClusterException as exc:  # as a cluster client is made: no node of the cluster answered
         print(f"learnmesh: {str(exc).rstrip('.')}; check redis.url and redis.cluster_nodes", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        if exc.filename is None:  # not about a path the operator gave or made: a fault worth its traceback
+            raise
+        print(f"learnmesh: cannot use {exc.filename}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -114,7 +115,7 @@ def load_or_create_keys(var_dir: Path, cfg: Config) -> tuple[dict[str, str], str
     path = var_dir / "keys" / "generated.yaml"
     stored: dict[str, Any] = {}
     if path.is_file():
-        stored = yaml.safe_load(read_private(path, "generated keys file")) or {}
+        stored = _generated_keys(path, read_private(path, "generated keys file"))
     keep = dict(stored)
     api_keys = dict(cfg.gateway.api_keys)
     if not api_keys:
@@ -125,6 +126,28 @@ def load_or_create_keys(var_dir: Path, cfg: Config) -> tuple[dict[str, str], str
     if keep != stored:
         write_private(path, yaml.safe_dump(keep))
     return api_keys, admin
+
+
+def _generated_keys(path: Path, text: bytes) -> dict[str, Any]:
+    """The generated keys file's ``api_keys`` (principal -> key) and ``admin_key``, as written by
+    :func:`load_or_create_keys`; a file edited into another shape is refused, not overwritten
+    (it holds the keys the clients use)."""
+    try:
+        stored = yaml.safe_load(text) or {}
+    except yaml.YAMLError:
+        stored = None
+    if not _is_generated_keys(stored):
+        raise ConfigError(f"generated keys file {path} is not what learnmesh up writes (api_keys: principal -> key, "
+                          "admin_key: key); mend it, or delete it to have new keys made")
+    return typing.cast(dict[str, Any], stored)
+
+
+def _is_generated_keys(stored: Any) -> bool:
+    if not isinstance(stored, dict):
+        return False
+    api_keys = stored.get("api_keys") or {}
+    return (isinstance(api_keys, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in api_keys.items())
+            and isinstance(stored.get("admin_key", ""), str))
 
 
 class Supervisor:
@@ -142,6 +165,10 @@ class Supervisor:
 
     def stop(self) -> None:
         self._stopping.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
 
     def run(self, poll_s: float = 0.2) -> None:
         """Supervise until stop(); restart children that exit while we are not stopping."""
@@ -324,7 +351,7 @@ def wait_ready(base: str, timeout_s: float, sup: Supervisor) -> bool:
     import urllib.request
 
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and not sup._stopping.is_set():
+    while time.monotonic() < deadline and not sup.stopping:
         try:
             with urllib.request.urlopen(base + "/readyz", timeout=1) as resp:  # noqa: S310 - our own loopback URL
                 if resp.status == 200:
@@ -356,7 +383,9 @@ def main(cfg: Config, args: Any) -> int:
         log.warning("using the Redis already answering at %s: its sample log, trainer offsets and model version "
                     "are shared with whatever else uses that database; set REDIS_URL for a mesh of its own", redis_url)
     try:
-        if check_access(cfg.redis) and is_cluster(cfg.redis):  # wrong credentials stop the mesh here, with one message
+        if not check_access(cfg.redis):  # wrong credentials stop the mesh here, with one message
+            log.warning("Redis at %s does not answer; the mesh starts and waits for it", redis_url)
+        elif is_cluster(cfg.redis):
             seed_more_nodes(cfg)
         api_keys, admin_key = load_or_create_keys(var_dir, cfg)
         prepare_keys(cfg, var_dir)
@@ -367,12 +396,14 @@ def main(cfg: Config, args: Any) -> int:
         sup.start()
         base = f"http://{cfg.gateway.host}:{cfg.gateway.port}"
         probe = base.replace("0.0.0.0", "127.0.0.1")  # noqa: S104 - a wildcard bind answers on loopback
-        if not wait_ready(probe, READY_TIMEOUT_S, sup):
-            log.warning("the gateway is not ready after %.0fs; see %s", READY_TIMEOUT_S,
-                        var_dir / "logs" / "gateway.log")
-        redis_note = (f"private, started here; password in {cfg.redis.password_file}" if redis_proc is not None
-                      else "existing cluster" if is_cluster(cfg.redis) else "existing server")
-        print(_banner(cfg, f"{redis_url}   ({redis_note})", var_dir, api_keys, admin_key), flush=True)
+        ready = wait_ready(probe, READY_TIMEOUT_S, sup)
+        if not sup.stopping:  # Ctrl-C / SIGTERM while it starts: it stops, it never was up
+            if not ready:
+                log.warning("the gateway is not ready after %.0fs; see %s", READY_TIMEOUT_S,
+                            var_dir / "logs" / "gateway.log")
+            redis_note = (f"private, started here; password in {cfg.redis.password_file}" if redis_proc is not None
+                          else "existing cluster" if is_cluster(cfg.redis) else "existing server")
+            print(_banner(cfg, f"{redis_url}   ({redis_note})", var_dir, api_keys, admin_key), flush=True)
         sup.run()
     finally:
         if redis_proc is not None:
@@ -388,8 +419,12 @@ def hold_var(var_dir: Path) -> IO[str]:
     """Lock ``var_dir`` for this mesh (``var_dir/up.lock``, released when the process ends, by
     kill -9 too). A second mesh on the same directory would roll back the first one's commit
     record from its own checkpoints and write into its keys and logs, whatever its ports."""
-    var_dir.mkdir(parents=True, exist_ok=True)
-    f = open(var_dir / "up.lock", "a+")  # noqa: SIM115 - open for the life of the process
+    try:
+        var_dir.mkdir(parents=True, exist_ok=True)
+        f = open(var_dir / "up.lock", "a+")  # noqa: SIM115 - open for the life of the process
+    except OSError as exc:
+        raise ConfigError(f"LEARNMESH_VAR: {var_dir} is not a directory this mesh can write to "
+                          f"({exc.strerror or exc}: {exc.filename}); give it one that is") from None
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -53,15 +53,16 @@ class ConfigError(ValueError):
     """A configuration file or environment override is invalid."""
 
 
-def _where(loc: tuple[int | str, ...], cls: type) -> str:
+def _where(loc: tuple[int | str, ...], cls: type, positional: bool) -> str:
     parts = [str(p) for p in loc]
-    if loc and isinstance(loc[0], int):  # a positional argument of a direct construction
+    if positional and loc and isinstance(loc[0], int):  # a positional argument of a direct construction
         parts[0] = dataclasses.fields(cls)[loc[0]].name
     return ".".join(parts)
 
 
-def _describe(exc: pydantic.ValidationError, cls: type) -> str:
-    """One clause per problem, each led by the dotted key (positional arguments by field name).
+def _describe(exc: pydantic.ValidationError, cls: type, positional: bool = False) -> str:
+    """One clause per problem, each led by the dotted key (``positional``: a construction's
+    positional arguments by field name; else a leading number is a key a file wrote as a number).
     Values are never echoed: some of them are secrets."""
     lines = []
     for err in exc.errors(include_url=False, include_input=False):
@@ -71,7 +72,7 @@ def _describe(exc: pydantic.ValidationError, cls: type) -> str:
             msg = str(err["ctx"]["error"])
         else:
             msg = err["msg"]
-        where = _where(err["loc"], cls)
+        where = _where(err["loc"], cls, positional)
         lines.append(f"{where}: {msg}" if where else msg)
     return "; ".join(lines)
 
@@ -87,19 +88,38 @@ def _section(cls: type[_T]) -> type[_T]:
         try:
             validate(self, *args, **kwargs)
         except pydantic.ValidationError as exc:
-            raise ConfigError(_describe(exc, built)) from None
+            raise ConfigError(_describe(exc, built, positional=True)) from None
 
     built.__init__ = __init__
     return typing.cast(type[_T], built)
 
 
 _HOST_PORT = re.compile(r"[A-Za-z0-9_.-]+:[0-9]{1,5}")
+_REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 
 
 def _check(cond: bool, message: str) -> None:
     """A rule that ties fields together; ``message`` names the keys relative to the section."""
     if not cond:
         raise ValueError(message)
+
+
+def _check_redis_url(url: str) -> None:
+    """A URL redis-py takes, with a port and database it would not silently replace. The
+    messages never repeat the URL (it may carry the password)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        raise ValueError("url is not a URL (a bracketed IPv6 host not closed?)") from None
+    _check(parts.scheme in _REDIS_SCHEMES, "url must start with " + ", ".join(f"{s}://" for s in _REDIS_SCHEMES))
+    if parts.scheme == "unix":
+        return
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError("url's port must be a number in 1-65535") from None
+    _check(port is None or port >= 1, "url's port must be a number in 1-65535")
+    _check(parts.path.strip("/").isdigit() or not parts.path.strip("/"), "url's database (its path) must be a number")
 
 
 @_section
@@ -134,6 +154,8 @@ class RedisConfig:
                                          "fewer by then: the write is reported as failed (503)")
 
     def __post_init__(self) -> None:
+        if self.url:
+            _check_redis_url(self.url)
         if self.url and urlsplit(self.url).scheme in ("redis+cluster", "rediss+cluster"):
             self.cluster = True  # the mode in effect, as the configuration shows it (GET /admin/config)
         _check(not (self.password and self.password_file), "set password or password_file, not both")
@@ -867,6 +889,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         seen: set[Any] = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            if not isinstance(key, typing.Hashable):  # a list as a key: SafeLoader refuses it below
+                continue
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"key {key!r} is given twice in one mapping", key_node.start_mark)
@@ -884,6 +908,19 @@ def log_level(env: typing.Mapping[str, str] | None = None) -> str:
     return (os.environ if env is None else env).get("LEARNMESH_LOG_LEVEL", "INFO").upper()
 
 
+def _read_config_file(p: Path) -> str:
+    if p.exists() and not p.is_file():  # a directory; a pipe would block the start
+        raise ConfigError(f"config file {p} is not a regular file")
+    try:
+        return p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file {p} not found") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {p}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {p} is not UTF-8 text (byte {exc.start})") from None
+
+
 def load_config(path: str | os.PathLike[str] | None = None,
                 env: typing.Mapping[str, str] | None = None,
                 overrides: dict[str, Any] | None = None) -> Config:
@@ -893,10 +930,8 @@ def load_config(path: str | os.PathLike[str] | None = None,
     data: dict[str, Any] = {}
     if path:
         p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} not found")
         try:
-            loaded = yaml.load(p.read_text(), Loader=_UniqueKeyLoader) or {}  # noqa: S506 - a SafeLoader
+            loaded = yaml.load(_read_config_file(p), Loader=_UniqueKeyLoader) or {}  # noqa: S506 - a SafeLoader
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file {p} is not valid YAML: {exc}") from None
         if not isinstance(loaded, dict):

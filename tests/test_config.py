@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, cast
 
@@ -190,3 +193,47 @@ def test_an_upstream_with_an_endless_or_absurd_number_fails_at_start(tmp_path: P
     path.write_text(f"proxy:\n  upstreams:\n    - name: up\n      url: http://127.0.0.1:9000/mcp\n      {field}: {value}\n")
     with pytest.raises(ConfigError, match=f"proxy.upstreams.0.{field}"):
         load_config(path, env={})
+
+
+def _cli(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``learnmesh ARGS`` as an operator runs it, with no learnmesh variables but ``env``'s."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("LEARNMESH_") and k != "REDIS_URL"}
+    return subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          env={**clean, "LEARNMESH_VAR": str(tmp_path / "var"), **(env or {})}, timeout=60)
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"gateway:\n  port: \xff\xfe\n", "config file {path} is not UTF-8 text (byte 17)"),
+    (None, "config file {path} is not a regular file"),  # a directory
+    (b"? [a, b]\n: 1\n", "config file {path} is not valid YAML: while constructing a mapping"),
+    (b"1: 2\n", "1: Keys should be strings"),  # the key the file wrote, not the section in that place
+])
+def test_a_config_file_that_cannot_be_read_or_parsed_is_one_line_naming_it(tmp_path: Path, content: bytes | None,
+                                                                           message: str) -> None:
+    path = tmp_path / "learnmesh.yaml"
+    path.mkdir() if content is None else path.write_bytes(content)
+    done = _cli(tmp_path, "--config", str(path), "keys")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("learnmesh: configuration error: " + message.format(path=path)), done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "var").exists()
+
+
+@pytest.mark.parametrize("url, message", [
+    ("127.0.0.1:6390", "url must start with redis://, rediss://, unix://, redis+cluster://, rediss+cluster://"),
+    ("redis://:hunter2-secret@127.0.0.1:63x0/0", "url's port must be a number in 1-65535"),
+    ("redis://:hunter2-secret@127.0.0.1:99999/0", "url's port must be a number in 1-65535"),
+    ("redis://:hunter2-secret@127.0.0.1:6390/one", "url's database (its path) must be a number"),  # else database 0
+])
+def test_a_redis_url_that_redis_py_refuses_or_misreads_fails_as_the_configuration_loads(tmp_path: Path, url: str,
+                                                                                       message: str) -> None:
+    """Refused with the setting named, the password never repeated, before any process starts
+    (not a ValueError traceback from inside redis-py as the first connection is made)."""
+    done = _cli(tmp_path, "keys", env={"REDIS_URL": url})
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [f"learnmesh: configuration error: redis: {message}"]
+
+
+@pytest.mark.parametrize("url", ["redis://127.0.0.1", "rediss://u:p@[::1]:6390/3", "redis+cluster://:p@10.0.0.1:7000",
+                                 "rediss+cluster://node:7000/0", "unix:///run/redis.sock?db=2"])
+def test_every_redis_url_form_redis_py_takes_loads(url: str) -> None:
+    assert load_config(env={"REDIS_URL": url}).redis.url == url

@@ -295,3 +295,100 @@ def test_children_reach_the_cluster_while_the_url_node_is_down(tmp_path: Path) -
             close_sync(client)
     finally:
         cluster.stop()
+
+
+def _learnmesh(tmp_path: Path, *args: str, env: dict[str, str], timeout_s: float = 60) -> tuple[int, str, str]:
+    """``learnmesh ARGS`` in a session of its own; one that is still running after ``timeout_s``
+    (it started a mesh) is stopped with SIGTERM, which stops its children too, and fails the test."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("LEARNMESH_") and k != "REDIS_URL"}
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", *args], cwd=ROOT, env={**clean, **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        proc.communicate(timeout=60)
+        pytest.fail(f"learnmesh {' '.join(args)} ran on instead of refusing its arguments")
+    return proc.returncode, out, err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["up", "--port", "70000"], "learnmesh up: error: argument --port: 70000 is not a TCP port (1-65535)"),
+    (["up", "--port", "0"], "learnmesh up: error: argument --port: 0 is not a TCP port (1-65535)"),
+    (["up", "--workers", "0"], "learnmesh up: error: argument --workers: 0 is less than 1"),
+    (["up", "--ranks", "-1"], "learnmesh up: error: argument --ranks: -1 is less than 1"),
+    (["gateway", "--port", "65536"], "learnmesh gateway: error: argument --port: 65536 is not a TCP port (1-65535)"),
+    (["worker", "--index", "-1"], "learnmesh worker: error: argument --index: -1 is less than 0"),
+    (["trainer", "--ranks", "two"], "learnmesh trainer: error: argument --ranks: 'two' is not a whole number"),
+])
+def test_a_flag_out_of_its_range_is_refused_before_anything_starts(tmp_path: Path, args: list[str],
+                                                                   message: str) -> None:
+    """Not a traceback (--port 70000), a mesh without workers or ranks (--workers 0), nor the
+    configured port in place of the one given (--port 0)."""
+    path, _ = _own_ports_config(tmp_path)
+    code, _, err = _learnmesh(tmp_path, "--config", str(path), *args, env={
+        "REDIS_URL": f"redis://127.0.0.1:{free_port()}/0", "LEARNMESH_VAR": str(tmp_path / "var")})
+    assert code == 2 and err.strip().splitlines()[-1] == message, err
+    assert not (tmp_path / "var").exists()
+
+
+@pytest.mark.parametrize("var", ["file", "file/var"])
+def test_up_names_learnmesh_var_when_it_cannot_be_the_mesh_directory(redis_url: str, tmp_path: Path, var: str) -> None:
+    """$LEARNMESH_VAR a file, or under one (read-only, not permitted: the same path): one line
+    naming the variable, nothing started."""
+    (tmp_path / "file").write_text("")
+    path, _ = _own_ports_config(tmp_path)
+    code, out, err = _learnmesh(tmp_path, "--config", str(path), "up",
+                                env={"REDIS_URL": redis_url, "LEARNMESH_VAR": str(tmp_path / var)})
+    assert code == 2, err
+    reason = {"file": "File exists", "file/var": "Not a directory"}[var]
+    assert err.strip().splitlines() == [
+        f"learnmesh: configuration error: LEARNMESH_VAR: {tmp_path / var} is not a directory this mesh can write "
+        f"to ({reason}: {tmp_path / var}); give it one that is"]
+    code, out, err = _learnmesh(tmp_path, "keys", env={"LEARNMESH_VAR": str(tmp_path / var)})
+    assert code == 1 and err.strip().splitlines() == [
+        f"learnmesh: cannot use {tmp_path / var / 'keys' / 'zmq'}: Not a directory"], err
+
+
+@pytest.mark.parametrize("content", ["- demo\n", "api_keys: [demo]\n", "api_keys: {demo: [1]}\n", "api_keys: {\n"])
+def test_up_refuses_a_generated_keys_file_of_another_shape_and_keeps_it(redis_url: str, tmp_path: Path,
+                                                                        content: str) -> None:
+    """A var/keys/generated.yaml edited into another shape (or cut short): named, left as it is
+    (the keys clients use may still be in it), nothing started."""
+    keys = tmp_path / "var" / "keys" / "generated.yaml"
+    keys.parent.mkdir(parents=True)
+    keys.write_text(content)
+    keys.chmod(0o600)
+    path, _ = _own_ports_config(tmp_path)
+    code, out, err = _learnmesh(tmp_path, "--config", str(path), "up",
+                                env={"REDIS_URL": redis_url, "LEARNMESH_VAR": str(tmp_path / "var")})
+    assert code == 2, err
+    assert err.strip().splitlines()[-1] == (
+        f"learnmesh: configuration error: generated keys file {keys} is not what learnmesh up writes (api_keys: "
+        "principal -> key, admin_key: key); mend it, or delete it to have new keys made")
+    assert keys.read_text() == content and not (tmp_path / "var" / "logs").exists()
+
+
+def test_a_mesh_stopped_while_it_starts_says_so_and_never_that_it_is_up(tmp_path: Path) -> None:
+    """SIGTERM (Ctrl-C alike) before the gateway is ready: every child stops, exit 0, and no
+    "learnmesh is up" banner with keys nor "not ready after 120s" for a start cut short. Redis
+    here answers nothing, so the gateway is never ready; `up` says that it waits for it."""
+    path, _ = _own_ports_config(tmp_path)
+    var = tmp_path / "var"
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("LEARNMESH_") and k != "REDIS_URL"}
+    up = subprocess.Popen([sys.executable, "-m", "services.cli", "--config", str(path), "up"], cwd=ROOT,
+                          env={**clean, "REDIS_URL": f"redis://127.0.0.1:{free_port()}/0", "LEARNMESH_VAR": str(var)},
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_for_sync(lambda: (var / "logs" / "gateway.log").is_file(), timeout_s=60, what="the gateway to start")
+        up.send_signal(signal.SIGTERM)
+        out, err = up.communicate(timeout=60)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.communicate()
+    assert up.returncode == 0, err
+    assert "learnmesh is up" not in out and "admin key" not in out and "not ready after" not in err
+    assert "does not answer; the mesh starts and waits for it" in err
+    started = [int(line.rpartition("(pid ")[2].rstrip(")")) for line in err.splitlines() if "(pid " in line]
+    assert len(started) == 3 and all(_gone(pid) for pid in started), err
