@@ -936,7 +936,8 @@ def load_config(path: str | os.PathLike[str] | None = None,
             raise ConfigError(f"config file {p} is not valid YAML: {exc}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {p} must be a mapping at top level")
-        data = loaded
+        # a section whose keys are all commented out reads as null: it means its defaults
+        data = {k: {} if v is None else v for k, v in loaded.items()}
     data = _merge(data, _env_overrides(env))
     if overrides:
         data = _merge(data, overrides)

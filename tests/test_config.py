@@ -78,6 +78,13 @@ def test_bad_files_fail_with_the_key_named(tmp_path: Path, text: str, message: s
         load_config(path, env={})
 
 
+def test_a_section_with_every_key_commented_out_means_its_defaults(tmp_path: Path) -> None:
+    path = tmp_path / "learnmesh.yaml"
+    path.write_text("gateway:\n  # port: 9000\nworker:\n  max_batch_size: 4\n")
+    cfg = load_config(path, env={})
+    assert cfg.gateway.port == load_config(env={}).gateway.port and cfg.worker.max_batch_size == 4
+
+
 def test_bad_api_key_spec_is_refused() -> None:
     with pytest.raises(ConfigError):
         parse_api_keys("alice")
