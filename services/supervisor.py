@@ -158,12 +158,16 @@ class Supervisor:
         self.stop_timeout_s = stop_timeout_s
         self.exit_code = 0
         self._stopping = threading.Event()
+        self._hurry = threading.Event()  # a second stop request: no more grace for the children
 
     def start(self) -> None:
         for child in self.children:
             child.start()
 
     def stop(self) -> None:
+        """Stop everything; asked again while stopping (a second Ctrl-C), kill what still runs."""
+        if self._stopping.is_set():
+            self._hurry.set()
         self._stopping.set()
 
     @property
@@ -193,15 +197,19 @@ class Supervisor:
         self.shutdown()
 
     def shutdown(self) -> None:
-        log.info("stopping: SIGTERM to %s", ", ".join(c.name for c in reversed(self.children) if c.alive()))
+        log.info("stopping: SIGTERM to %s (asked again, kills them at once)",
+                 ", ".join(c.name for c in reversed(self.children) if c.alive()))
         for child in reversed(self.children):
             child.signal(signal.SIGTERM)
         deadline = time.monotonic() + self.stop_timeout_s
         for child in reversed(self.children):
-            if not child.wait(max(0.0, deadline - time.monotonic())):
-                log.warning("%s did not stop within %.0fs; killing it", child.name, self.stop_timeout_s)
-                child.signal(signal.SIGKILL)
-                child.wait(5)
+            while not child.wait(min(0.2, max(0.0, deadline - time.monotonic()))):
+                if self._hurry.is_set() or time.monotonic() >= deadline:
+                    why = "asked again" if self._hurry.is_set() else f"did not stop within {self.stop_timeout_s:.0f}s"
+                    log.warning("%s %s; killing it", child.name, why)
+                    child.signal(signal.SIGKILL)
+                    child.wait(5)
+                    break
             else:
                 log.info("%s stopped (exit code %s)", child.name, child.proc.returncode if child.proc else None)
             child.close_log()

@@ -9,6 +9,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import httpx
@@ -81,6 +82,39 @@ def test_a_child_that_exits_on_a_configuration_error_stops_the_mesh_instead_of_r
     sup.run(poll_s=0.05)  # returns: it stops everything by itself
     assert sup.exit_code == 2 and bad.restarts == 0
     assert not other.alive()
+
+
+def test_a_second_stop_kills_children_that_are_still_stopping(tmp_path: Path) -> None:
+    """A second Ctrl-C while the children finish (a trainer's last checkpoint, a gateway's
+    drain) ends their grace: what still runs is killed then, not after ``stop_timeout_s``."""
+    slow = ("import pathlib, signal, sys, time\n"
+            "out = pathlib.Path(sys.argv[1])\n"
+            "signal.signal(signal.SIGTERM, lambda *_: out.write_text('asked'))\n"
+            "out.write_text('running')\n"
+            "while True: time.sleep(1)\n")
+    children = [Child(f"slow-{i}", [sys.executable, "-c", slow, str(tmp_path / f"slow-{i}")], dict(os.environ))
+                for i in range(2)]
+    sup = Supervisor(children, stop_timeout_s=600)
+    sup.start()
+    stopper = threading.Thread(target=sup.run, kwargs={"poll_s": 0.05})
+    stopper.start()
+    try:
+        def said(word: str) -> bool:
+            return all((tmp_path / f"slow-{i}").is_file() and (tmp_path / f"slow-{i}").read_text() == word
+                       for i in range(2))
+
+        wait_for_sync(lambda: said("running"), timeout_s=30, what="the children to run")
+        sup.stop()
+        wait_for_sync(lambda: said("asked"), timeout_s=30, what="both children to be asked to stop")
+        assert all(c.alive() for c in children)  # they ignore it: only the grace would end them
+        sup.stop()
+        stopper.join(30)
+        assert not stopper.is_alive() and not any(c.alive() for c in children)
+        assert all(c.proc is not None and c.proc.returncode == -signal.SIGKILL for c in children)
+    finally:
+        for c in children:
+            c.signal(signal.SIGKILL)
+            c.wait(5)
 
 
 def _own_ports_config(tmp_path: Path) -> tuple[Path, dict[str, int]]:
