@@ -270,6 +270,14 @@ def test_openapi_published_with_security(gw):
     assert "401" in paths["/admin/trainer/pause"]["post"]["responses"]
 
 
+def test_admin_itself_leads_to_the_dashboard(gw):
+    for path in ("/admin", "/admin/"):
+        r = gw.get(path, follow_redirects=False)
+        assert r.status_code == 307 and r.headers["location"] == "/admin/ui", (path, r.status_code)
+    assert gw.get("/admin", follow_redirects=True).text.startswith("<!")
+    assert gw.post("/admin", json={}).status_code == 401  # only reading it is public
+
+
 def test_redaction_covers_every_secret():
     from gateway.admin.config import redact
     from shared.config import load_config

@@ -38,7 +38,8 @@ _NAME_OK = re.compile(r"^[A-Za-z0-9_.@\-]{1,64}$")
 ADMIN_KEY_REQUIRED = "a valid admin key is required"
 ADMIN_SCOPE_KEY = "learnmesh.admin"
 """Where the HTTP edge (gateway/transports/edge.py) leaves the admin key it authenticated."""
-_PUBLIC = re.compile(r"^/admin/(?:ui(?:/[^/]*)?|openapi\.json)$")  # the dashboard's files, the API document
+# the dashboard's files, the API document, and /admin itself (it leads to the dashboard)
+_PUBLIC = re.compile(r"^/admin(?:/|/ui(?:/[^/]*)?|/openapi\.json)?$")
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,7 @@ class AdminKeyring:
 
 def admin_key_required(method: str, path: str) -> bool:
     """Whether a request needs an admin key before anything of it is read: every ``/admin`` path
-    except the dashboard's static files and the OpenAPI document (GET/HEAD)."""
+    except the dashboard's static files, the OpenAPI document and ``/admin`` itself (GET/HEAD)."""
     if path != "/admin" and not path.startswith("/admin/"):
         return False
     return not (method in ("GET", "HEAD") and _PUBLIC.fullmatch(path))

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, HTTPException, Request
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse
 
 from gateway.admin.auth import AdminPrincipal
 from gateway.admin.common import E400, E401, E403, E404, admin_router, viewer
@@ -61,6 +61,13 @@ def admin_doc(app: FastAPI) -> dict[str, Any]:
 @router.get("/openapi.json", include_in_schema=False)
 async def admin_openapi(request: Request) -> JSONResponse:
     return JSONResponse(admin_doc(request.app))
+
+
+@fallback.get("", include_in_schema=False)
+@fallback.get("/", include_in_schema=False)
+async def admin_root() -> RedirectResponse:
+    """``/admin`` as a person types it: the dashboard (which asks for a key itself)."""
+    return RedirectResponse("/admin/ui", status_code=307)
 
 
 @router.get("/ui", include_in_schema=False)

@@ -141,7 +141,7 @@ def test_websocket_message_over_the_limit_closes_the_socket(port: int) -> None:
 
 
 @pytest.mark.parametrize("method,path,needed", [
-    ("POST", "/admin/keys", True), ("GET", "/admin/summary", True), ("GET", "/admin", True),
+    ("POST", "/admin/keys", True), ("GET", "/admin/summary", True), ("GET", "/admin", False), ("GET", "/admin/", False), ("POST", "/admin", True),
     ("GET", "/admin/ui", False), ("GET", "/admin/ui/app.js", False), ("HEAD", "/admin/openapi.json", False),
     ("POST", "/admin/ui", True), ("GET", "/admin/ui/../keys", True), ("GET", "/admin/ui/a/b", True),
     ("GET", "/administrator", False), ("POST", "/mcp", False)])
