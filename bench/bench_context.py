@@ -204,11 +204,12 @@ end
 
 async def client_commands(r: AsyncRedis) -> int:
     """Commands clients sent (script-internal calls excluded), on every master: one per round
-    trip here."""
+    trip here. Not EVAL: on a cluster the store posts its global accounting as EVALs beside its
+    calls, in the same batches (counted apart, as posted/op)."""
     async def one(node: aioredis.Redis) -> int:
         stats = await node.info("commandstats")
         return sum(int(v["calls"]) for k, v in stats.items() if k in (
-            "cmdstat_fcall", "cmdstat_evalsha", "cmdstat_eval", "cmdstat_get", "cmdstat_set"))
+            "cmdstat_fcall", "cmdstat_evalsha", "cmdstat_get", "cmdstat_set"))
     return sum(await for_each_primary(r, one))
 
 
@@ -257,7 +258,7 @@ def bulk_load(pipe, cfg: ContextConfig, principal: str, cid: str, packed: list[b
     time `now_ms` — the store's own layout (docs/context.md), written without Lua. Audit
     records are not written.
     ``single``: on one server, where the script keeps the time of the principal's global stamp
-    with its state. Returns the stored bytes."""
+    with its state (on a cluster, the time its bytes last changed). Returns the stored bytes."""
     n, w, nver = len(packed), cfg.channel_max_entries, cfg.versions_retained
     lo = max(1, n - w + 1)
     vf = max(1, n - nver + 1)
@@ -273,7 +274,7 @@ def bulk_load(pipe, cfg: ContextConfig, principal: str, cid: str, packed: list[b
     pipe.hset(m, mapping={cid: orjson.dumps(meta), f"\x00v{cid}": f"{n};{meta['e']};text:{lo}:{n}", f"\x00u{cid}": score,
                           "\x00bytes": stored, "\x00clock": score,
                           "\x00exp": now_ms, "\x00due": now_ms + cfg.idle_ttl_s * 1000,
-                          **({"\x00gs": now_ms} if single else {})})
+                          **({"\x00gs": now_ms} if single else {"\x00ch": now_ms})})
     pipe.zadd(lru, {cid: score})
     pipe.hset(ver, mapping={f"{cid}|{v}": f"text:{max(1, v - w + 1)}:{v}" for v in range(vf, n + 1)})
     ttl = cfg.idle_ttl_s * 1000 + cfg.idle_ttl_s * 1000 // 16

@@ -200,6 +200,7 @@ def test_oversized_client_capabilities_are_refused_and_not_kept(gw: Gateway, sto
     # under the bound is served as before
     r = post(gw, orjson.dumps(initialize(4, {"experimental": {"x": "a" * (limit // 2)}})).decode())
     assert r.status_code == 200 and r.headers["mcp-session-id"], r.text[:300]
+    over_http = r.headers["mcp-session-id"]
     # 2026-07-28: a request's own capabilities, which a listen stream or a task holds while it lives
     for caps in (huge, {"sampling": {}, "experimental": {"x": "a" * limit}}):
         for method, params in (("tools/call", {"name": "t_echo", "arguments": {"text": "x"}}),
@@ -226,8 +227,12 @@ def test_oversized_client_capabilities_are_refused_and_not_kept(gw: Gateway, sto
 
     asyncio.run(over_websocket())
     # a WebSocket session ends with its connection; the HTTP one opened above stays
-    wait_for_sync(lambda: store.zcard(keys.principal_sessions("mallory")) == 1, timeout_s=10,
-                  what="the closed WebSocket's session to be deleted")
+    def sessions() -> set[str]:
+        return {m.decode() for m in store.zrange(keys.principal_sessions("mallory"), 0, -1)}
+
+    wait_for_sync(lambda: sessions() == {over_http}, timeout_s=30,
+                  what=lambda: f"the closed WebSocket's session to be deleted (sessions held: {sessions()}, "
+                               f"the HTTP one: {over_http})")
     assert_no_crash_logged(gw, since)
 
 
