@@ -275,6 +275,7 @@ REFUSED: dict[str, Any] = {
     "sub-empty": lambda: mint(sub=""),
     "sub-too-long": lambda: mint(sub="a" * 129),
     "sub-in-the-admin-keys-audit-namespace": lambda: mint(sub="admin:root"),
+    "sub-of-the-open-gateway": lambda: mint(sub="local"),
     "sub-not-a-string": lambda: mint(sub=12345),
     "not-a-jwt": lambda: "not.a.jwt",
     "api-key-lookalike": lambda: API_KEY + "x",
@@ -368,7 +369,8 @@ def test_websocket_principal_claim_is_configurable(email_gw: Gateway, store: Red
     assert_ws_refused(email_gw, bearer(mint(sub="carol")), email_gw.challenge + ', error="invalid_token"')
 
 
-WS_REFUSED = ("expired", "wrong-audience", "other-secret", "tampered-payload", "alg-none", "sub-with-brace")
+WS_REFUSED = ("expired", "wrong-audience", "other-secret", "tampered-payload", "alg-none", "sub-with-brace",
+              "sub-of-the-open-gateway")
 
 
 @pytest.mark.parametrize("case", WS_REFUSED)
