@@ -303,6 +303,33 @@ def test_missing_bearer_token_refused(oauth_gw: Gateway, store: RedisTarget, aut
     assert principal_keys(store) == []
 
 
+TWO_CREDENTIALS = {"error": "invalid_request", "error_description": "more than one Authorization header"}
+
+
+@pytest.mark.parametrize("second", ["garbage", "other-sub", "same"])
+def test_two_authorization_headers_are_refused(oauth_gw: Gateway, store: RedisTarget, second: str) -> None:
+    """The field is a singleton: which copy a proxy in front reads and which the gateway reads
+    must not decide who calls, on any route or transport, whichever copy comes first."""
+    alice = "Bearer " + mint(sub="alice")
+    other = {"garbage": "Bearer not-a-token", "other-sub": "Bearer " + mint(sub="bob"), "same": alice}[second]
+    for pair in ([("authorization", alice), ("authorization", other)],
+                 [("authorization", other), ("authorization", alice)]):
+        msg, h = modern("tools/call", {"name": "context_append", "arguments": {
+            "context_id": "c", "modality": "text", "text": "must not land"}})
+        for r in (httpx.post(oauth_gw.mcp, json=msg, headers=[*h.items(), *pair]),
+                  httpx.post(oauth_gw.base + "/mcp/ws-ticket", headers=pair)):
+            assert (r.status_code, r.json()) == (400, TWO_CREDENTIALS), r.text
+            assert r.headers["www-authenticate"] == 'Bearer error="invalid_request"'
+        admin = httpx.get(oauth_gw.base + "/admin/config", headers=pair)
+        assert admin.status_code == 400 and admin.json() == {"detail": TWO_CREDENTIALS["error_description"]}
+        with pytest.raises(InvalidStatus) as refused, \
+                ws_connect(oauth_gw.ws, subprotocols=["mcp"], additional_headers=pair, open_timeout=10):
+            pass
+        response = refused.value.response
+        assert response.status_code == 400 and orjson.loads(response.body) == TWO_CREDENTIALS
+    assert principal_keys(store) == []
+
+
 def test_session_needs_a_valid_token_on_every_request(oauth_gw: Gateway, store: RedisTarget) -> None:
     session = Legacy(oauth_gw, bearer(mint(sub="alice")))
     invalid = oauth_gw.challenge + ', error="invalid_token"'
