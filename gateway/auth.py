@@ -7,8 +7,8 @@ are kept only as SHA-256 digests. With no keys and a loopback bind the gateway i
 open and every caller is the principal ``local``; ``gateway.server`` refuses a
 non-loopback bind without keys. In OAuth resource-server mode an HS256 JWT issued by
 the configured authorization server is accepted too; the principal is its
-``principal_claim``, and 401 answers carry ``WWW-Authenticate: Bearer
-resource_metadata=...`` pointing at the RFC 9728 document.
+``principal_claim`` (never ``local``, the open gateway's), and 401 answers carry
+``WWW-Authenticate: Bearer resource_metadata=...`` pointing at the RFC 9728 document.
 """
 
 from __future__ import annotations
@@ -112,7 +112,9 @@ class Authenticator:
         except jwt.PyJWTError:
             return None
         who = claims.get(self._oauth.principal_claim)
-        return who if is_principal(who) else None
+        # ``local`` is the open gateway's principal, a teacher by default (``learning.teachers``) and
+        # the owner of what was stored while the gateway was open: a token may not claim it.
+        return who if is_principal(who) and who != OPEN_PRINCIPAL else None
 
     def protected_resource_metadata(self) -> dict | None:
         """RFC 9728 document, or None when OAuth mode is off."""

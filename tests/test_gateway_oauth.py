@@ -275,6 +275,7 @@ REFUSED: dict[str, Any] = {
     "sub-empty": lambda: mint(sub=""),
     "sub-too-long": lambda: mint(sub="a" * 129),
     "sub-in-the-admin-keys-audit-namespace": lambda: mint(sub="admin:root"),
+    "sub-of-the-open-gateway": lambda: mint(sub="local"),
     "sub-not-a-string": lambda: mint(sub=12345),
     "not-a-jwt": lambda: "not.a.jwt",
     "api-key-lookalike": lambda: API_KEY + "x",
@@ -299,6 +300,33 @@ def test_missing_bearer_token_refused(oauth_gw: Gateway, store: RedisTarget, aut
     auth = {} if authorization is None else {"authorization": authorization}
     assert_refused(initialize(oauth_gw, auth), oauth_gw.challenge)
     assert_refused(call_modern(oauth_gw, auth, "tools/list"), oauth_gw.challenge)
+    assert principal_keys(store) == []
+
+
+TWO_CREDENTIALS = {"error": "invalid_request", "error_description": "more than one Authorization header"}
+
+
+@pytest.mark.parametrize("second", ["garbage", "other-sub", "same"])
+def test_two_authorization_headers_are_refused(oauth_gw: Gateway, store: RedisTarget, second: str) -> None:
+    """The field is a singleton: which copy a proxy in front reads and which the gateway reads
+    must not decide who calls, on any route or transport, whichever copy comes first."""
+    alice = "Bearer " + mint(sub="alice")
+    other = {"garbage": "Bearer not-a-token", "other-sub": "Bearer " + mint(sub="bob"), "same": alice}[second]
+    for pair in ([("authorization", alice), ("authorization", other)],
+                 [("authorization", other), ("authorization", alice)]):
+        msg, h = modern("tools/call", {"name": "context_append", "arguments": {
+            "context_id": "c", "modality": "text", "text": "must not land"}})
+        for r in (httpx.post(oauth_gw.mcp, json=msg, headers=[*h.items(), *pair]),
+                  httpx.post(oauth_gw.base + "/mcp/ws-ticket", headers=pair)):
+            assert (r.status_code, r.json()) == (400, TWO_CREDENTIALS), r.text
+            assert r.headers["www-authenticate"] == 'Bearer error="invalid_request"'
+        admin = httpx.get(oauth_gw.base + "/admin/config", headers=pair)
+        assert admin.status_code == 400 and admin.json() == {"detail": TWO_CREDENTIALS["error_description"]}
+        with pytest.raises(InvalidStatus) as refused, \
+                ws_connect(oauth_gw.ws, subprotocols=["mcp"], additional_headers=pair, open_timeout=10):
+            pass
+        response = refused.value.response
+        assert response.status_code == 400 and orjson.loads(response.body) == TWO_CREDENTIALS
     assert principal_keys(store) == []
 
 
@@ -368,7 +396,8 @@ def test_websocket_principal_claim_is_configurable(email_gw: Gateway, store: Red
     assert_ws_refused(email_gw, bearer(mint(sub="carol")), email_gw.challenge + ', error="invalid_token"')
 
 
-WS_REFUSED = ("expired", "wrong-audience", "other-secret", "tampered-payload", "alg-none", "sub-with-brace")
+WS_REFUSED = ("expired", "wrong-audience", "other-secret", "tampered-payload", "alg-none", "sub-with-brace",
+              "sub-of-the-open-gateway")
 
 
 @pytest.mark.parametrize("case", WS_REFUSED)

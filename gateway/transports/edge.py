@@ -10,6 +10,10 @@
   (gateway/admin/auth.py says which do not), checked from the headers alone, so an
   unauthenticated upload costs the gateway nothing but its headers. The route still checks
   the key's role, with the key found here.
+- **One credential**: a request with more than one ``Authorization`` header is 400
+  (``invalid_request``, RFC 6750 3.1) on every route. The field is a singleton (RFC 9110); a
+  proxy in front that reads one of two copies could otherwise vouch for a caller the gateway
+  takes for another.
 
 The read deadlines for headers and bodies live one layer down, where the socket is
 (gateway/transports/http_protocol.py).
@@ -34,6 +38,7 @@ Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 MCP_PATH = "/mcp"
+TWO_CREDENTIALS = "more than one Authorization header"
 
 
 class _ChunkedBody:
@@ -75,16 +80,20 @@ class HttpEdge:
     async def admit(self, scope: Scope, receive: Receive, send: Send) -> tuple[Receive, Send] | None:
         """The ``receive``/``send`` the app serves the request with, or None when it was answered here."""
         length = authorization = None
-        chunked = False
+        chunked = twice = False
         for name, value in scope["headers"]:
             if name == b"content-length":
                 length = value
             elif name == b"transfer-encoding":
                 chunked = True
             elif name == b"authorization":
+                twice = authorization is not None
                 authorization = value
         if length is not None and (not length.isdigit() or int(length) > self.max_body):
             await self._too_large(scope, send)
+            return None
+        if twice:
+            await _two_credentials(scope, send)
             return None
         if admin_key_required(scope["method"], scope["path"]):
             who = await authenticate(self.keyring, None if authorization is None else authorization.decode("latin-1"))
@@ -104,6 +113,14 @@ class HttpEdge:
         else:
             body = orjson.dumps({"detail": exc.detail})
         await _answer(send, 413, body)
+
+
+async def _two_credentials(scope: Scope, send: Send) -> None:
+    if admin_key_required(scope["method"], scope["path"]):
+        body = orjson.dumps({"detail": TWO_CREDENTIALS})
+    else:
+        body = orjson.dumps({"error": "invalid_request", "error_description": TWO_CREDENTIALS})
+    await _answer(send, 400, body, [(b"www-authenticate", b'Bearer error="invalid_request"')])
 
 
 async def _answer(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:

@@ -41,6 +41,7 @@ from gateway.mcp.kernel import Kernel, Link, Message
 from gateway.mcp.types import ErrorResponse, Reply, Request, ServerMessage, encode
 from gateway.mcp.types import Response as RpcResponse
 from gateway.state import gateway_of
+from gateway.transports.edge import TWO_CREDENTIALS
 
 if TYPE_CHECKING:
     from gateway.state import Gateway
@@ -172,7 +173,7 @@ async def _refuse(ws: WebSocket, status: int, body: dict[str, str], headers: dic
     would answer 403 with no header; that is the fallback only where the server lacks the
     denial-response extension."""
     if "websocket.http.response" not in ws.scope.get("extensions", {}):
-        await ws.close(code=1008 if status == 401 else 1013, reason=body["error"])
+        await ws.close(code=1013 if status in (429, 503) else 1008, reason=body["error"])
         return
     await ws.send_denial_response(Response(encode(body), status_code=status, headers=headers,
                                            media_type="application/json"))
@@ -190,6 +191,8 @@ def _retry_later(exc: Exception, gateway: Gateway) -> tuple[int, dict[str, str],
 async def _principal(gateway: Gateway, ws: WebSocket) -> str:
     """Who opens the connection: the ``Authorization`` header, else a ``bearer.<token>``
     subprotocol, else a ticket; raises :class:`AuthError` (401) when none is valid."""
+    if len(ws.headers.getlist("authorization")) > 1:  # as the HTTP edge (gateway/transports/edge.py)
+        raise AuthError(400, TWO_CREDENTIALS, 'Bearer error="invalid_request"')
     authorization = ws.headers.get("authorization")
     if authorization is None and not gateway.auth.open:
         bearer = [p for p in ws.scope.get("subprotocols", ()) if p.startswith(BEARER_SUBPROTOCOL)]
@@ -219,7 +222,8 @@ async def websocket_endpoint(ws: WebSocket) -> None:
             await held.enter_async_context(gateway.limits.stream_slot(principal))  # for the connection's life
         except AuthError as exc:
             challenge = {"www-authenticate": exc.www_authenticate} if exc.www_authenticate else None
-            await _refuse(ws, exc.status, {"error": "unauthorized", "error_description": exc.message}, challenge)
+            error = "unauthorized" if exc.status == 401 else "invalid_request"
+            await _refuse(ws, exc.status, {"error": error, "error_description": exc.message}, challenge)
             return
         except (LimitExceeded, RedisError, OSError) as exc:
             await _refuse(ws, *_retry_later(exc, gateway))
