@@ -43,12 +43,14 @@ def uvicorn_options(cfg: Config) -> dict[str, Any]:
     """How uvicorn serves the gateway: our HTTP protocol with the configured read deadlines, our
     WebSocket protocol with messages bounded by the body limit. No access log and no
     X-Forwarded-* rewriting on the hot path: the gateway identifies callers by their
-    credentials and never reads the client address."""
+    credentials and never reads the client address. WebSocket keepalive pings on the
+    configured interval drop a peer that stopped answering (gateway/transports/ws_protocol.py)."""
     from gateway.transports.http_protocol import http_protocol
     from gateway.transports.ws_protocol import GatewayWebSocketProtocol
 
     return {"loop": "uvloop", "http": http_protocol(cfg.gateway), "ws": GatewayWebSocketProtocol,
-            "ws_max_size": cfg.gateway.max_body_bytes, "access_log": False, "proxy_headers": False}
+            "ws_max_size": cfg.gateway.max_body_bytes, "ws_ping_interval": cfg.gateway.ws_ping_interval_s,
+            "ws_ping_timeout": cfg.gateway.ws_ping_timeout_s, "access_log": False, "proxy_headers": False}
 
 
 class _Stopped(Exception):

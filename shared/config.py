@@ -221,6 +221,11 @@ class GatewayConfig:
         default=60.0, description="a request body not received in full this long after its headers is cut off (408)")
     ws_ticket_ttl_s: StrictInt = Field(
         default=30, ge=1, le=600, description="lifetime of a single-use WebSocket ticket (POST /mcp/ws-ticket)")
+    ws_ping_interval_s: PositiveFloat = Field(
+        default=20.0, description="a WebSocket connection is pinged after this long without a ping")
+    ws_ping_timeout_s: PositiveFloat = Field(
+        default=20.0, description="a WebSocket peer that has not answered a ping this long after it was sent is "
+                                  "dropped, with whatever was queued for it")
     session_idle_ttl_s: PositiveInt = 1800
     max_sessions_per_principal: PositiveInt = 1000
     max_client_capabilities_bytes: StrictInt = Field(
