@@ -42,7 +42,7 @@ from gateway.mcp.dispatcher import Call, InputRequired
 from gateway.mcp.types import CLIENT_CAPABILITIES_META_KEY, encode
 from gateway.registry import Tool, ToolContext
 from shared import keys
-from shared.aio import pause
+from shared.aio import pause, stop_if_cancelled
 from shared.text import as_str
 
 log = logging.getLogger(__name__)
@@ -382,6 +382,7 @@ class TaskManager:
         inputs_key = keys.task_inputs(principal, task_id)
         wanted = list(requests)
         while True:
+            stop_if_cancelled()  # a cancel landing as wait_for times out is swallowed below (shared/aio.py)
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.hmget(inputs_key, wanted)
                 pipe.hget(keys.task(principal, task_id), "status")

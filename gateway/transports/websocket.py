@@ -42,6 +42,7 @@ from gateway.mcp.types import ErrorResponse, Reply, Request, ServerMessage, enco
 from gateway.mcp.types import Response as RpcResponse
 from gateway.state import gateway_of
 from gateway.transports.edge import TWO_CREDENTIALS
+from shared.aio import pause, stop_if_cancelled
 
 if TYPE_CHECKING:
     from gateway.state import Gateway
@@ -147,10 +148,14 @@ class _Connection:
         cursor = await sessions.last_event_id(self.principal, sid)
         async with self.gateway.session_stream(self.principal, sid):
             while True:
+                # a close that cancels the pump while it opens the stream can reach it as a
+                # TimeoutError caught on the way (shared/aio.py): it would pump for ever, and the
+                # connection would keep its session and its slot
+                stop_if_cancelled()
                 try:
                     events = await sessions.read_events(self.principal, sid, cursor, EVENT_POLL_MS)
                 except (RedisError, OSError):
-                    await asyncio.sleep(1.0)
+                    await pause(1.0)
                     continue
                 for eid, data in events:
                     await self.send_bytes(data)

@@ -241,6 +241,27 @@ def test_oversized_client_capabilities_are_refused_and_not_kept(gw: Gateway, sto
     assert_no_crash_logged(gw, since)
 
 
+def test_websocket_sessions_closed_right_after_initialize_are_ended(gw: Gateway, store: redis_sync.Redis) -> None:
+    """A client that closes as soon as its session is open closes while the connection's event
+    pump is still starting: each connection must still end its session (and free its stream slot)."""
+    since = log_size(gw)
+    init = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
+            "params": {"protocolVersion": "2025-11-25", "capabilities": {},
+                       "clientInfo": {"name": "mallory", "version": "1"}}}
+
+    async def open_and_close() -> None:
+        async with ws_connect(gw.ws, subprotocols=["mcp"], additional_headers=AUTH) as ws:
+            await ws.send(orjson.dumps(init).decode())
+            assert "result" in orjson.loads(await asyncio.wait_for(ws.recv(), 10))
+
+    for _ in range(10):
+        asyncio.run(open_and_close())
+    wait_for_sync(lambda: store.zcard(keys.principal_sessions("mallory")) == 0, timeout_s=30,
+                  what=lambda: f"every closed WebSocket's session to end "
+                               f"({store.zcard(keys.principal_sessions('mallory'))} of 10 still open)")
+    assert_no_crash_logged(gw, since)
+
+
 # Bodies that are not JSON at all, whatever their first character; then well-formed JSON that is
 # not one JSON-RPC object.
 NOT_JSON = ("[", "[1,", '[{"jsonrpc":"2.0"', "[" * 100, '[{"jsonrpc":"2.0","id":1,"method":"ping"}] x', "[1]]",
