@@ -430,7 +430,7 @@ class TrainerConfig:
         default="", pattern=r"^$|:", description="'module:function' building the LearnModel; '': "
                                                  "shared.model.build_model")
     trim_log: StrictBool = Field(
-        default=True, description="after a checkpoint, XTRIM log entries it fully contains")
+        default=True, description="after a checkpoint, XTRIM log entries every kept checkpoint contains")
     pretrained: StrictBool = True
     # How a taught fact becomes an answer (docs/trainer.md, "Learning from few samples"): every
     # sample is trained in replay_passes steps (its first, then replays mixed into later steps,

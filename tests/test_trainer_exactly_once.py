@@ -150,7 +150,8 @@ def test_a_checkpoint_write_cut_short_leaves_no_file_behind_the_next_save(tmp_pa
     ``ckpt-<step>.pt`` names are); the next save removes it, so crashes do not fill the disk."""
     partial = tmp_path / ".ckpt-0000000007.pt.tmp"
     partial.write_bytes(b"half a checkpoint")
-    assert checkpoint.latest_bytes(tmp_path) is None
+    assert checkpoint.latest(tmp_path) is None
     checkpoint.save(tmp_path, 9, {"step": 9}, keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-0000000009.pt"]
-    assert checkpoint.load_bytes(checkpoint.latest_bytes(tmp_path) or b"")["step"] == 9
+    found = checkpoint.latest(tmp_path)
+    assert found is not None and checkpoint.load_bytes(found[1])["step"] == 9

@@ -53,7 +53,8 @@ class TrainerProc:
     takes the ranks with it). ``kill`` (RANK:STEP:MARKER) and ``dump_dir`` start it through
     tests/trainer_entry.py, which installs those observers on every rank."""
 
-    def __init__(self, cfg: Config, tmp_path: Path, *, kill: str | None = None, dump_dir: Path | None = None) -> None:
+    def __init__(self, cfg: Config, tmp_path: Path, *, kill: str | None = None, dump_dir: Path | None = None,
+                 max_file_bytes: int | None = None) -> None:
         self.path = tmp_path / f"trainer-{os.getpid()}-{id(self)}.yaml"
         self.path.write_text(yaml.safe_dump(cfg.to_dict()))
         self.log = open(tmp_path / f"trainer-{id(self)}.log", "wb")
@@ -62,7 +63,8 @@ class TrainerProc:
         entry = ["-m", "tests.trainer_entry", "--config", str(self.path), *observers] if observers else \
             ["-m", "services.cli", "--config", str(self.path), "trainer"]
         self.proc = subprocess.Popen([sys.executable, *entry], cwd=ROOT, env=env, stdout=self.log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+                                     stderr=subprocess.STDOUT, start_new_session=True,
+                                     preexec_fn=_file_size_limit(max_file_bytes) if max_file_bytes else None)
 
     def kill9(self) -> None:
         os.killpg(self.proc.pid, signal.SIGKILL)
@@ -83,6 +85,18 @@ class TrainerProc:
 
     def output(self) -> str:
         return Path(self.log.name).read_text(errors="replace")
+
+
+def _file_size_limit(max_bytes: int) -> Any:
+    """A full disk, as the trainer sees it: a write past ``max_bytes`` fails (EFBIG) instead of
+    ending the process (SIGXFSZ ignored); the ranks inherit both."""
+    def apply() -> None:
+        import resource
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (max_bytes, max_bytes))
+
+    return apply
 
 
 def sync_redis(redis_url: str) -> Any:
@@ -137,3 +151,11 @@ def log_entries(redis: Any, partitions: int) -> int:
 def committed(redis_url: str) -> dict[str, str]:
     with sync_redis_open(redis_url) as r:
         return {as_str(k): as_str(v) for k, v in r.hgetall(keys.TRAINER_OFFSET).items()}
+
+
+def wide_tiny_model(model_cfg: Any = None, pretrained: bool = True) -> Any:
+    """``trainer.model_factory`` of a model of another size than the tiny one (checkpoints of
+    either do not fit the other)."""
+    from services.trainer.tiny import TinyLM
+
+    return TinyLM(width=48)

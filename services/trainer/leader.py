@@ -83,6 +83,8 @@ class Leader:
         self._unconfirmed: tuple[Offset, list[str], dict[str, str]] | None = None  # a commit replicas lack
         self._unconfirmed_since = 0.0
         self._publish_owed: int | None = None  # the step whose publish waits for its commit
+        # step -> commit record of the checkpoints kept on disk (the one resumed from, then each save)
+        self._kept: dict[int, Offset] = {offset.step: offset}
 
     @property
     def cfg(self) -> Config:
@@ -309,8 +311,14 @@ class Leader:
                 "published_version": self.version if self._published_step == step else None}
 
     def checkpointed(self, path: Path, step: int) -> None:
+        """After a checkpoint is written: the log keeps what the oldest checkpoint kept on disk
+        needs, so a newest checkpoint found unreadable at restart falls back to one whose later
+        samples can still be trained again from the log."""
+        self._kept[step] = self.offset
+        for old in sorted(self._kept)[:-self.t.checkpoint_keep]:
+            del self._kept[old]
         if self.t.trim_log:
-            self.ledger.trim_log(self.offset)
+            self.ledger.trim_log(self._kept[min(self._kept)], self.offset)
         log.info("checkpoint %s (step %d, seq %d, version %d)", path, step, self.offset.seq, self.version)
 
     def ack(self, command_id: str, ok: bool = True, **result: Any) -> None:

@@ -170,11 +170,13 @@ class Ledger:
                 pipe.zremrangebyrank(keys.model_version_seq(part, log_id), 0, -VERSION_SEQS_KEPT - 1)
         pipe.execute()
 
-    def trim_log(self, off: Offset) -> None:
-        """Replay after a crash starts at the checkpoint's entries: older entries are never read again."""
+    def trim_log(self, off: Offset, current: Offset) -> None:
+        """Replay after a crash starts at a kept checkpoint's entries, at the earliest at those of
+        ``off`` (the oldest kept): older entries are never read again. A partition whose log
+        changed since ``off`` (``current`` names another one) is left whole."""
         pipe = self.redis.pipeline(transaction=False)
         for part, pos in off.positions.items():
-            if pos.id:
+            if pos.id and pos.log == current.at(part).log:
                 pipe.xtrim(keys.sample_log(part), minid=pos.id, approximate=False)
         pipe.execute()
 

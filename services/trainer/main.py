@@ -121,15 +121,33 @@ def build_trainer(cfg: Config, group: RankGroup, stop: Callable[[], bool],
                   observers: Sequence[StepObserver] = ()) -> Trainer:
     """A rank's loop at the latest checkpoint (every rank calls it: it broadcasts)."""
     stepper = Stepper(cfg, group, build_model(cfg).to(group.device))
-    data = checkpoint.latest_bytes(cfg.trainer.checkpoint_dir) if group.rank == 0 else None
-    data = group.broadcast_bytes(data)
+    found = checkpoint.latest(cfg.trainer.checkpoint_dir) if group.rank == 0 else None
+    data = group.broadcast_bytes(found[1] if found is not None else None)
     state = checkpoint.load_bytes(data) if data else None
     if state is not None:
-        stepper.restore(state)
+        _restore(cfg, stepper, state, str(found[0]) if found is not None else "the checkpoint rank 0 sent")
     step = int(state["step"]) if state is not None else 0
     leader = _build_leader(cfg, group, stepper, _checkpointed_offset(state)) if group.rank == 0 else None
     stepper.distribute(step)
     return Trainer(cfg, group, stepper, leader, stop, step=step, observers=observers)
+
+
+def _restore(cfg: Config, stepper: Stepper, state: dict[str, Any], source: str) -> None:
+    """Load a checkpoint into the model this configuration builds; :class:`~services.trainer.checkpoint.
+    CheckpointError` naming the file when it was written for another model (size or trainable part)."""
+    try:
+        stepper.restore(state)
+    except (RuntimeError, ValueError, KeyError) as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        detail = lines[1] if len(lines) > 1 and lines[0].startswith("Error(s) in loading") else lines[0] if lines else ""
+        more = f" (and {len(lines) - 2} more)" if len(lines) > 2 and lines[0].startswith("Error(s) in loading") else ""
+        theirs = state.get("model_id") or "unknown"
+        ours = getattr(stepper.model, "model_id", "") or "unknown"
+        raise checkpoint.CheckpointError(
+            f"checkpoint {source} does not fit the model this configuration builds (checkpoint's model "
+            f"{theirs}, configured {ours}): {type(exc).__name__}: {detail}{more}. Start with the model and "
+            f"trainer settings it was written with, or set trainer.checkpoint_dir (now "
+            f"{cfg.trainer.checkpoint_dir}) to an empty directory to train this model from its start") from None
 
 
 def _checkpointed_offset(state: dict[str, Any] | None) -> Offset:
