@@ -57,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     u = sub.add_parser("up", help="run everything on this machine: redis, gateway, workers, trainer")
     u.add_argument("--host")
     u.add_argument("--port", type=_port)
-    u.add_argument("--workers", type=_count(1))
+    u.add_argument("--workers", type=_count(0))  # 0: workers run elsewhere and join through Redis
     u.add_argument("--ranks", type=_count(1))
     u.add_argument("--fixtures", choices=["conformance"], help="passed on to the gateway (see gateway --help)")
 

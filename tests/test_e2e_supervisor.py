@@ -352,7 +352,8 @@ def _learnmesh(tmp_path: Path, *args: str, env: dict[str, str], timeout_s: float
 @pytest.mark.parametrize("args, message", [
     (["up", "--port", "70000"], "learnmesh up: error: argument --port: 70000 is not a TCP port (1-65535)"),
     (["up", "--port", "0"], "learnmesh up: error: argument --port: 0 is not a TCP port (1-65535)"),
-    (["up", "--workers", "0"], "learnmesh up: error: argument --workers: 0 is less than 1"),
+    (["up", "--workers", "-1"], "learnmesh up: error: argument --workers: -1 is less than 0"),
+    (["up", "--ranks", "0"], "learnmesh up: error: argument --ranks: 0 is less than 1"),
     (["up", "--ranks", "-1"], "learnmesh up: error: argument --ranks: -1 is less than 1"),
     (["gateway", "--port", "65536"], "learnmesh gateway: error: argument --port: 65536 is not a TCP port (1-65535)"),
     (["worker", "--index", "-1"], "learnmesh worker: error: argument --index: -1 is less than 0"),
@@ -360,7 +361,7 @@ def _learnmesh(tmp_path: Path, *args: str, env: dict[str, str], timeout_s: float
 ])
 def test_a_flag_out_of_its_range_is_refused_before_anything_starts(tmp_path: Path, args: list[str],
                                                                    message: str) -> None:
-    """Not a traceback (--port 70000), a mesh without workers or ranks (--workers 0), nor the
+    """Not a traceback (--port 70000), a trainer without ranks (--ranks 0), nor the
     configured port in place of the one given (--port 0)."""
     path, _ = _own_ports_config(tmp_path)
     code, _, err = _learnmesh(tmp_path, "--config", str(path), *args, env={
