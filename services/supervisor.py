@@ -197,7 +197,7 @@ class Supervisor:
         self.shutdown()
 
     def shutdown(self) -> None:
-        log.info("stopping: SIGTERM to %s (asked again, kills them at once)",
+        log.info("stopping: SIGTERM to %s (Ctrl-C again: kill them at once)",
                  ", ".join(c.name for c in reversed(self.children) if c.alive()))
         for child in reversed(self.children):
             child.signal(signal.SIGTERM)
