@@ -400,6 +400,38 @@ async def test_the_evictor_skips_a_principal_used_after_its_stamp(r):
     assert second.sweeps == 0 and first.sweeps == 1
 
 
+class _TakenOverAfterRead:
+    """The client the evictor talks through, where another replica ("b") takes the lease the
+    moment this replica has read who holds it (its lease expired right then)."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    async def get(self, key: Any) -> Any:
+        held = await self._client.get(key)
+        if key == keys.CTX_EVICTOR_LEASE:
+            await self._client.set(key, "b", px=60_000)
+        return held
+
+
+async def test_a_replica_never_renews_a_lease_another_took(r):
+    """The lease is taken or renewed in one step: a replica that believes it holds the lease
+    holds it, even when its lease expires and another replica takes it mid-renewal."""
+    s = make(r, global_budget_bytes=10**9)
+    first = s.evictor(owner="a")
+    await first.sweep_once()
+    assert first.sweeps == 1 and await r.get(keys.CTX_EVICTOR_LEASE) == b"a"
+    first.accounts.redis = _TakenOverAfterRead(r)
+    holds = await first._lease()
+    owner = await r.get(keys.CTX_EVICTOR_LEASE)
+    assert holds == (owner == b"a"), f"replica 'a' believes it holds the lease: {holds}, held by {owner!r}"
+    second = s.evictor(owner="c")
+    assert await second.sweep_once() == [] and second.sweeps == 0
+
+
 async def test_global_budget_evicts_a_principal_holding_no_bytes(r):
     """A principal whose contexts were all cleared holds 0 bytes but is still the least
     recently used: the evictor evicts it (its cleared context goes) and goes on to the next."""

@@ -78,6 +78,13 @@ _ADD_BYTES = ("for i = 2, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], AR
               "if ARGV[1] ~= '0' then redis.call('HINCRBY', KEYS[1], '\\0total', ARGV[1]) end\n")
 
 
+# KEYS[1] the evictor's lease; ARGV[1] this replica, ARGV[2] its TTL (ms). 1 when this replica holds it.
+_TAKE_LEASE = ("local owner = redis.call('GET', KEYS[1])\n"
+               "if owner and owner ~= ARGV[1] then return 0 end\n"
+               "redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])\n"
+               "return 1\n")
+
+
 def add_bytes(shard: int, changes: dict[str, int]) -> bytes:
     """The command that adds ``changes`` (principal -> bytes) to the reports of ``shard`` and
     their sum to its total, in one step."""
@@ -480,11 +487,9 @@ class GlobalEvictor:
         return self._holds
 
     async def _renew(self) -> bool:
+        """Take the lease if free, or renew it if this replica holds it, in one step: renewing
+        after reading the owner would extend a lease another replica took in between, and two
+        replicas would sweep for the same excess."""
         redis: Any = self.accounts.redis
         ttl_ms = int(self.interval_s * 3000) + 1000
-        if await redis.set(keys.CTX_EVICTOR_LEASE, self.owner, nx=True, px=ttl_ms):
-            return True
-        if as_str(await redis.get(keys.CTX_EVICTOR_LEASE) or b"") == self.owner:
-            await redis.pexpire(keys.CTX_EVICTOR_LEASE, ttl_ms)
-            return True
-        return False
+        return bool(await redis.eval(_TAKE_LEASE, 1, keys.CTX_EVICTOR_LEASE, self.owner, ttl_ms))
