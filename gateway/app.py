@@ -209,7 +209,7 @@ async def open_gateway(cfg: Config, registry: Registry) -> AsyncIterator[Gateway
         replica_id = uuid.uuid4().hex
         gateway = Gateway(config=cfg, redis=redis, blocking_redis=blocking, registry=registry,
                           replica_id=replica_id, zmq_ctx=zmq_ctx, store=store, workers=workers, samples=samples,
-                          tasks=TaskManager(redis, blocking, replica_id), admin_keyring=keyring,
+                          tasks=TaskManager(redis, blocking, replica_id, limits=cfg.limits), admin_keyring=keyring,
                           admin_stats=LocalStats())
 
         control = asyncio.create_task(gateway.run_control_listener(), name="gateway-control")

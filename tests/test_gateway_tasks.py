@@ -76,8 +76,8 @@ def _register_blocking_tool(app: Any, replica: Replica) -> None:
 
 
 @contextlib.asynccontextmanager
-async def replica(redis_url: str) -> AsyncIterator[Replica]:
-    cfg = load_config(env={}, overrides={"redis": {"url": redis_url},
+async def replica(redis_url: str, limits: dict[str, Any] | None = None) -> AsyncIterator[Replica]:
+    cfg = load_config(env={}, overrides={"redis": {"url": redis_url}, "limits": limits or {},
                                          "gateway": {"api_keys": KEYS, "request_state_keys": ["00" * 32]}})
     app = create_app(cfg, fixtures="conformance")
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as client:
@@ -206,6 +206,43 @@ async def test_shutdown_reports_running_tasks_failed(redis_url: str) -> None:
             task_id = (await a.result("tools/call", {"name": "t_block", "arguments": {}}))["taskId"]
         got = await b.result("tasks/get", {"taskId": task_id})
         assert got["status"] == "failed" and "shut down" in got["error"]["message"]
+
+
+async def test_running_tasks_are_capped_per_principal_over_every_replica(redis_url: str) -> None:
+    limits = {"default": {"running_tasks": 2}}
+    async with replica(redis_url, limits) as a, replica(redis_url, limits) as b:
+        first = (await a.result("tools/call", {"name": "t_block", "arguments": {}}))["taskId"]
+        second = (await b.result("tools/call", {"name": "t_block", "arguments": {}}))["taskId"]
+        refused = await a.rpc("tools/call", {"name": "slow_compute", "arguments": {"seconds": 0, "label": "x"}})
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1", refused.text
+        err = refused.json()["error"]
+        assert err["code"] == -32029 and err["data"] == {"limit": "running_tasks", "retryAfterS": 1}
+        assert "at most 2 tasks" in err["message"]
+        assert await a.state.redis.zcard(keys.running_tasks("alice")) == 2  # the refused one left nothing
+        assert (await b.rpc("tools/call", {"name": "t_block", "arguments": {}})).status_code == 429
+        assert (await b.result("tools/call", {"name": "t_block", "arguments": {}}, principal="bob"))["taskId"]
+        inline = await a.result("tools/call", {"name": "slow_compute", "arguments": {"seconds": 0}}, caps={})
+        assert inline["resultType"] == "complete"  # a plain call is no task: the cap does not apply
+        for task_id in (first, second):  # the running tasks were not touched by the refusals
+            assert (await a.result("tasks/get", {"taskId": task_id}))["status"] == "working"
+        await b.result("tasks/cancel", {"taskId": first})  # a cancelled task frees its place at once
+        third = (await b.result("tools/call", {"name": "slow_compute", "arguments": {"seconds": 0}}))["taskId"]
+        await _status(a, third, "completed")  # and so does a completed one
+        fourth = await a.result("tools/call", {"name": "t_block", "arguments": {}})
+        assert fourth["resultType"] == "task"
+
+
+async def test_a_task_counts_while_its_replica_renews_its_lease(redis_url: str) -> None:
+    limits = {"default": {"running_tasks": 1}}
+    async with replica(redis_url, limits) as a, replica(redis_url, limits) as b:
+        task_id = (await a.result("tools/call", {"name": "t_block", "arguments": {}}))["taskId"]
+        running = keys.running_tasks("alice")
+        await a.state.redis.zadd(running, {task_id: 1})  # as if its lease had run out
+        await a.state.tasks._renew_leases()  # the owner's heartbeat
+        assert (await b.rpc("tools/call", {"name": "t_block", "arguments": {}})).status_code == 429
+        a.state.tasks._background[0].cancel()  # replica a stops heartbeating: its lease runs out
+        await a.state.redis.zadd(running, {task_id: 1})
+        assert (await b.result("tools/call", {"name": "t_block", "arguments": {}}))["resultType"] == "task"
 
 
 HEADER_CASES = [
