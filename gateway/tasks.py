@@ -31,6 +31,7 @@ import contextlib
 import logging
 import re
 import secrets
+import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -60,6 +61,8 @@ DEFAULT_TTL_MS = 3_600_000
 DEFAULT_POLL_INTERVAL_MS = 500
 HEARTBEAT_S = 5.0
 INPUT_POLL_S = 2.0  # fallback re-check of delivered inputs when a pub/sub wake-up was missed
+SETTLE_RETRY_FIRST_S = 0.1  # a task's end not recorded (Redis away) is tried again after this,
+SETTLE_RETRY_MAX_S = 2.0  # doubling up to this
 _TASK_ID = re.compile(r"[A-Za-z0-9_-]{22}")  # what create() makes: 16 random bytes, base64url
 
 Invoke = Callable[[Call, Tool, dict[str, Any]], Awaitable[dict[str, Any]]]
@@ -384,13 +387,30 @@ class TaskManager:
         return None
 
     async def _finish(self, tcall: TaskCall, status: str, field: str, value: bytes) -> None:
-        if tcall.task_id is None:
+        """Record how the task ended. While Redis does not answer the task keeps trying, and its
+        place among the running: its outcome exists nowhere else, and a client polling
+        ``tasks/get`` would otherwise see it working until its ttl ends. A replica shutting down
+        tries once; a cancel (``tasks/cancel`` settled the task already) stops the retries."""
+        task_id = tcall.task_id
+        if task_id is None:
             raise RuntimeError("a task call finishes only after it was parked as a task")
-        self.running.pop((tcall.principal, tcall.task_id), None)
+        give_up_at = time.monotonic() + self.ttl_ms / 1000  # the record is gone by then anyway
+        delay_s = SETTLE_RETRY_FIRST_S
         try:
-            await self._settle_task(tcall.principal, tcall.task_id, status, field, value)
-        except (RedisError, OSError) as exc:
-            log.error("could not record the end of task %s (%s)", tcall.task_id, type(exc).__name__)
+            while True:
+                try:
+                    await self._settle_task(tcall.principal, task_id, status, field, value)
+                    return
+                except (RedisError, OSError) as exc:
+                    if self.stopping or time.monotonic() >= give_up_at:
+                        log.error("could not record the end of task %s (%s)", task_id, type(exc).__name__)
+                        return
+                    log.warning("could not record the end of task %s yet (%s); retrying", task_id,
+                                type(exc).__name__)
+                await pause(delay_s)
+                delay_s = min(delay_s * 2, SETTLE_RETRY_MAX_S)
+        finally:
+            self.running.pop((tcall.principal, task_id), None)
 
     async def _settle_task(self, principal: str, task_id: str, status: str, field: str = "",
                            value: bytes = b"") -> int:
