@@ -235,6 +235,15 @@ async def test_running_tasks_are_capped_per_principal_over_every_replica(redis_u
         assert fourth["resultType"] == "task"
 
 
+async def test_task_cap_holds_for_calls_racing_on_two_replicas(redis_url: str) -> None:
+    limits = {"default": {"running_tasks": 3}}
+    async with replica(redis_url, limits) as a, replica(redis_url, limits) as b:
+        calls = [rep.rpc("tools/call", {"name": "t_block", "arguments": {}}) for rep in (a, b) * 5]
+        statuses = sorted(r.status_code for r in await asyncio.gather(*calls))
+        assert statuses == [200] * 3 + [429] * 7
+        assert len(a.state.tasks.running) + len(b.state.tasks.running) == 3
+
+
 async def test_a_task_counts_while_its_replica_renews_its_lease(redis_url: str) -> None:
     limits = {"default": {"running_tasks": 1}}
     async with replica(redis_url, limits) as a, replica(redis_url, limits) as b:
