@@ -226,6 +226,9 @@ async def test_running_tasks_are_capped_per_principal_over_every_replica(redis_u
         assert (await b.result("tools/call", {"name": "t_block", "arguments": {}}, principal="bob"))["taskId"]
         inline = await a.result("tools/call", {"name": "slow_compute", "arguments": {"seconds": 0}}, caps={})
         assert inline["resultType"] == "complete"  # a plain call is no task: the cap does not apply
+        stranger = await b.rpc("tasks/cancel", {"taskId": first}, principal="bob")  # not bob's to cancel
+        assert stranger.status_code == 400 and stranger.json()["error"]["code"] == -32602
+        assert await a.state.redis.zcard(keys.running_tasks("alice")) == 2
         for task_id in (first, second):  # the running tasks were not touched by the refusals
             assert (await a.result("tasks/get", {"taskId": task_id}))["status"] == "working"
         await b.result("tasks/cancel", {"taskId": first})  # a cancelled task frees its place at once
