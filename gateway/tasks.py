@@ -50,9 +50,11 @@ from gateway.registry import Tool, ToolContext
 from shared import keys
 from shared.aio import pause, stop_if_cancelled
 from shared.config import LimitsConfig
+from shared.log_throttle import ThrottledWarning
 from shared.text import as_str
 
 log = logging.getLogger(__name__)
+_SETTLE_RETRY_LOG = ThrottledWarning(log)  # every task that ends while Redis is away retries
 
 TASKS_EXTENSION = "io.modelcontextprotocol/tasks"
 MISSING_REQUIRED_CLIENT_CAPABILITY = -32021
@@ -405,8 +407,8 @@ class TaskManager:
                     if self.stopping or time.monotonic() >= give_up_at:
                         log.error("could not record the end of task %s (%s)", task_id, type(exc).__name__)
                         return
-                    log.warning("could not record the end of task %s yet (%s); retrying", task_id,
-                                type(exc).__name__)
+                    _SETTLE_RETRY_LOG.warning("could not record the end of task %s yet (%s); retrying", task_id,
+                                              type(exc).__name__)
                 await pause(delay_s)
                 delay_s = min(delay_s * 2, SETTLE_RETRY_MAX_S)
         finally:
