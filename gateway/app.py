@@ -38,7 +38,7 @@ from gateway.registry import Registry
 from gateway.state import Gateway, gateway_of
 from gateway.tasks import TaskManager
 from gateway.tools import context, inference, learning
-from gateway.transports.edge import HttpEdge
+from gateway.transports.edge import HttpEdge, head_as_get
 from gateway.transports.streamable_http import McpHttpTransport
 from gateway.transports.websocket import websocket_endpoint, ws_ticket_endpoint
 from gateway.workers import WorkerPool
@@ -90,6 +90,9 @@ class GatewayApp(FastAPI):
             if scope["path"] == "/mcp" and self.mcp is not None:
                 await self.mcp(scope, receive, send)
                 return
+            as_get = head_as_get(scope, send)
+            if as_get is not None:
+                scope, send = as_get
         await super().__call__(scope, receive, send)
 
 
@@ -209,7 +212,7 @@ async def open_gateway(cfg: Config, registry: Registry) -> AsyncIterator[Gateway
         replica_id = uuid.uuid4().hex
         gateway = Gateway(config=cfg, redis=redis, blocking_redis=blocking, registry=registry,
                           replica_id=replica_id, zmq_ctx=zmq_ctx, store=store, workers=workers, samples=samples,
-                          tasks=TaskManager(redis, blocking, replica_id), admin_keyring=keyring,
+                          tasks=TaskManager(redis, blocking, replica_id, limits=cfg.limits), admin_keyring=keyring,
                           admin_stats=LocalStats())
 
         control = asyncio.create_task(gateway.run_control_listener(), name="gateway-control")

@@ -13,7 +13,11 @@ tag, so ``tasks/get``, ``tasks/update`` and ``tasks/cancel`` work on any replica
   ``tasks/update`` stores answers (any replica) and wakes the owner over pub/sub;
 - ``tasks/cancel`` settles the task as ``cancelled`` and tells the owner to stop it;
 - every replica refreshes a heartbeat key; a task whose owner stopped heartbeating is
-  reported ``failed`` on the next ``tasks/get`` instead of staying ``working`` forever.
+  reported ``failed`` on the next ``tasks/get`` instead of staying ``working`` forever;
+- a principal runs at most ``limits.<…>.running_tasks`` tasks at once over every replica:
+  each running task holds a lease in the principal's set (``keys.running_tasks``), taken by
+  the script that writes the record, renewed by its replica's heartbeat and dropped when the
+  task settles; a task beyond the cap is refused (-32029) before its record exists.
 
 Requests that touch no task-supporting tool never reach this module (no extra round trip).
 The proxy hosts the tasks of a 2025-11-25 upstream's task-capable tools here too
@@ -27,6 +31,7 @@ import contextlib
 import logging
 import re
 import secrets
+import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -34,18 +39,22 @@ from typing import Any
 import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
-from redis.typing import EncodableT, FieldT
+from redis.typing import EncodableT
 
 from gateway import pubsub
 from gateway.errors import INTERNAL_ERROR, InvalidParams, McpError, wire_error
+from gateway.limits import exceeded
 from gateway.mcp.dispatcher import Call, InputRequired
 from gateway.mcp.types import CLIENT_CAPABILITIES_META_KEY, encode
 from gateway.registry import Tool, ToolContext
 from shared import keys
 from shared.aio import pause, stop_if_cancelled
+from shared.config import LimitsConfig
+from shared.log_throttle import ThrottledWarning
 from shared.text import as_str
 
 log = logging.getLogger(__name__)
+_SETTLE_RETRY_LOG = ThrottledWarning(log)  # every task that ends while Redis is away retries
 
 TASKS_EXTENSION = "io.modelcontextprotocol/tasks"
 MISSING_REQUIRED_CLIENT_CAPABILITY = -32021
@@ -54,14 +63,42 @@ DEFAULT_TTL_MS = 3_600_000
 DEFAULT_POLL_INTERVAL_MS = 500
 HEARTBEAT_S = 5.0
 INPUT_POLL_S = 2.0  # fallback re-check of delivered inputs when a pub/sub wake-up was missed
+SETTLE_RETRY_FIRST_S = 0.1  # a task's end not recorded (Redis away) is tried again after this,
+SETTLE_RETRY_MAX_S = 2.0  # doubling up to this
 _TASK_ID = re.compile(r"[A-Za-z0-9_-]{22}")  # what create() makes: 16 random bytes, base64url
 
 Invoke = Callable[[Call, Tool, dict[str, Any]], Awaitable[dict[str, Any]]]
 Body = Callable[[Call], Awaitable[dict[str, Any]]]  # the call's work, given the call it runs as
 
-# KEYS: task, pending, inputs. ARGV: status, field ("" for none), value, now, ttl_ms.
-# Returns -1 unknown task, 0 already terminal (nothing changes), 1 settled.
+# KEYS: the principal's running tasks, the task. ARGV: task id, cap (0: none), lease ms, ttl ms,
+# then the record's field/value pairs. Returns 0 when the principal already runs ``cap`` tasks
+# (nothing is written), else 1.
+_CREATE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local cap = tonumber(ARGV[2])
+if cap > 0 and redis.call('ZCARD', KEYS[1]) >= cap then return 0 end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+for i = 5, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
+redis.call('PEXPIRE', KEYS[2], ARGV[4])
+return 1
+"""
+
+# KEYS[1]: the principal's running tasks. ARGV: lease ms, then the ids of its tasks this replica runs.
+_RENEW = """
+local t = redis.call('TIME')
+local until_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[1])
+for i = 2, #ARGV do redis.call('ZADD', KEYS[1], until_ms, ARGV[i]) end
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+"""
+
+# KEYS: task, pending, inputs, the principal's running tasks. ARGV: status, field ("" for none),
+# value, now, ttl_ms, task id. Returns -1 unknown task, 0 already terminal (nothing changes), 1
+# settled. The lease goes in every case: a settled task no longer counts, whoever settled it.
 _SETTLE = """
+redis.call('ZREM', KEYS[4], ARGV[6])
 local s = redis.call('HGET', KEYS[1], 'status')
 if not s then return -1 end
 if s == 'completed' or s == 'failed' or s == 'cancelled' then return 0 end
@@ -136,7 +173,9 @@ async def escalate(ctx: ToolContext) -> None:
 
     Called by a task-supporting handler at the point where it stops answering inline:
     before this, ``ctx.request_client`` returns ``input_required`` to the caller (MRTR);
-    after it, the request has returned a task handle and ``request_client`` parks the task."""
+    after it, the request has returned a task handle and ``request_client`` parks the task.
+    Raises :class:`~gateway.errors.LimitExceeded` when the principal already runs its
+    ``running_tasks``, so a handler escalates before it does what a retry would repeat."""
     if isinstance(ctx, TaskCall):
         await ctx.escalate()
 
@@ -183,8 +222,8 @@ class TaskManager:
     """Creates, runs, settles and serves the tasks of one gateway replica; state in Redis."""
 
     def __init__(self, redis: aioredis.Redis, blocking_redis: aioredis.Redis, replica_id: str, *,
-                 ttl_ms: int = DEFAULT_TTL_MS, poll_interval_ms: int = DEFAULT_POLL_INTERVAL_MS,
-                 heartbeat_s: float = HEARTBEAT_S) -> None:
+                 limits: LimitsConfig | None = None, ttl_ms: int = DEFAULT_TTL_MS,
+                 poll_interval_ms: int = DEFAULT_POLL_INTERVAL_MS, heartbeat_s: float = HEARTBEAT_S) -> None:
         if ttl_ms <= 0 or poll_interval_ms <= 0 or heartbeat_s <= 0:
             raise ValueError("task ttl_ms, poll_interval_ms and heartbeat_s must be > 0")
         self.redis = redis
@@ -193,7 +232,11 @@ class TaskManager:
         self.poll_interval_ms = poll_interval_ms
         self.heartbeat_s = heartbeat_s
         self.replica_id = replica_id
+        self.limits = limits if limits is not None else LimitsConfig()
+        self.lease_ms = int(heartbeat_s * 3000)  # a dead replica's tasks stop counting as its heartbeat ends
         self.running: dict[tuple[str, str], TaskCall] = {}
+        self._create = self.redis.register_script(_CREATE)
+        self._renew = self.redis.register_script(_RENEW)
         self._settle = self.redis.register_script(_SETTLE)
         self._park = self.redis.register_script(_PARK)
         self._update = self.redis.register_script(_UPDATE)
@@ -237,8 +280,17 @@ class TaskManager:
             await pause(self.heartbeat_s)
             try:
                 await self._beat()
+                await self._renew_leases()
             except (RedisError, OSError) as exc:
                 log.warning("task heartbeat failed: %s", type(exc).__name__)
+
+    async def _renew_leases(self) -> None:
+        """Keep counting the tasks this replica runs against their principals' caps."""
+        by_principal: dict[str, list[str]] = {}
+        for principal, task_id in list(self.running):
+            by_principal.setdefault(principal, []).append(task_id)
+        for principal, task_ids in by_principal.items():
+            await self._renew(keys=[keys.running_tasks(principal)], args=[self.lease_ms, *task_ids])
 
     async def _listen(self) -> None:
         await pubsub.follow(self.blocking_redis, keys.TASKS_CHANNEL, self._on_signal_frame,
@@ -320,6 +372,8 @@ class TaskManager:
             return None
         except _TaskGone:
             self.running.pop((tcall.principal, tcall.task_id or ""), None)
+            with contextlib.suppress(RedisError, OSError):  # else its lease runs out by itself
+                await self.redis.zrem(keys.running_tasks(tcall.principal), tcall.task_id or "")
             return None
         except BaseException as exc:
             if tcall.task_id is None:
@@ -335,32 +389,53 @@ class TaskManager:
         return None
 
     async def _finish(self, tcall: TaskCall, status: str, field: str, value: bytes) -> None:
-        if tcall.task_id is None:
+        """Record how the task ended. While Redis does not answer the task keeps trying, and its
+        place among the running: its outcome exists nowhere else, and a client polling
+        ``tasks/get`` would otherwise see it working until its ttl ends. A replica shutting down
+        tries once; a cancel (``tasks/cancel`` settled the task already) stops the retries."""
+        task_id = tcall.task_id
+        if task_id is None:
             raise RuntimeError("a task call finishes only after it was parked as a task")
-        self.running.pop((tcall.principal, tcall.task_id), None)
+        give_up_at = time.monotonic() + self.ttl_ms / 1000  # the record is gone by then anyway
+        delay_s = SETTLE_RETRY_FIRST_S
         try:
-            await self._settle_task(tcall.principal, tcall.task_id, status, field, value)
-        except (RedisError, OSError) as exc:
-            log.error("could not record the end of task %s (%s)", tcall.task_id, type(exc).__name__)
+            while True:
+                try:
+                    await self._settle_task(tcall.principal, task_id, status, field, value)
+                    return
+                except (RedisError, OSError) as exc:
+                    if self.stopping or time.monotonic() >= give_up_at:
+                        log.error("could not record the end of task %s (%s)", task_id, type(exc).__name__)
+                        return
+                    _SETTLE_RETRY_LOG.warning("could not record the end of task %s yet (%s); retrying", task_id,
+                                              type(exc).__name__)
+                await pause(delay_s)
+                delay_s = min(delay_s * 2, SETTLE_RETRY_MAX_S)
+        finally:
+            self.running.pop((tcall.principal, task_id), None)
 
     async def _settle_task(self, principal: str, task_id: str, status: str, field: str = "",
                            value: bytes = b"") -> int:
         ks = [keys.task(principal, task_id), keys.task_pending(principal, task_id),
-              keys.task_inputs(principal, task_id)]
-        return int(await self._settle(keys=ks, args=[status, field, value, _now(), self.ttl_ms]))
+              keys.task_inputs(principal, task_id), keys.running_tasks(principal)]
+        return int(await self._settle(keys=ks, args=[status, field, value, _now(), self.ttl_ms, task_id]))
 
     # ------------------------------------------------------------------ task side
     async def create(self, tcall: TaskCall) -> dict[str, Any]:
-        """Write the task record (durable before the handle is returned) and adopt the runner."""
+        """Write the task record (durable before the handle is returned) and adopt the runner.
+        Raises :class:`~gateway.errors.LimitExceeded`, writing nothing, when the principal already
+        runs its ``running_tasks``."""
         task_id = secrets.token_urlsafe(16)
         now = _now()
-        record: dict[FieldT, EncodableT] = {"status": "working", "createdAt": now, "lastUpdatedAt": now, "ttlMs": self.ttl_ms,
-                                        "pollIntervalMs": self.poll_interval_ms, "replica": self.replica_id}
-        key = keys.task(tcall.principal, task_id)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(key, mapping=record)
-            pipe.pexpire(key, self.ttl_ms)
-            await pipe.execute()
+        record: list[EncodableT] = ["status", "working", "createdAt", now, "lastUpdatedAt", now, "ttlMs", self.ttl_ms,
+                                    "pollIntervalMs", self.poll_interval_ms, "replica", self.replica_id]
+        principal = tcall.principal
+        cap = self.limits.of(principal).running_tasks
+        created = await self._create(keys=[keys.running_tasks(principal), keys.task(principal, task_id)],
+                                     args=[task_id, cap, self.lease_ms, self.ttl_ms, *record])
+        if not int(created):
+            raise exceeded("running_tasks", f"at most {cap} tasks may run at once: wait for one to end, or "
+                           "cancel one (tasks/cancel)", self.limits.cap_retry_after_s)
         tcall.task_id = task_id
         self.running[(tcall.principal, task_id)] = tcall
         return {"resultType": "task", "taskId": task_id, "status": "working", "createdAt": now,

@@ -568,6 +568,8 @@ class PrincipalLimits:
         default=64, description="open GET /mcp streams, WebSocket connections and server->client requests awaiting "
                                 "a 2025-11-25 client's answer, all replicas")
     ws_concurrent_requests: NonNegativeInt = Field(default=256, description="requests in flight per WebSocket")
+    running_tasks: NonNegativeInt = Field(
+        default=64, description="tasks (MCP tasks extension) not yet completed, failed or cancelled, all replicas")
 
 
 @_section

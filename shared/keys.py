@@ -126,6 +126,13 @@ def task_inputs(principal: str, task_id: str) -> str:
     return f"{PREFIX}{_tag(principal)}:task:{task_id}:inputs"
 
 
+def running_tasks(principal: str) -> str:
+    """Sorted set: the principal's tasks with a runner alive on some replica (task id scored by the
+    expiry in ms of a lease its replica renews), for the per-principal cap; a replica that dies
+    leaves leases that simply run out."""
+    return f"{PREFIX}{_tag(principal)}:tasks"
+
+
 def task_replica(replica_id: str) -> str:
     """String with a short TTL: heartbeat of a gateway replica that runs tasks (dead owner -> failed)."""
     return f"{PREFIX}gateway:tasks:replica:{replica_id}"

@@ -21,6 +21,7 @@ stays the single-server fixture for files that have not opted in.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -68,6 +69,13 @@ def redis_server() -> Iterator[str]:
     if binary is None or os.environ.get("LEARNMESH_TEST_REDIS_URL"):
         yield os.environ.get("LEARNMESH_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
         return
+    with private_redis(binary) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def private_redis(binary: str) -> Iterator[str]:
+    """A redis-server of the caller alone, on a free port, without persistence: its URL."""
     port = free_port()
     workdir = tempfile.mkdtemp(prefix="lm-redis-")
     proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",

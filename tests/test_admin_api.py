@@ -312,3 +312,27 @@ def test_every_admin_operation_refuses_mcp_keys_and_lets_viewers_only_read(gw):
         if method != "GET":
             resp = gw.request(method, path, headers=bearer(VIEWER_KEY), json={} if method != "DELETE" else None)
             assert resp.status_code == 403, (method, path, resp.status_code)
+
+
+def test_context_listings_are_bounded_by_limit(redis_url):
+    from tests.test_gateway_http import modern
+
+    principals = {f"p{i:03d}": f"key-of-p{i:03d}-0123456789" for i in range(101)}
+    with live_gateway(redis_url, gateway={"api_keys": principals}) as srv, \
+            httpx.Client(base_url=srv.url, timeout=10) as c:
+        for name, key in principals.items():
+            for context_id in (("a", "b", "c") if name == "p000" else ("a",)):
+                body, h = modern("tools/call", {"name": "context_append", "arguments": {
+                    "context_id": context_id, "modality": "text", "text": "x" * 10}})
+                assert c.post("/mcp", json=body, headers={**h, **bearer(key)}).status_code == 200
+        everyone = c.get("/admin/contexts", headers=bearer(VIEWER_KEY)).json()
+        assert len(everyone["principals"]) == everyone["count"] == 100 and everyone["total"] == 101
+        assert len(c.get("/admin/contexts?limit=1000", headers=bearer(VIEWER_KEY)).json()["principals"]) == 101
+        newest = c.get("/admin/contexts?limit=1", headers=bearer(VIEWER_KEY)).json()
+        assert [p["principal"] for p in newest["principals"]] == ["p100"]  # most recently used first
+        own = c.get("/admin/contexts?principal=p000&limit=2", headers=bearer(VIEWER_KEY)).json()
+        assert [x["id"] for x in own["contexts"]] == ["c", "b"] and own["count"] == 2 and own["total"] == 3
+        assert own["bytes"] == sum(x["bytes"] for x in c.get("/admin/contexts?principal=p000", headers=bearer(
+            VIEWER_KEY)).json()["contexts"])  # all of the principal's contexts, not the ones shown
+        for bad in ("0", "1001", "-1", "x"):
+            assert c.get(f"/admin/contexts?limit={bad}", headers=bearer(VIEWER_KEY)).status_code == 422, bad

@@ -4,6 +4,7 @@ mesh-wide gauges on /metrics, static UI files, 405/404 for what no admin route s
 from __future__ import annotations
 
 import math
+import re
 
 import httpx
 import pytest
@@ -99,7 +100,31 @@ def test_ui_files_and_unmatched_methods(redis_url):
         assert c.get("/admin/ui/..%2Fauth.py").status_code == 401  # not a dashboard file: a key first
         assert c.get("/admin/ui/..%2Fauth.py", headers=bearer(ADMIN_KEY)).status_code == 404
         resp = c.options("/admin/config", headers=bearer(ADMIN_KEY))
-        assert resp.status_code == 405 and resp.headers["allow"] == "GET, PATCH"
+        assert resp.status_code == 405 and resp.headers["allow"] == "GET, HEAD, PATCH"
         resp = c.put("/admin/sessions/abc", headers=bearer(ADMIN_KEY))
-        assert resp.status_code == 405 and resp.headers["allow"] == "DELETE, GET"
+        assert resp.status_code == 405 and resp.headers["allow"] == "DELETE, GET, HEAD"
         assert c.get("/admin/no-such-thing", headers=bearer(ADMIN_KEY)).status_code == 404
+
+
+def test_head_is_every_get_route_without_its_body_and_with_its_auth(redis_url):
+    with live_gateway(redis_url) as srv, httpx.Client(base_url=srv.url, timeout=10) as c:
+        doc = c.get("/admin/openapi.json").json()
+        paths = [re.sub(r"\{[^}]+\}", "x", p) for p, ops in doc["paths"].items() if "get" in ops]
+        assert len(paths) >= 15
+        for path in paths:
+            get, head = c.get(path, headers=bearer(VIEWER_KEY)), c.head(path, headers=bearer(VIEWER_KEY))
+            assert (head.status_code, head.content) == (get.status_code, b""), path
+            assert head.headers["content-type"] == get.headers["content-type"], path
+            for anonymous in (c.head(path), c.head(path, headers=bearer(MCP_KEY))):
+                assert anonymous.status_code == 401 and anonymous.headers["www-authenticate"] == "Bearer", path
+        whoami = c.get("/admin/whoami", headers=bearer(VIEWER_KEY))
+        assert c.head("/admin/whoami", headers=bearer(VIEWER_KEY)).headers["content-length"] == str(len(whoami.content))
+        for public in ("/admin/ui", "/admin/ui/app.js", "/admin/openapi.json", "/healthz", "/readyz", "/metrics"):
+            head = c.head(public)
+            assert head.status_code == 200 and head.content == b"", public
+        assert c.head("/admin", follow_redirects=False).status_code == 307
+        assert c.head("/admin/ui/__init__.py").status_code == 404
+        mcp = c.head("/mcp", headers=bearer(MCP_KEY))  # its GET opens an event stream: not served as one
+        assert mcp.status_code == 405 and "HEAD" not in mcp.headers["allow"]
+        post_only = c.head("/admin/models/rollback", headers=bearer(ADMIN_KEY))
+        assert post_only.status_code == 405 and "HEAD" not in post_only.headers["allow"]

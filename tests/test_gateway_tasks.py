@@ -6,17 +6,19 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-from collections.abc import AsyncIterator
+import shutil
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
 import pytest
+import redis as redis_sync
 
 from gateway.app import create_app
 from gateway.tasks import TASKS_EXTENSION, escalate
 from shared import keys
 from shared.config import load_config
-from tests.conftest import wait_for
+from tests.conftest import private_redis, wait_for
 
 MODERN = "2026-07-28"
 KEYS = {"alice": "alice-key-123", "bob": "bob-key-4567"}
@@ -76,8 +78,9 @@ def _register_blocking_tool(app: Any, replica: Replica) -> None:
 
 
 @contextlib.asynccontextmanager
-async def replica(redis_url: str) -> AsyncIterator[Replica]:
-    cfg = load_config(env={}, overrides={"redis": {"url": redis_url},
+async def replica(redis_url: str, limits: dict[str, Any] | None = None,
+                  redis: dict[str, Any] | None = None) -> AsyncIterator[Replica]:
+    cfg = load_config(env={}, overrides={"redis": {"url": redis_url, **(redis or {})}, "limits": limits or {},
                                          "gateway": {"api_keys": KEYS, "request_state_keys": ["00" * 32]}})
     app = create_app(cfg, fixtures="conformance")
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as client:
@@ -206,6 +209,85 @@ async def test_shutdown_reports_running_tasks_failed(redis_url: str) -> None:
             task_id = (await a.result("tools/call", {"name": "t_block", "arguments": {}}))["taskId"]
         got = await b.result("tasks/get", {"taskId": task_id})
         assert got["status"] == "failed" and "shut down" in got["error"]["message"]
+
+
+async def test_running_tasks_are_capped_per_principal_over_every_replica(redis_url: str) -> None:
+    limits = {"default": {"running_tasks": 2}}
+    async with replica(redis_url, limits) as a, replica(redis_url, limits) as b:
+        first = (await a.result("tools/call", {"name": "t_block", "arguments": {}}))["taskId"]
+        second = (await b.result("tools/call", {"name": "t_block", "arguments": {}}))["taskId"]
+        refused = await a.rpc("tools/call", {"name": "slow_compute", "arguments": {"seconds": 0, "label": "x"}})
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1", refused.text
+        err = refused.json()["error"]
+        assert err["code"] == -32029 and err["data"] == {"limit": "running_tasks", "retryAfterS": 1}
+        assert "at most 2 tasks" in err["message"]
+        assert await a.state.redis.zcard(keys.running_tasks("alice")) == 2  # the refused one left nothing
+        assert (await b.rpc("tools/call", {"name": "t_block", "arguments": {}})).status_code == 429
+        assert (await b.result("tools/call", {"name": "t_block", "arguments": {}}, principal="bob"))["taskId"]
+        inline = await a.result("tools/call", {"name": "slow_compute", "arguments": {"seconds": 0}}, caps={})
+        assert inline["resultType"] == "complete"  # a plain call is no task: the cap does not apply
+        stranger = await b.rpc("tasks/cancel", {"taskId": first}, principal="bob")  # not bob's to cancel
+        assert stranger.status_code == 400 and stranger.json()["error"]["code"] == -32602
+        assert await a.state.redis.zcard(keys.running_tasks("alice")) == 2
+        for task_id in (first, second):  # the running tasks were not touched by the refusals
+            assert (await a.result("tasks/get", {"taskId": task_id}))["status"] == "working"
+        await b.result("tasks/cancel", {"taskId": first})  # a cancelled task frees its place at once
+        third = (await b.result("tools/call", {"name": "slow_compute", "arguments": {"seconds": 0}}))["taskId"]
+        await _status(a, third, "completed")  # and so does a completed one
+        fourth = await a.result("tools/call", {"name": "t_block", "arguments": {}})
+        assert fourth["resultType"] == "task"
+
+
+async def test_task_cap_holds_for_calls_racing_on_two_replicas(redis_url: str) -> None:
+    limits = {"default": {"running_tasks": 3}}
+    async with replica(redis_url, limits) as a, replica(redis_url, limits) as b:
+        calls = [rep.rpc("tools/call", {"name": "t_block", "arguments": {}}) for rep in (a, b) * 5]
+        statuses = sorted(r.status_code for r in await asyncio.gather(*calls))
+        assert statuses == [200] * 3 + [429] * 7
+        assert len(a.state.tasks.running) + len(b.state.tasks.running) == 3
+
+
+async def test_a_task_counts_while_its_replica_renews_its_lease(redis_url: str) -> None:
+    limits = {"default": {"running_tasks": 1}}
+    async with replica(redis_url, limits) as a, replica(redis_url, limits) as b:
+        task_id = (await a.result("tools/call", {"name": "t_block", "arguments": {}}))["taskId"]
+        running = keys.running_tasks("alice")
+        await a.state.redis.zadd(running, {task_id: 1})  # as if its lease had run out
+        await a.state.tasks._renew_leases()  # the owner's heartbeat
+        assert (await b.rpc("tools/call", {"name": "t_block", "arguments": {}})).status_code == 429
+        a.state.tasks._background[0].cancel()  # replica a stops heartbeating: its lease runs out
+        await a.state.redis.zadd(running, {task_id: 1})
+        assert (await b.result("tools/call", {"name": "t_block", "arguments": {}}))["resultType"] == "task"
+
+
+@pytest.fixture
+def own_redis() -> Iterator[str]:
+    """A redis-server of this test alone: it is made to stop answering for a while."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("needs a redis-server binary of its own")
+    with private_redis(binary) as url:
+        yield url
+
+
+async def test_a_task_that_ends_while_redis_is_away_is_settled_once_it_answers(own_redis: str) -> None:
+    async with replica(own_redis, redis={"socket_timeout_s": 0.5}) as a:
+        release = asyncio.Event()
+
+        @a.app.registry.tool("t_gated", description="a task that ends when released", task_support="optional",
+                             input_schema={"type": "object"})
+        async def gated(ctx: Any, args: dict[str, Any]) -> dict[str, Any]:
+            await escalate(ctx)
+            await release.wait()
+            return {"content": [{"type": "text", "text": "released"}]}
+
+        task_id = (await a.result("tools/call", {"name": "t_gated", "arguments": {}}))["taskId"]
+        with redis_sync.Redis.from_url(own_redis) as admin:
+            admin.execute_command("CLIENT", "PAUSE", 3000, "WRITE")  # writes wait, then time out
+        release.set()
+        done = await _status(a, task_id, "completed")  # not "working" until the task's ttl ends
+        assert done["result"]["content"][0]["text"] == "released"
+        assert not a.state.tasks.running
 
 
 HEADER_CASES = [

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException, Query, Request
 
 from gateway.admin.auth import AdminPrincipal
-from gateway.admin.common import McpPrincipal, admin, operator, viewer
+from gateway.admin.common import MAX_LIST, McpPrincipal, admin, operator, viewer
 from gateway.state import gateway_of
 from gateway.tools.context import entry_json, window_json
 from shared import audit as audit_log
@@ -25,26 +25,29 @@ Principal = Annotated[McpPrincipal, Query(description="an MCP principal (an API 
 
 @router.get("/admin/contexts")
 async def admin_list(request: Request, principal: Principal | None = None,
+                     limit: Annotated[int, Query(ge=1, le=MAX_LIST)] = 100,
                      who: AdminPrincipal = viewer) -> dict[str, Any]:
-    """Without ``principal``: principals with their bytes, read from every master: while a master
-    is down the answer holds what the others hold (a principal whose own master is down with
-    ``bytes: null``), with ``partial: true`` and the masters missed. With it: that principal's
-    contexts."""
+    """Without ``principal``: the ``limit`` most recently active principals with their bytes
+    (``total``: how many hold contexts), read from every master: while a master is down the
+    answer holds what the others hold (a principal whose own master is down with ``bytes:
+    null``), with ``partial: true`` and the masters missed. With it: that principal's ``limit``
+    most recently used contexts, and the bytes of all of them."""
     store = gateway_of(request).store
     if principal is None:
         reach = Reach(store.redis)
         names = await store.principals(reach)
         rows = [{"principal": p, "bytes": await reach.read(keys.ctx_meta(p), partial(store.principal_bytes, p), None)}
-                for p in names]
+                for p in names[:limit]]
         total = await store.global_bytes(reach)
         reach.check()
-        return {"principals": rows, "global_bytes": total,
+        return {"principals": rows, "count": len(rows), "total": len(names), "global_bytes": total,
                 "global_budget_bytes": store.cfg.global_budget_bytes, **reach.as_json()}
     infos = await store.list_contexts(principal)
+    shown = infos[:limit]
     return {"principal": principal, "bytes": sum(i.bytes for i in infos),
-            "budget_bytes": store.cfg.principal_budget_bytes,
+            "budget_bytes": store.cfg.principal_budget_bytes, "count": len(shown), "total": len(infos),
             "contexts": [{"id": i.id, "version": i.version, "bytes": i.bytes, "entries": i.entries,
-                          "last_used_ms": i.last_used_ms, "created_ms": i.created_ms} for i in infos]}
+                          "last_used_ms": i.last_used_ms, "created_ms": i.created_ms} for i in shown]}
 
 
 @router.get("/admin/contexts/{principal}/{context_id}")

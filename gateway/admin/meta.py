@@ -103,5 +103,7 @@ async def unsupported(request: Request, rest: str) -> JSONResponse:
             allowed |= {m.upper() for m in ops}
     if not allowed:
         return JSONResponse({"detail": "Not Found"}, status_code=404)
+    if "GET" in allowed:  # served as the GET without its body (gateway/transports/edge.py)
+        allowed.add("HEAD")
     return JSONResponse({"detail": "Method Not Allowed"}, status_code=405,
                         headers={"Allow": ", ".join(sorted(allowed))})

@@ -10,6 +10,9 @@
   (gateway/admin/auth.py says which do not), checked from the headers alone, so an
   unauthenticated upload costs the gateway nothing but its headers. The route still checks
   the key's role, with the key found here.
+- **HEAD is GET without the body** on every route but ``/mcp`` (whose GET opens an event
+  stream): the same admission, admin key and role, status and headers (``Content-Length``
+  included), as RFC 9110 asks of a GET route; load balancers and monitors probe with it.
 - **One credential**: a request with more than one ``Authorization`` header is 400
   (``invalid_request``, RFC 6750 3.1) on every route. The field is a singleton (RFC 9110); a
   proxy in front that reads one of two copies could otherwise vouch for a caller the gateway
@@ -113,6 +116,21 @@ class HttpEdge:
         else:
             body = orjson.dumps({"detail": exc.detail})
         await _answer(send, 413, body)
+
+
+def head_as_get(scope: Scope, send: Send) -> tuple[Scope, Send] | None:
+    """The scope and ``send`` that serve a HEAD request as its path's GET, or None when it is
+    no HEAD to serve so. The scope is a copy: the server's own still says HEAD, so it writes no
+    body either (uvicorn), and the body is dropped here for a server that would."""
+    if scope["method"] != "HEAD" or scope["path"] == MCP_PATH:
+        return None
+
+    async def headers_only(message: MutableMapping[str, Any]) -> None:
+        if message["type"] == "http.response.body" and message.get("body"):
+            message = {**message, "body": b""}
+        await send(message)
+
+    return {**scope, "method": "GET"}, headers_only
 
 
 async def _two_credentials(scope: Scope, send: Send) -> None:
