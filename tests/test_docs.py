@@ -179,3 +179,16 @@ def test_every_make_target_the_docs_name_exists() -> None:
     targets = set(re.findall(r"^([a-z][a-z-]*):", _text("Makefile"), re.M))
     named = set(re.findall(r"`make ([a-z][a-z-]*)", _all_docs()))
     assert sorted(named - targets) == []
+
+
+def test_the_upstream_examples_show_every_field_of_an_upstream() -> None:
+    """An upstream's entry is a list item, so test_example_file_lists_every_default cannot see
+    its fields: learnmesh.example.yaml shows them commented out, docs/gateway.md in its example."""
+    from shared.config import UpstreamConfig
+
+    fields = set(pydantic.TypeAdapter(UpstreamConfig).json_schema()["properties"])
+    example = _text("learnmesh.example.yaml")
+    commented = "\n".join(line for line in example[example.index("\nproxy:"):].splitlines() if "#" in line)
+    guide = _section(_text("docs/gateway.md"), "### Configuration")
+    for name, text in (("learnmesh.example.yaml", commented), ("docs/gateway.md", guide)):
+        assert sorted(f for f in fields if not re.search(rf"\b{f}:", text)) == [], f"upstream fields {name} lacks"
