@@ -192,3 +192,15 @@ def test_the_upstream_examples_show_every_field_of_an_upstream() -> None:
     guide = _section(_text("docs/gateway.md"), "### Configuration")
     for name, text in (("learnmesh.example.yaml", commented), ("docs/gateway.md", guide)):
         assert sorted(f for f in fields if not re.search(rf"\b{f}:", text)) == [], f"upstream fields {name} lacks"
+
+
+def test_every_json_rpc_error_code_the_gateway_answers_is_documented() -> None:
+    from gateway import errors
+
+    sources = "\n".join(path.read_text() for path in (ROOT / "gateway").rglob("*.py"))
+    codes = {name: value for name, value in vars(errors).items()
+             if name.isupper() and isinstance(value, int) and -32999 <= value <= -32000
+             and len(re.findall(rf"\b{name}\b", sources)) > 1}  # used beyond its definition
+    assert len(codes) > 12
+    guide = _text("docs/gateway.md") + _text("docs/operations.md")
+    assert sorted(name for name, code in codes.items() if str(code) not in guide) == []
