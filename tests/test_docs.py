@@ -204,3 +204,14 @@ def test_every_json_rpc_error_code_the_gateway_answers_is_documented() -> None:
     assert len(codes) > 12
     guide = _text("docs/gateway.md") + _text("docs/operations.md")
     assert sorted(name for name, code in codes.items() if str(code) not in guide) == []
+
+
+def test_every_config_key_is_named_in_the_docs() -> None:
+    """Beside learnmesh.example.yaml, which only lists them: each key dotted (``worker.hwm``),
+    backticked alone where its section is the subject (a table's row), or in a YAML example."""
+    defaults = pydantic.TypeAdapter(Config).dump_python(Config(), mode="json")
+    text = _all_docs()
+    missing = [f"{section}.{key}" for section, keys in defaults.items() for key in keys
+               if f"{section}.{key}" not in text and f"`{key}`" not in text
+               and not re.search(rf"^\s*{key}:", text, re.M)]
+    assert missing == []
