@@ -19,7 +19,7 @@ from types import FrameType
 from typing import Any
 
 from gateway.auth import is_loopback
-from shared.config import Config, ConfigError, var_dir
+from shared.config import Config, ConfigError, log_level, var_dir
 from shared.net import listened_on
 
 log = logging.getLogger("learnmesh.gateway")
@@ -78,7 +78,7 @@ def main(cfg: Config, args: argparse.Namespace) -> int:
     from shared.redis_client import check_access
     from shared.redis_embed import resolve_redis
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.host:
         cfg.gateway.host = args.host
     if args.port:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from redis.exceptions import RedisClusterException
 
-from shared.config import ConfigError, load_config
+from shared.config import ConfigError, load_config, log_level
 
 
 def _whole(text: str) -> int:
@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         cfg = load_config(args.config)
+        log_level()  # checked here, before any process starts: every command logs at it
     except ConfigError as exc:
         print(f"learnmesh: configuration error: {exc}", file=sys.stderr)
         return 2

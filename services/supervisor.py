@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from shared.config import CONFIG_ENV, ENV_PREFIX, Config, ConfigError, apply_overrides, load_config
+from shared.config import CONFIG_ENV, ENV_PREFIX, Config, ConfigError, apply_overrides, load_config, log_level
 from shared.config import var_dir as config_var_dir
 from shared.lifetime import die_with_parent
 from shared.net import listened_on
@@ -371,7 +371,7 @@ def wait_ready(base: str, timeout_s: float, sup: Supervisor) -> bool:
 
 
 def main(cfg: Config, args: Any) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=log_level(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from shared.redis_embed import resolve_redis
 
     if getattr(args, "host", None):

@@ -910,9 +910,15 @@ def var_dir(env: typing.Mapping[str, str] | None = None) -> Path:
     return Path((os.environ if env is None else env).get("LEARNMESH_VAR", "var"))
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 def log_level(env: typing.Mapping[str, str] | None = None) -> str:
     """The log level of a learnmesh process: ``$LEARNMESH_LOG_LEVEL`` or ``INFO``."""
-    return (os.environ if env is None else env).get("LEARNMESH_LOG_LEVEL", "INFO").upper()
+    level = (os.environ if env is None else env).get("LEARNMESH_LOG_LEVEL", "INFO").upper()
+    if level not in LOG_LEVELS:
+        raise ConfigError(f"LEARNMESH_LOG_LEVEL: {level.lower()!r} is not a log level ({', '.join(LOG_LEVELS)})")
+    return level
 
 
 def _read_config_file(p: Path) -> str:

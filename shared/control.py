@@ -102,7 +102,7 @@ class RuntimeConfigWatcher:
     """Poll the runtime config revision; ``poll()`` returns a new Config when it changed.
 
     >>> watcher = RuntimeConfigWatcher(redis, cfg)
-    >>> if (new := watcher.poll()) is not None: encoder.reconfigure(new.compression)
+    >>> if (new := watcher.poll()) is not None: encoder.reconfigure(new.compression, new.scheduling.priority_mode)
     """
 
     def __init__(self, redis: Any, cfg: Config) -> None:

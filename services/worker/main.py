@@ -29,7 +29,7 @@ from typing import Any
 import zmq
 
 from shared import metrics, wire
-from shared.config import Config, ConfigError
+from shared.config import Config, ConfigError, log_level
 from shared.curve import CurveKeys
 from shared.inference import max_frame_bytes, unpack_entries
 from shared.model import Example, LearnModel, MediaError, ModelInputError, build_model
@@ -468,7 +468,7 @@ def worker_id_of(template: str, index: int) -> str:
 
 
 def main(cfg: Config, args: Any) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=log_level(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     index = int(getattr(args, "index", 0) or 0)
     endpoint = getattr(args, "endpoint", None)
     if endpoint is None:
