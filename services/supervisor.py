@@ -1,7 +1,8 @@
 """``learnmesh up``: run the whole mesh on one machine and keep it running.
 
 Starts (or finds) Redis, then one gateway, ``--workers`` inference workers and a trainer
-with ``--ranks`` ranks as child processes of this one. A child that exits unexpectedly is
+with ``--ranks`` ranks as child processes of this one. A child that exits before the mesh is
+ready stops the mesh, named with its exit status and last output; one that exits later is
 logged and restarted with backoff; Ctrl-C / SIGTERM stops them in reverse order with
 SIGTERM (the gateway drains, the trainer checkpoints) and SIGKILLs what does not stop
 within ``stop_timeout_s``; a kill -9 of this process has the kernel send each child SIGTERM
@@ -66,10 +67,12 @@ class Child:
     started_at: float = 0.0
     log_path: Path | None = None
     _log_file: Any = field(default=None, repr=False)
+    _log_start: int = field(default=0, repr=False)  # where this start's output begins in the log
 
     def start(self) -> None:
         if self.log_path is not None:
-            self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+            self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - closed in close_log()
+            self._log_start = self._log_file.tell()
         out = self._log_file if self._log_file is not None else None
         # S603: the argv is learnmesh's own executable with arguments built here, no shell.
         # SIGTERM when the supervisor dies (kill -9): the child stops as on Ctrl-C (the gateway
@@ -99,6 +102,28 @@ class Child:
             return True
         except subprocess.TimeoutExpired:
             return False
+
+    def how_it_ended(self) -> str:
+        """``exited with status N`` or ``was killed by SIGNAME``, for a child that stopped."""
+        code = self.proc.returncode if self.proc is not None else None
+        if code is not None and code < 0:
+            try:
+                return f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"was killed by signal {-code}"
+        return f"exited with status {code}"
+
+    def last_output(self, lines: int = 10, read_bytes: int = 8192) -> list[str]:
+        """The last non-empty lines this start of the child wrote to its log (none without one)."""
+        if self.log_path is None:
+            return []
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(self._log_start, f.seek(0, os.SEEK_END) - read_bytes))
+                text = f.read().decode("utf-8", "replace")
+        except OSError:
+            return []
+        return [line.rstrip() for line in text.splitlines() if line.strip()][-lines:]
 
     def close_log(self) -> None:
         if self._log_file is not None:
@@ -173,6 +198,10 @@ class Supervisor:
     @property
     def stopping(self) -> bool:
         return self._stopping.is_set()
+
+    def exited(self) -> Child | None:
+        """The first started child that is no longer running."""
+        return next((c for c in self.children if c.proc is not None and not c.alive()), None)
 
     def run(self, poll_s: float = 0.2) -> None:
         """Supervise until stop(); restart children that exit while we are not stopping."""
@@ -354,12 +383,13 @@ def ports_taken(cfg: Config, args: Any) -> list[str]:
 
 
 def wait_ready(base: str, timeout_s: float, sup: Supervisor) -> bool:
-    """Poll the gateway's /readyz until it answers 200 (Redis reachable) or time runs out."""
+    """Poll the gateway's /readyz until it answers 200 (Redis reachable), time runs out, a stop
+    is asked for or a child exits."""
     import urllib.error
     import urllib.request
 
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and not sup.stopping:
+    while time.monotonic() < deadline and not sup.stopping and sup.exited() is None:
         try:
             with urllib.request.urlopen(base + "/readyz", timeout=1) as resp:  # noqa: S310 - our own loopback URL
                 if resp.status == 200:
@@ -405,6 +435,9 @@ def main(cfg: Config, args: Any) -> int:
         base = f"http://{cfg.gateway.host}:{cfg.gateway.port}"
         probe = base.replace("0.0.0.0", "127.0.0.1")  # noqa: S104 - a wildcard bind answers on loopback
         ready = wait_ready(probe, READY_TIMEOUT_S, sup)
+        died = None if sup.stopping else sup.exited()
+        if died is not None:
+            return startup_failed(sup, died)
         if not sup.stopping:  # Ctrl-C / SIGTERM while it starts: it stops, it never was up
             if not ready:
                 log.warning("the gateway is not ready after %.0fs; see %s", READY_TIMEOUT_S,
@@ -421,6 +454,23 @@ def main(cfg: Config, args: Any) -> int:
             except subprocess.TimeoutExpired:
                 redis_proc.kill()
     return sup.exit_code
+
+
+def startup_failed(sup: Supervisor, died: Child) -> int:
+    """A child that exits before the mesh is ready would most likely do so again on every restart
+    (a port, a path, a setting): say which one and what it last wrote, stop the others, and end
+    `up` with one line — its status 2 (a configuration error) passed on, else 1."""
+    tail = died.last_output()
+    log.error("%s %s before the mesh was ready; its last output:%s", died.name, died.how_it_ended(),
+              "".join(f"\n    {line}" for line in tail) or " (none)")
+    sup.stop()
+    sup.shutdown()
+    where = f"see {died.log_path}" if died.log_path is not None else "see its output above"
+    reason = f": {tail[-1]}" if tail else ""
+    print(f"learnmesh: {died.name} {died.how_it_ended()} before the mesh was ready{reason} ({where})",
+          file=sys.stderr, flush=True)
+    code = died.proc.returncode if died.proc is not None else None
+    return CONFIG_ERROR_EXIT if code == CONFIG_ERROR_EXIT else 1
 
 
 def hold_var(var_dir: Path) -> IO[str]:

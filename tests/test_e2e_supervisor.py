@@ -345,7 +345,7 @@ def _learnmesh(tmp_path: Path, *args: str, env: dict[str, str], timeout_s: float
     except subprocess.TimeoutExpired:
         proc.terminate()
         proc.communicate(timeout=60)
-        pytest.fail(f"learnmesh {' '.join(args)} ran on instead of refusing its arguments")
+        pytest.fail(f"learnmesh {' '.join(args)} still ran after {timeout_s}s")
     return proc.returncode, out, err
 
 
@@ -428,5 +428,26 @@ def test_a_mesh_stopped_while_it_starts_says_so_and_never_that_it_is_up(tmp_path
     assert up.returncode == 0, err
     assert "learnmesh is up" not in out and "admin key" not in out and "not ready after" not in err
     assert "does not answer; the mesh starts and waits for it" in err
+    started = [int(line.rpartition("(pid ")[2].rstrip(")")) for line in err.splitlines() if "(pid " in line]
+    assert len(started) == 3 and all(_gone(pid) for pid in started), err
+
+
+def test_a_child_that_dies_while_the_mesh_starts_stops_the_mesh_at_once(redis_url: str, tmp_path: Path) -> None:
+    """The gateway bound to an address of no interface of this machine (TEST-NET-1) passes every
+    check before the start and dies as it binds. `up` must say which child died, with its exit
+    status and its last words, stop the others and exit non-zero, instead of waiting out the
+    readiness timeout and then restarting the gateway for ever."""
+    path, _ = _own_ports_config(tmp_path)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["gateway"]["host"] = "192.0.2.1"
+    cfg["model"] = {"pretrain_steps": 0}  # nothing to wait for in the children that live
+    path.write_text(yaml.safe_dump(cfg))
+    code, out, err = _learnmesh(tmp_path, "--config", str(path), "up", timeout_s=90,
+                                env={"REDIS_URL": redis_url, "LEARNMESH_VAR": str(tmp_path / "var")})
+    assert code == 1, err
+    assert "learnmesh is up" not in out and "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("learnmesh: gateway exited with status 3 before the mesh was ready: "), err
+    assert "cannot assign requested address" in last and str(tmp_path / "var" / "logs" / "gateway.log") in last
     started = [int(line.rpartition("(pid ")[2].rstrip(")")) for line in err.splitlines() if "(pid " in line]
     assert len(started) == 3 and all(_gone(pid) for pid in started), err
