@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from redis.exceptions import RedisClusterException
 
-from shared.config import ConfigError, load_config
+from shared.config import ConfigError, load_config, unknown_env_variables
 
 
 def _whole(text: str) -> int:
@@ -78,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"learnmesh: configuration error: {exc}", file=sys.stderr)
         return 2
+    if not getattr(args, "as_rank", False):  # a rank's launcher has said it already
+        for name, meant in unknown_env_variables(cfg):  # the names only: values may be secrets
+            hint = f"did you mean {meant}?" if meant else "settings are LEARNMESH_<SECTION>__<KEY>"
+            print(f"learnmesh: warning: {name} sets nothing and is ignored; {hint}", file=sys.stderr)
     if args.command == "gateway":
         from gateway.server import main as run
     elif args.command == "worker":

@@ -39,7 +39,15 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from shared.config import CONFIG_ENV, ENV_PREFIX, Config, ConfigError, apply_overrides, load_config
+from shared.config import (
+    CONFIG_ENV,
+    ENV_PREFIX,
+    Config,
+    ConfigError,
+    apply_overrides,
+    load_config,
+    unknown_env_variables,
+)
 from shared.config import var_dir as config_var_dir
 from shared.lifetime import die_with_parent
 from shared.net import listened_on
@@ -427,7 +435,9 @@ def main(cfg: Config, args: Any) -> int:
             seed_more_nodes(cfg)
         api_keys, admin_key = load_or_create_keys(var_dir, cfg)
         prepare_keys(cfg, var_dir)
-        envs = {role: child_env(path) for role, path in child_configs(cfg, args, var_dir, api_keys, admin_key).items()}
+        ignored = {name for name, _ in unknown_env_variables(cfg)}  # `learnmesh` has warned of them, once
+        envs = {role: child_env(path, ignored)
+                for role, path in child_configs(cfg, args, var_dir, api_keys, admin_key).items()}
         sup = Supervisor(build_children(cfg, args, envs, var_dir))
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: sup.stop())
@@ -516,10 +526,10 @@ def _is_config_variable(name: str) -> bool:
                                                                             "LEARNMESH_ADMIN_KEY")))
 
 
-def child_env(config_path: Path) -> dict[str, str]:
-    """A child's environment: this one without learnmesh's configuration variables, plus the
-    path of the child's configuration file."""
-    env = {k: v for k, v in os.environ.items() if not _is_config_variable(k)}
+def child_env(config_path: Path, ignored: typing.Collection[str] = ()) -> dict[str, str]:
+    """A child's environment: this one without learnmesh's configuration variables and the
+    ``ignored`` ones, plus the path of the child's configuration file."""
+    env = {k: v for k, v in os.environ.items() if not _is_config_variable(k) and k not in ignored}
     env.update({CONFIG_ENV: str(config_path), "PYTHONUNBUFFERED": "1"})
     return env
 

@@ -443,11 +443,41 @@ def test_a_child_that_dies_while_the_mesh_starts_stops_the_mesh_at_once(redis_ur
     cfg["model"] = {"pretrain_steps": 0}  # nothing to wait for in the children that live
     path.write_text(yaml.safe_dump(cfg))
     code, out, err = _learnmesh(tmp_path, "--config", str(path), "up", timeout_s=90,
-                                env={"REDIS_URL": redis_url, "LEARNMESH_VAR": str(tmp_path / "var")})
+                                env={"REDIS_URL": redis_url, "LEARNMESH_VAR": str(tmp_path / "var"),
+                                     "LEARNMESH_GATEWAY_HOST": "127.0.0.1"})
     assert code == 1, err
     assert "learnmesh is up" not in out and "Traceback" not in err
     last = err.strip().splitlines()[-1]
     assert last.startswith("learnmesh: gateway exited with status 3 before the mesh was ready: "), err
-    assert "cannot assign requested address" in last and str(tmp_path / "var" / "logs" / "gateway.log") in last
+    gateway_log = tmp_path / "var" / "logs" / "gateway.log"
+    assert "cannot assign requested address" in last and str(gateway_log) in last
+    # a mistyped variable is named by `up`, once, not again by each child
+    assert err.count("LEARNMESH_GATEWAY_HOST sets nothing") == 1 and "LEARNMESH_GATEWAY_HOST" not in \
+        gateway_log.read_text(), err
     started = [int(line.rpartition("(pid ")[2].rstrip(")")) for line in err.splitlines() if "(pid " in line]
     assert len(started) == 3 and all(_gone(pid) for pid in started), err
+
+
+def test_a_learnmesh_variable_that_sets_nothing_is_named_with_the_one_meant_and_never_its_value(
+        tmp_path: Path) -> None:
+    """LEARNMESH_GATEWAY_PORT (one underscore) sets nothing: without a word the gateway would bind
+    its default port. Each such variable is named once, with the setting it resembles; its value
+    (it may be a secret) is never shown, and no variable learnmesh or its tools use is named."""
+    config = tmp_path / "learnmesh.yaml"
+    config.write_text(yaml.safe_dump({"proxy": {"upstreams": [
+        {"name": "weather", "url": "https://weather.example/mcp",
+         "headers_from_env": {"Authorization": "LEARNMESH_WEATHER_TOKEN"}}]}}))
+    secret = "s3cret-value-never-shown"
+    mistyped = {"LEARNMESH_GATEWAY_PORT": secret, "LEARNMESH_ADMINKEY": secret, "LEARNMESH_XYZZY": secret}
+    used = {"LEARNMESH_WEATHER_TOKEN": secret, "LEARNMESH_DELTA_SIGN_KEY": secret, "LEARNMESH_ZMQ_WORKER_SECRET": secret,
+            "LEARNMESH_REDIS_PASSWORD": secret, "LEARNMESH_KEY": secret, "LEARNMESH_LOG_LEVEL": "info"}
+    code, _, err = _learnmesh(tmp_path, "--config", str(config), "keys",
+                              env={**mistyped, **used, "LEARNMESH_VAR": str(tmp_path / "var")})
+    assert code == 0, err
+    assert [line for line in err.splitlines() if line.startswith("learnmesh: warning:")] == [
+        "learnmesh: warning: LEARNMESH_ADMINKEY sets nothing and is ignored; did you mean LEARNMESH_ADMIN_KEY?",
+        "learnmesh: warning: LEARNMESH_GATEWAY_PORT sets nothing and is ignored; did you mean "
+        "LEARNMESH_GATEWAY__PORT?",
+        "learnmesh: warning: LEARNMESH_XYZZY sets nothing and is ignored; settings are "
+        "LEARNMESH_<SECTION>__<KEY>"], err
+    assert secret not in err
