@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from redis.exceptions import RedisClusterException
 
-from shared.config import ConfigError, load_config, unknown_env_variables
+from shared.config import CONFIG_ERROR_EXIT, ConfigError, load_config, unknown_env_variables
 
 
 def _whole(text: str) -> int:
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config)
     except ConfigError as exc:
         print(f"learnmesh: configuration error: {exc}", file=sys.stderr)
-        return 2
+        return CONFIG_ERROR_EXIT
     if not getattr(args, "as_rank", False):  # a rank's launcher has said it already
         for name, meant in unknown_env_variables(cfg):  # the names only: values may be secrets
             hint = f"did you mean {meant}?" if meant else "settings are LEARNMESH_<SECTION>__<KEY>"
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(run(cfg, args) or 0)
     except ConfigError as exc:
         print(f"learnmesh: configuration error: {exc}", file=sys.stderr)
-        return 2
+        return CONFIG_ERROR_EXIT
     except RedisClusterException as exc:  # as a cluster client is made: no node of the cluster answered
         print(f"learnmesh: {str(exc).rstrip('.')}; check redis.url and redis.cluster_nodes", file=sys.stderr)
         return 1

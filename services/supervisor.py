@@ -41,6 +41,7 @@ import yaml
 
 from shared.config import (
     CONFIG_ENV,
+    CONFIG_ERROR_EXIT,
     ENV_PREFIX,
     Config,
     ConfigError,
@@ -58,7 +59,6 @@ from shared.zmq_util import bind_address
 log = logging.getLogger("learnmesh.up")
 
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
-CONFIG_ERROR_EXIT = 2  # what `learnmesh <command>` exits with on a ConfigError (services/cli.py)
 STOP_TIMEOUT_S = 20.0
 READY_TIMEOUT_S = 120.0
 

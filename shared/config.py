@@ -33,6 +33,10 @@ from pydantic import Field, JsonValue, StrictBool, StrictFloat, StrictInt
 
 CONFIG_ENV = "LEARNMESH_CONFIG"
 ENV_PREFIX = "LEARNMESH_"
+CONFIG_ERROR_EXIT = 2
+"""The exit status of a learnmesh process stopped by a failure a restart would meet again (a
+setting, a key or checkpoint file to mend): `learnmesh up` and the trainer's launcher do not
+restart it."""
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 """Where every process looks for Redis when neither ``redis.url`` nor ``REDIS_URL`` names one."""
 

@@ -143,3 +143,28 @@ def test_the_ranks_configuration_lives_beside_the_checkpoints_only_while_they_ru
     assert launcher.launch(cfg) == 0
     assert seen == [(ckpt / "launch-config.yaml", 0o600, cfg)]
     assert list(ckpt.iterdir()) == [], "removed once the ranks stopped"
+
+
+def test_a_rank_that_cannot_start_for_a_reason_a_restart_keeps_stops_the_trainer_at_once(
+        redis_url: str, tmp_path: Path):
+    """No checkpoint of trainer.checkpoint_dir reads: every restart of the group would fail the
+    same way, each after loading the model and meeting the group again. The first failure stops
+    ``learnmesh trainer`` (2 ranks, torchrun with restarts left) with exit 2, which `learnmesh up`
+    does not restart either, and the reason in its log once."""
+    from trainer_support import TrainerProc, trainer_config
+
+    cfg = trainer_config(redis_url, tmp_path, free_port(), ranks=2, max_restarts=3)
+    ckpt = Path(cfg.trainer.checkpoint_dir)
+    ckpt.mkdir(parents=True)
+    (ckpt / "ckpt-0000000004.pt").write_bytes(b"not a checkpoint")
+    proc = TrainerProc(cfg, tmp_path)
+    try:
+        code = proc.proc.wait(180)
+    finally:
+        proc.close()
+    out = proc.output()
+    assert code == 2, out
+    assert out.count(f"no checkpoint in {ckpt} (trainer.checkpoint_dir) can be read") == 1, out
+    assert "will restart worker group" not in out and "the rank group was restarted" not in out, out
+    assert "a restart would fail the same way" in out, out
+

@@ -31,7 +31,7 @@ from services.trainer.publisher import DeltaPublisher
 from services.trainer.replay import ReplayBuffer
 from services.trainer.stepper import Stepper, build_model
 from shared import metrics as m
-from shared.config import Config, log_level
+from shared.config import CONFIG_ERROR_EXIT, Config, ConfigError, log_level
 from shared.control import start_metrics_server
 from shared.lifetime import die_with_parent
 from shared.redis_client import check_access, sync_client
@@ -91,7 +91,12 @@ def run_rank(cfg: Config, observers: Sequence[StepObserver] = ()) -> int:
                     env.restarts, os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"))
     trainer = None
     try:
-        trainer = build_trainer(cfg, init_distributed(cfg, env), stop.is_set, observers)
+        try:
+            trainer = build_trainer(cfg, init_distributed(cfg, env), stop.is_set, observers)
+        except (ConfigError, checkpoint.CheckpointError) as exc:  # settings, keys, checkpoints to mend
+            log.error("rank %d cannot start: %s; a restart would fail the same way, so the trainer stops",
+                      env.rank, exc)
+            return CONFIG_ERROR_EXIT
         trainer.run()
         log.info("rank %d stopped cleanly at step %d", env.rank, trainer.step)
         return 0
