@@ -168,3 +168,21 @@ def test_a_rank_that_cannot_start_for_a_reason_a_restart_keeps_stops_the_trainer
     assert "will restart worker group" not in out and "the rank group was restarted" not in out, out
     assert "a restart would fail the same way" in out, out
 
+
+def test_a_trainer_told_to_stop_while_its_ranks_start_stops_at_once(redis_url: str, tmp_path: Path):
+    """SIGTERM (Ctrl-C on `learnmesh up`) while the ranks build the model, on a first start a
+    pre-training of the base model: nothing is trained or checkpointed yet, so the ranks stop
+    then, not once pre-training is done or torchrun's grace (step_timeout_s) has run out."""
+    from trainer_support import TrainerProc, trainer_config
+
+    cfg = trainer_config(redis_url, tmp_path, free_port(), ranks=2, model_factory="", step_timeout_s=600,
+                         model={"pretrain_steps": 1_000_000, "cache_dir": str(tmp_path / "model")})
+    proc = TrainerProc(cfg, tmp_path)
+    try:
+        wait_for_sync(lambda: proc.output().count("pre-training base model") >= 1 or proc.proc.poll() is not None,
+                      timeout_s=120, what="a rank to pre-train the base model")
+        assert proc.term(timeout_s=90) == 0, proc.output()
+    finally:
+        proc.close()
+    out = proc.output()
+    assert "rank 0 stopped before it started" in out and "rank 1 stopped before it started" in out, out
