@@ -9,6 +9,7 @@ from collections.abc import Callable
 from redis.exceptions import RedisClusterException
 
 from shared.config import CONFIG_ERROR_EXIT, ConfigError, load_config, unknown_env_variables
+from shared.redis_embed import RedisStartError
 
 
 def _whole(text: str) -> int:
@@ -99,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"learnmesh: configuration error: {exc}", file=sys.stderr)
         return CONFIG_ERROR_EXIT
+    except RedisStartError as exc:
+        print(f"learnmesh: {exc}", file=sys.stderr)
+        return 1
     except RedisClusterException as exc:  # as a cluster client is made: no node of the cluster answered
         print(f"learnmesh: {str(exc).rstrip('.')}; check redis.url and redis.cluster_nodes", file=sys.stderr)
         return 1

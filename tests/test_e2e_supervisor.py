@@ -481,3 +481,37 @@ def test_a_learnmesh_variable_that_sets_nothing_is_named_with_the_one_meant_and_
         "learnmesh: warning: LEARNMESH_XYZZY sets nothing and is ignored; settings are "
         "LEARNMESH_<SECTION>__<KEY>"], err
     assert secret not in err
+
+
+def _own_network() -> list[str]:
+    """A command prefix that runs a process in a network namespace of its own (loopback only),
+    where no Redis answers on 127.0.0.1:6379: the embedded default then starts its private one."""
+    prefix = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh"]
+    try:
+        ok = subprocess.run([*prefix, "true"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        ok = False
+    if not ok:
+        pytest.skip("needs unshare -n and ip (a network namespace of its own)")
+    return prefix
+
+
+def test_up_names_why_its_private_redis_does_not_start_on_a_damaged_var(tmp_path: Path) -> None:
+    """var/redis left by a crash with an append-only file redis-server refuses to load: one line
+    with redis-server's own reason and where its log is, exit 1, no traceback."""
+    var = tmp_path / "var"
+    aof = var / "redis" / "appendonlydir"
+    aof.mkdir(parents=True)
+    (aof / "appendonly.aof.manifest").write_text("file appendonly.aof.1.incr.aof seq 1 type i\n")
+    (aof / "appendonly.aof.1.incr.aof").write_bytes(b"*2\r\n$6\r\nSELECT\r\n$1\r\n0\r\nnot a command\r\n")
+    path, _ = _own_ports_config(tmp_path)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("LEARNMESH_") and k != "REDIS_URL"}
+    done = subprocess.run([*_own_network(), sys.executable, "-m", "services.cli", "--config", str(path), "up"],
+                          cwd=ROOT, env={**clean, "LEARNMESH_VAR": str(var)}, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("learnmesh: the private redis-server in " + str(var / "redis") + " did not start: "), last
+    assert "Bad file format reading the append only file" in last and str(var / "redis" / "redis.log") in last, last
+    assert not (var / "logs").exists(), "no child started"
