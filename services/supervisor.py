@@ -7,7 +7,7 @@ logged and restarted with backoff; Ctrl-C / SIGTERM stops them in reverse order 
 SIGTERM (the gateway drains, the trainer checkpoints) and SIGKILLs what does not stop
 within ``stop_timeout_s``; a kill -9 of this process has the kernel send each child SIGTERM
 (shared/lifetime.py). A child that exits with a configuration error (exit code 2) is
-not restarted: the mesh stops with it. Keys are generated on first start and kept in
+not restarted: the mesh stops with it, named with its last output. Keys are generated on first start and kept in
 ``var/keys``: API and admin keys, each role's CURVE keypair (``keys/zmq``), the delta key
 ring and the trainer's signing key.
 
@@ -190,6 +190,7 @@ class Supervisor:
         self.children = children
         self.stop_timeout_s = stop_timeout_s
         self.exit_code = 0
+        self.failed: str | None = None  # why the mesh stopped by itself: one line
         self._stopping = threading.Event()
         self._hurry = threading.Event()  # a second stop request: no more grace for the children
 
@@ -217,11 +218,8 @@ class Supervisor:
             for child in self.children:
                 if child.proc is not None and not child.alive() and not self._stopping.is_set():
                     code = child.proc.returncode
-                    if code == CONFIG_ERROR_EXIT:  # a restart would fail the same way
-                        log.error("%s stopped on a configuration error (see %s); stopping everything",
-                                  child.name, child.log_path or "its output")
-                        self.exit_code = CONFIG_ERROR_EXIT
-                        self._stopping.set()
+                    if code == CONFIG_ERROR_EXIT:
+                        self.give_up(child, "(a failure a restart would meet again)")
                         break
                     delay = RESTART_BACKOFF_S[min(child.restarts, len(RESTART_BACKOFF_S) - 1)]
                     if time.monotonic() - child.started_at > 60:
@@ -232,6 +230,20 @@ class Supervisor:
                     child.restarts += 1
                     child.start()
         self.shutdown()
+
+    def give_up(self, child: Child, why: str) -> None:
+        """Stop the mesh for ``child``, which exited and would most likely do so again on every
+        restart: name it, its exit status and what it last wrote; exit with its status 2 (a
+        configuration error), else 1."""
+        tail = child.last_output()
+        log.error("%s %s %s; stopping everything. Its last output:%s", child.name, child.how_it_ended(), why,
+                  "".join(f"\n    {line}" for line in tail) or " (none)")
+        where = f"see {child.log_path}" if child.log_path is not None else "see its output above"
+        self.failed = (f"{child.name} {child.how_it_ended()} {why}" + (f": {tail[-1]}" if tail else "")
+                       + f" ({where})")
+        code = child.proc.returncode if child.proc is not None else None
+        self.exit_code = CONFIG_ERROR_EXIT if code == CONFIG_ERROR_EXIT else 1
+        self._stopping.set()
 
     def shutdown(self) -> None:
         log.info("stopping: SIGTERM to %s (Ctrl-C again: kill them at once)",
@@ -446,8 +458,8 @@ def main(cfg: Config, args: Any) -> int:
         probe = base.replace("0.0.0.0", "127.0.0.1")  # noqa: S104 - a wildcard bind answers on loopback
         ready = wait_ready(probe, READY_TIMEOUT_S, sup)
         died = None if sup.stopping else sup.exited()
-        if died is not None:
-            return startup_failed(sup, died)
+        if died is not None:  # most likely again at every restart: a port, a path, a setting
+            sup.give_up(died, "before the mesh was ready")
         if not sup.stopping:  # Ctrl-C / SIGTERM while it starts: it stops, it never was up
             if not ready:
                 log.warning("the gateway is not ready after %.0fs; see %s", READY_TIMEOUT_S,
@@ -463,24 +475,9 @@ def main(cfg: Config, args: Any) -> int:
                 redis_proc.wait(5)
             except subprocess.TimeoutExpired:
                 redis_proc.kill()
+    if sup.failed is not None:
+        print(f"learnmesh: {sup.failed}", file=sys.stderr, flush=True)
     return sup.exit_code
-
-
-def startup_failed(sup: Supervisor, died: Child) -> int:
-    """A child that exits before the mesh is ready would most likely do so again on every restart
-    (a port, a path, a setting): say which one and what it last wrote, stop the others, and end
-    `up` with one line — its status 2 (a configuration error) passed on, else 1."""
-    tail = died.last_output()
-    log.error("%s %s before the mesh was ready; its last output:%s", died.name, died.how_it_ended(),
-              "".join(f"\n    {line}" for line in tail) or " (none)")
-    sup.stop()
-    sup.shutdown()
-    where = f"see {died.log_path}" if died.log_path is not None else "see its output above"
-    reason = f": {tail[-1]}" if tail else ""
-    print(f"learnmesh: {died.name} {died.how_it_ended()} before the mesh was ready{reason} ({where})",
-          file=sys.stderr, flush=True)
-    code = died.proc.returncode if died.proc is not None else None
-    return CONFIG_ERROR_EXIT if code == CONFIG_ERROR_EXIT else 1
 
 
 def hold_var(var_dir: Path) -> IO[str]:

@@ -515,3 +515,24 @@ def test_up_names_why_its_private_redis_does_not_start_on_a_damaged_var(tmp_path
     assert last.startswith("learnmesh: the private redis-server in " + str(var / "redis") + " did not start: "), last
     assert "Bad file format reading the append only file" in last and str(var / "redis" / "redis.log") in last, last
     assert not (var / "logs").exists(), "no child started"
+
+
+def test_a_child_that_stops_on_a_failure_a_restart_keeps_is_named_with_its_reason(redis_url: str,
+                                                                                  tmp_path: Path) -> None:
+    """The trainer finds no readable checkpoint in var/checkpoints and exits 2 (whether the gateway
+    was ready by then or not): `up` stops the mesh with 2, shows the trainer's last output (its
+    reason) and ends with one line naming it, instead of a pointer to a log file alone."""
+    path, _ = _own_ports_config(tmp_path)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["model"] = {"pretrain_steps": 0}
+    path.write_text(yaml.safe_dump(cfg))
+    ckpt = tmp_path / "var" / "checkpoints"
+    ckpt.mkdir(parents=True)
+    (ckpt / "ckpt-0000000004.pt").write_bytes(b"not a checkpoint")
+    code, out, err = _learnmesh(tmp_path, "--config", str(path), "up", "--ranks", "1", timeout_s=240,
+                                env={"REDIS_URL": redis_url, "LEARNMESH_VAR": str(tmp_path / "var")})
+    assert code == 2, err
+    assert f"no checkpoint in {ckpt} (trainer.checkpoint_dir) can be read" in err and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].startswith("learnmesh: trainer exited with status 2"), err
+    started = [int(line.rpartition("(pid ")[2].rstrip(")")) for line in err.splitlines() if "(pid " in line]
+    assert len(started) == 3 and all(_gone(pid) for pid in started), err
