@@ -36,7 +36,7 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from shared.config import CONFIG_ERROR_EXIT, Config
+from shared.config import CONFIG_ERROR_EXIT, Config, ConfigError
 from shared.secret_files import write_private
 
 log = logging.getLogger("learnmesh.trainer")
@@ -56,7 +56,11 @@ def launch(cfg: Config, rank_argv: RankArgv = cli_rank_argv) -> int:
     # one name: the trainer's own private place, where a launcher killed with -9 leaves no copy
     # of the configuration behind but this one, which the next start replaces.
     path = Path(cfg.trainer.checkpoint_dir) / "launch-config.yaml"
-    write_private(path, yaml.safe_dump(cfg.to_dict()))
+    try:
+        write_private(path, yaml.safe_dump(cfg.to_dict()))
+    except OSError as exc:  # every start would fail here, and every checkpoint after it
+        raise ConfigError(f"trainer.checkpoint_dir: cannot write {cfg.trainer.checkpoint_dir} "
+                          f"({exc.strerror or exc}); give it a directory the trainer can write") from None
     try:
         return _run(cfg, rank_argv(str(path)))
     finally:
