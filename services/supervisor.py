@@ -428,11 +428,12 @@ def main(cfg: Config, args: Any) -> int:
         cfg.gateway.host = args.host
     if getattr(args, "port", None):
         cfg.gateway.port = args.port
+    var_dir = config_var_dir().resolve()
+    check_var_free(var_dir)  # before the ports: another mesh on this var/ holds them too
     taken = ports_taken(cfg, args)
     if taken:
         raise ConfigError("another process listens where this mesh would: " + ", ".join(taken)
                           + "; stop it, or give this mesh other ports (--port, --config)")
-    var_dir = config_var_dir().resolve()
     held = hold_var(var_dir)  # noqa: F841 - held until this process ends
     redis_configured = bool(cfg.redis.url)
     redis_proc = resolve_redis(cfg.redis, var_dir)
@@ -480,6 +481,27 @@ def main(cfg: Config, args: Any) -> int:
     return sup.exit_code
 
 
+def check_var_free(var_dir: Path) -> None:
+    """Refuse ``var_dir`` when another `learnmesh up` holds it, creating nothing (see :func:`hold_var`)."""
+    try:
+        f = open(var_dir / "up.lock")  # noqa: SIM115 - closed below
+    except OSError:  # none yet, or unreadable: hold_var says what is wrong
+        return
+    with f:
+        _lock(f, var_dir)
+
+
+def _lock(f: IO[str], var_dir: Path) -> None:
+    """Take ``var_dir``'s lock on ``f``; ConfigError naming the holder's pid when another has it."""
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "?"
+        raise ConfigError(f"another learnmesh up (pid {holder}) uses {var_dir}; stop it, or give this mesh a "
+                          f"directory of its own (LEARNMESH_VAR)") from None
+
+
 def hold_var(var_dir: Path) -> IO[str]:
     """Lock ``var_dir`` for this mesh (``var_dir/up.lock``, released when the process ends, by
     kill -9 too). A second mesh on the same directory would roll back the first one's commit
@@ -491,13 +513,10 @@ def hold_var(var_dir: Path) -> IO[str]:
         raise ConfigError(f"LEARNMESH_VAR: {var_dir} is not a directory this mesh can write to "
                           f"({exc.strerror or exc}: {exc.filename}); give it one that is") from None
     try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "?"
+        _lock(f, var_dir)
+    except ConfigError:
         f.close()
-        raise ConfigError(f"another learnmesh up (pid {holder}) uses {var_dir}; stop it, or give this mesh a "
-                          f"directory of its own (LEARNMESH_VAR)") from None
+        raise
     f.truncate(0)
     f.write(f"{os.getpid()}\n")
     f.flush()

@@ -536,3 +536,21 @@ def test_a_child_that_stops_on_a_failure_a_restart_keeps_is_named_with_its_reaso
     assert err.strip().splitlines()[-1].startswith("learnmesh: trainer exited with status 2"), err
     started = [int(line.rpartition("(pid ")[2].rstrip(")")) for line in err.splitlines() if "(pid " in line]
     assert len(started) == 3 and all(_gone(pid) for pid in started), err
+
+
+def test_a_second_up_on_a_running_mesh_names_that_mesh_not_its_ports(redis_url: str, tmp_path: Path) -> None:
+    """`make run` while `make run` runs (the same var/, the same ports): one line naming the other
+    `learnmesh up` and its pid, rather than a list of every port it holds."""
+    var = tmp_path / "var"
+    holder = hold_var(var)
+    path, ports = _own_ports_config(tmp_path)
+    try:
+        with socket.create_server(("127.0.0.1", ports["gateway"])):
+            code, _, err = _learnmesh(tmp_path, "--config", str(path), "up",
+                                      env={"REDIS_URL": redis_url, "LEARNMESH_VAR": str(var)})
+    finally:
+        holder.close()
+    assert code == 2, err
+    assert err.strip().splitlines() == [
+        f"learnmesh: configuration error: another learnmesh up (pid {os.getpid()}) uses {var.resolve()}; stop it, "
+        f"or give this mesh a directory of its own (LEARNMESH_VAR)"]
