@@ -455,8 +455,8 @@ def main(cfg: Config, args: Any) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: sup.stop())
         sup.start()
-        base = f"http://{cfg.gateway.host}:{cfg.gateway.port}"
-        probe = base.replace("0.0.0.0", "127.0.0.1")  # noqa: S104 - a wildcard bind answers on loopback
+        loopback = {"0.0.0.0": "127.0.0.1", "::": "::1"}  # noqa: S104 - a wildcard bind answers on loopback
+        probe = _url("http", loopback.get(cfg.gateway.host, cfg.gateway.host), cfg.gateway.port)
         ready = wait_ready(probe, READY_TIMEOUT_S, sup)
         died = None if sup.stopping else sup.exited()
         if died is not None:  # most likely again at every restart: a port, a path, a setting
@@ -550,11 +550,16 @@ def child_env(config_path: Path, ignored: typing.Collection[str] = ()) -> dict[s
     return env
 
 
+def _url(scheme: str, host: str, port: int) -> str:
+    """``scheme://host:port``, an IPv6 address in brackets (RFC 3986)."""
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+
+
 def _banner(cfg: Config, redis: str, var_dir: Path, api_keys: dict[str, str], admin_key: str) -> str:
-    base = f"http://{cfg.gateway.host}:{cfg.gateway.port}"
+    base = _url("http", cfg.gateway.host, cfg.gateway.port)
     return "\n".join([
         "learnmesh is up",
-        f"  MCP endpoint   {base}/mcp   (WebSocket: ws://{cfg.gateway.host}:{cfg.gateway.port}/mcp/ws)",
+        f"  MCP endpoint   {base}/mcp   (WebSocket: {_url('ws', cfg.gateway.host, cfg.gateway.port)}/mcp/ws)",
         f"  admin API      {base}/admin   (OpenAPI: {base}/admin/openapi.json)",
         f"  dashboard      {base}/admin/ui",
         f"  metrics        {base}/metrics",

@@ -554,3 +554,30 @@ def test_a_second_up_on_a_running_mesh_names_that_mesh_not_its_ports(redis_url: 
     assert err.strip().splitlines() == [
         f"learnmesh: configuration error: another learnmesh up (pid {os.getpid()}) uses {var.resolve()}; stop it, "
         f"or give this mesh a directory of its own (LEARNMESH_VAR)"]
+
+
+def test_up_on_an_ipv6_address_prints_urls_that_work(redis_url: str, tmp_path: Path) -> None:
+    """`up --host ::1`: the banner's URLs carry the address in brackets (RFC 3986); written bare,
+    http://::1:8000/mcp is no URL a client takes."""
+    try:
+        socket.create_server(("::1", 0), family=socket.AF_INET6).close()
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    path, ports = _own_ports_config(tmp_path)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["model"] = {"pretrain_steps": 0}
+    path.write_text(yaml.safe_dump(cfg))
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("LEARNMESH_") and k != "REDIS_URL"}
+    up = subprocess.Popen([sys.executable, "-m", "services.cli", "--config", str(path), "up", "--host", "::1",
+                           "--ranks", "1"], cwd=ROOT, env={**clean, "REDIS_URL": redis_url,
+                                                           "LEARNMESH_VAR": str(tmp_path / "var")},
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        assert up.stdout is not None
+        banner = [up.stdout.readline() for _ in range(10)]  # blocks until `up` prints it (or ends)
+        endpoint = next(line.split()[2] for line in banner if line.strip().startswith("MCP endpoint"))
+        assert endpoint == f"http://[::1]:{ports['gateway']}/mcp", banner
+        assert httpx.get(endpoint.removesuffix("/mcp") + "/healthz", timeout=10).status_code == 200
+    finally:
+        up.terminate()
+        up.communicate(timeout=60)
