@@ -8,7 +8,8 @@ from collections.abc import Callable
 
 from redis.exceptions import RedisClusterException
 
-from shared.config import ConfigError, load_config, log_level
+from shared.config import CONFIG_ERROR_EXIT, ConfigError, load_config, log_level, unknown_env_variables
+from shared.redis_embed import RedisStartError
 
 
 def _whole(text: str) -> int:
@@ -78,7 +79,11 @@ def main(argv: list[str] | None = None) -> int:
         log_level()  # checked here, before any process starts: every command logs at it
     except ConfigError as exc:
         print(f"learnmesh: configuration error: {exc}", file=sys.stderr)
-        return 2
+        return CONFIG_ERROR_EXIT
+    if not getattr(args, "as_rank", False):  # a rank's launcher has said it already
+        for name, meant in unknown_env_variables(cfg):  # the names only: values may be secrets
+            hint = f"did you mean {meant}?" if meant else "settings are LEARNMESH_<SECTION>__<KEY>"
+            print(f"learnmesh: warning: {name} sets nothing and is ignored; {hint}", file=sys.stderr)
     if args.command == "gateway":
         from gateway.server import main as run
     elif args.command == "worker":
@@ -95,7 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(run(cfg, args) or 0)
     except ConfigError as exc:
         print(f"learnmesh: configuration error: {exc}", file=sys.stderr)
-        return 2
+        return CONFIG_ERROR_EXIT
+    except RedisStartError as exc:
+        print(f"learnmesh: {exc}", file=sys.stderr)
+        return 1
     except RedisClusterException as exc:  # as a cluster client is made: no node of the cluster answered
         print(f"learnmesh: {str(exc).rstrip('.')}; check redis.url and redis.cluster_nodes", file=sys.stderr)
         return 1

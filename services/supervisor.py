@@ -1,12 +1,13 @@
 """``learnmesh up``: run the whole mesh on one machine and keep it running.
 
 Starts (or finds) Redis, then one gateway, ``--workers`` inference workers and a trainer
-with ``--ranks`` ranks as child processes of this one. A child that exits unexpectedly is
+with ``--ranks`` ranks as child processes of this one. A child that exits before the mesh is
+ready stops the mesh, named with its exit status and last output; one that exits later is
 logged and restarted with backoff; Ctrl-C / SIGTERM stops them in reverse order with
 SIGTERM (the gateway drains, the trainer checkpoints) and SIGKILLs what does not stop
 within ``stop_timeout_s``; a kill -9 of this process has the kernel send each child SIGTERM
 (shared/lifetime.py). A child that exits with a configuration error (exit code 2) is
-not restarted: the mesh stops with it. Keys are generated on first start and kept in
+not restarted: the mesh stops with it, named with its last output. Keys are generated on first start and kept in
 ``var/keys``: API and admin keys, each role's CURVE keypair (``keys/zmq``), the delta key
 ring and the trainer's signing key.
 
@@ -38,7 +39,17 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from shared.config import CONFIG_ENV, ENV_PREFIX, Config, ConfigError, apply_overrides, load_config, log_level
+from shared.config import (
+    CONFIG_ENV,
+    CONFIG_ERROR_EXIT,
+    ENV_PREFIX,
+    Config,
+    ConfigError,
+    apply_overrides,
+    load_config,
+    log_level,
+    unknown_env_variables,
+)
 from shared.config import var_dir as config_var_dir
 from shared.lifetime import die_with_parent
 from shared.net import listened_on
@@ -49,7 +60,6 @@ from shared.zmq_util import bind_address
 log = logging.getLogger("learnmesh.up")
 
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
-CONFIG_ERROR_EXIT = 2  # what `learnmesh <command>` exits with on a ConfigError (services/cli.py)
 STOP_TIMEOUT_S = 20.0
 READY_TIMEOUT_S = 120.0
 
@@ -66,10 +76,12 @@ class Child:
     started_at: float = 0.0
     log_path: Path | None = None
     _log_file: Any = field(default=None, repr=False)
+    _log_start: int = field(default=0, repr=False)  # where this start's output begins in the log
 
     def start(self) -> None:
         if self.log_path is not None:
-            self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+            self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - closed in close_log()
+            self._log_start = self._log_file.tell()
         out = self._log_file if self._log_file is not None else None
         # S603: the argv is learnmesh's own executable with arguments built here, no shell.
         # SIGTERM when the supervisor dies (kill -9): the child stops as on Ctrl-C (the gateway
@@ -99,6 +111,28 @@ class Child:
             return True
         except subprocess.TimeoutExpired:
             return False
+
+    def how_it_ended(self) -> str:
+        """``exited with status N`` or ``was killed by SIGNAME``, for a child that stopped."""
+        code = self.proc.returncode if self.proc is not None else None
+        if code is not None and code < 0:
+            try:
+                return f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"was killed by signal {-code}"
+        return f"exited with status {code}"
+
+    def last_output(self, lines: int = 10, read_bytes: int = 8192) -> list[str]:
+        """The last non-empty lines this start of the child wrote to its log (none without one)."""
+        if self.log_path is None:
+            return []
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(self._log_start, f.seek(0, os.SEEK_END) - read_bytes))
+                text = f.read().decode("utf-8", "replace")
+        except OSError:
+            return []
+        return [line.rstrip() for line in text.splitlines() if line.strip()][-lines:]
 
     def close_log(self) -> None:
         if self._log_file is not None:
@@ -157,6 +191,7 @@ class Supervisor:
         self.children = children
         self.stop_timeout_s = stop_timeout_s
         self.exit_code = 0
+        self.failed: str | None = None  # why the mesh stopped by itself: one line
         self._stopping = threading.Event()
         self._hurry = threading.Event()  # a second stop request: no more grace for the children
 
@@ -174,17 +209,18 @@ class Supervisor:
     def stopping(self) -> bool:
         return self._stopping.is_set()
 
+    def exited(self) -> Child | None:
+        """The first started child that is no longer running."""
+        return next((c for c in self.children if c.proc is not None and not c.alive()), None)
+
     def run(self, poll_s: float = 0.2) -> None:
         """Supervise until stop(); restart children that exit while we are not stopping."""
         while not self._stopping.wait(poll_s):
             for child in self.children:
                 if child.proc is not None and not child.alive() and not self._stopping.is_set():
                     code = child.proc.returncode
-                    if code == CONFIG_ERROR_EXIT:  # a restart would fail the same way
-                        log.error("%s stopped on a configuration error (see %s); stopping everything",
-                                  child.name, child.log_path or "its output")
-                        self.exit_code = CONFIG_ERROR_EXIT
-                        self._stopping.set()
+                    if code == CONFIG_ERROR_EXIT:
+                        self.give_up(child, "(a failure a restart would meet again)")
                         break
                     delay = RESTART_BACKOFF_S[min(child.restarts, len(RESTART_BACKOFF_S) - 1)]
                     if time.monotonic() - child.started_at > 60:
@@ -195,6 +231,20 @@ class Supervisor:
                     child.restarts += 1
                     child.start()
         self.shutdown()
+
+    def give_up(self, child: Child, why: str) -> None:
+        """Stop the mesh for ``child``, which exited and would most likely do so again on every
+        restart: name it, its exit status and what it last wrote; exit with its status 2 (a
+        configuration error), else 1."""
+        tail = child.last_output()
+        log.error("%s %s %s; stopping everything. Its last output:%s", child.name, child.how_it_ended(), why,
+                  "".join(f"\n    {line}" for line in tail) or " (none)")
+        where = f"see {child.log_path}" if child.log_path is not None else "see its output above"
+        self.failed = (f"{child.name} {child.how_it_ended()} {why}" + (f": {tail[-1]}" if tail else "")
+                       + f" ({where})")
+        code = child.proc.returncode if child.proc is not None else None
+        self.exit_code = CONFIG_ERROR_EXIT if code == CONFIG_ERROR_EXIT else 1
+        self._stopping.set()
 
     def shutdown(self) -> None:
         log.info("stopping: SIGTERM to %s (Ctrl-C again: kill them at once)",
@@ -354,12 +404,13 @@ def ports_taken(cfg: Config, args: Any) -> list[str]:
 
 
 def wait_ready(base: str, timeout_s: float, sup: Supervisor) -> bool:
-    """Poll the gateway's /readyz until it answers 200 (Redis reachable) or time runs out."""
+    """Poll the gateway's /readyz until it answers 200 (Redis reachable), time runs out, a stop
+    is asked for or a child exits."""
     import urllib.error
     import urllib.request
 
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and not sup.stopping:
+    while time.monotonic() < deadline and not sup.stopping and sup.exited() is None:
         try:
             with urllib.request.urlopen(base + "/readyz", timeout=1) as resp:  # noqa: S310 - our own loopback URL
                 if resp.status == 200:
@@ -378,11 +429,12 @@ def main(cfg: Config, args: Any) -> int:
         cfg.gateway.host = args.host
     if getattr(args, "port", None):
         cfg.gateway.port = args.port
+    var_dir = config_var_dir().resolve()
+    check_var_free(var_dir)  # before the ports: another mesh on this var/ holds them too
     taken = ports_taken(cfg, args)
     if taken:
         raise ConfigError("another process listens where this mesh would: " + ", ".join(taken)
                           + "; stop it, or give this mesh other ports (--port, --config)")
-    var_dir = config_var_dir().resolve()
     held = hold_var(var_dir)  # noqa: F841 - held until this process ends
     redis_configured = bool(cfg.redis.url)
     redis_proc = resolve_redis(cfg.redis, var_dir)
@@ -397,14 +449,19 @@ def main(cfg: Config, args: Any) -> int:
             seed_more_nodes(cfg)
         api_keys, admin_key = load_or_create_keys(var_dir, cfg)
         prepare_keys(cfg, var_dir)
-        envs = {role: child_env(path) for role, path in child_configs(cfg, args, var_dir, api_keys, admin_key).items()}
+        ignored = {name for name, _ in unknown_env_variables(cfg)}  # `learnmesh` has warned of them, once
+        envs = {role: child_env(path, ignored)
+                for role, path in child_configs(cfg, args, var_dir, api_keys, admin_key).items()}
         sup = Supervisor(build_children(cfg, args, envs, var_dir))
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: sup.stop())
         sup.start()
-        base = f"http://{cfg.gateway.host}:{cfg.gateway.port}"
-        probe = base.replace("0.0.0.0", "127.0.0.1")  # noqa: S104 - a wildcard bind answers on loopback
+        loopback = {"0.0.0.0": "127.0.0.1", "::": "::1"}  # noqa: S104 - a wildcard bind answers on loopback
+        probe = _url("http", loopback.get(cfg.gateway.host, cfg.gateway.host), cfg.gateway.port)
         ready = wait_ready(probe, READY_TIMEOUT_S, sup)
+        died = None if sup.stopping else sup.exited()
+        if died is not None:  # most likely again at every restart: a port, a path, a setting
+            sup.give_up(died, "before the mesh was ready")
         if not sup.stopping:  # Ctrl-C / SIGTERM while it starts: it stops, it never was up
             if not ready:
                 log.warning("the gateway is not ready after %.0fs; see %s", READY_TIMEOUT_S,
@@ -420,7 +477,30 @@ def main(cfg: Config, args: Any) -> int:
                 redis_proc.wait(5)
             except subprocess.TimeoutExpired:
                 redis_proc.kill()
+    if sup.failed is not None:
+        print(f"learnmesh: {sup.failed}", file=sys.stderr, flush=True)
     return sup.exit_code
+
+
+def check_var_free(var_dir: Path) -> None:
+    """Refuse ``var_dir`` when another `learnmesh up` holds it, creating nothing (see :func:`hold_var`)."""
+    try:
+        f = open(var_dir / "up.lock")  # noqa: SIM115 - closed below
+    except OSError:  # none yet, or unreadable: hold_var says what is wrong
+        return
+    with f:
+        _lock(f, var_dir)
+
+
+def _lock(f: IO[str], var_dir: Path) -> None:
+    """Take ``var_dir``'s lock on ``f``; ConfigError naming the holder's pid when another has it."""
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "?"
+        raise ConfigError(f"another learnmesh up (pid {holder}) uses {var_dir}; stop it, or give this mesh a "
+                          f"directory of its own (LEARNMESH_VAR)") from None
 
 
 def hold_var(var_dir: Path) -> IO[str]:
@@ -434,13 +514,10 @@ def hold_var(var_dir: Path) -> IO[str]:
         raise ConfigError(f"LEARNMESH_VAR: {var_dir} is not a directory this mesh can write to "
                           f"({exc.strerror or exc}: {exc.filename}); give it one that is") from None
     try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "?"
+        _lock(f, var_dir)
+    except ConfigError:
         f.close()
-        raise ConfigError(f"another learnmesh up (pid {holder}) uses {var_dir}; stop it, or give this mesh a "
-                          f"directory of its own (LEARNMESH_VAR)") from None
+        raise
     f.truncate(0)
     f.write(f"{os.getpid()}\n")
     f.flush()
@@ -466,19 +543,24 @@ def _is_config_variable(name: str) -> bool:
                                                                             "LEARNMESH_ADMIN_KEY")))
 
 
-def child_env(config_path: Path) -> dict[str, str]:
-    """A child's environment: this one without learnmesh's configuration variables, plus the
-    path of the child's configuration file."""
-    env = {k: v for k, v in os.environ.items() if not _is_config_variable(k)}
+def child_env(config_path: Path, ignored: typing.Collection[str] = ()) -> dict[str, str]:
+    """A child's environment: this one without learnmesh's configuration variables and the
+    ``ignored`` ones, plus the path of the child's configuration file."""
+    env = {k: v for k, v in os.environ.items() if not _is_config_variable(k) and k not in ignored}
     env.update({CONFIG_ENV: str(config_path), "PYTHONUNBUFFERED": "1"})
     return env
 
 
+def _url(scheme: str, host: str, port: int) -> str:
+    """``scheme://host:port``, an IPv6 address in brackets (RFC 3986)."""
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+
+
 def _banner(cfg: Config, redis: str, var_dir: Path, api_keys: dict[str, str], admin_key: str) -> str:
-    base = f"http://{cfg.gateway.host}:{cfg.gateway.port}"
+    base = _url("http", cfg.gateway.host, cfg.gateway.port)
     return "\n".join([
         "learnmesh is up",
-        f"  MCP endpoint   {base}/mcp   (WebSocket: ws://{cfg.gateway.host}:{cfg.gateway.port}/mcp/ws)",
+        f"  MCP endpoint   {base}/mcp   (WebSocket: {_url('ws', cfg.gateway.host, cfg.gateway.port)}/mcp/ws)",
         f"  admin API      {base}/admin   (OpenAPI: {base}/admin/openapi.json)",
         f"  dashboard      {base}/admin/ui",
         f"  metrics        {base}/metrics",

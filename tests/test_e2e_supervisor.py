@@ -345,7 +345,7 @@ def _learnmesh(tmp_path: Path, *args: str, env: dict[str, str], timeout_s: float
     except subprocess.TimeoutExpired:
         proc.terminate()
         proc.communicate(timeout=60)
-        pytest.fail(f"learnmesh {' '.join(args)} ran on instead of refusing its arguments")
+        pytest.fail(f"learnmesh {' '.join(args)} still ran after {timeout_s}s")
     return proc.returncode, out, err
 
 
@@ -430,3 +430,154 @@ def test_a_mesh_stopped_while_it_starts_says_so_and_never_that_it_is_up(tmp_path
     assert "does not answer; the mesh starts and waits for it" in err
     started = [int(line.rpartition("(pid ")[2].rstrip(")")) for line in err.splitlines() if "(pid " in line]
     assert len(started) == 3 and all(_gone(pid) for pid in started), err
+
+
+def test_a_child_that_dies_while_the_mesh_starts_stops_the_mesh_at_once(redis_url: str, tmp_path: Path) -> None:
+    """The gateway bound to an address of no interface of this machine (TEST-NET-1) passes every
+    check before the start and dies as it binds. `up` must say which child died, with its exit
+    status and its last words, stop the others and exit non-zero, instead of waiting out the
+    readiness timeout and then restarting the gateway for ever."""
+    path, _ = _own_ports_config(tmp_path)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["gateway"]["host"] = "192.0.2.1"
+    cfg["model"] = {"pretrain_steps": 0}  # nothing to wait for in the children that live
+    path.write_text(yaml.safe_dump(cfg))
+    code, out, err = _learnmesh(tmp_path, "--config", str(path), "up", timeout_s=90,
+                                env={"REDIS_URL": redis_url, "LEARNMESH_VAR": str(tmp_path / "var"),
+                                     "LEARNMESH_GATEWAY_HOST": "127.0.0.1"})
+    assert code == 1, err
+    assert "learnmesh is up" not in out and "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("learnmesh: gateway exited with status 3 before the mesh was ready: "), err
+    gateway_log = tmp_path / "var" / "logs" / "gateway.log"
+    assert "cannot assign requested address" in last and str(gateway_log) in last
+    # a mistyped variable is named by `up`, once, not again by each child
+    assert err.count("LEARNMESH_GATEWAY_HOST sets nothing") == 1 and "LEARNMESH_GATEWAY_HOST" not in \
+        gateway_log.read_text(), err
+    started = [int(line.rpartition("(pid ")[2].rstrip(")")) for line in err.splitlines() if "(pid " in line]
+    assert len(started) == 3 and all(_gone(pid) for pid in started), err
+
+
+def test_a_learnmesh_variable_that_sets_nothing_is_named_with_the_one_meant_and_never_its_value(
+        tmp_path: Path) -> None:
+    """LEARNMESH_GATEWAY_PORT (one underscore) sets nothing: without a word the gateway would bind
+    its default port. Each such variable is named once, with the setting it resembles; its value
+    (it may be a secret) is never shown, and no variable learnmesh or its tools use is named."""
+    config = tmp_path / "learnmesh.yaml"
+    config.write_text(yaml.safe_dump({"proxy": {"upstreams": [
+        {"name": "weather", "url": "https://weather.example/mcp",
+         "headers_from_env": {"Authorization": "LEARNMESH_WEATHER_TOKEN"}}]}}))
+    secret = "s3cret-value-never-shown"
+    mistyped = {"LEARNMESH_GATEWAY_PORT": secret, "LEARNMESH_ADMINKEY": secret, "LEARNMESH_XYZZY": secret}
+    used = {"LEARNMESH_WEATHER_TOKEN": secret, "LEARNMESH_DELTA_SIGN_KEY": secret, "LEARNMESH_ZMQ_WORKER_SECRET": secret,
+            "LEARNMESH_REDIS_PASSWORD": secret, "LEARNMESH_KEY": secret, "LEARNMESH_LOG_LEVEL": "info"}
+    code, _, err = _learnmesh(tmp_path, "--config", str(config), "keys",
+                              env={**mistyped, **used, "LEARNMESH_VAR": str(tmp_path / "var")})
+    assert code == 0, err
+    assert [line for line in err.splitlines() if line.startswith("learnmesh: warning:")] == [
+        "learnmesh: warning: LEARNMESH_ADMINKEY sets nothing and is ignored; did you mean LEARNMESH_ADMIN_KEY?",
+        "learnmesh: warning: LEARNMESH_GATEWAY_PORT sets nothing and is ignored; did you mean "
+        "LEARNMESH_GATEWAY__PORT?",
+        "learnmesh: warning: LEARNMESH_XYZZY sets nothing and is ignored; settings are "
+        "LEARNMESH_<SECTION>__<KEY>"], err
+    assert secret not in err
+
+
+def _own_network() -> list[str]:
+    """A command prefix that runs a process in a network namespace of its own (loopback only),
+    where no Redis answers on 127.0.0.1:6379: the embedded default then starts its private one."""
+    prefix = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh"]
+    try:
+        ok = subprocess.run([*prefix, "true"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        ok = False
+    if not ok:
+        pytest.skip("needs unshare -n and ip (a network namespace of its own)")
+    return prefix
+
+
+def test_up_names_why_its_private_redis_does_not_start_on_a_damaged_var(tmp_path: Path) -> None:
+    """var/redis left by a crash with an append-only file redis-server refuses to load: one line
+    with redis-server's own reason and where its log is, exit 1, no traceback."""
+    var = tmp_path / "var"
+    aof = var / "redis" / "appendonlydir"
+    aof.mkdir(parents=True)
+    (aof / "appendonly.aof.manifest").write_text("file appendonly.aof.1.incr.aof seq 1 type i\n")
+    (aof / "appendonly.aof.1.incr.aof").write_bytes(b"*2\r\n$6\r\nSELECT\r\n$1\r\n0\r\nnot a command\r\n")
+    path, _ = _own_ports_config(tmp_path)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("LEARNMESH_") and k != "REDIS_URL"}
+    done = subprocess.run([*_own_network(), sys.executable, "-m", "services.cli", "--config", str(path), "up"],
+                          cwd=ROOT, env={**clean, "LEARNMESH_VAR": str(var)}, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("learnmesh: the private redis-server in " + str(var / "redis") + " did not start: "), last
+    assert "Bad file format reading the append only file" in last and str(var / "redis" / "redis.log") in last, last
+    assert not (var / "logs").exists(), "no child started"
+
+
+def test_a_child_that_stops_on_a_failure_a_restart_keeps_is_named_with_its_reason(redis_url: str,
+                                                                                  tmp_path: Path) -> None:
+    """The trainer finds no readable checkpoint in var/checkpoints and exits 2 (whether the gateway
+    was ready by then or not): `up` stops the mesh with 2, shows the trainer's last output (its
+    reason) and ends with one line naming it, instead of a pointer to a log file alone."""
+    path, _ = _own_ports_config(tmp_path)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["model"] = {"pretrain_steps": 0}
+    path.write_text(yaml.safe_dump(cfg))
+    ckpt = tmp_path / "var" / "checkpoints"
+    ckpt.mkdir(parents=True)
+    (ckpt / "ckpt-0000000004.pt").write_bytes(b"not a checkpoint")
+    code, out, err = _learnmesh(tmp_path, "--config", str(path), "up", "--ranks", "1", timeout_s=240,
+                                env={"REDIS_URL": redis_url, "LEARNMESH_VAR": str(tmp_path / "var")})
+    assert code == 2, err
+    assert f"no checkpoint in {ckpt} (trainer.checkpoint_dir) can be read" in err and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].startswith("learnmesh: trainer exited with status 2"), err
+    started = [int(line.rpartition("(pid ")[2].rstrip(")")) for line in err.splitlines() if "(pid " in line]
+    assert len(started) == 3 and all(_gone(pid) for pid in started), err
+
+
+def test_a_second_up_on_a_running_mesh_names_that_mesh_not_its_ports(redis_url: str, tmp_path: Path) -> None:
+    """`make run` while `make run` runs (the same var/, the same ports): one line naming the other
+    `learnmesh up` and its pid, rather than a list of every port it holds."""
+    var = tmp_path / "var"
+    holder = hold_var(var)
+    path, ports = _own_ports_config(tmp_path)
+    try:
+        with socket.create_server(("127.0.0.1", ports["gateway"])):
+            code, _, err = _learnmesh(tmp_path, "--config", str(path), "up",
+                                      env={"REDIS_URL": redis_url, "LEARNMESH_VAR": str(var)})
+    finally:
+        holder.close()
+    assert code == 2, err
+    assert err.strip().splitlines() == [
+        f"learnmesh: configuration error: another learnmesh up (pid {os.getpid()}) uses {var.resolve()}; stop it, "
+        f"or give this mesh a directory of its own (LEARNMESH_VAR)"]
+
+
+def test_up_on_an_ipv6_address_prints_urls_that_work(redis_url: str, tmp_path: Path) -> None:
+    """`up --host ::1`: the banner's URLs carry the address in brackets (RFC 3986); written bare,
+    http://::1:8000/mcp is no URL a client takes."""
+    try:
+        socket.create_server(("::1", 0), family=socket.AF_INET6).close()
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    path, ports = _own_ports_config(tmp_path)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["model"] = {"pretrain_steps": 0}
+    path.write_text(yaml.safe_dump(cfg))
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("LEARNMESH_") and k != "REDIS_URL"}
+    up = subprocess.Popen([sys.executable, "-m", "services.cli", "--config", str(path), "up", "--host", "::1",
+                           "--ranks", "1"], cwd=ROOT, env={**clean, "REDIS_URL": redis_url,
+                                                           "LEARNMESH_VAR": str(tmp_path / "var")},
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        assert up.stdout is not None
+        banner = [up.stdout.readline() for _ in range(10)]  # blocks until `up` prints it (or ends)
+        endpoint = next(line.split()[2] for line in banner if line.strip().startswith("MCP endpoint"))
+        assert endpoint == f"http://[::1]:{ports['gateway']}/mcp", banner
+        assert httpx.get(endpoint.removesuffix("/mcp") + "/healthz", timeout=10).status_code == 200
+    finally:
+        up.terminate()
+        up.communicate(timeout=60)

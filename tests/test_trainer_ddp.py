@@ -16,7 +16,7 @@ from services.trainer import dist as trainer_dist
 from services.trainer.dist import RankEnv, gpu_index, ranks_for_gpus
 from services.trainer.launcher import local_ranks
 from services.trainer.tiny import build_tiny_model
-from shared.config import load_config
+from shared.config import ConfigError, load_config
 from shared.samples import Example
 from tests.conftest import free_port, redis_modes, wait_for
 
@@ -73,7 +73,7 @@ def test_nccl_rank_uses_the_gpu_of_its_local_rank():
 @pytest.mark.parametrize(("local_rank", "local_world", "gpus"), [(0, 2, 1), (1, 2, 1), (0, 4, 0), (2, 1, 2)],
                          ids=["2-ranks-1-gpu", "second-rank-1-gpu", "no-gpu", "local-rank-past-the-gpus"])
 def test_more_nccl_ranks_than_gpus_fail_naming_the_setting(local_rank, local_world, gpus):
-    with pytest.raises(RuntimeError, match=r"trainer\.ranks") as err:
+    with pytest.raises(ConfigError, match=r"trainer\.ranks") as err:
         gpu_index(local_rank, local_world, gpus)
     assert f"{gpus} visible GPU" in str(err.value)
 

@@ -143,3 +143,66 @@ def test_the_ranks_configuration_lives_beside_the_checkpoints_only_while_they_ru
     assert launcher.launch(cfg) == 0
     assert seen == [(ckpt / "launch-config.yaml", 0o600, cfg)]
     assert list(ckpt.iterdir()) == [], "removed once the ranks stopped"
+
+
+def _trainer_run(cfg: Config, tmp_path: Path) -> tuple[int, str]:
+    """``learnmesh trainer`` until it exits by itself: its exit status and its output."""
+    from trainer_support import TrainerProc
+
+    proc = TrainerProc(cfg, tmp_path)
+    try:
+        return proc.proc.wait(180), proc.output()
+    finally:
+        proc.close()
+
+
+def test_a_rank_that_cannot_start_for_a_reason_a_restart_keeps_stops_the_trainer_at_once(
+        redis_url: str, tmp_path: Path):
+    """No checkpoint of trainer.checkpoint_dir reads: every restart of the group would fail the
+    same way, each after loading the model and meeting the group again. The first failure stops
+    ``learnmesh trainer`` (2 ranks, torchrun with restarts left) with exit 2, which `learnmesh up`
+    does not restart either, and the reason in its log once."""
+    from trainer_support import trainer_config
+
+    cfg = trainer_config(redis_url, tmp_path, free_port(), ranks=2, max_restarts=3)
+    ckpt = Path(cfg.trainer.checkpoint_dir)
+    ckpt.mkdir(parents=True)
+    (ckpt / "ckpt-0000000004.pt").write_bytes(b"not a checkpoint")
+    code, out = _trainer_run(cfg, tmp_path)
+    assert code == 2, out
+    assert out.count(f"no checkpoint in {ckpt} (trainer.checkpoint_dir) can be read") == 1, out
+    assert "will restart worker group" not in out and "the rank group was restarted" not in out, out
+    assert "a restart would fail the same way" in out, out
+
+
+def test_a_trainer_told_to_stop_while_its_ranks_start_stops_at_once(redis_url: str, tmp_path: Path):
+    """SIGTERM (Ctrl-C on `learnmesh up`) while the ranks build the model, on a first start a
+    pre-training of the base model: nothing is trained or checkpointed yet, so the ranks stop
+    then, not once pre-training is done or torchrun's grace (step_timeout_s) has run out."""
+    from trainer_support import TrainerProc, trainer_config
+
+    cfg = trainer_config(redis_url, tmp_path, free_port(), ranks=2, model_factory="", step_timeout_s=600,
+                         model={"pretrain_steps": 1_000_000, "cache_dir": str(tmp_path / "model")})
+    proc = TrainerProc(cfg, tmp_path)
+    try:
+        wait_for_sync(lambda: proc.output().count("pre-training base model") >= 1 or proc.proc.poll() is not None,
+                      timeout_s=120, what="a rank to pre-train the base model")
+        assert proc.term(timeout_s=90) == 0, proc.output()
+    finally:
+        proc.close()
+    out = proc.output()
+    assert "rank 0 stopped before it started" in out and "rank 1 stopped before it started" in out, out
+
+
+def test_a_checkpoint_directory_the_trainer_cannot_write_is_a_setting_to_mend(redis_url: str, tmp_path: Path):
+    """trainer.checkpoint_dir under a file: no start of the trainer can work, so `learnmesh
+    trainer` exits 2 naming the setting (which `learnmesh up` does not restart), not 1."""
+    from trainer_support import trainer_config
+
+    (tmp_path / "file").write_text("")
+    cfg = trainer_config(redis_url, tmp_path, free_port(), checkpoint_dir=str(tmp_path / "file" / "ckpt"))
+    code, out = _trainer_run(cfg, tmp_path)
+    assert code == 2, out
+    assert out.strip().splitlines()[-1] == (
+        f"learnmesh: configuration error: trainer.checkpoint_dir: cannot write {tmp_path / 'file' / 'ckpt'} "
+        "(Not a directory); give it a directory the trainer can write"), out

@@ -22,7 +22,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from shared.config import Config
+from shared.config import Config, ConfigError
 
 log = logging.getLogger("learnmesh.trainer")
 
@@ -90,7 +90,7 @@ def choose_backend(cfg: Config) -> str:
     wanted = cfg.trainer.backend
     if wanted == "nccl" or (wanted == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            raise RuntimeError("trainer.backend is nccl but CUDA is not available")
+            raise ConfigError("trainer.backend is nccl but CUDA is not available")
         return "nccl"
     return "gloo"
 
@@ -100,7 +100,7 @@ def gpu_index(local_rank: int, local_world: int, gpus: int) -> int:
     refuses two ranks on one GPU, so more ranks on a machine than GPUs cannot start."""
     ranks = max(local_world, local_rank + 1)
     if ranks > gpus:
-        raise RuntimeError(f"{ranks} NCCL ranks on this machine but {gpus} visible GPU(s): NCCL needs one GPU per "
+        raise ConfigError(f"{ranks} NCCL ranks on this machine but {gpus} visible GPU(s): NCCL needs one GPU per "
                            f"rank; set trainer.ranks (or torchrun --nproc-per-node) to at most {gpus}, or use "
                            "trainer.backend gloo")
     return local_rank

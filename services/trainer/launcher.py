@@ -5,7 +5,9 @@ torchrun starts ``trainer.ranks`` rank processes (``learnmesh trainer --as-rank`
 environment contract — MASTER_ADDR is ``trainer.master_addr``, the port a free one (one
 machine needs no agreed port) — and when a rank dies restarts the whole group from the
 latest checkpoint, up to ``trainer.max_restarts`` times (each rank exports the count as
-``learnmesh_trainer_restarts_total``). Every start of the group gets a fresh store, hosted by
+``learnmesh_trainer_restarts_total``) — but not when a rank exited with ``CONFIG_ERROR_EXIT``:
+it met a failure every restart would meet again (a setting, a key or checkpoint file), and the
+launcher exits with that status at once. Every start of the group gets a fresh store, hosted by
 rank 0 on a new port: a store kept across restarts still holds the dead group's keys, and
 the new ranks would try to reach the old ranks' addresses. SIGTERM or SIGINT stops the
 group: every rank gets it, rank 0 stops the others at the next step boundary and they
@@ -24,13 +26,17 @@ import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
+import torch.distributed.launcher.api as torch_launcher
 import yaml
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from shared.config import Config
+from shared.config import CONFIG_ERROR_EXIT, Config, ConfigError
 from shared.secret_files import write_private
 
 log = logging.getLogger("learnmesh.trainer")
@@ -50,7 +56,11 @@ def launch(cfg: Config, rank_argv: RankArgv = cli_rank_argv) -> int:
     # one name: the trainer's own private place, where a launcher killed with -9 leaves no copy
     # of the configuration behind but this one, which the next start replaces.
     path = Path(cfg.trainer.checkpoint_dir) / "launch-config.yaml"
-    write_private(path, yaml.safe_dump(cfg.to_dict()))
+    try:
+        write_private(path, yaml.safe_dump(cfg.to_dict()))
+    except OSError as exc:  # every start would fail here, and every checkpoint after it
+        raise ConfigError(f"trainer.checkpoint_dir: cannot write {cfg.trainer.checkpoint_dir} "
+                          f"({exc.strerror or exc}); give it a directory the trainer can write") from None
     try:
         return _run(cfg, rank_argv(str(path)))
     finally:
@@ -78,13 +88,35 @@ def launch_config(cfg: Config) -> LaunchConfig:
                         signals_to_handle="SIGHUP,SIGQUIT")
 
 
+class _Agent(LocalElasticAgent):
+    """torchrun's agent, which does not restart a group in which a rank exited with
+    ``CONFIG_ERROR_EXIT``. (torchrun has no such setting; its launch builds the agent by this name.)"""
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        result = super()._monitor_workers(worker_group)
+        if result.state == WorkerState.FAILED and _unfixable(result.failures) is not None:
+            self._remaining_restarts = 0
+        return result
+
+
+def _unfixable(failures: dict[int, Any]) -> int | None:
+    """The global rank that exited with ``CONFIG_ERROR_EXIT``, if one did."""
+    return next((rank for rank, failure in failures.items() if failure.exitcode == CONFIG_ERROR_EXIT), None)
+
+
 def _run(cfg: Config, argv: Sequence[str]) -> int:
     os.environ[_FRESH_STORE_PER_START] = "1"
+    torch_launcher.LocalElasticAgent = _Agent  # type: ignore[misc]
     stop = _StopRequest()
     try:
         elastic_launch(launch_config(cfg), sys.executable)(*argv)
         return 0
     except ChildFailedError as exc:
+        unfixable = _unfixable(exc.failures)
+        if unfixable is not None:
+            log.error("trainer stopped: rank %d cannot start (its reason is above); fix that and start it again",
+                      unfixable)
+            return CONFIG_ERROR_EXIT
         rank, failure = exc.get_first_failure()
         log.error("trainer failed: rank %d exited with %s after %d restart(s)", rank, failure.exitcode,
                   cfg.trainer.max_restarts)

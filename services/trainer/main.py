@@ -31,7 +31,7 @@ from services.trainer.publisher import DeltaPublisher
 from services.trainer.replay import ReplayBuffer
 from services.trainer.stepper import Stepper, build_model
 from shared import metrics as m
-from shared.config import Config, log_level
+from shared.config import CONFIG_ERROR_EXIT, Config, ConfigError, log_level
 from shared.control import start_metrics_server
 from shared.lifetime import die_with_parent
 from shared.redis_client import check_access, sync_client
@@ -74,13 +74,22 @@ def configure_logging(who: str) -> None:
                         format=f"%(asctime)s trainer[{who}] %(levelname)s %(message)s")
 
 
+class _StoppedWhileStarting(Exception):
+    """SIGTERM or SIGINT before the rank's loop exists (a first start pre-trains the base model
+    for a minute or more): nothing is trained or checkpointed yet, so the start just ends."""
+
+
 def run_rank(cfg: Config, observers: Sequence[StepObserver] = ()) -> int:
     env = RankEnv.from_environ()
     _die_with_launcher()
     stop = threading.Event()
+    starting = [True]
 
     def on_term(signum: int, frame: FrameType | None) -> None:
-        stop.set()
+        stop.set()  # once the loop runs, it stops at the next step boundary and checkpoints
+        if starting[0]:
+            starting[0] = False
+            raise _StoppedWhileStarting
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
@@ -91,9 +100,18 @@ def run_rank(cfg: Config, observers: Sequence[StepObserver] = ()) -> int:
                     env.restarts, os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"))
     trainer = None
     try:
-        trainer = build_trainer(cfg, init_distributed(cfg, env), stop.is_set, observers)
+        try:
+            trainer = build_trainer(cfg, init_distributed(cfg, env), stop.is_set, observers)
+            starting[0] = False
+        except (ConfigError, checkpoint.CheckpointError) as exc:  # settings, keys, checkpoints to mend
+            log.error("rank %d cannot start: %s; a restart would fail the same way, so the trainer stops",
+                      env.rank, exc)
+            return CONFIG_ERROR_EXIT
         trainer.run()
         log.info("rank %d stopped cleanly at step %d", env.rank, trainer.step)
+        return 0
+    except _StoppedWhileStarting:
+        log.info("rank %d stopped before it started", env.rank)
         return 0
     except Exception as exc:
         log.error("rank %d failed: %s: %s", env.rank, type(exc).__name__, exc,
