@@ -19,12 +19,17 @@ import hashlib
 import ipaddress
 import re
 import secrets
+from collections.abc import MutableMapping
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 
 from shared import keys
 from shared.config import GatewayConfig
+
+if TYPE_CHECKING:
+    from gateway.auth_throttle import AuthThrottle
 
 OPEN_PRINCIPAL = "local"
 # ``admin:<key name>`` is how the audit log names admin keys (gateway/admin/auth.py): no token's
@@ -39,11 +44,27 @@ def is_principal(name: object) -> bool:
 
 
 class AuthError(Exception):
-    def __init__(self, status: int, message: str, www_authenticate: str | None = None) -> None:
+    """A request refused before it is served: 401 (no valid credential), 400 (an ambiguous one),
+    429 (too many failed attempts, gateway/auth_throttle.py)."""
+
+    def __init__(self, status: int, message: str, www_authenticate: str | None = None,
+                 retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.www_authenticate = www_authenticate
+        self.retry_after_s = retry_after_s
+
+    @property
+    def error(self) -> str:
+        """The answer body's ``error`` (RFC 6750 names, and ours for the throttle)."""
+        return {401: "unauthorized", 429: "limit_exceeded"}.get(self.status, "invalid_request")
+
+    def headers(self) -> dict[str, str]:
+        out = {"www-authenticate": self.www_authenticate} if self.www_authenticate else {}
+        if self.retry_after_s is not None:
+            out["retry-after"] = str(self.retry_after_s)
+        return out
 
 
 def is_loopback(host: str) -> bool:
@@ -71,26 +92,45 @@ def _host_name(host_header: str) -> str:
     return host_header.rsplit(":", 1)[0]
 
 
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` value, else None."""
+    scheme, _, token = (authorization or "").partition(" ")
+    token = token.strip()
+    return token if scheme.lower() == "bearer" and token else None
+
+
 class Authenticator:
     """Maps an ``Authorization`` header to a principal, or raises :class:`AuthError` (401)."""
 
-    def __init__(self, cfg: GatewayConfig) -> None:
+    def __init__(self, cfg: GatewayConfig, throttle: AuthThrottle) -> None:
         self._by_digest = {hashlib.sha256(k.encode()).digest(): p for p, k in cfg.api_keys.items()}
         self._oauth = cfg.oauth if cfg.oauth.enabled else None
         self.open = not self._by_digest and self._oauth is None
+        self.throttle = throttle
         self.challenge = "Bearer"
         if self._oauth is not None:
             base = self._oauth.resource.rstrip("/")
             self.challenge = f'Bearer resource_metadata="{_origin_of(base)}{PROTECTED_RESOURCE_PATH}"'
+
+    async def authenticate(self, authorization: str | None, scope: MutableMapping[str, Any]) -> str:
+        """:meth:`principal`, for a request whose ASGI ``scope`` says where it comes from: failed
+        attempts are counted, and refused (429) past their counts (gateway/auth_throttle.py)."""
+        token = None if self.open else bearer_token(authorization)
+        if token is None:  # nothing presented: not an attempt
+            return self.principal(authorization)
+        self.throttle.check(scope, token)
+        try:
+            return self.principal(authorization)
+        except AuthError as exc:
+            raise await self.throttle.failed(scope, token) or exc from None
 
     def principal(self, authorization: str | None) -> str:
         if self.open:
             return OPEN_PRINCIPAL
         if not authorization:
             raise AuthError(401, "authentication required", self.challenge)
-        scheme, _, token = authorization.partition(" ")
-        token = token.strip()
-        if scheme.lower() != "bearer" or not token:
+        token = bearer_token(authorization)
+        if token is None:
             raise AuthError(401, "a bearer token is required", self.challenge)
         who = self._by_digest.get(hashlib.sha256(token.encode()).digest())
         if who is None and self._oauth is not None:

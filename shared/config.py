@@ -17,6 +17,7 @@ holds the value (compose secrets), so the keys stay out of the process environme
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import re
 import typing
@@ -195,6 +196,31 @@ class OAuthConfig:
                "enabled needs hs256_secret: at least 32 bytes (the issuer's HS256 key)")
 
 
+@_section
+class AuthThrottleConfig:
+    """Failed authentication attempts (a bearer token, admin key or WebSocket ticket that is presented
+    and not valid), counted in Redis over every replica for ``window_s`` seconds from the first.
+    Past ``failures_per_source`` failures, the source's every request is refused (429 + Retry-After)
+    until the window ends, valid credentials too: a guesser cannot learn that a guess was right.
+    Past ``failures_per_credential``, one credential is refused likewise from every source. 0: off."""
+
+    failures_per_source: NonNegativeInt = Field(
+        default=30, description="failed attempts from one client address (IPv6: its /64) per window")
+    failures_per_credential: NonNegativeInt = Field(
+        default=10, description="failed attempts with one and the same credential, from anywhere, per window")
+    window_s: StrictInt = Field(default=60, ge=1, le=86400, description="how long failures count (s)")
+    trusted_proxies: list[str] = Field(
+        default_factory=list, description="addresses or CIDR networks of proxies in front of the gateway whose "
+                                          "X-Forwarded-For names the client; the peer address otherwise")
+
+    def __post_init__(self) -> None:
+        for net in self.trusted_proxies:
+            try:
+                ipaddress.ip_network(net, strict=False)
+            except ValueError:
+                raise ValueError(f"trusted_proxies: {net!r} is not an address or a CIDR network") from None
+
+
 # The characters a token's principal may have (gateway/auth.py) but ':', which LEARNMESH_API_KEYS
 # uses: every principal is then a name the context store and the Redis keys' hash tags take, and no
 # two look alike.
@@ -241,6 +267,7 @@ class GatewayConfig:
     request_state_ttl_s: PositiveInt = 600
     sse_event_log_max: PositiveInt = 1000
     oauth: OAuthConfig = Field(default_factory=OAuthConfig)
+    auth_throttle: AuthThrottleConfig = Field(default_factory=AuthThrottleConfig)
     fixtures: Literal["conformance"] | None = None
     client_request_timeout_s: PositiveFloat = Field(
         default=120.0, description="legacy sessions: how long a sampling/elicitation/roots answer waits")

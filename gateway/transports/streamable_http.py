@@ -188,10 +188,10 @@ class McpHttpTransport:
             await _reply(send, sent, 403, orjson.dumps({"error": "forbidden", "error_description": why}))
             return
         try:
-            principal = self.gateway.auth.principal(headers.get("authorization"))
+            principal = await self.gateway.auth.authenticate(headers.get("authorization"), scope)
         except AuthError as exc:
-            extra = [(b"www-authenticate", exc.www_authenticate.encode())] if exc.www_authenticate else []
-            await _reply(send, sent, exc.status, orjson.dumps({"error": "unauthorized",
+            extra = [(k.encode(), v.encode()) for k, v in exc.headers().items()]
+            await _reply(send, sent, exc.status, orjson.dumps({"error": exc.error,
                                                                "error_description": exc.message}), extra)
             return
         method = scope["method"]

@@ -205,11 +205,18 @@ async def _principal(gateway: Gateway, ws: WebSocket) -> str:
         if bearer:
             authorization = "Bearer " + bearer[0][len(BEARER_SUBPROTOCOL):]
         elif ticket is not None:
-            principal = await gateway.ws_tickets.redeem(ticket)
-            if principal is None:
-                raise AuthError(401, "invalid or expired ticket", gateway.auth.challenge + ', error="invalid_token"')
-            return principal
-    return gateway.auth.principal(authorization)
+            return await _redeem(gateway, ws, ticket)
+    return await gateway.auth.authenticate(authorization, ws.scope)
+
+
+async def _redeem(gateway: Gateway, ws: WebSocket, ticket: str) -> str:
+    """The principal of a ticket, which counts as a credential for the throttle."""
+    gateway.auth.throttle.check(ws.scope, ticket)
+    principal = await gateway.ws_tickets.redeem(ticket)
+    if principal is not None:
+        return principal
+    refused = AuthError(401, "invalid or expired ticket", gateway.auth.challenge + ', error="invalid_token"')
+    raise await gateway.auth.throttle.failed(ws.scope, ticket) or refused
 
 
 async def websocket_endpoint(ws: WebSocket) -> None:
@@ -226,9 +233,7 @@ async def websocket_endpoint(ws: WebSocket) -> None:
             await gateway.limits.admit_request(principal)  # a handshake is a request, as on HTTP
             await held.enter_async_context(gateway.limits.stream_slot(principal))  # for the connection's life
         except AuthError as exc:
-            challenge = {"www-authenticate": exc.www_authenticate} if exc.www_authenticate else None
-            error = "unauthorized" if exc.status == 401 else "invalid_request"
-            await _refuse(ws, exc.status, {"error": error, "error_description": exc.message}, challenge)
+            await _refuse(ws, exc.status, {"error": exc.error, "error_description": exc.message}, exc.headers() or None)
             return
         except (LimitExceeded, RedisError, OSError) as exc:
             await _refuse(ws, *_retry_later(exc, gateway))
@@ -269,11 +274,10 @@ async def ws_ticket_endpoint(request: HttpRequest) -> Response:
     if why is not None:
         return JSONResponse({"error": "forbidden", "error_description": why}, status_code=403)
     try:
-        principal = gateway.auth.principal(request.headers.get("authorization"))
+        principal = await gateway.auth.authenticate(request.headers.get("authorization"), request.scope)
     except AuthError as exc:
-        headers = {"www-authenticate": exc.www_authenticate} if exc.www_authenticate else None
-        return JSONResponse({"error": "unauthorized", "error_description": exc.message}, status_code=exc.status,
-                            headers=headers)
+        return JSONResponse({"error": exc.error, "error_description": exc.message}, status_code=exc.status,
+                            headers=exc.headers() or None)
     try:
         await gateway.limits.admit_request(principal)  # a ticket is a request, as on /mcp
     except LimitExceeded as exc:
