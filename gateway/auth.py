@@ -147,7 +147,7 @@ class Authenticator:
         try:
             claims = jwt.decode(token, self._oauth.hs256_secret, algorithms=["HS256"],
                                 audience=self._oauth.audience or self._oauth.resource or None,
-                                issuer=self._oauth.issuer or None,
+                                issuer=self._oauth.issuer or None, leeway=self._oauth.leeway_s,
                                 options={"require": ["exp"]})
         except jwt.PyJWTError:
             return None

@@ -188,6 +188,9 @@ class OAuthConfig:
     audience: str = ""
     hs256_secret: str = ""
     principal_claim: str = "sub"
+    leeway_s: StrictInt = Field(
+        default=30, ge=0, le=300, description="how far the issuer's clock may be off ours: a token is accepted "
+                                              "this long before its nbf and iat and after its exp")
 
     def __post_init__(self) -> None:
         # RFC 7518 3.2: an HS256 key has at least the hash's 256 bits; an empty one (that some
