@@ -7,7 +7,7 @@ are kept only as SHA-256 digests. With no keys and a loopback bind the gateway i
 open and every caller is the principal ``local``; ``gateway.server`` refuses a
 non-loopback bind without keys. In OAuth resource-server mode an HS256 JWT issued by
 the configured authorization server is accepted too; the principal is its
-``principal_claim`` (never ``local``, the open gateway's), and 401 answers carry
+``principal_claim`` (never ``local``, the open gateway's, nor an API key's principal), and 401 answers carry
 ``WWW-Authenticate: Bearer resource_metadata=...`` pointing at the RFC 9728 document.
 """
 
@@ -104,6 +104,7 @@ class Authenticator:
 
     def __init__(self, cfg: GatewayConfig, throttle: AuthThrottle) -> None:
         self._by_digest = {hashlib.sha256(k.encode()).digest(): p for p, k in cfg.api_keys.items()}
+        self._key_principals = frozenset(cfg.api_keys)
         self._oauth = cfg.oauth if cfg.oauth.enabled else None
         self.open = not self._by_digest and self._oauth is None
         self.throttle = throttle
@@ -153,8 +154,12 @@ class Authenticator:
             return None
         who = claims.get(self._oauth.principal_claim)
         # ``local`` is the open gateway's principal, a teacher by default (``learning.teachers``) and
-        # the owner of what was stored while the gateway was open: a token may not claim it.
-        return who if is_principal(who) and who != OPEN_PRINCIPAL else None
+        # the owner of what was stored while the gateway was open: a token may not claim it. Nor an
+        # API key's principal: everything of a principal is scoped by its name alone, so a token
+        # naming it would be the key's holder.
+        if not is_principal(who) or who == OPEN_PRINCIPAL or who in self._key_principals:
+            return None
+        return who
 
     def protected_resource_metadata(self) -> dict | None:
         """RFC 9728 document, or None when OAuth mode is off."""

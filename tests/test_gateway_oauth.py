@@ -293,6 +293,7 @@ REFUSED: dict[str, Any] = {
     "sub-too-long": lambda: mint(sub="a" * 129),
     "sub-in-the-admin-keys-audit-namespace": lambda: mint(sub="admin:root"),
     "sub-of-the-open-gateway": lambda: mint(sub="local"),
+    "sub-of-an-api-key": lambda: mint(sub="ops"),
     "sub-not-a-string": lambda: mint(sub=12345),
     "not-a-jwt": lambda: "not.a.jwt",
     "api-key-lookalike": lambda: API_KEY + "x",
@@ -385,6 +386,27 @@ def test_two_subs_are_isolated(oauth_gw: Gateway, store: RedisTarget) -> None:
     assert alice_session.post("ping").json()["result"] == {}
 
 
+def test_a_token_cannot_be_an_api_keys_principal(oauth_gw: Gateway, store: RedisTarget) -> None:
+    """Contexts, sessions and tasks are scoped by principal name: a token whose claim names the
+    principal of an API key (``ops``) would be that key's holder. It is refused, whoever issued it."""
+    ops = bearer(API_KEY)
+    appended = tool(oauth_gw, ops, "context_append", context_id="runbook", modality="text", text="ops only")
+    assert appended["result"]["structuredContent"]["version"] == 1, appended
+    challenge = oauth_gw.challenge + ', error="invalid_token"'
+    for token in (mint(sub="ops"), mint(sub="ops", aud=[AUDIENCE, "x"])):
+        r = call_modern(oauth_gw, bearer(token), "tools/call", {"name": "context_get",
+                                                                 "arguments": {"context_id": "runbook"}})
+        assert_refused(r, challenge)
+        assert "ops only" not in r.text
+        assert_refused(initialize(oauth_gw, bearer(token)), challenge)
+        assert_refused(httpx.post(oauth_gw.base + "/mcp/ws-ticket", headers=bearer(token)), challenge)
+        assert_ws_refused(oauth_gw, bearer(token), challenge)
+    # the key's own holder still reads it, and a token of another name is its own principal
+    got = tool(oauth_gw, ops, "context_get", context_id="runbook")["result"]["structuredContent"]
+    assert [e["text"] for e in got["entries"]] == ["ops only"]
+    assert echo_text(tool(oauth_gw, bearer(mint(sub="ops2")), "t_echo", text="x")) == "ops2:x"
+
+
 # ------------------------------------------------------------------ WebSocket transport (/mcp/ws)
 def test_websocket_valid_jwt_is_the_sub_principal(oauth_gw: Gateway, store: RedisTarget) -> None:
     with ws_open(oauth_gw, bearer(mint(sub="alice"))) as ws:
@@ -414,7 +436,7 @@ def test_websocket_principal_claim_is_configurable(email_gw: Gateway, store: Red
 
 
 WS_REFUSED = ("expired", "wrong-audience", "other-secret", "tampered-payload", "alg-none", "sub-with-brace",
-              "sub-of-the-open-gateway")
+              "sub-of-the-open-gateway", "sub-of-an-api-key")
 
 
 @pytest.mark.parametrize("case", WS_REFUSED)
