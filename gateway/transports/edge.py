@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 import orjson
+from redis.exceptions import RedisError
 
 from gateway.admin.auth import (
     ADMIN_KEY_REQUIRED,
@@ -34,7 +35,7 @@ from gateway.admin.auth import (
     authenticate,
 )
 from gateway.auth import AuthError, bearer_token
-from gateway.errors import BodyTooLarge, wire_error
+from gateway.errors import BodyTooLarge, http_error, wire_error
 from gateway.mcp.types import encode
 from shared import metrics
 
@@ -130,6 +131,11 @@ class HttpEdge:
             metrics.ADMIN_DENIED.labels(str(exc.status)).inc()
             await _answer(send, exc.status, orjson.dumps({"detail": exc.message}),
                           [(k.encode(), v.encode()) for k, v in exc.headers().items()])
+            return None
+        except (RedisError, OSError) as exc:  # runtime keys live in Redis: 503 + Retry-After while it is away
+            http = http_error(exc, self.config)
+            await _answer(send, http.status_code, orjson.dumps({"detail": http.detail}),
+                          [(k.lower().encode(), v.encode()) for k, v in (http.headers or {}).items()])
             return None
         if who is None:
             await _answer(send, 401, orjson.dumps({"detail": ADMIN_KEY_REQUIRED}), [(b"www-authenticate", b"Bearer")])
