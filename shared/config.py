@@ -197,6 +197,11 @@ class OAuthConfig:
         # PyJWT versions accept) would let anyone sign a token for any principal.
         _check(not self.enabled or len(self.hs256_secret.encode()) >= 32,
                "enabled needs hs256_secret: at least 32 bytes (the issuer's HS256 key)")
+        # The resource is the audience a token must name when no other is set, and where the
+        # 401 challenge points (RFC 9728): without it a token issued for any service would pass.
+        parts = urlsplit(self.resource)
+        _check(not self.enabled or (parts.scheme in ("http", "https") and bool(parts.hostname)),
+               "enabled needs resource: the http(s) URL of this gateway's /mcp that tokens are issued for")
 
 
 @_section

@@ -189,7 +189,18 @@ def test_oauth_refuses_a_missing_or_short_hs256_key(secret: str) -> None:
     one; a short one is guessable."""
     with pytest.raises(ConfigError, match="gateway.oauth: enabled needs hs256_secret: at least 32 bytes"):
         load_config(env={}, overrides={"gateway": {"oauth": {"enabled": True, "hs256_secret": secret}}})
-    assert load_config(env={}, overrides={"gateway": {"oauth": {"enabled": True, "hs256_secret": "k" * 32}}})
+    assert load_config(env={}, overrides={"gateway": {"oauth": {"enabled": True, "hs256_secret": "k" * 32,
+                                                                 "resource": "https://mesh.example/mcp"}}})
+
+
+@pytest.mark.parametrize("resource", ["", "mesh.example/mcp", "ftp://mesh.example/mcp", "https:///mcp"])
+def test_oauth_needs_the_url_of_the_resource_it_protects(resource: str) -> None:
+    """Without a resource (and no audience) a token is not checked for whom it was issued: any token
+    the authorization server signed for another service would do, and the 401 challenge would point
+    at a relative metadata URL."""
+    oauth = {"enabled": True, "hs256_secret": "k" * 32, "resource": resource}
+    with pytest.raises(ConfigError, match=r"gateway.oauth: enabled needs resource: the http\(s\) URL"):
+        load_config(env={}, overrides={"gateway": {"oauth": oauth}})
 
 
 @pytest.mark.parametrize(("field", "value"), [
