@@ -40,7 +40,8 @@ PROTECTED_RESOURCE_PATH = "/.well-known/oauth-protected-resource"
 
 def is_principal(name: object) -> bool:
     """Whether ``name`` may be a principal: what an API key's or a token's principal can be."""
-    return isinstance(name, str) and _PRINCIPAL_OK.fullmatch(name) is not None
+    return (isinstance(name, str) and _PRINCIPAL_OK.fullmatch(name) is not None
+            and not name.startswith(keys.RESERVED_PRINCIPAL_PREFIX))
 
 
 class AuthError(Exception):

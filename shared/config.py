@@ -31,6 +31,8 @@ import pydantic.dataclasses
 import yaml
 from pydantic import Field, JsonValue, StrictBool, StrictFloat, StrictInt
 
+from shared import keys
+
 CONFIG_ENV = "LEARNMESH_CONFIG"
 ENV_PREFIX = "LEARNMESH_"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -285,6 +287,9 @@ class GatewayConfig:
         default=0, description="2026-07-28 ttlMs on resources/read (context changes under the client)")
 
     def __post_init__(self) -> None:
+        reserved = sorted(name for name in self.api_keys if name.startswith(keys.RESERVED_PRINCIPAL_PREFIX))
+        _check(not reserved, f"api_keys: principal name(s) {', '.join(reserved)} are reserved: names starting "
+                             f"{keys.RESERVED_PRINCIPAL_PREFIX!r} are the mesh's own context accounting keys")
         mcp = set(self.api_keys.values())
         clash = sorted(name for name, admin in self.admin_keys.items() if admin.key in mcp)
         _check(not clash, f"admin key(s) {', '.join(clash)} equal an MCP client key; admin and MCP keys must be "

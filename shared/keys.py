@@ -200,6 +200,11 @@ def ctx_global_shard(principal: str) -> int:
     return zlib.crc32(principal.encode()) % CTX_GLOBAL_SHARDS
 
 
+RESERVED_PRINCIPAL_PREFIX = "ctxglobal-"
+"""No principal's name starts so (API keys and tokens are refused): ``ctx_lru`` of a principal
+``ctxglobal-N`` would be the key of ``ctx_global_lru(N)``, and its context ids principals to evict."""
+
+
 def ctx_global_bytes(shard: int) -> str:
     """Hash: principal -> bytes it holds (as reported), ``\0total`` -> their sum."""
     return f"{PREFIX}ctx:{{ctxglobal-{shard}}}:bytes"

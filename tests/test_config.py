@@ -193,6 +193,17 @@ def test_oauth_refuses_a_missing_or_short_hs256_key(secret: str) -> None:
                                                                  "resource": "https://mesh.example/mcp"}}})
 
 
+@pytest.mark.parametrize("name", ["ctxglobal-0", "ctxglobal-15", "ctxglobal-x"])
+def test_a_principal_cannot_be_named_like_the_global_context_accounting(name: str) -> None:
+    """``ctx_lru`` of a principal ``ctxglobal-N`` is the key of shard N of the LRU over all
+    principals (shared/keys.py): its context ids would be taken for principals to evict."""
+    with pytest.raises(ConfigError, match="gateway: api_keys: principal name.* reserved"):
+        load_config(env={}, overrides={"gateway": {"api_keys": {name: "key-0123456789"}}})
+    with pytest.raises(ConfigError, match="gateway: api_keys: principal name.* reserved"):
+        load_config(env={"LEARNMESH_API_KEYS": f"{name}:key-0123456789"})
+    assert load_config(env={}, overrides={"gateway": {"api_keys": {"ctxglobal": "key-0123456789"}}})
+
+
 @pytest.mark.parametrize("resource", ["", "mesh.example/mcp", "ftp://mesh.example/mcp", "https:///mcp"])
 def test_oauth_needs_the_url_of_the_resource_it_protects(resource: str) -> None:
     """Without a resource (and no audience) a token is not checked for whom it was issued: any token

@@ -294,6 +294,7 @@ REFUSED: dict[str, Any] = {
     "sub-in-the-admin-keys-audit-namespace": lambda: mint(sub="admin:root"),
     "sub-of-the-open-gateway": lambda: mint(sub="local"),
     "sub-of-an-api-key": lambda: mint(sub="ops"),
+    "sub-naming-the-global-context-accounting": lambda: mint(sub="ctxglobal-3"),
     "sub-not-a-string": lambda: mint(sub=12345),
     "not-a-jwt": lambda: "not.a.jwt",
     "api-key-lookalike": lambda: API_KEY + "x",
@@ -436,7 +437,7 @@ def test_websocket_principal_claim_is_configurable(email_gw: Gateway, store: Red
 
 
 WS_REFUSED = ("expired", "wrong-audience", "other-secret", "tampered-payload", "alg-none", "sub-with-brace",
-              "sub-of-the-open-gateway", "sub-of-an-api-key")
+              "sub-of-the-open-gateway", "sub-of-an-api-key", "sub-naming-the-global-context-accounting")
 
 
 @pytest.mark.parametrize("case", WS_REFUSED)
