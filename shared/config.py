@@ -173,10 +173,19 @@ class RedisConfig:
                "cluster_nodes need a cluster: cluster: true or a redis+cluster:// url")
 
 
+# What an ``Authorization: Bearer`` header can carry and the gateway reads back whole: printable
+# ASCII (HTTP clients refuse to send more), with no space at either end (stripped on the way in).
+_SENDABLE_KEY = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?")
+_UNSENDABLE = "cannot be sent in an Authorization header: printable ASCII only, no space at either end"
+
+
 @_section
 class AdminKey:
     key: str = Field(min_length=8)
     role: Literal["viewer", "operator", "admin"] = "admin"
+
+    def __post_init__(self) -> None:
+        _check(_SENDABLE_KEY.fullmatch(self.key) is not None, f"key {_UNSENDABLE}")
 
 
 @_section
@@ -290,6 +299,8 @@ class GatewayConfig:
         reserved = sorted(name for name in self.api_keys if name.startswith(keys.RESERVED_PRINCIPAL_PREFIX))
         _check(not reserved, f"api_keys: principal name(s) {', '.join(reserved)} are reserved: names starting "
                              f"{keys.RESERVED_PRINCIPAL_PREFIX!r} are the mesh's own context accounting keys")
+        for name, key in self.api_keys.items():
+            _check(_SENDABLE_KEY.fullmatch(key) is not None, f"api_keys: the key of {name} {_UNSENDABLE}")
         mcp = set(self.api_keys.values())
         clash = sorted(name for name, admin in self.admin_keys.items() if admin.key in mcp)
         _check(not clash, f"admin key(s) {', '.join(clash)} equal an MCP client key; admin and MCP keys must be "

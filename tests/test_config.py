@@ -193,6 +193,20 @@ def test_oauth_refuses_a_missing_or_short_hs256_key(secret: str) -> None:
                                                                  "resource": "https://mesh.example/mcp"}}})
 
 
+@pytest.mark.parametrize("key", ["schlüssel-0123456789", " key-0123456789", "key-0123456789 ", "key-0123\t456789",
+                                 "key-0123\x00456789"])
+def test_a_key_that_no_authorization_header_can_carry_fails_at_start(key: str) -> None:
+    """A bearer token is printable ASCII (HTTP clients refuse anything else; the gateway strips
+    spaces around it): such a key could never authenticate anyone."""
+    with pytest.raises(ConfigError, match="gateway: api_keys: the key of alice cannot be sent") as refused:
+        load_config(env={}, overrides={"gateway": {"api_keys": {"alice": key}}})
+    assert key.strip() not in str(refused.value)
+    with pytest.raises(ConfigError, match="gateway.admin_keys.root: key cannot be sent") as refused:
+        load_config(env={}, overrides={"gateway": {"admin_keys": {"root": {"key": key}}}})
+    assert key.strip() not in str(refused.value)
+    assert load_config(env={}, overrides={"gateway": {"api_keys": {"alice": "a key with spaces~!"}}})
+
+
 @pytest.mark.parametrize("name", ["ctxglobal-0", "ctxglobal-15", "ctxglobal-x"])
 def test_a_principal_cannot_be_named_like_the_global_context_accounting(name: str) -> None:
     """``ctx_lru`` of a principal ``ctxglobal-N`` is the key of shard N of the LRU over all
