@@ -137,3 +137,21 @@ def test_one_credential_failing_everywhere_is_refused(per_credential: LoggedGate
     with client("127.0.0.7") as http:
         assert mcp(http, per_credential, "another-wrong-key").status_code == 401  # the address is not refused
         assert mcp(http, per_credential, KEY).status_code == 200  # nor is a valid key
+
+
+def test_a_failing_ticket_counts_as_a_credential(per_credential: LoggedGateway,
+                                                 redis_target_module: RedisTarget) -> None:
+    """A WebSocket ticket is a credential too: one that keeps failing (used, expired, made up) is
+    refused with 429 from every address once it reached its count."""
+    redis_target_module.flush()
+    made_up = "?ticket=YWxpY2U." + "A" * 43
+    codes = []
+    for source in ("127.0.0.4", "127.0.0.5", "127.0.0.6"):
+        with pytest.raises(InvalidStatus) as refused, ws_connect(per_credential.ws + made_up, subprotocols=["mcp"],
+                                                                 open_timeout=10, source_address=(source, 0)):
+            pass
+        codes.append(refused.value.response.status_code)
+    assert codes == [401, 401, 429]
+    with client("127.0.0.6") as http:  # the address itself is not refused
+        issued = http.post(per_credential.base + "/mcp/ws-ticket", headers={"authorization": f"Bearer {KEY}"})
+        assert issued.status_code == 200
