@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from gateway.auth import AuthError
 from shared import keys, metrics
@@ -90,9 +90,9 @@ class AuthThrottle:
                 continue
             try:
                 failures, ttl_ms = await self._count(keys=[key], args=[self._window_ms])
-            except (RedisError, OSError):
+            except (RedisError, RedisClusterException, OSError):
                 self._unreachable.warning("failed authentication attempts not counted: redis unreachable")
-                return None
+                break
             if failures >= limit:
                 self._refuse(key, ttl_ms / 1000, who)
                 worst_s = max(worst_s, ttl_ms / 1000)

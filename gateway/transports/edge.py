@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 import orjson
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from gateway.admin.auth import (
     ADMIN_KEY_REQUIRED,
@@ -132,7 +132,7 @@ class HttpEdge:
             await _answer(send, exc.status, orjson.dumps({"detail": exc.message}),
                           [(k.encode(), v.encode()) for k, v in exc.headers().items()])
             return None
-        except (RedisError, OSError) as exc:  # runtime keys live in Redis: 503 + Retry-After while it is away
+        except (RedisError, RedisClusterException, OSError) as exc:  # runtime keys live in Redis: 503 + Retry-After while it is away
             http = http_error(exc, self.config)
             await _answer(send, http.status_code, orjson.dumps({"detail": http.detail}),
                           [(k.lower().encode(), v.encode()) for k, v in (http.headers or {}).items()])
