@@ -141,6 +141,18 @@ class Authenticator:
             raise AuthError(401, "invalid credentials", self.challenge + ', error="invalid_token"')
         return who
 
+    def expires_at(self, authorization: str | None) -> float | None:
+        """When the credential of an authenticated ``authorization`` stops being valid (epoch
+        seconds, the leeway included): a token's ``exp``; None for an API key, which lasts. For
+        what checks a credential once and then lives on: a WebSocket connection, a ticket."""
+        token = bearer_token(authorization)
+        if token is None or self._oauth is None or hashlib.sha256(token.encode()).digest() in self._by_digest:
+            return None
+        import jwt
+
+        exp = jwt.decode(token, options={"verify_signature": False}).get("exp")  # verified by principal()
+        return float(exp) + self._oauth.leeway_s if isinstance(exp, (int, float)) else None
+
     def _from_jwt(self, token: str) -> str | None:
         import jwt  # PyJWT; only needed in OAuth mode
 
@@ -176,20 +188,24 @@ class WsTickets:
     one, a client that cannot set headers presents it as ``/mcp/ws?ticket=...``.
 
     A ticket is ``<principal, base64url>.<32 random bytes, base64url>``; Redis holds only the
-    SHA-256 of the random part, under the principal's hash tag, for ``ttl_s`` seconds. Redeeming
-    deletes the key: one handshake per ticket, on any replica."""
+    SHA-256 of the random part, under the principal's hash tag, for ``ttl_s`` seconds, with
+    when the credential it was issued for expires. Redeeming deletes the key: one handshake per
+    ticket, on any replica."""
 
     def __init__(self, redis: aioredis.Redis, ttl_s: int) -> None:
         self._redis = redis
         self.ttl_s = ttl_s
+        self._take = redis.register_script(_TAKE_LUA)
 
-    async def issue(self, principal: str) -> str:
+    async def issue(self, principal: str, expires_at: float | None = None) -> str:
+        """A ticket for ``principal``, whose connection ends at ``expires_at`` (None: never)."""
         secret = secrets.token_urlsafe(32)
-        await self._redis.set(keys.ws_ticket(principal, _digest(secret)), b"1", ex=self.ttl_s)
+        await self._redis.set(keys.ws_ticket(principal, _digest(secret)), repr(expires_at or 0.0), ex=self.ttl_s)
         return base64.urlsafe_b64encode(principal.encode()).rstrip(b"=").decode() + "." + secret
 
-    async def redeem(self, ticket: str) -> str | None:
-        """The ticket's principal, once; None for a ticket that is malformed, expired or used."""
+    async def redeem(self, ticket: str) -> tuple[str, float | None] | None:
+        """The ticket's principal and when its credential expires, once; None for a ticket that is
+        malformed, expired or used."""
         who, _, secret = ticket.partition(".")
         if not _TICKET_SECRET.fullmatch(secret) or not 0 < len(who) <= 512:
             return None
@@ -199,9 +215,22 @@ class WsTickets:
             return None
         if not principal or "{" in principal or "}" in principal:
             return None
-        return principal if await self._redis.delete(keys.ws_ticket(principal, _digest(secret))) else None
+        held = await self._take(keys=[keys.ws_ticket(principal, _digest(secret))])
+        if held is None:
+            return None
+        try:
+            expires_at = float(held)
+        except ValueError:  # a ticket issued before tickets held an expiry
+            expires_at = 0.0
+        return principal, expires_at or None
 
 
+_TAKE_LUA = """
+-- KEYS[1]: a ticket. Its value, deleted (GETDEL, which Redis 6.0 lacks); nil when absent.
+local held = redis.call('GET', KEYS[1])
+if held then redis.call('DEL', KEYS[1]) end
+return held
+"""
 _TICKET_SECRET = re.compile(r"[A-Za-z0-9_-]{43}")
 
 

@@ -17,7 +17,7 @@ import httpx
 import jwt
 import orjson
 import pytest
-from websockets.exceptions import InvalidStatus
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import ClientConnection
 from websockets.sync.client import connect as ws_connect
 
@@ -486,6 +486,33 @@ def test_websocket_two_subs_are_isolated(oauth_gw: Gateway, store: RedisTarget) 
     # and over HTTP, bob still sees nothing of alice's
     assert tool(oauth_gw, bearer(mint(sub="bob")), "context_get", context_id="diary")["result"][
         "structuredContent"]["entries"][0]["text"] == "bob"
+
+
+def test_websocket_closes_when_its_token_expires(redis_target_module: RedisTarget) -> None:
+    """HTTP checks the token on every request; a WebSocket is checked once, at its handshake, so
+    it is closed (1008) when the token it was opened with expires (``leeway_s`` 0 here), whether
+    the token came as a header or through a ticket. A connection opened with an API key stays."""
+    port = free_port()
+    proc = start_gateway(port, redis_target_module.url, api_keys=f"ops:{API_KEY}",
+                         overrides=_oauth(port, leeway_s=0))
+    gw = Gateway(f"http://127.0.0.1:{port}")
+    try:
+        soon = bearer(mint(sub="alice", exp=int(time.time()) + 3))
+        issued = httpx.post(gw.base + "/mcp/ws-ticket", headers=soon)
+        assert issued.status_code == 200, issued.text
+        with ws_open(gw, soon) as by_header, \
+                ws_connect(gw.ws + "?ticket=" + issued.json()["ticket"], subprotocols=["mcp"], open_timeout=10) \
+                as by_ticket, ws_open(gw, bearer(API_KEY)) as by_key:
+            for ws in (by_header, by_ticket, by_key):
+                ws_initialize(ws)
+            for ws in (by_header, by_ticket):
+                with pytest.raises(ConnectionClosed) as closed:
+                    while True:
+                        ws.recv(timeout=20)
+                assert closed.value.rcvd is not None and closed.value.rcvd.code == 1008
+            assert ws_ask(by_key, rpc("ping", rid=9))["result"] == {}
+    finally:
+        stop(proc)
 
 
 # ------------------------------------------------------------------ logs
