@@ -489,9 +489,10 @@ def test_websocket_two_subs_are_isolated(oauth_gw: Gateway, store: RedisTarget) 
 
 
 def test_websocket_closes_when_its_token_expires(redis_target_module: RedisTarget) -> None:
-    """HTTP checks the token on every request; a WebSocket is checked once, at its handshake, so
-    it is closed (1008) when the token it was opened with expires (``leeway_s`` 0 here), whether
-    the token came as a header or through a ticket. A connection opened with an API key stays."""
+    """HTTP checks the token on every request; a WebSocket or an event stream once, when it opens,
+    so it ends when the token it was opened with expires (``leeway_s`` 0 here): a WebSocket with
+    1008, whether the token came as a header or through a ticket; a GET /mcp stream by ending (the
+    client reconnects with Last-Event-ID). A connection opened with an API key stays."""
     port = free_port()
     proc = start_gateway(port, redis_target_module.url, api_keys=f"ops:{API_KEY}",
                          overrides=_oauth(port, leeway_s=0))
@@ -511,6 +512,16 @@ def test_websocket_closes_when_its_token_expires(redis_target_module: RedisTarge
                         ws.recv(timeout=20)
                 assert closed.value.rcvd is not None and closed.value.rcvd.code == 1008
             assert ws_ask(by_key, rpc("ping", rid=9))["result"] == {}
+        # a legacy session's GET stream likewise ends when the token it was opened with expires
+        session = Legacy(gw, bearer(mint(sub="alice")))
+        soon = bearer(mint(sub="alice", exp=int(time.time()) + 3))
+        with httpx.stream("GET", gw.mcp, headers={"accept": "text/event-stream", "mcp-session-id": session.sid,
+                                                  "mcp-protocol-version": LEGACY, **soon},
+                          timeout=httpx.Timeout(10, read=20)) as stream:
+            assert stream.status_code == 200
+            deadline = time.monotonic() + 20
+            for _ in stream.iter_bytes():  # until the server ends the stream
+                assert time.monotonic() < deadline, "the stream outlived its token"
     finally:
         stop(proc)
 
