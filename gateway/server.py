@@ -43,7 +43,8 @@ def uvicorn_options(cfg: Config) -> dict[str, Any]:
     """How uvicorn serves the gateway: our HTTP protocol with the configured read deadlines, our
     WebSocket protocol with messages bounded by the body limit. No access log and no
     X-Forwarded-* rewriting on the hot path: the gateway identifies callers by their
-    credentials and never reads the client address. WebSocket keepalive pings on the
+    credentials; only the failed-attempt throttle reads the client address, and believes
+    X-Forwarded-For from ``gateway.auth_throttle.trusted_proxies`` alone. WebSocket keepalive pings on the
     configured interval drop a peer that stopped answering (gateway/transports/ws_protocol.py)."""
     from gateway.transports.http_protocol import http_protocol
     from gateway.transports.ws_protocol import GatewayWebSocketProtocol

@@ -24,6 +24,7 @@ from starlette.requests import HTTPConnection
 
 from gateway import pubsub
 from gateway.auth import Authenticator, OriginGuard, WsTickets
+from gateway.auth_throttle import AuthThrottle
 from gateway.limits import Limits
 from gateway.mcp.dispatcher import Call, Dispatcher
 from gateway.mcp.kernel import Kernel
@@ -106,7 +107,7 @@ class Gateway:
         self.sessions.publish_control = self.publish_control
         self.list_revisions = ListRevisions(self.redis, gw.session_idle_ttl_s)
         self.sealer = RequestStateSealer(gw.request_state_keys, gw.request_state_ttl_s)
-        self.auth = Authenticator(gw)
+        self.auth = Authenticator(gw, AuthThrottle(self.redis, gw.auth_throttle))
         self.origin_guard = OriginGuard(gw)
         self.ws_tickets = WsTickets(self.redis, gw.ws_ticket_ttl_s)
         self.limits = Limits(self.redis, self.config)

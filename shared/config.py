@@ -18,6 +18,7 @@ holds the value (compose secrets), so the keys stay out of the process environme
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import re
 import typing
@@ -30,6 +31,8 @@ import pydantic
 import pydantic.dataclasses
 import yaml
 from pydantic import Field, JsonValue, StrictBool, StrictFloat, StrictInt
+
+from shared import keys
 
 CONFIG_ENV = "LEARNMESH_CONFIG"
 ENV_PREFIX = "LEARNMESH_"
@@ -175,10 +178,19 @@ class RedisConfig:
                "cluster_nodes need a cluster: cluster: true or a redis+cluster:// url")
 
 
+# What an ``Authorization: Bearer`` header can carry and the gateway reads back whole: printable
+# ASCII (HTTP clients refuse to send more), with no space at either end (stripped on the way in).
+_SENDABLE_KEY = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?")
+_UNSENDABLE = "cannot be sent in an Authorization header: printable ASCII only, no space at either end"
+
+
 @_section
 class AdminKey:
     key: str = Field(min_length=8)
     role: Literal["viewer", "operator", "admin"] = "admin"
+
+    def __post_init__(self) -> None:
+        _check(_SENDABLE_KEY.fullmatch(self.key) is not None, f"key {_UNSENDABLE}")
 
 
 @_section
@@ -192,12 +204,45 @@ class OAuthConfig:
     audience: str = ""
     hs256_secret: str = ""
     principal_claim: str = "sub"
+    leeway_s: StrictInt = Field(
+        default=30, ge=0, le=300, description="how far the issuer's clock may be off ours: a token is accepted "
+                                              "this long before its nbf and iat and after its exp")
 
     def __post_init__(self) -> None:
         # RFC 7518 3.2: an HS256 key has at least the hash's 256 bits; an empty one (that some
         # PyJWT versions accept) would let anyone sign a token for any principal.
         _check(not self.enabled or len(self.hs256_secret.encode()) >= 32,
                "enabled needs hs256_secret: at least 32 bytes (the issuer's HS256 key)")
+        # The resource is the audience a token must name when no other is set, and where the
+        # 401 challenge points (RFC 9728): without it a token issued for any service would pass.
+        parts = urlsplit(self.resource)
+        _check(not self.enabled or (parts.scheme in ("http", "https") and bool(parts.hostname)),
+               "enabled needs resource: the http(s) URL of this gateway's /mcp that tokens are issued for")
+
+
+@_section
+class AuthThrottleConfig:
+    """Failed authentication attempts (a bearer token, admin key or WebSocket ticket that is presented
+    and not valid), counted in Redis over every replica for ``window_s`` seconds from the first.
+    Past ``failures_per_source`` failures, the source's every request is refused (429 + Retry-After)
+    until the window ends, valid credentials too: a guesser cannot learn that a guess was right.
+    Past ``failures_per_credential``, one credential is refused likewise from every source. 0: off."""
+
+    failures_per_source: NonNegativeInt = Field(
+        default=30, description="failed attempts from one client address (IPv6: its /64) per window")
+    failures_per_credential: NonNegativeInt = Field(
+        default=10, description="failed attempts with one and the same credential, from anywhere, per window")
+    window_s: StrictInt = Field(default=60, ge=1, le=86400, description="how long failures count (s)")
+    trusted_proxies: list[str] = Field(
+        default_factory=list, description="addresses or CIDR networks of proxies in front of the gateway whose "
+                                          "X-Forwarded-For names the client; the peer address otherwise")
+
+    def __post_init__(self) -> None:
+        for net in self.trusted_proxies:
+            try:
+                ipaddress.ip_network(net, strict=False)
+            except ValueError:
+                raise ValueError(f"trusted_proxies: {net!r} is not an address or a CIDR network") from None
 
 
 # The characters a token's principal may have (gateway/auth.py) but ':', which LEARNMESH_API_KEYS
@@ -246,6 +291,7 @@ class GatewayConfig:
     request_state_ttl_s: PositiveInt = 600
     sse_event_log_max: PositiveInt = 1000
     oauth: OAuthConfig = Field(default_factory=OAuthConfig)
+    auth_throttle: AuthThrottleConfig = Field(default_factory=AuthThrottleConfig)
     fixtures: Literal["conformance"] | None = None
     client_request_timeout_s: PositiveFloat = Field(
         default=120.0, description="legacy sessions: how long a sampling/elicitation/roots answer waits")
@@ -255,6 +301,11 @@ class GatewayConfig:
         default=0, description="2026-07-28 ttlMs on resources/read (context changes under the client)")
 
     def __post_init__(self) -> None:
+        reserved = sorted(name for name in self.api_keys if name.startswith(keys.RESERVED_PRINCIPAL_PREFIX))
+        _check(not reserved, f"api_keys: principal name(s) {', '.join(reserved)} are reserved: names starting "
+                             f"{keys.RESERVED_PRINCIPAL_PREFIX!r} are the mesh's own context accounting keys")
+        for name, key in self.api_keys.items():
+            _check(_SENDABLE_KEY.fullmatch(key) is not None, f"api_keys: the key of {name} {_UNSENDABLE}")
         mcp = set(self.api_keys.values())
         clash = sorted(name for name, admin in self.admin_keys.items() if admin.key in mcp)
         _check(not clash, f"admin key(s) {', '.join(clash)} equal an MCP client key; admin and MCP keys must be "

@@ -68,6 +68,14 @@ def ws_ticket(principal: str, secret_digest: str) -> str:
     return f"{PREFIX}{_tag(principal)}:wsticket:{secret_digest}"
 
 
+def auth_failures(kind: str, name: str) -> str:
+    """String with the TTL of ``gateway.auth_throttle.window_s``: failed authentication attempts
+    of one client address (``kind`` ``source``: the address or IPv6 /64) or of one presented
+    credential (``credential``: its SHA-256, hex), counted by every replica. No principal is known
+    yet: the name is the key's own hash tag, so the keys spread over a cluster's slots."""
+    return f"{PREFIX}authfail:{kind}:{_tag(name)}"
+
+
 def limit_bucket(principal: str, name: str) -> str:
     """String: a token bucket of the principal (``requests``, ``learn_samples``, ``learn_bytes``):
     the theoretical arrival time in µs (GCRA), expiring once the bucket is full again."""
@@ -197,6 +205,11 @@ CTX_GLOBAL_SHARDS = 16
 
 def ctx_global_shard(principal: str) -> int:
     return zlib.crc32(principal.encode()) % CTX_GLOBAL_SHARDS
+
+
+RESERVED_PRINCIPAL_PREFIX = "ctxglobal-"
+"""No principal's name starts so (API keys and tokens are refused): ``ctx_lru`` of a principal
+``ctxglobal-N`` would be the key of ``ctx_global_lru(N)``, and its context ids principals to evict."""
 
 
 def ctx_global_bytes(shard: int) -> str:

@@ -28,6 +28,8 @@ def admin_config(redis_url: str, **overrides: Any) -> Config:
             "admin_keys": {"root": {"key": ADMIN_KEY, "role": "admin"},
                            "ops": {"key": OPERATOR_KEY, "role": "operator"},
                            "watch": {"key": VIEWER_KEY, "role": "viewer"}},
+            # these tests present refused keys on purpose, all from one address
+            "auth_throttle": {"failures_per_source": 0, "failures_per_credential": 0},
         },
         "worker": {"endpoints": []},
     }

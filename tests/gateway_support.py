@@ -92,8 +92,11 @@ def main() -> None:
     from shared.config import load_config
 
     port, redis_url = int(sys.argv[1]), sys.argv[2]
+    # Gateway tests present bad credentials on purpose, all from 127.0.0.1: the failed-attempt
+    # throttle is off unless a test's overrides set it (tests/security/test_auth_throttle.py).
     overrides: dict[str, Any] = {"redis": {"url": redis_url},
-                                 "gateway": {"port": port, "request_state_keys": ["00" * 32]}}
+                                 "gateway": {"port": port, "request_state_keys": ["00" * 32],
+                                             "auth_throttle": {"failures_per_source": 0, "failures_per_credential": 0}}}
     if len(sys.argv) > 3 and sys.argv[3]:
         from shared.config import parse_api_keys
         overrides["gateway"]["api_keys"] = parse_api_keys(sys.argv[3])

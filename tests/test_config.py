@@ -189,7 +189,43 @@ def test_oauth_refuses_a_missing_or_short_hs256_key(secret: str) -> None:
     one; a short one is guessable."""
     with pytest.raises(ConfigError, match="gateway.oauth: enabled needs hs256_secret: at least 32 bytes"):
         load_config(env={}, overrides={"gateway": {"oauth": {"enabled": True, "hs256_secret": secret}}})
-    assert load_config(env={}, overrides={"gateway": {"oauth": {"enabled": True, "hs256_secret": "k" * 32}}})
+    assert load_config(env={}, overrides={"gateway": {"oauth": {"enabled": True, "hs256_secret": "k" * 32,
+                                                                 "resource": "https://mesh.example/mcp"}}})
+
+
+@pytest.mark.parametrize("key", ["schlüssel-0123456789", " key-0123456789", "key-0123456789 ", "key-0123\t456789",
+                                 "key-0123\x00456789"])
+def test_a_key_that_no_authorization_header_can_carry_fails_at_start(key: str) -> None:
+    """A bearer token is printable ASCII (HTTP clients refuse anything else; the gateway strips
+    spaces around it): such a key could never authenticate anyone."""
+    with pytest.raises(ConfigError, match="gateway: api_keys: the key of alice cannot be sent") as refused:
+        load_config(env={}, overrides={"gateway": {"api_keys": {"alice": key}}})
+    assert key.strip() not in str(refused.value)
+    with pytest.raises(ConfigError, match="gateway.admin_keys.root: key cannot be sent") as refused:
+        load_config(env={}, overrides={"gateway": {"admin_keys": {"root": {"key": key}}}})
+    assert key.strip() not in str(refused.value)
+    assert load_config(env={}, overrides={"gateway": {"api_keys": {"alice": "a key with spaces~!"}}})
+
+
+@pytest.mark.parametrize("name", ["ctxglobal-0", "ctxglobal-15", "ctxglobal-x"])
+def test_a_principal_cannot_be_named_like_the_global_context_accounting(name: str) -> None:
+    """``ctx_lru`` of a principal ``ctxglobal-N`` is the key of shard N of the LRU over all
+    principals (shared/keys.py): its context ids would be taken for principals to evict."""
+    with pytest.raises(ConfigError, match="gateway: api_keys: principal name.* reserved"):
+        load_config(env={}, overrides={"gateway": {"api_keys": {name: "key-0123456789"}}})
+    with pytest.raises(ConfigError, match="gateway: api_keys: principal name.* reserved"):
+        load_config(env={"LEARNMESH_API_KEYS": f"{name}:key-0123456789"})
+    assert load_config(env={}, overrides={"gateway": {"api_keys": {"ctxglobal": "key-0123456789"}}})
+
+
+@pytest.mark.parametrize("resource", ["", "mesh.example/mcp", "ftp://mesh.example/mcp", "https:///mcp"])
+def test_oauth_needs_the_url_of_the_resource_it_protects(resource: str) -> None:
+    """Without a resource (and no audience) a token is not checked for whom it was issued: any token
+    the authorization server signed for another service would do, and the 401 challenge would point
+    at a relative metadata URL."""
+    oauth = {"enabled": True, "hs256_secret": "k" * 32, "resource": resource}
+    with pytest.raises(ConfigError, match=r"gateway.oauth: enabled needs resource: the http\(s\) URL"):
+        load_config(env={}, overrides={"gateway": {"oauth": oauth}})
 
 
 @pytest.mark.parametrize(("field", "value"), [

@@ -17,7 +17,7 @@ import httpx
 import jwt
 import orjson
 import pytest
-from websockets.exceptions import InvalidStatus
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import ClientConnection
 from websockets.sync.client import connect as ws_connect
 
@@ -239,6 +239,23 @@ def test_valid_jwt_is_the_sub_principal_on_both_revisions(oauth_gw: Gateway, sto
     assert echo_text(tool(oauth_gw, listed, "t_echo", text="l")) == "dave:l"
 
 
+def test_issuer_clock_ahead_or_behind_within_leeway_is_accepted(oauth_gw: Gateway, store: RedisTarget) -> None:
+    """The issuer's clock runs a few seconds off ours: its fresh token says it was issued (and is
+    valid from) a moment in our future, or expired a moment ago; within ``oauth.leeway_s`` (30)."""
+    ahead = int(time.time()) + 10
+    token = bearer(mint(sub="alice", iat=ahead, nbf=ahead, exp=ahead + 300))
+    assert echo_text(tool(oauth_gw, token, "t_echo", text="skew")) == "alice:skew"
+    assert echo_text(Legacy(oauth_gw, token).tool("t_echo", text="old")) == "alice:old"
+    with ws_open(oauth_gw, token) as ws:
+        ws_initialize(ws)
+    just_expired = bearer(mint(sub="alice", exp=int(time.time()) - 5))
+    assert echo_text(tool(oauth_gw, just_expired, "t_echo", text="late")) == "alice:late"
+    invalid = oauth_gw.challenge + ', error="invalid_token"'
+    beyond = int(time.time()) + 120  # further off than the leeway
+    assert_refused(call_modern(oauth_gw, bearer(mint(sub="alice", iat=beyond, nbf=beyond)), "tools/list"), invalid)
+    assert_refused(call_modern(oauth_gw, bearer(mint(sub="alice", iat=beyond)), "tools/list"), invalid)
+
+
 def test_principal_claim_is_configurable(email_gw: Gateway, store: RedisTarget) -> None:
     token = bearer(mint(sub="mallory", email="carol@example.com"))
     assert echo_text(tool(email_gw, token, "t_echo", text="hi")) == "carol@example.com:hi"
@@ -276,6 +293,8 @@ REFUSED: dict[str, Any] = {
     "sub-too-long": lambda: mint(sub="a" * 129),
     "sub-in-the-admin-keys-audit-namespace": lambda: mint(sub="admin:root"),
     "sub-of-the-open-gateway": lambda: mint(sub="local"),
+    "sub-of-an-api-key": lambda: mint(sub="ops"),
+    "sub-naming-the-global-context-accounting": lambda: mint(sub="ctxglobal-3"),
     "sub-not-a-string": lambda: mint(sub=12345),
     "not-a-jwt": lambda: "not.a.jwt",
     "api-key-lookalike": lambda: API_KEY + "x",
@@ -334,7 +353,7 @@ def test_session_needs_a_valid_token_on_every_request(oauth_gw: Gateway, store: 
     session = Legacy(oauth_gw, bearer(mint(sub="alice")))
     invalid = oauth_gw.challenge + ', error="invalid_token"'
     assert_refused(session.post("ping", auth={}), oauth_gw.challenge)
-    assert_refused(session.post("ping", auth=bearer(mint(sub="alice", exp=int(time.time()) - 1))), invalid)
+    assert_refused(session.post("ping", auth=bearer(mint(sub="alice", exp=int(time.time()) - 60))), invalid)
     assert session.post("ping", auth=bearer(mint(sub="alice"))).json()["result"] == {}  # a fresh token goes on
 
 
@@ -368,6 +387,27 @@ def test_two_subs_are_isolated(oauth_gw: Gateway, store: RedisTarget) -> None:
     assert alice_session.post("ping").json()["result"] == {}
 
 
+def test_a_token_cannot_be_an_api_keys_principal(oauth_gw: Gateway, store: RedisTarget) -> None:
+    """Contexts, sessions and tasks are scoped by principal name: a token whose claim names the
+    principal of an API key (``ops``) would be that key's holder. It is refused, whoever issued it."""
+    ops = bearer(API_KEY)
+    appended = tool(oauth_gw, ops, "context_append", context_id="runbook", modality="text", text="ops only")
+    assert appended["result"]["structuredContent"]["version"] == 1, appended
+    challenge = oauth_gw.challenge + ', error="invalid_token"'
+    for token in (mint(sub="ops"), mint(sub="ops", aud=[AUDIENCE, "x"])):
+        r = call_modern(oauth_gw, bearer(token), "tools/call", {"name": "context_get",
+                                                                 "arguments": {"context_id": "runbook"}})
+        assert_refused(r, challenge)
+        assert "ops only" not in r.text
+        assert_refused(initialize(oauth_gw, bearer(token)), challenge)
+        assert_refused(httpx.post(oauth_gw.base + "/mcp/ws-ticket", headers=bearer(token)), challenge)
+        assert_ws_refused(oauth_gw, bearer(token), challenge)
+    # the key's own holder still reads it, and a token of another name is its own principal
+    got = tool(oauth_gw, ops, "context_get", context_id="runbook")["result"]["structuredContent"]
+    assert [e["text"] for e in got["entries"]] == ["ops only"]
+    assert echo_text(tool(oauth_gw, bearer(mint(sub="ops2")), "t_echo", text="x")) == "ops2:x"
+
+
 # ------------------------------------------------------------------ WebSocket transport (/mcp/ws)
 def test_websocket_valid_jwt_is_the_sub_principal(oauth_gw: Gateway, store: RedisTarget) -> None:
     with ws_open(oauth_gw, bearer(mint(sub="alice"))) as ws:
@@ -397,7 +437,7 @@ def test_websocket_principal_claim_is_configurable(email_gw: Gateway, store: Red
 
 
 WS_REFUSED = ("expired", "wrong-audience", "other-secret", "tampered-payload", "alg-none", "sub-with-brace",
-              "sub-of-the-open-gateway")
+              "sub-of-the-open-gateway", "sub-of-an-api-key", "sub-naming-the-global-context-accounting")
 
 
 @pytest.mark.parametrize("case", WS_REFUSED)
@@ -446,6 +486,44 @@ def test_websocket_two_subs_are_isolated(oauth_gw: Gateway, store: RedisTarget) 
     # and over HTTP, bob still sees nothing of alice's
     assert tool(oauth_gw, bearer(mint(sub="bob")), "context_get", context_id="diary")["result"][
         "structuredContent"]["entries"][0]["text"] == "bob"
+
+
+def test_websocket_closes_when_its_token_expires(redis_target_module: RedisTarget) -> None:
+    """HTTP checks the token on every request; a WebSocket or an event stream once, when it opens,
+    so it ends when the token it was opened with expires (``leeway_s`` 0 here): a WebSocket with
+    1008, whether the token came as a header or through a ticket; a GET /mcp stream by ending (the
+    client reconnects with Last-Event-ID). A connection opened with an API key stays."""
+    port = free_port()
+    proc = start_gateway(port, redis_target_module.url, api_keys=f"ops:{API_KEY}",
+                         overrides=_oauth(port, leeway_s=0))
+    gw = Gateway(f"http://127.0.0.1:{port}")
+    try:
+        soon = bearer(mint(sub="alice", exp=int(time.time()) + 3))
+        issued = httpx.post(gw.base + "/mcp/ws-ticket", headers=soon)
+        assert issued.status_code == 200, issued.text
+        with ws_open(gw, soon) as by_header, \
+                ws_connect(gw.ws + "?ticket=" + issued.json()["ticket"], subprotocols=["mcp"], open_timeout=10) \
+                as by_ticket, ws_open(gw, bearer(API_KEY)) as by_key:
+            for ws in (by_header, by_ticket, by_key):
+                ws_initialize(ws)
+            for ws in (by_header, by_ticket):
+                with pytest.raises(ConnectionClosed) as closed:
+                    while True:
+                        ws.recv(timeout=20)
+                assert closed.value.rcvd is not None and closed.value.rcvd.code == 1008
+            assert ws_ask(by_key, rpc("ping", rid=9))["result"] == {}
+        # a legacy session's GET stream likewise ends when the token it was opened with expires
+        session = Legacy(gw, bearer(mint(sub="alice")))
+        soon = bearer(mint(sub="alice", exp=int(time.time()) + 3))
+        with httpx.stream("GET", gw.mcp, headers={"accept": "text/event-stream", "mcp-session-id": session.sid,
+                                                  "mcp-protocol-version": LEGACY, **soon},
+                          timeout=httpx.Timeout(10, read=20)) as stream:
+            assert stream.status_code == 200
+            deadline = time.monotonic() + 20
+            for _ in stream.iter_bytes():  # until the server ends the stream
+                assert time.monotonic() < deadline, "the stream outlived its token"
+    finally:
+        stop(proc)
 
 
 # ------------------------------------------------------------------ logs

@@ -7,6 +7,7 @@ import asyncio
 import shutil
 import subprocess
 import tempfile
+from pathlib import Path
 
 import httpx
 import orjson
@@ -15,7 +16,7 @@ from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import InvalidStatus
 
 from tests.conftest import RedisTarget, free_port, wait_for_sync
-from tests.gateway_support import start_gateway, stop
+from tests.gateway_support import logged_gateway, start_gateway, stop
 from tests.test_gateway_http import ACCEPT, init, legacy, modern, rpc
 
 KEYS = "alice:alice-key-123,bob:bob-key-4567"
@@ -144,3 +145,33 @@ def test_websocket_transport(redis_target: RedisTarget) -> None:
         asyncio.run(scenario())
     finally:
         stop(proc)
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs a redis-server binary to stop/start")
+def test_authentication_while_redis_is_down(tmp_path: Path) -> None:
+    """Runtime admin keys and failed-attempt counts live in Redis: with Redis away an admin key
+    the config does not hold is 503 + Retry-After (it may be a runtime key), a wrong MCP key is a
+    plain 401 (uncounted), and neither is a crash."""
+    admin_key, workdir = "root-admin-key-0123456789", tempfile.mkdtemp(prefix="lm-gw-redis-")
+    rport = free_port()
+    rproc = _redis(rport, workdir)
+    try:
+        with logged_gateway(f"redis://127.0.0.1:{rport}/0", tmp_path / "gateway.log", api_keys="alice:alice-key-123",
+                            overrides={"gateway": {"admin_keys": {"root": {"key": admin_key, "role": "admin"}},
+                                                   "auth_throttle": {"failures_per_source": 3}}}) as gw:
+            rproc.terminate()
+            rproc.wait(10)
+            unknown = httpx.get(gw.base + "/admin/config", headers={"authorization": "Bearer lmadm_not-a-key"},
+                                timeout=15)
+            assert unknown.status_code == 503 and unknown.headers["retry-after"] == "2", unknown.text
+            assert "Traceback" not in unknown.text and unknown.json()["detail"]
+            body, h = modern("tools/list")
+            for _ in range(4):  # past the count, but nothing can be counted
+                r = httpx.post(gw.base + "/mcp", json=body, headers={**h, "authorization": "Bearer wrong-key-000"},
+                               timeout=15)
+                assert r.status_code == 401, r.text
+            assert "Traceback" not in gw.log.read_text(errors="replace")
+    finally:
+        rproc.terminate()
+        rproc.wait(10)
+        shutil.rmtree(workdir, ignore_errors=True)

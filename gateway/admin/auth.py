@@ -28,6 +28,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from fastapi import HTTPException, Request
 
+from gateway.auth import bearer_token
 from gateway.state import gateway_of
 from shared import keys, metrics
 from shared.config import AdminKey
@@ -155,9 +156,8 @@ def admin_key_required(method: str, path: str) -> bool:
 
 async def authenticate(keyring: AdminKeyring, authorization: str | None) -> AdminPrincipal | None:
     """The admin key named by an ``Authorization: Bearer`` header, or None (counted as a 401)."""
-    scheme, _, token = (authorization or "").partition(" ")
-    token = token.strip()
-    who = await keyring.lookup(token) if scheme.lower() == "bearer" and token else None
+    token = bearer_token(authorization)
+    who = await keyring.lookup(token) if token is not None else None
     if who is None:
         metrics.ADMIN_DENIED.labels("401").inc()
     return who

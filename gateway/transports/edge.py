@@ -28,10 +28,19 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 import orjson
+from redis.exceptions import RedisClusterException, RedisError
 
-from gateway.admin.auth import ADMIN_KEY_REQUIRED, ADMIN_SCOPE_KEY, admin_key_required, authenticate
-from gateway.errors import BodyTooLarge, wire_error
+from gateway.admin.auth import (
+    ADMIN_KEY_REQUIRED,
+    ADMIN_SCOPE_KEY,
+    AdminPrincipal,
+    admin_key_required,
+    authenticate,
+)
+from gateway.auth import AuthError, bearer_token
+from gateway.errors import BodyTooLarge, http_error, wire_error
 from gateway.mcp.types import encode
+from shared import metrics
 
 if TYPE_CHECKING:
     from gateway.state import Gateway
@@ -79,6 +88,7 @@ class HttpEdge:
         self.config = gateway.config
         self.max_body = gateway.config.gateway.max_body_bytes
         self.keyring = gateway.admin_keyring
+        self.throttle = gateway.auth.throttle
 
     async def admit(self, scope: Scope, receive: Receive, send: Send) -> tuple[Receive, Send] | None:
         """The ``receive``/``send`` the app serves the request with, or None when it was answered here."""
@@ -99,15 +109,40 @@ class HttpEdge:
             await _two_credentials(scope, send)
             return None
         if admin_key_required(scope["method"], scope["path"]):
-            who = await authenticate(self.keyring, None if authorization is None else authorization.decode("latin-1"))
+            who = await self._admin_key(scope, send, None if authorization is None else authorization.decode("latin-1"))
             if who is None:
-                await _answer(send, 401, orjson.dumps({"detail": ADMIN_KEY_REQUIRED}), [(b"www-authenticate", b"Bearer")])
                 return None
             scope[ADMIN_SCOPE_KEY] = who
         if chunked and length is None:
             body = _ChunkedBody(receive, send, self.max_body)
             return body.receive, body.send
         return receive, send
+
+    async def _admin_key(self, scope: Scope, send: Send, authorization: str | None) -> AdminPrincipal | None:
+        """The admin key the request presents, or None once it is answered: 401 without a valid
+        one, 429 while its address or key is refused for failed attempts (gateway/auth_throttle.py)."""
+        token = bearer_token(authorization)
+        try:
+            if token is not None:
+                self.throttle.check(scope, token)
+            who = await authenticate(self.keyring, authorization)
+            if who is None and token is not None:
+                too_many = await self.throttle.failed(scope, token)
+                if too_many is not None:
+                    raise too_many
+        except AuthError as exc:
+            metrics.ADMIN_DENIED.labels(str(exc.status)).inc()
+            await _answer(send, exc.status, orjson.dumps({"detail": exc.message}),
+                          [(k.encode(), v.encode()) for k, v in exc.headers().items()])
+            return None
+        except (RedisError, RedisClusterException, OSError) as exc:  # runtime keys live in Redis: 503 + Retry-After while it is away
+            http = http_error(exc, self.config)
+            await _answer(send, http.status_code, orjson.dumps({"detail": http.detail}),
+                          [(k.lower().encode(), v.encode()) for k, v in (http.headers or {}).items()])
+            return None
+        if who is None:
+            await _answer(send, 401, orjson.dumps({"detail": ADMIN_KEY_REQUIRED}), [(b"www-authenticate", b"Bearer")])
+        return who
 
     async def _too_large(self, scope: Scope, send: Send) -> None:
         exc = BodyTooLarge(self.max_body)

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import re
+import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
@@ -188,10 +189,10 @@ class McpHttpTransport:
             await _reply(send, sent, 403, orjson.dumps({"error": "forbidden", "error_description": why}))
             return
         try:
-            principal = self.gateway.auth.principal(headers.get("authorization"))
+            principal = await self.gateway.auth.authenticate(headers.get("authorization"), scope)
         except AuthError as exc:
-            extra = [(b"www-authenticate", exc.www_authenticate.encode())] if exc.www_authenticate else []
-            await _reply(send, sent, exc.status, orjson.dumps({"error": "unauthorized",
+            extra = [(k.encode(), v.encode()) for k, v in exc.headers().items()]
+            await _reply(send, sent, exc.status, orjson.dumps({"error": exc.error,
                                                                "error_description": exc.message}), extra)
             return
         method = scope["method"]
@@ -292,10 +293,15 @@ class McpHttpTransport:
             await _write(send, sent, self.kernel.fail(exc))
             return
         async with self.gateway.limits.stream_slot(principal):  # over the principal's cap: 429
-            await self._stream(receive, send, sent, principal, sid, headers.get("last-event-id"))
+            await self._stream(receive, send, sent, principal, sid, headers.get("last-event-id"),
+                               self.gateway.auth.expires_at(headers.get("authorization")))
 
     async def _stream(self, receive: Receive, send: Send, sent: _Sent, principal: str, sid: str,
-                      last: str | None) -> None:
+                      last: str | None, expires_at: float | None) -> None:
+        """The session's event stream, until the client goes, the session ends or ``expires_at``
+        (epoch s): the token the stream was opened with expires, and with it the stream (every
+        request checks its token; a stream only when it opens). The client reconnects with
+        ``Last-Event-ID`` and misses nothing."""
         sessions = self.gateway.sessions
         cursor = last if last and _is_event_id(last) else await sessions.last_event_id(principal, sid)
         sent.started = True
@@ -304,10 +310,12 @@ class McpHttpTransport:
             await send({"type": "http.response.body", "body": f"id: {cursor}\ndata: \n\n".encode(), "more_body": True})
             pump = asyncio.ensure_future(self._pump(send, principal, sid, cursor))
             gone = asyncio.ensure_future(_wait_disconnect(receive))
-            await asyncio.wait({pump, gone}, return_when=asyncio.FIRST_COMPLETED)
-        for t in (pump, gone):
+            ends = [pump, gone] if expires_at is None else [pump, gone, asyncio.ensure_future(
+                asyncio.sleep(max(0.0, expires_at - time.time())))]
+            await asyncio.wait(ends, return_when=asyncio.FIRST_COMPLETED)
+        for t in ends:
             t.cancel()
-        for t in (pump, gone):
+        for t in ends:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         with contextlib.suppress(Exception):

@@ -27,7 +27,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING
+import time
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request as HttpRequest
 from fastapi import WebSocket, WebSocketDisconnect
@@ -193,9 +194,10 @@ def _retry_later(exc: Exception, gateway: Gateway) -> tuple[int, dict[str, str],
     return wire.http_status, {"error": error, "error_description": wire.message}, retry
 
 
-async def _principal(gateway: Gateway, ws: WebSocket) -> str:
-    """Who opens the connection: the ``Authorization`` header, else a ``bearer.<token>``
-    subprotocol, else a ticket; raises :class:`AuthError` (401) when none is valid."""
+async def _principal(gateway: Gateway, ws: WebSocket) -> tuple[str, float | None]:
+    """Who opens the connection, and until when (the expiry of its token; None: for good): the
+    ``Authorization`` header, else a ``bearer.<token>`` subprotocol, else a ticket; raises
+    :class:`AuthError` (401) when none is valid."""
     if len(ws.headers.getlist("authorization")) > 1:  # as the HTTP edge (gateway/transports/edge.py)
         raise AuthError(400, TWO_CREDENTIALS, 'Bearer error="invalid_request"')
     authorization = ws.headers.get("authorization")
@@ -205,11 +207,19 @@ async def _principal(gateway: Gateway, ws: WebSocket) -> str:
         if bearer:
             authorization = "Bearer " + bearer[0][len(BEARER_SUBPROTOCOL):]
         elif ticket is not None:
-            principal = await gateway.ws_tickets.redeem(ticket)
-            if principal is None:
-                raise AuthError(401, "invalid or expired ticket", gateway.auth.challenge + ', error="invalid_token"')
-            return principal
-    return gateway.auth.principal(authorization)
+            return await _redeem(gateway, ws, ticket)
+    principal = await gateway.auth.authenticate(authorization, ws.scope)
+    return principal, gateway.auth.expires_at(authorization)
+
+
+async def _redeem(gateway: Gateway, ws: WebSocket, ticket: str) -> tuple[str, float | None]:
+    """The principal of a ticket, which counts as a credential for the throttle."""
+    gateway.auth.throttle.check(ws.scope, ticket)
+    redeemed = await gateway.ws_tickets.redeem(ticket)
+    if redeemed is not None:
+        return redeemed
+    refused = AuthError(401, "invalid or expired ticket", gateway.auth.challenge + ', error="invalid_token"')
+    raise await gateway.auth.throttle.failed(ws.scope, ticket) or refused
 
 
 async def websocket_endpoint(ws: WebSocket) -> None:
@@ -222,28 +232,28 @@ async def websocket_endpoint(ws: WebSocket) -> None:
         return
     async with contextlib.AsyncExitStack() as held:
         try:
-            principal = await _principal(gateway, ws)
+            principal, expires_at = await _principal(gateway, ws)
             await gateway.limits.admit_request(principal)  # a handshake is a request, as on HTTP
             await held.enter_async_context(gateway.limits.stream_slot(principal))  # for the connection's life
         except AuthError as exc:
-            challenge = {"www-authenticate": exc.www_authenticate} if exc.www_authenticate else None
-            error = "unauthorized" if exc.status == 401 else "invalid_request"
-            await _refuse(ws, exc.status, {"error": error, "error_description": exc.message}, challenge)
+            await _refuse(ws, exc.status, {"error": exc.error, "error_description": exc.message}, exc.headers() or None)
             return
         except (LimitExceeded, RedisError, OSError) as exc:
             await _refuse(ws, *_retry_later(exc, gateway))
             return
         await ws.accept(subprotocol=SUBPROTOCOL)
-        await _serve(ws, _Connection(ws, gateway, gateway.kernel, principal))
+        await _serve(ws, _Connection(ws, gateway, gateway.kernel, principal), expires_at)
 
 
-async def _serve(ws: WebSocket, conn: _Connection) -> None:
-    """Hand every text frame to the kernel until the client goes; then end what the connection started."""
+async def _serve(ws: WebSocket, conn: _Connection, expires_at: float | None) -> None:
+    """Hand every text frame to the kernel until the client goes, or until ``expires_at`` (epoch
+    s), when the token the connection was opened with expires: HTTP checks the token of every
+    request, a connection only its handshake's. Then end what the connection started."""
     limit = conn.gateway.config.gateway.max_body_bytes
     try:
         while True:
-            frame = await ws.receive()
-            if frame["type"] == "websocket.disconnect":
+            frame = await (ws.receive() if expires_at is None else _receive_before(ws, conn, expires_at))
+            if frame is None or frame["type"] == "websocket.disconnect":
                 break
             text = frame.get("text")
             if text is None:
@@ -261,6 +271,17 @@ async def _serve(ws: WebSocket, conn: _Connection) -> None:
         await conn.close()
 
 
+async def _receive_before(ws: WebSocket, conn: _Connection, expires_at: float) -> Any:
+    """The next frame, or None once ``expires_at`` has passed (the connection is closed, 1008)."""
+    try:
+        return await asyncio.wait_for(ws.receive(), expires_at - time.time())
+    except TimeoutError:
+        async with conn.lock:  # not in the middle of a frame another task sends
+            with contextlib.suppress(Exception):
+                await ws.close(code=1008, reason="token expired")
+        return None
+
+
 async def ws_ticket_endpoint(request: HttpRequest) -> Response:
     """``POST /mcp/ws-ticket``: a single-use ticket for one WebSocket handshake of the caller's
     principal, for clients that can authenticate an HTTP request but not a WebSocket one."""
@@ -269,16 +290,15 @@ async def ws_ticket_endpoint(request: HttpRequest) -> Response:
     if why is not None:
         return JSONResponse({"error": "forbidden", "error_description": why}, status_code=403)
     try:
-        principal = gateway.auth.principal(request.headers.get("authorization"))
+        principal = await gateway.auth.authenticate(request.headers.get("authorization"), request.scope)
     except AuthError as exc:
-        headers = {"www-authenticate": exc.www_authenticate} if exc.www_authenticate else None
-        return JSONResponse({"error": "unauthorized", "error_description": exc.message}, status_code=exc.status,
-                            headers=headers)
+        return JSONResponse({"error": exc.error, "error_description": exc.message}, status_code=exc.status,
+                            headers=exc.headers() or None)
     try:
         await gateway.limits.admit_request(principal)  # a ticket is a request, as on /mcp
     except LimitExceeded as exc:
         status, body, retry = _retry_later(exc, gateway)
         return JSONResponse(body, status_code=status, headers=retry)
-    ticket = await gateway.ws_tickets.issue(principal)
+    ticket = await gateway.ws_tickets.issue(principal, gateway.auth.expires_at(request.headers.get("authorization")))
     return JSONResponse({"ticket": ticket, "expires_in_s": gateway.ws_tickets.ttl_s},
                         headers={"cache-control": "no-store"})
