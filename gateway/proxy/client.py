@@ -25,6 +25,7 @@ import base64
 import itertools
 import logging
 import os
+import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -72,6 +73,12 @@ CATALOG_METHODS = frozenset({"tools/list", "resources/list", "resources/template
 REPEATABLE = CATALOG_METHODS | {"server/discover", "ping", "resources/read", "resources/subscribe",
                                 "resources/unsubscribe", "prompts/get", "completion/complete", "tasks/get"}
 SUBSCRIPTION_METHODS = frozenset({"resources/subscribe", "resources/unsubscribe"})
+# Request ids start at a random point below this. The replicas continuing one principal's
+# 2025-11-25 session, and on 2026-07-28 every replica behind the one credential, share the
+# upstream's id space, where answers and cancellations are routed by id: counting from 1 on each
+# replica, two calls in flight would share an id and one would get the other's fate. Below 2**52,
+# ids stay exact for readers that hold JSON numbers as doubles.
+FIRST_ID_BOUND = 1 << 52
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +139,7 @@ class UpstreamClient:
         self.legacy_version = LEGACY_VERSION  # what initialize agreed on
         self.breaker = Breaker(breaker.failures, breaker.reset_s, on_breaker_change)
         self.gate = asyncio.Semaphore(cfg.concurrency)
-        self._ids = itertools.count(1)
+        self._ids = itertools.count(1 + secrets.randbelow(FIRST_ID_BOUND))
         self._sessions: dict[Seat, str] = {}  # upstream session ids (this replica's copy of Redis)
         self._locks: dict[str, asyncio.Lock] = {}
         self._cancels: set[asyncio.Future[Any]] = set()  # background writes: cancellations, session renewals
