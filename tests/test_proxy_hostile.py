@@ -256,6 +256,40 @@ def test_a_stdio_upstream_sending_an_integer_beyond_64_bits(redis_url: str) -> N
         _still_serving(client, "hs.echo")
 
 
+TASKS = {"extensions": {"io.modelcontextprotocol/tasks": {}}}
+DEPTH_ERROR = "sent a message nested deeper than 128 levels in answer to tools/call"
+
+
+@pytest.mark.parametrize("depth", [125, 126, 300, 990])
+def test_an_answer_nested_too_deep_fails_the_call_and_its_task(redis_url: str, bad: HostileUpstream,
+                                                                depth: int) -> None:
+    """The gateway refuses client messages nested past 128 levels, since what it keeps of one is
+    written again by a JSON writer that stops at 254; an upstream's answer is held to the same bound,
+    as a plain call and as the task the gateway hosts for it (which must end, not stay working)."""
+    bad.depth = depth
+    bad.tools = [{"name": "deep", "inputSchema": {"type": "object"}, "execution": {"taskSupport": "optional"}},
+                 {"name": "echo", "inputSchema": {"type": "object"}}]
+    with front_gateway(redis_url, {"upstreams": [_entry(bad)]}) as base:
+        client = Client(base, MCP_KEY, MODERN)
+        assert "bad.deep" in client.names()  # what may run as a task is what the upstream lists
+        plain = client.call("tools/call", {"name": "bad.deep", "arguments": {}})
+        created = client.result("tools/call", {"name": "bad.deep", "arguments": {}}, caps=TASKS)
+        task: dict[str, Any] = {}
+
+        def ended() -> bool:
+            task.update(client.result("tasks/get", {"taskId": created["taskId"]}, caps=TASKS))
+            return task["status"] != "working"
+
+        wait_for_sync(ended, timeout_s=15, what="the hosted task to end")
+        if depth + 3 <= 128:  # with the message, its result and the innermost object
+            assert "result" in plain and task["status"] == "completed"
+        else:
+            assert plain["error"] == {"code": UPSTREAM_FAILED, "message": f"upstream 'bad' {DEPTH_ERROR}",
+                                      "data": {"upstream": "bad", "reason": "protocol"}}
+            assert task["status"] == "failed", task
+        _still_serving(client, "bad.echo")
+
+
 RESOURCE = "upstream://bad/test%3A%2F%2Fr"
 
 

@@ -48,8 +48,8 @@ from gateway.proxy.breaker import Breaker
 from gateway.proxy.errors import (
     ForeignAnswer,
     MessageTooLarge,
-    OutOfRangeInteger,
     StdioCapReached,
+    Unpassable,
     UpstreamFailed,
     WireClosed,
 )
@@ -174,10 +174,10 @@ class UpstreamClient:
             self.breaker.failed()
             raise UpstreamFailed(self.name, "protocol", f"upstream {self.name!r} sent a message over "
                                  f"{exc.limit_bytes} bytes in answer to {method}") from None
-        except OutOfRangeInteger:
+        except Unpassable as exc:
             self.breaker.failed()
-            raise UpstreamFailed(self.name, "protocol", f"upstream {self.name!r} sent an integer outside the "
-                                 f"64-bit range in answer to {method}; it is not passed on altered") from None
+            raise UpstreamFailed(self.name, "protocol", f"upstream {self.name!r} sent {exc} in answer to "
+                                 f"{method}{exc.note}") from None
         except ForeignAnswer:
             self.breaker.failed()
             raise UpstreamFailed(self.name, "protocol", f"upstream {self.name!r} answered {method} with a "

@@ -211,9 +211,20 @@ async def edge_ints(up: HostileUpstream, writer: asyncio.StreamWriter, request: 
     _json(writer, _result(request, {"content": [], "structuredContent": {"n": [-(1 << 63), (1 << 64) - 1]}}))
 
 
+def nested(depth: int) -> bytes:
+    """JSON of ``depth`` objects nested in one another (written by hand: JSON writers stop short)."""
+    return b'{"a":' * depth + b"{}" + b"}" * depth
+
+
+async def deep(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[str, Any]) -> None:
+    """A result whose structured content is nested ``up.depth`` objects deep."""
+    body = b'{"jsonrpc":"2.0","id":%d,"result":{"content":[],"structuredContent":%s}}' % (request["id"], nested(up.depth))
+    writer.write(_head(200, "application/json", len(body)) + body)
+
+
 BEHAVIOURS: dict[str, Behaviour] = {f.__name__: f for f in (
     huge_json, huge_head, many_headers, huge_sse_line, huge_sse_event, answer_then_linger, ask_flood, churn, hang_up,
-    make_task, side_notes, echo, wrong_id, no_id, true_id, sse_wrong_id, error, big_int, big_int_sse, edge_ints)}
+    make_task, side_notes, echo, wrong_id, no_id, true_id, sse_wrong_id, error, big_int, big_int_sse, edge_ints, deep)}
 
 
 class HostileUpstream:
@@ -235,6 +246,7 @@ class HostileUpstream:
         self.subscribe_failures = 0  # resources/subscribe requests answered HTTP 503 (as if down) before it accepts
         self.subscribe_gate = threading.Event()  # resources/subscribe is answered once this is set
         self.subscribe_gate.set()
+        self.depth = 0  # how deep tool ``deep`` nests its answer
         self.sent = 0
         self.hung_up = threading.Event()  # the gateway closed a connection under an answer being sent
         self.stopping = threading.Event()
