@@ -256,6 +256,31 @@ def test_a_stdio_upstream_sending_an_integer_beyond_64_bits(redis_url: str) -> N
         _still_serving(client, "hs.echo")
 
 
+def test_a_cancelled_probe_of_a_half_open_breaker_lets_the_next_call_probe(redis_url: str,
+                                                                           bad: HostileUpstream) -> None:
+    """The one call a half-open breaker lets through is cancelled by its client: that is no verdict
+    on the upstream, and the next call probes it (the breaker must not wait for a verdict forever)."""
+    breaker = {"failures": 1, "reset_s": 1.0}
+    with front_gateway(redis_url, {"upstreams": [_entry(bad)], "breaker": breaker}) as base:
+        client = Client(base, MCP_KEY, LEGACY).open()
+        assert client.call("tools/call", {"name": "bad.hang_up", "arguments": {}})["error"]["data"]["reason"] \
+            == "unreachable"
+        wait_for_sync(lambda: httpx.get(base + "/admin/upstreams/bad/health", headers=ADMIN).json()["breaker"]
+                      == "half_open", timeout_s=10, what="the breaker to let a probe through")
+        with ThreadPoolExecutor(1) as pool:
+            probe = pool.submit(client.post, "tools/call", {"name": "bad.hold", "arguments": {}})
+            wait_for_sync(lambda: bad.holding == 1, timeout_s=10, what="the probe to reach the upstream")
+            assert client.notify("notifications/cancelled", {"requestId": 2}).status_code == 202
+            assert probe.result(timeout=20).status_code == 202  # cancelled: no answer
+
+        def served() -> bool:
+            answer = client.call("tools/call", {"name": "bad.echo", "arguments": {}})
+            return answer.get("result", {}).get("content") == [{"type": "text", "text": "echo"}]
+
+        wait_for_sync(served, timeout_s=15, interval_s=0.5, what="a call to probe the upstream and close the breaker")
+        assert httpx.get(base + "/admin/upstreams/bad/health", headers=ADMIN).json()["breaker"] == "closed"
+
+
 TASKS = {"extensions": {"io.modelcontextprotocol/tasks": {}}}
 DEPTH_ERROR = "sent a message nested deeper than 128 levels in answer to tools/call"
 

@@ -197,6 +197,11 @@ class UpstreamClient:
         except McpError:
             self.breaker.succeeded()  # the upstream answered: it is alive
             raise
+        except BaseException:
+            # Cancelled (by the client, a task's cancel, shutdown) or unforeseen: no verdict on the
+            # upstream. Were this half-open's one probe, no other call would be let through ever.
+            self.breaker.abandoned()
+            raise
         finally:
             self.gate.release()
         self.breaker.succeeded()
@@ -211,6 +216,9 @@ class UpstreamClient:
         try:
             async with asyncio.timeout_at(deadline):
                 await self.gate.acquire()
+        except asyncio.CancelledError:
+            self.breaker.abandoned()
+            raise
         except TimeoutError:
             self.breaker.abandoned()
             raise UpstreamFailed(self.name, "busy", f"upstream {self.name!r} has {self.cfg.concurrency} calls in "

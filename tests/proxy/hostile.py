@@ -160,6 +160,13 @@ async def make_task(up: HostileUpstream, writer: asyncio.StreamWriter, request: 
                                     "ttlMs": up.task_ttl_ms, "createdAt": "2026-01-01T00:00:00Z"}))
 
 
+async def hold(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[str, Any]) -> None:
+    """No answer until :attr:`HostileUpstream.release` is set (a call that takes as long as a test needs)."""
+    up.holding += 1
+    await asyncio.get_running_loop().run_in_executor(None, up.release.wait)
+    _json(writer, _text(request, "held"))
+
+
 async def echo(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[str, Any]) -> None:
     _json(writer, _text(request, "echo"))
 
@@ -224,7 +231,7 @@ async def deep(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[
 
 BEHAVIOURS: dict[str, Behaviour] = {f.__name__: f for f in (
     huge_json, huge_head, many_headers, huge_sse_line, huge_sse_event, answer_then_linger, ask_flood, churn, hang_up,
-    make_task, side_notes, echo, wrong_id, no_id, true_id, sse_wrong_id, error, big_int, big_int_sse, edge_ints, deep)}
+    make_task, side_notes, hold, echo, wrong_id, no_id, true_id, sse_wrong_id, error, big_int, big_int_sse, edge_ints, deep)}
 
 
 class HostileUpstream:
@@ -247,6 +254,8 @@ class HostileUpstream:
         self.subscribe_gate = threading.Event()  # resources/subscribe is answered once this is set
         self.subscribe_gate.set()
         self.depth = 0  # how deep tool ``deep`` nests its answer
+        self.holding = 0  # calls of tool ``hold`` begun
+        self.release = threading.Event()  # tool ``hold`` answers once this is set
         self.sent = 0
         self.hung_up = threading.Event()  # the gateway closed a connection under an answer being sent
         self.stopping = threading.Event()
@@ -320,4 +329,5 @@ def hostile_upstream() -> Iterator[HostileUpstream]:
         yield up
     finally:
         up.stopping.set()
+        up.release.set()
         up._thread.join(10)
