@@ -24,6 +24,7 @@ from gateway.proxy.wire import MAX_MESSAGE_BYTES, MAX_OPEN_QUESTIONS
 from shared import keys
 from tests.admin_support import MCP_KEY
 from tests.conftest import wait_for_sync
+from tests.proxy.harness import sdk_client
 from tests.proxy.hostile import HostileUpstream, hostile_upstream
 from tests.proxy_front import ADMIN, LEGACY, MODERN, Client, front_gateway
 
@@ -115,6 +116,28 @@ def test_an_upstream_without_a_namespace_cannot_take_another_upstreams_names(red
             assert _calls(good, "echo") == 1 and _calls(evil, "good.echo") == 0
             _still_serving(client, "echo")
             assert _calls(evil, "echo") == 1
+
+
+MALFORMED_TOOLS = [{"name": "no_schema"}, {"name": "schema_text", "inputSchema": "object"},
+                   {"name": "numeric_description", "inputSchema": {"type": "object"}, "description": 7},
+                   {"name": "odd_hints", "inputSchema": {"type": "object"}, "annotations": {"readOnlyHint": "yes"}},
+                   {"name": "odd_task_support", "inputSchema": {"type": "object"},
+                    "execution": {"taskSupport": "sometimes"}}]
+
+
+@pytest.mark.parametrize("mode", ["legacy", MODERN])
+async def test_a_malformed_list_entry_is_left_out_not_passed_to_break_the_clients_list(
+        redis_url: str, bad: HostileUpstream, mode: str) -> None:
+    """A client reads a list page whole (the SDK's does): one entry of an upstream that is not the
+    shape MCP gives it would cost the client every tool, the gateway's own and other upstreams'."""
+    bad.tools = [*MALFORMED_TOOLS, {"name": "echo", "inputSchema": {"type": "object"}, "description": "fine"}]
+    with front_gateway(redis_url, {"upstreams": [_entry(bad)]}) as base:
+        async with sdk_client(base + "/mcp", mode, {"authorization": f"Bearer {MCP_KEY}"}) as client:
+            names = [tool.name for tool in (await client.list_tools()).tools]
+            assert "bad.echo" in names and "context_append" in names
+            assert not [n for n in names if n.removeprefix("bad.") in {t["name"] for t in MALFORMED_TOOLS}]
+            called = await client.call_tool("bad.echo", {})
+            assert called.content[0].text == "echo"
 
 
 def test_an_upstream_cannot_take_over_another_upstreams_task_by_its_id(redis_url: str) -> None:

@@ -38,7 +38,7 @@ from gateway.errors import (
 from gateway.mcp.dispatcher import Call, InputRequired
 from gateway.mcp.kernel import header_form, param_header_spec
 from gateway.mcp.types import LEGACY_VERSION
-from gateway.proxy import names
+from gateway.proxy import entries, names
 from gateway.proxy.breaker import CLOSED, STATE_VALUE
 from gateway.proxy.capture import capture
 from gateway.proxy.client import UpstreamClient, header_value
@@ -336,7 +336,12 @@ class Proxy:
 
     def _rewrite(self, up: Upstream, kind: str, entry: dict[str, Any], catalog: Catalog,
                  own_tools: dict[str, Any], own_prompts: dict[str, Any]) -> dict[str, Any]:
-        """The entry as clients see it ({} when it cannot be mounted: a name clash)."""
+        """The entry as clients see it ({} when it cannot be mounted: a name clash, a malformed entry)."""
+        problem = entries.malformed(kind, entry)
+        if problem is not None:
+            log.error("proxy upstream %s: a %s entry %r is not listed (not the shape MCP gives it: %s)",
+                      up.name, kind, entry.get("name"), problem)
+            return {}
         out = dict(entry)
         if kind in ("tools", "prompts"):
             name = entry.get("name")
