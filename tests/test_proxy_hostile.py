@@ -118,6 +118,32 @@ def test_an_upstream_without_a_namespace_cannot_take_another_upstreams_names(red
             assert _calls(evil, "echo") == 1
 
 
+def test_an_absurdly_long_name_is_refused_not_forwarded_remembered_or_audited_whole(
+        redis_url: str, bad: HostileUpstream) -> None:
+    """A client may name any tool under an upstream's namespace; a name of megabytes is nobody's.
+    Forwarded, each call's name would be kept in the replica's allow decisions and written whole
+    into an audit record (in Redis, up to the stream's cap): memory a client could fill at will."""
+    huge = "x" * 1_000_000
+    bad.tools = [{"name": n, "inputSchema": {"type": "object"}} for n in ("echo", "y" * 300)]
+    with front_gateway(redis_url, {"upstreams": [_entry(bad)]}) as base:
+        client = Client(base, MCP_KEY, LEGACY).open()
+        assert client.names()[-1:] == ["bad.echo"]  # a name no client could call is not listed
+        for method, params in (("tools/call", {"name": f"bad.{huge}", "arguments": {}}),
+                               ("prompts/get", {"name": f"bad.{huge}"})):
+            error = client.call(method, params)["error"]
+            assert error["code"] == -32602 and len(error["message"]) < 1000, error["message"][:100]
+        assert client.call("resources/read", {"uri": f"upstream://bad/{huge}"})["error"]["code"] == -32601
+        _still_serving(client, "bad.echo")
+        assert [m for m in bad.methods() if m in ("tools/call", "prompts/get")] == ["tools/call"]  # the echo
+        with redis_sync.Redis.from_url(redis_url) as r:
+            def audited() -> list[dict[bytes, bytes]]:
+                return [fields for _, fields in r.xrange(keys.audit_stream("alice"))
+                        if fields.get(b"action") == b"proxy.call"]
+
+            wait_for_sync(lambda: len(audited()) == 2, timeout_s=10, what="the proxied calls' audit records")
+            assert max(len(fields[b"item"]) for fields in audited()) <= 300
+
+
 MALFORMED_TOOLS = [{"name": "no_schema"}, {"name": "schema_text", "inputSchema": "object"},
                    {"name": "numeric_description", "inputSchema": {"type": "object"}, "description": 7},
                    {"name": "odd_hints", "inputSchema": {"type": "object"}, "annotations": {"readOnlyHint": "yes"}},

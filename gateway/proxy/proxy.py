@@ -71,6 +71,10 @@ TASK_KEY_TTL_S = 86_400  # how long a task's upstream is remembered when the tas
 TASK_KEY_SLACK_S = 60
 TASK_KEY_MAX_S = 7 * 86_400  # an upstream's ttlMs is its own claim: a task's upstream is remembered this long at most
 ALLOW_CACHE_MAX = 65_536
+# The longest tool or prompt name clients see (MCP asks for at most 128 characters, to which the
+# namespace adds): a longer one is not mounted, and a call naming one is refused before it is
+# forwarded or kept (allow decisions are cached by name). Audit records keep this much of an item.
+MAX_NAME_CHARS = 256
 
 
 @dataclass
@@ -350,9 +354,11 @@ class Proxy:
             mounted = catalog.tools if kind == "tools" else catalog.prompts
             if exposed in mounted:
                 return {}  # listed twice (on two pages): once is enough
-            if exposed is None or exposed in taken or self._namespace_of_another(up, exposed):
-                log.error("proxy upstream %s: %s %r is not mounted (no name, or one the gateway or another "
-                          "upstream's namespace holds)", up.name, kind[:-1], name)
+            if exposed is None or len(exposed) > MAX_NAME_CHARS or exposed in taken \
+                    or self._namespace_of_another(up, exposed):
+                log.error("proxy upstream %s: %s %r is not mounted (no name, one over %d characters, or one the "
+                          "gateway or another upstream's namespace holds)", up.name, kind[:-1],
+                          _clipped(str(name)), MAX_NAME_CHARS)
                 return {}
             mounted[exposed] = str(name)
             if kind == "tools" and isinstance(entry.get("inputSchema"), dict):
@@ -427,6 +433,8 @@ class Proxy:
             u.cfg.prefix == namespace for u in self.upstreams.values())
 
     def _target(self, call: Call, name: str, what: str, method: str) -> tuple[Upstream, str]:
+        if len(name) > MAX_NAME_CHARS:
+            raise InvalidParams(f"{what} not found: {_clipped(name)} (a name over {MAX_NAME_CHARS} characters)")
         found = self._resolve(name)
         if found is None or not found[0].cfg.enabled:
             raise InvalidParams(f"{what} not found: {name}")
@@ -441,7 +449,7 @@ class Proxy:
         """A call refused to the principal is audited like one forwarded (outcome ``forbidden``);
         it reached no upstream, so it counts in none of the upstream's figures."""
         self._audit.add(record(principal=call.principal, action="proxy.call", upstream=up.name, method=method,
-                               item=item, outcome="forbidden"))
+                               item=_clipped(item), outcome="forbidden"))
 
     def input_schema(self, name: str) -> dict[str, Any] | None:
         """The inputSchema of the upstream tool clients call ``name`` (None: not known)."""
@@ -580,7 +588,7 @@ class Proxy:
         if state != up.breaker_state:  # the gauge's lock is taken when the state moves, not per call
             up.breaker_state = state
             up.breaker_gauge.set(STATE_VALUE[state])
-        entry = record(principal=principal, action="proxy.call", upstream=up.name, method=method, item=item,
+        entry = record(principal=principal, action="proxy.call", upstream=up.name, method=method, item=_clipped(item),
                        outcome=outcome, latency_ms=f"{latency_s * 1000:.2f}")
         self._audit.add(entry)  # written with the other calls' records of the next few ms
 
@@ -670,6 +678,11 @@ def _param_headers(spec: tuple[tuple[str, str], ...], args: dict[str, Any]) -> d
         if value is not None:
             out[header] = header_value(value)
     return out or None
+
+
+def _clipped(item: str) -> str:
+    """``item`` as an audit record or a message keeps it: at most MAX_NAME_CHARS characters."""
+    return item if len(item) <= MAX_NAME_CHARS else item[:MAX_NAME_CHARS] + "…"
 
 
 def _for_client(result: dict[str, Any]) -> dict[str, Any]:
