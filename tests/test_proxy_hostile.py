@@ -144,6 +144,26 @@ def test_an_absurdly_long_name_is_refused_not_forwarded_remembered_or_audited_wh
             assert max(len(fields[b"item"]) for fields in audited()) <= 300
 
 
+@pytest.mark.parametrize("revision", [LEGACY, "auto"])
+def test_a_task_capable_tool_is_a_task_on_a_replica_that_has_not_listed_it_yet(
+        redis_url: str, bad: HostileUpstream, revision: str) -> None:
+    """A client that learnt the tools elsewhere (another replica, an earlier run) calls first thing:
+    the tool still runs as the task the upstream declares it may be, not as a plain call."""
+    bad.tools = [{"name": "echo", "inputSchema": {"type": "object"}, "execution": {"taskSupport": "optional"}}]
+    with front_gateway(redis_url, {"upstreams": [_entry(bad, revision=revision)]}) as base:
+        client = Client(base, MCP_KEY, MODERN)
+        created = client.result("tools/call", {"name": "bad.echo", "arguments": {}}, caps=TASKS)
+        assert created.get("resultType") == "task", created
+        task: dict[str, Any] = {}
+
+        def ended() -> bool:
+            task.update(client.result("tasks/get", {"taskId": created["taskId"]}, caps=TASKS))
+            return task["status"] != "working"
+
+        wait_for_sync(ended, timeout_s=15, what="the hosted task to end")
+        assert task["status"] == "completed", task
+
+
 MALFORMED_TOOLS = [{"name": "no_schema"}, {"name": "schema_text", "inputSchema": "object"},
                    {"name": "numeric_description", "inputSchema": {"type": "object"}, "description": 7},
                    {"name": "odd_hints", "inputSchema": {"type": "object"}, "annotations": {"readOnlyHint": "yes"}},

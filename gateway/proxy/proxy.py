@@ -37,7 +37,7 @@ from gateway.errors import (
 )
 from gateway.mcp.dispatcher import Call, InputRequired
 from gateway.mcp.kernel import header_form, param_header_spec
-from gateway.mcp.types import LEGACY_VERSION
+from gateway.mcp.types import LEGACY_VERSION, MODERN_VERSION
 from gateway.proxy import entries, names
 from gateway.proxy.breaker import CLOSED, STATE_VALUE
 from gateway.proxy.capture import capture
@@ -492,16 +492,22 @@ class Proxy:
         args = args if isinstance(args, dict) else {}
         spec = up.catalog.param_specs.get(name)
         headers = _param_headers(spec, args) if spec is not None else None
-        support = self._hosted_task_support(up, name)
+        support = await self._hosted_task_support(call, up, name)
         if support is None:
             return await self._call_tool(call, up, tool, name, args, headers)
         return await self.gateway.tasks.run(call, name, support,
                                             lambda c: self._call_tool(c, up, tool, name, args, headers))
 
-    def _hosted_task_support(self, up: Upstream, name: str) -> str | None:
+    async def _hosted_task_support(self, call: Call, up: Upstream, name: str) -> str | None:
         """A 2025-11-25 upstream has no tasks (SEP-2663 is of 2026-07-28): a tool it declares
         task-capable (``execution.taskSupport``) runs as the gateway's own task. A 2026-07-28
-        upstream's tasks are its own and pass through (see :meth:`task_request`)."""
+        upstream's tasks are its own and pass through (see :meth:`task_request`). What the upstream
+        declares is in its lists: a replica that has not listed it yet does so first (as a listing
+        does, within its ``timeout_s``), since a client may call a tool it learnt elsewhere first thing."""
+        if up.client.revision == MODERN_VERSION:
+            return None
+        if not up.catalog.lists:
+            await self._catalog(call.principal, up)
         if up.client.revision != LEGACY_VERSION:
             return None
         return up.catalog.task_support.get(name)
