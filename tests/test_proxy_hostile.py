@@ -164,6 +164,22 @@ def test_a_task_capable_tool_is_a_task_on_a_replica_that_has_not_listed_it_yet(
         assert task["status"] == "completed", task
 
 
+@pytest.mark.parametrize("version", ["1999-01-01", "2025-11-25\r\nx-injected: 1", 20251125])
+def test_an_upstream_agreeing_to_a_revision_the_gateway_does_not_speak_fails_clearly(
+        redis_url: str, bad: HostileUpstream, version: Any) -> None:
+    """The version an upstream's initialize agrees on is sent back in the MCP-Protocol-Version
+    header of every request of the session; one the gateway does not speak is a broken answer."""
+    bad.version = version
+    with front_gateway(redis_url, {"upstreams": [_entry(bad)]}) as base:
+        client = Client(base, MCP_KEY, LEGACY).open()
+        error = client.call("tools/call", {"name": "bad.echo", "arguments": {}})["error"]
+        assert error["code"] == UPSTREAM_FAILED and error["data"] == {"upstream": "bad", "reason": "protocol"}
+        assert error["message"].startswith("upstream 'bad' agreed to protocol version ")
+        assert "x-injected" not in str([r["_headers"] for r in bad.requests])
+        bad.version = LEGACY
+        _still_serving(client, "bad.echo")
+
+
 MALFORMED_TOOLS = [{"name": "no_schema"}, {"name": "schema_text", "inputSchema": "object"},
                    {"name": "numeric_description", "inputSchema": {"type": "object"}, "description": 7},
                    {"name": "odd_hints", "inputSchema": {"type": "object"}, "annotations": {"readOnlyHint": "yes"}},

@@ -38,6 +38,7 @@ from gateway.errors import GATEWAY_CODES, INTERNAL_ERROR, UPSTREAM_FAILED, McpEr
 from gateway.mcp.kernel import NAME_BEARING
 from gateway.mcp.types import (
     CLIENT_CAPABILITIES_META_KEY,
+    HANDSHAKE_VERSIONS,
     LEGACY_VERSION,
     MODERN_VERSION,
     PROTOCOL_VERSION_META_KEY,
@@ -363,7 +364,10 @@ class UpstreamClient:
                                  {"mcp-protocol-version": LEGACY_VERSION}, rid, NO_HOOKS)
         result = self._result("initialize", answer)
         version = result.get("protocolVersion")
-        self.legacy_version = version if isinstance(version, str) else LEGACY_VERSION
+        if version not in HANDSHAKE_VERSIONS:  # it would be sent back as every request's MCP-Protocol-Version
+            raise UpstreamFailed(self.name, "protocol", f"upstream {self.name!r} agreed to protocol version "
+                                 f"{repr(version)[:80]}, which the gateway does not speak")
+        self.legacy_version = version
         sid = answer.headers.get("mcp-session-id")
         await wire.send(_encode(Notification(method="notifications/initialized")), self._session_headers(sid),
                         None, NO_HOOKS)

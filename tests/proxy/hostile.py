@@ -254,6 +254,7 @@ class HostileUpstream:
         self.subscribe_gate = threading.Event()  # resources/subscribe is answered once this is set
         self.subscribe_gate.set()
         self.depth = 0  # how deep tool ``deep`` nests its answer
+        self.version: Any = "2025-11-25"  # what its initialize answers as the protocol version
         self.holding = 0  # calls of tool ``hold`` begun
         self.release = threading.Event()  # tool ``hold`` answers once this is set
         self.sent = 0
@@ -298,7 +299,7 @@ class HostileUpstream:
         if "id" not in message:
             writer.write(b"HTTP/1.1 202 X\r\ncontent-length: 0\r\n\r\n")
         elif method == "initialize":
-            _json(writer, _result(message, {"protocolVersion": "2025-11-25", "capabilities": {"tools": {}},
+            _json(writer, _result(message, {"protocolVersion": self.version, "capabilities": {"tools": {}},
                                             "serverInfo": {"name": "hostile", "version": "1"}}))
         elif method == "tools/list":
             await asyncio.sleep(self.page_delay_s)
