@@ -213,12 +213,15 @@ class Gateway:
         return key
 
     def untrack(self, key: InflightKey) -> None:
-        self.inflight.pop(key, None)
+        # Without a session (2026-07-28) two clients of a principal may send one id: the key is
+        # the latest one's, not to be dropped when the other ends.
+        found = self.inflight.get(key)
+        if found is not None and found[0] is asyncio.current_task():
+            del self.inflight[key]
 
     async def cancel_request(self, principal: str, sid: str | None, rid: Any) -> None:
-        if sid is None:
-            self._cancel_local(principal, None, orjson.dumps(rid).decode())
-            return
+        """Cancel the principal's request ``rid`` (of session ``sid``; None: a 2026-07-28 request)
+        on whichever replica serves it."""
         await self.publish_control({"t": "cancel", "p": principal, "s": sid, "r": orjson.dumps(rid).decode()})
 
     def _cancel_local(self, principal: str, sid: str | None, rid: str) -> None:

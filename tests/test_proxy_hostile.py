@@ -24,6 +24,7 @@ from gateway.proxy.wire import MAX_MESSAGE_BYTES, MAX_OPEN_QUESTIONS
 from shared import keys
 from tests.admin_support import MCP_KEY
 from tests.conftest import wait_for_sync
+from tests.proxy.harness import sdk_client
 from tests.proxy.hostile import HostileUpstream, hostile_upstream
 from tests.proxy_front import ADMIN, LEGACY, MODERN, Client, front_gateway
 
@@ -115,6 +116,90 @@ def test_an_upstream_without_a_namespace_cannot_take_another_upstreams_names(red
             assert _calls(good, "echo") == 1 and _calls(evil, "good.echo") == 0
             _still_serving(client, "echo")
             assert _calls(evil, "echo") == 1
+
+
+def test_an_absurdly_long_name_is_refused_not_forwarded_remembered_or_audited_whole(
+        redis_url: str, bad: HostileUpstream) -> None:
+    """A client may name any tool under an upstream's namespace; a name of megabytes is nobody's.
+    Forwarded, each call's name would be kept in the replica's allow decisions and written whole
+    into an audit record (in Redis, up to the stream's cap): memory a client could fill at will."""
+    huge = "x" * 1_000_000
+    bad.tools = [{"name": n, "inputSchema": {"type": "object"}} for n in ("echo", "y" * 300)]
+    with front_gateway(redis_url, {"upstreams": [_entry(bad)]}) as base:
+        client = Client(base, MCP_KEY, LEGACY).open()
+        assert client.names()[-1:] == ["bad.echo"]  # a name no client could call is not listed
+        for method, params in (("tools/call", {"name": f"bad.{huge}", "arguments": {}}),
+                               ("prompts/get", {"name": f"bad.{huge}"})):
+            error = client.call(method, params)["error"]
+            assert error["code"] == -32602 and len(error["message"]) < 1000, error["message"][:100]
+        assert client.call("resources/read", {"uri": f"upstream://bad/{huge}"})["error"]["code"] == -32601
+        _still_serving(client, "bad.echo")
+        assert [m for m in bad.methods() if m in ("tools/call", "prompts/get")] == ["tools/call"]  # the echo
+        with redis_sync.Redis.from_url(redis_url) as r:
+            def audited() -> list[dict[bytes, bytes]]:
+                return [fields for _, fields in r.xrange(keys.audit_stream("alice"))
+                        if fields.get(b"action") == b"proxy.call"]
+
+            wait_for_sync(lambda: len(audited()) == 2, timeout_s=10, what="the proxied calls' audit records")
+            assert max(len(fields[b"item"]) for fields in audited()) <= 300
+
+
+@pytest.mark.parametrize("revision", [LEGACY, "auto"])
+def test_a_task_capable_tool_is_a_task_on_a_replica_that_has_not_listed_it_yet(
+        redis_url: str, bad: HostileUpstream, revision: str) -> None:
+    """A client that learnt the tools elsewhere (another replica, an earlier run) calls first thing:
+    the tool still runs as the task the upstream declares it may be, not as a plain call."""
+    bad.tools = [{"name": "echo", "inputSchema": {"type": "object"}, "execution": {"taskSupport": "optional"}}]
+    with front_gateway(redis_url, {"upstreams": [_entry(bad, revision=revision)]}) as base:
+        client = Client(base, MCP_KEY, MODERN)
+        created = client.result("tools/call", {"name": "bad.echo", "arguments": {}}, caps=TASKS)
+        assert created.get("resultType") == "task", created
+        task: dict[str, Any] = {}
+
+        def ended() -> bool:
+            task.update(client.result("tasks/get", {"taskId": created["taskId"]}, caps=TASKS))
+            return task["status"] != "working"
+
+        wait_for_sync(ended, timeout_s=15, what="the hosted task to end")
+        assert task["status"] == "completed", task
+
+
+@pytest.mark.parametrize("version", ["1999-01-01", "2025-11-25\r\nx-injected: 1", 20251125])
+def test_an_upstream_agreeing_to_a_revision_the_gateway_does_not_speak_fails_clearly(
+        redis_url: str, bad: HostileUpstream, version: Any) -> None:
+    """The version an upstream's initialize agrees on is sent back in the MCP-Protocol-Version
+    header of every request of the session; one the gateway does not speak is a broken answer."""
+    bad.version = version
+    with front_gateway(redis_url, {"upstreams": [_entry(bad)]}) as base:
+        client = Client(base, MCP_KEY, LEGACY).open()
+        error = client.call("tools/call", {"name": "bad.echo", "arguments": {}})["error"]
+        assert error["code"] == UPSTREAM_FAILED and error["data"] == {"upstream": "bad", "reason": "protocol"}
+        assert error["message"].startswith("upstream 'bad' agreed to protocol version ")
+        assert "x-injected" not in str([r["_headers"] for r in bad.requests])
+        bad.version = LEGACY
+        _still_serving(client, "bad.echo")
+
+
+MALFORMED_TOOLS = [{"name": "no_schema"}, {"name": "schema_text", "inputSchema": "object"},
+                   {"name": "numeric_description", "inputSchema": {"type": "object"}, "description": 7},
+                   {"name": "odd_hints", "inputSchema": {"type": "object"}, "annotations": {"readOnlyHint": "yes"}},
+                   {"name": "odd_task_support", "inputSchema": {"type": "object"},
+                    "execution": {"taskSupport": "sometimes"}}]
+
+
+@pytest.mark.parametrize("mode", ["legacy", MODERN])
+async def test_a_malformed_list_entry_is_left_out_not_passed_to_break_the_clients_list(
+        redis_url: str, bad: HostileUpstream, mode: str) -> None:
+    """A client reads a list page whole (the SDK's does): one entry of an upstream that is not the
+    shape MCP gives it would cost the client every tool, the gateway's own and other upstreams'."""
+    bad.tools = [*MALFORMED_TOOLS, {"name": "echo", "inputSchema": {"type": "object"}, "description": "fine"}]
+    with front_gateway(redis_url, {"upstreams": [_entry(bad)]}) as base:
+        async with sdk_client(base + "/mcp", mode, {"authorization": f"Bearer {MCP_KEY}"}) as client:
+            names = [tool.name for tool in (await client.list_tools()).tools]
+            assert "bad.echo" in names and "context_append" in names
+            assert not [n for n in names if n.removeprefix("bad.") in {t["name"] for t in MALFORMED_TOOLS}]
+            called = await client.call_tool("bad.echo", {})
+            assert called.content[0].text == "echo"
 
 
 def test_an_upstream_cannot_take_over_another_upstreams_task_by_its_id(redis_url: str) -> None:
@@ -254,6 +339,65 @@ def test_a_stdio_upstream_sending_an_integer_beyond_64_bits(redis_url: str) -> N
                                      "data": {"upstream": "hs", "reason": "protocol"}}
         assert not [m for m in seen if m.get("method") == "notifications/message"]
         _still_serving(client, "hs.echo")
+
+
+def test_a_cancelled_probe_of_a_half_open_breaker_lets_the_next_call_probe(redis_url: str,
+                                                                           bad: HostileUpstream) -> None:
+    """The one call a half-open breaker lets through is cancelled by its client: that is no verdict
+    on the upstream, and the next call probes it (the breaker must not wait for a verdict forever)."""
+    breaker = {"failures": 1, "reset_s": 1.0}
+    with front_gateway(redis_url, {"upstreams": [_entry(bad)], "breaker": breaker}) as base:
+        client = Client(base, MCP_KEY, LEGACY).open()
+        assert client.call("tools/call", {"name": "bad.hang_up", "arguments": {}})["error"]["data"]["reason"] \
+            == "unreachable"
+        wait_for_sync(lambda: httpx.get(base + "/admin/upstreams/bad/health", headers=ADMIN).json()["breaker"]
+                      == "half_open", timeout_s=10, what="the breaker to let a probe through")
+        with ThreadPoolExecutor(1) as pool:
+            probe = pool.submit(client.post, "tools/call", {"name": "bad.hold", "arguments": {}})
+            wait_for_sync(lambda: bad.holding == 1, timeout_s=10, what="the probe to reach the upstream")
+            assert client.notify("notifications/cancelled", {"requestId": 2}).status_code == 202
+            assert probe.result(timeout=20).status_code == 202  # cancelled: no answer
+
+        def served() -> bool:
+            answer = client.call("tools/call", {"name": "bad.echo", "arguments": {}})
+            return answer.get("result", {}).get("content") == [{"type": "text", "text": "echo"}]
+
+        wait_for_sync(served, timeout_s=15, interval_s=0.5, what="a call to probe the upstream and close the breaker")
+        assert httpx.get(base + "/admin/upstreams/bad/health", headers=ADMIN).json()["breaker"] == "closed"
+
+
+TASKS = {"extensions": {"io.modelcontextprotocol/tasks": {}}}
+DEPTH_ERROR = "sent a message nested deeper than 128 levels in answer to tools/call"
+
+
+@pytest.mark.parametrize("depth", [125, 126, 300, 990])
+def test_an_answer_nested_too_deep_fails_the_call_and_its_task(redis_url: str, bad: HostileUpstream,
+                                                                depth: int) -> None:
+    """The gateway refuses client messages nested past 128 levels, since what it keeps of one is
+    written again by a JSON writer that stops at 254; an upstream's answer is held to the same bound,
+    as a plain call and as the task the gateway hosts for it (which must end, not stay working)."""
+    bad.depth = depth
+    bad.tools = [{"name": "deep", "inputSchema": {"type": "object"}, "execution": {"taskSupport": "optional"}},
+                 {"name": "echo", "inputSchema": {"type": "object"}}]
+    with front_gateway(redis_url, {"upstreams": [_entry(bad)]}) as base:
+        client = Client(base, MCP_KEY, MODERN)
+        assert "bad.deep" in client.names()  # what may run as a task is what the upstream lists
+        plain = client.call("tools/call", {"name": "bad.deep", "arguments": {}})
+        created = client.result("tools/call", {"name": "bad.deep", "arguments": {}}, caps=TASKS)
+        task: dict[str, Any] = {}
+
+        def ended() -> bool:
+            task.update(client.result("tasks/get", {"taskId": created["taskId"]}, caps=TASKS))
+            return task["status"] != "working"
+
+        wait_for_sync(ended, timeout_s=15, what="the hosted task to end")
+        if depth + 3 <= 128:  # with the message, its result and the innermost object
+            assert "result" in plain and task["status"] == "completed"
+        else:
+            assert plain["error"] == {"code": UPSTREAM_FAILED, "message": f"upstream 'bad' {DEPTH_ERROR}",
+                                      "data": {"upstream": "bad", "reason": "protocol"}}
+            assert task["status"] == "failed", task
+        _still_serving(client, "bad.echo")
 
 
 RESOURCE = "upstream://bad/test%3A%2F%2Fr"

@@ -147,6 +147,34 @@ def test_client_cancellation_reaches_the_upstream(redis_url: str, killable: tupl
         assert statuses == [202]  # a cancelled request gets no answer
 
 
+@pytest.mark.parametrize(("upstream_revision", "cancel_on"), [(LEGACY, "same"), (MODERN, "other")])
+def test_a_modern_clients_cancellation_reaches_the_upstream(redis_url: str, killable: tuple[str, Any],
+                                                            upstream_revision: str, cancel_on: str) -> None:
+    """A 2026-07-28 client has no session: its notifications/cancelled names the request's id, and
+    may reach any replica (a load balancer's choice)."""
+    url, _ = killable
+    proxy = {"upstreams": [upstream_entry(url, revision=upstream_revision, timeout_s=120.0)]}
+    with front_gateway(redis_url, proxy) as base, front_gateway(redis_url, proxy) as other:
+        client = Client(base, MCP_KEY, MODERN)
+        statuses: list[int] = []
+        params = {"name": "up.t_sleep", "arguments": {"seconds": 60}}
+        thread = threading.Thread(target=lambda: statuses.append(client.post("tools/call", params).status_code))
+        thread.start()
+        wait_for_sync(lambda: _started(url) == 1, timeout_s=15, what="the call in flight on the upstream")
+        target = base if cancel_on == "same" else other
+        cancelled = httpx.post(target + "/mcp", headers={**client.auth, "mcp-protocol-version": MODERN,
+                                                         "mcp-method": "notifications/cancelled"},
+                               json={"jsonrpc": "2.0", "method": "notifications/cancelled",
+                                     "params": {"requestId": 1, "_meta": {
+                                         "io.modelcontextprotocol/protocolVersion": MODERN}}})
+        assert cancelled.status_code == 202
+        with redis_sync.Redis.from_url(upstream_db(url)) as r:
+            wait_for_sync(lambda: r.llen("test:t_sleep:ended") == 1, timeout_s=20,
+                          what="the upstream to stop the cancelled call")
+        thread.join(20)
+        assert statuses == [202]  # a cancelled request gets no answer
+
+
 def test_stdio_upstream_gets_only_the_environment_it_is_given(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LM_TEST_STDIO_TOKEN", "stdio-token")
     monkeypatch.setenv("LM_TEST_GATEWAY_ONLY_SECRET", "not-for-upstreams")

@@ -17,7 +17,7 @@ for every transport:
   capabilities and client info within ``gateway.max_client_capabilities_bytes``;
 - **session resolution** for 2025-11-25: ``initialize`` creates the session (its
   capabilities and client info within the same bound), every other message needs a live one;
-- cancellation tracking of legacy ``tools/call`` requests.
+- cancellation tracking of ``tools/call`` requests.
 
 Every exception on the way becomes an answer through :func:`gateway.errors.wire_error`.
 """
@@ -193,7 +193,9 @@ class Kernel:
         envelope = self.envelope(message, link.headers)
         call = Call(principal=principal, request_id=message.id, protocol_version=envelope.protocol_version,
                     state=self.gateway, meta=message.params["_meta"], envelope=envelope, emit=link.emit)
-        return await self.dispatcher.handle(call, message, link.transport)
+        if message.method != "tools/call":
+            return await self.dispatcher.handle(call, message, link.transport)
+        return await self._cancellable(principal, None, message, call, link.transport)
 
     def envelope(self, request: Request, headers: Mapping[str, str] | None) -> Envelope:
         """The checked ``_meta`` envelope of a 2026-07-28 request; the first failed check raises."""
@@ -276,9 +278,15 @@ class Kernel:
             return Reply(http_status=202)
         if message.method != "tools/call":
             return await self.dispatcher.handle(call, message, link.transport)
-        key = self.gateway.track(principal, session.id, message.id, call)
+        return await self._cancellable(principal, session.id, message, call, link.transport)
+
+    async def _cancellable(self, principal: str, sid: str | None, request: Request, call: Call,
+                           transport: str) -> Reply:
+        """Serve a ``tools/call`` that the client's ``notifications/cancelled`` (on any replica;
+        on 2026-07-28 naming the request's id, there being no session) may cancel while it runs."""
+        key = self.gateway.track(principal, sid, request.id, call)
         try:
-            return await self.dispatcher.handle(call, message, link.transport)
+            return await self.dispatcher.handle(call, request, transport)
         finally:
             self.gateway.untrack(key)
 

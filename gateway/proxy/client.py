@@ -25,6 +25,7 @@ import base64
 import itertools
 import logging
 import os
+import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from gateway.errors import GATEWAY_CODES, INTERNAL_ERROR, UPSTREAM_FAILED, McpEr
 from gateway.mcp.kernel import NAME_BEARING
 from gateway.mcp.types import (
     CLIENT_CAPABILITIES_META_KEY,
+    HANDSHAKE_VERSIONS,
     LEGACY_VERSION,
     MODERN_VERSION,
     PROTOCOL_VERSION_META_KEY,
@@ -47,8 +49,8 @@ from gateway.proxy.breaker import Breaker
 from gateway.proxy.errors import (
     ForeignAnswer,
     MessageTooLarge,
-    OutOfRangeInteger,
     StdioCapReached,
+    Unpassable,
     UpstreamFailed,
     WireClosed,
 )
@@ -72,6 +74,12 @@ CATALOG_METHODS = frozenset({"tools/list", "resources/list", "resources/template
 REPEATABLE = CATALOG_METHODS | {"server/discover", "ping", "resources/read", "resources/subscribe",
                                 "resources/unsubscribe", "prompts/get", "completion/complete", "tasks/get"}
 SUBSCRIPTION_METHODS = frozenset({"resources/subscribe", "resources/unsubscribe"})
+# Request ids start at a random point below this. The replicas continuing one principal's
+# 2025-11-25 session, and on 2026-07-28 every replica behind the one credential, share the
+# upstream's id space, where answers and cancellations are routed by id: counting from 1 on each
+# replica, two calls in flight would share an id and one would get the other's fate. Below 2**52,
+# ids stay exact for readers that hold JSON numbers as doubles.
+FIRST_ID_BOUND = 1 << 52
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +140,7 @@ class UpstreamClient:
         self.legacy_version = LEGACY_VERSION  # what initialize agreed on
         self.breaker = Breaker(breaker.failures, breaker.reset_s, on_breaker_change)
         self.gate = asyncio.Semaphore(cfg.concurrency)
-        self._ids = itertools.count(1)
+        self._ids = itertools.count(1 + secrets.randbelow(FIRST_ID_BOUND))
         self._sessions: dict[Seat, str] = {}  # upstream session ids (this replica's copy of Redis)
         self._locks: dict[str, asyncio.Lock] = {}
         self._cancels: set[asyncio.Future[Any]] = set()  # background writes: cancellations, session renewals
@@ -167,10 +175,10 @@ class UpstreamClient:
             self.breaker.failed()
             raise UpstreamFailed(self.name, "protocol", f"upstream {self.name!r} sent a message over "
                                  f"{exc.limit_bytes} bytes in answer to {method}") from None
-        except OutOfRangeInteger:
+        except Unpassable as exc:
             self.breaker.failed()
-            raise UpstreamFailed(self.name, "protocol", f"upstream {self.name!r} sent an integer outside the "
-                                 f"64-bit range in answer to {method}; it is not passed on altered") from None
+            raise UpstreamFailed(self.name, "protocol", f"upstream {self.name!r} sent {exc} in answer to "
+                                 f"{method}{exc.note}") from None
         except ForeignAnswer:
             self.breaker.failed()
             raise UpstreamFailed(self.name, "protocol", f"upstream {self.name!r} answered {method} with a "
@@ -190,6 +198,11 @@ class UpstreamClient:
         except McpError:
             self.breaker.succeeded()  # the upstream answered: it is alive
             raise
+        except BaseException:
+            # Cancelled (by the client, a task's cancel, shutdown) or unforeseen: no verdict on the
+            # upstream. Were this half-open's one probe, no other call would be let through ever.
+            self.breaker.abandoned()
+            raise
         finally:
             self.gate.release()
         self.breaker.succeeded()
@@ -204,6 +217,9 @@ class UpstreamClient:
         try:
             async with asyncio.timeout_at(deadline):
                 await self.gate.acquire()
+        except asyncio.CancelledError:
+            self.breaker.abandoned()
+            raise
         except TimeoutError:
             self.breaker.abandoned()
             raise UpstreamFailed(self.name, "busy", f"upstream {self.name!r} has {self.cfg.concurrency} calls in "
@@ -348,7 +364,10 @@ class UpstreamClient:
                                  {"mcp-protocol-version": LEGACY_VERSION}, rid, NO_HOOKS)
         result = self._result("initialize", answer)
         version = result.get("protocolVersion")
-        self.legacy_version = version if isinstance(version, str) else LEGACY_VERSION
+        if version not in HANDSHAKE_VERSIONS:  # it would be sent back as every request's MCP-Protocol-Version
+            raise UpstreamFailed(self.name, "protocol", f"upstream {self.name!r} agreed to protocol version "
+                                 f"{repr(version)[:80]}, which the gateway does not speak")
+        self.legacy_version = version
         sid = answer.headers.get("mcp-session-id")
         await wire.send(_encode(Notification(method="notifications/initialized")), self._session_headers(sid),
                         None, NO_HOOKS)

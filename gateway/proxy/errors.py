@@ -46,12 +46,34 @@ class ForeignAnswer(Exception):
     id): a broken answer, never taken for the result."""
 
 
-class OutOfRangeInteger(Exception):
+class Unpassable(Exception):
+    """The upstream sent a message the gateway does not pass on as sent. ``answer_to``: the id of
+    the request it answers, when it is an answer (None otherwise); ``note``: what the client's
+    error message adds after naming it."""
+
+    note = ""
+
+    def __init__(self, what: str, answer_to: object = None) -> None:
+        super().__init__(what)
+        self.answer_to = answer_to
+
+
+class OutOfRangeInteger(Unpassable):
     """The upstream sent a message holding an integer outside the 64-bit range. JSON readers
     (the gateway's among them) keep such a number as the nearest double, so the client would get
-    another number than the upstream sent: the message is refused, never passed on altered.
-    ``answer_to``: the id of the request it answers, when it is an answer (None otherwise)."""
+    another number than the upstream sent: the message is refused, never passed on altered."""
+
+    note = "; it is not passed on altered"
 
     def __init__(self, answer_to: object = None) -> None:
-        super().__init__("an integer outside the 64-bit range")
-        self.answer_to = answer_to
+        super().__init__("an integer outside the 64-bit range", answer_to)
+
+
+class NestedTooDeep(Unpassable):
+    """The upstream sent a message nested deeper than a client may send the gateway
+    (``gateway.mcp.kernel.MAX_JSON_DEPTH``): what the gateway keeps of an answer (a task's result,
+    a question parked for the client) is written again by a JSON writer that stops at 254 levels,
+    and clients' own readers give up not far past that."""
+
+    def __init__(self, depth: int, answer_to: object = None) -> None:
+        super().__init__(f"a message nested deeper than {depth} levels", answer_to)

@@ -37,8 +37,8 @@ from gateway.errors import (
 )
 from gateway.mcp.dispatcher import Call, InputRequired
 from gateway.mcp.kernel import header_form, param_header_spec
-from gateway.mcp.types import LEGACY_VERSION
-from gateway.proxy import names
+from gateway.mcp.types import LEGACY_VERSION, MODERN_VERSION
+from gateway.proxy import entries, names
 from gateway.proxy.breaker import CLOSED, STATE_VALUE
 from gateway.proxy.capture import capture
 from gateway.proxy.client import UpstreamClient, header_value
@@ -71,6 +71,10 @@ TASK_KEY_TTL_S = 86_400  # how long a task's upstream is remembered when the tas
 TASK_KEY_SLACK_S = 60
 TASK_KEY_MAX_S = 7 * 86_400  # an upstream's ttlMs is its own claim: a task's upstream is remembered this long at most
 ALLOW_CACHE_MAX = 65_536
+# The longest tool or prompt name clients see (MCP asks for at most 128 characters, to which the
+# namespace adds): a longer one is not mounted, and a call naming one is refused before it is
+# forwarded or kept (allow decisions are cached by name). Audit records keep this much of an item.
+MAX_NAME_CHARS = 256
 
 
 @dataclass
@@ -336,7 +340,12 @@ class Proxy:
 
     def _rewrite(self, up: Upstream, kind: str, entry: dict[str, Any], catalog: Catalog,
                  own_tools: dict[str, Any], own_prompts: dict[str, Any]) -> dict[str, Any]:
-        """The entry as clients see it ({} when it cannot be mounted: a name clash)."""
+        """The entry as clients see it ({} when it cannot be mounted: a name clash, a malformed entry)."""
+        problem = entries.malformed(kind, entry)
+        if problem is not None:
+            log.error("proxy upstream %s: a %s entry %r is not listed (not the shape MCP gives it: %s)",
+                      up.name, kind, entry.get("name"), problem)
+            return {}
         out = dict(entry)
         if kind in ("tools", "prompts"):
             name = entry.get("name")
@@ -345,9 +354,11 @@ class Proxy:
             mounted = catalog.tools if kind == "tools" else catalog.prompts
             if exposed in mounted:
                 return {}  # listed twice (on two pages): once is enough
-            if exposed is None or exposed in taken or self._namespace_of_another(up, exposed):
-                log.error("proxy upstream %s: %s %r is not mounted (no name, or one the gateway or another "
-                          "upstream's namespace holds)", up.name, kind[:-1], name)
+            if exposed is None or len(exposed) > MAX_NAME_CHARS or exposed in taken \
+                    or self._namespace_of_another(up, exposed):
+                log.error("proxy upstream %s: %s %r is not mounted (no name, one over %d characters, or one the "
+                          "gateway or another upstream's namespace holds)", up.name, kind[:-1],
+                          _clipped(str(name)), MAX_NAME_CHARS)
                 return {}
             mounted[exposed] = str(name)
             if kind == "tools" and isinstance(entry.get("inputSchema"), dict):
@@ -422,6 +433,8 @@ class Proxy:
             u.cfg.prefix == namespace for u in self.upstreams.values())
 
     def _target(self, call: Call, name: str, what: str, method: str) -> tuple[Upstream, str]:
+        if len(name) > MAX_NAME_CHARS:
+            raise InvalidParams(f"{what} not found: {_clipped(name)} (a name over {MAX_NAME_CHARS} characters)")
         found = self._resolve(name)
         if found is None or not found[0].cfg.enabled:
             raise InvalidParams(f"{what} not found: {name}")
@@ -436,7 +449,7 @@ class Proxy:
         """A call refused to the principal is audited like one forwarded (outcome ``forbidden``);
         it reached no upstream, so it counts in none of the upstream's figures."""
         self._audit.add(record(principal=call.principal, action="proxy.call", upstream=up.name, method=method,
-                               item=item, outcome="forbidden"))
+                               item=_clipped(item), outcome="forbidden"))
 
     def input_schema(self, name: str) -> dict[str, Any] | None:
         """The inputSchema of the upstream tool clients call ``name`` (None: not known)."""
@@ -479,16 +492,22 @@ class Proxy:
         args = args if isinstance(args, dict) else {}
         spec = up.catalog.param_specs.get(name)
         headers = _param_headers(spec, args) if spec is not None else None
-        support = self._hosted_task_support(up, name)
+        support = await self._hosted_task_support(call, up, name)
         if support is None:
             return await self._call_tool(call, up, tool, name, args, headers)
         return await self.gateway.tasks.run(call, name, support,
                                             lambda c: self._call_tool(c, up, tool, name, args, headers))
 
-    def _hosted_task_support(self, up: Upstream, name: str) -> str | None:
+    async def _hosted_task_support(self, call: Call, up: Upstream, name: str) -> str | None:
         """A 2025-11-25 upstream has no tasks (SEP-2663 is of 2026-07-28): a tool it declares
         task-capable (``execution.taskSupport``) runs as the gateway's own task. A 2026-07-28
-        upstream's tasks are its own and pass through (see :meth:`task_request`)."""
+        upstream's tasks are its own and pass through (see :meth:`task_request`). What the upstream
+        declares is in its lists: a replica that has not listed it yet does so first (as a listing
+        does, within its ``timeout_s``), since a client may call a tool it learnt elsewhere first thing."""
+        if up.client.revision == MODERN_VERSION:
+            return None
+        if not up.catalog.lists:
+            await self._catalog(call.principal, up)
         if up.client.revision != LEGACY_VERSION:
             return None
         return up.catalog.task_support.get(name)
@@ -575,7 +594,7 @@ class Proxy:
         if state != up.breaker_state:  # the gauge's lock is taken when the state moves, not per call
             up.breaker_state = state
             up.breaker_gauge.set(STATE_VALUE[state])
-        entry = record(principal=principal, action="proxy.call", upstream=up.name, method=method, item=item,
+        entry = record(principal=principal, action="proxy.call", upstream=up.name, method=method, item=_clipped(item),
                        outcome=outcome, latency_ms=f"{latency_s * 1000:.2f}")
         self._audit.add(entry)  # written with the other calls' records of the next few ms
 
@@ -665,6 +684,11 @@ def _param_headers(spec: tuple[tuple[str, str], ...], args: dict[str, Any]) -> d
         if value is not None:
             out[header] = header_value(value)
     return out or None
+
+
+def _clipped(item: str) -> str:
+    """``item`` as an audit record or a message keeps it: at most MAX_NAME_CHARS characters."""
+    return item if len(item) <= MAX_NAME_CHARS else item[:MAX_NAME_CHARS] + "…"
 
 
 def _for_client(result: dict[str, Any]) -> dict[str, Any]:

@@ -21,8 +21,16 @@ from typing import Any
 import msgspec
 import orjson
 
+from gateway.mcp.kernel import MAX_JSON_DEPTH
 from gateway.mcp.types import SUBSCRIPTION_ID_META_KEY
-from gateway.proxy.errors import ForeignAnswer, MessageTooLarge, OutOfRangeInteger, WireClosed
+from gateway.proxy.errors import (
+    ForeignAnswer,
+    MessageTooLarge,
+    NestedTooDeep,
+    OutOfRangeInteger,
+    Unpassable,
+    WireClosed,
+)
 from gateway.proxy.http1 import Origin, Response
 
 log = logging.getLogger(__name__)
@@ -31,6 +39,7 @@ Message = dict[str, Any]
 # The most one message from an upstream may take (a JSON body, an SSE event, a stdio line): what
 # is longer is a broken or hostile upstream, and is not held in memory to find out how long it is.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+ENCODER_DEPTH = 254  # the deepest nesting orjson writes
 MAX_OPEN_QUESTIONS = 16  # an upstream's requests to the client open at once during one call
 STDIO_STOP_GRACE_S = 2.0
 STDIO_INHERITED_ENV = frozenset({"PATH", "HOME", "USER", "LOGNAME", "SHELL", "TERM", "LANG", "LC_ALL", "TMPDIR",
@@ -214,41 +223,38 @@ _decode = msgspec.json.Decoder().decode
 
 def _json_object(data: bytes) -> Message | None:
     """The JSON object ``data`` holds (None: not JSON, or not an object); raises
-    :class:`OutOfRangeInteger` for one holding an integer outside the 64-bit range. Integers are
-    read exactly, so that such a number is found rather than read as the nearest double."""
+    :class:`Unpassable` for one the gateway does not pass on (see :func:`_check_passable`).
+    Integers are read exactly, so that one outside 64 bits is found rather than read as the
+    nearest double."""
     try:
         value = _decode(data)
-    except (msgspec.DecodeError, RecursionError):  # too deep to read: as broken as bad syntax
+    except msgspec.DecodeError:
         return None
+    except RecursionError:  # too deep even to read (so whose answer it is cannot be told)
+        raise NestedTooDeep(MAX_JSON_DEPTH) from None
     if not isinstance(value, dict):
         return None
-    if not _integers_in_range(value):
-        answer_to = value.get("id") if "method" not in value else None
-        raise OutOfRangeInteger(answer_to)
+    _check_passable(value, data)
     return value
 
 
-def _integers_in_range(value: Message) -> bool:
-    """Whether every integer in ``value`` fits 64 bits (signed, or unsigned as orjson writes
-    them). Encoding with orjson, which refuses such integers, checks at C speed; a message nested
-    past its encoding depth is walked instead."""
+def _check_passable(value: Message, data: bytes) -> None:
+    """Raise :class:`OutOfRangeInteger` for a message holding an integer outside 64 bits (signed,
+    or unsigned as orjson writes them), :class:`NestedTooDeep` for one nested past
+    MAX_JSON_DEPTH, the bound of a client's message. Encoding with orjson, which refuses both,
+    checks at C speed: inside enough lists that its depth limit is ours, once the message has more
+    brackets than that (one with fewer cannot be that deep)."""
+    probe: Any = value
+    if data.count(b"{") + data.count(b"[") > MAX_JSON_DEPTH:
+        for _ in range(ENCODER_DEPTH - MAX_JSON_DEPTH):
+            probe = [probe]
     try:
-        orjson.dumps(value)
+        orjson.dumps(probe)
     except orjson.JSONEncodeError as exc:
+        answer_to = value.get("id") if "method" not in value else None
         if str(exc) == "Integer exceeds 64-bit range":
-            return False
-    else:
-        return True
-    pending: list[Any] = [value]
-    while pending:
-        item = pending.pop()
-        if isinstance(item, dict):
-            pending.extend(item.values())
-        elif isinstance(item, list):
-            pending.extend(item)
-        elif type(item) is int and not -(1 << 63) <= item < 1 << 64:
-            return False
-    return True
+            raise OutOfRangeInteger(answer_to) from None
+        raise NestedTooDeep(MAX_JSON_DEPTH, answer_to) from None
 
 
 class StdioWire:
@@ -345,7 +351,7 @@ class StdioWire:
             while line := await stdout.readline():
                 try:
                     msg = _json_object(line)
-                except OutOfRangeInteger as exc:
+                except Unpassable as exc:
                     self._refuse(exc)
                     continue
                 if msg is not None:
@@ -374,7 +380,7 @@ class StdioWire:
         self._side.add(task)
         task.add_done_callback(self._side.discard)
 
-    def _refuse(self, exc: OutOfRangeInteger) -> None:
+    def _refuse(self, exc: Unpassable) -> None:
         """A message that cannot be passed on as sent: the request it answers fails with it; any
         other (a notification, a request of the server's) is dropped."""
         rid = exc.answer_to
@@ -382,7 +388,7 @@ class StdioWire:
         if waiting is not None and not waiting[0].done():
             waiting[0].set_exception(exc)
         else:
-            log.warning("stdio upstream %s: a message holding %s was dropped", self.command[0], exc)
+            log.warning("stdio upstream %s: a message was dropped (it holds %s)", self.command[0], exc)
 
     def _hooks_of(self, msg: Message) -> Hooks:
         params = msg.get("params")

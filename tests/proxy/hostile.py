@@ -160,6 +160,13 @@ async def make_task(up: HostileUpstream, writer: asyncio.StreamWriter, request: 
                                     "ttlMs": up.task_ttl_ms, "createdAt": "2026-01-01T00:00:00Z"}))
 
 
+async def hold(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[str, Any]) -> None:
+    """No answer until :attr:`HostileUpstream.release` is set (a call that takes as long as a test needs)."""
+    up.holding += 1
+    await asyncio.get_running_loop().run_in_executor(None, up.release.wait)
+    _json(writer, _text(request, "held"))
+
+
 async def echo(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[str, Any]) -> None:
     _json(writer, _text(request, "echo"))
 
@@ -211,9 +218,20 @@ async def edge_ints(up: HostileUpstream, writer: asyncio.StreamWriter, request: 
     _json(writer, _result(request, {"content": [], "structuredContent": {"n": [-(1 << 63), (1 << 64) - 1]}}))
 
 
+def nested(depth: int) -> bytes:
+    """JSON of ``depth`` objects nested in one another (written by hand: JSON writers stop short)."""
+    return b'{"a":' * depth + b"{}" + b"}" * depth
+
+
+async def deep(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[str, Any]) -> None:
+    """A result whose structured content is nested ``up.depth`` objects deep."""
+    body = b'{"jsonrpc":"2.0","id":%d,"result":{"content":[],"structuredContent":%s}}' % (request["id"], nested(up.depth))
+    writer.write(_head(200, "application/json", len(body)) + body)
+
+
 BEHAVIOURS: dict[str, Behaviour] = {f.__name__: f for f in (
     huge_json, huge_head, many_headers, huge_sse_line, huge_sse_event, answer_then_linger, ask_flood, churn, hang_up,
-    make_task, side_notes, echo, wrong_id, no_id, true_id, sse_wrong_id, error, big_int, big_int_sse, edge_ints)}
+    make_task, side_notes, hold, echo, wrong_id, no_id, true_id, sse_wrong_id, error, big_int, big_int_sse, edge_ints, deep)}
 
 
 class HostileUpstream:
@@ -235,6 +253,10 @@ class HostileUpstream:
         self.subscribe_failures = 0  # resources/subscribe requests answered HTTP 503 (as if down) before it accepts
         self.subscribe_gate = threading.Event()  # resources/subscribe is answered once this is set
         self.subscribe_gate.set()
+        self.depth = 0  # how deep tool ``deep`` nests its answer
+        self.version: Any = "2025-11-25"  # what its initialize answers as the protocol version
+        self.holding = 0  # calls of tool ``hold`` begun
+        self.release = threading.Event()  # tool ``hold`` answers once this is set
         self.sent = 0
         self.hung_up = threading.Event()  # the gateway closed a connection under an answer being sent
         self.stopping = threading.Event()
@@ -277,7 +299,7 @@ class HostileUpstream:
         if "id" not in message:
             writer.write(b"HTTP/1.1 202 X\r\ncontent-length: 0\r\n\r\n")
         elif method == "initialize":
-            _json(writer, _result(message, {"protocolVersion": "2025-11-25", "capabilities": {"tools": {}},
+            _json(writer, _result(message, {"protocolVersion": self.version, "capabilities": {"tools": {}},
                                             "serverInfo": {"name": "hostile", "version": "1"}}))
         elif method == "tools/list":
             await asyncio.sleep(self.page_delay_s)
@@ -308,4 +330,5 @@ def hostile_upstream() -> Iterator[HostileUpstream]:
         yield up
     finally:
         up.stopping.set()
+        up.release.set()
         up._thread.join(10)
