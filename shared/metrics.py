@@ -259,6 +259,10 @@ ZMQ_AUTH_REFUSED = Counter("learnmesh_zmq_auth_refused_total",
 ZMQ_DROPPED = Counter("learnmesh_zmq_dropped_messages_total",
                       "Messages a bound ZeroMQ socket could not read and dropped (link: infer, samples, "
                       "snapshots, acks)", ["link"])
+ZMQ_CONNECTIONS_BROKEN = Counter("learnmesh_zmq_connections_broken_total",
+                                 "Connections to a server this process closed because the server sent a frame "
+                                 "over the socket's limit or broke the protocol; each is connected again",
+                                 ["peer"])
 ZMQ_HANDSHAKE_FAILED = Counter("learnmesh_zmq_handshake_failed_total",
                                "CURVE handshakes this process failed as a client (peer: the server's role)",
                                ["peer", "reason"])
