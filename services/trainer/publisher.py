@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 
 _MAX_REQ_NONCE = 64
 _MAX_ACKED_WORKERS = 4096  # worker ids an ack may name: the ids are the sender's word, their count is bounded
+_SNAPSHOT_HWM_SLACK = 16  # parts beyond one snapshot a connection's queue holds
 _MAX_WAITING_PEERS = 4096  # connections whose snapshot request waits for the end of their interval
 
 
@@ -149,7 +150,10 @@ class DeltaPublisher:
         try:
             self._pub = _bind(zmq_ctx, zmq.PUB, bind_address(sec.delta_pub_endpoint, host), sockets, hwm=100_000,
                               curve=workers)
-            self._router = _bind(zmq_ctx, zmq.ROUTER, bind_address(sec.snapshot_endpoint, host), sockets, curve=workers)
+            # one snapshot queued per connection: a peer that asks and never reads holds one, not
+            # one per interval until ZeroMQ's default of thousands of parts
+            self._router = _bind(zmq_ctx, zmq.ROUTER, bind_address(sec.snapshot_endpoint, host), sockets,
+                                 hwm=self.encoder.chunk_ranges + _SNAPSHOT_HWM_SLACK, curve=workers)
             self._acks_sock = _bind(zmq_ctx, zmq.PULL, bind_address(sec.ack_endpoint, host), sockets, curve=workers)
         except BaseException:
             for sock in sockets:

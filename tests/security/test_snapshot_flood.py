@@ -119,3 +119,37 @@ def test_the_newest_request_of_a_connection_is_answered_when_its_interval_ends(
     finally:
         dealer.close(0)
         pub.close()
+
+
+def test_a_peer_that_asks_and_never_reads_holds_about_one_snapshot(tmp_path: Path, ctx: zmq.Context) -> None:
+    """Its connection queues one snapshot's parts at the trainer: the parts of the snapshots
+    asked for beyond that are dropped there, not held until the peer reads (or for ever)."""
+    cfg = trainer_cfg(tmp_path, interval_ms=0)
+    cfg = load_config(env={}, overrides={**cfg.to_dict(), "compression": {**cfg.to_dict()["compression"],
+                                                                          "chunk_elements": 65536}})
+    pub = DeltaPublisher(cfg, ctx, {"w": torch.randn(64, 65536)}, 3, "m")  # 64 parts of 256 KiB
+    keys = CurveKeys.load(cfg.zmq, "worker")
+    assert keys is not None
+    dealer = make_socket(ctx, zmq.DEALER, connect=cfg.security.snapshot_endpoint, curve=keys.client("trainer"),
+                         max_frame_bytes=16 * 1024 * 1024, hwm=1)  # reads one part, then no more
+    served = counted("served")
+    try:
+        joins: list[str] = []
+        wait_for_sync(lambda: (joins.append(f"join{len(joins)}"), request(dealer, joins[-1]), dealer.poll(50))[2],
+                      what="the connection")
+        for i in range(10):
+            request(dealer, f"r{i}")
+        wait_for_sync(lambda: counted("served") - served >= len(joins) + 10, what="every request to be served")
+        parts: dict[str, set[int]] = {}
+        quiet_polls = 0
+        while quiet_polls < 20:  # read until nothing more comes: what the trainer queued is in
+            if dealer.poll(100):
+                answered(dealer, parts)
+                quiet_polls = 0
+            else:
+                quiet_polls += 1
+        whole = [req for req in parts if complete(parts, req, 64)]
+        assert len(whole) <= 3, sorted((req, len(p)) for req, p in parts.items())
+    finally:
+        dealer.close(0)
+        pub.close()
