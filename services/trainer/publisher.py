@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 _MAX_REQ_NONCE = 64
 _MAX_ACKED_WORKERS = 4096  # worker ids an ack may name: the ids are the sender's word, their count is bounded
 _SNAPSHOT_HWM_SLACK = 16  # parts beyond one snapshot a connection's queue holds
+_QUEUED_DELTAS, _PUB_HWM_SLACK = 4, 256  # what a subscriber's queue holds: 4 deltas' chunks and heartbeats
 _MAX_WAITING_PEERS = 4096  # connections whose snapshot request waits for the end of their interval
 
 
@@ -148,8 +149,10 @@ class DeltaPublisher:
         workers = keys.server("deltas") if keys else None  # only workers' keys subscribe, ask and ack
         sec, host = cfg.security, cfg.zmq.bind_host
         try:
-            self._pub = _bind(zmq_ctx, zmq.PUB, bind_address(sec.delta_pub_endpoint, host), sockets, hwm=100_000,
-                              curve=workers)
+            # a few deltas' chunks per subscriber: one that keeps its connection and stops reading
+            # costs that much memory, then misses packets (a gap: it resyncs once it reads again)
+            self._pub = _bind(zmq_ctx, zmq.PUB, bind_address(sec.delta_pub_endpoint, host), sockets,
+                              hwm=_QUEUED_DELTAS * self.encoder.chunk_ranges + _PUB_HWM_SLACK, curve=workers)
             # one snapshot queued per connection: a peer that asks and never reads holds one, not
             # one per interval until ZeroMQ's default of thousands of parts
             self._router = _bind(zmq_ctx, zmq.ROUTER, bind_address(sec.snapshot_endpoint, host), sockets,

@@ -153,3 +153,44 @@ def test_a_peer_that_asks_and_never_reads_holds_about_one_snapshot(tmp_path: Pat
     finally:
         dealer.close(0)
         pub.close()
+
+
+def test_a_subscriber_that_never_reads_holds_a_few_deltas(tmp_path: Path, ctx: zmq.Context) -> None:
+    """A connection to the trainer's delta socket that stays up and reads nothing: the trainer
+    queues a few deltas' chunks for it, and drops the rest instead of holding every delta."""
+    cfg = trainer_cfg(tmp_path, interval_ms=0)
+    cfg = load_config(env={}, overrides={**cfg.to_dict(), "compression": {**cfg.to_dict()["compression"],
+                                                                          "chunk_elements": 65536}})
+    params = {"w": torch.randn(16, 65536)}  # 16 chunk ranges
+    pub = DeltaPublisher(cfg, ctx, params, 0, "m")
+    keys = CurveKeys.load(cfg.zmq, "worker")
+    assert keys is not None
+    # it keeps the connection up with PINGs of its own, and never times out the trainer's, which
+    # it does not read (libzmq aborts on a reconnect of a socket stalled that way: zeromq/libzmq#3937)
+    sub = make_socket(ctx, zmq.SUB, connect=cfg.security.delta_pub_endpoint, curve=keys.client("trainer"),
+                      max_frame_bytes=16 * 1024 * 1024, hwm=1, heartbeat_ms=(1000, 3_600_000))
+    g = torch.Generator().manual_seed(1)
+    try:
+        wait_for_sync(lambda: sub.poll(50), what="the subscription")  # a heartbeat came: subscribed
+        sub.recv_multipart()
+        for version in range(1, 49):
+            params["w"].add_(torch.randn(params["w"].shape, generator=g))  # every element changes
+            pub.publish(params, version, lossless=True)
+        chunks: dict[int, int] = {}
+
+        def read_to_the_last_heartbeat() -> bool:
+            """True once a heartbeat of the last version comes: what was queued before it is in."""
+            while sub.poll(50):
+                _, header, payload = wire.decode(sub.recv_multipart())
+                if "v" in header:
+                    chunks[header["v"]] = chunks.get(header["v"], 0) + 1
+                elif orjson.loads(payload[0])["meta"]["version"] == 48:
+                    return True
+            return False
+
+        wait_for_sync(read_to_the_last_heartbeat, timeout_s=60, what="what the trainer queued")
+        whole = [v for v, n in chunks.items() if n == 16]
+        assert len(whole) <= 20, sorted(chunks.items())
+    finally:
+        sub.close(0)
+        pub.close()
