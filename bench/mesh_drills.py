@@ -25,6 +25,7 @@ import zmq
 from bench.mesh_support import ROOT, McpError, McpHttp, McpWs, Mesh, RedisServer, free_port, wait_until
 from services.trainer import ledger
 from shared.config import ZmqConfig
+from shared.crypto import MAX_SEALED_FRAME_BYTES
 from shared.curve import CurveKeys
 from shared.redis_client import close_sync
 from shared.redis_local_cluster import LocalCluster
@@ -461,7 +462,7 @@ class _TamperingProxy:
         # It holds the worker's and the trainer's CURVE keys: what is drilled is the envelope.
         worker_keys = CurveKeys.load(self.zmq_cfg, "worker")
         trainer_keys = CurveKeys.load(self.zmq_cfg, "trainer")
-        sub = make_socket(self.ctx, zmq.SUB, connect=self.upstream,
+        sub = make_socket(self.ctx, zmq.SUB, connect=self.upstream, max_frame_bytes=MAX_SEALED_FRAME_BYTES,
                           curve=worker_keys.client("trainer") if worker_keys else None)
         pub = make_socket(self.ctx, zmq.PUB, bind=self.endpoint,
                           curve=trainer_keys.server("deltas") if trainer_keys else None)

@@ -58,7 +58,7 @@ from shared import keys, metrics, wire, worker_registry
 from shared.aio import pause
 from shared.config import Config
 from shared.curve import CurveKeys, HandshakeWatch
-from shared.inference import max_frame_bytes
+from shared.inference import max_frame_bytes, max_reply_frame_bytes
 from shared.log_throttle import ThrottledWarning
 from shared.text import as_str
 from shared.wire import MsgType
@@ -160,6 +160,7 @@ class WorkerPool:
         self.redis = redis
         self.wcfg = cfg.worker
         self.max_frame = max_frame_bytes(cfg)  # what a worker reads of one frame (ZMQ_MAXMSGSIZE)
+        self.max_reply = max_reply_frame_bytes(cfg)  # what this gateway reads of one frame from a worker
         self.ctx = zmq_ctx or zmq.asyncio.Context()
         self._own_ctx = zmq_ctx is None
         self.gateway_id = uuid.uuid4().hex[:12]
@@ -180,21 +181,26 @@ class WorkerPool:
         """A DEALER pinned to the workers' public key: a process on that port without the
         worker secret key (someone else's worker, one that took the port while ours was down)
         never completes the handshake, so nothing is queued for it (immediate) or sent to it;
-        its watch reports that, and connects again once the real worker can be back."""
-        watch = HandshakeWatch(self.ctx, "worker", endpoint) if self.curve is not None else None
+        its watch reports that, and connects again once the real worker can be back.
+
+        It reads frames up to :func:`max_reply_frame_bytes`: a worker that sends a longer one
+        (misconfigured, or any process on that port when CURVE is off) loses the connection, and
+        with it the answers to every request in flight there, which are retried elsewhere at
+        once; the watch reports it and connects again."""
+        watch = HandshakeWatch(self.ctx, "worker", endpoint, max_frame_bytes=self.max_reply)
         try:
             sock = make_socket(self.ctx, zmq.DEALER, connect=endpoint, hwm=self.wcfg.hwm, immediate=True,
                                curve=self.curve.client("worker") if self.curve is not None else None,
-                               monitor=watch.address if watch is not None else None)
+                               monitor=watch.address, max_frame_bytes=self.max_reply)
         except zmq.ZMQError:
-            if watch is not None:
-                watch.close()
+            watch.close()
             raise
         link = WorkerLink(index, endpoint, cast(zmq.asyncio.Socket, sock), static=static,
                           watch=watch)  # asyncio context
-        if watch is not None:
-            watch.attach(sock)
-            watch.on_change = link.set_handshake_failing
+        watch.attach(sock)
+        watch.on_change = link.set_handshake_failing
+        # a new connection gets a new routing id at the worker: answers for the old one are lost
+        watch.on_broken = lambda: self._retry_inflight(link)
         return link
 
     # ------------------------------------------------------------------ lifecycle

@@ -568,6 +568,10 @@ class ConsistencyConfig:
     learn_wait_s: PositiveFloat = Field(
         default=120.0, description="generate/score with after_learn: how long to wait for the samples' "
                                    "version")
+    snapshot_interval_ms: NonNegativeInt = Field(
+        default=1000, description="the trainer sends one worker connection at most one snapshot per interval; "
+                                  "requests that arrive sooner wait for its end and are merged into one answer "
+                                  "(keep it under timeout_s)")
 
 
 @_section

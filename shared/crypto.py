@@ -63,6 +63,9 @@ log = logging.getLogger(__name__)
 ENVELOPE_VERSION = 3  # 3: the header names the signing key (sk); 2: no sk; 1: signed header || ciphertext
 MAX_PLAINTEXT = 64 * 1024 * 1024
 MAX_HEADER_BYTES = 16 * 1024
+MAX_SEALED_FRAME_BYTES = MAX_PLAINTEXT + 64 * 1024
+"""The longest frame of a sealed packet (the ciphertext: a plaintext and its tag): what a worker's
+delta and snapshot sockets read."""
 STREAM_DELTA, STREAM_SNAPSHOT, STREAM_HEARTBEAT = 0, 1, 2
 REASONS = ("truncated", "malformed", "wrong_key", "retired_key", "bad_signature", "tampered", "replayed",
            "out_of_order", "stale", "superseded")

@@ -44,6 +44,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from shared import metrics
 from shared.aio import stop_if_cancelled
 from shared.config import ConfigError, ZmqConfig
+from shared.log_throttle import ThrottledWarning
 from shared.secret_files import InsecureFileError, check_private, write_private
 
 log = logging.getLogger("learnmesh.curve")
@@ -366,41 +367,70 @@ def new_socket(ctx: zmq.Context, kind: int, curve: CurveServer | CurveClient | N
 # ---------------------------------------------------------------------------- handshake watch
 
 HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-                    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+                    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                    | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
 _FAILED: dict[int, str] = {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no_detail",
                            zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol", zmq.EVENT_HANDSHAKE_FAILED_AUTH: "refused"}
 _RETRY_S = (0.5, 1.0, 2.0, 5.0)
+_ABANDONED_AFTER_S = 0.5
+"""How long after a connection closed libzmq has surely started its reconnect timer (it does so
+within milliseconds, in its I/O thread) if it is going to: without one, it abandoned the link."""
 
 
 class HandshakeWatch:
-    """Follows the CURVE handshakes of one client socket and keeps its link alive.
+    """Follows the CURVE handshakes and the connections of one client socket and keeps its link
+    alive.
 
     A server that does not hold the pinned key (another mesh's, a process that took the port,
     one with CURVE off) never completes a handshake: each failure is counted in
     ``learnmesh_zmq_handshake_failed_total{peer,reason}`` and logged once per failure streak.
     libzmq gives up on an endpoint for good after a protocol error or a refusal (it would stay
     dead after the impostor left, or once the allow-list is fixed), so the watch connects it
-    again, with a growing pause. Create it before the socket (``make_socket(monitor=
-    watch.address)``) so the first handshake is seen, then :meth:`attach` the socket; read
-    events with :meth:`run` (asyncio contexts) or :meth:`poll` (synchronous)."""
+    again, with a growing pause.
+
+    The same holds for an established connection that the peer broke — a frame longer than
+    the socket reads (``ZMQ_MAXMSGSIZE``), or bytes that are not ZMTP: libzmq closes it and
+    never connects again, and the socket would wait for ever. The watch tells that from a
+    connection closed for other reasons (libzmq then starts its reconnect timer), counts it in
+    ``learnmesh_zmq_connections_broken_total{peer}``, logs it, calls ``on_broken`` (what was in
+    flight on that connection will not be answered) and connects again, with a growing pause.
+
+    Every connecting socket has one, with CURVE or without. Create it before the socket
+    (``make_socket(monitor=watch.address)``) so the first handshake is seen, then
+    :meth:`attach` the socket; read events with :meth:`run` (asyncio contexts) or :meth:`poll`
+    (synchronous)."""
 
     def __init__(self, ctx: zmq.Context, peer: str, endpoint: str,
-                 on_change: Callable[[bool], None] | None = None) -> None:
-        self.peer, self.endpoint, self.on_change = peer, endpoint, on_change
+                 on_change: Callable[[bool], None] | None = None, *, max_frame_bytes: int = 0,
+                 on_broken: Callable[[], None] | None = None) -> None:
+        self.peer, self.endpoint, self.on_change, self.on_broken = peer, endpoint, on_change, on_broken
+        self.max_frame_bytes = max_frame_bytes  # only for the log line: what a frame may be
         self.address = f"inproc://curve-handshakes-{id(self)}"
         self.mon = ctx.socket(zmq.PAIR)
         self.mon.setsockopt(zmq.LINGER, 0)
         self.mon.connect(self.address)  # before the monitor binds it: inproc queues what it emits
         self.sock: zmq.Socket | None = None
         self.failing = False
+        self.broken = 0  # connections the peer broke (see above)
+        self._up = False  # a connection completed its handshake and has not closed since
+        self._closed_at: float | None = None  # when it closed, until libzmq is seen reconnecting
         self._retries = 0
         self._retry_at: float | None = None
+        self._broken_warning = ThrottledWarning(log)
 
     def attach(self, sock: zmq.Socket) -> None:
         self.sock = sock
 
     def _handle(self, event: int) -> None:
+        if event == zmq.EVENT_DISCONNECTED:
+            if self._up:
+                self._up, self._closed_at = False, time.monotonic()
+            return
+        if event == zmq.EVENT_CONNECT_RETRIED:
+            self._closed_at = None  # libzmq reconnects by itself
+            return
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._up, self._closed_at = True, None
             if self.failing:
                 log.info("CURVE handshake with %s %s succeeded", self.peer, self.endpoint)
             self.failing, self._retries = False, 0
@@ -423,7 +453,30 @@ class HandshakeWatch:
         if self.on_change is not None:
             self.on_change(self.failing)
 
+    def _check_abandoned(self) -> None:
+        """A closed connection libzmq does not reconnect: reported, and connected again."""
+        if self._closed_at is None or time.monotonic() - self._closed_at < _ABANDONED_AFTER_S:
+            return
+        self._closed_at = None
+        self.broken += 1
+        metrics.ZMQ_CONNECTIONS_BROKEN.labels(self.peer).inc()
+        limit = f"a frame over {self.max_frame_bytes} bytes" if self.max_frame_bytes else "a frame over its limit"
+        self._broken_warning.warning(
+            "closed the connection to %s %s: it sent %s or bytes that are not ZeroMQ's protocol (a misconfigured "
+            "or hostile peer, counted in learnmesh_zmq_connections_broken_total); what was in flight on it is "
+            "lost, connecting again", self.peer, self.endpoint, limit)
+        if self.on_broken is not None:
+            self.on_broken()
+        self._retry_at = time.monotonic() + _RETRY_S[min(self._retries, len(_RETRY_S) - 1)]
+        self._retries += 1
+
+    def _next_check_s(self) -> float | None:
+        due = [t for t in (self._retry_at, None if self._closed_at is None else self._closed_at + _ABANDONED_AFTER_S)
+               if t is not None]
+        return min(due) - time.monotonic() if due else None
+
     def _reconnect_if_due(self) -> None:
+        self._check_abandoned()
         if self._retry_at is None or time.monotonic() < self._retry_at or self.sock is None or self.sock.closed:
             return
         self._retry_at = None
@@ -450,7 +503,8 @@ class HandshakeWatch:
 
         while True:
             stop_if_cancelled()
-            timeout_ms = None if self._retry_at is None else max(0, int((self._retry_at - time.monotonic()) * 1000))
+            wait_s = self._next_check_s()
+            timeout_ms = None if wait_s is None else max(0, int(wait_s * 1000))
             if await self.mon.poll(timeout_ms):
                 self._handle(int(parse_monitor_message(await self.mon.recv_multipart())["event"]))
             self._reconnect_if_due()

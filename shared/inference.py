@@ -42,6 +42,16 @@ def max_frame_bytes(cfg: Config) -> int:
     return max(ctx.max_entry_bytes, header) + FRAME_SLACK_BYTES
 
 
+REPLY_TOKEN_BYTES = 4096
+"""Room in a reply for one generated token: its text JSON-escaped, with room to spare."""
+
+
+def max_reply_frame_bytes(cfg: Config) -> int:
+    """The longest frame a worker sends a gateway: a RESULT's text of at most
+    ``worker.max_tokens_limit`` tokens, or a shorter TOKEN, ERROR or HEARTBEAT."""
+    return cfg.worker.max_tokens_limit * REPLY_TOKEN_BYTES + FRAME_SLACK_BYTES
+
+
 def pack_entries(entries: Sequence[Entry]) -> tuple[list[dict[str, Any]], list[bytes]]:
     meta = [{"id": e.id, "modality": e.modality, "role": e.role, "mime": e.mime, "ts_ms": e.ts_ms}
             for e in entries]

@@ -211,6 +211,10 @@ DELTA_LATEST_VERSION = Gauge("learnmesh_delta_latest_version", "Latest model ver
 DELTA_APPLIED = Counter("learnmesh_delta_applied_total", "Deltas applied by workers", ["kind"])
 DELTA_REJECTED = Counter("learnmesh_delta_rejected_total", "Delta packets rejected and not applied", ["reason"])
 DELTA_RESYNCS = Counter("learnmesh_delta_resyncs_total", "Snapshot resyncs by workers", ["cause"])
+DELTA_SNAPSHOT_REQUESTS = Counter("learnmesh_delta_snapshot_requests_total",
+                                  "Snapshot requests the trainer received, by what became of them (served, "
+                                  "deferred to the end of the peer's interval, coalesced into a later one, "
+                                  "refused: too many peers waiting)", ["outcome"])
 DELTA_APPLY_SECONDS = Histogram("learnmesh_delta_apply_seconds", "Time to decode and apply one delta",
                                 buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1))
 
@@ -255,6 +259,10 @@ ZMQ_AUTH_REFUSED = Counter("learnmesh_zmq_auth_refused_total",
 ZMQ_DROPPED = Counter("learnmesh_zmq_dropped_messages_total",
                       "Messages a bound ZeroMQ socket could not read and dropped (link: infer, samples, "
                       "snapshots, acks)", ["link"])
+ZMQ_CONNECTIONS_BROKEN = Counter("learnmesh_zmq_connections_broken_total",
+                                 "Connections to a server this process closed because the server sent a frame "
+                                 "over the socket's limit or broke the protocol; each is connected again",
+                                 ["peer"])
 ZMQ_HANDSHAKE_FAILED = Counter("learnmesh_zmq_handshake_failed_total",
                                "CURVE handshakes this process failed as a client (peer: the server's role)",
                                ["peer", "reason"])

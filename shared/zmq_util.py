@@ -1,5 +1,5 @@
 """The one place ZeroMQ sockets are made: bind/connect, identity, linger, high-water marks and
-the largest frame a bound socket reads are always explicit (never ZeroMQ's unbounded or
+the largest frame a socket reads are always explicit (never ZeroMQ's unbounded or
 infinite defaults), and so is CURVE (shared/curve.py: a server's keys and allow-list, or a
 client's keys and pinned server key)."""
 
@@ -16,8 +16,9 @@ from shared.log_throttle import ThrottledWarning
 DEFAULT_HWM = 10_000
 DEFAULT_LINGER_MS = 0
 CONTROL_FRAME_BYTES = 64 * 1024
-"""Largest frame a bound socket reads unless told otherwise: room for the control messages
-(sample wake-ups, snapshot requests, acks, subscriptions) the trainer's sockets receive."""
+"""Largest frame a socket reads unless told otherwise: room for the control messages (sample
+wake-ups, snapshot requests, acks, subscriptions) the trainer's sockets receive, and for what
+a PUSH socket receives (nothing)."""
 HEARTBEAT_MS = (2_000, 10_000)
 """ZMTP heartbeats on every connection: a PING every 2 s, and a connection that has carried
 nothing for 10 s is closed. A peer whose host vanished or whose process is frozen sends no FIN,
@@ -41,12 +42,15 @@ def make_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect
     ``monitor``: an inproc address that gets the socket's handshake events from its first
     connection on (shared.curve.HandshakeWatch).
 
-    ``max_frame_bytes`` (ZMQ_MAXMSGSIZE, a bound socket only): a peer that sends a longer
-    frame is disconnected before the frame is read. It holds from the first byte, before any
-    CURVE handshake: without it a client holding no key makes the server buffer whatever frame
-    length it announces, for every connection it opens. A connecting socket reads frames as
-    long as the server whose key it pins sends them (delta chunks and snapshots are sized by
-    the model).
+    ``max_frame_bytes`` (ZMQ_MAXMSGSIZE): a peer that sends a longer frame is disconnected
+    before the frame is read. On a bound socket it holds from the first byte, before any CURVE
+    handshake: without it a client holding no key makes the server buffer whatever frame length
+    it announces, for every connection it opens. A connecting socket is bounded too, by the
+    longest frame its server sends (delta chunks: shared.crypto.MAX_SEALED_FRAME_BYTES; worker
+    replies: shared.inference.max_reply_frame_bytes), so a misconfigured server, or any process
+    on its port when CURVE is off, cannot make it buffer without end; libzmq never reconnects a
+    connection closed that way, so a connecting socket needs its
+    :class:`~shared.curve.HandshakeWatch`, which reports it and connects again.
 
     ``heartbeat_ms``: (PING interval, silence after which a connection is closed); see
     :data:`HEARTBEAT_MS`."""
@@ -59,8 +63,7 @@ def make_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect
     sock.setsockopt(zmq.HEARTBEAT_IVL, heartbeat_ms[0])
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, heartbeat_ms[1])
     sock.setsockopt(zmq.HEARTBEAT_TTL, heartbeat_ms[1])
-    if bind is not None:
-        sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
     if router_mandatory and kind == zmq.ROUTER:

@@ -97,12 +97,11 @@ class SampleIngest:
         self.ctx = zmq_ctx or zmq.Context()
         keys = CurveKeys.load(cfg.zmq, "gateway")
         endpoint = cfg.trainer.samples_endpoint
-        self.watch = HandshakeWatch(self.ctx, "trainer", endpoint) if keys else None
+        # with or without CURVE: it also reconnects a connection the peer broke (shared/curve.py)
+        self.watch: HandshakeWatch | None = HandshakeWatch(self.ctx, "trainer", endpoint)
         self.push = make_socket(self.ctx, zmq.PUSH, connect=endpoint, hwm=cfg.trainer.sample_hwm, immediate=True,
-                                curve=keys.client("trainer") if keys else None,
-                                monitor=self.watch.address if self.watch else None)
-        if self.watch is not None:
-            self.watch.attach(self.push)
+                                curve=keys.client("trainer") if keys else None, monitor=self.watch.address)
+        self.watch.attach(self.push)
         # immediate: with no trainer connected (or one without the pinned trainer key) a send
         # fails (reported as backpressure) instead of queueing for a peer that may never come.
         self._append = redis.register_script(APPEND_LUA)

@@ -10,7 +10,9 @@
   the rest stays in the encoder's residual and goes out later (error feedback).
 * ROUTER (``security.snapshot_endpoint``): answers SNAPSHOT_REQ with a dense anchor of the
   reference (what every receiver should hold) plus the next delta sequence number, so a
-  worker can join, or rejoin after a gap or a publisher restart.
+  worker can join, or rejoin after a gap or a publisher restart. Each connection is sent at
+  most one snapshot per ``consistency.snapshot_interval_ms`` (:class:`SnapshotGate`): a peer
+  that asks in a loop costs one sealed snapshot per interval, not one per request.
 * PULL (``security.ack_endpoint``): workers' ACKs of applied versions (:meth:`acks`).
 
 The latest version is also written to Redis at ``keys.MODEL_VERSION`` so the gateway can
@@ -43,12 +45,16 @@ from shared.crypto import (
 )
 from shared.curve import CurveKeys, CurveServer
 from shared.delta.codec import DeltaEncoder, EncodedDelta
+from shared.log_throttle import ThrottledWarning
 from shared.zmq_util import DroppedMessages, bind_address, make_socket
 
 log = logging.getLogger(__name__)
 
 _MAX_REQ_NONCE = 64
 _MAX_ACKED_WORKERS = 4096  # worker ids an ack may name: the ids are the sender's word, their count is bounded
+_SNAPSHOT_HWM_SLACK = 16  # parts beyond one snapshot a connection's queue holds
+_QUEUED_DELTAS, _PUB_HWM_SLACK = 4, 256  # what a subscriber's queue holds: 4 deltas' chunks and heartbeats
+_MAX_WAITING_PEERS = 4096  # connections whose snapshot request waits for the end of their interval
 
 
 @dataclass
@@ -63,6 +69,59 @@ class PublishStats:
     encode_s: float
     send_s: float
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+class SnapshotGate:
+    """Which snapshot requests are answered when: each peer (a connection's routing id) is sent
+    at most one snapshot per ``interval_s``. A request that comes sooner waits for the end of
+    the interval; a further one replaces it (only the newest nonce is answered: a worker
+    accepts only the answer to its latest request), so a peer asking in a loop, authenticated
+    or not, makes the trainer seal and send one snapshot per interval. Counted in
+    ``learnmesh_delta_snapshot_requests_total{outcome}``."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._served: dict[bytes, float] = {}  # peer -> when it was last sent a snapshot (monotonic)
+        self._waiting: dict[bytes, str] = {}  # peer -> the nonce to answer once its interval ends
+        self._warning = ThrottledWarning(log)
+
+    def admit(self, peer: bytes, req: str) -> bool:
+        """True: answer ``req`` now. False: it waits for :meth:`due`, or is refused."""
+        now = time.monotonic()
+        last = self._served.get(peer)
+        if peer not in self._waiting and (last is None or now - last >= self.interval_s):
+            self._served[peer] = now
+            metrics.DELTA_SNAPSHOT_REQUESTS.labels("served").inc()
+            return True
+        if peer in self._waiting:
+            outcome = "coalesced"
+        elif len(self._waiting) >= _MAX_WAITING_PEERS:
+            metrics.DELTA_SNAPSHOT_REQUESTS.labels("refused").inc()
+            self._warning.warning("refused a snapshot request: %d connections already wait for theirs",
+                                  len(self._waiting))
+            return False
+        else:
+            outcome = "deferred"
+        self._waiting[peer] = req
+        metrics.DELTA_SNAPSHOT_REQUESTS.labels(outcome).inc()
+        if outcome == "coalesced":
+            self._warning.warning("a connection on the snapshot link asks for snapshots faster than one per %gs; "
+                                  "its requests are merged into one (learnmesh_delta_snapshot_requests_total)",
+                                  self.interval_s)
+        return False
+
+    def due(self) -> list[tuple[bytes, str]]:
+        """The waiting requests whose peer's interval has ended (now counted as served); peers
+        with nothing waiting are forgotten once their interval is over."""
+        now = time.monotonic()
+        ready = [(peer, req) for peer, req in self._waiting.items() if now - self._served[peer] >= self.interval_s]
+        for peer, _ in ready:
+            del self._waiting[peer]
+            self._served[peer] = now
+            metrics.DELTA_SNAPSHOT_REQUESTS.labels("served").inc()
+        if len(self._served) > len(self._waiting) + _MAX_WAITING_PEERS:
+            self._served = {p: t for p, t in self._served.items() if p in self._waiting or now - t < self.interval_s}
+        return ready
 
 
 class DeltaPublisher:
@@ -90,9 +149,14 @@ class DeltaPublisher:
         workers = keys.server("deltas") if keys else None  # only workers' keys subscribe, ask and ack
         sec, host = cfg.security, cfg.zmq.bind_host
         try:
-            self._pub = _bind(zmq_ctx, zmq.PUB, bind_address(sec.delta_pub_endpoint, host), sockets, hwm=100_000,
-                              curve=workers)
-            self._router = _bind(zmq_ctx, zmq.ROUTER, bind_address(sec.snapshot_endpoint, host), sockets, curve=workers)
+            # a few deltas' chunks per subscriber: one that keeps its connection and stops reading
+            # costs that much memory, then misses packets (a gap: it resyncs once it reads again)
+            self._pub = _bind(zmq_ctx, zmq.PUB, bind_address(sec.delta_pub_endpoint, host), sockets,
+                              hwm=_QUEUED_DELTAS * self.encoder.chunk_ranges + _PUB_HWM_SLACK, curve=workers)
+            # one snapshot queued per connection: a peer that asks and never reads holds one, not
+            # one per interval until ZeroMQ's default of thousands of parts
+            self._router = _bind(zmq_ctx, zmq.ROUTER, bind_address(sec.snapshot_endpoint, host), sockets,
+                                 hwm=self.encoder.chunk_ranges + _SNAPSHOT_HWM_SLACK, curve=workers)
             self._acks_sock = _bind(zmq_ctx, zmq.PULL, bind_address(sec.ack_endpoint, host), sockets, curve=workers)
         except BaseException:
             for sock in sockets:
@@ -102,6 +166,7 @@ class DeltaPublisher:
         self._dropped_acks = DroppedMessages("acks", log)
         self._acks: dict[str, int] = {}
         self._snap_cache: EncodedDelta | None = None
+        self._gate = SnapshotGate(cfg.consistency.snapshot_interval_ms / 1000)
         self._last_publish = time.monotonic()
         self._redis = redis_client
         if self._redis is None and cfg.redis.url:
@@ -196,12 +261,17 @@ class DeltaPublisher:
                 except zmq.Again:
                     break
                 self._answer_snapshot(frames)
+            self._serve_due()
             while True:
                 try:
                     frames = self._acks_sock.recv_multipart(zmq.NOBLOCK, copy=True)
                 except zmq.Again:
                     break
                 self._record_ack(frames)
+
+    def _serve_due(self) -> None:
+        for ident, req in self._gate.due():
+            self._send_snapshot(ident, req)
 
     def _answer_snapshot(self, frames: list[bytes]) -> None:
         ident = frames[0]
@@ -215,6 +285,10 @@ class DeltaPublisher:
             self._dropped_requests.drop(f"{mtype.name} is not a snapshot request with a nonce of at most "
                                         f"{_MAX_REQ_NONCE} characters")
             return
+        if self._gate.admit(ident, req):
+            self._send_snapshot(ident, req)
+
+    def _send_snapshot(self, ident: bytes, req: str) -> None:
         with self._lock:
             if self._snap_cache is None or self._snap_cache.header["version"] != self.encoder.version:
                 self._snap_cache = self.encoder.snapshot()  # one encode per version, however many ask
@@ -278,6 +352,9 @@ class DeltaPublisher:
             while not self._stop.is_set():
                 if poller.poll(min(50, int(interval_s * 1000))):
                     self.serve_pending()
+                else:
+                    with self._sock_lock:
+                        self._serve_due()
                 if time.monotonic() >= next_hb:
                     self.heartbeat()
                     next_hb = time.monotonic() + interval_s

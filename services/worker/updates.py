@@ -27,11 +27,19 @@ import zmq
 
 from shared import metrics, wire
 from shared.config import Config
-from shared.crypto import STREAM_DELTA, STREAM_HEARTBEAT, EnvelopeOpener, EnvelopeReject, KeyRing, Opened
+from shared.crypto import (
+    MAX_SEALED_FRAME_BYTES,
+    STREAM_DELTA,
+    STREAM_HEARTBEAT,
+    EnvelopeOpener,
+    EnvelopeReject,
+    KeyRing,
+    Opened,
+)
 from shared.curve import CurveKeys, HandshakeWatch
 from shared.delta.codec import BaseMismatch, CodecError, DecodedChunk, DeltaDecoder, LayoutMismatch
 from shared.log_throttle import ThrottledWarning
-from shared.zmq_util import make_socket
+from shared.zmq_util import CONTROL_FRAME_BYTES, make_socket
 
 log = logging.getLogger(__name__)
 
@@ -78,21 +86,22 @@ class DeltaSubscriber:
         trainer = keys.client("trainer") if keys else None  # pinned: only the real trainer is heard
         self._watches: list[HandshakeWatch] = []
 
-        def connect(kind: int, endpoint: str, **opts: Any) -> zmq.Socket:
-            watch = HandshakeWatch(zmq_ctx, "trainer", endpoint) if trainer else None
-            sock = make_socket(zmq_ctx, kind, connect=endpoint, curve=trainer,
-                               monitor=watch.address if watch else None, **opts)
-            if watch is not None:
-                watch.attach(sock)
-                self._watches.append(watch)
+        def connect(kind: int, endpoint: str, max_frame_bytes: int = CONTROL_FRAME_BYTES, **opts: Any) -> zmq.Socket:
+            # a connection the trainer broke (a frame over the bound) is connected again by the
+            # watch: the deltas lost meanwhile show as a gap, an unanswered snapshot request is retried
+            watch = HandshakeWatch(zmq_ctx, "trainer", endpoint, max_frame_bytes=max_frame_bytes)
+            sock = make_socket(zmq_ctx, kind, connect=endpoint, curve=trainer, monitor=watch.address,
+                               max_frame_bytes=max_frame_bytes, **opts)
+            watch.attach(sock)
+            self._watches.append(watch)
             return sock
 
         sec = cfg.security
-        self._sub = connect(zmq.SUB, sec.delta_pub_endpoint, hwm=100_000)
+        self._sub = connect(zmq.SUB, sec.delta_pub_endpoint, MAX_SEALED_FRAME_BYTES, hwm=100_000)
         # immediate: a request or ack is queued only on a live connection, so what a worker sends
         # while the trainer is away is not delivered in a burst when it returns (a snapshot each)
-        self._dealer = connect(zmq.DEALER, sec.snapshot_endpoint, identity=f"{worker_id}-{secrets.token_hex(4)}".encode(),
-                               immediate=True)
+        self._dealer = connect(zmq.DEALER, sec.snapshot_endpoint, MAX_SEALED_FRAME_BYTES,
+                               identity=f"{worker_id}-{secrets.token_hex(4)}".encode(), immediate=True)
         self._push = connect(zmq.PUSH, sec.ack_endpoint, hwm=100, immediate=True)
         self._expected_seq: int | None = None
         self._session: tuple[int, str] | None = None

@@ -737,6 +737,11 @@ class DeltaEncoder:
             raise out.error
         return enc
 
+    @property
+    def chunk_ranges(self) -> int:
+        """How many chunks a dense anchor of the layout has (a snapshot's part count)."""
+        return max(1, -(-self.layout.numel // self._step))
+
     def snapshot(self) -> EncodedDelta:
         """The reference as a dense anchor at the current version (what a new receiver loads)."""
         return self._dense(self.version, base=None)
