@@ -31,7 +31,7 @@ Name = Annotated[str, PathParam(pattern=r"^[a-z0-9_-]{1,32}$", description="an u
 # A change is made from the entry as read and written only if it is still that entry; a change that
 # loses to concurrent ones this often is answered 409 rather than tried on without end.
 CHANGE_TRIES = 8
-PATCHABLE = frozenset({"enabled", "timeout_s", "concurrency", "capture", "revision", "stdio_max_processes",
+PATCHABLE = frozenset({"enabled", "timeout_s", "concurrency", "principal_concurrency", "capture", "revision", "stdio_max_processes",
                        "stdio_idle_s"})
 STDIO_ONLY = frozenset({"stdio_max_processes", "stdio_idle_s"})  # nothing an HTTP upstream has
 
@@ -39,7 +39,8 @@ STDIO_ONLY = frozenset({"stdio_max_processes", "stdio_idle_s"})  # nothing an HT
 def public_view(cfg: UpstreamConfig) -> dict[str, Any]:
     """What an admin read shows of an upstream (no credential, no credential source's name)."""
     out: dict[str, Any] = {"name": cfg.name, "namespace": cfg.prefix, "revision": cfg.revision,
-                           "timeout_s": cfg.timeout_s, "concurrency": cfg.concurrency, "enabled": cfg.enabled,
+                           "timeout_s": cfg.timeout_s, "concurrency": cfg.concurrency,
+                           "principal_concurrency": cfg.principal_share, "enabled": cfg.enabled,
                            "capture": cfg.capture if isinstance(cfg.capture, bool) else dataclasses.asdict(cfg.capture),
                            "credentials": dict(describe_sources(cfg))}
     if cfg.url is not None:

@@ -54,6 +54,7 @@ from gateway.proxy.errors import (
     UpstreamFailed,
     WireClosed,
 )
+from gateway.proxy.gate import FairGate, NoSlot
 from gateway.proxy.stdio_pool import CATALOG, StdioPool
 from gateway.proxy.wire import NO_HOOKS, Answer, Hooks, HttpWire, StdioWire, Wire
 from shared import keys
@@ -139,7 +140,7 @@ class UpstreamClient:
         self.revision: str | None = None if cfg.revision == "auto" else cfg.revision
         self.legacy_version = LEGACY_VERSION  # what initialize agreed on
         self.breaker = Breaker(breaker.failures, breaker.reset_s, on_breaker_change)
-        self.gate = asyncio.Semaphore(cfg.concurrency)
+        self.gate = FairGate(cfg.concurrency, cfg.principal_share)
         self._ids = itertools.count(1 + secrets.randbelow(FIRST_ID_BOUND))
         self._sessions: dict[Seat, str] = {}  # upstream session ids (this replica's copy of Redis)
         self._locks: dict[str, asyncio.Lock] = {}
@@ -162,7 +163,7 @@ class UpstreamClient:
                                  f"upstream {self.name!r} is failing; calls resume in "
                                  f"{self.breaker.retry_in_s():.0f} s (circuit breaker open)")
         now = asyncio.get_running_loop().time()
-        await self._take_slot(now + self.cfg.timeout_s)
+        await self._take_slot(principal, now + self.cfg.timeout_s)
         limit_s = self.cfg.timeout_s if timeout_s is None else timeout_s
         try:
             async with asyncio.timeout_at(now + limit_s):
@@ -204,24 +205,24 @@ class UpstreamClient:
             self.breaker.abandoned()
             raise
         finally:
-            self.gate.release()
+            self.gate.give(principal)
         self.breaker.succeeded()
         return result
 
-    async def _take_slot(self, deadline: float) -> None:
-        """One of the ``concurrency`` slots; waiting for one is not the upstream failing (no
-        breaker count), but it comes out of the call's ``timeout_s``."""
-        if not self.gate.locked():
-            await self.gate.acquire()  # a free slot is taken without suspending: no timer needed
-            return
+    async def _take_slot(self, principal: str, deadline: float) -> None:
+        """One of the ``concurrency`` slots, within the principal's share of them; waiting for one
+        is not the upstream failing (no breaker count), but it comes out of the call's ``timeout_s``."""
         try:
-            async with asyncio.timeout_at(deadline):
-                await self.gate.acquire()
+            await self.gate.take(principal, deadline)
         except asyncio.CancelledError:
             self.breaker.abandoned()
             raise
-        except TimeoutError:
+        except NoSlot as exc:
             self.breaker.abandoned()
+            if exc.own_share:
+                raise UpstreamFailed(self.name, "busy", f"principal {principal!r} has {self.gate.share} calls in "
+                                     f"flight to upstream {self.name!r} (its share of the upstream's concurrency) "
+                                     f"and none ended within {self.cfg.timeout_s:g} s") from None
             raise UpstreamFailed(self.name, "busy", f"upstream {self.name!r} has {self.cfg.concurrency} calls in "
                                  f"flight and none ended within {self.cfg.timeout_s:g} s") from None
 
