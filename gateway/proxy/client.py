@@ -146,6 +146,8 @@ class UpstreamClient:
         self._locks: dict[str, asyncio.Lock] = {}
         self._cancels: set[asyncio.Future[Any]] = set()  # background writes: cancellations, session renewals
         self._renewed: dict[Seat, float] = {}  # when each session's Redis TTL was last renewed
+        self._used: dict[Seat, float] = {}  # when each principal's session was last used here
+        self._trimmed_at = time.monotonic()
         self._subscribed: dict[Seat, tuple[str | None, set[str]]] = {}  # a session, and the URIs subscribed on it
 
     # ------------------------------------------------------------------ the one entry point
@@ -327,6 +329,10 @@ class UpstreamClient:
 
     async def _session(self, wire: HttpWire, seat: Seat) -> str | None:
         """The upstream session of ``seat``: this replica's copy, else the one in Redis, else a new one."""
+        now = time.monotonic()
+        self._trim_idle(now)
+        if seat.principal:
+            self._used[seat] = now
         sid = self._sessions.get(seat)
         if sid is not None:
             self._keep_alive(seat)
@@ -340,6 +346,21 @@ class UpstreamClient:
                 self._sessions[seat] = sid
                 return sid
             return await self._initialize(wire, seat)
+
+    def _trim_idle(self, now: float) -> None:
+        """Forget this replica's copies of principals' sessions unused here for the session TTL
+        (looked at every third of it). Principals are unbounded (OAuth), and so would these maps
+        be. Nothing in use is lost: a call holds its session id, and the next use reads the
+        session back from Redis, where another replica may have kept it alive, or opens a new one."""
+        if now - self._trimmed_at < self.session_ttl_s / 3:
+            return
+        self._trimmed_at = now
+        held = {*self._used, *self._sessions, *self._renewed, *self._subscribed}
+        for seat in [s for s in held if s.principal and now - self._used.get(s, 0.0) > self.session_ttl_s]:
+            self._used.pop(seat, None)
+            self._sessions.pop(seat, None)
+            self._renewed.pop(seat, None)
+            self._subscribed.pop(seat, None)
 
     def _keep_alive(self, seat: Seat) -> None:
         """Renew the Redis copy of a session in use (at most every third of its TTL), so other
@@ -384,6 +405,7 @@ class UpstreamClient:
     async def _forget_session(self, seat: Seat) -> None:
         self._sessions.pop(seat, None)
         self._renewed.pop(seat, None)
+        self._used.pop(seat, None)
         self._subscribed.pop(seat, None)
         if seat.principal:
             await self.redis.delete(self._key(seat))
