@@ -4,14 +4,14 @@ the answering replica's view of the upstream and every live replica's breaker
 (gateway/proxy/health.py), so an operator behind a load balancer sees the whole mesh.
 
 Reads show where a credential comes from (``env`` or ``file``) for each header, never its
-value, the variable's name or the file's path; a URL is shown without user info or query.
+value, the variable's name or the file's path; a URL is shown without user info, its query's
+values replaced by ``***``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Annotated, Any, Literal
-from urllib.parse import urlsplit, urlunsplit
 
 from fastapi import Body, HTTPException, Request
 from fastapi import Path as PathParam
@@ -22,6 +22,7 @@ from gateway.admin.common import E404, E409, E422, admin, admin_router, audit_ac
 from gateway.proxy import store
 from gateway.proxy.client import credential_headers, describe_sources
 from gateway.proxy.health import BreakerReport, BreakerState, MeshBreakers, mesh_summary
+from gateway.proxy.names import shown_url
 from gateway.state import Gateway, gateway_of
 from shared.config import ConfigError, UpstreamConfig
 
@@ -49,19 +50,6 @@ def public_view(cfg: UpstreamConfig) -> dict[str, Any]:
         out["transport"], out["program"] = "stdio", (cfg.command or [""])[0]
         out["stdio_max_processes"], out["stdio_idle_s"] = cfg.stdio_max_processes, cfg.stdio_idle_s
     return out
-
-
-def shown_url(url: str) -> str:
-    """``url`` without user info or query; one that does not parse (the configuration refuses
-    those, so only an entry stored otherwise) is shown as unparsable rather than failing the read."""
-    try:
-        parts = urlsplit(url)
-        host, port = parts.hostname or "", parts.port
-    except ValueError:
-        return "(unparsable)"
-    netloc = f"[{host}]" if ":" in host else host
-    netloc = f"{netloc}:{port}" if port else netloc
-    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
 class UpstreamHealth(BaseModel):
