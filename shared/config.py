@@ -751,6 +751,10 @@ class UpstreamConfig:
                                    description="how long a call may take (at most a day)")
     concurrency: StrictInt = Field(default=16, ge=1, le=65_536,
                                    description="calls in flight to this upstream per gateway replica")
+    principal_concurrency: StrictInt | None = Field(
+        default=None, ge=1, le=65_536,
+        description="calls one principal may have in flight to this upstream per replica (at most concurrency); "
+                    "default: half of concurrency, at least 1")
     stdio_max_processes: StrictInt = Field(
         default=32, ge=1, le=4096, description="stdio: principals' processes alive at once per replica (one each; "
                                                "the lists' own process comes on top)")
@@ -769,6 +773,12 @@ class UpstreamConfig:
                "a header comes from the environment or from a file, not both")
         _check(all(_HEADER_NAME.fullmatch(h) for h in (*self.headers_from_env, *self.headers_from_file)),
                "header names are letters, digits and '-'")
+
+    @property
+    def principal_share(self) -> int:
+        """The slots of ``concurrency`` one principal may hold at once (gateway/proxy/gate.py)."""
+        wanted = max(1, self.concurrency // 2) if self.principal_concurrency is None else self.principal_concurrency
+        return min(wanted, self.concurrency)
 
     @property
     def prefix(self) -> str:

@@ -14,12 +14,14 @@ import orjson
 import pytest
 import redis as redis_sync
 
+from gateway.app import create_app
 from shared import keys
-from tests.admin_support import MCP_KEY, VIEWER_KEY
+from tests.admin_support import MCP_KEY, VIEWER_KEY, LiveServer, admin_config
 from tests.conftest import RedisTarget, wait_for_sync
 from tests.proxy_front import (
     ADMIN,
     LEGACY,
+    MODERN,
     UPSTREAM_SECRET,
     Client,
     front_gateway,
@@ -155,6 +157,32 @@ def test_upstream_session_in_redis_is_renewed_while_in_use(redis_url: str, redis
             return seen[-1] > seen[-2]
 
         wait_for_sync(renewed, timeout_s=10, interval_s=0.2, what="the upstream session's TTL to be renewed")
+
+
+def test_idle_principals_sessions_are_forgotten_by_the_replica(redis_url: str, upstream: str) -> None:
+    """Every principal's upstream session is held in the replica's memory; principals come and go
+    (OAuth), so one unused for the session TTL is dropped there (Redis still holds it)."""
+    keys_ = {f"p{i}": f"principal-key-{i}-0123456789" for i in range(6)} | {"late": "principal-key-late-0123456"}
+    cfg = admin_config(redis_url, gateway={"api_keys": keys_, "session_idle_ttl_s": 1},
+                       proxy={"upstreams": [upstream_entry(upstream, revision="2025-11-25")]})
+    app = create_app(cfg)
+    echo = {"name": "up.t_echo", "arguments": {"text": "i"}}
+    with LiveServer(app) as server:
+        for principal in sorted(keys_):
+            Client(server.url, keys_[principal], MODERN).result("tools/call", echo)
+        client = app.state.gateway.proxy.upstreams["up"].client
+        held: set[str] = set()
+
+        def only_late() -> bool:
+            Client(server.url, keys_["late"], MODERN).result("tools/call", echo)
+            try:  # the maps belong to the gateway's loop, in another thread: a read may meet a change
+                held.clear()
+                held.update(seat.principal for seat in [*client._sessions, *client._renewed] if seat.principal)
+            except RuntimeError:
+                return False
+            return held == {"late"}
+
+        wait_for_sync(only_late, timeout_s=20, interval_s=0.2, what=lambda: f"idle sessions forgotten, held {held}")
 
 
 def _post_all(url: str, bodies: list[dict[str, Any]]) -> list[int]:

@@ -498,3 +498,19 @@ def test_an_upstream_error_in_a_protocol_code_is_passed_on_without_naming_anothe
         answer = Client(base, MCP_KEY, MODERN).open().post("tools/call", {"name": "bad.error", "arguments": {}})
         assert answer.status_code == status
         assert _final(answer)["error"] == {"code": code, "message": "its own", "data": {"upstream": "bad", "detail": 1}}
+
+
+def test_a_credential_in_the_upstreams_url_query_is_shown_and_logged_redacted(
+        redis_url: str, bad: HostileUpstream, caplog: pytest.LogCaptureFixture) -> None:
+    secret = "query-secret-0f9e8d7c"
+    bad.flood, bad.flood_hold_s, bad.refuse_replies = 1, 5.0, True  # the call lasts while the reply is sent
+    entry = _entry(bad, url=f"{bad.url}?api_key={secret}&region=eu")
+    with caplog.at_level(logging.WARNING), front_gateway(redis_url, {"upstreams": [entry]}) as base:
+        # The client has no roots: the gateway answers the upstream's roots/list itself, and is refused.
+        Client(base, MCP_KEY, LEGACY).open().call("tools/call", {"name": "bad.ask_flood", "arguments": {}})
+        wait_for_sync(lambda: "refused a reply" in caplog.text, timeout_s=10, what="the refused reply logged")
+        shown = [httpx.get(base + "/admin/upstreams/bad", headers=ADMIN).json()["url"],
+                 httpx.get(base + "/admin/upstreams", headers=ADMIN).json()["upstreams"][0]["url"],
+                 httpx.get(base + "/admin/config", headers=ADMIN).json()["config"]["proxy"]["upstreams"][0]["url"]]
+    assert shown == [f"{bad.url}?api_key=***&region=***"] * 3
+    assert "api_key=***" in caplog.text and secret not in caplog.text

@@ -6,6 +6,8 @@ state in Redis): polled to completion with ``tasks/get`` on another proxy replic
 ``input_required`` while the upstream asks the client (elicitation) and resumed by
 ``tasks/update``, and cancelled with ``tasks/cancel``, which cancels the upstream request
 (the upstream handler sees the cancellation). Without the extension the same tool is a plain call.
+A task's call holds one of the upstream's ``concurrency`` slots for the task's life, so one
+principal's tasks take no more than its share of them.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from tests.conftest import wait_for_sync
 from tests.gateway_support import stop
 from tests.proxy.harness import (
     ALICE_KEY,
+    BOB_KEY,
     PROXY_AUTH_ENV,
     Proxy,
     Upstream,
@@ -135,3 +138,40 @@ def test_tasks_cancel_cancels_the_upstream_request(replicas: list[Proxy], upstre
     assert task_state(first, task_id)["status"] == "cancelled"
     wait_for_sync(lambda: upstream.marks(CANCELLED_MARK) > cancelled, timeout_s=15,
                   what="the upstream handler cancelled (notifications/cancelled)")
+
+
+@pytest.fixture
+def narrow(redis_server: str, upstream: Upstream, tmp_path: Path) -> Iterator[Proxy]:
+    """A proxy with two slots for the upstream, a principal's share one of them; a call gets 3 s for a slot."""
+    db = redis_server.rsplit("/", 1)[0] + "/5"
+    with redis_sync.Redis.from_url(db) as client:
+        client.flushdb()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(PROXY_AUTH_ENV, f"Bearer {upstream.token}")
+        proxy = start_proxy(db, [upstream], tmp_path / "proxy.log", concurrency=2, timeout_s=3.0)
+    yield proxy
+    stop(proxy.proc)
+
+
+def test_one_principals_tasks_leave_slots_for_another(narrow: Proxy, upstream: Upstream) -> None:
+    alice, bob = client(narrow), Client(narrow.base, BOB_KEY, MODERN)
+    started = upstream.marks("long_job")
+    tasks = [start_task(narrow, "legacy.long_job", {"seconds": 600}) for _ in range(2)]
+    try:
+        wait_for_sync(lambda: upstream.marks("long_job") > started, what="alice's first task running upstream")
+        # Alice's second task waits for her first to end; bob's call is not held behind either.
+        answer = bob.call("tools/call", {"name": "legacy.echo", "arguments": {"text": "hi"}})
+        assert answer.get("result", {}).get("content") == [{"type": "text", "text": "hi"}], answer
+        states: dict[str, dict[str, Any]] = {}
+
+        def one_refused() -> bool:
+            states.update({t: task_state(narrow, t) for t in tasks})
+            return any(s["status"] == "failed" for s in states.values())
+
+        wait_for_sync(one_refused, timeout_s=20, interval_s=0.2, what=lambda: f"alice's second task refused: {states}")
+        [failed] = [s for s in states.values() if s["status"] == "failed"]
+        assert "its share of the upstream's concurrency" in str(failed), failed
+        assert upstream.marks("long_job") == started + 1
+    finally:
+        for task_id in tasks:
+            alice.call("tasks/cancel", {"taskId": task_id}, caps=TASKS)

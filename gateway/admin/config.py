@@ -11,7 +11,7 @@ from pydantic import BaseModel
 
 from gateway.admin.auth import AdminPrincipal
 from gateway.admin.common import E422, admin, admin_router, audit_action, viewer
-from gateway.admin.upstreams import shown_url
+from gateway.proxy.names import shown_url
 from gateway.state import Gateway, gateway_of
 from shared import control, keys
 from shared.config import ConfigError, patch_model
@@ -52,7 +52,7 @@ def redact(obj: Any, path: str = "") -> Any:
 
 def _upstream(entry: dict[str, Any]) -> dict[str, Any]:
     """A ``proxy.upstreams`` entry as the upstream routes show it (gateway/admin/upstreams.py): a
-    URL without query (a token may ride there), the program without its arguments, and where each
+    URL with its query's values hidden (a token may ride there), the program without its arguments, and where each
     header comes from without the variable's name or the file's path."""
     command = entry.get("command")
     return {**entry, "url": entry.get("url") and shown_url(entry["url"]),

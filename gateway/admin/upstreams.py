@@ -4,14 +4,14 @@ the answering replica's view of the upstream and every live replica's breaker
 (gateway/proxy/health.py), so an operator behind a load balancer sees the whole mesh.
 
 Reads show where a credential comes from (``env`` or ``file``) for each header, never its
-value, the variable's name or the file's path; a URL is shown without user info or query.
+value, the variable's name or the file's path; a URL is shown without user info, its query's
+values replaced by ``***``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Annotated, Any, Literal
-from urllib.parse import urlsplit, urlunsplit
 
 from fastapi import Body, HTTPException, Request
 from fastapi import Path as PathParam
@@ -22,6 +22,7 @@ from gateway.admin.common import E404, E409, E422, admin, admin_router, audit_ac
 from gateway.proxy import store
 from gateway.proxy.client import credential_headers, describe_sources
 from gateway.proxy.health import BreakerReport, BreakerState, MeshBreakers, mesh_summary
+from gateway.proxy.names import shown_url
 from gateway.state import Gateway, gateway_of
 from shared.config import ConfigError, UpstreamConfig
 
@@ -31,7 +32,7 @@ Name = Annotated[str, PathParam(pattern=r"^[a-z0-9_-]{1,32}$", description="an u
 # A change is made from the entry as read and written only if it is still that entry; a change that
 # loses to concurrent ones this often is answered 409 rather than tried on without end.
 CHANGE_TRIES = 8
-PATCHABLE = frozenset({"enabled", "timeout_s", "concurrency", "capture", "revision", "stdio_max_processes",
+PATCHABLE = frozenset({"enabled", "timeout_s", "concurrency", "principal_concurrency", "capture", "revision", "stdio_max_processes",
                        "stdio_idle_s"})
 STDIO_ONLY = frozenset({"stdio_max_processes", "stdio_idle_s"})  # nothing an HTTP upstream has
 
@@ -39,7 +40,8 @@ STDIO_ONLY = frozenset({"stdio_max_processes", "stdio_idle_s"})  # nothing an HT
 def public_view(cfg: UpstreamConfig) -> dict[str, Any]:
     """What an admin read shows of an upstream (no credential, no credential source's name)."""
     out: dict[str, Any] = {"name": cfg.name, "namespace": cfg.prefix, "revision": cfg.revision,
-                           "timeout_s": cfg.timeout_s, "concurrency": cfg.concurrency, "enabled": cfg.enabled,
+                           "timeout_s": cfg.timeout_s, "concurrency": cfg.concurrency,
+                           "principal_concurrency": cfg.principal_share, "enabled": cfg.enabled,
                            "capture": cfg.capture if isinstance(cfg.capture, bool) else dataclasses.asdict(cfg.capture),
                            "credentials": dict(describe_sources(cfg))}
     if cfg.url is not None:
@@ -48,19 +50,6 @@ def public_view(cfg: UpstreamConfig) -> dict[str, Any]:
         out["transport"], out["program"] = "stdio", (cfg.command or [""])[0]
         out["stdio_max_processes"], out["stdio_idle_s"] = cfg.stdio_max_processes, cfg.stdio_idle_s
     return out
-
-
-def shown_url(url: str) -> str:
-    """``url`` without user info or query; one that does not parse (the configuration refuses
-    those, so only an entry stored otherwise) is shown as unparsable rather than failing the read."""
-    try:
-        parts = urlsplit(url)
-        host, port = parts.hostname or "", parts.port
-    except ValueError:
-        return "(unparsable)"
-    netloc = f"[{host}]" if ":" in host else host
-    netloc = f"{netloc}:{port}" if port else netloc
-    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
 class UpstreamHealth(BaseModel):

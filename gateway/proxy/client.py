@@ -54,6 +54,7 @@ from gateway.proxy.errors import (
     UpstreamFailed,
     WireClosed,
 )
+from gateway.proxy.gate import FairGate, NoSlot
 from gateway.proxy.stdio_pool import CATALOG, StdioPool
 from gateway.proxy.wire import NO_HOOKS, Answer, Hooks, HttpWire, StdioWire, Wire
 from shared import keys
@@ -139,12 +140,14 @@ class UpstreamClient:
         self.revision: str | None = None if cfg.revision == "auto" else cfg.revision
         self.legacy_version = LEGACY_VERSION  # what initialize agreed on
         self.breaker = Breaker(breaker.failures, breaker.reset_s, on_breaker_change)
-        self.gate = asyncio.Semaphore(cfg.concurrency)
+        self.gate = FairGate(cfg.concurrency, cfg.principal_share)
         self._ids = itertools.count(1 + secrets.randbelow(FIRST_ID_BOUND))
         self._sessions: dict[Seat, str] = {}  # upstream session ids (this replica's copy of Redis)
         self._locks: dict[str, asyncio.Lock] = {}
         self._cancels: set[asyncio.Future[Any]] = set()  # background writes: cancellations, session renewals
         self._renewed: dict[Seat, float] = {}  # when each session's Redis TTL was last renewed
+        self._used: dict[Seat, float] = {}  # when each principal's session was last used here
+        self._trimmed_at = time.monotonic()
         self._subscribed: dict[Seat, tuple[str | None, set[str]]] = {}  # a session, and the URIs subscribed on it
 
     # ------------------------------------------------------------------ the one entry point
@@ -162,7 +165,7 @@ class UpstreamClient:
                                  f"upstream {self.name!r} is failing; calls resume in "
                                  f"{self.breaker.retry_in_s():.0f} s (circuit breaker open)")
         now = asyncio.get_running_loop().time()
-        await self._take_slot(now + self.cfg.timeout_s)
+        await self._take_slot(principal, now + self.cfg.timeout_s)
         limit_s = self.cfg.timeout_s if timeout_s is None else timeout_s
         try:
             async with asyncio.timeout_at(now + limit_s):
@@ -204,24 +207,24 @@ class UpstreamClient:
             self.breaker.abandoned()
             raise
         finally:
-            self.gate.release()
+            self.gate.give(principal)
         self.breaker.succeeded()
         return result
 
-    async def _take_slot(self, deadline: float) -> None:
-        """One of the ``concurrency`` slots; waiting for one is not the upstream failing (no
-        breaker count), but it comes out of the call's ``timeout_s``."""
-        if not self.gate.locked():
-            await self.gate.acquire()  # a free slot is taken without suspending: no timer needed
-            return
+    async def _take_slot(self, principal: str, deadline: float) -> None:
+        """One of the ``concurrency`` slots, within the principal's share of them; waiting for one
+        is not the upstream failing (no breaker count), but it comes out of the call's ``timeout_s``."""
         try:
-            async with asyncio.timeout_at(deadline):
-                await self.gate.acquire()
+            await self.gate.take(principal, deadline)
         except asyncio.CancelledError:
             self.breaker.abandoned()
             raise
-        except TimeoutError:
+        except NoSlot as exc:
             self.breaker.abandoned()
+            if exc.own_share:
+                raise UpstreamFailed(self.name, "busy", f"principal {principal!r} has {self.gate.share} calls in "
+                                     f"flight to upstream {self.name!r} (its share of the upstream's concurrency) "
+                                     f"and none ended within {self.cfg.timeout_s:g} s") from None
             raise UpstreamFailed(self.name, "busy", f"upstream {self.name!r} has {self.cfg.concurrency} calls in "
                                  f"flight and none ended within {self.cfg.timeout_s:g} s") from None
 
@@ -326,6 +329,10 @@ class UpstreamClient:
 
     async def _session(self, wire: HttpWire, seat: Seat) -> str | None:
         """The upstream session of ``seat``: this replica's copy, else the one in Redis, else a new one."""
+        now = time.monotonic()
+        self._trim_idle(now)
+        if seat.principal:
+            self._used[seat] = now
         sid = self._sessions.get(seat)
         if sid is not None:
             self._keep_alive(seat)
@@ -339,6 +346,21 @@ class UpstreamClient:
                 self._sessions[seat] = sid
                 return sid
             return await self._initialize(wire, seat)
+
+    def _trim_idle(self, now: float) -> None:
+        """Forget this replica's copies of principals' sessions unused here for the session TTL
+        (looked at every third of it). Principals are unbounded (OAuth), and so would these maps
+        be. Nothing in use is lost: a call holds its session id, and the next use reads the
+        session back from Redis, where another replica may have kept it alive, or opens a new one."""
+        if now - self._trimmed_at < self.session_ttl_s / 3:
+            return
+        self._trimmed_at = now
+        held = {*self._used, *self._sessions, *self._renewed, *self._subscribed}
+        for seat in [s for s in held if s.principal and now - self._used.get(s, 0.0) > self.session_ttl_s]:
+            self._used.pop(seat, None)
+            self._sessions.pop(seat, None)
+            self._renewed.pop(seat, None)
+            self._subscribed.pop(seat, None)
 
     def _keep_alive(self, seat: Seat) -> None:
         """Renew the Redis copy of a session in use (at most every third of its TTL), so other
@@ -383,6 +405,7 @@ class UpstreamClient:
     async def _forget_session(self, seat: Seat) -> None:
         self._sessions.pop(seat, None)
         self._renewed.pop(seat, None)
+        self._used.pop(seat, None)
         self._subscribed.pop(seat, None)
         if seat.principal:
             await self.redis.delete(self._key(seat))

@@ -32,6 +32,7 @@ from gateway.proxy.errors import (
     WireClosed,
 )
 from gateway.proxy.http1 import Origin, Response
+from gateway.proxy.names import shown_url
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +174,7 @@ class HttpWire:
         async with await self.origin.open(b"POST", keep, orjson.dumps(reply)) as resp:
             await resp.read(MAX_MESSAGE_BYTES)
             if resp.status >= 400:
-                log.warning("upstream %s refused a reply to its request (HTTP %d)", self.url, resp.status)
+                log.warning("upstream %s refused a reply to its request (HTTP %d)", shown_url(self.url), resp.status)
 
     async def close(self) -> None:
         self.origin.close()

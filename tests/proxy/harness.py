@@ -238,13 +238,13 @@ def proxy_entry(up: Upstream) -> dict[str, Any]:
 
 
 def start_proxy(redis_url: str, upstreams: list[Upstream], log_path: Path,
-                allow: dict[str, Any] | None = None) -> Proxy:
+                allow: dict[str, Any] | None = None, **fields: Any) -> Proxy:
     """A proxy gateway (principals alice and bob, admin key ADMIN_KEY) logging at DEBUG into
-    ``log_path``. The caller puts ``Bearer <token>`` into ``$LM_E2E_UPSTREAM_AUTHORIZATION``
+    ``log_path``; ``fields`` go into every upstream's entry. The caller puts ``Bearer <token>`` into ``$LM_E2E_UPSTREAM_AUTHORIZATION``
     (and a stdio upstream's environment into this process's) before the call."""
     from tests.gateway_support import start_gateway
 
-    proxy: dict[str, Any] = {"upstreams": [proxy_entry(up) for up in upstreams]}
+    proxy: dict[str, Any] = {"upstreams": [{**proxy_entry(up), **fields} for up in upstreams]}
     if allow is not None:
         proxy["allow"] = allow
     overrides = {"proxy": proxy, "gateway": {"admin_keys": {"root": {"key": ADMIN_KEY, "role": "admin"}}}}

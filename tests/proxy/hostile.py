@@ -254,6 +254,7 @@ class HostileUpstream:
         self.subscribe_gate = threading.Event()  # resources/subscribe is answered once this is set
         self.subscribe_gate.set()
         self.depth = 0  # how deep tool ``deep`` nests its answer
+        self.refuse_replies = False  # answers the gateway POSTs to its questions get HTTP 403
         self.version: Any = "2025-11-25"  # what its initialize answers as the protocol version
         self.holding = 0  # calls of tool ``hold`` begun
         self.release = threading.Event()  # tool ``hold`` answers once this is set
@@ -298,6 +299,8 @@ class HostileUpstream:
         method = message.get("method", "")
         if "id" not in message:
             writer.write(b"HTTP/1.1 202 X\r\ncontent-length: 0\r\n\r\n")
+        elif "method" not in message and self.refuse_replies:
+            writer.write(b"HTTP/1.1 403 X\r\ncontent-length: 0\r\n\r\n")
         elif method == "initialize":
             _json(writer, _result(message, {"protocolVersion": self.version, "capabilities": {"tools": {}},
                                             "serverInfo": {"name": "hostile", "version": "1"}}))
