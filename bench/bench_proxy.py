@@ -9,7 +9,8 @@ Per upstream kind (``--upstream``):
 
 In front of it, each one process: a learnmesh gateway without fixtures whose config mounts
 the upstream (``proxy.upstreams``: ``namespace: ""`` so every target answers the same request
-body, ``revision: auto``, shipped timeout and concurrency), and FastMCP's proxy
+body, ``revision: auto``, shipped timeout and concurrency; ``principal_concurrency`` the whole
+``concurrency``, since wrk's one principal stands for many callers), and FastMCP's proxy
 (``fastmcp.server.create_proxy``, FastMCP 4.2.3 on mcp 2.3.0, run by ``--fastmcp-python``:
 ``make bench-proxy`` builds ``.venv-bench-proxy`` for it so the test venv keeps its pins).
 ``wrk`` drives each target with the same 2026-07-28 ``tools/call`` (``--revision 2025-11-25``:
@@ -102,12 +103,18 @@ def start_upstream(kind: str, ps: Processes) -> Target:
     return Target(DIRECT, f"http://127.0.0.1:{port}/mcp", proc.pid)
 
 
+UPSTREAM_CONCURRENCY = 16  # an upstream's shipped concurrency (proxy.upstreams[].concurrency)
+
+
 def start_learnmesh_proxy(upstream_url: str, ps: Processes) -> Target:
     port, workdir = free_port(), tempfile.mkdtemp(prefix="lm-bench-proxy-")
     ps.dirs.append(workdir)
     config = Path(workdir) / "learnmesh.yaml"
     config.write_text(f"proxy:\n  upstreams:\n    - name: bench\n      url: {upstream_url}\n"
-                      f"      revision: auto\n      namespace: \"\"\n")
+                      f"      revision: auto\n      namespace: \"\"\n"
+                      # wrk sends every call as one principal, standing for many callers: it gets
+                      # the upstream's every slot (shipped: half of them per principal).
+                      f"      principal_concurrency: {UPSTREAM_CONCURRENCY}\n")
     # A private Redis: the upstream set lives there, and one left by an earlier run would win.
     env = gateway_env(ps.redis("lm-bench-proxy-redis-"))
     proc = ps.add(subprocess.Popen([sys.executable, "-m", "services.cli", "--config", str(config), "gateway",
