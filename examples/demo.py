@@ -212,7 +212,7 @@ def main() -> int:
     p.add_argument("--key", default=os.environ.get("LEARNMESH_KEY") or default_key())
     p.add_argument("--mode", default="2026-07-28", help="legacy | 2026-07-28 | auto")
     p.add_argument("--context", default=f"demo-{int(time.time())}")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the first worker")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the first worker")
     args = p.parse_args()
     refused: list[int] = []
     try:

@@ -75,7 +75,7 @@ async def test_kill9_mid_stream_trains_every_acknowledged_id_exactly_once(redis_
         await stream(100, total)
         before = committed(redis_url)
         second = TrainerProc(cfg, tmp_path)
-        await wait_for(lambda: trained_total(committed(redis_url)) == total, timeout_s=120,
+        await wait_for(lambda: trained_total(committed(redis_url)) == total, timeout_s=240,
                        what="the restarted trainer to catch up")
         assert second.term() == 0, second.output()
     finally:

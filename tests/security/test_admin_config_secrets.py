@@ -45,6 +45,6 @@ def test_the_config_view_shows_no_password_token_or_credential_source(secured: S
     config = resp.json()["config"]
     assert config["redis"]["url"] == f"{secured.url}?password=***"
     search, tool = config["proxy"]["upstreams"]
-    assert search["url"] == "http://127.0.0.1:1/mcp"
+    assert search["url"] == "http://127.0.0.1:1/mcp?api_key=***"  # the parameter's name stays, its value goes
     assert search["headers_from_env"] == {"Authorization": "***"}
     assert tool["command"] == [sys.executable, "***", "***", "***", "***"]
