@@ -76,7 +76,7 @@ async def script_commands(r, principal: str = "erin") -> tuple[int, dict[str, in
     posted beside them on a cluster, in an EVAL per shard)."""
     calls = await commandstats(r, principal)
     outer = calls.pop("fcall", 0) + calls.pop("evalsha", 0)
-    return outer, {k: n for k, n in calls.items() if k not in ("config|resetstat", "config", "info", "hincrby", "eval")}
+    return outer, {k: n for k, n in calls.items() if k not in ("config|resetstat", "config", "info", "hincrby", "eval", "replconf")}
 
 
 async def fill(s: ContextStore, p: str, cid: str, n: int, tag: str = "t") -> None:
