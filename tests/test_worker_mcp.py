@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import os
 import subprocess
@@ -12,11 +13,12 @@ import httpx
 import jsonschema
 import orjson
 import pytest
+import zmq.asyncio
 
 from gateway.tools.inference import GENERATE_OUTPUT
 from shared.model import build_model
-from tests.conftest import RedisTarget, free_port, wait_for_sync
-from tests.worker_support import ROOT, spawn_worker, stop, write_config
+from tests.conftest import RedisTarget, free_port, wait_for, wait_for_sync
+from tests.worker_support import ROOT, FakeWorker, spawn_worker, stop, write_config
 
 MODERN = "2026-07-28"
 
@@ -105,3 +107,63 @@ def test_generate_bad_input_is_a_clear_error(mesh):
     assert "result" in app, app
     _, res = call(url, "generate", {"prompt": "what is this?", "context_id": "img"})
     assert res.get("error", {}).get("code") == -32602 and "image" in res["error"]["message"]
+
+
+@pytest.fixture
+async def held_worker(tmp_path, redis_target: RedisTarget):
+    """A gateway process in front of a worker (a real ZeroMQ ROUTER with the workers' keys) that
+    answers requests whose prompt is "warm" and holds every other one, noting what is cancelled;
+    the gateway's output goes to gateway.log."""
+    port = free_port()
+    path, cfg = write_config(tmp_path, 1, redis_url=redis_target.url, extra={"gateway": {"port": port}},
+                             worker={"request_timeout_s": 300.0})
+    ctx = zmq.asyncio.Context()
+    worker = FakeWorker(ctx, cfg, cfg.worker.endpoints[0], "held")
+    worker.answers = lambda header: header.get("prompt") == "warm"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LEARNMESH_") and k != "REDIS_URL"}
+    log_file = (tmp_path / "gateway.log").open("wb")
+    gw = subprocess.Popen([sys.executable, "-m", "services.cli", "--config", str(path), "gateway"], cwd=ROOT,
+                          env=env, stdout=log_file, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/mcp"
+
+    async def warm() -> bool:
+        assert gw.poll() is None, "gateway exited"
+        try:
+            _, res = await asyncio.to_thread(call, url, "generate", {"prompt": "warm", "max_tokens": 1})
+        except httpx.HTTPError:
+            return False
+        return "result" in res
+
+    try:
+        await wait_for(warm, timeout_s=60, interval_s=0.2, what="the gateway to reach the worker")
+        yield port, worker, tmp_path / "gateway.log"
+    finally:
+        stop(gw)
+        log_file.close()
+        await worker.close()
+        ctx.term()
+
+
+async def test_a_2026_generate_whose_client_disconnects_stops_on_its_worker(held_worker):
+    """On 2026-07-28 closing the connection is how a client cancels a request: the gateway tells
+    the worker to drop the generation at once (not when worker.request_timeout_s runs out), and
+    logs no error for it."""
+    port, worker, log_path = held_worker
+    meta = {"io.modelcontextprotocol/protocolVersion": MODERN, "io.modelcontextprotocol/clientCapabilities": {},
+            "progressToken": "p"}
+    body = orjson.dumps({"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {
+        "name": "generate", "arguments": {"prompt": "a long story", "max_tokens": 500}, "_meta": meta}})
+    head = (f"POST /mcp HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\ncontent-type: application/json\r\n"
+            f"accept: application/json, text/event-stream\r\nmcp-protocol-version: {MODERN}\r\n"
+            f"mcp-method: tools/call\r\nmcp-name: generate\r\ncontent-length: {len(body)}\r\n\r\n").encode()
+    _, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(head + body)
+    await writer.drain()
+    await wait_for(lambda: any(not rid.startswith("probe") for rid in worker.unanswered),
+                   what="the generation to reach the worker")
+    held = [rid for rid in worker.unanswered if not rid.startswith("probe")]
+    assert worker.cancelled == []
+    writer.close()
+    await writer.wait_closed()
+    await wait_for(lambda: worker.cancelled == held, timeout_s=20, what="the worker to be told to stop")
+    assert "Traceback" not in log_path.read_text(errors="replace")

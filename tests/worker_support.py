@@ -69,7 +69,8 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
 class FakeWorker:
     """A real ZeroMQ ROUTER playing a worker with the workers' CURVE keys of ``cfg``: it answers
     HELLO with a HEARTBEAT as ``worker_id`` (``instance``: the process it claims to be), and
-    INFER with a RESULT naming it when ``answers(header)``, else keeps the request unanswered."""
+    INFER with a RESULT naming it when ``answers(header)``, else keeps the request unanswered;
+    the ids of the requests the gateway cancels (CANCEL) go to ``cancelled``."""
 
     def __init__(self, ctx: Any, cfg: Config, endpoint: str, worker_id: str, instance: str = "first") -> None:
         import asyncio
@@ -85,6 +86,7 @@ class FakeWorker:
         self.load = 0  # what its heartbeats report
         self.answers: Any = lambda header: True
         self.unanswered: list[str] = []
+        self.cancelled: list[str] = []
         self.task = asyncio.create_task(self._serve())
 
     async def _serve(self) -> None:
@@ -99,10 +101,12 @@ class FakeWorker:
                                                          "version": 0, "load": self.load, "lag": 0})
             elif msg_type == MsgType.INFER and self.answers(header):
                 reply = wire.encode(MsgType.RESULT, {"id": header["id"], "version": 0, "worker": self.worker_id,
-                                                      "text": "ok"})
+                                                      "text": "ok", "tokens": 1, "finish_reason": "stop"})
             else:
                 if msg_type == MsgType.INFER:
                     self.unanswered.append(str(header["id"]))
+                elif msg_type == MsgType.CANCEL:
+                    self.cancelled.append(str(header["id"]))
                 continue
             await self.sock.send_multipart([peer, *reply])
 
