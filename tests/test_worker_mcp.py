@@ -109,6 +109,18 @@ def test_generate_bad_input_is_a_clear_error(mesh):
     assert res.get("error", {}).get("code") == -32602 and "image" in res["error"]["message"]
 
 
+def test_score_refuses_a_target_longer_than_the_model_scores(mesh):
+    """A target cut to fit the sequence would be scored as another continuation than the one
+    asked about: -32602 naming the limit; the longest that fits is scored whole, its end included."""
+    url, cfg = mesh
+    limit = build_model(cfg.model).max_target_tokens
+    _, res = call(url, "score", {"prompt": "Tell me", "target": "x" * limit})
+    assert res.get("error", {}).get("code") == -32602, res
+    assert f"target is {limit + 1} tokens" in res["error"]["message"] and str(limit) in res["error"]["message"]
+    _, res = call(url, "score", {"prompt": "Tell me", "target": "x" * (limit - 1)})
+    assert res["result"]["structuredContent"]["tokens"] == limit
+
+
 @pytest.fixture
 async def held_worker(tmp_path, redis_target: RedisTarget):
     """A gateway process in front of a worker (a real ZeroMQ ROUTER with the workers' keys) that

@@ -352,6 +352,11 @@ class Worker:
             target = h.get("target")
             if not isinstance(target, str) or not target:
                 raise ValueError("score needs a non-empty target")
+            # a cut target would be scored as another continuation than the one asked about
+            n_target = len(self.model.text_tokens(target.encode())) + 1
+            if n_target > self.model.max_target_tokens:
+                raise ValueError(f"target is {n_target} tokens with its end; the model scores at most "
+                                 f"{self.model.max_target_tokens} (half of model.max_seq)")
             return Request(peer, rid, op, self.model.encode(entries, prompt, target, modalities=modalities))
         max_tokens = h.get("max_tokens", 64)
         if not isinstance(max_tokens, int) or not 1 <= max_tokens <= self.wcfg.max_tokens_limit:

@@ -123,6 +123,13 @@ class LearnModel(nn.Module):
         return bytes((token,)) if token < 256 else b""
 
     # ------------------------------------------------------------------ encoding
+    @property
+    def max_target_tokens(self) -> int:
+        """The longest target, its EOS included, that :meth:`encode` keeps whole when it reserves
+        nothing for generation (as for scoring): half the sequence, the rest is for the prompt
+        and the context. A longer one is cut to its beginning."""
+        return self.max_seq // 2
+
     def encode(self, context: ContextWindow | Sequence[Entry] | None, prompt: str | bytes,
                target: str | bytes | None = None, *, modalities: Sequence[str] | None = None,
                reserve_tokens: int | None = None) -> Example:
