@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import os
 import subprocess
 import sys
@@ -121,6 +122,35 @@ def test_score_refuses_a_target_longer_than_the_model_scores(mesh):
     assert res["result"]["structuredContent"]["tokens"] == limit
 
 
+@contextlib.asynccontextmanager
+async def gateway_process(config_path, port: int, log_path):
+    """A gateway process (its output in ``log_path``), once it answers a generation whose prompt
+    is "warm" (a worker must answer those)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LEARNMESH_") and k != "REDIS_URL"}
+    with log_path.open("wb") as log_file:
+        gw = subprocess.Popen([sys.executable, "-m", "services.cli", "--config", str(config_path), "gateway"],
+                              cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}/mcp"
+
+        async def warm() -> bool:
+            assert gw.poll() is None, "gateway exited"
+            try:
+                _, res = await asyncio.to_thread(call, url, "generate", {"prompt": "warm", "max_tokens": 1})
+            except httpx.HTTPError:
+                return False
+            return "result" in res
+
+        try:
+            await wait_for(warm, timeout_s=60, interval_s=0.2, what="the gateway to reach the worker")
+            yield url
+        finally:
+            stop(gw)
+
+
+def _warm_only(header: dict) -> bool:
+    return header.get("prompt") == "warm"
+
+
 @pytest.fixture
 async def held_worker(tmp_path, redis_target: RedisTarget):
     """A gateway process in front of a worker (a real ZeroMQ ROUTER with the workers' keys) that
@@ -131,27 +161,11 @@ async def held_worker(tmp_path, redis_target: RedisTarget):
                              worker={"request_timeout_s": 300.0})
     ctx = zmq.asyncio.Context()
     worker = FakeWorker(ctx, cfg, cfg.worker.endpoints[0], "held")
-    worker.answers = lambda header: header.get("prompt") == "warm"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LEARNMESH_") and k != "REDIS_URL"}
-    log_file = (tmp_path / "gateway.log").open("wb")
-    gw = subprocess.Popen([sys.executable, "-m", "services.cli", "--config", str(path), "gateway"], cwd=ROOT,
-                          env=env, stdout=log_file, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}/mcp"
-
-    async def warm() -> bool:
-        assert gw.poll() is None, "gateway exited"
-        try:
-            _, res = await asyncio.to_thread(call, url, "generate", {"prompt": "warm", "max_tokens": 1})
-        except httpx.HTTPError:
-            return False
-        return "result" in res
-
+    worker.answers = _warm_only
     try:
-        await wait_for(warm, timeout_s=60, interval_s=0.2, what="the gateway to reach the worker")
-        yield port, worker, tmp_path / "gateway.log"
+        async with gateway_process(path, port, tmp_path / "gateway.log"):
+            yield port, worker, tmp_path / "gateway.log"
     finally:
-        stop(gw)
-        log_file.close()
         await worker.close()
         ctx.term()
 
@@ -179,3 +193,35 @@ async def test_a_2026_generate_whose_client_disconnects_stops_on_its_worker(held
     await writer.wait_closed()
     await wait_for(lambda: worker.cancelled == held, timeout_s=20, what="the worker to be told to stop")
     assert "Traceback" not in log_path.read_text(errors="replace")
+
+
+async def test_progress_keeps_increasing_when_a_generation_moves_to_another_worker(tmp_path, redis_target):
+    """A worker that dies under a streamed generation: the request goes on on another worker,
+    its text restarts, and its progress still increases with every notification (the MCP rule),
+    never beyond its total."""
+    port = free_port()
+    path, cfg = write_config(tmp_path, 2, redis_url=redis_target.url, extra={"gateway": {"port": port}})
+    ctx = zmq.asyncio.Context()
+    first = FakeWorker(ctx, cfg, cfg.worker.endpoints[0], "first")
+    first.answers, first.tokens = _warm_only, 5
+    second = None
+    try:
+        async with gateway_process(path, port, tmp_path / "gateway.log") as url:
+            streamed = asyncio.create_task(asyncio.to_thread(
+                call, url, "generate", {"prompt": "a story", "max_tokens": 20}, progress="g"))
+            await wait_for(lambda: first.unanswered, what="the generation to reach the first worker")
+            second = FakeWorker(ctx, cfg, cfg.worker.endpoints[1], "second")
+            second.tokens = 1
+            first.silent = True  # dead: neither heartbeats nor answers
+            notes, res = await asyncio.wait_for(streamed, 60)
+        assert res["result"]["structuredContent"]["worker"] == "second"
+        progress = [n["params"] for n in notes if n.get("method") == "notifications/progress"]
+        values = [p["progress"] for p in progress]
+        assert progress[0]["message"].startswith("t") and progress[-1]["message"] == "t", progress
+        assert values == sorted(set(values)) and len(values) >= 2, progress
+        assert all(p["progress"] <= p["total"] for p in progress), progress
+    finally:
+        await first.close()
+        if second is not None:
+            await second.close()
+        ctx.term()

@@ -70,7 +70,8 @@ class FakeWorker:
     """A real ZeroMQ ROUTER playing a worker with the workers' CURVE keys of ``cfg``: it answers
     HELLO with a HEARTBEAT as ``worker_id`` (``instance``: the process it claims to be), and
     INFER with a RESULT naming it when ``answers(header)``, else keeps the request unanswered;
-    the ids of the requests the gateway cancels (CANCEL) go to ``cancelled``."""
+    the ids of the requests the gateway cancels (CANCEL) go to ``cancelled``. ``tokens``: TOKEN
+    messages it streams for each request first; ``silent``: it answers nothing (a dead worker)."""
 
     def __init__(self, ctx: Any, cfg: Config, endpoint: str, worker_id: str, instance: str = "first") -> None:
         import asyncio
@@ -87,6 +88,8 @@ class FakeWorker:
         self.answers: Any = lambda header: True
         self.unanswered: list[str] = []
         self.cancelled: list[str] = []
+        self.tokens = 0
+        self.silent = False
         self.task = asyncio.create_task(self._serve())
 
     async def _serve(self) -> None:
@@ -96,6 +99,12 @@ class FakeWorker:
         while True:
             peer, *frames = await self.sock.recv_multipart()
             msg_type, header, _ = wire.decode(frames)
+            if self.silent:
+                continue
+            if msg_type == MsgType.INFER:
+                for _ in range(self.tokens):
+                    await self.sock.send_multipart([peer, *wire.encode(MsgType.TOKEN, {"id": header["id"], "text": "t",
+                                                                                        "version": 0})])
             if msg_type == MsgType.HELLO:
                 reply = wire.encode(MsgType.HEARTBEAT, {"worker": self.worker_id, "instance": self.instance,
                                                          "version": 0, "load": self.load, "lag": 0})

@@ -159,7 +159,9 @@ async def generate(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
     header = {"id": generation_id, "op": "generate", "prompt": prompt, "max_tokens": max_tokens,
               "temperature": float(args.get("temperature", 0.8)), "seed": args.get("seed"),
               "modalities": args.get("modalities"), "entries": meta}
-    partial: dict[str, Any] = {"text": "", "tokens": 0, "sent_s": 0.0}
+    # ``before``: tokens streamed by workers lost under the request. Its text restarts on the next
+    # worker, its progress goes on from there: MCP wants every notification's progress higher.
+    partial: dict[str, Any] = {"text": "", "tokens": 0, "before": 0, "sent_s": 0.0}
 
     async def on_token(text: str, _h: dict[str, Any]) -> None:
         partial["text"] += text
@@ -167,10 +169,11 @@ async def generate(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
         now = time.monotonic()
         if now - partial["sent_s"] >= PROGRESS_INTERVAL_S:
             partial["sent_s"] = now
-            await ctx.progress(partial["tokens"], max_tokens, message=partial["text"])
+            await ctx.progress(partial["before"] + partial["tokens"], partial["before"] + max_tokens,
+                               message=partial["text"])
 
     async def on_retry() -> None:
-        partial.update(text="", tokens=0)
+        partial.update(text="", tokens=0, before=partial["before"] + partial["tokens"])
 
     streaming = ctx.meta.get("progressToken") is not None if isinstance(ctx.meta, dict) else False
     res = await _call(ctx, header, frames, args, on_token=on_token if streaming else None, on_retry=on_retry)
