@@ -116,6 +116,7 @@ async def _min_version(ctx: ToolContext, args: dict[str, Any]) -> int:
     except ValueError as exc:
         raise InvalidParams(str(exc)) from None
     deadline = time.monotonic() + cfg.consistency.learn_wait_s
+    poll_s = _LEARN_POLL_S
     while True:
         pipe = ctx.state.redis.pipeline(transaction=False)
         pipe.get(keys.sample_log_id(part))
@@ -135,10 +136,15 @@ async def _min_version(ctx: ToolContext, args: dict[str, Any]) -> int:
         if time.monotonic() >= deadline:
             raise Unavailable(f"the samples of after_learn are not trained yet (waited "
                               f"{cfg.consistency.learn_wait_s:g}s); retry later")
-        await asyncio.sleep(_LEARN_POLL_S)
+        await asyncio.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+        poll_s = min(poll_s * 1.5, _LEARN_POLL_MAX_S)
 
 
+# A wait polls Redis, soon at first (training a few samples takes seconds), then less often:
+# a call waiting learn_wait_s must not cost thousands of round trips, nor a burst of such calls
+# a Redis busy with nothing else.
 _LEARN_POLL_S = 0.02
+_LEARN_POLL_MAX_S = 0.25
 
 
 async def _call(ctx: ToolContext, header: dict[str, Any], frames: list[bytes], args: dict[str, Any],
