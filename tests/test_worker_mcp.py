@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import sys
 import httpx
 import jsonschema
 import orjson
+import PIL.Image
 import pytest
 import zmq.asyncio
 
@@ -120,6 +122,23 @@ def test_score_refuses_a_target_longer_than_the_model_scores(mesh):
     assert f"target is {limit + 1} tokens" in res["error"]["message"] and str(limit) in res["error"]["message"]
     _, res = call(url, "score", {"prompt": "Tell me", "target": "x" * (limit - 1)})
     assert res["result"]["structuredContent"]["tokens"] == limit
+
+
+def test_a_context_of_large_images_does_not_silence_the_worker(mesh):
+    """Decoding a large image takes about a second; a context may hold many. The worker goes on
+    answering heartbeats meanwhile, so the gateway does not take it for dead (and send the
+    request to the next worker, which one caller could silence in turn): the request is answered."""
+    url, cfg = mesh
+    side = int((cfg.model.max_image_pixels * 0.99) ** 0.5)
+    with io.BytesIO() as out:
+        PIL.Image.new("RGB", (side, side), (10, 20, 30)).save(out, "PNG")
+        png = base64.b64encode(out.getvalue()).decode()
+    for _ in range(4):
+        _, app = call(url, "context_append", {"context_id": "big-images", "modality": "image", "data": png})
+        assert "result" in app, app
+    _, res = call(url, "generate", {"prompt": "what are these?", "context_id": "big-images", "max_tokens": 2,
+                                    "append": False})
+    assert res.get("result", {}).get("structuredContent", {}).get("tokens", 0) >= 1, res
 
 
 @contextlib.asynccontextmanager
