@@ -117,6 +117,7 @@ class LearnModel(nn.Module):
         raise NotImplementedError
 
     def text_tokens(self, data: bytes) -> list[int]:
+        """One token per byte: the last n bytes of a text are its last n tokens."""
         return list(data)
 
     def token_bytes(self, token: int) -> bytes:
@@ -200,9 +201,8 @@ class LearnModel(nn.Module):
             if len(feats) == 0:
                 return None
             return [role] + [AUD] * len(feats), "audio", feats
-        toks = self.text_tokens(entry.content)
-        keep = room - 1
-        return [role] + (toks[len(toks) - keep:] if len(toks) > keep else toks), "text", None
+        # its newest room - 1 bytes are the tokens kept: an entry of megabytes is not tokenized whole
+        return [role] + self.text_tokens(entry.content[-(room - 1):]), "text", None
 
     def image_features(self, data: bytes) -> torch.Tensor | None:
         """Features of an image (raises MediaError); None where the model has no image input."""
