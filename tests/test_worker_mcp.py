@@ -174,7 +174,8 @@ def _warm_only(header: dict) -> bool:
 async def held_worker(tmp_path, redis_target: RedisTarget):
     """A gateway process in front of a worker (a real ZeroMQ ROUTER with the workers' keys) that
     answers requests whose prompt is "warm" and holds every other one, noting what is cancelled;
-    the gateway's output goes to gateway.log."""
+    the gateway's output goes to gateway.log. Yields the gateway's port, the worker, the log's
+    path and the configuration."""
     port = free_port()
     path, cfg = write_config(tmp_path, 1, redis_url=redis_target.url, extra={"gateway": {"port": port}},
                              worker={"request_timeout_s": 300.0})
@@ -183,7 +184,7 @@ async def held_worker(tmp_path, redis_target: RedisTarget):
     worker.answers = _warm_only
     try:
         async with gateway_process(path, port, tmp_path / "gateway.log"):
-            yield port, worker, tmp_path / "gateway.log"
+            yield port, worker, tmp_path / "gateway.log", cfg
     finally:
         await worker.close()
         ctx.term()
@@ -193,7 +194,7 @@ async def test_a_2026_generate_whose_client_disconnects_stops_on_its_worker(held
     """On 2026-07-28 closing the connection is how a client cancels a request: the gateway tells
     the worker to drop the generation at once (not when worker.request_timeout_s runs out), and
     logs no error for it."""
-    port, worker, log_path = held_worker
+    port, worker, log_path, _ = held_worker
     meta = {"io.modelcontextprotocol/protocolVersion": MODERN, "io.modelcontextprotocol/clientCapabilities": {},
             "progressToken": "p"}
     body = orjson.dumps({"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {
@@ -244,3 +245,20 @@ async def test_progress_keeps_increasing_when_a_generation_moves_to_another_work
         if second is not None:
             await second.close()
         ctx.term()
+
+
+async def test_a_text_entry_reaches_the_worker_cut_to_what_the_model_reads(held_worker):
+    """A context's text entry may hold megabytes, of which the model reads at most its last
+    model.max_seq bytes: only those travel to the worker, not the whole entry with every request."""
+    port, worker, _, cfg = held_worker
+    url = f"http://127.0.0.1:{port}/mcp"
+    text = "old words " * 100_000 + "the newest words"
+    _, app = await asyncio.to_thread(call, url, "context_append", {"context_id": "long", "modality": "text",
+                                                                   "text": text})
+    assert "result" in app, app
+    _, res = await asyncio.to_thread(call, url, "generate", {"prompt": "warm", "context_id": "long",
+                                                             "max_tokens": 1, "append": False})
+    assert "result" in res, res
+    header, frames = worker.received[-1]
+    assert [e["modality"] for e in header["entries"]] == ["text"]
+    assert len(frames) == 1 and len(frames[0]) == cfg.model.max_seq and text.encode().endswith(frames[0])

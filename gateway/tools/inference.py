@@ -97,7 +97,7 @@ async def _window(ctx: ToolContext, args: dict[str, Any]) -> tuple[list[dict[str
     if context_id is None:
         return [], [], None
     win = await ctx.state.store.get_window(ctx.principal, context_id, modalities=args.get("modalities"))
-    meta, frames = pack_entries(win.entries())
+    meta, frames = pack_entries(win.entries(), text_tail_bytes=ctx.state.config.model.max_seq)
     return meta, frames, win.version
 
 
