@@ -112,6 +112,18 @@ def test_generate_bad_input_is_a_clear_error(mesh):
     assert res.get("error", {}).get("code") == -32602 and "image" in res["error"]["message"]
 
 
+def test_integers_written_as_floats_are_integers(mesh):
+    """The inputSchema says integer, and JSON Schema's integer includes 2.0 (what a client whose
+    numbers are all floats sends): such a max_tokens and seed are taken as the integers they are."""
+    url, _ = mesh
+    _, res = call(url, "generate", {"prompt": "hi", "max_tokens": 2.0, "seed": 7.0, "temperature": 1.0})
+    assert 1 <= res.get("result", {}).get("structuredContent", {}).get("tokens", 0) <= 2, res
+    _, again = call(url, "generate", {"prompt": "hi", "max_tokens": 2, "seed": 7, "temperature": 1.0})
+    assert again["result"]["structuredContent"]["text"] == res["result"]["structuredContent"]["text"]
+    _, res = call(url, "generate", {"prompt": "hi", "max_tokens": 2.5})
+    assert res.get("error", {}).get("code") == -32602, res
+
+
 def test_score_refuses_a_target_longer_than_the_model_scores(mesh):
     """A target cut to fit the sequence would be scored as another continuation than the one
     asked about: -32602 naming the limit; the longest that fits is scored whole, its end included."""

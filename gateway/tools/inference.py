@@ -82,6 +82,12 @@ SCORE_OUTPUT: dict[str, Any] = {
 }
 
 
+def _integer(value: Any) -> Any:
+    """``value``, a float with no fraction as the int it is: JSON Schema's integer (which the
+    inputSchema promises) includes 5.0, and a client whose numbers are floats sends that."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
 def _check_prompt(ctx: ToolContext, args: dict[str, Any]) -> str:
     prompt = args.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
@@ -157,13 +163,13 @@ async def generate(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
     state = ctx.state
     wcfg = state.config.worker
     prompt = _check_prompt(ctx, args)
-    max_tokens = args.get("max_tokens", 64)
+    max_tokens = _integer(args.get("max_tokens", 64))
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= wcfg.max_tokens_limit:
         raise InvalidParams(f"max_tokens must be an integer in 1..{wcfg.max_tokens_limit}")
     meta, frames, _ = await _window(ctx, args)
     generation_id = uuid.uuid4().hex
     header = {"id": generation_id, "op": "generate", "prompt": prompt, "max_tokens": max_tokens,
-              "temperature": float(args.get("temperature", 0.8)), "seed": args.get("seed"),
+              "temperature": float(args.get("temperature", 0.8)), "seed": _integer(args.get("seed")),
               "modalities": args.get("modalities"), "entries": meta}
     # ``before``: tokens streamed by workers lost under the request. Its text restarts on the next
     # worker, its progress goes on from there: MCP wants every notification's progress higher.
