@@ -52,10 +52,16 @@ def max_reply_frame_bytes(cfg: Config) -> int:
     return cfg.worker.max_tokens_limit * REPLY_TOKEN_BYTES + FRAME_SLACK_BYTES
 
 
-def pack_entries(entries: Sequence[Entry]) -> tuple[list[dict[str, Any]], list[bytes]]:
+def pack_entries(entries: Sequence[Entry], text_tail_bytes: int | None = None
+                 ) -> tuple[list[dict[str, Any]], list[bytes]]:
+    """Descriptions and content frames of ``entries``. ``text_tail_bytes``: a text entry goes as
+    its last that many bytes, all a model of that ``max_seq`` reads of it (its tokens are bytes),
+    so an entry of megabytes does not travel whole with every request."""
     meta = [{"id": e.id, "modality": e.modality, "role": e.role, "mime": e.mime, "ts_ms": e.ts_ms}
             for e in entries]
-    return meta, [bytes(e.content) for e in entries]
+    if text_tail_bytes is None:
+        return meta, [bytes(e.content) for e in entries]
+    return meta, [bytes(e.content[-text_tail_bytes:] if e.modality == "text" else e.content) for e in entries]
 
 
 def unpack_entries(meta: Any, frames: Sequence[Any]) -> list[Entry]:

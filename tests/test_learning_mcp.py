@@ -11,10 +11,10 @@ from fastapi.testclient import TestClient
 from gateway.app import create_app
 from shared import keys
 from shared.config import Config, load_config
-from shared.redis_client import close_sync
+from shared.redis_client import close_sync, for_each_primary_sync
 from shared.samples import learned_token, partition_of, sample_partitions
 from tests.conftest import free_port
-from tests.trainer_support import sync_redis
+from tests.trainer_support import sync_redis, sync_redis_open
 
 MODERN = "2026-07-28"
 KEY = "alice-key-123456"
@@ -189,3 +189,25 @@ def test_consistency_changed_at_runtime_is_what_the_gateway_waits(client, redis_
         assert "waited 1s" in waited()
     finally:
         client.delete("/admin/config/runtime", headers=admin)
+
+
+def _version_lookups(redis_url: str) -> int:
+    """ZRANGEBYSCORE calls Redis has served (what an after_learn wait polls with), on every master."""
+    with sync_redis_open(redis_url) as r:
+        stats = for_each_primary_sync(r, lambda node: node.info("commandstats").get("cmdstat_zrangebyscore", {}))
+    return sum(int(s.get("calls", 0)) for s in stats)
+
+
+def test_an_after_learn_wait_polls_redis_less_often_as_it_goes_on(redis_url):
+    """A call waits up to consistency.learn_wait_s for its samples: polling every few milliseconds
+    all that time would make each waiting call thousands of Redis round trips (and a burst of
+    such calls from one client a load on Redis nothing else bounds). After its first fraction of
+    a second it polls at most four times a second."""
+    wait_s = 3.0
+    with TestClient(create_app(_config(redis_url, learn_wait_s=wait_s)), base_url="http://127.0.0.1:8000") as c:
+        token = learn(c, {"input": "q", "target": "a"})["result"]["structuredContent"]["learned"]
+        before = _version_lookups(redis_url)
+        err = call_tool(c, "score", {"prompt": "q", "target": "a", "after_learn": token})
+        polls = _version_lookups(redis_url) - before
+    assert err["error"]["code"] == -32050 and "not trained yet" in err["error"]["message"], err
+    assert 2 <= polls <= 8 + wait_s * 4, polls

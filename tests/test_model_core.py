@@ -207,3 +207,22 @@ def test_answers_is_greedy_decodings_verdict_on_the_target(tmp_path):
             break
     assert said[0] == [False, False] and all(said[-1]), "the facts went from not answered to answered"
     assert m.answers([m.encode(None, "no target", None)]) == [False]
+
+
+def test_a_long_text_entry_is_tokenized_only_as_far_as_it_is_kept(tmp_path):
+    """A context entry may hold megabytes of text, of which the sequence keeps the end: turning
+    all of it into tokens would cost the worker's serving loop a second per entry and request
+    (time in which it answers no heartbeat). Only what the sequence keeps is tokenized."""
+    m = build_model(tiny(tmp_path), pretrained=False)
+    tokenized: list[int] = []
+    text_tokens = m.text_tokens
+
+    def counting(data: bytes) -> list[int]:
+        tokenized.append(len(data))
+        return text_tokens(data)
+
+    m.text_tokens = counting  # type: ignore[method-assign]
+    big = b"old " * 250_000 + b"the newest words"
+    ex = m.encode(window(Entry("1", "text", "user", big, ts_ms=1)), "q", None)
+    assert bytes(t for t in ex.tokens if t < 256).endswith(b"the newest wordsq")
+    assert max(tokenized) <= m.max_seq, tokenized

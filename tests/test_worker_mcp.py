@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -11,12 +14,14 @@ import sys
 import httpx
 import jsonschema
 import orjson
+import PIL.Image
 import pytest
+import zmq.asyncio
 
 from gateway.tools.inference import GENERATE_OUTPUT
 from shared.model import build_model
-from tests.conftest import RedisTarget, free_port, wait_for_sync
-from tests.worker_support import ROOT, spawn_worker, stop, write_config
+from tests.conftest import RedisTarget, free_port, wait_for, wait_for_sync
+from tests.worker_support import ROOT, FakeWorker, spawn_worker, stop, write_config
 
 MODERN = "2026-07-28"
 
@@ -105,3 +110,167 @@ def test_generate_bad_input_is_a_clear_error(mesh):
     assert "result" in app, app
     _, res = call(url, "generate", {"prompt": "what is this?", "context_id": "img"})
     assert res.get("error", {}).get("code") == -32602 and "image" in res["error"]["message"]
+
+
+def test_integers_written_as_floats_are_integers(mesh):
+    """The inputSchema says integer, and JSON Schema's integer includes 2.0 (what a client whose
+    numbers are all floats sends): such a max_tokens and seed are taken as the integers they are."""
+    url, _ = mesh
+    _, res = call(url, "generate", {"prompt": "hi", "max_tokens": 2.0, "seed": 7.0, "temperature": 1.0})
+    assert 1 <= res.get("result", {}).get("structuredContent", {}).get("tokens", 0) <= 2, res
+    _, again = call(url, "generate", {"prompt": "hi", "max_tokens": 2, "seed": 7, "temperature": 1.0})
+    assert again["result"]["structuredContent"]["text"] == res["result"]["structuredContent"]["text"]
+    _, res = call(url, "generate", {"prompt": "hi", "max_tokens": 2.5})
+    assert res.get("error", {}).get("code") == -32602, res
+
+
+def test_score_refuses_a_target_longer_than_the_model_scores(mesh):
+    """A target cut to fit the sequence would be scored as another continuation than the one
+    asked about: -32602 naming the limit; the longest that fits is scored whole, its end included."""
+    url, cfg = mesh
+    limit = build_model(cfg.model).max_target_tokens
+    _, res = call(url, "score", {"prompt": "Tell me", "target": "x" * limit})
+    assert res.get("error", {}).get("code") == -32602, res
+    assert f"target is {limit + 1} tokens" in res["error"]["message"] and str(limit) in res["error"]["message"]
+    _, res = call(url, "score", {"prompt": "Tell me", "target": "x" * (limit - 1)})
+    assert res["result"]["structuredContent"]["tokens"] == limit
+
+
+def test_a_context_of_large_images_does_not_silence_the_worker(mesh):
+    """Decoding a large image takes about a second; a context may hold many. The worker goes on
+    answering heartbeats meanwhile, so the gateway does not take it for dead (and send the
+    request to the next worker, which one caller could silence in turn): the request is answered."""
+    url, cfg = mesh
+    side = int((cfg.model.max_image_pixels * 0.99) ** 0.5)
+    with io.BytesIO() as out:
+        PIL.Image.new("RGB", (side, side), (10, 20, 30)).save(out, "PNG")
+        png = base64.b64encode(out.getvalue()).decode()
+    for _ in range(4):
+        _, app = call(url, "context_append", {"context_id": "big-images", "modality": "image", "data": png})
+        assert "result" in app, app
+    _, res = call(url, "generate", {"prompt": "what are these?", "context_id": "big-images", "max_tokens": 2,
+                                    "append": False})
+    assert res.get("result", {}).get("structuredContent", {}).get("tokens", 0) >= 1, res
+
+
+@contextlib.asynccontextmanager
+async def gateway_process(config_path, port: int, log_path):
+    """A gateway process (its output in ``log_path``), once it answers a generation whose prompt
+    is "warm" (a worker must answer those)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LEARNMESH_") and k != "REDIS_URL"}
+    with log_path.open("wb") as log_file:
+        gw = subprocess.Popen([sys.executable, "-m", "services.cli", "--config", str(config_path), "gateway"],
+                              cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}/mcp"
+
+        async def warm() -> bool:
+            assert gw.poll() is None, "gateway exited"
+            try:
+                _, res = await asyncio.to_thread(call, url, "generate", {"prompt": "warm", "max_tokens": 1})
+            except httpx.HTTPError:
+                return False
+            return "result" in res
+
+        try:
+            await wait_for(warm, timeout_s=60, interval_s=0.2, what="the gateway to reach the worker")
+            yield url
+        finally:
+            stop(gw)
+
+
+def _warm_only(header: dict) -> bool:
+    return header.get("prompt") == "warm"
+
+
+@pytest.fixture
+async def held_worker(tmp_path, redis_target: RedisTarget):
+    """A gateway process in front of a worker (a real ZeroMQ ROUTER with the workers' keys) that
+    answers requests whose prompt is "warm" and holds every other one, noting what is cancelled;
+    the gateway's output goes to gateway.log. Yields the gateway's port, the worker, the log's
+    path and the configuration."""
+    port = free_port()
+    path, cfg = write_config(tmp_path, 1, redis_url=redis_target.url, extra={"gateway": {"port": port}},
+                             worker={"request_timeout_s": 300.0})
+    ctx = zmq.asyncio.Context()
+    worker = FakeWorker(ctx, cfg, cfg.worker.endpoints[0], "held")
+    worker.answers = _warm_only
+    try:
+        async with gateway_process(path, port, tmp_path / "gateway.log"):
+            yield port, worker, tmp_path / "gateway.log", cfg
+    finally:
+        await worker.close()
+        ctx.term()
+
+
+async def test_a_2026_generate_whose_client_disconnects_stops_on_its_worker(held_worker):
+    """On 2026-07-28 closing the connection is how a client cancels a request: the gateway tells
+    the worker to drop the generation at once (not when worker.request_timeout_s runs out), and
+    logs no error for it."""
+    port, worker, log_path, _ = held_worker
+    meta = {"io.modelcontextprotocol/protocolVersion": MODERN, "io.modelcontextprotocol/clientCapabilities": {},
+            "progressToken": "p"}
+    body = orjson.dumps({"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {
+        "name": "generate", "arguments": {"prompt": "a long story", "max_tokens": 500}, "_meta": meta}})
+    head = (f"POST /mcp HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\ncontent-type: application/json\r\n"
+            f"accept: application/json, text/event-stream\r\nmcp-protocol-version: {MODERN}\r\n"
+            f"mcp-method: tools/call\r\nmcp-name: generate\r\ncontent-length: {len(body)}\r\n\r\n").encode()
+    _, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(head + body)
+    await writer.drain()
+    await wait_for(lambda: any(not rid.startswith("probe") for rid in worker.unanswered),
+                   what="the generation to reach the worker")
+    held = [rid for rid in worker.unanswered if not rid.startswith("probe")]
+    assert worker.cancelled == []
+    writer.close()
+    await writer.wait_closed()
+    await wait_for(lambda: worker.cancelled == held, timeout_s=20, what="the worker to be told to stop")
+    assert "Traceback" not in log_path.read_text(errors="replace")
+
+
+async def test_progress_keeps_increasing_when_a_generation_moves_to_another_worker(tmp_path, redis_target):
+    """A worker that dies under a streamed generation: the request goes on on another worker,
+    its text restarts, and its progress still increases with every notification (the MCP rule),
+    never beyond its total."""
+    port = free_port()
+    path, cfg = write_config(tmp_path, 2, redis_url=redis_target.url, extra={"gateway": {"port": port}})
+    ctx = zmq.asyncio.Context()
+    first = FakeWorker(ctx, cfg, cfg.worker.endpoints[0], "first")
+    first.answers, first.tokens = _warm_only, 5
+    second = None
+    try:
+        async with gateway_process(path, port, tmp_path / "gateway.log") as url:
+            streamed = asyncio.create_task(asyncio.to_thread(
+                call, url, "generate", {"prompt": "a story", "max_tokens": 20}, progress="g"))
+            await wait_for(lambda: first.unanswered, what="the generation to reach the first worker")
+            second = FakeWorker(ctx, cfg, cfg.worker.endpoints[1], "second")
+            second.tokens = 1
+            first.silent = True  # dead: neither heartbeats nor answers
+            notes, res = await asyncio.wait_for(streamed, 60)
+        assert res["result"]["structuredContent"]["worker"] == "second"
+        progress = [n["params"] for n in notes if n.get("method") == "notifications/progress"]
+        values = [p["progress"] for p in progress]
+        assert progress[0]["message"].startswith("t") and progress[-1]["message"] == "t", progress
+        assert values == sorted(set(values)) and len(values) >= 2, progress
+        assert all(p["progress"] <= p["total"] for p in progress), progress
+    finally:
+        await first.close()
+        if second is not None:
+            await second.close()
+        ctx.term()
+
+
+async def test_a_text_entry_reaches_the_worker_cut_to_what_the_model_reads(held_worker):
+    """A context's text entry may hold megabytes, of which the model reads at most its last
+    model.max_seq bytes: only those travel to the worker, not the whole entry with every request."""
+    port, worker, _, cfg = held_worker
+    url = f"http://127.0.0.1:{port}/mcp"
+    text = "old words " * 100_000 + "the newest words"
+    _, app = await asyncio.to_thread(call, url, "context_append", {"context_id": "long", "modality": "text",
+                                                                   "text": text})
+    assert "result" in app, app
+    _, res = await asyncio.to_thread(call, url, "generate", {"prompt": "warm", "context_id": "long",
+                                                             "max_tokens": 1, "append": False})
+    assert "result" in res, res
+    header, frames = worker.received[-1]
+    assert [e["modality"] for e in header["entries"]] == ["text"]
+    assert len(frames) == 1 and len(frames[0]) == cfg.model.max_seq and text.encode().endswith(frames[0])

@@ -69,7 +69,10 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
 class FakeWorker:
     """A real ZeroMQ ROUTER playing a worker with the workers' CURVE keys of ``cfg``: it answers
     HELLO with a HEARTBEAT as ``worker_id`` (``instance``: the process it claims to be), and
-    INFER with a RESULT naming it when ``answers(header)``, else keeps the request unanswered."""
+    INFER with a RESULT naming it when ``answers(header)``, else keeps the request unanswered;
+    the ids of the requests the gateway cancels (CANCEL) go to ``cancelled``, every INFER's header
+    and content frames to ``received``. ``tokens``: TOKEN
+    messages it streams for each request first; ``silent``: it answers nothing (a dead worker)."""
 
     def __init__(self, ctx: Any, cfg: Config, endpoint: str, worker_id: str, instance: str = "first") -> None:
         import asyncio
@@ -80,11 +83,18 @@ class FakeWorker:
         from shared.zmq_util import make_socket
 
         keys = CurveKeys.load(cfg.zmq, "worker")
-        self.sock = make_socket(ctx, zmq.ROUTER, bind=endpoint, curve=keys.server("infer") if keys else None)
+        from shared.inference import max_frame_bytes
+
+        self.sock = make_socket(ctx, zmq.ROUTER, bind=endpoint, curve=keys.server("infer") if keys else None,
+                                max_frame_bytes=max_frame_bytes(cfg))  # what a worker reads
         self.worker_id, self.instance = worker_id, instance
         self.load = 0  # what its heartbeats report
         self.answers: Any = lambda header: True
         self.unanswered: list[str] = []
+        self.cancelled: list[str] = []
+        self.received: list[tuple[dict, list[bytes]]] = []
+        self.tokens = 0
+        self.silent = False
         self.task = asyncio.create_task(self._serve())
 
     async def _serve(self) -> None:
@@ -93,16 +103,25 @@ class FakeWorker:
 
         while True:
             peer, *frames = await self.sock.recv_multipart()
-            msg_type, header, _ = wire.decode(frames)
+            msg_type, header, payload = wire.decode(frames)
+            if self.silent:
+                continue
+            if msg_type == MsgType.INFER:
+                self.received.append((header, [bytes(f) for f in payload]))
+                for _ in range(self.tokens):
+                    await self.sock.send_multipart([peer, *wire.encode(MsgType.TOKEN, {"id": header["id"], "text": "t",
+                                                                                        "version": 0})])
             if msg_type == MsgType.HELLO:
                 reply = wire.encode(MsgType.HEARTBEAT, {"worker": self.worker_id, "instance": self.instance,
                                                          "version": 0, "load": self.load, "lag": 0})
             elif msg_type == MsgType.INFER and self.answers(header):
                 reply = wire.encode(MsgType.RESULT, {"id": header["id"], "version": 0, "worker": self.worker_id,
-                                                      "text": "ok"})
+                                                      "text": "ok", "tokens": 1, "finish_reason": "stop"})
             else:
                 if msg_type == MsgType.INFER:
                     self.unanswered.append(str(header["id"]))
+                elif msg_type == MsgType.CANCEL:
+                    self.cancelled.append(str(header["id"]))
                 continue
             await self.sock.send_multipart([peer, *reply])
 

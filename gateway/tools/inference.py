@@ -82,6 +82,12 @@ SCORE_OUTPUT: dict[str, Any] = {
 }
 
 
+def _integer(value: Any) -> Any:
+    """``value``, a float with no fraction as the int it is: JSON Schema's integer (which the
+    inputSchema promises) includes 5.0, and a client whose numbers are floats sends that."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
 def _check_prompt(ctx: ToolContext, args: dict[str, Any]) -> str:
     prompt = args.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
@@ -97,7 +103,7 @@ async def _window(ctx: ToolContext, args: dict[str, Any]) -> tuple[list[dict[str
     if context_id is None:
         return [], [], None
     win = await ctx.state.store.get_window(ctx.principal, context_id, modalities=args.get("modalities"))
-    meta, frames = pack_entries(win.entries())
+    meta, frames = pack_entries(win.entries(), text_tail_bytes=ctx.state.config.model.max_seq)
     return meta, frames, win.version
 
 
@@ -116,6 +122,7 @@ async def _min_version(ctx: ToolContext, args: dict[str, Any]) -> int:
     except ValueError as exc:
         raise InvalidParams(str(exc)) from None
     deadline = time.monotonic() + cfg.consistency.learn_wait_s
+    poll_s = _LEARN_POLL_S
     while True:
         pipe = ctx.state.redis.pipeline(transaction=False)
         pipe.get(keys.sample_log_id(part))
@@ -135,10 +142,15 @@ async def _min_version(ctx: ToolContext, args: dict[str, Any]) -> int:
         if time.monotonic() >= deadline:
             raise Unavailable(f"the samples of after_learn are not trained yet (waited "
                               f"{cfg.consistency.learn_wait_s:g}s); retry later")
-        await asyncio.sleep(_LEARN_POLL_S)
+        await asyncio.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+        poll_s = min(poll_s * 1.5, _LEARN_POLL_MAX_S)
 
 
+# A wait polls Redis, soon at first (training a few samples takes seconds), then less often:
+# a call waiting learn_wait_s must not cost thousands of round trips, nor a burst of such calls
+# a Redis busy with nothing else.
 _LEARN_POLL_S = 0.02
+_LEARN_POLL_MAX_S = 0.25
 
 
 async def _call(ctx: ToolContext, header: dict[str, Any], frames: list[bytes], args: dict[str, Any],
@@ -151,15 +163,17 @@ async def generate(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
     state = ctx.state
     wcfg = state.config.worker
     prompt = _check_prompt(ctx, args)
-    max_tokens = args.get("max_tokens", 64)
+    max_tokens = _integer(args.get("max_tokens", 64))
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= wcfg.max_tokens_limit:
         raise InvalidParams(f"max_tokens must be an integer in 1..{wcfg.max_tokens_limit}")
     meta, frames, _ = await _window(ctx, args)
     generation_id = uuid.uuid4().hex
     header = {"id": generation_id, "op": "generate", "prompt": prompt, "max_tokens": max_tokens,
-              "temperature": float(args.get("temperature", 0.8)), "seed": args.get("seed"),
+              "temperature": float(args.get("temperature", 0.8)), "seed": _integer(args.get("seed")),
               "modalities": args.get("modalities"), "entries": meta}
-    partial: dict[str, Any] = {"text": "", "tokens": 0, "sent_s": 0.0}
+    # ``before``: tokens streamed by workers lost under the request. Its text restarts on the next
+    # worker, its progress goes on from there: MCP wants every notification's progress higher.
+    partial: dict[str, Any] = {"text": "", "tokens": 0, "before": 0, "sent_s": 0.0}
 
     async def on_token(text: str, _h: dict[str, Any]) -> None:
         partial["text"] += text
@@ -167,10 +181,11 @@ async def generate(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
         now = time.monotonic()
         if now - partial["sent_s"] >= PROGRESS_INTERVAL_S:
             partial["sent_s"] = now
-            await ctx.progress(partial["tokens"], max_tokens, message=partial["text"])
+            await ctx.progress(partial["before"] + partial["tokens"], partial["before"] + max_tokens,
+                               message=partial["text"])
 
     async def on_retry() -> None:
-        partial.update(text="", tokens=0)
+        partial.update(text="", tokens=0, before=partial["before"] + partial["tokens"])
 
     streaming = ctx.meta.get("progressToken") is not None if isinstance(ctx.meta, dict) else False
     res = await _call(ctx, header, frames, args, on_token=on_token if streaming else None, on_retry=on_retry)

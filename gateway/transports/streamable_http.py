@@ -239,7 +239,7 @@ class McpHttpTransport:
         if listen and not has_sse:
             await _reply(send, sent, 406, orjson.dumps({"error": "subscriptions/listen needs Accept: text/event-stream"}))
             return
-        if listen:
+        if listen or self._ends_with_its_client(message, link):
             reply = await self._until_disconnect(self.kernel.receive(principal, message, link), receive)
             if reply is None:
                 return
@@ -249,6 +249,13 @@ class McpHttpTransport:
             await stream.finish(reply.message)
         else:
             await _write(send, sent, reply)
+
+    def _ends_with_its_client(self, message: object, link: Link) -> bool:
+        """Whether the client closing the connection cancels the request: on 2026-07-28 that is
+        how a client cancels (the spec's MUST), and a ``tools/call`` may hold a worker for
+        hundreds of tokens nobody reads. 2025-11-25 says a disconnect is no cancellation."""
+        return isinstance(message, Request) and message.method == "tools/call" \
+            and self.kernel.is_stateless(message, link)
 
     @staticmethod
     async def _until_disconnect(serving: Awaitable[Reply], receive: Receive) -> Reply | None:

@@ -14,6 +14,7 @@ per-client state: the context arrives with each request.
 from __future__ import annotations
 
 import codecs
+import concurrent.futures
 import logging
 import math
 import os
@@ -55,6 +56,16 @@ class Request:
     cancelled: bool = False
 
 
+@dataclass
+class _Decoding:
+    """A request whose context images or audio are being decoded off the serving loop."""
+
+    peer: bytes
+    op: str
+    future: concurrent.futures.Future[Request | None] | None = None
+    cancelled: bool = False  # the gateway gave up on it: not decoded if not begun, not answered
+
+
 class Worker:
     """The serving loop. ``run()`` blocks until :meth:`stop` (or SIGTERM in ``main``)."""
 
@@ -76,6 +87,12 @@ class Worker:
         self.advertised = self._advertised(endpoint)
         self.queue: deque[Request] = deque()
         self.running: dict[str, Request] = {}
+        # Decoding an image may take a second (model.max_image_pixels); a context holds many. On
+        # the serving loop it would leave heartbeats unanswered until gateways declare the worker
+        # dead: one caller's context could take every worker out in turn. So requests with
+        # media are encoded on a thread of their own while the loop goes on answering.
+        self.decoding: dict[str, _Decoding] = {}
+        self._decoder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="worker-media")
         self.version = 0
         self.batches = 0
         self.subscriber = self._subscriber(updates)
@@ -165,12 +182,13 @@ class Worker:
         self._start_reports()
         try:
             while not self._stop:
-                wait_ms = 50.0
+                wait_ms = 50.0 if not self.decoding else _DECODED_POLL_MS
                 if self.queue:
                     age_ms = (time.monotonic() - self.queue[0].received_s) * 1000
                     wait_ms = max(0.0, self.wcfg.max_wait_ms - age_ms)
                 if poller.poll(math.ceil(wait_ms)):
                     self._drain()
+                self._take_decoded()
                 if not self.queue:
                     self._apply_updates()
                     continue
@@ -184,6 +202,7 @@ class Worker:
                 self.registrar.close()
             if self.subscriber is not None:
                 self.subscriber.close()
+            self._decoder.shutdown(wait=False, cancel_futures=True)
             self._reports_stop.set()
             if self._reports is not None:
                 self._reports.join(timeout=5)
@@ -202,6 +221,10 @@ class Worker:
             for req in self.queue:
                 self._error(req.peer, req.id, "shutting_down", "worker is shutting down; retry elsewhere")
             self.queue.clear()
+            for rid, dec in self.decoding.items():
+                dec.cancelled = True
+                self._error(dec.peer, rid, "shutting_down", "worker is shutting down; retry elsewhere")
+            self.decoding.clear()
             left_ms = (deadline - time.monotonic()) * 1000
             if left_ms <= 0:
                 return
@@ -288,7 +311,7 @@ class Worker:
         self._send(peer, MsgType.ERROR, {"id": rid, "version": self.version, "code": code, "message": message})
 
     def load(self) -> int:
-        return len(self.queue) + len(self.running)
+        return len(self.queue) + len(self.running) + len(self.decoding)
 
     # ------------------------------------------------------------------ messages
     def _on_message(self, frames: list[Any]) -> None:
@@ -314,6 +337,8 @@ class Worker:
                 return
             if rid in self.running:
                 self.running[rid].cancelled = True
+            if rid in self.decoding:
+                self.decoding[rid].cancelled = True
             self.queue = deque(r for r in self.queue if r.id != rid)
         elif msg_type == MsgType.INFER:
             self._on_infer(peer, header, payload)
@@ -327,13 +352,45 @@ class Worker:
             self.dropped.drop("INFER without a request id")
             self._error(peer, rid, "bad_input", "request id missing")
             return
+        entries = h.get("entries")
+        if isinstance(entries, list) and any(isinstance(e, dict) and e.get("modality") in _MEDIA for e in entries):
+            dec = self.decoding[rid] = _Decoding(peer, str(h.get("op")))
+            dec.future = self._decoder.submit(self._decode, dec, peer, rid, h, payload)
+            return
         try:
             req = self._parse(peer, rid, h, payload)
-        except (ValueError, TypeError, MediaError, ModelInputError) as exc:
-            self._error(peer, rid, "bad_input", str(exc))
-            metrics.WORKER_REQUESTS.labels(str(h.get("op")), "bad_input").inc()
+        except _BAD_INPUT as exc:
+            self._refuse(peer, rid, str(h.get("op")), exc)
             return
         self.queue.append(req)
+
+    def _refuse(self, peer: bytes, rid: str, op: str, exc: Exception) -> None:
+        self._error(peer, rid, "bad_input", str(exc))
+        metrics.WORKER_REQUESTS.labels(op, "bad_input").inc()
+
+    def _decode(self, dec: _Decoding, peer: bytes, rid: str, h: dict[str, Any], payload: list[Any]) -> Request | None:
+        """On the media thread: the request, or None when it was cancelled before its turn."""
+        return None if dec.cancelled else self._parse(peer, rid, h, payload)
+
+    def _take_decoded(self) -> None:
+        """Queue the requests whose media are decoded (refuse those that could not be); drop the
+        ones cancelled meanwhile."""
+        for rid, dec in list(self.decoding.items()):
+            if dec.future is None or not dec.future.done():
+                continue
+            del self.decoding[rid]
+            try:
+                req = dec.future.result()
+            except _BAD_INPUT as exc:
+                if not dec.cancelled:
+                    self._refuse(dec.peer, rid, dec.op, exc)
+                continue
+            except Exception as exc:
+                log.exception("decoding the context of request %s failed", rid)
+                self._error(dec.peer, rid, "internal", f"inference failed ({type(exc).__name__})")
+                continue
+            if req is not None and not dec.cancelled:
+                self.queue.append(req)
 
     def _parse(self, peer: bytes, rid: str, h: dict[str, Any], payload: list[Any]) -> Request:
         op = h.get("op")
@@ -352,6 +409,11 @@ class Worker:
             target = h.get("target")
             if not isinstance(target, str) or not target:
                 raise ValueError("score needs a non-empty target")
+            # a cut target would be scored as another continuation than the one asked about
+            n_target = len(self.model.text_tokens(target.encode())) + 1
+            if n_target > self.model.max_target_tokens:
+                raise ValueError(f"target is {n_target} tokens with its end; the model scores at most "
+                                 f"{self.model.max_target_tokens} (half of model.max_seq)")
             return Request(peer, rid, op, self.model.encode(entries, prompt, target, modalities=modalities))
         max_tokens = h.get("max_tokens", 64)
         if not isinstance(max_tokens, int) or not 1 <= max_tokens <= self.wcfg.max_tokens_limit:
@@ -458,6 +520,11 @@ class _Generation:
     text: str = ""
     tokens: int = 0
     finish: str | None = None
+
+
+_MEDIA = ("image", "audio")
+_BAD_INPUT = (ValueError, TypeError, MediaError, ModelInputError)
+_DECODED_POLL_MS = 5.0  # while media are being decoded: how soon the loop looks for them
 
 
 def worker_id_of(template: str, index: int) -> str:

@@ -117,12 +117,20 @@ class LearnModel(nn.Module):
         raise NotImplementedError
 
     def text_tokens(self, data: bytes) -> list[int]:
+        """One token per byte: the last n bytes of a text are its last n tokens."""
         return list(data)
 
     def token_bytes(self, token: int) -> bytes:
         return bytes((token,)) if token < 256 else b""
 
     # ------------------------------------------------------------------ encoding
+    @property
+    def max_target_tokens(self) -> int:
+        """The longest target, its EOS included, that :meth:`encode` keeps whole when it reserves
+        nothing for generation (as for scoring): half the sequence, the rest is for the prompt
+        and the context. A longer one is cut to its beginning."""
+        return self.max_seq // 2
+
     def encode(self, context: ContextWindow | Sequence[Entry] | None, prompt: str | bytes,
                target: str | bytes | None = None, *, modalities: Sequence[str] | None = None,
                reserve_tokens: int | None = None) -> Example:
@@ -193,9 +201,8 @@ class LearnModel(nn.Module):
             if len(feats) == 0:
                 return None
             return [role] + [AUD] * len(feats), "audio", feats
-        toks = self.text_tokens(entry.content)
-        keep = room - 1
-        return [role] + (toks[len(toks) - keep:] if len(toks) > keep else toks), "text", None
+        # its newest room - 1 bytes are the tokens kept: an entry of megabytes is not tokenized whole
+        return [role] + self.text_tokens(entry.content[-(room - 1):]), "text", None
 
     def image_features(self, data: bytes) -> torch.Tensor | None:
         """Features of an image (raises MediaError); None where the model has no image input."""
