@@ -274,3 +274,18 @@ async def test_a_text_entry_reaches_the_worker_cut_to_what_the_model_reads(held_
     header, frames = worker.received[-1]
     assert [e["modality"] for e in header["entries"]] == ["text"]
     assert len(frames) == 1 and len(frames[0]) == cfg.model.max_seq and text.encode().endswith(frames[0])
+
+
+async def test_every_inference_request_names_its_authenticated_principal(held_worker):
+    """Workers share their batches out among principals by the name in each request's header: it is
+    the principal the gateway authenticated (``local`` on an open gateway), never one the caller
+    writes into its arguments."""
+    port, worker, _, _ = held_worker
+    url = f"http://127.0.0.1:{port}/mcp"
+    for name, args in (("generate", {"prompt": "warm", "max_tokens": 1, "append": False}),
+                       ("score", {"prompt": "warm", "target": "x"})):
+        await asyncio.to_thread(call, url, name, args)  # the stand-in worker answers a generation's shape only
+        assert worker.received[-1][0]["op"] == name and worker.received[-1][0]["principal"] == "local"
+        _, res = await asyncio.to_thread(call, url, name, {**args, "principal": "bob"})
+        assert res.get("error", {}).get("code") == -32602, res
+    assert {h.get("principal") for h, _ in worker.received if h["prompt"] == "warm"} == {"local"}

@@ -72,6 +72,35 @@ async def test_generate_stream_score_and_batching(one_worker):
         await pool.close()
 
 
+async def test_one_principals_queue_does_not_hold_back_anothers_requests(one_worker):
+    """A worker takes requests into batches round-robin across the principals the gateway names:
+    with alice's many long generations queued, bob's short generation and carol's score (another
+    op) each wait for at most the batch running when they arrive and one more, not behind every
+    request alice queued first."""
+    cfg, _ = one_worker
+    per_batch = cfg.worker.max_batch_size
+    pool = WorkerPool(cfg)
+    await pool.start()
+    try:
+        await pool.wait_live(1, timeout_s=60)
+        done: list[str] = []
+
+        async def ask(principal: str, header: dict) -> None:
+            await pool.request({**header, "principal": principal})
+            done.append(principal)
+
+        alice = [ask("alice", gen(f"alice {i}", max_tokens=60, temperature=1.0, seed=i)) for i in range(4 * per_batch)]
+        others = [ask("bob", gen("bob", max_tokens=4)),
+                  ask("carol", {"op": "score", "prompt": "carol", "target": " asks", "entries": []})]
+        # one event loop turn sends them all in this order: alice's are queued before the others
+        await asyncio.wait_for(asyncio.gather(*alice, *others), 120)
+        for who in ("bob", "carol"):
+            ahead = done[:done.index(who)].count("alice")
+            assert ahead < 2 * per_batch, f"{who} waited behind {ahead} of alice's requests: {done}"
+    finally:
+        await pool.close()
+
+
 async def test_a_request_over_what_a_worker_reads_is_refused_before_it_is_sent(one_worker):
     """A worker drops the connection of a peer that sends a frame over its limit, and every other
     request in flight on it: the pool refuses such a request itself, and the others are served."""

@@ -5,7 +5,9 @@ The gateway reads the caller's context window from Redis and sends it with each 
 notifications (``message`` = the text so far), and returns the text, the model version that
 produced it and a generation id; the exchange (prompt, then reply) is appended to the context
 when ``worker.append_exchange`` is on. ``score`` returns the model's negative log-likelihood
-of a continuation (used to check that learning took effect). Store, Redis and worker-pool
+of a continuation (used to check that learning took effect). Every request names the
+authenticated principal (never anything the caller sends): workers take requests into batches
+round-robin across principals. Store, Redis and worker-pool
 exceptions propagate: gateway/errors.py decides what the client sees (no worker or a timeout:
 -32050 and retry later; a worker refusing the input: -32602; a worker failing: ``isError``).
 """
@@ -168,7 +170,7 @@ async def generate(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
         raise InvalidParams(f"max_tokens must be an integer in 1..{wcfg.max_tokens_limit}")
     meta, frames, _ = await _window(ctx, args)
     generation_id = uuid.uuid4().hex
-    header = {"id": generation_id, "op": "generate", "prompt": prompt, "max_tokens": max_tokens,
+    header = {"id": generation_id, "op": "generate", "principal": ctx.principal, "prompt": prompt, "max_tokens": max_tokens,
               "temperature": float(args.get("temperature", 0.8)), "seed": _integer(args.get("seed")),
               "modalities": args.get("modalities"), "entries": meta}
     # ``before``: tokens streamed by workers lost under the request. Its text restarts on the next
@@ -211,7 +213,7 @@ async def score(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(target, str) or not target:
         raise InvalidParams("target must be a non-empty string")
     meta, frames, _ = await _window(ctx, args)
-    header = {"id": uuid.uuid4().hex, "op": "score", "prompt": prompt, "target": target,
+    header = {"id": uuid.uuid4().hex, "op": "score", "principal": ctx.principal, "prompt": prompt, "target": target,
               "modalities": args.get("modalities"), "entries": meta}
     res = await _call(ctx, header, frames, args)
     nll, tokens = float(res["nll"]), int(res["tokens"])

@@ -4,8 +4,10 @@ Holds one model replica, binds a ZeroMQ ROUTER (``--endpoint``, else ``worker.en
 ``zmq.bind_host`` replaces its host), announces the endpoint gateways should connect to in Redis
 (services.worker.registration), and serves
 INFER requests from gateway DEALERs (message shapes: :mod:`shared.inference`). Requests that
-arrive close together are batched (``worker.max_batch_size``, ``worker.max_wait_ms``);
-generated text streams back as TOKEN messages, then a RESULT. Every reply names the model
+arrive close together are batched (``worker.max_batch_size``, ``worker.max_wait_ms``), taken
+into each batch round-robin across the principals the gateways name in their headers, so one
+principal's many requests do not keep another's waiting behind all of them; generated text
+streams back as TOKEN messages, then a RESULT as soon as that request is done. Every reply names the model
 version that produced it. Weight deltas (``services.worker.updates.DeltaSubscriber``) are
 applied only between batches, so a request sees exactly one version. The worker keeps no
 per-client state: the context arrives with each request.
@@ -48,6 +50,7 @@ class Request:
     id: str
     op: str
     example: Example
+    principal: str = ""  # whom the gateway authenticated: the unit of fairness between callers
     max_tokens: int = 0
     temperature: float = 1.0
     seed: int | None = None
@@ -85,7 +88,11 @@ class Worker:
         self.endpoint = bound_endpoint(self.sock)  # a ``:*`` bind names its port here
         self.dropped = DroppedMessages("infer", log)
         self.advertised = self._advertised(endpoint)
-        self.queue: deque[Request] = deque()
+        self.queue: deque[Request] = deque()  # in arrival order
+        # Principals with requests queued -> the latest batch round that served them: the next
+        # batch takes the least recently served first (see _take_batch).
+        self._served_round: dict[str, int] = {}
+        self._round = 0
         self.running: dict[str, Request] = {}
         # Decoding an image may take a second (model.max_image_pixels); a context holds many. On
         # the serving loop it would leave heartbeats unanswered until gateways declare the worker
@@ -362,6 +369,12 @@ class Worker:
         except _BAD_INPUT as exc:
             self._refuse(peer, rid, str(h.get("op")), exc)
             return
+        self._enqueue(req)
+
+    def _enqueue(self, req: Request) -> None:
+        """Queue ``req``. A principal with nothing queued takes its turn after those that have
+        waited since before the latest batch, and before those that batch served."""
+        self._served_round.setdefault(req.principal, self._round - 1)
         self.queue.append(req)
 
     def _refuse(self, peer: bytes, rid: str, op: str, exc: Exception) -> None:
@@ -390,7 +403,7 @@ class Worker:
                 self._error(dec.peer, rid, "internal", f"inference failed ({type(exc).__name__})")
                 continue
             if req is not None and not dec.cancelled:
-                self.queue.append(req)
+                self._enqueue(req)
 
     def _parse(self, peer: bytes, rid: str, h: dict[str, Any], payload: list[Any]) -> Request:
         op = h.get("op")
@@ -405,6 +418,8 @@ class Worker:
         if modalities is not None and not (isinstance(modalities, list) and all(isinstance(m, str) for m in modalities)):
             raise ValueError("modalities must be a list of strings")
         entries = unpack_entries(h.get("entries", []), payload)
+        principal = h.get("principal")
+        principal = principal if isinstance(principal, str) else ""  # the gateway's own probes name none
         if op == "score":
             target = h.get("target")
             if not isinstance(target, str) or not target:
@@ -414,7 +429,7 @@ class Worker:
             if n_target > self.model.max_target_tokens:
                 raise ValueError(f"target is {n_target} tokens with its end; the model scores at most "
                                  f"{self.model.max_target_tokens} (half of model.max_seq)")
-            return Request(peer, rid, op, self.model.encode(entries, prompt, target, modalities=modalities))
+            return Request(peer, rid, op, self.model.encode(entries, prompt, target, modalities=modalities), principal)
         max_tokens = h.get("max_tokens", 64)
         if not isinstance(max_tokens, int) or not 1 <= max_tokens <= self.wcfg.max_tokens_limit:
             raise ValueError(f"max_tokens must be an integer in 1..{self.wcfg.max_tokens_limit}")
@@ -425,17 +440,35 @@ class Worker:
         if seed is not None and not isinstance(seed, int):
             raise ValueError("seed must be an integer")
         example = self.model.encode(entries, prompt, None, modalities=modalities, reserve_tokens=max_tokens)
-        return Request(peer, rid, op, example, max_tokens, float(temperature), seed, h.get("stream", True) is not False)
+        return Request(peer, rid, op, example, principal, max_tokens, float(temperature), seed,
+                       h.get("stream", True) is not False)
 
     # ------------------------------------------------------------------ batches
     def _take_batch(self) -> list[Request]:
-        op = self.queue[0].op
+        """The next batch, fair between principals: the principal served least recently (then the
+        one waiting longest) names the op, and every principal with requests of that op queued gets
+        one place in turn, in that order, until the batch is full. A principal's own requests keep
+        their arrival order. So a request waits for at most the batch running when it arrived and,
+        with more principals waiting than a batch holds, their turns before it, never behind every
+        request another principal queued first."""
+        lanes: dict[str, deque[Request]] = {}
+        for r in self.queue:
+            lanes.setdefault(r.principal, deque()).append(r)
+        order = sorted(lanes, key=lambda p: self._served_round.get(p, self._round - 1))  # stable: oldest request first
+        op = lanes[order[0]][0].op
+        ready = [deque(r for r in lanes[p] if r.op == op) for p in order]
         batch: list[Request] = []
-        rest: deque[Request] = deque()
-        while self.queue:
-            r = self.queue.popleft()
-            (batch if r.op == op and len(batch) < self.wcfg.max_batch_size else rest).append(r)
-        self.queue = rest
+        while len(batch) < self.wcfg.max_batch_size and any(ready):
+            for lane in ready:
+                if lane and len(batch) < self.wcfg.max_batch_size:
+                    batch.append(lane.popleft())
+        self._round += 1
+        taken = {id(r) for r in batch}
+        self.queue = deque(r for r in self.queue if id(r) not in taken)
+        for r in batch:
+            self._served_round[r.principal] = self._round
+        waiting = {r.principal for r in self.queue}
+        self._served_round = {p: n for p, n in self._served_round.items() if p in waiting}
         return batch
 
     def _run_batch(self) -> None:
@@ -450,8 +483,9 @@ class Worker:
                 self._run_generate(batch)
         except Exception as exc:
             log.exception("batch failed")
-            metrics.WORKER_REQUESTS.labels(batch[0].op, "error").inc(len(batch))
-            for r in batch:
+            unanswered = [r for r in batch if r.id in self.running]  # a finished generation has its answer
+            metrics.WORKER_REQUESTS.labels(batch[0].op, "error").inc(len(unanswered))
+            for r in unanswered:
                 self._error(r.peer, r.id, "internal", f"inference failed ({type(exc).__name__})")
         finally:
             self.running = {}
@@ -472,6 +506,8 @@ class Worker:
                 for g, chunk in zip(gens, chunks, strict=True):
                     if g.finish is None:
                         self._take_token(g, chunk)
+                        if g.finish is not None:  # answered now, not when the batch's longest is done
+                            self._finish_generation(g, len(batch))
                 if all(g.finish is not None for g in gens):
                     break
                 self._drain()  # heartbeats, cancels and new requests while the batch runs
@@ -479,7 +515,9 @@ class Worker:
             steps.close()
         metrics.WORKER_TOKENS.inc(sum(g.tokens for g in gens))
         for g in gens:
-            self._finish_generation(g, len(batch))
+            if g.finish is None:
+                g.finish = "length"
+                self._finish_generation(g, len(batch))
 
     def _take_token(self, g: _Generation, chunk: bytes) -> None:
         """One generated token of a running request (b"": the model stopped it)."""
@@ -501,6 +539,7 @@ class Worker:
 
     def _finish_generation(self, g: _Generation, batch: int) -> None:
         r = g.request
+        self.running.pop(r.id, None)
         metrics.WORKER_REQUESTS.labels("generate", g.finish or "length").inc()
         if g.finish == "cancelled":
             return
