@@ -5,12 +5,17 @@ built with create_app), on a single Redis server and on a Redis Cluster."""
 from __future__ import annotations
 
 import base64
+import io
+import struct
+import wave
+import zlib
 from collections.abc import Iterator
 
 import orjson
 import pytest
 from fastapi.testclient import TestClient
 
+from conformance.fixtures import PNG_1PX, WAV_MINIMAL
 from gateway.app import create_app
 from shared.config import load_config
 from tests.conftest import RedisTarget
@@ -79,7 +84,7 @@ def test_tools_roundtrip_and_bad_input(client: TestClient) -> None:
     def a(name, **args):
         return modern(client, "alice", "tools/call", {"name": name, "arguments": args})
 
-    img = base64.b64encode(b"\x89PNG\x00\x01").decode()
+    img = PNG_1PX
     r = a("context_append", context_id="conv", modality="image", data=img, mime_type="image/png")
     assert "result" in r, r
     assert r["result"]["structuredContent"]["entry_id"] == "image:1"
@@ -173,9 +178,65 @@ def test_websocket_isolation_and_updates(client: TestClient) -> None:
         assert not any("ws-secret" in orjson.dumps(m).decode() for m in seen)
 
 
+def _png_header(width: int, height: int) -> bytes:
+    """A PNG whose header says ``width`` x ``height`` and whose pixel data is broken."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", b"broken") + chunk(b"IEND", b""))
+
+
+def _wav(sample_width: int, frames: bytes) -> bytes:
+    with io.BytesIO() as out:
+        with wave.open(out, "wb") as w:
+            w.setnchannels(1)
+            w.setsampwidth(sample_width)
+            w.setframerate(8000)
+            w.writeframes(frames)
+        return out.getvalue()
+
+
+def test_context_append_refuses_media_no_worker_could_read(client: TestClient) -> None:
+    """An image or audio entry a worker could never decode would fail every later generate and
+    score on its context: append refuses it with -32602 saying what is wrong, from its header
+    alone, and stores nothing. What a worker reads is taken."""
+    def append(modality: str, content: bytes) -> dict:
+        return modern(client, "alice", "tools/call", {"name": "context_append", "arguments": {
+            "context_id": "media", "modality": modality, "data": base64.b64encode(content).decode()}})
+
+    b64 = base64.b64encode
+    refused = [("image", b"\x89PNG\x00\x01", "image format not recognised"),
+               ("image", b"GIF89a", "image format not recognised"),
+               ("image", _png_header(7000, 7000), "image is 7000x7000 pixels; at most 40000000"),
+               ("image", _png_header(20000, 20000), "image is larger than 40000000 pixels"),
+               ("audio", b"RIFF\x00\x00\x00\x00WAVEjunk", "not a valid WAV file"),
+               ("audio", _wav(2, b"")[:30], "not a valid WAV file (its header is cut short)"),
+               ("audio", _wav(3, b"\x00" * 30), "sample width 3 bytes is not supported"),
+               ("audio", _wav(2, b""), "audio has no samples"),
+               ("audio", b"\x01", "16-bit little-endian PCM")]
+    for modality, content, reason in refused:
+        err = append(modality, content)
+        assert err.get("error", {}).get("code") == -32602, (reason, err)
+        message = err["error"]["message"]
+        assert message.startswith(f"{modality} entry refused: ") and reason in message, (reason, err)
+    err = modern(client, "alice", "tools/call", {"name": "context_append", "arguments": {
+        "context_id": "media", "modality": "image", "text": "a picture of a cat"}})
+    assert err.get("error", {}).get("code") == -32602 and "image format not recognised" in err["error"]["message"]
+    missing = modern(client, "alice", "tools/call", {"name": "context_get", "arguments": {"context_id": "media"}})
+    assert missing["error"]["code"] == -32602, missing  # nothing was stored
+    for modality, content in (("image", base64.b64decode(PNG_1PX)), ("image", _png_header(8, 8)),
+                              ("audio", base64.b64decode(WAV_MINIMAL)), ("audio", _wav(1, b"\x80" * 16)),
+                              ("audio", b"\x00\x01\x02\x03")):
+        ok = append(modality, content)
+        assert "result" in ok and not ok["result"].get("isError"), (modality, ok)
+    got = modern(client, "alice", "tools/call", {"name": "context_get", "arguments": {"context_id": "media"}})
+    assert [e["id"] for e in got["result"]["structuredContent"]["entries"]][-1] == "audio:3"
+    assert b64(_png_header(8, 8)).decode() in [e.get("data") for e in got["result"]["structuredContent"]["entries"]]
+
+
 def test_admin_routes(client: TestClient) -> None:
     modern(client, "alice", "tools/call", {"name": "context_append", "arguments": {
-        "context_id": "adm", "modality": "image", "data": base64.b64encode(b"\x00\xff").decode()}})
+        "context_id": "adm", "modality": "image", "data": PNG_1PX}})
     h = {"authorization": f"Bearer {ADMIN}"}
     assert client.get("/admin/contexts").status_code == 401
     assert client.get("/admin/contexts", headers={"authorization": f"Bearer {KEYS['alice']}"}).status_code == 401
@@ -185,7 +246,7 @@ def test_admin_routes(client: TestClient) -> None:
     inspect_ = client.get("/admin/contexts/alice/adm", headers=h).json()
     assert inspect_["entries"][0]["id"] == "image:1" and "data" not in inspect_["entries"][0]
     export = client.get("/admin/contexts/alice/adm/export", headers=h).json()
-    assert base64.b64decode(export["entries"][0]["data"]) == b"\x00\xff"
+    assert export["entries"][0]["data"] == PNG_1PX
     assert client.get("/admin/contexts/alice/nope", headers=h).status_code == 404
     assert client.get("/admin/contexts/alice/bad%20id", headers=h).status_code == 400
     assert client.delete("/admin/contexts/alice/adm", headers=h).json()["evicted"] is True

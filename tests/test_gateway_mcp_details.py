@@ -14,6 +14,7 @@ import httpx
 import orjson
 import pytest
 
+from conformance.fixtures import PNG_1PX
 from tests.conftest import RedisTarget, free_port
 from tests.gateway_support import start_gateway, stop
 
@@ -66,7 +67,7 @@ def legacy_session(mcp: str, key: str) -> dict[str, str]:
 
 def append(mcp: str, key: str, context_id: str, modality: str) -> None:
     args = {"context_id": context_id, "modality": modality}
-    args.update({"text": "hi"} if modality == "text" else {"data": "AAEC"})
+    args.update({"text": "hi"} if modality == "text" else {"data": PNG_1PX})
     assert "result" in ask(mcp, key, "tools/call", {"name": "context_append", "arguments": args}, "context_append")
 
 

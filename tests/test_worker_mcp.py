@@ -8,8 +8,10 @@ import base64
 import contextlib
 import io
 import os
+import struct
 import subprocess
 import sys
+import zlib
 
 import httpx
 import jsonschema
@@ -105,11 +107,31 @@ def test_generate_bad_input_is_a_clear_error(mesh):
         _, res = call(url, "generate", args)
         assert res.get("error", {}).get("code") == -32602, (args, res)
         assert match in res["error"]["message"].lower() or match in orjson.dumps(res["error"]).decode().lower()
-    png = base64.b64encode(b"\x89PNG\r\n\x1a\nnot an image").decode()
-    _, app = call(url, "context_append", {"context_id": "img", "modality": "image", "data": png})
+    _, res = call(url, "context_append", {"context_id": "img", "modality": "image",
+                                          "data": base64.b64encode(b"\x89PNG\r\n\x1a\nnot an image").decode()})
+    assert res.get("error", {}).get("code") == -32602 and "image format not recognised" in res["error"]["message"]
+    # a sound header over broken pixel data passes append (a header read) and fails where it is decoded:
+    # the error names the entry, so the caller knows what to leave out (modalities) or clear
+    _, app = call(url, "context_append", {"context_id": "img", "modality": "text", "text": "look"})
     assert "result" in app, app
-    _, res = call(url, "generate", {"prompt": "what is this?", "context_id": "img"})
-    assert res.get("error", {}).get("code") == -32602 and "image" in res["error"]["message"]
+    _, app = call(url, "context_append", {"context_id": "img", "modality": "image",
+                                          "data": base64.b64encode(_broken_png(8, 8)).decode()})
+    assert app["result"]["structuredContent"]["entry_id"] == "image:1", app
+    for name, args in (("generate", {}), ("score", {"target": "a cat"})):
+        _, res = call(url, name, {"prompt": "what is this?", "context_id": "img", **args})
+        assert res.get("error", {}).get("code") == -32602, res
+        assert res["error"]["message"].startswith("context entry image:1: image could not be decoded"), res
+    _, res = call(url, "generate", {"prompt": "what is this?", "context_id": "img", "modalities": ["text"],
+                                    "max_tokens": 2, "append": False})
+    assert res.get("result", {}).get("structuredContent", {}).get("tokens", 0) >= 1, res
+
+
+def _broken_png(width: int, height: int) -> bytes:
+    """A PNG whose header says ``width`` x ``height`` and whose pixel data is broken."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", b"broken") + chunk(b"IEND", b""))
 
 
 def test_integers_written_as_floats_are_integers(mesh):

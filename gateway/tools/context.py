@@ -21,6 +21,7 @@ from typing import Any
 from gateway.errors import InvalidParams, NotFound
 from gateway.registry import Registry, ToolContext
 from shared.context import ContextError
+from shared.media_check import MediaError, check_media_header
 from shared.types import ContextWindow, Entry
 
 log = logging.getLogger("learnmesh.context")
@@ -136,6 +137,10 @@ async def context_append(ctx: ToolContext, args: dict[str, Any]) -> dict[str, An
             content = base64.b64decode(str(data), validate=True)
         except (binascii.Error, ValueError):
             raise InvalidParams("'data' is not valid base64") from None
+    try:  # what no worker could read would fail every later generate and score on this context
+        check_media_header(modality, content, max_image_pixels=ctx.state.config.model.max_image_pixels)
+    except MediaError as exc:
+        raise InvalidParams(f"{modality} entry refused: {exc}", {"modality": modality}) from None
     res = await store.append(ctx.principal, args["context_id"], modality, args.get("role", "user"), content,
                              mime=args.get("mime_type"), tokens=args.get("tokens"), links=args.get("links", ()))
     await _notify(ctx, args["context_id"], [modality])

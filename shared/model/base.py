@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.config import ModelConfig
-from shared.model.media import audio_features, image_features
+from shared.model.media import MediaError, audio_features, image_features
 from shared.types import ContextWindow, Entry
 
 # special tokens follow the 256 byte values
@@ -187,6 +187,12 @@ class LearnModel(nn.Module):
                        torch.cat(audio_rows) if audio_rows else None, audio_pos)
 
     def _encode_entry(self, entry: Entry, room: int) -> tuple[list[int], str, Any] | None:
+        try:
+            return self._encode_content(entry, room)
+        except MediaError as exc:  # the caller learns which of the context's entries it is
+            raise MediaError(f"context entry {entry.id or '?'}: {exc}") from None
+
+    def _encode_content(self, entry: Entry, room: int) -> tuple[list[int], str, Any] | None:
         role = ROLE_TOKENS.get(entry.role, USER)
         if entry.modality == "image":
             feats = self.image_features(entry.content)

@@ -21,15 +21,13 @@ import wave
 import numpy as np
 import torch
 
+from shared.media_check import MediaError, is_wav
+
 try:  # optional: Pillow decodes real image formats
     from PIL import Image, UnidentifiedImageError
 except ImportError:  # pragma: no cover - exercised only without Pillow
     Image = None  # type: ignore[assignment]
     UnidentifiedImageError = OSError  # type: ignore[assignment,misc]
-
-
-class MediaError(ValueError):
-    """Image/audio content that cannot be decoded or is too large."""
 
 
 def image_features(data: bytes, *, patch: int, grid: int, max_pixels: int) -> torch.Tensor:
@@ -68,7 +66,7 @@ def audio_features(data: bytes, *, frame: int, max_frames: int) -> torch.Tensor:
     """Return ``[n_frames, frame]`` float32 features in [-1, 1] of an audio clip."""
     if not data:
         raise MediaError("audio is empty")
-    if data[:4] == b"RIFF" and data[8:12] == b"WAVE":
+    if is_wav(data):
         samples = _wav_samples(data)
     else:
         if len(data) % 2:
@@ -91,7 +89,7 @@ def _wav_samples(data: bytes) -> np.ndarray:
             width, channels = w.getsampwidth(), w.getnchannels()
             raw = w.readframes(w.getnframes())
     except (wave.Error, EOFError, ValueError) as exc:
-        raise MediaError(f"audio is not a valid WAV file ({exc})") from None
+        raise MediaError(f"audio is not a valid WAV file ({str(exc) or 'its header is cut short'})") from None
     if width == 1:
         x = (np.frombuffer(raw, dtype=np.uint8).astype(np.float32) - 128.0) / 128.0
     elif width == 2:
