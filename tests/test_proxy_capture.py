@@ -4,6 +4,8 @@ version); calls of tools not opted in leave no entry. Plus the proxy's /metrics 
 
 from __future__ import annotations
 
+import base64
+
 import httpx
 import orjson
 import pytest
@@ -62,3 +64,32 @@ def test_metrics_count_calls_latency_and_breaker(redis_url: str, upstream: str) 
         assert 'learnmesh_proxy_calls_total{method="tools/call",outcome="tool_error",upstream="up"}' in text
         assert 'learnmesh_proxy_call_seconds_count{upstream="up"}' in text
         assert 'learnmesh_proxy_breaker_state{upstream="up"} 0.0' in text
+
+
+async def test_capture_leaves_out_media_no_worker_could_read(redis_target: RedisTarget,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """An upstream's image that is no image would fail every later generate on the context."""
+    from conformance.fixtures import PNG_1PX
+    from gateway.mcp.dispatcher import Call
+    from gateway.proxy.capture import capture
+    from shared.config import ContextConfig
+    from shared.context import ContextStore
+
+    client = redis_target.async_client()
+    try:
+        store = ContextStore(client, ContextConfig())
+        call = Call(principal="alice", request_id=1, protocol_version="2026-07-28", state=None,  # type: ignore[arg-type]
+                    meta={"io.learnmesh/context": "shots"})
+        result = {"content": [
+            {"type": "image", "data": PNG_1PX, "mimeType": "image/png"},
+            {"type": "image", "data": base64.b64encode(b"\x89PNG broken").decode(), "mimeType": "image/png"},
+            {"type": "audio", "data": base64.b64encode(b"RIFF\x00\x00\x00\x00WAVEjunk").decode()},
+            {"type": "text", "text": "two pictures"}]}
+        await capture(store, call, "up", "up.shoot", {}, result, max_image_pixels=4096)
+        window = await store.get_window("alice", "shots")
+        kept = [(e.modality, e.role) for e in window.entries()]
+        assert sorted(kept) == [("image", "assistant"), ("text", "assistant"), ("text", "user")]
+        assert [bytes(e.content) for e in window.channels["image"]] == [base64.b64decode(PNG_1PX)]
+        assert "left out an image item" in caplog.text and "left out an audio item" in caplog.text
+    finally:
+        await client.aclose()

@@ -524,7 +524,8 @@ class Proxy:
         result = await self._observed(call, up, "tools/call", tool, {"name": tool, "arguments": args}, headers,
                                       timeout_s)
         if up.cfg.captures(tool):
-            await capture(self.gateway.store, call, up.name, name, args, result)
+            await capture(self.gateway.store, call, up.name, name, args, result,
+                          max_image_pixels=self.gateway.config.model.max_image_pixels)
         return result
 
     async def get_prompt(self, call: Call, name: str, params: dict[str, Any]) -> dict[str, Any]:
