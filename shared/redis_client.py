@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
-import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -29,7 +28,6 @@ from urllib.parse import parse_qsl, urlsplit, urlunsplit
 import redis as redis_sync
 import redis.asyncio as aioredis
 from redis._parsers.commands import AsyncCommandsParser
-from redis.asyncio import cluster as aiocluster
 from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
 from redis.asyncio.cluster import NodesManager as AsyncNodesManager
 from redis.cluster import ClusterNode as SyncClusterNode
@@ -137,30 +135,8 @@ class _SyncNodes(SyncNodesManager):
             raise (_unreachable(exc) or exc) from exc.__cause__
 
 
-def _code_of(owner: object, name: str) -> Any:
-    return getattr(getattr(owner, name, None), "__code__", None)
-
-
-# Where redis-py's asyncio cluster client closes itself to have its slot map read again: after
-# every `reinitialize_steps`-th MOVED and after CLUSTERDOWN or an uncovered slot (the command
-# path), after a failed pipeline (the pipeline path), and after a failed reading of the map.
-_RESET_BY_CLOSE = frozenset(code for code in (
-    _code_of(aiocluster.RedisCluster, "_execute_command"),
-    _code_of(getattr(aiocluster, "PipelineStrategy", None), "execute"),
-    _code_of(aiocluster.ClusterPipeline, "execute"),
-) if code is not None)
-_MAP_READ = _code_of(aiocluster.RedisCluster, "initialize")
-
-
-def _caller_code() -> Any:
-    """The code of the function that called the caller (a coroutine checks it before its first
-    ``await``, while that frame is still the one that called it)."""
-    return sys._getframe(2).f_code  # noqa: SLF001 - the one way to tell redis-py's own calls apart
-
-
 class _AsyncNodes(AsyncNodesManager):
-    """An asyncio cluster client's slot map, reporting :class:`ClusterUnreachable`. A failed
-    reading of the map leaves the connections open (see :class:`_AsyncCluster`)."""
+    """An asyncio cluster client's slot map, reporting :class:`ClusterUnreachable`."""
 
     __slots__ = ()
 
@@ -169,31 +145,6 @@ class _AsyncNodes(AsyncNodesManager):
             return await super().initialize(*args, **kwargs)
         except RedisClusterException as exc:
             raise (_unreachable(exc) or exc) from exc.__cause__
-
-    async def aclose(self, attr: str = "nodes_cache") -> None:
-        if _caller_code() is _MAP_READ:
-            return
-        await super().aclose(attr)
-
-
-class _AsyncCluster(aioredis.RedisCluster):
-    """An asyncio cluster client that closes its connections only when its owner closes it.
-
-    redis-py has its slot map read again (a resharding's MOVED, a master lost) by closing the
-    client: every connection to every node, the live masters' too, with the commands on them
-    — other callers' commands, and the batches of the context store's pipeline
-    (shared/redis_cluster_batch.py), which holds its nodes' connections. Those fail with "redis
-    closed the connection": 503 for principals whose master never moved. Here that close only
-    marks the map for reading again before the next command; a connection to a node that
-    did go away fails on its own, and the map it leaves stale is read again then."""
-
-    __slots__ = ()
-
-    async def aclose(self) -> None:
-        if _caller_code() in _RESET_BY_CLOSE:
-            self._initialize = True
-            return
-        await super().aclose()
 
 
 class _AsyncCommands(AsyncCommandsParser):
@@ -228,6 +179,11 @@ def sync_client(cfg: RedisConfig, **options: Any) -> SyncRedis:
 def async_client(cfg: RedisConfig, **options: Any) -> AsyncRedis:
     """An asyncio client (gateway, the trainer's context reader)."""
     if is_cluster(cfg):
+        # reinitialize_steps 0: a MOVED (a resharding: redis-cli --cluster reshard / rebalance) moves
+        # that slot in the client's map. redis-py's default answers every fifth MOVED by closing the
+        # client, every connection to every node with the commands on them, the context store's
+        # pipeline batches to masters whose slots never moved too (503s with no master down).
+        options = {"reinitialize_steps": 0, **options}
         cluster = aioredis.RedisCluster.from_url(server_url(cfg), startup_nodes=_seeds(cfg, AsyncClusterNode),
                                                  **client_kwargs(cfg), **options)
         # RedisCluster picks its connection class itself; the nodes it makes later copy these
@@ -238,7 +194,6 @@ def async_client(cfg: RedisConfig, **options: Any) -> AsyncRedis:
             node.connection_class = _reporting(node.connection_class)
         cluster.nodes_manager.__class__ = _AsyncNodes
         cluster.commands_parser.__class__ = _AsyncCommands
-        cluster.__class__ = _AsyncCluster
         return cluster
     client = aioredis.Redis.from_url(server_url(cfg), **client_kwargs(cfg), **options)
     client.connection_pool.connection_class = _reporting(client.connection_pool.connection_class)

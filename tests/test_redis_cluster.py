@@ -157,9 +157,9 @@ def test_the_admin_config_shows_the_cluster_mode_a_cluster_url_selects(redis_clu
 async def test_a_resharding_leaves_the_context_writes_of_slots_that_stay_put_in_flight(
         redis_cluster: RedisTarget) -> None:
     """A resharding moves slots under a running gateway: its other commands meet MOVED, and
-    redis-py answers every fifth MOVED by closing every connection of the client, those the
-    context store's pipeline holds to masters whose slots never moved too. Appends in flight on
-    them then failed with "redis closed the connection" (503 to a client whose master was fine)."""
+    redis-py's default answers every fifth MOVED by closing every connection of the client, those
+    the context store's pipeline holds to masters whose slots never moved too. Appends in flight
+    on them then failed with "redis closed the connection" (503 to a client whose master was fine)."""
     cluster = redis_cluster.cluster
     if cluster is None:
         pytest.skip("moves slots of a cluster of this test session's own")
