@@ -810,22 +810,27 @@ async def test_announcements_on_a_lost_master_keep_their_workers_and_the_others_
         pool = await _started_pool(cfg, redis, caplog)
         try:
             await pool.wait_live(2, timeout_s=30)
-            cluster.kill(next(node for node in cluster.nodes if node.port == master_of(lost)))
+            victim = master_of(lost)
+            close_sync(sync)  # a blocking cluster client forgets a lost node's pool: closed before
+            cluster.kill(next(node for node in cluster.nodes if node.port == victim))
             live = next(node for node in cluster.running())
+            sync = redis_sync.RedisCluster.from_url(f"redis://{live.address}/0")
 
             def flagged_failed() -> bool:
                 with live.client(socket_timeout=2) as c:
                     nodes = c.execute_command("CLUSTER", "NODES")
                 text = nodes.decode() if isinstance(nodes, bytes) else str(nodes)
-                return any(f":{master_of(lost)}@" in line and ",fail" in line and "fail?" not in line
+                return any(f":{victim}@" in line and ",fail" in line and "fail?" not in line
                            for line in text.splitlines())
 
             for worker_id in others[1:]:  # started while that master is down: each joins
                 if worker_id == others[-1]:  # the last once the cluster has flagged that master failed
-                    await wait_for(flagged_failed, timeout_s=30, what="the cluster to flag the master failed")
+                    await wait_for(lambda: asyncio.to_thread(flagged_failed), timeout_s=30,
+                                   what="the cluster to flag the master failed")
                 fakes.append(FakeWorker(ctx, cfg, endpoints[worker_id], worker_id))
-                worker_registry.register(sync, Registration(worker_id, endpoints[worker_id], heartbeat_ms=now_ms()),
-                                         ttl_ms=600_000)
+                # in a thread: the blocking client may wait on the lost master, the pool must not
+                await asyncio.to_thread(worker_registry.register, sync, Registration(
+                    worker_id, endpoints[worker_id], heartbeat_ms=now_ms()), ttl_ms=600_000)
                 await wait_for(lambda w=worker_id: endpoints[w] in {link.endpoint for link in pool.live()},
                                timeout_s=30, what=f"{worker_id} to join while a master is down")
             link = next(link for link in pool.links if link.worker_id == lost)
@@ -834,7 +839,7 @@ async def test_announcements_on_a_lost_master_keep_their_workers_and_the_others_
         finally:
             await pool.close()
             await redis.aclose()
-            sync.close()
+            close_sync(sync)
     finally:
         for fake in fakes:
             await fake.close()
