@@ -209,6 +209,8 @@ async def open_gateway(cfg: Config, registry: Registry) -> AsyncIterator[Gateway
         stack.push_async_callback(_bounded, "the worker pool", workers.close)
         samples = learning.SampleIngest(redis, cfg, store, zmq.Context.shadow(zmq_ctx))
         stack.callback(samples.close)
+        trainer_link = asyncio.create_task(samples.follow_trainer_link(), name="trainer-link")
+        stack.push_async_callback(_cancel, trainer_link)
         replica_id = uuid.uuid4().hex
         gateway = Gateway(config=cfg, redis=redis, blocking_redis=blocking, registry=registry,
                           replica_id=replica_id, zmq_ctx=zmq_ctx, store=store, workers=workers, samples=samples,

@@ -45,7 +45,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -170,6 +170,7 @@ class WorkerPool:
                       for ep in (endpoints if endpoints is not None else self.wcfg.endpoints)]
         self._discovered: dict[str, WorkerLink] = {}  # advertised endpoint -> its link
         self._skipped: dict[str, str] = {}  # worker id -> why its announcement is unusable (logged once)
+        self._unreadable: set[str] = set()  # worker ids whose announcement a lost master holds (logged once)
         self._unreachable: dict[str, str] = {}  # announced endpoint ZeroMQ refuses -> why (logged once)
         self._beyond_cap = ThrottledWarning(log)  # announcements past worker.max_discovered
         self._changed = asyncio.Condition()
@@ -389,8 +390,9 @@ class WorkerPool:
         failing = False
         while True:
             skipped: dict[str, str] = {}
+            unreadable: set[str] = set()
             try:
-                announced = await worker_registry.registered(redis, skipped.__setitem__)
+                announced = await worker_registry.registered(redis, skipped.__setitem__, unreadable.add)
             except (RedisError, OSError) as exc:  # Redis away: keep the workers known so far
                 if not failing:  # a reply (WRONGTYPE: the index holds something else) says what to fix
                     why = f"{type(exc).__name__}: {exc}" if isinstance(exc, ResponseError) else type(exc).__name__
@@ -402,8 +404,9 @@ class WorkerPool:
                     log.info("worker announcements readable again: %d announced", len(announced))
                 failing = False
                 self._report_skipped(skipped)
+                self._report_unreadable(unreadable)
                 try:
-                    await self.follow_announcements(announced)
+                    await self.follow_announcements(announced, unreadable)
                 except Exception:  # a bug here must not stop discovery for the life of the gateway
                     log.exception("following the worker announcements failed; trying again")
             await pause(interval_s)
@@ -415,17 +418,26 @@ class WorkerPool:
                 log.warning("ignoring the announcement of worker %s: %s", worker_id, why)
         self._skipped = skipped
 
-    async def follow_announcements(self, announced: list[worker_registry.Registration]) -> None:
+    def _report_unreadable(self, unreadable: set[str]) -> None:
+        """Log once each worker whose announcement sits on a cluster master that does not answer."""
+        for worker_id in unreadable - self._unreadable:
+            log.warning("the announcement of worker %s cannot be read (its Redis master does not answer); it "
+                        "keeps its place in the pool until it can", worker_id)
+        self._unreadable = unreadable
+
+    async def follow_announcements(self, announced: list[worker_registry.Registration],
+                                   unreadable: Collection[str] = ()) -> None:
         """Make the discovered part of the pool match ``announced`` (endpoints already among the
         static ones are not connected twice). A worker whose announcement is gone leaves at once
         when it no longer answers; one that still answers stays for ``worker.registration_ttl_ms``,
         time enough for a live worker to announce itself again after Redis lost its keys
-        (restarted without persistence, flushed), so the pool does not empty meanwhile."""
+        (restarted without persistence, flushed), so the pool does not empty meanwhile. A worker
+        in ``unreadable`` (its announcement on a cluster master that is away) stays as it is."""
         static = {link.endpoint for link in self.links if link.static}
         wanted = self._capped({reg.endpoint: reg for reg in announced if reg.endpoint not in static})
         now = time.monotonic()
         for endpoint, link in list(self._discovered.items()):
-            if endpoint in wanted:
+            if endpoint in wanted or link.worker_id in unreadable:
                 link.unannounced_since = None
             elif link.alive and not link.leaving and \
                     now - (link.unannounced_since or now) < self.wcfg.registration_ttl_ms / 1000:

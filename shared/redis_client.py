@@ -179,6 +179,11 @@ def sync_client(cfg: RedisConfig, **options: Any) -> SyncRedis:
 def async_client(cfg: RedisConfig, **options: Any) -> AsyncRedis:
     """An asyncio client (gateway, the trainer's context reader)."""
     if is_cluster(cfg):
+        # reinitialize_steps 0: a MOVED (a resharding: redis-cli --cluster reshard / rebalance) moves
+        # that slot in the client's map. redis-py's default answers every fifth MOVED by closing the
+        # client, every connection to every node with the commands on them, the context store's
+        # pipeline batches to masters whose slots never moved too (503s with no master down).
+        options = {"reinitialize_steps": 0, **options}
         cluster = aioredis.RedisCluster.from_url(server_url(cfg), startup_nodes=_seeds(cfg, AsyncClusterNode),
                                                  **client_kwargs(cfg), **options)
         # RedisCluster picks its connection class itself; the nodes it makes later copy these

@@ -16,6 +16,7 @@ requests to someone else's process.
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import re
 import socket
@@ -24,7 +25,15 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from redis.exceptions import ResponseError
+from redis.exceptions import (
+    AskError,
+    ClusterError,
+    RedisClusterException,
+    ResponseError,
+    TryAgainError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared import keys
 from shared.text import as_str
@@ -186,14 +195,23 @@ def withdraw(redis: Any, worker_id: str, instance: str | None = None) -> None:
     redis.zrem(keys.WORKERS_INDEX, worker_id)
 
 
-async def registered(redis: Any, skipped: Callable[[str, str], None] | None = None) -> list[Registration]:
+# A registration that cannot be read now (its cluster master down or failing over; MOVED and
+# ASK are redirections redis-py gave up on meanwhile): it may well be there.
+_UNREADABLE_NOW = (RedisConnectionError, RedisTimeoutError, ClusterError, TryAgainError, AskError,
+                   RedisClusterException, OSError)
+
+
+async def registered(redis: Any, skipped: Callable[[str, str], None] | None = None,
+                     unreadable: Callable[[str], None] | None = None) -> list[Registration]:
     """Every live announcement (asyncio redis-py client; two round trips, a third to trim the
     index). An announcement that cannot be used (an id or field that is not text, a malformed
     endpoint or capacity: written by hand or by something other than a worker) is left out and
     passed to ``skipped(worker id, why)``. Index members whose registration is gone (expired,
     withdrawn) are dropped from the index, whatever their scores say: the clocks of the workers
     that wrote them decide nothing. Raises what redis-py raises when Redis is away: the caller
-    keeps what it knew."""
+    keeps what it knew. On a cluster one master may be away while the others answer: a
+    registration on it is passed to ``unreadable(worker id)`` (without it, the read raises), and
+    the caller keeps what it knew of that worker alone."""
     members = await redis.zrange(keys.WORKERS_INDEX, 0, -1)
     ids: list[str] = []
     gone: list[Any] = []
@@ -213,14 +231,27 @@ async def registered(redis: Any, skipped: Callable[[str, str], None] | None = No
         pipe = redis.pipeline(transaction=False)
         for worker_id in ids:
             pipe.hgetall(keys.worker_registration(worker_id))
-        for worker_id, raw in zip(ids, await pipe.execute(raise_on_error=False), strict=True):
+        try:
+            raws = await pipe.execute(raise_on_error=False)
+        except _UNREADABLE_NOW:
+            if unreadable is None:
+                raise
+            # a cluster pipeline fails as a whole when one of its masters is away: each on its own
+            raws = await asyncio.gather(*(redis.hgetall(keys.worker_registration(w)) for w in ids),
+                                        return_exceptions=True)
+        for worker_id, raw in zip(ids, raws, strict=True):
+            if isinstance(raw, _UNREADABLE_NOW):
+                if unreadable is None:
+                    raise raw
+                unreadable(worker_id)
+                continue
             if not raw:
                 gone.append(worker_id)
                 continue
             try:
                 if isinstance(raw, ResponseError):  # WRONGTYPE: its key holds something else than a hash
                     raise RegistrationError(f"its key cannot be read as a registration ({raw})")
-                if isinstance(raw, Exception):  # Redis away or moving: the whole read fails
+                if isinstance(raw, Exception):  # anything else: the whole read fails
                     raise raw
                 found.append(Registration.from_fields(worker_id, raw))
             except RegistrationError as exc:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 import redis as redis_sync
@@ -9,7 +11,9 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from shared.config import ConfigError, RedisConfig
+from shared import keys
+from shared.config import ConfigError, ContextConfig, RedisConfig
+from shared.context.store import ContextStore
 from shared.net import free_port
 from shared.redis_client import (
     async_client,
@@ -20,7 +24,7 @@ from shared.redis_client import (
     server_url,
     sync_client,
 )
-from tests.conftest import RedisTarget
+from tests.conftest import RedisTarget, wait_for
 
 
 def test_cluster_is_named_by_scheme_or_key() -> None:
@@ -148,3 +152,52 @@ def test_the_admin_config_shows_the_cluster_mode_a_cluster_url_selects(redis_clu
     assert resp.status_code == 200, resp.text
     assert resp.json()["config"]["redis"]["cluster"] is True
     assert resp.json()["config"]["redis"]["url"] == redis_cluster.url
+
+
+async def test_a_resharding_leaves_the_context_writes_of_slots_that_stay_put_in_flight(
+        redis_cluster: RedisTarget) -> None:
+    """A resharding moves slots under a running gateway: its other commands meet MOVED, and
+    redis-py's default answers every fifth MOVED by closing every connection of the client, those
+    the context store's pipeline holds to masters whose slots never moved too. Appends in flight
+    on them then failed with "redis closed the connection" (503 to a client whose master was fine)."""
+    cluster = redis_cluster.cluster
+    if cluster is None:
+        pytest.skip("moves slots of a cluster of this test session's own")
+    r = redis_cluster.async_client()
+    store = ContextStore(r, ContextConfig(), redis_cfg=redis_cluster.config)
+    try:
+        await store.append("steady", "c", "text", "user", b"warm")
+        steady_slot = r.keyslot(keys.ctx_meta("steady"))
+        moved = [f"lm:{{reshard-{i}}}:k" for i in range(64) if r.keyslot(f"lm:{{reshard-{i}}}:k") != steady_slot][:8]
+        for key in moved:
+            await r.set(key, "v")  # the client's map now has these slots where they are
+        primaries = cluster.primaries()
+        for key in moved:
+            owner = r.nodes_manager.get_node_from_slot(r.keyslot(key)).port
+            target = next(node for node in primaries if node.port != owner)
+            await asyncio.to_thread(cluster.move_slot, r.keyslot(key), target)
+
+        failures: list[BaseException] = []
+        appended = 0
+        done = asyncio.Event()
+
+        async def append_until_done() -> None:
+            nonlocal appended
+            while not done.is_set():
+                try:
+                    await store.append("steady", "c", "text", "user", b"x" * 32)
+                    appended += 1
+                except Exception as exc:  # noqa: BLE001 - every failure is the finding
+                    failures.append(exc)
+
+        writers = [asyncio.create_task(append_until_done()) for _ in range(16)]
+        await wait_for(lambda: appended >= 16, timeout_s=10, what="appends under way")
+        for key in moved:  # each meets MOVED: the map the client holds is stale for them
+            assert await r.get(key) == b"v"
+        at_last_redirect = appended
+        await wait_for(lambda: appended >= at_last_redirect + 16, timeout_s=10, what="appends after the redirects")
+        done.set()
+        await asyncio.gather(*writers)
+        assert [f"{type(exc).__name__}: {exc}" for exc in failures] == []
+    finally:
+        await r.aclose()

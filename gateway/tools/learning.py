@@ -31,6 +31,7 @@ from gateway.limits import exceeded
 from gateway.registry import Registry, ToolContext
 from shared import keys, wire
 from shared import metrics as m
+from shared.aio import pause
 from shared.audit import audit
 from shared.config import Config
 from shared.context import ContextError, ContextStore
@@ -58,6 +59,7 @@ from shared.types import ContextWindow
 from shared.zmq_util import make_socket
 
 log = logging.getLogger("learnmesh.learning")
+TRAINER_LINK_READ_S = 0.5  # how often the trainer link's reports are read (they fill a queue in minutes)
 
 LEARN_INPUT_SCHEMA = learn_input_schema()
 
@@ -278,6 +280,17 @@ class SampleIngest:
                 "lag": totals.backlog, "partitions": self.partitions, "trainer_offset": totals.offset,
                 "trainer": status, "skipped": skipped,
                 "pushed_by_this_gateway": self.pushed, "backpressured_by_this_gateway": self.backpressured}
+
+    async def follow_trainer_link(self) -> None:
+        """Read the trainer link's connection reports until cancelled. While the trainer is away
+        libzmq reports every attempt to reach it (ten a second) through a queue that its one I/O
+        thread blocks on once full, and with it every ZeroMQ socket of this replica (the worker
+        links: heartbeats missed, inference refused); ``learn`` alone would leave the queue unread
+        for as long as nobody teaches."""
+        while True:
+            if self.watch is not None:
+                self.watch.poll()
+            await pause(TRAINER_LINK_READ_S)
 
     def close(self) -> None:
         if self.watch is not None:
