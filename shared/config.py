@@ -474,7 +474,8 @@ class TrainerConfig:
                                    "master_addr; across machines torchrun's --rdzv-endpoint names the port")
     master_addr: str = "127.0.0.1"
     max_restarts: NonNegativeInt = Field(
-        default=3, description="spawn mode: restart all ranks from the checkpoint after a rank dies")
+        default=3, description="spawn mode: restart all ranks from the checkpoint after a rank dies, this many "
+                                     "times in a row (counted afresh after 10 minutes without a failure)")
     checkpoint_keep: PositiveInt = 2
     max_learn_batch: PositiveInt = Field(
         default=4096, description="samples per `learn` call / admin import request")

@@ -206,3 +206,27 @@ def test_a_checkpoint_directory_the_trainer_cannot_write_is_a_setting_to_mend(re
     assert out.strip().splitlines()[-1] == (
         f"learnmesh: configuration error: trainer.checkpoint_dir: cannot write {tmp_path / 'file' / 'ckpt'} "
         "(Not a directory); give it a directory the trainer can write"), out
+
+
+_FAILS_THREE_TIMES = """
+import pathlib, sys, time
+starts = pathlib.Path(sys.argv[1])
+n = int(starts.read_text()) if starts.exists() else 0
+starts.write_text(str(n + 1))
+if n < 3:
+    time.sleep(1.5)  # healthy a while, then dies as a rank does when its Redis master fails over
+    sys.exit(1)
+"""
+
+
+def test_a_group_that_ran_healthy_gets_its_restarts_back(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """max_restarts bounds a run of failures, not the trainer's life: a group that ran healthy
+    between failures is restarted again (three failures here, one restart allowed)."""
+    from services.trainer import launcher
+
+    monkeypatch.setattr(launcher, "HEALTHY_RUN_S", 0.5)
+    starts = tmp_path / "starts"
+    cfg = load_config(env={}, overrides={"trainer": {"ranks": 1, "backend": "gloo", "max_restarts": 1,
+                                                     "checkpoint_dir": str(tmp_path / "ckpt")}})
+    assert launcher.launch(cfg, lambda _path: ["-c", _FAILS_THREE_TIMES, str(starts)]) == 0
+    assert starts.read_text() == "4"

@@ -4,7 +4,8 @@ of ``learnmesh.yaml``.
 torchrun starts ``trainer.ranks`` rank processes (``learnmesh trainer --as-rank``) with its
 environment contract — MASTER_ADDR is ``trainer.master_addr``, the port a free one (one
 machine needs no agreed port) — and when a rank dies restarts the whole group from the
-latest checkpoint, up to ``trainer.max_restarts`` times (each rank exports the count as
+latest checkpoint, up to ``trainer.max_restarts`` times in a row (counted afresh once the group
+has run healthy for ``HEALTHY_RUN_S``; each rank exports the count as
 ``learnmesh_trainer_restarts_total``) — but not when a rank exited with ``CONFIG_ERROR_EXIT``:
 it met a failure every restart would meet again (a setting, a key or checkpoint file), and the
 launcher exits with that status at once. Every start of the group gets a fresh store, hosted by
@@ -88,14 +89,33 @@ def launch_config(cfg: Config) -> LaunchConfig:
                         signals_to_handle="SIGHUP,SIGQUIT")
 
 
+HEALTHY_RUN_S = 600.0
+"""How long a group runs healthy before ``trainer.max_restarts`` counts afresh: the restarts are
+for a run of failures (a rank that keeps dying), not for the trainer's life, which meets a Redis
+failover or a lost peer now and then."""
+
+
 class _Agent(LocalElasticAgent):
     """torchrun's agent, which does not restart a group in which a rank exited with
-    ``CONFIG_ERROR_EXIT``. (torchrun has no such setting; its launch builds the agent by this name.)"""
+    ``CONFIG_ERROR_EXIT``, and gives a group back its ``max_restarts`` once it has run healthy
+    for ``HEALTHY_RUN_S``. (torchrun has neither setting; its launch builds the agent by this name.)"""
+
+    _healthy_since: float | None = None
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
         if result.state == WorkerState.FAILED and _unfixable(result.failures) is not None:
             self._remaining_restarts = 0
+        if result.state != WorkerState.HEALTHY:
+            self._healthy_since = None
+            return result
+        now = time.monotonic()
+        if self._healthy_since is None:
+            self._healthy_since = now
+        elif now - self._healthy_since >= HEALTHY_RUN_S and self._remaining_restarts < worker_group.spec.max_restarts:
+            log.info("the rank group ran %.0f s without failing: %d restart(s) allowed again",
+                     now - self._healthy_since, worker_group.spec.max_restarts)
+            self._remaining_restarts = worker_group.spec.max_restarts
         return result
 
 
