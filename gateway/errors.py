@@ -224,7 +224,8 @@ def _wire_error(exc: BaseException, config: Config, method: str, params: Mapping
     if isinstance(exc, ContextError):
         return WireError(INVALID_PARAMS, str(exc), None, 400)
     if isinstance(exc, SampleError):
-        return WireError(INVALID_PARAMS, str(exc), {"index": exc.index}, 400)
+        # The sample's place only where the error is one sample's (not the call's shape)
+        return WireError(INVALID_PARAMS, str(exc), None if exc.index is None else {"index": exc.index}, 400)
     if isinstance(exc, WorkerRequestError) and exc.code == "bad_input":
         return WireError(INVALID_PARAMS, str(exc), None, 400)
     if isinstance(exc, SessionNotFound):
