@@ -102,7 +102,8 @@ def test_generate_bad_input_is_a_clear_error(mesh):
     limit = cfg.worker.max_tokens_limit
     cases = [({"prompt": ""}, "prompt"), ({"prompt": "hi", "max_tokens": limit + 1}, "max_tokens"),
              ({"prompt": "hi", "context_id": "nope"}, "context nope not found"),
-             ({"prompt": "x" * (cfg.worker.max_prompt_bytes + 1)}, "bytes")]
+             ({"prompt": "x" * (cfg.worker.max_prompt_bytes + 1)}, "bytes"),
+             ({"prompt": "hi", "modalities": ["image"]}, "give context_id")]
     for args, match in cases:
         _, res = call(url, "generate", args)
         assert res.get("error", {}).get("code") == -32602, (args, res)

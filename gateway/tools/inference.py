@@ -39,7 +39,7 @@ _COMMON: dict[str, Any] = {
     "prompt": {"type": "string", "minLength": 1, "description": "the new input (UTF-8 text)"},
     "context_id": {**_ID, "description": "one of your contexts; its window is the model's context"},
     "modalities": {"type": "array", "items": {"type": "string"}, "minItems": 1,
-                   "description": "context channels to include (default: all)"},
+                   "description": "channels of context_id to include (default: all)"},
     "min_model_version": {"type": "integer", "minimum": 0, "default": 0,
                           "description": "only a worker at or past this model version may answer"},
     "after_learn": {"type": "string", "maxLength": 100,
@@ -103,6 +103,8 @@ def _check_prompt(ctx: ToolContext, args: dict[str, Any]) -> str:
 async def _window(ctx: ToolContext, args: dict[str, Any]) -> tuple[list[dict[str, Any]], list[bytes], int | None]:
     context_id = args.get("context_id")
     if context_id is None:
+        if args.get("modalities") is not None:  # a channel filter with no context to filter
+            raise InvalidParams("modalities selects channels of a context: give context_id with it")
         return [], [], None
     win = await ctx.state.store.get_window(ctx.principal, context_id, modalities=args.get("modalities"))
     meta, frames = pack_entries(win.entries(), text_tail_bytes=ctx.state.config.model.max_seq)
