@@ -110,6 +110,23 @@ async def _populate(url: str) -> dict[str, str]:
         await redis.aclose()
 
 
+async def _report_workers(url: str) -> list[str]:
+    """Self-reports of 12 workers (spread over the masters by their keys), as workers write them."""
+    from shared import keys
+    from shared.config import RedisConfig
+    from shared.redis_client import async_client
+
+    redis = async_client(RedisConfig(url=url))
+    try:
+        names = [f"worker:drill-{i}" for i in range(12)]
+        for name in names:
+            await redis.hset(keys.component_status(name), mapping={"version": "0", "ts_ms": "1"})
+            await redis.sadd(keys.STATUS_INDEX, name)
+        return names
+    finally:
+        await redis.aclose()
+
+
 def _admin_get(srv: Any, path: str, **params: Any) -> httpx.Response:
     from tests.admin_support import VIEWER_KEY, bearer
 
@@ -138,6 +155,8 @@ async def test_admin_listings_answer_with_the_masters_left_while_one_is_down() -
         on_lost_shard = {p for p in PRINCIPALS if lost(keys.ctx_global_lru(keys.ctx_global_shard(p)))}
         on_lost_meta = {p for p in PRINCIPALS if lost(keys.ctx_meta(p))}
         on_lost_audit = {p for p in PRINCIPALS if lost(keys.audit_stream(p))}
+        workers = await _report_workers(cluster.url)
+        readable = set() if lost(keys.STATUS_INDEX) else {w for w in workers if not lost(keys.component_status(w))}
         with live_gateway(cluster.url, redis={"socket_timeout_s": 1.0}) as srv:
             full = (await asyncio.to_thread(_admin_get, srv, "/admin/sessions")).json()
             assert full["partial"] is False and full["unreachable"] == [] and full["count"] == len(PRINCIPALS)
@@ -158,6 +177,11 @@ async def test_admin_listings_answer_with_the_masters_left_while_one_is_down() -
             assert set(rows) == set(PRINCIPALS) - on_lost_shard
             assert {p for p, b in rows.items() if b is None} == on_lost_meta & set(rows)
 
+            listed = await asyncio.to_thread(_admin_get, srv, "/admin/workers")
+            assert listed.status_code == 200, listed.text  # the workers whose reports are readable
+            _partial(listed.json(), victim)
+            assert {f"worker:{w['id']}" for w in listed.json()["workers"]} & set(workers) == readable
+
             audit = await asyncio.to_thread(_admin_get, srv, "/admin/audit", action="drill.mark")
             assert audit.status_code == 200, audit.text
             _partial(audit.json(), victim)
@@ -174,7 +198,7 @@ async def test_admin_listings_answer_with_the_masters_left_while_one_is_down() -
 
             for node in survivors:
                 cluster.kill(node)
-            for path in ("/admin/sessions", "/admin/contexts", "/admin/audit", "/admin/summary"):
+            for path in ("/admin/sessions", "/admin/contexts", "/admin/audit", "/admin/workers", "/admin/summary"):
                 gone = await asyncio.to_thread(_admin_get, srv, path)
                 assert gone.status_code == 503, (path, gone.text)
     finally:

@@ -3,8 +3,11 @@ own reports in Redis (version, lag behind the trainer, load, drained); drain and
 
 from __future__ import annotations
 
+import asyncio
+from functools import partial
 from typing import Annotated, Any
 
+import redis.asyncio as aioredis
 from fastapi import HTTPException, Request
 from fastapi import Path as PathParam
 
@@ -20,37 +23,56 @@ from gateway.admin.common import (
 )
 from gateway.state import Gateway, gateway_of
 from shared import keys
+from shared.redis_client import Reach
 from shared.text import as_str
 
 router = admin_router()
 
 
-async def _statuses(gateway: Gateway, prefix: str) -> dict[str, dict[str, Any]]:
-    """Live self-reports (shared.control.report_status) whose component name starts with ``prefix``."""
+async def _members(gateway: Gateway, reach: Reach, key: str) -> set[str]:
+    """A set's members; none while its master is down (``reach`` names it)."""
+    empty: set[Any] = set()
+    return {as_str(m) for m in await reach.read(key, lambda: gateway.redis.smembers(key), empty)}
+
+
+async def _statuses(gateway: Gateway, prefix: str, reach: Reach) -> dict[str, dict[str, Any]]:
+    """Live self-reports (shared.control.report_status) whose component name starts with
+    ``prefix``. On a cluster a report on a master that is down is left out (``reach`` names the
+    master); so are all of them while the master of their index is."""
     r = gateway.redis
-    names = sorted(n for n in (as_str(m) for m in await r.smembers(keys.STATUS_INDEX)) if n.startswith(prefix))
+    names = sorted(n for n in await _members(gateway, reach, keys.STATUS_INDEX) if n.startswith(prefix))
     if not names:
         return {}
-    pipe = r.pipeline(transaction=False)
-    for n in names:
-        pipe.hgetall(keys.component_status(n))
+    if isinstance(r, aioredis.RedisCluster):
+        # One read per report: a pipeline over the masters fails whole when one is down.
+        raws = await asyncio.gather(*[reach.read(keys.component_status(n), partial(r.hgetall, keys.component_status(n)),
+                                                 None) for n in names])
+    else:
+        pipe = r.pipeline(transaction=False)
+        for n in names:
+            pipe.hgetall(keys.component_status(n))
+        raws = await pipe.execute()
     out, gone = {}, []
-    for n, raw in zip(names, await pipe.execute(), strict=True):
+    for n, raw in zip(names, raws, strict=True):
         if raw:
             out[n] = redis_hash(raw)
-        else:
+        elif raw is not None:  # None: not read (its master is down)
             gone.append(n)
     if gone:  # expired reports: the process stopped reporting
         await r.srem(keys.STATUS_INDEX, *gone)
     return out
 
 
-async def mesh_workers(gateway: Gateway) -> list[dict[str, Any]]:
-    """Every worker this replica connects to or that reports itself, by id."""
-    current = await current_version(gateway)
-    drained = {as_str(m) for m in await gateway.redis.smembers(keys.WORKERS_DRAINED)}
+async def mesh_workers(gateway: Gateway, reach: Reach | None = None) -> list[dict[str, Any]]:
+    """Every worker this replica connects to or that reports itself, by id. With a master of a
+    cluster down, what it holds is missing (``reach`` says which master; without one, the
+    first failure is raised when no master answered)."""
+    own = reach is None
+    reach = reach or Reach(gateway.redis)
+    current = await reach.read(keys.MODEL_VERSION, lambda: current_version(gateway), None)
+    drained = await _members(gateway, reach, keys.WORKERS_DRAINED)
     by_id: dict[str, dict[str, Any]] = {w["id"]: w for w in gateway.workers.status()}
-    for comp, st in (await _statuses(gateway, "worker:")).items():
+    for comp, st in (await _statuses(gateway, "worker:", reach)).items():
         wid = comp.split(":", 1)[1]
         # A report outlives its worker by its TTL: one this replica does not reach is not serving here.
         by_id[wid] = {"alive": False, **st, **by_id.get(wid, {}), "id": wid, "reported_ms": st.get("ts_ms")}
@@ -63,13 +85,19 @@ async def mesh_workers(gateway: Gateway) -> list[dict[str, Any]]:
             lag = int(reported) if lag is None else max(lag, int(reported))
         out.append({**w, "version": version, "lag": lag, "load": w.get("load"),
                     "drained": wid in drained or bool(w.get("drained"))})
+    if own:
+        reach.check()
     return out
 
 
 @router.get("/workers", summary="Inference workers: version, lag behind the trainer, load, drained")
 async def list_workers(request: Request, who: AdminPrincipal = viewer) -> dict[str, Any]:
     gateway = gateway_of(request)
-    return {"model_version": await current_version(gateway), "workers": await mesh_workers(gateway)}
+    reach = Reach(gateway.redis)
+    workers = await mesh_workers(gateway, reach)
+    version = await reach.read(keys.MODEL_VERSION, lambda: current_version(gateway), None)
+    reach.check()
+    return {"model_version": version, "workers": workers, **reach.as_json()}
 
 
 async def _set_drain(request: Request, worker_id: str, who: AdminPrincipal, drain: bool) -> dict[str, Any]:
