@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import signal
 
+import PIL.Image
 import pytest
 import zmq.asyncio
 from prometheus_client import REGISTRY
@@ -97,6 +99,40 @@ async def test_one_principals_queue_does_not_hold_back_anothers_requests(one_wor
         for who in ("bob", "carol"):
             ahead = done[:done.index(who)].count("alice")
             assert ahead < 2 * per_batch, f"{who} waited behind {ahead} of alice's requests: {done}"
+    finally:
+        await pool.close()
+
+
+def _png(pixels: int) -> bytes:
+    side = int(pixels ** 0.5)
+    with io.BytesIO() as out:
+        PIL.Image.new("RGB", (side, side), (10, 20, 30)).save(out, "PNG")
+        return out.getvalue()
+
+
+async def test_one_principals_images_do_not_hold_back_anothers(one_worker):
+    """A worker decodes context media on one thread, principals taking turns: with alice's six
+    requests of large images arriving first, bob's small image is decoded after at most the one
+    being decoded and one more of alice's, not after all six."""
+    cfg, _ = one_worker
+    pool = WorkerPool(cfg)
+    await pool.start()
+    try:
+        await pool.wait_live(1, timeout_s=60)
+        big, small = _png(cfg.model.max_image_pixels // 3), _png(64 * 64)
+        image = [{"id": "image:1", "modality": "image", "role": "user", "ts_ms": 1}]
+        done: list[str] = []
+
+        async def ask(principal: str, i: int, png: bytes) -> None:
+            await pool.request({**gen(f"{principal} {i}", max_tokens=2), "entries": image, "principal": principal},
+                               [png])
+            done.append(principal)
+
+        alice = [ask("alice", i, big) for i in range(6)]
+        # one event loop turn sends them all in this order: alice's are queued before bob's
+        await asyncio.wait_for(asyncio.gather(*alice, ask("bob", 0, small)), 120)
+        ahead = done[:done.index("bob")].count("alice")
+        assert ahead <= 2, f"bob waited behind {ahead} of alice's requests: {done}"
     finally:
         await pool.close()
 

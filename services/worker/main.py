@@ -25,7 +25,7 @@ import socket
 import threading
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +65,7 @@ class _Decoding:
 
     peer: bytes
     op: str
+    message: tuple[dict[str, Any], list[Any]] | None = None  # header and payload, until its turn
     future: concurrent.futures.Future[Request | None] | None = None
     cancelled: bool = False  # the gateway gave up on it: not decoded if not begun, not answered
 
@@ -100,6 +101,10 @@ class Worker:
         # media are encoded on a thread of their own while the loop goes on answering.
         self.decoding: dict[str, _Decoding] = {}
         self._decoder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="worker-media")
+        # Requests waiting for the media thread, per principal; principals take turns (the one
+        # served least recently first), so one caller's many images do not hold back another's.
+        self._media_lanes: OrderedDict[str, deque[str]] = OrderedDict()
+        self._media_job: concurrent.futures.Future[Request | None] | None = None  # on the media thread
         self.version = 0
         self.batches = 0
         self.subscriber = self._subscriber(updates)
@@ -232,6 +237,7 @@ class Worker:
                 dec.cancelled = True
                 self._error(dec.peer, rid, "shutting_down", "worker is shutting down; retry elsewhere")
             self.decoding.clear()
+            self._media_lanes.clear()
             left_ms = (deadline - time.monotonic()) * 1000
             if left_ms <= 0:
                 return
@@ -361,8 +367,13 @@ class Worker:
             return
         entries = h.get("entries")
         if isinstance(entries, list) and any(isinstance(e, dict) and e.get("modality") in _MEDIA for e in entries):
-            dec = self.decoding[rid] = _Decoding(peer, str(h.get("op")))
-            dec.future = self._decoder.submit(self._decode, dec, peer, rid, h, payload)
+            if rid in self.decoding:  # one record per id: its answer goes to one request
+                self._refuse(peer, rid, str(h.get("op")), ValueError(f"request {rid} is already being decoded"))
+                return
+            self.decoding[rid] = _Decoding(peer, str(h.get("op")), (h, payload))
+            principal = h.get("principal")
+            self._media_lanes.setdefault(principal if isinstance(principal, str) else "", deque()).append(rid)
+            self._next_decoding()
             return
         try:
             req = self._parse(peer, rid, h, payload)
@@ -385,9 +396,29 @@ class Worker:
         """On the media thread: the request, or None when it was cancelled before its turn."""
         return None if dec.cancelled else self._parse(peer, rid, h, payload)
 
+    def _next_decoding(self) -> None:
+        """Give the idle media thread the next request: the first of the principal whose turn it
+        is, who then goes last. A request cancelled before its turn is dropped unanswered."""
+        while (self._media_job is None or self._media_job.done()) and self._media_lanes:
+            principal, lane = next(iter(self._media_lanes.items()))
+            rid = lane.popleft()
+            if lane:
+                self._media_lanes.move_to_end(principal)
+            else:
+                del self._media_lanes[principal]
+            dec = self.decoding.get(rid)
+            if dec is None or dec.message is None:
+                continue
+            if dec.cancelled:
+                del self.decoding[rid]
+                continue
+            h, payload = dec.message
+            dec.message = None
+            dec.future = self._media_job = self._decoder.submit(self._decode, dec, dec.peer, rid, h, payload)
+
     def _take_decoded(self) -> None:
         """Queue the requests whose media are decoded (refuse those that could not be); drop the
-        ones cancelled meanwhile."""
+        ones cancelled meanwhile; start the next."""
         for rid, dec in list(self.decoding.items()):
             if dec.future is None or not dec.future.done():
                 continue
@@ -404,6 +435,7 @@ class Worker:
                 continue
             if req is not None and not dec.cancelled:
                 self._enqueue(req)
+        self._next_decoding()
 
     def _parse(self, peer: bytes, rid: str, h: dict[str, Any], payload: list[Any]) -> Request:
         op = h.get("op")
