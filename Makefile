@@ -30,7 +30,7 @@ TEST_JOBS ?= $(if $(shell command -v redis-server),$(if $(LEARNMESH_TEST_REDIS_U
 ## All tests, then the official MCP conformance suite on both revisions (directly, and through
 ## the proxy to an upstream that speaks only 2025-11-25, then only 2026-07-28).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(if $(filter 1,$(TEST_JOBS)),0,$(TEST_JOBS))
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=20 -n $(if $(filter 1,$(TEST_JOBS)),0,$(TEST_JOBS))
 	bash scripts/conformance.sh
 	THROUGH_PROXY=2025-11-25 bash scripts/conformance.sh
 	THROUGH_PROXY=2026-07-28 bash scripts/conformance.sh
