@@ -160,9 +160,9 @@ class Authenticator:
             return None
         try:
             claims = jwt.decode(token, self._oauth.hs256_secret, algorithms=["HS256"],
-                                audience=self._oauth.audience or self._oauth.resource or None,
-                                issuer=self._oauth.issuer or None, leeway=self._oauth.leeway_s,
-                                options={"require": ["exp"]})
+                                audience=self._oauth.audience or self._oauth.resource,
+                                issuer=self._oauth.issuer, leeway=self._oauth.leeway_s,
+                                options={"require": ["exp", "iss", "aud"]})
         except jwt.PyJWTError:
             return None
         who = claims.get(self._oauth.principal_claim)

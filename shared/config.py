@@ -218,6 +218,10 @@ class OAuthConfig:
         parts = urlsplit(self.resource)
         _check(not self.enabled or (parts.scheme in ("http", "https") and bool(parts.hostname)),
                "enabled needs resource: the http(s) URL of this gateway's /mcp that tokens are issued for")
+        # The key proves that a holder of it signed, not which one: without an issuer, any other
+        # authorization server given the same key (a shared or a staging one) would issue our tokens.
+        _check(not self.enabled or bool(self.issuer),
+               "enabled needs issuer: the iss of the authorization server whose tokens are accepted")
 
 
 @_section

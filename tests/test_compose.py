@@ -196,6 +196,32 @@ def test_gateway_reached_through_the_load_balancer_and_keys_required(compose, do
     assert cfg.gateway.api_keys and cfg.gateway.admin_keys
 
 
+
+def test_the_gateway_believes_x_forwarded_for_from_the_load_balancer_alone(compose, dotenv, mounts):
+    """The failed-attempt throttle counts per client address, which the gateway takes from
+    ``X-Forwarded-For`` when the peer is a trusted proxy. Only ``lb`` is: it has a fixed address
+    on a network of its own with the gateways, outside the range Docker hands out, so no worker,
+    trainer or other container (nor a gateway replica) can name a client address of its choosing,
+    and the whole network is not trusted either."""
+    import ipaddress
+
+    trusted = _cfg(compose, dotenv, mounts, "gateway").gateway.auth_throttle.trusted_proxies
+    assert [ipaddress.ip_network(net).num_addresses for net in trusted] == [1], trusted
+    lb, gateway = compose["services"]["lb"], compose["services"]["gateway"]
+    assert set(lb["networks"]) == {"edge"}, "lb reaches the gateways on the edge network alone"
+    address = lb["networks"]["edge"]["ipv4_address"]
+    assert trusted == [address]
+    assert "edge" in gateway["networks"] and "default" in gateway["networks"]  # Redis, workers, trainer
+    on_edge = {name for name, svc in compose["services"].items() if "edge" in (svc.get("networks") or {})}
+    assert on_edge == {"lb", "gateway"}
+    (ipam,) = compose["networks"]["edge"]["ipam"]["config"]
+    subnet, pool = ipaddress.ip_network(ipam["subnet"]), ipaddress.ip_network(ipam["ip_range"])
+    assert ipaddress.ip_address(address) in subnet and pool.subnet_of(subnet)
+    assert ipaddress.ip_address(address) not in pool, "Docker could give lb's address to a gateway replica"
+    assert pool.num_addresses >= 64  # room for `--scale gateway=N`
+    nginx = (COMPOSE / "nginx.conf").read_text()
+    assert "proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;" in nginx
+
 def _targets() -> dict[str, list[str]]:
     prom = yaml.safe_load((COMPOSE / "prometheus.yml").read_text())
     out: dict[str, list[str]] = {}

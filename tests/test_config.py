@@ -25,6 +25,7 @@ from shared.config import (
     load_config,
     parse_api_keys,
 )
+from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -190,7 +191,8 @@ def test_oauth_refuses_a_missing_or_short_hs256_key(secret: str) -> None:
     with pytest.raises(ConfigError, match="gateway.oauth: enabled needs hs256_secret: at least 32 bytes"):
         load_config(env={}, overrides={"gateway": {"oauth": {"enabled": True, "hs256_secret": secret}}})
     assert load_config(env={}, overrides={"gateway": {"oauth": {"enabled": True, "hs256_secret": "k" * 32,
-                                                                 "resource": "https://mesh.example/mcp"}}})
+                                                                 "resource": "https://mesh.example/mcp",
+                                                                 "issuer": "https://auth.example"}}})
 
 
 @pytest.mark.parametrize("key", ["schlüssel-0123456789", " key-0123456789", "key-0123456789 ", "key-0123\t456789",
@@ -226,6 +228,24 @@ def test_oauth_needs_the_url_of_the_resource_it_protects(resource: str) -> None:
     oauth = {"enabled": True, "hs256_secret": "k" * 32, "resource": resource}
     with pytest.raises(ConfigError, match=r"gateway.oauth: enabled needs resource: the http\(s\) URL"):
         load_config(env={}, overrides={"gateway": {"oauth": oauth}})
+
+
+OAUTH_WITHOUT_ISSUER = "gateway.oauth: enabled needs issuer: the iss of the authorization server whose tokens are accepted"
+
+
+def test_oauth_needs_the_issuer_whose_tokens_it_accepts(tmp_path: Path) -> None:
+    """Without an issuer a token's ``iss`` is not checked: another authorization server holding the
+    key (one HS256 key shared by several, a staging server) could issue tokens this gateway takes.
+    The gateway refuses to start, one line naming the key, before it reaches Redis."""
+    oauth = {"enabled": True, "hs256_secret": "k" * 32, "resource": "https://mesh.example/mcp"}
+    with pytest.raises(ConfigError, match=OAUTH_WITHOUT_ISSUER):
+        load_config(env={}, overrides={"gateway": {"oauth": oauth}})
+    path = tmp_path / "learnmesh.yaml"
+    path.write_text(yaml.safe_dump({"gateway": {"oauth": oauth}}))
+    done = _cli(tmp_path, "--config", str(path), "gateway", "--port", str(free_port()),
+                env={"REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"})
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [f"learnmesh: configuration error: {OAUTH_WITHOUT_ISSUER}"]
 
 
 @pytest.mark.parametrize(("field", "value"), [

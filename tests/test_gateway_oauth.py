@@ -526,6 +526,58 @@ def test_websocket_closes_when_its_token_expires(redis_target_module: RedisTarge
         stop(proc)
 
 
+def _sse_messages(stream: httpx.Response) -> Iterator[dict]:
+    """The JSON-RPC messages of an SSE response, as they arrive."""
+    for line in stream.iter_lines():
+        if line.startswith("data:") and line[5:].strip():
+            yield orjson.loads(line[5:])
+
+
+def test_listen_stream_ends_when_its_token_expires(redis_target_module: RedisTarget) -> None:
+    """A 2026-07-28 ``subscriptions/listen`` stream checks its token once, like a WebSocket, so it
+    delivers until that token expires (``leeway_s`` 0 here) and then ends the way a listen ends
+    on shutdown: the request's result, carrying the subscription id. The client listens again with
+    a fresh token. One opened with an API key stays."""
+    port = free_port()
+    proc = start_gateway(port, redis_target_module.url, api_keys=f"ops:{API_KEY}",
+                         overrides=_oauth(port, leeway_s=0))
+    gw = Gateway(f"http://127.0.0.1:{port}")
+    uri = "context://listened/text"
+    listen, headers = modern("subscriptions/listen", {"notifications": {"resourceSubscriptions": [uri]}}, rid=7)
+    lasting = bearer(mint(sub="alice"))
+    try:
+        soon = bearer(mint(sub="alice", exp=int(time.time()) + 3))
+        with httpx.stream("POST", gw.mcp, json=listen, headers={**headers, **bearer(API_KEY)},
+                          timeout=httpx.Timeout(10, read=20)) as by_key:
+            kept = _sse_messages(by_key)
+            assert next(kept)["method"] == "notifications/subscriptions/acknowledged"
+            with httpx.stream("POST", gw.mcp, json=listen, headers={**headers, **soon},
+                              timeout=httpx.Timeout(10, read=20)) as stream:
+                assert stream.status_code == 200
+                messages = _sse_messages(stream)
+                assert next(messages)["method"] == "notifications/subscriptions/acknowledged"
+                appended = tool(gw, lasting, "context_append", context_id="listened", modality="text", text="x")
+                assert "result" in appended, appended
+                updated = next(messages)  # delivered while the token is valid
+                assert updated["method"] == "notifications/resources/updated" and updated["params"]["uri"] == uri
+                deadline = time.monotonic() + 20
+                rest = []
+                for msg in messages:  # until the server ends the stream
+                    rest.append(msg)
+                    assert time.monotonic() < deadline, "the stream outlived its token"
+            sub_meta = {"io.modelcontextprotocol/subscriptionId": 7}
+            assert rest == [{"jsonrpc": "2.0", "id": 7, "result": {"_meta": sub_meta, "resultType": "complete"}}]
+            appended = tool(gw, bearer(API_KEY), "context_append", context_id="listened", modality="text", text="y")
+            assert "result" in appended, appended
+            assert next(kept)["params"]["uri"] == uri  # the API key's stream lives on
+        # listening again with a fresh token works (the ended stream gave back its listen_streams slot)
+        with httpx.stream("POST", gw.mcp, json=listen, headers={**headers, **lasting},
+                          timeout=httpx.Timeout(10, read=20)) as again:
+            assert next(_sse_messages(again))["method"] == "notifications/subscriptions/acknowledged"
+    finally:
+        stop(proc)
+
+
 # ------------------------------------------------------------------ logs
 def test_secret_and_tokens_never_logged(oauth_gw: Gateway, store: RedisTarget) -> None:
     assert oauth_gw.log is not None

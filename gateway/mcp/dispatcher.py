@@ -76,11 +76,12 @@ class Call:
     """One request being served; the :class:`gateway.registry.ToolContext` handlers see."""
 
     __slots__ = ("principal", "request_id", "protocol_version", "state", "meta", "envelope", "session", "emit",
-                 "modern", "responses", "cancelled", "_log_level")
+                 "expires_at", "modern", "responses", "cancelled", "_log_level")
 
     def __init__(self, *, principal: str, request_id: RequestId | None, protocol_version: str, state: Gateway,
                  meta: dict[str, Any] | None = None, envelope: Envelope | None = None,
-                 session: Session | None = None, emit: Emit | None = None) -> None:
+                 session: Session | None = None, emit: Emit | None = None,
+                 expires_at: float | None = None) -> None:
         self.principal = principal
         self.request_id = request_id
         self.protocol_version = protocol_version
@@ -89,6 +90,7 @@ class Call:
         self.envelope = envelope
         self.session = session
         self.emit = emit
+        self.expires_at = expires_at  # the credential's end (epoch s), for what outlives the request: a listen
         self.modern = protocol_version in MODERN_VERSIONS
         self.responses: dict[str, Any] = {}
         self.cancelled = False
@@ -175,6 +177,16 @@ def _cursor_offset(cursor: Any, kind: str, page_size: int) -> int:
 
 def _not_issued() -> InvalidParams:
     return InvalidParams("params.cursor is not a cursor this server issued for this list")
+
+
+async def _next_note(queue: asyncio.Queue[dict[str, Any]], ends_at: float | None) -> dict[str, Any] | None:
+    """A listen stream's next notification; None once ``ends_at`` (epoch s) has passed."""
+    if ends_at is None:
+        return await queue.get()
+    try:
+        return await asyncio.wait_for(queue.get(), ends_at - time.time())
+    except TimeoutError:
+        return None
 
 
 def _str_param(params: dict[str, Any], name: str) -> str:
@@ -537,7 +549,9 @@ class Dispatcher:
             and self._upstream_uri(uri)
 
     async def _handle_subscriptions_listen(self, call: Call, p: dict[str, Any]) -> dict[str, Any]:
-        """Hold a notification stream open until the client goes or the gateway stops."""
+        """Hold a notification stream open until the client goes, the gateway stops or the token
+        it was opened with expires (``call.expires_at``): its credential is checked once, so the
+        stream ends then, answered as on shutdown, and the client listens again with a fresh one."""
         if call.emit is None:
             raise McpError(INVALID_REQUEST, "subscriptions/listen needs a streaming response")
         wanted = p.get("notifications")
@@ -569,8 +583,8 @@ class Dispatcher:
                         await self.state.proxy.resources.subscribe(call, uri)
                         proxied.append(uri)
                 while True:
-                    note = await queue.get()
-                    if note.get("method") == "$shutdown":
+                    note = await _next_note(queue, call.expires_at)
+                    if note is None or note.get("method") == "$shutdown":
                         break
                     params = dict(note.get("params") or {})
                     params["_meta"] = {**params.get("_meta", {}), **sub_meta}

@@ -89,13 +89,16 @@ class Link:
     (WebSocket frames). ``session_id``: the ``Mcp-Session-Id`` header, or the session a
     WebSocket connection opened. ``emit``: the response stream (SSE, the socket); None
     when the answer can only be one JSON body. ``duplicated_header``: a routing header the
-    request carried twice."""
+    request carried twice. ``expires_at``: when the credential of a request that lives on as a
+    stream (a listen) expires (epoch s, :meth:`gateway.auth.Authenticator.expires_at`); None when
+    it lasts, or when the transport ends the whole connection then (WebSocket)."""
 
     transport: str
     headers: Mapping[str, str] | None = None
     session_id: str | None = None
     emit: Emit | None = None
     duplicated_header: str | None = None
+    expires_at: float | None = None
 
 
 def _meta(message: Request | Notification) -> dict[str, Any] | None:
@@ -192,7 +195,8 @@ class Kernel:
             raise McpError(HEADER_MISMATCH, f"{link.duplicated_header} header appears more than once")
         envelope = self.envelope(message, link.headers)
         call = Call(principal=principal, request_id=message.id, protocol_version=envelope.protocol_version,
-                    state=self.gateway, meta=message.params["_meta"], envelope=envelope, emit=link.emit)
+                    state=self.gateway, meta=message.params["_meta"], envelope=envelope, emit=link.emit,
+                    expires_at=link.expires_at)
         if message.method != "tools/call":
             return await self.dispatcher.handle(call, message, link.transport)
         return await self._cancellable(principal, None, message, call, link.transport)

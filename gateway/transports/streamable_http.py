@@ -239,6 +239,8 @@ class McpHttpTransport:
         if listen and not has_sse:
             await _reply(send, sent, 406, orjson.dumps({"error": "subscriptions/listen needs Accept: text/event-stream"}))
             return
+        if listen:
+            link.expires_at = self.gateway.auth.expires_at(headers.get("authorization"))
         if listen or self._ends_with_its_client(message, link):
             reply = await self._until_disconnect(self.kernel.receive(principal, message, link), receive)
             if reply is None:
