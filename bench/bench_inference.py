@@ -212,6 +212,9 @@ def config_data(tmp: Path, model: str) -> dict:
     return {"model": {**(TINY if model == "tiny" else {}), "cache_dir": str(ROOT / "var" / "model")},
             "worker": {"endpoints": [f"tcp://127.0.0.1:{free_port()}"], "max_batch_size": 64, "max_wait_ms": 2.0},
             "gateway": {"port": free_port()},
+            # one principal plays every session: its cap on calls in flight (16) would refuse the
+            # levels above it, which measures the limit, not the pipeline
+            "limits": {"default": {"inference_in_flight": 0}},
             "security": {"delta_key_file": str(tmp / "delta.key"), "delta_pub_endpoint": f"tcp://127.0.0.1:{free_port()}",
                          "snapshot_endpoint": f"tcp://127.0.0.1:{free_port()}",
                          "ack_endpoint": f"tcp://127.0.0.1:{free_port()}"},

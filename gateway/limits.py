@@ -16,7 +16,13 @@ One principal must not be able to starve the others, or fill a Redis that runs
 - **subscriptions per legacy session** are capped by the subscribe script itself
   (gateway/mcp/sessions.py), **requests in flight per WebSocket** by the connection that
   holds them (it lives on one replica), and **the sample log's backlog** by its append
-  script (gateway/tools/learning.py).
+  script (gateway/tools/learning.py);
+- **inference calls in flight** (``generate``, ``score``) are counted by each replica in its
+  own memory (:meth:`Limits.inference_slot`): what they hold — a context window read from
+  Redis, a place in a worker batch, the wait for the answer — is that replica's, so the mesh
+  admits at most ``replicas x inference_in_flight`` per principal. A shared count would cost
+  every call two round trips and a lease renewed while it runs, and would make inference
+  fail while Redis is away, for a bound the worker batches' round-robin already keeps fair.
 
 Going over a limit raises :class:`~gateway.errors.LimitExceeded` (HTTP 429 + Retry-After,
 JSON-RPC ``data.retryAfterS``) and counts in ``learnmesh_limit_exceeded_total{limit}``.
@@ -37,7 +43,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -165,6 +171,7 @@ class Limits:
         self._stocks: dict[str, _Stock] = {}
         self._outage_until = 0.0
         self._lease = redis.register_script(LEASE_LUA)
+        self._inference: dict[str, int] = {}  # principal -> its generate/score calls in flight here
 
     def of(self, principal: str) -> PrincipalLimits:
         return self._overrides.get(principal, self.cfg.default)
@@ -299,6 +306,28 @@ class Limits:
     async def check_teacher(self, principal: str) -> None:
         if not await self.may_teach(principal):
             raise self.forbidden(principal)
+
+    # ------------------------------------------------------------------ inference in flight
+    @contextlib.contextmanager
+    def inference_slot(self, principal: str) -> Iterator[None]:
+        """Hold one of the principal's ``inference_in_flight`` on this replica for the life of a
+        ``generate`` or ``score`` call, however it ends (answer, error, cancel, disconnect). One
+        principal's hundreds of concurrent calls would otherwise fill every worker batch and this
+        replica's memory; fairness among principals only bounds how long the others wait."""
+        cap = self.of(principal).inference_in_flight
+        held = self._inference.get(principal, 0)
+        if cap and held >= cap:
+            raise exceeded("inference_in_flight", f"at most {cap} generate/score calls may be in flight at once "
+                           "(on this gateway replica): wait for one to end", self.cfg.cap_retry_after_s)
+        self._inference[principal] = held + 1
+        try:
+            yield
+        finally:
+            left = self._inference[principal] - 1
+            if left:
+                self._inference[principal] = left
+            else:
+                del self._inference[principal]  # principals without calls in flight cost nothing
 
     # ------------------------------------------------------------------ open streams
     @contextlib.asynccontextmanager

@@ -635,6 +635,9 @@ class PrincipalLimits:
     ws_concurrent_requests: NonNegativeInt = Field(default=256, description="requests in flight per WebSocket")
     running_tasks: NonNegativeInt = Field(
         default=64, description="tasks (MCP tasks extension) not yet completed, failed or cancelled, all replicas")
+    inference_in_flight: NonNegativeInt = Field(
+        default=16, description="generate and score calls not yet answered, per gateway replica (the mesh admits "
+                                "replicas x this): one worker batch (worker.max_batch_size) from each replica")
 
 
 @_section
@@ -652,7 +655,8 @@ class LimitsConfig:
         default=100_000, description="samples logged but not yet trained beyond which learn is refused; 0: off")
     backlog_retry_after_s: PositiveInt = 5
     cap_retry_after_s: PositiveInt = Field(
-        default=1, description="Retry-After when a count cap (subscriptions, listens, WebSocket requests) is full")
+        default=1, description="Retry-After when a count cap (subscriptions, listens, WebSocket requests, "
+                                  "inference calls) is full")
 
     def __post_init__(self) -> None:
         for where, table in (("roles", self.roles), ("principals", self.principals)):

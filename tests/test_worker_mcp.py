@@ -12,6 +12,7 @@ import struct
 import subprocess
 import sys
 import zlib
+from typing import Any
 
 import httpx
 import jsonschema
@@ -28,20 +29,28 @@ from tests.worker_support import ROOT, FakeWorker, spawn_worker, stop, write_con
 MODERN = "2026-07-28"
 
 
-def call(url: str, name: str, arguments: dict, progress: str | None = None) -> tuple[list[dict], dict]:
-    meta = {"io.modelcontextprotocol/protocolVersion": MODERN, "io.modelcontextprotocol/clientCapabilities": {}}
-    if progress:
-        meta["progressToken"] = progress
-    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call",
-            "params": {"name": name, "arguments": arguments, "_meta": meta}}
-    r = httpx.post(url, json=body, timeout=60, headers={
-        "accept": "application/json, text/event-stream", "mcp-protocol-version": MODERN,
-        "mcp-method": "tools/call", "mcp-name": name})
+def call(url: str, name: str, arguments: dict, progress: str | None = None,
+         key: str | None = None) -> tuple[list[dict], dict]:
+    r = post_call(url, name, arguments, progress, key)
     if r.headers.get("content-type", "").startswith("text/event-stream"):
         msgs = [orjson.loads(line[5:]) for line in r.text.splitlines() if line.startswith("data:") and line[5:].strip()]
     else:
         msgs = [r.json()]
     return msgs[:-1], msgs[-1]
+
+
+def post_call(url: str, name: str, arguments: dict, progress: str | None = None,
+              key: str | None = None) -> httpx.Response:
+    """A 2026-07-28 ``tools/call`` (as ``key``'s principal, if given)."""
+    meta = {"io.modelcontextprotocol/protocolVersion": MODERN, "io.modelcontextprotocol/clientCapabilities": {}}
+    if progress:
+        meta["progressToken"] = progress
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+            "params": {"name": name, "arguments": arguments, "_meta": meta}}
+    auth = {"authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(url, json=body, timeout=60, headers={
+        "accept": "application/json, text/event-stream", "mcp-protocol-version": MODERN,
+        "mcp-method": "tools/call", "mcp-name": name, **auth})
 
 
 @pytest.fixture(scope="module")
@@ -177,9 +186,9 @@ def test_a_context_of_large_images_does_not_silence_the_worker(mesh):
 
 
 @contextlib.asynccontextmanager
-async def gateway_process(config_path, port: int, log_path):
+async def gateway_process(config_path, port: int, log_path, key: str | None = None):
     """A gateway process (its output in ``log_path``), once it answers a generation whose prompt
-    is "warm" (a worker must answer those)."""
+    is "warm" (a worker must answer those; asked as ``key``'s principal, if given)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("LEARNMESH_") and k != "REDIS_URL"}
     with log_path.open("wb") as log_file:
         gw = subprocess.Popen([sys.executable, "-m", "services.cli", "--config", str(config_path), "gateway"],
@@ -189,7 +198,7 @@ async def gateway_process(config_path, port: int, log_path):
         async def warm() -> bool:
             assert gw.poll() is None, "gateway exited"
             try:
-                _, res = await asyncio.to_thread(call, url, "generate", {"prompt": "warm", "max_tokens": 1})
+                _, res = await asyncio.to_thread(call, url, "generate", {"prompt": "warm", "max_tokens": 1}, key=key)
             except httpx.HTTPError:
                 return False
             return "result" in res
@@ -248,6 +257,145 @@ async def test_a_2026_generate_whose_client_disconnects_stops_on_its_worker(held
     await writer.wait_closed()
     await wait_for(lambda: worker.cancelled == held, timeout_s=20, what="the worker to be told to stop")
     assert "Traceback" not in log_path.read_text(errors="replace")
+
+
+ALICE, BOB = "alice-inference-key", "bob-inference-key"
+LEGACY = "2025-11-25"
+_ACCEPT = "application/json, text/event-stream"
+
+
+@pytest.fixture
+async def capped_worker(tmp_path, redis_target: RedisTarget):
+    """``held_worker`` with API keys for alice and bob, each of whom may have two generate/score
+    calls in flight. Yields the gateway's port, the worker and the gateway's log."""
+    port = free_port()
+    path, cfg = write_config(tmp_path, 1, redis_url=redis_target.url, worker={"request_timeout_s": 300.0}, extra={
+        "gateway": {"port": port, "api_keys": {"alice": ALICE, "bob": BOB}},
+        "limits": {"default": {"inference_in_flight": 2}}})
+    ctx = zmq.asyncio.Context()
+    worker = FakeWorker(ctx, cfg, cfg.worker.endpoints[0], "held")
+    worker.answers = _warm_only
+    try:
+        async with gateway_process(path, port, tmp_path / "gateway.log", key=BOB):
+            yield port, worker, tmp_path / "gateway.log"
+    finally:
+        await worker.close()
+        ctx.term()
+
+
+async def _open_post(port: int, body: dict, headers: dict[str, str],
+                     connections: list[asyncio.StreamWriter]) -> asyncio.StreamWriter:
+    """A POST /mcp on a connection of its own (added to ``connections``) whose answer nobody
+    reads; closing the connection is how its client goes away."""
+    data = orjson.dumps(body)
+    fields = {"host": f"127.0.0.1:{port}", "content-type": "application/json", "accept": _ACCEPT, **headers,
+              "content-length": str(len(data))}
+    _, writer = await asyncio.open_connection("127.0.0.1", port)
+    connections.append(writer)
+    head = "".join(f"{name}: {value}\r\n" for name, value in fields.items())
+    writer.write(f"POST /mcp HTTP/1.1\r\n{head}\r\n".encode() + data)
+    await writer.drain()
+    return writer
+
+
+def _legacy_session(url: str, key: str) -> dict[str, str]:
+    """The headers of a new 2025-11-25 session of ``key``'s principal."""
+    headers = {"accept": _ACCEPT, "authorization": f"Bearer {key}"}
+    init = httpx.post(url, headers=headers, json={"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": LEGACY, "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}})
+    return headers | {"mcp-session-id": init.headers["mcp-session-id"], "mcp-protocol-version": LEGACY}
+
+
+def _generations(worker: FakeWorker) -> list[str]:
+    return [rid for rid in worker.unanswered if not rid.startswith("probe")]
+
+
+async def test_a_principal_has_at_most_its_cap_of_inference_calls_in_flight(capped_worker):
+    """A principal has at most limits.<…>.inference_in_flight generate/score calls in flight (two
+    here): one more, of either tool in either revision, is refused at once with 429 and -32029
+    while another principal is served; a call gives its place back however it ends: its client
+    disconnects, a 2025-11-25 client cancels it, the worker answers, the worker fails."""
+    port, worker, log_path = capped_worker
+    url = f"http://127.0.0.1:{port}/mcp"
+    legacy = await asyncio.to_thread(_legacy_session, url, ALICE)
+    connections: list[asyncio.StreamWriter] = []
+    try:
+        await _cap_of_inference_calls(port, worker, legacy, connections)
+    finally:
+        for writer in connections:
+            writer.close()
+            await writer.wait_closed()
+    assert "Traceback" not in log_path.read_text(errors="replace")
+
+
+async def _cap_of_inference_calls(port: int, worker: FakeWorker, legacy: dict[str, str],
+                                  connections: list[asyncio.StreamWriter]) -> None:
+    url = f"http://127.0.0.1:{port}/mcp"
+    story = {"prompt": "a long story", "max_tokens": 500}  # held by the worker until told otherwise
+    warm = {"prompt": "warm", "max_tokens": 1}
+    modern_meta = {"io.modelcontextprotocol/protocolVersion": MODERN, "io.modelcontextprotocol/clientCapabilities": {}}
+    modern_headers = {"authorization": f"Bearer {ALICE}", "mcp-protocol-version": MODERN,
+                      "mcp-method": "tools/call", "mcp-name": "generate"}
+
+    async def held(opened: Any) -> Any:
+        """``opened`` awaited, once the generation it starts waits at the worker."""
+        count = len(_generations(worker))
+        call_ = await opened
+        await wait_for(lambda: len(_generations(worker)) == count + 1, what="the generation to reach the worker")
+        return call_
+
+    async def served() -> bool:
+        _, res = await asyncio.to_thread(call, url, "generate", warm, key=ALICE)
+        return "result" in res
+
+    async def refused() -> None:
+        r = await asyncio.to_thread(post_call, url, "generate", warm, key=ALICE)
+        assert r.status_code == 429 and r.headers.get("retry-after") == "1", r.text
+        assert orjson.loads(r.content)["error"]["data"] == {"limit": "inference_in_flight", "retryAfterS": 1}
+
+    start = len(_generations(worker))
+    disconnecting = await held(_open_post(port, {"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {
+        "name": "generate", "arguments": story, "_meta": modern_meta}}, modern_headers, connections))
+    await held(_open_post(port, {"jsonrpc": "2.0", "id": 8, "method": "tools/call", "params": {
+        "name": "generate", "arguments": story}}, legacy, connections))
+    await refused()
+    r = await asyncio.to_thread(post_call, url, "score", {"prompt": "warm", "target": "x"}, key=ALICE)
+    assert r.status_code == 429 and orjson.loads(r.content)["error"]["code"] == -32029, r.text
+    r = await asyncio.to_thread(httpx.post, url, headers=legacy, json={
+        "jsonrpc": "2.0", "id": 9, "method": "tools/call", "params": {"name": "generate", "arguments": warm}})
+    assert r.status_code == 429 and r.headers.get("retry-after") == "1", r.text
+    assert orjson.loads(r.content)["error"]["data"]["limit"] == "inference_in_flight"
+    _, res = await asyncio.to_thread(call, url, "generate", warm, key=BOB)
+    assert "structuredContent" in res.get("result", {}), res  # another principal's calls are served
+
+    disconnecting.close()
+    await disconnecting.wait_closed()
+    await wait_for(served, timeout_s=20, what="the disconnected call's place to come back")
+    answered = await held(_started(asyncio.to_thread(call, url, "generate", story, key=ALICE)))
+    await refused()  # the disconnected call's place came back once, not twice
+
+    await asyncio.to_thread(httpx.post, url, headers=legacy, json={
+        "jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 8, "reason": "user"}})
+    await wait_for(served, timeout_s=20, what="the cancelled call's place to come back")
+    failed = await held(_started(asyncio.to_thread(call, url, "generate", story, key=ALICE)))
+    await refused()
+
+    await worker.answer(_generations(worker)[start + 2])
+    _, res = await answered
+    assert res["result"]["structuredContent"]["text"] == "ok", res
+    await worker.fail(_generations(worker)[start + 3])
+    _, res = await failed
+    assert res["result"]["isError"] is True, res
+    # nothing in flight now: two places, and no more
+    for i in (10, 11):
+        await held(_open_post(port, {"jsonrpc": "2.0", "id": i, "method": "tools/call", "params": {
+            "name": "generate", "arguments": story, "_meta": modern_meta}}, modern_headers, connections))
+    await refused()
+
+
+async def _started(work: Any) -> asyncio.Task:
+    """``work`` running on its own, as a task to await later."""
+    return asyncio.ensure_future(work)
 
 
 async def test_progress_keeps_increasing_when_a_generation_moves_to_another_worker(tmp_path, redis_target):

@@ -71,7 +71,7 @@ class FakeWorker:
     HELLO with a HEARTBEAT as ``worker_id`` (``instance``: the process it claims to be), and
     INFER with a RESULT naming it when ``answers(header)``, else keeps the request unanswered;
     the ids of the requests the gateway cancels (CANCEL) go to ``cancelled``, every INFER's header
-    and content frames to ``received``. ``tokens``: TOKEN
+    and content frames to ``received``; :meth:`answer` and :meth:`fail` end a request it holds. ``tokens``: TOKEN
     messages it streams for each request first; ``silent``: it answers nothing (a dead worker)."""
 
     def __init__(self, ctx: Any, cfg: Config, endpoint: str, worker_id: str, instance: str = "first") -> None:
@@ -91,6 +91,7 @@ class FakeWorker:
         self.load = 0  # what its heartbeats report
         self.answers: Any = lambda header: True
         self.unanswered: list[str] = []
+        self._peers: dict[str, bytes] = {}  # request id -> the gateway connection that sent it
         self.cancelled: list[str] = []
         self.received: list[tuple[dict, list[bytes]]] = []
         self.tokens = 0
@@ -120,10 +121,27 @@ class FakeWorker:
             else:
                 if msg_type == MsgType.INFER:
                     self.unanswered.append(str(header["id"]))
+                    self._peers[str(header["id"])] = peer
                 elif msg_type == MsgType.CANCEL:
                     self.cancelled.append(str(header["id"]))
                 continue
             await self.sock.send_multipart([peer, *reply])
+
+    async def answer(self, request_id: str) -> None:
+        """Answer a request it held (a generation's shape)."""
+        await self._end(request_id, "RESULT", {"version": 0, "worker": self.worker_id, "text": "ok", "tokens": 1,
+                                                "finish_reason": "stop"})
+
+    async def fail(self, request_id: str) -> None:
+        """End a request it held with the error a failing worker sends."""
+        await self._end(request_id, "ERROR", {"version": 0, "code": "internal", "message": "the model failed"})
+
+    async def _end(self, request_id: str, kind: str, header: dict) -> None:
+        from shared import wire
+        from shared.wire import MsgType
+
+        await self.sock.send_multipart([self._peers.pop(request_id),
+                                        *wire.encode(MsgType[kind], {"id": request_id, **header})])
 
     async def close(self) -> None:
         import asyncio

@@ -7,7 +7,8 @@ produced it and a generation id; the exchange (prompt, then reply) is appended t
 when ``worker.append_exchange`` is on. ``score`` returns the model's negative log-likelihood
 of a continuation (used to check that learning took effect). Every request names the
 authenticated principal (never anything the caller sends): workers take requests into batches
-round-robin across principals. Store, Redis and worker-pool
+round-robin across principals, and each principal has at most ``limits.<…>.inference_in_flight``
+calls in flight on a replica (gateway/limits.py). Store, Redis and worker-pool
 exceptions propagate: gateway/errors.py decides what the client sees (no worker or a timeout:
 -32050 and retry later; a worker refusing the input: -32602; a worker failing: ``isError``).
 """
@@ -170,6 +171,12 @@ async def generate(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
     max_tokens = _integer(args.get("max_tokens", 64))
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= wcfg.max_tokens_limit:
         raise InvalidParams(f"max_tokens must be an integer in 1..{wcfg.max_tokens_limit}")
+    with state.limits.inference_slot(ctx.principal):  # over the principal's cap: -32029 before any work
+        return await _generate(ctx, args, prompt, max_tokens)
+
+
+async def _generate(ctx: ToolContext, args: dict[str, Any], prompt: str, max_tokens: int) -> dict[str, Any]:
+    state = ctx.state
     meta, frames, _ = await _window(ctx, args)
     generation_id = uuid.uuid4().hex
     header = {"id": generation_id, "op": "generate", "principal": ctx.principal, "prompt": prompt, "max_tokens": max_tokens,
@@ -199,7 +206,7 @@ async def generate(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
     if worker is not None:
         out["worker"] = str(worker)
     context_id = args.get("context_id")
-    if context_id is not None and args.get("append", wcfg.append_exchange):
+    if context_id is not None and args.get("append", state.config.worker.append_exchange):
         try:
             await state.store.append(ctx.principal, context_id, "text", "user", prompt.encode())
             appended = await state.store.append(ctx.principal, context_id, "text", "assistant", res["text"].encode())
@@ -214,6 +221,11 @@ async def score(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
     target = args.get("target")
     if not isinstance(target, str) or not target:
         raise InvalidParams("target must be a non-empty string")
+    with ctx.state.limits.inference_slot(ctx.principal):
+        return await _score(ctx, args, prompt, target)
+
+
+async def _score(ctx: ToolContext, args: dict[str, Any], prompt: str, target: str) -> dict[str, Any]:
     meta, frames, _ = await _window(ctx, args)
     header = {"id": uuid.uuid4().hex, "op": "score", "principal": ctx.principal, "prompt": prompt, "target": target,
               "modalities": args.get("modalities"), "entries": meta}
