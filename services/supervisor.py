@@ -3,7 +3,8 @@
 Starts (or finds) Redis, then one gateway, ``--workers`` inference workers and a trainer
 with ``--ranks`` ranks as child processes of this one. A child that exits before the mesh is
 ready stops the mesh, named with its exit status and last output; one that exits later is
-logged and restarted with backoff; Ctrl-C / SIGTERM stops them in reverse order with
+logged and restarted with backoff, up to ``MAX_QUICK_RESTARTS`` times in a row (counted afresh
+once a start has run ``HEALTHY_RUN_S``), after which it stops the mesh the same way; Ctrl-C / SIGTERM stops them in reverse order with
 SIGTERM (the gateway drains, the trainer checkpoints) and SIGKILLs what does not stop
 within ``stop_timeout_s``; a kill -9 of this process has the kernel send each child SIGTERM
 (shared/lifetime.py). A child that exits with a configuration error (exit code 2) is
@@ -60,6 +61,13 @@ from shared.zmq_util import bind_address
 log = logging.getLogger("learnmesh.up")
 
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
+MAX_QUICK_RESTARTS = 5
+"""How often a child that keeps exiting soon after its start is restarted in a row before `up`
+stops the mesh for it: a setting only checked at runtime or a lost port fails every start the
+same way, and a loop of restarts in the log never tells the user the mesh cannot work."""
+HEALTHY_RUN_S = 60.0
+"""How long a start must run for its exit to end a run of failures: a child that crashes now and
+then (a Redis failover, a killed worker) is restarted for as long as the mesh runs."""
 STOP_TIMEOUT_S = 20.0
 READY_TIMEOUT_S = 120.0
 
@@ -79,6 +87,7 @@ class Child:
     _log_start: int = field(default=0, repr=False)  # where this start's output begins in the log
 
     def start(self) -> None:
+        self.close_log()  # a restart's: one open log file per child, however often it restarts
         if self.log_path is not None:
             self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - closed in close_log()
             self._log_start = self._log_file.tell()
@@ -214,23 +223,35 @@ class Supervisor:
         return next((c for c in self.children if c.proc is not None and not c.alive()), None)
 
     def run(self, poll_s: float = 0.2) -> None:
-        """Supervise until stop(); restart children that exit while we are not stopping."""
+        """Supervise until stop(), or until a child exits for a reason restarts do not mend."""
         while not self._stopping.wait(poll_s):
             for child in self.children:
-                if child.proc is not None and not child.alive() and not self._stopping.is_set():
-                    code = child.proc.returncode
-                    if code == CONFIG_ERROR_EXIT:
-                        self.give_up(child, "(a failure a restart would meet again)")
-                        break
-                    delay = RESTART_BACKOFF_S[min(child.restarts, len(RESTART_BACKOFF_S) - 1)]
-                    if time.monotonic() - child.started_at > 60:
-                        child.restarts = 0
-                    log.warning("%s exited with code %s; restarting in %.1fs", child.name, code, delay)
-                    if self._stopping.wait(delay):
-                        break
-                    child.restarts += 1
-                    child.start()
+                if child.proc is not None and not child.alive() and not self._restart(child):
+                    break
         self.shutdown()
+
+    def _restart(self, child: Child) -> bool:
+        """Start ``child``, which exited, again after its backoff; False when the mesh stops instead."""
+        if self._stopping.is_set():
+            return False
+        code = child.proc.returncode if child.proc is not None else None
+        if code == CONFIG_ERROR_EXIT:
+            self.give_up(child, "(a failure a restart would meet again)")
+            return False
+        if time.monotonic() - child.started_at >= HEALTHY_RUN_S:
+            child.restarts = 0
+        if child.restarts >= MAX_QUICK_RESTARTS:
+            self.give_up(child, f"again after {child.restarts} restarts in a row, each within "
+                                f"{HEALTHY_RUN_S:.0f}s of its start")
+            return False
+        delay = RESTART_BACKOFF_S[min(child.restarts, len(RESTART_BACKOFF_S) - 1)]
+        log.warning("%s exited with code %s; restarting in %.1fs (%d of %d restarts in a row)", child.name, code,
+                    delay, child.restarts + 1, MAX_QUICK_RESTARTS)
+        if self._stopping.wait(delay):
+            return False
+        child.restarts += 1
+        child.start()
+        return True
 
     def give_up(self, child: Child, why: str) -> None:
         """Stop the mesh for ``child``, which exited and would most likely do so again on every

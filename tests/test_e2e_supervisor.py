@@ -16,6 +16,7 @@ import httpx
 import pytest
 import yaml
 
+from services import supervisor
 from services.supervisor import (
     Child,
     Supervisor,
@@ -82,6 +83,79 @@ def test_a_child_that_exits_on_a_configuration_error_stops_the_mesh_instead_of_r
     sup.run(poll_s=0.05)  # returns: it stops everything by itself
     assert sup.exit_code == 2 and bad.restarts == 0
     assert not other.alive()
+
+
+def _starts_then_exits(starts: Path, code: int, ran_s: float = 0.0) -> list[str]:
+    """A child that notes each start in ``starts``, says why it fails, and exits with ``code``."""
+    script = ("import sys, time\n"
+              "with open(sys.argv[1], 'a') as f: f.write('started\\n')\n"
+              "time.sleep(float(sys.argv[3]))\n"
+              "print('worker.some_setting: not a value this machine can use', flush=True)\n"
+              "raise SystemExit(int(sys.argv[2]))\n")
+    return [sys.executable, "-c", script, str(starts), str(code), str(ran_s)]
+
+
+def _supervise(sup: Supervisor) -> threading.Thread:
+    thread = threading.Thread(target=sup.run, kwargs={"poll_s": 0.05}, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_child_that_keeps_failing_after_its_start_stops_the_mesh_after_a_bounded_number_of_restarts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A child that starts and exits 1 again and again (a setting only checked at runtime, a port
+    taken): `up` stops the mesh after MAX_QUICK_RESTARTS restarts in a row and ends with one line
+    naming the child, its exit status and its log, instead of restarting it for ever."""
+    monkeypatch.setattr(supervisor, "RESTART_BACKOFF_S", (0.01,))  # the bound, not the backoff, is tested
+    starts = tmp_path / "starts"
+    bad = Child("worker-0", _starts_then_exits(starts, 1), dict(os.environ), log_path=tmp_path / "worker-0.log")
+    other = Child("gateway", [sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ))
+    sup = Supervisor([bad, other], stop_timeout_s=10)
+    sup.start()
+    thread = _supervise(sup)
+    try:
+        thread.join(60)
+        assert not thread.is_alive(), f"still restarting after {starts.read_text().count('started')} starts"
+    finally:
+        sup.stop()
+        thread.join(30)
+    assert starts.read_text().count("started") == 1 + supervisor.MAX_QUICK_RESTARTS
+    assert sup.exit_code == 1 and not other.alive()
+    assert sup.failed == (f"worker-0 exited with status 1 again after {supervisor.MAX_QUICK_RESTARTS} restarts in a "
+                          f"row, each within {supervisor.HEALTHY_RUN_S:.0f}s of its start: worker.some_setting: not "
+                          f"a value this machine can use (see {tmp_path / 'worker-0.log'})")
+
+
+def test_a_child_that_ran_healthy_before_it_failed_is_restarted_past_the_bound(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bound is for a run of quick failures, not for the mesh's life: a start that ran
+    HEALTHY_RUN_S counts the restarts afresh."""
+    monkeypatch.setattr(supervisor, "RESTART_BACKOFF_S", (0.01,))
+    monkeypatch.setattr(supervisor, "HEALTHY_RUN_S", 0.2)
+    starts = tmp_path / "starts"
+    child = Child("worker-0", _starts_then_exits(starts, 1, ran_s=0.5), dict(os.environ))
+    sup = Supervisor([child], stop_timeout_s=10)
+    sup.start()
+    thread = _supervise(sup)
+    try:
+        wait_for_sync(lambda: starts.is_file() and starts.read_text().count("started") > 2 * supervisor.MAX_QUICK_RESTARTS,
+                      timeout_s=60, what="restarts past the bound")
+        assert thread.is_alive() and sup.failed is None
+    finally:
+        sup.stop()
+        thread.join(30)
+    assert sup.exit_code == 0 and not child.alive()
+
+
+def test_a_child_that_exits_on_a_configuration_error_after_its_start_is_not_restarted(tmp_path: Path) -> None:
+    starts = tmp_path / "starts"
+    bad = Child("worker-0", _starts_then_exits(starts, 2, ran_s=0.3), dict(os.environ), log_path=tmp_path / "w.log")
+    sup = Supervisor([bad], stop_timeout_s=10)
+    sup.start()
+    sup.run(poll_s=0.05)
+    assert sup.exit_code == 2 and starts.read_text().count("started") == 1
+    assert sup.failed is not None and sup.failed.startswith("worker-0 exited with status 2 (a failure a restart would "
+                                                            "meet again): worker.some_setting")
 
 
 def test_a_second_stop_kills_children_that_are_still_stopping(tmp_path: Path) -> None:

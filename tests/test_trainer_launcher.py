@@ -230,3 +230,28 @@ def test_a_group_that_ran_healthy_gets_its_restarts_back(monkeypatch: pytest.Mon
                                                      "checkpoint_dir": str(tmp_path / "ckpt")}})
     assert launcher.launch(cfg, lambda _path: ["-c", _FAILS_THREE_TIMES, str(starts)]) == 0
     assert starts.read_text() == "4"
+
+
+def test_under_plain_torchrun_a_rank_that_cannot_start_hands_torchrun_its_reason(redis_url: str, tmp_path: Path):
+    """Plain torchrun (across machines, docs/trainer.md) restarts the group for any failure, exit
+    2 too, and has no setting against it: each start fails the same way until --max-restarts is
+    spent. The rank's reason reaches torchrun's failure summary then (its error file), which
+    otherwise says only "exitcode: 2" and where to read about tracebacks."""
+    import yaml
+    from trainer_support import trainer_config
+
+    cfg = trainer_config(redis_url, tmp_path, free_port())
+    ckpt = Path(cfg.trainer.checkpoint_dir)
+    ckpt.mkdir(parents=True)
+    (ckpt / "ckpt-0000000004.pt").write_bytes(b"not a checkpoint")
+    path = tmp_path / "rank.yaml"
+    path.write_text(yaml.safe_dump(cfg.to_dict()))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                           "--max-restarts", "1", "--monitor-interval", "0.2",
+                           "-m", "services.cli", "--config", str(path), "trainer", "--as-rank"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=180)
+    reason = f"no checkpoint in {ckpt} (trainer.checkpoint_dir) can be read"
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.count(f"ERROR rank 0 cannot start: {reason}") == 2, "logged at each of the 1 + 1 starts"
+    summary = done.stderr.partition("Root Cause (first observed failure)")[2]
+    assert "exitcode  : 2" in summary and reason in summary, done.stderr

@@ -12,9 +12,11 @@ other machines may start late); after the first step it is shortened to
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import NoReturn
@@ -44,6 +46,20 @@ class RankEnv:
         return cls(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), local_rank,
                    int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1)),
                    int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+
+
+def tell_torchrun(reason: str) -> None:
+    """Hand the torchrun agent why this rank fails, through its error file
+    (TORCHELASTIC_ERROR_FILE): torchrun's failure summary names it, where it would only say the
+    exit status and where to read about tracebacks."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": reason, "timestamp": int(time.time())}, f)
+    except OSError as exc:
+        log.warning("cannot hand torchrun the reason in %s: %s", path, exc.strerror or exc)
 
 
 @dataclass

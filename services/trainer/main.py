@@ -22,7 +22,7 @@ from redis import Redis
 
 from services.trainer import checkpoint
 from services.trainer.data import ContextReader, SampleSource
-from services.trainer.dist import RankEnv, RankGroup, init_distributed, leave, teardown
+from services.trainer.dist import RankEnv, RankGroup, init_distributed, leave, teardown, tell_torchrun
 from services.trainer.leader import Leader
 from services.trainer.ledger import Ledger, Offset, Position
 from services.trainer.loop import StepObserver, Trainer
@@ -104,8 +104,11 @@ def run_rank(cfg: Config, observers: Sequence[StepObserver] = ()) -> int:
             trainer = build_trainer(cfg, init_distributed(cfg, env), stop.is_set, observers)
             starting[0] = False
         except (ConfigError, checkpoint.CheckpointError) as exc:  # settings, keys, checkpoints to mend
-            log.error("rank %d cannot start: %s; a restart would fail the same way, so the trainer stops",
-                      env.rank, exc)
+            # `learnmesh trainer` restarts nothing for this status; plain torchrun has no such
+            # setting and restarts the group until --max-restarts is spent
+            log.error("rank %d cannot start: %s; a restart would fail the same way: mend it and start the "
+                      "trainer again", env.rank, exc)
+            tell_torchrun(f"rank {env.rank} cannot start: {exc}")
             return CONFIG_ERROR_EXIT
         trainer.run()
         log.info("rank %d stopped cleanly at step %d", env.rank, trainer.step)
