@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -196,9 +197,14 @@ def _is_generated_keys(stored: Any) -> bool:
 class Supervisor:
     """Starts children, restarts the ones that die, stops all of them on request."""
 
-    def __init__(self, children: list[Child], *, stop_timeout_s: float = STOP_TIMEOUT_S) -> None:
+    def __init__(self, children: list[Child], *, stop_timeout_s: float = STOP_TIMEOUT_S,
+                 redis_answers: Callable[[], bool] | None = None) -> None:
         self.children = children
         self.stop_timeout_s = stop_timeout_s
+        # Children exit while Redis is away (a rank cannot read the sample log); that is no reason
+        # to stop the mesh, which waits for Redis: the bound on quick restarts holds only while
+        # Redis answers (``redis_answers``; None: always counted).
+        self._redis_answers = redis_answers
         self.exit_code = 0
         self.failed: str | None = None  # why the mesh stopped by itself: one line
         self._stopping = threading.Event()
@@ -241,9 +247,12 @@ class Supervisor:
         if time.monotonic() - child.started_at >= HEALTHY_RUN_S:
             child.restarts = 0
         if child.restarts >= MAX_QUICK_RESTARTS:
-            self.give_up(child, f"again after {child.restarts} restarts in a row, each within "
-                                f"{HEALTHY_RUN_S:.0f}s of its start")
-            return False
+            if self._redis_answers is None or self._redis_answers():
+                self.give_up(child, f"again after {child.restarts} restarts in a row, each within "
+                                    f"{HEALTHY_RUN_S:.0f}s of its start")
+                return False
+            log.warning("%s keeps exiting while Redis does not answer; restarted until Redis is back", child.name)
+            child.restarts = MAX_QUICK_RESTARTS - 1  # counted again from here once Redis answers
         delay = RESTART_BACKOFF_S[min(child.restarts, len(RESTART_BACKOFF_S) - 1)]
         log.warning("%s exited with code %s; restarting in %.1fs (%d of %d restarts in a row)", child.name, code,
                     delay, child.restarts + 1, MAX_QUICK_RESTARTS)
@@ -442,6 +451,14 @@ def wait_ready(base: str, timeout_s: float, sup: Supervisor) -> bool:
     return False
 
 
+def _redis_answers(cfg: Config) -> bool:
+    """Whether Redis answers now (refusing our credentials counts as answering: no wait mends that)."""
+    try:
+        return check_access(cfg.redis, timeout_s=2.0)
+    except ConfigError:
+        return True
+
+
 def main(cfg: Config, args: Any) -> int:
     logging.basicConfig(level=log_level(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from shared.redis_embed import resolve_redis
@@ -473,7 +490,7 @@ def main(cfg: Config, args: Any) -> int:
         ignored = {name for name, _ in unknown_env_variables(cfg)}  # `learnmesh` has warned of them, once
         envs = {role: child_env(path, ignored)
                 for role, path in child_configs(cfg, args, var_dir, api_keys, admin_key).items()}
-        sup = Supervisor(build_children(cfg, args, envs, var_dir))
+        sup = Supervisor(build_children(cfg, args, envs, var_dir), redis_answers=lambda: _redis_answers(cfg))
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: sup.stop())
         sup.start()

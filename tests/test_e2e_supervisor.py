@@ -26,7 +26,7 @@ from services.supervisor import (
     ports_taken,
     wait_ready,
 )
-from shared.config import load_config
+from shared.config import Config, load_config
 from tests.conftest import RedisTarget, free_port, wait_for_sync
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,6 +124,37 @@ def test_a_child_that_keeps_failing_after_its_start_stops_the_mesh_after_a_bound
     assert sup.failed == (f"worker-0 exited with status 1 again after {supervisor.MAX_QUICK_RESTARTS} restarts in a "
                           f"row, each within {supervisor.HEALTHY_RUN_S:.0f}s of its start: worker.some_setting: not "
                           f"a value this machine can use (see {tmp_path / 'worker-0.log'})")
+
+
+def test_a_child_that_fails_while_redis_is_away_is_restarted_until_redis_answers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, redis_url: str) -> None:
+    """Children exit while Redis is away (a rank cannot read the sample log); `up` waits for
+    Redis rather than stopping the mesh: past the bound it goes on restarting while Redis does
+    not answer, and stops the mesh only once Redis answers and the child still fails."""
+    from services.supervisor import _redis_answers
+    from shared.config import RedisConfig
+
+    monkeypatch.setattr(supervisor, "RESTART_BACKOFF_S", (0.01,))
+    away = Config(redis=RedisConfig(url=f"redis://127.0.0.1:{free_port()}/0"))
+    back = Config(redis=RedisConfig(url=redis_url))
+    assert not _redis_answers(away) and _redis_answers(back)  # what main() hands the supervisor
+    redis = [away]
+    starts = tmp_path / "starts"
+    child = Child("trainer", _starts_then_exits(starts, 1), dict(os.environ))
+    sup = Supervisor([child], stop_timeout_s=10, redis_answers=lambda: _redis_answers(redis[0]))
+    sup.start()
+    thread = _supervise(sup)
+    try:
+        wait_for_sync(lambda: starts.is_file() and starts.read_text().count("started") > 2 * supervisor.MAX_QUICK_RESTARTS,
+                      timeout_s=60, what="restarts past the bound while Redis is away")
+        assert thread.is_alive() and sup.failed is None
+        redis[0] = back
+        thread.join(60)
+        assert not thread.is_alive(), "still restarting with Redis back"
+    finally:
+        sup.stop()
+        thread.join(30)
+    assert sup.exit_code == 1 and sup.failed is not None and sup.failed.startswith("trainer exited with status 1")
 
 
 def test_a_child_that_ran_healthy_before_it_failed_is_restarted_past_the_bound(
