@@ -192,6 +192,19 @@ def test_stdio_upstream_gets_only_the_environment_it_is_given(redis_url: str, mo
         assert has("LM_TEST_GATEWAY_ONLY_SECRET") == "no"
 
 
+def test_a_stdio_upstream_showing_its_credential_does_not_pass_it_on(redis_url: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LM_TEST_STDIO_TOKEN", "stdio-token-7e6d5c4b")
+    proxy = {"upstreams": [{"name": "local", "command": [sys.executable, STDIO_SERVER],
+                            "headers_from_env": {"Authorization": "LM_TEST_STDIO_TOKEN"}}]}
+    with front_gateway(redis_url, proxy) as base:
+        for revision in (LEGACY, MODERN):
+            shown = Client(base, MCP_KEY, revision).open().result(
+                "tools/call", {"name": "local.show_env", "arguments": {"name": "LM_TEST_STDIO_TOKEN"}})
+            assert shown["content"][0]["text"] == "LM_TEST_STDIO_TOKEN=[redacted]"
+            assert "stdio-token-7e6d5c4b" not in orjson.dumps(shown).decode()
+
+
 
 @pytest.fixture(params=["learnmesh", "sdk"])
 def guarded_upstream(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
