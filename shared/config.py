@@ -712,6 +712,7 @@ class MetricsConfig:
 UpstreamName = Annotated[str, Field(pattern=r"^[a-z0-9_-]{1,32}$", description="an upstream's name")]
 UPSTREAM_REVISIONS = ("auto", "2025-11-25", "2026-07-28")
 _HEADER_NAME = re.compile(r"[A-Za-z0-9-]{1,64}")
+_QUERY_NAME = re.compile(r"[A-Za-z0-9._~-]{1,64}")  # RFC 3986 unreserved: sent as written
 
 
 @_section
@@ -731,6 +732,13 @@ def _check_upstream_url(url: str) -> None:
     _check(parts.scheme in ("http", "https"), "url must be http(s)://")
     _check("@" not in parts.netloc,
            "url must not carry credentials (user:password@): name them in headers_from_env or headers_from_file")
+    # The URL is kept in Redis with the upstream set, readable by whatever reads the store; which
+    # query parameter is a key cannot be told, so none rides in it.
+    _check(not parts.query and "?" not in url,
+           "url must not carry a query (an API key in it would be kept in Redis with the upstream set): "
+           "name its parameters in query_from_env or query_from_file, or send the key as a header "
+           "with headers_from_env or headers_from_file")
+    _check(not parts.fragment and "#" not in url, "url must not carry a fragment (#...): it is never sent")
     _check(bool(parts.hostname), "url must name a host")
     try:
         port = parts.port
@@ -744,7 +752,8 @@ class UpstreamConfig:
     """One upstream MCP server the gateway fronts (gateway/proxy/). Exactly one of ``url``
     (Streamable HTTP) or ``command`` (stdio). Credentials are named, never written here:
     ``headers_from_env`` maps a header to an environment variable, ``headers_from_file`` to a
-    0600 file; their values are read when the upstream is opened and never shown anywhere."""
+    0600 file (``query_from_env`` / ``query_from_file`` the same for a key the upstream takes in
+    its URL's query); their values are read when the upstream is opened and never shown anywhere."""
 
     name: UpstreamName
     url: str | None = Field(default=None, description="Streamable HTTP endpoint (http:// or https://)")
@@ -756,6 +765,9 @@ class UpstreamConfig:
                                               "'' mounts them unprefixed")
     headers_from_env: dict[str, str] = Field(default_factory=dict, description="header -> environment variable")
     headers_from_file: dict[str, str] = Field(default_factory=dict, description="header -> 0600 file")
+    query_from_env: dict[str, str] = Field(default_factory=dict,
+                                           description="url query parameter -> environment variable")
+    query_from_file: dict[str, str] = Field(default_factory=dict, description="url query parameter -> 0600 file")
     timeout_s: StrictFloat = Field(default=30.0, gt=0, le=86_400, allow_inf_nan=False,
                                    description="how long a call may take (at most a day)")
     concurrency: StrictInt = Field(default=16, ge=1, le=65_536,
@@ -782,6 +794,12 @@ class UpstreamConfig:
                "a header comes from the environment or from a file, not both")
         _check(all(_HEADER_NAME.fullmatch(h) for h in (*self.headers_from_env, *self.headers_from_file)),
                "header names are letters, digits and '-'")
+        _check(self.url is not None or not (self.query_from_env or self.query_from_file),
+               "query_from_env and query_from_file belong to an upstream with a url")
+        _check(not set(self.query_from_env) & set(self.query_from_file),
+               "a query parameter comes from the environment or from a file, not both")
+        _check(all(_QUERY_NAME.fullmatch(q) for q in (*self.query_from_env, *self.query_from_file)),
+               "query parameter names are letters, digits and '-', '_', '.', '~'")
 
     @property
     def principal_share(self) -> int:
@@ -989,11 +1007,12 @@ def unknown_env_variables(cfg: Config, env: typing.Mapping[str, str] | None = No
     """Each ``LEARNMESH_*`` variable that sets nothing, with the known name closest to it, if any
     (``LEARNMESH_GATEWAY_PORT``: ``LEARNMESH_GATEWAY__PORT``): a typo would otherwise leave its
     default in force without a word. Variables of the ``__`` form are checked by :func:`load_config`;
-    those an upstream's ``headers_from_env`` names are credentials the gateway reads."""
+    those an upstream's ``headers_from_env`` or ``query_from_env`` names are credentials the gateway reads."""
     import difflib
 
     env = os.environ if env is None else env
-    known = OTHER_ENV | {var for u in cfg.proxy.upstreams for var in u.headers_from_env.values()}
+    known = OTHER_ENV | {var for u in cfg.proxy.upstreams for var in (*u.headers_from_env.values(),
+                                                                      *u.query_from_env.values())}
     names = [*known, *_setting_variables(Config, ENV_PREFIX)]
     return [(name, next(iter(difflib.get_close_matches(name, names, n=1, cutoff=0.8)), None))
             for name in sorted(env) if name.startswith(ENV_PREFIX) and "__" not in name and name not in known]

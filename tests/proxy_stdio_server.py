@@ -42,6 +42,11 @@ def has_env(name: str) -> str:
     return "yes" if name in os.environ else "no"
 
 
+@server.tool(description="Environment variable `name` as a careless server would show it")
+def show_env(name: str) -> str:
+    return f"{name}={os.environ.get(name)}"
+
+
 @server.tool(description="The process ends while this call is in flight")
 def exit_now() -> str:
     os._exit(3)

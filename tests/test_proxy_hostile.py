@@ -22,6 +22,7 @@ from gateway.proxy.http1 import MAX_HEAD_BYTES
 from gateway.proxy.proxy import LIST_CHANGED_GAP_S, TASK_KEY_MAX_S
 from gateway.proxy.wire import MAX_MESSAGE_BYTES, MAX_OPEN_QUESTIONS
 from shared import keys
+from shared.config import ConfigError
 from tests.admin_support import MCP_KEY
 from tests.conftest import wait_for_sync
 from tests.proxy.harness import sdk_client
@@ -500,17 +501,74 @@ def test_an_upstream_error_in_a_protocol_code_is_passed_on_without_naming_anothe
         assert _final(answer)["error"] == {"code": code, "message": "its own", "data": {"upstream": "bad", "detail": 1}}
 
 
-def test_a_credential_in_the_upstreams_url_query_is_shown_and_logged_redacted(
-        redis_url: str, bad: HostileUpstream, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_key_the_upstream_takes_in_its_query_reaches_it_and_no_store_read_or_log(
+        redis_url: str, bad: HostileUpstream, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     secret = "query-secret-0f9e8d7c"
+    monkeypatch.setenv("LM_TEST_QUERY_KEY", secret)
     bad.flood, bad.flood_hold_s, bad.refuse_replies = 1, 5.0, True  # the call lasts while the reply is sent
-    entry = _entry(bad, url=f"{bad.url}?api_key={secret}&region=eu")
+    entry = _entry(bad, query_from_env={"api_key": "LM_TEST_QUERY_KEY"})
     with caplog.at_level(logging.WARNING), front_gateway(redis_url, {"upstreams": [entry]}) as base:
         # The client has no roots: the gateway answers the upstream's roots/list itself, and is refused.
         Client(base, MCP_KEY, LEGACY).open().call("tools/call", {"name": "bad.ask_flood", "arguments": {}})
         wait_for_sync(lambda: "refused a reply" in caplog.text, timeout_s=10, what="the refused reply logged")
-        shown = [httpx.get(base + "/admin/upstreams/bad", headers=ADMIN).json()["url"],
-                 httpx.get(base + "/admin/upstreams", headers=ADMIN).json()["upstreams"][0]["url"],
-                 httpx.get(base + "/admin/config", headers=ADMIN).json()["config"]["proxy"]["upstreams"][0]["url"]]
-    assert shown == [f"{bad.url}?api_key=***&region=***"] * 3
+        one = httpx.get(base + "/admin/upstreams/bad", headers=ADMIN).json()
+        listed = httpx.get(base + "/admin/upstreams", headers=ADMIN).json()["upstreams"][0]
+        configured = httpx.get(base + "/admin/config", headers=ADMIN).json()["config"]["proxy"]["upstreams"][0]
+        with redis_sync.Redis.from_url(redis_url) as r:
+            stored = r.hgetall(keys.PROXY_UPSTREAMS)
+    assert {r["_target"] for r in bad.requests} == {f"/mcp?api_key={secret}"}
+    assert one["url"] == listed["url"] == f"{bad.url}?api_key=***"
+    assert one["query_credentials"] == listed["query_credentials"] == {"api_key": "env"}
+    assert configured["url"] == bad.url and configured["query_from_env"] == {"api_key": "***"}
+    assert stored and not any(secret.encode() in value for value in stored.values())
     assert "api_key=***" in caplog.text and secret not in caplog.text
+
+
+@pytest.mark.parametrize("field", ["url", "fragment"])
+def test_an_upstream_url_carrying_a_query_or_fragment_is_refused_at_start(
+        redis_url: str, bad: HostileUpstream, field: str) -> None:
+    url = f"{bad.url}?api_key=query-secret-0f9e8d7c" if field == "url" else f"{bad.url}#query-secret-0f9e8d7c"
+    with pytest.raises(ConfigError) as refused, front_gateway(redis_url, {"upstreams": [_entry(bad, url=url)]}):
+        pass
+    needle = "query_from_env or query_from_file" if field == "url" else "fragment"
+    assert needle in str(refused.value) and "query-secret-0f9e8d7c" not in str(refused.value)
+    with redis_sync.Redis.from_url(redis_url) as r:
+        assert not r.exists(keys.PROXY_UPSTREAMS)
+
+
+LEAKED_TOKEN = "leaked-token-9a8b7c6d"
+LEAKED_KEY = "leaked-key-1f2e3d4c"
+
+
+@pytest.fixture
+def leaky(bad: HostileUpstream, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """``bad`` with a bearer token and a query key of the gateway's: its leak_* tools echo them."""
+    monkeypatch.setenv("LM_TEST_LEAKED_TOKEN", f"Bearer {LEAKED_TOKEN}")
+    monkeypatch.setenv("LM_TEST_LEAKED_KEY", LEAKED_KEY)
+    return _entry(bad, headers_from_env={"Authorization": "LM_TEST_LEAKED_TOKEN"},
+                  query_from_env={"api_key": "LM_TEST_LEAKED_KEY"})
+
+
+@pytest.mark.parametrize("revision", [LEGACY, MODERN])
+def test_an_upstream_echoing_the_gateways_credential_in_an_error_does_not_pass_it_on(
+        redis_url: str, leaky: dict[str, Any], revision: str) -> None:
+    with front_gateway(redis_url, {"upstreams": [leaky]}) as base:
+        answer = Client(base, MCP_KEY, revision).open().post("tools/call", {"name": "bad.leak_error", "arguments": {}})
+        said = "authorization=[redacted] target=/mcp?api_key=[redacted]"
+        assert _final(answer)["error"] == {"code": -32603, "message": f"refused: {said}",
+                                            "data": {"echo": [said]}}
+        assert LEAKED_TOKEN not in answer.text and LEAKED_KEY not in answer.text
+
+
+def test_an_upstream_echoing_the_gateways_credential_in_a_result_or_log_line_does_not_pass_it_on(
+        redis_url: str, leaky: dict[str, Any]) -> None:
+    with front_gateway(redis_url, {"upstreams": [leaky]}) as base:
+        client = Client(base, MCP_KEY, LEGACY).open()
+        assert client.call("logging/setLevel", {"level": "debug"}).get("result") == {}
+        answer = client.post("tools/call", {"name": "bad.leak_result", "arguments": {}})
+        said = "authorization=[redacted] target=/mcp?api_key=[redacted]"
+        messages = [orjson.loads(line[5:]) for line in answer.text.splitlines() if line.startswith("data:")
+                    and line[5:].strip()]
+        assert [m["params"]["data"] for m in messages if m.get("method") == "notifications/message"] == [said]
+        assert messages[-1]["result"]["content"] == [{"type": "text", "text": said}]
+        assert LEAKED_TOKEN not in answer.text and LEAKED_KEY not in answer.text

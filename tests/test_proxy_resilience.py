@@ -5,6 +5,7 @@ never takes the gateway's own tools or another upstream down with it; a stdio up
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 import threading
 from collections.abc import Iterator
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 import redis as redis_sync
 
@@ -190,6 +192,19 @@ def test_stdio_upstream_gets_only_the_environment_it_is_given(redis_url: str, mo
         assert has("LM_TEST_GATEWAY_ONLY_SECRET") == "no"
 
 
+def test_a_stdio_upstream_showing_its_credential_does_not_pass_it_on(redis_url: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LM_TEST_STDIO_TOKEN", "stdio-token-7e6d5c4b")
+    proxy = {"upstreams": [{"name": "local", "command": [sys.executable, STDIO_SERVER],
+                            "headers_from_env": {"Authorization": "LM_TEST_STDIO_TOKEN"}}]}
+    with front_gateway(redis_url, proxy) as base:
+        for revision in (LEGACY, MODERN):
+            shown = Client(base, MCP_KEY, revision).open().result(
+                "tools/call", {"name": "local.show_env", "arguments": {"name": "LM_TEST_STDIO_TOKEN"}})
+            assert shown["content"][0]["text"] == "LM_TEST_STDIO_TOKEN=[redacted]"
+            assert "stdio-token-7e6d5c4b" not in orjson.dumps(shown).decode()
+
+
 
 @pytest.fixture(params=["learnmesh", "sdk"])
 def guarded_upstream(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
@@ -237,3 +252,28 @@ def test_a_stdio_upstream_that_cannot_start_is_named_in_the_log_not_to_the_clien
                      "message": "upstream 'gone' is unreachable (its process could not be started)"}
     assert f"stdio upstream {missing} cannot be started: No such file or directory" in caplog.text
     assert "s3cret" not in caplog.text
+
+
+@pytest.mark.parametrize("upstream_revision", [LEGACY, MODERN])
+def test_a_modern_client_closing_its_call_cancels_it_at_the_upstream(redis_url: str, killable: tuple[str, Any],
+                                                                     upstream_revision: str) -> None:
+    """On 2026-07-28 a client cancels by closing the connection of its POST: a proxied call is then
+    cancelled at the upstream too, as the gateway's own tools are stopped."""
+    url, _ = killable
+    proxy = {"upstreams": [upstream_entry(url, revision=upstream_revision, timeout_s=120.0)]}
+    with front_gateway(redis_url, proxy) as base:
+        body = orjson.dumps({"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {
+            "name": "up.t_sleep", "arguments": {"seconds": 60},
+            "_meta": {"io.modelcontextprotocol/protocolVersion": MODERN,
+                      "io.modelcontextprotocol/clientCapabilities": {}}}})
+        host, port = base.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as conn:
+            conn.sendall(b"POST /mcp HTTP/1.1\r\nhost: %s\r\nauthorization: Bearer %s\r\n"
+                         b"accept: application/json, text/event-stream\r\ncontent-type: application/json\r\n"
+                         b"mcp-protocol-version: %s\r\nmcp-method: tools/call\r\nmcp-name: up.t_sleep\r\n"
+                         b"content-length: %d\r\n\r\n%s" % (host.encode(), MCP_KEY.encode(), MODERN.encode(),
+                                                            len(body), body))
+            wait_for_sync(lambda: _started(url) == 1, timeout_s=15, what="the call in flight on the upstream")
+        with redis_sync.Redis.from_url(upstream_db(url)) as r:
+            wait_for_sync(lambda: r.llen("test:t_sleep:ended") == 1, timeout_s=20,
+                          what="the upstream to stop the call its client closed")

@@ -51,14 +51,16 @@ def redact(obj: Any, path: str = "") -> Any:
 
 
 def _upstream(entry: dict[str, Any]) -> dict[str, Any]:
-    """A ``proxy.upstreams`` entry as the upstream routes show it (gateway/admin/upstreams.py): a
-    URL with its query's values hidden (a token may ride there), the program without its arguments, and where each
-    header comes from without the variable's name or the file's path."""
+    """A ``proxy.upstreams`` entry as the upstream routes show it (gateway/admin/upstreams.py): the
+    URL as ``shown_url`` shows it, the program without its arguments, and which headers and query
+    parameters carry credentials without the variables' names or the files' paths."""
     command = entry.get("command")
     return {**entry, "url": entry.get("url") and shown_url(entry["url"]),
             "command": command and [command[0], *("***" for _ in command[1:])],
             "headers_from_env": dict.fromkeys(entry.get("headers_from_env") or {}, "***"),
-            "headers_from_file": dict.fromkeys(entry.get("headers_from_file") or {}, "***")}
+            "headers_from_file": dict.fromkeys(entry.get("headers_from_file") or {}, "***"),
+            "query_from_env": dict.fromkeys(entry.get("query_from_env") or {}, "***"),
+            "query_from_file": dict.fromkeys(entry.get("query_from_file") or {}, "***")}
 
 
 class _SyncView:

@@ -4,8 +4,8 @@ the answering replica's view of the upstream and every live replica's breaker
 (gateway/proxy/health.py), so an operator behind a load balancer sees the whole mesh.
 
 Reads show where a credential comes from (``env`` or ``file``) for each header, never its
-value, the variable's name or the file's path; a URL is shown without user info, its query's
-values replaced by ``***``.
+value, the variable's name or the file's path; likewise for each query parameter that carries
+one (``query_credentials``), shown in the URL as ``?api_key=***``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field
 from gateway.admin.auth import AdminPrincipal
 from gateway.admin.common import E404, E409, E422, admin, admin_router, audit_action, viewer
 from gateway.proxy import store
-from gateway.proxy.client import credential_headers, describe_sources
+from gateway.proxy.client import credential_headers, credential_query, describe_sources, with_query
 from gateway.proxy.health import BreakerReport, BreakerState, MeshBreakers, mesh_summary
 from gateway.proxy.names import shown_url
 from gateway.state import Gateway, gateway_of
@@ -45,7 +45,9 @@ def public_view(cfg: UpstreamConfig) -> dict[str, Any]:
                            "capture": cfg.capture if isinstance(cfg.capture, bool) else dataclasses.asdict(cfg.capture),
                            "credentials": dict(describe_sources(cfg))}
     if cfg.url is not None:
-        out["transport"], out["url"] = "http", shown_url(cfg.url)
+        query = {**dict.fromkeys(cfg.query_from_env, "env"), **dict.fromkeys(cfg.query_from_file, "file")}
+        out["transport"], out["url"] = "http", shown_url(with_query(cfg.url, query))
+        out["query_credentials"] = query
     else:
         out["transport"], out["program"] = "stdio", (cfg.command or [""])[0]
         out["stdio_max_processes"], out["stdio_idle_s"] = cfg.stdio_max_processes, cfg.stdio_idle_s
@@ -108,6 +110,7 @@ def _validated(body: dict[str, Any]) -> UpstreamConfig:
     try:
         cfg = UpstreamConfig(**body)
         credential_headers(cfg)  # a source that cannot be read is refused now, not at the first call
+        credential_query(cfg)
     except (ConfigError, TypeError) as exc:
         raise HTTPException(422, str(exc)) from None
     return cfg

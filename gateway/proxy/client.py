@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlencode
 
 import msgspec
 import redis.asyncio as aioredis
@@ -55,6 +56,7 @@ from gateway.proxy.errors import (
     WireClosed,
 )
 from gateway.proxy.gate import FairGate, NoSlot
+from gateway.proxy.scrub import Scrubber
 from gateway.proxy.stdio_pool import CATALOG, StdioPool
 from gateway.proxy.wire import NO_HOOKS, Answer, Hooks, HttpWire, StdioWire, Wire
 from shared import keys
@@ -101,15 +103,32 @@ ENVELOPE_PREFIX = "io.modelcontextprotocol/"
 def credential_headers(cfg: UpstreamConfig) -> dict[str, str]:
     """The upstream's credential headers, read from their sources now; a missing source is a
     config error naming the header and where it should come from, never a value."""
+    return {header.lower(): value for header, value in
+            _read_sources(cfg, "header", cfg.headers_from_env, cfg.headers_from_file).items()}
+
+
+def credential_query(cfg: UpstreamConfig) -> dict[str, str]:
+    """The query parameters the upstream takes its key in, read from their sources now (as
+    :func:`credential_headers`)."""
+    return _read_sources(cfg, "query parameter", cfg.query_from_env, cfg.query_from_file)
+
+
+def _read_sources(cfg: UpstreamConfig, what: str, from_env: Mapping[str, str],
+                  from_file: Mapping[str, str]) -> dict[str, str]:
     out: dict[str, str] = {}
-    for header, var in cfg.headers_from_env.items():
+    for name, var in from_env.items():
         value = os.environ.get(var)
         if value is None:
-            raise ConfigError(f"proxy upstream {cfg.name!r}: header {header} needs environment variable {var}")
-        out[header.lower()] = value
-    for header, path in cfg.headers_from_file.items():
-        out[header.lower()] = read_private_text(path, f"credential file of upstream {cfg.name!r}").strip()
+            raise ConfigError(f"proxy upstream {cfg.name!r}: {what} {name} needs environment variable {var}")
+        out[name] = value
+    for name, path in from_file.items():
+        out[name] = read_private_text(path, f"credential file of upstream {cfg.name!r}").strip()
     return out
+
+
+def with_query(url: str, query: Mapping[str, str]) -> str:
+    """``url`` (which has no query: the configuration refuses one) with ``query`` as its query."""
+    return f"{url}?{urlencode(query)}" if query else url
 
 
 def stdio_env(cfg: UpstreamConfig) -> dict[str, str]:
@@ -134,9 +153,16 @@ class UpstreamClient:
         self.name = cfg.name
         self.redis = redis
         self.session_ttl_s = session_ttl_s
-        self.http = HttpWire(cfg.url, credential_headers(cfg), cfg.timeout_s) if cfg.url is not None else None
-        self.stdio = None if cfg.url is not None else StdioPool(
-            cfg.name, cfg.command or [], stdio_env(cfg), cfg.stdio_max_processes, cfg.stdio_idle_s)
+        if cfg.url is not None:
+            headers, query = credential_headers(cfg), credential_query(cfg)
+            self.http: HttpWire | None = HttpWire(with_query(cfg.url, query), headers, cfg.timeout_s)
+            self.stdio: StdioPool | None = None
+            self.scrubber = Scrubber([*headers.values(), *query.values()])
+        else:
+            env = stdio_env(cfg)
+            self.http = None
+            self.stdio = StdioPool(cfg.name, cfg.command or [], env, cfg.stdio_max_processes, cfg.stdio_idle_s)
+            self.scrubber = Scrubber(env.values())
         self.revision: str | None = None if cfg.revision == "auto" else cfg.revision
         self.legacy_version = LEGACY_VERSION  # what initialize agreed on
         self.breaker = Breaker(breaker.failures, breaker.reset_s, on_breaker_change)
@@ -169,7 +195,8 @@ class UpstreamClient:
         limit_s = self.cfg.timeout_s if timeout_s is None else timeout_s
         try:
             async with asyncio.timeout_at(now + limit_s):
-                result = await self._request(principal, method, params, hooks, headers or {}, capabilities)
+                result = await self._request(principal, method, params, self.scrubber.hooks(hooks), headers or {},
+                                             capabilities)
         except TimeoutError:
             self.breaker.failed()
             raise UpstreamFailed(self.name, "timeout", f"upstream {self.name!r} did not answer {method} "
@@ -457,6 +484,7 @@ class UpstreamClient:
         """Hold the stream that carries ``principal``'s resource updates open until it ends: a
         ``subscriptions/listen`` naming ``uris`` on 2026-07-28; on 2025-11-25 the GET stream of
         the principal's session, on which ``uris`` are subscribed first unless they already are."""
+        hooks = self.scrubber.hooks(hooks)
         if self.stdio is not None:
             return await self._follow_stdio_resources(self.stdio, principal, uris, hooks)
         http = self._http()
@@ -533,7 +561,7 @@ class UpstreamClient:
 
     def _result(self, method: str, answer: Answer) -> dict[str, Any]:
         self._check_admitted(method, answer)
-        msg = answer.message
+        msg = self.scrubber.scrub(answer.message)
         if msg is None:
             if answer.status >= 500 or answer.status in (403, 404):
                 raise UpstreamFailed(self.name, "unreachable",

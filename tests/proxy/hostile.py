@@ -7,7 +7,8 @@ lists :attr:`HostileUpstream.tools`; ``tools/call`` of tool ``<behaviour>`` runs
 that name below, which writes whatever bytes it likes to the socket; ``resources/subscribe``
 is answered once :attr:`HostileUpstream.subscribe_gate` is set: it fails (HTTP 503)
 :attr:`HostileUpstream.subscribe_failures` times, then succeeds. What it received is kept in
-``requests`` (the JSON bodies, with the request headers under ``"_headers"``).
+``requests`` (the JSON bodies, with the request headers under ``"_headers"`` and the request
+target, query included, under ``"_target"``).
 """
 
 from __future__ import annotations
@@ -198,6 +199,27 @@ async def error(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict
     _json(writer, {"jsonrpc": "2.0", "id": request["id"], "error": up.error})
 
 
+def _what_it_was_sent(request: dict[str, Any]) -> str:
+    """What the request carried that a careless server might echo: its credentials."""
+    return f"authorization={request['_headers'].get('authorization')} target={request['_target']}"
+
+
+async def leak_error(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[str, Any]) -> None:
+    """An error quoting the credentials it was sent, in its message and its data."""
+    said = _what_it_was_sent(request)
+    _json(writer, {"jsonrpc": "2.0", "id": request["id"],
+                   "error": {"code": -32603, "message": f"refused: {said}", "data": {"echo": [said]}}})
+
+
+async def leak_result(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[str, Any]) -> None:
+    """A log line, then a result, quoting the credentials it was sent."""
+    said = _what_it_was_sent(request)
+    note = {"jsonrpc": "2.0", "method": "notifications/message", "params": {"level": "error", "data": said}}
+    answer = _text(request, said)
+    writer.write(_head(200, "text/event-stream") + b"".join(b"data: " + orjson.dumps(m) + b"\n\n" for m in (note, answer)))
+    writer.close()
+
+
 async def big_int(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[str, Any]) -> None:
     """A result holding an integer beyond 64 bits."""
     body = b'{"jsonrpc":"2.0","id":%d,"result":{"content":[],"structuredContent":{"n":%s}}}' % (
@@ -231,7 +253,8 @@ async def deep(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[
 
 BEHAVIOURS: dict[str, Behaviour] = {f.__name__: f for f in (
     huge_json, huge_head, many_headers, huge_sse_line, huge_sse_event, answer_then_linger, ask_flood, churn, hang_up,
-    make_task, side_notes, hold, echo, wrong_id, no_id, true_id, sse_wrong_id, error, big_int, big_int_sse, edge_ints, deep)}
+    make_task, side_notes, hold, echo, wrong_id, no_id, true_id, sse_wrong_id, error, leak_error, leak_result, big_int, big_int_sse, edge_ints,
+    deep)}
 
 
 class HostileUpstream:
@@ -286,8 +309,8 @@ class HostileUpstream:
                 if lines[0].startswith("GET"):
                     writer.write(b"HTTP/1.1 405 X\r\ncontent-length: 0\r\n\r\n")
                     continue
-                message = orjson.loads(body)
-                self.requests.append({**message, "_headers": headers})
+                message = {**orjson.loads(body), "_headers": headers, "_target": lines[0].split(" ")[1]}
+                self.requests.append(message)
                 await self._answer(writer, message)
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
