@@ -18,9 +18,12 @@ from fastapi.testclient import TestClient
 from conformance.fixtures import PNG_1PX, WAV_MINIMAL
 from gateway.app import create_app
 from shared.config import load_config
-from tests.conftest import RedisTarget
+from tests.admin_support import MCP_KEY, LiveServer, admin_config
+from tests.conftest import RedisTarget, wait_for_sync
+from tests.proxy_front import Client, get_stream, publish_control
 
 MODERN = "2026-07-28"
+LEGACY = "2025-11-25"
 ACCEPT = "application/json, text/event-stream"
 KEYS = {"alice": "alice-key-123456", "bob": "bob-key-1234567"}
 ADMIN = "admin-key-123456"
@@ -251,3 +254,54 @@ def test_admin_routes(client: TestClient) -> None:
     assert client.get("/admin/contexts/alice/bad%20id", headers=h).status_code == 400
     assert client.delete("/admin/contexts/alice/adm", headers=h).json()["evicted"] is True
     assert client.delete("/admin/contexts/alice/adm", headers=h).status_code == 404
+
+
+def test_a_malformed_id_in_a_resource_uri_is_a_resource_not_found(client: TestClient) -> None:
+    """Whatever a crafted URI names — an id the store never accepts, percent-encoded dots,
+    braces — it is answered like any unknown resource of the caller's, naming the URI."""
+    legacy = Legacy(client, "alice")
+    for uri in ("context://{bob}c/text", "context://%2e%2e/text", "context://" + "a" * 200 + "/text"):
+        r = client.post("/mcp", json={"jsonrpc": "2.0", "id": 1, "method": "resources/read", "params": {
+            "uri": uri, "_meta": {"io.modelcontextprotocol/protocolVersion": MODERN,
+                                  "io.modelcontextprotocol/clientCapabilities": {}}}},
+            headers={"accept": ACCEPT, "mcp-protocol-version": MODERN, "mcp-method": "resources/read",
+                     "mcp-name": uri, "authorization": f"Bearer {KEYS['alice']}"})
+        assert r.status_code == 400, (uri, r.text)
+        assert _body(r.text)["error"] == {"code": -32602, "message": f"Resource not found: {uri}",
+                                          "data": {"uri": uri}}, uri
+        old = legacy("resources/read", {"uri": uri})
+        assert old["error"] == {"code": -32002, "message": f"Resource not found: {uri}", "data": {"uri": uri}}, uri
+
+
+RESOURCES_CHANGED = "notifications/resources/list_changed"
+
+
+def test_resources_list_changes_are_announced(redis_target: RedisTarget) -> None:
+    """resources/list shows each channel that holds entries: an append that opens a channel, a
+    clear and a fork change it and send resources/list_changed; an append to a channel that
+    already holds entries does not."""
+    with LiveServer(create_app(admin_config(redis_target.url))) as server:
+        alice = Client(server.url, MCP_KEY, LEGACY).open()
+        stream = get_stream(alice)
+
+        def announced(n: int) -> None:
+            wait_for_sync(lambda: stream.methods().count(RESOURCES_CHANGED) >= n, timeout_s=10,
+                          what=f"resources/list_changed #{n}")
+
+        def tool(name: str, **args: object) -> None:
+            alice.result("tools/call", {"name": name, "arguments": args})
+
+        tool("context_append", context_id="conv", modality="text", text="hello")  # a new context
+        announced(1)
+        tool("context_append", context_id="conv", modality="text", text="again")  # the list is as it was
+        tool("context_clear", context_id="conv")  # its text channel leaves the list
+        announced(2)
+        tool("context_append", context_id="conv", modality="text", text="back")  # and comes back
+        announced(3)
+        tool("context_fork", context_id="conv", new_context_id="conv2")
+        announced(4)
+        # a marker after them all: what the gateway announced before it is on the stream by then
+        publish_control(redis_target.url, {"t": "lc", "p": "alice", "k": "prompts", "o": "another-replica"})
+        wait_for_sync(lambda: "notifications/prompts/list_changed" in stream.methods(), timeout_s=10,
+                      what="the marker")
+        assert stream.methods().count(RESOURCES_CHANGED) == 4

@@ -88,11 +88,11 @@ def test_own_list_change_reaches_a_session_whose_stream_was_closed(redis_url: st
         alice_last, bob_last = visit(alice, "alice", gw_a), visit(bob, "bob", gw_a)
 
         assert stayed.result("tools/call", {"name": "context_append", "arguments": {
-            "context_id": "conv", "modality": "text", "text": "hello"}})
+            "context_id": "conv", "modality": "text", "text": "hello"}})  # alice's resources list changed
         assert stayed.result("tools/call", {"name": "context_fork", "arguments": {
-            "context_id": "conv", "new_context_id": "conv2"}})  # alice's resources list changed
-        wait_for_sync(lambda: RESOURCES_CHANGED in stayed_stream.methods(), timeout_s=10,
-                      what="resources/list_changed on the stream that stayed open")
+            "context_id": "conv", "new_context_id": "conv2"}})  # and again
+        wait_for_sync(lambda: stayed_stream.methods().count(RESOURCES_CHANGED) == 2, timeout_s=10,
+                      what="both resources/list_changed on the stream that stayed open")
 
         alice_stream = get_stream(moved(alice, b), alice_last)
         wait_for_sync(lambda: RESOURCES_CHANGED in alice_stream.methods(), timeout_s=10,
@@ -100,8 +100,8 @@ def test_own_list_change_reaches_a_session_whose_stream_was_closed(redis_url: st
         bob_stream = get_stream(moved(bob, b), bob_last)
         settle(redis_url, {"alice": [stayed_stream, alice_stream], "bob": [bob_stream]})
         assert RESOURCES_CHANGED not in bob_stream.methods()  # the change was alice's
-        assert stayed_stream.methods().count(RESOURCES_CHANGED) == 1
-        assert alice_stream.methods().count(RESOURCES_CHANGED) == 1
+        assert stayed_stream.methods().count(RESOURCES_CHANGED) == 2  # each change once
+        assert alice_stream.methods().count(RESOURCES_CHANGED) == 1  # the changes it missed, once
 
 
 def test_upstream_change_reaches_reopened_streams_that_may_see_it(redis_url: str, legacy_upstream: Upstream,

@@ -21,6 +21,7 @@ from typing import Any
 from gateway.errors import InvalidParams, NotFound
 from gateway.registry import Registry, ToolContext
 from shared.context import ContextError
+from shared.context.validation import is_context_id
 from shared.media_check import MediaError, check_media_header
 from shared.types import ContextWindow, Entry
 
@@ -113,12 +114,23 @@ def resource_uri(context_id: str, modality: str) -> str:
     return f"context://{context_id}/{modality}"
 
 
-async def _notify(ctx: ToolContext, context_id: str, modalities: list[str]) -> None:
+async def _notify(ctx: ToolContext, context_id: str, modalities: list[str], *, listed: bool = False) -> None:
+    """Tell the caller's subscribers of each channel; ``listed``: the caller's resources/list
+    changed too (a channel gained its first entry or lost its entries, a context was evicted)."""
     for mod in modalities:
         try:
             await ctx.state.notify_resource_updated(ctx.principal, resource_uri(context_id, mod))
         except Exception:  # noqa: BLE001 - a lost hint must not fail the write that succeeded
             log.warning("could not publish a resource update for %s", context_id)
+    if listed:
+        await _list_changed(ctx)
+
+
+async def _list_changed(ctx: ToolContext) -> None:
+    try:
+        await ctx.state.notify_list_changed(ctx.principal, "resources")
+    except Exception:  # noqa: BLE001 - a lost hint must not fail the write that succeeded
+        log.warning("could not publish resources/list_changed")
 
 
 # ---------------------------------------------------------------------- tool bodies
@@ -143,7 +155,7 @@ async def context_append(ctx: ToolContext, args: dict[str, Any]) -> dict[str, An
         raise InvalidParams(f"{modality} entry refused: {exc}", {"modality": modality}) from None
     res = await store.append(ctx.principal, args["context_id"], modality, args.get("role", "user"), content,
                              mime=args.get("mime_type"), tokens=args.get("tokens"), links=args.get("links", ()))
-    await _notify(ctx, args["context_id"], [modality])
+    await _notify(ctx, args["context_id"], [modality], listed=res.opened or bool(res.evicted))
     return {"context_id": args["context_id"], "entry_id": res.entry_id, "version": res.version,
             "evicted": res.evicted}
 
@@ -165,7 +177,7 @@ async def context_get(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
 async def context_clear(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
     store = ctx.state.store
     version = await store.clear(ctx.principal, args["context_id"])
-    await _notify(ctx, args["context_id"], list(store.cfg.modalities))
+    await _notify(ctx, args["context_id"], list(store.cfg.modalities), listed=True)
     return {"context_id": args["context_id"], "version": version}
 
 
@@ -173,17 +185,14 @@ async def context_fork(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]
     store = ctx.state.store
     dst = await store.fork(ctx.principal, args["context_id"], args.get("new_context_id"))
     version = await store.version(ctx.principal, dst)
-    try:
-        await ctx.state.notify_list_changed(ctx.principal, "resources")
-    except Exception:  # noqa: BLE001 - a lost hint must not fail the fork that succeeded
-        log.warning("could not publish resources/list_changed")
+    await _list_changed(ctx)
     return {"context_id": dst, "source": args["context_id"], "version": version}
 
 
 async def read_context_resource(ctx: ToolContext, args: dict[str, Any]) -> list[dict[str, Any]]:
     store = ctx.state.store
     uri, modality = args["uri"], args["modality"]
-    if modality not in store.cfg.modalities:
+    if modality not in store.cfg.modalities or not is_context_id(args["context_id"]):
         raise NotFound(f"Resource not found: {uri}", {"uri": uri})
     win = await store.get_window(ctx.principal, args["context_id"], modalities=[modality])
     out = []

@@ -601,7 +601,8 @@ end
 -- ------------------------------------------------------------------ operations
 local ops = {}
 
--- ARGV 5 cid, 6 modality, 7 entry body (see stored entries), 8 links csv -> {seq, version, evicted, delta}
+-- ARGV 5 cid, 6 modality, 7 entry body (see stored entries), 8 links csv -> {seq, version, evicted,
+-- delta, opened} (opened: 1 when the channel held no entry before, so the caller's resource list grew)
 function ops.append()
   local cid, mod, val, links = ARGS[5], ARGS[6], ARGS[7], ARGS[8]
   local m = load(cid)
@@ -616,6 +617,7 @@ function ops.append()
   if pbytes == 0 then created = true end  -- the entries hash is (re)created
   local c = m.ch[mod]
   if not c then c = {lo = 1, hi = 0, plo = 1, lb = 0}; m.ch[mod] = c end
+  local opened = c.lo > c.hi and 1 or 0
   local seq = c.hi + 1
   redis.call('HSET', E, efield(cid, mod, seq), stored_entry(mod, seq, val))
   c.hi = seq
@@ -632,7 +634,7 @@ function ops.append()
   save(cid, m)
   audit('append', cid, m.v, {'entry', mod .. ':' .. seqstr(seq), 'bytes', #val})
   finish(true)
-  return {seq, m.v, evicted_reply(), cdelta}
+  return {seq, m.v, evicted_reply(), cdelta, opened}
 end
 
 -- Entries the caller already holds, from ARGV "<epoch>;mod:first:last;...": honoured only

@@ -49,6 +49,7 @@ class AppendResult:
     entry_id: str
     version: int
     evicted: list[str] = field(default_factory=list)  # this principal's contexts evicted by the append
+    opened: bool = False  # the channel held no entry before: the principal's resource list grew
 
 
 @dataclass
@@ -120,11 +121,12 @@ class ContextStore:
         check_id(context_id)
         content, tokens, links = check_entry(self.cfg, modality, role, content, mime=mime, tokens=tokens, links=links)
         packed = pack_entry(role, content, tokens=tokens, ts_ms=self._clock_ms(), mime=mime, links=links)
-        seq, version, gone, delta = await self._script.call("append", principal, context_id, modality, packed,
-                                                            ",".join(links))
+        seq, version, gone, delta, opened = await self._script.call("append", principal, context_id, modality,
+                                                                    packed, ",".join(links))
         self._global.report(principal, delta)
         metrics.CONTEXT_APPENDED_BYTES.labels(modality).inc(len(content))
-        return AppendResult(entry_id=f"{modality}:{int(seq)}", version=int(version), evicted=evicted(gone))
+        return AppendResult(entry_id=f"{modality}:{int(seq)}", version=int(version), evicted=evicted(gone),
+                            opened=bool(opened))
 
     async def get_window(self, principal: str, context_id: str, *, modalities: Iterable[str] | None = None,
                          last_n: int | None = None, max_tokens: int | None = None,

@@ -28,8 +28,12 @@ def check_principal(principal: str) -> None:
         raise ContextError(f"bad principal name {principal!r}")
 
 
+def is_context_id(context_id: Any) -> bool:
+    return isinstance(context_id, str) and _ID_RE.fullmatch(context_id) is not None
+
+
 def check_id(context_id: str) -> None:
-    if not isinstance(context_id, str) or not _ID_RE.fullmatch(context_id):
+    if not is_context_id(context_id):
         raise ContextError("context id must be 1-128 characters of [A-Za-z0-9._:-], starting alphanumeric")
 
 
