@@ -95,6 +95,23 @@ def test_learn_refuses_bad_samples_with_invalid_params_and_writes_nothing(client
     assert _log_len(redis_url) == 0
 
 
+def test_a_batch_naming_a_context_version_it_cannot_have_names_the_sample(client, redis_url):
+    """Which sample of a batch named an unknown context, or a version not retained, is in the
+    error's data (``index``, as for any one sample's error); a lone sample's error names no place."""
+    assert "result" in call_tool(client, "context_append", {"context_id": "conv", "modality": "text", "text": "hi"})
+    ok = {"input": "q", "target": "a", "context_id": "conv", "version": 1}
+    for bad, data in (({"input": "q", "target": "a", "context_id": "conv", "version": 2},
+                       {"context_id": "conv", "version": 2}),
+                      ({"input": "q", "target": "a", "context_id": "nope", "version": 1},
+                       {"context_id": "nope", "version": 1})):
+        out = learn(client, {"samples": [ok, ok, bad, bad]})
+        assert out["error"]["code"] == -32602 and out["error"]["data"] == {**data, "index": 2}, out
+        assert out["error"]["message"].startswith("sample 2: "), out
+        out = learn(client, bad)
+        assert out["error"]["code"] == -32602 and out["error"]["data"] == data, out
+    assert _log_len(redis_url) == 0
+
+
 def test_admin_bulk_import_needs_operator_and_stats_show_the_lag(client, redis_url):
     body = {"principal": "bob", "samples": [{"input": f"q{i}", "target": "a"} for i in range(50)]}
     assert client.post("/admin/samples", json=body).status_code == 401

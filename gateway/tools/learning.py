@@ -126,16 +126,21 @@ class SampleIngest:
             m.SAMPLES_REJECTED.labels("invalid").inc()
             raise
 
-    async def check_contexts(self, principal: str, samples: list[Sample]) -> list[ContextWindow]:
-        """Every (context_id, version) named must be readable now; else -32602, nothing written.
+    async def check_contexts(self, principal: str, samples: list[Sample], *,
+                             batch: bool = False) -> list[ContextWindow]:
+        """Every (context_id, version) named must be readable now; else -32602, nothing written,
+        its data naming the context, the version and (``batch``) the first sample that named it.
         Returns the windows read (what the samples will be trained with)."""
-        wanted = {(s.context_id, s.version) for s in samples if s.context_id is not None}
+        wanted: dict[tuple[str, int | None], int] = {}  # (context, version) -> first sample naming it
+        for i, s in enumerate(samples):
+            if s.context_id is not None:
+                wanted.setdefault((s.context_id, s.version), i)
         if not wanted:
             return []
         windows: list[ContextWindow] = []
         if self.store is None:
             raise Unavailable("the context store is not available; samples with context_id cannot be checked")
-        for context_id, version in sorted(wanted, key=str):
+        for (context_id, version), index in wanted.items():
             window = None
             try:
                 current = await self.store.version(principal, context_id)
@@ -145,8 +150,12 @@ class SampleIngest:
                 pass
             if window is None:
                 m.SAMPLES_REJECTED.labels("context").inc()
-                raise InvalidParams(f"context {context_id!r} has no version {version} (unknown or no longer "
-                                    "retained)", {"context_id": context_id, "version": version})
+                where = f"sample {index}: " if batch else ""
+                data: dict[str, Any] = {"context_id": context_id, "version": version}
+                if batch:
+                    data["index"] = index
+                raise InvalidParams(f"{where}context {context_id!r} has no version {version} (unknown or no "
+                                    "longer retained)", data)
             windows.append(window)
         return windows
 
@@ -161,11 +170,13 @@ class SampleIngest:
         return pack_windows(windows)
 
     # -- write, then forward
-    async def submit(self, principal: str, samples: list[Sample], *, admin: str | None = None) -> dict[str, Any]:
+    async def submit(self, principal: str, samples: list[Sample], *, admin: str | None = None,
+                     batch: bool = False) -> dict[str, Any]:
         """Log ``samples`` as taught by ``principal`` (imported by the admin key named ``admin``)
         and wake the trainer. Raises :class:`LimitExceeded` (nothing written) while the
-        log holds ``limits.max_sample_backlog`` samples the trainer has not trained."""
-        contexts = self._context_copy(await self.check_contexts(principal, samples))
+        log holds ``limits.max_sample_backlog`` samples the trainer has not trained.
+        ``batch``: they came as a list, and an error names the sample by its index."""
+        contexts = self._context_copy(await self.check_contexts(principal, samples, batch=batch))
         blobs = [s.to_json() for s in samples]
         part = partition_of(principal, self.partitions)
         trained_seq, trained_log = await self._trained(part)
@@ -311,7 +322,7 @@ def register(registry: Registry) -> None:
         samples = ingest.parse(args or {})
         refund = await ctx.state.limits.admit_learn(ctx.principal, samples)
         try:
-            return await ingest.submit(ctx.principal, samples)
+            return await ingest.submit(ctx.principal, samples, batch="samples" in (args or {}))
         except Exception:
             await refund()  # nothing was written: the quota is not spent
             raise
