@@ -152,3 +152,29 @@ def test_unreadable_log_entries_are_skipped_not_fatal() -> None:
                 {b"p": b"alice", b"seq": b"1", b"s": b"not json"},          # damaged payload
                 {b"p": b"alice", b"seq": b"1", b"s": orjson.dumps(["str"])}):  # wrong shape
         assert parse_entry(b"2-0", bad) == []
+
+
+async def test_a_batch_naming_more_context_than_is_copied_never_holds_it_all(ingest):
+    """The windows a batch names are kept only while they fit in trainer.max_context_copy_bytes:
+    a batch naming 24 windows of 192 KiB (4.5 MiB) over a 256 KiB cap holds about one window and
+    the cap at a time, not every window until the end."""
+    import tracemalloc
+
+    ingest.cfg.trainer.max_context_copy_bytes = 256 * 1024
+    chunk = b"x" * (64 * 1024)
+    samples = []
+    for i in range(24):
+        for _ in range(3):
+            res = await ingest.store.append("alice", f"c{i}", "text", "user", chunk)
+        samples.append(parse_sample({"input": "q", "target": "a", "context_id": f"c{i}", "version": res.version},
+                                    max_bytes=512, modalities=ingest.cfg.context.modalities))
+    tracemalloc.start()
+    try:
+        windows = await ingest.check_contexts("alice", samples, batch=True)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert windows is None  # over the cap: the trainer reads them from the store
+    assert peak < 2 * 1024 * 1024, f"{peak} bytes held while checking 4.5 MiB of windows"
+    small = await ingest.check_contexts("alice", samples[:1], batch=True)
+    assert small is not None and len(small) == 1  # one window fits: it is copied with the samples

@@ -127,17 +127,20 @@ class SampleIngest:
             raise
 
     async def check_contexts(self, principal: str, samples: list[Sample], *,
-                             batch: bool = False) -> list[ContextWindow]:
+                             batch: bool = False) -> list[ContextWindow] | None:
         """Every (context_id, version) named must be readable now; else -32602, nothing written,
         its data naming the context, the version and (``batch``) the first sample that named it.
-        Returns the windows read (what the samples will be trained with)."""
+        Returns the windows read (what the samples will be trained with) while they fit in
+        ``trainer.max_context_copy_bytes``, None once they do not: a batch may name thousands of
+        windows, and holding them all until the end would let one call take gigabytes here."""
         wanted: dict[tuple[str, int | None], int] = {}  # (context, version) -> first sample naming it
         for i, s in enumerate(samples):
             if s.context_id is not None:
                 wanted.setdefault((s.context_id, s.version), i)
         if not wanted:
             return []
-        windows: list[ContextWindow] = []
+        windows: list[ContextWindow] | None = []
+        kept, cap = 0, self.cfg.trainer.max_context_copy_bytes
         if self.store is None:
             raise Unavailable("the context store is not available; samples with context_id cannot be checked")
         for (context_id, version), index in wanted.items():
@@ -156,18 +159,21 @@ class SampleIngest:
                     data["index"] = index
                 raise InvalidParams(f"{where}context {context_id!r} has no version {version} (unknown or no "
                                     "longer retained)", data)
-            windows.append(window)
+            if windows is not None:
+                kept += sum(len(e.content) for ch in window.channels.values() for e in ch)
+                if kept <= cap:
+                    windows.append(window)
+                else:
+                    windows = None
         return windows
 
-    def _context_copy(self, windows: list[ContextWindow]) -> bytes:
+    def _context_copy(self, windows: list[ContextWindow] | None) -> bytes:
         """The windows to store with the samples (``trainer.max_context_copy_bytes`` in all; over
-        it, the trainer reads them from the store at their version, while it still retains them)."""
-        size = sum(len(e.content) for w in windows for ch in w.channels.values() for e in ch)
-        if not windows or size > self.cfg.trainer.max_context_copy_bytes:
-            if windows:
-                m.SAMPLES_CONTEXT_NOT_COPIED.inc()
+        it — None — the trainer reads them from the store at their version, while it still retains them)."""
+        if windows is None:
+            m.SAMPLES_CONTEXT_NOT_COPIED.inc()
             return b""
-        return pack_windows(windows)
+        return pack_windows(windows) if windows else b""
 
     # -- write, then forward
     async def submit(self, principal: str, samples: list[Sample], *, admin: str | None = None,
