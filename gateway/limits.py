@@ -240,18 +240,25 @@ class Limits:
         if reading is None or again:
             self._tickets += 1
             reading = self._reading[principal] = _background(self._read(principal, self._tickets))
-            reading.add_done_callback(lambda done: self._reading.pop(principal) if self._reading.get(principal) is done
-                                      else None)
+
+            def forget(done: asyncio.Future[None]) -> None:
+                if self._reading.get(principal) is done:
+                    del self._reading[principal]
+
+            reading.add_done_callback(forget)
         return reading
 
     async def _read(self, principal: str, ticket: int) -> None:
-        """Read ``principal``'s override; an unreachable Redis leaves the last limits read in force
-        (the config's for a principal never read) and is tried again after ``_OUTAGE_PAUSE_S``."""
+        """Read ``principal``'s override; a Redis that does not answer leaves the last limits read
+        in force (the config's for a principal never read), and is asked again after ``_OUTAGE_PAUSE_S``."""
         try:
             limits = self.with_override(principal, parse_override(await self.redis.get(keys.limit_override(principal))))
             read_at = time.monotonic()
-        except OUTAGE:
-            self._outage_until = time.monotonic() + _OUTAGE_PAUSE_S
+        except (RedisError, OSError) as exc:
+            if isinstance(exc, OUTAGE):
+                self._outage_until = time.monotonic() + _OUTAGE_PAUSE_S
+            log.warning("could not read the runtime limits of %r (%s); the last read stay in force",
+                        principal, type(exc).__name__)
             known = self._known.get(principal)
             limits = self.by_config(principal) if known is None else known.limits
             read_at = time.monotonic() - OVERRIDE_RECHECK_S + _OUTAGE_PAUSE_S

@@ -6,24 +6,27 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-from fastapi import Body, HTTPException, Request
+from fastapi import HTTPException, Request
 from fastapi import Path as PathParam
-from pydantic import JsonValue
+from pydantic import BaseModel
 
 from gateway.admin.auth import AdminPrincipal
 from gateway.admin.common import E422, McpPrincipal, admin_router, audit_action, operator, viewer
 from gateway.limits import OVERRIDE_RECHECK_S, clear_override, overrides, read_override, set_override
 from gateway.state import Gateway, gateway_of
-from shared.config import ConfigError, PrincipalLimits
+from shared.config import ConfigError, PrincipalLimits, partial_model
+from shared.control import check_storable
 
 router = admin_router()
 
 PrincipalName = Annotated[McpPrincipal, PathParam(description="an MCP principal (an API key's name, or a token's subject)")]
-LimitFields = Annotated[dict[str, JsonValue], Body(
-    description="fields of limits.default to set for this principal over the config's (replacing any set before)",
-    examples=[{"requests_per_s": 10.0, "requests_burst": 20, "inference_in_flight": 2}])]
+if TYPE_CHECKING:
+    LimitsPatch = BaseModel
+else:  # the fields of limits.default, with their types and bounds, to set over the config's
+    LimitsPatch = partial_model(PrincipalLimits, examples=[
+        {"requests_per_s": 10.0, "requests_burst": 20, "inference_in_flight": 2}])
 
 
 async def _view(gateway: Gateway, principal: str) -> dict[str, Any]:
@@ -35,14 +38,26 @@ async def _view(gateway: Gateway, principal: str) -> dict[str, Any]:
             "source": limits.sources(principal, fields), "runtime": runtime}
 
 
-def _validated(gateway: Gateway, principal: str, fields: dict[str, JsonValue]) -> dict[str, Any]:
-    """``fields`` checked as ``limits.principals.<name>`` is at start: every error names its field."""
+async def _apply(gateway: Gateway, principal: str) -> None:
+    """Every replica reads the principal's override again (the control channel); this one
+    before it answers, so the answer holds here already."""
+    await gateway.publish_control({"t": "lim", "p": principal})
+    await gateway.limits.refresh(principal)
+
+
+def _validated(gateway: Gateway, principal: str, patch: BaseModel) -> dict[str, Any]:
+    """The fields ``patch`` sets, checked as runtime config is (``PATCH /admin/config``): each
+    field's type and bounds by the model, then what every replica can read back, then the whole
+    as ``limits.principals.<name>`` is at start. Every error names its field."""
+    fields = patch.model_dump(exclude_unset=True, exclude_none=True)
     if not fields:
         raise HTTPException(422, "name at least one limit to set; DELETE goes back to the config's limits")
     try:
+        for name, value in fields.items():
+            check_storable(name, value)
         PrincipalLimits(**{**dataclasses.asdict(gateway.limits.by_config(principal)), **fields})
-    except (ConfigError, TypeError) as exc:
-        raise HTTPException(422, f"limits: {exc}") from None
+    except ConfigError as exc:
+        raise HTTPException(422, str(exc)) from None
     return fields
 
 
@@ -60,13 +75,14 @@ async def get_limits(request: Request, principal: PrincipalName, who: AdminPrinc
 
 @router.put("/limits/{principal}", responses={422: E422},
             summary="Set some of a principal's limits over the config's (every replica, no restart)")
-async def set_limits(request: Request, principal: PrincipalName, fields: LimitFields,
+async def set_limits(request: Request, principal: PrincipalName, patch: LimitsPatch,
                      who: AdminPrincipal = operator) -> dict[str, Any]:
+    """Replaces what was set before for this principal; the fields not named keep the config's values."""
     gateway = gateway_of(request)
-    checked = _validated(gateway, principal, fields)
+    checked = _validated(gateway, principal, patch)
     await set_override(gateway.redis, principal, checked, who.audit_name)
-    await gateway.publish_control({"t": "lim", "p": principal})  # every replica, this one first
-    await audit_action(gateway, who, "limits.set", client=principal, change=json.dumps(checked, sort_keys=True))
+    await _apply(gateway, principal)
+    await audit_action(gateway, who, "limit.set", client=principal, change=json.dumps(checked, sort_keys=True))
     return await _view(gateway, principal)
 
 
@@ -74,6 +90,6 @@ async def set_limits(request: Request, principal: PrincipalName, fields: LimitFi
 async def reset_limits(request: Request, principal: PrincipalName, who: AdminPrincipal = operator) -> dict[str, Any]:
     gateway = gateway_of(request)
     await clear_override(gateway.redis, principal)
-    await gateway.publish_control({"t": "lim", "p": principal})
-    await audit_action(gateway, who, "limits.reset", client=principal)
+    await _apply(gateway, principal)
+    await audit_action(gateway, who, "limit.reset", client=principal)
     return await _view(gateway, principal)

@@ -20,9 +20,9 @@ from gateway.errors import LimitExceeded
 from gateway.limits import Limits, set_override
 from shared import keys
 from shared.config import load_config
-from shared.redis_client import async_client, close_sync
-from tests.conftest import RedisTarget, free_port, private_redis, wait_for_sync
-from tests.gateway_support import start_gateway, stop
+from shared.redis_client import async_client
+from tests.conftest import RedisTarget, private_redis, wait_for_sync
+from tests.gateway_support import two_gateways
 from tests.security.test_limits import _refused_handshake
 from tests.test_gateway_http import modern
 
@@ -42,25 +42,13 @@ def replicas(redis_target_module: RedisTarget) -> Iterator[tuple[str, str]]:
                  "gateway": {"admin_keys": {"root": {"key": ADMIN, "role": "admin"},
                                             "ops": {"key": OPERATOR, "role": "operator"},
                                             "watch": {"key": VIEWER, "role": "viewer"}}}}
-    api_keys = ",".join(f"{p}:{k}" for p, k in KEYS.items())
-    pa, pb = free_port(), free_port()
-    a = start_gateway(pa, redis_target_module.url, api_keys=api_keys, overrides=overrides)
-    b = start_gateway(pb, redis_target_module.url, api_keys=api_keys, overrides=overrides)
-    yield f"http://127.0.0.1:{pa}", f"http://127.0.0.1:{pb}"
-    stop(a)
-    stop(b)
+    with two_gateways(redis_target_module.url, KEYS, overrides) as urls:
+        yield urls
 
 
-@pytest.fixture
-def store(redis_target_module: RedisTarget) -> Iterator[Any]:
-    redis_target_module.flush()
-    client = redis_target_module.sync_client()
-    yield client
-    close_sync(client)
-
-
-def admin(method: str, url: str, key: str = OPERATOR, **kw: Any) -> httpx.Response:
-    return httpx.request(method, url, headers={"authorization": f"Bearer {key}"}, timeout=10, **kw)
+def admin(method: str, url: str, key: str = OPERATOR, json_body: bool = False, **kw: Any) -> httpx.Response:
+    headers = {"authorization": f"Bearer {key}", **({"content-type": "application/json"} if json_body else {})}
+    return httpx.request(method, url, headers=headers, timeout=10, **kw)
 
 
 def tools_list(base: str, principal: str) -> httpx.Response:
@@ -107,9 +95,9 @@ def test_an_operator_lowers_a_request_rate_on_every_replica_and_restores_it(repl
     wait_for_sync(lambda: tools_list(b, "abuser").status_code == 200, timeout_s=WAIT_S,
                   what="replica B to serve the abuser again")
     assert not store.exists(keys.limit_override("abuser")) and not store.hlen(keys.LIMIT_OVERRIDES)
-    changes = admin("GET", a + "/admin/audit", VIEWER, params={"action": "limits.*"}).json()["entries"]
+    changes = admin("GET", a + "/admin/audit", VIEWER, params={"action": "limit.*"}).json()["entries"]
     assert [(e["action"], e["client"], e["principal"]) for e in changes] == [
-        ("limits.reset", "abuser", "admin:ops"), ("limits.set", "abuser", "admin:ops")]
+        ("limit.reset", "abuser", "admin:ops"), ("limit.set", "abuser", "admin:ops")]
 
 
 def test_a_lowered_cap_holds_on_every_replica(replicas: tuple[str, str], store: Any) -> None:
@@ -177,24 +165,30 @@ def test_the_view_names_where_each_limit_comes_from(replicas: tuple[str, str], s
 
 
 @pytest.mark.parametrize(("body", "named"), [
-    ({"bogus": 1}, "bogus"),
-    ({"requests_per_s": 5.0, "requests_burst": 0}, "requests_burst"),
-    ({"requests_burst": "many"}, "requests_burst"),
-    ({"requests_burst": True}, "requests_burst"),
-    ({"listen_streams": -1}, "listen_streams"),
-    ({"requests_per_s": 1.5, "running_tasks": 2.5}, "running_tasks"),
-    ({}, "at least one"),
-    ([{"requests_per_s": 1}], ""),
-    ("requests_per_s", ""),
+    (b'{"bogus": 1}', "bogus"),
+    (b'{"requests_per_s": 5.0, "requests_burst": 0}', "requests_burst"),
+    (b'{"requests_burst": "many"}', "requests_burst"),
+    (b'{"requests_burst": true}', "requests_burst"),
+    (b'{"listen_streams": -1}', "listen_streams"),
+    (b'{"requests_per_s": 1.5, "running_tasks": 2.5}', "running_tasks"),
+    (b'{"requests_per_s": Infinity}', "requests_per_s"),
+    (b'{"requests_per_s": NaN}', "requests_per_s"),
+    (b'{"requests_burst": 1180591620717411303424}', "requests_burst"),
+    (b'{"requests_per_s": null}', "requests_per_s"),
+    (b'{}', "at least one"),
+    (b'[{"requests_per_s": 1}]', ""),
+    (b'"requests_per_s"', ""),
 ])
-def test_bad_bodies_are_refused_and_store_nothing(replicas: tuple[str, str], store: Any, body: Any,
+def test_bad_bodies_are_refused_and_store_nothing(replicas: tuple[str, str], store: Any, body: bytes,
                                                   named: str) -> None:
     a, _ = replicas
-    r = admin("PUT", a + "/admin/limits/abuser", json=body)
+    r = admin("PUT", a + "/admin/limits/abuser", content=body, json_body=True)
     assert r.status_code == 422, r.text
     assert named in str(r.json()["detail"])
     assert not store.exists(keys.limit_override("abuser")) and not store.hlen(keys.LIMIT_OVERRIDES)
     assert admin("GET", a + "/admin/limits/abuser", VIEWER).json()["runtime"] is None
+    r = admin("PUT", a + "/admin/limits/abuser", content=b"{not json", json_body=True)
+    assert r.status_code == 400 and not store.exists(keys.limit_override("abuser"))
 
 
 def test_a_viewer_may_read_limits_but_not_change_them(replicas: tuple[str, str], store: Any) -> None:
