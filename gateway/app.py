@@ -33,6 +33,7 @@ from gateway.admin.routes import ROUTERS
 from gateway.admin.stats import LocalStats, run_stats_publisher, withdraw_stats
 from gateway.auth import PROTECTED_RESOURCE_PATH
 from gateway.errors import install_http_errors, is_outage
+from gateway.limits import Limits
 from gateway.proxy import store as proxy_store
 from gateway.registry import Registry
 from gateway.state import Gateway, gateway_of
@@ -212,10 +213,11 @@ async def open_gateway(cfg: Config, registry: Registry) -> AsyncIterator[Gateway
         trainer_link = asyncio.create_task(samples.follow_trainer_link(), name="trainer-link")
         stack.push_async_callback(_cancel, trainer_link)
         replica_id = uuid.uuid4().hex
+        limits = Limits(redis, cfg)
         gateway = Gateway(config=cfg, redis=redis, blocking_redis=blocking, registry=registry,
                           replica_id=replica_id, zmq_ctx=zmq_ctx, store=store, workers=workers, samples=samples,
-                          tasks=TaskManager(redis, blocking, replica_id, limits=cfg.limits), admin_keyring=keyring,
-                          admin_stats=LocalStats())
+                          tasks=TaskManager(redis, blocking, replica_id, limits=limits), limits=limits,
+                          admin_keyring=keyring, admin_stats=LocalStats())
 
         control = asyncio.create_task(gateway.run_control_listener(), name="gateway-control")
         stack.push_async_callback(_cancel, control)

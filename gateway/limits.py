@@ -2,7 +2,8 @@
 
 One principal must not be able to starve the others, or fill a Redis that runs
 ``noeviction`` and so stop writes for everyone. What each principal may use is
-``limits.default``, with ``limits.principals.<name>`` overriding some fields (shared/config.py):
+``limits.default``, with ``limits.roles`` and ``limits.principals.<name>`` overriding some fields
+(shared/config.py):
 
 - **rates** — MCP messages, ``learn`` samples and ``learn`` bytes — are token buckets in
   Redis (GCRA: one value per bucket, the time at which it would be full again). One call
@@ -24,6 +25,13 @@ One principal must not be able to starve the others, or fill a Redis that runs
   every call two round trips and a lease renewed while it runs, and would make inference
   fail while Redis is away, for a bound the worker batches' round-robin already keeps fair.
 
+What each principal may use changes at runtime too: the admin API sets fields of
+:class:`PrincipalLimits` for one principal over the config's (:func:`set_override`, in a key of
+the principal's slot). A replica keeps each principal's limits in memory (:meth:`Limits.of`, no
+round trip) and reads the override again when the control channel says it changed (at once on
+every replica), and at the latest ``OVERRIDE_RECHECK_S`` after its last reading (a replica whose
+subscription missed the message). While Redis is unreachable the last limits read stay in force.
+
 Going over a limit raises :class:`~gateway.errors.LimitExceeded` (HTTP 429 + Retry-After,
 JSON-RPC ``data.retryAfterS``) and counts in ``learnmesh_limit_exceeded_total{limit}``.
 
@@ -37,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -52,7 +61,7 @@ from redis.exceptions import NoScriptError, RedisError
 from gateway.errors import OUTAGE, Forbidden, InvalidParams, LimitExceeded
 from shared import keys, metrics
 from shared.aio import pause
-from shared.config import Config, PrincipalLimits
+from shared.config import Config, ConfigError, PrincipalLimits
 from shared.redis_batch import pack_command
 from shared.redis_cluster_batch import auto_pipeline
 from shared.samples import Sample
@@ -113,9 +122,20 @@ LEASE_S = 30.0  # a dead replica's open streams stop counting after this long
 _OUTAGE_PAUSE_S = 1.0  # see admit_request
 _STOCKS_MAX = 65536  # principals whose request tokens a replica keeps (dropping them only costs round trips)
 _CHUNK_S = 0.01  # a replica takes 10 ms of a principal's request rate at a time (at most a quarter burst)
+RATE_BUCKETS = ("requests", "learn_samples", "learn_bytes")
+OVERRIDE_RECHECK_S = 10.0  # a replica reads a principal's runtime limits again at least this often
 _THROTTLE_SHA = hashlib.sha1(THROTTLE_LUA.encode(), usedforsecurity=False).hexdigest()
 
 Refund = Callable[[], Awaitable[None]]
+
+
+@dataclasses.dataclass(slots=True)
+class _Known:
+    """A principal's limits as this replica last read them: the config's and its runtime override."""
+
+    limits: PrincipalLimits
+    read_at: float  # time.monotonic()
+    ticket: int  # which reading: a later one wins, whatever order they finish in
 
 
 class _Stock:
@@ -166,15 +186,111 @@ class Limits:
         self.cfg = cfg.limits
         self.teachers = frozenset(cfg.learning.teachers)
         self.teacher_roles = frozenset(cfg.learning.teacher_roles)
-        self._overrides = {name: cfg.limits.of(name) for name in {*cfg.limits.principals, *cfg.limits.principal_roles}}
+        self._configured = {name: cfg.limits.of(name) for name in {*cfg.limits.principals, *cfg.limits.principal_roles}}
+        self._known: dict[str, _Known] = {}
+        self._reading: dict[str, asyncio.Future[None]] = {}
+        self._tickets = 0
         self._batch = auto_pipeline(redis)
         self._stocks: dict[str, _Stock] = {}
         self._outage_until = 0.0
         self._lease = redis.register_script(LEASE_LUA)
         self._inference: dict[str, int] = {}  # principal -> its generate/score calls in flight here
 
+    def by_config(self, principal: str) -> PrincipalLimits:
+        """The limits the config gives ``principal``: default, its role's, then its own."""
+        return self._configured.get(principal, self.cfg.default)
+
     def of(self, principal: str) -> PrincipalLimits:
-        return self._overrides.get(principal, self.cfg.default)
+        """The limits in force for ``principal`` on this replica, with no round trip: the
+        config's with the runtime override as last read (read again in the background once
+        ``OVERRIDE_RECHECK_S`` old). A principal not read yet has the config's until its reading
+        is in; the async entry points (:meth:`current`) wait for that first reading."""
+        known = self._known.get(principal)
+        if known is None or time.monotonic() - known.read_at >= OVERRIDE_RECHECK_S:
+            self._read_soon(principal)
+        return self.by_config(principal) if known is None else known.limits
+
+    async def current(self, principal: str) -> PrincipalLimits:
+        """:meth:`of`, after the first reading of a principal this replica has not read yet
+        (one round trip; skipped while Redis is known to be unreachable), so a principal whose
+        limits were lowered cannot use the config's on a replica that just started."""
+        if principal not in self._known and time.monotonic() >= self._outage_until:
+            await asyncio.shield(self._read_soon(principal))
+        return self.of(principal)
+
+    async def refresh(self, principal: str) -> PrincipalLimits:
+        """Read ``principal``'s override now; the limits in force after it."""
+        await asyncio.shield(self._read_soon(principal, again=True))
+        return self.of(principal)
+
+    def changed(self, principal: str) -> None:
+        """The admin API changed ``principal``'s override (the control channel says so): read it
+        again now, whatever reading is under way (it may predate the change)."""
+        if principal in self._known or principal in self._reading:
+            self._read_soon(principal, again=True)
+
+    def recheck_all(self) -> None:
+        """Read every known principal's override again at its next request (control messages
+        may have been missed)."""
+        for known in self._known.values():
+            known.read_at = -math.inf
+
+    def _read_soon(self, principal: str, again: bool = False) -> asyncio.Future[None]:
+        reading = self._reading.get(principal)
+        if reading is None or again:
+            self._tickets += 1
+            reading = self._reading[principal] = _background(self._read(principal, self._tickets))
+
+            def forget(done: asyncio.Future[None]) -> None:
+                if self._reading.get(principal) is done:
+                    del self._reading[principal]
+
+            reading.add_done_callback(forget)
+        return reading
+
+    async def _read(self, principal: str, ticket: int) -> None:
+        """Read ``principal``'s override; a Redis that does not answer leaves the last limits read
+        in force (the config's for a principal never read), and is asked again after ``_OUTAGE_PAUSE_S``."""
+        try:
+            limits = self.with_override(principal, parse_override(await self.redis.get(keys.limit_override(principal))))
+            read_at = time.monotonic()
+        except (RedisError, OSError) as exc:
+            if isinstance(exc, OUTAGE):
+                self._outage_until = time.monotonic() + _OUTAGE_PAUSE_S
+            log.warning("could not read the runtime limits of %r (%s); the last read stay in force",
+                        principal, type(exc).__name__)
+            known = self._known.get(principal)
+            limits = self.by_config(principal) if known is None else known.limits
+            read_at = time.monotonic() - OVERRIDE_RECHECK_S + _OUTAGE_PAUSE_S
+        known = self._known.get(principal)
+        if known is not None and known.ticket > ticket:
+            return
+        if known is None and len(self._known) >= _STOCKS_MAX:
+            self._known.clear()  # costs each principal one round trip, at its next request
+        if known is not None and known.limits != limits:
+            self._stocks.pop(principal, None)  # its chunk and its wait were the old rate's
+        self._known[principal] = _Known(limits, read_at, ticket)
+
+    def with_override(self, principal: str, fields: dict[str, Any]) -> PrincipalLimits:
+        """The config's limits of ``principal`` with ``fields`` over them; a stored override the
+        config no longer takes is ignored (logged), never half applied."""
+        base = self.by_config(principal)
+        if not fields:
+            return base
+        try:
+            return PrincipalLimits(**{**dataclasses.asdict(base), **fields})
+        except (ConfigError, TypeError) as exc:
+            log.error("ignoring the runtime limits of %r: %s", principal, exc)
+            return base
+
+    def sources(self, principal: str, fields: dict[str, Any]) -> dict[str, str]:
+        """Where each limit of ``principal`` comes from: ``default``, ``role`` (``limits.roles``),
+        ``principal`` (``limits.principals``) or ``runtime`` (the admin API's ``fields``)."""
+        role = self.cfg.roles.get(self.cfg.principal_roles.get(principal, ""), {})
+        own = self.cfg.principals.get(principal, {})
+        return {f.name: ("runtime" if f.name in fields else "principal" if f.name in own
+                         else "role" if f.name in role else "default")
+                for f in dataclasses.fields(PrincipalLimits)}
 
     def teaches_by_config(self, principal: str) -> bool:
         return ("*" in self.teachers or principal in self.teachers
@@ -205,7 +321,7 @@ class Limits:
         replica than the bucket holds. While Redis is unreachable requests pass unchecked (for
         ``_OUTAGE_PAUSE_S`` before the next try): what needs Redis fails anyway with 503, and
         what does not (lists, discovery) keeps working."""
-        lim = self.of(principal)
+        lim = await self.current(principal)
         if not lim.requests_per_s:
             return
         stock = self._stocks.get(principal)
@@ -250,7 +366,7 @@ class Limits:
         """Check that ``principal`` may teach and take ``samples``' count and bytes from its learn
         quota, in one script call. Returns what gives the tokens back (the samples were not
         written after all). Raises :class:`Forbidden` or :class:`LimitExceeded`."""
-        lim = self.of(principal)
+        lim = await self.current(principal)
         nbytes = sum(len(s.to_json()) for s in samples)
         buckets: list[tuple[str, float, int, int]] = []
         for name, rate, burst, cost, unit in (
@@ -333,7 +449,8 @@ class Limits:
     @contextlib.asynccontextmanager
     async def listen_slot(self, principal: str) -> AsyncIterator[None]:
         """Hold one of the principal's ``listen_streams`` for the life of a listen stream."""
-        async with self._slot(keys.listen_leases(principal), self.of(principal).listen_streams, "listen_streams",
+        async with self._slot(keys.listen_leases(principal), (await self.current(principal)).listen_streams,
+                              "listen_streams",
                               "subscriptions/listen streams"):
             yield
 
@@ -344,7 +461,8 @@ class Limits:
         request. Each holds a connection of its replica's Redis pool (blocking reads) all the
         while: without a cap, one principal could take the pool and stop every other principal's
         streams and server->client requests."""
-        async with self._slot(keys.stream_leases(principal), self.of(principal).event_streams, "event_streams",
+        async with self._slot(keys.stream_leases(principal), (await self.current(principal)).event_streams,
+                              "event_streams",
                               "event streams (GET /mcp streams, WebSocket connections, server requests "
                               "awaiting an answer)"):
             yield
@@ -396,3 +514,54 @@ async def teacher_grants(redis: aioredis.Redis) -> dict[str, dict[str, Any]]:
     for name, record in (raw or {}).items():
         out[name.decode() if isinstance(name, bytes) else str(name)] = json.loads(record)
     return out
+
+
+def parse_override(raw: Any) -> dict[str, Any]:
+    """The fields of a stored override (``keys.limit_override``); {} for none, or for a record
+    no admin API wrote (logged: the config's limits hold rather than a request failing)."""
+    if raw is None:
+        return {}
+    with contextlib.suppress(ValueError, KeyError, TypeError):
+        fields = json.loads(raw)["limits"]
+        if isinstance(fields, dict):
+            return fields
+    log.error("ignoring a malformed runtime limits record: %r", raw[:200])
+    return {}
+
+
+def override_record(fields: dict[str, Any], by: str) -> str:
+    return json.dumps({"limits": fields, "by": by, "ts_ms": int(time.time() * 1000)}, sort_keys=True)
+
+
+async def read_override(redis: aioredis.Redis, principal: str) -> dict[str, Any] | None:
+    """``principal``'s runtime override as stored: {limits, by, ts_ms}, or None."""
+    raw = await redis.get(keys.limit_override(principal))
+    return None if raw is None else dict(json.loads(raw))
+
+
+async def set_override(redis: aioredis.Redis, principal: str, fields: dict[str, Any], by: str) -> None:
+    """Set ``principal``'s limits ``fields`` over the config's, on every replica (the caller
+    tells them on the control channel); ``fields`` are validated already. The principal's rate
+    buckets start full: a bucket holds the time it is full again, which the old rate set (a
+    principal slowed to one request an hour and then restored would otherwise still wait hours)."""
+    record = override_record(fields, by)
+    pipe = redis.pipeline(transaction=False)
+    pipe.set(keys.limit_override(principal), record)
+    pipe.delete(*(keys.limit_bucket(principal, name) for name in RATE_BUCKETS))
+    pipe.hset(keys.LIMIT_OVERRIDES, principal, record)
+    await pipe.execute()
+
+
+async def clear_override(redis: aioredis.Redis, principal: str) -> None:
+    """Back to the config's limits for ``principal`` (its rate buckets full, as for a change)."""
+    pipe = redis.pipeline(transaction=False)
+    pipe.delete(keys.limit_override(principal), *(keys.limit_bucket(principal, name) for name in RATE_BUCKETS))
+    pipe.hdel(keys.LIMIT_OVERRIDES, principal)
+    await pipe.execute()
+
+
+async def overrides(redis: aioredis.Redis) -> dict[str, dict[str, Any]]:
+    """Every runtime override: principal -> {limits, by, ts_ms}."""
+    raw = await redis.hgetall(keys.LIMIT_OVERRIDES)
+    return {(name.decode() if isinstance(name, bytes) else str(name)): json.loads(record)
+            for name, record in (raw or {}).items()}

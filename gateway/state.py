@@ -3,7 +3,8 @@
 and the admin routes (:func:`gateway_of`).
 
 It also carries the control channel that ties the replicas together over Redis pub/sub:
-session invalidation, cancellation and resource-updated / list-changed fan-out.
+session invalidation, cancellation, resource-updated / list-changed fan-out, and the changes
+made through the admin API (runtime config, upstreams, a principal's limits).
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ class Gateway:
     workers: WorkerPool
     samples: SampleIngest
     tasks: TaskManager
+    limits: Limits  # the tasks' too
     admin_keyring: AdminKeyring
     admin_stats: LocalStats
     sessions: SessionRegistry = field(init=False)
@@ -84,7 +86,6 @@ class Gateway:
     auth: Authenticator = field(init=False)
     origin_guard: OriginGuard = field(init=False)
     ws_tickets: WsTickets = field(init=False)
-    limits: Limits = field(init=False)
     dispatcher: Dispatcher = field(init=False)
     kernel: Kernel = field(init=False)  # what both transports hand their messages to
     proxy: Proxy = field(init=False)  # upstream MCP servers (gateway/proxy/)
@@ -110,7 +111,6 @@ class Gateway:
         self.auth = Authenticator(gw, AuthThrottle(self.redis, gw.auth_throttle))
         self.origin_guard = OriginGuard(gw)
         self.ws_tickets = WsTickets(self.redis, gw.ws_ticket_ttl_s)
-        self.limits = Limits(self.redis, self.config)
         self.dispatcher = Dispatcher(self.registry, self)
         self.kernel = Kernel(self)
         self.proxy = Proxy(self)
@@ -254,6 +254,8 @@ class Gateway:
             self._reload_config()
         elif t == "lc":
             self._on_list_changed(m)
+        elif t == "lim":
+            self.limits.changed(m["p"])
 
     def _on_list_changed(self, m: dict[str, Any]) -> None:
         kind, upstream, revision = m["k"], m.get("u"), m.get("r")
@@ -278,7 +280,8 @@ class Gateway:
 
     async def run_control_listener(self) -> None:
         """Follow the control channel for the life of the replica. After a reconnect the session
-        cache is dropped: invalidations may have been missed."""
+        cache is dropped and what the admin API may have changed is read again: invalidations
+        may have been missed."""
         await pubsub.follow(self.blocking_redis, keys.GATEWAY_CONTROL_CHANNEL, self._on_control_frame,
                             on_subscribed=self._control_subscribed, on_lost=self.control_connected.clear,
                             what="control channel")
@@ -287,6 +290,7 @@ class Gateway:
         self.sessions.forget_all()
         self._reload_proxy()
         self._reload_config()
+        self.limits.recheck_all()
         self.control_connected.set()
 
     def _reload_config(self) -> None:

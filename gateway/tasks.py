@@ -43,13 +43,12 @@ from redis.typing import EncodableT
 
 from gateway import pubsub
 from gateway.errors import INTERNAL_ERROR, InvalidParams, McpError, wire_error
-from gateway.limits import exceeded
+from gateway.limits import Limits, exceeded
 from gateway.mcp.dispatcher import Call, InputRequired
 from gateway.mcp.types import CLIENT_CAPABILITIES_META_KEY, encode
 from gateway.registry import Tool, ToolContext
 from shared import keys
 from shared.aio import pause, stop_if_cancelled
-from shared.config import LimitsConfig
 from shared.log_throttle import ThrottledWarning
 from shared.text import as_str
 
@@ -222,7 +221,7 @@ class TaskManager:
     """Creates, runs, settles and serves the tasks of one gateway replica; state in Redis."""
 
     def __init__(self, redis: aioredis.Redis, blocking_redis: aioredis.Redis, replica_id: str, *,
-                 limits: LimitsConfig | None = None, ttl_ms: int = DEFAULT_TTL_MS,
+                 limits: Limits, ttl_ms: int = DEFAULT_TTL_MS,
                  poll_interval_ms: int = DEFAULT_POLL_INTERVAL_MS, heartbeat_s: float = HEARTBEAT_S) -> None:
         if ttl_ms <= 0 or poll_interval_ms <= 0 or heartbeat_s <= 0:
             raise ValueError("task ttl_ms, poll_interval_ms and heartbeat_s must be > 0")
@@ -232,7 +231,7 @@ class TaskManager:
         self.poll_interval_ms = poll_interval_ms
         self.heartbeat_s = heartbeat_s
         self.replica_id = replica_id
-        self.limits = limits if limits is not None else LimitsConfig()
+        self.limits = limits
         self.lease_ms = int(heartbeat_s * 3000)  # a dead replica's tasks stop counting as its heartbeat ends
         self.running: dict[tuple[str, str], TaskCall] = {}
         self._create = self.redis.register_script(_CREATE)
@@ -435,7 +434,7 @@ class TaskManager:
                                      args=[task_id, cap, self.lease_ms, self.ttl_ms, *record])
         if not int(created):
             raise exceeded("running_tasks", f"at most {cap} tasks may run at once: wait for one to end, or "
-                           "cancel one (tasks/cancel)", self.limits.cap_retry_after_s)
+                           "cancel one (tasks/cancel)", self.limits.cfg.cap_retry_after_s)
         tcall.task_id = task_id
         self.running[(tcall.principal, task_id)] = tcall
         return {"resultType": "task", "taskId": task_id, "status": "working", "createdAt": now,

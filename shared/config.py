@@ -644,7 +644,8 @@ class PrincipalLimits:
 class LimitsConfig:
     """Quotas and rate limits: ``default``, then ``roles.<role>`` for the principals that
     ``principal_roles`` puts in that role, then ``principals.<name>`` for one principal, each
-    overriding some fields of what comes before."""
+    overriding some fields of what comes before; the admin API sets fields for one principal
+    over all of them at runtime (``/admin/limits``, gateway/limits.py)."""
 
     default: PrincipalLimits = Field(default_factory=PrincipalLimits)
     roles: dict[Principal, dict[str, JsonValue]] = Field(default_factory=dict)
@@ -906,17 +907,22 @@ def patch_model(name: str, sections: typing.Mapping[str, type],
     """A request body of changes to some sections: every section and every field optional,
     each field with its section's type and bounds (published in OpenAPI). Rules across fields
     are checked by :func:`apply_overrides`, against the values in effect."""
-    def partial(cls: type) -> Any:
-        fields: dict[str, Any] = {
-            field: (Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation,
-                    Field(default=None, description=info.description))
-            for field, info in cls.__pydantic_fields__.items()}  # type: ignore[attr-defined]
-        model = pydantic.create_model(f"{cls.__name__}Patch", __config__=_STRICT_SCALARS, **fields)
-        return model | None, None
-
     extra: dict[str, JsonValue] | None = {"examples": examples} if examples else None
     config = pydantic.ConfigDict(**_STRICT_SCALARS, json_schema_extra=extra)
-    return pydantic.create_model(name, __config__=config, **{s: partial(cls) for s, cls in sections.items()})
+    optional: dict[str, Any] = {s: (partial_model(cls) | None, None) for s, cls in sections.items()}
+    return pydantic.create_model(name, __config__=config, **optional)
+
+
+def partial_model(cls: type, examples: list[JsonValue] | None = None) -> type[pydantic.BaseModel]:
+    """A request body of changes to one section: every field of ``cls`` optional (None: not
+    given), with its type and bounds; unknown fields refused."""
+    fields: dict[str, Any] = {
+        field: (Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation,
+                Field(default=None, description=info.description))
+        for field, info in cls.__pydantic_fields__.items()}  # type: ignore[attr-defined]
+    extra: dict[str, JsonValue] | None = {"examples": examples} if examples else None
+    config = pydantic.ConfigDict(**_STRICT_SCALARS, json_schema_extra=extra)
+    return pydantic.create_model(f"{cls.__name__}Patch", __config__=config, **fields)
 
 
 def _validate(data: dict[str, Any]) -> Config:

@@ -69,7 +69,7 @@ def validate_runtime_patch(cfg: Config, current: dict[str, dict[str, Any]],
         if not isinstance(fields, dict) or not fields:
             raise ConfigError(f"{section}: expected a non-empty mapping of fields")
         for name, value in fields.items():
-            _check_storable(f"{section}.{name}", value)
+            check_storable(f"{section}.{name}", value)
         merged.setdefault(section, {}).update(fields)
     apply_overrides(cfg, merged)
     return merged
@@ -78,7 +78,7 @@ def validate_runtime_patch(cfg: Config, current: dict[str, dict[str, Any]],
 _INT64 = 2**63
 
 
-def _check_storable(where: str, value: Any) -> None:
+def check_storable(where: str, value: Any) -> None:
     """Refuse what every process could not read back as it was written: JSON has no NaN or
     infinity, and the gateways' reader holds integers in 64 bits. Stored, such a value would make
     them ignore every runtime override."""

@@ -106,8 +106,21 @@ TEACHER_GRANTS = f"{PREFIX}learning:teachers"
 operators; the per-principal ``teacher_grant`` key is what requests read)."""
 
 
+def limit_override(principal: str) -> str:
+    """String: JSON {limits, by, ts_ms}, the principal's limits set through the admin API over
+    the config's (``limits``); absent: the config decides. In the principal's slot, next to its
+    buckets and leases."""
+    return f"{PREFIX}{_tag(principal)}:limits"
+
+
+LIMIT_OVERRIDES = f"{PREFIX}limits:overrides"
+"""Hash: principal -> the same JSON as its ``limit_override`` (the listing for operators; the
+per-principal key is what replicas read)."""
+
+
 GATEWAY_CONTROL_CHANNEL = f"{PREFIX}gateway:control"
-"""Pub/sub: session invalidation, cancellation and resource-updated fan-out to every replica."""
+"""Pub/sub: session invalidation, cancellation, resource-updated fan-out and changes made through
+the admin API (runtime config, upstreams, a principal's limits) to every replica."""
 LIST_REVISIONS = f"{PREFIX}gateway:listrevs"
 """Hash: revision counter of each list every principal may see — ``<kind>`` (tools | resources |
 prompts, the gateway's own) and ``<kind>@<upstream>`` (a proxied server's) — bumped once per

@@ -137,6 +137,16 @@ class RedisTarget:
         its nodes' connections open)."""
         return sync_client(self.config, **options)
 
+    @contextlib.contextmanager
+    def flushed(self) -> Iterator[SyncRedis]:
+        """Every master emptied, and a sync client to read what a test wrote (closed after)."""
+        self.flush()
+        client = self.sync_client()
+        try:
+            yield client
+        finally:
+            close_sync(client)
+
     def flush(self) -> None:
         """Empty every master (replicas follow)."""
         client = self.sync_client()

@@ -177,6 +177,26 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait(5)
 
 
+@contextlib.contextmanager
+def two_gateways(redis_url: str, principal_keys: dict[str, str],
+                 overrides: dict[str, dict[str, Any]]) -> Iterator[tuple[str, str]]:
+    """Two gateway processes (replicas) on one Redis, with the same API keys (principal -> key)
+    and config: their URLs."""
+    from shared.net import free_port
+
+    api_keys = ",".join(f"{p}:{k}" for p, k in principal_keys.items())
+    pa, pb = free_port(), free_port()
+    a = start_gateway(pa, redis_url, api_keys=api_keys, overrides=overrides)
+    try:
+        b = start_gateway(pb, redis_url, api_keys=api_keys, overrides=overrides)
+        try:
+            yield f"http://127.0.0.1:{pa}", f"http://127.0.0.1:{pb}"
+        finally:
+            stop(b)
+    finally:
+        stop(a)
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
     main()

@@ -72,6 +72,7 @@ def test_runtime_config_refuses_a_value_the_mesh_could_not_read_back(gw, r, body
     ("GET", "/admin/contexts/admin:root/notes"),
     ("GET", "/admin/contexts?principal=admin:root"),
     ("PUT", "/admin/teachers/admin:root"),
+    ("DELETE", "/admin/limits/admin:root"),
     ("GET", "/admin/contexts/*/notes"),
     ("GET", "/admin/contexts?principal=../../etc"),
 ])

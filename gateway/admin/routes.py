@@ -2,7 +2,7 @@
 for what no admin route matched comes last; /admin/openapi.json documents all of them.
 
 Roles (gateway/admin/auth.py): GET routes need ``viewer``; acting on the running mesh
-(terminate, drain, pause, checkpoint, evict) needs ``operator``; changing it (keys, config,
+(terminate, drain, pause, checkpoint, evict, a principal's limits) needs ``operator``; changing it (keys, config,
 rollback, delta key rotation, who may teach) needs ``admin``. Every action is written to the audit stream.
 Commands for other processes travel through Redis (shared/control.py).
 """
@@ -17,6 +17,7 @@ from gateway.admin import (
     contexts,
     delta_key,
     keys,
+    limits,
     meta,
     models,
     samples,
@@ -31,5 +32,5 @@ from gateway.admin import (
 ROUTERS: tuple[APIRouter, ...] = (
     contexts.router, samples.router, meta.router, keys.router, sessions.router, workers.router,
     trainer.router, models.router, config.router, delta_key.router, audit.router, summary.router,
-    teachers.router, upstreams.router, meta.fallback,
+    teachers.router, limits.router, upstreams.router, meta.fallback,
 )

@@ -88,7 +88,6 @@ class _Connection:
         self.lock = asyncio.Lock()
         self.tasks: set[asyncio.Task[None]] = set()
         self.pump: asyncio.Task[None] | None = None
-        self.max_inflight = gateway.limits.of(principal).ws_concurrent_requests
         self.retry_after_s = gateway.config.limits.cap_retry_after_s
 
     async def send(self, msg: ServerMessage | RpcResponse | ErrorResponse) -> None:
@@ -115,8 +114,9 @@ class _Connection:
             if again.message is not None:
                 await self.send(again.message)
             return
-        if self.max_inflight and len(self.tasks) >= self.max_inflight:
-            busy = self.kernel.fail(exceeded("ws_concurrent_requests", f"at most {self.max_inflight} requests may "
+        max_inflight = self.gateway.limits.of(self.principal).ws_concurrent_requests  # a change holds on open sockets
+        if max_inflight and len(self.tasks) >= max_inflight:
+            busy = self.kernel.fail(exceeded("ws_concurrent_requests", f"at most {max_inflight} requests may "
                                              "run at once on one connection", self.retry_after_s), message.id)
             if busy.message is not None:
                 await self.send(busy.message)

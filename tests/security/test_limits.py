@@ -24,10 +24,9 @@ from websockets.exceptions import InvalidStatus
 
 from shared import keys
 from shared.config import ConfigError, load_config
-from shared.redis_client import close_sync
 from shared.samples import CLUSTER_SAMPLE_PARTITIONS
 from tests.conftest import RedisTarget, free_port, wait_for, wait_for_sync
-from tests.gateway_support import start_gateway, stop
+from tests.gateway_support import start_gateway, stop, two_gateways
 from tests.test_gateway_http import ACCEPT, init, legacy, modern, rpc
 
 SLOW = 0.001  # tokens per second: none come back while a test runs
@@ -53,22 +52,8 @@ def auth(principal: str) -> dict[str, str]:
 def replicas(redis_target_module: RedisTarget) -> Iterator[tuple[str, str]]:
     overrides: dict[str, dict[str, Any]] = {"limits": {"principals": LIMITS}, "learning": {"teachers": ["*"]},
                                             "trainer": {"samples_endpoint": f"tcp://127.0.0.1:{free_port()}"}}
-    api_keys = ",".join(f"{p}:{k}" for p, k in KEYS.items())
-    pa, pb = free_port(), free_port()
-    a = start_gateway(pa, redis_target_module.url, api_keys=api_keys, overrides=overrides)
-    b = start_gateway(pb, redis_target_module.url, api_keys=api_keys, overrides=overrides)
-    yield f"http://127.0.0.1:{pa}", f"http://127.0.0.1:{pb}"
-    stop(a)
-    stop(b)
-
-
-@pytest.fixture
-def store(redis_target_module: RedisTarget) -> Iterator[Any]:
-    """The Redis both replicas use (a server or a cluster), flushed for this test."""
-    redis_target_module.flush()
-    client = redis_target_module.sync_client()
-    yield client
-    close_sync(client)
+    with two_gateways(redis_target_module.url, KEYS, overrides) as urls:
+        yield urls
 
 
 def call(base: str, principal: str, method: str, params: dict | None = None, rid: int = 1) -> httpx.Response:

@@ -16,10 +16,9 @@ import pytest
 from services.supervisor import child_configs, load_or_create_keys
 from shared import keys
 from shared.config import load_config
-from shared.redis_client import close_sync
 from shared.samples import CLUSTER_SAMPLE_PARTITIONS
 from tests.conftest import RedisTarget, free_port
-from tests.gateway_support import start_gateway, stop
+from tests.gateway_support import two_gateways
 from tests.test_gateway_http import modern
 
 KEYS = {"teacher": "teacher-key-0123456789", "student": "student-key-0123456789",
@@ -36,22 +35,8 @@ def replicas(redis_target_module: RedisTarget) -> Iterator[tuple[str, str]]:
                  "trainer": {"samples_endpoint": f"tcp://127.0.0.1:{free_port()}"},
                  "gateway": {"admin_keys": {"root": {"key": ADMIN, "role": "admin"},
                                             "ops": {"key": OPERATOR, "role": "operator"}}}}
-    api_keys = ",".join(f"{p}:{k}" for p, k in KEYS.items())
-    pa, pb = free_port(), free_port()
-    a = start_gateway(pa, redis_target_module.url, api_keys=api_keys, overrides=overrides)
-    b = start_gateway(pb, redis_target_module.url, api_keys=api_keys, overrides=overrides)
-    yield f"http://127.0.0.1:{pa}", f"http://127.0.0.1:{pb}"
-    stop(a)
-    stop(b)
-
-
-@pytest.fixture
-def store(redis_target_module: RedisTarget) -> Iterator[Any]:
-    """The Redis both replicas use (a server or a cluster), flushed for this test."""
-    redis_target_module.flush()
-    client = redis_target_module.sync_client()
-    yield client
-    close_sync(client)
+    with two_gateways(redis_target_module.url, KEYS, overrides) as urls:
+        yield urls
 
 
 def learn(base: str, principal: str, samples: list[dict]) -> httpx.Response:
