@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
@@ -10,6 +11,7 @@ import stat
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -101,6 +103,22 @@ def _supervise(sup: Supervisor) -> threading.Thread:
     return thread
 
 
+@contextlib.contextmanager
+def _restarting_past_the_bound(sup: Supervisor, starts: Path) -> Iterator[threading.Thread]:
+    """``sup`` supervising, once its child has been restarted past MAX_QUICK_RESTARTS and the
+    mesh still runs; stopped on the way out."""
+    sup.start()
+    thread = _supervise(sup)
+    try:
+        wait_for_sync(lambda: starts.is_file() and starts.read_text().count("started") > 2 * supervisor.MAX_QUICK_RESTARTS,
+                      timeout_s=60, what="restarts past the bound")
+        assert thread.is_alive() and sup.failed is None
+        yield thread
+    finally:
+        sup.stop()
+        thread.join(30)
+
+
 def test_a_child_that_keeps_failing_after_its_start_stops_the_mesh_after_a_bounded_number_of_restarts(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A child that starts and exits 1 again and again (a setting only checked at runtime, a port
@@ -142,18 +160,10 @@ def test_a_child_that_fails_while_redis_is_away_is_restarted_until_redis_answers
     starts = tmp_path / "starts"
     child = Child("trainer", _starts_then_exits(starts, 1), dict(os.environ))
     sup = Supervisor([child], stop_timeout_s=10, redis_answers=lambda: _redis_answers(redis[0]))
-    sup.start()
-    thread = _supervise(sup)
-    try:
-        wait_for_sync(lambda: starts.is_file() and starts.read_text().count("started") > 2 * supervisor.MAX_QUICK_RESTARTS,
-                      timeout_s=60, what="restarts past the bound while Redis is away")
-        assert thread.is_alive() and sup.failed is None
+    with _restarting_past_the_bound(sup, starts) as thread:
         redis[0] = back
         thread.join(60)
         assert not thread.is_alive(), "still restarting with Redis back"
-    finally:
-        sup.stop()
-        thread.join(30)
     assert sup.exit_code == 1 and sup.failed is not None and sup.failed.startswith("trainer exited with status 1")
 
 
@@ -166,15 +176,8 @@ def test_a_child_that_ran_healthy_before_it_failed_is_restarted_past_the_bound(
     starts = tmp_path / "starts"
     child = Child("worker-0", _starts_then_exits(starts, 1, ran_s=0.5), dict(os.environ))
     sup = Supervisor([child], stop_timeout_s=10)
-    sup.start()
-    thread = _supervise(sup)
-    try:
-        wait_for_sync(lambda: starts.is_file() and starts.read_text().count("started") > 2 * supervisor.MAX_QUICK_RESTARTS,
-                      timeout_s=60, what="restarts past the bound")
-        assert thread.is_alive() and sup.failed is None
-    finally:
-        sup.stop()
-        thread.join(30)
+    with _restarting_past_the_bound(sup, starts):
+        pass
     assert sup.exit_code == 0 and not child.alive()
 
 
