@@ -460,3 +460,42 @@ async def test_every_inference_request_names_its_authenticated_principal(held_wo
         _, res = await asyncio.to_thread(call, url, name, {**args, "principal": "bob"})
         assert res.get("error", {}).get("code") == -32602, res
     assert {h.get("principal") for h, _ in worker.received if h["prompt"] == "warm"} == {"local"}
+
+
+async def test_a_generate_that_appends_its_exchange_is_announced_like_any_append(capped_worker):
+    """generate with ``append`` writes the exchange to the context: its subscribers get
+    notifications/resources/updated, and a channel it opens (a context of images gains text)
+    changes resources/list, announced as a context_append's would be."""
+    from conformance.fixtures import PNG_1PX
+    from tests.proxy_front import Client, get_stream
+
+    port, worker, log_path = capped_worker
+    alice = await asyncio.to_thread(lambda: Client(f"http://127.0.0.1:{port}", ALICE, LEGACY).open())
+
+    def tool(name: str, **args: Any) -> dict:
+        return alice.result("tools/call", {"name": name, "arguments": args})
+
+    await asyncio.to_thread(tool, "context_append", context_id="conv", modality="text", text="hello")
+    await asyncio.to_thread(tool, "context_append", context_id="pic", modality="image",
+                            data=PNG_1PX)
+    await asyncio.to_thread(alice.result, "resources/subscribe", {"uri": "context://conv/text"})
+    stream = await asyncio.to_thread(get_stream, alice)
+    listed = "notifications/resources/list_changed"
+
+    async def generate(context_id: str) -> None:
+        known = set(_generations(worker))
+        answered = asyncio.create_task(asyncio.to_thread(tool, "generate", prompt="tell me", context_id=context_id,
+                                                         append=True))
+        await wait_for(lambda: bool(set(_generations(worker)) - known), what="the generation to reach the worker")
+        await worker.answer((set(_generations(worker)) - known).pop())
+        assert (await answered)["structuredContent"]["context_version"] >= 2
+
+    await generate("conv")  # a channel that holds entries: updated, the list as it was
+    await wait_for(lambda: any(m.get("method") == "notifications/resources/updated"
+                               and m["params"]["uri"] == "context://conv/text" for m in stream.seen),
+                   timeout_s=10, what="the subscriber to hear of the exchange")
+    # the session's notifications come in order: those of the appends above are in by now
+    before = stream.methods().count(listed)
+    await generate("pic")  # its first text entries: the list changed
+    await wait_for(lambda: stream.methods().count(listed) == before + 1, timeout_s=10, what="resources/list_changed")
+    assert "Traceback" not in log_path.read_text(errors="replace")

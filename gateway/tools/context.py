@@ -114,7 +114,7 @@ def resource_uri(context_id: str, modality: str) -> str:
     return f"context://{context_id}/{modality}"
 
 
-async def _notify(ctx: ToolContext, context_id: str, modalities: list[str], *, listed: bool = False) -> None:
+async def notify_changed(ctx: ToolContext, context_id: str, modalities: list[str], *, listed: bool = False) -> None:
     """Tell the caller's subscribers of each channel; ``listed``: the caller's resources/list
     changed too (a channel gained its first entry or lost its entries, a context was evicted)."""
     for mod in modalities:
@@ -155,7 +155,7 @@ async def context_append(ctx: ToolContext, args: dict[str, Any]) -> dict[str, An
         raise InvalidParams(f"{modality} entry refused: {exc}", {"modality": modality}) from None
     res = await store.append(ctx.principal, args["context_id"], modality, args.get("role", "user"), content,
                              mime=args.get("mime_type"), tokens=args.get("tokens"), links=args.get("links", ()))
-    await _notify(ctx, args["context_id"], [modality], listed=res.opened or bool(res.evicted))
+    await notify_changed(ctx, args["context_id"], [modality], listed=res.opened or bool(res.evicted))
     return {"context_id": args["context_id"], "entry_id": res.entry_id, "version": res.version,
             "evicted": res.evicted}
 
@@ -177,7 +177,7 @@ async def context_get(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
 async def context_clear(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
     store = ctx.state.store
     version = await store.clear(ctx.principal, args["context_id"])
-    await _notify(ctx, args["context_id"], list(store.cfg.modalities), listed=True)
+    await notify_changed(ctx, args["context_id"], list(store.cfg.modalities), listed=True)
     return {"context_id": args["context_id"], "version": version}
 
 

@@ -27,6 +27,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.errors import InvalidParams, Unavailable
 from gateway.registry import Registry, ToolContext
+from gateway.tools.context import notify_changed
 from shared import keys
 from shared.context import ContextError
 from shared.inference import pack_entries
@@ -208,11 +209,14 @@ async def _generate(ctx: ToolContext, args: dict[str, Any], prompt: str, max_tok
     context_id = args.get("context_id")
     if context_id is not None and args.get("append", state.config.worker.append_exchange):
         try:
-            await state.store.append(ctx.principal, context_id, "text", "user", prompt.encode())
+            asked = await state.store.append(ctx.principal, context_id, "text", "user", prompt.encode())
             appended = await state.store.append(ctx.principal, context_id, "text", "assistant", res["text"].encode())
             out["context_version"] = appended.version
         except (ContextError, RedisConnectionError, RedisTimeoutError) as exc:
             log.warning("could not append generation %s to its context: %s", generation_id, type(exc).__name__)
+        else:  # the context's subscribers learn of the exchange as of any other append
+            await notify_changed(ctx, context_id, ["text"],
+                                 listed=asked.opened or bool(asked.evicted) or bool(appended.evicted))
     return out
 
 
