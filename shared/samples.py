@@ -47,7 +47,7 @@ class SampleError(ValueError):
 Text = Annotated[str, Meta(min_length=1)]
 Id = Annotated[str, Meta(min_length=1, max_length=256)]
 ContextId = Annotated[Id, Meta(description="the context the sample was taken from")]
-Version = Annotated[int, Meta(ge=0, description="context version the sample was taken from")]
+Version = Annotated[int, Meta(ge=1, description="context version the sample was taken from (versions start at 1)")]
 
 
 def _check(cond: bool, message: str) -> None:

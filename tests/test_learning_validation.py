@@ -48,6 +48,7 @@ BAD = {
     "version without context": {"input": "q", "target": "a", "version": 1},
     "context without version": {"input": "q", "target": "a", "context_id": "c1"},
     "negative version": {"input": "q", "target": "a", "context_id": "c1", "version": -1},
+    "version zero": {"input": "q", "target": "a", "context_id": "c1", "version": 0},  # versions start at 1
     "feedback without verdict": {"kind": "feedback", "generation_id": "g1", "input": "q"},
     "bad preference": {"kind": "feedback", "generation_id": "g1", "input": "q", "preference": "meh"},
     "up-vote without output": {"kind": "feedback", "generation_id": "g1", "input": "q", "preference": "up"},

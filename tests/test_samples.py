@@ -20,7 +20,7 @@ from shared.samples import (
 
 GOOD: list[dict[str, Any]] = [
     {"input": "q", "target": "a"},
-    {"kind": "example", "input": "", "target": "a", "context_id": "c1", "version": 0, "modalities": ["text"]},
+    {"kind": "example", "input": "", "target": "a", "context_id": "c1", "version": 1, "modalities": ["text"]},
     {"generation_id": "g", "input": "q", "corrected": "a"},
     {"kind": "feedback", "generation_id": "g", "input": "q", "output": "o", "preference": "up"},
 ]
@@ -33,6 +33,7 @@ BAD: list[dict[str, Any]] = [
     {"input": "q", "target": "a", "weight": 2},
     {"kind": "dream", "input": "q", "target": "a"},
     {"input": "q", "target": "a", "context_id": "c1", "version": -1},
+    {"input": "q", "target": "a", "context_id": "c1", "version": 0},  # versions start at 1
     {"kind": "feedback", "generation_id": "g", "input": "q", "preference": "meh"},
     {"kind": "feedback", "generation_id": "g", "input": "q", "target": "a"},
     {"kind": "example", "generation_id": "g", "input": "q", "target": "a"},
