@@ -46,7 +46,10 @@ class SampleError(ValueError):
 
 Text = Annotated[str, Meta(min_length=1)]
 Id = Annotated[str, Meta(min_length=1, max_length=256)]
-ContextId = Annotated[Id, Meta(description="the context the sample was taken from")]
+# The context store's id (shared/context/validation.py): a malformed id is named as such, not
+# looked up and reported as a context without that version.
+ContextId = Annotated[str, Meta(min_length=1, max_length=128, pattern="^[A-Za-z0-9][A-Za-z0-9._:-]*$",
+                                description="the context the sample was taken from")]
 Version = Annotated[int, Meta(ge=1, description="context version the sample was taken from (versions start at 1)")]
 
 

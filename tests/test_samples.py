@@ -34,6 +34,8 @@ BAD: list[dict[str, Any]] = [
     {"kind": "dream", "input": "q", "target": "a"},
     {"input": "q", "target": "a", "context_id": "c1", "version": -1},
     {"input": "q", "target": "a", "context_id": "c1", "version": 0},  # versions start at 1
+    {"input": "q", "target": "a", "context_id": "../c1", "version": 1},  # not a context id
+    {"input": "q", "target": "a", "context_id": "c" * 129, "version": 1},
     {"kind": "feedback", "generation_id": "g", "input": "q", "preference": "meh"},
     {"kind": "feedback", "generation_id": "g", "input": "q", "target": "a"},
     {"kind": "example", "generation_id": "g", "input": "q", "target": "a"},
