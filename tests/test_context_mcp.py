@@ -11,6 +11,7 @@ import wave
 import zlib
 from collections.abc import Iterator
 
+import httpx
 import orjson
 import pytest
 from fastapi.testclient import TestClient
@@ -18,7 +19,7 @@ from fastapi.testclient import TestClient
 from conformance.fixtures import PNG_1PX, WAV_MINIMAL
 from gateway.app import create_app
 from shared.config import load_config
-from tests.admin_support import MCP_KEY, LiveServer, admin_config
+from tests.admin_support import ADMIN_KEY, MCP_KEY, LiveServer, admin_config, bearer
 from tests.conftest import RedisTarget, wait_for_sync
 from tests.proxy_front import Client, get_stream, publish_control
 
@@ -305,3 +306,7 @@ def test_resources_list_changes_are_announced(redis_target: RedisTarget) -> None
         wait_for_sync(lambda: "notifications/prompts/list_changed" in stream.methods(), timeout_s=10,
                       what="the marker")
         assert stream.methods().count(RESOURCES_CHANGED) == 4
+        # an operator's eviction takes the context's channels off the list too
+        gone = httpx.delete(f"{server.url}/admin/contexts/alice/conv2", headers=bearer(ADMIN_KEY), timeout=10)
+        assert gone.status_code == 200, gone.text
+        announced(5)

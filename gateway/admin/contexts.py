@@ -5,10 +5,12 @@ client through the one error map (gateway/errors.py: 400 bad input, 404 unknown 
 
 from __future__ import annotations
 
+import logging
 from functools import partial
 from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query, Request
+from redis.exceptions import RedisError
 
 from gateway.admin.auth import AdminPrincipal
 from gateway.admin.common import MAX_LIST, McpPrincipal, admin, operator, viewer
@@ -18,6 +20,7 @@ from shared import audit as audit_log
 from shared import keys
 from shared.redis_client import Reach
 
+log = logging.getLogger(__name__)
 router = APIRouter()
 
 Principal = Annotated[McpPrincipal, Query(description="an MCP principal (an API key's name, or a token's subject)")]
@@ -80,4 +83,8 @@ async def admin_evict(request: Request, principal: McpPrincipal, context_id: str
                           admin=who.name, found=int(done))
     if not done:
         raise HTTPException(404, f"context {context_id} not found")
+    try:  # the principal's clients see its channels leave their resources/list
+        await gateway.notify_list_changed(principal, "resources")
+    except (RedisError, OSError):  # a lost hint must not fail the eviction that was made
+        log.warning("could not publish resources/list_changed for an admin eviction")
     return {"evicted": True, "principal": principal, "context_id": context_id}
