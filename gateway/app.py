@@ -239,7 +239,8 @@ async def open_gateway(cfg: Config, registry: Registry) -> AsyncIterator[Gateway
         stats = asyncio.create_task(run_stats_publisher(gateway, cfg.metrics.status_interval_s), name="admin-stats")
         stack.push_async_callback(_bounded, "the dashboard snapshot", lambda: withdraw_stats(gateway), 2.0)
         stack.push_async_callback(_bounded, "the stats publisher", lambda: _cancel(stats), 2.0)
-        evictor = asyncio.create_task(store.evictor(owner=replica_id).run(), name="context-global-budget")
+        evictor = asyncio.create_task(store.evictor(owner=replica_id).run(on_evicted=gateway.contexts_evicted),
+                                      name="context-global-budget")
         stack.push_async_callback(_cancel, evictor)
         stack.callback(_signal_shutdown, gateway)
         yield gateway

@@ -132,6 +132,16 @@ class Gateway:
         revision = await self.list_revisions.bump(principal, kind, upstream)
         await self.publish_control({"t": "lc", "p": principal, "k": kind, "u": upstream, "r": revision})
 
+    async def contexts_evicted(self, principals: list[str]) -> None:
+        """The global budget's evictor evicted these principals' contexts: their clients'
+        resources/list changed (a lost hint is logged, never raised: the eviction was made)."""
+        for principal in principals:
+            try:
+                await self.notify_list_changed(principal, "resources")
+            except (RedisError, OSError) as exc:
+                log.warning("could not announce an eviction's resources/list_changed: %s", type(exc).__name__)
+                return
+
     async def list_changed_here(self, kind: str, upstream: str | None = None) -> None:
         """``notify_list_changed(None, kind, upstream)`` for the clients of this replica only
         (each replica learns of an upstream's change on its own, and counts it)."""

@@ -310,3 +310,27 @@ def test_resources_list_changes_are_announced(redis_target: RedisTarget) -> None
         gone = httpx.delete(f"{server.url}/admin/contexts/alice/conv2", headers=bearer(ADMIN_KEY), timeout=10)
         assert gone.status_code == 200, gone.text
         announced(5)
+
+
+def test_a_global_budget_eviction_is_announced_to_the_evicted_principal(redis_target: RedisTarget) -> None:
+    """The global budget's evictor takes the least recently used principal's contexts: that
+    principal's clients get resources/list_changed, as for any other change of the list."""
+    from tests.proxy_front import BOB_KEY
+
+    cfg = admin_config(redis_target.url, gateway={"api_keys": {"alice": MCP_KEY, "bob": BOB_KEY}},
+                       context={"global_budget_bytes": 64 * 1024, "principal_budget_bytes": 64 * 1024, "max_entry_bytes": 16384,
+                                "global_evict_interval_s": 0.2})
+    with LiveServer(create_app(cfg)) as server:
+        alice, bob = Client(server.url, MCP_KEY, LEGACY).open(), Client(server.url, BOB_KEY, LEGACY).open()
+        alice.result("tools/call", {"name": "context_append", "arguments": {
+            "context_id": "old", "modality": "text", "text": "a" * 8192}})
+        stream = get_stream(alice)
+        wait_for_sync(lambda: RESOURCES_CHANGED in stream.methods(), timeout_s=10, what="the append's announcement")
+        before = stream.methods().count(RESOURCES_CHANGED)
+        for i in range(8):  # bob, used later, pushes the mesh over its budget
+            bob.result("tools/call", {"name": "context_append", "arguments": {
+                "context_id": f"new{i}", "modality": "text", "text": "b" * 8192}})
+        wait_for_sync(lambda: stream.methods().count(RESOURCES_CHANGED) > before, timeout_s=20,
+                      what="alice to hear that her context was evicted")
+        listed = alice.result("resources/list")["resources"]
+        assert not [r for r in listed if r["uri"].startswith("context://old/")], listed

@@ -46,7 +46,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -463,11 +463,14 @@ class GlobalEvictor:
                                    "hold), and evicts among the rest", ", ".join(sorted(reach.unreachable)))
         return evicted
 
-    async def run(self) -> None:
-        """Sweep every interval until cancelled; a Redis outage is logged and waited out."""
+    async def run(self, on_evicted: Callable[[list[str]], Awaitable[None]] | None = None) -> None:
+        """Sweep every interval until cancelled; a Redis outage is logged and waited out.
+        ``on_evicted``: told of the principals each sweep evicted (whose clients' lists changed)."""
         while True:
             try:
-                await self.sweep_once()
+                evicted = await self.sweep_once()
+                if evicted and on_evicted is not None:
+                    await on_evicted(evicted)
             except (RedisError, OSError) as exc:
                 self._failing.warning("context: global budget sweep failed: %s", exc)
             except Exception:  # a sweep that breaks must not end the budget's enforcement
