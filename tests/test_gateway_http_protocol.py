@@ -206,3 +206,42 @@ def test_the_startup_heap_is_left_out_of_collections() -> None:
         assert len(gc.get_objects()) < frozen  # what the collector still scans is what comes after
     finally:
         gc.unfreeze()
+
+
+async def test_a_request_that_ends_with_its_client_is_cancelled_by_the_connection_not_a_task() -> None:
+    """Under the gateway's protocol a 2026-07-28 call runs in its request's own task and the
+    connection cancels it when it goes (no second task reading receive()); a cancellation
+    that is not the connection's (the server stopping) still propagates."""
+    from gateway.transports.http_protocol import DISCONNECT, Disconnect
+    from gateway.transports.streamable_http import _until_disconnect
+
+    async def never_read() -> dict:
+        raise AssertionError("receive() read: the connection's Disconnect was not used")
+
+    started, cleaned = asyncio.Event(), []
+
+    async def serving() -> str:
+        started.set()
+        try:
+            await asyncio.sleep(60)
+        finally:
+            cleaned.append(True)  # what a tools/call does when cancelled: tell its worker
+        return "answered"
+
+    watch = Disconnect()
+    call = asyncio.create_task(_until_disconnect(serving(), never_read, {DISCONNECT: watch}))
+    await started.wait()
+    watch.fire()
+    assert await asyncio.wait_for(call, 5) is None and cleaned == [True]
+    assert call.cancelling() == 0  # the request's task goes on as if never cancelled
+
+    async def quick() -> str:
+        return "answered"
+
+    assert await _until_disconnect(quick(), never_read, {DISCONNECT: Disconnect()}) == "answered"
+    started.clear()
+    server_stop = asyncio.create_task(_until_disconnect(serving(), never_read, {DISCONNECT: Disconnect()}))
+    await started.wait()
+    server_stop.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await server_stop

@@ -118,6 +118,34 @@ class CoalescingTransport:
         return getattr(self._transport, name)
 
 
+DISCONNECT = "learnmesh.disconnect"  # the scope key of a request's :class:`Disconnect`
+
+
+class Disconnect:
+    """A connection's going away, told to the requests on it that must stop with it (a
+    2026-07-28 ``tools/call``, a listen stream): a callback, where watching ``receive()`` for
+    ``http.disconnect`` would take a task of its own per request, which cost a trivial call
+    about 40% of its CPU."""
+
+    __slots__ = ("gone", "_callbacks")
+
+    def __init__(self) -> None:
+        self.gone = False
+        self._callbacks: set[Callable[[], None]] = set()
+
+    def add(self, callback: Callable[[], None]) -> None:
+        self._callbacks.add(callback)
+
+    def discard(self, callback: Callable[[], None]) -> None:
+        self._callbacks.discard(callback)
+
+    def fire(self) -> None:
+        self.gone = True
+        callbacks, self._callbacks = self._callbacks, set()
+        for callback in callbacks:
+            callback()
+
+
 class _HeadersTooLarge(Exception):
     """Raised from a parser callback: the request's headers passed ``max_header_bytes``."""
 
@@ -140,6 +168,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     _linger_left = 0
     _linger_until = 0.0
     _raw: asyncio.Transport
+    _disconnect: Disconnect | None = None  # one per connection, made with its first request
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
         self._raw = transport  # type: ignore[assignment]  # a TCP transport
@@ -149,6 +178,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         super().connection_lost(exc)
+        if self._disconnect is not None:
+            self._disconnect.fire()
 
     def _start_linger(self) -> bool:
         """At close: linger (see LINGER_*) when a request's body is still coming."""
@@ -197,6 +228,9 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        if self._disconnect is None:
+            self._disconnect = Disconnect()
+        self.scope[DISCONNECT] = self._disconnect  # type: ignore[literal-required]
         self._in_headers = True
         self._header_bytes = self._parsed_header_bytes = 0
 

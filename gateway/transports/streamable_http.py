@@ -17,7 +17,7 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -36,6 +36,7 @@ from gateway.mcp.types import (
     ServerMessage,
     encode,
 )
+from gateway.transports.http_protocol import DISCONNECT, Disconnect
 
 if TYPE_CHECKING:
     from gateway.state import Gateway
@@ -126,6 +127,54 @@ async def _wait_disconnect(receive: Receive) -> None:
         pass
 
 
+async def _until_disconnect(serving: Coroutine[Any, Any, Reply], receive: Receive, scope: Scope) -> Reply | None:
+    """``serving``'s reply, or None once the client has gone (``serving`` is then cancelled).
+    Under the gateway's own HTTP protocol the connection says when it goes (``Disconnect``) and
+    ``serving`` runs in this task; elsewhere (another ASGI server) a second task reads
+    ``receive()`` for ``http.disconnect``."""
+    watch = scope.get(DISCONNECT)
+    task = asyncio.current_task()
+    if not isinstance(watch, Disconnect) or task is None:
+        return await _until_disconnect_read(serving, receive)
+    if watch.gone:
+        serving.close()
+        return None
+    stopped = False
+
+    def lost() -> None:
+        nonlocal stopped
+        stopped = True
+        task.cancel()
+
+    watch.add(lost)
+    try:
+        reply = await serving
+    except asyncio.CancelledError:
+        if not stopped:  # the server's own cancellation (shutdown): not ours to end
+            raise
+        task.uncancel()
+        return None
+    finally:
+        watch.discard(lost)
+    if stopped:  # gone as it answered: nobody reads the reply
+        task.uncancel()
+        return None
+    return reply
+
+
+async def _until_disconnect_read(serving: Coroutine[Any, Any, Reply], receive: Receive) -> Reply | None:
+    handler = asyncio.ensure_future(serving)
+    gone = asyncio.ensure_future(_wait_disconnect(receive))
+    done, _ = await asyncio.wait({handler, gone}, return_when=asyncio.FIRST_COMPLETED)
+    gone.cancel()
+    if handler in done:
+        return handler.result()
+    handler.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await handler
+    return None
+
+
 _ACCEPTS: dict[str, tuple[bool, bool]] = {}
 
 
@@ -198,7 +247,7 @@ class McpHttpTransport:
         method = scope["method"]
         if method == "POST":
             duplicated = _duplicated_routing_header(raw) if len(headers) != len(raw) else None
-            await self._post(receive, send, sent, headers, principal, duplicated)
+            await self._post(scope, receive, send, sent, headers, principal, duplicated)
         elif method in ("GET", "DELETE"):
             await self._get_or_delete(method, receive, send, sent, headers, principal)
         else:
@@ -220,8 +269,8 @@ class McpHttpTransport:
         return b"".join(chunks)
 
     # ------------------------------------------------------------------ POST
-    async def _post(self, receive: Receive, send: Send, sent: _Sent, headers: dict[str, str], principal: str,
-                    duplicated: str | None) -> None:
+    async def _post(self, scope: Scope, receive: Receive, send: Send, sent: _Sent, headers: dict[str, str],
+                    principal: str, duplicated: str | None) -> None:
         body = await self._read_body(receive)
         has_json, has_sse = _accepts(headers.get("accept", ""))
         if not has_json:
@@ -242,7 +291,7 @@ class McpHttpTransport:
         if listen:
             link.expires_at = self.gateway.auth.expires_at(headers.get("authorization"))
         if listen or self._ends_with_its_client(message, link):
-            reply = await self._until_disconnect(self.kernel.receive(principal, message, link), receive)
+            reply = await _until_disconnect(self.kernel.receive(principal, message, link), receive, scope)
             if reply is None:
                 return
         else:
@@ -258,20 +307,6 @@ class McpHttpTransport:
         hundreds of tokens nobody reads. 2025-11-25 says a disconnect is no cancellation."""
         return isinstance(message, Request) and message.method == "tools/call" \
             and self.kernel.is_stateless(message, link)
-
-    @staticmethod
-    async def _until_disconnect(serving: Awaitable[Reply], receive: Receive) -> Reply | None:
-        """``serving``'s reply, or None once the client has gone (``serving`` is then cancelled)."""
-        handler = asyncio.ensure_future(serving)
-        gone = asyncio.ensure_future(_wait_disconnect(receive))
-        done, _ = await asyncio.wait({handler, gone}, return_when=asyncio.FIRST_COMPLETED)
-        gone.cancel()
-        if handler in done:
-            return handler.result()
-        handler.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await handler
-        return None
 
     # ------------------------------------------------------------------ GET stream and DELETE (legacy)
     async def _get_or_delete(self, method: str, receive: Receive, send: Send, sent: _Sent, headers: dict[str, str],
