@@ -42,8 +42,11 @@ class LiveServer:
     def __init__(self, app: Any) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # A stream a test leaves open (a GET /mcp stream read in a thread) would hold uvicorn's
+        # graceful shutdown for ever: the server, its evictor and its other tasks would outlive the
+        # test and act on the Redis of the tests after it. Cut off after a few seconds instead.
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    lifespan="on", loop="asyncio"))
+                                                    lifespan="on", loop="asyncio", timeout_graceful_shutdown=3))
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
@@ -58,7 +61,8 @@ class LiveServer:
 
     def __exit__(self, *exc: Any) -> None:
         self.server.should_exit = True
-        self.thread.join(10)
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "the gateway did not stop"
 
 
 @contextlib.contextmanager
