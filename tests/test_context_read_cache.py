@@ -69,6 +69,10 @@ async def commandstats(r, principal: str = "erin") -> dict[str, int]:
     return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()}
 
 
+_NOT_SCRIPT_WORK = frozenset({"config|resetstat", "config", "info", "hincrby", "eval", "replconf", "hello", "auth",
+                               "select", "ping", "readonly"})
+
+
 async def script_commands(r, principal: str = "erin") -> tuple[int, dict[str, int]]:
     """Since the last CONFIG RESETSTAT (INFO commandstats) on the principal's master: the
     script calls made (FCALL, or EVALSHA on Redis < 7) and the Redis commands run, by name,
@@ -76,7 +80,9 @@ async def script_commands(r, principal: str = "erin") -> tuple[int, dict[str, in
     posted beside them on a cluster, in an EVAL per shard)."""
     calls = await commandstats(r, principal)
     outer = calls.pop("fcall", 0) + calls.pop("evalsha", 0)
-    return outer, {k: n for k, n in calls.items() if k not in ("config|resetstat", "config", "info", "hincrby", "eval", "replconf")}
+    # A client's connection setup (HELLO, CLIENT SETINFO, AUTH, ...) on that master is no script's work.
+    return outer, {k: n for k, n in calls.items()
+                   if k not in _NOT_SCRIPT_WORK and not k.startswith(("client|", "cluster|"))}
 
 
 async def fill(s: ContextStore, p: str, cid: str, n: int, tag: str = "t") -> None:
