@@ -63,13 +63,23 @@ async def _statuses(gateway: Gateway, prefix: str, reach: Reach) -> dict[str, di
     return out
 
 
-async def mesh_workers(gateway: Gateway, reach: Reach | None = None) -> list[dict[str, Any]]:
-    """Every worker this replica connects to or that reports itself, by id. With a master of a
-    cluster down, what it holds is missing (``reach`` says which master; without one, the
-    first failure is raised when no master answered)."""
-    own = reach is None
-    reach = reach or Reach(gateway.redis)
-    current = await reach.read(keys.MODEL_VERSION, lambda: current_version(gateway), None)
+async def _version(gateway: Gateway, reach: Reach) -> int | None:
+    """The model version the trainer published last; None too while its master is down."""
+    return await reach.read(keys.MODEL_VERSION, lambda: current_version(gateway), None)
+
+
+async def mesh_workers(gateway: Gateway) -> list[dict[str, Any]]:
+    """Every worker this replica connects to or that reports itself, by id; with a master of a
+    cluster down, what it holds is missing (the first failure is raised when no master answered)."""
+    reach = Reach(gateway.redis)
+    out = await _workers(gateway, reach, await _version(gateway, reach))
+    reach.check()
+    return out
+
+
+async def _workers(gateway: Gateway, reach: Reach, current: int | None) -> list[dict[str, Any]]:
+    """:func:`mesh_workers` within ``reach`` (which names the masters missed), ``current`` the
+    trainer's model version."""
     drained = await _members(gateway, reach, keys.WORKERS_DRAINED)
     by_id: dict[str, dict[str, Any]] = {w["id"]: w for w in gateway.workers.status()}
     for comp, st in (await _statuses(gateway, "worker:", reach)).items():
@@ -85,8 +95,6 @@ async def mesh_workers(gateway: Gateway, reach: Reach | None = None) -> list[dic
             lag = int(reported) if lag is None else max(lag, int(reported))
         out.append({**w, "version": version, "lag": lag, "load": w.get("load"),
                     "drained": wid in drained or bool(w.get("drained"))})
-    if own:
-        reach.check()
     return out
 
 
@@ -94,8 +102,8 @@ async def mesh_workers(gateway: Gateway, reach: Reach | None = None) -> list[dic
 async def list_workers(request: Request, who: AdminPrincipal = viewer) -> dict[str, Any]:
     gateway = gateway_of(request)
     reach = Reach(gateway.redis)
-    workers = await mesh_workers(gateway, reach)
-    version = await reach.read(keys.MODEL_VERSION, lambda: current_version(gateway), None)
+    version = await _version(gateway, reach)
+    workers = await _workers(gateway, reach, version)
     reach.check()
     return {"model_version": version, "workers": workers, **reach.as_json()}
 
