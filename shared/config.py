@@ -47,7 +47,8 @@ _T = typing.TypeVar("_T")
 
 # Integers, floats and booleans are taken as written (YAML ``port: "80"`` or ``true`` for a
 # number is refused, not coerced); plain numbers are accepted where a string is expected.
-_STRICT_SCALARS = pydantic.ConfigDict(extra="forbid", coerce_numbers_to_str=True)
+# allow_inf_nan off: an endless timeout never fires and a NaN compares false to every bound.
+_STRICT_SCALARS = pydantic.ConfigDict(extra="forbid", coerce_numbers_to_str=True, allow_inf_nan=False)
 
 Port = Annotated[StrictInt, Field(ge=1, le=65535)]
 OptionalPort = Annotated[StrictInt, Field(ge=0, le=65535, description="0 disables")]
@@ -103,6 +104,43 @@ def _section(cls: type[_T]) -> type[_T]:
 
 
 _HOST_PORT = re.compile(r"[A-Za-z0-9_.-]+:[0-9]{1,5}")
+_ZMQ_HOST = r"(?:\[[0-9A-Fa-f:.]+\]|\*|[A-Za-z0-9_.-]{1,253})"
+_ZMQ_TCP = re.compile(rf"tcp://{_ZMQ_HOST}:([0-9]{{1,5}}|\*)")
+_ZMQ_LOCAL = re.compile(r"(?:ipc|inproc)://\S{1,255}")
+_ZMQ_FORMS = "tcp://<host>:<port> (port 1-65535, or * for a free one), ipc://<path> or inproc://<name>"
+
+
+def _zmq_endpoint(value: str) -> str:
+    """A ZeroMQ endpoint a socket can bind and its peers connect to, checked as the
+    configuration loads: one libzmq refuses would crash its process at every restart."""
+    tcp = _ZMQ_TCP.fullmatch(value)
+    if tcp and (tcp.group(1) == "*" or 1 <= int(tcp.group(1)) <= 65535):
+        return value
+    if not tcp and _ZMQ_LOCAL.fullmatch(value):
+        return value
+    raise ValueError(f"not a ZeroMQ endpoint: {_ZMQ_FORMS}")
+
+
+ZmqEndpoint = Annotated[str, pydantic.AfterValidator(_zmq_endpoint)]
+
+
+def _advertised(value: str) -> str:
+    """``worker.advertise``: '' or a tcp:// endpoint with a concrete host and port once
+    ``{host}``, ``{ip}`` and ``{port}`` are filled in (shared/worker_registry.py)."""
+    filled = value.replace("{host}", "h").replace("{ip}", "192.0.2.1").replace("{port}", "1")
+    tcp = _ZMQ_TCP.fullmatch(filled)
+    if value and not (tcp and tcp.group(1) != "*" and not filled.startswith("tcp://*:")
+                      and 1 <= int(tcp.group(1)) <= 65535):
+        raise ValueError("must be tcp://<host>:<port> that gateways can connect to; {host}, {ip} and {port} "
+                         "stand for the worker's hostname, address and bound port")
+    return value
+
+
+def _bind_host(value: str) -> str:
+    """``zmq.bind_host``: '' (each endpoint's own host), a wildcard, an address or a name."""
+    if value and not re.fullmatch(r"\*|\[?[0-9A-Fa-f:.]{2,45}\]?|[A-Za-z0-9_.-]{1,253}", value):
+        raise ValueError("must be '', *, an IP address or a host name")
+    return value
 _REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 
 
@@ -143,7 +181,7 @@ class RedisConfig:
     url: str | None = None
     socket_timeout_s: PositiveFloat = 2.0
     max_connections: PositiveInt = 256
-    retry_after_s: StrictInt = Field(default=2, description="Retry-After (s) sent while Redis is unreachable")
+    retry_after_s: StrictInt = Field(default=2, ge=1, le=3600, description="Retry-After (s) sent while Redis is unreachable")
     username: str | None = Field(default=None, description="ACL user (Redis 6+); None: 'default'")
     password: str | None = None
     password_file: str | None = Field(default=None, description="file holding the password (mode 0600)")
@@ -391,12 +429,12 @@ class ModelConfig:
 
 @_section
 class WorkerConfig:
-    endpoints: list[str] = Field(default_factory=lambda: ["tcp://127.0.0.1:5601", "tcp://127.0.0.1:5602"])
+    endpoints: list[ZmqEndpoint] = Field(default_factory=lambda: ["tcp://127.0.0.1:5601", "tcp://127.0.0.1:5602"])
     max_batch_size: PositiveInt = 16
     max_wait_ms: NonNegativeFloat = 2.0
     heartbeat_interval_ms: PositiveInt = 500
     heartbeat_timeout_ms: PositiveInt = 2500
-    request_timeout_s: StrictFloat = 30.0
+    request_timeout_s: PositiveFloat = 30.0
     # A request in flight on a worker that dies goes to another; one that was on this many when
     # they died fails instead (it may be what kills them: it must not take the pool down).
     max_request_losses: PositiveInt = Field(
@@ -413,7 +451,7 @@ class WorkerConfig:
     max_tokens_limit: PositiveInt = 512
     max_prompt_bytes: PositiveInt = 64 * 1024
     append_exchange: StrictBool = True
-    hwm: StrictInt = 10_000
+    hwm: NonNegativeInt = Field(default=10_000, description="ZeroMQ high-water mark (0: none)")
     torch_threads: NonNegativeInt = Field(
         default=1, description="intra-op threads per worker (0: torch's default); 1 suits several workers "
                                "per host")
@@ -423,7 +461,7 @@ class WorkerConfig:
     id: str = Field(default="", pattern=r"^[A-Za-z0-9_.{}-]{0,128}$",
                     description="this worker's id; '': worker-<index>; {host} and {index} are filled in "
                                 "(replicas sharing one config: worker-{host})")
-    advertise: str = Field(default="", description="the endpoint gateways connect to; '': the bound endpoint, or "
+    advertise: Annotated[str, pydantic.AfterValidator(_advertised)] = Field(default="", description="the endpoint gateways connect to; '': the bound endpoint, or "
                                                    "tcp://{ip}:{port} when it binds a wildcard; {host} (hostname), "
                                                    "{ip} (the worker's address on its route to Redis), {port} (bound port)")
     register: StrictBool = Field(default=True, description="announce this worker in Redis (needs redis)")
@@ -437,6 +475,8 @@ class WorkerConfig:
                                                                 "further announcements are ignored (with a warning)")
 
     def __post_init__(self) -> None:
+        _check(len(set(self.endpoints)) == len(self.endpoints),
+               "endpoints names one endpoint twice: a second worker cannot bind it")
         _check(self.heartbeat_timeout_ms > self.heartbeat_interval_ms,
                "heartbeat_timeout_ms must exceed heartbeat_interval_ms")
         _check(self.registration_ttl_ms >= 2 * self.register_interval_ms,
@@ -456,7 +496,7 @@ class TrainerConfig:
     powersgd_rank: PositiveInt = 2
     optimizer: Literal["adamw", "sgd"] = "adamw"
     lr: PositiveFloat = 1.25e-3
-    weight_decay: StrictFloat = 0.0
+    weight_decay: NonNegativeFloat = 0.0
     schedule: Literal["constant", "cosine"] = "constant"
     warmup_steps: NonNegativeInt = 0
     schedule_steps: PositiveInt = Field(
@@ -469,7 +509,7 @@ class TrainerConfig:
     checkpoint_dir: str = "var/checkpoints"
     init_timeout_s: PositiveInt = 300
     step_timeout_s: PositiveInt = 60
-    samples_endpoint: str = "tcp://127.0.0.1:5611"
+    samples_endpoint: ZmqEndpoint = "tcp://127.0.0.1:5611"
     max_sample_bytes: StrictInt = Field(default=256 * 1024, ge=64)
     sample_hwm: PositiveInt = 10_000
     batch_wait_ms: NonNegativeInt = 200
@@ -486,7 +526,7 @@ class TrainerConfig:
     # Context windows a learn call names are copied into the sample log up to this many content
     # bytes, so their samples train on that context however old the version gets; beyond it the
     # trainer reads them from the store (context.versions_retained bounds how long they wait).
-    max_context_copy_bytes: StrictInt = 4 * 1024 * 1024
+    max_context_copy_bytes: NonNegativeInt = 4 * 1024 * 1024
     model_factory: str = Field(
         default="", pattern=r"^$|:", description="'module:function' building the LearnModel; '': "
                                                  "shared.model.build_model")
@@ -590,9 +630,9 @@ class SecurityConfig:
                                  "this long, then refused")
     sign_deltas: StrictBool = True
     rekey_after_packets: StrictInt = Field(default=2**32 - 1, ge=1, le=2**32 - 1)
-    delta_pub_endpoint: str = "tcp://127.0.0.1:5621"
-    snapshot_endpoint: str = "tcp://127.0.0.1:5622"
-    ack_endpoint: str = "tcp://127.0.0.1:5623"
+    delta_pub_endpoint: ZmqEndpoint = "tcp://127.0.0.1:5621"
+    snapshot_endpoint: ZmqEndpoint = "tcp://127.0.0.1:5622"
+    ack_endpoint: ZmqEndpoint = "tcp://127.0.0.1:5623"
 
     @property
     def signing_key_path(self) -> str:
@@ -609,7 +649,7 @@ class ZmqConfig:
     curve: StrictBool = Field(default=True, description="encrypt and authenticate every ZeroMQ link; off: "
                                                         "any local process can read and inject messages")
     keys_dir: str = "var/keys/zmq"
-    bind_host: str = Field(default="", description="'': every ZeroMQ socket binds the host its endpoint names "
+    bind_host: Annotated[str, pydantic.AfterValidator(_bind_host)] = Field(default="", description="'': every ZeroMQ socket binds the host its endpoint names "
                                                    "(loopback by default); e.g. 0.0.0.0: bind that host on the "
                                                    "endpoint's port, while peers connect to the endpoint as written")
 

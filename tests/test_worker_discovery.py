@@ -707,7 +707,10 @@ def test_a_wildcard_worker_on_a_host_without_a_resolvable_name_is_told_to_set_ad
 
 
 def test_a_worker_advertising_a_wildcard_is_a_configuration_error(tmp_path, redis_url):
-    _, cfg = write_config(tmp_path, 0, worker={**DISCOVERY, "advertise": "tcp://*:{port}"}, redis_url=redis_url)
+    with pytest.raises(ConfigError, match="worker.advertise"):  # as the configuration loads
+        write_config(tmp_path, 0, worker={**DISCOVERY, "advertise": "tcp://*:{port}"}, redis_url=redis_url)
+    _, cfg = write_config(tmp_path, 0, worker=DISCOVERY, redis_url=redis_url)
+    cfg.worker.advertise = "tcp://*:{port}"  # set past the loader: the worker still refuses it
     with pytest.raises(ConfigError, match="worker.advertise"):
         Worker(cfg, "tcp://127.0.0.1:*", "w", updates=False)
 
