@@ -44,6 +44,19 @@ def is_principal(name: object) -> bool:
             and not name.startswith(keys.RESERVED_PRINCIPAL_PREFIX))
 
 
+# A key this long with this many different characters is taken for random (secrets.token_urlsafe(24)
+# or token_hex(16), 128 bits and more), which no guessing at any speed finds. Nothing tells a random
+# key from a chosen phrase of the same form: docs/gateway.md asks for random keys.
+UNGUESSABLE_KEY_CHARS = 32
+UNGUESSABLE_KEY_DISTINCT = 10
+
+
+def is_unguessable(key: str) -> bool:
+    """Whether an API key is long and varied enough to be taken for random (served from an
+    address the failed-attempt throttle refuses, gateway/auth_throttle.py)."""
+    return len(key) >= UNGUESSABLE_KEY_CHARS and len(set(key)) >= UNGUESSABLE_KEY_DISTINCT
+
+
 class AuthError(Exception):
     """A request refused before it is served: 401 (no valid credential), 400 (an ambiguous one),
     429 (too many failed attempts, gateway/auth_throttle.py)."""
@@ -105,6 +118,7 @@ class Authenticator:
 
     def __init__(self, cfg: GatewayConfig, throttle: AuthThrottle) -> None:
         self._by_digest = {hashlib.sha256(k.encode()).digest(): p for p, k in cfg.api_keys.items()}
+        self._unguessable_keys = {d: p for d, p in self._by_digest.items() if is_unguessable(cfg.api_keys[p])}
         self._key_principals = frozenset(cfg.api_keys)
         self._oauth = cfg.oauth if cfg.oauth.enabled else None
         self.open = not self._by_digest and self._oauth is None
@@ -120,11 +134,29 @@ class Authenticator:
         token = None if self.open else bearer_token(authorization)
         if token is None:  # nothing presented: not an attempt
             return self.principal(authorization)
-        self.throttle.check(scope, token)
+        try:
+            self.throttle.check(scope, token)
+        except AuthError:
+            who = self._unguessable(token)
+            if who is None:
+                raise
+            return who
         try:
             return self.principal(authorization)
         except AuthError as exc:
             raise await self.throttle.failed(scope, token) or exc from None
+
+    def _unguessable(self, token: str) -> str | None:
+        """The principal of ``token`` if it is a credential no one can guess: a random API key
+        (:func:`is_unguessable`) or a token the authorization server signed; else None, whether
+        ``token`` is valid or not. Served even from a refused address (clients behind one NAT
+        share it with whoever guessed there): a guesser who sees one pass learns nothing it
+        could have found by guessing, and one that could be guessed answers 429 as a wrong
+        guess does, after the same work."""
+        who = self._unguessable_keys.get(hashlib.sha256(token.encode()).digest())
+        if who is None and self._oauth is not None:
+            who = self._from_jwt(token)
+        return who
 
     def principal(self, authorization: str | None) -> str:
         if self.open:

@@ -3,8 +3,11 @@
 Someone guessing API keys or admin keys gets ``gateway.auth_throttle.failures_per_source``
 tries per ``window_s`` from one address (an IPv6 one: from its /64, which a subscriber
 usually holds whole). The try that reaches the count and every request from that address
-after it, valid credentials too (or a guess that hit would show), are answered 429 with the
-Retry-After of the window's end. One credential that keeps failing (a revoked key still in a
+after it are answered 429 with the Retry-After of the window's end, unchecked and uncounted:
+a valid credential too when it could be guessed (a guess that hit would show). Credentials no
+one can guess — a random API key, a token the authorization server signed — are served from a
+refused address all the same (``Authenticator``, gateway/auth.py): clients behind one NAT or
+proxy share an address, and one guesser among them must not lock the others out. One credential that keeps failing (a revoked key still in a
 fleet of clients, a replayed token) is refused likewise from every address past
 ``failures_per_credential``; a credential that is valid never fails, so no one can lock
 another caller out through it. A request that presents no credential (no ``Authorization``,
@@ -15,7 +18,9 @@ Failures are counted in Redis, one key with a TTL per address or credential
 count is full from the answer to one of its own failures, and from then on refuses by itself
 until the window ends, without a round trip; while it refuses nothing, a request that passes
 costs one test of an empty table. Over N replicas an address so gets at most N - 1 failures
-more than its count. While Redis cannot be reached failures go uncounted (the answer stays 401).
+more than its count. While Redis cannot be reached each replica counts failures in its own
+memory, with the same counts and window, so an outage (or an attacker who can slow Redis down)
+never lifts the throttle: an address then gets up to N times its count over N replicas.
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ class AuthThrottle:
         self._window_ms = cfg.window_s * 1000
         self._trusted = [ipaddress.ip_network(n, strict=False) for n in cfg.trusted_proxies]
         self._refused: dict[str, float] = {}  # keys.auth_failures name -> time.monotonic() it ends
+        self._local: dict[str, tuple[int, float]] = {}  # the same, counted here while Redis does not answer
         self._count = redis.register_script(FAILURE_LUA)
         self._unreachable = ThrottledWarning(log)
 
@@ -84,19 +90,37 @@ class AuthThrottle:
         attempt fills a count, else None."""
         source = self.source(scope)
         worst_s = 0.0
+        unreachable = False
         for key, limit, who in ((keys.auth_failures("source", source), self._cfg.failures_per_source, source),
                                 (_credential_key(credential), self._cfg.failures_per_credential, "one credential")):
             if not limit:
                 continue
-            try:
-                failures, ttl_ms = await self._count(keys=[key], args=[self._window_ms])
-            except (RedisError, RedisClusterException, OSError):
-                self._unreachable.warning("failed authentication attempts not counted: redis unreachable")
-                break
+            if not unreachable:
+                try:
+                    failures, ttl_ms = await self._count(keys=[key], args=[self._window_ms])
+                except (RedisError, RedisClusterException, OSError):
+                    unreachable = True
+                    self._unreachable.warning("redis unreachable: failed authentication attempts counted by this "
+                                              "replica alone (each replica allows the counts)")
+            if unreachable:
+                failures, ttl_ms = self._count_here(key)
             if failures >= limit:
                 self._refuse(key, ttl_ms / 1000, who)
                 worst_s = max(worst_s, ttl_ms / 1000)
         return _too_many(worst_s) if worst_s else None
+
+    def _count_here(self, key: str) -> tuple[int, float]:
+        """Count a failure in this replica's memory (Redis does not answer): {failures in the
+        window, ms until it ends}, as :data:`FAILURE_LUA` would answer."""
+        now = time.monotonic()
+        failures, ends = self._local.get(key, (0, 0.0))
+        if ends <= now:
+            failures, ends = 0, now + self._cfg.window_s
+            if key not in self._local and len(self._local) >= _REFUSED_MAX:
+                for stale in [k for k, (_, end) in self._local.items() if end <= now] or [next(iter(self._local))]:
+                    del self._local[stale]
+        self._local[key] = (failures + 1, ends)
+        return failures + 1, (ends - now) * 1000
 
     def _refuse(self, key: str, for_s: float, who: str) -> None:
         if key not in self._refused:

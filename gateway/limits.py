@@ -10,7 +10,8 @@ One principal must not be able to starve the others, or fill a Redis that runs
   of :data:`THROTTLE_LUA` checks every bucket a request needs and takes from all of them or
   from none: one round trip, every key in the principal's slot. A request's check runs on
   the request's way in (:meth:`Limits.admit_request`, from the kernel); a replica takes
-  request tokens a few at a time, so most requests cost no round trip;
+  request tokens a few at a time, so most requests cost no round trip. While Redis does not
+  answer, each replica enforces the request rate by itself, in memory (:class:`_LocalRates`);
 - **open listen streams** and **open event streams** (GET /mcp streams, WebSocket
   connections, server->client requests awaiting a legacy client's answer) are leases in a sorted set per kind that their replica renews, so the streams
   of a replica that died stop counting once their lease runs out;
@@ -62,6 +63,7 @@ from gateway.errors import OUTAGE, Forbidden, InvalidParams, LimitExceeded
 from shared import keys, metrics
 from shared.aio import pause
 from shared.config import Config, ConfigError, PrincipalLimits
+from shared.log_throttle import ThrottledWarning
 from shared.redis_batch import pack_command
 from shared.redis_cluster_batch import auto_pipeline
 from shared.samples import Sample
@@ -153,6 +155,48 @@ class _Stock:
         return self.refill is None or self.refill.done()
 
 
+class _LocalRates:
+    """The request rates this replica enforces by itself while Redis does not answer: a GCRA
+    bucket per principal in memory, at the principal's rate and burst. Each replica bounds what
+    reaches it, so the mesh admits up to replicas x the limit during an outage, never without
+    bound. A bucket is kept across outages (only time refills it), so Redis going away and
+    coming back again and again hands out no fresh bursts; it is charged only while Redis is
+    away, so it costs nothing while Redis answers."""
+
+    def __init__(self) -> None:
+        self._full_at: dict[str, float] = {}  # principal -> time.monotonic() its bucket is full again
+        self.engaged = False
+        self._engage_log = ThrottledWarning(log)
+        self._end_log = ThrottledWarning(log)
+
+    def admit(self, principal: str, lim: PrincipalLimits, now: float) -> None:
+        """Take one request token of ``principal`` here, or raise :class:`LimitExceeded` as Redis would."""
+        if not self.engaged:
+            self.engaged = True
+            metrics.LIMITS_LOCAL_FALLBACK.set(1)
+            self._engage_log.warning("redis unreachable: request rate limits enforced by each replica for "
+                                     "itself (the mesh admits up to replicas x each limit)")
+        interval = 1 / lim.requests_per_s
+        at = max(self._full_at.get(principal, now), now) + interval
+        late = at - now - lim.requests_burst * interval
+        if late > 0:
+            raise exceeded("requests", _too_many_requests(lim), max(1, math.ceil(late)))
+        if principal not in self._full_at and len(self._full_at) >= _STOCKS_MAX:
+            for idle in [p for p, full_at in self._full_at.items() if full_at <= now] or list(self._full_at):
+                del self._full_at[idle]  # a full bucket is what a principal not in the table gets
+        self._full_at[principal] = at
+
+    def redis_answers(self) -> None:
+        if self.engaged:
+            self.engaged = False
+            metrics.LIMITS_LOCAL_FALLBACK.set(0)
+            self._end_log.warning("redis answers again: request rate limits checked in redis again")
+
+
+def _too_many_requests(lim: PrincipalLimits) -> str:
+    return f"Too many requests: at most {lim.requests_per_s:g} per second (bursts of {lim.requests_burst})"
+
+
 def _background(refill: Awaitable[None]) -> asyncio.Future[None]:
     """A refill that requests may await; its failure is theirs to see (or logged by the next one)."""
     future = asyncio.ensure_future(refill)
@@ -193,6 +237,7 @@ class Limits:
         self._batch = auto_pipeline(redis)
         self._stocks: dict[str, _Stock] = {}
         self._outage_until = 0.0
+        self._local = _LocalRates()
         self._lease = redis.register_script(LEASE_LUA)
         self._inference: dict[str, int] = {}  # principal -> its generate/score calls in flight here
 
@@ -318,9 +363,10 @@ class Limits:
         it refuses locally until the wait Redis named is over (nothing but time refills a
         bucket); the next chunk is fetched while half of one is left, so requests rarely wait
         for it. All replicas together so admit at most two chunks (20 ms of the rate) more per
-        replica than the bucket holds. While Redis is unreachable requests pass unchecked (for
-        ``_OUTAGE_PAUSE_S`` before the next try): what needs Redis fails anyway with 503, and
-        what does not (lists, discovery) keeps working."""
+        replica than the bucket holds. While Redis is unreachable (asked again every
+        ``_OUTAGE_PAUSE_S``) this replica bounds the principal by itself (:class:`_LocalRates`)
+        at the same rate and burst, so an outage, or an attacker who can slow Redis down, never
+        lifts the limit: the mesh then admits up to replicas x the limit."""
         lim = await self.current(principal)
         if not lim.requests_per_s:
             return
@@ -338,9 +384,9 @@ class Limits:
                 return
             now = time.monotonic()
             if now < stock.blocked_until:
-                raise exceeded("requests", f"Too many requests: at most {lim.requests_per_s:g} per second "
-                               f"(bursts of {lim.requests_burst})", max(1, math.ceil(stock.blocked_until - now)))
+                raise exceeded("requests", _too_many_requests(lim), max(1, math.ceil(stock.blocked_until - now)))
             if now < self._outage_until:
+                self._local.admit(principal, lim, now)
                 return
             refill = stock.refill
             if refill is None or refill.done():
@@ -354,13 +400,13 @@ class Limits:
         try:
             for cost in (chunk, 1) if chunk > 1 else (1,):
                 reply = await self._throttle([key], ["", interval, lim.requests_burst, cost])
+                self._local.redis_answers()
                 if reply[0] == 1:
                     stock.tokens += cost
                     return
             stock.blocked_until = time.monotonic() + reply[1] / 1000
         except OUTAGE:
             self._outage_until = time.monotonic() + _OUTAGE_PAUSE_S
-            log.warning("request limits unchecked for %.0f s: redis unreachable", _OUTAGE_PAUSE_S)
 
     async def admit_learn(self, principal: str, samples: list[Sample]) -> Refund:
         """Check that ``principal`` may teach and take ``samples``' count and bytes from its learn

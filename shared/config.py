@@ -654,6 +654,9 @@ class ZmqConfig:
                                                    "endpoint's port, while peers connect to the endpoint as written")
 
 
+MAX_BUCKET_FILL_S = 1e12  # see PrincipalLimits.__post_init__
+
+
 @_section
 class PrincipalLimits:
     """What one principal may use (gateway/limits.py); 0 turns a limit off. The defaults leave
@@ -678,6 +681,16 @@ class PrincipalLimits:
     inference_in_flight: NonNegativeInt = Field(
         default=16, description="generate and score calls not yet answered, per gateway replica (the mesh admits "
                                 "replicas x this): one worker batch (worker.max_batch_size) from each replica")
+
+    def __post_init__(self) -> None:
+        # A bucket's wait is stored in Redis as a key's expiry in ms: one that would take longer than
+        # this to fill overflows it, and every check of the principal fails instead of refusing.
+        for rate, burst in (("requests_per_s", "requests_burst"), ("learn_samples_per_s", "learn_samples_burst"),
+                            ("learn_bytes_per_s", "learn_bytes_burst")):
+            per_s, most = getattr(self, rate), getattr(self, burst)
+            _check(not per_s or most / per_s <= MAX_BUCKET_FILL_S,
+                   f"{rate}: {per_s:g} per second fills a bucket of {most} ({burst}) in more than "
+                   f"{MAX_BUCKET_FILL_S:g} s; raise it, or 0 turns the limit off")
 
 
 @_section

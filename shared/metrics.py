@@ -144,6 +144,8 @@ MCP_ERRORS = Counter("learnmesh_mcp_errors_total", "MCP error responses", ["code
 MCP_SESSIONS_OPEN = Gauge("learnmesh_mcp_sessions_open", "Legacy MCP sessions cached on this replica")
 LIMIT_EXCEEDED = Counter("learnmesh_limit_exceeded_total", "Requests refused because a principal reached a limit",
                          ["limit"])  # requests | learn_samples | learn_bytes | sample_backlog | subscriptions | ...
+LIMITS_LOCAL_FALLBACK = Gauge("learnmesh_limits_local_fallback",
+                              "1 while Redis does not answer and this replica enforces request rates by itself")
 LEARN_FORBIDDEN = Counter("learnmesh_learn_forbidden_total",
                           "learn calls and sample imports refused: the principal may not teach")
 

@@ -150,8 +150,9 @@ def test_websocket_transport(redis_target: RedisTarget) -> None:
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs a redis-server binary to stop/start")
 def test_authentication_while_redis_is_down(tmp_path: Path) -> None:
     """Runtime admin keys and failed-attempt counts live in Redis: with Redis away an admin key
-    the config does not hold is 503 + Retry-After (it may be a runtime key), a wrong MCP key is a
-    plain 401 (uncounted), and neither is a crash."""
+    the config does not hold is 503 + Retry-After (it may be a runtime key), and failed attempts
+    are counted by the replica itself: guessing is refused (429) past the count as with Redis,
+    only for the guesser's address, and nothing is a crash."""
     admin_key, workdir = "root-admin-key-0123456789", tempfile.mkdtemp(prefix="lm-gw-redis-")
     rport = free_port()
     rproc = _redis(rport, workdir)
@@ -166,11 +167,19 @@ def test_authentication_while_redis_is_down(tmp_path: Path) -> None:
             assert unknown.status_code == 503 and unknown.headers["retry-after"] == "2", unknown.text
             assert "Traceback" not in unknown.text and unknown.json()["detail"]
             body, h = modern("tools/list")
-            for _ in range(4):  # past the count, but nothing can be counted
-                r = httpx.post(gw.base + "/mcp", json=body, headers={**h, "authorization": "Bearer wrong-key-000"},
-                               timeout=15)
-                assert r.status_code == 401, r.text
-            assert "Traceback" not in gw.log.read_text(errors="replace")
+
+            def mcp(source: str, key: str) -> httpx.Response:
+                with httpx.Client(transport=httpx.HTTPTransport(local_address=source), timeout=15) as http:
+                    return http.post(gw.base + "/mcp", json=body, headers={**h, "authorization": f"Bearer {key}"})
+
+            codes = [mcp("127.0.0.2", f"wrong-key-00{i}").status_code for i in range(5)]
+            assert codes == [401, 401, 429, 429, 429], codes
+            assert mcp("127.0.0.2", "alice-key-123").status_code == 429  # a right guess does not show
+            assert mcp("127.0.0.3", "alice-key-123").status_code == 200  # other addresses are served
+            assert mcp("127.0.0.3", "wrong-key-009").status_code == 401
+            text = gw.log.read_text(errors="replace")
+            assert "Traceback" not in text
+            assert sum("counted by this replica alone" in row for row in text.splitlines()) == 1, text
     finally:
         rproc.terminate()
         rproc.wait(10)

@@ -2,16 +2,19 @@
 against a real Redis (single server and cluster): failed attempts from one client address are
 counted over ``/mcp``, the WebSocket ticket route and handshake and the admin API together, and
 once they reach ``failures_per_source`` the address gets 429 + Retry-After for every request,
-a valid key included, while other addresses go on as before; one credential failing from many
+a valid key that could be guessed included (but not a random key or a signed token), while
+other addresses go on as before; one credential failing from many
 addresses is refused likewise; ``X-Forwarded-For`` is believed from trusted proxies only; the
 counts live in Redis keys with a TTL that never hold a credential."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import jwt
 import pytest
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect as ws_connect
@@ -21,16 +24,28 @@ from tests.conftest import RedisTarget
 from tests.gateway_support import LoggedGateway, logged_gateway
 from tests.test_gateway_http import modern
 
-KEY = "alice-key-0123456789"
+KEY = "alice-key-0123456789"  # short enough to be guessed: refused with the address
+RANDOM_KEY = "bQ7x-Zk2_Lr9VtWm4NcYs1HdPf0GjEa8uXoTiRnB3Ke"  # secrets.token_urlsafe(32)
+SECRET = "hs256-secret-of-the-test-authorization-server-0123456789abcdefgh"
+ISSUER, AUDIENCE = "https://as.example", "https://gateway.example/mcp"
 ADMIN_KEY = "root-admin-key-0123456789"
 WINDOW_S = 60
 TOOLS_LIST, MCP_HEADERS = modern("tools/list")
 
 
 def gateway(target: RedisTarget, tmp: pytest.TempPathFactory, **throttle: Any) -> Any:
-    return logged_gateway(target.url, tmp.mktemp("auththrottle") / "gateway.log", api_keys=f"alice:{KEY}",
+    oauth = {"enabled": True, "resource": AUDIENCE, "authorization_servers": [ISSUER], "issuer": ISSUER,
+             "hs256_secret": SECRET}
+    return logged_gateway(target.url, tmp.mktemp("auththrottle") / "gateway.log",
+                          api_keys=f"alice:{KEY},bob:{RANDOM_KEY}",
                           overrides={"gateway": {"admin_keys": {"root": {"key": ADMIN_KEY, "role": "admin"}},
-                                                 "auth_throttle": {"window_s": WINDOW_S, **throttle}}})
+                                                 "oauth": oauth, "auth_throttle": {"window_s": WINDOW_S, **throttle}}})
+
+
+def token(secret: str = SECRET) -> str:
+    now = int(time.time())
+    return jwt.encode({"iss": ISSUER, "aud": AUDIENCE, "sub": "carol", "iat": now, "exp": now + 300}, secret,
+                      algorithm="HS256")
 
 
 @pytest.fixture(scope="module")
@@ -155,3 +170,30 @@ def test_a_failing_ticket_counts_as_a_credential(per_credential: LoggedGateway,
     with client("127.0.0.6") as http:  # the address itself is not refused
         issued = http.post(per_credential.base + "/mcp/ws-ticket", headers={"authorization": f"Bearer {KEY}"})
         assert issued.status_code == 200
+
+
+def test_a_refused_address_still_serves_credentials_no_one_can_guess(per_source: LoggedGateway,
+                                                                     redis_target_module: RedisTarget) -> None:
+    """Clients behind one NAT share an address: one guesser there must not lock the others out.
+    A random API key (32 characters or more) or a token signed by the authorization server cannot
+    be guessed, so seeing it pass tells a guesser nothing it could use; anything that could be
+    guessed (a short key, a wrong key, a forged token) is 429 as before, unchecked and uncounted."""
+    redis_target_module.flush()
+    with client("127.0.0.12") as nat:
+        codes = [mcp(nat, per_source, f"guess-{i}-0123456789").status_code for i in range(5)]
+        assert codes == [401] * 4 + [429]
+        assert mcp(nat, per_source, RANDOM_KEY).json()["result"]["tools"] is not None
+        assert mcp(nat, per_source, token()).status_code == 200
+        assert_too_many(mcp(nat, per_source, KEY))  # a key that could be guessed: a hit must not show
+        assert_too_many(mcp(nat, per_source, RANDOM_KEY[:-1] + "x"))
+        assert_too_many(mcp(nat, per_source, token(secret="a-forger-who-guesses-the-secret-0123456789")))
+        assert_too_many(mcp(nat, per_source, token()[:-2] + "xx"))
+    with ws_connect(per_source.ws, subprotocols=["mcp"], additional_headers={"authorization": f"Bearer {RANDOM_KEY}"},
+                    open_timeout=10, source_address=("127.0.0.12", 0)) as ws:
+        assert ws.subprotocol == "mcp"
+    [key] = [k for k in failure_keys(redis_target_module) if b"127.0.0.12" in k]
+    redis = redis_target_module.sync_client()
+    try:
+        assert int(redis.get(key)) == 5  # what came while refused was not counted
+    finally:
+        close_sync(redis)
