@@ -8,7 +8,14 @@ from collections.abc import Callable
 
 from redis.exceptions import RedisClusterException
 
-from shared.config import CONFIG_ERROR_EXIT, ConfigError, load_config, log_level, unknown_env_variables
+from shared.config import (
+    CONFIG_ERROR_EXIT,
+    ConfigError,
+    check_zmq_endpoint,
+    load_config,
+    log_level,
+    unknown_env_variables,
+)
 from shared.redis_embed import RedisStartError
 
 
@@ -36,6 +43,14 @@ def _port(text: str) -> int:
     return value
 
 
+def _endpoint(text: str) -> str:
+    """An argparse type: a ZeroMQ endpoint (shared.config.check_zmq_endpoint)."""
+    try:
+        return check_zmq_endpoint(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is {exc}") from None
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="learnmesh", description=__doc__)
     p.add_argument("--config", help="path to learnmesh.yaml (default: $LEARNMESH_CONFIG)")
@@ -48,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="register the MCP conformance suite's fixtures (test scaffolding, from a source checkout)")
 
     w = sub.add_parser("worker", help="run one inference worker")
-    w.add_argument("--endpoint", help="ZeroMQ endpoint to bind (default: worker.endpoints[--index])")
+    w.add_argument("--endpoint", type=_endpoint, help="ZeroMQ endpoint to bind (default: worker.endpoints[--index])")
     w.add_argument("--index", type=_count(0), default=0)
 
     t = sub.add_parser("trainer", help="run the trainer: --ranks ranks on this machine under torchrun")

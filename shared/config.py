@@ -110,7 +110,7 @@ _ZMQ_LOCAL = re.compile(r"(?:ipc|inproc)://\S{1,255}")
 _ZMQ_FORMS = "tcp://<host>:<port> (port 1-65535, or * for a free one), ipc://<path> or inproc://<name>"
 
 
-def _zmq_endpoint(value: str) -> str:
+def check_zmq_endpoint(value: str) -> str:
     """A ZeroMQ endpoint a socket can bind and its peers connect to, checked as the
     configuration loads: one libzmq refuses would crash its process at every restart."""
     tcp = _ZMQ_TCP.fullmatch(value)
@@ -121,7 +121,7 @@ def _zmq_endpoint(value: str) -> str:
     raise ValueError(f"not a ZeroMQ endpoint: {_ZMQ_FORMS}")
 
 
-ZmqEndpoint = Annotated[str, pydantic.AfterValidator(_zmq_endpoint)]
+ZmqEndpoint = Annotated[str, pydantic.AfterValidator(check_zmq_endpoint)]
 
 
 def _advertised(value: str) -> str:

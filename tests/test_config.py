@@ -341,3 +341,13 @@ def test_every_endpoint_form_zeromq_binds_or_connects_to_loads(tmp_path: Path, t
     path = tmp_path / "learnmesh.yaml"
     path.write_text(text)
     load_config(path, env={})
+
+
+@pytest.mark.parametrize("endpoint", ["garbage", "tcp://127.0.0.1:99999", "tcp://127.0.0.1"])
+def test_a_worker_endpoint_on_the_command_line_is_checked_before_the_worker_starts(tmp_path: Path,
+                                                                                  endpoint: str) -> None:
+    """libzmq takes port 99999 as another port, and a malformed endpoint ended in a traceback."""
+    done = _cli(tmp_path, "worker", "--endpoint", endpoint)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert f"argument --endpoint: {endpoint!r} is not a ZeroMQ endpoint" in done.stderr
