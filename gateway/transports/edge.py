@@ -13,6 +13,12 @@
 - **HEAD is GET without the body** on every route but ``/mcp`` (whose GET opens an event
   stream): the same admission, admin key and role, status and headers (``Content-Length``
   included), as RFC 9110 asks of a GET route; load balancers and monitors probe with it.
+- **Admin answers are never stored nor sniffed**: every response under ``/admin`` (the
+  dashboard's files, the API's answers and refusals alike) carries ``Cache-Control: no-store``
+  and ``X-Content-Type-Options: nosniff``. They hold what only an admin key may read (a new
+  key's plaintext, contexts' contents, the audit log), which a browser's or a proxy's cache must
+  not keep for the next user of the machine; and an echoed identifier in a JSON refusal is
+  never read as HTML.
 - **One credential**: a request with more than one ``Authorization`` header is 400
   (``invalid_request``, RFC 6750 3.1) on every route. The field is a singleton (RFC 9110); a
   proxy in front that reads one of two copies could otherwise vouch for a caller the gateway
@@ -50,6 +56,7 @@ Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 MCP_PATH = "/mcp"
+_ADMIN_HEADERS = ((b"cache-control", b"no-store"), (b"x-content-type-options", b"nosniff"))
 TWO_CREDENTIALS = "more than one Authorization header"
 
 
@@ -102,6 +109,8 @@ class HttpEdge:
             elif name == b"authorization":
                 twice = authorization is not None
                 authorization = value
+        if _is_admin(scope["path"]):
+            send = _admin_headers(send)
         if length is not None and (not length.isdigit() or int(length) > self.max_body):
             await self._too_large(scope, send)
             return None
@@ -151,6 +160,25 @@ class HttpEdge:
         else:
             body = orjson.dumps({"detail": exc.detail})
         await _answer(send, 413, body)
+
+
+def _is_admin(path: str) -> bool:
+    return path == "/admin" or path.startswith("/admin/")
+
+
+def _admin_headers(send: Send) -> Send:
+    """``send`` with :data:`_ADMIN_HEADERS` added to the response's headers (where the route set
+    none of its own)."""
+
+    async def guarded(message: MutableMapping[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            headers = list(message.get("headers", ()))
+            present = {name.lower() for name, _ in headers}
+            headers.extend(h for h in _ADMIN_HEADERS if h[0] not in present)
+            message = {**message, "headers": headers}
+        await send(message)
+
+    return guarded
 
 
 def head_as_get(scope: Scope, send: Send) -> tuple[Scope, Send] | None:
