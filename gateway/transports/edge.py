@@ -13,6 +13,10 @@
 - **HEAD is GET without the body** on every route but ``/mcp`` (whose GET opens an event
   stream): the same admission, admin key and role, status and headers (``Content-Length``
   included), as RFC 9110 asks of a GET route; load balancers and monitors probe with it.
+- **A loopback gateway answers loopback names only**: bound to loopback, a request whose
+  ``Host`` names another host is 403 on every route, as on ``/mcp`` (which checks ``Origin``
+  too, in its transport): a web page that rebinds its own name to 127.0.0.1 reads neither the
+  metrics, the health answers, nor the dashboard's files (gateway/auth.py, ``OriginGuard``).
 - **Admin answers are never stored nor sniffed**: every response under ``/admin`` (the
   dashboard's files, the API's answers and refusals alike) carries ``Cache-Control: no-store``
   and ``X-Content-Type-Options: nosniff``. They hold what only an admin key may read (a new
@@ -96,13 +100,16 @@ class HttpEdge:
         self.max_body = gateway.config.gateway.max_body_bytes
         self.keyring = gateway.admin_keyring
         self.throttle = gateway.auth.throttle
+        self.origin_guard = gateway.origin_guard
 
     async def admit(self, scope: Scope, receive: Receive, send: Send) -> tuple[Receive, Send] | None:
         """The ``receive``/``send`` the app serves the request with, or None when it was answered here."""
-        length = authorization = None
+        length = authorization = host = None
         chunked = twice = False
         for name, value in scope["headers"]:
-            if name == b"content-length":
+            if name == b"host":
+                host = value
+            elif name == b"content-length":
                 length = value
             elif name == b"transfer-encoding":
                 chunked = True
@@ -111,6 +118,11 @@ class HttpEdge:
                 authorization = value
         if _is_admin(scope["path"]):
             send = _admin_headers(send)
+        if scope["path"] != MCP_PATH and host is not None:
+            why = self.origin_guard.check(None, host.decode("latin-1"))
+            if why is not None:
+                await _forbidden(scope, send, why)
+                return None
         if length is not None and (not length.isdigit() or int(length) > self.max_body):
             await self._too_large(scope, send)
             return None
@@ -194,6 +206,11 @@ def head_as_get(scope: Scope, send: Send) -> tuple[Scope, Send] | None:
         await send(message)
 
     return {**scope, "method": "GET"}, headers_only
+
+
+async def _forbidden(scope: Scope, send: Send, why: str) -> None:
+    body = {"detail": why} if _is_admin(scope["path"]) else {"error": "forbidden", "error_description": why}
+    await _answer(send, 403, orjson.dumps(body))
 
 
 async def _two_credentials(scope: Scope, send: Send) -> None:
