@@ -18,6 +18,13 @@ from gateway.admin.common import E400, E401, E403, E404, admin_router, viewer
 
 UI_DIR = Path(__file__).with_name("ui")
 UI_FILES = {"index.html": "text/html", "app.js": "text/javascript", "style.css": "text/css"}
+# The dashboard runs its own script and style sheet only, and no other site may frame it: the page
+# holds an admin key (in local storage), and a script injected into it, or a page that overlays it,
+# would act with that key.
+UI_HEADERS = {"Cache-Control": "no-store",
+              "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; object-src 'none'; "
+                                         "base-uri 'none'; frame-ancestors 'none'",
+              "X-Frame-Options": "DENY"}
 METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE", "HEAD")
 
 API_DESCRIPTION = (
@@ -73,14 +80,14 @@ async def admin_root() -> RedirectResponse:
 @router.get("/ui", include_in_schema=False)
 @router.get("/ui/", include_in_schema=False)  # the address as browsers and people often write it
 async def ui_index() -> HTMLResponse:
-    return HTMLResponse((UI_DIR / "index.html").read_text(), headers={"Cache-Control": "no-store"})
+    return HTMLResponse((UI_DIR / "index.html").read_text(), headers=UI_HEADERS)
 
 
 @router.get("/ui/{name}", include_in_schema=False)
 async def ui_file(name: str) -> FileResponse:
     if name not in UI_FILES:
         raise HTTPException(404, "no such file")
-    return FileResponse(UI_DIR / name, media_type=UI_FILES[name], headers={"Cache-Control": "no-store"})
+    return FileResponse(UI_DIR / name, media_type=UI_FILES[name], headers=UI_HEADERS)
 
 
 @router.get("/whoami", summary="The calling admin key's name and role")

@@ -13,6 +13,16 @@
 - **HEAD is GET without the body** on every route but ``/mcp`` (whose GET opens an event
   stream): the same admission, admin key and role, status and headers (``Content-Length``
   included), as RFC 9110 asks of a GET route; load balancers and monitors probe with it.
+- **A loopback gateway answers loopback names only**: bound to loopback, a request whose
+  ``Host`` names another host is 403 on every route, as on ``/mcp`` (which checks ``Origin``
+  too, in its transport): a web page that rebinds its own name to 127.0.0.1 reads neither the
+  metrics, the health answers, nor the dashboard's files (gateway/auth.py, ``OriginGuard``).
+- **Admin answers are never stored nor sniffed**: every response under ``/admin`` (the
+  dashboard's files, the API's answers and refusals alike) carries ``Cache-Control: no-store``
+  and ``X-Content-Type-Options: nosniff``. They hold what only an admin key may read (a new
+  key's plaintext, contexts' contents, the audit log), which a browser's or a proxy's cache must
+  not keep for the next user of the machine; and an echoed identifier in a JSON refusal is
+  never read as HTML.
 - **One credential**: a request with more than one ``Authorization`` header is 400
   (``invalid_request``, RFC 6750 3.1) on every route. The field is a singleton (RFC 9110); a
   proxy in front that reads one of two copies could otherwise vouch for a caller the gateway
@@ -50,6 +60,7 @@ Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 MCP_PATH = "/mcp"
+_ADMIN_HEADERS = ((b"cache-control", b"no-store"), (b"x-content-type-options", b"nosniff"))
 TWO_CREDENTIALS = "more than one Authorization header"
 
 
@@ -89,19 +100,29 @@ class HttpEdge:
         self.max_body = gateway.config.gateway.max_body_bytes
         self.keyring = gateway.admin_keyring
         self.throttle = gateway.auth.throttle
+        self.origin_guard = gateway.origin_guard
 
     async def admit(self, scope: Scope, receive: Receive, send: Send) -> tuple[Receive, Send] | None:
         """The ``receive``/``send`` the app serves the request with, or None when it was answered here."""
-        length = authorization = None
+        length = authorization = host = None
         chunked = twice = False
         for name, value in scope["headers"]:
-            if name == b"content-length":
+            if name == b"host":
+                host = value
+            elif name == b"content-length":
                 length = value
             elif name == b"transfer-encoding":
                 chunked = True
             elif name == b"authorization":
                 twice = authorization is not None
                 authorization = value
+        if _is_admin(scope["path"]):
+            send = _admin_headers(send)
+        if scope["path"] != MCP_PATH and host is not None:
+            why = self.origin_guard.check(None, host.decode("latin-1"))
+            if why is not None:
+                await _forbidden(scope, send, why)
+                return None
         if length is not None and (not length.isdigit() or int(length) > self.max_body):
             await self._too_large(scope, send)
             return None
@@ -153,6 +174,25 @@ class HttpEdge:
         await _answer(send, 413, body)
 
 
+def _is_admin(path: str) -> bool:
+    return path == "/admin" or path.startswith("/admin/")
+
+
+def _admin_headers(send: Send) -> Send:
+    """``send`` with :data:`_ADMIN_HEADERS` added to the response's headers (where the route set
+    none of its own)."""
+
+    async def guarded(message: MutableMapping[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            headers = list(message.get("headers", ()))
+            present = {name.lower() for name, _ in headers}
+            headers.extend(h for h in _ADMIN_HEADERS if h[0] not in present)
+            message = {**message, "headers": headers}
+        await send(message)
+
+    return guarded
+
+
 def head_as_get(scope: Scope, send: Send) -> tuple[Scope, Send] | None:
     """The scope and ``send`` that serve a HEAD request as its path's GET, or None when it is
     no HEAD to serve so. The scope is a copy: the server's own still says HEAD, so it writes no
@@ -166,6 +206,11 @@ def head_as_get(scope: Scope, send: Send) -> tuple[Scope, Send] | None:
         await send(message)
 
     return {**scope, "method": "GET"}, headers_only
+
+
+async def _forbidden(scope: Scope, send: Send, why: str) -> None:
+    body = {"detail": why} if _is_admin(scope["path"]) else {"error": "forbidden", "error_description": why}
+    await _answer(send, 403, orjson.dumps(body))
 
 
 async def _two_credentials(scope: Scope, send: Send) -> None:

@@ -21,6 +21,14 @@ gathers: within the deadline a client that streams one endless header makes the 
 all of it (twice over), so a request whose headers pass ``gateway.max_header_bytes`` is
 answered 431 and its connection closed. :func:`http_protocol` binds the configured limits.
 
+A response that starts before its request's body has arrived in full says ``Connection:
+close`` and closes the connection once sent (with the bounded linger below). uvicorn would keep
+it for the next request and read and drop the rest of the body until the body deadline: a
+refusal sent before the body was read (401 without credentials, 403 for a foreign Origin, 405)
+let a client without a key stream an endless chunked body into the gateway for
+``gateway.body_timeout_s`` (gigabytes a second over loopback), where the linger drops at most
+``LINGER_MAX_BYTES`` for at most ``LINGER_MAX_S``.
+
 :class:`GatewayHttpProtocol` leans on uvicorn internals (``HttpToolsProtocol``, its ``loop``
 and ``transport``): pyproject.toml pins the uvicorn versions known to have them, and
 tests/test_gateway_http_protocol.py fails when a response of the installed one leaves in more
@@ -164,6 +172,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     _header_bytes = 0  # bytes of reads that ended inside the current request's headers
     _parsed_header_bytes = 0  # the current request's target and headers as the parser gave them
     _too_large = False
+    _keep_alive = True  # what uvicorn decided for the current request, once its body has arrived
     _lingering = False  # answered and half-closed; dropping what the peer still sends
     _linger_left = 0
     _linger_until = 0.0
@@ -267,11 +276,17 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             self._upgraded = True  # the WebSocket protocol takes the connection over
         else:
             self._in_body = True
+            # Until the body has arrived, an answer closes the connection (see the module docstring).
+            self._keep_alive = self.cycle.keep_alive
+            self.cycle.keep_alive = False
 
     def on_message_complete(self) -> None:
         self._disarm()
+        if self._in_body and not self.cycle.response_started:
+            self.cycle.keep_alive = self._keep_alive
         self._in_body = False
         super().on_message_complete()
+
 
     def _arm(self, delay_s: float) -> None:
         self._deadline = self.loop.call_later(delay_s, self._expired)

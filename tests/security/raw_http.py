@@ -3,8 +3,11 @@ does, where a client library would complete or fix what the test means to leave 
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import os
 import socket
+import struct
 import time
 from collections.abc import Iterator
 
@@ -77,3 +80,30 @@ def _expected_length(data: bytes) -> int:
         if name.strip().lower() == b"content-length":
             return len(head) + 4 + int(value.strip())
     return len(head) + 4
+
+
+def websocket(port: int, key: str, rcvbuf: int) -> socket.socket:
+    """A WebSocket handshake for ``/mcp/ws`` over a plain socket whose receive buffer is ``rcvbuf``
+    bytes (small: a client that does not read shows soon, the server's writes fill the buffers).
+    Frames are then the caller's to write and read."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.settimeout(WAIT_S)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall((f"GET /mcp/ws HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                  f"Sec-WebSocket-Key: {base64.b64encode(os.urandom(16)).decode()}\r\nSec-WebSocket-Version: 13\r\n"
+                  f"Sec-WebSocket-Protocol: mcp\r\nAuthorization: Bearer {key}\r\n\r\n").encode())
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += sock.recv(1)
+    assert head.startswith(b"HTTP/1.1 101"), head
+    return sock
+
+
+def masked_text_frame(text: str) -> bytes:
+    """One text frame as a client sends it, masked with the all-zero key (which leaves the payload as is)."""
+    payload = text.encode()
+    n = len(payload)
+    length = bytes([0x80 | n]) if n < 126 else bytes([0x80 | 126]) + struct.pack("!H", n) if n < 65536 \
+        else bytes([0x80 | 127]) + struct.pack("!Q", n)
+    return bytes([0x81]) + length + bytes(4) + payload

@@ -14,12 +14,14 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect as ws_connect
 
 from gateway.admin.auth import admin_key_required
+from gateway.transports.http_protocol import LINGER_MAX_BYTES
 from tests.conftest import RedisTarget, free_port
 from tests.gateway_support import start_gateway, stop
 
 LIMIT = 64 * 1024
 HEADER_LIMIT = 16 * 1024
 ADMIN_KEY = "admin-key-0123456789"
+MCP_KEY = "mcp-key-0123456789"
 HUGE = 64 * 1024 * 1024
 
 
@@ -120,6 +122,42 @@ def test_headers_past_their_limit_are_refused_while_they_are_sent(port: int, pat
             s.sendall(head[i:i + 1000])
         status, _, body = read_response(s)
         assert status == 200 and orjson.loads(body) == {"status": "ok"}
+
+
+@pytest.fixture(scope="module")
+def keyed_port(redis_server: str) -> Iterator[int]:
+    """A gateway with an MCP key: /mcp refuses callers without it."""
+    p = free_port()
+    proc = start_gateway(p, redis_server, api_keys=f"alice:{MCP_KEY}", overrides={"gateway": {
+        "max_body_bytes": LIMIT, "max_header_bytes": HEADER_LIMIT}})
+    yield p
+    stop(proc)
+
+
+@pytest.mark.parametrize("method,path,lines,status", [
+    ("POST", "/mcp", [], 401),  # no credentials
+    ("POST", "/mcp", [f"Authorization: Bearer {MCP_KEY}", "Origin: http://attacker.example"], 403),
+    ("PUT", "/mcp", [f"Authorization: Bearer {MCP_KEY}"], 405),
+    ("DELETE", "/mcp", [f"Authorization: Bearer {MCP_KEY}", "Mcp-Session-Id: gone"], 404),
+    ("POST", "/nowhere", [], 404),  # a route that reads no body
+], ids=["unauthenticated", "foreign-origin", "method", "delete", "other-route"])
+def test_an_answer_before_the_body_ends_the_connection(keyed_port: int, method: str, path: str, lines: list[str],
+                                                       status: int) -> None:
+    """Answered before its body was read, a request's connection is not kept for the next one:
+    what the client still sends is dropped for a bounded linger, then the connection closes. Kept,
+    it was read and dropped until the body deadline: an endless chunked body, gigabytes a second,
+    from a client without a key."""
+    with connection(keyed_port) as s:
+        s.sendall(_head(method, path, "Transfer-Encoding: chunked", *lines))
+        answered, headers, _ = read_response(s)
+        assert answered == status and headers["connection"] == "close", (answered, headers)
+        chunks = (b"%x\r\n" % 65536 + b"a" * 65536 + b"\r\n") * 16
+        sent = 0
+        with pytest.raises(OSError):  # reset or broken pipe: the gateway has closed
+            while sent < 8 * LINGER_MAX_BYTES:
+                s.sendall(chunks)
+                sent += len(chunks)
+        assert sent < 2 * LINGER_MAX_BYTES
 
 
 def test_a_body_within_the_limit_is_served(port: int, redis_target_module: RedisTarget) -> None:

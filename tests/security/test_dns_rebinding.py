@@ -55,6 +55,23 @@ def test_loopback_names_are_served(port: int, name: str) -> None:
     assert r.status_code == 200 and r.json()["result"]["serverInfo"]["name"] == "learnmesh", r.text
 
 
+@pytest.mark.parametrize("method,path", [("GET", "/metrics"), ("GET", "/healthz"), ("GET", "/readyz"),
+                                         ("HEAD", "/healthz"), ("GET", "/admin/ui"), ("GET", "/admin/ui/app.js"),
+                                         ("GET", "/admin/openapi.json"), ("GET", "/admin/summary"),
+                                         ("POST", "/mcp/ws-ticket"), ("GET", "/nowhere")])
+def test_every_route_answers_loopback_names_only(port: int, method: str, path: str) -> None:
+    """A page on a rebound name reads nothing of the gateway: not its metrics, its health, its
+    dashboard's files nor the shape of its routes."""
+    url = f"http://127.0.0.1:{port}{path}"
+    refused = httpx.request(method, url, headers={"host": f"{REBIND}:{port}"})
+    assert refused.status_code == 403, (path, refused.status_code, refused.text)
+    if method != "HEAD":
+        assert "host not allowed" in refused.text and "learnmesh" not in refused.text
+    assert refused.headers["connection"] == "close"
+    served = httpx.request(method, url, headers={"host": f"localhost:{port}"})
+    assert served.status_code != 403, (path, served.status_code, served.text)
+
+
 def test_websocket_handshake_is_guarded_alike(port: int) -> None:
     # the browser's view: the URL names the attacker's host, which resolves to 127.0.0.1
     for url, headers in ((f"ws://{REBIND}:{port}/mcp/ws", {}),

@@ -6,10 +6,7 @@ crash, and the connection it came on keeps serving."""
 from __future__ import annotations
 
 import asyncio
-import base64
-import os
 import socket
-import struct
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +14,7 @@ import httpx
 import orjson
 import pytest
 import redis as redis_sync
+from raw_http import masked_text_frame, websocket
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 
@@ -298,30 +296,8 @@ def test_malformed_json_is_a_parse_error_and_wrong_shapes_are_invalid_requests(g
 
 
 def _raw_websocket(gw: Gateway) -> socket.socket:
-    """A WebSocket handshake over a plain socket with a tiny receive buffer, so that a client that
-    never reads shows at once: the server's writes fill the buffers and stay there."""
-    host, port = gw.base.removeprefix("http://").split(":")
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.settimeout(10)
-    sock.connect((host, int(port)))
-    sock.sendall((f"GET /mcp/ws HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                  f"Sec-WebSocket-Key: {base64.b64encode(os.urandom(16)).decode()}\r\nSec-WebSocket-Version: 13\r\n"
-                  f"Sec-WebSocket-Protocol: mcp\r\nAuthorization: Bearer {KEY}\r\n\r\n").encode())
-    head = b""
-    while b"\r\n\r\n" not in head:
-        head += sock.recv(1)
-    assert head.startswith(b"HTTP/1.1 101"), head
-    return sock
-
-
-def _masked_text_frame(text: str) -> bytes:
-    """One text frame as a client sends it, masked with the all-zero key (which leaves the payload as is)."""
-    payload = text.encode()
-    n = len(payload)
-    length = bytes([0x80 | n]) if n < 126 else bytes([0x80 | 126]) + struct.pack("!H", n) if n < 65536 \
-        else bytes([0x80 | 127]) + struct.pack("!Q", n)
-    return bytes([0x81]) + length + bytes(4) + payload
+    """A tiny receive buffer, so that a client that never reads shows at once."""
+    return websocket(int(gw.base.rsplit(":", 1)[1]), KEY, 4096)
 
 
 def test_a_websocket_client_that_stops_reading_is_dropped_with_its_work(redis_server: str, store: redis_sync.Redis,
@@ -337,11 +313,11 @@ def test_a_websocket_client_that_stops_reading_is_dropped_with_its_work(redis_se
         try:
             assert store.zcard(keys.stream_leases("mallory")) == 1
             sleep, _ = modern("tools/call", {"name": "t_sleep", "arguments": {"seconds": 600}}, rid=1)
-            sock.sendall(_masked_text_frame(orjson.dumps(sleep).decode()))
+            sock.sendall(masked_text_frame(orjson.dumps(sleep).decode()))
             wait_for_sync(lambda: store.lrange("test:t_sleep:started", 0, -1), what="the long call to start")
             for rid in range(2, 6):  # replies of 2 MiB each, more than the socket buffers hold
                 echo, _ = modern("tools/call", {"name": "t_echo", "arguments": {"text": "x" * (2 << 20)}}, rid=rid)
-                sock.sendall(_masked_text_frame(orjson.dumps(echo).decode()))
+                sock.sendall(masked_text_frame(orjson.dumps(echo).decode()))
             wait_for_sync(lambda: store.zcard(keys.stream_leases("mallory")) == 0, timeout_s=30,
                           what="the silent client's connection to be dropped and its slot given back")
             assert store.lrange("test:t_sleep:ended", 0, -1) == [b"mallory"]  # its request's work was stopped
