@@ -27,7 +27,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.errors import InvalidParams, Unavailable
 from gateway.registry import Registry, ToolContext
-from gateway.tools.context import notify_changed
+from gateway.tools.context import announcing, notify_changed
 from shared import keys
 from shared.context import ContextError
 from shared.inference import pack_entries
@@ -215,8 +215,7 @@ async def _generate(ctx: ToolContext, args: dict[str, Any], prompt: str, max_tok
         except (ContextError, RedisConnectionError, RedisTimeoutError) as exc:
             log.warning("could not append generation %s to its context: %s", generation_id, type(exc).__name__)
         else:  # the context's subscribers learn of the exchange as of any other append
-            await notify_changed(ctx, context_id, ["text"],
-                                 listed=asked.opened or bool(asked.evicted) or bool(appended.evicted))
+            await notify_changed(ctx, context_id, ["text"], listed=asked.opened)
     return out
 
 
@@ -243,8 +242,8 @@ def register(registry: Registry) -> None:
     registry.tool("generate", description="Generate a reply from the model, given your prompt and (optionally) one "
                   "of your contexts. Streams partial text as progress notifications; returns the text, the "
                   "model version and a generation id; appends the exchange to the context.",
-                  input_schema=GENERATE_INPUT, output_schema=GENERATE_OUTPUT, title="Generate")(generate)
+                  input_schema=GENERATE_INPUT, output_schema=GENERATE_OUTPUT, title="Generate")(announcing(generate))
     registry.tool("score", description="The model's negative log-likelihood (nats per token) of a continuation "
                   "of your prompt and context; lower means the model finds it more likely.",
                   input_schema=SCORE_INPUT, output_schema=SCORE_OUTPUT, title="Score a continuation",
-                  annotations={"readOnlyHint": True})(score)
+                  annotations={"readOnlyHint": True})(announcing(score))

@@ -29,6 +29,7 @@ from redis.exceptions import NoScriptError, RedisError
 from gateway.errors import InvalidParams, Unavailable
 from gateway.limits import exceeded
 from gateway.registry import Registry, ToolContext
+from gateway.tools.context import announcing
 from shared import keys, wire
 from shared import metrics as m
 from shared.aio import pause
@@ -323,6 +324,7 @@ def register(registry: Registry) -> None:
                    "generation (corrected answer or preference). Acknowledged after the durable write.",
                    input_schema=LEARN_INPUT_SCHEMA, output_schema=LEARN_OUTPUT_SCHEMA, title="Learn",
                    annotations={"destructiveHint": False, "idempotentHint": False})
+    @announcing
     async def learn(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
         ingest = ctx.state.samples
         samples = ingest.parse(args or {})
