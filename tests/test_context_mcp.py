@@ -36,7 +36,8 @@ def client(redis_target: RedisTarget) -> Iterator[TestClient]:
         "redis": {"url": redis_target.url},
         "gateway": {"api_keys": KEYS, "admin_keys": {"root": {"key": ADMIN, "role": "admin"}},
                     "request_state_keys": ["00" * 32]},
-        "context": {"max_entry_bytes": 4096, "channel_max_bytes": 65536}})
+        "context": {"max_entry_bytes": 4096, "channel_max_bytes": 65536},
+        "learning": {"teachers": list(KEYS)}})
     with TestClient(create_app(cfg), base_url="http://127.0.0.1:8000") as c:
         yield c
 
@@ -334,3 +335,36 @@ def test_a_global_budget_eviction_is_announced_to_the_evicted_principal(redis_ta
                       what="alice to hear that her context was evicted")
         listed = alice.result("resources/list")["resources"]
         assert not [r for r in listed if r["uri"].startswith("context://old/")], listed
+
+
+def test_an_unknown_context_is_named_in_the_error_data_by_every_tool(client: TestClient) -> None:
+    """Whichever tool names a context the caller does not hold (unknown, or another principal's),
+    on either revision, the -32602 error's data says so in one shape a program can act on."""
+    def a(name, **args):
+        return modern(client, "alice", "tools/call", {"name": name, "arguments": args})
+
+    a("context_append", context_id="mine", modality="text", text="alice only")
+    legacy = Legacy(client, "bob")
+    calls = [("context_get", {"context_id": "mine"}), ("context_clear", {"context_id": "mine"}),
+             ("context_fork", {"context_id": "mine"}), ("generate", {"prompt": "hi", "context_id": "mine"}),
+             ("score", {"prompt": "hi", "target": "x", "context_id": "mine"}),
+             ("learn", {"input": "hi", "target": "x", "context_id": "mine", "version": 1}),
+             # a read at a version is one script call, which cannot tell the context from its version
+             ("context_get", {"context_id": "mine", "version": 1})]
+    for rpc in (legacy, lambda m, p: modern(client, "bob", m, p)):
+        for name, args in calls:
+            err = call(rpc, name, **args)["error"]
+            assert err["code"] == -32602, (name, err)
+            kind = "version_unavailable" if name == "context_get" and "version" in args else "context_not_found"
+            assert {k: err["data"][k] for k in ("kind", "context_id")} == {"kind": kind, "context_id": "mine"}, (
+                name, err)
+        err = call(rpc, "learn", samples=[{"input": "a", "target": "b"},
+                                          {"input": "hi", "target": "x", "context_id": "mine", "version": 1}])["error"]
+        assert err["data"] == {"kind": "context_not_found", "context_id": "mine", "version": 1, "index": 1}
+    for args in ({"context_id": "mine", "version": 7},
+                 {"samples": [{"input": "hi", "target": "x", "context_id": "mine", "version": 7}]}):
+        name = "learn" if "samples" in args else "context_get"
+        err = a(name, **args)["error"]
+        assert err["code"] == -32602
+        assert {k: err["data"][k] for k in ("kind", "context_id", "version")} == {
+            "kind": "version_unavailable", "context_id": "mine", "version": 7}, (name, err)
