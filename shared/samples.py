@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import re
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -178,6 +179,11 @@ def _parse(obj: Any, max_bytes: int, modalities: list[str] | None) -> Sample:
         sample: Sample = msgspec.convert(obj, Sample)
     except msgspec.ValidationError as exc:
         raise SampleError(str(exc)) from None
+    # Checked here, on what arrives, not in the structs: the log may hold such samples from
+    # before, and refusing them when the trainer decodes them would skip their whole entry.
+    twice = _repeated(sample.modalities or ())
+    if twice:
+        raise SampleError(f"duplicate modality in 'modalities': {', '.join(twice)}")
     unknown = sorted(set(sample.modalities or ()) - set(modalities)) if modalities is not None else []
     if unknown:
         raise SampleError(f"unknown modality: {', '.join(unknown)}")
@@ -185,6 +191,15 @@ def _parse(obj: Any, max_bytes: int, modalities: list[str] | None) -> Sample:
     if size > max_bytes:
         raise SampleError(f"sample is {size} bytes, over the limit of {max_bytes}")
     return sample
+
+
+def _repeated(names: Iterable[str]) -> list[str]:
+    """The names that occur more than once, sorted (linear: the list is not bounded yet)."""
+    seen: set[str] = set()
+    twice: set[str] = set()
+    for n in names:
+        (twice if n in seen else seen).add(n)
+    return sorted(twice)
 
 
 def parse_batch(items: Any, *, max_bytes: int, max_count: int,

@@ -368,3 +368,17 @@ def test_an_unknown_context_is_named_in_the_error_data_by_every_tool(client: Tes
         assert err["code"] == -32602
         assert {k: err["data"][k] for k in ("kind", "context_id", "version")} == {
             "kind": "version_unavailable", "context_id": "mine", "version": 7}, (name, err)
+
+
+def test_a_learn_sample_naming_a_modality_twice_is_refused_by_its_index(client: TestClient) -> None:
+    a = lambda m, p: modern(client, "alice", m, p)  # noqa: E731
+    call(a, "context_append", context_id="conv", modality="text", text="hi")
+    twice = {"input": "q", "target": "a", "context_id": "conv", "version": 1, "modalities": ["text", "text"]}
+    ok = {"input": "q", "target": "a"}
+    for rpc in (Legacy(client, "bob"), a):
+        err = call(rpc, "learn", samples=[ok, twice])["error"]
+        assert (err["code"], err["data"]) == (-32602, {"index": 1}), err
+        assert err["message"] == "sample 1: duplicate modality in 'modalities': text", err
+        err = call(rpc, "learn", **twice)["error"]
+        assert err["code"] == -32602 and "duplicate modality" in err["message"] and "data" not in err, err
+    assert call(a, "learn", **ok)["result"]["structuredContent"]["seqs"] == [1]  # nothing was written before
