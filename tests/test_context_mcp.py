@@ -382,3 +382,30 @@ def test_a_learn_sample_naming_a_modality_twice_is_refused_by_its_index(client: 
         err = call(rpc, "learn", **twice)["error"]
         assert err["code"] == -32602 and "duplicate modality" in err["message"] and "data" not in err, err
     assert call(a, "learn", **ok)["result"]["structuredContent"]["seqs"] == [1]  # nothing was written before
+
+
+def test_integers_sent_as_floats_are_taken_as_the_schema_promises(client: TestClient) -> None:
+    """JSON Schema's integer includes 2.0: a client whose numbers are floats is served, on both
+    revisions, wherever a tool's inputSchema says integer."""
+    a = lambda m, p: modern(client, "alice", m, p)  # noqa: E731
+    for rpc, cid in ((a, "floats"), (Legacy(client, "alice"), "floats2")):
+        appended = call(rpc, "context_append", context_id=cid, modality="text", text="one", tokens=3.0)
+        assert appended["result"]["structuredContent"]["version"] == 1, appended
+        call(rpc, "context_append", context_id=cid, modality="text", text="two")
+        for args, texts in (({"last_n": 1.0}, ["two"]), ({"max_tokens": 1.0}, ["two"]),
+                            ({"version": 1.0}, ["one"])):
+            got = call(rpc, "context_get", context_id=cid, **args)
+            assert [e["text"] for e in got["result"]["structuredContent"]["entries"]] == texts, (args, got)
+        learned = call(rpc, "learn", input="q", target="a", context_id=cid, version=1.0)
+        assert "result" in learned, learned
+        assert "error" in call(rpc, "context_get", context_id=cid, last_n=1.5)
+
+
+def test_modalities_to_read_are_named_once(client: TestClient) -> None:
+    a = lambda m, p: modern(client, "alice", m, p)  # noqa: E731
+    call(a, "context_append", context_id="conv", modality="text", text="hi")
+    for args in ({"modalities": ["text", "text"]}, {"modalities": ["text"] * 10_000}):
+        for name, extra in (("context_get", {}), ("generate", {"prompt": "hi"}),
+                            ("score", {"prompt": "hi", "target": "x"})):
+            err = call(a, name, context_id="conv", **extra, **args)["error"]
+            assert err["code"] == -32602 and "(at modalities)" in err["message"], (name, err)

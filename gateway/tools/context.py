@@ -37,6 +37,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("learnmesh.context")
 
 _ID = {"type": "string", "minLength": 1, "maxLength": 128, "pattern": "^[A-Za-z0-9][A-Za-z0-9._:-]*$"}
+# Channels to read, each named once (a list of thousands of names would reach Redis whole).
+MODALITIES: dict[str, Any] = {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 64,
+                              "uniqueItems": True}
 _ENTRY_SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {
@@ -75,7 +78,7 @@ GET_INPUT: dict[str, Any] = {
     "type": "object",
     "properties": {
         "context_id": _ID,
-        "modalities": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        "modalities": MODALITIES,
         "last_n": {"type": "integer", "minimum": 1, "maximum": 1_000_000},
         "max_tokens": {"type": "integer", "minimum": 1, "maximum": 2**31 - 1},
         "resolve_links": {"type": "boolean", "default": False},
@@ -101,6 +104,17 @@ FORK_OUTPUT: dict[str, Any] = {"type": "object", "properties": {"context_id": {"
                                                                 "source": {"type": "string"},
                                                                 "version": {"type": "integer"}},
                                "required": ["context_id", "source", "version"]}
+
+
+def integer(value: Any) -> Any:
+    """``value``, a float with no fraction as the int it is: JSON Schema's integer (which the
+    inputSchema promises) includes 5.0, and a client whose numbers are floats sends that."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _integers(args: dict[str, Any], *names: str) -> dict[str, Any]:
+    """``args`` with the integer arguments ``names`` as ints (see :func:`integer`)."""
+    return {**args, **{n: integer(args[n]) for n in names if n in args}}
 
 
 def entry_json(e: Entry) -> dict[str, Any]:
@@ -206,6 +220,7 @@ async def _list_changed(ctx: ToolContext) -> None:
 # ---------------------------------------------------------------------- tool bodies
 async def context_append(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
     store = ctx.state.store
+    args = _integers(args, "tokens")
     modality = args["modality"]
     text, data = args.get("text"), args.get("data")
     if (text is None) == (data is None):
@@ -232,6 +247,7 @@ async def context_append(ctx: ToolContext, args: dict[str, Any]) -> dict[str, An
 
 async def context_get(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
     store = ctx.state.store
+    args = _integers(args, "last_n", "max_tokens", "version")
     if args.get("version") is not None:
         if any(args.get(k) for k in ("last_n", "max_tokens", "resolve_links")):
             raise InvalidParams("'version' reads the whole context at that version; drop last_n/max_tokens")

@@ -27,7 +27,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.errors import InvalidParams, Unavailable
 from gateway.registry import Registry, ToolContext
-from gateway.tools.context import announcing, notify_changed
+from gateway.tools.context import MODALITIES, announcing, integer, notify_changed
 from shared import keys
 from shared.context import ContextError
 from shared.inference import pack_entries
@@ -40,8 +40,7 @@ _ID = {"type": "string", "minLength": 1, "maxLength": 128, "pattern": "^[A-Za-z0
 _COMMON: dict[str, Any] = {
     "prompt": {"type": "string", "minLength": 1, "description": "the new input (UTF-8 text)"},
     "context_id": {**_ID, "description": "one of your contexts; its window is the model's context"},
-    "modalities": {"type": "array", "items": {"type": "string"}, "minItems": 1,
-                   "description": "channels of context_id to include (default: all)"},
+    "modalities": {**MODALITIES, "description": "channels of context_id to include (default: all)"},
     "min_model_version": {"type": "integer", "minimum": 0, "default": 0,
                           "description": "only a worker at or past this model version may answer"},
     "after_learn": {"type": "string", "maxLength": 100,
@@ -84,12 +83,6 @@ SCORE_OUTPUT: dict[str, Any] = {
                    "model_version": {"type": "integer"}},
     "required": ["nll", "log_likelihood", "tokens", "model_version"],
 }
-
-
-def _integer(value: Any) -> Any:
-    """``value``, a float with no fraction as the int it is: JSON Schema's integer (which the
-    inputSchema promises) includes 5.0, and a client whose numbers are floats sends that."""
-    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 def _check_prompt(ctx: ToolContext, args: dict[str, Any]) -> str:
@@ -169,7 +162,7 @@ async def generate(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
     state = ctx.state
     wcfg = state.config.worker
     prompt = _check_prompt(ctx, args)
-    max_tokens = _integer(args.get("max_tokens", 64))
+    max_tokens = integer(args.get("max_tokens", 64))
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= wcfg.max_tokens_limit:
         raise InvalidParams(f"max_tokens must be an integer in 1..{wcfg.max_tokens_limit}")
     with state.limits.inference_slot(ctx.principal):  # over the principal's cap: -32029 before any work
@@ -181,7 +174,7 @@ async def _generate(ctx: ToolContext, args: dict[str, Any], prompt: str, max_tok
     meta, frames, _ = await _window(ctx, args)
     generation_id = uuid.uuid4().hex
     header = {"id": generation_id, "op": "generate", "principal": ctx.principal, "prompt": prompt, "max_tokens": max_tokens,
-              "temperature": float(args.get("temperature", 0.8)), "seed": _integer(args.get("seed")),
+              "temperature": float(args.get("temperature", 0.8)), "seed": integer(args.get("seed")),
               "modalities": args.get("modalities"), "entries": meta}
     # ``before``: tokens streamed by workers lost under the request. Its text restarts on the next
     # worker, its progress goes on from there: MCP wants every notification's progress higher.
