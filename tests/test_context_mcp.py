@@ -110,7 +110,8 @@ def test_tools_roundtrip_and_bad_input(client: TestClient) -> None:
                 {"context_id": "conv", "modality": "video", "text": "x"},
                 {"context_id": "conv", "modality": "text", "text": "x" * 5000},
                 {"context_id": "conv", "modality": "text"},
-                {"context_id": "bad id", "modality": "text", "text": "x"}):
+                {"context_id": "bad id", "modality": "text", "text": "x"},
+                {"context_id": "conv", "modality": "text", "text": "x", "mime_type": "text/plain\r\nX-Injected: 1"}):
         err = a("context_append", **bad)
         assert err["error"]["code"] == -32602, (bad, err)
     assert a("context_get", context_id="conv", last_n=0)["error"]["code"] == -32602

@@ -59,7 +59,8 @@ APPEND_INPUT: dict[str, Any] = {
         "role": {"type": "string", "minLength": 1, "maxLength": 64, "default": "user"},
         "text": {"type": "string", "description": "UTF-8 content (text modality)"},
         "data": {"type": "string", "description": "base64 content (binary modalities)"},
-        "mime_type": {"type": "string", "maxLength": 128},
+        # no control characters: a client may put the stored type into a header of its own
+        "mime_type": {"type": "string", "minLength": 1, "maxLength": 128, "pattern": "^[^\\u0000-\\u001f\\u007f]*$"},
         "tokens": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1,
                    "description": "token count; default 1 per byte"},
         "links": {"type": "array", "items": {"type": "string"}, "maxItems": 64,
