@@ -176,7 +176,7 @@ def _parse(obj: Any, max_bytes: int, modalities: list[str] | None) -> Sample:
     if "kind" not in obj:
         obj = {"kind": "feedback" if "generation_id" in obj else "example", **obj}
     version = obj.get("version")
-    if isinstance(version, float) and version.is_integer():  # JSON Schema's integer includes 3.0
+    if isinstance(version, float) and version.is_integer() and abs(version) <= 2**53:  # JSON Schema's integer includes 3.0
         obj = {**obj, "version": int(version)}
     try:
         sample: Sample = msgspec.convert(obj, Sample)

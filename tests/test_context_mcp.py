@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import io
+import re
 import struct
 import wave
 import zlib
@@ -400,6 +401,12 @@ def test_integers_sent_as_floats_are_taken_as_the_schema_promises(client: TestCl
         learned = call(rpc, "learn", input="q", target="a", context_id=cid, version=1.0)
         assert "result" in learned, learned
         assert "error" in call(rpc, "context_get", context_id=cid, last_n=1.5)
+        # beyond 2**53 a float is no exact integer: refused, never echoed back as a 300-digit one
+        for name, args in (("learn", {"input": "q", "target": "a", "context_id": cid, "version": 1e300}),
+                           ("generate", {"prompt": "hi", "seed": 1e300}),
+                           ("generate", {"prompt": "hi", "min_model_version": 1e300})):
+            err = call(rpc, name, **args)["error"]
+            assert err["code"] == -32602 and not re.search(r"\d{25}", orjson.dumps(err).decode()), (name, err)
 
 
 def test_modalities_to_read_are_named_once(client: TestClient) -> None:

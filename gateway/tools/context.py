@@ -109,8 +109,10 @@ FORK_OUTPUT: dict[str, Any] = {"type": "object", "properties": {"context_id": {"
 
 def integer(value: Any) -> Any:
     """``value``, a float with no fraction as the int it is: JSON Schema's integer (which the
-    inputSchema promises) includes 5.0, and a client whose numbers are floats sends that."""
-    return int(value) if isinstance(value, float) and value.is_integer() else value
+    inputSchema promises) includes 5.0, and a client whose numbers are floats sends that. Only
+    within 2**53, where a float is exact: 1e300 stays a float (and is refused) rather than
+    becoming a 300-digit int that no 64-bit field holds."""
+    return int(value) if isinstance(value, float) and value.is_integer() and abs(value) <= 2**53 else value
 
 
 def _integers(args: dict[str, Any], *names: str) -> dict[str, Any]:

@@ -41,7 +41,7 @@ _COMMON: dict[str, Any] = {
     "prompt": {"type": "string", "minLength": 1, "description": "the new input (UTF-8 text)"},
     "context_id": {**_ID, "description": "one of your contexts; its window is the model's context"},
     "modalities": {**MODALITIES, "description": "channels of context_id to include (default: all)"},
-    "min_model_version": {"type": "integer", "minimum": 0, "default": 0,
+    "min_model_version": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1, "default": 0,
                           "description": "only a worker at or past this model version may answer"},
     "after_learn": {"type": "string", "maxLength": 100,
                     "description": "the 'learned' token of a learn call: wait until a model version that has "
@@ -53,7 +53,8 @@ GENERATE_INPUT: dict[str, Any] = {
         **_COMMON,
         "max_tokens": {"type": "integer", "minimum": 1, "default": 64},
         "temperature": {"type": "number", "minimum": 0, "maximum": 5, "default": 0.8},
-        "seed": {"type": "integer", "description": "makes sampling reproducible"},
+        "seed": {"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1,
+                 "description": "makes sampling reproducible"},
         "append": {"type": "boolean", "description": "append the exchange to the context "
                    "(default: worker.append_exchange)"},
     },
