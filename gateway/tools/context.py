@@ -20,7 +20,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from gateway.errors import InvalidParams, NotFound
@@ -171,13 +171,17 @@ async def list_changes(state: Gateway) -> AsyncIterator[None]:
     try:
         yield
     except BaseException:
-        _CHANGED.reset(token)
-        if changed:
-            spawn(state.contexts_evicted(sorted(changed)), _ANNOUNCING, "announcing resources/list_changed")
+        _announce_later(state, changed, token)
         raise
     _CHANGED.reset(token)
     if changed:
         await state.contexts_evicted(sorted(changed))
+
+
+def _announce_later(state: Gateway, changed: set[str], token: Token[set[str] | None]) -> None:
+    _CHANGED.reset(token)
+    if changed:
+        spawn(state.contexts_evicted(sorted(changed)), _ANNOUNCING, "announcing resources/list_changed")
 
 
 _ANNOUNCING: set[asyncio.Task[Any]] = set()  # announcements made in the background
@@ -185,7 +189,8 @@ _ANNOUNCING: set[asyncio.Task[Any]] = set()  # announcements made in the backgro
 
 def eviction_notices(state: Gateway) -> Callable[[str, list[str]], None]:
     """The store's ``on_evicted`` for a gateway: the principal's list changed. Inside a call
-    (:func:`list_changes`) it is announced when the call ends; elsewhere in the background."""
+    (:func:`list_changes`, :func:`announcing`) it is announced when the call ends; elsewhere in
+    the background."""
     def evicted(principal: str, _contexts: list[str]) -> None:
         changed = _CHANGED.get()
         if changed is not None:
@@ -201,11 +206,23 @@ _R = TypeVar("_R")
 
 def announcing(fn: Callable[Concatenate[ToolContext, _P], Awaitable[_R]]
                ) -> Callable[Concatenate[ToolContext, _P], Awaitable[_R]]:
-    """A handler whose calls announce their list changes once (see :func:`list_changes`)."""
+    """A handler whose calls announce their list changes once, as :func:`list_changes` does
+    (written out: a context manager would cost every call several microseconds)."""
     @functools.wraps(fn)
     async def run(ctx: ToolContext, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        async with list_changes(ctx.state):
+        if _CHANGED.get() is not None:
             return await fn(ctx, *args, **kwargs)
+        changed: set[str] = set()
+        token = _CHANGED.set(changed)
+        try:
+            out = await fn(ctx, *args, **kwargs)
+        except BaseException:
+            _announce_later(ctx.state, changed, token)
+            raise
+        _CHANGED.reset(token)
+        if changed:
+            await ctx.state.contexts_evicted(sorted(changed))
+        return out
     return run
 
 
