@@ -182,18 +182,25 @@ def _parse(obj: Any, max_bytes: int, modalities: list[str] | None) -> Sample:
         sample: Sample = msgspec.convert(obj, Sample)
     except msgspec.ValidationError as exc:
         raise SampleError(str(exc)) from None
+    size = len(sample.to_json())  # first: the errors below name what was sent
+    if size > max_bytes:
+        raise SampleError(f"sample is {size} bytes, over the limit of {max_bytes}")
     # Checked here, on what arrives, not in the structs: the log may hold such samples from
     # before, and refusing them when the trainer decodes them would skip their whole entry.
     twice = _repeated(sample.modalities or ())
     if twice:
-        raise SampleError(f"duplicate modality in 'modalities': {', '.join(twice)}")
+        raise SampleError(f"duplicate modality in 'modalities': {_names(twice)}")
     unknown = sorted(set(sample.modalities or ()) - set(modalities)) if modalities is not None else []
     if unknown:
-        raise SampleError(f"unknown modality: {', '.join(unknown)}")
-    size = len(sample.to_json())
-    if size > max_bytes:
-        raise SampleError(f"sample is {size} bytes, over the limit of {max_bytes}")
+        raise SampleError(f"unknown modality: {_names(unknown)}")
     return sample
+
+
+def _names(names: list[str]) -> str:
+    """Names for an error message, each cut to a modality's longest (32) and at most 8 of them:
+    the error goes back to whoever sent them, however long they were."""
+    shown = [n if len(n) <= 32 else n[:32] + "…" for n in names[:8]]
+    return ", ".join(shown) + (f" (and {len(names) - 8} more)" if len(names) > 8 else "")
 
 
 def _repeated(names: Iterable[str]) -> list[str]:

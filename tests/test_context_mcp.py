@@ -417,3 +417,19 @@ def test_modalities_to_read_are_named_once(client: TestClient) -> None:
                             ("score", {"prompt": "hi", "target": "x"})):
             err = call(a, name, context_id="conv", **extra, **args)["error"]
             assert err["code"] == -32602 and "(at modalities)" in err["message"], (name, err)
+
+
+def test_a_huge_name_is_refused_without_being_echoed_back(client: TestClient) -> None:
+    a = lambda m, p: modern(client, "alice", m, p)  # noqa: E731
+    huge = "x" * 200_000
+    call(a, "context_append", context_id="conv", modality="text", text="hi")
+    for name, args in (("context_append", {"context_id": "conv", "modality": huge, "text": "x"}),
+                       ("context_append", {"context_id": "conv", "modality": "text", "text": "x",
+                                           "links": [f"image:{'1' * 200_000}"]}),
+                       ("context_append", {"context_id": "conv", "modality": "text", "text": "x",
+                                           "links": [f"{huge}:1"]}),
+                       ("context_get", {"context_id": "conv", "modalities": [huge]}),
+                       ("learn", {"input": "q", "target": "a", "context_id": "conv", "version": 1,
+                                  "modalities": [huge]})):
+        err = call(a, name, **args)["error"]
+        assert err["code"] == -32602 and len(orjson.dumps(err)) < 1000, (name, orjson.dumps(err)[:300])

@@ -37,8 +37,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("learnmesh.context")
 
 _ID = {"type": "string", "minLength": 1, "maxLength": 128, "pattern": "^[A-Za-z0-9][A-Za-z0-9._:-]*$"}
+# A modality's name as the configuration allows it (context.modalities): a name of megabytes
+# is refused here rather than echoed back in the error that it is not configured.
+MODALITY: dict[str, Any] = {"type": "string", "pattern": "^[a-z][a-z0-9_-]{0,31}$"}
 # Channels to read, each named once (a list of thousands of names would reach Redis whole).
-MODALITIES: dict[str, Any] = {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 64,
+MODALITIES: dict[str, Any] = {"type": "array", "items": MODALITY, "minItems": 1, "maxItems": 64,
                               "uniqueItems": True}
 _ENTRY_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -55,7 +58,7 @@ APPEND_INPUT: dict[str, Any] = {
     "type": "object",
     "properties": {
         "context_id": _ID,
-        "modality": {"type": "string", "description": "a configured modality: text, image, audio, ..."},
+        "modality": {**MODALITY, "description": "a configured modality: text, image, audio, ..."},
         "role": {"type": "string", "minLength": 1, "maxLength": 64, "default": "user"},
         "text": {"type": "string", "description": "UTF-8 content (text modality)"},
         "data": {"type": "string", "description": "base64 content (binary modalities)"},
@@ -63,7 +66,8 @@ APPEND_INPUT: dict[str, Any] = {
         "mime_type": {"type": "string", "minLength": 1, "maxLength": 128, "pattern": "^[^\\u0000-\\u001f\\u007f]*$"},
         "tokens": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1,
                    "description": "token count; default 1 per byte"},
-        "links": {"type": "array", "items": {"type": "string"}, "maxItems": 64,
+        "links": {"type": "array", "items": {"type": "string", "pattern": "^[a-z][a-z0-9_-]{0,31}:[0-9]{1,15}$"},
+                  "maxItems": 64,
                   "description": "ids of entries in other channels, e.g. 'image:3'"},
     },
     "required": ["context_id", "modality"],
