@@ -218,6 +218,7 @@ async def open_gateway(cfg: Config, registry: Registry) -> AsyncIterator[Gateway
                           replica_id=replica_id, zmq_ctx=zmq_ctx, store=store, workers=workers, samples=samples,
                           tasks=TaskManager(redis, blocking, replica_id, limits=limits), limits=limits,
                           admin_keyring=keyring, admin_stats=LocalStats())
+        store.on_evicted = context.eviction_notices(gateway)
 
         control = asyncio.create_task(gateway.run_control_listener(), name="gateway-control")
         stack.push_async_callback(_cancel, control)

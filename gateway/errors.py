@@ -8,7 +8,9 @@ sees, in the manner of the MCP SDK's kernel:
 - a protocol error keeps its code (and its HTTP status, when it names one);
 - a body over ``gateway.max_body_bytes`` is INVALID_REQUEST with HTTP 413;
 - bad input (a store or sample validation error, a worker's ``bad_input``) is INVALID_PARAMS;
-- an unknown context is INVALID_PARAMS for a tool and RESOURCE_NOT_FOUND for ``resources/read``;
+- an unknown context is INVALID_PARAMS for a tool, with ``data`` naming the ``kind``
+  (``context_not_found`` or ``version_unavailable``), the ``context_id`` and the ``version``,
+  and RESOURCE_NOT_FOUND for ``resources/read``;
   on 2026-07-28 every unknown resource is INVALID_PARAMS with ``data.uri`` and HTTP 400 (SEP-2164);
 - a principal over one of its limits (:class:`LimitExceeded`) is LIMIT_EXCEEDED with HTTP 429
   and a Retry-After that ``data.retryAfterS`` repeats; a principal without a permission
@@ -220,7 +222,7 @@ def _wire_error(exc: BaseException, config: Config, method: str, params: Mapping
         if method == "resources/read":
             uri = (params or {}).get("uri")
             return WireError(RESOURCE_NOT_FOUND, f"Resource not found: {uri}" if plain else str(exc), {"uri": uri})
-        return WireError(INVALID_PARAMS, f"{exc} not found" if plain else str(exc), None, 400)
+        return WireError(INVALID_PARAMS, f"{exc} not found" if plain else str(exc), exc.data(), 400)
     if isinstance(exc, ContextError):
         return WireError(INVALID_PARAMS, str(exc), None, 400)
     if isinstance(exc, SampleError):

@@ -59,8 +59,19 @@ def compile_schema(schema: dict[str, Any]) -> jsonschema_rs.Validator:
 def explain(validator: jsonschema_rs.Validator, instance: Any) -> str:
     """The failure a person should read first, with where it is: ``reason (at a/0/b)``."""
     err = _closest(list(validator.iter_errors(instance)))
-    where = "/".join(str(p) for p in err.instance_path)
-    return f"{err.message} (at {where})" if where else err.message
+    where = "/".join(str(p)[:_EXPLAIN_PART] for p in err.instance_path)
+    message = _shortened(err.message)
+    return f"{message} (at {_shortened(where)})" if where else message
+
+
+# The validator's message quotes the value refused: a string of megabytes would come back whole.
+_EXPLAIN_CHARS = 400
+_EXPLAIN_PART = 64
+
+
+def _shortened(text: str) -> str:
+    half = _EXPLAIN_CHARS // 2
+    return text if len(text) <= _EXPLAIN_CHARS else f"{text[:half]}…{text[-half:]}"
 
 
 _ALTERNATIVES = (jsonschema_rs.ValidationErrorKind.AnyOf, jsonschema_rs.ValidationErrorKind.OneOfNotValid)

@@ -133,8 +133,9 @@ class Gateway:
         await self.publish_control({"t": "lc", "p": principal, "k": kind, "u": upstream, "r": revision})
 
     async def contexts_evicted(self, principals: list[str]) -> None:
-        """The global budget's evictor evicted these principals' contexts: their clients'
-        resources/list changed (a lost hint is logged, never raised: the eviction was made)."""
+        """Contexts of these principals were evicted (idle, over a budget, by an admin), or a call
+        changed their lists otherwise: their clients' resources/list changed (a lost hint is
+        logged, never raised: the change was made)."""
         for principal in principals:
             try:
                 await self.notify_list_changed(principal, "resources")

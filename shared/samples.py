@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import re
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -174,17 +175,41 @@ def _parse(obj: Any, max_bytes: int, modalities: list[str] | None) -> Sample:
         raise SampleError("a sample must be a JSON object")
     if "kind" not in obj:
         obj = {"kind": "feedback" if "generation_id" in obj else "example", **obj}
+    version = obj.get("version")
+    if isinstance(version, float) and version.is_integer() and abs(version) <= 2**53:  # JSON Schema's integer includes 3.0
+        obj = {**obj, "version": int(version)}
     try:
         sample: Sample = msgspec.convert(obj, Sample)
     except msgspec.ValidationError as exc:
         raise SampleError(str(exc)) from None
-    unknown = sorted(set(sample.modalities or ()) - set(modalities)) if modalities is not None else []
-    if unknown:
-        raise SampleError(f"unknown modality: {', '.join(unknown)}")
-    size = len(sample.to_json())
+    size = len(sample.to_json())  # first: the errors below name what was sent
     if size > max_bytes:
         raise SampleError(f"sample is {size} bytes, over the limit of {max_bytes}")
+    # Checked here, on what arrives, not in the structs: the log may hold such samples from
+    # before, and refusing them when the trainer decodes them would skip their whole entry.
+    twice = _repeated(sample.modalities or ())
+    if twice:
+        raise SampleError(f"duplicate modality in 'modalities': {_names(twice)}")
+    unknown = sorted(set(sample.modalities or ()) - set(modalities)) if modalities is not None else []
+    if unknown:
+        raise SampleError(f"unknown modality: {_names(unknown)}")
     return sample
+
+
+def _names(names: list[str]) -> str:
+    """Names for an error message, each cut to a modality's longest (32) and at most 8 of them:
+    the error goes back to whoever sent them, however long they were."""
+    shown = [n if len(n) <= 32 else n[:32] + "…" for n in names[:8]]
+    return ", ".join(shown) + (f" (and {len(names) - 8} more)" if len(names) > 8 else "")
+
+
+def _repeated(names: Iterable[str]) -> list[str]:
+    """The names that occur more than once, sorted (linear: the list is not bounded yet)."""
+    seen: set[str] = set()
+    twice: set[str] = set()
+    for n in names:
+        (twice if n in seen else seen).add(n)
+    return sorted(twice)
 
 
 def parse_batch(items: Any, *, max_bytes: int, max_count: int,

@@ -228,6 +228,18 @@ def get_stream(client: Client, last_event_id: str | None = None) -> Stream:
     return open_stream(Stream(), "GET", client.url, headers)
 
 
+def listen_stream(client: Client, notifications: dict[str, Any], request_id: int = 9) -> Stream:
+    """A 2026-07-28 ``subscriptions/listen`` stream asking for ``notifications``, once acknowledged."""
+    body = {"jsonrpc": "2.0", "id": request_id, "method": "subscriptions/listen",
+            "params": {"notifications": notifications,
+                       "_meta": {"io.modelcontextprotocol/protocolVersion": MODERN,
+                                 "io.modelcontextprotocol/clientCapabilities": {}}}}
+    headers = {**client.auth, "mcp-protocol-version": MODERN, "mcp-method": "subscriptions/listen"}
+    stream = open_stream(Stream(), "POST", client.url, headers, body)
+    wait_for_sync(lambda: stream.seen, timeout_s=10, what="the listen stream's acknowledgement")
+    return stream
+
+
 def publish_control(redis_url: str, message: dict[str, Any]) -> None:
     """A control message as another replica publishes it (single server or cluster)."""
     client = sync_client(RedisConfig(url=redis_url))

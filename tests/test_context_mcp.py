@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import io
+import re
 import struct
 import wave
 import zlib
@@ -36,7 +37,8 @@ def client(redis_target: RedisTarget) -> Iterator[TestClient]:
         "redis": {"url": redis_target.url},
         "gateway": {"api_keys": KEYS, "admin_keys": {"root": {"key": ADMIN, "role": "admin"}},
                     "request_state_keys": ["00" * 32]},
-        "context": {"max_entry_bytes": 4096, "channel_max_bytes": 65536}})
+        "context": {"max_entry_bytes": 4096, "channel_max_bytes": 65536},
+        "learning": {"teachers": list(KEYS)}})
     with TestClient(create_app(cfg), base_url="http://127.0.0.1:8000") as c:
         yield c
 
@@ -109,7 +111,8 @@ def test_tools_roundtrip_and_bad_input(client: TestClient) -> None:
                 {"context_id": "conv", "modality": "video", "text": "x"},
                 {"context_id": "conv", "modality": "text", "text": "x" * 5000},
                 {"context_id": "conv", "modality": "text"},
-                {"context_id": "bad id", "modality": "text", "text": "x"}):
+                {"context_id": "bad id", "modality": "text", "text": "x"},
+                {"context_id": "conv", "modality": "text", "text": "x", "mime_type": "text/plain\r\nX-Injected: 1"}):
         err = a("context_append", **bad)
         assert err["error"]["code"] == -32602, (bad, err)
     assert a("context_get", context_id="conv", last_n=0)["error"]["code"] == -32602
@@ -334,3 +337,99 @@ def test_a_global_budget_eviction_is_announced_to_the_evicted_principal(redis_ta
                       what="alice to hear that her context was evicted")
         listed = alice.result("resources/list")["resources"]
         assert not [r for r in listed if r["uri"].startswith("context://old/")], listed
+
+
+def test_an_unknown_context_is_named_in_the_error_data_by_every_tool(client: TestClient) -> None:
+    """Whichever tool names a context the caller does not hold (unknown, or another principal's),
+    on either revision, the -32602 error's data says so in one shape a program can act on."""
+    def a(name, **args):
+        return modern(client, "alice", "tools/call", {"name": name, "arguments": args})
+
+    a("context_append", context_id="mine", modality="text", text="alice only")
+    legacy = Legacy(client, "bob")
+    calls = [("context_get", {"context_id": "mine"}), ("context_clear", {"context_id": "mine"}),
+             ("context_fork", {"context_id": "mine"}), ("generate", {"prompt": "hi", "context_id": "mine"}),
+             ("score", {"prompt": "hi", "target": "x", "context_id": "mine"}),
+             ("learn", {"input": "hi", "target": "x", "context_id": "mine", "version": 1}),
+             # a read at a version is one script call, which cannot tell the context from its version
+             ("context_get", {"context_id": "mine", "version": 1})]
+    for rpc in (legacy, lambda m, p: modern(client, "bob", m, p)):
+        for name, args in calls:
+            err = call(rpc, name, **args)["error"]
+            assert err["code"] == -32602, (name, err)
+            kind = "version_unavailable" if name == "context_get" and "version" in args else "context_not_found"
+            assert {k: err["data"][k] for k in ("kind", "context_id")} == {"kind": kind, "context_id": "mine"}, (
+                name, err)
+        err = call(rpc, "learn", samples=[{"input": "a", "target": "b"},
+                                          {"input": "hi", "target": "x", "context_id": "mine", "version": 1}])["error"]
+        assert err["data"] == {"kind": "context_not_found", "context_id": "mine", "version": 1, "index": 1}
+    for args in ({"context_id": "mine", "version": 7},
+                 {"samples": [{"input": "hi", "target": "x", "context_id": "mine", "version": 7}]}):
+        name = "learn" if "samples" in args else "context_get"
+        err = a(name, **args)["error"]
+        assert err["code"] == -32602
+        assert {k: err["data"][k] for k in ("kind", "context_id", "version")} == {
+            "kind": "version_unavailable", "context_id": "mine", "version": 7}, (name, err)
+
+
+def test_a_learn_sample_naming_a_modality_twice_is_refused_by_its_index(client: TestClient) -> None:
+    a = lambda m, p: modern(client, "alice", m, p)  # noqa: E731
+    call(a, "context_append", context_id="conv", modality="text", text="hi")
+    twice = {"input": "q", "target": "a", "context_id": "conv", "version": 1, "modalities": ["text", "text"]}
+    ok = {"input": "q", "target": "a"}
+    for rpc in (Legacy(client, "bob"), a):
+        err = call(rpc, "learn", samples=[ok, twice])["error"]
+        assert (err["code"], err["data"]) == (-32602, {"index": 1}), err
+        assert err["message"] == "sample 1: duplicate modality in 'modalities': text", err
+        err = call(rpc, "learn", **twice)["error"]
+        assert err["code"] == -32602 and "duplicate modality" in err["message"] and "data" not in err, err
+    assert call(a, "learn", **ok)["result"]["structuredContent"]["seqs"] == [1]  # nothing was written before
+
+
+def test_integers_sent_as_floats_are_taken_as_the_schema_promises(client: TestClient) -> None:
+    """JSON Schema's integer includes 2.0: a client whose numbers are floats is served, on both
+    revisions, wherever a tool's inputSchema says integer."""
+    a = lambda m, p: modern(client, "alice", m, p)  # noqa: E731
+    for rpc, cid in ((a, "floats"), (Legacy(client, "alice"), "floats2")):
+        appended = call(rpc, "context_append", context_id=cid, modality="text", text="one", tokens=3.0)
+        assert appended["result"]["structuredContent"]["version"] == 1, appended
+        call(rpc, "context_append", context_id=cid, modality="text", text="two")
+        for args, texts in (({"last_n": 1.0}, ["two"]), ({"max_tokens": 1.0}, ["two"]),
+                            ({"version": 1.0}, ["one"])):
+            got = call(rpc, "context_get", context_id=cid, **args)
+            assert [e["text"] for e in got["result"]["structuredContent"]["entries"]] == texts, (args, got)
+        learned = call(rpc, "learn", input="q", target="a", context_id=cid, version=1.0)
+        assert "result" in learned, learned
+        assert "error" in call(rpc, "context_get", context_id=cid, last_n=1.5)
+        # beyond 2**53 a float is no exact integer: refused, never echoed back as a 300-digit one
+        for name, args in (("learn", {"input": "q", "target": "a", "context_id": cid, "version": 1e300}),
+                           ("generate", {"prompt": "hi", "seed": 1e300}),
+                           ("generate", {"prompt": "hi", "min_model_version": 1e300})):
+            err = call(rpc, name, **args)["error"]
+            assert err["code"] == -32602 and not re.search(r"\d{25}", orjson.dumps(err).decode()), (name, err)
+
+
+def test_modalities_to_read_are_named_once(client: TestClient) -> None:
+    a = lambda m, p: modern(client, "alice", m, p)  # noqa: E731
+    call(a, "context_append", context_id="conv", modality="text", text="hi")
+    for args in ({"modalities": ["text", "text"]}, {"modalities": ["text"] * 10_000}):
+        for name, extra in (("context_get", {}), ("generate", {"prompt": "hi"}),
+                            ("score", {"prompt": "hi", "target": "x"})):
+            err = call(a, name, context_id="conv", **extra, **args)["error"]
+            assert err["code"] == -32602 and "(at modalities)" in err["message"], (name, err)
+
+
+def test_a_huge_name_is_refused_without_being_echoed_back(client: TestClient) -> None:
+    a = lambda m, p: modern(client, "alice", m, p)  # noqa: E731
+    huge = "x" * 200_000
+    call(a, "context_append", context_id="conv", modality="text", text="hi")
+    for name, args in (("context_append", {"context_id": "conv", "modality": huge, "text": "x"}),
+                       ("context_append", {"context_id": "conv", "modality": "text", "text": "x",
+                                           "links": [f"image:{'1' * 200_000}"]}),
+                       ("context_append", {"context_id": "conv", "modality": "text", "text": "x",
+                                           "links": [f"{huge}:1"]}),
+                       ("context_get", {"context_id": "conv", "modalities": [huge]}),
+                       ("learn", {"input": "q", "target": "a", "context_id": "conv", "version": 1,
+                                  "modalities": [huge]})):
+        err = call(a, name, **args)["error"]
+        assert err["code"] == -32602 and len(orjson.dumps(err)) < 1000, (name, orjson.dumps(err)[:300])

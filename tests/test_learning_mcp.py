@@ -101,9 +101,9 @@ def test_a_batch_naming_a_context_version_it_cannot_have_names_the_sample(client
     assert "result" in call_tool(client, "context_append", {"context_id": "conv", "modality": "text", "text": "hi"})
     ok = {"input": "q", "target": "a", "context_id": "conv", "version": 1}
     for bad, data in (({"input": "q", "target": "a", "context_id": "conv", "version": 2},
-                       {"context_id": "conv", "version": 2}),
+                       {"kind": "version_unavailable", "context_id": "conv", "version": 2}),
                       ({"input": "q", "target": "a", "context_id": "nope", "version": 1},
-                       {"context_id": "nope", "version": 1})):
+                       {"kind": "context_not_found", "context_id": "nope", "version": 1})):
         out = learn(client, {"samples": [ok, ok, bad, bad]})
         assert out["error"]["code"] == -32602 and out["error"]["data"] == {**data, "index": 2}, out
         assert out["error"]["message"].startswith("sample 2: "), out

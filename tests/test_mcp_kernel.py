@@ -30,7 +30,7 @@ from gateway.mcp.sessions import SessionLimit, SessionNotFound
 from gateway.tools.inference import GENERATE_OUTPUT
 from gateway.workers import NoWorker, WorkerRequestError, WorkerTimeout
 from shared.config import Config, load_config
-from shared.context import ContextError, ContextNotFound
+from shared.context import ContextError, ContextNotFound, VersionUnavailable
 
 MODERN = "2026-07-28"
 ACCEPT = "application/json, text/event-stream"
@@ -159,8 +159,11 @@ def test_generate_output_is_checked_against_its_output_schema(client: TestClient
 # ---------------------------------------------------------------------- the map on its own
 def test_the_map(redis_url: str) -> None:
     cfg = _config(redis_url)
-    missing = ContextNotFound("context c1")
-    assert wire_error(missing, cfg).code == INVALID_PARAMS
+    missing = ContextNotFound.from_script("context c1")
+    tool = wire_error(missing, cfg)
+    assert (tool.code, tool.data) == (INVALID_PARAMS, {"kind": "context_not_found", "context_id": "c1"})
+    old = wire_error(VersionUnavailable.from_script("context c1 version 3 is not retained"), cfg)
+    assert old.data == {"kind": "version_unavailable", "context_id": "c1", "version": 3}
     read = wire_error(missing, cfg, method="resources/read", params={"uri": "context://c1/text"})
     assert (read.code, read.data) == (RESOURCE_NOT_FOUND, {"uri": "context://c1/text"})
     read = wire_error(missing, cfg, method="resources/read", params={"uri": "context://c1/text"}, modern=True)

@@ -23,9 +23,9 @@ from tests.proxy_front import (
     Stream,
     front_gateway,
     get_stream,
-    open_stream,
     publish_control,
 )
+from tests.proxy_front import listen_stream as listen_stream_for
 
 pytest_plugins = ("tests.proxy_support",)  # its fixtures: the SDK upstream processes
 
@@ -37,14 +37,7 @@ SENTINEL = {"t": "lc", "p": "bob", "k": "prompts", "o": "another-replica"}  # th
 
 def listen_stream(client: Client) -> Stream:
     """A 2026-07-28 listen stream asking for tool and prompt list changes."""
-    body = {"jsonrpc": "2.0", "id": 9, "method": "subscriptions/listen",
-            "params": {"notifications": {"toolsListChanged": True, "promptsListChanged": True},
-                       "_meta": {"io.modelcontextprotocol/protocolVersion": MODERN,
-                                 "io.modelcontextprotocol/clientCapabilities": {}}}}
-    headers = {**client.auth, "mcp-protocol-version": MODERN, "mcp-method": "subscriptions/listen"}
-    stream = open_stream(Stream(), "POST", client.url, headers, body)
-    wait_for_sync(lambda: stream.seen, timeout_s=10, what="the listen stream's acknowledgement")
-    return stream
+    return listen_stream_for(client, {"toolsListChanged": True, "promptsListChanged": True})
 
 
 @pytest.fixture(params=[LEGACY, MODERN])

@@ -79,10 +79,19 @@ def test_a_batch_is_not_mixed_with_a_sample_and_is_never_empty(schema: jsonschem
      "unknown modality: smell"),
     ({"input": "q", "target": "a", "context_id": "c", "version": 1, "modalities": []},
      "'modalities' must not be empty"),
+    ({"input": "q", "target": "a", "context_id": "c", "version": 1, "modalities": ["text", "image", "text"]},
+     "duplicate modality in 'modalities': text"),
 ])
 def test_refusals_name_the_field(obj: dict[str, Any], message: str) -> None:
     with pytest.raises(SampleError, match=message.replace("$", r"\$")):
         parse_sample(obj, max_bytes=4096, modalities=["text"])
+
+
+def test_the_log_still_reads_a_sample_with_a_modality_twice() -> None:
+    """Refused on the way in, but one already in the log is trained, not skipped with its entry."""
+    stored = load_stored(b'{"kind":"example","input":"q","target":"a","context_id":"c","version":1,'
+                         b'"modalities":["text","text"]}')
+    assert stored.modalities == ["text", "text"]
 
 
 def test_a_bad_sample_in_a_batch_is_named_by_its_index() -> None:

@@ -5,22 +5,19 @@ client through the one error map (gateway/errors.py: 400 bad input, 404 unknown 
 
 from __future__ import annotations
 
-import logging
 from functools import partial
 from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query, Request
-from redis.exceptions import RedisError
 
 from gateway.admin.auth import AdminPrincipal
 from gateway.admin.common import MAX_LIST, McpPrincipal, admin, operator, viewer
 from gateway.state import gateway_of
-from gateway.tools.context import entry_json, window_json
+from gateway.tools.context import entry_json, list_changes, window_json
 from shared import audit as audit_log
 from shared import keys
 from shared.redis_client import Reach
 
-log = logging.getLogger(__name__)
 router = APIRouter()
 
 Principal = Annotated[McpPrincipal, Query(description="an MCP principal (an API key's name, or a token's subject)")]
@@ -78,13 +75,10 @@ async def admin_export(request: Request, principal: McpPrincipal, context_id: st
 async def admin_evict(request: Request, principal: McpPrincipal, context_id: str,
                       who: AdminPrincipal = operator) -> dict[str, Any]:
     gateway = gateway_of(request)
-    done = await gateway.store.evict(principal, context_id, reason="admin")
+    async with list_changes(gateway):  # the principal's clients see its channels leave their resources/list
+        done = await gateway.store.evict(principal, context_id, reason="admin")
     await audit_log.audit(gateway.redis, principal=principal, action="admin_evict", context=context_id,
                           admin=who.name, found=int(done))
     if not done:
         raise HTTPException(404, f"context {context_id} not found")
-    try:  # the principal's clients see its channels leave their resources/list
-        await gateway.notify_list_changed(principal, "resources")
-    except (RedisError, OSError):  # a lost hint must not fail the eviction that was made
-        log.warning("could not publish resources/list_changed for an admin eviction")
     return {"evicted": True, "principal": principal, "context_id": context_id}

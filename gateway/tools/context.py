@@ -13,21 +13,36 @@ unknown context is -32602 for a tool; for the resource, -32002 on 2025-11-25 and
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import contextlib
+import functools
 import logging
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextvars import ContextVar, Token
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from gateway.errors import InvalidParams, NotFound
 from gateway.registry import Registry, ToolContext
+from shared.aio import spawn
 from shared.context import ContextError
 from shared.context.validation import is_context_id
 from shared.media_check import MediaError, check_media_header
 from shared.types import ContextWindow, Entry
 
+if TYPE_CHECKING:
+    from gateway.state import Gateway
+
 log = logging.getLogger("learnmesh.context")
 
 _ID = {"type": "string", "minLength": 1, "maxLength": 128, "pattern": "^[A-Za-z0-9][A-Za-z0-9._:-]*$"}
+# A modality's name as the configuration allows it (context.modalities): a name of megabytes
+# is refused here rather than echoed back in the error that it is not configured.
+MODALITY: dict[str, Any] = {"type": "string", "pattern": "^[a-z][a-z0-9_-]{0,31}$"}
+# Channels to read, each named once (a list of thousands of names would reach Redis whole).
+MODALITIES: dict[str, Any] = {"type": "array", "items": MODALITY, "minItems": 1, "maxItems": 64,
+                              "uniqueItems": True}
 _ENTRY_SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {
@@ -43,14 +58,16 @@ APPEND_INPUT: dict[str, Any] = {
     "type": "object",
     "properties": {
         "context_id": _ID,
-        "modality": {"type": "string", "description": "a configured modality: text, image, audio, ..."},
+        "modality": {**MODALITY, "description": "a configured modality: text, image, audio, ..."},
         "role": {"type": "string", "minLength": 1, "maxLength": 64, "default": "user"},
         "text": {"type": "string", "description": "UTF-8 content (text modality)"},
         "data": {"type": "string", "description": "base64 content (binary modalities)"},
-        "mime_type": {"type": "string", "maxLength": 128},
+        # no control characters: a client may put the stored type into a header of its own
+        "mime_type": {"type": "string", "minLength": 1, "maxLength": 128, "pattern": "^[^\\u0000-\\u001f\\u007f]*$"},
         "tokens": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1,
                    "description": "token count; default 1 per byte"},
-        "links": {"type": "array", "items": {"type": "string"}, "maxItems": 64,
+        "links": {"type": "array", "items": {"type": "string", "pattern": "^[a-z][a-z0-9_-]{0,31}:[0-9]{1,15}$"},
+                  "maxItems": 64,
                   "description": "ids of entries in other channels, e.g. 'image:3'"},
     },
     "required": ["context_id", "modality"],
@@ -66,7 +83,7 @@ GET_INPUT: dict[str, Any] = {
     "type": "object",
     "properties": {
         "context_id": _ID,
-        "modalities": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        "modalities": MODALITIES,
         "last_n": {"type": "integer", "minimum": 1, "maximum": 1_000_000},
         "max_tokens": {"type": "integer", "minimum": 1, "maximum": 2**31 - 1},
         "resolve_links": {"type": "boolean", "default": False},
@@ -94,6 +111,19 @@ FORK_OUTPUT: dict[str, Any] = {"type": "object", "properties": {"context_id": {"
                                "required": ["context_id", "source", "version"]}
 
 
+def integer(value: Any) -> Any:
+    """``value``, a float with no fraction as the int it is: JSON Schema's integer (which the
+    inputSchema promises) includes 5.0, and a client whose numbers are floats sends that. Only
+    within 2**53, where a float is exact: 1e300 stays a float (and is refused) rather than
+    becoming a 300-digit int that no 64-bit field holds."""
+    return int(value) if isinstance(value, float) and value.is_integer() and abs(value) <= 2**53 else value
+
+
+def _integers(args: dict[str, Any], *names: str) -> dict[str, Any]:
+    """``args`` with the integer arguments ``names`` as ints (see :func:`integer`)."""
+    return {**args, **{n: integer(args[n]) for n in names if n in args}}
+
+
 def entry_json(e: Entry) -> dict[str, Any]:
     out: dict[str, Any] = {"id": e.id, "modality": e.modality, "role": e.role, "tokens": e.tokens,
                            "bytes": e.size_bytes, "tsMs": e.ts_ms, "links": list(e.links)}
@@ -116,7 +146,7 @@ def resource_uri(context_id: str, modality: str) -> str:
 
 async def notify_changed(ctx: ToolContext, context_id: str, modalities: list[str], *, listed: bool = False) -> None:
     """Tell the caller's subscribers of each channel; ``listed``: the caller's resources/list
-    changed too (a channel gained its first entry or lost its entries, a context was evicted)."""
+    changed too (a channel gained its first entry or lost its entries)."""
     for mod in modalities:
         try:
             await ctx.state.notify_resource_updated(ctx.principal, resource_uri(context_id, mod))
@@ -126,7 +156,85 @@ async def notify_changed(ctx: ToolContext, context_id: str, modalities: list[str
         await _list_changed(ctx)
 
 
+# ---------------------------------------------------------------------- resources/list_changed
+# The principals whose resources/list changed during the call being served (a context of theirs
+# was evicted: idle, over a budget, by an admin; or a tool opened, cleared or forked one). Each
+# is told once, when the call ends, however many of its operations changed the list.
+_CHANGED: ContextVar[set[str] | None] = ContextVar("learnmesh_resources_changed", default=None)
+
+
+@contextlib.asynccontextmanager
+async def list_changes(state: Gateway) -> AsyncIterator[None]:
+    """Collect the list changes of the block and announce each principal's once at its end
+    (in the background if the block failed: a cancelled call must not wait on Redis)."""
+    if _CHANGED.get() is not None:  # an outer block announces
+        yield
+        return
+    changed: set[str] = set()
+    token = _CHANGED.set(changed)
+    try:
+        yield
+    except BaseException:
+        _announce_later(state, changed, token)
+        raise
+    _CHANGED.reset(token)
+    if changed:
+        await state.contexts_evicted(sorted(changed))
+
+
+def _announce_later(state: Gateway, changed: set[str], token: Token[set[str] | None]) -> None:
+    _CHANGED.reset(token)
+    if changed:
+        spawn(state.contexts_evicted(sorted(changed)), _ANNOUNCING, "announcing resources/list_changed")
+
+
+_ANNOUNCING: set[asyncio.Task[Any]] = set()  # announcements made in the background
+
+
+def eviction_notices(state: Gateway) -> Callable[[str, list[str]], None]:
+    """The store's ``on_evicted`` for a gateway: the principal's list changed. Inside a call
+    (:func:`list_changes`, :func:`announcing`) it is announced when the call ends; elsewhere in
+    the background."""
+    def evicted(principal: str, _contexts: list[str]) -> None:
+        changed = _CHANGED.get()
+        if changed is not None:
+            changed.add(principal)
+        else:
+            spawn(state.contexts_evicted([principal]), _ANNOUNCING, "announcing resources/list_changed")
+    return evicted
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def announcing(fn: Callable[Concatenate[ToolContext, _P], Awaitable[_R]]
+               ) -> Callable[Concatenate[ToolContext, _P], Awaitable[_R]]:
+    """A handler whose calls announce their list changes once, as :func:`list_changes` does
+    (written out: a context manager would cost every call several microseconds)."""
+    @functools.wraps(fn)
+    async def run(ctx: ToolContext, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        if _CHANGED.get() is not None:
+            return await fn(ctx, *args, **kwargs)
+        changed: set[str] = set()
+        token = _CHANGED.set(changed)
+        try:
+            out = await fn(ctx, *args, **kwargs)
+        except BaseException:
+            _announce_later(ctx.state, changed, token)
+            raise
+        _CHANGED.reset(token)
+        if changed:
+            await ctx.state.contexts_evicted(sorted(changed))
+        return out
+    return run
+
+
 async def _list_changed(ctx: ToolContext) -> None:
+    changed = _CHANGED.get()
+    if changed is not None:
+        changed.add(ctx.principal)
+        return
     try:
         await ctx.state.notify_list_changed(ctx.principal, "resources")
     except Exception:  # noqa: BLE001 - a lost hint must not fail the write that succeeded
@@ -136,6 +244,7 @@ async def _list_changed(ctx: ToolContext) -> None:
 # ---------------------------------------------------------------------- tool bodies
 async def context_append(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
     store = ctx.state.store
+    args = _integers(args, "tokens")
     modality = args["modality"]
     text, data = args.get("text"), args.get("data")
     if (text is None) == (data is None):
@@ -155,13 +264,14 @@ async def context_append(ctx: ToolContext, args: dict[str, Any]) -> dict[str, An
         raise InvalidParams(f"{modality} entry refused: {exc}", {"modality": modality}) from None
     res = await store.append(ctx.principal, args["context_id"], modality, args.get("role", "user"), content,
                              mime=args.get("mime_type"), tokens=args.get("tokens"), links=args.get("links", ()))
-    await notify_changed(ctx, args["context_id"], [modality], listed=res.opened or bool(res.evicted))
+    await notify_changed(ctx, args["context_id"], [modality], listed=res.opened)
     return {"context_id": args["context_id"], "entry_id": res.entry_id, "version": res.version,
             "evicted": res.evicted}
 
 
 async def context_get(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
     store = ctx.state.store
+    args = _integers(args, "last_n", "max_tokens", "version")
     if args.get("version") is not None:
         if any(args.get(k) for k in ("last_n", "max_tokens", "resolve_links")):
             raise InvalidParams("'version' reads the whole context at that version; drop last_n/max_tokens")
@@ -251,20 +361,21 @@ async def complete_modality(ctx: ToolContext, typed: str, resolved: dict[str, st
 def register(registry: Registry) -> None:
     registry.tool("context_append", description="Append one entry (text, or base64 data for image/audio) to "
                   "a context of yours; creates the context. Returns the entry id and the new version.",
-                  input_schema=APPEND_INPUT, output_schema=APPEND_OUTPUT, title="Append to context")(context_append)
+                  input_schema=APPEND_INPUT, output_schema=APPEND_OUTPUT,
+                  title="Append to context")(announcing(context_append))
     registry.tool("context_get", description="Read a context: newest entries per modality (last_n and/or "
                   "max_tokens), optionally resolving linked entries; or the whole context at a retained version.",
                   input_schema=GET_INPUT, output_schema=GET_OUTPUT, title="Read context",
-                  annotations={"readOnlyHint": True})(context_get)
+                  annotations={"readOnlyHint": True})(announcing(context_get))
     registry.tool("context_clear", description="Empty every channel of a context (bumps its version).",
                   input_schema=CLEAR_INPUT, output_schema=CLEAR_OUTPUT, title="Clear context",
-                  annotations={"destructiveHint": True})(context_clear)
+                  annotations={"destructiveHint": True})(announcing(context_clear))
     registry.tool("context_fork", description="Copy a context's current entries into a new context.",
-                  input_schema=FORK_INPUT, output_schema=FORK_OUTPUT, title="Fork context")(context_fork)
+                  input_schema=FORK_INPUT, output_schema=FORK_OUTPUT, title="Fork context")(announcing(context_fork))
     registry.resource_template("context://{context_id}/{modality}", name="context channel",
                                description="The entries of one modality channel of one of your contexts "
                                "(text entries as text, binary as blob).",
-                               completions={"context_id": complete_context_id,
-                                            "modality": complete_modality},
-                               exists=context_resource_exists)(read_context_resource)
-    registry.resource_lister(list_context_resources)
+                               completions={"context_id": announcing(complete_context_id),
+                                            "modality": announcing(complete_modality)},
+                               exists=announcing(context_resource_exists))(announcing(read_context_resource))
+    registry.resource_lister(announcing(list_context_resources))

@@ -27,7 +27,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.errors import InvalidParams, Unavailable
 from gateway.registry import Registry, ToolContext
-from gateway.tools.context import notify_changed
+from gateway.tools.context import MODALITIES, announcing, integer, notify_changed
 from shared import keys
 from shared.context import ContextError
 from shared.inference import pack_entries
@@ -40,9 +40,8 @@ _ID = {"type": "string", "minLength": 1, "maxLength": 128, "pattern": "^[A-Za-z0
 _COMMON: dict[str, Any] = {
     "prompt": {"type": "string", "minLength": 1, "description": "the new input (UTF-8 text)"},
     "context_id": {**_ID, "description": "one of your contexts; its window is the model's context"},
-    "modalities": {"type": "array", "items": {"type": "string"}, "minItems": 1,
-                   "description": "channels of context_id to include (default: all)"},
-    "min_model_version": {"type": "integer", "minimum": 0, "default": 0,
+    "modalities": {**MODALITIES, "description": "channels of context_id to include (default: all)"},
+    "min_model_version": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1, "default": 0,
                           "description": "only a worker at or past this model version may answer"},
     "after_learn": {"type": "string", "maxLength": 100,
                     "description": "the 'learned' token of a learn call: wait until a model version that has "
@@ -54,7 +53,8 @@ GENERATE_INPUT: dict[str, Any] = {
         **_COMMON,
         "max_tokens": {"type": "integer", "minimum": 1, "default": 64},
         "temperature": {"type": "number", "minimum": 0, "maximum": 5, "default": 0.8},
-        "seed": {"type": "integer", "description": "makes sampling reproducible"},
+        "seed": {"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1,
+                 "description": "makes sampling reproducible"},
         "append": {"type": "boolean", "description": "append the exchange to the context "
                    "(default: worker.append_exchange)"},
     },
@@ -84,12 +84,6 @@ SCORE_OUTPUT: dict[str, Any] = {
                    "model_version": {"type": "integer"}},
     "required": ["nll", "log_likelihood", "tokens", "model_version"],
 }
-
-
-def _integer(value: Any) -> Any:
-    """``value``, a float with no fraction as the int it is: JSON Schema's integer (which the
-    inputSchema promises) includes 5.0, and a client whose numbers are floats sends that."""
-    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 def _check_prompt(ctx: ToolContext, args: dict[str, Any]) -> str:
@@ -169,7 +163,7 @@ async def generate(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
     state = ctx.state
     wcfg = state.config.worker
     prompt = _check_prompt(ctx, args)
-    max_tokens = _integer(args.get("max_tokens", 64))
+    max_tokens = integer(args.get("max_tokens", 64))
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= wcfg.max_tokens_limit:
         raise InvalidParams(f"max_tokens must be an integer in 1..{wcfg.max_tokens_limit}")
     with state.limits.inference_slot(ctx.principal):  # over the principal's cap: -32029 before any work
@@ -181,7 +175,7 @@ async def _generate(ctx: ToolContext, args: dict[str, Any], prompt: str, max_tok
     meta, frames, _ = await _window(ctx, args)
     generation_id = uuid.uuid4().hex
     header = {"id": generation_id, "op": "generate", "principal": ctx.principal, "prompt": prompt, "max_tokens": max_tokens,
-              "temperature": float(args.get("temperature", 0.8)), "seed": _integer(args.get("seed")),
+              "temperature": float(args.get("temperature", 0.8)), "seed": integer(args.get("seed")),
               "modalities": args.get("modalities"), "entries": meta}
     # ``before``: tokens streamed by workers lost under the request. Its text restarts on the next
     # worker, its progress goes on from there: MCP wants every notification's progress higher.
@@ -215,8 +209,7 @@ async def _generate(ctx: ToolContext, args: dict[str, Any], prompt: str, max_tok
         except (ContextError, RedisConnectionError, RedisTimeoutError) as exc:
             log.warning("could not append generation %s to its context: %s", generation_id, type(exc).__name__)
         else:  # the context's subscribers learn of the exchange as of any other append
-            await notify_changed(ctx, context_id, ["text"],
-                                 listed=asked.opened or bool(asked.evicted) or bool(appended.evicted))
+            await notify_changed(ctx, context_id, ["text"], listed=asked.opened)
     return out
 
 
@@ -243,8 +236,8 @@ def register(registry: Registry) -> None:
     registry.tool("generate", description="Generate a reply from the model, given your prompt and (optionally) one "
                   "of your contexts. Streams partial text as progress notifications; returns the text, the "
                   "model version and a generation id; appends the exchange to the context.",
-                  input_schema=GENERATE_INPUT, output_schema=GENERATE_OUTPUT, title="Generate")(generate)
+                  input_schema=GENERATE_INPUT, output_schema=GENERATE_OUTPUT, title="Generate")(announcing(generate))
     registry.tool("score", description="The model's negative log-likelihood (nats per token) of a continuation "
                   "of your prompt and context; lower means the model finds it more likely.",
                   input_schema=SCORE_INPUT, output_schema=SCORE_OUTPUT, title="Score a continuation",
-                  annotations={"readOnlyHint": True})(score)
+                  annotations={"readOnlyHint": True})(announcing(score))

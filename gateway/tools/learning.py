@@ -29,12 +29,13 @@ from redis.exceptions import NoScriptError, RedisError
 from gateway.errors import InvalidParams, Unavailable
 from gateway.limits import exceeded
 from gateway.registry import Registry, ToolContext
+from gateway.tools.context import announcing
 from shared import keys, wire
 from shared import metrics as m
 from shared.aio import pause
 from shared.audit import audit
 from shared.config import Config
-from shared.context import ContextError, ContextStore
+from shared.context import ContextError, ContextNotFound, ContextStore, VersionUnavailable
 from shared.curve import CurveKeys, HandshakeWatch
 from shared.redis_client import check_replicas
 from shared.samples import (
@@ -144,9 +145,10 @@ class SampleIngest:
         if self.store is None:
             raise Unavailable("the context store is not available; samples with context_id cannot be checked")
         for (context_id, version), index in wanted.items():
-            window = None
+            window, kind = None, ContextNotFound.kind
             try:
                 current = await self.store.version(principal, context_id)
+                kind = VersionUnavailable.kind
                 if current is not None and version is not None and version <= int(current):
                     window = await self.store.read_at_version(principal, context_id, version)
             except ContextError:  # unknown context, or that version is no longer retained
@@ -154,7 +156,7 @@ class SampleIngest:
             if window is None:
                 m.SAMPLES_REJECTED.labels("context").inc()
                 where = f"sample {index}: " if batch else ""
-                data: dict[str, Any] = {"context_id": context_id, "version": version}
+                data: dict[str, Any] = {"kind": kind, "context_id": context_id, "version": version}
                 if batch:
                     data["index"] = index
                 raise InvalidParams(f"{where}context {context_id!r} has no version {version} (unknown or no "
@@ -323,6 +325,7 @@ def register(registry: Registry) -> None:
                    "generation (corrected answer or preference). Acknowledged after the durable write.",
                    input_schema=LEARN_INPUT_SCHEMA, output_schema=LEARN_OUTPUT_SCHEMA, title="Learn",
                    annotations={"destructiveHint": False, "idempotentHint": False})
+    @announcing
     async def learn(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
         ingest = ctx.state.samples
         samples = ingest.parse(args or {})

@@ -3,17 +3,46 @@
 
 from __future__ import annotations
 
+from typing import Self
+
 
 class ContextError(ValueError):
     """Bad input to the context store (maps to JSON-RPC -32602 / HTTP 400)."""
 
 
 class ContextNotFound(ContextError):
-    """The context does not exist for this principal (or was evicted)."""
+    """The context does not exist for this principal (or was evicted). ``context_id``: the
+    context named, when known."""
+
+    kind = "context_not_found"
+
+    def __init__(self, message: str, context_id: str | None = None, version: int | None = None) -> None:
+        super().__init__(message)
+        self.context_id = context_id
+        self.version = version
+
+    @classmethod
+    def from_script(cls, message: str) -> Self:
+        """From the script's "context <cid>[ version <v> ...]" (ids hold no spaces)."""
+        words = message.split(" ")
+        cid = words[1] if len(words) > 1 and words[0] == "context" else None
+        version = int(words[3]) if len(words) > 3 and words[2] == "version" and words[3].isdecimal() else None
+        return cls(message, cid, version)
+
+    def data(self) -> dict[str, object]:
+        """What a program acts on: ``kind``, and the context (and version) named, when known."""
+        out: dict[str, object] = {"kind": self.kind}
+        if self.context_id is not None:
+            out["context_id"] = self.context_id
+        if self.version is not None:
+            out["version"] = self.version
+        return out
 
 
 class VersionUnavailable(ContextNotFound):
     """The requested version is not retained (older than ``versions_retained``, or evicted)."""
+
+    kind = "version_unavailable"
 
 
 class InvalidModality(ContextError):

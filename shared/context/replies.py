@@ -72,17 +72,16 @@ class ScriptReplies:
                 self.entries_fetched += len(ents)
         return runs
 
-    def window_reply(self, flat: list[Any]) -> tuple[Any, list[Run], list[Any], str]:
+    def window_reply(self, flat: list[Any]) -> tuple[Any, list[Run], list[Any], str, list[Any]]:
         """Split ops.window's flat reply (see context.lua) into version, runs, window ranges
-        ``[mod, first, last, ...]`` and the context's VER token ("<version>;<epoch>;<ranges>",
-        see context.lua); evictions it reports are counted here."""
+        ``[mod, first, last, ...]``, the context's VER token ("<version>;<epoch>;<ranges>",
+        see context.lua) and the ``[context, reason, ...]`` pairs of the evictions it reports."""
         nwin = int(flat[2])
         pos = 3 + 3 * nwin
         wins = flat[3:pos]
         nev = int(flat[pos])
-        if nev:
-            evicted(flat[pos + 1:pos + 1 + 2 * nev])
-        return flat[0], self.runs(flat, pos + 1 + 2 * nev), wins, as_str(flat[1])
+        gone = flat[pos + 1:pos + 1 + 2 * nev]
+        return flat[0], self.runs(flat, pos + 1 + 2 * nev), wins, as_str(flat[1]), gone
 
     def window(self, principal: str, context_id: str, version: Any, runs: list[Run]) -> ContextWindow:
         """The window of the script's runs."""

@@ -20,7 +20,7 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from shared import keys, metrics
 from shared.config import ContextConfig, RedisConfig
-from shared.context.errors import SCRIPT_ERRORS
+from shared.context.errors import SCRIPT_ERRORS, ContextNotFound
 from shared.redis_batch import pack_bulk, pack_command
 from shared.redis_client import AsyncRedis, check_replicas, for_each_primary
 from shared.redis_cluster_batch import auto_pipeline
@@ -255,4 +255,6 @@ class ContextScript:
             metrics.CONTEXT_OPS.labels(op, "error").inc()
             if error is None:
                 raise
+            if issubclass(error, ContextNotFound):
+                raise error.from_script(msg) from None
             raise error(msg) from None

@@ -67,7 +67,11 @@ class ContextStore:
 
     ``redis_cfg``: its ``wait_replicas`` / ``wait_timeout_ms`` apply to every write (append,
     clear, fork, evict, global-budget eviction): an acknowledged write is on that many
-    replicas; one refused with ``ReplicasBehind`` reached its master and may or may not stay."""
+    replicas; one refused with ``ReplicasBehind`` reached its master and may or may not stay.
+
+    ``on_evicted``: told ``(principal, contexts)`` when an operation's reply reports evictions
+    of that principal's contexts (idle, budget or admin), e.g. to tell its clients their
+    resource list changed. Called synchronously, only when something was evicted."""
 
     def __init__(self, redis: AsyncRedis, cfg: ContextConfig, *,
                  clock_ms: Callable[[], int] | None = None, redis_cfg: RedisConfig | None = None) -> None:
@@ -92,6 +96,16 @@ class ContextStore:
         self._replies = ScriptReplies(cfg.modalities)
         self._cache = ReadCache(cfg, self._replies)
         self._read_metrics = (metrics.CONTEXT_READ_ENTRIES.labels("redis"), metrics.CONTEXT_READ_ENTRIES.labels("cache"))
+        self.on_evicted: Callable[[str, list[str]], None] | None = None
+
+    def _evicted(self, principal: str, flat: Sequence[Any]) -> list[str]:
+        """The contexts of a reply's ``[context, reason, ...]`` pairs, counted and reported."""
+        if not flat:
+            return []
+        gone = evicted(flat)
+        if self.on_evicted is not None:
+            self.on_evicted(principal, gone)
+        return gone
 
     @property
     def round_trips(self) -> int:
@@ -125,8 +139,8 @@ class ContextStore:
                                                                     packed, ",".join(links))
         self._global.report(principal, delta)
         metrics.CONTEXT_APPENDED_BYTES.labels(modality).inc(len(content))
-        return AppendResult(entry_id=f"{modality}:{int(seq)}", version=int(version), evicted=evicted(gone),
-                            opened=bool(opened))
+        return AppendResult(entry_id=f"{modality}:{int(seq)}", version=int(version),
+                            evicted=self._evicted(principal, gone), opened=bool(opened))
 
     async def get_window(self, principal: str, context_id: str, *, modalities: Iterable[str] | None = None,
                          last_n: int | None = None, max_tokens: int | None = None,
@@ -147,7 +161,8 @@ class ContextStore:
         what = (context_id, mods, last_n or 0, max_tokens or 0)  # ARGV 5-8 of ops.window
         if resolve_links:  # linked entries come from Redis every time (see ops.window)
             reply = await self._script.call("window", principal, *what, "1", "", "")
-            version, runs, _wins, _ver = self._replies.window_reply(reply)
+            version, runs, _wins, _ver, gone = self._replies.window_reply(reply)
+            self._evicted(principal, gone)
             return self._replies.window(principal, context_id, version, runs)
         sig = f"{mods}|{last_n or 0}|{max_tokens or 0}"
         same: tuple[dict[str, Channel], int] | None = None  # what "unchanged" would refer to
@@ -172,18 +187,18 @@ class ContextStore:
             raise
         if reply[2] == -1 and same is not None:  # as it was at our last read with these arguments
             if reply[3]:
-                evicted(reply[4:4 + 2 * int(reply[3])])
+                self._evicted(principal, reply[4:4 + 2 * int(reply[3])])
             r0 = self._cache.entries_reused
             as_held = self._cache.unchanged(key, same, mods)
             self._read_metrics[1].inc(self._cache.entries_reused - r0)
             return as_held
         f0, r0 = self._replies.entries_fetched, self._cache.entries_reused
-        win = self._assemble(key, reply, held, snap, mods, sig)
+        win = self._assemble(key, reply, held, snap, mods, sig, principal)
         if win is None:  # the reply and what we hold do not fit together: never expected
             log.warning("context %s/%s: read cache out of step, reading it whole", principal, context_id)
             self._cache.forget(key)
             reply = await self._script.call("window", principal, *what, "0", "", "")
-            win = self._assemble(key, reply, None, {}, mods, sig)
+            win = self._assemble(key, reply, None, {}, mods, sig, principal)
             if win is None:
                 raise RuntimeError(f"context {context_id}: window reply does not match its ranges")
         if self._replies.entries_fetched != f0:
@@ -193,8 +208,9 @@ class ContextStore:
         return win
 
     def _assemble(self, key: tuple[str, str], reply: list[Any], held: Held | None, snap: dict[str, Channel],
-                  mods: str, sig: str) -> ContextWindow | None:
-        version, runs, wins, ver = self._replies.window_reply(reply)
+                  mods: str, sig: str, principal: str) -> ContextWindow | None:
+        version, runs, wins, ver, gone = self._replies.window_reply(reply)
+        self._evicted(principal, gone)
         return self._cache.assemble(key, int(version), runs, wins, ver, held, snap, mods, sig)
 
     async def read_at_version(self, principal: str, context_id: str, version: int, *,
@@ -205,7 +221,7 @@ class ContextStore:
         check_version(version)
         mods = modalities_arg(self.cfg, modalities)
         reply = await self._script.call("read_at", principal, context_id, version, mods)
-        evicted(reply[1])
+        self._evicted(principal, reply[1])
         return self._replies.window(principal, context_id, reply[0], self._replies.runs(reply, 2))
 
     async def version(self, principal: str, context_id: str) -> int:
@@ -213,14 +229,14 @@ class ContextStore:
         check_id(context_id)
         ver, gone, delta = await self._script.call("version", principal, context_id)
         self._global.report(principal, delta)
-        evicted(gone)
+        self._evicted(principal, gone)
         return int(ver)
 
     async def list_contexts(self, principal: str) -> list[ContextInfo]:
         """The principal's live contexts, most recently used first."""
         check_principal(principal)
         raw, lru, gone = await self._script.call("list", principal)
-        evicted(gone)
+        self._evicted(principal, gone)
         scores = {as_str(lru[i]): int(float(lru[i + 1])) for i in range(0, len(lru), 2)}
         used = {cid: sc // _LRU_SCALE for cid, sc in scores.items()}
         out = []
@@ -240,7 +256,7 @@ class ContextStore:
         check_id(context_id)
         ver, gone, delta = await self._script.call("clear", principal, context_id)
         self._global.report(principal, delta)
-        evicted(gone)
+        self._evicted(principal, gone)
         return int(ver)
 
     async def fork(self, principal: str, src_id: str, dst_id: str | None = None) -> str:
@@ -253,7 +269,7 @@ class ContextStore:
             raise ContextExists("fork target must differ from the source")
         _ver, gone, delta = await self._script.call("fork", principal, src_id, dst_id)
         self._global.report(principal, delta)
-        evicted(gone)
+        self._evicted(principal, gone)
         return dst_id
 
     async def evict(self, principal: str, context_id: str, *, reason: str = "admin") -> bool:
@@ -263,7 +279,7 @@ class ContextStore:
         check_reason(reason)
         done, gone, delta = await self._script.call("evict", principal, context_id, reason)
         self._global.report(principal, delta)
-        evicted(gone)
+        self._evicted(principal, gone)
         return bool(done)
 
     async def principal_bytes(self, principal: str) -> int:
