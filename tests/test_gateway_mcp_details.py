@@ -113,6 +113,9 @@ def test_context_template_completes_the_callers_own_ids(mcp: str, redis_url: str
     assert sorted(complete(mcp, ALICE, "context_id", "")["result"]["completion"]["values"]) == [
         "alpha", "alpine", "beta"]
     assert complete(mcp, BOB, "context_id", "al")["result"]["completion"]["values"] == ["alps"]
+    for odd in (5, None, ["al"], {"v": "al"}):  # not a prefix at all: refused, not read as "" (every id)
+        got = complete(mcp, ALICE, "context_id", odd)  # type: ignore[arg-type]
+        assert got["error"]["code"] == -32602 and "argument.value" in got["error"]["message"], got
 
 
 def test_context_template_completes_the_modalities_of_the_chosen_context(mcp: str, redis_url: str) -> None:

@@ -623,7 +623,9 @@ class Dispatcher:
         arg = p.get("argument")
         if not isinstance(ref, dict) or not isinstance(arg, dict) or not isinstance(arg.get("name"), str):
             raise InvalidParams("params.ref and params.argument {name, value} are required")
-        value = arg.get("value") if isinstance(arg.get("value"), str) else ""
+        value = arg.get("value", "")
+        if not isinstance(value, str):  # read as "" it would complete every value there is
+            raise InvalidParams("params.argument.value must be a string")
         values: list[str] = []
         if ref.get("type") == "ref/prompt":
             prompt = self.registry.prompts.get(ref.get("name", ""))
