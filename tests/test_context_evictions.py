@@ -69,3 +69,31 @@ def test_idle_eviction_inside_a_read_announces_the_list_change(redis_target: Red
         listed = alice.result("resources/list")["resources"]
         assert [r["uri"] for r in listed] == ["context://fresh/text"]
     redis.close()
+
+
+def test_a_read_of_the_context_that_just_went_idle_fails_and_still_announces(redis_target: RedisTarget) -> None:
+    """The call evicts the context it names, then answers "not found": the eviction is
+    announced all the same."""
+    cfg = admin_config(redis_target.url, gateway={"api_keys": {"alice": MCP_KEY}}, context={"idle_ttl_s": 1})
+    redis = redis_target.sync_client()
+    with LiveServer(create_app(cfg)) as server:
+        alice = Client(server.url, MCP_KEY, LEGACY).open()
+        assert alice.result("tools/call", {"name": "context_append", "arguments": {
+            "context_id": "gone", "modality": "text", "text": "hello"}})["structuredContent"]["version"] == 1
+        streams = [get_stream(alice)]
+        settle(redis_target.url, "alice", streams)
+        before = told(streams)
+        used_ms = int(redis.hget(keys.ctx_meta("alice"), b"\x00ugone")) // 1000  # last use (see context.lua)
+        for key in keys.ctx_keys("alice"):  # Redis keeps them, as a principal's other activity would:
+            redis.pexpire(key, 60_000)      # else it may expire them whole, with no operation to report it
+
+        def idle() -> bool:  # read without an operation: nothing touches or evicts it meanwhile
+            sec, usec = redis.time()
+            return sec * 1000 + usec // 1000 >= used_ms + 1000
+        wait_for_sync(idle, timeout_s=10, interval_s=0.1, what="the context to be idle for idle_ttl_s")
+        got = alice.call("tools/call", {"name": "context_get", "arguments": {"context_id": "gone"}})
+        assert got["error"]["data"] == {"kind": "context_not_found", "context_id": "gone"}, got
+        wait_for_sync(lambda: told(streams)[0] > before[0], timeout_s=10,
+                      what="resources/list_changed after the failed read")
+        assert alice.result("resources/list")["resources"] == []
+    redis.close()

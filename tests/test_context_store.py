@@ -714,3 +714,23 @@ async def test_sequence_numbers_on_both_sides_of_the_scripts_table_of_names(r):
     fork = await s.fork("alice", "c", "d")
     forked = await uncached.get_window("alice", fork, last_n=3)
     assert [(e.id, e.content) for e in forked.channels["text"]] == [(f"text:{i}", b"e%d" % i) for i in want[-3:]]
+
+
+async def test_a_call_that_fails_still_reports_the_evictions_it_made(r):
+    """A read of the very context that just went idle evicts it, then answers "not found":
+    the eviction is reported all the same (a client's resource list changed)."""
+    clock = Clock()
+    s = make(r, clock, idle_ttl_s=100)
+    told: list[tuple[str, list[str]]] = []
+    s.on_evicted = lambda principal, gone: told.append((principal, gone))
+    await s.append("a", "c1", "text", "user", b"1")
+    await s.append("a", "c2", "text", "user", b"2")
+    clock.now_ms += 100_000
+    with pytest.raises(ContextNotFound) as got:
+        await s.get_window("a", "c1")
+    assert got.value.context_id == "c1" and str(got.value) == "context c1"
+    assert told == [("a", ["c1", "c2"])] or told == [("a", ["c2", "c1"])]
+    told.clear()
+    with pytest.raises(ContextNotFound):  # nothing left to evict: nothing reported
+        await s.version("a", "c1")
+    assert told == []

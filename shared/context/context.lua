@@ -311,9 +311,15 @@ local function finish(keep)
   pdelta = 0
 end
 
--- Error reply after writing what already changed (idle evictions before the error).
+-- Error reply after writing what already changed (idle evictions before the error), which
+-- it names after ' ;evicted ' as (cid, reason) pairs: the caller reports them as for a reply.
 local function fail(msg)
   finish(false)
+  if #evicted > 0 then
+    local parts = {msg, ';evicted'}
+    for _, e in ipairs(evicted) do parts[#parts + 1] = e[1]; parts[#parts + 1] = e[2] end
+    msg = table.concat(parts, ' ')
+  end
   error({err = msg})
 end
 

@@ -100,6 +100,8 @@ class ContextScript:
         self._op_metrics: dict[str, tuple[Any, Any]] = {}  # op -> its latency and count children
         self.round_trips = 0  # script calls made (the bench divides by operations)
         self.stamp: Callable[[str], None] | None = None  # told of each call's principal (global LRU)
+        # told (principal, [cid, reason, ...]) of the evictions a call made before its error reply
+        self.on_error_evicted: Callable[[str, list[str]], object] | None = None
         # WAIT after each write (see _confirmed); empty: writes are acknowledged by their master alone.
         self._confirm = redis_cfg if redis_cfg is not None and redis_cfg.wait_replicas else None
         self._wait = b"" if self._confirm is None else pack_command(
@@ -250,7 +252,9 @@ class ContextScript:
             raise exc
         except ResponseError as err:
             kind, _, msg = str(err).partition(" ")
-            msg = msg.split(" script: ", 1)[0]
+            msg, _, gone = msg.split(" script: ", 1)[0].partition(" ;evicted ")
+            if gone and self.on_error_evicted is not None:  # see fail() in context.lua
+                self.on_error_evicted(principal, gone.split(" "))
             error = SCRIPT_ERRORS.get(kind)
             metrics.CONTEXT_OPS.labels(op, "error").inc()
             if error is None:

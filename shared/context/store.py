@@ -97,6 +97,7 @@ class ContextStore:
         self._cache = ReadCache(cfg, self._replies)
         self._read_metrics = (metrics.CONTEXT_READ_ENTRIES.labels("redis"), metrics.CONTEXT_READ_ENTRIES.labels("cache"))
         self.on_evicted: Callable[[str, list[str]], None] | None = None
+        self._script.on_error_evicted = self._evicted
 
     def _evicted(self, principal: str, flat: Sequence[Any]) -> list[str]:
         """The contexts of a reply's ``[context, reason, ...]`` pairs, counted and reported."""
