@@ -637,7 +637,13 @@ class EnvelopeOpener:
         return None if st is None else st.last_seq
 
     def adopt(self, sender: str, stream: int, t0: int, sess: str, last_seq: int) -> None:
-        """Start tracking a sender session at ``last_seq`` (from a verified snapshot)."""
+        """Start tracking a sender session at ``last_seq`` (from a verified snapshot), even one
+        that started before the session tracked so far: a snapshot answers the receiver's own
+        request, so its session is the sender's current one — a process restarted under the same
+        name on a host whose clock is behind. The sender's other streams forget any other session."""
+        for key in [k for k, other in self._state.items()
+                    if k[0] == sender and k[1] != stream and (other.t0, other.session) != (t0, sess)]:
+            del self._state[key]
         st = self._state.get((sender, stream))
         if st is not None and (st.t0, st.session) == (t0, sess) and st.last_seq >= last_seq:
             st.floor = max(st.floor, last_seq + 1)

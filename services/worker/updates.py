@@ -116,6 +116,7 @@ class DeltaSubscriber:
         self._unanswered = ThrottledWarning(log)
         self._snap_parts: dict[int, tuple[Opened, bytes]] = {}
         self._key_warned: dict[str, float] = {}  # reason -> when its next warning may be logged
+        self._session_checked_until = 0.0  # monotonic: no snapshot for packets of an older session until then
         self._request_snapshot("join")
 
     @property
@@ -186,6 +187,8 @@ class DeltaSubscriber:
                 self.stats["dropped_old"] += 1
             else:
                 self._reject(exc.reason)
+            if exc.reason == "stale":
+                self._check_session()
             return
         if op.header["stream"] == STREAM_HEARTBEAT:
             self._on_heartbeat(op)
@@ -203,6 +206,18 @@ class DeltaSubscriber:
             self._buffer_op(op)
             return
         self._handle(op)
+
+    def _check_session(self) -> None:
+        """A genuine packet of a session older than the one followed is a replay, or comes from a
+        trainer restarted under the same name on a host whose clock is behind: every packet it
+        sends would be refused. Only a snapshot, which answers this worker's own nonce, tells
+        which; it is asked for at most once per ``consistency.timeout_s``, so replayed packets
+        cost the trainer one snapshot per interval at most."""
+        now = time.monotonic()
+        if now < self._session_checked_until:
+            return
+        self._session_checked_until = now + self.cfg.consistency.timeout_s
+        self._request_snapshot("stale_session")
 
     def _buffer_op(self, op: Opened) -> None:
         """Hold a verified packet until the pending snapshot is loaded (bounded; oldest go first)."""
