@@ -78,6 +78,7 @@ class EnvelopeReject(ValueError):
     def __init__(self, reason: str, detail: str = "") -> None:
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
+        self.detail = detail
 
 
 class KeyFileError(ConfigError):

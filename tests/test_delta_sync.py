@@ -3,6 +3,7 @@ lossy relay (drop / duplicate / reorder), tampering on the wire, publisher resta
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
@@ -206,7 +207,9 @@ def test_converges_through_a_relay_that_drops_duplicates_and_reorders(
         pub.close()
 
 
-def test_tampered_packets_are_counted_and_never_applied(tmp_path: Path, ctx: zmq.Context) -> None:
+def test_tampered_packets_are_counted_logged_and_never_applied(tmp_path: Path, ctx: zmq.Context,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("WARNING", logger="services.worker.updates")
     cfg = make_cfg(tmp_path, algorithm="lossless")
     trainer = model(7)
     pub = DeltaPublisher(cfg, ctx, trainer, 0, "m")
@@ -228,6 +231,11 @@ def test_tampered_packets_are_counted_and_never_applied(tmp_path: Path, ctx: zmq
         assert sum(sub.stats["rejected"].values()) >= relay.counts["garbage"]
         assert set(sub.stats["rejected"]) <= {"bad_signature", "tampered", "malformed", "truncated", "replayed"}
         assert all(torch.equal(worker[k], trainer[k]) for k in trainer)
+        # one line per reason (a minute apart at most), naming it and no key material
+        lines = [r.getMessage() for r in caplog.records if "refuses delta packets" in r.getMessage()]
+        assert sorted(line.split("(")[1].split(",")[0] for line in lines) == sorted(sub.stats["rejected"])
+        secrets = [v for v in json.loads(Path(cfg.security.delta_key_file).read_text())["keys"].values()]
+        assert not any(key in line for line in lines for key in secrets)
     finally:
         relay.stop.set()
         relay.join(5)
