@@ -151,12 +151,18 @@ class KeyRing:
 
     @classmethod
     def from_dict(cls, data: Any, path: Path | None = None) -> KeyRing:
+        # a ring edited by hand is read by running workers and the trainer: any shape gives a
+        # KeyFileError naming the field (a running ring then keeps its keys), never a traceback
         if not isinstance(data, dict) or not isinstance(data.get("keys"), dict):
             raise KeyFileError("key file must hold an object with 'keys'")
         keys = {str(kid): _hex_bytes(value, f"key {kid!r}", 32) for kid, value in data["keys"].items()}
         active = data.get("active")
-        if active not in keys:
+        if not isinstance(active, str) or active not in keys:
             raise KeyFileError("active key id is not in the ring")
+        if not isinstance(data.get("verify_keys") or {}, dict):
+            raise KeyFileError("verify_keys must map signing key ids to public keys")
+        if not isinstance(data.get("signer") or "", str):
+            raise KeyFileError("signer must be a signing key id")
         verify: dict[str, Ed25519PublicKey] = {}
         for sid, value in (data.get("verify_keys") or {}).items():
             verify[str(sid)] = _public_key(value)
