@@ -78,6 +78,7 @@ class EnvelopeReject(ValueError):
     def __init__(self, reason: str, detail: str = "") -> None:
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
+        self.detail = detail
 
 
 class KeyFileError(ConfigError):
@@ -150,12 +151,18 @@ class KeyRing:
 
     @classmethod
     def from_dict(cls, data: Any, path: Path | None = None) -> KeyRing:
+        # a ring edited by hand is read by running workers and the trainer: any shape gives a
+        # KeyFileError naming the field (a running ring then keeps its keys), never a traceback
         if not isinstance(data, dict) or not isinstance(data.get("keys"), dict):
             raise KeyFileError("key file must hold an object with 'keys'")
         keys = {str(kid): _hex_bytes(value, f"key {kid!r}", 32) for kid, value in data["keys"].items()}
         active = data.get("active")
-        if active not in keys:
+        if not isinstance(active, str) or active not in keys:
             raise KeyFileError("active key id is not in the ring")
+        if not isinstance(data.get("verify_keys") or {}, dict):
+            raise KeyFileError("verify_keys must map signing key ids to public keys")
+        if not isinstance(data.get("signer") or "", str):
+            raise KeyFileError("signer must be a signing key id")
         verify: dict[str, Ed25519PublicKey] = {}
         for sid, value in (data.get("verify_keys") or {}).items():
             verify[str(sid)] = _public_key(value)
@@ -637,7 +644,13 @@ class EnvelopeOpener:
         return None if st is None else st.last_seq
 
     def adopt(self, sender: str, stream: int, t0: int, sess: str, last_seq: int) -> None:
-        """Start tracking a sender session at ``last_seq`` (from a verified snapshot)."""
+        """Start tracking a sender session at ``last_seq`` (from a verified snapshot), even one
+        that started before the session tracked so far: a snapshot answers the receiver's own
+        request, so its session is the sender's current one — a process restarted under the same
+        name on a host whose clock is behind. The sender's other streams forget any other session."""
+        for key in [k for k, other in self._state.items()
+                    if k[0] == sender and k[1] != stream and (other.t0, other.session) != (t0, sess)]:
+            del self._state[key]
         st = self._state.get((sender, stream))
         if st is not None and (st.t0, st.session) == (t0, sess) and st.last_seq >= last_seq:
             st.floor = max(st.floor, last_seq + 1)

@@ -18,6 +18,7 @@ from shared.crypto import (
     EnvelopeOpener,
     EnvelopeReject,
     EnvelopeSealer,
+    KeyFileError,
     KeyRing,
     SigningKey,
     retire_key,
@@ -25,6 +26,7 @@ from shared.crypto import (
     rotate_signing_key,
     trainer_keys,
 )
+from shared.secret_files import write_private
 
 
 @pytest.fixture()
@@ -223,6 +225,20 @@ def test_a_key_can_be_retired_at_once(key_file: Path) -> None:
     retire_key(key_file, old_kid)
     opener.ring.reload_if_changed()
     assert reason(opener, before) == "wrong_key"
+
+
+@pytest.mark.parametrize("field,value", [("active", []), ("active", {"k": 1}), ("verify_keys", 1),
+                                         ("verify_keys", "x"), ("keys", ["k"])])
+def test_a_ring_edited_by_hand_into_a_wrong_shape_is_a_clear_error_and_a_running_ring_keeps_its_keys(
+        key_file: Path, field: str, value: object) -> None:
+    sealer, opener = pair(key_file)
+    data = orjson.loads(key_file.read_bytes())
+    data[field] = value
+    write_private(key_file, orjson.dumps(data))
+    with pytest.raises(KeyFileError, match=field.rstrip("s")):
+        KeyRing.load(key_file)
+    assert not opener.ring.reload_if_changed() and not sealer.ring.reload_if_changed()  # warned, kept
+    assert opener.open(sealer.seal(STREAM_DELTA, {}, b"a")).payload == b"a"
 
 
 def test_rekey_changes_epoch_and_nonces_never_repeat(key_file: Path) -> None:

@@ -3,6 +3,7 @@ lossy relay (drop / duplicate / reorder), tampering on the wire, publisher resta
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
@@ -17,6 +18,7 @@ from services.trainer.publisher import DeltaPublisher
 from services.worker.updates import DeltaSubscriber
 from shared import keys
 from shared.config import Config, load_config
+from shared.crypto import STREAM_HEARTBEAT
 from shared.curve import CurveClient, CurveKeys, CurveServer
 from shared.delta.codec import flatten
 from shared.redis_client import close_sync
@@ -205,7 +207,9 @@ def test_converges_through_a_relay_that_drops_duplicates_and_reorders(
         pub.close()
 
 
-def test_tampered_packets_are_counted_and_never_applied(tmp_path: Path, ctx: zmq.Context) -> None:
+def test_tampered_packets_are_counted_logged_and_never_applied(tmp_path: Path, ctx: zmq.Context,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("WARNING", logger="services.worker.updates")
     cfg = make_cfg(tmp_path, algorithm="lossless")
     trainer = model(7)
     pub = DeltaPublisher(cfg, ctx, trainer, 0, "m")
@@ -227,6 +231,11 @@ def test_tampered_packets_are_counted_and_never_applied(tmp_path: Path, ctx: zmq
         assert sum(sub.stats["rejected"].values()) >= relay.counts["garbage"]
         assert set(sub.stats["rejected"]) <= {"bad_signature", "tampered", "malformed", "truncated", "replayed"}
         assert all(torch.equal(worker[k], trainer[k]) for k in trainer)
+        # one line per reason (a minute apart at most), naming it and no key material
+        lines = [r.getMessage() for r in caplog.records if "refuses delta packets" in r.getMessage()]
+        assert sorted(line.split("(")[1].split(",")[0] for line in lines) == sorted(sub.stats["rejected"])
+        secrets = [v for v in json.loads(Path(cfg.security.delta_key_file).read_text())["keys"].values()]
+        assert not any(key in line for line in lines for key in secrets)
     finally:
         relay.stop.set()
         relay.join(5)
@@ -258,6 +267,39 @@ def test_publisher_restart_makes_workers_resync(tmp_path: Path, ctx: zmq.Context
         converge(sub, 8)
         assert sub.stats["resyncs"] >= 1
         assert served_equals_reference(pub, worker)
+    finally:
+        sub.close()
+        pub.close()
+
+
+def test_a_trainer_restarted_under_its_name_with_a_clock_behind_is_followed(tmp_path: Path, ctx: zmq.Context) -> None:
+    """A trainer restarted with the same sender name (the same pid in a fresh container) on a host
+    whose clock is behind starts a session that looks older than the one the workers follow:
+    they resync by snapshot instead of refusing its every packet as stale."""
+    cfg = make_cfg(tmp_path)
+    trainer = model(23)
+    pub = DeltaPublisher(cfg, ctx, trainer, 0, "m", sender="trainer-1")
+    worker = model(24)
+    sub = DeltaSubscriber(cfg, ctx, "w1", worker, 0)
+    g = torch.Generator().manual_seed(25)
+    try:
+        train_step(trainer, g)
+        pub.publish(trainer, 1)
+        converge(sub, 1)
+        wait_for_sync(lambda: (sub.poll(), sub.opener.last_seq("trainer-1", STREAM_HEARTBEAT) is not None)[1],
+                      what="a heartbeat of the first session")
+        t0 = pub.sealer.t0
+        pub.close()
+        trainer = model(26)
+        pub = DeltaPublisher(cfg, ctx, trainer, 1, "m", sender="trainer-1", start_thread=False)
+        pub.sealer.t0 = t0 - 60 * 10**9  # a minute behind, from its first packet (a heartbeat) on
+        pub.start()
+        for v in range(2, 4):
+            train_step(trainer, g)
+            pub.publish(trainer, v)
+            sub.poll()
+        converge(sub, 3)
+        assert served_equals_reference(pub, worker) and sub.stats["rejected"].get("stale", 0) >= 1
     finally:
         sub.close()
         pub.close()

@@ -165,6 +165,7 @@ class DeltaPublisher:
         self._dropped_requests = DroppedMessages("snapshots", log)
         self._dropped_acks = DroppedMessages("acks", log)
         self._acks: dict[str, int] = {}
+        self._sent_version = version  # the newest version a worker can hold: acks beyond it are refused
         self._snap_cache: EncodedDelta | None = None
         self._gate = SnapshotGate(cfg.consistency.snapshot_interval_ms / 1000)
         self._last_publish = time.monotonic()
@@ -231,6 +232,7 @@ class DeltaPublisher:
     def _send_chunk(self, header: dict[str, Any], i: int, blob: bytes) -> None:
         meta = {"model": self.model_id, "base": header["base"], "version": header["version"], "i": i,
                 "n": max(1, header["nchunks"]), "codec": header}
+        self._sent_version = max(self._sent_version, header["version"])  # before a worker can ack it
         frames = self.sealer.seal(STREAM_DELTA, meta, blob)
         self._pub.send_multipart(wire.encode(wire.MsgType.DELTA, {"v": header["version"]}, frames), copy=False)
 
@@ -314,8 +316,12 @@ class DeltaPublisher:
             self._dropped_acks.drop(exc)
             return
         worker, version = header.get("worker"), header.get("version")
-        if not (mtype == wire.MsgType.ACK and isinstance(worker, str) and isinstance(version, int) and len(worker) < 256):
+        if not (mtype == wire.MsgType.ACK and isinstance(worker, str) and isinstance(version, int)
+                and not isinstance(version, bool) and len(worker) < 256):
             self._dropped_acks.drop(f"{mtype.name} is not an ack naming a worker and a version")
+            return
+        if not 0 <= version <= self._sent_version:  # would hide that worker's real acks (latency, lag)
+            self._dropped_acks.drop(f"an ack of version {version}, not one sent (0..{self._sent_version})")
             return
         if worker not in self._acks and len(self._acks) >= _MAX_ACKED_WORKERS:
             self._dropped_acks.drop(f"an ack names more than {_MAX_ACKED_WORKERS} worker ids")

@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 _MAX_BUFFERED = 4096
 _MAX_BUFFERED_BYTES = 256 * 1024 * 1024
-_KEY_WARN_INTERVAL_S = 60.0
+_WARN_INTERVAL_S = 60.0
 # rejections that a key ring other than the trainer's explains (docs/delta.md, "Keys and rotation")
 _KEY_REJECTS = {
     "wrong_key": "they are sealed with a key this worker's ring (security.delta_key_file) does not hold; "
@@ -53,6 +53,17 @@ _KEY_REJECTS = {
     "retired_key": "they are sealed with a key this worker's ring retired; give it the trainer's ring",
     "bad_signature": "they are not signed by a signing key of this worker's ring (a ring from before a "
                      "signing-key rotation, or forged packets)",
+}
+_REJECTS = {  # the other reasons (docs/delta.md, "Envelope"): damage or replays on the way
+    "truncated": "a packet arrived cut short",
+    "malformed": "a packet is not a well-formed delta envelope",
+    "tampered": "a packet failed its authentication tag (changed on the way)",
+    "replayed": "a packet arrived a second time",
+    "out_of_order": "a packet arrived after a later one",
+    "stale": "a packet of an earlier trainer session, or an answer to an earlier snapshot request",
+    "base_mismatch": "a delta applies to another version than the one held; it resyncs by snapshot",
+    "layout": "a delta or snapshot is for another model layout than this worker's",
+    "corrupt": "a delta or snapshot failed to decode; it resyncs by snapshot",
 }
 
 
@@ -115,7 +126,8 @@ class DeltaSubscriber:
         self._unreachable_logged = False
         self._unanswered = ThrottledWarning(log)
         self._snap_parts: dict[int, tuple[Opened, bytes]] = {}
-        self._key_warned: dict[str, float] = {}  # reason -> when its next warning may be logged
+        self._warned: dict[str, float] = {}  # reason -> when its next warning may be logged
+        self._session_checked_until = 0.0  # monotonic: no snapshot for packets of an older session until then
         self._request_snapshot("join")
 
     @property
@@ -158,26 +170,30 @@ class DeltaSubscriber:
             sock.close(linger=0)
 
     # ---------------------------------------------------------------- packets
-    def _reject(self, reason: str) -> None:
+    def _reject(self, reason: str, detail: object = "") -> None:
+        """Count a refused packet and say why in the log, at most once a minute per reason: a
+        worker that opens no packet serves old weights, and a hostile or broken network must
+        show where operators look without flooding it. ``detail`` names sequence numbers,
+        versions and checks, never key material."""
         rej = self.stats["rejected"]
         rej[reason] = rej.get(reason, 0) + 1
         metrics.DELTA_REJECTED.labels(reason).inc()
-        why = _KEY_REJECTS.get(reason)
         now = time.monotonic()
-        if why is not None and now >= self._key_warned.get(reason, 0.0):
-            # a worker that opens no packet serves old weights: say why, where operators look
-            self._key_warned[reason] = now + _KEY_WARN_INTERVAL_S
-            log.warning("worker %s refuses delta packets (%s, %d so far): %s; it serves version %d",
-                        self.worker_id, reason, rej[reason], why, self.version)
+        if now < self._warned.get(reason, 0.0):
+            return
+        self._warned[reason] = now + _WARN_INTERVAL_S
+        why = _KEY_REJECTS.get(reason) or _REJECTS.get(reason, "")
+        log.warning("worker %s refuses delta packets (%s, %d so far): %s%s; it serves version %d",
+                    self.worker_id, reason, rej[reason], why, f" ({detail})" if detail else "", self.version)
 
     def _on_packet(self, frames: list[bytes]) -> None:
         try:
             mtype, _, payload = wire.decode(frames)
-        except wire.WireError:
-            self._reject("malformed")
+        except wire.WireError as exc:
+            self._reject("malformed", exc)
             return
         if mtype != wire.MsgType.DELTA:
-            self._reject("malformed")
+            self._reject("malformed", f"a {mtype.name} message on the delta link")
             return
         try:
             op = self.opener.open(payload)
@@ -185,7 +201,9 @@ class DeltaSubscriber:
             if exc.reason == "superseded":
                 self.stats["dropped_old"] += 1
             else:
-                self._reject(exc.reason)
+                self._reject(exc.reason, exc.detail)
+            if exc.reason == "stale":
+                self._check_session()
             return
         if op.header["stream"] == STREAM_HEARTBEAT:
             self._on_heartbeat(op)
@@ -203,6 +221,18 @@ class DeltaSubscriber:
             self._buffer_op(op)
             return
         self._handle(op)
+
+    def _check_session(self) -> None:
+        """A genuine packet of a session older than the one followed is a replay, or comes from a
+        trainer restarted under the same name on a host whose clock is behind: every packet it
+        sends would be refused. Only a snapshot, which answers this worker's own nonce, tells
+        which; it is asked for at most once per ``consistency.timeout_s``, so replayed packets
+        cost the trainer one snapshot per interval at most."""
+        now = time.monotonic()
+        if now < self._session_checked_until:
+            return
+        self._session_checked_until = now + self.cfg.consistency.timeout_s
+        self._request_snapshot("stale_session")
 
     def _buffer_op(self, op: Opened) -> None:
         """Hold a verified packet until the pending snapshot is loaded (bounded; oldest go first)."""
@@ -283,13 +313,12 @@ class DeltaSubscriber:
         self._assembly = None
         self._refused = version
         if isinstance(exc, BaseMismatch):
-            self._reject("base_mismatch")
+            self._reject("base_mismatch", f"delta {version}: {exc}")
             self._request_snapshot("base_mismatch")
         elif isinstance(exc, LayoutMismatch):
-            self._reject("layout")
+            self._reject("layout", f"delta {version}: {exc}")
         else:
-            log.warning("delta %s failed to decode: %s", version, exc)
-            self._reject("corrupt")
+            self._reject("corrupt", f"delta {version}: {exc}")
             self._request_snapshot("corrupt")
 
     def _apply(self, asm: _Assembly) -> None:
@@ -401,10 +430,10 @@ class DeltaSubscriber:
         try:
             op = self.opener.open(payload, track=False)
         except EnvelopeReject as exc:
-            self._reject(exc.reason)
+            self._reject(exc.reason, exc.detail)
             return None
         if op.meta.get("req") != self._pending_req:
-            self._reject("stale")
+            self._reject("stale", "a snapshot part answering an earlier request")
             return None
         if not _valid_snapshot_meta(op.meta):
             self._reject("malformed")
@@ -418,8 +447,7 @@ class DeltaSubscriber:
         try:
             decoded = self.decoder.decode(meta["codec"], parts)
         except CodecError as exc:
-            log.warning("snapshot refused: %s", exc)
-            self._reject("layout" if isinstance(exc, LayoutMismatch) else "corrupt")
+            self._reject("layout" if isinstance(exc, LayoutMismatch) else "corrupt", f"snapshot: {exc}")
             # wait for the retry timer instead of asking again at once: a worker built for another
             # model must not make the trainer encode snapshots in a loop
             self._pending_req = secrets.token_hex(16)

@@ -172,7 +172,11 @@ def test_the_trainer_drops_malformed_requests_acks_and_wake_ups_counting_each(
     garbage = [[b"\x29"], [b"\xff", b"{}"], [b"\x29", b"\x00"], [b"\x29", b"[]"], [b"\x2b", b"{}"],
                wire.encode(MsgType.SNAPSHOT_REQ, {"req": ["x"]}), wire.encode(MsgType.SNAPSHOT_REQ, {"req": "x" * 65}),
                wire.encode(MsgType.ACK, {"worker": ["w"], "version": 1}),
-               wire.encode(MsgType.ACK, {"worker": "w", "version": "1"})]
+               wire.encode(MsgType.ACK, {"worker": "w", "version": "1"}),
+               # versions no worker holds: they would hide that worker's real acks
+               wire.encode(MsgType.ACK, {"worker": "w", "version": 2**40}),
+               wire.encode(MsgType.ACK, {"worker": "w", "version": -1}),
+               wire.encode(MsgType.ACK, {"worker": "w", "version": True})]
     try:
         caplog.set_level("WARNING")
         for frames in garbage:
@@ -188,7 +192,7 @@ def test_the_trainer_drops_malformed_requests_acks_and_wake_ups_counting_each(
         wait_for_sync(drained, what="every malformed message to be dropped")
         # far more worker ids than a trainer keeps acks of: the rest are dropped, counted
         for i in range(5000):
-            push.send_multipart(wire.encode(MsgType.ACK, {"worker": f"w{i}", "version": 1}))
+            push.send_multipart(wire.encode(MsgType.ACK, {"worker": f"w{i}", "version": 0}))
         wait_for_sync(lambda: pub._dropped_acks.count == total + 5000 - 4096, what="the acks beyond the bound")
         assert len(pub.acks()) == 4096
         # still serving: a well-formed snapshot request is answered
