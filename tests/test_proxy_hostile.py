@@ -5,6 +5,7 @@ gateway's own tools serving."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import logging
 import sys
@@ -572,3 +573,49 @@ def test_an_upstream_echoing_the_gateways_credential_in_a_result_or_log_line_doe
         assert [m["params"]["data"] for m in messages if m.get("method") == "notifications/message"] == [said]
         assert messages[-1]["result"]["content"] == [{"type": "text", "text": said}]
         assert LEAKED_TOKEN not in answer.text and LEAKED_KEY not in answer.text
+
+
+def _tool(name: str, **properties: Any) -> dict[str, Any]:
+    return {"name": name, "inputSchema": {"type": "object", "properties": properties}}
+
+
+TEXT = {"type": "string"}
+BAD_PARAM_HEADERS = [
+    _tool("crlf", a={**TEXT, "x-mcp-header": "A\r\nX-Injected: 1"}),
+    _tool("colon", a={**TEXT, "x-mcp-header": "Authorization: Bearer x"}),
+    _tool("space", a={**TEXT, "x-mcp-header": "Region Name"}),
+    _tool("not_ascii", a={**TEXT, "x-mcp-header": "Régión"}),
+    _tool("huge", a={**TEXT, "x-mcp-header": "H" * 100_000}),
+    _tool("empty", a={**TEXT, "x-mcp-header": ""}),
+    _tool("not_text", a={**TEXT, "x-mcp-header": 7}),
+    _tool("twice", a={**TEXT, "x-mcp-header": "Region"}, b={**TEXT, "x-mcp-header": "region"}),
+    _tool("object", a={"type": "object", "x-mcp-header": "Obj"}),
+    _tool("typeless", a={"x-mcp-header": "Any"}),
+    _tool("type_list", a={"type": ["string", "null"], "x-mcp-header": "Maybe"}),
+    _tool("under_items", a={"type": "array", "items": {**TEXT, "x-mcp-header": "Item"}}),
+]
+
+
+def test_an_upstream_tool_whose_x_mcp_headers_break_the_rules_is_not_listed_and_a_valid_one_is_carried(
+        redis_url: str, bad: HostileUpstream, caplog: pytest.LogCaptureFixture) -> None:
+    """SEP-2243: the names an upstream declares become headers of the gateway's own requests to it.
+    One that is no HTTP token (CR/LF, a colon, a space), huge, or twice is refused with the tool,
+    logged; a valid one (at any depth of properties) reaches the upstream with its value."""
+    caplog.set_level(logging.ERROR, logger="gateway.proxy.proxy")
+    where = {"type": "object", "properties": {"zone": {"type": "integer", "x-mcp-header": "Zone"}}}
+    bad.tools = [*BAD_PARAM_HEADERS, _tool("fine", region={**TEXT, "x-mcp-header": "Region"}, where=where)]
+    with front_gateway(redis_url, {"upstreams": [_entry(bad, revision=MODERN)]}) as base:
+        client = Client(base, MCP_KEY, LEGACY).open()
+        names = [n for n in client.names() if n.startswith("bad.")]
+        assert names == ["bad.fine"]
+        for tool in BAD_PARAM_HEADERS:
+            assert f"entry {tool['name']!r} is not listed" in caplog.text
+        assert "\r\nX-Injected" not in caplog.text and "H" * 200 not in caplog.text  # no line of its making
+        answer = client.result("tools/call", {"name": "bad.fine", "arguments": {"region": "eu\r\nwest",
+                                                                               "where": {"zone": 3}}})
+        assert answer["content"][0]["text"] == "echo"
+        sent = next(r for r in bad.requests if r.get("method") == "tools/call")["_headers"]
+        assert sent["mcp-param-zone"] == "3"
+        assert sent["mcp-param-region"] == "=?base64?" + base64.b64encode(b"eu\r\nwest").decode() + "?="
+        assert not [h for h in sent if h.startswith("mcp-param-") and h not in ("mcp-param-zone", "mcp-param-region")]
+        _still_serving(client, "bad.echo")

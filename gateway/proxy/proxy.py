@@ -36,9 +36,8 @@ from gateway.errors import (
     NotFound,
 )
 from gateway.mcp.dispatcher import Call, InputRequired
-from gateway.mcp.kernel import header_form, param_header_spec
 from gateway.mcp.types import LEGACY_VERSION, MODERN_VERSION
-from gateway.proxy import entries, names
+from gateway.proxy import entries, names, param_headers
 from gateway.proxy.breaker import CLOSED, STATE_VALUE
 from gateway.proxy.capture import capture
 from gateway.proxy.client import UpstreamClient, header_value
@@ -86,7 +85,7 @@ class Catalog:
     tools: dict[str, str] = field(default_factory=dict)    # exposed name -> upstream's name
     prompts: dict[str, str] = field(default_factory=dict)
     schemas: dict[str, dict[str, Any]] = field(default_factory=dict)  # exposed tool name -> inputSchema
-    param_specs: dict[str, tuple[tuple[str, str], ...]] = field(default_factory=dict)  # tools with x-mcp-header
+    param_specs: dict[str, param_headers.Spec] = field(default_factory=dict)  # tools with x-mcp-header
     task_support: dict[str, str] = field(default_factory=dict)  # exposed tool name -> optional | required
 
 
@@ -363,7 +362,7 @@ class Proxy:
             mounted[exposed] = str(name)
             if kind == "tools" and isinstance(entry.get("inputSchema"), dict):
                 catalog.schemas[exposed] = entry["inputSchema"]
-                spec = param_header_spec(entry["inputSchema"])
+                spec = param_headers.spec(entry["inputSchema"])
                 if spec:
                     catalog.param_specs[exposed] = spec
             execution = entry.get("execution") if kind == "tools" else None
@@ -677,14 +676,9 @@ class Proxy:
                 **({"processes": up.client.stdio.running} if up.client.stdio is not None else {})}
 
 
-def _param_headers(spec: tuple[tuple[str, str], ...], args: dict[str, Any]) -> dict[str, str] | None:
+def _param_headers(spec: param_headers.Spec, args: dict[str, Any]) -> dict[str, str] | None:
     """SEP-2243: the ``Mcp-Param-*`` headers a 2026-07-28 upstream expects for these arguments."""
-    out: dict[str, str] = {}
-    for arg, header in spec:
-        value = header_form(args.get(arg))
-        if value is not None:
-            out[header] = header_value(value)
-    return out or None
+    return {header: header_value(value) for header, value in param_headers.values(spec, args).items()} or None
 
 
 def _clipped(item: str) -> str:

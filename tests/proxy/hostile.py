@@ -4,7 +4,7 @@ can see what reached it.
 
 It speaks 2025-11-25 (``initialize`` opens a session; a GET stream is not offered). ``tools/list``
 lists :attr:`HostileUpstream.tools`; ``tools/call`` of tool ``<behaviour>`` runs the coroutine of
-that name below, which writes whatever bytes it likes to the socket; ``resources/subscribe``
+that name below, which writes whatever bytes it likes to the socket (any other tool: ``echo``); ``resources/subscribe``
 is answered once :attr:`HostileUpstream.subscribe_gate` is set: it fails (HTTP 503)
 :attr:`HostileUpstream.subscribe_failures` times, then succeeds. What it received is kept in
 ``requests`` (the JSON bodies, with the request headers under ``"_headers"`` and the request
@@ -335,7 +335,7 @@ class HostileUpstream:
             _json(writer, _result(message, {"taskId": message["params"]["taskId"], "status": "working",
                                             "statusMessage": f"task of {self.label}"}))
         elif method == "tools/call":
-            await BEHAVIOURS[message["params"]["name"]](self, writer, message)
+            await BEHAVIOURS.get(message["params"]["name"], echo)(self, writer, message)
         elif method == "resources/subscribe":
             await asyncio.get_running_loop().run_in_executor(None, self.subscribe_gate.wait)
             if self.subscribe_failures > 0:
