@@ -20,7 +20,7 @@ import pytest
 import redis as redis_sync
 
 from gateway.proxy.http1 import MAX_HEAD_BYTES
-from gateway.proxy.proxy import LIST_CHANGED_GAP_S, TASK_KEY_MAX_S
+from gateway.proxy.proxy import LIST_CHANGED_GAP_S, MAX_LIST_ENTRIES, MAX_LIST_PAGES, TASK_KEY_MAX_S
 from gateway.proxy.wire import MAX_MESSAGE_BYTES, MAX_OPEN_QUESTIONS
 from shared import keys
 from shared.config import ConfigError
@@ -619,3 +619,45 @@ def test_an_upstream_tool_whose_x_mcp_headers_break_the_rules_is_not_listed_and_
         assert sent["mcp-param-region"] == "=?base64?" + base64.b64encode(b"eu\r\nwest").decode() + "?="
         assert not [h for h in sent if h.startswith("mcp-param-") and h not in ("mcp-param-zone", "mcp-param-region")]
         _still_serving(client, "bad.echo")
+
+
+def _all_names(client: Client) -> list[str]:
+    """Every tool of the client's list, page after page."""
+    names: list[str] = []
+    params: dict[str, Any] = {}
+    while True:
+        page = client.result("tools/list", params)
+        names += [t["name"] for t in page["tools"]]
+        if "nextCursor" not in page:
+            return names
+        params = {"cursor": page["nextCursor"]}
+
+
+def test_an_upstream_listing_endless_pages_of_entries_is_listed_up_to_the_bound(
+        redis_url: str, bad: HostileUpstream, caplog: pytest.LogCaptureFixture) -> None:
+    """Pages of new entries without end: the gateway stops asking once it holds MAX_LIST_ENTRIES of
+    them, and clients get those, logged; not millions of entries in memory and in every list."""
+    caplog.set_level(logging.WARNING, logger="gateway.proxy.proxy")
+    bad.endless_pages, bad.page_tools = True, 2_000
+    with front_gateway(redis_url, {"upstreams": [_entry(bad)]}) as base:
+        client = Client(base, MCP_KEY, LEGACY).open()
+        names = _all_names(client)
+        assert len([n for n in names if n.startswith("bad.")]) == MAX_LIST_ENTRIES
+        assert "context_append" in names and "bad.p0_0" in names
+        assert bad.pages_sent == MAX_LIST_ENTRIES // bad.page_tools + 1
+        assert f"tools/list has over {MAX_LIST_ENTRIES} entries" in caplog.text
+
+
+@pytest.mark.parametrize("same_cursor", [True, False])
+def test_an_upstream_paging_in_a_loop_or_without_end_is_asked_a_bounded_number_of_pages(
+        redis_url: str, bad: HostileUpstream, caplog: pytest.LogCaptureFixture, same_cursor: bool) -> None:
+    caplog.set_level(logging.WARNING, logger="gateway.proxy.proxy")
+    bad.endless_pages, bad.page_tools, bad.same_cursor = True, 1, same_cursor
+    with front_gateway(redis_url, {"upstreams": [_entry(bad)]}) as base:
+        names = Client(base, MCP_KEY, LEGACY).open().names()
+        if same_cursor:  # the second page names the first's cursor again
+            assert bad.pages_sent == 2 and "named a page it already sent" in caplog.text
+            assert [n for n in names if n.startswith("bad.")] == ["bad.p0_0"]
+        else:
+            assert bad.pages_sent == MAX_LIST_PAGES and f"over {MAX_LIST_PAGES} pages" in caplog.text
+            assert len([n for n in names if n.startswith("bad.")]) == MAX_LIST_PAGES

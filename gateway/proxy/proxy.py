@@ -62,7 +62,11 @@ log = logging.getLogger(__name__)
 
 LISTS = {"tools": "tools/list", "resources": "resources/list", "resourceTemplates": "resources/templates/list",
          "prompts": "prompts/list"}
+# What the gateway fetches of one list of one upstream: an upstream answering with endless pages,
+# or pages of millions of entries, would hold the replica's memory (and the event loop, each entry
+# checked and rewritten) and every client's list; what lies past either bound is left out, logged.
 MAX_LIST_PAGES = 50
+MAX_LIST_ENTRIES = 10_000
 MAX_INPUT_ROUNDS = 8
 LIST_CHANGED_GAP_S = 1.0
 WATCH_RETRY_MIN_S, WATCH_RETRY_MAX_S = 1.0, 60.0
@@ -325,16 +329,31 @@ class Proxy:
         up.catalog = catalog
 
     async def _fetch_all(self, principal: str, up: Upstream, method: str, kind: str) -> list[dict[str, Any]]:
+        """Every page of one list, up to MAX_LIST_PAGES pages and MAX_LIST_ENTRIES entries; a
+        cursor the upstream already gave ends it too (it would only send the same pages again)."""
         entries: list[dict[str, Any]] = []
         params: dict[str, Any] = {}
+        cursors: set[str] = set()
         for _ in range(MAX_LIST_PAGES):
             result = await up.client.request(principal, method, params)
             page = result.get(kind)
-            entries.extend(e for e in page if isinstance(e, dict)) if isinstance(page, list) else None
+            if isinstance(page, list):
+                entries.extend(e for e in page[:MAX_LIST_ENTRIES + 1 - len(entries)] if isinstance(e, dict))
+            if len(entries) > MAX_LIST_ENTRIES:
+                log.warning("proxy upstream %s: %s has over %d entries; the first %d are listed", up.name, method,
+                            MAX_LIST_ENTRIES, MAX_LIST_ENTRIES)
+                return entries[:MAX_LIST_ENTRIES]
             cursor = result.get("nextCursor")
             if not isinstance(cursor, str) or not cursor:
-                break
+                return entries
+            if cursor in cursors:
+                log.warning("proxy upstream %s: %s named a page it already sent; the %d entries so far are listed",
+                            up.name, method, len(entries))
+                return entries
+            cursors.add(cursor)
             params = {"cursor": cursor}
+        log.warning("proxy upstream %s: %s has over %d pages; the entries of the first %d are listed", up.name,
+                    method, MAX_LIST_PAGES, MAX_LIST_PAGES)
         return entries
 
     def _rewrite(self, up: Upstream, kind: str, entry: dict[str, Any], catalog: Catalog,

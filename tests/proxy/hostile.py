@@ -270,7 +270,10 @@ class HostileUpstream:
         self.label = "hostile"  # what its tasks/get answers carry
         self.task_id, self.task_ttl_ms = "task-1", 60_000
         self.page_delay_s = 0.0  # how long each tools/list page takes
-        self.endless_pages = False  # every tools/list page names a next one
+        self.endless_pages = False  # every tools/list page names a next one (see _page)
+        self.same_cursor = False
+        self.page_tools = 0
+        self.pages_sent = 0
         self.flood_hold_s = 0.0  # how long the flood stays unanswered before the call's answer
         self.error: dict[str, Any] = {"code": -32603, "message": "failed"}  # what tool ``error`` answers
         self.subscribe_failures = 0  # resources/subscribe requests answered HTTP 503 (as if down) before it accepts
@@ -318,6 +321,18 @@ class HostileUpstream:
         finally:
             writer.close()
 
+    def _page(self, cursor: Any) -> dict[str, Any]:
+        """A tools/list page: ``tools``, or with ``page_tools`` that many new tools per page, named
+        by the page; the next page is named when ``endless_pages``, as ``page-<n+1>`` (or ``more``,
+        always the same, when ``same_cursor``)."""
+        n = int(cursor.removeprefix("page-")) if isinstance(cursor, str) and cursor.startswith("page-") else 0
+        self.pages_sent += 1
+        tools = [{"name": f"p{n}_{i}", "inputSchema": {"type": "object"}} for i in range(self.page_tools)] \
+            if self.page_tools else self.tools
+        if not self.endless_pages:
+            return {"tools": tools}
+        return {"tools": tools, "nextCursor": "more" if self.same_cursor else f"page-{n + 1}"}
+
     async def _answer(self, writer: asyncio.StreamWriter, message: dict[str, Any]) -> None:
         method = message.get("method", "")
         if "id" not in message:
@@ -329,8 +344,7 @@ class HostileUpstream:
                                             "serverInfo": {"name": "hostile", "version": "1"}}))
         elif method == "tools/list":
             await asyncio.sleep(self.page_delay_s)
-            page = {"tools": self.tools, **({"nextCursor": "more"} if self.endless_pages else {})}
-            _json(writer, _result(message, page))
+            _json(writer, _result(message, self._page((message.get("params") or {}).get("cursor"))))
         elif method == "tasks/get":
             _json(writer, _result(message, {"taskId": message["params"]["taskId"], "status": "working",
                                             "statusMessage": f"task of {self.label}"}))
