@@ -313,6 +313,23 @@ def test_a_stdio_upstream_writing_an_endless_line_or_garbage(redis_url: str, cap
     assert secret not in caplog.text
 
 
+def test_a_stdio_upstream_that_stops_reading_its_input_fails_calls_clearly_and_is_replaced(
+        redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Its pipe full, the gateway's writes wait: each call fails within the upstream's timeout_s,
+    the process is stopped once a write has waited that long, and the next call starts another."""
+    caplog.set_level(logging.WARNING, logger="gateway.proxy.wire")
+    proxy = {"upstreams": [{"name": "hs", "command": [sys.executable, HOSTILE_STDIO], "revision": LEGACY,
+                            "timeout_s": 2.0}], "breaker": {"failures": 1000, "reset_s": 1}}
+    with front_gateway(redis_url, proxy) as base:
+        client = Client(base, MCP_KEY, LEGACY).open()
+        for name, args in (("hs.deaf", {}), ("hs.echo", {"pad": "x" * (1 << 20)})):  # more than a pipe holds
+            error = client.call("tools/call", {"name": name, "arguments": args})["error"]
+            assert error["code"] == UPSTREAM_FAILED and error["data"] == {"upstream": "hs", "reason": "timeout"}
+        wait_for_sync(lambda: "result" in client.call("tools/call", {"name": "hs.echo", "arguments": {}}),
+                      timeout_s=30, what="a call served by a new process")
+        assert "its process read none of its input for 2 s; it is stopped" in caplog.text
+
+
 BIG_INT_ERROR = "sent an integer outside the 64-bit range in answer to tools/call; it is not passed on altered"
 
 
