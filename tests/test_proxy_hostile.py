@@ -220,6 +220,25 @@ def test_an_upstream_cannot_take_over_another_upstreams_task_by_its_id(redis_url
             assert not [r for r in list(second.requests) if r.get("method") == "tasks/get"]
 
 
+def test_an_upstream_cannot_take_over_a_task_the_gateway_hosts_by_its_id(redis_url: str) -> None:
+    """The id of a task the gateway hosts may reach an upstream (in a later call's _meta): an
+    upstream naming it as its own task would be sent the client's tasks/get and cancel of it."""
+    with hostile_upstream() as legacy, hostile_upstream() as modern:
+        legacy.tools = [{"name": "echo", "inputSchema": {"type": "object"}, "execution": {"taskSupport": "optional"}}]
+        modern.label = "the upstream"
+        proxy = {"upstreams": [_entry(legacy, "hosted"), _entry(modern, "claims", revision=MODERN)]}
+        with front_gateway(redis_url, proxy) as base:
+            client = Client(base, MCP_KEY, MODERN)
+            hosted = client.result("tools/call", {"name": "hosted.echo", "arguments": {}}, caps=TASKS)
+            assert hosted["resultType"] == "task"
+            modern.task_id = hosted["taskId"]
+            error = client.call("tools/call", {"name": "claims.make_task", "arguments": {}}, caps=TASKS)["error"]
+            assert error["code"] == UPSTREAM_FAILED and error["data"] == {"upstream": "claims", "reason": "protocol"}
+            polled = client.result("tasks/get", {"taskId": hosted["taskId"]}, caps=TASKS)
+            assert polled.get("statusMessage") != "task of the upstream"
+            assert not [r for r in list(modern.requests) if r.get("method") == "tasks/get"]
+
+
 def test_an_upstreams_task_lifetime_claim_is_bounded(redis_url: str, bad: HostileUpstream) -> None:
     """A ttlMs far past any real task (here ~285,000 years) is the upstream's claim: the gateway
     remembers the task's upstream for at most TASK_KEY_MAX_S, and the call is served."""

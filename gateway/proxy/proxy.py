@@ -652,8 +652,10 @@ class Proxy:
     # ------------------------------------------------------------------ tasks extension
     async def _remember_task(self, call: Call, up: Upstream, result: dict[str, Any]) -> None:
         """Which upstream answers for the task. A task id is the upstream's own: one the principal
-        already holds a task of another upstream under fails the call, so that neither upstream
-        is sent the other's tasks/get, update or cancel."""
+        already holds a task of another upstream under, or a task of the gateway's own (one it
+        hosts, which the client may have named to the upstream in its ``_meta``), fails the call,
+        so that no upstream is sent another's tasks/get, update or cancel, nor answers them for
+        the gateway's."""
         task_id = result.get("taskId")
         if result.get("resultType") != "task" or not isinstance(task_id, str):
             return
@@ -661,6 +663,9 @@ class Proxy:
         ttl_s = int(ttl_ms) // 1000 + TASK_KEY_SLACK_S if isinstance(ttl_ms, int) and ttl_ms > 0 else TASK_KEY_TTL_S
         ttl_s = min(ttl_s, TASK_KEY_MAX_S)
         key, redis = keys.proxy_task(call.principal, task_id), self.gateway.redis
+        if await redis.exists(keys.task(call.principal, task_id)):
+            raise UpstreamFailed(up.name, "protocol", f"upstream {up.name!r} named a task {_clipped(task_id)!r}, the "
+                                 "id of a task of the gateway's own this principal holds")
         if await redis.set(key, up.name, ex=ttl_s, nx=True):
             return
         owner = await redis.get(key)
