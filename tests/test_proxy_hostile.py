@@ -5,6 +5,7 @@ gateway's own tools serving."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import logging
@@ -19,19 +20,21 @@ import orjson
 import pytest
 import redis as redis_sync
 
-from gateway.proxy.http1 import MAX_HEAD_BYTES
+from gateway.proxy import http1
+from gateway.proxy.http1 import MAX_BUFFERED_BYTES, MAX_HEAD_BYTES
 from gateway.proxy.proxy import LIST_CHANGED_GAP_S, MAX_LIST_ENTRIES, MAX_LIST_PAGES, TASK_KEY_MAX_S
-from gateway.proxy.wire import MAX_MESSAGE_BYTES, MAX_OPEN_QUESTIONS
+from gateway.proxy.wire import MAX_MESSAGE_BYTES, MAX_OPEN_QUESTIONS, Hooks, HttpWire
 from shared import keys
 from shared.config import ConfigError
 from tests.admin_support import MCP_KEY
-from tests.conftest import wait_for_sync
+from tests.conftest import wait_for, wait_for_sync
 from tests.proxy.harness import sdk_client
 from tests.proxy.hostile import HostileUpstream, hostile_upstream
 from tests.proxy_front import ADMIN, LEGACY, MODERN, Client, front_gateway
 
 HOSTILE_STDIO = str(Path(__file__).resolve().parent / "proxy" / "hostile_stdio.py")
 UPSTREAM_FAILED = -32052
+READ_AT_MOST_BYTES = 256 * 1024  # what asyncio takes from a socket in one read
 
 
 @pytest.fixture
@@ -697,3 +700,41 @@ def test_an_upstream_paging_in_a_loop_or_without_end_is_asked_a_bounded_number_o
         else:
             assert bad.pages_sent == MAX_LIST_PAGES and f"over {MAX_LIST_PAGES} pages" in caplog.text
             assert len([n for n in names if n.startswith("bad.")]) == MAX_LIST_PAGES
+
+
+async def test_an_http_upstream_streaming_faster_than_the_gateway_passes_it_on_waits_in_its_writes(
+        bad: HostileUpstream, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the one taking a call's notifications is slow, the gateway stops reading the
+    upstream's stream once MAX_BUFFERED_BYTES of it wait unread: the upstream finds the socket
+    full, the gateway holding a bounded part of it; then every note arrives, and the answer."""
+    held = 0
+    on_body = http1._Connection.on_body
+
+    def measured(conn: http1._Connection, body: bytes) -> None:
+        nonlocal held
+        on_body(conn, body)
+        if conn.response is not None:
+            held = max(held, sum(map(len, conn.response._chunks)))
+
+    monkeypatch.setattr(http1._Connection, "on_body", measured)
+    bad.endless_bytes = 64 << 20
+    release, taken = asyncio.Event(), 0
+
+    async def notify(msg: dict[str, Any]) -> None:
+        nonlocal taken
+        taken += 1
+        await release.wait()
+
+    wire = HttpWire(bad.url, {}, 10.0)
+    try:
+        body = orjson.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
+            "name": "note_flood", "arguments": {}, "_meta": {"progressToken": "t"}}})
+        call = asyncio.create_task(wire.send(body, {}, 1, Hooks(notify=notify, progress_token="t")))
+        await wait_for(lambda: taken and bad.blocked.is_set(), timeout_s=60, what="the upstream to find the socket full")
+        assert taken == 1 and held <= MAX_BUFFERED_BYTES + READ_AT_MOST_BYTES
+        release.set()
+        answer = await asyncio.wait_for(call, 120)
+        assert answer.message is not None and answer.message["result"]["content"][0]["text"] == "flooded"
+        assert taken == bad.notes  # every note, then the answer
+    finally:
+        await wire.close()

@@ -105,6 +105,30 @@ async def many_headers(up: HostileUpstream, writer: asyncio.StreamWriter, reques
         up.hung_up.set()
 
 
+async def note_flood(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[str, Any]) -> None:
+    """Progress for the call, ``up.endless_bytes`` of it, written faster than it is read: the
+    writer waits only once 1 MiB waits in its own buffer (the socket's full: ``up.blocked`` is
+    set then), then the answer."""
+    token = request["params"].get("_meta", {}).get("progressToken")
+    note = b"data: " + orjson.dumps({"jsonrpc": "2.0", "method": "notifications/progress", "params": {
+        "progressToken": token, "progress": 1, "message": "x" * 4000}}) + b"\n\n"
+    writer.write(_head(200, "text/event-stream"))
+    try:
+        while up.sent < up.endless_bytes:
+            writer.write(note)
+            up.sent += len(note)
+            up.notes += 1
+            if writer.transport.get_write_buffer_size() > 1 << 20:
+                up.blocked.set()
+                await writer.drain()
+            else:
+                await asyncio.sleep(0)
+        writer.write(b"data: " + orjson.dumps(_text(request, "flooded")) + b"\n\n")
+        writer.close()
+    except (ConnectionError, OSError):
+        up.hung_up.set()
+
+
 async def answer_then_linger(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[str, Any]) -> None:
     """The answer on the SSE stream, then the stream held open (comments now and then) instead of ended."""
     writer.write(_head(200, "text/event-stream") + b"data: " + orjson.dumps(_text(request, "answered")) + b"\n\n")
@@ -252,7 +276,7 @@ async def deep(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[
 
 
 BEHAVIOURS: dict[str, Behaviour] = {f.__name__: f for f in (
-    huge_json, huge_head, many_headers, huge_sse_line, huge_sse_event, answer_then_linger, ask_flood, churn, hang_up,
+    huge_json, huge_head, many_headers, huge_sse_line, huge_sse_event, note_flood, answer_then_linger, ask_flood, churn, hang_up,
     make_task, side_notes, hold, echo, wrong_id, no_id, true_id, sse_wrong_id, error, leak_error, leak_result, big_int, big_int_sse, edge_ints,
     deep)}
 
@@ -286,6 +310,8 @@ class HostileUpstream:
         self.release = threading.Event()  # tool ``hold`` answers once this is set
         self.sent = 0
         self.hung_up = threading.Event()  # the gateway closed a connection under an answer being sent
+        self.blocked = threading.Event()  # tool note_flood found the gateway reading no more
+        self.notes = 0  # notifications tool note_flood sent
         self.stopping = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready = threading.Event()
