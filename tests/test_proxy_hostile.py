@@ -5,6 +5,8 @@ gateway's own tools serving."""
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import contextlib
 import logging
 import sys
@@ -18,19 +20,21 @@ import orjson
 import pytest
 import redis as redis_sync
 
-from gateway.proxy.http1 import MAX_HEAD_BYTES
-from gateway.proxy.proxy import LIST_CHANGED_GAP_S, TASK_KEY_MAX_S
-from gateway.proxy.wire import MAX_MESSAGE_BYTES, MAX_OPEN_QUESTIONS
+from gateway.proxy import http1
+from gateway.proxy.http1 import MAX_BUFFERED_BYTES, MAX_HEAD_BYTES
+from gateway.proxy.proxy import LIST_CHANGED_GAP_S, MAX_LIST_ENTRIES, MAX_LIST_PAGES, TASK_KEY_MAX_S
+from gateway.proxy.wire import MAX_MESSAGE_BYTES, MAX_OPEN_QUESTIONS, Hooks, HttpWire
 from shared import keys
 from shared.config import ConfigError
 from tests.admin_support import MCP_KEY
-from tests.conftest import wait_for_sync
+from tests.conftest import wait_for, wait_for_sync
 from tests.proxy.harness import sdk_client
 from tests.proxy.hostile import HostileUpstream, hostile_upstream
 from tests.proxy_front import ADMIN, LEGACY, MODERN, Client, front_gateway
 
 HOSTILE_STDIO = str(Path(__file__).resolve().parent / "proxy" / "hostile_stdio.py")
 UPSTREAM_FAILED = -32052
+READ_AT_MOST_BYTES = 256 * 1024  # what asyncio takes from a socket in one read
 
 
 @pytest.fixture
@@ -219,6 +223,25 @@ def test_an_upstream_cannot_take_over_another_upstreams_task_by_its_id(redis_url
             assert not [r for r in list(second.requests) if r.get("method") == "tasks/get"]
 
 
+def test_an_upstream_cannot_take_over_a_task_the_gateway_hosts_by_its_id(redis_url: str) -> None:
+    """The id of a task the gateway hosts may reach an upstream (in a later call's _meta): an
+    upstream naming it as its own task would be sent the client's tasks/get and cancel of it."""
+    with hostile_upstream() as legacy, hostile_upstream() as modern:
+        legacy.tools = [{"name": "echo", "inputSchema": {"type": "object"}, "execution": {"taskSupport": "optional"}}]
+        modern.label = "the upstream"
+        proxy = {"upstreams": [_entry(legacy, "hosted"), _entry(modern, "claims", revision=MODERN)]}
+        with front_gateway(redis_url, proxy) as base:
+            client = Client(base, MCP_KEY, MODERN)
+            hosted = client.result("tools/call", {"name": "hosted.echo", "arguments": {}}, caps=TASKS)
+            assert hosted["resultType"] == "task"
+            modern.task_id = hosted["taskId"]
+            error = client.call("tools/call", {"name": "claims.make_task", "arguments": {}}, caps=TASKS)["error"]
+            assert error["code"] == UPSTREAM_FAILED and error["data"] == {"upstream": "claims", "reason": "protocol"}
+            polled = client.result("tasks/get", {"taskId": hosted["taskId"]}, caps=TASKS)
+            assert polled.get("statusMessage") != "task of the upstream"
+            assert not [r for r in list(modern.requests) if r.get("method") == "tasks/get"]
+
+
 def test_an_upstreams_task_lifetime_claim_is_bounded(redis_url: str, bad: HostileUpstream) -> None:
     """A ttlMs far past any real task (here ~285,000 years) is the upstream's claim: the gateway
     remembers the task's upstream for at most TASK_KEY_MAX_S, and the call is served."""
@@ -310,6 +333,23 @@ def test_a_stdio_upstream_writing_an_endless_line_or_garbage(redis_url: str, cap
         assert garbage["content"][0]["text"] == "garbage"
         _still_serving(client, "hs.echo")
     assert secret not in caplog.text
+
+
+def test_a_stdio_upstream_that_stops_reading_its_input_fails_calls_clearly_and_is_replaced(
+        redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Its pipe full, the gateway's writes wait: each call fails within the upstream's timeout_s,
+    the process is stopped once a write has waited that long, and the next call starts another."""
+    caplog.set_level(logging.WARNING, logger="gateway.proxy.wire")
+    proxy = {"upstreams": [{"name": "hs", "command": [sys.executable, HOSTILE_STDIO], "revision": LEGACY,
+                            "timeout_s": 2.0}], "breaker": {"failures": 1000, "reset_s": 1}}
+    with front_gateway(redis_url, proxy) as base:
+        client = Client(base, MCP_KEY, LEGACY).open()
+        for name, args in (("hs.deaf", {}), ("hs.echo", {"pad": "x" * (1 << 20)})):  # more than a pipe holds
+            error = client.call("tools/call", {"name": name, "arguments": args})["error"]
+            assert error["code"] == UPSTREAM_FAILED and error["data"] == {"upstream": "hs", "reason": "timeout"}
+        wait_for_sync(lambda: "result" in client.call("tools/call", {"name": "hs.echo", "arguments": {}}),
+                      timeout_s=30, what="a call served by a new process")
+        assert "its process read none of its input for 2 s; it is stopped" in caplog.text
 
 
 BIG_INT_ERROR = "sent an integer outside the 64-bit range in answer to tools/call; it is not passed on altered"
@@ -572,3 +612,129 @@ def test_an_upstream_echoing_the_gateways_credential_in_a_result_or_log_line_doe
         assert [m["params"]["data"] for m in messages if m.get("method") == "notifications/message"] == [said]
         assert messages[-1]["result"]["content"] == [{"type": "text", "text": said}]
         assert LEAKED_TOKEN not in answer.text and LEAKED_KEY not in answer.text
+
+
+def _tool(name: str, **properties: Any) -> dict[str, Any]:
+    return {"name": name, "inputSchema": {"type": "object", "properties": properties}}
+
+
+TEXT = {"type": "string"}
+BAD_PARAM_HEADERS = [
+    _tool("crlf", a={**TEXT, "x-mcp-header": "A\r\nX-Injected: 1"}),
+    _tool("colon", a={**TEXT, "x-mcp-header": "Authorization: Bearer x"}),
+    _tool("space", a={**TEXT, "x-mcp-header": "Region Name"}),
+    _tool("not_ascii", a={**TEXT, "x-mcp-header": "Régión"}),
+    _tool("huge", a={**TEXT, "x-mcp-header": "H" * 100_000}),
+    _tool("empty", a={**TEXT, "x-mcp-header": ""}),
+    _tool("not_text", a={**TEXT, "x-mcp-header": 7}),
+    _tool("twice", a={**TEXT, "x-mcp-header": "Region"}, b={**TEXT, "x-mcp-header": "region"}),
+    _tool("object", a={"type": "object", "x-mcp-header": "Obj"}),
+    _tool("typeless", a={"x-mcp-header": "Any"}),
+    _tool("type_list", a={"type": ["string", "null"], "x-mcp-header": "Maybe"}),
+    _tool("under_items", a={"type": "array", "items": {**TEXT, "x-mcp-header": "Item"}}),
+]
+
+
+def test_an_upstream_tool_whose_x_mcp_headers_break_the_rules_is_not_listed_and_a_valid_one_is_carried(
+        redis_url: str, bad: HostileUpstream, caplog: pytest.LogCaptureFixture) -> None:
+    """SEP-2243: the names an upstream declares become headers of the gateway's own requests to it.
+    One that is no HTTP token (CR/LF, a colon, a space), huge, or twice is refused with the tool,
+    logged; a valid one (at any depth of properties) reaches the upstream with its value."""
+    caplog.set_level(logging.ERROR, logger="gateway.proxy.proxy")
+    where = {"type": "object", "properties": {"zone": {"type": "integer", "x-mcp-header": "Zone"}}}
+    bad.tools = [*BAD_PARAM_HEADERS, _tool("fine", region={**TEXT, "x-mcp-header": "Region"}, where=where)]
+    with front_gateway(redis_url, {"upstreams": [_entry(bad, revision=MODERN)]}) as base:
+        client = Client(base, MCP_KEY, LEGACY).open()
+        names = [n for n in client.names() if n.startswith("bad.")]
+        assert names == ["bad.fine"]
+        for tool in BAD_PARAM_HEADERS:
+            assert f"entry {tool['name']!r} is not listed" in caplog.text
+        assert "\r\nX-Injected" not in caplog.text and "H" * 200 not in caplog.text  # no line of its making
+        answer = client.result("tools/call", {"name": "bad.fine", "arguments": {"region": "eu\r\nwest",
+                                                                               "where": {"zone": 3}}})
+        assert answer["content"][0]["text"] == "echo"
+        sent = next(r for r in bad.requests if r.get("method") == "tools/call")["_headers"]
+        assert sent["mcp-param-zone"] == "3"
+        assert sent["mcp-param-region"] == "=?base64?" + base64.b64encode(b"eu\r\nwest").decode() + "?="
+        assert not [h for h in sent if h.startswith("mcp-param-") and h not in ("mcp-param-zone", "mcp-param-region")]
+        _still_serving(client, "bad.echo")
+
+
+def _all_names(client: Client) -> list[str]:
+    """Every tool of the client's list, page after page."""
+    names: list[str] = []
+    params: dict[str, Any] = {}
+    while True:
+        page = client.result("tools/list", params)
+        names += [t["name"] for t in page["tools"]]
+        if "nextCursor" not in page:
+            return names
+        params = {"cursor": page["nextCursor"]}
+
+
+def test_an_upstream_listing_endless_pages_of_entries_is_listed_up_to_the_bound(
+        redis_url: str, bad: HostileUpstream, caplog: pytest.LogCaptureFixture) -> None:
+    """Pages of new entries without end: the gateway stops asking once it holds MAX_LIST_ENTRIES of
+    them, and clients get those, logged; not millions of entries in memory and in every list."""
+    caplog.set_level(logging.WARNING, logger="gateway.proxy.proxy")
+    bad.endless_pages, bad.page_tools = True, 2_000
+    with front_gateway(redis_url, {"upstreams": [_entry(bad)]}) as base:
+        client = Client(base, MCP_KEY, LEGACY).open()
+        names = _all_names(client)
+        assert len([n for n in names if n.startswith("bad.")]) == MAX_LIST_ENTRIES
+        assert "context_append" in names and "bad.p0_0" in names
+        assert bad.pages_sent == MAX_LIST_ENTRIES // bad.page_tools + 1
+        assert f"tools/list has over {MAX_LIST_ENTRIES} entries" in caplog.text
+
+
+@pytest.mark.parametrize("same_cursor", [True, False])
+def test_an_upstream_paging_in_a_loop_or_without_end_is_asked_a_bounded_number_of_pages(
+        redis_url: str, bad: HostileUpstream, caplog: pytest.LogCaptureFixture, same_cursor: bool) -> None:
+    caplog.set_level(logging.WARNING, logger="gateway.proxy.proxy")
+    bad.endless_pages, bad.page_tools, bad.same_cursor = True, 1, same_cursor
+    with front_gateway(redis_url, {"upstreams": [_entry(bad)]}) as base:
+        names = Client(base, MCP_KEY, LEGACY).open().names()
+        if same_cursor:  # the second page names the first's cursor again
+            assert bad.pages_sent == 2 and "named a page it already sent" in caplog.text
+            assert [n for n in names if n.startswith("bad.")] == ["bad.p0_0"]
+        else:
+            assert bad.pages_sent == MAX_LIST_PAGES and f"over {MAX_LIST_PAGES} pages" in caplog.text
+            assert len([n for n in names if n.startswith("bad.")]) == MAX_LIST_PAGES
+
+
+async def test_an_http_upstream_streaming_faster_than_the_gateway_passes_it_on_waits_in_its_writes(
+        bad: HostileUpstream, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the one taking a call's notifications is slow, the gateway stops reading the
+    upstream's stream once MAX_BUFFERED_BYTES of it wait unread: the upstream finds the socket
+    full, the gateway holding a bounded part of it; then every note arrives, and the answer."""
+    held = 0
+    on_body = http1._Connection.on_body
+
+    def measured(conn: http1._Connection, body: bytes) -> None:
+        nonlocal held
+        on_body(conn, body)
+        if conn.response is not None:
+            held = max(held, sum(map(len, conn.response._chunks)))
+
+    monkeypatch.setattr(http1._Connection, "on_body", measured)
+    bad.endless_bytes = 64 << 20
+    release, taken = asyncio.Event(), 0
+
+    async def notify(msg: dict[str, Any]) -> None:
+        nonlocal taken
+        taken += 1
+        await release.wait()
+
+    wire = HttpWire(bad.url, {}, 10.0)
+    try:
+        body = orjson.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
+            "name": "note_flood", "arguments": {}, "_meta": {"progressToken": "t"}}})
+        call = asyncio.create_task(wire.send(body, {}, 1, Hooks(notify=notify, progress_token="t")))
+        await wait_for(lambda: taken and bad.blocked.is_set(), timeout_s=60, what="the upstream to find the socket full")
+        assert taken == 1 and held <= MAX_BUFFERED_BYTES + READ_AT_MOST_BYTES
+        release.set()
+        answer = await asyncio.wait_for(call, 120)
+        assert answer.message is not None and answer.message["result"]["content"][0]["text"] == "flooded"
+        assert taken == bad.notes  # every note, then the answer
+    finally:
+        await wire.close()

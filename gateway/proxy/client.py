@@ -161,7 +161,8 @@ class UpstreamClient:
         else:
             env = stdio_env(cfg)
             self.http = None
-            self.stdio = StdioPool(cfg.name, cfg.command or [], env, cfg.stdio_max_processes, cfg.stdio_idle_s)
+            self.stdio = StdioPool(cfg.name, cfg.command or [], env, cfg.stdio_max_processes, cfg.stdio_idle_s,
+                                   cfg.timeout_s)
             self.scrubber = Scrubber(env.values())
         self.revision: str | None = None if cfg.revision == "auto" else cfg.revision
         self.legacy_version = LEGACY_VERSION  # what initialize agreed on

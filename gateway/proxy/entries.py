@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from gateway.proxy import param_headers
+
 
 class _Entry(msgspec.Struct, rename="camel", kw_only=True):
     pass
@@ -89,9 +91,9 @@ SHAPES: dict[str, type[_Entry]] = {"tools": Tool, "prompts": Prompt, "resources"
 
 def malformed(kind: str, entry: dict[str, Any]) -> str | None:
     """Why ``entry`` of list ``kind`` is not the shape MCP gives it (msgspec's words, naming the
-    field), or None when it is."""
+    field; for a tool, what breaks the rules of its ``x-mcp-header`` declarations), or None when it is."""
     try:
         msgspec.convert(entry, SHAPES[kind])
     except msgspec.ValidationError as exc:
         return str(exc)
-    return None
+    return param_headers.problem(entry["inputSchema"]) if kind == "tools" else None

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import ssl
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from urllib.parse import urlsplit
 
 import httptools
@@ -30,6 +30,9 @@ MAX_IDLE_CONNECTIONS = 64
 MAX_IDLE_S = 4.0
 MAX_HEAD_BYTES = 64 * 1024  # a response's status line and headers
 FINISH_GRACE_S = 5.0  # how long a response read to its answer may take to end before its connection is dropped
+# A response's body received and not read yet: past this the connection stops reading, so an
+# upstream sending faster than the gateway passes its stream on waits in its own writes.
+MAX_BUFFERED_BYTES = 256 * 1024
 
 
 class HttpProtocolError(WireClosed):
@@ -40,7 +43,7 @@ class Response:
     """One response as it arrives: status and headers first, then the body in chunks."""
 
     __slots__ = ("status", "headers", "_chunks", "_more", "complete", "keep_alive", "error", "_head", "finishing",
-                 "head_bytes")
+                 "head_bytes", "buffered_bytes", "_resume")
 
     def __init__(self) -> None:
         self.status = 0
@@ -53,6 +56,8 @@ class Response:
         self.error: BaseException | None = None
         self.finishing = False
         self.head_bytes = 0  # received while the head was incomplete
+        self.buffered_bytes = 0  # of the body, received and not read yet
+        self._resume: Callable[[], None] | None = None  # the connection's reading, paused past MAX_BUFFERED_BYTES
 
     def finish_later(self) -> None:
         """The reader has what it needed: the rest need not hold it up (see :class:`Exchange`)."""
@@ -66,7 +71,11 @@ class Response:
     async def chunks(self) -> AsyncIterator[bytes]:
         while True:
             while self._chunks:
-                yield self._chunks.popleft()
+                chunk = self._chunks.popleft()
+                self.buffered_bytes -= len(chunk)
+                if self._resume is not None and self.buffered_bytes <= MAX_BUFFERED_BYTES:
+                    self._resume()
+                yield chunk
             if self.complete:
                 return
             if self.error is not None:
@@ -91,6 +100,7 @@ class Response:
     # parser side
     def _push(self, data: bytes) -> None:
         self._chunks.append(data)
+        self.buffered_bytes += len(data)
         self._more.set()
 
     def _fail(self, exc: BaseException) -> None:
@@ -108,6 +118,7 @@ class _Connection(asyncio.Protocol):
         self.response: Response | None = None
         self.closed = False
         self.idle_since = 0.0  # loop time it went back to the pool
+        self.paused = False  # reading, for a response whose reader is behind (see MAX_BUFFERED_BYTES)
         self._header: bytes = b""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -156,6 +167,14 @@ class _Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         if self.response is not None:
             self.response._push(body)
+            if self.response.buffered_bytes > MAX_BUFFERED_BYTES and not self.paused and self.transport is not None:
+                self.paused = True
+                self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self.paused and not self.closed and self.transport is not None:
+            self.paused = False
+            self.transport.resume_reading()
 
     def on_message_complete(self) -> None:
         response = self.response
@@ -219,6 +238,7 @@ class Origin:
 
     async def _send(self, conn: _Connection, data: bytes) -> Exchange:
         response = conn.response = Response()
+        response._resume = conn.resume
         if conn.transport is None or conn.closed:
             raise WireClosed("connection closed")
         conn.transport.write(data)
@@ -236,6 +256,7 @@ class Origin:
             spawn(self._finish(conn, response), self._finishing, "reading the rest of an upstream's response")
             return
         conn.response = None
+        conn.resume()  # what the reader left unread is dropped with the response
         if response.complete and response.keep_alive and not conn.closed and len(self._idle) < MAX_IDLE_CONNECTIONS:
             conn.idle_since = asyncio.get_running_loop().time()
             self._idle.append(conn)

@@ -36,9 +36,8 @@ from gateway.errors import (
     NotFound,
 )
 from gateway.mcp.dispatcher import Call, InputRequired
-from gateway.mcp.kernel import header_form, param_header_spec
 from gateway.mcp.types import LEGACY_VERSION, MODERN_VERSION
-from gateway.proxy import entries, names
+from gateway.proxy import entries, names, param_headers
 from gateway.proxy.breaker import CLOSED, STATE_VALUE
 from gateway.proxy.capture import capture
 from gateway.proxy.client import UpstreamClient, header_value
@@ -63,7 +62,11 @@ log = logging.getLogger(__name__)
 
 LISTS = {"tools": "tools/list", "resources": "resources/list", "resourceTemplates": "resources/templates/list",
          "prompts": "prompts/list"}
+# What the gateway fetches of one list of one upstream: an upstream answering with endless pages,
+# or pages of millions of entries, would hold the replica's memory (and the event loop, each entry
+# checked and rewritten) and every client's list; what lies past either bound is left out, logged.
 MAX_LIST_PAGES = 50
+MAX_LIST_ENTRIES = 10_000
 MAX_INPUT_ROUNDS = 8
 LIST_CHANGED_GAP_S = 1.0
 WATCH_RETRY_MIN_S, WATCH_RETRY_MAX_S = 1.0, 60.0
@@ -86,7 +89,7 @@ class Catalog:
     tools: dict[str, str] = field(default_factory=dict)    # exposed name -> upstream's name
     prompts: dict[str, str] = field(default_factory=dict)
     schemas: dict[str, dict[str, Any]] = field(default_factory=dict)  # exposed tool name -> inputSchema
-    param_specs: dict[str, tuple[tuple[str, str], ...]] = field(default_factory=dict)  # tools with x-mcp-header
+    param_specs: dict[str, param_headers.Spec] = field(default_factory=dict)  # tools with x-mcp-header
     task_support: dict[str, str] = field(default_factory=dict)  # exposed tool name -> optional | required
 
 
@@ -326,16 +329,31 @@ class Proxy:
         up.catalog = catalog
 
     async def _fetch_all(self, principal: str, up: Upstream, method: str, kind: str) -> list[dict[str, Any]]:
+        """Every page of one list, up to MAX_LIST_PAGES pages and MAX_LIST_ENTRIES entries; a
+        cursor the upstream already gave ends it too (it would only send the same pages again)."""
         entries: list[dict[str, Any]] = []
         params: dict[str, Any] = {}
+        cursors: set[str] = set()
         for _ in range(MAX_LIST_PAGES):
             result = await up.client.request(principal, method, params)
             page = result.get(kind)
-            entries.extend(e for e in page if isinstance(e, dict)) if isinstance(page, list) else None
+            if isinstance(page, list):
+                entries.extend(e for e in page[:MAX_LIST_ENTRIES + 1 - len(entries)] if isinstance(e, dict))
+            if len(entries) > MAX_LIST_ENTRIES:
+                log.warning("proxy upstream %s: %s has over %d entries; the first %d are listed", up.name, method,
+                            MAX_LIST_ENTRIES, MAX_LIST_ENTRIES)
+                return entries[:MAX_LIST_ENTRIES]
             cursor = result.get("nextCursor")
             if not isinstance(cursor, str) or not cursor:
-                break
+                return entries
+            if cursor in cursors:
+                log.warning("proxy upstream %s: %s named a page it already sent; the %d entries so far are listed",
+                            up.name, method, len(entries))
+                return entries
+            cursors.add(cursor)
             params = {"cursor": cursor}
+        log.warning("proxy upstream %s: %s has over %d pages; the entries of the first %d are listed", up.name,
+                    method, MAX_LIST_PAGES, MAX_LIST_PAGES)
         return entries
 
     def _rewrite(self, up: Upstream, kind: str, entry: dict[str, Any], catalog: Catalog,
@@ -363,7 +381,7 @@ class Proxy:
             mounted[exposed] = str(name)
             if kind == "tools" and isinstance(entry.get("inputSchema"), dict):
                 catalog.schemas[exposed] = entry["inputSchema"]
-                spec = param_header_spec(entry["inputSchema"])
+                spec = param_headers.spec(entry["inputSchema"])
                 if spec:
                     catalog.param_specs[exposed] = spec
             execution = entry.get("execution") if kind == "tools" else None
@@ -634,8 +652,10 @@ class Proxy:
     # ------------------------------------------------------------------ tasks extension
     async def _remember_task(self, call: Call, up: Upstream, result: dict[str, Any]) -> None:
         """Which upstream answers for the task. A task id is the upstream's own: one the principal
-        already holds a task of another upstream under fails the call, so that neither upstream
-        is sent the other's tasks/get, update or cancel."""
+        already holds a task of another upstream under, or a task of the gateway's own (one it
+        hosts, which the client may have named to the upstream in its ``_meta``), fails the call,
+        so that no upstream is sent another's tasks/get, update or cancel, nor answers them for
+        the gateway's."""
         task_id = result.get("taskId")
         if result.get("resultType") != "task" or not isinstance(task_id, str):
             return
@@ -643,6 +663,9 @@ class Proxy:
         ttl_s = int(ttl_ms) // 1000 + TASK_KEY_SLACK_S if isinstance(ttl_ms, int) and ttl_ms > 0 else TASK_KEY_TTL_S
         ttl_s = min(ttl_s, TASK_KEY_MAX_S)
         key, redis = keys.proxy_task(call.principal, task_id), self.gateway.redis
+        if await redis.exists(keys.task(call.principal, task_id)):
+            raise UpstreamFailed(up.name, "protocol", f"upstream {up.name!r} named a task {_clipped(task_id)!r}, the "
+                                 "id of a task of the gateway's own this principal holds")
         if await redis.set(key, up.name, ex=ttl_s, nx=True):
             return
         owner = await redis.get(key)
@@ -677,14 +700,9 @@ class Proxy:
                 **({"processes": up.client.stdio.running} if up.client.stdio is not None else {})}
 
 
-def _param_headers(spec: tuple[tuple[str, str], ...], args: dict[str, Any]) -> dict[str, str] | None:
+def _param_headers(spec: param_headers.Spec, args: dict[str, Any]) -> dict[str, str] | None:
     """SEP-2243: the ``Mcp-Param-*`` headers a 2026-07-28 upstream expects for these arguments."""
-    out: dict[str, str] = {}
-    for arg, header in spec:
-        value = header_form(args.get(arg))
-        if value is not None:
-            out[header] = header_value(value)
-    return out or None
+    return {header: header_value(value) for header, value in param_headers.values(spec, args).items()} or None
 
 
 def _clipped(item: str) -> str:

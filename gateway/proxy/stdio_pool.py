@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 
 from gateway.proxy.errors import StdioCapReached, WireClosed
-from gateway.proxy.wire import Hooks, Message, StdioWire
+from gateway.proxy.wire import DEFAULT_WRITE_TIMEOUT_S, Hooks, Message, StdioWire
 from shared.aio import spawn
 
 CATALOG = ""  # the key of the lists' process (no principal is named "")
@@ -30,8 +30,9 @@ Notes = Callable[[str, Message], Awaitable[None]]  # (principal or CATALOG, mess
 
 class StdioPool:
     def __init__(self, upstream: str, command: list[str], env: Mapping[str, str], max_processes: int,
-                 idle_s: float) -> None:
+                 idle_s: float, write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S) -> None:
         self.upstream = upstream
+        self.write_timeout_s = write_timeout_s  # see StdioWire
         self.command = command
         self.env = env
         self.max_processes = max_processes
@@ -59,7 +60,8 @@ class StdioPool:
             evicted = self._make_room()
         if wire is None:
             wire = self._wires[key] = StdioWire(self.command, self.env,
-                                                Hooks(notify=functools.partial(self._note, key)))
+                                                Hooks(notify=functools.partial(self._note, key)),
+                                                self.write_timeout_s)
         self._wires.move_to_end(key)
         wire.leases += 1
         timer = self._timers.pop(key, None)

@@ -43,6 +43,11 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 ENCODER_DEPTH = 254  # the deepest nesting orjson writes
 MAX_OPEN_QUESTIONS = 16  # an upstream's requests to the client open at once during one call
 STDIO_STOP_GRACE_S = 2.0
+# What a stdio process's output may fill in the gateway before it is read: reading pauses at twice
+# this, the pipe fills, and the process waits in its writes for the gateway to catch up. A longer
+# line is gathered on its own, up to MAX_MESSAGE_BYTES.
+STDIO_READ_BUFFER_BYTES = 256 * 1024
+DEFAULT_WRITE_TIMEOUT_S = 30.0
 STDIO_INHERITED_ENV = frozenset({"PATH", "HOME", "USER", "LOGNAME", "SHELL", "TERM", "LANG", "LC_ALL", "TMPDIR",
                                  "PYTHONPATH", "VIRTUAL_ENV", "SYSTEMROOT"})
 
@@ -262,6 +267,12 @@ class StdioWire:
     """One process of a stdio server: started on first use, restarted on the next use after it
     exits, never again once closed.
 
+    Its output is read as fast as the gateway takes it in, never faster: a notification is handed
+    to its hooks before the next line is read (so a flood waits in the pipe, and is passed on in
+    order), and at most MAX_OPEN_QUESTIONS of its requests are served at once (one beyond them is
+    refused). A process that takes nothing of its input for ``write_timeout_s`` while the gateway
+    writes to it is stopped: every request waiting on it fails, and the next use starts another.
+
     Answers are matched to requests by id. What else the server sends goes to hooks: a message
     stamped with a waiting request's subscription id (a ``subscriptions/listen`` stream) to that
     request's; progress to the waiting request that sent its ``progressToken`` (tokens are unique
@@ -270,8 +281,10 @@ class StdioWire:
     principal's whichever call is in flight); anything else to the oldest request still waiting
     that is not a stream (a stdio exchange carries no other link), else to ``standing``."""
 
-    def __init__(self, command: list[str], env: Mapping[str, str], standing: Hooks = NO_HOOKS) -> None:
+    def __init__(self, command: list[str], env: Mapping[str, str], standing: Hooks = NO_HOOKS,
+                 write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S) -> None:
         self.command = command
+        self.write_timeout_s = write_timeout_s
         # Not the gateway's environment (it holds the gateway's own secrets): the basics a program
         # needs, plus what the upstream's configuration names.
         self.env = {k: v for k, v in os.environ.items() if k in STDIO_INHERITED_ENV} | dict(env)
@@ -287,6 +300,7 @@ class StdioWire:
         self._reader: asyncio.Task[None] | None = None
         self._start_lock = asyncio.Lock()
         self._side: set[asyncio.Task[None]] = set()  # server requests being answered (held until done)
+        self._fault: Exception | None = None  # why the gateway stopped the running process, if it did
 
     @property
     def running(self) -> bool:
@@ -305,13 +319,14 @@ class StdioWire:
                 try:
                     self.proc = await asyncio.create_subprocess_exec(
                         *self.command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                        stderr=asyncio.subprocess.DEVNULL, env=self.env, limit=MAX_MESSAGE_BYTES)
+                        stderr=asyncio.subprocess.DEVNULL, env=self.env, limit=STDIO_READ_BUFFER_BYTES)
                 except OSError as exc:  # not found, not executable: the operator's to fix, so logged
                     log.warning("stdio upstream %s cannot be started: %s", self.command[0],
                                 exc.strerror or type(exc).__name__)
                     # The client is told no more than that: the command is the operator's business.
                     raise WireClosed("its process could not be started") from None
                 self.generation += 1
+                self._fault = None
                 self._reader = asyncio.create_task(self._read(self.proc), name="proxy-stdio-reader")
             return self.proc
 
@@ -339,9 +354,20 @@ class StdioWire:
             raise WireClosed("the stdio server is not running")
         try:
             proc.stdin.write(body + b"\n")
-            await proc.stdin.drain()
+            async with asyncio.timeout(self.write_timeout_s):
+                await proc.stdin.drain()
         except (BrokenPipeError, ConnectionResetError) as exc:
             raise WireClosed("the stdio server closed its input") from exc
+        except TimeoutError:
+            # Its input pipe is full and stays so: every later write would wait the same, and what
+            # the gateway writes meanwhile would pile up in memory. The next use starts another.
+            self._fault = WireClosed(f"its process read none of its input for {self.write_timeout_s:g} s "
+                                     "and was stopped")
+            log.warning("stdio upstream %s: its process read none of its input for %g s; it is stopped",
+                        self.command[0], self.write_timeout_s)
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            raise self._fault from None
 
     async def _read(self, proc: asyncio.subprocess.Process) -> None:
         stdout = proc.stdout
@@ -349,7 +375,7 @@ class StdioWire:
             return
         ended: Exception = WireClosed("the stdio server exited")
         try:
-            while line := await stdout.readline():
+            async for line in _stdio_lines(stdout):
                 try:
                     msg = _json_object(line)
                 except Unpassable as exc:
@@ -357,15 +383,18 @@ class StdioWire:
                     continue
                 if msg is not None:
                     await self._route(proc, msg)
-        except ValueError:  # asyncio's answer to a line over the limit
-            ended = MessageTooLarge(MAX_MESSAGE_BYTES)
+        except MessageTooLarge as exc:
+            ended = exc
             log.warning("stdio upstream %s: a line over %d bytes; the process is stopped", self.command[0],
                         MAX_MESSAGE_BYTES)
+            proc.kill()
+            await _discard(stdout)
         except OSError as exc:
             log.warning("stdio upstream %s: %s", self.command[0], type(exc).__name__)
         finally:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
+            ended = self._fault or ended
             for future, _ in list(self._waiting.values()):
                 if not future.done():
                     future.set_exception(ended)
@@ -377,9 +406,15 @@ class StdioWire:
             if waiting is not None and not waiting[0].done():
                 waiting[0].set_result(msg)
             return
-        task = asyncio.create_task(self._serve_side(proc, msg, self._hooks_of(msg)))
-        self._side.add(task)
-        task.add_done_callback(self._side.discard)
+        hooks = self._hooks_of(msg)
+        if "id" not in msg:  # in order, and the next line waits for it (see the class)
+            await self._serve_side(proc, msg, hooks)
+        elif len(self._side) >= MAX_OPEN_QUESTIONS:
+            await self._serve_side(proc, msg, NO_HOOKS)  # refused at once
+        else:  # answered concurrently: an answer may take the client a while
+            task = asyncio.create_task(self._serve_side(proc, msg, hooks))
+            self._side.add(task)
+            task.add_done_callback(self._side.discard)
 
     def _refuse(self, exc: Unpassable) -> None:
         """A message that cannot be passed on as sent: the request it answers fails with it; any
@@ -395,7 +430,7 @@ class StdioWire:
         params = msg.get("params")
         meta = params.get("_meta") if isinstance(params, dict) else None
         stream = meta.get(SUBSCRIPTION_ID_META_KEY) if isinstance(meta, dict) else None
-        if stream is not None and stream in self._waiting:
+        if type(stream) is int and stream in self._waiting:  # the gateway's ids (a list would not even hash)
             return self._waiting[stream][1]
         token = params.get("progressToken") if isinstance(params, dict) else None
         if token is not None and msg.get("method") == "notifications/progress":
@@ -437,8 +472,50 @@ class StdioWire:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._reader
+        if proc is not None and proc.stdout is not None:
+            await _discard(proc.stdout)
         for task in list(self._side):
             task.cancel()
+
+
+async def _stdio_lines(stdout: asyncio.StreamReader) -> AsyncIterator[bytes]:
+    """The lines of a process's output. One longer than the reader's buffer is gathered here, up
+    to MAX_MESSAGE_BYTES (:class:`MessageTooLarge` past that), so that an ordinary flood of lines
+    never holds more than the buffer."""
+    while True:
+        try:
+            yield await stdout.readuntil(b"\n")
+        except asyncio.IncompleteReadError as exc:  # the output ended
+            if exc.partial:
+                yield exc.partial
+            return
+        except asyncio.LimitOverrunError as exc:
+            yield await _long_line(stdout, await stdout.readexactly(exc.consumed))
+
+
+async def _discard(stdout: asyncio.StreamReader) -> None:
+    """Read a stopped process's output to its end, dropping it (no more than its pipe held): its
+    pipe is closed only then, and reading may have been paused with output waiting."""
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(STDIO_STOP_GRACE_S):
+            while await stdout.read(STDIO_READ_BUFFER_BYTES):
+                pass
+
+
+async def _long_line(stdout: asyncio.StreamReader, start: bytes) -> bytes:
+    line = bytearray(start)
+    while len(line) <= MAX_MESSAGE_BYTES:
+        try:
+            line += await stdout.readuntil(b"\n")
+            break
+        except asyncio.IncompleteReadError as exc:
+            line += exc.partial
+            break
+        except asyncio.LimitOverrunError as exc:
+            line += await stdout.readexactly(exc.consumed)
+    if len(line) > MAX_MESSAGE_BYTES:
+        raise MessageTooLarge(MAX_MESSAGE_BYTES)
+    return bytes(line)
 
 
 Wire = HttpWire | StdioWire

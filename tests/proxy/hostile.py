@@ -4,7 +4,7 @@ can see what reached it.
 
 It speaks 2025-11-25 (``initialize`` opens a session; a GET stream is not offered). ``tools/list``
 lists :attr:`HostileUpstream.tools`; ``tools/call`` of tool ``<behaviour>`` runs the coroutine of
-that name below, which writes whatever bytes it likes to the socket; ``resources/subscribe``
+that name below, which writes whatever bytes it likes to the socket (any other tool: ``echo``); ``resources/subscribe``
 is answered once :attr:`HostileUpstream.subscribe_gate` is set: it fails (HTTP 503)
 :attr:`HostileUpstream.subscribe_failures` times, then succeeds. What it received is kept in
 ``requests`` (the JSON bodies, with the request headers under ``"_headers"`` and the request
@@ -101,6 +101,30 @@ async def many_headers(up: HostileUpstream, writer: asyncio.StreamWriter, reques
             n += 1
             if n % 64 == 0:
                 await writer.drain()
+    except (ConnectionError, OSError):
+        up.hung_up.set()
+
+
+async def note_flood(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[str, Any]) -> None:
+    """Progress for the call, ``up.endless_bytes`` of it, written faster than it is read: the
+    writer waits only once 1 MiB waits in its own buffer (the socket's full: ``up.blocked`` is
+    set then), then the answer."""
+    token = request["params"].get("_meta", {}).get("progressToken")
+    note = b"data: " + orjson.dumps({"jsonrpc": "2.0", "method": "notifications/progress", "params": {
+        "progressToken": token, "progress": 1, "message": "x" * 4000}}) + b"\n\n"
+    writer.write(_head(200, "text/event-stream"))
+    try:
+        while up.sent < up.endless_bytes:
+            writer.write(note)
+            up.sent += len(note)
+            up.notes += 1
+            if writer.transport.get_write_buffer_size() > 1 << 20:
+                up.blocked.set()
+                await writer.drain()
+            else:
+                await asyncio.sleep(0)
+        writer.write(b"data: " + orjson.dumps(_text(request, "flooded")) + b"\n\n")
+        writer.close()
     except (ConnectionError, OSError):
         up.hung_up.set()
 
@@ -252,7 +276,7 @@ async def deep(up: HostileUpstream, writer: asyncio.StreamWriter, request: dict[
 
 
 BEHAVIOURS: dict[str, Behaviour] = {f.__name__: f for f in (
-    huge_json, huge_head, many_headers, huge_sse_line, huge_sse_event, answer_then_linger, ask_flood, churn, hang_up,
+    huge_json, huge_head, many_headers, huge_sse_line, huge_sse_event, note_flood, answer_then_linger, ask_flood, churn, hang_up,
     make_task, side_notes, hold, echo, wrong_id, no_id, true_id, sse_wrong_id, error, leak_error, leak_result, big_int, big_int_sse, edge_ints,
     deep)}
 
@@ -270,7 +294,10 @@ class HostileUpstream:
         self.label = "hostile"  # what its tasks/get answers carry
         self.task_id, self.task_ttl_ms = "task-1", 60_000
         self.page_delay_s = 0.0  # how long each tools/list page takes
-        self.endless_pages = False  # every tools/list page names a next one
+        self.endless_pages = False  # every tools/list page names a next one (see _page)
+        self.same_cursor = False
+        self.page_tools = 0
+        self.pages_sent = 0
         self.flood_hold_s = 0.0  # how long the flood stays unanswered before the call's answer
         self.error: dict[str, Any] = {"code": -32603, "message": "failed"}  # what tool ``error`` answers
         self.subscribe_failures = 0  # resources/subscribe requests answered HTTP 503 (as if down) before it accepts
@@ -283,6 +310,8 @@ class HostileUpstream:
         self.release = threading.Event()  # tool ``hold`` answers once this is set
         self.sent = 0
         self.hung_up = threading.Event()  # the gateway closed a connection under an answer being sent
+        self.blocked = threading.Event()  # tool note_flood found the gateway reading no more
+        self.notes = 0  # notifications tool note_flood sent
         self.stopping = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready = threading.Event()
@@ -318,6 +347,18 @@ class HostileUpstream:
         finally:
             writer.close()
 
+    def _page(self, cursor: Any) -> dict[str, Any]:
+        """A tools/list page: ``tools``, or with ``page_tools`` that many new tools per page, named
+        by the page; the next page is named when ``endless_pages``, as ``page-<n+1>`` (or ``more``,
+        always the same, when ``same_cursor``)."""
+        n = int(cursor.removeprefix("page-")) if isinstance(cursor, str) and cursor.startswith("page-") else 0
+        self.pages_sent += 1
+        tools = [{"name": f"p{n}_{i}", "inputSchema": {"type": "object"}} for i in range(self.page_tools)] \
+            if self.page_tools else self.tools
+        if not self.endless_pages:
+            return {"tools": tools}
+        return {"tools": tools, "nextCursor": "more" if self.same_cursor else f"page-{n + 1}"}
+
     async def _answer(self, writer: asyncio.StreamWriter, message: dict[str, Any]) -> None:
         method = message.get("method", "")
         if "id" not in message:
@@ -329,13 +370,12 @@ class HostileUpstream:
                                             "serverInfo": {"name": "hostile", "version": "1"}}))
         elif method == "tools/list":
             await asyncio.sleep(self.page_delay_s)
-            page = {"tools": self.tools, **({"nextCursor": "more"} if self.endless_pages else {})}
-            _json(writer, _result(message, page))
+            _json(writer, _result(message, self._page((message.get("params") or {}).get("cursor"))))
         elif method == "tasks/get":
             _json(writer, _result(message, {"taskId": message["params"]["taskId"], "status": "working",
                                             "statusMessage": f"task of {self.label}"}))
         elif method == "tools/call":
-            await BEHAVIOURS[message["params"]["name"]](self, writer, message)
+            await BEHAVIOURS.get(message["params"]["name"], echo)(self, writer, message)
         elif method == "resources/subscribe":
             await asyncio.get_running_loop().run_in_executor(None, self.subscribe_gate.wait)
             if self.subscribe_failures > 0:

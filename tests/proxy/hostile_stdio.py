@@ -4,7 +4,8 @@ so it can write what no SDK server would): ``python tests/proxy/hostile_stdio.py
 It speaks 2025-11-25. ``tools/call`` of ``endless_line`` writes one line that never ends;
 ``garbage`` writes lines that are not JSON-RPC before its answer; ``chatter`` sends
 ``notifications/message`` by the hundred thousand before its answer; ``big_int`` sends a log message,
-then an answer, each holding an integer beyond 64 bits; ``echo`` answers at once.
+then an answer, each holding an integer beyond 64 bits; ``deaf`` reads no more input and never
+answers (the process stays); ``echo`` answers at once.
 Whatever it writes to stderr is noise, and it carries the value of ``$HOSTILE_SECRET`` there.
 """
 
@@ -13,8 +14,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
-TOOLS = ["endless_line", "garbage", "chatter", "big_int", "echo"]
+TOOLS = ["endless_line", "garbage", "chatter", "big_int", "deaf", "echo"]
 CHATTER = 200_000
 
 
@@ -38,6 +40,8 @@ def call(rid: object, name: str) -> None:
         note = json.dumps({"jsonrpc": "2.0", "method": "notifications/message",
                            "params": {"level": "info", "data": "x" * 200}}) + "\n"
         sys.stdout.write(note * CHATTER)
+    if name == "deaf":
+        time.sleep(3600)
     if name == "big_int":
         send({"jsonrpc": "2.0", "method": "notifications/message", "params": {"level": "info", "data": 10**30}})
         send({"jsonrpc": "2.0", "id": rid, "result": {"content": [], "structuredContent": {"n": 10**30}}})
