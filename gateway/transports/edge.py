@@ -163,11 +163,18 @@ class HttpEdge:
 
     async def _admin_key(self, scope: Scope, send: Send, authorization: str | None) -> AdminPrincipal | None:
         """The admin key the request presents, or None once it is answered: 401 without a valid
-        one, 429 while its address or key is refused for failed attempts (gateway/auth_throttle.py)."""
+        one, 429 while its address or key is refused for failed attempts (gateway/auth_throttle.py)
+        unless it is a key no one can guess (``AdminKeyring.lookup_unguessable``)."""
         token = bearer_token(authorization)
         try:
             if token is not None:
-                self.throttle.check(scope, token)
+                try:
+                    self.throttle.check(scope, token)
+                except AuthError:
+                    served = await self.keyring.lookup_unguessable(token)  # one guesser behind a NAT locks out no one
+                    if served is None:
+                        raise
+                    return served
             who = await authenticate(self.keyring, authorization)
             if who is None and token is not None:
                 too_many = await self.throttle.failed(scope, token)

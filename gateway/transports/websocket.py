@@ -213,8 +213,17 @@ async def _principal(gateway: Gateway, ws: WebSocket) -> tuple[str, float | None
 
 
 async def _redeem(gateway: Gateway, ws: WebSocket, ticket: str) -> tuple[str, float | None]:
-    """The principal of a ticket, which counts as a credential for the throttle."""
-    gateway.auth.throttle.check(ws.scope, ticket)
+    """The principal of a ticket, which counts as a credential for the throttle. A ticket is
+    served from a refused address too: it holds 256 random bits no guessing finds, and is
+    issued only to a caller that authenticated (gateway/auth.py, ``Authenticator._unguessable``);
+    a ticket that does not redeem there is 429, as a wrong guess, and is not counted."""
+    try:
+        gateway.auth.throttle.check(ws.scope, ticket)
+    except AuthError:
+        redeemed = await gateway.ws_tickets.redeem(ticket)
+        if redeemed is None:
+            raise
+        return redeemed
     redeemed = await gateway.ws_tickets.redeem(ticket)
     if redeemed is not None:
         return redeemed
