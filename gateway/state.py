@@ -70,7 +70,8 @@ class Gateway:
 
     config: Config
     redis: aioredis.Redis
-    blocking_redis: aioredis.Redis  # no socket timeout: pub/sub and blocking reads
+    blocking_redis: aioredis.Redis  # no socket timeout: blocking reads (Limits.stream_slot counts them)
+    subscriber_redis: aioredis.Redis  # no socket timeout, a pool of its own: the pub/sub channels
     registry: Registry
     replica_id: str
     zmq_ctx: zmq.asyncio.Context
@@ -292,7 +293,7 @@ class Gateway:
         """Follow the control channel for the life of the replica. After a reconnect the session
         cache is dropped and what the admin API may have changed is read again: invalidations
         may have been missed."""
-        await pubsub.follow(self.blocking_redis, keys.GATEWAY_CONTROL_CHANNEL, self._on_control_frame,
+        await pubsub.follow(self.subscriber_redis, keys.GATEWAY_CONTROL_CHANNEL, self._on_control_frame,
                             on_subscribed=self._control_subscribed, on_lost=self.control_connected.clear,
                             what="control channel")
 
