@@ -115,14 +115,22 @@ def register_fixtures(registry: Registry, name: str) -> None:
     module.register(registry)
 
 
-def _redis_clients(cfg: Config) -> tuple[aioredis.Redis, aioredis.Redis]:
-    """The request client (socket timeout) and the blocking one (none: pub/sub, blocking reads)."""
+SUBSCRIBER_CONNECTIONS = 4  # the control and tasks channels, and a resubscription of each under way
+
+
+def _redis_clients(cfg: Config) -> tuple[aioredis.Redis, aioredis.Redis, aioredis.Redis]:
+    """The request client (socket timeout), the blocking one (none: the blocking reads of event
+    streams and server->client requests, at most ``redis.max_connections`` of them, which
+    ``Limits.stream_slot`` counts) and the subscriber (none: the pub/sub channels). Each has a
+    pool of its own, so streams that fill theirs stop neither requests nor the channels."""
     common: dict[str, Any] = {"socket_connect_timeout": cfg.redis.socket_timeout_s,
                               "max_connections": cfg.redis.max_connections, "health_check_interval": 30}
     # Typed as one server's client: the components below are written against its API, and
     # RedisCluster answers the same commands for keys of one slot.
     return (cast(aioredis.Redis, async_client(cfg.redis, socket_timeout=cfg.redis.socket_timeout_s, **common)),
-            cast(aioredis.Redis, async_client(cfg.redis, socket_timeout=None, **common)))
+            cast(aioredis.Redis, async_client(cfg.redis, socket_timeout=None, **common)),
+            cast(aioredis.Redis, async_client(cfg.redis, socket_timeout=None,
+                                              **{**common, "max_connections": SUBSCRIBER_CONNECTIONS})))
 
 
 async def _warn_unless_noeviction(redis: aioredis.Redis) -> None:
@@ -198,7 +206,8 @@ async def open_gateway(cfg: Config, registry: Registry) -> AsyncIterator[Gateway
     """Build one replica's components, start their background work, and on exit stop all of
     it in reverse order: listen streams end first, Redis clients close last."""
     async with contextlib.AsyncExitStack() as stack:
-        redis, blocking = _redis_clients(cfg)
+        redis, blocking, subscriber = _redis_clients(cfg)
+        stack.push_async_callback(subscriber.aclose)
         stack.push_async_callback(blocking.aclose)
         stack.push_async_callback(redis.aclose)
         keyring = AdminKeyring.from_config(cfg.gateway.admin_keys, redis, cfg.gateway.api_keys)
@@ -214,9 +223,10 @@ async def open_gateway(cfg: Config, registry: Registry) -> AsyncIterator[Gateway
         stack.push_async_callback(_cancel, trainer_link)
         replica_id = uuid.uuid4().hex
         limits = Limits(redis, cfg)
-        gateway = Gateway(config=cfg, redis=redis, blocking_redis=blocking, registry=registry,
+        gateway = Gateway(config=cfg, redis=redis, blocking_redis=blocking, subscriber_redis=subscriber,
+                          registry=registry,
                           replica_id=replica_id, zmq_ctx=zmq_ctx, store=store, workers=workers, samples=samples,
-                          tasks=TaskManager(redis, blocking, replica_id, limits=limits), limits=limits,
+                          tasks=TaskManager(redis, subscriber, replica_id, limits=limits), limits=limits,
                           admin_keyring=keyring, admin_stats=LocalStats())
         store.on_evicted = context.eviction_notices(gateway)
 

@@ -5,10 +5,11 @@ tries per ``window_s`` from one address (an IPv6 one: from its /64, which a subs
 usually holds whole). The try that reaches the count and every request from that address
 after it are answered 429 with the Retry-After of the window's end, unchecked and uncounted:
 a valid credential too when it could be guessed (a guess that hit would show). Credentials no
-one can guess — a random API key, a token the authorization server signed — are served from a
-refused address all the same (``Authenticator``, gateway/auth.py): clients behind one NAT or
-proxy share an address, and one guesser among them must not lock the others out. One credential that keeps failing (a revoked key still in a
-fleet of clients, a replayed token) is refused likewise from every address past
+one can guess — a random API or admin key, a WebSocket ticket, a token the authorization server
+signed — are served from a refused address all the same (``Authenticator``, gateway/auth.py;
+``AdminKeyring.lookup_unguessable``; the ticket redemption in gateway/transports/websocket.py):
+clients behind one NAT or proxy share an address, and one guesser among them must not lock the
+others out. One credential that keeps failing (a revoked key still in a fleet of clients, a replayed token) is refused likewise from every address past
 ``failures_per_credential``; a credential that is valid never fails, so no one can lock
 another caller out through it. A request that presents no credential (no ``Authorization``,
 another scheme) is not an attempt: clients discover the OAuth challenge that way.

@@ -59,7 +59,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, RedisError
 
-from gateway.errors import OUTAGE, Forbidden, InvalidParams, LimitExceeded
+from gateway.errors import OUTAGE, Forbidden, InvalidParams, LimitExceeded, Unavailable
 from shared import keys, metrics
 from shared.aio import pause
 from shared.config import Config, ConfigError, PrincipalLimits
@@ -240,6 +240,8 @@ class Limits:
         self._local = _LocalRates()
         self._lease = redis.register_script(LEASE_LUA)
         self._inference: dict[str, int] = {}  # principal -> its generate/score calls in flight here
+        self.waits_max = cfg.redis.max_connections  # the blocking pool's size (gateway/app.py)
+        self.waits_held = 0  # event streams open here, each holding a connection of that pool
 
     def by_config(self, principal: str) -> PrincipalLimits:
         """The limits the config gives ``principal``: default, its role's, then its own."""
@@ -504,14 +506,26 @@ class Limits:
     async def stream_slot(self, principal: str) -> AsyncIterator[None]:
         """Hold one of the principal's ``event_streams`` for the life of a GET /mcp stream, a
         WebSocket connection or a wait for a 2025-11-25 client's answer to a server->client
-        request. Each holds a connection of its replica's Redis pool (blocking reads) all the
-        while: without a cap, one principal could take the pool and stop every other principal's
-        streams and server->client requests."""
-        async with self._slot(keys.stream_leases(principal), (await self.current(principal)).event_streams,
-                              "event_streams",
-                              "event streams (GET /mcp streams, WebSocket connections, server requests "
-                              "awaiting an answer)"):
-            yield
+        request. Each holds a connection of its replica's blocking pool (``redis.max_connections``
+        of them, for these waits alone) all the while: without a cap, one principal could take
+        the pool and stop every other principal's streams and server->client requests. Nor may
+        all principals together hold more than the pool has: a stream opened past it would find
+        no connection and end at once (its client reconnecting in a loop), so it is refused with
+        503 + Retry-After instead, and the replica's other requests are never in its way."""
+        if self.waits_held >= self.waits_max:
+            metrics.LIMIT_EXCEEDED.labels("replica_event_streams").inc()
+            raise Unavailable(f"this gateway replica holds {self.waits_max} event streams and server requests "
+                              "awaiting an answer, as many as its redis.max_connections; retry later",
+                              self.cfg.cap_retry_after_s)
+        self.waits_held += 1
+        try:
+            async with self._slot(keys.stream_leases(principal), (await self.current(principal)).event_streams,
+                                  "event_streams",
+                                  "event streams (GET /mcp streams, WebSocket connections, server requests "
+                                  "awaiting an answer)"):
+                yield
+        finally:
+            self.waits_held -= 1
 
     @contextlib.asynccontextmanager
     async def _slot(self, key: str, cap: int, limit: str, what: str) -> AsyncIterator[None]:

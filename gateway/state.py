@@ -39,6 +39,7 @@ from gateway.registry import Registry
 from shared import control, keys
 from shared.aio import spawn
 from shared.config import Config, ConfigError
+from shared.log_throttle import ThrottledWarning
 from shared.text import as_str
 
 if TYPE_CHECKING:  # the components import this module for the type, so only the type checker follows back
@@ -56,12 +57,18 @@ InflightKey = tuple[str, str | None, str]  # principal, session id, JSON of the 
 
 @dataclass(eq=False)
 class Listener:
-    """A 2026-07-28 subscriptions/listen stream open on this replica."""
+    """A 2026-07-28 subscriptions/listen stream open on this replica. ``ended`` says why it is to
+    end (``shutdown``, ``overflow``): its stream reads that after each note it takes, so a full
+    queue never hides the reason (a marker put in the queue is only what wakes an idle stream)."""
 
     principal: str
     uris: set[str]
     flags: dict[str, Any]
     queue: asyncio.Queue[dict[str, Any]]
+    ended: str | None = None
+
+
+_WAKE = {"method": "$end"}  # put in an idle listener's queue: read ``Listener.ended``
 
 
 @dataclass(eq=False)
@@ -70,7 +77,8 @@ class Gateway:
 
     config: Config
     redis: aioredis.Redis
-    blocking_redis: aioredis.Redis  # no socket timeout: pub/sub and blocking reads
+    blocking_redis: aioredis.Redis  # no socket timeout: blocking reads (Limits.stream_slot counts them)
+    subscriber_redis: aioredis.Redis  # no socket timeout, a pool of its own: the pub/sub channels
     registry: Registry
     replica_id: str
     zmq_ctx: zmq.asyncio.Context
@@ -93,6 +101,7 @@ class Gateway:
     list_revisions: ListRevisions = field(init=False)
     session_streams: dict[str, dict[str, set[OpenStream]]] = field(default_factory=dict)  # principal -> sid -> here
     _notes: set[asyncio.Task[Any]] = field(default_factory=set)  # event-log appends under way
+    _listener_overflow: ThrottledWarning = field(default_factory=lambda: ThrottledWarning(log))
     inflight: dict[InflightKey, tuple[asyncio.Task[Any], Call]] = field(default_factory=dict)
     shutting_down: asyncio.Event = field(default_factory=asyncio.Event)
     control_connected: asyncio.Event = field(default_factory=asyncio.Event)
@@ -205,14 +214,23 @@ class Gateway:
         """End every listen stream on this replica (the replica is stopping)."""
         for group in list(self.listeners.values()):
             for lis in list(group):
-                with contextlib.suppress(asyncio.QueueFull):
-                    lis.queue.put_nowait({"method": "$shutdown"})
+                lis.ended = lis.ended or "shutdown"
+                with contextlib.suppress(asyncio.QueueFull):  # a full queue has a stream busy, not waiting
+                    lis.queue.put_nowait(_WAKE)
 
     def _deliver(self, principal: str, test: Callable[[Listener], bool], note: dict[str, Any]) -> None:
         for lis in list(self.listeners.get(principal, ())):
-            if test(lis):
-                with contextlib.suppress(asyncio.QueueFull):
+            if lis.ended is None and test(lis):
+                try:
                     lis.queue.put_nowait(note)
+                except asyncio.QueueFull:
+                    # Dropping notes would leave the client believing what it follows is current:
+                    # the stream ends instead (answered as on shutdown) and the client, listening
+                    # again, lists and reads afresh.
+                    lis.ended = "overflow"
+                    self._listener_overflow.warning(
+                        "a subscriptions/listen stream of %s fell %d notifications behind: it ends, and its "
+                        "client listens again", principal, lis.queue.maxsize)
 
     # ------------------------------------------------------------------ cancellation
     def track(self, principal: str, sid: str | None, rid: Any, call: Call) -> InflightKey:
@@ -293,7 +311,7 @@ class Gateway:
         """Follow the control channel for the life of the replica. After a reconnect the session
         cache is dropped and what the admin API may have changed is read again: invalidations
         may have been missed."""
-        await pubsub.follow(self.blocking_redis, keys.GATEWAY_CONTROL_CHANNEL, self._on_control_frame,
+        await pubsub.follow(self.subscriber_redis, keys.GATEWAY_CONTROL_CHANNEL, self._on_control_frame,
                             on_subscribed=self._control_subscribed, on_lost=self.control_connected.clear,
                             what="control channel")
 

@@ -28,7 +28,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from fastapi import HTTPException, Request
 
-from gateway.auth import bearer_token
+from gateway.auth import bearer_token, is_unguessable
 from gateway.state import gateway_of
 from shared import keys, metrics
 from shared.config import AdminKey
@@ -36,6 +36,7 @@ from shared.config import AdminKey
 ROLES = ("viewer", "operator", "admin")
 KEY_PREFIX = "lmadm_"
 _NAME_OK = re.compile(r"^[A-Za-z0-9_.@\-]{1,64}$")
+_GENERATED = re.compile(KEY_PREFIX + r"[A-Za-z0-9_-]{43}")  # what create() makes: 256 random bits
 ADMIN_KEY_REQUIRED = "a valid admin key is required"
 ADMIN_SCOPE_KEY = "learnmesh.admin"
 """Where the HTTP edge (gateway/transports/edge.py) leaves the admin key it authenticated."""
@@ -88,7 +89,8 @@ class AdminKeyring:
     def config_names(self) -> dict[str, str]:
         return {name: role for name, (_, role) in self._keys.items()}
 
-    async def lookup(self, key: str) -> AdminPrincipal | None:
+    async def lookup(self, key: str, runtime: bool = True) -> AdminPrincipal | None:
+        """The admin key ``key`` is; runtime keys (in Redis) only when ``runtime``."""
         d = digest(key)
         if d in self._mcp:
             return None
@@ -96,12 +98,22 @@ class AdminKeyring:
         for name, (kd, role) in self._keys.items():
             if hmac.compare_digest(d, kd):
                 found = AdminPrincipal(name, role, "config")
-        if found is None and self._redis is not None:
+        if found is None and runtime and self._redis is not None:
             raw = await self._redis.hget(keys.ADMIN_KEYS, d.hex())
             if raw:
                 meta = json.loads(raw)
                 found = AdminPrincipal(meta["name"], meta["role"], "redis")
         return found
+
+    async def lookup_unguessable(self, key: str) -> AdminPrincipal | None:
+        """:meth:`lookup` for a key no one can guess, else None: one long and varied enough to be
+        taken for random (:func:`~gateway.auth.is_unguessable`, as a random API key), among them
+        every key :meth:`create` makes. Served from an address the failed-attempt throttle
+        refuses, as ``/mcp`` serves a random API key (gateway/auth.py says why that is safe).
+        Redis is asked only for a key of :meth:`create`'s form: runtime keys have no other."""
+        if not is_unguessable(key):
+            return None
+        return await self.lookup(key, runtime=_GENERATED.fullmatch(key) is not None)
 
     # ------------------------------------------------------------ runtime keys (Redis)
     async def create(self, name: str, role: str, created_by: str) -> tuple[str, dict[str, Any]]:

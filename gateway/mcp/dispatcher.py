@@ -584,7 +584,7 @@ class Dispatcher:
                         proxied.append(uri)
                 while True:
                     note = await _next_note(queue, call.expires_at)
-                    if note is None or note.get("method") == "$shutdown":
+                    if note is None or listener.ended is not None:  # expired, shutdown, or fell behind
                         break
                     params = dict(note.get("params") or {})
                     params["_meta"] = {**params.get("_meta", {}), **sub_meta}

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import decimal
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -78,6 +79,8 @@ _ID_MIN, _ID_MAX = -(2**63), 2**64  # integer ids JSON-RPC peers can be expected
 _requests = msgspec.json.Decoder(Request)
 _incoming = msgspec.json.Decoder(Incoming)
 _any_json = msgspec.json.Decoder()
+_OUT_OF_RANGE = "Number out of range"
+_any_number = msgspec.json.Decoder(float_hook=decimal.Decimal)  # reads 1e400 too: tells valid JSON apart
 
 
 @dataclass(slots=True)
@@ -140,8 +143,10 @@ class Kernel:
             pass
         try:
             return _classify(_incoming.decode(data))
-        except msgspec.ValidationError:  # not an object: refused at its first token, before the rest was read
-            return self.fail(_not_an_object(data))
+        except msgspec.ValidationError as exc:
+            if str(exc).startswith(_OUT_OF_RANGE):  # valid JSON maybe, which the gateway will not take
+                return self.fail(*_out_of_range(data))
+            return self.fail(_not_an_object(data))  # not an object: refused at its first token, before the rest was read
         except msgspec.DecodeError:
             return self.fail(McpError(PARSE_ERROR, "Parse error"))
         except _Invalid as exc:
@@ -349,6 +354,20 @@ def _not_an_object(data: bytes | str) -> McpError:
     except msgspec.DecodeError:
         return McpError(PARSE_ERROR, "Parse error")
     return McpError(INVALID_REQUEST, "Body must be a single JSON-RPC 2.0 request, notification or response")
+
+
+def _out_of_range(data: bytes | str) -> tuple[McpError, RequestId | None]:
+    """The error for a body with a number beyond a 64-bit float (``1e400``): the message is
+    refused as invalid (-32600, with its id where it has a usable one), unless the body is not
+    JSON at all (-32700), which msgspec cannot say before it reaches the number."""
+    try:
+        value = _any_number.decode(data)
+    except msgspec.DecodeError:
+        return McpError(PARSE_ERROR, "Parse error"), None
+    rid = value.get("id") if isinstance(value, dict) else None
+    if not (isinstance(rid, str) or (isinstance(rid, int) and not isinstance(rid, bool) and _ID_MIN <= rid < _ID_MAX)):
+        rid = None
+    return McpError(INVALID_REQUEST, "a number is outside the range of a 64-bit float"), rid
 
 
 def _kept_values_problem(data: bytes | str, message: Message) -> str | None:

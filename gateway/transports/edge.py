@@ -23,6 +23,10 @@
   key's plaintext, contexts' contents, the audit log), which a browser's or a proxy's cache must
   not keep for the next user of the machine; and an echoed identifier in a JSON refusal is
   never read as HTML.
+- **CORS for allowed origins** on the routes a browser MCP client calls (``/mcp``, ``POST
+  /mcp/ws-ticket``, the OAuth protected-resource document): a preflight from an origin
+  ``OriginGuard`` allows is answered 204 here, and its requests' answers name it
+  (gateway/transports/cors.py); other origins get nothing and their requests stay 403.
 - **One credential**: a request with more than one ``Authorization`` header is 400
   (``invalid_request``, RFC 6750 3.1) on every route. The field is a singleton (RFC 9110); a
   proxy in front that reads one of two copies could otherwise vouch for a caller the gateway
@@ -50,6 +54,7 @@ from gateway.admin.auth import (
 from gateway.auth import AuthError, bearer_token
 from gateway.errors import BodyTooLarge, http_error, wire_error
 from gateway.mcp.types import encode
+from gateway.transports.cors import CORS_METHODS, preflight_headers, with_cors
 from shared import metrics
 
 if TYPE_CHECKING:
@@ -104,11 +109,17 @@ class HttpEdge:
 
     async def admit(self, scope: Scope, receive: Receive, send: Send) -> tuple[Receive, Send] | None:
         """The ``receive``/``send`` the app serves the request with, or None when it was answered here."""
-        length = authorization = host = None
+        length = authorization = host = origin = preflight = requested = None
         chunked = twice = False
         for name, value in scope["headers"]:
             if name == b"host":
                 host = value
+            elif name == b"origin":
+                origin = value
+            elif name == b"access-control-request-method":
+                preflight = value
+            elif name == b"access-control-request-headers":
+                requested = value
             elif name == b"content-length":
                 length = value
             elif name == b"transfer-encoding":
@@ -126,6 +137,13 @@ class HttpEdge:
         if length is not None and (not length.isdigit() or int(length) > self.max_body):
             await self._too_large(scope, send)
             return None
+        if origin is not None and scope["path"] in CORS_METHODS and self._cors_allowed(origin, host):
+            if scope["method"] == "OPTIONS" and preflight is not None:
+                await send({"type": "http.response.start", "status": 204,
+                            "headers": preflight_headers(scope["path"], origin, requested)})
+                await send({"type": "http.response.body", "body": b""})
+                return None
+            send = with_cors(send, origin)
         if twice:
             await _two_credentials(scope, send)
             return None
@@ -139,13 +157,24 @@ class HttpEdge:
             return body.receive, body.send
         return receive, send
 
+    def _cors_allowed(self, origin: bytes, host: bytes | None) -> bool:
+        return self.origin_guard.check(
+            origin.decode("latin-1"), None if host is None else host.decode("latin-1")) is None
+
     async def _admin_key(self, scope: Scope, send: Send, authorization: str | None) -> AdminPrincipal | None:
         """The admin key the request presents, or None once it is answered: 401 without a valid
-        one, 429 while its address or key is refused for failed attempts (gateway/auth_throttle.py)."""
+        one, 429 while its address or key is refused for failed attempts (gateway/auth_throttle.py)
+        unless it is a key no one can guess (``AdminKeyring.lookup_unguessable``)."""
         token = bearer_token(authorization)
         try:
             if token is not None:
-                self.throttle.check(scope, token)
+                try:
+                    self.throttle.check(scope, token)
+                except AuthError:
+                    served = await self.keyring.lookup_unguessable(token)  # one guesser behind a NAT locks out no one
+                    if served is None:
+                        raise
+                    return served
             who = await authenticate(self.keyring, authorization)
             if who is None and token is not None:
                 too_many = await self.throttle.failed(scope, token)

@@ -36,7 +36,7 @@ from redis.exceptions import RedisError
 from starlette.responses import JSONResponse, Response
 
 from gateway.auth import AuthError
-from gateway.errors import INVALID_REQUEST, LimitExceeded, McpError, wire_error
+from gateway.errors import INVALID_REQUEST, LimitExceeded, McpError, Unavailable, wire_error
 from gateway.limits import exceeded
 from gateway.mcp.kernel import Kernel, Link, Message
 from gateway.mcp.types import ErrorResponse, Reply, Request, ServerMessage, encode
@@ -187,7 +187,8 @@ async def _refuse(ws: WebSocket, status: int, body: dict[str, str], headers: dic
 
 def _retry_later(exc: Exception, gateway: Gateway) -> tuple[int, dict[str, str], dict[str, str] | None]:
     """Status, body and headers refusing a handshake or a ticket for now: 429 over a limit of the
-    principal's, 503 when Redis cannot be reached; with the Retry-After to wait."""
+    principal's, 503 when Redis cannot be reached or the replica's streams are full; with the
+    Retry-After to wait."""
     wire = wire_error(exc, gateway.config, crashed_status=500)
     retry = {"retry-after": str(wire.retry_after_s)} if wire.retry_after_s is not None else None
     error = "limit_exceeded" if isinstance(exc, LimitExceeded) else "unavailable"
@@ -213,8 +214,17 @@ async def _principal(gateway: Gateway, ws: WebSocket) -> tuple[str, float | None
 
 
 async def _redeem(gateway: Gateway, ws: WebSocket, ticket: str) -> tuple[str, float | None]:
-    """The principal of a ticket, which counts as a credential for the throttle."""
-    gateway.auth.throttle.check(ws.scope, ticket)
+    """The principal of a ticket, which counts as a credential for the throttle. A ticket is
+    served from a refused address too: it holds 256 random bits no guessing finds, and is
+    issued only to a caller that authenticated (gateway/auth.py, ``Authenticator._unguessable``);
+    a ticket that does not redeem there is 429, as a wrong guess, and is not counted."""
+    try:
+        gateway.auth.throttle.check(ws.scope, ticket)
+    except AuthError:
+        redeemed = await gateway.ws_tickets.redeem(ticket)
+        if redeemed is None:
+            raise
+        return redeemed
     redeemed = await gateway.ws_tickets.redeem(ticket)
     if redeemed is not None:
         return redeemed
@@ -238,7 +248,7 @@ async def websocket_endpoint(ws: WebSocket) -> None:
         except AuthError as exc:
             await _refuse(ws, exc.status, {"error": exc.error, "error_description": exc.message}, exc.headers() or None)
             return
-        except (LimitExceeded, RedisError, OSError) as exc:
+        except (LimitExceeded, Unavailable, RedisError, OSError) as exc:  # Unavailable: the replica's streams are full
             await _refuse(ws, *_retry_later(exc, gateway))
             return
         await ws.accept(subprotocol=SUBPROTOCOL)

@@ -2,7 +2,8 @@
 against a real Redis (single server and cluster): failed attempts from one client address are
 counted over ``/mcp``, the WebSocket ticket route and handshake and the admin API together, and
 once they reach ``failures_per_source`` the address gets 429 + Retry-After for every request,
-a valid key that could be guessed included (but not a random key or a signed token), while
+a valid key that could be guessed included (but not a random API or admin key, a ticket or a
+signed token), while
 other addresses go on as before; one credential failing from many
 addresses is refused likewise; ``X-Forwarded-For`` is believed from trusted proxies only; the
 counts live in Redis keys with a TTL that never hold a credential."""
@@ -29,6 +30,7 @@ RANDOM_KEY = "bQ7x-Zk2_Lr9VtWm4NcYs1HdPf0GjEa8uXoTiRnB3Ke"  # secrets.token_urls
 SECRET = "hs256-secret-of-the-test-authorization-server-0123456789abcdefgh"
 ISSUER, AUDIENCE = "https://as.example", "https://gateway.example/mcp"
 ADMIN_KEY = "root-admin-key-0123456789"
+RANDOM_ADMIN_KEY = "Hw3_Tq9ZcVb-Lm0Xe7RkYs2JnGa5PdUf8BiOt4Ql6Cx"  # secrets.token_urlsafe(32)
 WINDOW_S = 60
 TOOLS_LIST, MCP_HEADERS = modern("tools/list")
 
@@ -38,7 +40,8 @@ def gateway(target: RedisTarget, tmp: pytest.TempPathFactory, **throttle: Any) -
              "hs256_secret": SECRET}
     return logged_gateway(target.url, tmp.mktemp("auththrottle") / "gateway.log",
                           api_keys=f"alice:{KEY},bob:{RANDOM_KEY}",
-                          overrides={"gateway": {"admin_keys": {"root": {"key": ADMIN_KEY, "role": "admin"}},
+                          overrides={"gateway": {"admin_keys": {"root": {"key": ADMIN_KEY, "role": "admin"},
+                                                                "ops": {"key": RANDOM_ADMIN_KEY, "role": "admin"}},
                                                  "oauth": oauth, "auth_throttle": {"window_s": WINDOW_S, **throttle}}})
 
 
@@ -84,6 +87,16 @@ def failure_keys(target: RedisTarget) -> dict[bytes, int]:
     try:
         found = for_each_primary_sync(redis, lambda node: [(k, node.ttl(k)) for k in node.scan_iter(match="lm:authfail:*")])
         return dict(pair for node in found for pair in node)
+    finally:
+        close_sync(redis)
+
+
+def failures_of(target: RedisTarget, source: str) -> int:
+    """The failures counted for one client address."""
+    [key] = [k for k in failure_keys(target) if source.encode() in k]
+    redis = target.sync_client()
+    try:
+        return int(redis.get(key))
     finally:
         close_sync(redis)
 
@@ -191,9 +204,42 @@ def test_a_refused_address_still_serves_credentials_no_one_can_guess(per_source:
     with ws_connect(per_source.ws, subprotocols=["mcp"], additional_headers={"authorization": f"Bearer {RANDOM_KEY}"},
                     open_timeout=10, source_address=("127.0.0.12", 0)) as ws:
         assert ws.subprotocol == "mcp"
-    [key] = [k for k in failure_keys(redis_target_module) if b"127.0.0.12" in k]
-    redis = redis_target_module.sync_client()
-    try:
-        assert int(redis.get(key)) == 5  # what came while refused was not counted
-    finally:
-        close_sync(redis)
+    assert failures_of(redis_target_module, "127.0.0.12") == 5  # what came while refused was not counted
+
+
+def test_a_refused_address_still_serves_admin_keys_and_tickets_no_one_can_guess(per_source: LoggedGateway,
+                                                                               redis_target_module: RedisTarget) -> None:
+    """The rule of ``/mcp`` holds for admin keys and WebSocket tickets: a random configured admin
+    key, a key ``POST /admin/keys`` made (256 random bits) and a single-use ticket pass from a
+    refused address; a guessable admin key, a wrong random-looking one and a made-up or used
+    ticket are 429 there, uncounted."""
+    redis_target_module.flush()
+    with client("127.0.0.3") as elsewhere:
+        made = elsewhere.post(per_source.base + "/admin/keys", json={"name": "nat-viewer", "role": "viewer"},
+                              headers={"authorization": f"Bearer {RANDOM_ADMIN_KEY}"})
+        assert made.status_code in (200, 201), made.text
+        runtime_key = made.json()["key"]
+    with client("127.0.0.13") as nat:
+        codes = [mcp(nat, per_source, f"guess-{i}-0123456789").status_code for i in range(5)]
+        assert codes == [401] * 4 + [429]
+
+        def admin(key: str) -> httpx.Response:
+            return nat.get(per_source.base + "/admin/config", headers={"authorization": f"Bearer {key}"})
+
+        assert admin(RANDOM_ADMIN_KEY).status_code == 200
+        assert nat.get(per_source.base + "/admin/summary",
+                       headers={"authorization": f"Bearer {runtime_key}"}).status_code == 200
+        assert_too_many(admin(ADMIN_KEY), detail="detail")  # could be guessed: a hit must not show
+        for key in (RANDOM_ADMIN_KEY, runtime_key):  # one character off
+            assert_too_many(admin(key[:-1] + ("x" if key[-1] != "x" else "y")), detail="detail")
+        ticket = nat.post(per_source.base + "/mcp/ws-ticket", headers={"authorization": f"Bearer {RANDOM_KEY}"})
+        assert ticket.status_code == 200, ticket.text
+    url = per_source.ws + "?ticket=" + ticket.json()["ticket"]
+    with ws_connect(url, subprotocols=["mcp"], open_timeout=10, source_address=("127.0.0.13", 0)) as ws:
+        assert ws.subprotocol == "mcp"
+    for refused_ticket in (url, per_source.ws + "?ticket=YWxpY2U." + "A" * 43):  # used, made up
+        with pytest.raises(InvalidStatus) as refused, ws_connect(refused_ticket, subprotocols=["mcp"], open_timeout=10,
+                                                                 source_address=("127.0.0.13", 0)):
+            pass
+        assert refused.value.response.status_code == 429
+    assert failures_of(redis_target_module, "127.0.0.13") == 5  # what came while refused was not counted

@@ -137,6 +137,31 @@ def test_integers_beyond_64_bits_are_bad_input(gw: Gateway, store: redis_sync.Re
     assert_no_crash_logged(gw, since)
 
 
+def test_floats_beyond_64_bits_are_bad_input_not_parse_errors(gw: Gateway) -> None:
+    """``1e400`` is valid JSON that no 64-bit float holds: an invalid request (with its id),
+    where a body cut short in such a number is still a parse error."""
+    since = log_size(gw)
+    expected = {"code": -32600, "message": "a number is outside the range of a 64-bit float"}
+    for number in ("1e400", "-1e400", "1" + "0" * 400 + ".5"):
+        text = f'{{"jsonrpc":"2.0","id":1,"method":"ping","params":{{"a":{number}}}}}'
+        r = post(gw, text)
+        assert r.status_code == 400 and r.json() == {"jsonrpc": "2.0", "id": 1, "error": expected}, (number, r.text)
+    r = post(gw, '{"jsonrpc":"2.0","id":1e400,"method":"ping"}')  # no id to answer with
+    assert r.status_code == 400 and r.json() == {"jsonrpc": "2.0", "id": None, "error": expected}, r.text
+    r = post(gw, '{"jsonrpc":"2.0","id":1,"method":"ping","params":{"a":1e400')
+    assert r.status_code == 400 and r.json()["error"]["code"] == -32700, r.text
+
+    async def over_websocket() -> None:
+        async with ws_connect(gw.ws, subprotocols=["mcp"], additional_headers=AUTH) as ws:
+            await ws.send('{"jsonrpc":"2.0","id":"f","method":"ping","params":{"a":1e400}}')
+            assert orjson.loads(await asyncio.wait_for(ws.recv(), 10)) == {"jsonrpc": "2.0", "id": "f",
+                                                                           "error": expected}
+            await assert_still_serving(ws)
+
+    asyncio.run(over_websocket())
+    assert_no_crash_logged(gw, since)
+
+
 def test_deep_nesting_on_a_websocket_leaves_the_connection_serving(gw: Gateway) -> None:
     since = log_size(gw)
 
