@@ -46,6 +46,7 @@ from redis.exceptions import (
     ClusterDownError,
     ClusterError,
     MasterDownError,
+    MaxConnectionsError,
     MovedError,
     ReadOnlyError,
     RedisClusterException,
@@ -188,6 +189,7 @@ class WireError:
 
 # Requests answered 503 because Redis is away: thousands a second while a cluster fails over.
 _OUTAGE_LOG = ThrottledWarning(log)
+_POOL_LOG = ThrottledWarning(log)
 
 
 def _unavailable(message: str, retry_after_s: int) -> WireError:
@@ -238,6 +240,11 @@ def _wire_error(exc: BaseException, config: Config, method: str, params: Mapping
         return _unavailable(str(exc), exc.retry_after_s or retry_after_s)
     if isinstance(exc, WorkerTimeout):
         return _unavailable(str(exc), retry_after_s)
+    if isinstance(exc, MaxConnectionsError):  # Redis answers; this replica has every connection in use
+        _POOL_LOG.warning("redis connection pool full while serving %s: raise redis.max_connections or add "
+                          "gateway replicas", method or "a request")
+        return _unavailable("Service unavailable: this replica's Redis connections are all in use "
+                            "(redis.max_connections)", retry_after_s)
     if is_outage(exc):
         _OUTAGE_LOG.warning("redis unavailable while serving %s: %s", method or "a request", type(exc).__name__)
         return _unavailable("Service unavailable: store unreachable", retry_after_s)

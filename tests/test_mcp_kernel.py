@@ -13,6 +13,7 @@ import orjson
 import pytest
 from fastapi.testclient import TestClient
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import MaxConnectionsError
 
 from gateway.app import create_app
 from gateway.errors import (
@@ -174,6 +175,9 @@ def test_the_map(redis_url: str) -> None:
         wire = wire_error(down, cfg)
         assert (wire.code, wire.http_status, wire.retry_after_s) == (SERVICE_UNAVAILABLE, 503, RETRY_AFTER_S), down
     assert wire_error(NoWorker("draining", retry_after_s=30), cfg).retry_after_s == 30
+    full = wire_error(MaxConnectionsError("Too many connections"), cfg)  # this replica's pool, not an outage
+    assert (full.code, full.http_status, full.retry_after_s) == (SERVICE_UNAVAILABLE, 503, RETRY_AFTER_S)
+    assert "redis.max_connections" in full.message and "unreachable" not in full.message, full.message
     gone = wire_error(SessionNotFound("sid"), cfg)
     assert (gone.code, gone.http_status) == (-32600, 404)
     crash = wire_error(RuntimeError("secret"), cfg, crashed_status=500)
