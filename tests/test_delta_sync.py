@@ -428,3 +428,44 @@ def test_a_worker_asks_a_returning_trainer_for_one_snapshot(tmp_path: Path, ctx:
     finally:
         sub.close()
         pub.close()
+
+
+def big_model(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(400, 500, generator=g)}
+
+
+def test_a_busy_worker_holds_at_most_its_queue_bytes_of_deltas_then_loads_one_snapshot(
+        tmp_path: Path, ctx: zmq.Context) -> None:
+    """A worker in a long batch polls nothing: what the trainer publishes meanwhile waits in
+    its inbox, never more than ``queue_bytes``; past that it is dropped and the worker catches
+    up with one snapshot instead of decoding every delta."""
+    cfg = make_cfg(tmp_path, algorithm="lossless", chunk_elements=65536)
+    trainer = big_model(1)
+    pub = DeltaPublisher(cfg, ctx, trainer, 0, "m")
+    worker = big_model(2)
+    sub = DeltaSubscriber(cfg, ctx, "w1", worker, 0, queue_bytes=1 << 20)
+    g = torch.Generator().manual_seed(3)
+    try:
+        converge(sub, 0)
+        sent = 0
+        for v in range(1, 101):  # the batch: no poll
+            train_step(trainer, g)
+            sent += pub.publish(trainer, v).bytes
+            if sent > 3 * sub.queue_bytes:
+                break
+        last = v
+        wait_for_sync(lambda: sub._inbox.overflows >= 1, what="the inbox to pass its bound")
+        converge(sub, last)
+        assert served_equals_reference(pub, worker)
+        assert 0 < sub._inbox.peak_bytes <= sub.queue_bytes == 1 << 20
+        assert sub.stats["overflows"] >= 1 and sub.stats["anchors"] == 2, sub.stats
+        assert sub.stats["applied"] < last - 1, sub.stats  # most were never decoded
+        applied = sub.stats["applied"]
+        train_step(trainer, g)
+        pub.publish(trainer, last + 1)  # and deltas are followed again
+        converge(sub, last + 1)
+        assert sub.stats["applied"] == applied + 1 and served_equals_reference(pub, worker)
+    finally:
+        sub.close()
+        pub.close()
