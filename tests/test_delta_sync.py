@@ -469,3 +469,34 @@ def test_a_busy_worker_holds_at_most_its_queue_bytes_of_deltas_then_loads_one_sn
     finally:
         sub.close()
         pub.close()
+
+
+def test_a_failure_of_the_inbox_thread_reaches_the_worker_once_and_reading_goes_on(
+        tmp_path: Path, ctx: zmq.Context, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = make_cfg(tmp_path)
+    trainer = model(31)
+    pub = DeltaPublisher(cfg, ctx, trainer, 0, "m")
+    sub = DeltaSubscriber(cfg, ctx, "w1", model(32), 0)
+    watch = sub._inbox._watch
+    poll_watch = watch.poll
+    failed = threading.Event()
+
+    def fail_once() -> None:
+        if not failed.is_set():
+            failed.set()
+            raise OSError("injected")
+        poll_watch()
+
+    monkeypatch.setattr(watch, "poll", fail_once)
+    try:
+        wait_for_sync(lambda: sub._inbox._error is not None, what="the inbox thread to fail")
+        with pytest.raises(RuntimeError, match="inbox thread stopped") as info:
+            sub.poll()
+        assert isinstance(info.value.__cause__, OSError)
+        g = torch.Generator().manual_seed(33)
+        train_step(trainer, g)
+        pub.publish(trainer, 1)
+        converge(sub, 1)
+    finally:
+        sub.close()
+        pub.close()

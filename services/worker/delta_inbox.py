@@ -53,15 +53,16 @@ class DeltaInbox:
         self._bell_tx = ctx.socket(zmq.PAIR)
         self._bell_tx.setsockopt(zmq.LINGER, 0)
         self._bell_tx.connect(address)
-        self._thread = threading.Thread(target=self._run, name="delta-inbox", daemon=True)
-        self._thread.start()
+        self._start()
 
     def take(self, max_packets: int) -> tuple[list[list[bytes]], bool]:
         """Up to ``max_packets`` packets in arrival order, and whether packets were dropped (the
         bound was passed) since the last call: those returned all arrived after the drop.
-        Raises what stopped the reading thread, if anything did."""
+        Raises what stopped the reading thread, once, and starts it again."""
         if self._error is not None:
-            raise RuntimeError("the delta inbox thread stopped") from self._error
+            error, self._error = self._error, None
+            self._start()
+            raise RuntimeError("the delta inbox thread stopped; reading again") from error
         with self._lock:
             n = min(max_packets, len(self._queue))
             taken = [self._queue.popleft() for _ in range(n)]
@@ -70,6 +71,10 @@ class DeltaInbox:
             if not self._queue:
                 self._silence_bell()
         return [frames for frames, _ in taken], overflowed
+
+    def _start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="delta-inbox", daemon=True)
+        self._thread.start()
 
     def pending(self) -> bool:
         with self._lock:
