@@ -24,7 +24,10 @@ then fail with a clear error. No live worker at all: fail with a retry hint. A w
 heartbeat reports it more than ``consistency.max_lag`` versions behind the trainer's latest, or
 that trails another live worker by more, leaves the routing pool until it catches up — unless every live worker lags that far, in
 which case the least-loaded of them still serves (stale answers beat none; requests that
-need a version say so with ``min_model_version``).
+need a version say so with ``min_model_version``). A worker whose heartbeat claims a version
+above the trainer's latest (``keys.MODEL_VERSION``, read every few seconds and at once when a
+claim exceeds it) is treated as lagging too, and logged once: versions are the trainer's to
+make, and a believed false claim would make every honest worker look behind.
 
 Benching: a worker that answers heartbeats but lets ``worker.max_consecutive_timeouts``
 requests in a row time out, with no answer of any kind from it between (a wedged serving loop),
@@ -114,6 +117,7 @@ class WorkerLink:
     alive: bool = False
     leaving: bool = False  # its heartbeat says it is stopping: no new requests
     handshake_failing: bool = False  # the process at the endpoint does not hold the pinned worker key
+    overclaim_warned: bool = False  # its version claim above the trainer's latest was logged (once per streak)
     timeouts: int = 0  # requests in a row that timed out here with no answer from the worker between
     benched_until: float | None = None  # monotonic: no requests; from then on, probed (see _probe_benched)
     probe: tuple[str, float] | None = None  # the probe out on a benched worker: its id and deadline (monotonic)
@@ -177,6 +181,9 @@ class WorkerPool:
         self._tasks: list[asyncio.Task] = []
         self._ids = itertools.count(1)
         self.drained: set[str] = set()  # worker ids that get no new requests (admin drain)
+        # the trainer's latest version (keys.MODEL_VERSION); None: unknown (no Redis, key absent)
+        self.published_version: int | None = None
+        self._published_stale = asyncio.Event()  # a heartbeat claims more: read it again now
 
     def _link(self, index: int, endpoint: str, *, static: bool = True) -> WorkerLink:
         """A DEALER pinned to the workers' public key: a process on that port without the
@@ -211,6 +218,7 @@ class WorkerPool:
         self._tasks.append(asyncio.create_task(self._heartbeats(), name="worker-heartbeats"))
         if self.redis is not None:
             self._tasks.append(asyncio.create_task(self._follow_drained(self.redis), name="workers-drained"))
+            self._tasks.append(asyncio.create_task(self._follow_published(self.redis), name="workers-published"))
             if self.wcfg.discovery:
                 self._tasks.append(asyncio.create_task(self._follow_registry(self.redis), name="workers-discovery"))
 
@@ -323,6 +331,8 @@ class WorkerPool:
         link.alive = True
         if isinstance(version, int):
             link.version = version
+            if self.overclaims(link) and not link.overclaim_warned:
+                self._published_stale.set()  # the trainer may just have published it
         if not was_alive:
             metrics.WORKERS_LIVE.set(len(self.live()))
             log.info("worker %s (%s) is live at version %d", link.worker_id, link.endpoint, link.version)
@@ -502,6 +512,46 @@ class WorkerPool:
                 log.debug("could not read the drained workers: %s", type(exc).__name__)
             await pause(DRAINED_REFRESH_S)
 
+    def overclaims(self, link: WorkerLink) -> bool:
+        """Its heartbeat claims a version the trainer never published. Only the trainer makes
+        versions, so the claim is false (a buggy or hostile process holding the worker key);
+        believed, it would make every honest worker look lagging and draw all the traffic."""
+        return self.published_version is not None and link.version > self.published_version
+
+    def _believed_version(self, link: WorkerLink) -> int:
+        """Its claim, at most the trainer's latest: a request that needs a later version waits for
+        the next read of it rather than go to a worker whose claim is not possible yet."""
+        if self.published_version is None:
+            return link.version
+        return min(link.version, self.published_version)
+
+    async def _follow_published(self, redis: aioredis.Redis) -> None:
+        """Keep :attr:`published_version`, the bound of what a heartbeat's version may claim:
+        read every ``DRAINED_REFRESH_S``, and at once when a heartbeat claims more."""
+        while True:
+            self._published_stale.clear()
+            try:
+                raw = await redis.get(keys.MODEL_VERSION)
+                text = as_str(raw) if raw is not None else ""
+                self.published_version = int(text) if text.isdigit() else None
+            except (RedisError, OSError) as exc:  # Redis away: keep the last known version
+                log.debug("could not read the model version: %s", type(exc).__name__)
+            self._judge_claims()
+            async with self._changed:  # requests waiting for a version may take a worker now
+                self._changed.notify_all()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._published_stale.wait(), DRAINED_REFRESH_S)
+
+    def _judge_claims(self) -> None:
+        for link in self.links:
+            if not self.overclaims(link):
+                link.overclaim_warned = False
+            elif not link.overclaim_warned:
+                link.overclaim_warned = True
+                log.warning("worker %s (%s) claims model version %d, above the trainer's latest (%s in Redis): "
+                            "routing treats it as lagging until its claim is possible", link.worker_id,
+                            link.endpoint, link.version, self.published_version)
+
     def _declare_dead(self, link: WorkerLink) -> None:
         log.warning("worker %s (%s) missed heartbeats; retrying its %d requests elsewhere",
                     link.worker_id, link.endpoint, len(link.inflight))
@@ -544,9 +594,10 @@ class WorkerPool:
     def _pick(self, min_version: int, exclude: set[int]) -> WorkerLink | None:
         live = [w for w in self.live() if w.index not in exclude] or self.live()
         max_lag = self.cfg.consistency.max_lag
-        newest = max((w.version for w in live), default=0)
+        live = [w for w in live if not self.overclaims(w)] or live  # like laggards: only when nothing else is live
+        newest = max((self._believed_version(w) for w in live), default=0)
         live = [w for w in live if w.behind(newest) <= max_lag] or live  # laggards only when nothing else is live
-        ok = [w for w in live if w.version >= min_version]
+        ok = [w for w in live if self._believed_version(w) >= min_version]
         if not ok:
             return None
         ok = [w for w in ok if w.routable] or ok  # benched ones only when nothing else can take it

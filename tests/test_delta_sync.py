@@ -428,3 +428,75 @@ def test_a_worker_asks_a_returning_trainer_for_one_snapshot(tmp_path: Path, ctx:
     finally:
         sub.close()
         pub.close()
+
+
+def big_model(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(400, 500, generator=g)}
+
+
+def test_a_busy_worker_holds_at_most_its_queue_bytes_of_deltas_then_loads_one_snapshot(
+        tmp_path: Path, ctx: zmq.Context) -> None:
+    """A worker in a long batch polls nothing: what the trainer publishes meanwhile waits in
+    its inbox, never more than ``queue_bytes``; past that it is dropped and the worker catches
+    up with one snapshot instead of decoding every delta."""
+    cfg = make_cfg(tmp_path, algorithm="lossless", chunk_elements=65536)
+    trainer = big_model(1)
+    pub = DeltaPublisher(cfg, ctx, trainer, 0, "m")
+    worker = big_model(2)
+    sub = DeltaSubscriber(cfg, ctx, "w1", worker, 0, queue_bytes=1 << 20)
+    g = torch.Generator().manual_seed(3)
+    try:
+        converge(sub, 0)
+        sent = 0
+        for v in range(1, 101):  # the batch: no poll
+            train_step(trainer, g)
+            sent += pub.publish(trainer, v).bytes
+            if sent > 3 * sub.queue_bytes:
+                break
+        last = v
+        wait_for_sync(lambda: sub._inbox.overflows >= 1, what="the inbox to pass its bound")
+        converge(sub, last)
+        assert served_equals_reference(pub, worker)
+        assert 0 < sub._inbox.peak_bytes <= sub.queue_bytes == 1 << 20
+        assert sub.stats["overflows"] >= 1 and sub.stats["anchors"] == 2, sub.stats
+        assert sub.stats["applied"] < last - 1, sub.stats  # most were never decoded
+        applied = sub.stats["applied"]
+        train_step(trainer, g)
+        pub.publish(trainer, last + 1)  # and deltas are followed again
+        converge(sub, last + 1)
+        assert sub.stats["applied"] == applied + 1 and served_equals_reference(pub, worker)
+    finally:
+        sub.close()
+        pub.close()
+
+
+def test_a_failure_of_the_inbox_thread_reaches_the_worker_once_and_reading_goes_on(
+        tmp_path: Path, ctx: zmq.Context, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = make_cfg(tmp_path)
+    trainer = model(31)
+    pub = DeltaPublisher(cfg, ctx, trainer, 0, "m")
+    sub = DeltaSubscriber(cfg, ctx, "w1", model(32), 0)
+    watch = sub._inbox._watch
+    poll_watch = watch.poll
+    failed = threading.Event()
+
+    def fail_once() -> None:
+        if not failed.is_set():
+            failed.set()
+            raise OSError("injected")
+        poll_watch()
+
+    monkeypatch.setattr(watch, "poll", fail_once)
+    try:
+        wait_for_sync(lambda: sub._inbox._error is not None, what="the inbox thread to fail")
+        with pytest.raises(RuntimeError, match="inbox thread stopped") as info:
+            sub.poll()
+        assert isinstance(info.value.__cause__, OSError)
+        g = torch.Generator().manual_seed(33)
+        train_step(trainer, g)
+        pub.publish(trainer, 1)
+        converge(sub, 1)
+    finally:
+        sub.close()
+        pub.close()

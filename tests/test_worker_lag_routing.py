@@ -16,12 +16,13 @@ import zmq
 import zmq.asyncio
 
 from gateway.workers import WorkerPool, WorkerRequestError
+from shared import keys as rkeys
 from shared import wire
 from shared.config import ZmqConfig, load_config
 from shared.curve import CurveKeys
 from shared.wire import MsgType
 from shared.zmq_util import make_socket
-from tests.conftest import free_port, wait_for
+from tests.conftest import RedisTarget, free_port, wait_for
 
 
 class ScriptedWorker:
@@ -33,6 +34,7 @@ class ScriptedWorker:
         self.endpoint = f"tcp://127.0.0.1:{free_port()}"
         self.sock = make_socket(ctx, zmq.ROUTER, bind=self.endpoint, curve=keys.server("infer"))
         self.lag = 0
+        self.version = 7
         self.served = 0
         self.task: asyncio.Task[None] | None = None
 
@@ -41,7 +43,7 @@ class ScriptedWorker:
             peer, *frames = await self.sock.recv_multipart()
             msg_type, header, _ = wire.decode(frames)
             if msg_type == MsgType.HELLO:
-                reply = wire.encode(MsgType.HEARTBEAT, {"worker": self.name, "version": 7, "lag": self.lag,
+                reply = wire.encode(MsgType.HEARTBEAT, {"worker": self.name, "version": self.version, "lag": self.lag,
                                                         "load": 0})
             elif msg_type == MsgType.INFER and header.get("prompt") == "poison":
                 self.sock.close(linger=0)  # the request kills this worker: no answer, no heartbeat
@@ -125,3 +127,45 @@ async def _close(pool: WorkerPool, workers: Sequence[ScriptedWorker], ctx: zmq.a
             await w.task
         w.sock.close(linger=0)
     ctx.term()
+
+
+async def test_a_worker_claiming_a_version_the_trainer_never_published_draws_no_traffic(
+        tmp_path: Path, redis_target: RedisTarget, caplog: pytest.LogCaptureFixture) -> None:
+    """A process holding the worker key that claims version 2**62 would make every honest
+    worker look lagging and take all requests; the claim is bounded by the trainer's latest
+    version in Redis, so it is the one treated as lagging (and logged once)."""
+    ctx = zmq.asyncio.Context()
+    keys = CurveKeys.load(ZmqConfig(keys_dir=str(tmp_path / "zmq")), "worker")
+    assert keys is not None
+    liar, honest = ScriptedWorker(ctx, "liar", keys), ScriptedWorker(ctx, "honest", keys)
+    liar.version = 2**62
+    cfg = load_config(env={}, overrides={"consistency": {"max_lag": 2},
+                                         "worker": {"endpoints": [liar.endpoint, honest.endpoint],
+                                                    "heartbeat_interval_ms": 50, "discovery": False},
+                                         "zmq": {"keys_dir": str(tmp_path / "zmq")}})
+    redis = redis_target.async_client()
+    await redis.set(rkeys.MODEL_VERSION, 7)
+    for w in (liar, honest):
+        w.task = asyncio.create_task(w.run())
+    pool = WorkerPool(cfg, zmq_ctx=ctx, redis=redis)
+    await pool.start()
+    try:
+        await pool.wait_live(2, timeout_s=10)
+        await wait_for(lambda: pool.published_version == 7, what="the pool to read the model version")
+        served = [(await pool.request({"op": "generate"}))["worker"] for _ in range(6)]
+        assert set(served) == {"honest"}
+        claims = [r for r in caplog.records if "claims model version" in r.getMessage()]
+        assert len(claims) == 1 and claims[0].levelname == "WARNING", claims
+
+        await redis.set(rkeys.MODEL_VERSION, 8)  # the trainer publishes 8; the first heartbeat of it is believed
+        honest.version = 8
+        assert (await pool.request({"op": "generate"}, min_version=8))["worker"] == "honest"
+
+        liar.version = 8  # a claim that is possible is believed again
+        await wait_for(lambda: pool.links[0].version == 8 and not pool.overclaims(pool.links[0]),
+                       what="the liar's next heartbeat")
+        assert {(await pool.request({"op": "generate"}))["worker"] for _ in range(6)} == {"liar"}  # lower index
+        assert len([r for r in caplog.records if "claims model version" in r.getMessage()]) == 1
+    finally:
+        await _close(pool, (liar, honest), ctx)
+        await redis.aclose()

@@ -34,6 +34,7 @@ from services.trainer.operations import TrainerOps
 from services.trainer.publisher import DeltaPublisher
 from services.trainer.replay import ReplayBuffer
 from services.trainer.stepper import Stepper
+from services.trainer.version_floor import VersionFloor
 from shared import keys
 from shared import metrics as m
 from shared.config import Config
@@ -63,7 +64,7 @@ class Leader:
 
     def __init__(self, cfg: Config, *, weights: Stepper, world: int, offset: Offset, redis: Redis, ledger: Ledger,
                  source: SampleSource, contexts: ContextReader, replay: ReplayBuffer, publisher: DeltaPublisher,
-                 ops: TrainerOps, zmq_ctx: zmq.Context) -> None:
+                 ops: TrainerOps, zmq_ctx: zmq.Context, version_floor: VersionFloor) -> None:
         self.t = cfg.trainer
         self.weights = weights  # what is published: its consensus parameters
         self.world = world
@@ -71,6 +72,7 @@ class Leader:
         self.version = offset.version
         self.redis, self.ledger, self.source, self.contexts = redis, ledger, source, contexts
         self.replay, self.publisher, self.ops, self.zmq_ctx = replay, publisher, ops, zmq_ctx
+        self.version_floor = version_floor
         self.progress = Progress()
         self._rate = 0.0
         self._published_step = -1
@@ -251,6 +253,7 @@ class Leader:
                 lossless: bool = False) -> None:
         """Send workers the consensus weights as the next version."""
         self.version = max(self.version, self.offset.version)
+        self.version_floor.reserve(self.version)
         self.ops.before_publish(self.version)
         cpu0 = time.thread_time()
         params = self.weights.consensus_params()

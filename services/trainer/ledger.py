@@ -19,7 +19,8 @@ the in-memory weights of steps after the last checkpoint; those steps' effect is
 restart :func:`rollback` atomically deletes their ledger entries and moves the offset back
 to the checkpoint's, and the trainer replays them from the log. Each sample id therefore
 ends up in the ledger — and in the weights — exactly once. Versions stay monotonic across
-the rollback (``max(checkpoint, commit record, keys.MODEL_VERSION) + 1``), and the restored
+the rollback (``max(checkpoint, commit record, keys.MODEL_VERSION, version floor) + 1``; the floor,
+kept on disk, holds when Redis lost the other two: services/trainer/version_floor.py), and the restored
 weights are published at once as that new version, so workers that served the lost
 lineage move to the surviving one.
 """
@@ -107,10 +108,11 @@ class Ledger:
         self.partitions = partitions
         self._confirm = redis_cfg if redis_cfg is not None and redis_cfg.wait_replicas else None
 
-    def resume(self, checkpointed: Offset) -> tuple[Offset, int]:
+    def resume(self, checkpointed: Offset, version_floor: int = 0) -> tuple[Offset, int]:
         """Make Redis agree with the checkpoint: drop ledger steps after it, reset the offset,
-        bump the epoch. Returns (the new offset, how many steps were rolled back)."""
-        new, rolled = _rollback(self.redis, checkpointed)
+        bump the epoch; the new version is above ``version_floor`` too. Returns (the new offset,
+        how many steps were rolled back)."""
+        new, rolled = _rollback(self.redis, checkpointed, version_floor)
         # versions of the lost steps no longer hold the samples after the checkpoint's position
         pipe = self.redis.pipeline(transaction=False)
         for part in range(self.partitions):
@@ -181,7 +183,7 @@ class Ledger:
         pipe.execute()
 
 
-def _rollback(redis: Any, to: Offset) -> tuple[Offset, int]:
+def _rollback(redis: Any, to: Offset, version_floor: int) -> tuple[Offset, int]:
     while True:
         # read before WATCH: keys.MODEL_VERSION is in another slot than the {trainer} keys, and
         # only the trainer (this process) writes it
@@ -193,7 +195,7 @@ def _rollback(redis: Any, to: Offset) -> tuple[Offset, int]:
                 later = [f for f in pipe.hkeys(keys.TRAINER_TRAINED) if int(as_str(f)) > to.step]
                 later_skipped = [f for f in pipe.hkeys(keys.TRAINER_SKIPPED) if int(as_str(f)) > to.step]
                 # +1: the restored weights are published as a version nobody has served yet
-                version = max(current.version, to.version, published) + 1
+                version = max(current.version, to.version, published, version_floor) + 1
                 new = Offset(to.step, version, current.epoch + 1, dict(to.positions))
                 pipe.multi()
                 pipe.delete(keys.TRAINER_OFFSET)  # partitions first read after the checkpoint start over

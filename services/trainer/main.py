@@ -30,6 +30,7 @@ from services.trainer.operations import TrainerOps
 from services.trainer.publisher import DeltaPublisher
 from services.trainer.replay import ReplayBuffer
 from services.trainer.stepper import Stepper, build_model
+from services.trainer.version_floor import VersionFloor
 from shared import metrics as m
 from shared.config import CONFIG_ERROR_EXIT, Config, ConfigError, log_level
 from shared.control import start_metrics_server
@@ -185,7 +186,9 @@ def _build_leader(cfg: Config, group: RankGroup, stepper: Stepper, checkpointed:
     redis = cast(Redis, sync_client(cfg.redis, socket_timeout=30))  # see gateway.app._redis_clients
     partitions = sample_partitions(cfg)
     ledger = Ledger(redis, partitions, cfg.redis)
-    offset, rolled = ledger.resume(checkpointed)
+    floor = VersionFloor(cfg.trainer.checkpoint_dir)
+    offset, rolled = ledger.resume(checkpointed, floor.reserved)
+    floor.reserve(offset.version)  # the publisher hands it out in snapshots from the start
     log.info("trainer resumed at step %d (seq %d, epoch %d); %d uncheckpointed step(s) rolled back and "
              "will be replayed from the log", checkpointed.step, offset.seq, offset.epoch, rolled)
     zmq_ctx = zmq.Context()
@@ -200,7 +203,8 @@ def _build_leader(cfg: Config, group: RankGroup, stepper: Stepper, checkpointed:
                     replay=ReplayBuffer(cfg.trainer.replay_passes, cfg.trainer.replay_buffer, seed=cfg.model.seed,
                                         answer_passes=cfg.trainer.answer_passes,
                                         answer_max_bytes=cfg.trainer.answer_max_bytes),
-                    publisher=publisher, ops=TrainerOps(cfg, redis, publisher), zmq_ctx=zmq_ctx)
+                    publisher=publisher, ops=TrainerOps(cfg, redis, publisher), zmq_ctx=zmq_ctx,
+                    version_floor=floor)
     leader.resumed()
     source.check_log()  # the checkpoint's offsets count in its log; is that the log found now?
     m.TRAINER_VERSION.set(offset.version)

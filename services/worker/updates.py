@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import zmq
 
+from services.worker.delta_inbox import DeltaInbox
 from shared import metrics, wire
 from shared.config import Config
 from shared.crypto import (
@@ -37,14 +38,16 @@ from shared.crypto import (
     Opened,
 )
 from shared.curve import CurveKeys, HandshakeWatch
-from shared.delta.codec import BaseMismatch, CodecError, DecodedChunk, DeltaDecoder, LayoutMismatch
+from shared.delta.codec import BaseMismatch, CodecError, DecodedChunk, DeltaDecoder, Layout, LayoutMismatch
 from shared.log_throttle import ThrottledWarning
 from shared.zmq_util import CONTROL_FRAME_BYTES, make_socket
 
 log = logging.getLogger(__name__)
 
 _MAX_BUFFERED = 4096
-_MAX_BUFFERED_BYTES = 256 * 1024 * 1024
+_SUB_HWM = 100_000  # never reached: the inbox drains the socket (a full pipe can abort libzmq, #3937)
+_MIN_QUEUE_BYTES = 16 * 1024 * 1024
+_MAX_QUEUE_BYTES = 256 * 1024 * 1024
 _WARN_INTERVAL_S = 60.0
 # rejections that a key ring other than the trainer's explains (docs/delta.md, "Keys and rotation")
 _KEY_REJECTS = {
@@ -84,7 +87,7 @@ class DeltaSubscriber:
     """Keep ``params`` in step with the trainer; call :meth:`poll` between batches."""
 
     def __init__(self, cfg: Config, zmq_ctx: zmq.Context, worker_id: str, params: dict[str, torch.Tensor],
-                 version: int, *, model_id: str | None = None) -> None:
+                 version: int, *, model_id: str | None = None, queue_bytes: int | None = None) -> None:
         self.cfg = cfg
         self.worker_id = worker_id
         self.params = params
@@ -92,7 +95,8 @@ class DeltaSubscriber:
         self.decoder = DeltaDecoder(params, version, model_id or "")
         self.opener = EnvelopeOpener(load_ring(cfg.security.delta_key_file), require_signature=cfg.security.sign_deltas)
         self.stats: dict[str, Any] = {"applied": 0, "anchors": 0, "resyncs": 0, "snapshot_timeouts": 0,
-                                      "dropped_old": 0, "rejected": {}, "latest_seen": version}
+                                      "dropped_old": 0, "overflows": 0, "rejected": {}, "latest_seen": version}
+        self.queue_bytes = queue_bytes or default_queue_bytes(self.decoder.layout)
         keys = CurveKeys.load(cfg.zmq, "worker")
         trainer = keys.client("trainer") if keys else None  # pinned: only the real trainer is heard
         self._watches: list[HandshakeWatch] = []
@@ -108,7 +112,8 @@ class DeltaSubscriber:
             return sock
 
         sec = cfg.security
-        self._sub = connect(zmq.SUB, sec.delta_pub_endpoint, MAX_SEALED_FRAME_BYTES, hwm=100_000)
+        sub = connect(zmq.SUB, sec.delta_pub_endpoint, MAX_SEALED_FRAME_BYTES, hwm=_SUB_HWM)
+        self._inbox = DeltaInbox(zmq_ctx, sub, self._watches.pop(), self.queue_bytes)
         # immediate: a request or ack is queued only on a live connection, so what a worker sends
         # while the trainer is away is not delivered in a burst when it returns (a snapshot each)
         self._dealer = connect(zmq.DEALER, sec.snapshot_endpoint, MAX_SEALED_FRAME_BYTES,
@@ -146,11 +151,10 @@ class DeltaSubscriber:
         for watch in self._watches:
             watch.poll()
         self._poll_snapshot()
-        for _ in range(max_packets):
-            try:
-                frames = self._sub.recv_multipart(zmq.NOBLOCK, copy=True)
-            except zmq.Again:
-                break
+        packets, overflowed = self._inbox.take(max_packets)
+        if overflowed:
+            self._on_overflow()
+        for frames in packets:
             self._on_packet(frames)
         if self._pending_req is not None:
             self._poll_snapshot()
@@ -158,15 +162,18 @@ class DeltaSubscriber:
 
     def wait(self, timeout_ms: int) -> bool:
         """Block up to ``timeout_ms`` until an update or snapshot part is readable (for idle workers)."""
+        if self._inbox.pending():
+            return True
         poller = zmq.Poller()
-        poller.register(self._sub, zmq.POLLIN)
+        poller.register(self._inbox.bell, zmq.POLLIN)
         poller.register(self._dealer, zmq.POLLIN)
         return bool(poller.poll(timeout_ms))
 
     def close(self) -> None:
+        self._inbox.close()
         for watch in self._watches:
             watch.close()
-        for sock in (self._sub, self._dealer, self._push):
+        for sock in (self._dealer, self._push):
             sock.close(linger=0)
 
     # ---------------------------------------------------------------- packets
@@ -222,6 +229,16 @@ class DeltaSubscriber:
             return
         self._handle(op)
 
+    def _on_overflow(self) -> None:
+        """The inbox dropped packets (more than ``queue_bytes`` waited: a long batch): what is
+        held of the stream is useless without them, one snapshot replaces it all."""
+        self.stats["overflows"] += 1
+        self._assembly = None
+        self._buffer, self._buffer_bytes = deque(), 0
+        if self._pending_req is None:
+            self._request_snapshot("overflow")
+        # else the pending snapshot, and a gap seen after it, cover what was dropped
+
     def _check_session(self) -> None:
         """A genuine packet of a session older than the one followed is a replay, or comes from a
         trainer restarted under the same name on a host whose clock is behind: every packet it
@@ -238,7 +255,7 @@ class DeltaSubscriber:
         """Hold a verified packet until the pending snapshot is loaded (bounded; oldest go first)."""
         self._buffer.append(op)
         self._buffer_bytes += len(op.payload)
-        while len(self._buffer) > _MAX_BUFFERED or self._buffer_bytes > _MAX_BUFFERED_BYTES:
+        while len(self._buffer) > _MAX_BUFFERED or self._buffer_bytes > self.queue_bytes:
             self._buffer_bytes -= len(self._buffer.popleft().payload)
 
     def _on_heartbeat(self, op: Opened) -> None:
@@ -482,6 +499,14 @@ class DeltaSubscriber:
                 self._request_snapshot("publisher_restart")
             else:
                 self._handle(b)
+
+
+def default_queue_bytes(layout: Layout) -> int:
+    """Twice the model's dense size, within [16, 256] MiB: more deltas than that waiting cost
+    more to decode than one snapshot to load; a delta chunk (at most the dense size of its
+    range plus indices, and never over 64 MiB) always fits."""
+    dense = layout.numel * layout.dtype.itemsize
+    return min(_MAX_QUEUE_BYTES, max(_MIN_QUEUE_BYTES, 2 * dense))
 
 
 def load_ring(path: str) -> KeyRing:
