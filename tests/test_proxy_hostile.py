@@ -660,6 +660,26 @@ def test_an_upstream_tool_whose_x_mcp_headers_break_the_rules_is_not_listed_and_
         _still_serving(client, "bad.echo")
 
 
+@pytest.mark.parametrize("listed_first", [False, True])
+def test_an_upstream_tool_left_out_for_its_x_mcp_headers_cannot_be_called(
+        redis_url: str, bad: HostileUpstream, listed_first: bool) -> None:
+    """A tool the gateway does not list is unknown to its clients: a call naming it (before any
+    listing on the replica, or after) is refused as any unknown tool is, and never reaches the
+    upstream without the headers it declares."""
+    bad.tools = [*BAD_PARAM_HEADERS, _tool("fine", region={**TEXT, "x-mcp-header": "Region"})]
+    with front_gateway(redis_url, {"upstreams": [_entry(bad, revision=MODERN)]}) as base:
+        client = Client(base, MCP_KEY, LEGACY).open()
+        if listed_first:
+            assert "bad.fine" in client.names()
+        for tool in BAD_PARAM_HEADERS:
+            error = client.call("tools/call", {"name": f"bad.{tool['name']}", "arguments": {"a": "x"}})["error"]
+            assert error == {"code": -32602, "message": f"Tool not found: bad.{tool['name']}"}
+        assert not [r for r in bad.requests if r.get("method") == "tools/call"]
+        assert client.result("tools/call", {"name": "bad.fine", "arguments": {"region": "eu"}})["content"][0]["text"] \
+            == "echo"
+        assert next(r for r in bad.requests if r.get("method") == "tools/call")["_headers"]["mcp-param-region"] == "eu"
+
+
 def _all_names(client: Client) -> list[str]:
     """Every tool of the client's list, page after page."""
     names: list[str] = []

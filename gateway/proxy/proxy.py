@@ -36,7 +36,7 @@ from gateway.errors import (
     NotFound,
 )
 from gateway.mcp.dispatcher import Call, InputRequired
-from gateway.mcp.types import LEGACY_VERSION, MODERN_VERSION
+from gateway.mcp.types import LEGACY_VERSION
 from gateway.proxy import entries, names, param_headers
 from gateway.proxy.breaker import CLOSED, STATE_VALUE
 from gateway.proxy.capture import capture
@@ -90,6 +90,9 @@ class Catalog:
     prompts: dict[str, str] = field(default_factory=dict)
     schemas: dict[str, dict[str, Any]] = field(default_factory=dict)  # exposed tool name -> inputSchema
     param_specs: dict[str, param_headers.Spec] = field(default_factory=dict)  # tools with x-mcp-header
+    # Tools the upstream lists that clients are not shown (a malformed entry, x-mcp-header declarations
+    # that break SEP-2243): calling one is refused as calling an unknown tool, before it is forwarded.
+    unlisted: set[str] = field(default_factory=set)
     task_support: dict[str, str] = field(default_factory=dict)  # exposed tool name -> optional | required
 
 
@@ -361,6 +364,10 @@ class Proxy:
         """The entry as clients see it ({} when it cannot be mounted: a name clash, a malformed entry)."""
         problem = entries.malformed(kind, entry)
         if problem is not None:
+            name = entry.get("name")
+            exposed = names.exposed(up.cfg.prefix, name) if kind == "tools" and isinstance(name, str) and name else None
+            if exposed is not None and exposed not in catalog.tools:
+                catalog.unlisted.add(exposed)
             log.error("proxy upstream %s: a %s entry %r is not listed (not the shape MCP gives it: %s)",
                       up.name, kind, entry.get("name"), problem)
             return {}
@@ -379,6 +386,7 @@ class Proxy:
                           _clipped(str(name)), MAX_NAME_CHARS)
                 return {}
             mounted[exposed] = str(name)
+            catalog.unlisted.discard(exposed)
             if kind == "tools" and isinstance(entry.get("inputSchema"), dict):
                 catalog.schemas[exposed] = entry["inputSchema"]
                 spec = param_headers.spec(entry["inputSchema"])
@@ -506,26 +514,28 @@ class Proxy:
 
     async def call_tool(self, call: Call, name: str, params: dict[str, Any]) -> dict[str, Any]:
         up, tool = self._target(call, name, "Tool", "tools/call")
+        if not up.catalog.lists:
+            # Which tools exist and the headers each takes are in the upstream's lists: a replica that
+            # has not listed them yet does so first (once, as a listing does, within its timeout_s),
+            # since a client may call a tool it learnt elsewhere first thing.
+            await self._catalog(call.principal, up)
+        if name in up.catalog.unlisted:
+            raise InvalidParams(f"Tool not found: {name}")
         args = params.get("arguments")
         args = args if isinstance(args, dict) else {}
         spec = up.catalog.param_specs.get(name)
         headers = _param_headers(spec, args) if spec is not None else None
-        support = await self._hosted_task_support(call, up, name)
+        support = self._hosted_task_support(up, name)
         if support is None:
             return await self._call_tool(call, up, tool, name, args, headers)
         return await self.gateway.tasks.run(call, name, support,
                                             lambda c: self._call_tool(c, up, tool, name, args, headers))
 
-    async def _hosted_task_support(self, call: Call, up: Upstream, name: str) -> str | None:
+    def _hosted_task_support(self, up: Upstream, name: str) -> str | None:
         """A 2025-11-25 upstream has no tasks (SEP-2663 is of 2026-07-28): a tool it declares
         task-capable (``execution.taskSupport``) runs as the gateway's own task. A 2026-07-28
         upstream's tasks are its own and pass through (see :meth:`task_request`). What the upstream
-        declares is in its lists: a replica that has not listed it yet does so first (as a listing
-        does, within its ``timeout_s``), since a client may call a tool it learnt elsewhere first thing."""
-        if up.client.revision == MODERN_VERSION:
-            return None
-        if not up.catalog.lists:
-            await self._catalog(call.principal, up)
+        declares is in its lists (fetched by :meth:`call_tool` first)."""
         if up.client.revision != LEGACY_VERSION:
             return None
         return up.catalog.task_support.get(name)
