@@ -30,7 +30,7 @@ from tests.admin_support import MCP_KEY
 from tests.conftest import wait_for, wait_for_sync
 from tests.proxy.harness import sdk_client
 from tests.proxy.hostile import HostileUpstream, hostile_upstream
-from tests.proxy_front import ADMIN, LEGACY, MODERN, Client, front_gateway
+from tests.proxy_front import ADMIN, LEGACY, MODERN, Client, front_gateway, get_stream
 
 HOSTILE_STDIO = str(Path(__file__).resolve().parent / "proxy" / "hostile_stdio.py")
 UPSTREAM_FAILED = -32052
@@ -315,6 +315,44 @@ def test_listing_waits_at_most_the_upstreams_timeout_however_many_pages_it_has(r
             assert "good.echo" in names and "context_append" in names
             assert not [n for n in names if n.startswith("slow.")]
             assert pages < 10, "the listing was answered while the slow upstream's pages were still coming"
+
+
+def test_the_whole_fetch_of_an_upstreams_lists_ends_at_list_fetch_s_and_what_came_is_listed(
+        redis_url: str, bad: HostileUpstream, caplog: pytest.LogCaptureFixture) -> None:
+    """Each page within the upstream's timeout_s, pages without end: the fetch stops at
+    proxy.list_fetch_s, logged, and the entries of the pages fetched by then are listed (not
+    MAX_LIST_PAGES pages of lists of timeout_s each, with every listing waiting meanwhile)."""
+    caplog.set_level(logging.WARNING, logger="gateway.proxy.proxy")
+    bad.page_delay_s, bad.endless_pages, bad.page_tools = 0.2, True, 1
+    proxy = {"upstreams": [_entry(bad, timeout_s=60.0)], "list_fetch_s": 1.0}
+    with front_gateway(redis_url, proxy) as base:
+        names = Client(base, MCP_KEY, LEGACY).open().names()
+        assert "bad.p0_0" in names and "context_append" in names
+        assert "lists not all fetched within proxy.list_fetch_s (1 s); tools/list is listed up to its" in caplog.text
+        assert "resources/list, resources/templates/list, prompts/list not at all" in caplog.text
+        pages = bad.pages_sent
+        assert pages < MAX_LIST_PAGES and len([n for n in names if n.startswith("bad.")]) in (pages, pages - 1)
+
+
+def test_a_slow_upstream_holds_listings_back_once_per_fetch_and_its_entries_are_announced_when_they_come(
+        redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Listings wait for an upstream's first lists until one moment (the fetch's start plus its
+    timeout_s), together: a listing after that does not wait for the same fetch again, and the
+    clients are told the list changed once the entries come."""
+    caplog.set_level(logging.WARNING, logger="gateway.proxy.proxy")
+    with hostile_upstream() as slow, hostile_upstream() as good:
+        slow.page_delay_s, slow.endless_pages, slow.page_tools = 1.5, True, 1  # each page within timeout_s
+        proxy = {"upstreams": [_entry(slow, "slow", timeout_s=2.0), _entry(good, "good")], "list_fetch_s": 4.0}
+        with front_gateway(redis_url, proxy) as base:
+            client = Client(base, MCP_KEY, LEGACY).open()
+            stream = get_stream(client)
+            for _ in range(3):
+                names = client.names()
+                assert "good.echo" in names and not [n for n in names if n.startswith("slow.")]
+            assert caplog.text.count("proxy upstream slow: lists not fetched within 2 s") == 1
+            wait_for_sync(lambda: "notifications/tools/list_changed" in stream.methods(), timeout_s=15,
+                          what="tools/list_changed once the slow upstream's lists came")
+            assert "slow.p0_0" in client.names()
 
 
 def test_a_stdio_upstream_writing_an_endless_line_or_garbage(redis_url: str, caplog: pytest.LogCaptureFixture,

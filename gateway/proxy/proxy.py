@@ -103,6 +103,8 @@ class Upstream:
     catalog: Catalog = field(default_factory=Catalog)
     changes: int = 0  # list changes announced so far: a fetch begun before the last one is stale on arrival
     refresh: asyncio.Task[None] | None = None
+    wait_until: float = 0.0  # loop time: how long listings wait for ``refresh`` (its start + timeout_s), all together
+    waited_out: bool = False  # a listing was answered without ``refresh``: its clients are told when it lands
     watcher: asyncio.Task[None] | None = None
     latency: Any = None  # its /metrics children, looked up once
     breaker_gauge: Any = None
@@ -300,13 +302,20 @@ class Proxy:
             return up.catalog
         if up.refresh is None or up.refresh.done():
             up.refresh = asyncio.create_task(self._refresh(principal, up), name=f"proxy-lists-{up.name}")
+            up.wait_until = asyncio.get_running_loop().time() + up.cfg.timeout_s
+            up.waited_out = False
         if fetched_at is not None:
             return up.catalog  # stale but usable while the fresh one comes
         try:
-            async with asyncio.timeout(up.cfg.timeout_s):  # however many pages it has: they come in the background
+            # However many pages it has, and however many listings come meanwhile: they all wait until
+            # the same moment, so a slow upstream holds the others' entries back once per fetch.
+            async with asyncio.timeout_at(up.wait_until):
                 await asyncio.shield(up.refresh)
         except TimeoutError:
-            log.warning("proxy upstream %s: lists not fetched within %g s", up.name, up.cfg.timeout_s)
+            if not up.waited_out:
+                up.waited_out = True
+                log.warning("proxy upstream %s: lists not fetched within %g s; listed once they are", up.name,
+                            up.cfg.timeout_s)
             return None
         except Exception as exc:  # noqa: BLE001 - reported, the upstream is left out of this list
             log.warning("proxy upstream %s: lists unavailable (%s)", up.name, getattr(exc, "message", type(exc).__name__))
@@ -314,27 +323,53 @@ class Proxy:
         return up.catalog
 
     async def _refresh(self, principal: str, up: Upstream) -> None:
+        """Fetch the upstream's lists, within ``proxy.list_fetch_s`` in all: what came by then is
+        listed, what did not is logged (an upstream answering each page just within its timeout_s
+        would otherwise hold the fetch for pages x lists x timeout_s)."""
         catalog = Catalog()
         changes = up.changes
         own = self.gateway.registry
-        for kind, method in LISTS.items():
-            try:
-                raw = await self._fetch_all(principal, up, method, kind)
-            except McpError as exc:
-                if isinstance(exc, UpstreamFailed):
-                    raise
-                if exc.code != METHOD_NOT_FOUND:
-                    log.warning("proxy upstream %s: %s failed (%s)", up.name, method, exc.message)
-                raw = []
-            catalog.lists[kind] = [self._rewrite(up, kind, e, catalog, own.tools, own.prompts) for e in raw]
-            catalog.lists[kind] = [e for e in catalog.lists[kind] if e]
+        fetched: dict[str, list[dict[str, Any]]] = {}
+        try:
+            async with asyncio.timeout(self.config.list_fetch_s):
+                for kind, method in LISTS.items():
+                    fetched[kind] = []
+                    try:
+                        await self._fetch_all(principal, up, method, kind, fetched[kind])
+                    except McpError as exc:
+                        if isinstance(exc, UpstreamFailed):
+                            raise
+                        if exc.code != METHOD_NOT_FOUND:
+                            log.warning("proxy upstream %s: %s failed (%s)", up.name, method, exc.message)
+                        fetched[kind] = []
+        except TimeoutError:
+            cut = list(fetched)[-1]
+            log.warning("proxy upstream %s: lists not all fetched within proxy.list_fetch_s (%g s); %s is listed "
+                        "up to its %d entries fetched by then, %s not at all", up.name, self.config.list_fetch_s,
+                        LISTS[cut], len(fetched[cut]), ", ".join(LISTS[k] for k in LISTS if k not in fetched) or "none")
+        for kind, raw in fetched.items():
+            rewritten = (self._rewrite(up, kind, e, catalog, own.tools, own.prompts) for e in raw)
+            catalog.lists[kind] = [e for e in rewritten if e]
         catalog.fetched_at = time.monotonic() if up.changes == changes else None
         up.catalog = catalog
+        if up.waited_out:
+            self._spawn(self._tell_listed(up))
 
-    async def _fetch_all(self, principal: str, up: Upstream, method: str, kind: str) -> list[dict[str, Any]]:
-        """Every page of one list, up to MAX_LIST_PAGES pages and MAX_LIST_ENTRIES entries; a
-        cursor the upstream already gave ends it too (it would only send the same pages again)."""
-        entries: list[dict[str, Any]] = []
+    async def _tell_listed(self, up: Upstream) -> None:
+        """Listings went without the upstream's entries, which have come: the replica's clients are
+        told its lists changed, to list them again. Telling drops the replica's copy (as any change
+        of the upstream does): the copy just fetched is kept, unless the upstream changed meanwhile."""
+        catalog, fetched_at, changes = up.catalog, up.catalog.fetched_at, up.changes
+        kinds = ("tools", "resources", "prompts")
+        for kind in kinds:
+            await self.gateway.list_changed_here(kind, up.name)
+        if up.catalog is catalog and up.changes == changes + len(kinds):
+            catalog.fetched_at = fetched_at
+
+    async def _fetch_all(self, principal: str, up: Upstream, method: str, kind: str,
+                         entries: list[dict[str, Any]]) -> None:
+        """Every page of one list into ``entries``, up to MAX_LIST_PAGES pages and MAX_LIST_ENTRIES
+        entries; a cursor the upstream already gave ends it too (it would only send the same pages again)."""
         params: dict[str, Any] = {}
         cursors: set[str] = set()
         for _ in range(MAX_LIST_PAGES):
@@ -345,19 +380,19 @@ class Proxy:
             if len(entries) > MAX_LIST_ENTRIES:
                 log.warning("proxy upstream %s: %s has over %d entries; the first %d are listed", up.name, method,
                             MAX_LIST_ENTRIES, MAX_LIST_ENTRIES)
-                return entries[:MAX_LIST_ENTRIES]
+                del entries[MAX_LIST_ENTRIES:]
+                return
             cursor = result.get("nextCursor")
             if not isinstance(cursor, str) or not cursor:
-                return entries
+                return
             if cursor in cursors:
                 log.warning("proxy upstream %s: %s named a page it already sent; the %d entries so far are listed",
                             up.name, method, len(entries))
-                return entries
+                return
             cursors.add(cursor)
             params = {"cursor": cursor}
         log.warning("proxy upstream %s: %s has over %d pages; the entries of the first %d are listed", up.name,
                     method, MAX_LIST_PAGES, MAX_LIST_PAGES)
-        return entries
 
     def _rewrite(self, up: Upstream, kind: str, entry: dict[str, Any], catalog: Catalog,
                  own_tools: dict[str, Any], own_prompts: dict[str, Any]) -> dict[str, Any]:
