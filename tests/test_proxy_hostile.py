@@ -23,7 +23,7 @@ import redis as redis_sync
 from gateway.proxy import http1
 from gateway.proxy.http1 import MAX_BUFFERED_BYTES, MAX_HEAD_BYTES
 from gateway.proxy.proxy import LIST_CHANGED_GAP_S, MAX_LIST_ENTRIES, MAX_LIST_PAGES, TASK_KEY_MAX_S
-from gateway.proxy.wire import MAX_MESSAGE_BYTES, MAX_OPEN_QUESTIONS, Hooks, HttpWire
+from gateway.proxy.wire import MAX_LIST_ANSWER_BYTES, MAX_MESSAGE_BYTES, MAX_OPEN_QUESTIONS, Hooks, HttpWire
 from shared import keys
 from shared.config import ConfigError
 from tests.admin_support import MCP_KEY
@@ -353,6 +353,34 @@ def test_a_slow_upstream_holds_listings_back_once_per_fetch_and_its_entries_are_
             wait_for_sync(lambda: "notifications/tools/list_changed" in stream.methods(), timeout_s=15,
                           what="tools/list_changed once the slow upstream's lists came")
             assert "slow.p0_0" in client.names()
+
+
+def _left_out_for_a_list_over_its_bound(base: str, name: str, caplog: pytest.LogCaptureFixture) -> Client:
+    client = Client(base, MCP_KEY, LEGACY).open()
+    assert not [n for n in client.names() if n.startswith(f"{name}.")]
+    assert f"upstream {name!r} sent a message over {MAX_LIST_ANSWER_BYTES} bytes in answer to tools/list" in caplog.text
+    _still_serving(client, f"{name}.echo")  # a call's answer keeps its own bound
+    return client
+
+
+def test_a_list_page_over_its_bound_is_not_read_on_and_calls_keep_theirs(
+        redis_url: str, bad: HostileUpstream, caplog: pytest.LogCaptureFixture) -> None:
+    """A list answer is bounded by MAX_LIST_ANSWER_BYTES, well below MAX_MESSAGE_BYTES: the upstream
+    is left out of the listing, logged, and the other upstream listed."""
+    caplog.set_level(logging.WARNING, logger="gateway.proxy.proxy")
+    bad.tools = [{"name": "big", "description": "x" * MAX_LIST_ANSWER_BYTES, "inputSchema": {"type": "object"}}]
+    with hostile_upstream() as good, front_gateway(redis_url, {"upstreams": [_entry(bad), _entry(good, "good")]}) as base:
+        assert "good.echo" in _left_out_for_a_list_over_its_bound(base, "bad", caplog).names()
+
+
+def test_a_stdio_upstreams_list_over_its_bound_is_not_read_on(redis_url: str, caplog: pytest.LogCaptureFixture,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    caplog.set_level(logging.WARNING)
+    monkeypatch.setenv("HOSTILE_BIG_LIST", str(MAX_LIST_ANSWER_BYTES))
+    proxy = {"upstreams": [{"name": "hs", "command": [sys.executable, HOSTILE_STDIO], "revision": LEGACY,
+                            "timeout_s": 20.0, "headers_from_env": {"X-Big": "HOSTILE_BIG_LIST"}}]}
+    with front_gateway(redis_url, proxy) as base:
+        _left_out_for_a_list_over_its_bound(base, "hs", caplog)
 
 
 def test_a_stdio_upstream_writing_an_endless_line_or_garbage(redis_url: str, caplog: pytest.LogCaptureFixture,

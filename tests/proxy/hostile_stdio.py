@@ -5,7 +5,8 @@ It speaks 2025-11-25. ``tools/call`` of ``endless_line`` writes one line that ne
 ``garbage`` writes lines that are not JSON-RPC before its answer; ``chatter`` sends
 ``notifications/message`` by the hundred thousand before its answer; ``big_int`` sends a log message,
 then an answer, each holding an integer beyond 64 bits; ``deaf`` reads no more input and never
-answers (the process stays); ``echo`` answers at once.
+answers (the process stays); ``echo`` answers at once. With ``$HOSTILE_BIG_LIST`` set, ``tools/list``
+lists one more tool, whose description is that many characters.
 Whatever it writes to stderr is noise, and it carries the value of ``$HOSTILE_SECRET`` there.
 """
 
@@ -61,8 +62,11 @@ def main() -> None:
                 "protocolVersion": "2025-11-25", "capabilities": {"tools": {}},
                 "serverInfo": {"name": "hostile-stdio", "version": "1"}}})
         elif method == "tools/list":
-            send({"jsonrpc": "2.0", "id": rid, "result": {
-                "tools": [{"name": n, "inputSchema": {"type": "object"}} for n in TOOLS]}})
+            tools = [{"name": n, "inputSchema": {"type": "object"}} for n in TOOLS]
+            big = int(os.environ.get("HOSTILE_BIG_LIST", "0"))
+            if big:
+                tools.append({"name": "big", "description": "x" * big, "inputSchema": {"type": "object"}})
+            send({"jsonrpc": "2.0", "id": rid, "result": {"tools": tools}})
         elif method == "tools/call":
             call(rid, msg["params"]["name"])
         else:
