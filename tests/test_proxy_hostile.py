@@ -383,6 +383,40 @@ def test_a_stdio_upstreams_list_over_its_bound_is_not_read_on(redis_url: str, ca
         _left_out_for_a_list_over_its_bound(base, "hs", caplog)
 
 
+def test_a_stdio_error_with_id_null_answers_the_one_request_waiting(redis_url: str) -> None:
+    """JSON-RPC's error for a request whose id the server could not read: with one request
+    waiting on the process, it is that request's answer (not a wait until timeout_s)."""
+    proxy = {"upstreams": [{"name": "hs", "command": [sys.executable, HOSTILE_STDIO], "revision": LEGACY,
+                            "timeout_s": 5.0}]}
+    with front_gateway(redis_url, proxy) as base:
+        client = Client(base, MCP_KEY, LEGACY).open()
+        error = client.call("tools/call", {"name": "hs.null_id_error", "arguments": {}})["error"]
+        assert error == {"code": -32700, "message": "Parse error"}
+        _still_serving(client, "hs.echo")
+
+
+def test_a_stdio_error_with_id_null_fails_every_request_waiting_when_several_are(
+        redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Several requests waiting: which one the error answers cannot be told, so each fails with it
+    at once, saying so, rather than the one it answers waiting out timeout_s."""
+    caplog.set_level(logging.WARNING, logger="gateway.proxy.wire")
+    parked = tmp_path / "parked"
+    monkeypatch.setenv("HOSTILE_PARKED", str(parked))
+    proxy = {"upstreams": [{"name": "hs", "command": [sys.executable, HOSTILE_STDIO], "revision": LEGACY,
+                            "timeout_s": 60.0, "headers_from_env": {"X-Parked": "HOSTILE_PARKED"}}]}
+    with front_gateway(redis_url, proxy) as base, ThreadPoolExecutor(1) as pool:
+        client = Client(base, MCP_KEY, LEGACY).open()
+        first = pool.submit(client.call, "tools/call", {"name": "hs.park", "arguments": {}})
+        wait_for_sync(parked.exists, timeout_s=15, what="the upstream to hold the first call")
+        second = client.call("tools/call", {"name": "hs.null_id_error", "arguments": {}})["error"]
+        untied = ("upstream 'hs' sent an error (code -32700) with id null in answer to tools/call; it names no "
+                  "request, and others were waiting: whether the request was acted on is unknown")
+        assert second == {"code": UPSTREAM_FAILED, "message": untied, "data": {"upstream": "hs", "reason": "protocol"}}
+        assert first.result(timeout=30)["error"] == second
+        assert "with id null while 2 requests were waiting; each fails with it" in caplog.text
+        _still_serving(client, "hs.echo")
+
+
 def test_a_stdio_upstream_writing_an_endless_line_or_garbage(redis_url: str, caplog: pytest.LogCaptureFixture,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     caplog.set_level(logging.DEBUG)

@@ -29,6 +29,7 @@ from gateway.proxy.errors import (
     NestedTooDeep,
     OutOfRangeInteger,
     Unpassable,
+    UntiedError,
     WireClosed,
 )
 from gateway.proxy.http1 import Origin, Response
@@ -278,7 +279,7 @@ class StdioWire:
     refused). A process that takes nothing of its input for ``write_timeout_s`` while the gateway
     writes to it is stopped: every request waiting on it fails, and the next use starts another.
 
-    Answers are matched to requests by id. What else the server sends goes to hooks: a message
+    Answers are matched to requests by id (an error with id null, see :meth:`_untied`). What else the server sends goes to hooks: a message
     stamped with a waiting request's subscription id (a ``subscriptions/listen`` stream) to that
     request's; progress to the waiting request that sent its ``progressToken`` (tokens are unique
     among a client's requests in flight, so concurrent calls of one principal each get their own);
@@ -409,6 +410,9 @@ class StdioWire:
 
     async def _route(self, proc: asyncio.subprocess.Process, msg: Message) -> None:
         if "method" not in msg:
+            if "error" in msg and "id" in msg and msg["id"] is None:
+                self._untied(msg)
+                return
             rid = msg.get("id")
             waiting = self._waiting.get(rid) if type(rid) is int else None  # the gateway's ids; true is not 1
             if waiting is not None and not waiting[0].done():
@@ -423,6 +427,22 @@ class StdioWire:
             task = asyncio.create_task(self._serve_side(proc, msg, hooks))
             self._side.add(task)
             task.add_done_callback(self._side.discard)
+
+    def _untied(self, msg: Message) -> None:
+        """An error with id null (JSON-RPC's answer to a request whose id the server could not
+        read): with one request waiting, that one's answer; with several, which one it answers
+        cannot be told, and that one's answer will never come, so each fails at once with
+        :class:`UntiedError` rather than one waiting out its timeout."""
+        waiting = [future for future, _ in self._waiting.values() if not future.done()]
+        if len(waiting) == 1:
+            waiting[0].set_result(msg)
+            return
+        error = msg["error"]
+        exc = UntiedError(error.get("code") if isinstance(error, dict) else None)
+        log.warning("stdio upstream %s: %s while %d requests were waiting; %s", self.command[0], exc, len(waiting),
+                    "each fails with it" if waiting else "dropped")
+        for future in waiting:
+            future.set_exception(exc)
 
     def _refuse(self, exc: Unpassable) -> None:
         """A message that cannot be passed on as sent: the request it answers fails with it; any
