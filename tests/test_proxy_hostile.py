@@ -780,6 +780,28 @@ def test_an_upstream_tool_left_out_for_its_x_mcp_headers_cannot_be_called(
         assert next(r for r in bad.requests if r.get("method") == "tools/call")["_headers"]["mcp-param-region"] == "eu"
 
 
+def test_a_clients_mcp_param_headers_for_a_proxied_tools_nested_arguments_are_checked(
+        redis_url: str, bad: HostileUpstream) -> None:
+    """SEP-2243 at the gateway's own front, for a proxied tool as for its own: a declaration at any
+    depth of properties makes its header required and checked against the body, before the call
+    is forwarded."""
+    where = {"type": "object", "properties": {"zone": {"type": "integer", "x-mcp-header": "Zone"}}}
+    bad.tools = [_tool("fine", region={**TEXT, "x-mcp-header": "Region"}, where=where)]
+    with front_gateway(redis_url, {"upstreams": [_entry(bad, revision=MODERN)]}) as base:
+        client = Client(base, MCP_KEY, MODERN)
+        assert "bad.fine" in client.names()
+        call = {"name": "bad.fine", "arguments": {"region": "eu", "where": {"zone": 3}}}
+        for zone, message in ((None, "mcp-param-zone header is required when argument 'where.zone' is present"),
+                              ("4", "mcp-param-zone header does not match argument 'where.zone'")):
+            sent = {"mcp-param-region": "eu", **({"mcp-param-zone": zone} if zone else {})}
+            refused = client.post("tools/call", call, headers=sent)
+            assert refused.status_code == 400 and refused.json()["error"]["code"] == -32020
+            assert refused.json()["error"]["message"] == message
+        assert _calls(bad, "fine") == 0
+        answer = client.post("tools/call", call, headers={"mcp-param-region": "eu", "mcp-param-zone": "3"}).json()
+        assert answer["result"]["content"][0]["text"] == "echo"
+
+
 def _all_names(client: Client) -> list[str]:
     """Every tool of the client's list, page after page."""
     names: list[str] = []

@@ -35,9 +35,10 @@ from gateway.errors import (
     McpError,
     NotFound,
 )
+from gateway.mcp import param_headers
 from gateway.mcp.dispatcher import Call, InputRequired
 from gateway.mcp.types import LEGACY_VERSION
-from gateway.proxy import entries, names, param_headers
+from gateway.proxy import entries, names
 from gateway.proxy.breaker import CLOSED, STATE_VALUE
 from gateway.proxy.capture import capture
 from gateway.proxy.client import UpstreamClient, header_value
@@ -88,7 +89,6 @@ class Catalog:
     lists: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     tools: dict[str, str] = field(default_factory=dict)    # exposed name -> upstream's name
     prompts: dict[str, str] = field(default_factory=dict)
-    schemas: dict[str, dict[str, Any]] = field(default_factory=dict)  # exposed tool name -> inputSchema
     param_specs: dict[str, param_headers.Spec] = field(default_factory=dict)  # tools with x-mcp-header
     # Tools the upstream lists that clients are not shown (a malformed entry, x-mcp-header declarations
     # that break SEP-2243): calling one is refused as calling an unknown tool, before it is forwarded.
@@ -423,7 +423,6 @@ class Proxy:
             mounted[exposed] = str(name)
             catalog.unlisted.discard(exposed)
             if kind == "tools" and isinstance(entry.get("inputSchema"), dict):
-                catalog.schemas[exposed] = entry["inputSchema"]
                 spec = param_headers.spec(entry["inputSchema"])
                 if spec:
                     catalog.param_specs[exposed] = spec
@@ -512,13 +511,14 @@ class Proxy:
         self._audit.add(record(principal=call.principal, action="proxy.call", upstream=up.name, method=method,
                                item=_clipped(item), outcome="forbidden"))
 
-    def input_schema(self, name: str) -> dict[str, Any] | None:
-        """The inputSchema of the upstream tool clients call ``name`` (None: not known)."""
+    def param_spec(self, name: str) -> param_headers.Spec:
+        """The ``Mcp-Param-*`` headers of the upstream tool clients call ``name`` (none: not known,
+        or it declares none)."""
         for up in self.upstreams.values():
-            schema = up.catalog.schemas.get(name)
-            if schema is not None:
-                return schema
-        return None
+            spec = up.catalog.param_specs.get(name)
+            if spec is not None:
+                return spec
+        return ()
 
     def _bare(self) -> Upstream | None:
         """The upstream mounted with the empty namespace (at most one)."""
