@@ -344,9 +344,10 @@ class Proxy:
                         fetched[kind] = []
         except TimeoutError:
             cut = list(fetched)[-1]
-            log.warning("proxy upstream %s: lists not all fetched within proxy.list_fetch_s (%g s); %s is listed "
-                        "up to its %d entries fetched by then, %s not at all", up.name, self.config.list_fetch_s,
-                        LISTS[cut], len(fetched[cut]), ", ".join(LISTS[k] for k in LISTS if k not in fetched) or "none")
+            unfetched = [LISTS[k] for k in LISTS if k not in fetched]
+            log.warning("proxy upstream %s: lists not all fetched within proxy.list_fetch_s (%g s); %s is listed up "
+                        "to its %d entries fetched by then%s", up.name, self.config.list_fetch_s, LISTS[cut],
+                        len(fetched[cut]), f", {', '.join(unfetched)} not at all" if unfetched else "")
         for kind, raw in fetched.items():
             rewritten = (self._rewrite(up, kind, e, catalog, own.tools, own.prompts) for e in raw)
             catalog.lists[kind] = [e for e in rewritten if e]
