@@ -5,8 +5,8 @@ Components register into it with ``register(registry)`` functions (see
 ``gateway/tools/``). Handlers are ``async def handler(ctx: ToolContext, args: dict)``;
 they return either a full MCP result dict (with ``content``) or, for tools with an
 ``output_schema``, a plain dict that becomes ``structuredContent`` (and a JSON text block).
-A tool's schemas are compiled when it registers (a broken one fails at start); the
-dispatcher asks the :class:`Tool` whether arguments and results match them.
+A tool's schemas are compiled when it registers, its ``x-mcp-header`` declarations checked (a
+broken one fails at start); the dispatcher asks the :class:`Tool` whether arguments and results match them.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import jsonschema_rs
+
+from gateway.mcp import param_headers
 
 if TYPE_CHECKING:  # gateway.state builds on the registry; handlers only need the type
     from gateway.state import Gateway
@@ -100,12 +102,17 @@ class Tool:
     # as a task for clients that declare the extension; "required" = only for such clients.
     task_support: str | None = None
     _input_validator: jsonschema_rs.Validator = field(init=False, repr=False, compare=False)
+    param_spec: param_headers.Spec = field(init=False, repr=False, compare=False)  # its Mcp-Param-* headers
     _output_validator: jsonschema_rs.Validator | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.task_support not in TASK_SUPPORT:
             raise ValueError(f"tool {self.name!r}: task_support must be one of {TASK_SUPPORT}")
         self._input_validator = compile_schema(self.input_schema)
+        problem = param_headers.problem(self.input_schema)
+        if problem is not None:  # what MCP has a client leave out, the gateway does not serve
+            raise ValueError(f"tool {self.name!r}: {problem}")
+        self.param_spec = param_headers.spec(self.input_schema)
         self._output_validator = None if self.output_schema is None else compile_schema(self.output_schema)
 
     def input_problem(self, args: dict[str, Any]) -> str | None:

@@ -894,6 +894,9 @@ class ProxyConfig:
     breaker: BreakerConfig = Field(default_factory=BreakerConfig)
     list_ttl_s: PositiveFloat = Field(default=30.0, description="how long an upstream's lists are reused "
                                                                 "(list_changed refreshes them sooner)")
+    list_fetch_s: PositiveFloat = Field(default=60.0, description="how long one fetch of an upstream's lists may "
+                                                                  "take in all (every page of the four lists); what "
+                                                                  "came by then is listed, the rest logged")
     page_size: PositiveInt = Field(default=500, description="entries per page of a merged list (nextCursor)")
     health_ttl_s: PositiveFloat = Field(default=10.0, description="how long a replica's published breaker states "
                                                                   "count; a replica that stops publishing drops out "

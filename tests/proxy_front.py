@@ -140,9 +140,10 @@ class Client:
         return httpx.post(self.url, headers=headers, json={"jsonrpc": "2.0", "method": method, "params": params})
 
     def post(self, method: str, params: dict[str, Any] | None = None, caps: dict[str, Any] | None = None,
-             ) -> httpx.Response:
+             headers: dict[str, str] | None = None) -> httpx.Response:
+        """``headers``: more request headers (SEP-2243 ``Mcp-Param-*``)."""
         p = dict(params or {})
-        headers = dict(self.auth)
+        headers = {**self.auth, **(headers or {})}
         if self.revision == MODERN:
             p["_meta"] = {**p.get("_meta", {}), "io.modelcontextprotocol/protocolVersion": MODERN,
                           "io.modelcontextprotocol/clientCapabilities": caps or {}}

@@ -23,14 +23,14 @@ import redis as redis_sync
 from gateway.proxy import http1
 from gateway.proxy.http1 import MAX_BUFFERED_BYTES, MAX_HEAD_BYTES
 from gateway.proxy.proxy import LIST_CHANGED_GAP_S, MAX_LIST_ENTRIES, MAX_LIST_PAGES, TASK_KEY_MAX_S
-from gateway.proxy.wire import MAX_MESSAGE_BYTES, MAX_OPEN_QUESTIONS, Hooks, HttpWire
+from gateway.proxy.wire import MAX_LIST_ANSWER_BYTES, MAX_MESSAGE_BYTES, MAX_OPEN_QUESTIONS, Hooks, HttpWire
 from shared import keys
 from shared.config import ConfigError
 from tests.admin_support import MCP_KEY
 from tests.conftest import wait_for, wait_for_sync
 from tests.proxy.harness import sdk_client
 from tests.proxy.hostile import HostileUpstream, hostile_upstream
-from tests.proxy_front import ADMIN, LEGACY, MODERN, Client, front_gateway
+from tests.proxy_front import ADMIN, LEGACY, MODERN, Client, front_gateway, get_stream
 
 HOSTILE_STDIO = str(Path(__file__).resolve().parent / "proxy" / "hostile_stdio.py")
 UPSTREAM_FAILED = -32052
@@ -315,6 +315,106 @@ def test_listing_waits_at_most_the_upstreams_timeout_however_many_pages_it_has(r
             assert "good.echo" in names and "context_append" in names
             assert not [n for n in names if n.startswith("slow.")]
             assert pages < 10, "the listing was answered while the slow upstream's pages were still coming"
+
+
+def test_the_whole_fetch_of_an_upstreams_lists_ends_at_list_fetch_s_and_what_came_is_listed(
+        redis_url: str, bad: HostileUpstream, caplog: pytest.LogCaptureFixture) -> None:
+    """Each page within the upstream's timeout_s, pages without end: the fetch stops at
+    proxy.list_fetch_s, logged, and the entries of the pages fetched by then are listed (not
+    MAX_LIST_PAGES pages of lists of timeout_s each, with every listing waiting meanwhile)."""
+    caplog.set_level(logging.WARNING, logger="gateway.proxy.proxy")
+    bad.page_delay_s, bad.endless_pages, bad.page_tools = 0.2, True, 1
+    proxy = {"upstreams": [_entry(bad, timeout_s=60.0)], "list_fetch_s": 1.0}
+    with front_gateway(redis_url, proxy) as base:
+        names = Client(base, MCP_KEY, LEGACY).open().names()
+        assert "bad.p0_0" in names and "context_append" in names
+        assert "lists not all fetched within proxy.list_fetch_s (1 s); tools/list is listed up to its" in caplog.text
+        assert "resources/list, resources/templates/list, prompts/list not at all" in caplog.text
+        pages = bad.pages_sent
+        assert pages < MAX_LIST_PAGES and len([n for n in names if n.startswith("bad.")]) in (pages, pages - 1)
+
+
+def test_a_slow_upstream_holds_listings_back_once_per_fetch_and_its_entries_are_announced_when_they_come(
+        redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Listings wait for an upstream's first lists until one moment (the fetch's start plus its
+    timeout_s), together: a listing after that does not wait for the same fetch again, and the
+    clients are told the list changed once the entries come."""
+    caplog.set_level(logging.WARNING, logger="gateway.proxy.proxy")
+    with hostile_upstream() as slow, hostile_upstream() as good:
+        slow.page_delay_s, slow.endless_pages, slow.page_tools = 1.5, True, 1  # each page within timeout_s
+        proxy = {"upstreams": [_entry(slow, "slow", timeout_s=2.0), _entry(good, "good")], "list_fetch_s": 4.0}
+        with front_gateway(redis_url, proxy) as base:
+            client = Client(base, MCP_KEY, LEGACY).open()
+            stream = get_stream(client)
+            for _ in range(3):
+                names = client.names()
+                assert "good.echo" in names and not [n for n in names if n.startswith("slow.")]
+            assert caplog.text.count("proxy upstream slow: lists not fetched within 2 s") == 1
+            wait_for_sync(lambda: "notifications/tools/list_changed" in stream.methods(), timeout_s=15,
+                          what="tools/list_changed once the slow upstream's lists came")
+            assert "slow.p0_0" in client.names()
+
+
+def _left_out_for_a_list_over_its_bound(base: str, name: str, caplog: pytest.LogCaptureFixture) -> Client:
+    client = Client(base, MCP_KEY, LEGACY).open()
+    assert not [n for n in client.names() if n.startswith(f"{name}.")]
+    assert f"upstream {name!r} sent a message over {MAX_LIST_ANSWER_BYTES} bytes in answer to tools/list" in caplog.text
+    _still_serving(client, f"{name}.echo")  # a call's answer keeps its own bound
+    return client
+
+
+def test_a_list_page_over_its_bound_is_not_read_on_and_calls_keep_theirs(
+        redis_url: str, bad: HostileUpstream, caplog: pytest.LogCaptureFixture) -> None:
+    """A list answer is bounded by MAX_LIST_ANSWER_BYTES, well below MAX_MESSAGE_BYTES: the upstream
+    is left out of the listing, logged, and the other upstream listed."""
+    caplog.set_level(logging.WARNING, logger="gateway.proxy.proxy")
+    bad.tools = [{"name": "big", "description": "x" * MAX_LIST_ANSWER_BYTES, "inputSchema": {"type": "object"}}]
+    with hostile_upstream() as good, front_gateway(redis_url, {"upstreams": [_entry(bad), _entry(good, "good")]}) as base:
+        assert "good.echo" in _left_out_for_a_list_over_its_bound(base, "bad", caplog).names()
+
+
+def test_a_stdio_upstreams_list_over_its_bound_is_not_read_on(redis_url: str, caplog: pytest.LogCaptureFixture,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    caplog.set_level(logging.WARNING)
+    monkeypatch.setenv("HOSTILE_BIG_LIST", str(MAX_LIST_ANSWER_BYTES))
+    proxy = {"upstreams": [{"name": "hs", "command": [sys.executable, HOSTILE_STDIO], "revision": LEGACY,
+                            "timeout_s": 20.0, "headers_from_env": {"X-Big": "HOSTILE_BIG_LIST"}}]}
+    with front_gateway(redis_url, proxy) as base:
+        _left_out_for_a_list_over_its_bound(base, "hs", caplog)
+
+
+def test_a_stdio_error_with_id_null_answers_the_one_request_waiting(redis_url: str) -> None:
+    """JSON-RPC's error for a request whose id the server could not read: with one request
+    waiting on the process, it is that request's answer (not a wait until timeout_s)."""
+    proxy = {"upstreams": [{"name": "hs", "command": [sys.executable, HOSTILE_STDIO], "revision": LEGACY,
+                            "timeout_s": 5.0}]}
+    with front_gateway(redis_url, proxy) as base:
+        client = Client(base, MCP_KEY, LEGACY).open()
+        error = client.call("tools/call", {"name": "hs.null_id_error", "arguments": {}})["error"]
+        assert error == {"code": -32700, "message": "Parse error"}
+        _still_serving(client, "hs.echo")
+
+
+def test_a_stdio_error_with_id_null_fails_every_request_waiting_when_several_are(
+        redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Several requests waiting: which one the error answers cannot be told, so each fails with it
+    at once, saying so, rather than the one it answers waiting out timeout_s."""
+    caplog.set_level(logging.WARNING, logger="gateway.proxy.wire")
+    parked = tmp_path / "parked"
+    monkeypatch.setenv("HOSTILE_PARKED", str(parked))
+    proxy = {"upstreams": [{"name": "hs", "command": [sys.executable, HOSTILE_STDIO], "revision": LEGACY,
+                            "timeout_s": 60.0, "headers_from_env": {"X-Parked": "HOSTILE_PARKED"}}]}
+    with front_gateway(redis_url, proxy) as base, ThreadPoolExecutor(1) as pool:
+        client = Client(base, MCP_KEY, LEGACY).open()
+        first = pool.submit(client.call, "tools/call", {"name": "hs.park", "arguments": {}})
+        wait_for_sync(parked.exists, timeout_s=15, what="the upstream to hold the first call")
+        second = client.call("tools/call", {"name": "hs.null_id_error", "arguments": {}})["error"]
+        untied = ("upstream 'hs' sent an error (code -32700) with id null in answer to tools/call; it names no "
+                  "request, and others were waiting: whether the request was acted on is unknown")
+        assert second == {"code": UPSTREAM_FAILED, "message": untied, "data": {"upstream": "hs", "reason": "protocol"}}
+        assert first.result(timeout=30)["error"] == second
+        assert "with id null while 2 requests were waiting; each fails with it" in caplog.text
+        _still_serving(client, "hs.echo")
 
 
 def test_a_stdio_upstream_writing_an_endless_line_or_garbage(redis_url: str, caplog: pytest.LogCaptureFixture,
@@ -658,6 +758,48 @@ def test_an_upstream_tool_whose_x_mcp_headers_break_the_rules_is_not_listed_and_
         assert sent["mcp-param-region"] == "=?base64?" + base64.b64encode(b"eu\r\nwest").decode() + "?="
         assert not [h for h in sent if h.startswith("mcp-param-") and h not in ("mcp-param-zone", "mcp-param-region")]
         _still_serving(client, "bad.echo")
+
+
+@pytest.mark.parametrize("listed_first", [False, True])
+def test_an_upstream_tool_left_out_for_its_x_mcp_headers_cannot_be_called(
+        redis_url: str, bad: HostileUpstream, listed_first: bool) -> None:
+    """A tool the gateway does not list is unknown to its clients: a call naming it (before any
+    listing on the replica, or after) is refused as any unknown tool is, and never reaches the
+    upstream without the headers it declares."""
+    bad.tools = [*BAD_PARAM_HEADERS, _tool("fine", region={**TEXT, "x-mcp-header": "Region"})]
+    with front_gateway(redis_url, {"upstreams": [_entry(bad, revision=MODERN)]}) as base:
+        client = Client(base, MCP_KEY, LEGACY).open()
+        if listed_first:
+            assert "bad.fine" in client.names()
+        for tool in BAD_PARAM_HEADERS:
+            error = client.call("tools/call", {"name": f"bad.{tool['name']}", "arguments": {"a": "x"}})["error"]
+            assert error == {"code": -32602, "message": f"Tool not found: bad.{tool['name']}"}
+        assert not [r for r in bad.requests if r.get("method") == "tools/call"]
+        assert client.result("tools/call", {"name": "bad.fine", "arguments": {"region": "eu"}})["content"][0]["text"] \
+            == "echo"
+        assert next(r for r in bad.requests if r.get("method") == "tools/call")["_headers"]["mcp-param-region"] == "eu"
+
+
+def test_a_clients_mcp_param_headers_for_a_proxied_tools_nested_arguments_are_checked(
+        redis_url: str, bad: HostileUpstream) -> None:
+    """SEP-2243 at the gateway's own front, for a proxied tool as for its own: a declaration at any
+    depth of properties makes its header required and checked against the body, before the call
+    is forwarded."""
+    where = {"type": "object", "properties": {"zone": {"type": "integer", "x-mcp-header": "Zone"}}}
+    bad.tools = [_tool("fine", region={**TEXT, "x-mcp-header": "Region"}, where=where)]
+    with front_gateway(redis_url, {"upstreams": [_entry(bad, revision=MODERN)]}) as base:
+        client = Client(base, MCP_KEY, MODERN)
+        assert "bad.fine" in client.names()
+        call = {"name": "bad.fine", "arguments": {"region": "eu", "where": {"zone": 3}}}
+        for zone, message in ((None, "mcp-param-zone header is required when argument 'where.zone' is present"),
+                              ("4", "mcp-param-zone header does not match argument 'where.zone'")):
+            sent = {"mcp-param-region": "eu", **({"mcp-param-zone": zone} if zone else {})}
+            refused = client.post("tools/call", call, headers=sent)
+            assert refused.status_code == 400 and refused.json()["error"]["code"] == -32020
+            assert refused.json()["error"]["message"] == message
+        assert _calls(bad, "fine") == 0
+        answer = client.post("tools/call", call, headers={"mcp-param-region": "eu", "mcp-param-zone": "3"}).json()
+        assert answer["result"]["content"][0]["text"] == "echo"
 
 
 def _all_names(client: Client) -> list[str]:

@@ -63,3 +63,16 @@ def test_a_union_schema_reports_the_alternative_the_arguments_came_closest_to(ar
                                                                               problem: str) -> None:
     """Not "matches none of the alternatives": the error inside the closest one."""
     assert _tool(LEARN_INPUT_SCHEMA).input_problem(args) == problem
+
+
+def test_a_tool_whose_x_mcp_header_declarations_break_sep_2243_fails_at_registration() -> None:
+    """The rules the proxy applies to an upstream's tools (gateway/mcp/param_headers.py) hold for
+    the gateway's own: a tool MCP has a client leave out is not served."""
+    text = {"type": "string"}
+    for bad in ({"a": {**text, "x-mcp-header": "Region Name"}},
+                {"a": {**text, "x-mcp-header": "R"}, "b": {**text, "x-mcp-header": "r"}},
+                {"a": {"type": "object", "x-mcp-header": "Obj"}}):
+        with pytest.raises(ValueError, match="x-mcp-header"):
+            _tool({"type": "object", "properties": bad})
+    nested = {"where": {"type": "object", "properties": {"zone": {"type": "integer", "x-mcp-header": "Zone"}}}}
+    assert _tool({"type": "object", "properties": nested}).param_spec == ((("where", "zone"), "mcp-param-zone"),)

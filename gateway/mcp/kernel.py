@@ -43,6 +43,7 @@ from gateway.errors import (
     McpError,
     wire_error,
 )
+from gateway.mcp import param_headers
 from gateway.mcp.dispatcher import Call
 from gateway.mcp.sessions import SessionNotFound
 from gateway.mcp.types import (
@@ -117,7 +118,6 @@ class Kernel:
         self.dispatcher = gateway.dispatcher
         self.sessions = gateway.sessions
         self.config = gateway.config
-        self._param_specs: dict[str, tuple[object, tuple[tuple[str, str], ...]]] = {}
 
     # ------------------------------------------------------------------ decoding
     def decode(self, data: bytes | str) -> Message | Reply:
@@ -248,21 +248,18 @@ class Kernel:
                                f"Mcp-Name header does not match the request body's {name_key!r} parameter")
 
     def _check_param_headers(self, params: dict[str, Any], headers: Mapping[str, str]) -> None:
-        """SEP-2243 custom headers: every tool argument declared with ``x-mcp-header: X`` travels
-        as ``Mcp-Param-X`` too, and the two must agree (a cached lookup for tools without any)."""
+        """SEP-2243 custom headers: every tool argument declared with ``x-mcp-header: X`` (at any
+        depth of ``properties``, gateway/mcp/param_headers.py) travels as ``Mcp-Param-X`` too, and
+        the two must agree. The declarations were read when the tool was registered or listed: a
+        dict lookup for tools without any."""
         name = params.get("name")
         if not isinstance(name, str):
             return
         tool = self.gateway.registry.tools.get(name)
-        schema = tool.input_schema if tool is not None else self.gateway.proxy.input_schema(name)
-        if schema is None:
-            return
-        cached = self._param_specs.get(name)
-        if cached is None or cached[0] is not schema:
-            cached = self._param_specs[name] = (schema, param_header_spec(schema))
-        if cached[1]:
+        spec = tool.param_spec if tool is not None else self.gateway.proxy.param_spec(name)
+        if spec:
             args = params.get("arguments")
-            _check_param_header_values(cached[1], args if isinstance(args, dict) else {}, headers)
+            _check_param_header_values(spec, args if isinstance(args, dict) else {}, headers)
 
     # ------------------------------------------------------------------ 2025-11-25
     async def _session(self, principal: str, message: Message, link: Link) -> Reply:
@@ -452,27 +449,10 @@ def _decode_header(value: str | None) -> str | None:
         return None
 
 
-def param_header_spec(schema: dict[str, Any]) -> tuple[tuple[str, str], ...]:
-    """(argument name, lower-case ``mcp-param-*`` header name) for each ``x-mcp-header`` property."""
-    props = schema.get("properties")
-    if not isinstance(props, dict):
-        return ()
-    return tuple((arg, "mcp-param-" + prop["x-mcp-header"].lower()) for arg, prop in props.items()
-                 if isinstance(prop, dict) and isinstance(prop.get("x-mcp-header"), str))
-
-
-def header_form(value: object) -> str | None:
-    """How a primitive argument reads in a header (JSON spelling for numbers and booleans)."""
-    if value is None or isinstance(value, (dict, list)):
-        return None
-    return value if isinstance(value, str) else orjson.dumps(value).decode()
-
-
-def _check_param_header_values(spec: tuple[tuple[str, str], ...], args: dict[str, Any],
-                               headers: Mapping[str, str]) -> None:
-    for arg, header in spec:
+def _check_param_header_values(spec: param_headers.Spec, args: dict[str, Any], headers: Mapping[str, str]) -> None:
+    for path, header, body in param_headers.each_value(spec, args):
+        arg = ".".join(path)
         raw = headers.get(header)
-        body = header_form(args.get(arg))
         if raw is None and body is None:
             continue
         if raw is None:

@@ -58,7 +58,16 @@ from gateway.proxy.errors import (
 from gateway.proxy.gate import FairGate, NoSlot
 from gateway.proxy.scrub import Scrubber
 from gateway.proxy.stdio_pool import CATALOG, StdioPool
-from gateway.proxy.wire import NO_HOOKS, Answer, Hooks, HttpWire, StdioWire, Wire
+from gateway.proxy.wire import (
+    MAX_LIST_ANSWER_BYTES,
+    MAX_MESSAGE_BYTES,
+    NO_HOOKS,
+    Answer,
+    Hooks,
+    HttpWire,
+    StdioWire,
+    Wire,
+)
 from shared import keys
 from shared.config import BreakerConfig, ConfigError, UpstreamConfig
 from shared.secret_files import read_private_text
@@ -286,14 +295,14 @@ class UpstreamClient:
         name_key = NAME_BEARING.get(method)
         if name_key is not None and isinstance(params.get(name_key), str):
             headers["mcp-name"] = header_value(params[name_key])
-        return await self._exchange(wire, body, headers, rid, hooks, method in REPEATABLE)
+        return await self._exchange(wire, body, headers, rid, hooks, method in REPEATABLE, _answer_bound(method))
 
     async def _exchange(self, wire: Wire, body: bytes, headers: dict[str, str], rid: int, hooks: Hooks,
-                        repeatable: bool = True) -> Answer:
+                        repeatable: bool = True, limit_bytes: int = MAX_MESSAGE_BYTES) -> Answer:
         """One request and its answer; a request abandoned here (the client cancelled, or the
         timeout struck) is cancelled at the upstream too, so it stops working on it."""
         try:
-            return await wire.send(body, headers, rid, hooks, repeatable)
+            return await wire.send(body, headers, rid, hooks, repeatable, limit_bytes)
         except asyncio.CancelledError:
             task = asyncio.ensure_future(self._cancel_upstream(wire, headers, rid))
             self._cancels.add(task)
@@ -333,7 +342,8 @@ class UpstreamClient:
             sid = await (self._session(wire, seat) if isinstance(wire, HttpWire) else self._stdio_session(wire))
             rid = next(self._ids)
             body = _encode(Request(jsonrpc="2.0", id=rid, method=method, params=params))
-            answer = await self._exchange(wire, body, self._session_headers(sid), rid, hooks, method in REPEATABLE)
+            answer = await self._exchange(wire, body, self._session_headers(sid), rid, hooks, method in REPEATABLE,
+                                          _answer_bound(method))
             if answer.status != 404 or sid is None or attempt == 2:
                 if method in SUBSCRIPTION_METHODS and isinstance(wire, HttpWire):
                     self._note_subscription(seat, sid, method, params, answer)
@@ -602,6 +612,11 @@ class UpstreamClient:
             await self.http.close()
         if self.stdio is not None:
             await self.stdio.close()
+
+
+def _answer_bound(method: str) -> int:
+    """The most one message of the answer to ``method`` may take: a list's page has a bound of its own."""
+    return MAX_LIST_ANSWER_BYTES if method in CATALOG_METHODS else MAX_MESSAGE_BYTES
 
 
 def _renewed(future: asyncio.Future[Any]) -> None:

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from gateway.proxy import param_headers
+from gateway.mcp import param_headers
 
 
 class _Entry(msgspec.Struct, rename="camel", kw_only=True):

@@ -58,6 +58,18 @@ class Unpassable(Exception):
         self.answer_to = answer_to
 
 
+class UntiedError(Unpassable):
+    """A stdio upstream sent an error with id null (JSON-RPC's answer to a request whose id the
+    server could not read) while several of the gateway's requests were waiting on it: which one it
+    answers cannot be told, and that one would wait out its timeout for an answer that never
+    comes, so each of them fails with it."""
+
+    note = "; it names no request, and others were waiting: whether the request was acted on is unknown"
+
+    def __init__(self, code: object) -> None:
+        super().__init__(f"an error (code {code if type(code) is int else 'not a number'}) with id null")
+
+
 class OutOfRangeInteger(Unpassable):
     """The upstream sent a message holding an integer outside the 64-bit range. JSON readers
     (the gateway's among them) keep such a number as the nearest double, so the client would get

@@ -35,9 +35,10 @@ from gateway.errors import (
     McpError,
     NotFound,
 )
+from gateway.mcp import param_headers
 from gateway.mcp.dispatcher import Call, InputRequired
-from gateway.mcp.types import LEGACY_VERSION, MODERN_VERSION
-from gateway.proxy import entries, names, param_headers
+from gateway.mcp.types import LEGACY_VERSION
+from gateway.proxy import entries, names
 from gateway.proxy.breaker import CLOSED, STATE_VALUE
 from gateway.proxy.capture import capture
 from gateway.proxy.client import UpstreamClient, header_value
@@ -88,8 +89,10 @@ class Catalog:
     lists: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     tools: dict[str, str] = field(default_factory=dict)    # exposed name -> upstream's name
     prompts: dict[str, str] = field(default_factory=dict)
-    schemas: dict[str, dict[str, Any]] = field(default_factory=dict)  # exposed tool name -> inputSchema
     param_specs: dict[str, param_headers.Spec] = field(default_factory=dict)  # tools with x-mcp-header
+    # Tools the upstream lists that clients are not shown (a malformed entry, x-mcp-header declarations
+    # that break SEP-2243): calling one is refused as calling an unknown tool, before it is forwarded.
+    unlisted: set[str] = field(default_factory=set)
     task_support: dict[str, str] = field(default_factory=dict)  # exposed tool name -> optional | required
 
 
@@ -100,6 +103,8 @@ class Upstream:
     catalog: Catalog = field(default_factory=Catalog)
     changes: int = 0  # list changes announced so far: a fetch begun before the last one is stale on arrival
     refresh: asyncio.Task[None] | None = None
+    wait_until: float = 0.0  # loop time: how long listings wait for ``refresh`` (its start + timeout_s), all together
+    waited_out: bool = False  # a listing was answered without ``refresh``: its clients are told when it lands
     watcher: asyncio.Task[None] | None = None
     latency: Any = None  # its /metrics children, looked up once
     breaker_gauge: Any = None
@@ -297,13 +302,20 @@ class Proxy:
             return up.catalog
         if up.refresh is None or up.refresh.done():
             up.refresh = asyncio.create_task(self._refresh(principal, up), name=f"proxy-lists-{up.name}")
+            up.wait_until = asyncio.get_running_loop().time() + up.cfg.timeout_s
+            up.waited_out = False
         if fetched_at is not None:
             return up.catalog  # stale but usable while the fresh one comes
         try:
-            async with asyncio.timeout(up.cfg.timeout_s):  # however many pages it has: they come in the background
+            # However many pages it has, and however many listings come meanwhile: they all wait until
+            # the same moment, so a slow upstream holds the others' entries back once per fetch.
+            async with asyncio.timeout_at(up.wait_until):
                 await asyncio.shield(up.refresh)
         except TimeoutError:
-            log.warning("proxy upstream %s: lists not fetched within %g s", up.name, up.cfg.timeout_s)
+            if not up.waited_out:
+                up.waited_out = True
+                log.warning("proxy upstream %s: lists not fetched within %g s; listed once they are", up.name,
+                            up.cfg.timeout_s)
             return None
         except Exception as exc:  # noqa: BLE001 - reported, the upstream is left out of this list
             log.warning("proxy upstream %s: lists unavailable (%s)", up.name, getattr(exc, "message", type(exc).__name__))
@@ -311,27 +323,54 @@ class Proxy:
         return up.catalog
 
     async def _refresh(self, principal: str, up: Upstream) -> None:
+        """Fetch the upstream's lists, within ``proxy.list_fetch_s`` in all: what came by then is
+        listed, what did not is logged (an upstream answering each page just within its timeout_s
+        would otherwise hold the fetch for pages x lists x timeout_s)."""
         catalog = Catalog()
         changes = up.changes
         own = self.gateway.registry
-        for kind, method in LISTS.items():
-            try:
-                raw = await self._fetch_all(principal, up, method, kind)
-            except McpError as exc:
-                if isinstance(exc, UpstreamFailed):
-                    raise
-                if exc.code != METHOD_NOT_FOUND:
-                    log.warning("proxy upstream %s: %s failed (%s)", up.name, method, exc.message)
-                raw = []
-            catalog.lists[kind] = [self._rewrite(up, kind, e, catalog, own.tools, own.prompts) for e in raw]
-            catalog.lists[kind] = [e for e in catalog.lists[kind] if e]
+        fetched: dict[str, list[dict[str, Any]]] = {}
+        try:
+            async with asyncio.timeout(self.config.list_fetch_s):
+                for kind, method in LISTS.items():
+                    fetched[kind] = []
+                    try:
+                        await self._fetch_all(principal, up, method, kind, fetched[kind])
+                    except McpError as exc:
+                        if isinstance(exc, UpstreamFailed):
+                            raise
+                        if exc.code != METHOD_NOT_FOUND:
+                            log.warning("proxy upstream %s: %s failed (%s)", up.name, method, exc.message)
+                        fetched[kind] = []
+        except TimeoutError:
+            cut = list(fetched)[-1]
+            unfetched = [LISTS[k] for k in LISTS if k not in fetched]
+            log.warning("proxy upstream %s: lists not all fetched within proxy.list_fetch_s (%g s); %s is listed up "
+                        "to its %d entries fetched by then%s", up.name, self.config.list_fetch_s, LISTS[cut],
+                        len(fetched[cut]), f", {', '.join(unfetched)} not at all" if unfetched else "")
+        for kind, raw in fetched.items():
+            rewritten = (self._rewrite(up, kind, e, catalog, own.tools, own.prompts) for e in raw)
+            catalog.lists[kind] = [e for e in rewritten if e]
         catalog.fetched_at = time.monotonic() if up.changes == changes else None
         up.catalog = catalog
+        if up.waited_out:
+            self._spawn(self._tell_listed(up))
 
-    async def _fetch_all(self, principal: str, up: Upstream, method: str, kind: str) -> list[dict[str, Any]]:
-        """Every page of one list, up to MAX_LIST_PAGES pages and MAX_LIST_ENTRIES entries; a
-        cursor the upstream already gave ends it too (it would only send the same pages again)."""
-        entries: list[dict[str, Any]] = []
+    async def _tell_listed(self, up: Upstream) -> None:
+        """Listings went without the upstream's entries, which have come: the replica's clients are
+        told its lists changed, to list them again. Telling drops the replica's copy (as any change
+        of the upstream does): the copy just fetched is kept, unless the upstream changed meanwhile."""
+        catalog, fetched_at, changes = up.catalog, up.catalog.fetched_at, up.changes
+        kinds = ("tools", "resources", "prompts")
+        for kind in kinds:
+            await self.gateway.list_changed_here(kind, up.name)
+        if up.catalog is catalog and up.changes == changes + len(kinds):
+            catalog.fetched_at = fetched_at
+
+    async def _fetch_all(self, principal: str, up: Upstream, method: str, kind: str,
+                         entries: list[dict[str, Any]]) -> None:
+        """Every page of one list into ``entries``, up to MAX_LIST_PAGES pages and MAX_LIST_ENTRIES
+        entries; a cursor the upstream already gave ends it too (it would only send the same pages again)."""
         params: dict[str, Any] = {}
         cursors: set[str] = set()
         for _ in range(MAX_LIST_PAGES):
@@ -342,25 +381,29 @@ class Proxy:
             if len(entries) > MAX_LIST_ENTRIES:
                 log.warning("proxy upstream %s: %s has over %d entries; the first %d are listed", up.name, method,
                             MAX_LIST_ENTRIES, MAX_LIST_ENTRIES)
-                return entries[:MAX_LIST_ENTRIES]
+                del entries[MAX_LIST_ENTRIES:]
+                return
             cursor = result.get("nextCursor")
             if not isinstance(cursor, str) or not cursor:
-                return entries
+                return
             if cursor in cursors:
                 log.warning("proxy upstream %s: %s named a page it already sent; the %d entries so far are listed",
                             up.name, method, len(entries))
-                return entries
+                return
             cursors.add(cursor)
             params = {"cursor": cursor}
         log.warning("proxy upstream %s: %s has over %d pages; the entries of the first %d are listed", up.name,
                     method, MAX_LIST_PAGES, MAX_LIST_PAGES)
-        return entries
 
     def _rewrite(self, up: Upstream, kind: str, entry: dict[str, Any], catalog: Catalog,
                  own_tools: dict[str, Any], own_prompts: dict[str, Any]) -> dict[str, Any]:
         """The entry as clients see it ({} when it cannot be mounted: a name clash, a malformed entry)."""
         problem = entries.malformed(kind, entry)
         if problem is not None:
+            name = entry.get("name")
+            exposed = names.exposed(up.cfg.prefix, name) if kind == "tools" and isinstance(name, str) and name else None
+            if exposed is not None and exposed not in catalog.tools:
+                catalog.unlisted.add(exposed)
             log.error("proxy upstream %s: a %s entry %r is not listed (not the shape MCP gives it: %s)",
                       up.name, kind, entry.get("name"), problem)
             return {}
@@ -379,8 +422,8 @@ class Proxy:
                           _clipped(str(name)), MAX_NAME_CHARS)
                 return {}
             mounted[exposed] = str(name)
+            catalog.unlisted.discard(exposed)
             if kind == "tools" and isinstance(entry.get("inputSchema"), dict):
-                catalog.schemas[exposed] = entry["inputSchema"]
                 spec = param_headers.spec(entry["inputSchema"])
                 if spec:
                     catalog.param_specs[exposed] = spec
@@ -469,13 +512,14 @@ class Proxy:
         self._audit.add(record(principal=call.principal, action="proxy.call", upstream=up.name, method=method,
                                item=_clipped(item), outcome="forbidden"))
 
-    def input_schema(self, name: str) -> dict[str, Any] | None:
-        """The inputSchema of the upstream tool clients call ``name`` (None: not known)."""
+    def param_spec(self, name: str) -> param_headers.Spec:
+        """The ``Mcp-Param-*`` headers of the upstream tool clients call ``name`` (none: not known,
+        or it declares none)."""
         for up in self.upstreams.values():
-            schema = up.catalog.schemas.get(name)
-            if schema is not None:
-                return schema
-        return None
+            spec = up.catalog.param_specs.get(name)
+            if spec is not None:
+                return spec
+        return ()
 
     def _bare(self) -> Upstream | None:
         """The upstream mounted with the empty namespace (at most one)."""
@@ -506,26 +550,28 @@ class Proxy:
 
     async def call_tool(self, call: Call, name: str, params: dict[str, Any]) -> dict[str, Any]:
         up, tool = self._target(call, name, "Tool", "tools/call")
+        if not up.catalog.lists:
+            # Which tools exist and the headers each takes are in the upstream's lists: a replica that
+            # has not listed them yet does so first (once, as a listing does, within its timeout_s),
+            # since a client may call a tool it learnt elsewhere first thing.
+            await self._catalog(call.principal, up)
+        if name in up.catalog.unlisted:
+            raise InvalidParams(f"Tool not found: {name}")
         args = params.get("arguments")
         args = args if isinstance(args, dict) else {}
         spec = up.catalog.param_specs.get(name)
         headers = _param_headers(spec, args) if spec is not None else None
-        support = await self._hosted_task_support(call, up, name)
+        support = self._hosted_task_support(up, name)
         if support is None:
             return await self._call_tool(call, up, tool, name, args, headers)
         return await self.gateway.tasks.run(call, name, support,
                                             lambda c: self._call_tool(c, up, tool, name, args, headers))
 
-    async def _hosted_task_support(self, call: Call, up: Upstream, name: str) -> str | None:
+    def _hosted_task_support(self, up: Upstream, name: str) -> str | None:
         """A 2025-11-25 upstream has no tasks (SEP-2663 is of 2026-07-28): a tool it declares
         task-capable (``execution.taskSupport``) runs as the gateway's own task. A 2026-07-28
         upstream's tasks are its own and pass through (see :meth:`task_request`). What the upstream
-        declares is in its lists: a replica that has not listed it yet does so first (as a listing
-        does, within its ``timeout_s``), since a client may call a tool it learnt elsewhere first thing."""
-        if up.client.revision == MODERN_VERSION:
-            return None
-        if not up.catalog.lists:
-            await self._catalog(call.principal, up)
+        declares is in its lists (fetched by :meth:`call_tool` first)."""
         if up.client.revision != LEGACY_VERSION:
             return None
         return up.catalog.task_support.get(name)

@@ -20,7 +20,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 
 from gateway.proxy.errors import StdioCapReached, WireClosed
-from gateway.proxy.wire import DEFAULT_WRITE_TIMEOUT_S, Hooks, Message, StdioWire
+from gateway.proxy.wire import (
+    DEFAULT_WRITE_TIMEOUT_S,
+    MAX_LIST_ANSWER_BYTES,
+    MAX_MESSAGE_BYTES,
+    Hooks,
+    Message,
+    StdioWire,
+)
 from shared.aio import spawn
 
 CATALOG = ""  # the key of the lists' process (no principal is named "")
@@ -61,7 +68,8 @@ class StdioPool:
         if wire is None:
             wire = self._wires[key] = StdioWire(self.command, self.env,
                                                 Hooks(notify=functools.partial(self._note, key)),
-                                                self.write_timeout_s)
+                                                self.write_timeout_s,
+                                                MAX_LIST_ANSWER_BYTES if key == CATALOG else MAX_MESSAGE_BYTES)
         self._wires.move_to_end(key)
         wire.leases += 1
         timer = self._timers.pop(key, None)

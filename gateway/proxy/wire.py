@@ -29,6 +29,7 @@ from gateway.proxy.errors import (
     NestedTooDeep,
     OutOfRangeInteger,
     Unpassable,
+    UntiedError,
     WireClosed,
 )
 from gateway.proxy.http1 import Origin, Response
@@ -40,6 +41,10 @@ Message = dict[str, Any]
 # The most one message from an upstream may take (a JSON body, an SSE event, a stdio line): what
 # is longer is a broken or hostile upstream, and is not held in memory to find out how long it is.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# The most one answer to a list request (one page of tools/list, resources/list, ...) may take: an
+# upstream lists again on every refresh, for everyone, and each page is decoded and checked whole
+# before the entry bound applies. A page of 1,000 tools with 8 KiB schemas fits.
+MAX_LIST_ANSWER_BYTES = 8 * 1024 * 1024
 ENCODER_DEPTH = 254  # the deepest nesting orjson writes
 MAX_OPEN_QUESTIONS = 16  # an upstream's requests to the client open at once during one call
 STDIO_STOP_GRACE_S = 2.0
@@ -109,15 +114,16 @@ class HttpWire:
         self.origin = Origin(url, base, connect_timeout_s=min(timeout_s, 10.0))
 
     async def send(self, body: bytes, headers: Mapping[str, str], request_id: Any, hooks: Hooks,
-                   repeatable: bool = True) -> Answer:
+                   repeatable: bool = True, limit_bytes: int = MAX_MESSAGE_BYTES) -> Answer:
         """``repeatable``: whether the message may be sent again when a kept-alive connection closes
-        before the answer (see gateway/proxy/http1.py)."""
+        before the answer (see gateway/proxy/http1.py); ``limit_bytes``: the most one message of
+        the answer may take."""
         async with await self.origin.open(b"POST", headers, body, repeatable) as resp:
             kind = resp.headers.get("content-type", "")
             if kind.startswith("text/event-stream"):
-                found = await self._stream(resp, headers, request_id, hooks)
+                found = await self._stream(resp, headers, request_id, hooks, limit_bytes)
                 return Answer(resp.status, found, resp.headers)
-            data = await resp.read(MAX_MESSAGE_BYTES)
+            data = await resp.read(limit_bytes)
             message = _json_object(data) if kind.startswith("application/json") else None
             # An error status's error is the transport's (401, 404 of a lost session, ...), whatever
             # id it carries: servers send one without knowing the request's.
@@ -127,14 +133,14 @@ class HttpWire:
             return Answer(resp.status, message, resp.headers)
 
     async def _stream(self, resp: Response, headers: Mapping[str, str], request_id: Any,
-                      hooks: Hooks) -> Message | None:
+                      hooks: Hooks, limit_bytes: int) -> Message | None:
         """Read the answer's SSE stream. Notifications are handed over in order; server requests
         are answered concurrently (an upstream may ask several things at once, and the reading
         goes on meanwhile), at most MAX_OPEN_QUESTIONS at a time (more are left unanswered);
         those still unanswered when the answer arrives are dropped."""
         asking: set[asyncio.Task[None]] = set()
         try:
-            async for msg in _sse_messages(_lines(resp.chunks())):
+            async for msg in _sse_messages(_lines(resp.chunks(), limit_bytes), limit_bytes):
                 if "method" not in msg:
                     # The stream of a request carries that request's answer only (the upstream's
                     # questions are answered with POSTs of their own).
@@ -185,10 +191,10 @@ class HttpWire:
         self.origin.close()
 
 
-async def _lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
+async def _lines(chunks: AsyncIterator[bytes], limit_bytes: int = MAX_MESSAGE_BYTES) -> AsyncIterator[str]:
     """Text lines of a byte stream (``\n``, ``\r\n`` or ``\r`` ends a line, as SSE allows). A
     line is split out only when a chunk brings a line end, so an endless line costs its length
-    once, and it ends the stream at MAX_MESSAGE_BYTES."""
+    once, and it ends the stream at ``limit_bytes``."""
     pending = bytearray()
     async for chunk in chunks:
         pending += chunk
@@ -199,15 +205,15 @@ async def _lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
             pending = bytearray(rest + b"\r" if held else rest)
             for line in whole:
                 yield line.decode("utf-8", "replace")
-        if len(pending) > MAX_MESSAGE_BYTES:
-            raise MessageTooLarge(MAX_MESSAGE_BYTES)
+        if len(pending) > limit_bytes:
+            raise MessageTooLarge(limit_bytes)
     if pending:
         yield pending.rstrip(b"\r").decode("utf-8", "replace")
 
 
-async def _sse_messages(lines: AsyncIterator[str]) -> AsyncIterator[Message]:
+async def _sse_messages(lines: AsyncIterator[str], limit_bytes: int = MAX_MESSAGE_BYTES) -> AsyncIterator[Message]:
     """JSON-RPC messages of an SSE stream (``data:`` lines up to a blank line form one event,
-    of at most MAX_MESSAGE_BYTES)."""
+    of at most ``limit_bytes``)."""
     data: list[str] = []
     size = 0
     async for line in lines:
@@ -220,8 +226,8 @@ async def _sse_messages(lines: AsyncIterator[str]) -> AsyncIterator[Message]:
         elif line.startswith("data:"):
             data.append(line[6:] if line.startswith("data: ") else line[5:])
             size += len(data[-1]) + 1
-            if size > MAX_MESSAGE_BYTES:
-                raise MessageTooLarge(MAX_MESSAGE_BYTES)
+            if size > limit_bytes:
+                raise MessageTooLarge(limit_bytes)
 
 
 _decode = msgspec.json.Decoder().decode
@@ -273,7 +279,7 @@ class StdioWire:
     refused). A process that takes nothing of its input for ``write_timeout_s`` while the gateway
     writes to it is stopped: every request waiting on it fails, and the next use starts another.
 
-    Answers are matched to requests by id. What else the server sends goes to hooks: a message
+    Answers are matched to requests by id (an error with id null, see :meth:`_untied`). What else the server sends goes to hooks: a message
     stamped with a waiting request's subscription id (a ``subscriptions/listen`` stream) to that
     request's; progress to the waiting request that sent its ``progressToken`` (tokens are unique
     among a client's requests in flight, so concurrent calls of one principal each get their own);
@@ -282,8 +288,9 @@ class StdioWire:
     that is not a stream (a stdio exchange carries no other link), else to ``standing``."""
 
     def __init__(self, command: list[str], env: Mapping[str, str], standing: Hooks = NO_HOOKS,
-                 write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S) -> None:
+                 write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S, limit_bytes: int = MAX_MESSAGE_BYTES) -> None:
         self.command = command
+        self.limit_bytes = limit_bytes  # the longest line it may write (one pipe: every message's bound)
         self.write_timeout_s = write_timeout_s
         # Not the gateway's environment (it holds the gateway's own secrets): the basics a program
         # needs, plus what the upstream's configuration names.
@@ -331,8 +338,10 @@ class StdioWire:
             return self.proc
 
     async def send(self, body: bytes, headers: Mapping[str, str], request_id: Any, hooks: Hooks,
-                   repeatable: bool = True) -> Answer:
-        """(A pipe has no connection to replace: ``repeatable`` does not apply.)"""
+                   repeatable: bool = True, limit_bytes: int = MAX_MESSAGE_BYTES) -> Answer:
+        """(A pipe has no connection to replace: ``repeatable`` does not apply; its messages share
+        one bound, the wire's ``limit_bytes``, which is the request's own for a process serving one
+        kind of request, as the lists' process does.)"""
         proc = await self._ensure()
         future: asyncio.Future[Message] | None = None
         if request_id is not None:
@@ -375,7 +384,7 @@ class StdioWire:
             return
         ended: Exception = WireClosed("the stdio server exited")
         try:
-            async for line in _stdio_lines(stdout):
+            async for line in _stdio_lines(stdout, self.limit_bytes):
                 try:
                     msg = _json_object(line)
                 except Unpassable as exc:
@@ -386,7 +395,7 @@ class StdioWire:
         except MessageTooLarge as exc:
             ended = exc
             log.warning("stdio upstream %s: a line over %d bytes; the process is stopped", self.command[0],
-                        MAX_MESSAGE_BYTES)
+                        self.limit_bytes)
             proc.kill()
             await _discard(stdout)
         except OSError as exc:
@@ -401,6 +410,9 @@ class StdioWire:
 
     async def _route(self, proc: asyncio.subprocess.Process, msg: Message) -> None:
         if "method" not in msg:
+            if "error" in msg and "id" in msg and msg["id"] is None:
+                self._untied(msg)
+                return
             rid = msg.get("id")
             waiting = self._waiting.get(rid) if type(rid) is int else None  # the gateway's ids; true is not 1
             if waiting is not None and not waiting[0].done():
@@ -415,6 +427,22 @@ class StdioWire:
             task = asyncio.create_task(self._serve_side(proc, msg, hooks))
             self._side.add(task)
             task.add_done_callback(self._side.discard)
+
+    def _untied(self, msg: Message) -> None:
+        """An error with id null (JSON-RPC's answer to a request whose id the server could not
+        read): with one request waiting, that one's answer; with several, which one it answers
+        cannot be told, and that one's answer will never come, so each fails at once with
+        :class:`UntiedError` rather than one waiting out its timeout."""
+        waiting = [future for future, _ in self._waiting.values() if not future.done()]
+        if len(waiting) == 1:
+            waiting[0].set_result(msg)
+            return
+        error = msg["error"]
+        exc = UntiedError(error.get("code") if isinstance(error, dict) else None)
+        log.warning("stdio upstream %s: %s while %d requests were waiting; %s", self.command[0], exc, len(waiting),
+                    "each fails with it" if waiting else "dropped")
+        for future in waiting:
+            future.set_exception(exc)
 
     def _refuse(self, exc: Unpassable) -> None:
         """A message that cannot be passed on as sent: the request it answers fails with it; any
@@ -478,9 +506,9 @@ class StdioWire:
             task.cancel()
 
 
-async def _stdio_lines(stdout: asyncio.StreamReader) -> AsyncIterator[bytes]:
+async def _stdio_lines(stdout: asyncio.StreamReader, limit_bytes: int) -> AsyncIterator[bytes]:
     """The lines of a process's output. One longer than the reader's buffer is gathered here, up
-    to MAX_MESSAGE_BYTES (:class:`MessageTooLarge` past that), so that an ordinary flood of lines
+    to ``limit_bytes`` (:class:`MessageTooLarge` past that), so that an ordinary flood of lines
     never holds more than the buffer."""
     while True:
         try:
@@ -490,7 +518,7 @@ async def _stdio_lines(stdout: asyncio.StreamReader) -> AsyncIterator[bytes]:
                 yield exc.partial
             return
         except asyncio.LimitOverrunError as exc:
-            yield await _long_line(stdout, await stdout.readexactly(exc.consumed))
+            yield await _long_line(stdout, await stdout.readexactly(exc.consumed), limit_bytes)
 
 
 async def _discard(stdout: asyncio.StreamReader) -> None:
@@ -502,9 +530,9 @@ async def _discard(stdout: asyncio.StreamReader) -> None:
                 pass
 
 
-async def _long_line(stdout: asyncio.StreamReader, start: bytes) -> bytes:
+async def _long_line(stdout: asyncio.StreamReader, start: bytes, limit_bytes: int) -> bytes:
     line = bytearray(start)
-    while len(line) <= MAX_MESSAGE_BYTES:
+    while len(line) <= limit_bytes:
         try:
             line += await stdout.readuntil(b"\n")
             break
@@ -513,8 +541,8 @@ async def _long_line(stdout: asyncio.StreamReader, start: bytes) -> bytes:
             break
         except asyncio.LimitOverrunError as exc:
             line += await stdout.readexactly(exc.consumed)
-    if len(line) > MAX_MESSAGE_BYTES:
-        raise MessageTooLarge(MAX_MESSAGE_BYTES)
+    if len(line) > limit_bytes:
+        raise MessageTooLarge(limit_bytes)
     return bytes(line)
 
 

@@ -5,7 +5,11 @@ It speaks 2025-11-25. ``tools/call`` of ``endless_line`` writes one line that ne
 ``garbage`` writes lines that are not JSON-RPC before its answer; ``chatter`` sends
 ``notifications/message`` by the hundred thousand before its answer; ``big_int`` sends a log message,
 then an answer, each holding an integer beyond 64 bits; ``deaf`` reads no more input and never
-answers (the process stays); ``echo`` answers at once.
+answers (the process stays); ``park`` is never answered (the process reads on; with
+``$HOSTILE_PARKED`` set, a file of that name is made once it has the call); ``null_id_error``
+is answered with an error whose id is null, as a server sends for a request whose id it could not
+read; ``echo`` answers at once. With ``$HOSTILE_BIG_LIST`` set, ``tools/list``
+lists one more tool, whose description is that many characters.
 Whatever it writes to stderr is noise, and it carries the value of ``$HOSTILE_SECRET`` there.
 """
 
@@ -16,7 +20,7 @@ import os
 import sys
 import time
 
-TOOLS = ["endless_line", "garbage", "chatter", "big_int", "deaf", "echo"]
+TOOLS = ["endless_line", "garbage", "chatter", "big_int", "deaf", "park", "null_id_error", "echo"]
 CHATTER = 200_000
 
 
@@ -42,6 +46,13 @@ def call(rid: object, name: str) -> None:
         sys.stdout.write(note * CHATTER)
     if name == "deaf":
         time.sleep(3600)
+    if name == "park":
+        if os.environ.get("HOSTILE_PARKED"):
+            open(os.environ["HOSTILE_PARKED"], "w").close()
+        return
+    if name == "null_id_error":
+        send({"jsonrpc": "2.0", "id": None, "error": {"code": -32700, "message": "Parse error"}})
+        return
     if name == "big_int":
         send({"jsonrpc": "2.0", "method": "notifications/message", "params": {"level": "info", "data": 10**30}})
         send({"jsonrpc": "2.0", "id": rid, "result": {"content": [], "structuredContent": {"n": 10**30}}})
@@ -61,8 +72,11 @@ def main() -> None:
                 "protocolVersion": "2025-11-25", "capabilities": {"tools": {}},
                 "serverInfo": {"name": "hostile-stdio", "version": "1"}}})
         elif method == "tools/list":
-            send({"jsonrpc": "2.0", "id": rid, "result": {
-                "tools": [{"name": n, "inputSchema": {"type": "object"}} for n in TOOLS]}})
+            tools = [{"name": n, "inputSchema": {"type": "object"}} for n in TOOLS]
+            big = int(os.environ.get("HOSTILE_BIG_LIST", "0"))
+            if big:
+                tools.append({"name": "big", "description": "x" * big, "inputSchema": {"type": "object"}})
+            send({"jsonrpc": "2.0", "id": rid, "result": {"tools": tools}})
         elif method == "tools/call":
             call(rid, msg["params"]["name"])
         else:

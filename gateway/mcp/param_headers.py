@@ -1,7 +1,9 @@
-"""SEP-2243 ``x-mcp-header`` declarations of an upstream tool: which are valid, and the
-``Mcp-Param-*`` headers a call of the tool carries to a 2026-07-28 upstream.
+"""SEP-2243 ``x-mcp-header`` declarations of a tool's ``inputSchema``: which are valid, and the
+``Mcp-Param-*`` header each declared argument travels in, at any depth of ``properties``. The one
+place holding those rules: the kernel checks a client's headers against a tool's declarations (the
+gateway's own tools and proxied ones), the proxy writes them to a 2026-07-28 upstream.
 
-The header name comes from the upstream, and the gateway writes it into its own requests: a name
+An upstream's header name is written into the gateway's own requests: a name
 that is not an HTTP token (a CR/LF, a colon, a space, a character outside ASCII) would break or
 smuggle headers of the request, and one that is huge would have it refused. MCP asks a client to
 leave out of ``tools/list`` a tool whose declarations break its rules (and to log why): each name
@@ -16,7 +18,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from gateway.mcp.kernel import header_form
+import orjson
 
 X_MCP_HEADER = "x-mcp-header"
 HEADER_PREFIX = "mcp-param-"
@@ -86,15 +88,23 @@ def spec(schema: dict[str, Any]) -> Spec:
                  if path and isinstance(node.get(X_MCP_HEADER), str))
 
 
-def values(declared: Spec, args: dict[str, Any]) -> dict[str, str]:
-    """Each declared header's value for these arguments, as :func:`header_form` spells it
-    (absent or null arguments have none)."""
-    out: dict[str, str] = {}
+def header_form(value: object) -> str | None:
+    """How a primitive argument reads in a header (JSON spelling for numbers and booleans)."""
+    if value is None or isinstance(value, (dict, list)):
+        return None
+    return value if isinstance(value, str) else orjson.dumps(value).decode()
+
+
+def each_value(declared: Spec, args: dict[str, Any]) -> Iterator[tuple[Path, str, str | None]]:
+    """(argument path, header, the argument as :func:`header_form` spells it) for each declared
+    header; None where the argument is absent or null."""
     for path, header in declared:
         node: Any = args
         for key in path:
             node = node.get(key) if isinstance(node, dict) else None
-        value = header_form(node)
-        if value is not None:
-            out[header] = value
-    return out
+        yield path, header, header_form(node)
+
+
+def values(declared: Spec, args: dict[str, Any]) -> dict[str, str]:
+    """The headers a call with these arguments carries (absent or null arguments have none)."""
+    return {header: value for _, header, value in each_value(declared, args) if value is not None}
