@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+import time
 from collections.abc import AsyncIterator, Callable
 
 import pytest
@@ -151,6 +152,7 @@ async def test_the_evictor_evicts_what_it_can_reach_while_a_master_is_down(caplo
         assert evict and any(lost[p][1] for p in counted[:counted.index(reachable[evict - 1])])  # one is skipped
         evictor.budget_bytes = other.budget_bytes = (len(counted) - evict) * one
         caplog.set_level(logging.WARNING, logger="shared.context.budget")
+        began = time.monotonic()
         assert await evictor.sweep_once() == reachable[:evict]
         assert await other.sweep_once() == [] and other.sweeps == 0  # "b" never held the lease: it waits
         assert await evictor.sweep_once() == []  # at the budget now
@@ -159,7 +161,9 @@ async def test_the_evictor_evicts_what_it_can_reach_while_a_master_is_down(caplo
         for p in reachable[evict:] + [p for p in PRINCIPALS if lost[p][0] and not lost[p][1]]:
             assert [c.id for c in await store.list_contexts(p)] == ["c"], p
         skipping = [r.getMessage() for r in caplog.records if "skips what the master(s)" in r.getMessage()]
-        assert len(skipping) == 1 and victim.address in skipping[0], skipping
+        # once per interval of the log: sweeps slowed by a loaded machine may span a second one
+        intervals = 1 + int((time.monotonic() - began) // evictor._skipping.interval_s)
+        assert 1 <= len(skipping) <= intervals and victim.address in skipping[0], skipping
         leases = [r.getMessage() for r in caplog.records if "lease does not answer" in r.getMessage()]
         assert any("held it and sweeps on" in m for m in leases) and len(leases) == 2, leases
     finally:
