@@ -58,7 +58,7 @@ import zmq.asyncio
 from redis.exceptions import RedisError, ResponseError
 
 from shared import keys, metrics, wire, worker_registry
-from shared.aio import pause
+from shared.aio import cancelling, pause, stop_if_cancelled
 from shared.config import Config
 from shared.curve import CurveKeys, HandshakeWatch
 from shared.inference import max_frame_bytes, max_reply_frame_bytes
@@ -529,6 +529,7 @@ class WorkerPool:
         """Keep :attr:`published_version`, the bound of what a heartbeat's version may claim:
         read every ``DRAINED_REFRESH_S``, and at once when a heartbeat claims more."""
         while True:
+            stop_if_cancelled()  # a cancel landing as wait_for times out is swallowed below (shared/aio.py)
             self._published_stale.clear()
             try:
                 raw = await redis.get(keys.MODEL_VERSION)
@@ -723,7 +724,10 @@ class WorkerPool:
                 else:
                     item = queue.get_nowait()
             except TimeoutError:
-                continue
+                if not cancelling():  # asyncio.timeout reports a cancel landing as it expires as a timeout
+                    continue
+                await self._cancel(link, rid)
+                raise asyncio.CancelledError from None
             except asyncio.CancelledError:
                 await self._cancel(link, rid)
                 raise

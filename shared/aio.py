@@ -19,10 +19,15 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
+def cancelling() -> bool:
+    """Whether the running task was asked to stop (also when the request was swallowed)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 def stop_if_cancelled() -> None:
     """Raise ``CancelledError`` in a task that was asked to stop and is still running."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
+    if cancelling():
         raise asyncio.CancelledError
 
 
