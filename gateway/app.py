@@ -196,6 +196,10 @@ async def _cancel(task: asyncio.Task[Any]) -> None:
         await task
 
 
+async def _close_all(closing: list[ContextStore | Limits]) -> None:
+    await asyncio.gather(*(c.aclose() for c in closing))
+
+
 def _signal_shutdown(gateway: Gateway) -> None:
     gateway.shutting_down.set()
     gateway.close_listeners()
@@ -210,6 +214,9 @@ async def open_gateway(cfg: Config, registry: Registry) -> AsyncIterator[Gateway
         stack.push_async_callback(subscriber.aclose)
         stack.push_async_callback(blocking.aclose)
         stack.push_async_callback(redis.aclose)
+        # closed after everything else, just before the clients: they give back their connections
+        batched: list[ContextStore | Limits] = []
+        stack.push_async_callback(_bounded, "the redis batches", lambda: _close_all(batched))
         keyring = AdminKeyring.from_config(cfg.gateway.admin_keys, redis, cfg.gateway.api_keys)
         zmq_ctx = zmq.asyncio.Context()
         stack.callback(zmq_ctx.destroy, 0)  # runs after the pool and the ingest closed their sockets
@@ -223,6 +230,7 @@ async def open_gateway(cfg: Config, registry: Registry) -> AsyncIterator[Gateway
         stack.push_async_callback(_cancel, trainer_link)
         replica_id = uuid.uuid4().hex
         limits = Limits(redis, cfg)
+        batched.extend((store, limits))
         gateway = Gateway(config=cfg, redis=redis, blocking_redis=blocking, subscriber_redis=subscriber,
                           registry=registry,
                           replica_id=replica_id, zmq_ctx=zmq_ctx, store=store, workers=workers, samples=samples,

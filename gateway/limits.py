@@ -243,6 +243,15 @@ class Limits:
         self.waits_max = cfg.redis.max_connections  # the blocking pool's size (gateway/app.py)
         self.waits_held = 0  # event streams open here, each holding a connection of that pool
 
+    async def aclose(self) -> None:
+        """Stop the override reads under way and let go of the batches' connections: before
+        the Redis client closes."""
+        reading = list(self._reading.values())
+        for fut in reading:
+            fut.cancel()
+        await asyncio.gather(*reading, return_exceptions=True)
+        await self._batch.aclose()
+
     def by_config(self, principal: str) -> PrincipalLimits:
         """The limits the config gives ``principal``: default, its role's, then its own."""
         return self._configured.get(principal, self.cfg.default)

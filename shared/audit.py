@@ -123,10 +123,11 @@ class BatchedAudit:
             log.warning("%d audit records were not written (%s)", len(failed), type(failed[0]).__name__)
 
     async def close(self) -> None:
-        """Send what is held and wait for the writes in flight."""
+        """Send what is held, wait for the writes in flight, and let go of the connections."""
         self.flush()
         if self._writing:
             await asyncio.gather(*self._writing, return_exceptions=True)
+        await self._pipeline.aclose()
 
 
 def _id_key(entry_id: str) -> tuple[int, int]:

@@ -37,6 +37,7 @@ gateway answers with 503 and Retry-After.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
@@ -54,6 +55,14 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from shared.log_throttle import ThrottledWarning
 
 log = logging.getLogger(__name__)
+
+
+class PipelineClosed(RedisConnectionError):
+    """A command given to a pipeline after :meth:`AutoPipeline.aclose` (the process is stopping)."""
+
+    def __init__(self) -> None:
+        super().__init__("the redis pipeline is closed (the process is stopping)")
+
 _POSTED_FAILED = ThrottledWarning(log)  # every posted command fails while Redis is away
 
 # What taking a connection over needs: its transport, the protocol redis-py reads it with
@@ -303,7 +312,8 @@ class AutoPipeline:
         self._pending: _Batch = []
         self._inflight = 0
         self._scheduled = False
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()  # batches that need a connection first (_send)
+        self._closing: set[asyncio.Task[None]] = set()  # connections going back to redis-py closed
         # Connections kept between batches (at most max_inflight): taken over (see _Link), or
         # read redis-py's way where that was not possible.
         self._idle: list[_Link | _RedisPyConnection] = []
@@ -313,6 +323,8 @@ class AutoPipeline:
         self.batches = 0   # round trips made (for benchmarks and tests)
         self.commands = 0  # commands sent
         self.slow_path: str | None = None  # why a connection was last read redis-py's way; None: never
+        self.closed = False  # see aclose
+        self._drained: asyncio.Event | None = None  # set when nothing is queued or on the wire (aclose waits)
 
     async def execute(self, *args: Any) -> Any:
         """Send one command (with the next batch) and return its reply; a Redis error
@@ -331,10 +343,14 @@ class AutoPipeline:
         only the writes of its own connection); the future gets the list of their replies, or
         the first error reply among them raised."""
         loop = asyncio.get_running_loop()
+        if self.closed:
+            fut: asyncio.Future[Any] = loop.create_future()
+            fut.set_exception(PipelineClosed())
+            return fut
         if loop is not self._loop:  # first use, or the old loop went away with batches unfinished
             self._loop, self._pending, self._inflight, self._scheduled = loop, [], 0, False
             self._idle, self._links, self._watching = [], set(), False  # they belong to the old loop
-        fut: asyncio.Future[Any] = loop.create_future() if replies == 1 else _Replies(replies, loop)
+        fut = loop.create_future() if replies == 1 else _Replies(replies, loop)
         self._pending.append((packed, fut))
         if len(self._pending) >= self.max_batch and self._inflight < self.max_inflight:
             self._flush()  # a full batch goes now: Redis works on it while we gather the next
@@ -372,16 +388,53 @@ class AutoPipeline:
                     self._write(kept, batch)
                     continue
                 kept = None
-            self._spawn(self._send(batch, kept))
+            self._spawn(self._send(batch, kept), self._tasks)
+        if self._drained is not None and not self._inflight and not self._pending:
+            self._drained.set()  # what waited was all cancelled
 
     async def asking(self, packed: bytes, replies: int = 1) -> Any:
         """``packed`` after ``ASKING``, outside the batches (see _RedisPyConnection.asking)."""
+        if self.closed:
+            raise PipelineClosed()
         return await (await _RedisPyConnection.open(self.source)).asking(packed, replies)
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    async def aclose(self, grace_s: float = 2.0) -> None:
+        """Stop, before the client it draws connections from closes: what is queued or on the
+        wire gets its replies (within ``grace_s``, else ``ConnectionError``), then every
+        connection the pipeline holds closes. A later command fails with ``ConnectionError``.
+        Closed after the client instead, a batch still opening a connection would open it on a
+        closed client, where nothing closes it."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._loop is None:
+            return
+        if self._pending or self._inflight:
+            self._drained = asyncio.Event()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(grace_s):
+                    await self._drained.wait()
+        err = PipelineClosed()
+        pending, self._pending = self._pending, []
+        for _, fut in pending:
+            if not fut.done():
+                fut.set_exception(err)
+        for link in list(self._links):
+            link.fail(err)
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            if isinstance(conn, _RedisPyConnection):
+                self._spawn(conn.close(nowait=True), self._closing)
+        for task in self._tasks:  # batches still connecting, or read redis-py's way
+            task.cancel()
+        while self._tasks or self._closing:
+            await asyncio.gather(*self._tasks, *self._closing, return_exceptions=True)
+
+    @staticmethod
+    def _spawn(coro: Coroutine[Any, Any, None], tasks: set[asyncio.Task[None]]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
 
     def _running_loop(self) -> asyncio.AbstractEventLoop:
         """The loop ``submit`` bound this pipeline to (set before any batch exists)."""
@@ -428,7 +481,7 @@ class AutoPipeline:
         self._links.discard(link)
         if link in self._idle:
             self._idle.remove(link)
-        self._spawn(link.conn.close(nowait=True))
+        self._spawn(link.conn.close(nowait=True), self._closing)
 
     async def _send(self, batch: _Batch, kept: _RedisPyConnection | None) -> None:
         """A batch that needs a connection first, or is read redis-py's way."""
@@ -460,6 +513,8 @@ class AutoPipeline:
     def _slot_free(self) -> None:
         """A batch is over: its slot is free for what waits (on the next loop turn)."""
         self._inflight -= 1
+        if self._drained is not None and not self._inflight and not self._pending:
+            self._drained.set()
         if self._pending and not self._scheduled:
             self._scheduled = True
             self._running_loop().call_soon(self._flush)
@@ -502,7 +557,7 @@ class AutoPipeline:
 
 
 def _log_failure(fut: asyncio.Future[Any]) -> None:
-    if not fut.cancelled() and fut.exception() is not None:
+    if not fut.cancelled() and fut.exception() is not None and not isinstance(fut.exception(), PipelineClosed):
         _POSTED_FAILED.warning("redis: a posted command failed: %s", fut.exception())
 
 

@@ -25,7 +25,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.log_throttle import ThrottledWarning
-from shared.redis_batch import AutoPipeline, pack_command
+from shared.redis_batch import AutoPipeline, PipelineClosed, pack_command
 
 log = logging.getLogger(__name__)
 _POSTED_FAILED = ThrottledWarning(log)  # every posted command fails while a master is away
@@ -48,6 +48,8 @@ class ClusterAutoPipeline:
         self._posted: set[asyncio.Task[Any]] = set()
         self._ready: asyncio.Future[Any] | None = None  # redis-py's first reading of the slot map
         self.redirects = 0  # MOVED and ASK followed (for tests and metrics)
+        self.closed = False  # see aclose
+        self._own_nodes: list[ClusterNode] = []  # nodes reached before the client's map knew them
 
     @property
     def batches(self) -> int:
@@ -56,6 +58,20 @@ class ClusterAutoPipeline:
     @property
     def commands(self) -> int:
         return sum(p.commands for p in self._nodes.values())
+
+    async def aclose(self, grace_s: float = 2.0) -> None:
+        """``AutoPipeline.aclose`` for every node's pipeline, after the redirections under way,
+        before the cluster client closes."""
+        self.closed = True
+        if self._posted:
+            await asyncio.wait(set(self._posted), timeout=grace_s)
+        for task in self._posted:
+            task.cancel()
+        if self._ready is not None and not self._ready.done():
+            self._ready.cancel()
+        await asyncio.gather(*self._posted, *(p.aclose(grace_s) for p in self._nodes.values()),
+                             return_exceptions=True)
+        await asyncio.gather(*(node.disconnect() for node in self._own_nodes), return_exceptions=True)
 
     async def execute(self, *args: Any, key: str | bytes) -> Any:
         return await self.submit(pack_command(args), key)
@@ -66,6 +82,8 @@ class ClusterAutoPipeline:
         to the node of ``key``'s slot, and together again wherever it is redirected."""
         if key is None:
             raise ValueError("a cluster pipeline routes by key: give the command's key")
+        if self.closed:
+            raise PipelineClosed()
         if not self._ready_now():
             await self._map_read()
         slot = self.cluster.keyslot(key)
@@ -100,7 +118,7 @@ class ClusterAutoPipeline:
 
     def _posted_reply(self, fut: asyncio.Future[Any], packed: bytes, key: str | bytes) -> None:
         """A posted command's reply: a redirection is followed (in a task), other errors logged."""
-        if fut.cancelled():
+        if fut.cancelled() or isinstance(fut.exception(), PipelineClosed):
             return
         exc = fut.exception()
         if isinstance(exc, (MovedError, AskError, TryAgainError)):
@@ -115,7 +133,7 @@ class ClusterAutoPipeline:
 
     def _posted_done(self, task: asyncio.Task[Any]) -> None:
         self._posted.discard(task)
-        if not task.cancelled() and task.exception() is not None:
+        if not task.cancelled() and task.exception() is not None and not isinstance(task.exception(), PipelineClosed):
             _POSTED_FAILED.warning("redis cluster: a posted command failed: %s", task.exception())
 
     async def _map_read(self) -> None:
@@ -123,6 +141,10 @@ class ClusterAutoPipeline:
         shared by the callers that wait for it (so they go on together, and their commands
         share batches)."""
         if self._ready is None or self._stale or (self._ready.done() and self._ready.exception() is not None):
+            if self._ready is not None and self.cluster.nodes_manager.default_node is None:
+                # the client was closed (aclose forgets its map): reading the map again would
+                # open connections on it that nothing closes any more
+                raise RedisConnectionError("the redis cluster client is closed")
             first, self._stale = self._ready is None, False
             self._ready = asyncio.ensure_future(self.cluster.initialize() if first else self._read_map())
         await asyncio.shield(self._ready)
@@ -166,6 +188,7 @@ class ClusterAutoPipeline:
             kwargs = {k: v for k, v in known.connection_kwargs.items() if k not in ("host", "port")}
             node = ClusterNode(host, int(port), "primary", max_connections=known.max_connections,
                                connection_class=known.connection_class, **kwargs)
+            self._own_nodes.append(node)  # not the client's: closing the client leaves it open
         return self._pipeline(node)
 
     def _pipeline(self, node: ClusterNode) -> AutoPipeline:

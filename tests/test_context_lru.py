@@ -137,6 +137,7 @@ class StoreMachine(RuleBasedStateMachine):
         return self.loop.run_until_complete(coro)
 
     def teardown(self) -> None:
+        self.run(self.store.aclose())  # its batches first, or a re-read of the slot map outlives the client
         self.run(self.r.aclose())
         self.loop.close()
 

@@ -26,6 +26,8 @@ from shared.types import ContextWindow
 async def r(redis_target):  # a single server and a cluster
     client = redis_target.async_client()
     yield client
+    for store in _made.pop(id(client), []):  # before the client: see ContextStore.aclose
+        await store.aclose()
     await client.aclose()
 
 
@@ -36,7 +38,12 @@ def read_entries(source: str) -> float:
 def make(r, **cfg) -> ContextStore:
     cfg.setdefault("read_cache_bytes", 1 << 20)
     cfg.setdefault("read_cache_admit_reads", 1)  # every read keeps: admission has a test of its own
-    return ContextStore(r, ContextConfig(**cfg))
+    store = ContextStore(r, ContextConfig(**cfg))
+    _made.setdefault(id(r), []).append(store)
+    return store
+
+
+_made: dict[int, list[ContextStore]] = {}  # client -> the stores made on it (closed by ``r``)
 
 
 def view(win: ContextWindow) -> tuple:

@@ -307,8 +307,8 @@ async def test_confirmed_writes_reload_a_flushed_script(redis6_with_replica: tup
     redis_cfg = RedisConfig(url=url, wait_replicas=1, wait_timeout_ms=5000)
     client = RedisTarget("single", url).async_client()
     master, replica = redis_sync.Redis.from_url(url), redis_sync.Redis.from_url(replica_url)
+    store = ContextStore(client, ContextConfig(), redis_cfg=redis_cfg)
     try:
-        store = ContextStore(client, ContextConfig(), redis_cfg=redis_cfg)
         for i in range(3):
             assert (await store.append("p", "c", "text", "user", f"before {i}".encode())).version == i + 1
         stats = master.info("commandstats")
@@ -329,6 +329,7 @@ async def test_confirmed_writes_reload_a_flushed_script(redis6_with_replica: tup
         assert all(t in stored for t in texts), stored
         assert [e.content for e in (await store.get_window("p", "c")).channels["text"]] == texts
     finally:
+        await store.aclose()  # its batches before the client (ContextStore.aclose)
         await client.aclose()
         master.close()
         replica.close()
@@ -344,9 +345,9 @@ async def test_confirmed_writes_after_a_graceful_failover_on_a_redis6_cluster() 
     cluster = LocalCluster(masters=3, replicas=1, server=str(REDIS6)).start()
     target = RedisTarget("cluster", cluster.url, cluster)
     client = target.async_client()
+    store = ContextStore(client, ContextConfig(),
+                         redis_cfg=RedisConfig(url=cluster.url, wait_replicas=1, wait_timeout_ms=5000))
     try:
-        store = ContextStore(client, ContextConfig(),
-                             redis_cfg=RedisConfig(url=cluster.url, wait_replicas=1, wait_timeout_ms=5000))
         assert (await store.append("p", "c", "text", "user", b"before")).version == 1
         replica = cluster.replica_of(master_of(cluster, "p"))
         with replica.client() as c:
@@ -357,5 +358,6 @@ async def test_confirmed_writes_after_a_graceful_failover_on_a_redis6_cluster() 
         assert (await store.append("p", "c", "text", "user", b"after")).version == 2
         assert [e.content for e in (await store.get_window("p", "c")).channels["text"]] == [b"before", b"after"]
     finally:
+        await store.aclose()  # its batches before the client (ContextStore.aclose)
         await client.aclose()
         cluster.stop()

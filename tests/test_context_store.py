@@ -42,11 +42,18 @@ class Clock:
 async def r(redis_target):
     client = redis_target.async_client()
     yield client
+    for store in _made.pop(id(client), []):  # before the client: see ContextStore.aclose
+        await store.aclose()
     await client.aclose()
 
 
+_made: dict[int, list[ContextStore]] = {}  # client -> the stores made on it (closed by ``r``)
+
+
 def make(r, clock=None, **cfg) -> ContextStore:
-    return ContextStore(r, ContextConfig(**cfg), clock_ms=clock)
+    store = ContextStore(r, ContextConfig(**cfg), clock_ms=clock)
+    _made.setdefault(id(r), []).append(store)
+    return store
 
 
 def size(content: bytes, role: str = "user", **kw) -> int:

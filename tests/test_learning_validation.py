@@ -25,6 +25,7 @@ async def ingest(redis_target, tmp_path):
     ing = SampleIngest(redis, cfg, store)
     yield ing
     ing.close()
+    await store.aclose()  # its batches before the client (ContextStore.aclose)
     await redis.aclose()
 
 

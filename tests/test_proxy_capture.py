@@ -92,4 +92,5 @@ async def test_capture_leaves_out_media_no_worker_could_read(redis_target: Redis
         assert [bytes(e.content) for e in window.channels["image"]] == [base64.b64decode(PNG_1PX)]
         assert "left out an image item" in caplog.text and "left out an audio item" in caplog.text
     finally:
+        await store.aclose()  # its batches before the client (ContextStore.aclose)
         await client.aclose()

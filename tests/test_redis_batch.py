@@ -18,7 +18,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared import keys, redis_batch
 from shared.redis_batch import AutoPipeline, pack_command
-from shared.redis_client import close_sync
+from shared.redis_client import close_sync, for_each_primary_sync
 from shared.redis_cluster_batch import ClusterAutoPipeline, auto_pipeline
 from tests.conftest import wait_for
 
@@ -324,6 +324,38 @@ async def test_a_slot_moving_to_another_master_is_followed_without_errors(redis_
         await client.aclose()
 
 
+async def test_a_pipeline_closed_before_its_client_answers_what_it_holds_and_gives_back_its_connections(
+        redis_target) -> None:
+    """Closed while commands are queued and on the wire: each gets its reply, then every connection
+    the pipeline took closes (none is left for a closed client to leak), and a later command is
+    refused with redis-py's ConnectionError."""
+    client = redis_target.async_client(client_name="lm-closing-pipeline")
+    check = redis_target.sync_client()
+
+    def ours() -> int:
+        lists = for_each_primary_sync(check, lambda node: node.client_list())
+        return sum(c.get("name") == "lm-closing-pipeline" for clients in lists for c in clients)
+
+    ap = auto_pipeline(client, max_inflight=2, max_batch=4)
+    names = [f"cl:{i}" for i in range(60)]  # on every master of a cluster
+    try:
+        if isinstance(client, aioredis.RedisCluster):
+            await client.initialize()  # the client's own connection (its reading of the slot map)
+        held_by_client = ours()
+        assert await ap.submit(pack_command(("GET", names[0])), names[0]) is None  # a cluster's map is read
+        assert ours() > held_by_client  # the pipeline's own connection, kept for its next batches
+        sent = [asyncio.ensure_future(ap.submit(pack_command(("INCR", k)), k)) for k in names]
+        await asyncio.sleep(0)  # in the pipelines: the first batches on the wire, the rest queued behind them
+        await ap.aclose()
+        assert [f.result() for f in sent] == [1] * len(names)
+        with pytest.raises(RedisConnectionError, match="closed"):
+            await ap.submit(pack_command(("INCR", names[0])), names[0])
+        await wait_for(lambda: ours() <= held_by_client, timeout_s=10, what="the pipeline's connections to close")
+    finally:
+        close_sync(check)
+        await client.aclose()
+
+
 async def test_the_context_store_follows_its_principal_to_another_master(redis_target) -> None:
     """A principal's six keys migrate while the store is used: appends and reads go on (ASK,
     TRYAGAIN while its keys are split, then MOVED), and nothing written is lost."""
@@ -352,6 +384,7 @@ async def test_the_context_store_follows_its_principal_to_another_master(redis_t
         assert move.dst.exists(keys.ctx_entries("mover"), keys.ctx_meta("mover"), keys.ctx_audit("mover")) == 3
     finally:
         move.close()
+        await store.aclose()
         await client.aclose()
 
 

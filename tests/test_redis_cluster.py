@@ -200,4 +200,5 @@ async def test_a_resharding_leaves_the_context_writes_of_slots_that_stay_put_in_
         await asyncio.gather(*writers)
         assert [f"{type(exc).__name__}: {exc}" for exc in failures] == []
     finally:
+        await store.aclose()  # its batches before the client (ContextStore.aclose)
         await r.aclose()

@@ -115,6 +115,7 @@ async def test_the_global_accounting_comes_back_to_what_is_held_after_a_master_w
         assert await store.evictor(owner="a", report_settle_s=0.5).sweep_once() == []  # well within the budget
     finally:
         await appender.stop()
+        await store.aclose()  # its batches before the client (ContextStore.aclose)
         await redis.aclose()
 
 
@@ -165,7 +166,10 @@ async def test_the_evictor_evicts_what_it_can_reach_while_a_master_is_down(caplo
         intervals = 1 + int((time.monotonic() - began) // evictor._skipping.interval_s)
         assert 1 <= len(skipping) <= intervals and victim.address in skipping[0], skipping
         leases = [r.getMessage() for r in caplog.records if "lease does not answer" in r.getMessage()]
-        assert any("held it and sweeps on" in m for m in leases) and len(leases) == 2, leases
+        held = [m for m in leases if m.endswith("held it and sweeps on")]
+        waits = [m for m in leases if m.endswith("does not hold it and waits")]
+        assert 1 <= len(held) <= intervals and 1 <= len(waits) <= intervals and len(held) + len(waits) == len(leases), leases
     finally:
+        await store.aclose()  # its batches before the client (ContextStore.aclose)
         await redis.aclose()
         cluster.stop()

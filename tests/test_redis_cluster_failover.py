@@ -107,6 +107,7 @@ async def _populate(url: str) -> dict[str, str]:
         assert set(await store.principals()) == set(PRINCIPALS)  # the stamps are written
         return sids
     finally:
+        await store.aclose()  # its batches before the client (ContextStore.aclose)
         await redis.aclose()
 
 
@@ -219,6 +220,7 @@ async def test_with_full_coverage_off_a_master_lost_for_good_leaves_the_others_s
 
     cluster = LocalCluster(masters=3, replicas=0, options=("--cluster-require-full-coverage", "no")).start()
     redis = async_client(RedisConfig(url=cluster.url, socket_timeout_s=1.0))
+    store = ContextStore(redis, ContextConfig())
     try:
         await _populate(cluster.url)
         victim = _master_of(cluster, keys.ctx_meta("p0"))
@@ -229,7 +231,6 @@ async def test_with_full_coverage_off_a_master_lost_for_good_leaves_the_others_s
             survivors = cluster.running()
             await wait_for(lambda: all(_flagged_failed(n, victim) for n in survivors), timeout_s=30,
                            what="the cluster to mark the master failed")
-            store = ContextStore(redis, ContextConfig())
             for p in PRINCIPALS:
                 if p in lost:
                     with pytest.raises((RedisError, RedisClusterException, OSError)):
@@ -246,6 +247,7 @@ async def test_with_full_coverage_off_a_master_lost_for_good_leaves_the_others_s
             summary = await asyncio.to_thread(_admin_get, srv, "/admin/summary")
             assert summary.status_code == 200, summary.text
     finally:
+        await store.aclose()  # its batches before the client (ContextStore.aclose)
         await redis.aclose()
         cluster.stop()
 

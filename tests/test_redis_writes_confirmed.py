@@ -109,6 +109,7 @@ async def test_a_context_write_waits_for_its_replica(redis_target: RedisTarget, 
         assert [e.content for e in (await store.get_window("alice", "c")).channels["text"]] == [b"one"]
         assert await _waits(redis) == waits  # reads wait for nothing
     finally:
+        await store.aclose()  # its batches before the client (ContextStore.aclose)
         await redis.aclose()
 
 
@@ -121,6 +122,7 @@ async def test_context_writes_send_no_wait_by_default(redis_target: RedisTarget)
         await store.evict("bob", "c")
         assert await _waits(redis) == before
     finally:
+        await store.aclose()  # its batches before the client (ContextStore.aclose)
         await redis.aclose()
 
 

@@ -133,6 +133,7 @@ async def test_a_sample_the_model_cannot_encode_is_skipped_and_training_goes_on(
         if proc is not None:
             proc.close()
         ingest.close()
+        await store.aclose()  # its batches before the client (ContextStore.aclose)
         await redis.aclose()
     trained_ids, skipped = ledger_outcomes(redis_url)
     assert skipped == {bad["ids"][0]: "bad_input"}

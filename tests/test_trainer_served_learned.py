@@ -171,6 +171,7 @@ async def test_a_copied_context_trains_however_old_its_version_gets_and_a_lost_o
         if proc is not None:
             proc.close()
         ingest.close()
+        await store.aclose()  # its batches before the client (ContextStore.aclose)
         await redis.aclose()
     trained_ids, skipped = ledger_outcomes(redis_url)
     assert sorted(trained_ids) == sorted(ok["ids"] + copied["ids"]), "a copied context trains after its version aged out"

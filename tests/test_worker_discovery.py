@@ -522,6 +522,8 @@ def test_a_worker_binding_any_port_announces_the_port_it_got(tmp_path, redis_tar
         assert sync.zscore(keys.WORKERS_INDEX, worker.worker_id) is None
     finally:
         worker.sock.close(linger=0)
+        if worker._redis is not None:  # the registrar's client, as the worker's run() closes it
+            close_sync(worker._redis)
         close_sync(sync)
 
 

@@ -149,11 +149,16 @@ class ContextReader:
             self._store.read_at_version(principal, context_id, version, modalities=modalities), self._loop)
         return fut.result(30)
 
+    async def _closed(self) -> None:
+        if self._store is not None:
+            await self._store.aclose()  # its batches first: a batch connecting would outlive the client
+        await self._redis.aclose()
+
     def close(self) -> None:
         if self._loop is None:
             return
         if self._redis is not None:
-            asyncio.run_coroutine_threadsafe(self._redis.aclose(), self._loop).result(5)
+            asyncio.run_coroutine_threadsafe(self._closed(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         if self._thread is not None:
             self._thread.join(5)

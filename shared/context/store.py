@@ -108,6 +108,11 @@ class ContextStore:
             self.on_evicted(principal, gone)
         return gone
 
+    async def aclose(self) -> None:
+        """Finish what is on the wire and let go of the store's connections: before the Redis
+        client closes (a later operation fails with redis-py's ``ConnectionError``)."""
+        await self._script.batch.aclose()
+
     @property
     def round_trips(self) -> int:
         """Script calls made (the bench divides by operations)."""

@@ -80,6 +80,7 @@ async def test_store_gateway_and_sample_log_through_an_authenticated_redis(secur
         window = await store.get_window("alice", "notes")
         assert [e.content for e in window.channels["text"]] == [b"kept behind a password"]
     finally:
+        await store.aclose()  # its batches before the client (ContextStore.aclose)
         await redis.aclose()
     reader = ContextReader(cfg)
     try:

@@ -220,6 +220,7 @@ async def test_store_reader_and_pubsub_on_every_master(flushed: SecuredCluster,
                 await follower
             await follower_redis.aclose()
     finally:
+        await store.aclose()  # its batches before the client (ContextStore.aclose)
         await redis.aclose()
 
     reader = ContextReader(cfg)  # the trainer's reader of snapshots: its own client
@@ -525,8 +526,8 @@ async def test_a_master_that_joins_later_is_reached_with_the_same_credentials(tm
         cfg = _config(secured.settings)
         principal = _one_principal_per_master(secured)[0]
         redis, blocking = async_client(cfg.redis), sync_client(cfg.redis, socket_timeout=5)
+        store = ContextStore(redis, cfg.context, redis_cfg=cfg.redis)
         try:
-            store = ContextStore(redis, cfg.context, redis_cfg=cfg.redis)
             await store.append(principal, "notes", "text", "user", b"before the move")
             blocking.set(keys.teacher_grant(principal), "1")
 
@@ -542,6 +543,7 @@ async def test_a_master_that_joins_later_is_reached_with_the_same_credentials(tm
                 assert users == {"learnmesh"}, users  # the clients that followed MOVED, as learnmesh
                 assert _has_library(admin.function_list())  # loaded there on "function not found"
         finally:
+            await store.aclose()  # its batches before the client (ContextStore.aclose)
             await redis.aclose()
             close_sync(blocking)
         assert _denied(secured) == []
