@@ -34,7 +34,7 @@ import pytest
 import redis as redis_sync
 
 from shared.config import RedisConfig
-from shared.net import free_port
+from shared.net import free_port, share_ports
 from shared.redis_client import (
     AsyncRedis,
     SyncRedis,
@@ -50,7 +50,11 @@ from tests.waiting import wait_for_sync as wait_for_sync
 
 def pytest_configure(config: pytest.Config) -> None:
     """Several test processes (pytest-xdist ``-n``) each start their own Redis; a shared one, which
-    every test flushes, would have them empty each other's data mid-test."""
+    every test flushes, would have them empty each other's data mid-test. Each picks its ports from
+    a slice of its own: a port one picked and has not bound yet is never another's pick."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if worker.startswith("gw") and worker[2:].isdigit() and count.isdigit():
+        share_ports(int(worker[2:]), int(count))
     jobs = getattr(config.option, "numprocesses", None)
     if not jobs or jobs == 1:
         return

@@ -119,7 +119,7 @@ def main() -> None:
 def start_gateway(port: int, redis_url: str, api_keys: str = "", ttl_s: int = 1800,
                   cap: int = 1000, overrides: dict[str, dict[str, Any]] | None = None,
                   output: IO[bytes] | None = None, log_level: str | None = None) -> subprocess.Popen:
-    from tests.waiting import wait_for_sync
+    from tests.waiting import listens_on, wait_for_sync
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("REDIS_URL", None)
@@ -137,9 +137,10 @@ def start_gateway(port: int, redis_url: str, api_keys: str = "", ttl_s: int = 18
         if proc.poll() is not None:
             raise AssertionError(f"gateway exited with {proc.returncode}")
         try:
-            return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200
+            answers = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200
         except httpx.HTTPError:
             return False
+        return answers and listens_on(proc.pid, port)  # not another test's server on that port
 
     wait_for_sync(up, timeout_s=60, interval_s=0.1, what="gateway /healthz")
     return proc

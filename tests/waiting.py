@@ -4,8 +4,10 @@ time runs out. Free of pytest, so the drills in tests/ also run from bench/ (ben
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 
 def _describe(what: str | Callable[[], str]) -> str:
@@ -38,3 +40,31 @@ async def wait_for(cond: Callable[[], Awaitable[object] | object], timeout_s: fl
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {_describe(what)}")
         await asyncio.sleep(interval_s)
+
+
+def listens_on(pid: int, port: int) -> bool:
+    """Whether process ``pid`` holds the socket listening on TCP ``port`` (Linux: /proc), not
+    merely that something answers there: a server that lost its port to another process answers
+    as that process."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                inodes.add(fields[9])
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:[") and link[8:-1] in inodes:
+            return True
+    return False

@@ -29,6 +29,7 @@ from mcp.types import CreateMessageResult, ElicitResult, TextContent
 from shared.net import free_port
 from tests.conftest import wait_for_sync
 from tests.proxy.upstreams.server import MARK_DIR_ENV
+from tests.waiting import listens_on
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN_ENV = "UPSTREAM_BEARER_TOKEN"
@@ -121,10 +122,13 @@ def launch(up: Upstream) -> None:
         return
     assert up.log_path is not None
     with up.log_path.open("ab") as log:
-        up.proc = subprocess.Popen(up.command, cwd=ROOT, env=up.env, stdout=log, stderr=subprocess.STDOUT)
+        proc = up.proc = subprocess.Popen(up.command, cwd=ROOT, env=up.env, stdout=log, stderr=subprocess.STDOUT)
     root = up.url.removesuffix("/mcp") + "/"
     try:
-        wait_for_sync(lambda: _alive(up) and _answers_http(root), timeout_s=30, interval_s=0.05,
+        port = int(root.rstrip("/").rsplit(":", 1)[1])
+        # listens_on: not another test's server that took the port first
+        wait_for_sync(lambda: _alive(up) and _answers_http(root) and listens_on(proc.pid, port),
+                      timeout_s=30, interval_s=0.05,
                       what=lambda: f"upstream {up.name} at {root}:\n{up.log()}")
     except BaseException:
         stop_upstream(up)
