@@ -284,7 +284,7 @@ class _Link(asyncio.Protocol):
         """Close for good: every caller waiting on it gets ``err``."""
         if not self.closed:
             self.closed = True
-            self.transport.close()
+            self.transport.abort()  # nothing written and unanswered is of use; close() would wait for a peer that may not read
             self.pipeline._link_closed(self)
         waiting, self.waiting = self.waiting, deque()
         for fut in waiting:

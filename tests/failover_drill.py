@@ -42,6 +42,7 @@ class Tally:
 
     acked: dict[str, list[str]] = dataclasses.field(default_factory=lambda: {p: [] for p in PRINCIPALS})
     acked_after_kill: dict[str, int] = dataclasses.field(default_factory=lambda: {p: 0 for p in PRINCIPALS})
+    acked_sent_at: dict[str, list[float]] = dataclasses.field(default_factory=lambda: {p: [] for p in PRINCIPALS})
     unavailable: int = 0  # 503 with Retry-After
     session_ok_after_kill: int = 0
     wrong: list[str] = dataclasses.field(default_factory=list)  # anything else: must stay empty
@@ -124,6 +125,7 @@ async def _appender(client: httpx.AsyncClient, principal: str, tally: Tally, sto
     while not stop_at.is_set():
         text = f"{principal}-{i}"
         i += 1
+        sent = time.monotonic()
         try:
             resp = await _tool(client, principal, "context_append",
                                {"context_id": "drill", "modality": "text", "text": text})
@@ -132,6 +134,7 @@ async def _appender(client: httpx.AsyncClient, principal: str, tally: Tally, sto
             continue
         if _judge(tally, resp, f"append {text}") is not None:
             tally.acked[principal].append(text)
+            tally.acked_sent_at[principal].append(sent)
             if tally.killed_at is not None:
                 tally.acked_after_kill[principal] += 1
         elif resp.status_code == 503:
@@ -218,10 +221,11 @@ async def failover_drill(cluster: LocalCluster, redis_url: str, tmp_path: Path,
                 failed_over_s = time.monotonic() - tally.killed_at
                 # The promoted master has no replica: its principals' writes are refused (503), not
                 # acknowledged, until the killed node is back — as a replica of the new master.
-                refused, acked = tally.unavailable, {p: len(tally.acked[p]) for p in doomed}
+                refused, since = tally.unavailable, time.monotonic()
                 await wait_for(lambda: tally.unavailable >= refused + 3, timeout_s=30,
                                what="writes refused while the new master has no replica")
-                assert {p: len(tally.acked[p]) for p in doomed} == acked
+                # none sent since then was acknowledged (one sent before the kill may be answered late)
+                assert {p: [t for t in tally.acked_sent_at[p] if t >= since] for p in doomed} == {p: [] for p in doomed}
                 cluster.restart(victim)
                 await asyncio.to_thread(cluster.wait_ok, 60)
                 await wait_for(lambda: all(n >= AFTER_FAILOVER for n in tally.acked_after_kill.values()),
