@@ -222,7 +222,8 @@ async def test_announcements_follow_redis_and_static_endpoints_stay(tmp_path, re
     try:
         a, b = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
         worker_registry.register(sync, Registration("a", a, capacity=8, heartbeat_ms=now_ms()), ttl_ms=60_000)
-        worker_registry.register(sync, Registration("b", b, heartbeat_ms=now_ms()), ttl_ms=300)
+        # long enough to be seen joining on a loaded machine, short enough to watch it expire
+        worker_registry.register(sync, Registration("b", b, heartbeat_ms=now_ms()), ttl_ms=3000)
         worker_registry.register(sync, Registration("same", static, heartbeat_ms=now_ms()), ttl_ms=60_000)
         sync.hset(keys.worker_registration("bad"), mapping={"endpoint": "tcp://0.0.0.0:1"})
         sync.zadd(keys.WORKERS_INDEX, {"bad": now_ms()})
