@@ -46,8 +46,10 @@ from gateway.workers import WorkerPool
 from shared import audit, keys
 from shared import metrics as m
 from shared.aio import pause
+from shared.audit import AUDIT_INFLIGHT
 from shared.config import Config, ConfigError
 from shared.context import ContextStore
+from shared.redis_batch import MAX_INFLIGHT
 from shared.redis_client import async_client, for_each_primary
 from shared.text import as_str
 
@@ -116,18 +118,26 @@ def register_fixtures(registry: Registry, name: str) -> None:
 
 
 SUBSCRIBER_CONNECTIONS = 4  # the control and tasks channels, and a resubscription of each under way
+# What a replica keeps or takes beside its requests on the request client: the automatic pipelines
+# keep their connections between batches (the context store's and the limits', MAX_INFLIGHT each;
+# the proxy's audit, AUDIT_INFLIGHT), and each of its background loops (worker announcements and
+# drains, task heartbeats, the global budget's lease and evictor, the control plane) takes one
+# at a time. ``redis.max_connections`` is what its requests may hold on top of these.
+OWN_CONNECTIONS = 2 * MAX_INFLIGHT + AUDIT_INFLIGHT + 8
 
 
 def _redis_clients(cfg: Config) -> tuple[aioredis.Redis, aioredis.Redis, aioredis.Redis]:
     """The request client (socket timeout), the blocking one (none: the blocking reads of event
     streams and server->client requests, at most ``redis.max_connections`` of them, which
     ``Limits.stream_slot`` counts) and the subscriber (none: the pub/sub channels). Each has a
-    pool of its own, so streams that fill theirs stop neither requests nor the channels."""
+    pool of its own, so streams that fill theirs stop neither requests nor the channels, and the
+    replica's own pipelines and background work have theirs beside the requests' (OWN_CONNECTIONS)."""
     common: dict[str, Any] = {"socket_connect_timeout": cfg.redis.socket_timeout_s,
                               "max_connections": cfg.redis.max_connections, "health_check_interval": 30}
+    requests = {**common, "max_connections": cfg.redis.max_connections + OWN_CONNECTIONS}
     # Typed as one server's client: the components below are written against its API, and
     # RedisCluster answers the same commands for keys of one slot.
-    return (cast(aioredis.Redis, async_client(cfg.redis, socket_timeout=cfg.redis.socket_timeout_s, **common)),
+    return (cast(aioredis.Redis, async_client(cfg.redis, socket_timeout=cfg.redis.socket_timeout_s, **requests)),
             cast(aioredis.Redis, async_client(cfg.redis, socket_timeout=None, **common)),
             cast(aioredis.Redis, async_client(cfg.redis, socket_timeout=None,
                                               **{**common, "max_connections": SUBSCRIBER_CONNECTIONS})))

@@ -77,6 +77,9 @@ def xadd_command(entry: dict[Any, Any]) -> tuple[Any, ...]:
     return ("XADD", keys.audit_stream(entry["principal"]), "MAXLEN", "~", _maxlen, "*", *fields)
 
 
+AUDIT_INFLIGHT = 1  # a batched audit's round trips at once: the connection it keeps
+
+
 class BatchedAudit:
     """Records of a hot path (one per proxied call) written off that path: collected for at most
     ``window_s`` (or ``max_records``) and sent as one pipelined write. On loopback a write costs
@@ -87,7 +90,7 @@ class BatchedAudit:
     def __init__(self, redis: AsyncRedis, *, window_s: float = 0.005, max_records: int = 256) -> None:
         self.window_s = window_s
         self.max_records = max_records
-        self._pipeline = auto_pipeline(redis, max_inflight=1, max_batch=max_records)
+        self._pipeline = auto_pipeline(redis, max_inflight=AUDIT_INFLIGHT, max_batch=max_records)
         self._pending: list[tuple[bytes, str]] = []  # (packed XADD, its stream)
         self._timer: asyncio.TimerHandle | None = None
         self._writing: set[asyncio.Future[Any]] = set()

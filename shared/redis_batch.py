@@ -298,10 +298,14 @@ class _Link(asyncio.Protocol):
 _Batch = list[tuple[bytes, asyncio.Future[Any]]]
 
 
+MAX_INFLIGHT = 4  # a pipeline's batches on the wire at once: the connections it keeps (per node)
+
+
 class AutoPipeline:
     """Coalesces concurrent ``execute(*args)`` calls into pipelined round trips."""
 
-    def __init__(self, redis: aioredis.Redis | ClusterNode, *, max_inflight: int = 4, max_batch: int = 16) -> None:
+    def __init__(self, redis: aioredis.Redis | ClusterNode, *, max_inflight: int = MAX_INFLIGHT,
+                 max_batch: int = 16) -> None:
         """``redis``: a client of one server, or one node of a cluster client (see
         shared.redis_cluster_batch, which routes commands to each node's pipeline)."""
         if max_inflight < 1 or max_batch < 1:

@@ -25,7 +25,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.log_throttle import ThrottledWarning
-from shared.redis_batch import AutoPipeline, PipelineClosed, pack_command
+from shared.redis_batch import MAX_INFLIGHT, AutoPipeline, PipelineClosed, pack_command
 
 log = logging.getLogger(__name__)
 _POSTED_FAILED = ThrottledWarning(log)  # every posted command fails while a master is away
@@ -38,7 +38,8 @@ TRYAGAIN_MAX = 50  # about a second of a migration's multi-key window
 class ClusterAutoPipeline:
     """``AutoPipeline`` for a ``RedisCluster`` client: ``submit(packed, key)``."""
 
-    def __init__(self, cluster: aioredis.RedisCluster, *, max_inflight: int = 4, max_batch: int = 16) -> None:
+    def __init__(self, cluster: aioredis.RedisCluster, *, max_inflight: int = MAX_INFLIGHT,
+                 max_batch: int = 16) -> None:
         self.cluster = cluster
         self.max_inflight = max_inflight
         self.max_batch = max_batch
@@ -208,7 +209,7 @@ class ClusterAutoPipeline:
         self._slots.clear()
 
 
-def auto_pipeline(redis: aioredis.Redis | aioredis.RedisCluster, *, max_inflight: int = 4,
+def auto_pipeline(redis: aioredis.Redis | aioredis.RedisCluster, *, max_inflight: int = MAX_INFLIGHT,
                   max_batch: int = 16) -> AutoPipeline | ClusterAutoPipeline:
     """The automatic pipeline for ``redis``: per node on a cluster, one otherwise. Both take
     ``submit(packed, key)`` and are awaited for the reply."""

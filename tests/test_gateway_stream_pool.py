@@ -7,6 +7,7 @@ channels (control, tasks) still resubscribe after losing their connection."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 from collections.abc import Iterator
@@ -115,3 +116,34 @@ def test_streams_past_the_pool_are_refused_and_nothing_else_is_starved(port: int
         streams.pop().close()  # one stream ends: its connection serves the next one
         wait_for_sync(lambda: get_stream(port, BOB).status_code == 200, timeout_s=WAIT_S,
                       what="a stream opened once another closed")
+
+
+def test_a_small_pool_serves_bursts_of_context_calls_beside_its_automatic_pipelines(redis_server: str) -> None:
+    """The context store's and the limits' automatic pipelines keep their connections between
+    batches; ``redis.max_connections`` is what the requests may hold beside them, so a pool of 2
+    serves a burst of appends and reads with none refused for want of a connection, and sessions
+    start after it."""
+    p = free_port()
+    proc = start_gateway(p, redis_server, api_keys=f"alice:{ALICE},bob:{BOB}",
+                         overrides={"redis": {"max_connections": 2}})
+    try:
+        async def burst() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{p}", timeout=WAIT_S) as client:
+                async def call(i: int) -> httpx.Response:
+                    key = (ALICE, BOB)[i % 2]
+                    name, arguments = (("context_append", {"context_id": f"c{i % 5}", "modality": "text",
+                                                           "text": f"turn {i}"}) if i % 3 else
+                                       ("context_get", {"context_id": "c0"}))
+                    body, headers = modern("tools/call", {"name": name, "arguments": arguments}, rid=i)
+                    return await client.post("/mcp", json=body, headers={**headers, "authorization": f"Bearer {key}"})
+                for i in (5, 10):  # appends to c0 of bob and of alice: it exists before any read of it
+                    assert (await call(i)).status_code == 200
+                return await asyncio.gather(*(call(i) for i in range(96)))
+
+        for r in asyncio.run(burst()):
+            assert r.status_code == 200, (r.status_code, r.text)
+            result = r.json()["result"]
+            assert not result.get("isError"), result
+        assert session(p, ALICE) and session(p, BOB)
+    finally:
+        stop(proc)
