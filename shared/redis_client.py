@@ -162,6 +162,23 @@ class _AsyncCommands(AsyncCommandsParser):
         await super().initialize(node)
 
 
+class _AsyncCluster(aioredis.RedisCluster):
+    """A closed cluster client stays closed. redis-py's reads the slot map again for a command
+    sent after ``aclose()`` and opens connections to the nodes, which nothing closes then: a
+    task that still runs as its process stops would leave them to the garbage collector."""
+
+    _closed = False
+
+    async def initialize(self, *args: Any, **kwargs: Any) -> Any:
+        if self._closed:
+            raise RedisConnectionError("this Redis Cluster client is closed")
+        return await super().initialize(*args, **kwargs)
+
+    async def aclose(self) -> None:
+        self._closed = True
+        await super().aclose()
+
+
 def sync_client(cfg: RedisConfig, **options: Any) -> SyncRedis:
     """A blocking client (trainer, workers, supervisor); ``options``: timeouts, pool size, ...
     A cluster client reaches the seed node as it is made (redis-py reads the slot map then)."""
@@ -194,6 +211,7 @@ def async_client(cfg: RedisConfig, **options: Any) -> AsyncRedis:
             node.connection_class = _reporting(node.connection_class)
         cluster.nodes_manager.__class__ = _AsyncNodes
         cluster.commands_parser.__class__ = _AsyncCommands
+        cluster.__class__ = _AsyncCluster
         return cluster
     client = aioredis.Redis.from_url(server_url(cfg), **client_kwargs(cfg), **options)
     client.connection_pool.connection_class = _reporting(client.connection_pool.connection_class)

@@ -202,3 +202,18 @@ async def test_a_resharding_leaves_the_context_writes_of_slots_that_stay_put_in_
     finally:
         await store.aclose()  # its batches before the client (ContextStore.aclose)
         await r.aclose()
+
+
+async def test_a_closed_cluster_client_stays_closed(redis_cluster: RedisTarget) -> None:
+    """redis-py reads the slot map again for a command sent after ``aclose()`` and opens new
+    connections, which nothing closes then (a task still running as a process stops). learnmesh's
+    cluster client refuses the command instead, as a lost connection, and opens nothing."""
+    r = redis_cluster.async_client(client_name="lm-closed-cluster-client")
+    await r.set("lm:{closed}:k", "v")
+    await r.aclose()
+    with pytest.raises(RedisConnectionError, match="closed"):
+        await r.get("lm:{closed}:k")
+    assert r.nodes_manager.default_node is None
+    for node in redis_cluster.cluster.running() if redis_cluster.cluster else []:
+        with node.client(socket_timeout=2) as c:
+            assert not [x for x in c.client_list() if x.get("name") == "lm-closed-cluster-client"]
