@@ -3,23 +3,43 @@
 from __future__ import annotations
 
 import errno
+import os
 import random
 import socket
 from pathlib import Path
 
 _LOWEST_PORT = 20000
+# Single ports stay below this: the ports above it are the partners of pairs (a Redis Cluster
+# node's bus port, +10000, see free_port_pair), which a restarted node must find free again.
+_PARTNERS_FROM = 30000
+PORT_SLICE_ENV = "LEARNMESH_PORT_SLICE"  # "<index>/<count>": the slice a process started with picks from
 _given: set[int] = set()
-_share = (0, 1)  # this process's slice of the range, of how many (see share_ports)
 
 
-def share_ports(index: int, count: int) -> None:
+def _parse_slice(text: str) -> tuple[int, int]:
+    index, sep, count = text.partition("/")
+    if not (sep and index.isdigit() and count.isdigit() and int(index) < int(count)):
+        raise ValueError(f"{PORT_SLICE_ENV}={text!r}: expected <index>/<count> with index < count")
+    return int(index), int(count)
+
+
+# This process's slice of the range, of how many (see share_ports). A process started by one that
+# shares the range (a gateway, an embedded Redis a test starts) inherits its slice by environment.
+_share = _parse_slice(os.environ[PORT_SLICE_ENV]) if os.environ.get(PORT_SLICE_ENV) else (0, 1)
+
+
+def share_ports(index: int, count: int, children: int | None = None) -> None:
     """Pick ports from the ``index``-th of ``count`` equal slices of the range only: processes
     that pick side by side (parallel test runners) then never pick one port between its check
-    and its bind by another."""
-    if not 0 <= index < count:
-        raise ValueError(f"slice {index} of {count} does not exist")
+    and its bind by another. ``children``: the slice the processes this one starts pick from
+    (set in the environment they inherit), so that they never pick this process's ports either."""
+    for i in (index, children):
+        if i is not None and not 0 <= i < count:
+            raise ValueError(f"slice {i} of {count} does not exist")
     global _share
     _share = (index, count)
+    if children is not None:
+        os.environ[PORT_SLICE_ENV] = f"{children}/{count}"
 
 
 def _span(top: int) -> tuple[int, int]:
@@ -77,7 +97,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     again before the caller binds it: by the local end of any outgoing connection, or by a
     ZeroMQ socket that keeps reconnecting to a killed peer's endpoint and connects to itself.
     Ports below that range are never given to outgoing connections."""
-    low, top = _span(min(_ephemeral_low(), 32768))
+    low, top = _span(min(_ephemeral_low(), _PARTNERS_FROM))
     rnd = random.Random()  # noqa: S311 - spreads picks across the range, not a secret
     for _ in range(1000):
         port = rnd.randrange(low, top)

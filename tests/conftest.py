@@ -51,10 +51,12 @@ from tests.waiting import wait_for_sync as wait_for_sync
 def pytest_configure(config: pytest.Config) -> None:
     """Several test processes (pytest-xdist ``-n``) each start their own Redis; a shared one, which
     every test flushes, would have them empty each other's data mid-test. Each picks its ports from
-    a slice of its own: a port one picked and has not bound yet is never another's pick."""
+    a slice of its own, and the processes it starts (gateways, embedded Redis, torch ranks) pick
+    from another of its own: a port one picked and has not bound yet is never another's pick."""
     worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
-    if worker.startswith("gw") and worker[2:].isdigit() and count.isdigit():
-        share_ports(int(worker[2:]), int(count))
+    index, runners = (int(worker[2:]), int(count)) if worker.startswith("gw") and worker[2:].isdigit() \
+        and count.isdigit() else (0, 1)
+    share_ports(2 * index, 2 * runners, children=2 * index + 1)
     jobs = getattr(config.option, "numprocesses", None)
     if not jobs or jobs == 1:
         return

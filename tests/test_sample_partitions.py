@@ -58,7 +58,11 @@ async def test_every_partition_is_read_in_order_and_positions_resume_exactly(red
             assert pos.seq == (mine[-1].seq if mine else 0)
             assert [s.seq for s in mine] == list(range(1, len(mine) + 1)), "dense and in order per partition"
 
-        resumed = SampleSource(cfg, sync, ctx, positions, partitions=4)
+        # A fresh endpoint: ZeroMQ releases a closed socket's port on its I/O thread, so binding
+        # the same port again at once can find it still taken.
+        again = dataclasses.replace(cfg, trainer=dataclasses.replace(
+            cfg.trainer, samples_endpoint=f"tcp://127.0.0.1:{free_port()}"))
+        resumed = SampleSource(again, sync, ctx, positions, partitions=4)
         try:
             rest = resumed.next_batch(100, 100, lambda: False)
         finally:
