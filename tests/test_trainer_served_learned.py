@@ -20,7 +20,7 @@ from gateway.tools.learning import SampleIngest
 from services.trainer import ledger
 from services.trainer.data import TrainRecord
 from services.trainer.leader import outcomes
-from services.trainer.replay import ReplayBuffer
+from services.trainer.replay import ASK_BATCH, ReplayBuffer
 from shared import keys
 from shared.context import ContextStore
 from shared.samples import (
@@ -99,6 +99,88 @@ def test_a_short_answer_not_given_yet_gets_more_passes_up_to_the_limit() -> None
     once = ReplayBuffer(passes=1, capacity=10, answer_passes=5, answer_max_bytes=8)
     once.add([_record(4, Example(input="q", target="yes"))])
     assert len(once) == 0 and once.take(5) == [] and once.due == [], "one pass: no replay, no verdict"
+
+
+def test_an_answer_lost_to_later_steps_is_asked_again_and_taught_again_before_it_is_settled() -> None:
+    """Once no pass is owed, the model is asked again about every fact it answered since the
+    buffer last ran empty (one copy each); if it no longer gives one, every fact gets one more
+    pass, one copy each in one step, and the batch stays unsettled until weights give every
+    answer."""
+    buf = ReplayBuffer(passes=2, capacity=100, seed=4, answer_passes=3, answer_max_bytes=8)
+    copies = [_record(i, Example(input="capital", target="Quix")) for i in (1, 2, 3)]
+    buf.add(copies)
+    given = {1, 2, 3, 4}  # what the model answers now, by seq
+    asked: list[list[int]] = []
+
+    def model(records: list[TrainRecord]) -> list[bool]:
+        asked.append(sorted(r.logged.seq for r in records))
+        return [r.logged.seq in given for r in records]
+
+    assert sorted(r.logged.seq for r in buf.take(3)) == [1, 2, 3]
+    buf.add([_record(4, Example(input="moon", target="Oodle"))])  # trained fresh in the same step
+    assert buf.judge(model) == 0 and asked == [[1, 2, 3]], "answered at their last pass; a pass is owed"
+    assert buf.settled_seqs({0: 4}) == {0: 3}, "settled up to the sample still owed a pass"
+    given = {4}  # the step on the other sample made the model lose the fact taught three times
+    assert [r.logged.seq for r in buf.take(3)] == [4]
+    assert buf.judge(model) == 1, "no pass owed any more: all are asked again, one fact is lost"
+    assert asked[1:] == [[4], [1, 4]] and len(buf) == 2, "asked and sent back: one copy of each fact"
+    assert buf.settled_seqs({0: 4})[0] < 3, "the copies sent back are not settled"
+    again = sorted(r.logged.seq for r in buf.take(3))
+    assert again == [1, 4], "in one step"
+    given = {1, 2, 3, 4}
+    assert buf.judge(model) == 0 and buf.settled_seqs({0: 4}) == {0: 4}, "answered by the last weights: settled"
+    assert asked[2:] == [[1, 4]] * 2, "asked with the others once the buffer is empty again"
+    assert buf.answer_passes_given == 1 and len(buf) == 0
+
+
+def test_a_fact_that_stays_lost_goes_back_at_most_answer_passes_times() -> None:
+    buf = ReplayBuffer(passes=2, capacity=100, seed=5, answer_passes=2, answer_max_bytes=8)
+    buf.add([_record(i, Example(input="q", target="yes")) for i in (1, 2, 3)])
+    calls: list[int] = []
+
+    def fickle(records: list[TrainRecord]) -> list[bool]:  # answers once, never again
+        calls.append(len(records))
+        return [len(calls) == 1] * len(records)
+    buf.take(3)
+    given = buf.judge(fickle)
+    for _ in range(10):
+        buf.take(3)
+        given += buf.judge(fickle)
+    assert len(buf) == 0 and buf.due == [] and buf.settled_seqs({0: 3}) == {0: 3}, "it ends, settled"
+    assert given == buf.answer_passes_given <= 2 + 2, "answer_passes asked back, plus those judged at a last pass"
+
+
+def test_the_second_question_asks_only_what_greedy_decoding_gives() -> None:
+    """At a sample's last pass the answer must hold with a margin (steps follow); once no pass
+    is owed the buffer asks ``given`` (greedy decoding as it is), so an answer that holds by a
+    smaller margin costs no pass then."""
+    buf = ReplayBuffer(passes=2, capacity=10, answer_passes=2, answer_max_bytes=8)
+    buf.add([_record(1, Example(input="q", target="yes"))])
+    buf.take(1)
+    asked: list[str] = []
+
+    def with_margin(records: list[TrainRecord]) -> list[bool]:
+        asked.append("margin")
+        return [True] * len(records)
+
+    def greedy(records: list[TrainRecord]) -> list[bool]:
+        asked.append("greedy")
+        return [False] * len(records)
+    assert buf.judge(with_margin, greedy) == 1 and asked == ["margin", "greedy"] and len(buf) == 1
+
+
+def test_the_second_question_asks_one_copy_per_fact_in_bounded_batches() -> None:
+    buf = ReplayBuffer(passes=2, capacity=1000, answer_passes=2, answer_max_bytes=8)
+    facts = [_record(i, Example(input=f"q{(i - 1) // 2}", target="yes")) for i in range(1, 601)]  # 300 facts, 2 copies
+    buf.add(facts)
+    sizes: list[int] = []
+
+    def model(records: list[TrainRecord]) -> list[bool]:
+        sizes.append(len(records))
+        return [True] * len(records)
+    buf.take(600)
+    assert buf.judge(model) == 0 and len(buf) == 0
+    assert sizes == [600, ASK_BATCH, 300 - ASK_BATCH], "all due at once, then each fact once, in batches"
 
 
 def test_replay_capacity_drops_the_oldest_and_one_pass_means_no_replay() -> None:

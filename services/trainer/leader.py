@@ -219,15 +219,16 @@ class Leader:
         """At start: the restored weights hold every sample up to the commit record's position
         (passes still owed at the stop are not repeated), so the restored version answers those
         samples' ``after_learn`` tokens, also when no sample follows to make a step. The status
-        loses the passes the last run still owed (the first step reports what is owed then)."""
-        self.ledger.record_version_seq(self.offset.version, {part: self.offset.at(part).seq for part in self._agreed},
-                                       self.offset)
+        loses the passes the last run still owed (the first step reports what is owed then), before
+        the version answers: whoever sees the tokens resolve sees no pass owed for them."""
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(keys.TRAINER_STATUS, mapping={
             "step": self.offset.step, "seq": self.offset.seq, "version": self.offset.version,
             "epoch": self.offset.epoch, "updated_ms": int(time.time() * 1000)})
         pipe.hdel(keys.TRAINER_STATUS, "replay_pending")
         pipe.execute()
+        self.ledger.record_version_seq(self.offset.version, {part: self.offset.at(part).seq for part in self._agreed},
+                                       self.offset)
 
     def _report(self, step: int, loss: float, rate: float, seconds: float) -> None:
         self._rate = rate if self._rate == 0 else 0.8 * self._rate + 0.2 * rate

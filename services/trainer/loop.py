@@ -98,7 +98,7 @@ class Trainer:
         for observer in self.observers:
             observer.on_step(self)
         if self.leader is not None:
-            m.TRAINER_ANSWER_PASSES.inc(self.leader.replay.judge(self._answered))
+            m.TRAINER_ANSWER_PASSES.inc(self.leader.replay.judge(self._answered, self._given))
             self.leader.after_step(records, loss, time.perf_counter() - t0, self.step)
         if self.step % self.t.checkpoint_every == 0:
             self.save_checkpoint()
@@ -131,17 +131,21 @@ class Trainer:
         return [model.encode(None, a.decode(errors="replace"), b.decode(errors="replace"))
                 for a, b in corpus_windows(n, rng, max(8, self.cfg.model.pretrain_seq - 3))]
 
-    def _answered(self, records: list[TrainRecord]) -> list[bool]:
+    def _answered(self, records: list[TrainRecord], margin: float | None = None) -> list[bool]:
         """Whether the model (rank 0's, the same weights as every rank's) gives each record's
-        target greedily, each token ahead of the next likeliest by ``trainer.answer_margin``; a
-        model that cannot say counts every target as given."""
+        target greedily, each token ahead of the next likeliest by ``margin`` (default
+        ``trainer.answer_margin``); a model that cannot say counts every target as given."""
         model = self.stepper.model
         pairs = [r.logged.sample.training_pair() for r in records]
         if not hasattr(model, "answers"):
             return [True] * len(records)
         examples = [self._encode(r, p) for r, p in zip(records, pairs, strict=True) if p is not None]
-        said = iter(model.answers(examples, self.t.answer_margin) if examples else [])
+        said = iter(model.answers(examples, self.t.answer_margin if margin is None else margin) if examples else [])
         return [next(said) if p is not None else True for p in pairs]
+
+    def _given(self, records: list[TrainRecord]) -> list[bool]:
+        """Whether greedy decoding gives each record's target now, by any margin."""
+        return self._answered(records, 0.0)
 
     def _encode(self, record: TrainRecord, pair: tuple[str, str]) -> Any:
         return encode_record(self.stepper.model, record, pair)

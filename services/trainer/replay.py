@@ -18,6 +18,16 @@ facts and not others; these passes go only to the facts not answered yet. Target
 ``trainer.answer_max_bytes`` are text to learn from, not an answer to give back word for word,
 and keep their fixed passes.
 
+An answer given at a sample's last pass can be lost again by the steps that train the samples
+still owed passes. So once no pass is owed any more, the model is asked again about every
+fact answered since the buffer last ran empty (one copy of each) — whether greedy decoding
+gives it, with no margin since no step follows. If it no longer gives a fact, every fact asked
+gets one more pass (one copy each, in one step: see :meth:`_ask_again`), and all are asked
+again at the next such point, up to ``answer_passes`` times per lost fact. ``after_learn`` waits until a call's last
+sample and every one before it are settled (see ``settled_seqs``), so it waits for weights that
+give every answer the call taught. Under traffic that never lets the buffer run empty, answers
+are checked only at their last pass.
+
 The buffer lives in rank 0's memory: after a restart, samples replayed from the log get their
 passes again, and passes still due for samples already in the checkpoint are not repeated.
 """
@@ -32,6 +42,9 @@ from services.trainer.data import TrainRecord
 
 log = logging.getLogger("learnmesh.trainer")
 
+
+# Facts asked about in one forward pass when the buffer runs empty (see ReplayBuffer._ask_again).
+ASK_BATCH = 256
 
 # Judges whether the model gives each record's target (see ReplayBuffer.judge).
 Answered = Callable[[list[TrainRecord]], list[bool]]
@@ -52,6 +65,9 @@ class ReplayBuffer:
         self._rng = random.Random(seed)  # noqa: S311 - which replay comes next, not a secret
         self.dropped = 0
         self.answer_passes_given = 0
+        # answered at their last pass since the buffer last ran empty: asked again when it does
+        self._answered: dict[tuple[object, ...], list[TrainRecord | int]] = {}  # one copy per fact
+        self._asked_back: dict[tuple[object, ...], int] = {}  # passes given so, per fact
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -100,21 +116,60 @@ class ReplayBuffer:
         pair = record.logged.sample.training_pair()
         return pair is not None and len(pair[1].encode()) <= self.answer_max_bytes
 
-    def judge(self, answered: Answered) -> int:
+    def judge(self, answered: Answered, given: Answered | None = None) -> int:
         """After the step that held the ``due`` samples' last pass: those whose target the
-        model does not give yet get one more pass. Returns how many did."""
+        model does not give yet (``answered``, with its margin) get one more pass; once none is
+        owed, those it gave are asked again (``given``: whether greedy decoding gives them now,
+        no margin needed since no step follows; default ``answered``; see the module's notes).
+        Returns how many answers were found missing: samples at their last pass, then facts."""
         due, self.due = self.due, []
-        if not due:
-            return 0
-        records = [item[0] for item in due if isinstance(item[0], TrainRecord)]
         again = 0
-        for item, ok in zip(due, answered(records), strict=True):
-            if not ok and isinstance(item[2], int):
-                item[1], item[2] = 1, item[2] + 1
-                self._queue.append(item)
-                again += 1
+        if due:
+            for item, ok in zip(due, answered(_records(due)), strict=True):
+                if not ok:
+                    self._again(item)
+                    again += 1
+                elif isinstance(item[0], TrainRecord):
+                    self._answered.setdefault(_fact(item[0]), item)
+            while len(self._answered) > self.capacity:  # under steady traffic: the oldest are let go
+                del self._answered[next(iter(self._answered))]
+        if not self._queue and self._answered:
+            again += self._ask_again(given or answered)
         self.answer_passes_given += again
         return again
+
+    def _ask_again(self, answered: Answered) -> int:
+        """Ask again about the facts answered since the buffer last ran empty (one copy each, in
+        batches of ``ASK_BATCH``). If the model no longer gives some (each asked back up to
+        ``answer_passes`` times), every fact asked gets one more pass, one copy each, in one
+        step: a step of the lost facts alone would move the weights as far as a full one
+        (AdamW) and lose the others. All stay to be asked again while any fact had to go back.
+        Returns how many facts were lost."""
+        keys, items = list(self._answered), list(self._answered.values())
+        verdicts: list[bool] = []
+        for at in range(0, len(items), ASK_BATCH):
+            verdicts += answered(_records(items[at:at + ASK_BATCH]))
+        lost = [key for key, ok in zip(keys, verdicts, strict=True)
+                if not ok and self._asked_back.get(key, 0) < self.answer_passes]
+        if not lost:
+            self._answered, self._asked_back = {}, {}
+            return 0
+        for key in lost:
+            self._asked_back[key] = self._asked_back.get(key, 0) + 1
+        for item in items:
+            # one pass, not judged at its end: the next time the buffer runs empty asks it
+            item[1], item[2] = 1, self.answer_passes
+            self._queue.append(item)
+        log.info("%d of the %d facts answered since the replay buffer last ran empty are no longer answered: "
+                 "one more pass over all of them", len(lost), len(items))
+        return len(lost)
+
+    def _again(self, item: list[TrainRecord | int]) -> None:
+        """One more pass for a sample whose answer is not given."""
+        taken = item[2]
+        if isinstance(taken, int):
+            item[1], item[2] = 1, taken + 1
+            self._queue.append(item)
 
     def settled_seqs(self, committed: dict[int, int]) -> dict[int, int]:
         """Per sample-log partition (``committed``: partition -> committed seq), the highest seq up
@@ -129,3 +184,16 @@ class ReplayBuffer:
     def clear(self) -> None:
         self._queue.clear()
         self.due = []
+        self._answered, self._asked_back = {}, {}
+
+
+def _records(items: list[list[TrainRecord | int]]) -> list[TrainRecord]:
+    return [item[0] for item in items if isinstance(item[0], TrainRecord)]
+
+
+def _fact(record: TrainRecord) -> tuple[object, ...]:
+    """What makes two samples the same fact to learn: who taught it, the context it names, and
+    the prompt and target."""
+    sample = record.logged.sample
+    return (record.logged.principal, getattr(sample, "context_id", None), getattr(sample, "version", None),
+            sample.training_pair())
