@@ -58,11 +58,21 @@ class Replica:
                                       headers=h)
 
     async def result(self, method: str, params: dict[str, Any] | None = None, **kw: Any) -> dict[str, Any]:
+        got = await self.result_unless_503(method, params, **kw)
+        assert got is not None, "503: the store did not answer"
+        return got
+
+    async def result_unless_503(self, method: str, params: dict[str, Any] | None = None,
+                                **kw: Any) -> dict[str, Any] | None:
+        """The result, or None for a 503 (Redis too slow or away): what a client retries."""
         r = await self.rpc(method, params, **kw)
+        if r.status_code == 503:
+            return None
         assert r.status_code == 200, r.text
         body = r.json()
         assert "result" in body, body
-        return body["result"]
+        result: dict[str, Any] = body["result"]
+        return result
 
 
 def _register_blocking_tool(app: Any, replica: Replica) -> None:
@@ -96,10 +106,12 @@ async def pair(redis_url: str) -> AsyncIterator[tuple[Replica, Replica]]:
         yield a, b
 
 
-async def _status(rep: Replica, task_id: str, wanted: str, principal: str = "alice") -> dict[str, Any]:
+async def _status(rep: Replica, task_id: str, wanted: str, principal: str = "alice",
+                  retry_503: bool = False) -> dict[str, Any]:
     async def reached() -> dict[str, Any] | None:
-        got = await rep.result("tasks/get", {"taskId": task_id}, principal=principal)
-        return got if got["status"] == wanted else None
+        ask = rep.result_unless_503 if retry_503 else rep.result
+        got = await ask("tasks/get", {"taskId": task_id}, principal=principal)
+        return got if got is not None and got["status"] == wanted else None
     return await wait_for(reached, timeout_s=10, interval_s=0.05, what=f"task {task_id} {wanted}")  # type: ignore
 
 
@@ -281,11 +293,15 @@ async def test_a_task_that_ends_while_redis_is_away_is_settled_once_it_answers(o
             await release.wait()
             return {"content": [{"type": "text", "text": "released"}]}
 
-        task_id = (await a.result("tools/call", {"name": "t_gated", "arguments": {}}))["taskId"]
+        # a 0.5 s timeout can also fire before the pause on a loaded machine: a client retries a 503
+        handle = await wait_for(lambda: a.result_unless_503("tools/call", {"name": "t_gated", "arguments": {}}),
+                                timeout_s=20, interval_s=0.2, what="the task created")
+        task_id = handle["taskId"]  # type: ignore[index]
         with redis_sync.Redis.from_url(own_redis) as admin:
             admin.execute_command("CLIENT", "PAUSE", 3000, "WRITE")  # writes wait, then time out
         release.set()
-        done = await _status(a, task_id, "completed")  # not "working" until the task's ttl ends
+        # not "working" until the task's ttl ends; a read that times out while the pause lasts is retried
+        done = await _status(a, task_id, "completed", retry_503=True)
         assert done["result"]["content"][0]["text"] == "released"
         # the runner leaves the set once its write is acknowledged: an answer read by then may come first
         await wait_for(lambda: not a.state.tasks.running, timeout_s=20, what="the settled task's runner forgotten")

@@ -78,7 +78,9 @@ async def test_one_principals_queue_does_not_hold_back_anothers_requests(one_wor
     """A worker takes requests into batches round-robin across the principals the gateway names:
     with alice's many long generations queued, bob's short generation and carol's score (another
     op) each wait for at most the batch running when they arrive and one more, not behind every
-    request alice queued first."""
+    request alice queued first. The bound allows one batch more: on a loaded machine the worker
+    may take a batch of alice's before the others reach it (they are sent together, not received
+    together), still far from the six batches a first-come queue would put ahead of them."""
     cfg, _ = one_worker
     per_batch = cfg.worker.max_batch_size
     pool = WorkerPool(cfg)
@@ -91,14 +93,14 @@ async def test_one_principals_queue_does_not_hold_back_anothers_requests(one_wor
             await pool.request({**header, "principal": principal})
             done.append(principal)
 
-        alice = [ask("alice", gen(f"alice {i}", max_tokens=60, temperature=1.0, seed=i)) for i in range(4 * per_batch)]
+        alice = [ask("alice", gen(f"alice {i}", max_tokens=60, temperature=1.0, seed=i)) for i in range(6 * per_batch)]
         others = [ask("bob", gen("bob", max_tokens=4)),
                   ask("carol", {"op": "score", "prompt": "carol", "target": " asks", "entries": []})]
         # one event loop turn sends them all in this order: alice's are queued before the others
         await asyncio.wait_for(asyncio.gather(*alice, *others), 120)
         for who in ("bob", "carol"):
             ahead = done[:done.index(who)].count("alice")
-            assert ahead < 2 * per_batch, f"{who} waited behind {ahead} of alice's requests: {done}"
+            assert ahead < 3 * per_batch, f"{who} waited behind {ahead} of alice's requests: {done}"
     finally:
         await pool.close()
 
