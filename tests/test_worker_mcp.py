@@ -131,9 +131,18 @@ def test_generate_bad_input_is_a_clear_error(mesh):
         _, res = call(url, name, {"prompt": "what is this?", "context_id": "img", **args})
         assert res.get("error", {}).get("code") == -32602, res
         assert res["error"]["message"].startswith("context entry image:1: image could not be decoded"), res
+    # leaving the image out, the generation over the text entry completes
     _, res = call(url, "generate", {"prompt": "what is this?", "context_id": "img", "modalities": ["text"],
                                     "max_tokens": 2, "append": False})
-    assert res.get("result", {}).get("structuredContent", {}).get("tokens", 0) >= 1, res
+    assert_completed(res, max_tokens=2)
+
+
+def assert_completed(res: dict, max_tokens: int) -> None:
+    """``res`` is a generation that completed: sampled, it may end at once on the end-of-text
+    token, so what is checked is how it ended and its bound, not its length."""
+    out = res.get("result", {}).get("structuredContent", {})
+    jsonschema.validate(out, GENERATE_OUTPUT)
+    assert out["finish_reason"] in {"stop", "length"} and 0 <= out["tokens"] <= max_tokens, res
 
 
 def _broken_png(width: int, height: int) -> bytes:
@@ -182,7 +191,7 @@ def test_a_context_of_large_images_does_not_silence_the_worker(mesh):
         assert "result" in app, app
     _, res = call(url, "generate", {"prompt": "what are these?", "context_id": "big-images", "max_tokens": 2,
                                     "append": False})
-    assert res.get("result", {}).get("structuredContent", {}).get("tokens", 0) >= 1, res
+    assert_completed(res, max_tokens=2)
 
 
 @contextlib.asynccontextmanager
