@@ -235,7 +235,7 @@ def test_session_continues_on_other_replica_and_delete_reaches_it(replicas: tupl
     assert r.status_code == 200 and r.json()["result"]["content"][0]["text"] == "local:b"
     assert legacy(b, sid, rpc("ping")).status_code == 200  # now cached on b
     assert httpx.delete(a, headers={"mcp-session-id": sid}).status_code == 200
-    wait_for_sync(lambda: legacy(b, sid, rpc("ping")).status_code == 404, timeout_s=2,
+    wait_for_sync(lambda: legacy(b, sid, rpc("ping")).status_code == 404, timeout_s=10,
                   what="delete on replica a to reach replica b")
 
 
