@@ -473,6 +473,10 @@ class WorkerConfig:
                                                                        "gateways drop that worker")
     max_discovered: PositiveInt = Field(default=256, description="announced workers a gateway connects to at most; "
                                                                 "further announcements are ignored (with a warning)")
+    snapshot_wait_s: NonNegativeFloat = Field(
+        default=15.0, description="a worker starting in a mesh whose trainer has published a version (its status "
+                                  "in Redis) takes the trainer's snapshot before it serves, waiting this long at "
+                                  "most; then it serves the base weights until one arrives (0: never waits)")
 
     def __post_init__(self) -> None:
         _check(len(set(self.endpoints)) == len(self.endpoints),

@@ -35,6 +35,7 @@ from shared import metrics, wire
 from shared.config import Config, ConfigError, log_level
 from shared.curve import CurveKeys
 from shared.inference import max_frame_bytes, unpack_entries
+from shared.keys import TRAINER_STATUS
 from shared.model import Example, LearnModel, MediaError, ModelInputError, build_model
 from shared.redis_client import close_sync
 from shared.wire import MsgType
@@ -188,6 +189,7 @@ class Worker:
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        self._await_snapshot()
         log.info("worker %s ready (model %s, version %d)", self.worker_id, self.model.model_id, self.version)
         self._weights_digest(self.version)
         self._start_registrar()
@@ -221,6 +223,42 @@ class Worker:
             if self._redis is not None:
                 close_sync(self._redis)
             self.sock.close(linger=0)
+
+    def _await_snapshot(self) -> None:
+        """A mesh that has learned is not answered from the base weights: when the trainer's
+        status names a published version, the worker takes the trainer's snapshot before it
+        answers a gateway or announces itself (gateways route to the workers that serve, or
+        wait for one), for ``worker.snapshot_wait_s`` at most. A restarted mesh would otherwise
+        serve version 0 until the trainer has restored its checkpoint. Past the bound (no
+        trainer answers) it serves the base weights and says so; the snapshot still follows."""
+        wait_s = self.wcfg.snapshot_wait_s
+        if self.subscriber is None or wait_s <= 0 or not self.cfg.redis.url:
+            return
+        learned = self._published_version()
+        if learned <= 0:
+            return
+        log.info("worker %s: the trainer has published version %d; taking its snapshot before serving (up to %gs)",
+                 self.worker_id, learned, wait_s)
+        deadline = time.monotonic() + wait_s
+        while not self._stop and not self.subscriber.synced:
+            left_s = deadline - time.monotonic()
+            if left_s <= 0:
+                log.warning("worker %s: no snapshot from the trainer within %gs (worker.snapshot_wait_s) although it "
+                            "has published version %d: serving the base weights (version 0) until one arrives",
+                            self.worker_id, wait_s, learned)
+                return
+            self.subscriber.wait(math.ceil(min(left_s, 0.2) * 1000))  # short: a stop is seen
+            self._apply_updates()
+
+    def _published_version(self) -> int:
+        """The version the trainer's status names (0: none, or Redis does not answer: a worker
+        that cannot tell does not wait)."""
+        try:
+            return int(self._client().hget(TRAINER_STATUS, "version") or 0)
+        except Exception as exc:  # Redis away, a cluster not formed yet: serving must not wait on it
+            log.info("worker %s: the trainer's status is unreadable (%s); serving without waiting for its snapshot",
+                     self.worker_id, type(exc).__name__)
+            return 0
 
     def _leave(self) -> None:
         """Refuse what is queued, then tell the gateways this worker is stopping: for two of their

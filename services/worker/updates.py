@@ -140,6 +140,11 @@ class DeltaSubscriber:
         return self.decoder.version
 
     @property
+    def synced(self) -> bool:
+        """A snapshot of the trainer's weights has been loaded (deltas follow it from then on)."""
+        return self._session is not None
+
+    @property
     def lag(self) -> int:
         """Versions between the newest one announced by the trainer and the one held."""
         return max(0, self.stats["latest_seen"] - self.version)
