@@ -14,9 +14,11 @@ import argparse
 import os
 import signal
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
+from services.trainer.dist import leave
 from services.trainer.launcher import launch
 from services.trainer.loop import StepObserver, Trainer
 from services.trainer.main import configure_logging, rank_main
@@ -61,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main() -> int:
+def main() -> NoReturn:
     args = _parser().parse_args()
     cfg = load_config(args.config)
     if args.as_rank:
@@ -73,8 +75,8 @@ def main() -> int:
         rank_main(cfg, observers)
     configure_logging("launcher")
     extra = [*(["--kill", args.kill] if args.kill else []), *(["--dump-dir", args.dump_dir] if args.dump_dir else [])]
-    return launch(cfg, lambda path: ["-m", "tests.trainer_entry", "--config", path, "--as-rank", *extra])
+    leave(launch(cfg, lambda path: ["-m", "tests.trainer_entry", "--config", path, "--as-rank", *extra]))
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

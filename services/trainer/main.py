@@ -51,7 +51,10 @@ def main(cfg: Config, args: argparse.Namespace) -> int:
 
     configure_logging("launcher")
     preflight(cfg)
-    return launch(cfg)
+    # Ended like a rank (dist.leave): the launcher's interpreter and C++ teardown, with
+    # torchrun's store and its threads, can abort a stopped trainer with SIGABRT
+    # ("terminate called without an active exception") after its ranks stopped cleanly.
+    leave(launch(cfg))
 
 
 def preflight(cfg: Config) -> None:
