@@ -549,6 +549,10 @@ class TrainerConfig:
         default=8, description="passes beyond replay_passes for a short target the model does not answer yet")
     answer_max_bytes: PositiveInt = Field(
         default=64, description="targets up to this many bytes are answers to give back (answer_passes)")
+    # Facts answered at their last pass are asked again once no pass is owed; under traffic that
+    # keeps passes owed, also every this many steps (0: only when none is owed).
+    answer_recheck_steps: NonNegativeInt = Field(
+        default=64, description="steps between asking again about answered facts while passes are still owed; 0: off")
     # An answer only just given is lost again by the next steps on other facts; a lead of 1 nat
     # (the target e times likelier than the runner-up) keeps it through them.
     answer_margin: NonNegativeFloat = Field(
