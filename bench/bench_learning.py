@@ -18,13 +18,21 @@ Reported, before and after:
 
 The baseline is the same mesh before teaching (the "before" column), in the same run.
 
+``--traffic RATE`` measures answers under traffic instead: other made-up facts keep arriving
+through ``learn`` at RATE samples/s, so the replay buffer never runs empty, and the ten facts
+are taught in the middle of it. Reported: how many the workers give at ``after_learn`` and
+again after ``--hold`` more seconds of traffic (asked without a wait: what is served then),
+the fewest replay samples pending while it ran, and the answer passes given.
+
     .venv/bin/python bench/bench_learning.py [--probes 10] [--json out.json]
+    .venv/bin/python bench/bench_learning.py --traffic 1 [--hold 60] [--set trainer.recall_per_step=0]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import statistics
@@ -192,6 +200,73 @@ async def experiment(mesh: Mesh, key: str, probes: int) -> dict[str, Any]:
             "exact_after_ack_s": None if exact_at is None else exact_at - acked, "learn_to_all_workers_s": sync}
 
 
+async def under_traffic(mesh: Mesh, key: str, rate: float, hold_s: float) -> dict[str, Any]:
+    """Teach the ten facts while other facts arrive at ``rate`` samples/s (see the module notes)."""
+    import httpx
+
+    http = httpx.AsyncClient(timeout=300)
+    client = await McpHttp(mesh.base, key, client=http).open()
+    feeder = await McpHttp(mesh.base, key, client=http).open()
+    r = mesh.redis()
+    stop = asyncio.Event()
+    sent = 0
+
+    async def feed() -> None:
+        nonlocal sent
+        while not stop.is_set():
+            await feeder.call("learn", {"input": f"Locker {sent} of the Vantle depot holds", "target": f" crate {sent * 7 % 1000}."})
+            sent += 1
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), 1 / rate)
+
+    def status() -> dict[str, str]:
+        return {as_str(k): as_str(v) for k, v in r.hgetall(keys.TRAINER_STATUS).items()}
+
+    pending: list[int] = []
+
+    async def watch() -> None:
+        while not stop.is_set():
+            pending.append(int(status().get("replay_pending") or 0))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.2)
+
+    tasks = [asyncio.create_task(feed())]
+    try:
+        while int(status().get("replay_pending") or 0) == 0:  # the traffic has reached the buffer
+            await asyncio.sleep(0.2)
+        tasks.append(asyncio.create_task(watch()))
+        passes_before = int(status().get("answer_passes") or 0)
+        samples = [{"kind": "example", "input": p, "target": t} for p, t in FACTS for _ in range(COPIES)]
+        ack = await client.call("learn", {"samples": samples})
+        acked = time.monotonic()
+        at_ack = await answers(client, after_learn=ack["learned"])
+        answered_s = time.monotonic() - acked
+        await asyncio.sleep(hold_s)  # the traffic goes on: what is served after it
+        held = await answers(client)
+        passes = int(status().get("answer_passes") or 0) - passes_before
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await feeder.close()
+        await client.close()
+        await http.aclose()
+        r.close()
+
+    def hits(texts: list[str]) -> int:
+        return sum(a.startswith(t) for a, (_, t) in zip(texts, FACTS, strict=True))
+    return {"rate": rate, "hold_s": hold_s, "sent": sent, "hits_after_learn": hits(at_ack), "answered_s": answered_s,
+            "hits_held": hits(held), "min_replay_pending": min(pending) if pending else None,
+            "answer_passes": passes, "answers_after_learn": at_ack, "answers_held": held}
+
+
+def report_traffic(res: dict[str, Any], label: str) -> None:
+    print(f"ten facts x {COPIES} taught under traffic of {res['rate']:g} other samples/s ({label}):")
+    print(f"  answered at after_learn: {res['hits_after_learn']} of {len(FACTS)} ({res['answered_s']:.1f} s after the ack)")
+    print(f"  answered after {res['hold_s']:g} s more traffic: {res['hits_held']} of {len(FACTS)}")
+    print(f"  fewest replay samples pending meanwhile: {res['min_replay_pending']} (0: the buffer ran empty); "
+          f"answer passes given: {res['answer_passes']}; traffic samples sent: {res['sent']}")
+
+
 def _last_lossy(series: list[tuple[float, float, int]]) -> float | None:
     lossy = [t for t, g, _ in series if g > 0]
     return max(lossy) if lossy else None
@@ -250,6 +325,9 @@ def main() -> int:
     p.add_argument("--json", help="write the raw results here")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="an extra row with a setting other than the shipped one (repeatable)")
+    p.add_argument("--traffic", type=float, default=0.0, metavar="RATE",
+                   help="teach under traffic of RATE other samples/s (see above)")
+    p.add_argument("--hold", type=float, default=60.0, help="seconds of traffic after the facts' answers")
     args = p.parse_args()
     server = RedisServer()
     server.start()
@@ -258,10 +336,17 @@ def main() -> int:
     shipped_config(mesh, args.set)
     try:
         with mesh.running():
-            res = asyncio.run(experiment(mesh, mesh.api_keys["alice"], args.probes))
+            if args.traffic > 0:
+                res = asyncio.run(under_traffic(mesh, mesh.api_keys["alice"], args.traffic, args.hold))
+            else:
+                res = asyncio.run(experiment(mesh, mesh.api_keys["alice"], args.probes))
     finally:
         server.close()
-    report(res, "settings: " + ", ".join(args.set) if args.set else "shipped defaults")
+    label = "settings: " + ", ".join(args.set) if args.set else "shipped defaults"
+    if args.traffic > 0:
+        report_traffic(res, label)
+    else:
+        report(res, label)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
     return 0

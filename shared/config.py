@@ -549,10 +549,6 @@ class TrainerConfig:
         default=8, description="passes beyond replay_passes for a short target the model does not answer yet")
     answer_max_bytes: PositiveInt = Field(
         default=64, description="targets up to this many bytes are answers to give back (answer_passes)")
-    # Facts answered at their last pass are asked again once no pass is owed; under traffic that
-    # keeps passes owed, also every this many steps (0: only when none is owed).
-    answer_recheck_steps: NonNegativeInt = Field(
-        default=64, description="steps between asking again about answered facts while passes are still owed; 0: off")
     # An answer only just given is lost again by the next steps on other facts; a lead of 1 nat
     # (the target e times likelier than the runner-up) keeps it through them.
     answer_margin: NonNegativeFloat = Field(
@@ -562,6 +558,12 @@ class TrainerConfig:
     replay_buffer: PositiveInt = Field(
         default=4096, description="samples waiting for replay passes; the oldest give way beyond it")
     rehearsal_per_step: NonNegativeInt = 12
+    # Facts answered are rehearsed too (services/trainer/replay.py): each step that trains
+    # anything also trains recall_per_step of the last recall_facts answered facts.
+    recall_per_step: NonNegativeInt = Field(
+        default=4, description="answered facts trained again in every step that trains anything; 0: off")
+    recall_facts: PositiveInt = Field(
+        default=1024, description="answered facts kept for recall_per_step; the oldest give way beyond it")
     sample_partitions: PositiveInt | None = Field(
         default=None, le=1024, description="partitions of the sample log (each its own Redis Cluster slot; a "
         "principal's samples go to one); None: 1 on one server, 8 on a cluster. Raise it freely; lower it only "

@@ -98,13 +98,54 @@ async def test_a_fact_taught_once_is_replayed_until_the_model_gives_its_answer(r
         proc.close()
         ingest.close()
         await redis.aclose()
-    model = _trained_model(cfg)
-    examples = [model.encode(None, p) for p, _ in FACTS]
+    answered = _answers(_trained_model(cfg), FACTS)
+    assert all(answered), (answered, given)
+    assert given > 0, "answer passes were given"
+
+
+OTHER_FACTS = [(f"The {name} of Brellin is", f" {word}.") for name, word in (
+    ("mayor", "Tovick"), ("bridge", "Harrow"), ("bell", "Quell"), ("mill", "Sprent"), ("well", "Dunmore"),
+    ("tower", "Ysolde"), ("market", "Farrow"), ("gate", "Pelloc"), ("road", "Wendle"), ("inn", "Gallop"),
+    ("school", "Minder"), ("harbour", "Kestle"))]
+
+
+def _answers(model, pairs) -> list[bool]:
+    examples = [model.encode(None, p) for p, _ in pairs]
     out = [b"".join(chunks) for chunks in zip(*model.generate(examples, max_tokens=24, temperature=0.0),
                                               strict=True)]
-    answered = [o.decode(errors="replace") == t for o, (_, t) in zip(out, FACTS, strict=True)]
-    assert all(answered), (out, given)
-    assert given > 0, "answer passes were given"
+    return [o.decode(errors="replace") == t for o, (_, t) in zip(out, pairs, strict=True)]
+
+
+async def test_answers_taught_are_kept_while_other_facts_are_trained_after_them(redis_url, tmp_path):
+    """``trainer.recall_per_step``: the four facts, once answered, are remembered and recalled
+    into the steps that train twelve other facts after them, so the model still gives them."""
+    cfg = trainer_config(redis_url, tmp_path, free_port(), ranks=1, batch_size=4, lr=3e-3, checkpoint_every=1000,
+                         model_factory="", model=MODEL, replay_passes=2, answer_passes=ANSWER_PASSES)
+    assert cfg.trainer.recall_per_step > 0, "shipped on"
+    redis = async_redis(redis_url)
+    ingest = SampleIngest(redis, cfg)
+    proc = TrainerProc(cfg, tmp_path)
+
+    async def settled(count: int) -> bool:
+        status = await redis.hgetall(keys.TRAINER_STATUS)
+        return trained(redis_url) == count and status.get(b"replay_pending") == b"0"
+    try:
+        await ingest.submit("teacher", [Example(input=p, target=t) for p, t in FACTS])
+        await wait_for(lambda: settled(len(FACTS)), timeout_s=180, what="every pass over the facts")
+        remembered = int((await redis.hget(keys.TRAINER_STATUS, "recall_facts")) or 0)
+        for p, t in OTHER_FACTS:  # traffic after them, a call at a time
+            await ingest.submit("other", [Example(input=p, target=t)])
+        await wait_for(lambda: settled(len(FACTS) + len(OTHER_FACTS)), timeout_s=240,
+                       what="every pass over the other facts")
+        assert proc.term() == 0, proc.output()
+    finally:
+        proc.close()
+        ingest.close()
+        await redis.aclose()
+    assert remembered == len(FACTS), "each fact answered is remembered once"
+    model = _trained_model(cfg)
+    assert all(_answers(model, FACTS)), "the first facts are still answered after the others"
+    assert any(_answers(model, OTHER_FACTS)), "the others were learnt as well"
 
 
 async def test_a_sample_the_model_cannot_encode_is_skipped_and_training_goes_on(redis_url, tmp_path):

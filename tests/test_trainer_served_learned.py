@@ -133,42 +133,41 @@ def test_an_answer_lost_to_later_steps_is_asked_again_and_taught_again_before_it
     assert buf.answer_passes_given == 1 and len(buf) == 0
 
 
-def test_under_steady_traffic_answers_are_asked_again_every_recheck_steps_and_only_lost_ones_go_back() -> None:
-    """Traffic that keeps passes owed never empties the buffer: every ``recheck_steps`` steps
-    (counted from the first fact answered) the model is asked again; only a fact it no longer
-    gives gets one more pass, and only it stays to be asked again. Without the setting the
-    facts wait for an empty buffer."""
-    def run(recheck_steps: int) -> tuple[ReplayBuffer, list[list[int]], list[set[int]]]:
-        buf = ReplayBuffer(passes=3, capacity=1000, seed=6, answer_passes=3, answer_max_bytes=8,
-                           recheck_steps=recheck_steps)
-        asked: list[list[int]] = []  # asked again (greedy), not judged at a last pass
-        held: list[set[int]] = []
-
-        def at_last_pass(records: list[TrainRecord]) -> list[bool]:
-            return [True] * len(records)
-
-        def greedy(records: list[TrainRecord]) -> list[bool]:  # seq 1's fact was lost since
-            asked.append(sorted(r.logged.seq for r in records))
-            return [r.logged.seq != 1 for r in records]
-        for step in range(12):  # each step trains two fresh samples: passes are always owed
-            held.append({r.logged.seq for r in buf.take(8)})
-            buf.judge(at_last_pass, greedy)
-            assert step == 0 or len(buf) > 0
-            buf.add([_record(2 * step + 1), _record(2 * step + 2)])
-        return buf, asked, held
-
-    buf, asked, held = run(recheck_steps=4)
-    assert len(asked) >= 2, "asked again while passes were still owed"
-    first, later = asked[0], asked[1:]
-    assert first[:2] == [1, 2] and len(first) >= 4, "every fact answered since, one copy each"
-    assert all(1 in a for a in later), "the lost fact is asked again"
-    assert not set(first[1:]) & {q for a in later for q in a}, "the facts still given are not asked again"
-    assert sum(1 in h for h in held) >= 2, "the lost fact was trained again, mixed with the traffic"
-    assert all(len(h) > 1 for h in held if 1 in h), "never a step of the lost fact alone"
-    assert 0 < buf.answer_passes_given <= 3, "at most answer_passes passes for the lost fact"
-
-    _, asked_off, _ = run(recheck_steps=0)
-    assert asked_off == [], "without rechecks the facts wait for the buffer to run empty"
+def test_answered_facts_are_recalled_in_steps_one_copy_per_prompt_and_taught_anew_replaces_them() -> None:
+    """``recall_per_step``: a fact answered at its last pass is remembered (one copy per
+    principal, context and prompt) and drawn into later steps as a replay; a newer sample with
+    the same prompt drops the old answer; the oldest give way beyond ``recall_facts``; a fact
+    not answered is not remembered; clear() forgets them all."""
+    buf = ReplayBuffer(passes=2, capacity=100, seed=7, answer_passes=2, answer_max_bytes=8,
+                       recall_per_step=2, recall_facts=3)
+    assert buf.recall() == [], "nothing answered yet"
+    facts = [_record(i, Example(input=f"q{(i - 1) // 2}", target=f"a{(i - 1) // 2}")) for i in range(1, 9)]
+    buf.add(facts)  # four facts, two copies each
+    buf.take(8)
+    assert buf.judge(lambda rs: [r.logged.seq != 7 and r.logged.seq != 8 for r in rs]) > 0
+    assert buf.remembered == 3, "one copy per prompt, the one not answered left out"
+    drawn = [buf.recall() for _ in range(30)]
+    assert all(len(d) == 2 and all(r.replay for r in d) and len({r.logged.seq for r in d}) == 2 for d in drawn)
+    prompts = {r.logged.sample.training_pair()[0] for d in drawn for r in d}
+    assert prompts == {"q0", "q1", "q2"}, prompts
+    assert buf.settled_seqs({0: 8})[0] == 6, "recalled facts settle nothing and hold nothing back"
+    buf.add([_record(9, Example(input="q1", target="new"))])
+    assert buf.remembered == 2 and all(r.logged.sample.training_pair()[0] != "q1"
+                                      for _ in range(10) for r in buf.recall()), "taught anew: not recalled"
+    for seq in (10, 11):
+        buf.add([_record(seq, Example(input=f"n{seq}", target="x"))])
+        buf.take(8)
+        buf.judge(lambda rs: [True] * len(rs))
+    assert buf.remembered == 3
+    recalled = {r.logged.sample.training_pair() for _ in range(20) for r in buf.recall()}
+    assert recalled == {("q1", "new"), ("n10", "x"), ("n11", "x")}, "the new answer remembered, the oldest gave way"
+    buf.clear()
+    assert buf.remembered == 0 and buf.recall() == []
+    off = ReplayBuffer(passes=2, capacity=10, answer_passes=2, answer_max_bytes=8)
+    off.add([_record(1, Example(input="q", target="yes"))])
+    off.take(1)
+    off.judge(lambda rs: [True] * len(rs))
+    assert off.remembered == 0 and off.recall() == [], "recall_per_step 0: nothing kept"
 
 
 def test_a_fact_that_stays_lost_goes_back_at_most_answer_passes_times() -> None:

@@ -122,7 +122,8 @@ class Leader:
         samples = self.source.next_batch(fresh_limit, 0 if self.replay else self.t.batch_wait_ms, stop)
         records = self.source.records(samples)
         self._skip_unencodable(records)
-        return records + self.replay.take(limit - len(records))
+        records += self.replay.take(limit - len(records))
+        return records + self.replay.recall() if records else records
 
     def _skip_unencodable(self, records: list[TrainRecord]) -> None:
         """Fresh samples the model cannot encode (a context entry that is not a decodable image
@@ -242,6 +243,7 @@ class Leader:
         self.redis.hset(keys.TRAINER_STATUS, mapping={
             "step": step, "loss": loss, "paused": 0, "samples_per_s": round(self._rate, 2), "seq": seq,
             "replay_pending": len(self.replay), "answer_passes": self.replay.answer_passes_given,
+            "recall_facts": self.replay.remembered,
             "log": self.offset.at(0).log,
             "version": self.version, "epoch": self.offset.epoch, "world": self.world,
             "updated_ms": int(time.time() * 1000)})

@@ -206,7 +206,8 @@ def _build_leader(cfg: Config, group: RankGroup, stepper: Stepper, checkpointed:
                     replay=ReplayBuffer(cfg.trainer.replay_passes, cfg.trainer.replay_buffer, seed=cfg.model.seed,
                                         answer_passes=cfg.trainer.answer_passes,
                                         answer_max_bytes=cfg.trainer.answer_max_bytes,
-                                        recheck_steps=cfg.trainer.answer_recheck_steps),
+                                        recall_per_step=cfg.trainer.recall_per_step,
+                                        recall_facts=cfg.trainer.recall_facts),
                     publisher=publisher, ops=TrainerOps(cfg, redis, publisher), zmq_ctx=zmq_ctx,
                     version_floor=floor)
     leader.resumed()

@@ -25,10 +25,15 @@ gives it, with no margin since no step follows. If it no longer gives a fact, ev
 gets one more pass (one copy each, in one step: see :meth:`_ask_again`), and all are asked
 again at the next such point, up to ``answer_passes`` times per lost fact. ``after_learn`` waits until a call's last
 sample and every one before it are settled (see ``settled_seqs``), so it waits for weights that
-give every answer the call taught. Under traffic that never lets the buffer run empty, the model
-is also asked again every ``trainer.answer_recheck_steps`` steps; there only the facts it no
-longer gives get one more pass (the step that takes them also holds the traffic's samples, so
-no step is made of lost facts alone), and those are asked again at the next point.
+give every answer the call taught. Under traffic that never lets the buffer run empty, answers
+are checked only at their last pass; recall (below) keeps them.
+
+Answers taught are kept by rehearsal (``trainer.recall_per_step``, ``trainer.recall_facts``):
+every fact the model answered at its last pass is remembered (one copy per principal, context
+and prompt; a newer sample with the same prompt replaces it, and the oldest give way beyond
+``recall_facts``), and every step that trains anything also trains ``recall_per_step`` of them
+drawn at random. Without it a minute of other traffic makes the model forget what it was
+taught; when no step runs nothing is forgotten, and none is made for recall alone.
 
 The buffer lives in rank 0's memory: after a restart, samples replayed from the log get their
 passes again, and passes still due for samples already in the checkpoint are not repeated.
@@ -57,7 +62,8 @@ class ReplayBuffer:
     and ``due``, those whose last pass the step being trained holds (see :meth:`judge`)."""
 
     def __init__(self, passes: int, capacity: int, seed: int = 0, *, answer_passes: int = 0,
-                 answer_max_bytes: int = 0, recheck_steps: int = 0) -> None:
+                 answer_max_bytes: int = 0, recall_per_step: int = 0,
+                 recall_facts: int = 0) -> None:
         self.extra = passes - 1
         self.capacity = capacity
         self.answer_passes = answer_passes if passes > 1 else 0
@@ -70,8 +76,9 @@ class ReplayBuffer:
         # answered at their last pass since the buffer last ran empty: asked again when it does
         self._answered: dict[tuple[object, ...], list[TrainRecord | int]] = {}  # one copy per fact
         self._asked_back: dict[tuple[object, ...], int] = {}  # passes given so, per fact
-        self.recheck_steps = recheck_steps  # 0: asked again only when the buffer runs empty
-        self._steps_unasked = 0  # steps judged since the facts were last asked again
+        self.recall_per_step = recall_per_step
+        self.recall_facts = recall_facts
+        self._memory: dict[tuple[object, ...], TrainRecord] = {}  # answered facts, oldest first
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -83,6 +90,7 @@ class ReplayBuffer:
         for r in records:
             if r.logged.sample.training_pair() is None:
                 continue
+            self._memory.pop(_prompt(r), None)  # taught anew: the old answer is not rehearsed against it
             self._queue.append([r, self.extra, 0])
         if len(self._queue) > self.capacity:  # the oldest have had the most passes already
             over = len(self._queue) - self.capacity
@@ -135,24 +143,21 @@ class ReplayBuffer:
                     again += 1
                 elif isinstance(item[0], TrainRecord):
                     self._answered.setdefault(_fact(item[0]), item)
+                    self._remember(item[0])
             while len(self._answered) > self.capacity:  # under steady traffic: the oldest are let go
                 del self._answered[next(iter(self._answered))]
-        self._steps_unasked = self._steps_unasked + 1 if self._answered else 0
-        if self._answered and (not self._queue or 0 < self.recheck_steps <= self._steps_unasked):
-            again += self._ask_again(given or answered, under_traffic=bool(self._queue))
+        if not self._queue and self._answered:
+            again += self._ask_again(given or answered)
         self.answer_passes_given += again
         return again
 
-    def _ask_again(self, answered: Answered, *, under_traffic: bool = False) -> int:
+    def _ask_again(self, answered: Answered) -> int:
         """Ask again about the facts answered since the buffer last ran empty (one copy each, in
         batches of ``ASK_BATCH``). If the model no longer gives some (each asked back up to
         ``answer_passes`` times), every fact asked gets one more pass, one copy each, in one
         step: a step of the lost facts alone would move the weights as far as a full one
         (AdamW) and lose the others. All stay to be asked again while any fact had to go back.
-        ``under_traffic`` (passes are still owed): only the lost facts go back, to be mixed
-        with what the buffer holds, and only they stay to be asked again.
         Returns how many facts were lost."""
-        self._steps_unasked = 0
         keys, items = list(self._answered), list(self._answered.values())
         verdicts: list[bool] = []
         for at in range(0, len(items), ASK_BATCH):
@@ -164,20 +169,35 @@ class ReplayBuffer:
             return 0
         for key in lost:
             self._asked_back[key] = self._asked_back.get(key, 0) + 1
-        if under_traffic:
-            self._answered = {key: self._answered[key] for key in lost}
-            self._asked_back = {key: self._asked_back[key] for key in lost}
-        for item in self._answered.values():
-            # one pass, not judged at its end: the next time the facts are asked again asks it
+        for item in items:
+            # one pass, not judged at its end: the next time the buffer runs empty asks it
             item[1], item[2] = 1, self.answer_passes
             self._queue.append(item)
-        if under_traffic:
-            log.info("%d of the %d facts answered while samples were still owed passes are no longer answered: "
-                     "one more pass over each of them", len(lost), len(keys))
-        else:
-            log.info("%d of the %d facts answered since the replay buffer last ran empty are no longer answered: "
-                     "one more pass over all of them", len(lost), len(keys))
+        log.info("%d of the %d facts answered since the replay buffer last ran empty are no longer answered: "
+                 "one more pass over all of them", len(lost), len(items))
         return len(lost)
+
+    def _remember(self, record: TrainRecord) -> None:
+        if self.recall_per_step <= 0 or self.recall_facts <= 0:
+            return
+        key = _prompt(record)
+        self._memory.pop(key, None)
+        self._memory[key] = record
+        while len(self._memory) > self.recall_facts:
+            del self._memory[next(iter(self._memory))]
+
+    def recall(self) -> list[TrainRecord]:
+        """Up to ``recall_per_step`` answered facts, drawn at random, for a step that trains
+        anyway (marked as replays: they move no offset and settle nothing)."""
+        count = min(self.recall_per_step, len(self._memory))
+        if count <= 0:
+            return []
+        picked = self._rng.sample(list(self._memory.values()), count)
+        return [TrainRecord(r.logged, r.context, replay=True) for r in picked]
+
+    @property
+    def remembered(self) -> int:
+        return len(self._memory)
 
     def _again(self, item: list[TrainRecord | int]) -> None:
         """One more pass for a sample whose answer is not given."""
@@ -200,10 +220,17 @@ class ReplayBuffer:
         self._queue.clear()
         self.due = []
         self._answered, self._asked_back = {}, {}
+        self._memory = {}
 
 
 def _records(items: list[list[TrainRecord | int]]) -> list[TrainRecord]:
     return [item[0] for item in items if isinstance(item[0], TrainRecord)]
+
+
+def _prompt(record: TrainRecord) -> tuple[object, ...]:
+    """What a newer sample teaches anew: who taught it, the context it names, and the prompt."""
+    pair = record.logged.sample.training_pair()
+    return (record.logged.principal, getattr(record.logged.sample, "context_id", None), pair[0] if pair else None)
 
 
 def _fact(record: TrainRecord) -> tuple[object, ...]:
