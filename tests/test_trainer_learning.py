@@ -116,9 +116,11 @@ def _answers(model, pairs) -> list[bool]:
     return [o.decode(errors="replace") == t for o, (_, t) in zip(out, pairs, strict=True)]
 
 
-async def test_answers_taught_are_kept_while_other_facts_are_trained_after_them(redis_url, tmp_path):
-    """``trainer.recall_per_step``: the four facts, once answered, are remembered and recalled
-    into the steps that train twelve other facts after them, so the model still gives them."""
+async def test_answers_taught_are_kept_while_other_facts_are_trained_after_them_also_across_a_restart(
+        redis_url, tmp_path):
+    """``trainer.recall_per_step``: the four facts, once answered, are remembered; the
+    checkpoint keeps them, so the restarted trainer recalls them into the steps that train
+    twelve other facts after them, and the model still gives them."""
     cfg = trainer_config(redis_url, tmp_path, free_port(), ranks=1, batch_size=4, lr=3e-3, checkpoint_every=1000,
                          model_factory="", model=MODEL, replay_passes=2, answer_passes=ANSWER_PASSES)
     assert cfg.trainer.recall_per_step > 0, "shipped on"
@@ -129,10 +131,19 @@ async def test_answers_taught_are_kept_while_other_facts_are_trained_after_them(
     async def settled(count: int) -> bool:
         status = await redis.hgetall(keys.TRAINER_STATUS)
         return trained(redis_url) == count and status.get(b"replay_pending") == b"0"
+
+    async def recalled() -> int:
+        return int((await redis.hget(keys.TRAINER_STATUS, "recall_facts")) or -1)
     try:
         await ingest.submit("teacher", [Example(input=p, target=t) for p, t in FACTS])
         await wait_for(lambda: settled(len(FACTS)), timeout_s=180, what="every pass over the facts")
-        remembered = int((await redis.hget(keys.TRAINER_STATUS, "recall_facts")) or 0)
+        remembered = await recalled()
+        assert proc.term() == 0, proc.output()  # its checkpoint keeps what it recalls
+        proc.close()
+        await redis.hdel(keys.TRAINER_STATUS, "recall_facts")
+        proc = TrainerProc(cfg, tmp_path)
+        await wait_for(lambda: _is(recalled(), len(FACTS)), timeout_s=120,
+                       what=lambda: f"the restarted trainer to recall the facts\n{proc.output()}")
         for p, t in OTHER_FACTS:  # traffic after them, a call at a time
             await ingest.submit("other", [Example(input=p, target=t)])
         await wait_for(lambda: settled(len(FACTS) + len(OTHER_FACTS)), timeout_s=240,
@@ -146,6 +157,10 @@ async def test_answers_taught_are_kept_while_other_facts_are_trained_after_them(
     model = _trained_model(cfg)
     assert all(_answers(model, FACTS)), "the first facts are still answered after the others"
     assert any(_answers(model, OTHER_FACTS)), "the others were learnt as well"
+
+
+async def _is(value, expected) -> bool:
+    return await value == expected
 
 
 async def test_a_sample_the_model_cannot_encode_is_skipped_and_training_goes_on(redis_url, tmp_path):

@@ -161,8 +161,16 @@ def test_answered_facts_are_recalled_in_steps_one_copy_per_prompt_and_taught_ane
     assert buf.remembered == 3
     recalled = {r.logged.sample.training_pair() for _ in range(20) for r in buf.recall()}
     assert recalled == {("q1", "new"), ("n10", "x"), ("n11", "x")}, "the new answer remembered, the oldest gave way"
+    kept = buf.memory_bytes()
     buf.clear()
-    assert buf.remembered == 0 and buf.recall() == []
+    assert buf.remembered == 0 and buf.recall() == [] and buf.memory_bytes() == b""
+    buf.add([_record(12, Example(input="n12", target="y"))])
+    buf.take(1)
+    buf.judge(lambda rs: [True] * len(rs))  # remembered after the checkpoint was written
+    buf.restore_memory(kept)
+    assert buf.remembered == 3, "the checkpoint's facts come back, the oldest giving way"
+    recalled = {r.logged.sample.training_pair() for _ in range(20) for r in buf.recall()}
+    assert recalled == {("n10", "x"), ("n11", "x"), ("n12", "y")}, "the newest stay the newest"
     off = ReplayBuffer(passes=2, capacity=10, answer_passes=2, answer_max_bytes=8)
     off.add([_record(1, Example(input="q", target="yes"))])
     off.take(1)

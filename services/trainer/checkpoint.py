@@ -123,3 +123,9 @@ def _reason(exc: Exception) -> str:
 
 def load_bytes(data: bytes) -> dict[str, Any]:
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def recall_bytes(state: dict[str, Any] | None) -> bytes:
+    """The facts a checkpoint kept for recall (services/trainer/replay.py); empty when none."""
+    kept = state.get("recall") if state is not None else None
+    return kept.numpy().tobytes() if isinstance(kept, torch.Tensor) else b""

@@ -225,7 +225,7 @@ class Leader:
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(keys.TRAINER_STATUS, mapping={
             "step": self.offset.step, "seq": self.offset.seq, "version": self.offset.version,
-            "epoch": self.offset.epoch, "updated_ms": int(time.time() * 1000)})
+            "epoch": self.offset.epoch, "recall_facts": self.replay.remembered, "updated_ms": int(time.time() * 1000)})
         pipe.hdel(keys.TRAINER_STATUS, "replay_pending")
         pipe.execute()
         self.ledger.record_version_seq(self.offset.version, {part: self.offset.at(part).seq for part in self._agreed},
@@ -312,9 +312,14 @@ class Leader:
         """What a checkpoint at ``step`` records besides the weights: its commit record, and
         whether the weights are exactly a published version (rollback targets need that)."""
         first = self.offset.at(0)
-        return {"seq": first.seq, "id": first.id, "log": first.log, "version": self.version,
-                "positions": {part: [pos.seq, pos.id, pos.log] for part, pos in self.offset.positions.items()},
-                "published_version": self.version if self._published_step == step else None}
+        fields: dict[str, Any] = {
+            "seq": first.seq, "id": first.id, "log": first.log, "version": self.version,
+            "positions": {part: [pos.seq, pos.id, pos.log] for part, pos in self.offset.positions.items()},
+            "published_version": self.version if self._published_step == step else None}
+        recall = self.replay.memory_bytes()
+        if recall:  # a tensor: checkpoints are read with torch.load(weights_only=True)
+            fields["recall"] = torch.frombuffer(bytearray(recall), dtype=torch.uint8)
+        return fields
 
     def checkpointed(self, path: Path, step: int) -> None:
         """After a checkpoint is written: the log keeps what the oldest checkpoint kept on disk

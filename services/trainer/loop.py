@@ -189,10 +189,12 @@ class Trainer:
             if self.leader is not None:
                 self.leader.ack(c["id"], ok=False, error="the checkpoint could not be read")
             return
-        self.stepper.restore(checkpoint.load_bytes(data), schedule=False)
+        state = checkpoint.load_bytes(data)
+        self.stepper.restore(state, schedule=False)
         target = int(c["to_version"])
         if self.leader is not None:
             self.leader.rolled_back(target, self.step)
+            self.leader.replay.restore_memory(checkpoint.recall_bytes(state))  # what those weights recalled
         self._saved_step = -1
         path = self.save_checkpoint()  # every rank: with local SGD saving is a collective
         if self.leader is not None:

@@ -152,7 +152,8 @@ def build_trainer(cfg: Config, group: RankGroup, stop: Callable[[], bool],
     if state is not None:
         _restore(cfg, stepper, state, str(found[0]) if found is not None else "the checkpoint rank 0 sent")
     step = int(state["step"]) if state is not None else 0
-    leader = _build_leader(cfg, group, stepper, _checkpointed_offset(state)) if group.rank == 0 else None
+    leader = _build_leader(cfg, group, stepper, _checkpointed_offset(state),
+                           checkpoint.recall_bytes(state)) if group.rank == 0 else None
     stepper.distribute(step)
     return Trainer(cfg, group, stepper, leader, stop, step=step, observers=observers)
 
@@ -185,7 +186,7 @@ def _checkpointed_offset(state: dict[str, Any] | None) -> Offset:
     return Offset(int(state["step"]), int(state["version"]), 0, positions)
 
 
-def _build_leader(cfg: Config, group: RankGroup, stepper: Stepper, checkpointed: Offset) -> Leader:
+def _build_leader(cfg: Config, group: RankGroup, stepper: Stepper, checkpointed: Offset, recall: bytes = b"") -> Leader:
     redis = cast(Redis, sync_client(cfg.redis, socket_timeout=30))  # see gateway.app._redis_clients
     partitions = sample_partitions(cfg)
     ledger = Ledger(redis, partitions, cfg.redis)
@@ -210,6 +211,7 @@ def _build_leader(cfg: Config, group: RankGroup, stepper: Stepper, checkpointed:
                                         recall_facts=cfg.trainer.recall_facts),
                     publisher=publisher, ops=TrainerOps(cfg, redis, publisher), zmq_ctx=zmq_ctx,
                     version_floor=floor)
+    leader.replay.restore_memory(recall)
     leader.resumed()
     source.check_log()  # the checkpoint's offsets count in its log; is that the log found now?
     m.TRAINER_VERSION.set(offset.version)

@@ -35,7 +35,8 @@ and prompt; a newer sample with the same prompt replaces it, and the oldest give
 drawn at random. Without it a minute of other traffic makes the model forget what it was
 taught; when no step runs nothing is forgotten, and none is made for recall alone.
 
-The buffer lives in rank 0's memory: after a restart, samples replayed from the log get their
+The facts kept for recall travel in each checkpoint, so a restarted trainer recalls them too.
+The replay buffer lives in rank 0's memory: after a restart, samples replayed from the log get their
 passes again, and passes still due for samples already in the checkpoint are not repeated.
 """
 
@@ -45,7 +46,7 @@ import logging
 import random
 from collections.abc import Callable
 
-from services.trainer.data import TrainRecord
+from services.trainer.data import TrainRecord, decode_batch, encode_batch
 
 log = logging.getLogger("learnmesh.trainer")
 
@@ -198,6 +199,23 @@ class ReplayBuffer:
     @property
     def remembered(self) -> int:
         return len(self._memory)
+
+    def memory_bytes(self) -> bytes:
+        """The facts kept for recall, oldest first, as a checkpoint keeps them (the sample log
+        they came from may be trimmed by then); empty when none is kept."""
+        return encode_batch("recall", list(self._memory.values())) if self._memory else b""
+
+    def restore_memory(self, data: bytes) -> None:
+        """The facts a checkpoint kept for recall (``memory_bytes``); the newest remembered
+        since stay the newest."""
+        if not data or self.recall_per_step <= 0:
+            return
+        _, records, _ = decode_batch(data)
+        later, self._memory = self._memory, {}
+        for r in records:
+            self._remember(TrainRecord(r.logged, r.context))
+        for record in later.values():
+            self._remember(record)
 
     def _again(self, item: list[TrainRecord | int]) -> None:
         """One more pass for a sample whose answer is not given."""
