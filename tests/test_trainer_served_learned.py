@@ -162,6 +162,8 @@ def test_answered_facts_are_recalled_in_steps_one_copy_per_prompt_and_taught_ane
     recalled = {r.logged.sample.training_pair() for _ in range(20) for r in buf.recall()}
     assert recalled == {("q1", "new"), ("n10", "x"), ("n11", "x")}, "the new answer remembered, the oldest gave way"
     kept = buf.memory_bytes()
+    buf.clear(recall=False)
+    assert buf.remembered == 3, "passes forgotten, the facts kept for recall stay"
     buf.clear()
     assert buf.remembered == 0 and buf.recall() == [] and buf.memory_bytes() == b""
     buf.add([_record(12, Example(input="n12", target="y"))])

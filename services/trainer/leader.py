@@ -157,7 +157,7 @@ class Leader:
         mislead read-your-writes."""
         self.offset.positions[part] = self.source.positions()[part]
         self._agreed[part] = 0
-        self.replay.clear()
+        self.replay.clear(recall=False)  # the weights keep what they answer: recall goes on
         self.ledger.record_offset(self.offset)
 
     # ---------------------------------------------------------------- after a step

@@ -234,11 +234,14 @@ class ReplayBuffer:
                 out[logged.partition] = min(out[logged.partition], logged.seq - 1)
         return out
 
-    def clear(self) -> None:
+    def clear(self, *, recall: bool = True) -> None:
+        """Forget the passes owed; ``recall``: also the facts kept for recall (not when the weights
+        that answer them stay)."""
         self._queue.clear()
         self.due = []
         self._answered, self._asked_back = {}, {}
-        self._memory = {}
+        if recall:
+            self._memory = {}
 
 
 def _records(items: list[list[TrainRecord | int]]) -> list[TrainRecord]:
