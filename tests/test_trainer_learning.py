@@ -154,6 +154,7 @@ async def test_answers_taught_are_kept_while_other_facts_are_trained_after_them_
         ingest.close()
         await redis.aclose()
     assert remembered == len(FACTS), "each fact answered is remembered once"
+    assert f"recalling {len(FACTS)} answered fact(s) the checkpoint kept" in proc.output()
     model = _trained_model(cfg)
     assert all(_answers(model, FACTS)), "the first facts are still answered after the others"
     assert any(_answers(model, OTHER_FACTS)), "the others were learnt as well"

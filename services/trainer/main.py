@@ -212,6 +212,8 @@ def _build_leader(cfg: Config, group: RankGroup, stepper: Stepper, checkpointed:
                     publisher=publisher, ops=TrainerOps(cfg, redis, publisher), zmq_ctx=zmq_ctx,
                     version_floor=floor)
     leader.replay.restore_memory(recall)
+    if leader.replay.remembered:
+        log.info("recalling %d answered fact(s) the checkpoint kept (trainer.recall_per_step)", leader.replay.remembered)
     leader.resumed()
     source.check_log()  # the checkpoint's offsets count in its log; is that the log found now?
     m.TRAINER_VERSION.set(offset.version)
