@@ -46,6 +46,12 @@ def _trained_model(cfg):
     return model
 
 
+async def _settled(redis, redis_url: str, count: int) -> bool:
+    """``count`` samples trained and no pass owed any more."""
+    status = await redis.hgetall(keys.TRAINER_STATUS)
+    return trained(redis_url) == count and status.get(b"replay_pending") == b"0"
+
+
 def _scores(model, pairs) -> list[float]:
     return model.score([model.encode(None, p, t) for p, t in pairs])
 
@@ -88,10 +94,7 @@ async def test_a_fact_taught_once_is_replayed_until_the_model_gives_its_answer(r
     try:
         await ingest.submit("teacher", [Example(input=p, target=t) for p, t in FACTS])
 
-        async def settled() -> bool:
-            status = await redis.hgetall(keys.TRAINER_STATUS)
-            return trained(redis_url) == len(FACTS) and status.get(b"replay_pending") == b"0"
-        await wait_for(settled, timeout_s=180, what="every pass over the facts")
+        await wait_for(lambda: _settled(redis, redis_url, len(FACTS)), timeout_s=180, what="every pass over the facts")
         given = int((await redis.hget(keys.TRAINER_STATUS, "answer_passes")) or 0)
         assert proc.term() == 0, proc.output()
     finally:
@@ -128,25 +131,24 @@ async def test_answers_taught_are_kept_while_other_facts_are_trained_after_them_
     ingest = SampleIngest(redis, cfg)
     proc = TrainerProc(cfg, tmp_path)
 
-    async def settled(count: int) -> bool:
-        status = await redis.hgetall(keys.TRAINER_STATUS)
-        return trained(redis_url) == count and status.get(b"replay_pending") == b"0"
-
     async def recalled() -> int:
         return int((await redis.hget(keys.TRAINER_STATUS, "recall_facts")) or -1)
+
+    async def all_recalled() -> bool:
+        return await recalled() == len(FACTS)
     try:
         await ingest.submit("teacher", [Example(input=p, target=t) for p, t in FACTS])
-        await wait_for(lambda: settled(len(FACTS)), timeout_s=180, what="every pass over the facts")
+        await wait_for(lambda: _settled(redis, redis_url, len(FACTS)), timeout_s=180, what="every pass over the facts")
         remembered = await recalled()
         assert proc.term() == 0, proc.output()  # its checkpoint keeps what it recalls
         proc.close()
         await redis.hdel(keys.TRAINER_STATUS, "recall_facts")
         proc = TrainerProc(cfg, tmp_path)
-        await wait_for(lambda: _is(recalled(), len(FACTS)), timeout_s=120,
+        await wait_for(all_recalled, timeout_s=120,
                        what=lambda: f"the restarted trainer to recall the facts\n{proc.output()}")
         for p, t in OTHER_FACTS:  # traffic after them, a call at a time
             await ingest.submit("other", [Example(input=p, target=t)])
-        await wait_for(lambda: settled(len(FACTS) + len(OTHER_FACTS)), timeout_s=240,
+        await wait_for(lambda: _settled(redis, redis_url, len(FACTS) + len(OTHER_FACTS)), timeout_s=240,
                        what="every pass over the other facts")
         assert proc.term() == 0, proc.output()
     finally:
@@ -158,10 +160,6 @@ async def test_answers_taught_are_kept_while_other_facts_are_trained_after_them_
     model = _trained_model(cfg)
     assert all(_answers(model, FACTS)), "the first facts are still answered after the others"
     assert any(_answers(model, OTHER_FACTS)), "the others were learnt as well"
-
-
-async def _is(value, expected) -> bool:
-    return await value == expected
 
 
 async def test_a_sample_the_model_cannot_encode_is_skipped_and_training_goes_on(redis_url, tmp_path):
