@@ -2,7 +2,8 @@
 0600 env file that ``docker compose --env-file .env --env-file secrets.env`` reads.
 
 compose/docker-compose.yml turns each variable into a compose secret mounted (0400, owned by
-the service's user) only where it is needed: the API and admin keys in the gateway; the
+the service's user) only where it is needed: the API and admin keys and the key sealing
+2026-07-28 ``requestState`` (the same in every replica) in the gateway; the
 delta ring (AES keys, Ed25519 verify keys) in the trainer and workers, the signing key in
 the trainer alone; each role's CURVE secret key in that role's services and its public key
 in its peers'; the Redis passwords in learnmesh's processes and the exporter, the Grafana
@@ -71,6 +72,8 @@ def generate(api_keys: dict[str, str] | None = None) -> dict[str, str]:
     return {
         "LEARNMESH_API_KEYS": ",".join(f"{p}:{k}" for p, k in api_keys.items()),
         "LEARNMESH_ADMIN_KEY": secrets.token_urlsafe(24),
+        # one key for every gateway replica: a requestState sealed by one is opened by another
+        "LEARNMESH_REQUEST_STATE_KEYS": secrets.token_hex(32),
         "LEARNMESH_REDIS_PASSWORD": redis_password,
         "LEARNMESH_REDIS_PASSWORD_SHA256": hashlib.sha256(redis_password.encode()).hexdigest(),
         "REDIS_EXPORTER_PASSWORD_SHA256": hashlib.sha256(exporter_password.encode()).hexdigest(),

@@ -9,8 +9,8 @@ SIGTERM (the gateway drains, the trainer checkpoints) and SIGKILLs what does not
 within ``stop_timeout_s``; a kill -9 of this process has the kernel send each child SIGTERM
 (shared/lifetime.py). A child that exits with a configuration error (exit code 2) is
 not restarted: the mesh stops with it, named with its last output. Keys are generated on first start and kept in
-``var/keys``: API and admin keys, each role's CURVE keypair (``keys/zmq``), the delta key
-ring and the trainer's signing key.
+``var/keys``: API and admin keys, the key sealing ``requestState``, each role's CURVE keypair
+(``keys/zmq``), the delta key ring and the trainer's signing key.
 
 The gateway has no fixed worker list: the workers announce themselves in Redis and the
 gateway follows the announcements (gateway/workers.py), as gateways on many hosts do.
@@ -26,6 +26,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -150,16 +151,21 @@ class Child:
             self._log_file = None
 
 
+def _read_generated(var_dir: Path) -> tuple[Path, dict[str, Any]]:
+    """``var/keys/generated.yaml`` and what it holds ({} before the first start)."""
+    path = var_dir / "keys" / "generated.yaml"
+    if not path.is_file():
+        return path, {}
+    return path, _generated_keys(path, read_private(path, "generated keys file"))
+
+
 def load_or_create_keys(var_dir: Path, cfg: Config) -> tuple[dict[str, str], str]:
     """API keys (principal -> key) and an admin key: from config/env when given, else
     generated once and kept in ``var/keys/generated.yaml`` (mode 0600). Only generated keys
     go into that file: keys an operator chose stay where they were given. Written there, they
     would outlive their variables, and a later start without them would take their principals
     for the demo's, who may teach (see child_configs)."""
-    path = var_dir / "keys" / "generated.yaml"
-    stored: dict[str, Any] = {}
-    if path.is_file():
-        stored = _generated_keys(path, read_private(path, "generated keys file"))
+    path, stored = _read_generated(var_dir)
     keep = dict(stored)
     api_keys = dict(cfg.gateway.api_keys)
     if not api_keys:
@@ -172,6 +178,21 @@ def load_or_create_keys(var_dir: Path, cfg: Config) -> tuple[dict[str, str], str
     return api_keys, admin
 
 
+def load_or_create_request_state_keys(var_dir: Path, cfg: Config) -> list[str]:
+    """The keys sealing 2026-07-28 ``requestState``: ``gateway.request_state_keys`` when given,
+    else one generated once and kept in ``var/keys/generated.yaml``, so that an
+    ``input_required`` round trip begun before a restart of the mesh is still answered after it
+    (a gateway left without keys makes one per process)."""
+    if cfg.gateway.request_state_keys:
+        return list(cfg.gateway.request_state_keys)
+    path, stored = _read_generated(var_dir)
+    key = stored.get("request_state_key")
+    if not key:
+        key = secrets.token_hex(32)
+        write_private(path, yaml.safe_dump({**stored, "request_state_key": key}))
+    return [key]
+
+
 def _generated_keys(path: Path, text: bytes) -> dict[str, Any]:
     """The generated keys file's ``api_keys`` (principal -> key) and ``admin_key``, as written by
     :func:`load_or_create_keys`; a file edited into another shape is refused, not overwritten
@@ -182,7 +203,8 @@ def _generated_keys(path: Path, text: bytes) -> dict[str, Any]:
         stored = None
     if not _is_generated_keys(stored):
         raise ConfigError(f"generated keys file {path} is not what learnmesh up writes (api_keys: principal -> key, "
-                          "admin_key: key); mend it, or delete it to have new keys made")
+                          "admin_key: key, request_state_key: 64 hex digits); mend it, or delete it to have new "
+                          "keys made")
     return typing.cast(dict[str, Any], stored)
 
 
@@ -190,8 +212,10 @@ def _is_generated_keys(stored: Any) -> bool:
     if not isinstance(stored, dict):
         return False
     api_keys = stored.get("api_keys") or {}
+    state_key = stored.get("request_state_key", "")
     return (isinstance(api_keys, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in api_keys.items())
-            and isinstance(stored.get("admin_key", ""), str))
+            and isinstance(stored.get("admin_key", ""), str)
+            and isinstance(state_key, str) and (not state_key or re.fullmatch(r"[0-9a-f]{64}", state_key) is not None))
 
 
 class Supervisor:
@@ -358,7 +382,7 @@ _GATEWAY_SECRETS = {("gateway", "api_keys"): {}, ("gateway", "admin_keys"): {},
 
 
 def child_configs(cfg: Config, args: Any, var_dir: Path, api_keys: dict[str, str],
-                  admin_key: str) -> dict[str, Path]:
+                  admin_key: str, request_state_keys: list[str] | None = None) -> dict[str, Path]:
     """Write each role's whole configuration (``gateway``, ``worker``, ``trainer``) to a 0600
     file under ``var_dir/keys`` and check it loads; returns role -> path."""
     tree = cfg.to_dict()
@@ -371,6 +395,8 @@ def child_configs(cfg: Config, args: Any, var_dir: Path, api_keys: dict[str, str
     tree["gateway"]["api_keys"] = api_keys
     if not any(k["key"] == admin_key for k in tree["gateway"]["admin_keys"].values()):
         tree["gateway"]["admin_keys"] = {"generated": {"key": admin_key, "role": "admin"}}
+    if request_state_keys:
+        tree["gateway"]["request_state_keys"] = request_state_keys
     paths = {}
     for role in ("gateway", "worker", "trainer"):
         role_tree = yaml.safe_load(yaml.safe_dump(tree))  # a deep copy
@@ -486,10 +512,11 @@ def main(cfg: Config, args: Any) -> int:
         elif is_cluster(cfg.redis):
             seed_more_nodes(cfg)
         api_keys, admin_key = load_or_create_keys(var_dir, cfg)
+        state_keys = load_or_create_request_state_keys(var_dir, cfg)
         prepare_keys(cfg, var_dir)
         ignored = {name for name, _ in unknown_env_variables(cfg)}  # `learnmesh` has warned of them, once
         envs = {role: child_env(path, ignored)
-                for role, path in child_configs(cfg, args, var_dir, api_keys, admin_key).items()}
+                for role, path in child_configs(cfg, args, var_dir, api_keys, admin_key, state_keys).items()}
         sup = Supervisor(build_children(cfg, args, envs, var_dir), redis_answers=lambda: _redis_answers(cfg))
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: sup.stop())

@@ -9,9 +9,11 @@ naming the dotted key (``gateway.session_idle_ttl_s: ...``), so a typo in
 
 Environment overrides use ``LEARNMESH_<SECTION>__<KEY>=value`` (double underscore
 between levels; values are parsed as YAML scalars). Shortcuts:
-``LEARNMESH_API_KEYS=alice:KEY1,bob:KEY2``, ``LEARNMESH_ADMIN_KEY=...``, ``REDIS_URL``; the first
-two also as ``LEARNMESH_API_KEYS_FILE`` / ``LEARNMESH_ADMIN_KEY_FILE``, naming a 0600 file that
-holds the value (compose secrets), so the keys stay out of the process environment. Any other
+``LEARNMESH_API_KEYS=alice:KEY1,bob:KEY2``, ``LEARNMESH_ADMIN_KEY=...``,
+``LEARNMESH_REQUEST_STATE_KEYS=HEX1,HEX2`` (``gateway.request_state_keys``), ``REDIS_URL``; the
+first three also as ``LEARNMESH_API_KEYS_FILE`` / ``LEARNMESH_ADMIN_KEY_FILE`` /
+``LEARNMESH_REQUEST_STATE_KEYS_FILE``, naming a 0600 file that holds the value (compose
+secrets), so the keys stay out of the process environment. Any other
 ``LEARNMESH_*`` variable sets nothing: :func:`unknown_env_variables` names them for a warning.
 """
 
@@ -1027,7 +1029,7 @@ def _env_overrides(env: typing.Mapping[str, str]) -> dict[str, Any]:
         if not name.startswith(ENV_PREFIX) or name == CONFIG_ENV:
             continue
         rest = name[len(ENV_PREFIX):]
-        if rest in ("API_KEYS_FILE", "ADMIN_KEY_FILE"):
+        if rest in ("API_KEYS_FILE", "ADMIN_KEY_FILE", "REQUEST_STATE_KEYS_FILE"):
             from shared.secret_files import read_private_text
 
             rest, raw = rest.removesuffix("_FILE"), read_private_text(raw, f"{name} file")
@@ -1035,6 +1037,9 @@ def _env_overrides(env: typing.Mapping[str, str]) -> dict[str, Any]:
             _set_dotted(tree, ["gateway", "api_keys"], parse_api_keys(raw.replace("\n", ",")))
         elif rest == "ADMIN_KEY":
             _set_dotted(tree, ["gateway", "admin_keys"], {"env": {"key": raw, "role": "admin"}})
+        elif rest == "REQUEST_STATE_KEYS":
+            _set_dotted(tree, ["gateway", "request_state_keys"],
+                        [k for k in (p.strip() for p in raw.replace("\n", ",").split(",")) if k])
         elif "__" in rest:
             dotted = [p.lower() for p in rest.split("__")]
             try:
@@ -1052,7 +1057,8 @@ def _env_overrides(env: typing.Mapping[str, str]) -> dict[str, Any]:
 # by `learnmesh compose-secrets` for compose and Kubernetes (compose/, deploy/).
 OTHER_ENV = frozenset({
     CONFIG_ENV, "LEARNMESH_VAR", "LEARNMESH_LOG_LEVEL", "LEARNMESH_API_KEYS", "LEARNMESH_API_KEYS_FILE",
-    "LEARNMESH_ADMIN_KEY", "LEARNMESH_ADMIN_KEY_FILE",
+    "LEARNMESH_ADMIN_KEY", "LEARNMESH_ADMIN_KEY_FILE", "LEARNMESH_REQUEST_STATE_KEYS",
+    "LEARNMESH_REQUEST_STATE_KEYS_FILE",
     "LEARNMESH_KEY", "LEARNMESH_URL", "LEARNMESH_WS_URL",
     "LEARNMESH_TEACHERS", "LEARNMESH_REDIS_PASSWORD", "LEARNMESH_REDIS_PASSWORD_SHA256", "LEARNMESH_DELTA_KEY_RING",
     "LEARNMESH_DELTA_SIGN_KEY", *(f"LEARNMESH_ZMQ_{role}_{part}" for role in ("GATEWAY", "WORKER", "TRAINER")

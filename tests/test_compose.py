@@ -296,7 +296,8 @@ def _zmq_secrets(role: str) -> dict[str, str]:
 DELTA_RING = {"delta_ring": "/run/keys/delta.key"}
 SERVICE_SECRETS = {  # who may hold what, and where it is mounted
     "gateway": {"redis_password": "/run/secrets/redis_password", "api_keys": "/run/secrets/api_keys",
-                "admin_key": "/run/secrets/admin_key", **_zmq_secrets("gateway")},
+                "admin_key": "/run/secrets/admin_key", "request_state_keys": "/run/secrets/request_state_keys",
+                **_zmq_secrets("gateway")},
     "worker": {"redis_password": "/run/secrets/redis_password", **DELTA_RING, **_zmq_secrets("worker")},
     "trainer": {"redis_password": "/run/secrets/redis_password", **DELTA_RING,
                 "delta_sign_key": "/run/keys/delta-sign.key", **_zmq_secrets("trainer")},
@@ -404,6 +405,10 @@ def test_generated_secrets_give_each_service_what_it_needs_and_no_more(compose, 
         cfg = _cfg(compose, dotenv, mounts, worker)
         with pytest.raises(KeyFileError):
             SigningKey.load(cfg.security.signing_key_path)
+    # every gateway replica seals and opens requestState with the one generated key
+    gateway = _cfg(compose, dotenv, mounts, "gateway").gateway
+    assert gateway.request_state_keys == [generated["LEARNMESH_REQUEST_STATE_KEYS"]]
+    assert len(bytes.fromhex(gateway.request_state_keys[0])) == 32
     redis_cmd = compose["services"]["redis"]["command"]
     hashes = [a for a in redis_cmd if a.startswith("#")]
     assert _interpolate(hashes[0], generated) == "#" + hashlib.sha256(

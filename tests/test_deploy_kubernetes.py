@@ -182,8 +182,8 @@ def test_secrets_are_mounted_never_inlined(rendered):
         # least privilege: only the trainer holds the signing key, only the gateway the client keys
         assert "delta-sign.key" in mounted["learnmesh-trainer"]
         assert not {"delta.key", "delta-sign.key"} & mounted["learnmesh-gateway"]
-        assert not {"delta-sign.key", "api_keys", "admin_key"} & mounted["learnmesh-worker"]
-        assert not {"api_keys", "admin_key"} & mounted["learnmesh-trainer"]
+        assert not {"delta-sign.key", "api_keys", "admin_key", "request_state_keys"} & mounted["learnmesh-worker"]
+        assert not {"api_keys", "admin_key", "request_state_keys"} & mounted["learnmesh-trainer"]
         assert mounted["learnmesh-redis"] == {"redis_password"}
 
 
@@ -291,6 +291,8 @@ def test_make_secrets_builds_what_the_pods_mount(rendered, secrets, tmp_path):
         SigningKey.load(cfgs["worker"].security.signing_key_path)
     gateway = cfgs["gateway"]
     assert gateway.gateway.api_keys and gateway.gateway.admin_keys
+    # the one key every replica seals and opens requestState with
+    assert gateway.gateway.request_state_keys == [secrets["learnmesh-gateway"]["request_state_keys"].decode()]
 
 
 def test_the_pods_configuration_agrees_across_services(rendered, secrets, tmp_path):

@@ -496,7 +496,8 @@ def test_up_names_learnmesh_var_when_it_cannot_be_the_mesh_directory(redis_url: 
         f"learnmesh: cannot use {tmp_path / var / 'keys' / 'zmq'}: Not a directory"], err
 
 
-@pytest.mark.parametrize("content", ["- demo\n", "api_keys: [demo]\n", "api_keys: {demo: [1]}\n", "api_keys: {\n"])
+@pytest.mark.parametrize("content", ["- demo\n", "api_keys: [demo]\n", "api_keys: {demo: [1]}\n", "api_keys: {\n",
+                                     "request_state_key: not-hex\n"])
 def test_up_refuses_a_generated_keys_file_of_another_shape_and_keeps_it(redis_url: str, tmp_path: Path,
                                                                         content: str) -> None:
     """A var/keys/generated.yaml edited into another shape (or cut short): named, left as it is
@@ -511,7 +512,8 @@ def test_up_refuses_a_generated_keys_file_of_another_shape_and_keeps_it(redis_ur
     assert code == 2, err
     assert err.strip().splitlines()[-1] == (
         f"learnmesh: configuration error: generated keys file {keys} is not what learnmesh up writes (api_keys: "
-        "principal -> key, admin_key: key); mend it, or delete it to have new keys made")
+        "principal -> key, admin_key: key, request_state_key: 64 hex digits); mend it, or delete it to have new keys "
+        "made")
     assert keys.read_text() == content and not (tmp_path / "var" / "logs").exists()
 
 

@@ -6,7 +6,8 @@
 #   sh deploy/kubernetes/make-secrets.sh k8s-secrets.env | kubectl apply -n learnmesh -f -
 #   rm k8s-secrets.env     # or keep it, 0600, wherever you keep secrets
 #
-# Each role gets only what it uses: the gateway the API and admin keys; workers the delta
+# Each role gets only what it uses: the gateway the API and admin keys and the key sealing
+# requestState (one for every replica); workers the delta
 # ring (AES keys, verify keys); the trainer the ring and the signing key; each role its own
 # CURVE secret key and its peers' public keys; everyone the Redis password. Values travel
 # through 0600 files, never through kubectl's command line.
@@ -26,6 +27,7 @@ put() {  # put FILE VALUE: one secret value, as a file kubectl reads
 put redis_password "$LEARNMESH_REDIS_PASSWORD"
 put api_keys "$LEARNMESH_API_KEYS"
 put admin_key "$LEARNMESH_ADMIN_KEY"
+put request_state_keys "$LEARNMESH_REQUEST_STATE_KEYS"
 put delta.key "$LEARNMESH_DELTA_KEY_RING"
 put delta-sign.key "$LEARNMESH_DELTA_SIGN_KEY"
 for role in gateway worker trainer; do
@@ -43,6 +45,6 @@ secret() {  # secret NAME FILE...: one Secret manifest holding those files
   echo "---"
 }
 files="redis_password"; secret learnmesh-redis
-files="redis_password api_keys admin_key gateway.key_secret worker.key trainer.key"; secret learnmesh-gateway
+files="redis_password api_keys admin_key request_state_keys gateway.key_secret worker.key trainer.key"; secret learnmesh-gateway
 files="redis_password delta.key worker.key_secret gateway.key trainer.key"; secret learnmesh-worker
 files="redis_password delta.key delta-sign.key trainer.key_secret gateway.key worker.key"; secret learnmesh-trainer

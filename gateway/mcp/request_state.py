@@ -41,7 +41,8 @@ class RequestStateSealer:
     def __init__(self, keys: list[str], ttl_s: int = 600) -> None:
         if not keys:
             log.warning("gateway.request_state_keys is empty: using an ephemeral key; input_required "
-                        "round trips will only succeed on this replica and not across restarts")
+                        "round trips will only succeed on this replica and not across restarts (give every "
+                        "replica the same keys, e.g. LEARNMESH_REQUEST_STATE_KEYS_FILE)")
             keys = [os.urandom(32).hex()]
         self._keys = [(hashlib.sha256(_derive(k)).digest()[:4], AESGCM(_derive(k))) for k in keys]
         self.ttl_s = ttl_s
