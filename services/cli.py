@@ -77,7 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     u.add_argument("--ranks", type=_count(1))
     u.add_argument("--fixtures", choices=["conformance"], help="passed on to the gateway (see gateway --help)")
 
-    c = sub.add_parser("compose-secrets", help="generate every secret of the compose stack into a 0600 env file")
+    c = sub.add_parser("compose-secrets", help="generate every secret of the compose stack into a 0600 env file "
+                                               "(an existing one keeps its keys and gets those it lacks)")
     c.add_argument("--out", default="compose/secrets.env", help="where to write (default: %(default)s; - for stdout)")
     c.add_argument("--api-keys", help="principal:key,... instead of one generated 'demo' key")
     c.add_argument("--force", action="store_true", help="replace an existing file (every key changes)")

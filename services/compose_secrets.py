@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import re
 import secrets
 import sys
 import tempfile
@@ -26,7 +27,7 @@ from pathlib import Path
 from shared import curve
 from shared.config import Config, parse_api_keys
 from shared.crypto import KeyRing, SigningKey
-from shared.secret_files import write_private
+from shared.secret_files import read_private_text, write_private
 
 REDIS_USER = "learnmesh"
 EXPORTER_USER = "exporter"
@@ -89,26 +90,67 @@ def render(values: dict[str, str]) -> str:
     CURVE certificates span lines)."""
     lines = ["# learnmesh compose secrets, made by `learnmesh compose-secrets`. Private (mode 0600), never commit.",
              "# Use: docker compose --env-file .env --env-file secrets.env up --build"]
+    return "\n".join(lines) + "\n" + _assignments(values)
+
+
+def _assignments(values: dict[str, str]) -> str:
+    lines = []
     for name, value in values.items():
         if "'" in value or "\\" in value:
             raise ValueError(f"{name} cannot be written to an env file")
         lines.append(f"{name}='{value}'")
-    return "\n".join(lines) + "\n"
+    return "".join(line + "\n" for line in lines)
+
+
+# Variables made together: one without the other would not work (a password and its hash, the
+# ring and the key it verifies, a CURVE keypair), so a file holding part of a group is not mended.
+_GROUPS = [("LEARNMESH_REDIS_PASSWORD", "LEARNMESH_REDIS_PASSWORD_SHA256"),
+           ("REDIS_EXPORTER_PASSWORD_SHA256", "REDIS_EXPORTER_PASSWORDS"),
+           ("LEARNMESH_DELTA_KEY_RING", "LEARNMESH_DELTA_SIGN_KEY"),
+           *((curve_variable(role, "secret"), curve_variable(role, "public")) for role in curve.ROLES)]
+
+
+def missing(text: str, values: dict[str, str]) -> dict[str, str]:
+    """The variables of ``values`` an existing secrets file ``text`` lacks (one written by an
+    earlier version), to be added to it; raises ValueError when it holds part of a group."""
+    have = set(re.findall(r"^([A-Z][A-Z0-9_]*)=", text, re.M))
+    for group in _GROUPS:
+        if 0 < len(have & set(group)) < len(group):
+            raise ValueError(f"it holds {', '.join(sorted(have & set(group)))} without "
+                             f"{', '.join(sorted(set(group) - have))}")
+    return {k: v for k, v in values.items() if k not in have}
 
 
 def main(cfg: Config, args: argparse.Namespace) -> int:
     """``args``: ``out`` (a path, or - for stdout), ``api_keys`` (a spec or None), ``force``."""
-    text = render(generate(parse_api_keys(args.api_keys) if args.api_keys else None))
+    values = generate(parse_api_keys(args.api_keys) if args.api_keys else None)
     if args.out == "-":
-        sys.stdout.write(text)
+        sys.stdout.write(render(values))
         return 0
     out = Path(args.out)
     if out.exists() and not args.force:
-        print(f"{out} exists: keep it, or pass --force to replace every key in it", file=sys.stderr)
-        return 1
-    write_private(out, text)
+        return _complete(out, values)
+    write_private(out, render(values))
     print(f"wrote {out} (0600): the API keys (LEARNMESH_API_KEYS), the admin key (LEARNMESH_ADMIN_KEY) and the "
           f"Grafana admin password (GRAFANA_ADMIN_PASSWORD) are in it")
     if (out.parent / "docker-compose.yml").exists():  # elsewhere (Kubernetes' make-secrets.sh) compose is not next
         print(f"start: cd {out.parent} && docker compose --env-file .env --env-file {out.name} up --build")
+    return 0
+
+
+def _complete(out: Path, values: dict[str, str]) -> int:
+    """An existing file keeps every key in it; what this version needs and the file lacks is
+    added (an upgrade then rotates nothing); exit 1 when nothing was missing."""
+    old = read_private_text(out, "compose secrets file")  # refused, naming the fix, when others may read it
+    try:
+        added = missing(old, values)
+    except ValueError as e:
+        print(f"{out}: {e}; pass --force to replace every key in it", file=sys.stderr)
+        return 1
+    if not added:
+        print(f"{out} exists: keep it, or pass --force to replace every key in it", file=sys.stderr)
+        return 1
+    write_private(out, old + "\n" + _assignments(added))
+    print(f"{out}: kept every key in it and added {', '.join(added)}; recreate the services that use them "
+          f"(docker compose ... up -d, or re-apply the Kubernetes Secrets and restart)")
     return 0

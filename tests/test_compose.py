@@ -32,6 +32,7 @@ from shared.config import Config, load_config
 from shared.crypto import KeyFileError, KeyRing, SigningKey, trainer_keys
 from shared.curve import CurveKeys
 from shared.redis_client import client_kwargs
+from shared.secret_files import write_private
 from shared.worker_registry import advertised_endpoint
 from shared.zmq_util import bind_address
 from tests.conftest import free_port, wait_for_sync
@@ -471,6 +472,34 @@ def test_compose_secrets_writes_a_private_file_once(tmp_path, capsys):
     assert "docker compose" not in capsys.readouterr().out  # not beside a compose file: no compose hint
     assert compose_secrets.main(load_config(env={}), args) == 1 and out.read_text() == first  # kept
     assert "--force" in capsys.readouterr().err
+
+
+def test_compose_secrets_adds_what_an_earlier_file_lacks_and_rotates_nothing(tmp_path, capsys):
+    """A secrets file of an earlier version (without the request-state key): the keys in it are
+    kept, the one it lacks is added, and compose reads every variable of the file."""
+    out = tmp_path / "secrets.env"
+    args = argparse.Namespace(out=str(out), api_keys=None, force=False)
+    assert compose_secrets.main(load_config(env={}), args) == 0
+    earlier = _parse_env_file(out.read_text())
+    del earlier["LEARNMESH_REQUEST_STATE_KEYS"]
+    write_private(out, compose_secrets.render(earlier))
+    capsys.readouterr()
+    assert compose_secrets.main(load_config(env={}), args) == 0
+    assert "added LEARNMESH_REQUEST_STATE_KEYS" in capsys.readouterr().out
+    now = _parse_env_file(out.read_text())
+    assert {k: v for k, v in now.items() if k in earlier} == earlier, "every key in the file is kept"
+    assert set(now) == set(compose_secrets.generate()) and len(bytes.fromhex(now["LEARNMESH_REQUEST_STATE_KEYS"])) == 32
+    assert os.stat(out).st_mode & 0o777 == 0o600
+    assert compose_secrets.main(load_config(env={}), args) == 1 and _parse_env_file(out.read_text()) == now
+    assert "--force" in capsys.readouterr().err
+
+    # half of a pair (a password without its hash) is not mended: the pair must be made together
+    del earlier["LEARNMESH_REDIS_PASSWORD_SHA256"]
+    write_private(out, compose_secrets.render(earlier))
+    assert compose_secrets.main(load_config(env={}), args) == 1
+    err = capsys.readouterr().err
+    assert "holds LEARNMESH_REDIS_PASSWORD without LEARNMESH_REDIS_PASSWORD_SHA256" in err and "--force" in err
+    assert _parse_env_file(out.read_text()) == earlier
 
 
 def test_compose_secrets_names_the_compose_start_only_beside_the_compose_file(tmp_path, capsys):
