@@ -110,7 +110,7 @@ _GROUPS = [("LEARNMESH_REDIS_PASSWORD", "LEARNMESH_REDIS_PASSWORD_SHA256"),
            *((curve_variable(role, "secret"), curve_variable(role, "public")) for role in curve.ROLES)]
 
 
-def missing(text: str, values: dict[str, str]) -> dict[str, str]:
+def _missing(text: str, values: dict[str, str]) -> dict[str, str]:
     """The variables of ``values`` an existing secrets file ``text`` lacks (one written by an
     earlier version), to be added to it; raises ValueError when it holds part of a group."""
     have = set(re.findall(r"^([A-Z][A-Z0-9_]*)=", text, re.M))
@@ -143,7 +143,7 @@ def _complete(out: Path, values: dict[str, str]) -> int:
     added (an upgrade then rotates nothing); exit 1 when nothing was missing."""
     old = read_private_text(out, "compose secrets file")  # refused, naming the fix, when others may read it
     try:
-        added = missing(old, values)
+        added = _missing(old, values)
     except ValueError as e:
         print(f"{out}: {e}; pass --force to replace every key in it", file=sys.stderr)
         return 1
