@@ -81,6 +81,8 @@ def _describe(exc: pydantic.ValidationError, cls: type, positional: bool = False
             msg = "unknown key"
         elif err["type"] == "value_error":
             msg = str(err["ctx"]["error"])
+        elif err["type"] == "string_pattern_mismatch" and err["ctx"]["pattern"] in _PATTERN_WORDS:
+            msg = f"must be {_PATTERN_WORDS[err['ctx']['pattern']]}"
         else:
             msg = err["msg"]
         where = _where(err["loc"], cls, positional)
@@ -292,10 +294,13 @@ class AuthThrottleConfig:
 # The characters a token's principal may have (gateway/auth.py) but ':', which LEARNMESH_API_KEYS
 # uses: every principal is then a name the context store and the Redis keys' hash tags take, and no
 # two look alike.
-Principal = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.@\-]{1,128}$",
-                                 description="a principal name: 1-128 of A-Z a-z 0-9 _ . @ -")]
-HexSecret = Annotated[str, Field(pattern=r"^(?:[0-9a-fA-F]{2}){16,}$",
-                                 description="a hex secret of at least 16 bytes")]
+_PRINCIPAL_PATTERN = r"^[A-Za-z0-9_.@\-]{1,128}$"
+_HEX_KEY_PATTERN = r"^(?:[0-9a-fA-F]{2}){16,}$"
+Principal = Annotated[str, Field(pattern=_PRINCIPAL_PATTERN, description="a principal name: 1-128 of A-Z a-z 0-9 _ . @ -")]
+HexSecret = Annotated[str, Field(pattern=_HEX_KEY_PATTERN, description="a hex secret of at least 16 bytes")]
+# What a pattern asks for, in words: pydantic's message would show the regular expression.
+_PATTERN_WORDS = {_PRINCIPAL_PATTERN: "1-128 of A-Z a-z 0-9 _ . @ -",
+                  _HEX_KEY_PATTERN: "hex digits, an even number of them and at least 32 (16 bytes)"}
 
 
 @_section

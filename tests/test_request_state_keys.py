@@ -56,9 +56,12 @@ def test_the_keys_file_shortcut_takes_a_key_per_line_and_refuses_what_is_no_key(
     write_private(path, f"{'ab' * 32}\n{'cd' * 32}\n")
     cfg = load_config(env={"LEARNMESH_REQUEST_STATE_KEYS_FILE": str(path)})
     assert cfg.gateway.request_state_keys == ["ab" * 32, "cd" * 32]
-    write_private(path, "not-hex")
-    with pytest.raises(ConfigError, match=r"gateway\.request_state_keys"):
-        load_config(env={"LEARNMESH_REQUEST_STATE_KEYS_FILE": str(path)})
+    for bad in ("not-hex", "ab" * 15, "a" * 33):  # not hex; 15 bytes; an odd number of digits
+        write_private(path, bad)
+        with pytest.raises(ConfigError) as e:
+            load_config(env={"LEARNMESH_REQUEST_STATE_KEYS_FILE": str(path)})
+        assert str(e.value) == ("gateway.request_state_keys.0: must be hex digits, an even number of them and at "
+                                "least 32 (16 bytes)"), "named in words, the value never echoed"
     write_private(path, "ab" * 32)
     os.chmod(path, 0o644)
     with pytest.raises(ConfigError, match="LEARNMESH_REQUEST_STATE_KEYS_FILE"):
