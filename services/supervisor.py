@@ -194,9 +194,10 @@ def load_or_create_request_state_keys(var_dir: Path, cfg: Config) -> list[str]:
 
 
 def _generated_keys(path: Path, text: bytes) -> dict[str, Any]:
-    """The generated keys file's ``api_keys`` (principal -> key) and ``admin_key``, as written by
-    :func:`load_or_create_keys`; a file edited into another shape is refused, not overwritten
-    (it holds the keys the clients use)."""
+    """The generated keys file's ``api_keys`` (principal -> key), ``admin_key`` and
+    ``request_state_key``, as written by :func:`load_or_create_keys` and
+    :func:`load_or_create_request_state_keys`; a file edited into another shape is refused, not
+    overwritten (it holds the keys the clients use)."""
     try:
         stored = yaml.safe_load(text) or {}
     except yaml.YAMLError:
