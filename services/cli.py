@@ -82,7 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--out", default="compose/secrets.env", help="where to write (default: %(default)s; - for stdout)")
     c.add_argument("--api-keys", help="principal:key,... instead of one generated 'demo' key")
     c.add_argument("--force", action="store_true", help="replace an existing file (every key changes)")
-    k = sub.add_parser("keys", help="make the mesh's missing keys (CURVE keypairs, delta ring and signing key)")
+    k = sub.add_parser("keys", help="make the mesh's missing keys (CURVE keypairs, delta ring and signing key, request-state key file)")
     k.add_argument("--rotate-zmq", choices=["gateway", "worker", "trainer"],
                    help="replace this role's CURVE keypair instead (the old public key stays allowed)")
     return p

@@ -68,6 +68,34 @@ def test_the_keys_file_shortcut_takes_a_key_per_line_and_refuses_what_is_no_key(
         load_config(env={"LEARNMESH_REQUEST_STATE_KEYS_FILE": str(path)})
 
 
+def _learnmesh_keys(var: Path, **extra: str) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LEARNMESH_")}
+    done = subprocess.run([sys.executable, "-m", "services.cli", "keys"], cwd=ROOT, capture_output=True, text=True,
+                          env={**env, "LEARNMESH_VAR": str(var), **extra}, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_learnmesh_keys_writes_ups_key_to_a_file_gateways_started_by_hand_load(tmp_path: Path) -> None:
+    var = tmp_path / "var"
+    out = _learnmesh_keys(var)
+    path = var / "keys" / "request-state.keys"
+    assert f"request-state key (every gateway) made: {path}" in out
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    loaded = load_config(env={"LEARNMESH_REQUEST_STATE_KEYS_FILE": str(path)}).gateway.request_state_keys
+    assert loaded == load_or_create_request_state_keys(var, load_config(env={})), "the key `learnmesh up` seals with"
+    assert loaded[0] not in out, "the key itself is never printed"
+
+    rotated = f"{'ef' * 32}\n{loaded[0]}\n"  # an operator's rotation in progress
+    write_private(path, rotated)
+    assert "kept" in _learnmesh_keys(var) and path.read_text() == rotated
+
+    given = tmp_path / "given"
+    out = _learnmesh_keys(given, LEARNMESH_REQUEST_STATE_KEYS="ab" * 32)
+    assert "given by gateway.request_state_keys; no file made" in out
+    assert not (given / "keys" / "request-state.keys").exists() and "ab" * 32 not in out
+
+
 @contextmanager
 def _gateway(tmp_path: Path, name: str, redis_url: str, keys_file: Path | None) -> Iterator[str]:
     """A real `learnmesh gateway` with the conformance fixtures; yields its /mcp URL."""
