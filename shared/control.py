@@ -231,6 +231,15 @@ def report_status(redis: Any, component: str, ttl_s: float = 10.0, **fields: Any
     pipe.execute()
 
 
+def withdraw_status(redis: Any, component: str) -> None:
+    """Remove a process's self-report as it stops cleanly, so listings drop it at once rather
+    than when the report's TTL lapses."""
+    pipe = redis.pipeline(transaction=False)
+    pipe.delete(keys.component_status(component))
+    pipe.srem(keys.STATUS_INDEX, component)
+    pipe.execute()
+
+
 def status_ttl_s(cfg: Config) -> float:
     """How long a self-report outlives its last refresh: a few ``metrics.status_interval_s``."""
     return max(10.0, 5 * cfg.metrics.status_interval_s)

@@ -152,8 +152,13 @@ async def test_a_worker_stopped_under_traffic_loses_no_request(tmp_path, redis_t
     traffic = None
     try:
         traffic = await _traffic_on(pool, workers=2, callers=6, served=30)
+        report = keys.component_status("worker:worker-0")
+        await wait_for(lambda: redis.exists(report), timeout_s=30, what="worker-0's status report")
         procs[0].send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(procs[0].wait, 30) == 0
+        # its self-report goes with it: /admin/workers stops listing it at once, not after the TTL
+        assert not await redis.exists(report) and not await redis.sismember(keys.STATUS_INDEX, "worker:worker-0")
+        assert await redis.exists(keys.component_status("worker:worker-1")), "the other worker's report stays"
         await wait_for(lambda: endpoints[0] not in _endpoints(pool), timeout_s=30, what="the stopped worker to leave")
         after = len(traffic.served)
         await wait_for(lambda: len(traffic.served) >= after + 30, timeout_s=60, what="traffic after the stop")

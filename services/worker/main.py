@@ -220,9 +220,11 @@ class Worker:
             self._reports_stop.set()
             if self._reports is not None:
                 self._reports.join(timeout=5)
+                self._withdraw_report()
             if self._redis is not None:
                 close_sync(self._redis)
             self.sock.close(linger=0)
+            log.info("worker %s stopped", self.worker_id)
 
     def _await_snapshot(self) -> None:
         """A mesh that has learned is not answered from the base weights: when the trainer's
@@ -296,6 +298,19 @@ class Worker:
             self._report_status()
             if self._reports_stop.wait(self.cfg.metrics.status_interval_s):
                 return
+
+    def _withdraw_report(self) -> None:
+        """A worker that stops cleanly takes its self-report with it: /admin/workers and the
+        dashboard stop listing it at once. Not while another process announces this id (the
+        report is that one's too)."""
+        from shared import control
+
+        if self.registrar is not None and not self.registrar.holds_id:
+            return
+        try:
+            control.withdraw_status(self._client(), f"worker:{self.worker_id}")
+        except Exception as exc:  # gone with Redis: the report expires by itself
+            log.debug("worker %s could not withdraw its status report: %s", self.worker_id, exc)
 
     def _report_status(self) -> None:
         """Self-report to Redis for /admin/workers and the dashboard (version, load, lag), and

@@ -79,6 +79,11 @@ class Registrar:
         self._failing, self._duplicate_of, self._failures = False, None, 0
         self.renewals += 1
 
+    @property
+    def holds_id(self) -> bool:
+        """Whether this process's announcement stands (not refused as another process's id)."""
+        return self.renewals > 0 and self._duplicate_of is None
+
     def close(self) -> None:
         self._stop.set()
         if self._thread.is_alive():
