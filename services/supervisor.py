@@ -287,6 +287,16 @@ class Supervisor:
         child.start()
         return True
 
+    def mend_before_ready(self, child: Child) -> bool:
+        """``child`` exited before the mesh was ready: most likely again at every restart (a port,
+        a path, a setting), so the mesh stops for it; unless Redis does not answer, which the mesh
+        waits for (a trainer cannot start without it): then it is restarted as :meth:`run` would.
+        True when it was restarted."""
+        if self._redis_answers is None or self._redis_answers():
+            self.give_up(child, "before the mesh was ready")
+            return False
+        return self._restart(child)
+
     def give_up(self, child: Child, why: str) -> None:
         """Stop the mesh for ``child``, which exited and would most likely do so again on every
         restart: name it, its exit status and what it last wrote; exit with its status 2 (a
@@ -524,10 +534,12 @@ def main(cfg: Config, args: Any) -> int:
         sup.start()
         loopback = {"0.0.0.0": "127.0.0.1", "::": "::1"}  # noqa: S104 - a wildcard bind answers on loopback
         probe = _url("http", loopback.get(cfg.gateway.host, cfg.gateway.host), cfg.gateway.port)
-        ready = wait_ready(probe, READY_TIMEOUT_S, sup)
-        died = None if sup.stopping else sup.exited()
-        if died is not None:  # most likely again at every restart: a port, a path, a setting
-            sup.give_up(died, "before the mesh was ready")
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            ready = wait_ready(probe, deadline - time.monotonic(), sup)
+            died = None if sup.stopping else sup.exited()
+            if died is None or not sup.mend_before_ready(died):
+                break
         if not sup.stopping:  # Ctrl-C / SIGTERM while it starts: it stops, it never was up
             if not ready:
                 log.warning("the gateway is not ready after %.0fs; see %s", READY_TIMEOUT_S,

@@ -542,6 +542,48 @@ def test_a_mesh_stopped_while_it_starts_says_so_and_never_that_it_is_up(tmp_path
     assert len(started) == 3 and all(_gone(pid) for pid in started), err
 
 
+def test_a_trainer_that_dies_while_redis_is_away_at_the_start_is_restarted_until_redis_answers(tmp_path: Path) -> None:
+    """`up` says it waits for a Redis that does not answer as it starts: the trainer, which cannot
+    start without Redis, exits and is restarted rather than taken for a failure that stops the
+    mesh before it was ready; once Redis answers, the mesh comes up."""
+    from shared.redis_embed import start_redis
+
+    path, _ = _own_ports_config(tmp_path)
+    cfg = yaml.safe_load(path.read_text())
+    cfg["model"] = {"pretrain_steps": 0}
+    cfg["trainer"]["max_restarts"] = 0  # its rank group gives up at the first failure
+    path.write_text(yaml.safe_dump(cfg))
+    port = free_port()
+    out, err = tmp_path / "up.out", tmp_path / "up.err"
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("LEARNMESH_") and k != "REDIS_URL"}
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        up = subprocess.Popen([sys.executable, "-m", "services.cli", "--config", str(path), "up"], cwd=ROOT,
+                              env={**clean, "REDIS_URL": f"redis://127.0.0.1:{port}/0",
+                                   "LEARNMESH_VAR": str(tmp_path / "var")},
+                              stdout=stdout, stderr=stderr, text=True, start_new_session=True)
+    server = None
+    try:
+        wait_for_sync(lambda: "trainer exited with code 1; restarting" in err.read_text() or up.poll() is not None,
+                      timeout_s=120, what="the trainer to fail without Redis")
+        assert up.poll() is None, err.read_text()
+        _, server = start_redis(tmp_path / "redis", port)
+        wait_for_sync(lambda: "learnmesh is up" in out.read_text() or up.poll() is not None, timeout_s=150,
+                      what="the mesh to come up once Redis answers")
+        assert up.poll() is None, err.read_text()
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(60) == 0, err.read_text()
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+        if server is not None:
+            server.terminate()
+            server.wait(10)
+    logged = err.read_text()
+    assert "does not answer; the mesh starts and waits for it" in logged
+    assert "before the mesh was ready" not in logged and "Traceback" not in logged, logged
+
+
 def test_a_child_that_dies_while_the_mesh_starts_stops_the_mesh_at_once(redis_url: str, tmp_path: Path) -> None:
     """The gateway bound to an address of no interface of this machine (TEST-NET-1) passes every
     check before the start and dies as it binds. `up` must say which child died, with its exit
