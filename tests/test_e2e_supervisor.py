@@ -542,33 +542,34 @@ def test_a_mesh_stopped_while_it_starts_says_so_and_never_that_it_is_up(tmp_path
     assert len(started) == 3 and all(_gone(pid) for pid in started), err
 
 
-def test_a_trainer_that_dies_while_redis_is_away_at_the_start_is_restarted_until_redis_answers(tmp_path: Path) -> None:
-    """`up` says it waits for a Redis that does not answer as it starts: the trainer, which cannot
-    start without Redis, exits and is restarted rather than taken for a failure that stops the
-    mesh before it was ready; once Redis answers, the mesh comes up."""
+def test_a_mesh_started_before_its_redis_waits_for_it_and_comes_up_when_it_answers(tmp_path: Path) -> None:
+    """`up` says it waits for a Redis that does not answer as it starts, and so does every child:
+    the trainer waits before it starts its ranks (no rank fails, no restart is spent), the
+    gateway answers /readyz 503; once Redis answers, the mesh comes up."""
     from shared.redis_embed import start_redis
 
     path, _ = _own_ports_config(tmp_path)
     cfg = yaml.safe_load(path.read_text())
     cfg["model"] = {"pretrain_steps": 0}
-    cfg["trainer"]["max_restarts"] = 0  # its rank group gives up at the first failure
     path.write_text(yaml.safe_dump(cfg))
     port = free_port()
-    out, err = tmp_path / "up.out", tmp_path / "up.err"
+    var = tmp_path / "var"
+    out, err, trainer_log = tmp_path / "up.out", tmp_path / "up.err", var / "logs" / "trainer.log"
     clean = {k: v for k, v in os.environ.items() if not k.startswith("LEARNMESH_") and k != "REDIS_URL"}
     with open(out, "w") as stdout, open(err, "w") as stderr:
         up = subprocess.Popen([sys.executable, "-m", "services.cli", "--config", str(path), "up"], cwd=ROOT,
-                              env={**clean, "REDIS_URL": f"redis://127.0.0.1:{port}/0",
-                                   "LEARNMESH_VAR": str(tmp_path / "var")},
+                              env={**clean, "REDIS_URL": f"redis://127.0.0.1:{port}/0", "LEARNMESH_VAR": str(var)},
                               stdout=stdout, stderr=stderr, text=True, start_new_session=True)
     server = None
     try:
-        wait_for_sync(lambda: "trainer exited with code 1; restarting" in err.read_text() or up.poll() is not None,
-                      timeout_s=120, what="the trainer to fail without Redis")
+        waits = "does not answer; the trainer waits for it before it starts its ranks"
+        wait_for_sync(lambda: (trainer_log.is_file() and waits in trainer_log.read_text()) or up.poll() is not None,
+                      timeout_s=120, what="the trainer to wait for Redis")
         assert up.poll() is None, err.read_text()
         _, server = start_redis(tmp_path / "redis", port)
         wait_for_sync(lambda: "learnmesh is up" in out.read_text() or up.poll() is not None, timeout_s=150,
                       what="the mesh to come up once Redis answers")
+        wait_for_sync(lambda: "rank 0/" in trainer_log.read_text(), timeout_s=120, what="the trainer's ranks")
         assert up.poll() is None, err.read_text()
         up.send_signal(signal.SIGTERM)
         assert up.wait(60) == 0, err.read_text()
@@ -579,9 +580,35 @@ def test_a_trainer_that_dies_while_redis_is_away_at_the_start_is_restarted_until
         if server is not None:
             server.terminate()
             server.wait(10)
-    logged = err.read_text()
+    logged, trained = err.read_text(), trainer_log.read_text()
     assert "does not answer; the mesh starts and waits for it" in logged
-    assert "before the mesh was ready" not in logged and "Traceback" not in logged, logged
+    assert "restarting" not in logged and "before the mesh was ready" not in logged, logged
+    assert "Redis answers; starting the ranks" in trained and "failed" not in trained, trained
+
+
+def test_a_child_that_dies_before_the_mesh_is_ready_is_restarted_while_redis_is_away(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, redis_url: str) -> None:
+    """A child that exits before the mesh is ready stops the mesh at once (a port, a path, a
+    setting), unless Redis does not answer: the mesh waits for Redis, so it is restarted."""
+    from services.supervisor import _redis_answers
+    from shared.config import RedisConfig
+
+    monkeypatch.setattr(supervisor, "RESTART_BACKOFF_S", (0.01,))
+    redis = [Config(redis=RedisConfig(url=f"redis://127.0.0.1:{free_port()}/0"))]  # nothing answers there
+    starts = tmp_path / "starts"
+    child = Child("trainer", _starts_then_exits(starts, 1), dict(os.environ))
+    sup = Supervisor([child], stop_timeout_s=10, redis_answers=lambda: _redis_answers(redis[0]))
+    sup.start()
+    try:
+        wait_for_sync(lambda: not child.alive(), timeout_s=30, what="the child to exit")
+        assert sup.mend_before_ready(child) and not sup.stopping, "restarted while Redis is away"
+        wait_for_sync(lambda: starts.read_text().count("started") == 2, timeout_s=30, what="its restart")
+        wait_for_sync(lambda: not child.alive(), timeout_s=30, what="the child to exit again")
+        redis[0] = Config(redis=RedisConfig(url=redis_url))
+        assert not sup.mend_before_ready(child) and sup.stopping, "Redis answers: the mesh stops for it"
+        assert sup.failed is not None and "before the mesh was ready" in sup.failed
+    finally:
+        sup.shutdown()
 
 
 def test_a_child_that_dies_while_the_mesh_starts_stops_the_mesh_at_once(redis_url: str, tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any, NoReturn, cast
@@ -35,7 +36,7 @@ from shared import metrics as m
 from shared.config import CONFIG_ERROR_EXIT, Config, ConfigError, log_level
 from shared.control import start_metrics_server
 from shared.lifetime import die_with_parent
-from shared.redis_client import check_access, sync_client
+from shared.redis_client import check_access, redact_url, sync_client, url_of
 from shared.samples import sample_partitions
 from shared.secret_files import check_private
 
@@ -50,11 +51,42 @@ def main(cfg: Config, args: argparse.Namespace) -> int:
     from services.trainer.launcher import launch
 
     configure_logging("launcher")
+    if not wait_for_redis(cfg):
+        log.info("stopped while it waited for Redis")
+        return 0
     preflight(cfg)
     # Ended like a rank (dist.leave): the launcher's interpreter and C++ teardown, with
     # torchrun's store and its threads, can abort a stopped trainer with SIGABRT
     # ("terminate called without an active exception") after its ranks stopped cleanly.
     leave(launch(cfg))
+
+
+def wait_for_redis(cfg: Config, max_delay_s: float = 5.0) -> bool:
+    """A trainer started before its Redis answers (compose, a Kubernetes pod, `learnmesh up`
+    beside a server still starting) waits for it here, saying so once, rather than starting
+    ranks that fail at their first read of the sample log and spend torchrun's restarts on it.
+    False when SIGTERM or SIGINT came first. Credentials Redis refuses raise ConfigError."""
+    if check_access(cfg.redis, timeout_s=2.0):
+        return True
+    log.warning("Redis at %s does not answer; the trainer waits for it before it starts its ranks",
+                redact_url(url_of(cfg.redis)))
+    def on_term(signum: int, frame: FrameType | None) -> NoReturn:
+        raise _StoppedWhileStarting
+
+    previous = {sig: signal.signal(sig, on_term) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        delay = 0.5
+        while True:
+            time.sleep(delay)
+            if check_access(cfg.redis, timeout_s=2.0):
+                log.info("Redis answers; starting the ranks")
+                return True
+            delay = min(2 * delay, max_delay_s)
+    except _StoppedWhileStarting:
+        return False
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def preflight(cfg: Config) -> None:
