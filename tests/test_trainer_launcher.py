@@ -255,3 +255,45 @@ def test_under_plain_torchrun_a_rank_that_cannot_start_hands_torchrun_its_reason
     assert done.stderr.count(f"ERROR rank 0 cannot start: {reason}") == 2, "logged at each of the 1 + 1 starts"
     summary = done.stderr.partition("Root Cause (first observed failure)")[2]
     assert "exitcode  : 2" in summary and reason in summary, done.stderr
+
+
+def test_under_plain_torchrun_a_rank_started_before_its_redis_waits_for_it(tmp_path: Path):
+    """A trainer pod starts its ranks with torchrun before the Redis it needs may answer: each
+    rank waits for it, saying so once, and starts once Redis
+    answers, with no failure and no restart spent."""
+    import signal
+
+    import yaml
+    from trainer_support import trainer_config
+
+    from shared.redis_embed import start_redis
+
+    port = free_port()
+    cfg = trainer_config(f"redis://127.0.0.1:{port}/0", tmp_path, free_port())
+    path = tmp_path / "rank.yaml"
+    path.write_text(yaml.safe_dump(cfg.to_dict()))
+    log = tmp_path / "torchrun.log"
+    with open(log, "w") as out:
+        run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                "1", "--max-restarts", "1", "--monitor-interval", "0.2",
+                                "-m", "services.cli", "--config", str(path), "trainer", "--as-rank"],
+                               cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    server = None
+    try:
+        wait_for_sync(lambda: "the trainer waits for it before it starts its ranks" in log.read_text()
+                      or run.poll() is not None, timeout_s=120, what="the rank to wait for Redis")
+        assert run.poll() is None, log.read_text()
+        _, server = start_redis(tmp_path / "redis", port)
+        wait_for_sync(lambda: "rank 0/1 up" in log.read_text() or run.poll() is not None, timeout_s=120,
+                      what="the rank to start once Redis answers")
+        assert run.poll() is None, log.read_text()
+        text = log.read_text()
+        assert "Redis answers; starting the ranks" in text, text
+        assert "failed" not in text and "restarted" not in text, text
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+            run.wait()
+        if server is not None:
+            server.terminate()
+            server.wait(10)

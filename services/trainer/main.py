@@ -130,6 +130,11 @@ def run_rank(cfg: Config, observers: Sequence[StepObserver] = ()) -> int:
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
     start_metrics_server(cfg, "trainer", env.local_rank)  # ports count per host: one node, one rank each
+    # Under plain torchrun (a Kubernetes pod) nothing waited for Redis before the ranks started.
+    # Only rank 0 uses Redis; the others wait for it in the rendezvous (trainer.init_timeout_s).
+    if env.rank == 0 and not wait_for_redis(cfg):
+        log.info("rank 0 stopped while it waited for Redis")
+        return 0
     m.TRAINER_RESTARTS.inc(env.restarts)
     if env.restarts and env.rank == 0:
         log.warning("the rank group was restarted (restart %d of %s): resuming from the latest checkpoint",
