@@ -50,8 +50,9 @@ def cli_rank_argv(config_path: str) -> list[str]:
     return ["-m", "services.cli", "--config", config_path, "trainer", "--as-rank"]
 
 
-def launch(cfg: Config, rank_argv: RankArgv = cli_rank_argv) -> int:
-    """Run the rank group until it stops; the exit status of ``learnmesh trainer``."""
+def launch(cfg: Config, rank_argv: RankArgv = cli_rank_argv, ready: Callable[[], bool] = lambda: True) -> int:
+    """Run the rank group until it stops; the exit status of ``learnmesh trainer``. ``ready`` is
+    asked once the settings are checked, before any rank starts: False ends the launch (0)."""
     cfg.trainer.ranks = local_ranks(cfg)
     # The ranks' configuration, read again at each restart of the group. Beside the checkpoints,
     # one name: the trainer's own private place, where a launcher killed with -9 leaves no copy
@@ -63,7 +64,7 @@ def launch(cfg: Config, rank_argv: RankArgv = cli_rank_argv) -> int:
         raise ConfigError(f"trainer.checkpoint_dir: cannot write {cfg.trainer.checkpoint_dir} "
                           f"({exc.strerror or exc}); give it a directory the trainer can write") from None
     try:
-        return _run(cfg, rank_argv(str(path)))
+        return _run(cfg, rank_argv(str(path))) if ready() else 0
     finally:
         path.unlink(missing_ok=True)
 

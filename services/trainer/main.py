@@ -51,14 +51,11 @@ def main(cfg: Config, args: argparse.Namespace) -> int:
     from services.trainer.launcher import launch
 
     configure_logging("launcher")
-    if not wait_for_redis(cfg):
-        log.info("stopped while it waited for Redis")
-        return 0
     preflight(cfg)
     # Ended like a rank (dist.leave): the launcher's interpreter and C++ teardown, with
     # torchrun's store and its threads, can abort a stopped trainer with SIGABRT
     # ("terminate called without an active exception") after its ranks stopped cleanly.
-    leave(launch(cfg))
+    leave(launch(cfg, ready=lambda: wait_for_redis(cfg)))
 
 
 def wait_for_redis(cfg: Config, max_delay_s: float = 5.0) -> bool:
@@ -70,6 +67,7 @@ def wait_for_redis(cfg: Config, max_delay_s: float = 5.0) -> bool:
         return True
     log.warning("Redis at %s does not answer; the trainer waits for it before it starts its ranks",
                 redact_url(url_of(cfg.redis)))
+
     def on_term(signum: int, frame: FrameType | None) -> NoReturn:
         raise _StoppedWhileStarting
 
@@ -83,6 +81,7 @@ def wait_for_redis(cfg: Config, max_delay_s: float = 5.0) -> bool:
                 return True
             delay = min(2 * delay, max_delay_s)
     except _StoppedWhileStarting:
+        log.info("stopped while it waited for Redis")
         return False
     finally:
         for sig, handler in previous.items():
@@ -90,10 +89,9 @@ def wait_for_redis(cfg: Config, max_delay_s: float = 5.0) -> bool:
 
 
 def preflight(cfg: Config) -> None:
-    """Settings no restart can fix stop the launcher with one clear message (ConfigError)
-    instead of failing every rank of every torchrun restart: Redis refusing our credentials,
-    a delta key file others can read."""
-    check_access(cfg.redis)
+    """Settings no restart can fix stop the trainer with one clear message (ConfigError) before
+    it waits for Redis or starts a rank: a delta key file others can read. (Redis refusing our
+    credentials is found as it answers: :func:`wait_for_redis`.)"""
     if os.path.exists(cfg.security.delta_key_file):
         check_private(cfg.security.delta_key_file, "security.delta_key_file")
 
@@ -130,11 +128,6 @@ def run_rank(cfg: Config, observers: Sequence[StepObserver] = ()) -> int:
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
     start_metrics_server(cfg, "trainer", env.local_rank)  # ports count per host: one node, one rank each
-    # Under plain torchrun (a Kubernetes pod) nothing waited for Redis before the ranks started.
-    # Only rank 0 uses Redis; the others wait for it in the rendezvous (trainer.init_timeout_s).
-    if env.rank == 0 and not wait_for_redis(cfg):
-        log.info("rank 0 stopped while it waited for Redis")
-        return 0
     m.TRAINER_RESTARTS.inc(env.restarts)
     if env.restarts and env.rank == 0:
         log.warning("the rank group was restarted (restart %d of %s): resuming from the latest checkpoint",
@@ -142,6 +135,12 @@ def run_rank(cfg: Config, observers: Sequence[StepObserver] = ()) -> int:
     trainer = None
     try:
         try:
+            # Under plain torchrun (a Kubernetes pod) nothing waited for Redis before the ranks
+            # started. Only rank 0 uses Redis; the others wait for it in the rendezvous.
+            if env.rank == 0:
+                preflight(cfg)
+                if not wait_for_redis(cfg):
+                    return 0
             trainer = build_trainer(cfg, init_distributed(cfg, env), stop.is_set, observers)
             starting[0] = False
         except (ConfigError, checkpoint.CheckpointError) as exc:  # settings, keys, checkpoints to mend
