@@ -5,8 +5,8 @@ once where the keys are kept, then give each host only what its role needs
 (docs/operations.md, "Security model"). It prints public keys and paths, never a secret.
 
 The request-state key is ``learnmesh up``'s own (``var/keys/generated.yaml``, made there if
-missing), also written alone to a 0600 file that ``LEARNMESH_REQUEST_STATE_KEYS_FILE`` can name:
-gateways started by hand, on this host or on others, then open what ``up``'s gateway seals.
+missing), also written alone to a 0600 file that ``LEARNMESH_REQUEST_STATE_KEYS_FILE`` can name,
+so that gateways started by hand, wherever they run, open what ``up``'s gateway seals.
 """
 
 from __future__ import annotations
