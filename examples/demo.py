@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import struct
@@ -103,6 +104,8 @@ def structured(result: Any) -> dict[str, Any]:
 
 
 UNAVAILABLE = -32050  # learnmesh: a backend is unreachable or no worker serves the version yet; retry
+TRANSIENT_S = 120.0  # a Redis restart or failover, a worker restarting: the mesh answers -32050 meanwhile
+LEARN_TIMEOUT_S = 900.0
 
 
 async def until_a_worker_serves(call: Callable[[], Awaitable[Any]], timeout_s: float) -> Any:
@@ -119,24 +122,42 @@ async def until_trained(call: Callable[[], Awaitable[Any]]) -> Any:
     return await retrying(call, LEARN_TIMEOUT_S, "still training; asking again")
 
 
-LEARN_TIMEOUT_S = 900.0
+def unavailable(exc: BaseException) -> BaseException | None:
+    """The "retry later" answer (-32050) in ``exc``, also where the SDK wraps it in a group."""
+    return next((e for e in _leaves(exc) if getattr(e, "code", None) == UNAVAILABLE), None)
 
 
-async def retrying(call: Callable[[], Awaitable[Any]], timeout_s: float, note: str) -> Any:
-    """``call()`` again while the mesh answers "retry later" (-32050), up to ``timeout_s``;
-    ``note`` is printed once."""
+def retry_after(exc: BaseException) -> float:
+    """The wait an answer of "retry later" asks for (``data.retryAfterS``, also the HTTP
+    Retry-After), within 1-30 s; 2 s when it names none."""
+    data = getattr(exc, "data", None)
+    wait = data.get("retryAfterS") if isinstance(data, dict) else None
+    response = getattr(exc, "response", None)  # an HTTP answer: its Retry-After header
+    if wait is None and response is not None and str(response.headers.get("Retry-After", "")).isdigit():
+        wait = int(response.headers["Retry-After"])
+    return min(max(float(wait), 1.0), 30.0) if isinstance(wait, (int, float)) else 2.0
+
+
+async def retrying(call: Callable[[], Awaitable[Any]], timeout_s: float = TRANSIENT_S, note: str | None = None) -> Any:
+    """``call()`` again while the mesh answers "retry later" (-32050), up to ``timeout_s``,
+    waiting what each answer asks for. Prints ``note`` once, or else each new reason the mesh
+    gives: a Redis failover or restart is seconds of -32050 on the calls that need it, then
+    the same call succeeds, and a client that gives up at the first one loses its work."""
     deadline = time.monotonic() + timeout_s
-    told = False
+    told: set[str] = set()
     while True:
         try:
             return await call()
         except Exception as exc:  # noqa: BLE001 - re-raised unless it is "retry later"
-            if getattr(exc, "code", None) != UNAVAILABLE or time.monotonic() > deadline:
+            later = unavailable(exc)
+            if later is None or time.monotonic() > deadline:
                 raise
-            if not told:
-                print(note)
-                told = True
-            await asyncio.sleep(2)
+            wait = retry_after(later)
+            line = note or f"the mesh answers -32050 ({later}); asking again in {wait:g}s"
+            if line not in told:
+                print(line)
+                told.add(line)
+            await asyncio.sleep(wait)
 
 
 async def run(url: str, key: str | None, mode: str, context_id: str, timeout_s: float,
@@ -151,19 +172,22 @@ async def run(url: str, key: str | None, mode: str, context_id: str, timeout_s: 
             refused.append(401)
 
     http.event_hooks["response"].append(note_refusal)
-    transport = streamable_http_client(url, http_client=http)
-    async with Client(transport, mode=mode) as client:
-        tools = await client.list_tools()
+    async with contextlib.AsyncExitStack() as stack:
+        # a legacy session is stored in Redis: opening one waits out an outage like any call
+        client = await retrying(lambda: stack.enter_async_context(
+            Client(streamable_http_client(url, http_client=http), mode=mode)))
+        tools = await retrying(client.list_tools)
         print(f"connected ({client.protocol_version}); tools: {', '.join(t.name for t in tools.tools)}")
 
-        image = await client.call_tool("context_append", {
+        async def tool(name: str, args: dict[str, Any]) -> dict[str, Any]:
+            return structured(await retrying(lambda: client.call_tool(name, args)))
+
+        image_id = (await tool("context_append", {
             "context_id": context_id, "modality": "image", "role": "user",
-            "data": base64.b64encode(tiny_png()).decode(), "mime_type": "image/png"})
-        image_id = structured(image)["entry_id"]
-        turn = await client.call_tool("context_append", {
+            "data": base64.b64encode(tiny_png()).decode(), "mime_type": "image/png"}))["entry_id"]
+        version = (await tool("context_append", {
             "context_id": context_id, "modality": "text", "role": "user",
-            "text": "Here is a picture of the Zorbland flag.", "links": [image_id]})
-        version = structured(turn)["version"]
+            "text": "Here is a picture of the Zorbland flag.", "links": [image_id]}))["version"]
         print(f"context {context_id!r} now at version {version} (text turn linked to {image_id})")
 
         reply = structured(await until_a_worker_serves(lambda: client.call_tool("generate", {
@@ -174,22 +198,21 @@ async def run(url: str, key: str | None, mode: str, context_id: str, timeout_s: 
         async def losses(**wait: Any) -> tuple[list[float], int]:
             out, served = [], 0
             for prompt, target in FACTS:
-                r = structured(await client.call_tool("score", {"prompt": prompt, "target": target, **wait}))
+                r = await tool("score", {"prompt": prompt, "target": target, **wait})
                 out.append(r["nll"])
                 served = max(served, r["model_version"])
             return out, served
 
         async def answers(**wait: Any) -> list[str]:
-            return [structured(await client.call_tool("generate", {
-                "prompt": p, "max_tokens": len(t.encode()) + 4, "temperature": 0.0, "append": False, **wait}))["text"]
-                for p, t in FACTS]
+            return [(await tool("generate", {"prompt": p, "max_tokens": len(t.encode()) + 4, "temperature": 0.0,
+                                             "append": False, **wait}))["text"] for p, t in FACTS]
 
         before, v_before = await losses()
         answers_before = await answers()
         print(f"before learning (model v{v_before}): mean loss {sum(before) / len(before):.3f}")
 
         samples = [{"kind": "example", "input": p, "target": t} for p, t in FACTS for _ in range(COPIES)]
-        ack = structured(await client.call_tool("learn", {"samples": samples}))
+        ack = await tool("learn", {"samples": samples})
         acked = time.monotonic()
         print(f"learn -> {len(ack['ids'])} samples acknowledged; waiting for a model that has learnt them "
               f"(after_learn={ack['learned']!r})")

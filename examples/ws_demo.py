@@ -28,7 +28,16 @@ from typing import Any
 import websockets
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from demo import default_key, plain_failure, tiny_png, until_a_worker_serves, until_trained  # noqa: E402
+from demo import (  # noqa: E402
+    TRANSIENT_S,
+    default_key,
+    plain_failure,
+    retry_after,
+    retrying,
+    tiny_png,
+    until_a_worker_serves,
+    until_trained,
+)
 from facts import COPIES, FACTS  # noqa: E402
 
 LEGACY, MODERN = "2025-11-25", "2026-07-28"
@@ -76,6 +85,10 @@ class WsClient:
         return msg["result"]
 
     async def tool(self, name: str, **args: Any) -> dict[str, Any]:
+        """``call`` again while the mesh answers "retry later" (a Redis failover, a worker restarting)."""
+        return await retrying(lambda: self.call(name, **args))
+
+    async def call(self, name: str, **args: Any) -> dict[str, Any]:
         res = await self.request("tools/call", {"name": name, "arguments": args})
         if res.get("isError"):
             raise SystemExit(f"tool {name} failed: {res['content']}")
@@ -90,13 +103,31 @@ class WsClient:
         return str(res["protocolVersion"])
 
 
+async def open_socket(url: str, headers: dict[str, str]) -> Any:
+    """The WebSocket, opened again while the gateway answers the upgrade with 503 (Redis, where
+    it keeps its limits and sessions, restarting or failing over), after its Retry-After."""
+    deadline = time.monotonic() + TRANSIENT_S
+    told = False
+    while True:
+        try:
+            return await websockets.connect(url, subprotocols=[websockets.Subprotocol("mcp")],
+                                            additional_headers=headers, max_size=16 * 1024 * 1024)
+        except websockets.InvalidStatus as exc:
+            if exc.response.status_code != 503 or time.monotonic() > deadline:
+                raise
+            wait = retry_after(exc)
+            if not told:
+                print(f"the gateway answers the WebSocket upgrade with HTTP 503; asking again in {wait:g}s")
+                told = True
+            await asyncio.sleep(wait)
+
+
 async def run(url: str, key: str | None, stateless: bool, context_id: str, timeout_s: float) -> None:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    async with websockets.connect(url, subprotocols=[websockets.Subprotocol("mcp")],
-                                  additional_headers=headers, max_size=16 * 1024 * 1024) as ws:
+    async with await open_socket(url, headers) as ws:
         client = WsClient(ws, stateless)
-        version = await client.initialize()
-        tools = await client.request("tools/list")
+        version = await retrying(client.initialize)  # a legacy session is stored in Redis
+        tools = await retrying(lambda: client.request("tools/list"))
         print(f"connected over WebSocket ({version}, subprotocol {ws.subprotocol}); "
               f"tools: {', '.join(t['name'] for t in tools['tools'])}")
 
@@ -105,7 +136,7 @@ async def run(url: str, key: str | None, stateless: bool, context_id: str, timeo
         turn = await client.tool("context_append", context_id=context_id, modality="text", role="user",
                                  text="Here is a picture of the Zorbland flag.", links=[image["entry_id"]])
         print(f"context {context_id!r} at version {turn['version']} (text turn linked to {image['entry_id']})")
-        reply = await until_a_worker_serves(lambda: client.tool(
+        reply = await until_a_worker_serves(lambda: client.call(
             "generate", context_id=context_id, prompt="What do you see?", max_tokens=24, temperature=0.0, seed=1),
             timeout_s)
         print(f"generate -> {reply['text']!r} (model version {reply['model_version']})")

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import free_port
+from shared.redis_embed import start_redis
+from tests.conftest import free_port, wait_for_sync
 from tests.gateway_support import start_gateway, stop
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,3 +73,46 @@ def test_no_mesh_is_one_line(name: str) -> None:
     run = demo(name, "--url", url, "--key", KEY)
     assert run.returncode == 2, run.stderr
     assert run.stderr.splitlines() == [f"nothing answers at {url}; is the mesh up?"]
+
+
+@pytest.mark.parametrize("name, mode", [("demo", []), ("demo", ["--mode", "legacy"]), ("ws_demo", ["--stateless"]),
+                                        ("ws_demo", [])])
+def test_a_redis_away_for_seconds_delays_the_demo_and_loses_nothing(tmp_path: Path, name: str,
+                                                                    mode: list[str]) -> None:
+    """A Redis restart (or a cluster's failover) is seconds of -32050 + Retry-After on every call
+    that needs it: the demo, which users copy, waits what the answer asks and carries on; it
+    does not end at the first one. (No worker runs here, so it ends, as it says, at generate.)"""
+    free_redis = free_port()
+    url, server = start_redis(tmp_path / "redis", port=free_redis)
+    gw_port = free_port()
+    gw = start_gateway(gw_port, url, api_keys=f"demo:{KEY}",
+                       overrides={"redis": {"retry_after_s": 1, "socket_timeout_s": 1.0}})
+    scheme, path = DEMOS[name]
+    out_path = tmp_path / "demo.out"
+    try:
+        server.terminate()
+        server.wait(timeout=10)
+        with out_path.open("w") as out:
+            run = subprocess.Popen([sys.executable, str(ROOT / "examples" / f"{name}.py"), "--url",
+                                    f"{scheme}://127.0.0.1:{gw_port}{path}", "--key", KEY, "--timeout", "1",
+                                    "--context", "outage", *mode], cwd=ROOT, env=_env(), stdout=out,
+                                   stderr=subprocess.STDOUT, text=True)
+        try:
+            wait_for_sync(lambda: "asking again" in out_path.read_text() or run.poll() is not None, timeout_s=30,
+                          what="the demo waiting for Redis")
+            assert run.poll() is None, out_path.read_text()
+            _, server = start_redis(tmp_path / "redis", port=free_redis)
+            assert run.wait(timeout=60) == 1, out_path.read_text()
+        finally:
+            if run.poll() is None:
+                run.kill()
+        text = out_path.read_text()
+        # told once why it waits: a call's -32050, or (WebSocket) the upgrade's HTTP 503
+        assert text.count("asking again") == 1 and ("-32050" in text or "HTTP 503" in text), text
+        assert "version 2 (text turn linked to" in text, text  # both appends made once Redis was back
+        assert "error -32050: no inference worker" in text.splitlines()[-1], text
+        assert "Traceback" not in text, text
+    finally:
+        stop(gw)
+        server.terminate()
+        server.wait(timeout=10)
