@@ -408,6 +408,11 @@ def child_configs(cfg: Config, args: Any, var_dir: Path, api_keys: dict[str, str
         tree["gateway"]["admin_keys"] = {"generated": {"key": admin_key, "role": "admin"}}
     if request_state_keys:
         tree["gateway"]["request_state_keys"] = request_state_keys
+    if _holds_checkpoint(tree["trainer"]["checkpoint_dir"]):
+        # the trainer restores learned weights: workers take them before they serve, even where
+        # Redis lost the trainer's status that would otherwise tell them (a server that keeps
+        # nothing on disk, restarted; another REDIS_URL beside the same var/)
+        tree["worker"]["await_snapshot"] = True
     paths = {}
     for role in ("gateway", "worker", "trainer"):
         role_tree = yaml.safe_load(yaml.safe_dump(tree))  # a deep copy
@@ -424,6 +429,15 @@ def child_configs(cfg: Config, args: Any, var_dir: Path, api_keys: dict[str, str
         load_config(path, env={})  # what the child will load: fail here, once, not in every child
         paths[role] = path
     return paths
+
+
+def _holds_checkpoint(directory: str) -> bool:
+    """Whether the trainer restores a checkpoint as it starts (``ckpt-<step>.pt``,
+    services/trainer/checkpoint.py, which the supervisor does not import: it loads torch)."""
+    try:
+        return any(Path(directory).glob("ckpt-*.pt"))
+    except OSError:
+        return False
 
 
 def under_var(cfg: Config, var_dir: Path) -> Config:

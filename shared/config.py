@@ -484,6 +484,10 @@ class WorkerConfig:
         default=15.0, description="a worker starting in a mesh whose trainer has published a version (its status "
                                   "in Redis) takes the trainer's snapshot before it serves, waiting this long at "
                                   "most; then it serves the base weights until one arrives (0: never waits)")
+    await_snapshot: bool = Field(
+        default=False, description="wait for the trainer's snapshot (up to snapshot_wait_s) even where Redis names no "
+                                   "published version: a Redis that lost its data beside a trainer that restores a "
+                                   "checkpoint. `learnmesh up` sets it when its trainer.checkpoint_dir holds one")
 
     def __post_init__(self) -> None:
         _check(len(set(self.endpoints)) == len(self.endpoints),

@@ -63,6 +63,24 @@ def test_default_var_paths_move_under_learnmesh_var(tmp_path: Path) -> None:
     assert load_config(paths["trainer"], env={}).trainer.checkpoint_dir == "/elsewhere"
 
 
+def test_workers_wait_for_the_restored_weights_where_the_trainer_holds_a_checkpoint(tmp_path: Path) -> None:
+    """Beside a checkpoint the trainer will restore, `up` tells its workers to take the trainer's
+    snapshot before they serve (worker.await_snapshot), as a Redis that lost the trainer's
+    status would not; with none, a first start, they serve the base weights at once."""
+    args = argparse.Namespace(workers=None)
+
+    def told() -> bool:
+        paths = child_configs(load_config(env={}), args, tmp_path, {"demo": "demo-key-123"}, "admin-key-123")
+        return load_config(paths["worker"], env={}).worker.await_snapshot
+
+    assert not told()
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / ".ckpt-0000000010.pt.tmp").write_bytes(b"cut short")
+    assert not told(), "a write a kill cut short is no checkpoint"
+    (tmp_path / "checkpoints" / "ckpt-0000000010.pt").write_bytes(b"restored as the trainer starts")
+    assert told()
+
+
 def test_learnmesh_keys_writes_where_up_reads_them(tmp_path: Path) -> None:
     """`learnmesh keys` (and --rotate-zmq) with $LEARNMESH_VAR, run from any directory: the keys
     land under $LEARNMESH_VAR, where `up` reads them, not under ./var."""

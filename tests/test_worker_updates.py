@@ -131,12 +131,18 @@ def _published(redis_target: RedisTarget, version: int) -> None:
         close_sync(r)
 
 
-async def test_a_worker_joining_a_mesh_that_has_learned_serves_the_trainers_weights_first(tmp_path, redis_target):
+@pytest.mark.parametrize("told_by", ["redis", "await_snapshot"])
+async def test_a_worker_joining_a_mesh_that_has_learned_serves_the_trainers_weights_first(tmp_path, redis_target,
+                                                                                          told_by):
     """A restarted mesh must not answer from the base weights while its trainer restores what it
     learned: a worker whose Redis names a published version answers no gateway before it holds
-    the trainer's snapshot, so its first heartbeat and first answer already carry that version."""
-    path, cfg = write_config(tmp_path, 1, redis_url=redis_target.url, extra={"compression": {"algorithm": "lossless"}})
-    _published(redis_target, 3)
+    the trainer's snapshot, so its first heartbeat and first answer already carry that version.
+    So does one told by ``worker.await_snapshot`` (`learnmesh up` beside a checkpoint) where
+    Redis lost the trainer's status."""
+    path, cfg = write_config(tmp_path, 1, redis_url=redis_target.url, extra={"compression": {"algorithm": "lossless"}},
+                             worker={"await_snapshot": told_by == "await_snapshot"})
+    if told_by == "redis":
+        _published(redis_target, 3)
     model = build_model(cfg.model)
     params = {n: p.detach().clone() for n, p in model.trainable_named_parameters()}
     with torch.no_grad():
@@ -182,7 +188,7 @@ async def test_a_worker_whose_trainer_does_not_answer_serves_the_base_weights_af
         res = await pool.request({"op": "score", "prompt": "The gateway", "target": " serves", "entries": []})
         assert res["version"] == 0
         await wait_for(lambda: log.has("no snapshot from the trainer within 1s (worker.snapshot_wait_s) although "
-                                       "it has published version 3: serving the base weights"),
+                                       "the trainer has published version 3: serving the base weights"),
                        timeout_s=10, what="the worker's log to say it serves the base weights")
     finally:
         await pool.close()

@@ -228,7 +228,8 @@ class Worker:
 
     def _await_snapshot(self) -> None:
         """A mesh that has learned is not answered from the base weights: when the trainer's
-        status names a published version, the worker takes the trainer's snapshot before it
+        status names a published version (or ``worker.await_snapshot`` says a checkpoint is being
+        restored where Redis lost that status), the worker takes the trainer's snapshot before it
         answers a gateway or announces itself (gateways route to the workers that serve, or
         wait for one), for ``worker.snapshot_wait_s`` at most. A restarted mesh would otherwise
         serve version 0 until the trainer has restored its checkpoint. Past the bound (no
@@ -237,17 +238,19 @@ class Worker:
         if self.subscriber is None or wait_s <= 0 or not self.cfg.redis.url:
             return
         learned = self._published_version()
-        if learned <= 0:
+        if learned > 0:
+            why = f"the trainer has published version {learned}"
+        elif self.wcfg.await_snapshot:  # Redis lost the trainer's status; its checkpoint is still there
+            why = "the trainer restores a checkpoint (worker.await_snapshot)"
+        else:
             return
-        log.info("worker %s: the trainer has published version %d; taking its snapshot before serving (up to %gs)",
-                 self.worker_id, learned, wait_s)
+        log.info("worker %s: %s; taking its snapshot before serving (up to %gs)", self.worker_id, why, wait_s)
         deadline = time.monotonic() + wait_s
         while not self._stop and not self.subscriber.synced:
             left_s = deadline - time.monotonic()
             if left_s <= 0:
-                log.warning("worker %s: no snapshot from the trainer within %gs (worker.snapshot_wait_s) although it "
-                            "has published version %d: serving the base weights (version 0) until one arrives",
-                            self.worker_id, wait_s, learned)
+                log.warning("worker %s: no snapshot from the trainer within %gs (worker.snapshot_wait_s) although "
+                            "%s: serving the base weights (version 0) until one arrives", self.worker_id, wait_s, why)
                 return
             self.subscriber.wait(math.ceil(min(left_s, 0.2) * 1000))  # short: a stop is seen
             self._apply_updates()
