@@ -24,7 +24,7 @@ import zmq
 
 from bench.mesh_support import ROOT, McpError, McpHttp, McpWs, Mesh, RedisServer, free_port, wait_until
 from services.trainer import ledger
-from shared.config import ZmqConfig
+from shared.config import ContextConfig, ZmqConfig
 from shared.crypto import MAX_SEALED_FRAME_BYTES
 from shared.curve import CurveKeys
 from shared.redis_client import close_sync
@@ -185,6 +185,8 @@ async def _timed_load(mesh: Mesh, load_s: float, fault: Any, recovered: Any, nam
 
 def _context_mismatches(mesh: Mesh, load: Load) -> int:
     """Contexts whose stored text entries are not exactly the acknowledged appends (in order)."""
+    cap = ContextConfig(**mesh.cfg.get("context", {})).channel_max_entries
+
     async def check() -> int:
         bad = 0
         for (principal, ctx), written in load.written.items():
@@ -196,10 +198,22 @@ def _context_mismatches(mesh: Mesh, load: Load) -> int:
             texts = [e.get("text") for e in got["entries"]]
             # an append whose reply was lost in an outage may have been stored: allow extras only
             # if they are this client's own texts, never another's, and never lose an acked one
-            if not set(written) <= set(texts) or any(not t.startswith(f"{principal}:{ctx}:") for t in texts):
+            if any(not t.startswith(f"{principal}:{ctx}:") for t in texts):
+                bad += 1
+            elif not set(_in_window(written, texts, cap)) <= set(texts):
                 bad += 1
         return bad
     return asyncio.run(check()) if not _in_loop() else _run_in_thread(check)
+
+
+def _in_window(written: list[str], texts: list[str], cap: int) -> list[str]:
+    """The acknowledged appends the channel must still hold: all of them, unless it is full
+    (``context.channel_max_entries``), when the oldest gave way and those from its oldest
+    entry on remain (a long drill appends more than a window)."""
+    if len(texts) < cap:
+        return written
+    oldest = min(int(t.rsplit(":", 1)[1]) for t in texts)
+    return [w for w in written if int(w.rsplit(":", 1)[1]) >= oldest]
 
 
 def _in_loop() -> bool:

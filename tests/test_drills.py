@@ -108,3 +108,18 @@ def test_rolling_failover_of_every_master(mesh: Mesh, redis_cluster: RedisTarget
     rep = asyncio.run(drills.drill_rolling_failover(mesh, redis_cluster.cluster, load_s=_load_s(mesh, 12)))
     _check(rep, mesh)
     assert not rep.restarted, rep.notes  # type: ignore[attr-defined]
+
+
+def test_a_full_context_window_is_checked_from_its_oldest_entry() -> None:
+    """A long drill appends more than a channel holds (`context.channel_max_entries`): the
+    oldest acknowledged appends gave way by design, and the check asks for every one from the
+    window's oldest entry on — one missing there is still found."""
+    written = [f"ann:load-0:{n}" for n in range(1, 1501)]
+    window = written[-1000:]
+    assert drills._in_window(written, window, 1000) == window
+    assert set(drills._in_window(written, window, 1000)) <= set(window)
+    lost_inside = written[-1001:-500] + written[-499:]  # full, but one acknowledged append is not there
+    assert len(lost_inside) == 1000
+    assert not set(drills._in_window(written, lost_inside, 1000)) <= set(lost_inside)
+    short = written[:10] + written[11:20]  # not full: every acknowledged append must be there
+    assert not set(drills._in_window(written[:20], short, 1000)) <= set(short)
