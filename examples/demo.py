@@ -123,8 +123,10 @@ async def until_trained(call: Callable[[], Awaitable[Any]]) -> Any:
 
 
 def unavailable(exc: BaseException) -> BaseException | None:
-    """The "retry later" answer (-32050) in ``exc``, also where the SDK wraps it in a group."""
-    return next((e for e in _leaves(exc) if getattr(e, "code", None) == UNAVAILABLE), None)
+    """The "retry later" answer in ``exc`` (-32050, or HTTP 503 where no JSON-RPC answer came, as to
+    a WebSocket upgrade), also where the SDK wraps it in a group."""
+    return next((e for e in _leaves(exc) if getattr(e, "code", None) == UNAVAILABLE
+                 or getattr(getattr(e, "response", None), "status_code", None) == 503), None)
 
 
 def retry_after(exc: BaseException) -> float:
@@ -153,7 +155,8 @@ async def retrying(call: Callable[[], Awaitable[Any]], timeout_s: float = TRANSI
             if later is None or time.monotonic() > deadline:
                 raise
             wait = retry_after(later)
-            line = note or f"the mesh answers -32050 ({later}); asking again in {wait:g}s"
+            answer = "-32050" if getattr(later, "code", None) == UNAVAILABLE else "HTTP 503"
+            line = note or f"the mesh answers {answer} ({later}); asking again in {wait:g}s"
             if line not in told:
                 print(line)
                 told.add(line)

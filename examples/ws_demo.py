@@ -29,10 +29,8 @@ import websockets
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from demo import (  # noqa: E402
-    TRANSIENT_S,
     default_key,
     plain_failure,
-    retry_after,
     retrying,
     tiny_png,
     until_a_worker_serves,
@@ -106,20 +104,8 @@ class WsClient:
 async def open_socket(url: str, headers: dict[str, str]) -> Any:
     """The WebSocket, opened again while the gateway answers the upgrade with 503 (Redis, where
     it keeps its limits and sessions, restarting or failing over), after its Retry-After."""
-    deadline = time.monotonic() + TRANSIENT_S
-    told = False
-    while True:
-        try:
-            return await websockets.connect(url, subprotocols=[websockets.Subprotocol("mcp")],
-                                            additional_headers=headers, max_size=16 * 1024 * 1024)
-        except websockets.InvalidStatus as exc:
-            if exc.response.status_code != 503 or time.monotonic() > deadline:
-                raise
-            wait = retry_after(exc)
-            if not told:
-                print(f"the gateway answers the WebSocket upgrade with HTTP 503; asking again in {wait:g}s")
-                told = True
-            await asyncio.sleep(wait)
+    return await retrying(lambda: websockets.connect(url, subprotocols=[websockets.Subprotocol("mcp")],
+                                                     additional_headers=headers, max_size=16 * 1024 * 1024))
 
 
 async def run(url: str, key: str | None, stateless: bool, context_id: str, timeout_s: float) -> None:
