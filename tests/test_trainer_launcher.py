@@ -297,3 +297,36 @@ def test_under_plain_torchrun_a_rank_started_before_its_redis_waits_for_it(tmp_p
         if server is not None:
             server.terminate()
             server.wait(10)
+
+
+_STALLED_CLOSE = """
+import sys, threading
+from services.trainer.main import close_within, configure_logging
+
+class Closing:
+    def close(self):
+        if sys.argv[1] == "stalls":
+            threading.Event().wait()
+
+configure_logging("0")
+close_within(1.0, Closing(), 0, 3)
+print("closed")
+"""
+
+
+@pytest.mark.parametrize("close", ["stalls", "returns"])
+def test_a_rank_whose_close_stalls_leaves_with_its_status_instead_of_holding_the_stop(close: str):
+    """Everything is checkpointed and committed before a rank closes its sockets, Redis
+    connections and process group: a close that does not return ends the rank with the status
+    it had, after the limit, rather than holding the trainer's stop until torchrun kills it."""
+    proc = subprocess.run([sys.executable, "-c", _STALLED_CLOSE, close], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    if close == "stalls":
+        assert proc.returncode == 3, proc.stderr
+        assert "rank 0: closing its sockets and Redis connections took over 1 s; the rank leaves without it" \
+            in proc.stderr
+        assert "closed" not in proc.stdout
+    else:
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == "closed"
+        assert "leaves without it" not in proc.stderr

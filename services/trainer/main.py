@@ -132,7 +132,18 @@ def run_rank(cfg: Config, observers: Sequence[StepObserver] = ()) -> int:
     if env.restarts and env.rank == 0:
         log.warning("the rank group was restarted (restart %d of %s): resuming from the latest checkpoint",
                     env.restarts, os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"))
-    trainer = None
+    holder: list[Trainer] = []
+    code = 1
+    try:
+        code = _run(cfg, env, stop, starting, observers, holder)
+    finally:
+        starting[0] = False  # from here a SIGTERM only sets stop: the close below is bounded
+        close_within(close_limit_s(cfg), holder[0] if holder else None, env.rank, code)
+    return code
+
+
+def _run(cfg: Config, env: RankEnv, stop: threading.Event, starting: list[bool],
+         observers: Sequence[StepObserver], holder: list[Trainer]) -> int:
     try:
         try:
             # Under plain torchrun (a Kubernetes pod) nothing waited for Redis before the ranks
@@ -142,6 +153,7 @@ def run_rank(cfg: Config, observers: Sequence[StepObserver] = ()) -> int:
                 if not wait_for_redis(cfg):
                     return 0
             trainer = build_trainer(cfg, init_distributed(cfg, env), stop.is_set, observers)
+            holder.append(trainer)
             starting[0] = False
         except (ConfigError, checkpoint.CheckpointError) as exc:  # settings, keys, checkpoints to mend
             # `learnmesh trainer` restarts nothing for this status; plain torchrun has no such
@@ -160,10 +172,35 @@ def run_rank(cfg: Config, observers: Sequence[StepObserver] = ()) -> int:
         log.error("rank %d failed: %s: %s", env.rank, type(exc).__name__, exc,
                   exc_info=log.isEnabledFor(logging.DEBUG))
         return 1
-    finally:
+
+
+def close_limit_s(cfg: Config) -> float:
+    """A quarter of ``trainer.step_timeout_s``, the time the launcher gives a stop: the rest is
+    for the last step and its checkpoint."""
+    return max(1.0, cfg.trainer.step_timeout_s / 4)
+
+
+def close_within(limit_s: float, trainer: Trainer | None, rank: int, code: int) -> None:
+    """Close the rank's sockets, Redis connections and process group, or leave with ``code``
+    after ``limit_s``: a close that stalls (gloo waiting on a peer already gone, a socket
+    ZeroMQ does not let go) holds nothing to save (checkpoints and commits come before it),
+    and would otherwise hold the whole trainer's stop until the launcher kills the rank."""
+    stage = ["its sockets and Redis connections"]
+
+    def overdue() -> None:
+        log.warning("rank %d: closing %s took over %.0f s; the rank leaves without it", rank, stage[0], limit_s)
+        leave(code)
+
+    timer = threading.Timer(limit_s, overdue)
+    timer.daemon = True
+    timer.start()
+    try:
         if trainer is not None:
             trainer.close()
+        stage[0] = "its process group"
         teardown()
+    finally:
+        timer.cancel()
 
 
 def _die_with_launcher() -> None:
