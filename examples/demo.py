@@ -23,6 +23,7 @@ import os
 import struct
 import sys
 import time
+import uuid
 import zlib
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -185,11 +186,12 @@ async def run(url: str, key: str | None, mode: str, context_id: str, timeout_s: 
         async def tool(name: str, args: dict[str, Any]) -> dict[str, Any]:
             return structured(await retrying(lambda: client.call_tool(name, args)))
 
+        # a request_id per append: an append sent again after a lost answer is not stored twice
         image_id = (await tool("context_append", {
-            "context_id": context_id, "modality": "image", "role": "user",
+            "context_id": context_id, "modality": "image", "role": "user", "request_id": str(uuid.uuid4()),
             "data": base64.b64encode(tiny_png()).decode(), "mime_type": "image/png"}))["entry_id"]
         version = (await tool("context_append", {
-            "context_id": context_id, "modality": "text", "role": "user",
+            "context_id": context_id, "modality": "text", "role": "user", "request_id": str(uuid.uuid4()),
             "text": "Here is a picture of the Zorbland flag.", "links": [image_id]}))["version"]
         print(f"context {context_id!r} now at version {version} (text turn linked to {image_id})")
 

@@ -22,6 +22,7 @@ import json
 import os
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -117,9 +118,12 @@ async def run(url: str, key: str | None, stateless: bool, context_id: str, timeo
         print(f"connected over WebSocket ({version}, subprotocol {ws.subprotocol}); "
               f"tools: {', '.join(t['name'] for t in tools['tools'])}")
 
+        # a request_id per append: an append sent again after a lost answer is not stored twice
         image = await client.tool("context_append", context_id=context_id, modality="image", role="user",
+                                  request_id=str(uuid.uuid4()),
                                   data=base64.b64encode(tiny_png()).decode(), mime_type="image/png")
         turn = await client.tool("context_append", context_id=context_id, modality="text", role="user",
+                                 request_id=str(uuid.uuid4()),
                                  text="Here is a picture of the Zorbland flag.", links=[image["entry_id"]])
         print(f"context {context_id!r} at version {turn['version']} (text turn linked to {image['entry_id']})")
         reply = await until_a_worker_serves(lambda: client.call(

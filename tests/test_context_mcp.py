@@ -121,6 +121,26 @@ def test_tools_roundtrip_and_bad_input(client: TestClient) -> None:
     assert a("context_get", context_id="conv")["result"]["structuredContent"]["version"] == 2  # nothing written
 
 
+def test_an_append_sent_again_with_its_request_id_is_answered_without_a_second_entry(client: TestClient) -> None:
+    """A client that lost an answer sends the call again: through either revision, with the
+    same request_id, the context still holds the entry once and the answer is the first's."""
+    legacy = Legacy(client, "alice")
+    for rpc, cid in ((lambda m, p: modern(client, "alice", m, p), "modern"), (legacy, "legacy")):
+        first = call(rpc, "context_append", context_id=cid, modality="text", text="hi", request_id="7f1c-01")
+        first = first["result"]["structuredContent"]
+        assert first == {"context_id": cid, "entry_id": "text:1", "version": 1, "evicted": []}
+        again = call(rpc, "context_append", context_id=cid, modality="text", text="hi", request_id="7f1c-01")
+        assert again["result"]["structuredContent"] == {**first, "repeated": True}
+        got = call(rpc, "context_get", context_id=cid)["result"]["structuredContent"]
+        assert got["version"] == 1 and [e["text"] for e in got["entries"]] == ["hi"]
+        bad = call(rpc, "context_append", context_id=cid, modality="text", text="hi", request_id="no spaces")
+        assert bad["error"]["code"] == -32602, bad
+    # the id is the principal's own: bob's call with it appends to bob's context
+    bobs = modern(client, "bob", "tools/call", {"name": "context_append", "arguments": {
+        "context_id": "modern", "modality": "text", "text": "hi", "request_id": "7f1c-01"}})
+    assert "repeated" not in bobs["result"]["structuredContent"]
+
+
 def test_two_keys_are_isolated_modern_and_legacy(client: TestClient) -> None:
     def a(name, **args):
         return modern(client, "alice", "tools/call", {"name": name, "arguments": args})

@@ -219,6 +219,35 @@ def test_config_validation():
         ContextConfig(versions_retained=0)
 
 
+async def test_an_append_retried_with_its_request_id_appends_once(r):
+    """A client that lost an append's answer (a timeout, a failover, replicas behind) sends it
+    again with the same request id: the context holds it once, and the retry is answered with
+    the first append's entry and version, even after later appends of other requests."""
+    s = make(r)
+    first = await s.append("a", "c", "text", "user", b"pay the invoice", request_id="r-1")
+    assert (first.entry_id, first.version, first.repeated) == ("text:1", 1, False)
+    other = await s.append("a", "c", "image", "user", b"\x89PNG", request_id="r-2")
+    plain = await s.append("a", "c", "text", "user", b"no id")
+    again = await s.append("a", "c", "text", "user", b"pay the invoice", request_id="r-1")
+    assert (again.entry_id, again.version, again.repeated) == ("text:1", 1, True)
+    assert (await s.append("a", "c", "text", "user", b"x", request_id="r-2")).entry_id == other.entry_id
+    win = await s.get_window("a", "c")
+    assert win.version == plain.version == 3
+    assert [e.text for e in win.channels["text"]] == ["pay the invoice", "no id"]
+    assert await s.principal_bytes("a") == size(b"pay the invoice") + size(b"\x89PNG") + size(b"no id")
+    # ids are the context's own: another context, or another principal, appends
+    assert not (await s.append("a", "d", "text", "user", b"pay the invoice", request_id="r-1")).repeated
+    assert not (await s.append("b", "c", "text", "user", b"pay the invoice", request_id="r-1")).repeated
+    # the last 8 ids are kept: the 9th newer append makes r-1 new again
+    for i in range(8):
+        await s.append("a", "c", "text", "user", b"%d" % i, request_id=f"n-{i}")
+    assert not (await s.append("a", "c", "text", "user", b"pay the invoice", request_id="r-1")).repeated
+    assert (await s.append("a", "c", "text", "user", b"7", request_id="n-7")).repeated
+    with pytest.raises(ContextError, match="request id must be 1-64 characters"):
+        await s.append("a", "c", "text", "user", b"x", request_id="has space")
+    assert (await s.get_window("a", "c")).version == 12
+
+
 async def test_versions_retained_and_clear(r):
     s = make(r, versions_retained=3)
     for i in range(3):

@@ -69,6 +69,10 @@ APPEND_INPUT: dict[str, Any] = {
         "links": {"type": "array", "items": {"type": "string", "pattern": "^[a-z][a-z0-9_-]{0,31}:[0-9]{1,15}$"},
                   "maxItems": 64,
                   "description": "ids of entries in other channels, e.g. 'image:3'"},
+        "request_id": {"type": "string", "pattern": "^[A-Za-z0-9._:-]{1,64}$",
+                       "description": "makes a retry safe: an append naming the request_id of one of this "
+                                      "context's last 8 appends that named one appends nothing and answers "
+                                      "that append's entry_id and version (with repeated: true)"},
     },
     "required": ["context_id", "modality"],
     "additionalProperties": False,
@@ -76,7 +80,9 @@ APPEND_INPUT: dict[str, Any] = {
 APPEND_OUTPUT: dict[str, Any] = {
     "type": "object",
     "properties": {"context_id": {"type": "string"}, "entry_id": {"type": "string"},
-                   "version": {"type": "integer"}, "evicted": {"type": "array", "items": {"type": "string"}}},
+                   "version": {"type": "integer"}, "evicted": {"type": "array", "items": {"type": "string"}},
+                   "repeated": {"type": "boolean", "description": "true: the request_id named an earlier append, "
+                                                                  "whose answer this is; nothing was appended"}},
     "required": ["context_id", "entry_id", "version", "evicted"],
 }
 GET_INPUT: dict[str, Any] = {
@@ -263,10 +269,14 @@ async def context_append(ctx: ToolContext, args: dict[str, Any]) -> dict[str, An
     except MediaError as exc:
         raise InvalidParams(f"{modality} entry refused: {exc}", {"modality": modality}) from None
     res = await store.append(ctx.principal, args["context_id"], modality, args.get("role", "user"), content,
-                             mime=args.get("mime_type"), tokens=args.get("tokens"), links=args.get("links", ()))
-    await notify_changed(ctx, args["context_id"], [modality], listed=res.opened)
-    return {"context_id": args["context_id"], "entry_id": res.entry_id, "version": res.version,
-            "evicted": res.evicted}
+                             mime=args.get("mime_type"), tokens=args.get("tokens"), links=args.get("links", ()),
+                             request_id=args.get("request_id"))
+    out = {"context_id": args["context_id"], "entry_id": res.entry_id, "version": res.version, "evicted": res.evicted}
+    if res.repeated:
+        out["repeated"] = True
+    else:
+        await notify_changed(ctx, args["context_id"], [modality], listed=res.opened)
+    return out
 
 
 async def context_get(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:

@@ -607,11 +607,40 @@ end
 -- ------------------------------------------------------------------ operations
 local ops = {}
 
--- ARGV 5 cid, 6 modality, 7 entry body (see stored entries), 8 links csv -> {seq, version, evicted,
--- delta, opened} (opened: 1 when the channel held no entry before, so the caller's resource list grew)
+-- The meta keeps the request ids of a context's last RIDS appends that named one, as
+-- {id, modality, seq, version} in m.q (newest last): an append naming one of them is a retry.
+local RIDS = 8
+
+local function repeated(m, rid)
+  if rid == '' or not m or not m.q then return nil end
+  for _, q in ipairs(m.q) do
+    if q[1] == rid then return q end
+  end
+  return nil
+end
+
+local function remember_request(m, rid, mod, seq)
+  if rid == '' then return end
+  local q = m.q or {}
+  q[#q + 1] = {rid, mod, seq, m.v}
+  if #q > RIDS then table.remove(q, 1) end
+  m.q = q
+end
+
+-- ARGV 5 cid, 6 modality, 7 entry body (see stored entries), 8 links csv, 9 request id ('' for
+-- none) -> {seq, version, evicted, delta, opened, modality} (opened: 1 when the channel held no
+-- entry before, so the caller's resource list grew). An append whose request id is one of the
+-- context's last RIDS appends' appends nothing and answers that append's {seq, version, ...,
+-- its modality}; modality is '' otherwise.
 function ops.append()
-  local cid, mod, val, links = ARGS[5], ARGS[6], ARGS[7], ARGS[8]
+  local cid, mod, val, links, rid = ARGS[5], ARGS[6], ARGS[7], ARGS[8], ARGS[9] or ''
   local m = load(cid)
+  local again = repeated(m, rid)
+  if again then
+    touch(cid)
+    finish(true)
+    return {again[3], again[4], evicted_reply(), cdelta, 0, again[2]}
+  end
   local new = not m
   if new then m = new_meta(cid); created = true end
   for link in string.gmatch(links, '[^,]+') do
@@ -637,10 +666,11 @@ function ops.append()
   touch(cid, new)
   bump(cid, m)
   enforce_principal(cid, m)
+  remember_request(m, rid, mod, seq)
   save(cid, m)
   audit('append', cid, m.v, {'entry', mod .. ':' .. seqstr(seq), 'bytes', #val})
   finish(true)
-  return {seq, m.v, evicted_reply(), cdelta, opened}
+  return {seq, m.v, evicted_reply(), cdelta, opened, ''}
 end
 
 -- Entries the caller already holds, from ARGV "<epoch>;mod:first:last;...": honoured only

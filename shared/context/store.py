@@ -30,6 +30,7 @@ from shared.context.validation import (
     check_limit,
     check_principal,
     check_reason,
+    check_request_id,
     check_version,
     modalities_arg,
 )
@@ -50,6 +51,7 @@ class AppendResult:
     version: int
     evicted: list[str] = field(default_factory=list)  # this principal's contexts evicted by the append
     opened: bool = False  # the channel held no entry before: the principal's resource list grew
+    repeated: bool = False  # the request id named an earlier append: this is its answer, nothing appended
 
 
 @dataclass
@@ -135,15 +137,24 @@ class ContextStore:
         return self._cache.entries_reused
 
     async def append(self, principal: str, context_id: str, modality: str, role: str, content: bytes, *,
-                     mime: str | None = None, tokens: int | None = None, links: Sequence[str] = ()) -> AppendResult:
-        """Append one entry (creating the context if needed); returns its id and the new version."""
+                     mime: str | None = None, tokens: int | None = None, links: Sequence[str] = (),
+                     request_id: str | None = None) -> AppendResult:
+        """Append one entry (creating the context if needed); returns its id and the new version.
+        ``request_id`` makes a retry safe: an append naming the id of one of the context's last
+        8 appends that named one appends nothing and answers that append's entry and version."""
         check_principal(principal)
         check_id(context_id)
+        if request_id is not None:
+            check_request_id(request_id)
         content, tokens, links = check_entry(self.cfg, modality, role, content, mime=mime, tokens=tokens, links=links)
         packed = pack_entry(role, content, tokens=tokens, ts_ms=self._clock_ms(), mime=mime, links=links)
-        seq, version, gone, delta, opened = await self._script.call("append", principal, context_id, modality,
-                                                                    packed, ",".join(links))
+        seq, version, gone, delta, opened, earlier = await self._script.call(
+            "append", principal, context_id, modality, packed, ",".join(links), request_id or "")
         self._global.report(principal, delta)
+        if earlier:
+            earlier = earlier.decode() if isinstance(earlier, bytes) else str(earlier)
+            return AppendResult(entry_id=f"{earlier}:{int(seq)}", version=int(version),
+                                evicted=self._evicted(principal, gone), repeated=True)
         metrics.CONTEXT_APPENDED_BYTES.labels(modality).inc(len(content))
         return AppendResult(entry_id=f"{modality}:{int(seq)}", version=int(version),
                             evicted=self._evicted(principal, gone), opened=bool(opened))

@@ -20,6 +20,7 @@ _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 # NUL marks the principal in the scripts' command template (see scripts.py).
 _PRINCIPAL_BAD = re.compile(r"[{}|\x00\s]")
 _REASON_RE = re.compile(r"[a-z_]{1,32}")
+_REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,64}")  # a UUID fits; kept in the context's meta
 _SEQ = re.compile(r"[0-9]{1,15}")  # a sequence number (exact as a Lua number, as the script reads it)
 
 
@@ -35,6 +36,11 @@ def is_context_id(context_id: Any) -> bool:
 def check_id(context_id: str) -> None:
     if not is_context_id(context_id):
         raise ContextError("context id must be 1-128 characters of [A-Za-z0-9._:-], starting alphanumeric")
+
+
+def check_request_id(request_id: str) -> None:
+    if not isinstance(request_id, str) or not _REQUEST_ID_RE.fullmatch(request_id):
+        raise ContextError("request id must be 1-64 characters of [A-Za-z0-9._:-] (a UUID fits)")
 
 
 def check_modality(cfg: ContextConfig, modality: str) -> None:
