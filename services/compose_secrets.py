@@ -140,7 +140,8 @@ def main(cfg: Config, args: argparse.Namespace) -> int:
 
 def _complete(out: Path, values: dict[str, str]) -> int:
     """An existing file keeps every key in it; what this version needs and the file lacks is
-    added (an upgrade then rotates nothing); exit 1 when nothing was missing."""
+    added (an upgrade then rotates nothing). A file that lacks nothing is left as it is: running
+    it again after an upgrade is one step whether or not the upgrade brought a key."""
     old = read_private_text(out, "compose secrets file")  # refused, naming the fix, when others may read it
     try:
         added = _missing(old, values)
@@ -148,8 +149,8 @@ def _complete(out: Path, values: dict[str, str]) -> int:
         print(f"{out}: {e}; pass --force to replace every key in it", file=sys.stderr)
         return 1
     if not added:
-        print(f"{out} exists: keep it, or pass --force to replace every key in it", file=sys.stderr)
-        return 1
+        print(f"{out} holds every key this version needs: kept as it is (--force replaces every key in it)")
+        return 0
     write_private(out, old + "\n" + _assignments(added))
     print(f"{out}: kept every key in it and added {', '.join(added)}; recreate the services that use them "
           f"(docker compose ... up -d, or re-apply the Kubernetes Secrets and restart)")

@@ -470,8 +470,9 @@ def test_compose_secrets_writes_a_private_file_once(tmp_path, capsys):
     first = out.read_text()
     assert "LEARNMESH_API_KEYS='alice:alice-key-0123456789'" in first
     assert "docker compose" not in capsys.readouterr().out  # not beside a compose file: no compose hint
-    assert compose_secrets.main(load_config(env={}), args) == 1 and out.read_text() == first  # kept
-    assert "--force" in capsys.readouterr().err
+    # run again (after an upgrade that brought no key): kept, and not a failure for a script
+    assert compose_secrets.main(load_config(env={}), args) == 0 and out.read_text() == first
+    assert "holds every key this version needs: kept as it is (--force replaces" in capsys.readouterr().out
 
 
 def test_compose_secrets_adds_what_an_earlier_file_lacks_and_rotates_nothing(tmp_path, capsys):
@@ -490,8 +491,8 @@ def test_compose_secrets_adds_what_an_earlier_file_lacks_and_rotates_nothing(tmp
     assert {k: v for k, v in now.items() if k in earlier} == earlier, "every key in the file is kept"
     assert set(now) == set(compose_secrets.generate()) and len(bytes.fromhex(now["LEARNMESH_REQUEST_STATE_KEYS"])) == 32
     assert os.stat(out).st_mode & 0o777 == 0o600
-    assert compose_secrets.main(load_config(env={}), args) == 1 and _parse_env_file(out.read_text()) == now
-    assert "--force" in capsys.readouterr().err
+    assert compose_secrets.main(load_config(env={}), args) == 0 and _parse_env_file(out.read_text()) == now
+    assert "holds every key this version needs" in capsys.readouterr().out  # nothing left to add
 
     # half of a pair (a password without its hash) is not mended: the pair must be made together
     del earlier["LEARNMESH_REDIS_PASSWORD_SHA256"]
