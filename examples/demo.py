@@ -111,10 +111,10 @@ LEARN_TIMEOUT_S = 900.0
 
 async def until_a_worker_serves(call: Callable[[], Awaitable[Any]], timeout_s: float) -> Any:
     """``call()`` again while the mesh answers "no worker yet" (-32050): on its first start
-    each worker pre-trains the base model (about a minute) before it serves; on a restart
+    each worker pre-trains the base model (one to two minutes on 2 cores) before it serves; on a restart
     workers take what the trainer learned (its snapshot) before they serve."""
     return await retrying(call, timeout_s, "waiting for an inference worker (a first start pre-trains the base "
-                                           "model, about a minute; a restart loads what was learned first)")
+                                           "model, one to two minutes; a restart loads what was learned first)")
 
 
 async def until_trained(call: Callable[[], Awaitable[Any]]) -> Any:
