@@ -217,7 +217,7 @@ async def run(url: str, key: str | None, mode: str, context_id: str, timeout_s: 
         print(f"before learning (model v{v_before}): mean loss {sum(before) / len(before):.3f}")
 
         samples = [{"kind": "example", "input": p, "target": t} for p, t in FACTS for _ in range(COPIES)]
-        ack = await tool("learn", {"samples": samples})
+        ack = await tool("learn", {"samples": samples, "request_id": str(uuid.uuid4())})  # logged once, retried or not
         acked = time.monotonic()
         print(f"learn -> {len(ack['ids'])} samples acknowledged; waiting for a model that has learnt them "
               f"(after_learn={ack['learned']!r})")

@@ -141,8 +141,9 @@ async def run(url: str, key: str | None, stateless: bool, context_id: str, timeo
 
         before, v_before = await losses()
         print(f"before learning (model v{v_before}): mean loss {before:.3f}")
-        ack = await client.tool("learn", samples=[{"kind": "example", "input": p, "target": t}
-                                                  for p, t in FACTS for _ in range(COPIES)])
+        ack = await client.tool("learn", request_id=str(uuid.uuid4()),  # logged once, retried or not
+                                samples=[{"kind": "example", "input": p, "target": t}
+                                         for p, t in FACTS for _ in range(COPIES)])
         acked = time.monotonic()
         print(f"learn -> {len(ack['ids'])} samples acknowledged; waiting for a model that has learnt them "
               f"(after_learn={ack['learned']!r})")

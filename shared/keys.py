@@ -276,6 +276,13 @@ def sample_log_id(partition: int) -> str:
     return f"{PREFIX}{_samples_tag(partition)}:logid"
 
 
+def sample_requests(partition: int, principal: str) -> str:
+    """List: the principal's last ``learn`` request ids in this partition, newest first, each
+    ``<request id>|<n>|<last seq>|<entry id>|<log id>`` (the append script's, capped and expiring:
+    see shared/samples.py APPEND_LUA). In the partition's slot, beside the log it answers for."""
+    return f"{PREFIX}{_samples_tag(partition)}:req:{principal}"
+
+
 def model_version_seq(partition: int, log_id: str) -> str:
     """Sorted set: published model version (member) scored by the last seq of the partition's log
     ``log_id`` its weights hold. ``learn`` answers with its partition, log and last seq; the first

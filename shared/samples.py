@@ -145,6 +145,13 @@ class SampleBatch(msgspec.Struct, forbid_unknown_fields=True):
     samples: Annotated[list[Sample], Meta(min_length=1)]
 
 
+REQUEST_ID_SCHEMA: dict[str, Any] = {
+    "type": "string", "pattern": "^[A-Za-z0-9._:-]{1,64}$",
+    "description": "makes a retry safe: a learn naming the request_id of one of your last 8 learn calls "
+                   "that named one (within a day) logs nothing and answers that call's ids, seqs and learned "
+                   "token (with repeated: true)"}
+
+
 def learn_input_schema() -> dict[str, Any]:
     """The ``learn`` tool's inputSchema: one sample (its fields at top level) or a batch
     under ``samples``, from the structs above."""
@@ -155,6 +162,8 @@ def learn_input_schema() -> dict[str, Any]:
     for name in ("Example", "Feedback"):
         defs[name]["required"].remove("kind")
     defs["SampleBatch"]["properties"]["samples"]["items"].pop("discriminator")
+    for name in ("Example", "Feedback", "SampleBatch"):  # the call's, not a sample's: see SampleIngest.submit
+        defs[name]["properties"]["request_id"] = REQUEST_ID_SCHEMA
     return {"type": "object", "anyOf": [example, feedback, batch], "$defs": defs,
             "description": "One sample (its fields at top level) or a batch under 'samples'."}
 
@@ -245,15 +254,31 @@ def load_stored(raw: bytes | str | memoryview) -> Sample:
 # samples not yet trained (beyond the trainer's committed seq ARGV[6], if it belongs to this log:
 # ARGV[7]) is refused with {-1, backlog, ''} and nothing is written; the log is never trimmed
 # to make room.
+REQUEST_IDS = 8  # a principal's learn request ids kept per partition (retries come before 8 newer calls)
+REQUEST_IDS_TTL_S = 86_400  # and for how long after its last learn with one
 APPEND_LUA = """
 local n = tonumber(ARGV[2])
 local cap = tonumber(ARGV[8])
+-- ARGV[9], with KEYS[4] (keys.sample_requests): the call's request id. One of the principal's
+-- last REQUEST_IDS ids for this same log answers that append again and logs nothing (a retry);
+-- the same id for another number of samples is refused ({-2, n of the first}).
+local rid = ARGV[9] or ''
+if rid ~= '' then
+  local current = redis.call('GET', KEYS[3])
+  for _, rec in ipairs(redis.call('LRANGE', KEYS[4], 0, -1)) do
+    local r, rn, rlast, rentry, rlog = string.match(rec, '^([^|]*)|(%d+)|(%d+)|([^|]*)|(.*)$')
+    if r == rid and rlog == current then
+      if tonumber(rn) ~= n then return {-2, tonumber(rn), '', 0} end
+      return {tonumber(rlast), rentry, rlog, 1}
+    end
+  end
+end
 local trained = 0
 if redis.call('GET', KEYS[3]) == ARGV[7] then trained = tonumber(ARGV[6]) end
 local seq = tonumber(redis.call('GET', KEYS[2]) or '0')
 if cap > 0 then
   local backlog = math.max(0, seq - trained)
-  if backlog + n > cap then return {-1, backlog, ''} end
+  if backlog + n > cap then return {-1, backlog, '', 0} end
 end
 redis.call('SET', KEYS[3], ARGV[4], 'NX')
 -- A failover can lose the newest entries (written after the master's last replication) once
@@ -268,8 +293,14 @@ if ARGV[5] == '' then
 else
   id = redis.call('XADD', KEYS[1], '*', 'seq', last - n + 1, 'n', n, 'p', ARGV[1], 's', ARGV[3], 'c', ARGV[5])
 end
-return {last, id, redis.call('GET', KEYS[3])}
-"""
+local logid = redis.call('GET', KEYS[3])
+if rid ~= '' then
+  redis.call('LPUSH', KEYS[4], rid .. '|' .. n .. '|' .. last .. '|' .. id .. '|' .. logid)
+  redis.call('LTRIM', KEYS[4], 0, REQUEST_IDS - 1)
+  redis.call('EXPIRE', KEYS[4], REQUEST_IDS_TTL_S)
+end
+return {last, id, logid, 0}
+""".replace("REQUEST_IDS_TTL_S", str(REQUEST_IDS_TTL_S)).replace("REQUEST_IDS", str(REQUEST_IDS))
 
 
 def new_log_id() -> str:

@@ -86,6 +86,35 @@ def test_learn_acknowledges_ids_after_the_write(client, redis_url):
     assert out["result"]["structuredContent"]["seqs"] == [3]
 
 
+@pytest.mark.parametrize("shape", ["one", "batch"])
+def test_a_learn_sent_again_with_its_request_id_is_logged_once(client, redis_url, shape):
+    """A client that lost learn's answer sends the call again with the same request_id: the
+    samples are in the log once, and the answer (ids, seqs, learned token) is the first's."""
+    one = {"input": "The capital of Zorbland is", "target": " Quixville."}
+    args = {**one, "request_id": "learn-1"} if shape == "one" else {"samples": [one, one], "request_id": "learn-1"}
+    n = 1 if shape == "one" else 2
+    first = learn(client, args)["result"]["structuredContent"]
+    assert "repeated" not in first and first["seqs"] == list(range(1, n + 1))
+    other = learn(client, {**one, "request_id": "learn-2"})["result"]["structuredContent"]
+    plain = learn(client, one)["result"]["structuredContent"]
+    again = learn(client, args)["result"]["structuredContent"]
+    assert again == {**first, "queued": False, "repeated": True}
+    assert _log_len(redis_url) == n + 2
+    assert other["seqs"] == [n + 1] and plain["seqs"] == [n + 2]
+    # the same id with other samples: refused, nothing logged
+    changed = {"samples": [one, one, one], "request_id": "learn-1"}
+    out = learn(client, changed)
+    assert out["error"]["code"] == -32602 and out["error"]["data"] == {"request_id": "learn-1"}, out
+    assert "a retry sends the same samples" in out["error"]["message"]
+    assert learn(client, {**one, "request_id": "not one"})["error"]["code"] == -32602
+    assert _log_len(redis_url) == n + 2
+    # kept under the principal's own key, newest first, expiring a day after its last learn with one
+    with sync_redis_open(redis_url) as r:
+        held = r.lrange(keys.sample_requests(_part(redis_url), "alice"), 0, -1)
+        assert [h.split(b"|")[0] for h in held] == [b"learn-2", b"learn-1"]
+        assert 0 < r.ttl(keys.sample_requests(_part(redis_url), "alice")) <= 86_400
+
+
 @pytest.mark.parametrize("args", [{"input": "q", "target": ""}, {"input": "q", "target": "x" * 2000},
                                   {"samples": [{"input": "q", "target": "a"}, {"input": 5, "target": "a"}]},
                                   {"input": "q", "target": "a", "context_id": "nope", "version": 3}])

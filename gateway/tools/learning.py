@@ -72,6 +72,8 @@ LEARN_OUTPUT_SCHEMA: dict[str, Any] = {
         "queued": {"type": "boolean", "description": "false: trainer queue full or absent (samples are durable)"},
         "learned": {"type": "string", "description": "pass as 'after_learn' to generate or score: they then wait "
                     "for (and are answered by) a model version that has finished training these samples"},
+        "repeated": {"type": "boolean", "description": "true: the request_id named an earlier learn, whose "
+                     "answer this is; nothing was logged"},
     },
     "required": ["ids", "seqs", "queued", "learned"],
 }
@@ -179,19 +181,26 @@ class SampleIngest:
 
     # -- write, then forward
     async def submit(self, principal: str, samples: list[Sample], *, admin: str | None = None,
-                     batch: bool = False) -> dict[str, Any]:
+                     batch: bool = False, request_id: str | None = None) -> dict[str, Any]:
         """Log ``samples`` as taught by ``principal`` (imported by the admin key named ``admin``)
         and wake the trainer. Raises :class:`LimitExceeded` (nothing written) while the
         log holds ``limits.max_sample_backlog`` samples the trainer has not trained.
-        ``batch``: they came as a list, and an error names the sample by its index."""
+        ``batch``: they came as a list, and an error names the sample by its index.
+        ``request_id``: one of the principal's last 8 (within a day) logs nothing and answers
+        that call again, with ``repeated``; the same id with another number of samples is -32602."""
         contexts = self._context_copy(await self.check_contexts(principal, samples, batch=batch))
         blobs = [s.to_json() for s in samples]
         part = partition_of(principal, self.partitions)
         trained_seq, trained_log = await self._trained(part)
         cap = self._partition_cap()
-        last, entry, log_id = await self._log(part, [principal, len(blobs), batch_json(blobs), new_log_id(), contexts,
-                                                     trained_seq, trained_log, cap])
+        last, entry, log_id, repeated = await self._log(
+            part, [principal, len(blobs), batch_json(blobs), new_log_id(), contexts, trained_seq, trained_log, cap],
+            (principal, request_id) if request_id else None)
         last = int(last)
+        if last == -2:
+            raise InvalidParams(f"request_id {request_id!r} was sent with {entry} sample(s), this call has "
+                                f"{len(blobs)}: a retry sends the same samples; new samples take a new request_id",
+                                {"request_id": request_id})
         if last < 0:
             m.SAMPLES_REJECTED.labels("backlog").inc()
             raise exceeded("sample_backlog", f"the trainer is behind: {entry} samples wait to be trained (at most "
@@ -199,11 +208,14 @@ class SampleIngest:
         entry = entry.decode() if isinstance(entry, bytes) else str(entry)
         ids = [sample_id(entry, i, part) for i in range(len(blobs))]
         seqs = list(range(last - len(ids) + 1, last + 1))
-        m.SAMPLES_ACCEPTED.inc(len(ids))
         log_id = as_str(log_id)
+        learned = learned_token(log_id, last, part)
+        if repeated:  # logged, audited and announced to the trainer by the call it repeats
+            return {"ids": ids, "seqs": seqs, "queued": False, "learned": learned, "repeated": True}
+        m.SAMPLES_ACCEPTED.inc(len(ids))
         await self._audit(principal, log_entry(entry, part), seqs, sum(len(b) for b in blobs), admin)
         queued = self._wake_trainer(log_id, last, len(ids), part)
-        return {"ids": ids, "seqs": seqs, "queued": queued, "learned": learned_token(log_id, last, part)}
+        return {"ids": ids, "seqs": seqs, "queued": queued, "learned": learned}
 
     def _partition_cap(self) -> int:
         """Each partition's share of ``limits.max_sample_backlog`` (0: off), never below one full
@@ -211,10 +223,14 @@ class SampleIngest:
         cap = self.cfg.limits.max_sample_backlog
         return max(-(-cap // self.partitions), self.cfg.trainer.max_learn_batch) if cap else 0
 
-    async def _log(self, part: int, args: list[Any]) -> Any:
+    async def _log(self, part: int, args: list[Any], request: tuple[str, str] | None = None) -> Any:
         """The append script's reply; with ``redis.wait_replicas`` the write is also confirmed by
-        that many replicas (WAIT on the same connection, in the same round trip) or refused."""
+        that many replicas (WAIT on the same connection, in the same round trip) or refused.
+        ``request``: (principal, request id) of a call that named one."""
         log_keys = [keys.sample_log(part), keys.sample_seq(part), keys.sample_log_id(part)]
+        if request is not None:
+            log_keys.append(keys.sample_requests(part, request[0]))
+            args = [*args, request[1]]
         if not self.cfg.redis.wait_replicas:
             return await self._append(keys=log_keys, args=args)
         try:
@@ -328,10 +344,15 @@ def register(registry: Registry) -> None:
     @announcing
     async def learn(ctx: ToolContext, args: dict[str, Any]) -> dict[str, Any]:
         ingest = ctx.state.samples
-        samples = ingest.parse(args or {})
+        args = dict(args or {})
+        request_id = args.pop("request_id", None)
+        samples = ingest.parse(args)
         refund = await ctx.state.limits.admit_learn(ctx.principal, samples)
         try:
-            return await ingest.submit(ctx.principal, samples, batch="samples" in (args or {}))
+            out = await ingest.submit(ctx.principal, samples, batch="samples" in args, request_id=request_id)
         except Exception:
             await refund()  # nothing was written: the quota is not spent
             raise
+        if out.get("repeated"):
+            await refund()  # the call it repeats spent it
+        return out
