@@ -330,3 +330,27 @@ def test_a_rank_whose_close_stalls_leaves_with_its_status_instead_of_holding_the
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.strip() == "closed"
         assert "leaves without it" not in proc.stderr
+
+
+def test_a_stop_signal_landing_inside_a_log_call_still_stops_a_starting_rank():
+    """The rank's signal handler raises StoppedWhileStarting wherever the rank is; one that lands
+    inside a log line (the rank logs as it joins its group) must leave the call, not be reported
+    by logging as a failed emit and dropped: the rank would go on into a group its peers left."""
+    import io
+    import logging
+
+    from services.trainer.main import StoppedWhileStarting
+
+    class SignalledWhileFormatting(logging.Formatter):
+        def format(self, record: logging.LogRecord) -> str:
+            raise StoppedWhileStarting
+
+    handler = logging.StreamHandler(io.StringIO())
+    handler.setFormatter(SignalledWhileFormatting())
+    logger = logging.getLogger("tests.a_starting_rank")
+    logger.addHandler(handler)
+    try:
+        with pytest.raises(StoppedWhileStarting):
+            logger.warning("rank %d/%d up", 1, 2)
+    finally:
+        logger.removeHandler(handler)

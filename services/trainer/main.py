@@ -69,7 +69,7 @@ def wait_for_redis(cfg: Config, max_delay_s: float = 5.0) -> bool:
                 redact_url(url_of(cfg.redis)))
 
     def on_term(signum: int, frame: FrameType | None) -> NoReturn:
-        raise _StoppedWhileStarting
+        raise StoppedWhileStarting
 
     previous = {sig: signal.signal(sig, on_term) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -80,7 +80,7 @@ def wait_for_redis(cfg: Config, max_delay_s: float = 5.0) -> bool:
                 log.info("Redis answers; starting the ranks")
                 return True
             delay = min(2 * delay, max_delay_s)
-    except _StoppedWhileStarting:
+    except StoppedWhileStarting:
         log.info("stopped while it waited for Redis")
         return False
     finally:
@@ -108,9 +108,12 @@ def configure_logging(who: str) -> None:
                         format=f"%(asctime)s trainer[{who}] %(levelname)s %(message)s")
 
 
-class _StoppedWhileStarting(Exception):
+class StoppedWhileStarting(BaseException):
     """SIGTERM or SIGINT before the rank's loop exists (a first start pre-trains the base model
-    for a minute or more): nothing is trained or checkpointed yet, so the start just ends."""
+    for a minute or more): nothing is trained or checkpointed yet, so the start just ends.
+    Raised by the signal handler wherever the rank is, so a BaseException, as KeyboardInterrupt
+    is: an ``except Exception`` on the way must not swallow it — logging's does, for a signal
+    that lands inside a log call, and the rank would go on into a group its peers have left."""
 
 
 def run_rank(cfg: Config, observers: Sequence[StepObserver] = ()) -> int:
@@ -123,7 +126,7 @@ def run_rank(cfg: Config, observers: Sequence[StepObserver] = ()) -> int:
         stop.set()  # once the loop runs, it stops at the next step boundary and checkpoints
         if starting[0]:
             starting[0] = False
-            raise _StoppedWhileStarting
+            raise StoppedWhileStarting
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
@@ -136,6 +139,8 @@ def run_rank(cfg: Config, observers: Sequence[StepObserver] = ()) -> int:
     code = 1
     try:
         code = _run(cfg, env, stop, starting, observers, holder)
+    except StoppedWhileStarting:  # the signal landed after _run's own handler, before the line below
+        code = 0
     finally:
         starting[0] = False  # from here a SIGTERM only sets stop: the close below is bounded
         close_within(close_limit_s(cfg), holder[0] if holder else None, env.rank, code)
@@ -165,7 +170,7 @@ def _run(cfg: Config, env: RankEnv, stop: threading.Event, starting: list[bool],
         trainer.run()
         log.info("rank %d stopped cleanly at step %d", env.rank, trainer.step)
         return 0
-    except _StoppedWhileStarting:
+    except StoppedWhileStarting:
         log.info("rank %d stopped before it started", env.rank)
         return 0
     except Exception as exc:
