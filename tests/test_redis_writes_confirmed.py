@@ -201,6 +201,48 @@ async def test_the_trainer_holds_a_commit_until_its_replica_confirms_it(master_a
         assert sorted(ledger.trained_ids(r)) == sorted(acked)
 
 
+async def test_a_write_its_replica_did_not_confirm_is_stored_once_when_sent_again(master_and_replica, tmp_path) -> None:
+    """The ambiguous failure a retry exists for: with `redis.wait_replicas: 1` and the replica
+    stopped, an append and a learn reach the master, yet are answered "not confirmed" (503).
+    The replica comes back and the client sends both calls again with their request ids: each
+    is answered as the first (repeated), confirmed, and stored once."""
+    url, replica = master_and_replica
+    cfg = trainer_config(url, tmp_path, free_port())
+    cfg = dataclasses.replace(cfg, redis=dataclasses.replace(cfg.redis, wait_replicas=1, wait_timeout_ms=200))
+    redis = async_client(cfg.redis)
+    store = ContextStore(redis, ContextConfig(), redis_cfg=cfg.redis)
+    ingest = SampleIngest(redis, cfg)
+    sample = Example(input="The capital of Zorbland is", target=" Quixville.")
+    try:
+        replica.send_signal(signal.SIGSTOP)
+        with pytest.raises(ReplicasBehind):
+            await store.append("alice", "c", "text", "user", b"pay the invoice", request_id="a-1")
+        with pytest.raises(ReplicasBehind):
+            await ingest.submit("alice", [sample], request_id="l-1")
+        replica.send_signal(signal.SIGCONT)
+        again = await wait_for(lambda: _when_confirmed(store.append(
+            "alice", "c", "text", "user", b"pay the invoice", request_id="a-1")), timeout_s=30,
+            what="the append confirmed")
+        assert (again.entry_id, again.version, again.repeated) == ("text:1", 1, True)
+        taught = await ingest.submit("alice", [sample], request_id="l-1")
+        assert taught["repeated"] is True and taught["seqs"] == [1]
+        assert [e.content for e in (await store.get_window("alice", "c")).channels["text"]] == [b"pay the invoice"]
+        assert await redis.xlen(keys.sample_log(partition_of("alice", ingest.partitions))) == 1
+    finally:
+        replica.send_signal(signal.SIGCONT)
+        ingest.close()
+        await store.aclose()
+        await redis.aclose()
+
+
+async def _when_confirmed(call):
+    """The call's answer, or None while its replica has not confirmed it."""
+    try:
+        return await call
+    except ReplicasBehind:
+        return None
+
+
 def test_a_trainer_commit_waits_for_its_replica(redis_target: RedisTarget) -> None:
     """The commit record with `redis.wait_replicas: 1`: WAIT on the connection that wrote it, on
     the master of the {trainer} slot; a lone server has no replica: refused with ReplicasBehind."""
