@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from shared.context.validation import REQUEST_ID_PATTERN
 from shared.text import as_str
 from shared.types import ContextWindow, Entry
 
@@ -146,7 +147,7 @@ class SampleBatch(msgspec.Struct, forbid_unknown_fields=True):
 
 
 REQUEST_ID_SCHEMA: dict[str, Any] = {
-    "type": "string", "pattern": "^[A-Za-z0-9._:-]{1,64}$",
+    "type": "string", "pattern": f"^{REQUEST_ID_PATTERN}$",
     "description": "makes a retry safe: a learn naming the request_id of one of your last 8 learn calls "
                    "that named one (within a day) logs nothing and answers that call's ids, seqs and learned "
                    "token (with repeated: true)"}

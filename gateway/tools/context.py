@@ -27,7 +27,7 @@ from gateway.errors import InvalidParams, NotFound
 from gateway.registry import Registry, ToolContext
 from shared.aio import spawn
 from shared.context import ContextError
-from shared.context.validation import is_context_id
+from shared.context.validation import REQUEST_ID_PATTERN, is_context_id
 from shared.media_check import MediaError, check_media_header
 from shared.types import ContextWindow, Entry
 
@@ -69,7 +69,7 @@ APPEND_INPUT: dict[str, Any] = {
         "links": {"type": "array", "items": {"type": "string", "pattern": "^[a-z][a-z0-9_-]{0,31}:[0-9]{1,15}$"},
                   "maxItems": 64,
                   "description": "ids of entries in other channels, e.g. 'image:3'"},
-        "request_id": {"type": "string", "pattern": "^[A-Za-z0-9._:-]{1,64}$",
+        "request_id": {"type": "string", "pattern": f"^{REQUEST_ID_PATTERN}$",
                        "description": "makes a retry safe: an append naming the request_id of one of this "
                                       "context's last 8 appends that named one appends nothing and answers "
                                       "that append's entry_id and version (with repeated: true)"},

@@ -20,7 +20,10 @@ _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 # NUL marks the principal in the scripts' command template (see scripts.py).
 _PRINCIPAL_BAD = re.compile(r"[{}|\x00\s]")
 _REASON_RE = re.compile(r"[a-z_]{1,32}")
-_REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,64}")  # a UUID fits; kept in the context's meta
+# A call's request id (context_append, learn): a UUID fits; kept in the context's meta or the
+# principal's list of learn ids, so short and without the '|' those records are split on.
+REQUEST_ID_PATTERN = "[A-Za-z0-9._:-]{1,64}"
+_REQUEST_ID_RE = re.compile(REQUEST_ID_PATTERN)
 _SEQ = re.compile(r"[0-9]{1,15}")  # a sequence number (exact as a Lua number, as the script reads it)
 
 
