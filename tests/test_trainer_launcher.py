@@ -354,3 +354,32 @@ def test_a_stop_signal_landing_inside_a_log_call_still_stops_a_starting_rank():
             logger.warning("rank %d/%d up", 1, 2)
     finally:
         logger.removeHandler(handler)
+
+
+@pytest.mark.parametrize("stopped", [True, False], ids=["told-to-stop", "not-told"])
+def test_a_starting_rank_whose_peers_left_on_a_stop_it_was_given_too_stops_cleanly(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, stopped: bool):
+    """The stop's raise can be dropped (a signal that lands in a finalizer: Python prints
+    "Exception ignored" and goes on), so the rank goes on joining its group and fails there,
+    because its peers stopped as told. With the stop set, that is the stop, not a failure; a
+    rank that was not told to stop still reports its failure."""
+    import logging
+    import threading
+
+    from services.trainer import main as trainer_main
+
+    def peers_left(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:56483")
+
+    monkeypatch.setattr(trainer_main, "init_distributed", lambda cfg, env: None)
+    monkeypatch.setattr(trainer_main, "build_trainer", peers_left)
+    stop = threading.Event()
+    if stopped:
+        stop.set()
+    env = RankEnv(rank=1, world=2, local_rank=1, local_world=2)
+    with caplog.at_level(logging.INFO, logger=trainer_main.log.name):
+        code = trainer_main._run(load_config(None), env, stop, [False], (), [])
+    assert code == (0 if stopped else 1)
+    logged = caplog.text
+    assert ("rank 1 stopped before it started" in logged) is stopped, logged
+    assert ("rank 1 failed" in logged) is not stopped, logged
