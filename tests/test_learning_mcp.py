@@ -159,6 +159,31 @@ def test_admin_bulk_import_needs_operator_and_stats_show_the_lag(client, redis_u
     assert stats["log_entries"] == 1 and stats["last_seq"] == 50 and stats["lag"] == 50
 
 
+def test_an_admin_import_sent_again_with_its_request_id_is_logged_once(client, redis_url):
+    """An operator's import whose answer was lost (a timeout, a 503 the replica did not
+    confirm) is sent again with its request id: the samples are logged once, and the retry is
+    answered as the first call was, in the principal's name."""
+    op = {"authorization": f"Bearer {OPERATOR}"}
+    body = {"principal": "alice", "request_id": "import-7f3a", "samples": [{"input": f"q{i}", "target": "a"} for i in range(3)]}
+    first = client.post("/admin/samples", json=body, headers=op)
+    assert first.status_code == 200 and "repeated" not in first.json(), first.text
+    again = client.post("/admin/samples", json=body, headers=op)
+    assert again.status_code == 200, again.text
+    assert again.json()["repeated"] is True and again.json()["queued"] is False
+    assert {k: again.json()[k] for k in ("ids", "seqs", "learned")} == {k: first.json()[k] for k in ("ids", "seqs", "learned")}
+    # the same id with other samples is refused and logs nothing; a bad id is refused up front
+    other = client.post("/admin/samples", json={**body, "samples": body["samples"][:1]}, headers=op)
+    assert other.status_code == 400 and "request_id" in other.text, other.text
+    for bad in ("", "a b", "x" * 65, 7):
+        r = client.post("/admin/samples", json={**body, "request_id": bad}, headers=op)
+        assert r.status_code == 400 and "request_id" in r.text, (bad, r.text)
+    # the ids are the principal's own: its learn naming that id is answered by the import
+    out = learn(client, {"samples": body["samples"], "request_id": "import-7f3a"})["result"]["structuredContent"]
+    assert out["repeated"] is True and out["ids"] == first.json()["ids"], out
+    stats = client.get("/admin/samples/stats", headers={"authorization": f"Bearer {VIEWER}"}).json()
+    assert stats["log_entries"] == 1 and stats["last_seq"] == 3, stats
+
+
 def call_tool(c: TestClient, name: str, args: dict) -> dict:
     params = {"name": name, "arguments": args,
               "_meta": {"io.modelcontextprotocol/protocolVersion": MODERN,

@@ -41,8 +41,12 @@ def check_id(context_id: str) -> None:
         raise ContextError("context id must be 1-128 characters of [A-Za-z0-9._:-], starting alphanumeric")
 
 
+def is_request_id(request_id: object) -> bool:
+    return isinstance(request_id, str) and _REQUEST_ID_RE.fullmatch(request_id) is not None
+
+
 def check_request_id(request_id: str) -> None:
-    if not isinstance(request_id, str) or not _REQUEST_ID_RE.fullmatch(request_id):
+    if not is_request_id(request_id):
         raise ContextError("request id must be 1-64 characters of [A-Za-z0-9._:-] (a UUID fits)")
 
 
