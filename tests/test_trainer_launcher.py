@@ -383,3 +383,30 @@ def test_a_starting_rank_whose_peers_left_on_a_stop_it_was_given_too_stops_clean
     logged = caplog.text
     assert ("rank 1 stopped before it started" in logged) is stopped, logged
     assert ("rank 1 failed" in logged) is not stopped, logged
+
+
+def test_a_stop_whose_raise_is_dropped_still_ends_the_wait_for_redis(monkeypatch: pytest.MonkeyPatch):
+    """A stop signal that lands in a finalizer has its raise dropped ("Exception ignored");
+    the wait for Redis must still end as a stop at its next turn, not wait on until Redis
+    answers and then start ranks nobody wants."""
+    import contextlib
+    import signal
+
+    from services.trainer import main as trainer_main
+
+    asked = [0]
+
+    def check_access(*args: object, **kwargs: object) -> bool:
+        asked[0] += 1
+        if asked[0] == 2:  # the signal arrives while a finalizer runs: its exception goes nowhere
+            handler = signal.getsignal(signal.SIGTERM)
+            assert callable(handler)
+            with contextlib.suppress(BaseException):  # what Python does with an exception in __del__
+                handler(signal.SIGTERM, None)
+        return asked[0] >= 4  # Redis answers later: a wait that missed the stop would start
+
+    monkeypatch.setattr(trainer_main, "check_access", check_access)
+    before = signal.getsignal(signal.SIGTERM)
+    assert trainer_main.wait_for_redis(load_config(None), max_delay_s=0.1) is False
+    assert asked[0] == 2, "the wait ended at its next turn"
+    assert signal.getsignal(signal.SIGTERM) is before

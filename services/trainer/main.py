@@ -68,7 +68,10 @@ def wait_for_redis(cfg: Config, max_delay_s: float = 5.0) -> bool:
     log.warning("Redis at %s does not answer; the trainer waits for it before it starts its ranks",
                 redact_url(url_of(cfg.redis)))
 
+    told = [False]  # a flag, not an Event: a handler must not take a lock its own thread may hold
+
     def on_term(signum: int, frame: FrameType | None) -> NoReturn:
+        told[0] = True  # the raise is dropped where the signal lands in a finalizer; the loop sees this
         raise StoppedWhileStarting
 
     previous = {sig: signal.signal(sig, on_term) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -76,6 +79,8 @@ def wait_for_redis(cfg: Config, max_delay_s: float = 5.0) -> bool:
         delay = 0.5
         while True:
             time.sleep(delay)
+            if told[0]:
+                raise StoppedWhileStarting
             if check_access(cfg.redis, timeout_s=2.0):
                 log.info("Redis answers; starting the ranks")
                 return True
