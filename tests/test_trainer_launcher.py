@@ -111,9 +111,12 @@ def test_a_stop_signal_that_torchrun_turns_into_another_error_is_still_a_clean_s
 
     cfg = load_config(env={}, overrides={"trainer": {"ranks": 1, "backend": "gloo"}})
     previous = signal.getsignal(signal.SIGTERM)
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
     monkeypatch.setattr(launcher, "elastic_launch", agent)
     assert launcher._run(cfg, ["-c", "pass"]) == 0
     assert signal.getsignal(signal.SIGTERM) is previous  # the stop handler is removed again
+    # torch's switch is the launch's own: a torchrun started later in this process shares its store
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ
     monkeypatch.setattr(launcher, "elastic_launch", failing_agent)
     with pytest.raises(UnboundLocalError, match="not a stop"):  # without a stop signal it is an error
         launcher._run(cfg, ["-c", "pass"])
@@ -258,10 +261,12 @@ def test_under_plain_torchrun_a_rank_that_cannot_start_hands_torchrun_its_reason
 
 
 def test_under_plain_torchrun_a_rank_started_before_its_redis_waits_for_it(tmp_path: Path):
-    """A trainer pod starts its ranks with torchrun before the Redis it needs may answer: each
-    rank waits for it, saying so once, and starts once Redis
+    """A trainer pod starts its ranks with torchrun before the Redis it needs may answer: rank 0
+    waits for it, saying so once, the other ranks wait for rank 0 without the group init's
+    limit (Redis is away here for longer than trainer.init_timeout_s), and all start once Redis
     answers, with no failure and no restart spent."""
     import signal
+    import time
 
     import yaml
     from trainer_support import trainer_config
@@ -269,27 +274,35 @@ def test_under_plain_torchrun_a_rank_started_before_its_redis_waits_for_it(tmp_p
     from shared.redis_embed import start_redis
 
     port = free_port()
-    cfg = trainer_config(f"redis://127.0.0.1:{port}/0", tmp_path, free_port())
+    init_timeout_s = 3
+    cfg = trainer_config(f"redis://127.0.0.1:{port}/0", tmp_path, free_port(), init_timeout_s=init_timeout_s,
+                         ranks=2)
     path = tmp_path / "rank.yaml"
     path.write_text(yaml.safe_dump(cfg.to_dict()))
     log = tmp_path / "torchrun.log"
     with open(log, "w") as out:
         run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                                "1", "--max-restarts", "1", "--monitor-interval", "0.2",
+                                "2", "--max-restarts", "1", "--monitor-interval", "0.2",
                                 "-m", "services.cli", "--config", str(path), "trainer", "--as-rank"],
                                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     server = None
     try:
-        wait_for_sync(lambda: "the trainer waits for it before it starts its ranks" in log.read_text()
-                      or run.poll() is not None, timeout_s=120, what="the rank to wait for Redis")
+        for line in ("the trainer waits for it before it starts its ranks", "rank 1 waits for rank 0"):
+            wait_for_sync(lambda line=line: line in log.read_text() or run.poll() is not None, timeout_s=120,
+                          what=f"the log to say {line!r}")
+            assert run.poll() is None, log.read_text()
+        waiting_since = time.monotonic()
+        # Redis stays away past the group init's limit: what a rank waiting inside the init hits
+        wait_for_sync(lambda: time.monotonic() - waiting_since > init_timeout_s + 2 or run.poll() is not None,
+                      timeout_s=60, what="the group init's limit to pass")
         assert run.poll() is None, log.read_text()
         _, server = start_redis(tmp_path / "redis", port)
-        wait_for_sync(lambda: "rank 0/1 up" in log.read_text() or run.poll() is not None, timeout_s=120,
-                      what="the rank to start once Redis answers")
+        wait_for_sync(lambda: ("rank 0/2 up" in log.read_text() and "rank 1/2 up" in log.read_text())
+                      or run.poll() is not None, timeout_s=120, what="the ranks to start once Redis answers")
         assert run.poll() is None, log.read_text()
         text = log.read_text()
         assert "Redis answers; starting the ranks" in text, text
-        assert "failed" not in text and "restarted" not in text, text
+        assert "failed" not in text and "restarted" not in text and "Traceback" not in text, text
     finally:
         if run.poll() is None:
             os.killpg(run.pid, signal.SIGKILL)

@@ -160,8 +160,34 @@ def start_store(env: RankEnv, timeout: timedelta) -> dist.Store | None:
     return dist.PrefixStore(f"learnmesh/start-{env.restarts}", agent)
 
 
-def init_distributed(cfg: Config, env: RankEnv) -> RankGroup:
-    """Initialise the process group."""
+LEADER_READY = "leader-ready"
+
+
+def leader_ready(store: dist.Store | None) -> None:
+    """Rank 0 found Redis answering: the other ranks may join the group (:func:`await_leader`)."""
+    if store is not None:
+        store.set(LEADER_READY, "1")
+
+
+def await_leader(store: dist.Store | None, rank: int, turn_s: float = 0.5) -> None:
+    """A rank other than 0 waits here, without a limit, while rank 0 waits for Redis before it
+    joins: inside the group's init the wait would end after ``trainer.init_timeout_s`` and
+    torchrun would spend a restart on a Redis that is merely late. Only with the torchrun
+    agent's store (its default); without it the init's own wait applies. Polled, not a
+    blocking store wait: a stop signal is handled in the sleep, and a wait that times out has
+    the store log a warning each time."""
+    if store is None:
+        return
+    said = False
+    while not store.check([LEADER_READY]):
+        if not said:
+            log.info("rank %d waits for rank 0, which waits for Redis, before it joins the group", rank)
+            said = True
+        time.sleep(turn_s)
+
+
+def init_distributed(cfg: Config, env: RankEnv, store: dist.Store | None = None) -> RankGroup:
+    """Initialise the process group; ``store``: the one :func:`start_store` gave, else made here."""
     backend = choose_backend(cfg)
     if backend == "nccl":
         device = torch.device("cuda", gpu_index(env.local_rank, env.local_world, torch.cuda.device_count()))
@@ -170,7 +196,7 @@ def init_distributed(cfg: Config, env: RankEnv) -> RankGroup:
         device = torch.device("cpu")
         torch.set_num_threads(cpu_threads(cfg.trainer.torch_threads, env.local_world))
     timeout = timedelta(seconds=cfg.trainer.init_timeout_s)
-    dist.init_process_group(backend, store=start_store(env, timeout), rank=env.rank, world_size=env.world,
+    dist.init_process_group(backend, store=store or start_store(env, timeout), rank=env.rank, world_size=env.world,
                             timeout=timeout, device_id=device if backend == "nccl" else None)
     ctrl = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.trainer.init_timeout_s)) \
         if backend == "nccl" else None

@@ -126,6 +126,8 @@ def _unfixable(failures: dict[int, Any]) -> int | None:
 
 
 def _run(cfg: Config, argv: Sequence[str]) -> int:
+    # for this launch only: a process that goes on to run torchrun itself gets torch's default
+    shared_store = os.environ.get(_FRESH_STORE_PER_START)
     os.environ[_FRESH_STORE_PER_START] = "1"
     torch_launcher.LocalElasticAgent = _Agent  # type: ignore[misc]
     stop = _StopRequest()
@@ -154,6 +156,10 @@ def _run(cfg: Config, argv: Sequence[str]) -> int:
         return stop.outcome(cfg.trainer.step_timeout_s)
     finally:
         stop.restore()
+        if shared_store is None:
+            os.environ.pop(_FRESH_STORE_PER_START, None)
+        else:
+            os.environ[_FRESH_STORE_PER_START] = shared_store
 
 
 class _StopRequest:

@@ -15,6 +15,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from types import FrameType
 from typing import Any, NoReturn, cast
 
@@ -23,7 +24,17 @@ from redis import Redis
 
 from services.trainer import checkpoint
 from services.trainer.data import ContextReader, SampleSource
-from services.trainer.dist import RankEnv, RankGroup, init_distributed, leave, teardown, tell_torchrun
+from services.trainer.dist import (
+    RankEnv,
+    RankGroup,
+    await_leader,
+    init_distributed,
+    leader_ready,
+    leave,
+    start_store,
+    teardown,
+    tell_torchrun,
+)
 from services.trainer.leader import Leader
 from services.trainer.ledger import Ledger, Offset, Position
 from services.trainer.loop import StepObserver, Trainer
@@ -157,12 +168,16 @@ def _run(cfg: Config, env: RankEnv, stop: threading.Event, starting: list[bool],
     try:
         try:
             # Under plain torchrun (a Kubernetes pod) nothing waited for Redis before the ranks
-            # started. Only rank 0 uses Redis; the others wait for it in the rendezvous.
+            # started. Only rank 0 uses Redis; the others wait for it before they join.
+            store = start_store(env, timedelta(seconds=cfg.trainer.init_timeout_s))
             if env.rank == 0:
                 preflight(cfg)
                 if not wait_for_redis(cfg):
                     return 0
-            trainer = build_trainer(cfg, init_distributed(cfg, env), stop.is_set, observers)
+                leader_ready(store)
+            else:
+                await_leader(store, env.rank)
+            trainer = build_trainer(cfg, init_distributed(cfg, env, store), stop.is_set, observers)
             holder.append(trainer)
             starting[0] = False
         except (ConfigError, checkpoint.CheckpointError) as exc:  # settings, keys, checkpoints to mend
