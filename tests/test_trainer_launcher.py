@@ -423,3 +423,37 @@ def test_a_stop_whose_raise_is_dropped_still_ends_the_wait_for_redis(monkeypatch
     assert trainer_main.wait_for_redis(load_config(None), max_delay_s=0.1) is False
     assert asked[0] == 2, "the wait ended at its next turn"
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_rank_waits_for_rank_0_while_it_beats_and_gives_up_once_it_stops():
+    """Under plain torchrun the ranks other than 0 wait, in the agent's real store, for rank 0
+    while it waits for Redis: past their limit as long as rank 0 beats, and no longer once it
+    stops beating (a rank 0 that died, or restarted apart from them, never joins)."""
+    import threading
+    import time
+
+    from services.trainer.dist import LEADER_READY, LeaderBeat, await_leader
+
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10), wait_for_workers=False)
+    leader = dist.TCPStore("127.0.0.1", server.port, None, False, timedelta(seconds=10))
+    other = dist.TCPStore("127.0.0.1", server.port, None, False, timedelta(seconds=10))
+    beat = LeaderBeat(dist.PrefixStore("learnmesh/start-0", leader))
+
+    def waits_then_joins() -> None:
+        end = time.monotonic() + 1.5  # three times the other rank's limit
+        while time.monotonic() < end:
+            beat()
+            time.sleep(0.1)
+        leader.set(f"learnmesh/start-0/{LEADER_READY}", "1")
+
+    rank0 = threading.Thread(target=waits_then_joins)
+    rank0.start()
+    started = time.monotonic()
+    await_leader(dist.PrefixStore("learnmesh/start-0", other), 1, limit_s=0.5, turn_s=0.05)
+    assert time.monotonic() - started > 1.0, "it waited past its limit while rank 0 beat"
+    rank0.join()
+    assert beat.turns > 5
+    # the next start's keys: rank 0 beat there once and then died
+    LeaderBeat(dist.PrefixStore("learnmesh/start-1", leader))()
+    with pytest.raises(TimeoutError, match="rank 0 neither joined nor said it waits for Redis"):
+        await_leader(dist.PrefixStore("learnmesh/start-1", other), 1, limit_s=0.5, turn_s=0.05)

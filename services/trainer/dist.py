@@ -161,6 +161,7 @@ def start_store(env: RankEnv, timeout: timedelta) -> dist.Store | None:
 
 
 LEADER_READY = "leader-ready"
+LEADER_WAITS = "leader-waits"
 
 
 def leader_ready(store: dist.Store | None) -> None:
@@ -169,20 +170,40 @@ def leader_ready(store: dist.Store | None) -> None:
         store.set(LEADER_READY, "1")
 
 
-def await_leader(store: dist.Store | None, rank: int, turn_s: float = 0.5) -> None:
-    """A rank other than 0 waits here, without a limit, while rank 0 waits for Redis before it
-    joins: inside the group's init the wait would end after ``trainer.init_timeout_s`` and
-    torchrun would spend a restart on a Redis that is merely late. Only with the torchrun
-    agent's store (its default); without it the init's own wait applies. Polled, not a
-    blocking store wait: a stop signal is handled in the sleep, and a wait that times out has
-    the store log a warning each time."""
+class LeaderBeat:
+    """Rank 0's sign, at each turn of its wait for Redis, that it is alive and waiting."""
+
+    def __init__(self, store: dist.Store | None) -> None:
+        self.store, self.turns = store, 0
+
+    def __call__(self) -> None:
+        if self.store is not None:
+            self.turns += 1
+            self.store.set(LEADER_WAITS, str(self.turns))
+
+
+def await_leader(store: dist.Store | None, rank: int, limit_s: float, turn_s: float = 0.5) -> None:
+    """A rank other than 0 waits here while rank 0 waits for Redis before it joins: inside the
+    group's init the wait would end after ``trainer.init_timeout_s`` and torchrun would spend a
+    restart on a Redis that is merely late. It waits as long as rank 0 beats (:class:`LeaderBeat`),
+    and gives up (TimeoutError: a failed start, which torchrun restarts) after ``limit_s``
+    without a beat: a rank 0 that died, or restarted apart from this rank, never joins here.
+    Only with the torchrun agent's store (its default); without it the init's own wait applies.
+    Polled, not a blocking store wait: a stop signal is handled in the sleep, and a store wait
+    that times out logs a warning each time."""
     if store is None:
         return
-    said = False
+    said, beat, beat_at = False, b"", time.monotonic()
     while not store.check([LEADER_READY]):
-        if not said:
-            log.info("rank %d waits for rank 0, which waits for Redis, before it joins the group", rank)
-            said = True
+        now = time.monotonic()
+        seen = store.get(LEADER_WAITS) if store.check([LEADER_WAITS]) else b""
+        if seen != beat:
+            beat, beat_at = seen, now
+            if not said:
+                log.info("rank %d waits for rank 0, which waits for Redis, before it joins the group", rank)
+                said = True
+        elif now - beat_at > limit_s:
+            raise TimeoutError(f"rank 0 neither joined nor said it waits for Redis within {limit_s:.0f} s")
         time.sleep(turn_s)
 
 

@@ -25,6 +25,7 @@ from redis import Redis
 from services.trainer import checkpoint
 from services.trainer.data import ContextReader, SampleSource
 from services.trainer.dist import (
+    LeaderBeat,
     RankEnv,
     RankGroup,
     await_leader,
@@ -69,11 +70,15 @@ def main(cfg: Config, args: argparse.Namespace) -> int:
     leave(launch(cfg, ready=lambda: wait_for_redis(cfg)))
 
 
-def wait_for_redis(cfg: Config, max_delay_s: float = 5.0) -> bool:
+REDIS_WAIT_TURN_S = 5.0  # the longest pause between two asks of a Redis that does not answer
+
+
+def wait_for_redis(cfg: Config, max_delay_s: float = REDIS_WAIT_TURN_S, beat: Callable[[], None] = lambda: None) -> bool:
     """A trainer started before its Redis answers (compose, a Kubernetes pod, `learnmesh up`
     beside a server still starting) waits for it here, saying so once, rather than starting
     ranks that fail at their first read of the sample log and spend torchrun's restarts on it.
-    False when SIGTERM or SIGINT came first. Credentials Redis refuses raise ConfigError."""
+    False when SIGTERM or SIGINT came first. Credentials Redis refuses raise ConfigError.
+    ``beat`` is called at each turn of the wait (rank 0 tells the other ranks it is alive)."""
     if check_access(cfg.redis, timeout_s=2.0):
         return True
     log.warning("Redis at %s does not answer; the trainer waits for it before it starts its ranks",
@@ -89,6 +94,7 @@ def wait_for_redis(cfg: Config, max_delay_s: float = 5.0) -> bool:
     try:
         delay = 0.5
         while True:
+            beat()
             time.sleep(delay)
             if told[0]:
                 raise StoppedWhileStarting
@@ -172,11 +178,11 @@ def _run(cfg: Config, env: RankEnv, stop: threading.Event, starting: list[bool],
             store = start_store(env, timedelta(seconds=cfg.trainer.init_timeout_s))
             if env.rank == 0:
                 preflight(cfg)
-                if not wait_for_redis(cfg):
+                if not wait_for_redis(cfg, beat=LeaderBeat(store)):
                     return 0
                 leader_ready(store)
-            else:
-                await_leader(store, env.rank)
+            else:  # rank 0 beats at least every max_delay_s + check_access's 2 s
+                await_leader(store, env.rank, limit_s=cfg.trainer.init_timeout_s + REDIS_WAIT_TURN_S + 2)
             trainer = build_trainer(cfg, init_distributed(cfg, env, store), stop.is_set, observers)
             holder.append(trainer)
             starting[0] = False
