@@ -235,6 +235,48 @@ def test_a_group_that_ran_healthy_gets_its_restarts_back(monkeypatch: pytest.Mon
     assert starts.read_text() == "4"
 
 
+_WAITS_FOR_A_STOP = """
+import pathlib, signal, sys, time
+marks = pathlib.Path(sys.argv[1])
+def stopped(*_):
+    (marks / "stopped").write_text("1")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stopped)
+(marks / "started").write_text("1")
+time.sleep(30)  # a rank that is never told to stop runs to here and leaves no mark
+"""
+
+
+def test_a_stop_whose_raise_the_launcher_dropped_still_stops_the_ranks(tmp_path: Path):
+    """The launcher's stop handler raises into torchrun's agent wherever it is; a raise that is
+    dropped (the signal landing in a finalizer, which Python reports and goes on from) left the
+    agent monitoring ranks that were never told to stop. Here the handler is called as a
+    finalizer would call it, its exception swallowed: the ranks must still get the stop."""
+    import contextlib
+    import signal
+    import threading
+
+    from services.trainer import launcher
+
+    cfg = load_config(env={}, overrides={"trainer": {"ranks": 1, "backend": "gloo",
+                                                     "checkpoint_dir": str(tmp_path / "ckpt")}})
+
+    def stop_dropped() -> None:
+        wait_for_sync(lambda: (tmp_path / "started").exists(), timeout_s=60, what="the rank to start")
+        handler = signal.getsignal(signal.SIGTERM)
+        assert callable(handler)
+        with contextlib.suppress(BaseException):  # what Python does with an exception in __del__
+            handler(signal.SIGTERM, None)
+
+    stopper = threading.Thread(target=stop_dropped)
+    stopper.start()
+    try:
+        assert launcher.launch(cfg, lambda _path: ["-c", _WAITS_FOR_A_STOP, str(tmp_path)]) == 0
+    finally:
+        stopper.join()
+    assert (tmp_path / "stopped").exists(), "the rank was told to stop"
+
+
 def test_under_plain_torchrun_a_rank_that_cannot_start_hands_torchrun_its_reason(redis_url: str, tmp_path: Path):
     """Plain torchrun (across machines, docs/trainer.md) restarts the group for any failure, exit
     2 too, and has no setting against it: each start fails the same way until --max-restarts is

@@ -102,8 +102,11 @@ class _Agent(LocalElasticAgent):
     for ``HEALTHY_RUN_S``. (torchrun has neither setting; its launch builds the agent by this name.)"""
 
     _healthy_since: float | None = None
+    stop_request: _StopRequest | None = None  # this launch's: _StopRequest.raise_if_dropped
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        if self.stop_request is not None:
+            self.stop_request.raise_if_dropped()
         result = super()._monitor_workers(worker_group)
         if result.state == WorkerState.FAILED and _unfixable(result.failures) is not None:
             self._remaining_restarts = 0
@@ -130,7 +133,7 @@ def _run(cfg: Config, argv: Sequence[str]) -> int:
     shared_store = os.environ.get(_FRESH_STORE_PER_START)
     os.environ[_FRESH_STORE_PER_START] = "1"
     torch_launcher.LocalElasticAgent = _Agent  # type: ignore[misc]
-    stop = _StopRequest()
+    stop = _Agent.stop_request = _StopRequest()
     try:
         elastic_launch(launch_config(cfg), sys.executable)(*argv)
         return 0
@@ -156,6 +159,7 @@ def _run(cfg: Config, argv: Sequence[str]) -> int:
         return stop.outcome(cfg.trainer.step_timeout_s)
     finally:
         stop.restore()
+        _Agent.stop_request = None
         if shared_store is None:
             os.environ.pop(_FRESH_STORE_PER_START, None)
         else:
@@ -169,13 +173,25 @@ class _StopRequest:
 
     def __init__(self) -> None:
         self.at: float | None = None
+        self.signum = signal.SIGTERM
         self._previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self.at is not None:  # already stopping
             return
-        self.at = time.monotonic()
-        raise SignalException(f"process {os.getpid()} got signal {signum}", sigval=signal.Signals(signum))
+        self.at, self.signum = time.monotonic(), signal.Signals(signum)
+        raise self._exception()
+
+    def _exception(self) -> SignalException:
+        return SignalException(f"process {os.getpid()} got signal {self.signum}", sigval=self.signum)
+
+    def raise_if_dropped(self) -> None:
+        """Raised where the agent checks its ranks: a stop asked for while the agent still
+        monitors them lost its raise (a signal that lands in a finalizer: Python reports
+        "Exception ignored" and goes on), and the ranks would run on, never told to stop.
+        Once the agent has the exception it shuts down and monitors no more."""
+        if self.at is not None:
+            raise self._exception()
 
     def outcome(self, grace_s: float) -> int:
         """0 when the ranks stopped by themselves within ``grace_s``, else 1 (torchrun killed them)."""
