@@ -217,7 +217,7 @@ def init_distributed(cfg: Config, env: RankEnv, store: dist.Store | None = None)
         device = torch.device("cpu")
         torch.set_num_threads(cpu_threads(cfg.trainer.torch_threads, env.local_world))
     timeout = timedelta(seconds=cfg.trainer.init_timeout_s)
-    dist.init_process_group(backend, store=store or start_store(env, timeout), rank=env.rank, world_size=env.world,
+    dist.init_process_group(backend, store=store if store is not None else start_store(env, timeout), rank=env.rank, world_size=env.world,
                             timeout=timeout, device_id=device if backend == "nccl" else None)
     ctrl = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.trainer.init_timeout_s)) \
         if backend == "nccl" else None

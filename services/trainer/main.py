@@ -71,6 +71,7 @@ def main(cfg: Config, args: argparse.Namespace) -> int:
 
 
 REDIS_WAIT_TURN_S = 5.0  # the longest pause between two asks of a Redis that does not answer
+REDIS_ASK_S = 2.0  # how long one ask may take
 
 
 def wait_for_redis(cfg: Config, max_delay_s: float = REDIS_WAIT_TURN_S, beat: Callable[[], None] = lambda: None) -> bool:
@@ -79,7 +80,7 @@ def wait_for_redis(cfg: Config, max_delay_s: float = REDIS_WAIT_TURN_S, beat: Ca
     ranks that fail at their first read of the sample log and spend torchrun's restarts on it.
     False when SIGTERM or SIGINT came first. Credentials Redis refuses raise ConfigError.
     ``beat`` is called at each turn of the wait (rank 0 tells the other ranks it is alive)."""
-    if check_access(cfg.redis, timeout_s=2.0):
+    if check_access(cfg.redis, timeout_s=REDIS_ASK_S):
         return True
     log.warning("Redis at %s does not answer; the trainer waits for it before it starts its ranks",
                 redact_url(url_of(cfg.redis)))
@@ -98,7 +99,7 @@ def wait_for_redis(cfg: Config, max_delay_s: float = REDIS_WAIT_TURN_S, beat: Ca
             time.sleep(delay)
             if told[0]:
                 raise StoppedWhileStarting
-            if check_access(cfg.redis, timeout_s=2.0):
+            if check_access(cfg.redis, timeout_s=REDIS_ASK_S):
                 log.info("Redis answers; starting the ranks")
                 return True
             delay = min(2 * delay, max_delay_s)
@@ -181,8 +182,8 @@ def _run(cfg: Config, env: RankEnv, stop: threading.Event, starting: list[bool],
                 if not wait_for_redis(cfg, beat=LeaderBeat(store)):
                     return 0
                 leader_ready(store)
-            else:  # rank 0 beats at least every max_delay_s + check_access's 2 s
-                await_leader(store, env.rank, limit_s=cfg.trainer.init_timeout_s + REDIS_WAIT_TURN_S + 2)
+            else:  # rank 0 beats at least once per turn of its wait
+                await_leader(store, env.rank, limit_s=cfg.trainer.init_timeout_s + REDIS_WAIT_TURN_S + REDIS_ASK_S)
             trainer = build_trainer(cfg, init_distributed(cfg, env, store), stop.is_set, observers)
             holder.append(trainer)
             starting[0] = False
