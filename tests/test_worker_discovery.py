@@ -102,7 +102,8 @@ async def test_a_worker_started_under_traffic_joins_and_a_killed_one_leaves(tmp_
     path, cfg = write_config(tmp_path, 0, worker=DISCOVERY, redis_url=redis_target.url)
     build_model(cfg.model)  # warm the shared weight cache before the workers start
     endpoints = [f"tcp://127.0.0.1:{free_port()}" for _ in range(3)]
-    procs = [spawn_worker(path, i, endpoints[i]) for i in range(2)]
+    logs = [open(tmp_path / f"worker-{i}.log", "wb") for i in range(3)]  # noqa: SIM115 - closed below
+    procs = [spawn_worker(path, i, endpoints[i], logs[i]) for i in range(2)]
     redis = redis_target.async_client()
     pool = WorkerPool(cfg, redis=redis)
     assert pool.links == []  # nothing configured: every worker comes from its announcement
@@ -113,7 +114,7 @@ async def test_a_worker_started_under_traffic_joins_and_a_killed_one_leaves(tmp_
         traffic = Traffic(pool)
         await wait_for(lambda: len(traffic.served) >= 8, timeout_s=60, what="traffic on the first two workers")
 
-        procs.append(spawn_worker(path, 2, endpoints[2]))
+        procs.append(spawn_worker(path, 2, endpoints[2], logs[2]))
         await wait_for(lambda: "worker-2" in traffic.served, timeout_s=90, what="the third worker to take requests")
         [third] = [w for w in pool.status() if w["endpoint"] == endpoints[2]]
         assert third["source"] == "discovered" and third["id"] == "worker-2" and third["capacity"] == 4
@@ -136,6 +137,8 @@ async def test_a_worker_started_under_traffic_joins_and_a_killed_one_leaves(tmp_
         assert (await pool.request(gen(0)))["worker"] == "worker-2"
     finally:
         await _wind_down(pool, redis, procs, traffic)
+        for log in logs:
+            log.close()
 
 
 async def test_a_worker_stopped_under_traffic_loses_no_request(tmp_path, redis_target: RedisTarget, caplog):

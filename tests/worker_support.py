@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import yaml
 
@@ -44,14 +44,17 @@ def write_config(tmp_path: Path, n_workers: int = 1, *, worker: dict[str, Any] |
     return path, load_config(path, env={})
 
 
-def spawn_worker(config_path: Path, index: int, endpoint: str | None = None) -> subprocess.Popen:
-    """``learnmesh worker --index index`` (binding ``endpoint`` instead of worker.endpoints[index])."""
+def spawn_worker(config_path: Path, index: int, endpoint: str | None = None, log: IO[bytes] | None = None
+                 ) -> subprocess.Popen:
+    """``learnmesh worker --index index`` (binding ``endpoint`` instead of worker.endpoints[index]).
+    Its stderr is a pipe for the caller to read, or the open file ``log`` where nothing reads
+    it: a pipe nobody reads fills up and blocks the worker at its next log line."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("LEARNMESH_")}
     env["OMP_NUM_THREADS"] = "1"
     bind = ["--endpoint", endpoint] if endpoint else []
     return subprocess.Popen([sys.executable, "-m", "services.cli", "--config", str(config_path), "worker",
                              "--index", str(index), *bind], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            stdout=subprocess.DEVNULL, stderr=log or subprocess.PIPE)
 
 
 def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
